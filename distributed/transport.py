@@ -1,0 +1,283 @@
+"""The per-step hot path between the driver and the workers: ZeroMQ, msgpack, no Ray.
+
+Hot path: `PlanPublisher.publish`, `PlanSubscriber.recv`, `ResultPusher.push`,
+`ResultCollector.recv`. What may live here: sockets, the ready handshake, the step-number check.
+
+    driver                                    every worker (dp, tp)
+    PUB   plan    ── StepPlan / Hello ──▶     SUB   (checks steps are contiguous from 0)
+    PULL  ready   ◀──────── Ready ───────     PUSH  (handshake only)
+    PULL  result  ◀────── StepResult ────     PUSH  (TP rank 0 of each DP rank)
+
+ZeroMQ PUB drops what it sends before a subscriber's connection is up ("slow joiner"). So before
+step 0 the driver publishes `Hello` probes until every expected worker has answered `Ready` over
+the ready channel; only then is a plan published. PUB/SUB high-water marks are unlimited, so a
+slow worker delays, never loses, a plan.
+
+Every wait has a timeout; a `TransportTimeout` names the rank (or "driver") and the phase.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import zmq
+
+from .messages import Hello, Ready, StepPlan, StepResult, decode, encode
+from .net_utils import get_free_port, get_host_ip, ipc_address, make_ipc_dir, new_instance_id, tcp_address
+
+logger = logging.getLogger(__name__)
+
+_HELLO_PERIOD_S = 0.01  # how often the driver re-publishes the probe during the handshake
+_LINGER_MS = 100  # what close() waits for unsent messages
+
+
+class TransportError(RuntimeError):
+    """A protocol violation on the step channel (wrong step, wrong message type)."""
+
+
+class TransportTimeout(TimeoutError):
+    """A wait on the step channel ran out; the message names the rank and the phase."""
+
+
+class StepGapError(TransportError):
+    """A worker got a plan whose step number is not the next one: a plan was lost or duplicated."""
+
+
+@dataclass(frozen=True)
+class TransportAddresses:
+    """Where one engine instance's sockets live; plain strings, safe to hand to any process."""
+
+    plan: str  # driver PUB / worker SUB
+    ready: str  # worker PUSH / driver PULL (handshake)
+    result: str  # worker PUSH / driver PULL
+    instance: str
+    ipc_dir: str = ""  # "" for tcp://; the driver removes it on cleanup()
+
+    @classmethod
+    def make(cls, local: bool, host_ip: str = "", instance: str = "") -> "TransportAddresses":
+        """ipc:// in a private temp dir when every rank is on this node, else tcp:// on its IP.
+
+        tcp ports are picked free now and bound by the driver right after; `host_ip` defaults to
+        this node's detected address (pass ENV.host_ip to override).
+        """
+        instance = instance or new_instance_id()
+        if local:
+            d = make_ipc_dir(instance)
+            return cls(ipc_address(d, "plan"), ipc_address(d, "ready"), ipc_address(d, "result"), instance, d)
+        ip = get_host_ip(host_ip)
+        ports = [get_free_port(ip) for _ in range(3)]
+        while len(set(ports)) < 3:  # the OS may hand back a just-released port
+            ports = [get_free_port(ip) for _ in range(3)]
+        return cls(*(tcp_address(ip, p) for p in ports), instance=instance)
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, str]) -> "TransportAddresses":
+        return cls(**d)
+
+    def cleanup(self) -> None:
+        """Remove the ipc socket directory (driver side, after its sockets are closed)."""
+        if self.ipc_dir and os.path.isdir(self.ipc_dir):
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _socket(kind: int) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, _LINGER_MS)
+    return sock
+
+
+def _bind(sock: zmq.Socket, address: str, what: str) -> None:
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:
+        sock.close(0)
+        raise TransportError(f"driver: cannot bind the {what} socket to {address}: {e}") from e
+
+
+def _deadline(timeout: Optional[float]) -> float:
+    return float("inf") if timeout is None else time.monotonic() + timeout
+
+
+def _poll_ms(deadline: float, cap_s: Optional[float] = None) -> int:
+    left = deadline - time.monotonic()
+    if cap_s is not None:
+        left = min(left, cap_s)
+    return -1 if left == float("inf") else max(0, int(left * 1000))
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+
+class PlanPublisher:
+    """Driver side: binds the plan PUB and the ready PULL; publishes plans after the handshake."""
+
+    def __init__(self, addresses: TransportAddresses, num_subscribers: int) -> None:
+        if num_subscribers < 1:
+            raise ValueError(f"num_subscribers: need at least 1, got {num_subscribers}")
+        self.addresses = addresses
+        self.num_subscribers = num_subscribers
+        self._pub = _socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, 0)  # never drop a plan for a slow subscriber
+        _bind(self._pub, addresses.plan, "plan PUB")
+        self._ready = _socket(zmq.PULL)
+        _bind(self._ready, addresses.ready, "ready PULL")
+        self.ready_ranks: dict[int, int] = {}  # rank -> pid
+        self.next_step = 0
+        self._nonce = int.from_bytes(os.urandom(4), "little")
+
+    def wait_ready(self, timeout: float) -> dict[int, int]:
+        """Probe until every subscriber (ranks 0..num_subscribers-1) answered; returns rank -> pid."""
+        deadline = _deadline(timeout)
+        hello = encode(Hello(instance=self.addresses.instance, nonce=self._nonce))
+        while len(self.ready_ranks) < self.num_subscribers:
+            self._pub.send(hello)
+            if self._ready.poll(_poll_ms(deadline, _HELLO_PERIOD_S)):
+                while self._ready.poll(0):
+                    msg = decode(self._ready.recv())
+                    if isinstance(msg, Ready) and msg.nonce == self._nonce:
+                        if not 0 <= msg.rank < self.num_subscribers:
+                            raise TransportError(
+                                f"driver: handshake: Ready from rank {msg.rank}, expected ranks "
+                                f"0..{self.num_subscribers - 1}"
+                            )
+                        self.ready_ranks[msg.rank] = msg.pid
+            if time.monotonic() >= deadline and len(self.ready_ranks) < self.num_subscribers:
+                missing = sorted(set(range(self.num_subscribers)) - set(self.ready_ranks))
+                raise TransportTimeout(
+                    f"driver: handshake: {len(self.ready_ranks)} of {self.num_subscribers} workers ready "
+                    f"after {timeout:.1f} s; missing ranks {missing} (plan address {self.addresses.plan})"
+                )
+        return dict(self.ready_ranks)
+
+    def publish(self, plan: StepPlan) -> None:
+        """Send one plan to every worker. Steps must go 0, 1, 2, ... (the workers check it too)."""
+        if len(self.ready_ranks) < self.num_subscribers:
+            raise TransportError("driver: publish before wait_ready(): a slow subscriber would lose the plan")
+        if plan.step != self.next_step:
+            raise StepGapError(f"driver: publishing step {plan.step}, but the next step is {self.next_step}")
+        self._pub.send(encode(plan), copy=False)
+        self.next_step += 1
+
+    def close(self) -> None:
+        self._pub.close()
+        self._ready.close()
+
+
+class ResultCollector:
+    """Driver side: binds the result PULL."""
+
+    def __init__(self, addresses: TransportAddresses) -> None:
+        self.addresses = addresses
+        self._pull = _socket(zmq.PULL)
+        _bind(self._pull, addresses.result, "result PULL")
+
+    def recv(self, timeout: Optional[float]) -> StepResult:
+        """The next result from any DP rank."""
+        if not self._pull.poll(_poll_ms(_deadline(timeout))):
+            raise TransportTimeout(f"driver: collect results: no StepResult within {timeout:.1f} s")
+        msg = decode(self._pull.recv())
+        if not isinstance(msg, StepResult):
+            raise TransportError(f"driver: collect results: expected a StepResult, got {type(msg).__name__}")
+        return msg
+
+    def collect(self, step: int, dp_ranks: int, timeout: float) -> list[StepResult]:
+        """One result per DP rank for `step`, ordered by DP rank. A worker's error raises."""
+        deadline = _deadline(timeout)
+        got: dict[int, StepResult] = {}
+        while len(got) < dp_ranks:
+            if not self._pull.poll(_poll_ms(deadline)):
+                missing = sorted(set(range(dp_ranks)) - set(got))
+                raise TransportTimeout(
+                    f"driver: collect results of step {step}: no StepResult from DP ranks {missing} "
+                    f"within {timeout:.1f} s"
+                )
+            r = decode(self._pull.recv())
+            if not isinstance(r, StepResult) or r.step != step:
+                what = f"step {r.step}" if isinstance(r, StepResult) else type(r).__name__
+                raise TransportError(f"driver: collect results of step {step}: got {what} from the result channel")
+            if r.error is not None:
+                raise TransportError(f"DP rank {r.dp_rank} failed at step {step}: {r.error}")
+            got[r.dp_rank] = r
+        return [got[i] for i in range(dp_ranks)]
+
+    def close(self) -> None:
+        self._pull.close()
+
+
+# ------------------------------------------------------------------------------------------- worker
+
+
+class PlanSubscriber:
+    """Worker side: SUB to plans; answers the driver's handshake; checks step numbers."""
+
+    def __init__(self, addresses: TransportAddresses, rank: int, first_step: int = 0) -> None:
+        self.addresses = addresses
+        self.rank = rank
+        self.expected_step = first_step
+        self._sub = _socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(addresses.plan)
+        self._ready = _socket(zmq.PUSH)
+        self._ready.connect(addresses.ready)
+        self._answered: set[int] = set()
+
+    def recv(self, timeout: Optional[float]) -> StepPlan:
+        """The next plan. Answers handshake probes while waiting; a skipped step raises StepGapError."""
+        deadline = _deadline(timeout)
+        while True:
+            if not self._sub.poll(_poll_ms(deadline)):
+                raise TransportTimeout(
+                    f"rank {self.rank}: receive plan: no StepPlan for step {self.expected_step} within "
+                    f"{timeout:.1f} s from {self.addresses.plan}"
+                )
+            msg = decode(self._sub.recv())
+            if isinstance(msg, StepPlan):
+                return self._check_step(msg)
+            if isinstance(msg, Hello):
+                self._answer(msg)
+                continue
+            raise TransportError(f"rank {self.rank}: receive plan: unexpected {type(msg).__name__} on the plan channel")
+
+    def _answer(self, hello: Hello) -> None:
+        if hello.instance != self.addresses.instance or hello.nonce in self._answered:
+            return
+        self._answered.add(hello.nonce)
+        self._ready.send(encode(Ready(rank=self.rank, nonce=hello.nonce, pid=os.getpid())))
+
+    def _check_step(self, plan: StepPlan) -> StepPlan:
+        if plan.step != self.expected_step:
+            raise StepGapError(
+                f"rank {self.rank}: receive plan: got step {plan.step}, expected step {self.expected_step} "
+                f"({'a plan was lost' if plan.step > self.expected_step else 'a plan was repeated'})"
+            )
+        self.expected_step += 1
+        return plan
+
+    def close(self) -> None:
+        self._sub.close()
+        self._ready.close()
+
+
+class ResultPusher:
+    """Worker side (TP rank 0 of each DP rank): PUSH results to the driver."""
+
+    def __init__(self, addresses: TransportAddresses, dp_rank: int) -> None:
+        self.dp_rank = dp_rank
+        self._push = _socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.connect(addresses.result)
+
+    def push(self, result: StepResult) -> None:
+        self._push.send(encode(result), copy=False)
+
+    def close(self) -> None:
+        self._push.close()

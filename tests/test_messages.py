@@ -1,0 +1,233 @@
+"""Codec round trips for every step message (hypothesis), empty and large batches, bad bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from atomrt.distributed.messages import (
+    Hello,
+    MessageError,
+    NewRequest,
+    RankBatch,
+    Ready,
+    StepPlan,
+    StepResult,
+    decode,
+    encode,
+)
+
+_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+i32 = st.integers(-(2**31), 2**31 - 1)
+i64 = st.integers(-(2**63), 2**63 - 1)
+f32 = st.floats(width=32, allow_nan=False)
+
+
+def arrays(dtype, elements, max_size=40, shape=None):
+    if shape is not None:
+        return shape.flatmap(lambda s: st.lists(elements, min_size=int(np.prod(s)), max_size=int(np.prod(s))).map(
+            lambda xs: np.array(xs, dtype=dtype).reshape(s)))
+    return st.lists(elements, max_size=max_size).map(lambda xs: np.array(xs, dtype=dtype))
+
+
+new_requests = st.builds(
+    NewRequest,
+    seq_id=i64,
+    token_ids=arrays(np.int32, i32, max_size=300),
+    temperature=st.floats(0, 2),
+    top_p=st.floats(0, 1),
+    top_k=st.integers(-1, 1000),
+    min_p=st.floats(0, 1),
+    seed=st.integers(-1, 2**63 - 1),
+    repetition_penalty=st.floats(0.5, 2),
+    presence_penalty=st.floats(-2, 2),
+    frequency_penalty=st.floats(-2, 2),
+    logprobs=st.integers(-1, 20),
+)
+
+
+@st.composite
+def rank_batches(draw, max_bs=20):
+    bs = draw(st.integers(0, max_bs))
+    seq_ids = np.array(draw(st.lists(i64, min_size=bs, max_size=bs, unique=True)), dtype=np.int64)
+    num_new = np.array(draw(st.lists(st.integers(1, 8), min_size=bs, max_size=bs)), dtype=np.int32)
+    updates = {
+        int(s): (draw(st.integers(0, 1000)), draw(arrays(np.int32, st.integers(0, 2**31 - 1), max_size=5)))
+        for s in seq_ids
+        if draw(st.booleans())
+    }
+    return RankBatch(
+        new_requests=draw(st.lists(new_requests, max_size=3)),
+        seq_ids=seq_ids,
+        num_new_tokens=num_new,
+        num_computed_tokens=np.array(draw(st.lists(st.integers(0, 10**6), min_size=bs, max_size=bs)), np.int32),
+        input_ids=np.array(draw(st.lists(i32, min_size=int(num_new.sum()), max_size=int(num_new.sum()))), np.int32),
+        block_table_updates=updates,
+        sample_mask=np.array(draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), dtype=np.bool_),
+        finished_seq_ids=draw(arrays(np.int64, i64, max_size=5)),
+        preempted_seq_ids=draw(arrays(np.int64, i64, max_size=5)),
+    )
+
+
+step_plans = st.builds(
+    StepPlan,
+    step=st.integers(0, 2**62),
+    mode=st.sampled_from([0, 1, 2]),
+    bucket=st.integers(0, 8192),
+    running_bs=st.integers(0, 512),
+    running_tokens=st.integers(0, 8192),
+    is_prefill=st.booleans(),
+    num_tokens_across_dp=st.lists(st.integers(0, 8192), max_size=8),
+    ranks=st.lists(rank_batches(), max_size=3),
+    shutdown=st.booleans(),
+)
+
+
+@st.composite
+def step_results(draw):
+    n = draw(st.integers(0, 30))
+    k = draw(st.integers(0, 5))
+    with_lp = draw(st.booleans())
+    return StepResult(
+        step=draw(st.integers(0, 2**62)),
+        dp_rank=draw(st.integers(0, 63)),
+        seq_ids=draw(arrays(np.int64, i64, shape=st.just((n,)))),
+        sampled_token_ids=draw(arrays(np.int32, i32, shape=st.just((n,)))),
+        logprobs=draw(arrays(np.float32, f32, shape=st.just((n,)))) if with_lp else None,
+        top_logprob_ids=draw(arrays(np.int32, i32, shape=st.just((n, k)))) if with_lp else None,
+        top_logprobs=draw(arrays(np.float32, f32, shape=st.just((n, k)))) if with_lp else None,
+        error=draw(st.none() | st.text(max_size=50)),
+    )
+
+
+def assert_same(a, b) -> None:
+    """Deep equality: same types, and arrays equal in dtype, shape and values."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), (a, b)
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name))
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same(a[key], b[key])
+    else:
+        assert a == b
+
+
+def roundtrip(msg):
+    out = decode(encode(msg))
+    assert_same(msg, out)
+    return out
+
+
+@_SETTINGS
+@given(new_requests)
+def test_new_request_roundtrip(msg):
+    roundtrip(msg)
+
+
+@_SETTINGS
+@given(rank_batches())
+def test_rank_batch_roundtrip(msg):
+    roundtrip(msg)
+
+
+@_SETTINGS
+@given(step_plans)
+def test_step_plan_roundtrip(msg):
+    roundtrip(msg)
+
+
+@_SETTINGS
+@given(step_results())
+def test_step_result_roundtrip(msg):
+    roundtrip(msg)
+
+
+@_SETTINGS
+@given(st.builds(Hello, step=st.just(-1), instance=st.text(max_size=20), nonce=st.integers(0, 2**32)))
+def test_hello_roundtrip(msg):
+    roundtrip(msg)
+
+
+@_SETTINGS
+@given(st.builds(Ready, rank=st.integers(0, 1023), nonce=st.integers(0, 2**32), pid=st.integers(0, 2**22)))
+def test_ready_roundtrip(msg):
+    roundtrip(msg)
+
+
+def test_empty_messages_roundtrip():
+    for msg in (RankBatch(), StepPlan(step=0), StepPlan(step=0, ranks=[RankBatch(), RankBatch()]),
+                StepResult(step=0, dp_rank=0), NewRequest(seq_id=0)):
+        roundtrip(msg)
+
+
+def _decode_batch(bs: int) -> RankBatch:
+    rng = np.random.default_rng(0)
+    return RankBatch(
+        seq_ids=np.arange(bs, dtype=np.int64),
+        num_new_tokens=np.ones(bs, np.int32),
+        num_computed_tokens=rng.integers(1, 4096, bs).astype(np.int32),
+        input_ids=rng.integers(0, 50000, bs).astype(np.int32),
+        block_table_updates={s: (100, np.array([s], np.int32)) for s in range(0, bs, 16)},
+        sample_mask=np.ones(bs, np.bool_),
+    )
+
+
+def test_large_batches_roundtrip():
+    rng = np.random.default_rng(1)
+    prefill = RankBatch(
+        new_requests=[NewRequest(seq_id=i, token_ids=rng.integers(0, 50000, 2048).astype(np.int32), seed=i)
+                      for i in range(300)],
+        seq_ids=np.arange(300, dtype=np.int64),
+        num_new_tokens=np.full(300, 2048, np.int32),
+        num_computed_tokens=np.zeros(300, np.int32),
+        input_ids=rng.integers(0, 50000, 300 * 2048).astype(np.int32),
+        block_table_updates={i: (0, np.arange(128, dtype=np.int32) + 128 * i) for i in range(300)},
+        sample_mask=np.ones(300, np.bool_),
+    )
+    plan = StepPlan(step=9, mode=0, is_prefill=True, num_tokens_across_dp=[300 * 2048, 256],
+                    ranks=[prefill, _decode_batch(256)])
+    out = roundtrip(plan)
+    assert out.ranks[0].new_requests[299].token_ids.shape == (2048,)
+
+
+def test_decode_step_ships_only_new_rows():
+    """A 256-sequence decode step is a few KB: one token, one length, and rare new blocks per row."""
+    data = encode(StepPlan(step=1, mode=2, bucket=256, running_bs=256, running_tokens=256,
+                           num_tokens_across_dp=[256], ranks=[_decode_batch(256)]))
+    assert len(data) < 8 * 1024
+
+
+def test_decoded_arrays_are_views_with_wire_dtypes():
+    rb = decode(encode(RankBatch(seq_ids=np.array([5, 6]), input_ids=np.array([1, 2], np.int32))))
+    assert rb.seq_ids.dtype == np.int64 and not rb.seq_ids.flags.writeable
+
+
+@pytest.mark.parametrize("data", [b"", b"\x93\x01\x02\x03", encode(Hello())[:-1], b"\x92\x63\x00"])
+def test_bad_bytes_raise_message_error(data):
+    with pytest.raises(MessageError):
+        decode(data)
+
+
+def test_object_arrays_are_refused():
+    with pytest.raises(MessageError, match="object array"):
+        encode(StepResult(step=0, dp_rank=0, seq_ids=np.array([object()])))
+
+
+def test_malformed_nested_fields_raise_message_error():
+    import msgpack
+
+    wire = msgpack.packb([2, 7, None, None, None, None, None, None, None, None])  # RankBatch, bad fields
+    with pytest.raises(MessageError, match="RankBatch"):
+        decode(wire)
