@@ -1,0 +1,117 @@
+"""`SamplingParams`: how one request is sampled and when it stops.
+
+Validated once, in `__post_init__`; every error names the field and the allowed range.
+Semantics follow the OpenAI / vLLM vocabulary: temperature 0 means greedy; top_k 0 or -1 and
+top_p 1 and min_p 0 disable their filter; repetition_penalty follows Hugging Face (divide positive
+logits, multiply negative ones, over prompt + output); presence/frequency penalties follow OpenAI
+(subtracted per output-token occurrence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+# Below this a temperature is treated as 0 (greedy): dividing by it would overflow.
+_GREEDY_EPS = 1e-5
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: Union[list[str], str, None] = field(default_factory=list)
+    stop_token_ids: Optional[list[int]] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # how many top alternatives to return per sampled token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        if self.n != 1:
+            raise ValueError(f"n: only n=1 is supported for now, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature: must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k: must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+        if self.top_k == 0:
+            self.top_k = -1
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty: must be > 0 (1 disables), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}: must be in [-2, 2] (0 disables), got {value}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs: must be None or >= 0, got {self.logprobs}")
+        self._normalize_stops()
+
+    def _check_types(self) -> None:
+        ints = ("n", "top_k", "max_tokens", "min_tokens")
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        for name in ints:
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name}: must be an integer, got {getattr(self, name)!r}")
+        for name in floats:
+            value = getattr(self, name)
+            if not _is_number(value) or value != value:  # rejects NaN too
+                raise ValueError(f"{name}: must be a number, got {value!r}")
+            setattr(self, name, float(value))
+        for name in ("seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ValueError(f"{name}: must be None or an integer, got {value!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+
+    def _normalize_stops(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop: must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(stop)
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids: must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
