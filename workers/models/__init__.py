@@ -1,1 +1,6 @@
+"""Model definitions (Llama family: Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3) and their registry."""
 
+from atomrt.workers.models.arch import ModelArch
+from atomrt.workers.models.registry import MODEL_REGISTRY, get_model_class
+
+__all__ = ["MODEL_REGISTRY", "ModelArch", "get_model_class"]

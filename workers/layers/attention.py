@@ -1,0 +1,97 @@
+"""The attention layer and its one custom op, `torch.ops.atomrt.unified_attention_with_output`.
+
+The op is opaque to Dynamo (a splitting op at compile level 3, an eager region in token graphs):
+it reads the step's metadata and this layer's KV cache from the forward context, writes k/v at
+slot_mapping, and computes causal attention over each sequence's context into `output`.
+CPU: the torch reference (attention_ref). CUDA: the Triton kernels of workers/kernels/paged_attention.
+"""
+
+# No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
+
+import torch
+from torch import nn
+
+from atomrt.compile.custom_register import direct_register_custom_op
+from atomrt.runtime.forward_context import get_forward_context
+from atomrt.workers.layers.attention_ref import causal_attention_no_cache, paged_attention_ref, write_kv_cache_ref
+
+
+def _host_list(cpu: "list[int] | None", device_tensor: "torch.Tensor | None") -> "list[int]":
+    return list(cpu) if cpu is not None else device_tensor.tolist()
+
+
+def unified_attention_with_output(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_idx: int
+) -> None:
+    """q/output [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]."""
+    ctx = get_forward_context()
+    layer = ctx.no_compile_layers.get(layer_idx)
+    if layer is None:
+        raise RuntimeError(f"attention layer {layer_idx} is not in forward_context.no_compile_layers")
+    md = ctx.attn_metadata
+    if isinstance(md, dict):
+        md = md[f"layers.{layer_idx}"]
+    kv = ctx.kv_cache_data.get(f"layers.{layer_idx}")
+    if kv is None or md is None:
+        # Profiling / dummy run: no cache, each sequence attends to its own rows.
+        cu_cpu = [0, q.shape[0]] if md is None else _host_list(md.cu_seqlens_q_cpu, md.cu_seqlens_q)
+        causal_attention_no_cache(q, k, v, output, cu_cpu, layer.scale)
+        return
+    if q.is_cuda:
+        from atomrt.workers.kernels.paged_attention import unified_attention, write_kv_cache
+
+        write_kv_cache(k, v, kv.k_cache, kv.v_cache, md.slot_mapping)
+        unified_attention(
+            q, kv.k_cache, kv.v_cache, output, md.cu_seqlens_q, md.context_lens, md.block_tables, layer.scale,
+            num_seqs=md.num_seqs, max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k,
+            graph_safe=getattr(md, "graph_safe", False),
+            cu_seqlens_q_cpu=md.cu_seqlens_q_cpu, context_lens_cpu=md.context_lens_cpu,
+        )
+        return
+    write_kv_cache_ref(k, v, kv.k_cache, kv.v_cache, md.slot_mapping)
+    cu_cpu = _host_list(md.cu_seqlens_q_cpu, md.cu_seqlens_q)
+    num_seqs = md.num_seqs or len(cu_cpu) - 1
+    context_lens_cpu = _host_list(md.context_lens_cpu, md.context_lens)
+    paged_attention_ref(
+        q, kv.k_cache, kv.v_cache, output, cu_cpu, context_lens_cpu, md.block_tables, layer.scale, num_seqs
+    )
+
+
+def _unified_attention_with_output_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_idx: int
+) -> None:
+    return None
+
+
+direct_register_custom_op(
+    "unified_attention_with_output",
+    unified_attention_with_output,
+    mutates_args=["output"],
+    fake_impl=_unified_attention_with_output_fake,
+)
+
+
+class Attention(nn.Module):
+    """Attention over the paged KV cache, per rank: num_heads / num_kv_heads are this rank's heads."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [num_tokens, num_heads(*head_dim)], k/v [num_tokens, num_kv_heads(*head_dim)] -> [num_tokens, num_heads * head_dim]."""
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        output = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+        torch.ops.atomrt.unified_attention_with_output(q, k, v, output, self.layer_idx)
+        return output.reshape(-1, self.num_heads * self.head_dim)
+
+
+def collect_attention_layers(model: nn.Module) -> "dict[int, Attention]":
+    """layer_idx -> Attention: what the runner puts in forward_context.no_compile_layers."""
+    return {m.layer_idx: m for m in model.modules() if isinstance(m, Attention)}

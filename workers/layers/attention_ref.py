@@ -1,0 +1,86 @@
+"""Torch reference attention over the paged KV cache: the CPU path of the attention op.
+
+Plain torch, eager (it runs inside the opaque custom op, never traced), so host-side loops over
+sequences are fine here. Each sequence gathers its context from the cache with one index of its
+block_table, then runs SDPA with the causal mask shifted to the sequence's position.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping (rows with -1 are skipped)."""
+    num_tokens = slot_mapping.shape[0]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    # [num_blocks, block_size, num_kv_heads, head_dim] -> [num_slots, num_kv_heads, head_dim]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[:num_tokens][valid].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[:num_tokens][valid].to(v_cache.dtype))
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, first_pos: int) -> torch.Tensor:
+    """Attention of q [n_q, num_heads, head_dim] over k, v [n_k, num_kv_heads, head_dim].
+
+    Query row j sits at position first_pos + j and sees keys 0..first_pos + j. Returns
+    [n_q, num_heads, head_dim].
+    """
+    n_q, num_heads, _ = q.shape
+    n_k, num_kv_heads, _ = k.shape
+    qh = q.transpose(0, 1)  # [num_heads, n_q, head_dim]
+    kh = k.transpose(0, 1)  # [num_kv_heads, n_k, head_dim]
+    vh = v.transpose(0, 1)
+    if num_heads != num_kv_heads:  # GQA: query head h reads kv head h // group
+        group = num_heads // num_kv_heads
+        kh = kh.repeat_interleave(group, dim=0)  # [num_heads, n_k, head_dim]
+        vh = vh.repeat_interleave(group, dim=0)
+    mask: Optional[torch.Tensor] = None
+    if not (n_q == 1 and first_pos == n_k - 1):  # a decode row sees every key: no mask
+        key_pos = torch.arange(n_k, device=q.device)
+        query_pos = first_pos + torch.arange(n_q, device=q.device)
+        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [n_q, n_k]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)  # [n_q, num_heads, head_dim]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q_cpu: list[int],
+    context_lens_cpu: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+    num_seqs: int,
+) -> None:
+    """Causal attention of each sequence's query rows over its cached context, written into out."""
+    block_size = k_cache.shape[1]
+    for s in range(num_seqs):
+        q_start, q_end = cu_seqlens_q_cpu[s], cu_seqlens_q_cpu[s + 1]
+        n_q, context_len = q_end - q_start, context_lens_cpu[s]
+        if n_q == 0:
+            continue
+        num_blocks = -(-context_len // block_size)
+        blocks = block_tables[s, :num_blocks].long()
+        keys = k_cache[blocks].flatten(0, 1)[:context_len]  # [context_len, num_kv_heads, head_dim]
+        values = v_cache[blocks].flatten(0, 1)[:context_len]
+        out[q_start:q_end] = causal_sdpa(q[q_start:q_end], keys, values, scale, context_len - n_q)
+    out[cu_seqlens_q_cpu[num_seqs]:] = 0
+
+
+def causal_attention_no_cache(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu_seqlens_q_cpu: list[int], scale: float
+) -> None:
+    """Profiling/dummy runs: each sequence attends causally to its own rows only."""
+    for s in range(len(cu_seqlens_q_cpu) - 1):
+        start, end = cu_seqlens_q_cpu[s], cu_seqlens_q_cpu[s + 1]
+        if end > start:
+            out[start:end] = causal_sdpa(q[start:end], k[start:end], v[start:end], scale, 0)
+    out[cu_seqlens_q_cpu[-1]:] = 0

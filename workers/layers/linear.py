@@ -1,0 +1,133 @@
+"""Tensor-parallel linear layers.
+
+Column parallel: the output features are split over ranks (no communication; q/k/v, gate/up).
+Row parallel: the input features are split, each rank computes a partial sum, and the sum is
+all-reduced (o_proj, down_proj). Every parameter carries `weight_loader(param, loaded_weight,
+shard_id=None)` that reads only this rank's shard of `loaded_weight` (see weight_utils).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atomrt.workers.layers.tp_ops import TPInfo, divide, tp_all_gather_last_dim, tp_all_reduce
+from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, read_narrow
+
+
+class _LinearBase(nn.Module):
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPInfo) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(_LinearBase):
+    """y = x W^T + b with W's rows (output features) split over ranks."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp: TPInfo = TPInfo(), gather_output: bool = False
+    ) -> None:
+        self.output_size_per_rank = divide(output_size, tp.tp_size, "ColumnParallelLinear output_size")
+        super().__init__(input_size, self.output_size_per_rank, bias, tp)
+        self.gather_output = gather_output
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
+        start = self.tp.tp_rank * self.output_size_per_rank
+        copy_checked(param.data, read_narrow(loaded_weight, 0, start, self.output_size_per_rank), "column shard")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return tp_all_gather_last_dim(y, self.tp) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input in one matmul (gate/up).
+
+    The checkpoint holds them separately; `shard_id` is the index into `output_sizes`.
+    Each rank's weight is [its slice of shard 0; its slice of shard 1; ...].
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPInfo = TPInfo()) -> None:
+        self.output_sizes_per_rank = [divide(s, tp.tp_size, "MergedColumnParallelLinear output") for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
+        assert isinstance(shard_id, int), "merged linear needs the index of the projection"
+        size = self.output_sizes_per_rank[shard_id]
+        offset = sum(self.output_sizes_per_rank[:shard_id])
+        src = read_narrow(loaded_weight, 0, self.tp.tp_rank * size, size)
+        copy_checked(param.data.narrow(0, offset, size), src, f"merged shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul, split by heads.
+
+    Each rank holds num_heads / tp_size query heads. KV heads are split too while there are enough;
+    when tp_size > num_kv_heads each kv head is replicated on tp_size / num_kv_heads ranks, so every
+    rank holds exactly one.
+    """
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+        tp: TPInfo = TPInfo(),
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp.tp_size, "num_attention_heads")
+        if tp.tp_size >= num_kv_heads:
+            divide(tp.tp_size, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.tp_rank // (tp.tp_size // num_kv_heads)
+        else:
+            self.num_kv_heads = divide(num_kv_heads, tp.tp_size, "num_key_value_heads")
+            self.kv_head_start = tp.tp_rank * self.num_kv_heads
+        self.q_size = self.num_heads * head_dim  # per rank
+        self.kv_size = self.num_kv_heads * head_dim  # per rank
+        out_total = (self.q_size + 2 * self.kv_size) * tp.tp_size  # so that the base divides evenly
+        super().__init__(hidden_size, out_total, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
+        assert shard_id in ("q", "k", "v"), f"qkv shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
+        if shard_id == "q":
+            offset, size, src_start = 0, self.q_size, self.tp.tp_rank * self.q_size
+        else:
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size, src_start = self.kv_size, self.kv_head_start * self.head_dim
+        src = read_narrow(loaded_weight, 0, src_start, size)
+        copy_checked(param.data.narrow(0, offset, size), src, f"qkv shard {shard_id}")
+
+
+class RowParallelLinear(_LinearBase):
+    """y = x W^T + b with W's columns (input features) split; partial sums are all-reduced."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp: TPInfo = TPInfo(), reduce_output: bool = True
+    ) -> None:
+        self.input_size_per_rank = divide(input_size, tp.tp_size, "RowParallelLinear input_size")
+        super().__init__(self.input_size_per_rank, output_size, bias, tp)
+        self.reduce_output = reduce_output
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
+        if param.dim() == 1:  # the bias is replicated and added once, after the reduce
+            copy_checked(param.data, read_narrow(loaded_weight, 0, 0, param.shape[0]), "row bias")
+            return
+        start = self.tp.tp_rank * self.input_size_per_rank
+        copy_checked(param.data, read_narrow(loaded_weight, 1, start, self.input_size_per_rank), "row shard")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_output:
+            y = tp_all_reduce(y, self.tp)
+        return y + self.bias if self.bias is not None else y

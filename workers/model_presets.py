@@ -1,0 +1,89 @@
+"""Model shapes without files: HF-config-style dicts of public models for `load_format="dummy"`.
+
+Numbers are the published config.json values. A preset gives the architecture only; weights are
+random (benchmarks, memory sizing), and tokenizers must come from elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+_SMOLLM2_135M: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "torch_dtype": "bfloat16",
+}
+
+_LLAMA3_COMMON: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "num_key_value_heads": 8,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "SmolLM2-135M": _SMOLLM2_135M,
+    "SmolLM2-135M-Instruct": {**_SMOLLM2_135M, "bos_token_id": 1, "eos_token_id": 2},
+    "Llama-3.2-1B": {
+        **_LLAMA3_COMMON,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    "Llama-3.1-8B": {
+        **_LLAMA3_COMMON,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+}
+
+
+def find_preset(name: str) -> Optional[str]:
+    """The preset key for `name` ("Llama-3.2-1B", "meta-llama/Llama-3.2-1B", any case), or None."""
+    short = name.rstrip("/").rsplit("/", 1)[-1].lower()
+    return next((key for key in PRESETS if key.lower() == short), None)
+
+
+def preset_config(name: str) -> dict[str, Any]:
+    key = find_preset(name)
+    if key is None:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
+    return dict(PRESETS[key])

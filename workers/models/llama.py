@@ -1,0 +1,152 @@
+"""Llama-family decoder: Llama 2/3, SmolLM2 (tied embeddings), Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
+
+Hot path: the forward methods are traced by Dynamo with a dynamic token dimension and recorded
+into CUDA graphs, so they hold no Python control flow on tensor values (.item(), data-dependent
+shapes). All per-step state (KV cache, attention metadata) reaches attention through the
+forward context.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from atomrt.workers.layers.activation import SiluAndMul
+from atomrt.workers.layers.attention import Attention
+from atomrt.workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from atomrt.workers.layers.norm import RMSNorm
+from atomrt.workers.layers.rotary import RotaryEmbedding
+from atomrt.workers.layers.tp_ops import TPInfo
+from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from atomrt.workers.layers.weight_utils import Sliceable, default_weight_loader
+from atomrt.workers.models.arch import ModelArch
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, bias=arch.qkv_bias, tp=tp
+        )
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=False, tp=tp)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.qk_norm = arch.qk_norm
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v)  # [num_tokens, num_heads * head_dim]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArch, tp: TPInfo) -> None:
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size], bias=False, tp=tp)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=False, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, layer_idx, tp, max_position)
+        self.mlp = LlamaMLP(arch, tp)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings + decoder layers + final norm: the unit that is compiled and graph-captured."""
+
+    def __init__(self, arch: ModelArch, tp: TPInfo = TPInfo(), max_position: int = 0) -> None:
+        super().__init__()
+        max_position = max_position or arch.max_position
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, tp, max_position) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [num_tokens] int64 -> hidden_states [num_tokens, hidden]."""
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states)
+        return self.norm(hidden_states)
+
+
+# (our fused parameter, checkpoint projection, shard id)
+_STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, tp: TPInfo = TPInfo(), max_position: int = 0) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, tp, max_position)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab_size] float32 (vocab shards gathered)."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint") -> None:
+        """Load (Hugging Face name, sliceable tensor) pairs; every parameter must be filled once."""
+        params = dict(self.named_parameters())  # tied lm_head.weight is listed once, as the embedding
+        loaded: dict[str, int] = {}
+        for name, weight in weights:
+            if "rotary_emb.inv_freq" in name or (self.arch.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            shard_id: object = None
+            for ours, theirs, sid in _STACKED_PARAMS:
+                if f".{theirs}." in name:
+                    name, shard_id = name.replace(f".{theirs}.", f".{ours}."), sid
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"{where}: tensor {name!r} has no place in {self.arch.architecture}")
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                default_weight_loader(param, weight)
+            else:
+                loader(param, weight, shard_id)
+            loaded[name] = loaded.get(name, 0) + 1
+        missing = [
+            n for n in params if loaded.get(n, 0) < next((c for k, c in _NUM_SHARDS.items() if f".{k}." in n), 1)
+        ]
+        if missing:
+            raise ValueError(f"{where}: missing tensors for {len(missing)} parameters, e.g. {missing[:4]}")
