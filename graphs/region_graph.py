@@ -1,0 +1,485 @@
+# Hot path (replay): only what a step runs per graph replay lives here -- segment replays, the
+# eager regions between them, an input-address check. Recording code runs once, at capture.
+"""Region graphs: CUDA-graph recordings of the model's forward, in one shared memory pool.
+
+- `graph_pool()`: the one CUDA-graph memory pool of the process; every recording uses it.
+- `ReqGraph` (FULL): one whole-forward CUDA graph per request bucket `(running_bs, draft_num)`.
+- `TokenGraph` (TR_HYBRID): one recording per token bucket (and phase, for a per-phase unit).
+  A recording is a list of CUDA-graph segments with an eager call between two segments: the
+  recording breaks wherever the forward calls an `@eager_region` function (an op whose launch
+  depends on host data, e.g. attention planned from the step's sequence lengths). At replay the
+  eager call runs with the live step's forward context and writes its result into its `output`
+  argument, at the address the next segment was recorded reading.
+- `@token_graph(per_phase=False)`: marks a model's recording unit (independent of torch.compile).
+  The unit's `__call__` records when `ForwardContext.tr_graph == "record"`, replays when it is
+  "replay", and runs its forward otherwise.
+
+Memory invariant (pool sharing). Recordings never overlap in use: a recording's output is consumed
+before any other recording replays, and all replays run on one stream. So the pool only has to be
+as large as the largest recording, not the sum, and buckets are recorded largest first. For that,
+nothing a recording keeps for replay may own pool memory once its recording ends:
+  * the eager calls' tensor arguments and the recording's outputs are kept as NON-OWNING aliases
+    (`non_owning_alias`: a storage built on the raw address with
+    `torch._C._construct_storage_from_data_pointer`, which frees nothing when it dies -- the same
+    mechanism torch._inductor's cudagraph trees use for their outputs; present in torch >= 2.1);
+  * the recording's inputs are the runner's static buffers (allocated outside the pool, owned by the
+    runner); a recording keeps only their addresses, to check them at replay.
+The owning tensors die when the recorded forward returns; their blocks go back to the pool's free
+list, and the next (smaller) recording reuses them. Replaying a recording rewrites every pool address
+it reads before reading it (a segment writes what the next eager call reads; the eager call writes
+what the next segment reads), so another recording's use of the same addresses in between is harmless.
+Eager calls at replay allocate their temporaries outside the pool (no capture is open then), so they
+cannot clobber a recording's live values. Consequence for callers: a replay's output is valid only
+until the next replay of any recording -- consume (or copy) it first.
+
+The recording being made is the one piece of module state besides the pool: `_active` is set by
+`_record` and reset in `finally`, so an `@eager_region` call deep in the model can find it
+(`ForwardContext` has no field for it). It is capture-time state, never read on a replay step.
+
+Segment capture goes through a small backend class (`CudaGraphBackend` by default) so that the CPU
+tests can drive the segment / eager sequencing with a fake backend that only logs calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Literal, Optional, Protocol
+
+import torch
+
+from atomrt.runtime.forward_context import get_forward_context
+
+logger = logging.getLogger(__name__)
+
+Phase = Literal["prefill", "decode"]
+PHASES: tuple[Phase, Phase] = ("prefill", "decode")
+
+_pool: Any = None  # the process's graph pool handle, created on first use
+_active: Optional["_Recording"] = None  # the recording being made (capture time only)
+
+
+def graph_pool() -> Any:
+    """The process's one CUDA-graph memory pool (`torch.cuda.graph_pool_handle()`, made lazily)."""
+    global _pool
+    if _pool is None:
+        _pool = torch.cuda.graph_pool_handle()
+    return _pool
+
+
+def graph_pool_bytes() -> Optional[int]:
+    """Bytes the allocator holds reserved for `graph_pool()` on this device; None before any recording."""
+    if _pool is None:
+        return None
+    pool_id = tuple(_pool)
+    return sum(
+        seg["total_size"]
+        for seg in torch.cuda.memory_snapshot()
+        if tuple(seg.get("segment_pool_id", ())) == pool_id
+    )
+
+
+# --------------------------------------------------------------------------- non-owning aliases
+
+
+def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor at `t`'s address, shape and strides that does not keep `t`'s memory alive."""
+    if t.numel() == 0:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    storage = torch._C._construct_storage_from_data_pointer(t.data_ptr(), t.device, extent * t.element_size())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply `fn` to the tensors of a (nested) tuple / list / dict; other leaves stay."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+
+
+def _addresses(args: tuple, kwargs: dict) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(data_ptr, shape) of every tensor argument: what a replay checks its inputs against."""
+    return tuple((t.data_ptr(), tuple(t.shape)) for t in _tensors((args, kwargs)))
+
+
+# --------------------------------------------------------------------------- segment backends
+
+
+class SegmentBackend(Protocol):
+    """Captures and replays graph segments. One recording: `session()` around `begin`/`end` pairs."""
+
+    def session(self) -> Any: ...  # context manager around one whole recording
+    def begin(self) -> None: ...
+    def end(self) -> Any: ...  # returns the segment handle given to `replay`
+    def abort(self) -> None: ...  # end an open capture after an error, discarding it
+    def replay(self, segment: Any) -> None: ...
+
+
+class CudaGraphBackend:
+    """The real backend: each segment a `torch.cuda.CUDAGraph` captured into `graph_pool()`.
+
+    It does what `torch.cuda.graph(g, pool=graph_pool(), capture_error_mode=...)` does, split in two
+    so the capture can pause at an eager region: one side stream for the whole recording,
+    `capture_begin(pool, capture_error_mode)` / `capture_end()` per segment. It skips that context
+    manager's per-capture `empty_cache()`, which would only churn the default pool between segments.
+    """
+
+    _capture_stream: Optional[torch.cuda.Stream] = None  # shared by every recording, made lazily
+
+    def __init__(self, capture_error_mode: str = "global") -> None:
+        self.capture_error_mode = capture_error_mode
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+
+    def session(self) -> "_CudaSession":
+        if CudaGraphBackend._capture_stream is None:
+            CudaGraphBackend._capture_stream = torch.cuda.Stream()
+        return _CudaSession(CudaGraphBackend._capture_stream)
+
+    def begin(self) -> None:
+        assert self._graph is None, "a segment is already being captured"
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=graph_pool(), capture_error_mode=self.capture_error_mode)
+
+    def end(self) -> torch.cuda.CUDAGraph:
+        graph, self._graph = self._graph, None
+        assert graph is not None, "no segment is being captured"
+        graph.capture_end()
+        return graph
+
+    def abort(self) -> None:
+        if self._graph is not None:
+            self.end()  # an invalidated capture raises here, chained to the original error
+
+    def replay(self, segment: torch.cuda.CUDAGraph) -> None:
+        segment.replay()
+
+
+class _CudaSession:
+    """One recording: wait out pending NCCL work, then run on the capture stream, then synchronize."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+        self._stream_ctx: Any = None
+
+    def __enter__(self) -> None:
+        # A collective recorded into a graph joins its NCCL stream into the capture; a watchdog
+        # poll of a pending eager collective on that stream would invalidate the capture.
+        from atomrt.distributed.nccl_watchdog import drain_nccl_works
+
+        drain_nccl_works()
+        torch.cuda.synchronize()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        self._stream_ctx = torch.cuda.stream(self.stream)
+        self._stream_ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stream_ctx.__exit__(*exc)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- recordings
+
+
+@dataclass
+class _EagerCall:
+    """One eager region of a recording: the function and its arguments, tensors as non-owning aliases."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    result: Any  # None, or the alias of the argument the function returned
+
+    def run(self) -> None:
+        self.fn(*self.args, **self.kwargs)
+
+
+@dataclass
+class _Recording:
+    """Segments with one eager call between each two, the recorded output, the input addresses."""
+
+    backend: SegmentBackend
+    breaks: bool  # may eager regions break it (TokenGraph) or are they recorded inline (ReqGraph)
+    segments: list[Any] = field(default_factory=list)
+    eager_calls: list[_EagerCall] = field(default_factory=list)
+    inputs: tuple = ()
+    output: Any = None
+
+    def replay(self) -> Any:
+        for i, segment in enumerate(self.segments):
+            self.backend.replay(segment)
+            if i < len(self.eager_calls):
+                self.eager_calls[i].run()
+        return self.output
+
+
+def _record(backend: SegmentBackend, breaks: bool, fn: Callable[..., Any], args: tuple, kwargs: dict) -> _Recording:
+    """Record `fn(*args, **kwargs)`; the output is kept as non-owning aliases (see the module docstring)."""
+    global _active
+    assert _active is None, "recordings do not nest"
+    rec = _Recording(backend=backend, breaks=breaks, inputs=_addresses(args, kwargs))
+    with backend.session():
+        _active = rec
+        try:
+            backend.begin()
+            out = fn(*args, **kwargs)
+            rec.segments.append(backend.end())
+        except BaseException:
+            backend.abort()
+            raise
+        finally:
+            _active = None
+    rec.output = _map_tensors(out, non_owning_alias)
+    return rec
+
+
+def _break_at(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Inside a TokenGraph recording: end the segment, run `fn` eagerly, keep the call, begin the next."""
+    rec = _active
+    assert rec is not None
+    rec.segments.append(rec.backend.end())
+    result = fn(*args, **kwargs)
+    aliases = {t.data_ptr(): t for t in _tensors((args, kwargs))}
+    if result is not None and not (isinstance(result, torch.Tensor) and result.data_ptr() in aliases):
+        raise TypeError(
+            f"eager region {fn.__qualname__} returned a new value; an eager region must write its result "
+            "into an output argument allocated by the caller and return None (or that argument)"
+        )
+    rec.eager_calls.append(
+        _EagerCall(
+            fn=fn,
+            args=_map_tensors(args, non_owning_alias),
+            kwargs=_map_tensors(kwargs, non_owning_alias),
+            result=None if result is None else non_owning_alias(result),
+        )
+    )
+    rec.backend.begin()
+    return result
+
+
+def eager_region(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a function whose launch depends on host data; it breaks a TokenGraph recording.
+
+    Outside a recording it just calls `fn`. While a TokenGraph records (the unit's `__call__` under
+    `tr_graph == "record"`, or a drafter's `TokenGraph.record`), the call ends the current segment, runs eagerly, is kept for replay (tensor arguments by
+    address, other arguments as given -- so they must not change between steps), and the next
+    segment begins. `fn` reads the step's metadata from the forward context, writes its result into
+    an output argument and returns None (or that argument). Under a ReqGraph recording
+    (FULL, `tr_graph` None) it is recorded inline: its graph-safe launch must not read host data.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _active is None or not _active.breaks:
+            return fn(*args, **kwargs)
+        return _break_at(fn, args, kwargs)
+
+    wrapper.__atomrt_eager_region__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+# --------------------------------------------------------------------------- token and request graphs
+
+
+class TokenGraph:
+    """TR_HYBRID recordings of one unit: one per token bucket (and phase, when `per_phase`).
+
+    A recording serves prefill and decode steps of its token count alike (unless `per_phase`), but
+    `captured_sizes(phase)` reports only the buckets that phase's record pass asked for: those are
+    the buckets a step of that phase may pad to.
+    """
+
+    def __init__(self, per_phase: bool = False, backend: Optional[SegmentBackend] = None) -> None:
+        self.per_phase = per_phase
+        self.backend: SegmentBackend = backend if backend is not None else CudaGraphBackend()
+        self._recordings: dict[tuple[int, Optional[Phase]], _Recording] = {}
+        self._asked: dict[Phase, set[int]] = {p: set() for p in PHASES}
+
+    def _key(self, num_tokens: int, phase: Phase) -> tuple[int, Optional[Phase]]:
+        assert phase in PHASES, f"phase must be 'prefill' or 'decode', got {phase!r}"
+        return (int(num_tokens), phase if self.per_phase else None)
+
+    def record(self, num_tokens: int, phase: Phase, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Record `fn(*args, **kwargs)` for `num_tokens` rows; returns its output (non-owning aliases).
+
+        The tensor arguments must be the runner's static buffers (sliced to `num_tokens` rows): a
+        replay reads them at these addresses. A bucket already recorded for the other phase is not
+        recorded again: it is replayed, and now also counts as this phase's bucket.
+        """
+        key = self._key(num_tokens, phase)
+        self._asked[phase].add(int(num_tokens))
+        if key in self._recordings:
+            return self.replay(num_tokens, phase, *args, **kwargs)
+        rec = _record(self.backend, True, fn, args, kwargs)
+        self._recordings[key] = rec
+        return rec.output
+
+    def replay(self, num_tokens: int, phase: Phase, *args: Any, **kwargs: Any) -> Any:
+        """Replay the recording for `num_tokens` rows; the forward context holds the live step's metadata.
+
+        Arguments, if given, are only checked: they must be the static buffers the recording read.
+        The output is valid until the next replay of any recording (they share one pool).
+        """
+        rec = self._recordings.get(self._key(num_tokens, phase))
+        if rec is None:
+            raise KeyError(
+                f"no token graph recorded for {num_tokens} rows ({phase}); recorded: {sorted(self._recordings)}. "
+                "ForwardMode.decide should have chosen eager for this step"
+            )
+        if args or kwargs:
+            assert _addresses(args, kwargs) == rec.inputs, (
+                "a token graph replays only on the static input buffers it was recorded with "
+                f"(recorded {rec.inputs}, got {_addresses(args, kwargs)})"
+            )
+        return rec.replay()
+
+    def captured_sizes(self, phase: Phase) -> list[int]:
+        """Token buckets a step of `phase` may replay, ascending."""
+        return sorted(n for n in self._asked[phase] if self._key(n, phase) in self._recordings)
+
+    def num_segments(self, num_tokens: int, phase: Phase) -> int:
+        return len(self._recordings[self._key(num_tokens, phase)].segments)
+
+    def __contains__(self, key: tuple[int, Phase]) -> bool:
+        num_tokens, phase = key
+        return self._key(num_tokens, phase) in self._recordings
+
+    def __len__(self) -> int:
+        return len(self._recordings)
+
+
+class ReqGraph:
+    """FULL recordings: one whole-forward CUDA graph per request bucket `(running_bs, draft_num)`.
+
+    Eager regions are recorded inline (their graph-safe launch reads metadata from the runner's static
+    device buffers). The forward's inputs are whatever `fn` closes over: the runner's static buffers.
+    """
+
+    def __init__(self, backend: Optional[SegmentBackend] = None) -> None:
+        self.backend: SegmentBackend = backend if backend is not None else CudaGraphBackend()
+        self._recordings: dict[tuple[int, int], _Recording] = {}
+
+    def record(self, key: tuple[int, int], fn: Callable[[], Any]) -> Any:
+        """Record `fn()` for request bucket `key`; returns its output (non-owning aliases)."""
+        key = (int(key[0]), int(key[1]))
+        assert key not in self._recordings, f"request bucket {key} is already recorded"
+        rec = _record(self.backend, False, fn, (), {})
+        self._recordings[key] = rec
+        return rec.output
+
+    def replay(self, key: tuple[int, int]) -> Any:
+        """Replay bucket `key`; the output is valid until the next replay of any recording."""
+        return self._recordings[(key[0], key[1])].replay()
+
+    def keys(self) -> list[tuple[int, int]]:
+        return sorted(self._recordings)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and len(key) == 2 and (key[0], key[1]) in self._recordings
+
+    def __len__(self) -> int:
+        return len(self._recordings)
+
+
+# --------------------------------------------------------------------------- the recording unit
+
+_UNIT_GRAPH = "_atomrt_token_graph"  # instance attribute holding a unit's TokenGraph
+_UNIT_PER_PHASE = "__atomrt_token_graph_per_phase__"  # class attribute set by @token_graph
+
+
+def token_graph(cls: Optional[type] = None, *, per_phase: bool = False) -> Any:
+    """Class decorator marking a model's recording unit (an `nn.Module`); `@token_graph` or `@token_graph(per_phase=True)`.
+
+    The unit's `__call__` reads `ForwardContext.tr_graph`:
+      * None: runs the unit as before (eager, or compiled when `@support_torch_compile` is under it);
+      * "record": records a TokenGraph for the call's row count (the first tensor argument's
+        length) and phase (`context.is_prefill`), and returns the recorded output;
+      * "replay": replays the recording for `context.running_tokens` rows and returns its output;
+        the arguments are only checked to be the static buffers the recording read.
+    Place it outermost (above `@support_torch_compile`): it wraps the class's `__call__` as found.
+    A marked unit called inside another unit's recording runs inline.
+    """
+
+    def mark(unit_cls: type) -> type:
+        if not (isinstance(unit_cls, type) and issubclass(unit_cls, torch.nn.Module)):
+            raise TypeError(f"@token_graph marks an nn.Module class, got {unit_cls!r}")
+        inner_call = unit_cls.__call__
+
+        def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            ctx = get_forward_context()
+            if ctx.tr_graph is None or _active is not None:
+                return inner_call(self, *args, **kwargs)
+            phase: Phase = "prefill" if ctx.context.is_prefill else "decode"
+            graph = token_graph_of(self)
+            if ctx.tr_graph == "replay":
+                return graph.replay(ctx.context.running_tokens, phase, *args, **kwargs)
+            if ctx.tr_graph == "record":
+                num_tokens = _num_rows(args, kwargs)
+                assert ctx.context.running_tokens in (0, num_tokens), (
+                    f"context.running_tokens={ctx.context.running_tokens} but the unit was called with {num_tokens} rows"
+                )
+                return graph.record(num_tokens, phase, functools.partial(inner_call, self), *args, **kwargs)
+            raise ValueError(f"ForwardContext.tr_graph must be None, 'record' or 'replay', got {ctx.tr_graph!r}")
+
+        __call__.__doc__ = inner_call.__doc__
+        unit_cls.__call__ = __call__
+        setattr(unit_cls, _UNIT_PER_PHASE, per_phase)
+        return unit_cls
+
+    return mark if cls is None else mark(cls)
+
+
+def is_token_graph_unit(module: torch.nn.Module) -> bool:
+    return getattr(type(module), _UNIT_PER_PHASE, None) is not None
+
+
+def token_graph_of(unit: torch.nn.Module, backend: Optional[SegmentBackend] = None) -> TokenGraph:
+    """The TokenGraph a `@token_graph` unit owns, made on first use (with `backend`, default CUDA)."""
+    if not is_token_graph_unit(unit):
+        raise TypeError(f"{type(unit).__qualname__} is not marked @token_graph")
+    graph = unit.__dict__.get(_UNIT_GRAPH)
+    if graph is None:
+        graph = TokenGraph(per_phase=getattr(type(unit), _UNIT_PER_PHASE), backend=backend)
+        unit.__dict__[_UNIT_GRAPH] = graph
+    else:
+        assert backend is None or graph.backend is backend, "the unit's TokenGraph already has another backend"
+    return graph
+
+
+def token_graph_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The `@token_graph` units in `model` (itself included), outermost first."""
+    return [m for m in model.modules() if is_token_graph_unit(m)]
+
+
+def captured_token_sizes(model: torch.nn.Module, phase: Phase) -> list[int]:
+    """Token buckets every unit of `model` recorded for `phase` (what a step of that phase may pad to)."""
+    units = token_graph_units(model)
+    if not units:
+        return []
+    sizes = set(token_graph_of(units[0]).captured_sizes(phase))
+    for unit in units[1:]:
+        sizes &= set(token_graph_of(unit).captured_sizes(phase))
+    return sorted(sizes)
+
+
+def _num_rows(args: tuple, kwargs: dict) -> int:
+    for t in _tensors((args, kwargs)):
+        return int(t.shape[0])
+    raise TypeError("a @token_graph unit takes its token rows (e.g. input_ids) as a tensor argument")
