@@ -1,0 +1,83 @@
+"""Incremental detokenization of one sequence's output.
+
+Decoding token by token breaks words (leading-space rules) and multi-byte characters (byte
+fallback tokens decode to U+FFFD until the character is complete). We decode a short window
+instead: `prefix_offset..read_offset` are tokens already turned into text, kept as left context;
+each step decodes `prefix_offset..end` and emits what it adds to the context's text, unless that
+ends in U+FFFD (an unfinished character), in which case we wait for more tokens.
+
+Streaming also holds back a tail of the text that could be the start of a stop string, so a
+client never sees text that a later token turns into a stop (and is cut off).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence as Seq
+
+_REPLACEMENT = "\ufffd"
+# Prompt tokens decoded as left context for the first output token (spacing rules need some).
+_CONTEXT_TOKENS = 5
+
+
+class Detokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Seq[int],
+        skip_special_tokens: bool = True,
+        stop: Seq[str] = (),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop)
+        self.token_ids = list(prompt_token_ids)  # prompt + output, our own copy
+        self.read_offset = len(self.token_ids)
+        self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
+        self.output_text = ""  # all complete text decoded so far (cut before a stop string)
+        self.num_streamed_chars = 0  # how much of output_text `take_stream_delta` has returned
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str:
+        """Append one output token; return the new complete text it yields ("" while a
+        multi-byte character is unfinished) and append it to output_text."""
+        self.token_ids.append(int(token_id))
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if full_text.endswith(_REPLACEMENT):
+            return ""  # an unfinished character: wait for the bytes that complete it
+        # What the new token adds past the context's text; text already emitted is never rewritten.
+        new_text = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.output_text += new_text
+        return new_text
+
+    def truncate(self, num_chars: int) -> None:
+        """Cut output_text to its first num_chars characters (at a stop string)."""
+        self.output_text = self.output_text[:num_chars]
+        self.num_streamed_chars = min(self.num_streamed_chars, num_chars)
+
+    def take_stream_delta(self, finished: bool) -> str:
+        """Text not yet streamed. While running, a tail that could begin a stop string is held
+        back; once finished, everything left is released."""
+        end = len(self.output_text)
+        if not finished:
+            end -= held_back_len(self.output_text, self.stop)
+        end = max(end, self.num_streamed_chars)
+        delta = self.output_text[self.num_streamed_chars : end]
+        self.num_streamed_chars = end
+        return delta
+
+
+def held_back_len(text: str, stop: Seq[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+    best = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
