@@ -1,0 +1,121 @@
+"""A tiny engine-free driver for model tests: paged KV cache, ragged prefill, greedy decode.
+
+It lays the batch out exactly as the runner does (cu_seqlens_q, context_lens, block_tables with
+-1 past the end, slot_mapping with -1 on padded rows), with blocks handed out in a shuffled order
+so that paging is exercised, and sets the forward context around each forward.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from atomrt.runtime.config import Config
+from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
+from atomrt.workers.layers.attention import collect_attention_layers
+
+
+@dataclass
+class KVCache:
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+
+
+@dataclass
+class HarnessResult:
+    logits: list[torch.Tensor] = field(default_factory=list)  # per step: [num_seqs, vocab] float32
+    sequences: list[list[int]] = field(default_factory=list)  # prompt + greedy tokens per sequence
+
+
+class PagedHarness:
+    def __init__(self, model: nn.Module, max_len: int, num_seqs: int, block_size: int = 4, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.layers = collect_attention_layers(model)
+        param = next(model.parameters())
+        self.max_blocks_per_seq = -(-max_len // block_size)
+        num_blocks = num_seqs * self.max_blocks_per_seq + 1
+        order = list(range(num_blocks))
+        random.Random(seed).shuffle(order)
+        self.block_tables = [order[s * self.max_blocks_per_seq : (s + 1) * self.max_blocks_per_seq] for s in range(num_seqs)]
+        self.kv_cache_data = {
+            f"layers.{i}": KVCache(
+                torch.zeros(num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=param.dtype, device=param.device),
+                torch.zeros(num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=param.dtype, device=param.device),
+            )
+            for i, a in self.layers.items()
+        }
+        self.config = Config(enforce_eager=True)
+
+    def step(self, new_tokens: list[list[int]], num_computed: list[int], num_pad_rows: int = 0) -> torch.Tensor:
+        """Run one step: sequence s appends new_tokens[s] after num_computed[s] cached tokens.
+
+        Returns the logits of each sequence's last row, [num_seqs, vocab] float32.
+        """
+        device = next(self.model.parameters()).device
+        input_ids, positions, slots, cu = [], [], [], [0]
+        for s, (tokens, start) in enumerate(zip(new_tokens, num_computed)):
+            for j, token in enumerate(tokens):
+                pos = start + j
+                input_ids.append(token)
+                positions.append(pos)
+                slots.append(self.block_tables[s][pos // self.block_size] * self.block_size + pos % self.block_size)
+            cu.append(cu[-1] + len(tokens))
+        input_ids += [0] * num_pad_rows
+        positions += [0] * num_pad_rows
+        slots += [-1] * num_pad_rows
+        context_lens = [start + len(t) for t, start in zip(new_tokens, num_computed)]
+        block_tables = [
+            bt[: -(-n // self.block_size)] + [-1] * (self.max_blocks_per_seq - -(-n // self.block_size))
+            for bt, n in zip(self.block_tables, context_lens)
+        ]
+        num_seqs = len(new_tokens)
+        md = AttentionMetaData(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_seqlen_q=max(len(t) for t in new_tokens),
+            max_seqlen_k=max(context_lens),
+            num_seqs=num_seqs,
+            num_tokens=cu[-1],
+            cu_seqlens_q_cpu=cu,
+            context_lens_cpu=context_lens,
+        )
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        context = Context(
+            positions=positions_t,
+            is_prefill=any(len(t) > 1 for t in new_tokens),
+            batch_size=num_seqs,
+            running_bs=num_seqs,
+            running_tokens=len(input_ids),
+        )
+        with torch.inference_mode(), set_forward_context(
+            md, self.config, context, no_compile_layers=self.layers, kv_cache_data=self.kv_cache_data
+        ):
+            hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=device), positions_t)
+            last_rows = torch.tensor(cu[1:], device=device) - 1
+            return self.model.compute_logits(hidden[last_rows])
+
+
+def run_prefill_and_decode(
+    model: nn.Module, prompts: list[list[int]], num_decode_steps: int, block_size: int = 4, num_pad_rows: int = 0
+) -> HarnessResult:
+    """Prefill every prompt in one ragged batch, then decode greedily `num_decode_steps` times."""
+    max_len = max(len(p) for p in prompts) + num_decode_steps + 1
+    harness = PagedHarness(model, max_len, len(prompts), block_size)
+    result = HarnessResult(sequences=[list(p) for p in prompts])
+    new_tokens = [list(p) for p in prompts]
+    num_computed = [0] * len(prompts)
+    for _ in range(num_decode_steps + 1):
+        logits = harness.step(new_tokens, num_computed, num_pad_rows)
+        result.logits.append(logits)
+        num_computed = [n + len(t) for n, t in zip(num_computed, new_tokens)]
+        next_tokens = logits.argmax(dim=-1).tolist()
+        for seq, token in zip(result.sequences, next_tokens):
+            seq.append(token)
+        new_tokens = [[t] for t in next_tokens]
+    return result

