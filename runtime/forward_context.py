@@ -50,6 +50,9 @@ class AttentionMetaData:
     num_tokens: int = 0  # real query rows (cu_seqlens_q[num_seqs])
     cu_seqlens_q_cpu: Optional[list[int]] = None
     context_lens_cpu: Optional[list[int]] = None
+    # True when the step replays (or records) a FULL request graph: the attention launch must then
+    # depend only on the bucket and read every length from the device buffers above.
+    graph_safe: bool = False
 
 
 @dataclass
