@@ -470,12 +470,12 @@ def token_graph_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def captured_token_sizes(model: torch.nn.Module, phase: Phase) -> list[int]:
     """Token buckets every unit of `model` recorded for `phase` (what a step of that phase may pad to)."""
-    units = token_graph_units(model)
-    if not units:
+    graphs = [unit.__dict__.get(_UNIT_GRAPH) for unit in token_graph_units(model)]
+    if not graphs or any(g is None for g in graphs):
         return []
-    sizes = set(token_graph_of(units[0]).captured_sizes(phase))
-    for unit in units[1:]:
-        sizes &= set(token_graph_of(unit).captured_sizes(phase))
+    sizes = set(graphs[0].captured_sizes(phase))
+    for graph in graphs[1:]:
+        sizes &= set(graph.captured_sizes(phase))
     return sorted(sizes)
 
 
