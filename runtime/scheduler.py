@@ -211,10 +211,11 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit waiting sequences FCFS with what is left of the budget. Returns tokens scheduled."""
+        """Admit waiting sequences FCFS with what is left of the budget, while fewer than
+        max_num_seqs sequences run. Returns the tokens scheduled."""
         bm = self.block_manager
         used = 0
-        while self.waiting and used < budget and len(out.scheduled) < self.config.max_num_seqs:
+        while self.waiting and used < budget and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             remaining = seq.num_tokens - bm.num_cached_tokens(seq)
             num_new = min(remaining, budget - used)

@@ -39,7 +39,7 @@ def step(sched: Scheduler) -> tuple[SchedulerOutput, list[Sequence]]:
         assert row.num_new_tokens >= 1
     assert out.num_batched_tokens == sum(r.num_new_tokens for r in out.scheduled)
     assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
-    assert out.num_seqs <= sched.config.max_num_seqs
+    assert out.num_seqs <= len(sched.running) <= sched.config.max_num_seqs
     sampled = {r.seq.seq_id: fake_model(r.seq.token_ids) for r in out.scheduled if r.is_sampled}
     return out, sched.postprocess(out, sampled)
 

@@ -189,6 +189,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
 def _exponential_noise(probs: torch.Tensor, t: SamplingTensors, generator: Optional[torch.Generator]) -> torch.Tensor:
     """q ~ Exp(1) of probs' shape; seeded rows from their own (seed, step) generator."""
     q = torch.empty_like(probs).exponential_(generator=generator)
+    # One small generator per seeded row and step: seeded requests are rare, determinism is the point.
     for i, seed in enumerate(t.seeds):
         if seed is not None:
             g = torch.Generator(device=probs.device)
