@@ -1,0 +1,149 @@
+"""Loader and tokenizer: user-facing errors, dummy weights at preset shapes, the embedded tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from atomrt.runtime.config import DEFAULT_MODEL, Config, ModelConfig
+from atomrt.workers.layers.tp_ops import TPInfo
+from atomrt.workers.loader import build_model, embedded_gguf_path, load_model, resolve_model
+from atomrt.workers.model_presets import preset_config
+from atomrt.workers.models.arch import arch_from_hf_config
+from tests.model_harness import run_prefill_and_decode
+
+
+def _load(model: str, load_format: str = "auto") -> None:
+    load_model(Config(model=model, model_config=ModelConfig(load_format=load_format)), "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )
+    folder = tmp_path_factory.mktemp("tiny")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    try:
+        return embedded_gguf_path()
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
+def _copy_folder(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_tiny_folder_loads(tiny_folder: Path) -> None:
+    _load(str(tiny_folder))
+
+
+def test_unknown_model_names_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ValueError, match="no-such-model"):
+        _load(str(missing))
+    with pytest.raises(ValueError, match="not-a-model-name"):
+        resolve_model("not-a-model-name")
+
+
+def test_missing_config_json(tiny_folder: Path, tmp_path: Path) -> None:
+    folder = _copy_folder(tiny_folder, tmp_path / "m")
+    (folder / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"config\.json") as e:
+        _load(str(folder))
+    assert str(folder) in str(e.value)
+
+
+def test_unsupported_architecture(tiny_folder: Path, tmp_path: Path) -> None:
+    folder = _copy_folder(tiny_folder, tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        _load(str(folder))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_safetensors(tiny_folder: Path, tmp_path: Path, damage: str) -> None:
+    folder = _copy_folder(tiny_folder, tmp_path / "m")
+    (file,) = folder.glob("*.safetensors")
+    data = file.read_bytes()
+    file.write_bytes(b"\x93garbage" * 100 if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(ValueError, match="safetensors") as e:
+        _load(str(folder))
+    assert str(file) in str(e.value)
+
+
+@pytest.mark.parametrize("keep_fraction", [0.0, 0.01, 0.6])
+def test_corrupt_gguf(gguf_path: Path, tmp_path: Path, keep_fraction: float) -> None:
+    bad = tmp_path / "bad.gguf"
+    if keep_fraction == 0.0:
+        bad.write_bytes(b"not a gguf file at all" * 50)
+    else:
+        with gguf_path.open("rb") as f:
+            bad.write_bytes(f.read(int(gguf_path.stat().st_size * keep_fraction)))
+    with pytest.raises(ValueError, match="GGUF") as e:
+        _load(str(bad))
+    assert str(bad) in str(e.value)
+
+
+def test_preset_needs_dummy() -> None:
+    with pytest.raises(ValueError, match="dummy"):
+        _load("Llama-3.2-1B")
+
+
+def test_dummy_smollm2_shapes_and_finite_logits() -> None:
+    config = Config(model="SmolLM2-135M", model_config=ModelConfig(load_format="dummy", seed=3))
+    loaded = load_model(config, "cpu", torch.float32)
+    assert sum(p.numel() for p in loaded.model.parameters()) == 134_515_008  # the published 134.5M
+    result = run_prefill_and_decode(loaded.model, [[1, 2, 3, 4, 5], [9, 8]], num_decode_steps=1)
+    assert all(torch.isfinite(step).all() for step in result.logits)
+    again = load_model(config, "cpu", torch.float32)
+    assert torch.equal(again.model.model.layers[0].mlp.down_proj.weight, loaded.model.model.layers[0].mlp.down_proj.weight)
+
+
+@pytest.mark.parametrize(
+    "preset, num_params", [("Llama-3.2-1B", 1_235_814_400), ("Llama-3.1-8B", 8_030_261_248)]
+)
+def test_preset_parameter_counts(preset: str, num_params: int) -> None:
+    arch = arch_from_hf_config(preset_config(preset), preset)
+    model = build_model(arch, "meta", torch.bfloat16, max_position=16)
+    assert sum(p.numel() for p in model.parameters()) == num_params
+    assert arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "llama3"
+
+
+def test_tp_shards_cover_the_model() -> None:
+    """With tp_size > num_kv_heads each rank holds one kv head; shards add up to the whole."""
+    arch = arch_from_hf_config(preset_config("SmolLM2-135M"), "preset")  # 9 heads, 3 kv heads
+    ranks = [build_model(arch, "meta", torch.float32, TPInfo(r, 3), max_position=16) for r in range(3)]
+    qkv = [m.model.layers[0].self_attn.qkv_proj for m in ranks]
+    assert [q.num_kv_heads for q in qkv] == [1, 1, 1] and [q.kv_head_start for q in qkv] == [0, 1, 2]
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        build_model(arch, "meta", torch.float32, TPInfo(0, 2), max_position=16)
+
+
+def test_embedded_tokenizer_round_trip_and_chat_template(gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from atomrt.workers.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    text = "The capital of France is Paris. ¿Qué tal? 1234"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.eos_token_ids == (2,)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert ids == tokenizer.encode(prompt, add_special_tokens=False) and ids[0] == 1  # <|im_start|>
