@@ -1,0 +1,240 @@
+"""Compiler adaptors: one interface, three implementations, picked by `make_compiler()`.
+
+- `InductorStandaloneAdaptor` (torch >= 2.8, the one used here): `torch._inductor.standalone_compile`,
+  artifacts saved "unpacked" into the cache directory and loaded with `CompiledArtifact.load`.
+- `InductorAdaptor` (torch < 2.8): `compile_fx` in process; see its docstring for what it caches.
+- `EagerAdaptor` (`use_inductor=False`): runs the FX graph as is; nothing to cache.
+
+A handle is what `compile()` returns for the index and `load()` takes back; it must be plain data
+(the index is a pprint-ed Python literal).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+import torch.fx
+
+from atomrt.compile.cache import CorruptCacheEntry, compiler_factors, verify_ready_marker, write_ready_marker
+
+logger = logging.getLogger("atomrt.compile.compiler")
+
+RuntimeShape = Optional[int]  # None: the general (dynamic) shape
+
+
+def _graph_returns_tuple(graph: torch.fx.GraphModule) -> bool:
+    from torch._inductor.compile_fx import graph_returns_tuple
+
+    return graph_returns_tuple(graph)
+
+
+def _first_device(example_inputs: list[Any]) -> torch.device:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
+
+
+class CompilerInterface:
+    """What the compiler manager needs from a compiler."""
+
+    name: str = "interface"
+
+    def initialize_cache(self, cache_dir: str, disable_cache: bool = False, prefix: str = "") -> None:
+        """Where artifacts go; `disable_cache` means compile every time and save nothing."""
+        self.cache_dir = Path(cache_dir)
+        self.disable_cache = disable_cache
+        self.prefix = prefix
+
+    def compute_hash(self, device: torch.device) -> str:
+        """Hash of the compiler's own state that changes the artifacts (versions, device)."""
+        blob = json.dumps({"name": self.name, **compiler_factors(device)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def compile(
+        self,
+        graph: torch.fx.GraphModule,
+        example_inputs: list[Any],
+        compiler_config: dict[str, Any],
+        runtime_shape: RuntimeShape = None,
+        key: Optional[str] = None,
+    ) -> tuple[Callable, Optional[Any]]:
+        """Compile `graph`; return the callable and a handle for `load()` (None: not cacheable)."""
+        raise NotImplementedError
+
+    def load(
+        self,
+        handle: Any,
+        graph: torch.fx.GraphModule,
+        example_inputs: list[Any],
+        graph_index: int,
+        runtime_shape: RuntimeShape = None,
+    ) -> Callable:
+        """Load what `compile()` saved under `handle`; raise `CorruptCacheEntry` if it is damaged."""
+        raise NotImplementedError
+
+
+class EagerAdaptor(CompilerInterface):
+    """No compiler: the piece runs as traced (`use_inductor=False`)."""
+
+    name = "eager"
+
+    def compile(self, graph, example_inputs, compiler_config, runtime_shape=None, key=None):
+        return graph, None
+
+    def load(self, handle, graph, example_inputs, graph_index, runtime_shape=None):
+        raise CorruptCacheEntry("the eager adaptor caches nothing")
+
+
+class InductorStandaloneAdaptor(CompilerInterface):
+    """Inductor through `standalone_compile` (torch >= 2.8); handle = (artifact directory name,)."""
+
+    name = "inductor_standalone"
+
+    def compile(self, graph, example_inputs, compiler_config, runtime_shape=None, key=None):
+        from torch._inductor import standalone_compile
+
+        patches = dict(compiler_config)
+        if isinstance(runtime_shape, int):
+            patches.update(max_autotune=True, coordinate_descent_tuning=True)
+        # The general shape reuses Dynamo's symbolic shapes (we run inside the backend call); a
+        # concrete size specialises on the real example inputs.
+        dynamic_shapes = "from_example_inputs" if isinstance(runtime_shape, int) else "from_tracing_context"
+        artifact = standalone_compile(
+            graph, example_inputs, dynamic_shapes=dynamic_shapes, options={"config_patches": patches}
+        )
+        if self.disable_cache or key is None:
+            return artifact, None
+        path = self.cache_dir / key
+        try:
+            artifact.save(path=str(path), format="unpacked")
+        except RuntimeError as e:  # e.g. something in the graph Inductor cannot serialise
+            logger.warning("compile cache: artifact %s could not be saved (%s); it will be recompiled next time", key, e)
+            shutil.rmtree(path, ignore_errors=True)
+            return artifact, None
+        _copy_native_objects(path)
+        write_ready_marker(path)
+        return artifact, (key,)
+
+    def load(self, handle, graph, example_inputs, graph_index, runtime_shape=None):
+        from torch._inductor import CompiledArtifact
+
+        (key,) = handle
+        path = self.cache_dir / key
+        verify_ready_marker(path)
+        try:
+            artifact = CompiledArtifact.load(path=str(path), format="unpacked")
+        except Exception as e:  # any failure inside Inductor's loader means a bad entry
+            raise CorruptCacheEntry(f"artifact {path} failed to load: {type(e).__name__}: {e}") from e
+        if _graph_returns_tuple(graph):
+            return artifact
+        # A loaded artifact always returns the flat output list; the traced piece returned one value.
+        return lambda *args: artifact(*args)[0]
+
+
+def _copy_native_objects(artifact_dir: Path) -> None:
+    """Put next to each saved C++ source the shared object this process already built from it.
+
+    An unpacked artifact holds kernel sources but not their builds; without the `.so` the loading
+    process runs the C++ compiler again (seconds per piece on CPU). Inductor names both by the
+    same content hash under its cache directory, so a missing one is simply rebuilt at load.
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    built_root = Path(cache_dir())
+    for source in list(artifact_dir.rglob("*.cpp")):
+        rel = source.relative_to(artifact_dir).with_suffix(".so")
+        built = built_root / rel
+        if built.is_file() and not (artifact_dir / rel).exists():
+            shutil.copy2(built, artifact_dir / rel)
+
+
+class AlwaysHitShapeEnv:
+    """A shape environment whose guards always hold.
+
+    Inductor's FX graph cache checks a cached graph's shape guards against the ambient
+    ShapeEnv; outside Dynamo's tracing there is none, so `InductorAdaptor` supplies this one.
+    """
+
+    def __init__(self) -> None:
+        self.guards: list[Any] = []
+
+    def evaluate_guards_expression(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def get_pruned_guards(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return []
+
+    def produce_guards_expression(self, *args: Any, **kwargs: Any) -> str:
+        return ""
+
+
+@contextmanager
+def _always_hit_shape_env() -> Iterator[None]:
+    """The one patch of torch internals in atomrt (the guide's InductorAdaptor): while Inductor
+    looks up its FX graph cache outside Dynamo, give it a ShapeEnv whose guards always pass."""
+    from unittest import mock
+
+    from torch._inductor.codecache import FxGraphCache
+
+    with mock.patch.object(FxGraphCache, "_get_shape_env", lambda: AlwaysHitShapeEnv()):
+        yield
+
+
+class InductorAdaptor(CompilerInterface):
+    """Inductor through `compile_fx` (torch < 2.8).
+
+    It relies on Inductor's own FX graph cache (pointed at our cache directory) to make a second
+    compile of the same graph a cache hit; `AlwaysHitShapeEnv` lets that lookup succeed outside
+    Dynamo. The handle records only the key. Not exercised on torch >= 2.8 (the package's floor).
+    """
+
+    name = "inductor"
+
+    def compile(self, graph, example_inputs, compiler_config, runtime_shape=None, key=None):
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = dict(compiler_config)
+        patches["fx_graph_cache"] = True
+        if isinstance(runtime_shape, int):
+            patches.update(max_autotune=True, coordinate_descent_tuning=True)
+        with inductor_config.patch(patches), _always_hit_shape_env():
+            compiled = compile_fx(graph, example_inputs)
+        return compiled, None if self.disable_cache or key is None else (key,)
+
+    def load(self, handle, graph, example_inputs, graph_index, runtime_shape=None):
+        compiled, _ = self.compile(graph, example_inputs, {}, runtime_shape, key=None)
+        return compiled
+
+
+def make_compiler(compilation_config: Any) -> CompilerInterface:
+    """`EagerAdaptor` without Inductor; otherwise the standalone adaptor where torch has it."""
+    if not compilation_config.use_inductor:
+        return EagerAdaptor()
+    if hasattr(torch._inductor, "standalone_compile") or _torch_at_least((2, 8)):
+        return InductorStandaloneAdaptor()
+    return InductorAdaptor()
+
+
+def _torch_at_least(version: tuple[int, int]) -> bool:
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    return (major, minor) >= version
+
+
+def graph_fingerprint(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> str:
+    """What the piece computes: its code and its inputs' dtypes and ranks (not sizes)."""
+    inputs: list[Union[str, list]] = [
+        [str(x.dtype), x.dim()] if isinstance(x, torch.Tensor) else "int" if isinstance(x, (int, torch.SymInt))
+        else type(x).__name__
+        for x in example_inputs
+    ]
+    blob = graph.code + json.dumps(inputs)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

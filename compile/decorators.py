@@ -1,0 +1,199 @@
+"""`@support_torch_compile`: compile a model class at levels 2 and 3, dispatch without guards.
+
+Usage (the `*Model` class of a model file; the config reaches it through the constructor):
+
+    @support_torch_compile
+    class LlamaModel(nn.Module):
+        def __init__(self, arch, tp): ...
+        def forward(self, input_ids, positions): ...
+
+    model = LlamaModel(arch, tp, config=config)   # config: atomrt.runtime.config.Config
+
+The decorator returns a subclass, made once at decoration time, whose bases are
+(TorchCompileWrapperWithCustomDispatcher, LlamaModel); nothing is patched at run time. The
+`config` keyword is consumed by the wrapper (and passed on too if `__init__` declares it).
+Without `config` the model runs eagerly.
+
+- Levels 0 and 1: `do_not_compile = True`; calls go to `nn.Module.__call__`. At level 1 the model
+  runner calls `compile_model(model, config)`, which runs `Module.compile(backend="eager",
+  fullgraph=True)` on each decorated submodule.
+- Levels 2 and 3: the first call marks dim 0 of every tensor argument dynamic (the token
+  dimension; it must hold >= 2 rows then) and runs `torch.compile(forward, backend=
+  PiecewiseCompileBackend, fullgraph=True, dynamic=False)`. A Dynamo bytecode hook records the
+  compiled code object; later calls run it directly with `forward`'s globals, so Dynamo's guards
+  are never evaluated again (the runner is responsible for keeping inputs of the traced kind).
+"""
+
+from __future__ import annotations
+
+import dis
+import inspect
+import logging
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from atomrt.compile.backends import PiecewiseCompileBackend, current_rank
+from atomrt.runtime.config import CompilationLevel, Config
+
+logger = logging.getLogger("atomrt.compile.decorators")
+
+DynamicArgDims = dict[str, Union[int, list[int]]]
+
+
+def start_monitoring_torch_compile(config: Config) -> float:
+    """Log the start of a model's compile; return the start time for the backend's Dynamo timing."""
+    logger.info("torch.compile at level %d starts", config.compilation_config.level)
+    return time.perf_counter()
+
+
+class TorchCompileWrapperWithCustomDispatcher:
+    """The compile half of a decorated model class; see the module docstring."""
+
+    _compile_prefix = "backbone"
+    _dynamic_arg_dims: Optional[DynamicArgDims] = None  # None: dim 0 of every tensor argument
+    _init_takes_config = False
+
+    def __init__(self, *args: Any, config: Optional[Config] = None, **kwargs: Any):
+        if self._init_takes_config:
+            kwargs["config"] = config
+        super().__init__(*args, **kwargs)
+        level = config.compilation_config.level if config is not None else CompilationLevel.NO_COMPILATION
+        self.atomrt_config = config
+        self.do_not_compile = level < CompilationLevel.DYNAMO_ONCE
+        self.use_custom_dispatcher = level >= CompilationLevel.DYNAMO_ONCE
+        self.compiled_codes: list[types.CodeType] = []
+        self._compiled_forward: Optional[Callable] = None
+        if self.do_not_compile:
+            return
+        self.compile_backend = PiecewiseCompileBackend(config, prefix=self._compile_prefix)
+        self.compiled_callable = torch.compile(
+            self.forward, backend=self.compile_backend, fullgraph=True, dynamic=False
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.do_not_compile:
+            return super().__call__(*args, **kwargs)
+        if self._compiled_forward is not None:
+            return self._compiled_forward(self, *args, **kwargs)
+        return self._compile_and_call(args, kwargs)
+
+    def bytecode_hook(self, old_code: types.CodeType, new_code: types.CodeType) -> None:
+        """Registered only around our first call: keep what Dynamo made of our `forward`."""
+        if old_code is type(self).forward.__code__:
+            self.compiled_codes.append(new_code)
+
+    def dispatch_to_code(self, index: int) -> Callable:
+        """A function running compiled code object `index` as `forward` (call it with self first)."""
+        forward = type(self).forward
+        fn = types.FunctionType(
+            self.compiled_codes[index], forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__
+        )
+        fn.__kwdefaults__ = forward.__kwdefaults__
+        return fn
+
+    def _compile_and_call(self, args: tuple, kwargs: dict) -> Any:
+        start = start_monitoring_torch_compile(self.atomrt_config)
+        self.compile_backend.compile_start = start
+        self._mark_dynamic(args, kwargs)
+        hook = torch._dynamo.convert_frame.register_bytecode_hook(self.bytecode_hook)
+        try:
+            output = self.compiled_callable(*args, **kwargs)
+        finally:
+            hook.remove()
+        self._install_dispatcher()
+        logger.info("torch.compile of %s took %.2f s in total", type(self).__name__, time.perf_counter() - start)
+        return output
+
+    def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:
+        bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
+        for name, value in bound.arguments.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            dims = (self._dynamic_arg_dims or {}).get(name, 0 if self._dynamic_arg_dims is None else None)
+            for dim in [dims] if isinstance(dims, int) else dims or []:
+                if value.shape[dim] < 2:
+                    raise ValueError(
+                        f"{type(self).__name__}: the first compiled call needs >= 2 rows in dim {dim} of "
+                        f"'{name}' (got {value.shape[dim]}; size 1 would be specialised). Warm up with a "
+                        "larger batch first."
+                    )
+                torch._dynamo.mark_dynamic(value, dim)
+
+    def _install_dispatcher(self) -> None:
+        cls_name = type(self).__name__
+        original = type(self).forward.__code__
+        if not self.compiled_codes:
+            logger.warning("%s: Dynamo produced no new code for forward; calls keep Dynamo's guards", cls_name)
+            self._compiled_forward = lambda _self, *a, **k: self.compiled_callable(*a, **k)
+            return
+        code = self.compiled_codes[0]
+        if "update" in code.co_names:
+            raise RuntimeError(
+                f"{cls_name}.forward assigns or updates nn.Module buffers (Dynamo's compiled code calls "
+                "`update`). The compiled model must not change its own state: under CUDA graphs the update "
+                "is replayed against captured memory and the results are silently wrong. Pass such state "
+                "in as an argument, or update it outside the compiled forward."
+            )
+        if code.co_freevars != original.co_freevars:
+            logger.warning("%s: compiled code has other free variables; calls keep Dynamo's guards", cls_name)
+            self._compiled_forward = lambda _self, *a, **k: self.compiled_callable(*a, **k)
+            return
+        self._compiled_forward = self.dispatch_to_code(0) if self.use_custom_dispatcher else None
+        self._dump_transformed_code(code)
+
+    def _dump_transformed_code(self, code: types.CodeType) -> None:
+        dump = self.atomrt_config.compilation_config.debug_dump_path if self.atomrt_config else ""
+        if not dump:
+            return
+        rank_dir = Path(dump) / f"rank_{current_rank()}"
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        forward = type(self).forward
+        text = (
+            f"# original source of {type(self).__qualname__}.forward\n"
+            + "".join("# " + line for line in inspect.getsourcelines(forward)[0])
+            + "\n# Dynamo's compiled bytecode (what the custom dispatcher runs)\n"
+            + dis.Bytecode(code).dis()
+        )
+        (rank_dir / f"transformed_code_{self._compile_prefix}.txt").write_text(text)
+
+
+def support_torch_compile(
+    cls: Optional[type] = None, *, dynamic_arg_dims: Optional[DynamicArgDims] = None, prefix: str = "backbone"
+) -> Any:
+    """Class decorator (also usable as `@support_torch_compile(dynamic_arg_dims=..., prefix=...)`).
+
+    `dynamic_arg_dims` maps forward argument names to the dims marked dynamic (default: dim 0 of
+    every tensor argument); `prefix` names the model's directory in the compile cache.
+    """
+
+    def decorate(model_cls: type) -> type:
+        if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
+            raise TypeError(f"@support_torch_compile decorates nn.Module classes, not {model_cls!r}")
+        namespace = {
+            "__module__": model_cls.__module__,
+            "__qualname__": model_cls.__qualname__,
+            "__doc__": model_cls.__doc__,
+            "_compile_prefix": prefix,
+            "_dynamic_arg_dims": dynamic_arg_dims,
+            "_init_takes_config": "config" in inspect.signature(model_cls.__init__).parameters,
+        }
+        return type(model_cls.__name__, (TorchCompileWrapperWithCustomDispatcher, model_cls), namespace)
+
+    return decorate if cls is None else decorate(cls)
+
+
+def compile_model(model: nn.Module, config: Config) -> nn.Module:
+    """What the model runner calls after loading: level 1 compiles with Dynamo only
+    (`backend="eager"`, `fullgraph=True`), in place; other levels change nothing here (levels 2
+    and 3 compile inside the decorated class on its first call). Returns `model`."""
+    if config.compilation_config.level != CompilationLevel.DYNAMO_AS_IS:
+        return model
+    targets = [m for m in model.modules() if isinstance(m, TorchCompileWrapperWithCustomDispatcher)] or [model]
+    for module in targets:
+        module.compile(backend="eager", fullgraph=True)
+    return model
