@@ -102,3 +102,55 @@ def test_embedded_gguf_matches_transformers() -> None:
     prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("def fibonacci(n):")]
     worst = _compare(loaded.model, hf_model, prompts, 2)
     assert worst <= TOLERANCE, f"{DEFAULT_MODEL}: max |logits - transformers| = {worst:.3g}"
+
+
+def test_dynamo_traces_without_graph_breaks(hf_folders: dict[str, Path]) -> None:
+    """The decoder traces in one graph with a dynamic token dimension (attention stays an opaque op)."""
+    loaded = load_model(Config(model=str(hf_folders["qwen3"])), "cpu", torch.float32)
+    eager = run_prefill_and_decode(loaded.model, PROMPTS, 1)
+    torch._dynamo.reset()
+    loaded.model.model = torch.compile(loaded.model.model, backend="eager", fullgraph=True, dynamic=True)
+    compiled = run_prefill_and_decode(loaded.model, PROMPTS, 1)
+    for a, b in zip(eager.logits, compiled.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def _tp_worker(rank: int, tp_size: int, folder: str, init_file: str, out_file: str) -> None:
+    import torch.distributed as dist
+
+    from atomrt.workers.layers.tp_ops import TPInfo
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp_size)
+    try:
+        tp = TPInfo(rank, tp_size, dist.group.WORLD)
+        loaded = load_model(Config(model=folder), "cpu", torch.float32, tp)
+        result = run_prefill_and_decode(loaded.model, PROMPTS, 2)
+        if rank == 0:
+            torch.save({"logits": result.logits, "sequences": result.sequences}, out_file)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_on_gloo_matches_transformers(tmp_path: Path) -> None:
+    """TP=2 with one kv head (replicated), qkv bias and an odd vocabulary (padded shards)."""
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(**{**_TINY, "num_key_value_heads": 1, "vocab_size": 127})
+    torch.manual_seed(1)
+    hf_model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf_model.save_pretrained(tmp_path / "model", safe_serialization=True)
+    out_file = tmp_path / "rank0.pt"
+    mp.spawn(_tp_worker, args=(2, str(tmp_path / "model"), str(tmp_path / "init"), str(out_file)), nprocs=2)
+    result = torch.load(out_file)
+    worst = 0.0
+    for s, prompt in enumerate(PROMPTS):
+        expected = _hf_logits(hf_model, result["sequences"][s][:-1], len(prompt))
+        got = torch.stack([step[s] for step in result["logits"]])
+        worst = max(worst, (got - expected).abs().max().item())
+    assert worst <= TOLERANCE, f"TP=2: max |logits - transformers| = {worst:.3g}"
