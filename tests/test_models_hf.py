@@ -154,3 +154,25 @@ def test_tensor_parallel_on_gloo_matches_transformers(tmp_path: Path) -> None:
         got = torch.stack([step[s] for step in result["logits"]])
         worst = max(worst, (got - expected).abs().max().item())
     assert worst <= TOLERANCE, f"TP=2: max |logits - transformers| = {worst:.3g}"
+
+
+def test_prefill_without_kv_cache_matches_paged(hf_folders: dict[str, Path]) -> None:
+    """Profiling runs have no KV cache: attention falls back to per-sequence causal attention."""
+    from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
+    from atomrt.workers.layers.attention import collect_attention_layers
+
+    model = load_model(Config(model=str(hf_folders["llama"])), "cpu", torch.float32).model
+    paged = run_prefill_and_decode(model, PROMPTS, 0).logits[0]
+    cu = [0]
+    for p in PROMPTS:
+        cu.append(cu[-1] + len(p))
+    input_ids = torch.tensor([t for p in PROMPTS for t in p])
+    positions = torch.tensor([i for p in PROMPTS for i in range(len(p))])
+    for md in (AttentionMetaData(cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), num_seqs=len(PROMPTS)), None):
+        if md is None:  # no metadata at all: the whole batch is one sequence
+            input_ids, positions, cu = input_ids[: len(PROMPTS[0])], positions[: len(PROMPTS[0])], cu[:2]
+        with torch.inference_mode(), set_forward_context(
+            md, Config(), Context(positions=positions), no_compile_layers=collect_attention_layers(model)
+        ):
+            logits = model.compute_logits(model(input_ids, positions)[torch.tensor(cu[1:]) - 1])
+        torch.testing.assert_close(logits, paged[: len(cu) - 1], rtol=0, atol=1e-5)

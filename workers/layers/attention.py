@@ -34,7 +34,10 @@ def unified_attention_with_output(
     kv = ctx.kv_cache_data.get(f"layers.{layer_idx}")
     if kv is None or md is None:
         # Profiling / dummy run: no cache, each sequence attends to its own rows.
-        cu_cpu = [0, q.shape[0]] if md is None else _host_list(md.cu_seqlens_q_cpu, md.cu_seqlens_q)
+        if md is None or (md.cu_seqlens_q_cpu is None and md.cu_seqlens_q is None):
+            cu_cpu = [0, q.shape[0]]  # all rows are one sequence
+        else:
+            cu_cpu = _host_list(md.cu_seqlens_q_cpu, md.cu_seqlens_q)
         causal_attention_no_cache(q, k, v, output, cu_cpu, layer.scale)
         return
     if q.is_cuda:

@@ -8,8 +8,6 @@ shard_id=None)` that reads only this rank's shard of `loaded_weight` (see weight
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 import torch.nn.functional as F
 from torch import nn
