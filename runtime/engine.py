@@ -1,0 +1,153 @@
+"""`LLMEngine`: the driver. Schedulers (one per DP rank), ForwardMode, the executor, outputs.
+
+The step reads top to bottom: schedule -> decide -> publish plan -> collect results -> postprocess.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Optional, Union
+
+from atomrt.runtime.block_manager import BlockManager
+from atomrt.runtime.config import Config
+from atomrt.runtime.executor import Executor, make_executor
+from atomrt.runtime.forward_mode import BatchShape, CapturedBuckets, ForwardMode
+from atomrt.runtime.outputs import RequestOutput, make_request_output
+from atomrt.runtime.plan_builder import RankPlanner, make_plan
+from atomrt.runtime.sampling_params import SamplingParams
+from atomrt.runtime.scheduler import Scheduler, SchedulerOutput
+from atomrt.runtime.sequence import Sequence
+from atomrt.distributed.messages import StepResult
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, list[int]]
+
+
+class LLMEngine:
+    def __init__(self, config: Config, tokenizer=None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.executor: Executor = make_executor(config)
+        info = self.executor.start()
+        self.info = info
+        self.max_model_len = info.max_model_len
+        self.eos_token_ids = frozenset(info.eos_token_ids) | frozenset(
+            tokenizer.eos_token_ids if tokenizer is not None else ()
+        )
+        dp = config.parallel_config.data_parallel_size
+        self.schedulers = [
+            Scheduler(
+                config.scheduler_config,
+                config.cache_config,
+                BlockManager(info.num_kv_blocks, config.cache_config.block_size, config.cache_config.enable_prefix_caching),
+                tokenizer=tokenizer,
+                max_model_len=self.max_model_len,
+            )
+            for _ in range(dp)
+        ]
+        self.planners = [RankPlanner() for _ in range(dp)]
+        captured = CapturedBuckets(info.req_keys, info.prefill_token_sizes, info.decode_token_sizes)
+        self.forward_mode = ForwardMode(config, captured)
+        self.step_no = 0
+        self._ids = itertools.count()
+        self._prompts: dict[str, Optional[str]] = {}
+        self._seqs: dict[str, tuple[int, Sequence]] = {}  # request_id -> (dp rank, sequence)
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(
+        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
+    ) -> str:
+        """Validate and queue a request; a ValueError leaves the engine as it was."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: send at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, which must "
+                "leave room for at least one generated token"
+            )
+        bad = [t for t in token_ids if not 0 <= t < self.info.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.info.vocab_size}): {bad[:5]}")
+        seq = Sequence(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
+        dp_rank = min(range(len(self.schedulers)), key=lambda r: self.schedulers[r].num_unfinished)
+        self.schedulers[dp_rank].add(seq)  # raises on requests that can never fit
+        self._seqs[request_id] = (dp_rank, seq)
+        self._prompts[request_id] = prompt if isinstance(prompt, str) else None
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        entry = self._seqs.pop(request_id, None)
+        if entry is None:
+            return
+        dp_rank, _ = entry
+        aborted = self.schedulers[dp_rank].abort(request_id)
+        self.planners[dp_rank].forget([s.seq_id for s in aborted])
+        self._prompts.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return any(s.has_unfinished() for s in self.schedulers)
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        outs = [s.schedule() for s in self.schedulers]
+        if all(o.is_empty for o in outs):
+            return []
+        decision = self.forward_mode.decide([_shape(o) for o in outs])
+        batches = [planner.batch(o) for planner, o in zip(self.planners, outs)]
+        results = self.executor.execute(make_plan(self.step_no, decision, batches))
+        self.step_no += 1
+        return self._postprocess(outs, results)
+
+    def _postprocess(self, outs: list[SchedulerOutput], results: list[StepResult]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for dp_rank, (out, res) in enumerate(zip(outs, results)):
+            if res.error:
+                raise RuntimeError(f"DP rank {dp_rank} failed step {res.step}: {res.error}")
+            sampled = dict(zip(res.seq_ids.tolist(), res.sampled_token_ids.tolist()))
+            finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res))
+            self.planners[dp_rank].forget([s.seq_id for s in finished])
+            for row in out.scheduled:
+                if row.is_sampled:
+                    outputs.append(make_request_output(row.seq, self._prompts.get(row.seq.request_id)))
+            for seq in finished:
+                self._seqs.pop(seq.request_id, None)
+                self._prompts.pop(seq.request_id, None)
+        return outputs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: send prompt token ids")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("prompt must be a string or a list of token ids")
+        return list(prompt)
+
+
+def _shape(out: SchedulerOutput) -> BatchShape:
+    if out.is_empty:
+        return BatchShape.idle()
+    return BatchShape(out.num_seqs, out.num_tokens, out.max_seqlen_q, out.is_prefill)
+
+
+def _logprobs(res: StepResult) -> Optional[dict[int, dict[int, float]]]:
+    if res.logprobs is None:
+        return None
+    out: dict[int, dict[int, float]] = {}
+    for i, (seq_id, tok) in enumerate(zip(res.seq_ids.tolist(), res.sampled_token_ids.tolist())):
+        row = {int(t): float(lp) for t, lp in zip(res.top_logprob_ids[i].tolist(), res.top_logprobs[i].tolist())}
+        row[int(tok)] = float(res.logprobs[i])
+        out[seq_id] = row
+    return out

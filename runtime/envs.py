@@ -1,0 +1,30 @@
+"""Every environment variable atomrt reads, declared once, typed, and read once at start-up.
+
+Code reads `ENV.<name>` from the snapshot `read_env()` returns; nothing else calls os.environ.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Env:
+    cache_root: Path  # ATOMRT_CACHE_ROOT: root of compile caches (default ~/.cache/atomrt)
+    log_level: str  # ATOMRT_LOG_LEVEL: logging level for the "atomrt" loggers (default INFO)
+    ray_address: str  # RAY_ADDRESS: an existing Ray cluster to join ("" = start a local one)
+    host_ip: str  # ATOMRT_HOST_IP: this node's address for tcp:// transport ("" = detect)
+
+
+def read_env() -> Env:
+    return Env(
+        cache_root=Path(os.environ.get("ATOMRT_CACHE_ROOT", "") or Path.home() / ".cache" / "atomrt"),
+        log_level=os.environ.get("ATOMRT_LOG_LEVEL", "INFO").upper(),
+        ray_address=os.environ.get("RAY_ADDRESS", ""),
+        host_ip=os.environ.get("ATOMRT_HOST_IP", ""),
+    )
+
+
+ENV = read_env()

@@ -1,0 +1,77 @@
+"""Executors: how the driver reaches its workers. One interface, three implementations.
+
+- `inproc`: one Worker in the driver's process (TP = DP = 1); plans are passed as objects.
+- `mp`: spawned local processes running the same worker loop (runtime/executor_mp.py).
+- `ray`: one Ray actor per (DP, TP) rank in a placement group (runtime/executor_ray.py).
+Start-up (`start`) is control-plane work; `execute` is the per-step hot path.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from typing import TYPE_CHECKING
+
+from atomrt.distributed.messages import StepPlan, StepResult
+from atomrt.runtime.config import Config
+
+if TYPE_CHECKING:
+    from atomrt.workers.worker import WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A worker failed or stopped answering; the message names the rank and the phase."""
+
+
+class Executor(abc.ABC):
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def start(self) -> "WorkerInfo":
+        """Launch workers, load the model, size the KV cache (the group's minimum), capture graphs."""
+
+    @abc.abstractmethod
+    def execute(self, plan: StepPlan) -> list[StepResult]:
+        """Run one step on every worker; one StepResult per DP rank, in DP-rank order."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker; never blocks without a bound."""
+
+
+class InProcExecutor(Executor):
+    def start(self) -> "WorkerInfo":
+        from atomrt.workers.worker import Worker
+
+        pc = self.config.parallel_config
+        if pc.world_size != 1:
+            raise ValueError(
+                "parallel_config.executor='inproc' runs one worker; use executor 'mp' or 'ray' for "
+                f"tensor_parallel_size={pc.tensor_parallel_size}, data_parallel_size={pc.data_parallel_size}"
+            )
+        self.worker = Worker(self.config)
+        return self.worker.initialize(self.worker.determine_num_blocks())
+
+    def execute(self, plan: StepPlan) -> list[StepResult]:
+        result = self.worker.execute_plan(plan)
+        assert result is not None
+        return [result]
+
+    def shutdown(self) -> None:
+        self.worker = None
+
+
+def make_executor(config: Config) -> Executor:
+    kind = config.parallel_config.executor
+    if kind == "inproc":
+        return InProcExecutor(config)
+    if kind == "mp":
+        from atomrt.runtime.executor_mp import MPExecutor
+
+        return MPExecutor(config)
+    from atomrt.runtime.executor_ray import RayExecutor
+
+    return RayExecutor(config)

@@ -1,0 +1,91 @@
+# Hot path (driver, once per step): a SchedulerOutput -> the RankBatch that workers need.
+# What may live here: deciding what workers lack (new requests, new block-table entries).
+"""Building `StepPlan`s: ship the minimum. A sequence's prompt and sampling parameters go once, as a
+`NewRequest`; a decode step ships its new token and any new block ids only."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from atomrt.distributed.messages import NewRequest, RankBatch, StepPlan
+from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
+from atomrt.runtime.scheduler import SchedulerOutput
+from atomrt.runtime.sequence import Sequence
+
+_MODE_OF_KIND = {
+    ForwardKind.EAGER: StepPlan.MODE_EAGER,
+    ForwardKind.TOKEN_GRAPH: StepPlan.MODE_TOKEN_GRAPH,
+    ForwardKind.REQ_GRAPH: StepPlan.MODE_REQUEST_GRAPH,
+}
+
+
+def new_request(seq: Sequence) -> NewRequest:
+    p = seq.sampling_params
+    return NewRequest(
+        seq_id=seq.seq_id,
+        token_ids=np.asarray(seq.prompt_token_ids, dtype=np.int32),
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=-1 if p.seed is None else p.seed,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logprobs=-1 if p.logprobs is None else p.logprobs,
+    )
+
+
+class RankPlanner:
+    """One DP rank's view of what its workers hold: which sequences, how many block-table entries."""
+
+    def __init__(self) -> None:
+        self.known_blocks: dict[int, int] = {}  # seq_id -> block-table entries the workers hold
+        self.pending_finished: list[int] = []
+
+    def forget(self, seq_ids: list[int]) -> None:
+        """Sequences that finished or were aborted: the next plan tells the workers to free them."""
+        for s in seq_ids:
+            if self.known_blocks.pop(s, None) is not None:
+                self.pending_finished.append(s)
+
+    def batch(self, out: SchedulerOutput) -> RankBatch:
+        preempted = [s.seq_id for s in out.preempted if s.seq_id in self.known_blocks]
+        for s in preempted:
+            self.known_blocks[s] = 0
+        new_requests, updates, input_ids = [], {}, []
+        for row in out.scheduled:
+            seq = row.seq
+            known = self.known_blocks.get(seq.seq_id)
+            if known is None:
+                new_requests.append(new_request(seq))
+                known = 0
+            if len(seq.block_table) > known:
+                updates[seq.seq_id] = (known, np.asarray(seq.block_table[known:], dtype=np.int32))
+            self.known_blocks[seq.seq_id] = len(seq.block_table)
+            input_ids.extend(seq.token_ids[row.num_computed_tokens : row.num_computed_tokens + row.num_new_tokens])
+        finished, self.pending_finished = self.pending_finished, []
+        return RankBatch(
+            new_requests=new_requests,
+            seq_ids=np.asarray([r.seq.seq_id for r in out.scheduled], dtype=np.int64),
+            num_new_tokens=np.asarray([r.num_new_tokens for r in out.scheduled], dtype=np.int32),
+            num_computed_tokens=np.asarray([r.num_computed_tokens for r in out.scheduled], dtype=np.int32),
+            input_ids=np.asarray(input_ids, dtype=np.int32),
+            block_table_updates=updates,
+            sample_mask=np.asarray([r.is_sampled for r in out.scheduled], dtype=np.bool_),
+            finished_seq_ids=np.asarray(finished, dtype=np.int64),
+            preempted_seq_ids=np.asarray(preempted, dtype=np.int64),
+        )
+
+
+def make_plan(step: int, decision: ForwardDecision, batches: list[RankBatch]) -> StepPlan:
+    return StepPlan(
+        step=step,
+        mode=_MODE_OF_KIND[decision.kind],
+        bucket=decision.token_bucket or (decision.req_key[0] if decision.req_key else 0),
+        running_bs=decision.running_bs,
+        running_tokens=decision.running_tokens,
+        is_prefill=decision.is_prefill,
+        num_tokens_across_dp=list(decision.dp_num_tokens),
+        ranks=batches,
+    )

@@ -1,0 +1,142 @@
+# Hot path (worker, once per step): turning a RankBatch plan into host arrays for the runner.
+# What may live here: the worker's mirror of its sequences and numpy arithmetic. No torch.
+"""The worker's view of its sequences, and one step's inputs as host (numpy) arrays.
+
+The driver ships a decode step's new tokens and new block-table entries only (distributed.messages);
+the worker keeps the rest in `SeqMirror`s: the block table, the sampling parameters and, for
+penalties, the token history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from atomrt.distributed.messages import NewRequest, RankBatch
+
+
+@dataclass
+class WorkerSamplingParams:
+    """What the sampler reads per row (the SamplingParams fields a worker needs)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Optional[int] = None
+
+    @classmethod
+    def from_request(cls, r: NewRequest) -> "WorkerSamplingParams":
+        return cls(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            min_p=r.min_p,
+            seed=None if r.seed < 0 else r.seed,
+            repetition_penalty=r.repetition_penalty,
+            presence_penalty=r.presence_penalty,
+            frequency_penalty=r.frequency_penalty,
+            logprobs=None if r.logprobs < 0 else r.logprobs,
+        )
+
+
+@dataclass
+class SeqMirror:
+    sampling_params: WorkerSamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepInputs:
+    """One DP rank's step as host arrays, rows in plan order."""
+
+    seq_ids: np.ndarray  # int64 [bs]
+    input_ids: np.ndarray  # int64 [num_tokens]
+    positions: np.ndarray  # int64 [num_tokens]
+    slot_mapping: np.ndarray  # int64 [num_tokens]
+    cu_seqlens_q: np.ndarray  # int32 [bs + 1]
+    context_lens: np.ndarray  # int32 [bs]: KV length after this step
+    block_tables: np.ndarray  # int32 [bs, max_blocks], -1 past each table's end
+    sample_seq_idx: np.ndarray  # int64 [num_sampled]: which sequences sample this step
+    sample_rows: np.ndarray  # int64 [num_sampled]: their last query row
+    is_prefill: bool
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return int(np.diff(self.cu_seqlens_q).max(initial=0))
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return int(self.context_lens.max(initial=0))
+
+
+class SeqMirrors:
+    """The worker's sequences: applies a plan's updates and builds its `StepInputs`."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.seqs: dict[int, SeqMirror] = {}
+
+    def apply(self, batch: RankBatch) -> None:
+        for seq_id in batch.finished_seq_ids.tolist():
+            self.seqs.pop(seq_id, None)
+        for seq_id in batch.preempted_seq_ids.tolist():
+            if seq_id in self.seqs:
+                self.seqs[seq_id].block_table.clear()
+        for r in batch.new_requests:
+            self.seqs[r.seq_id] = SeqMirror(WorkerSamplingParams.from_request(r), r.token_ids.tolist())
+        for seq_id, (start, blocks) in batch.block_table_updates.items():
+            table = self.seqs[seq_id].block_table
+            del table[start:]
+            table.extend(blocks.tolist())
+
+    def build(self, batch: RankBatch) -> StepInputs:
+        """Positions, slots, cu_seqlens and block tables of the plan's rows (vectorised per step)."""
+        q_lens = batch.num_new_tokens.astype(np.int64)
+        computed = batch.num_computed_tokens.astype(np.int64)
+        bs = q_lens.shape[0]
+        cu = np.zeros(bs + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+        seq_of_row = np.repeat(np.arange(bs), q_lens)
+        positions = computed[seq_of_row] + (np.arange(num_tokens) - cu[:-1][seq_of_row])
+        tables = [self.seqs[s].block_table for s in batch.seq_ids.tolist()]
+        width = max((len(t) for t in tables), default=0)
+        block_tables = np.full((bs, max(width, 1)), -1, dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = t
+        blocks = block_tables[seq_of_row, positions // self.block_size].astype(np.int64)
+        slot_mapping = blocks * self.block_size + positions % self.block_size
+        sample_seq_idx = np.nonzero(batch.sample_mask)[0].astype(np.int64)
+        return StepInputs(
+            seq_ids=batch.seq_ids.astype(np.int64),
+            input_ids=batch.input_ids.astype(np.int64),
+            positions=positions.astype(np.int64),
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=cu,
+            context_lens=(computed + q_lens).astype(np.int32),
+            block_tables=block_tables,
+            sample_seq_idx=sample_seq_idx,
+            sample_rows=cu[1:][sample_seq_idx].astype(np.int64) - 1,
+            is_prefill=bool(bs and (q_lens.max() > 1 or np.any(computed == 0))),
+        )
+
+    def record_sampled(self, seq_ids: list[int], token_ids: list[int]) -> None:
+        for s, t in zip(seq_ids, token_ids):
+            self.seqs[s].output_token_ids.append(t)

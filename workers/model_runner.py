@@ -1,0 +1,195 @@
+# Hot path (worker, once per step): prepare inputs -> run_model -> sample. What may live here: the
+# static input buffers, filling them by slicing, the eager / graph-replay dispatch that the step's
+# ForwardDecision names, and sampling. Capture runs once (capture_cudagraph); KV sizing in kv_cache.
+"""`ModelRunner`: owns the model, its static input buffers (`forward_vars`), the KV cache and the graphs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from atomrt.graphs.region_graph import ReqGraph, captured_token_sizes
+from atomrt.runtime.config import Config, CUDAGraphMode
+from atomrt.runtime.forward_context import AttentionMetaData, Context, DPMetadata, set_forward_context
+from atomrt.runtime.forward_mode import CapturedBuckets, ForwardDecision, ForwardKind
+from atomrt.workers.input_batch import StepInputs
+from atomrt.workers.kv_cache import KVCacheTensor, KVLayerSpec, allocate_kv_cache, kv_bytes_per_block
+from atomrt.workers.layers.attention import collect_attention_layers
+from atomrt.workers.layers.tp_ops import TPInfo
+from atomrt.workers.loader import load_model
+from atomrt.workers.sampler import Sampler, SamplerOutput, SamplingTensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    sampled: SamplerOutput  # rows = StepInputs.sample_seq_idx order
+    num_sampled: int
+
+
+def resolve_device(config: Config, local_device: Optional[int] = None) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' was asked for but no CUDA device is visible")
+    return torch.device("cuda", local_device if local_device is not None else torch.cuda.current_device())
+
+
+def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
+    name = config.model_config.dtype
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+class ModelRunner:
+    def __init__(self, config: Config, device: torch.device, tp: TPInfo = TPInfo(), rank: int = 0) -> None:
+        self.config = config
+        self.device = device
+        self.rank = rank
+        self.dtype = resolve_dtype(config, device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        loaded = load_model(config, device, self.dtype, tp)
+        self.model, self.arch = loaded.model, loaded.arch
+        self.max_model_len = config.model_config.max_model_len or self.arch.max_position
+        self.block_size = config.cache_config.block_size
+        self.attn_layers = collect_attention_layers(self.model)
+        self.kv_cache: dict[str, KVCacheTensor] = {}
+        self.sampler = Sampler()
+        self.enforce_eager = config.enforce_eager or device.type != "cuda"
+        self.capture_sizes: list[int] = []
+        self.req_graph: Optional[ReqGraph] = None
+        self._allocate_static_buffers()
+
+    # ---------------------------------------------------------------- buffers and KV cache
+
+    def _allocate_static_buffers(self) -> None:
+        sc = self.config.scheduler_config
+        self.max_num_seqs = sc.max_num_seqs
+        max_capture = max(self.config.capture_sizes or [0])
+        self.max_num_tokens = max(sc.max_num_batched_tokens, max_capture)
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        dev, n, s = self.device, self.max_num_tokens, self.max_num_seqs
+        self.forward_vars: dict[str, torch.Tensor] = {
+            "input_ids": torch.zeros(n, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(n, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.full((n,), -1, dtype=torch.int64, device=dev),
+            "cu_seqlens_q": torch.zeros(s + 1, dtype=torch.int32, device=dev),
+            "context_lens": torch.zeros(s, dtype=torch.int32, device=dev),
+            "block_tables": torch.full((s, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
+            "outputs": torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=dev),
+        }
+
+    def kv_layer_specs(self) -> list[KVLayerSpec]:
+        return [KVLayerSpec(i, a.num_kv_heads, a.head_dim) for i, a in sorted(self.attn_layers.items())]
+
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.kv_layer_specs(), self.block_size, self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = allocate_kv_cache(self.kv_layer_specs(), num_blocks, self.block_size, self.dtype, self.device)
+        self.num_kv_blocks = num_blocks
+
+    # ---------------------------------------------------------------- one step
+
+    def prepare(self, inputs: StepInputs, decision: ForwardDecision) -> tuple[AttentionMetaData, Context]:
+        """Copy the step into the static buffers (padding rows zeroed, padded slots -1)."""
+        fv = self.forward_vars
+        n, bs = inputs.num_tokens, inputs.num_seqs
+        rows = max(decision.running_tokens, n)
+        seqs = decision.running_bs if decision.kind is ForwardKind.REQ_GRAPH else bs
+        _fill(fv["input_ids"], inputs.input_ids, rows, 0)
+        _fill(fv["positions"], inputs.positions, rows, 0)
+        _fill(fv["slot_mapping"], inputs.slot_mapping, rows, -1)
+        _fill(fv["cu_seqlens_q"], inputs.cu_seqlens_q, seqs + 1, n)
+        _fill(fv["context_lens"], inputs.context_lens, seqs, 0)
+        width = inputs.block_tables.shape[1]
+        if bs:
+            fv["block_tables"][:bs, :width].copy_(torch.from_numpy(inputs.block_tables), non_blocking=True)
+        if seqs > bs:
+            fv["block_tables"][bs:seqs].fill_(-1)
+        md = AttentionMetaData(
+            cu_seqlens_q=fv["cu_seqlens_q"][: seqs + 1],
+            context_lens=fv["context_lens"][:seqs],
+            block_tables=fv["block_tables"][:seqs],
+            slot_mapping=fv["slot_mapping"][:rows],
+            max_seqlen_q=max(inputs.max_seqlen_q, 1 + decision.draft_num if not decision.is_prefill else 0),
+            max_seqlen_k=inputs.max_seqlen_k,
+            num_seqs=seqs,
+            num_tokens=n,
+            cu_seqlens_q_cpu=inputs.cu_seqlens_q.tolist(),
+            context_lens_cpu=inputs.context_lens.tolist(),
+            graph_safe=decision.kind is ForwardKind.REQ_GRAPH,
+        )
+        context = Context(
+            positions=fv["positions"][:rows],
+            is_prefill=decision.is_prefill,
+            batch_size=bs,
+            running_bs=decision.running_bs,
+            running_tokens=rows,
+        )
+        return md, context
+
+    def execute(self, inputs: StepInputs, decision: ForwardDecision, sampling: SamplingTensors) -> StepOutput:
+        md, context = self.prepare(inputs, decision)
+        dp = DPMetadata.make(list(decision.dp_num_tokens), decision.running_tokens) if decision.dp_num_tokens else None
+        rows = context.running_tokens
+        logits_indices = torch.from_numpy(inputs.sample_rows).to(self.device, non_blocking=True)
+        with set_forward_context(
+            md, self.config, context, no_compile_layers=self.attn_layers, kv_cache_data=self.kv_cache,
+            dp_metadata=dp, tr_graph=decision.tr_graph,
+        ):
+            logits, _ = self.run_model(self.forward_vars["input_ids"][:rows], decision, logits_indices)
+        return StepOutput(self.sampler(logits, sampling), int(inputs.sample_rows.shape[0]))
+
+    def run_model(
+        self, input_ids: torch.Tensor, decision: ForwardDecision, logits_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward the step's ForwardDecision names: eager, ReqGraph.replay, or the token graph.
+
+        Under TOKEN_GRAPH the forward context says tr_graph="replay" and the model's `@token_graph`
+        unit replays its recording; under REQ_GRAPH the request bucket's graph replays and its
+        output is `forward_vars["outputs"]`. Logits are computed for `logits_indices` rows only.
+        """
+        num_rows = input_ids.shape[0]
+        if decision.kind is ForwardKind.REQ_GRAPH:
+            self.req_graph.replay(decision.req_key)
+            hidden_states = self.forward_vars["outputs"][:num_rows]
+        else:
+            hidden_states = self.model(input_ids, self.forward_vars["positions"][:num_rows])
+        return self.model.compute_logits(hidden_states[logits_indices]), hidden_states
+
+    # ---------------------------------------------------------------- capture
+
+    @torch.inference_mode()
+    def capture_cudagraph(self) -> tuple[float, list[int]]:
+        """Record the graphs of the step kinds the CUDA-graph mode replays; see graphs/capture.py."""
+        from atomrt.workers.graph_capture import capture_all
+
+        return capture_all(self)
+
+    def captured_buckets(self) -> CapturedBuckets:
+        """What capture recorded, for the driver's ForwardMode."""
+        mode = self.config.cudagraph_mode
+        if self.enforce_eager or mode == CUDAGraphMode.NONE:
+            return CapturedBuckets()
+        return CapturedBuckets(
+            req_keys=tuple(self.req_graph.keys()) if self.req_graph is not None else (),
+            prefill_token_sizes=tuple(captured_token_sizes(self.model, "prefill")),
+            decode_token_sizes=tuple(captured_token_sizes(self.model, "decode")),
+        )
+
+
+def _fill(buffer: torch.Tensor, values: np.ndarray, length: int, pad: Any) -> None:
+    """buffer[:len(values)] = values; buffer[len(values):length] = pad."""
+    n = values.shape[0]
+    if n:
+        buffer[:n].copy_(torch.from_numpy(values), non_blocking=True)
+    if length > n:
+        buffer[n:length].fill_(pad)

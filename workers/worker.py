@@ -1,0 +1,156 @@
+"""`Worker`: one (DP rank, TP rank). It owns a ModelRunner and the mirror of its sequences,
+applies each `StepPlan`, runs the step and, on TP rank 0, returns a `StepResult`.
+
+The same class runs in-process, in an `mp` child process and as a Ray actor; the transport loop
+that feeds it plans lives in workers/worker_loop.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from atomrt.distributed.messages import RankBatch, StepPlan, StepResult
+from atomrt.runtime.config import Config
+from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
+from atomrt.workers.input_batch import SeqMirrors
+from atomrt.workers.kv_sizing import determine_num_blocks
+from atomrt.workers.layers.tp_ops import TPInfo
+from atomrt.workers.model_runner import ModelRunner, resolve_device
+from atomrt.workers.sampler import SamplingTensors
+
+logger = logging.getLogger(__name__)
+
+_KIND_OF_MODE = {
+    StepPlan.MODE_EAGER: ForwardKind.EAGER,
+    StepPlan.MODE_TOKEN_GRAPH: ForwardKind.TOKEN_GRAPH,
+    StepPlan.MODE_REQUEST_GRAPH: ForwardKind.REQ_GRAPH,
+}
+
+
+def decision_of(plan: StepPlan) -> ForwardDecision:
+    """The ForwardDecision a plan carries (no draft tokens: draft_num is 0)."""
+    kind = _KIND_OF_MODE[plan.mode]
+    return ForwardDecision(
+        kind=kind,
+        running_bs=plan.running_bs,
+        running_tokens=plan.running_tokens,
+        is_prefill=plan.is_prefill,
+        req_key=(plan.running_bs, 0) if kind is ForwardKind.REQ_GRAPH else None,
+        token_bucket=plan.bucket if kind is ForwardKind.TOKEN_GRAPH else None,
+        dp_num_tokens=tuple(plan.num_tokens_across_dp),
+    )
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the driver learns from a worker at start-up (plain data: crosses Ray and mp)."""
+
+    num_kv_blocks: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    capture_seconds: float
+    capture_sizes: tuple[int, ...]
+    req_keys: tuple[tuple[int, int], ...]
+    prefill_token_sizes: tuple[int, ...]
+    decode_token_sizes: tuple[int, ...]
+
+
+class Worker:
+    def __init__(
+        self,
+        config: Config,
+        dp_rank: int = 0,
+        tp_rank: int = 0,
+        local_device: Optional[int] = None,
+        tp_group: Any = None,
+    ) -> None:
+        self.config = config
+        self.dp_rank, self.tp_rank = dp_rank, tp_rank
+        tp = TPInfo(tp_rank, config.parallel_config.tensor_parallel_size, tp_group)
+        device = resolve_device(config, local_device)
+        rank = dp_rank * config.parallel_config.tensor_parallel_size + tp_rank
+        self.runner = ModelRunner(config, device, tp, rank=rank)
+        self.mirrors = SeqMirrors(config.cache_config.block_size)
+        self.next_step = 0
+
+    def determine_num_blocks(self) -> int:
+        return determine_num_blocks(self.runner).num_blocks
+
+    def initialize(self, num_blocks: int) -> WorkerInfo:
+        """Allocate the KV cache (the group agreed on `num_blocks`) and capture graphs."""
+        self.runner.allocate_kv_cache(num_blocks)
+        seconds, sizes = self.runner.capture_cudagraph()
+        captured = self.runner.captured_buckets()
+        arch = self.runner.arch
+        return WorkerInfo(
+            num_kv_blocks=num_blocks,
+            vocab_size=arch.vocab_size,
+            max_model_len=self.runner.max_model_len,
+            eos_token_ids=tuple(arch.eos_token_ids),
+            capture_seconds=seconds,
+            capture_sizes=tuple(sizes),
+            req_keys=captured.req_keys,
+            prefill_token_sizes=captured.prefill_token_sizes,
+            decode_token_sizes=captured.decode_token_sizes,
+        )
+
+    def execute_plan(self, plan: StepPlan) -> Optional[StepResult]:
+        if plan.step != self.next_step:
+            raise RuntimeError(
+                f"worker dp={self.dp_rank} tp={self.tp_rank}: got plan step {plan.step}, expected {self.next_step}"
+            )
+        self.next_step += 1
+        batch = plan.ranks[self.dp_rank]
+        self.mirrors.apply(batch)
+        decision = decision_of(plan)
+        if batch.num_seqs == 0:
+            return self._idle(plan, decision)
+        inputs = self.mirrors.build(batch)
+        seq_ids = inputs.seq_ids[inputs.sample_seq_idx].tolist()
+        mirrors = [self.mirrors.seqs[s] for s in seq_ids]
+        sampling = SamplingTensors.from_params(
+            [m.sampling_params for m in mirrors],
+            [m.prompt_token_ids for m in mirrors],
+            [m.output_token_ids for m in mirrors],
+            self.runner.arch.vocab_size,
+            self.runner.device,
+        )
+        out = self.runner.execute(inputs, decision, sampling)
+        if self.tp_rank != 0:
+            return None
+        tokens = out.sampled.sampled_token_ids.tolist()  # the step's one host synchronisation
+        self.mirrors.record_sampled(seq_ids, tokens)
+        return self._result(plan.step, seq_ids, tokens, out.sampled.logprobs)
+
+    def _idle(self, plan: StepPlan, decision: ForwardDecision) -> Optional[StepResult]:
+        """A DP rank with no work runs a dummy batch of the decision's shape, so collectives match."""
+        if len(plan.ranks) > 1 and decision.running_tokens > 0:
+            from atomrt.workers.graph_capture import dummy_decode_inputs
+
+            shape = decision.dummy_batch()
+            q = max(shape.max_seqlen_q, 1)
+            inputs = dummy_decode_inputs(max(shape.num_tokens // q, 1), q)
+            empty = SamplingTensors.from_params([], [], [], self.runner.arch.vocab_size, self.runner.device)
+            inputs.sample_seq_idx = inputs.sample_seq_idx[:0]
+            inputs.sample_rows = inputs.sample_rows[:0]
+            self.runner.execute(inputs, decision, empty)
+        return None if self.tp_rank != 0 else StepResult(step=plan.step, dp_rank=self.dp_rank)
+
+    def _result(self, step: int, seq_ids: list[int], tokens: list[int], logprobs: Any) -> StepResult:
+        res = StepResult(
+            step=step,
+            dp_rank=self.dp_rank,
+            seq_ids=np.asarray(seq_ids, dtype=np.int64),
+            sampled_token_ids=np.asarray(tokens, dtype=np.int32),
+        )
+        if logprobs is not None:
+            res.logprobs = logprobs.sampled_logprobs.float().cpu().numpy()
+            res.top_logprob_ids = logprobs.top_token_ids.to(torch.int32).cpu().numpy()
+            res.top_logprobs = logprobs.top_logprobs.float().cpu().numpy()
+        return res
