@@ -42,8 +42,8 @@ tests can drive the segment / eager sequencing with a fake backend that only log
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Optional, Protocol
 
@@ -51,25 +51,48 @@ import torch
 
 from atomrt.runtime.forward_context import get_forward_context
 
-logger = logging.getLogger(__name__)
-
 Phase = Literal["prefill", "decode"]
 PHASES: tuple[Phase, Phase] = ("prefill", "decode")
 
-_pool: Any = None  # the process's graph pool handle, created on first use
+_pool: Any = None  # the process's graph pool handle, made on first use
+_pool_keeper: Any = None  # a tiny graph recorded into the pool, keeping its id valid
+_stream: Any = None  # the capture stream, made on first use
 _active: Optional["_Recording"] = None  # the recording being made (capture time only)
 
 
 def graph_pool() -> Any:
-    """The process's one CUDA-graph memory pool (`torch.cuda.graph_pool_handle()`, made lazily)."""
-    global _pool
+    """The process's one CUDA-graph memory pool (`torch.cuda.graph_pool_handle()`, made lazily).
+
+    Made outside any capture (the first recording's session makes it). A tiny keeper graph is
+    recorded into it at once and held for the life of the process: the allocators (device and host)
+    retire a pool when the last graph recorded into it dies, and recording into a retired pool id
+    fails an internal assertion. The keeper keeps the id valid however recordings come and go.
+    """
+    global _pool, _pool_keeper
     if _pool is None:
-        _pool = torch.cuda.graph_pool_handle()
+        handle = torch.cuda.graph_pool_handle()
+        keeper = torch.cuda.CUDAGraph()
+        stream = _capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            keeper.capture_begin(pool=handle)
+            torch.zeros(1, device=torch.cuda.current_device())
+            keeper.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        _pool, _pool_keeper = handle, keeper
     return _pool
 
 
+def _capture_stream() -> torch.cuda.Stream:
+    """The side stream every recording captures on (capture cannot run on the default stream)."""
+    global _stream
+    if _stream is None:
+        _stream = torch.cuda.Stream()
+    return _stream
+
+
 def graph_pool_bytes() -> Optional[int]:
-    """Bytes the allocator holds reserved for `graph_pool()` on this device; None before any recording."""
+    """Bytes the allocator holds reserved for `graph_pool()` on this device; None before the pool exists."""
     if _pool is None:
         return None
     pool_id = tuple(_pool)
@@ -141,21 +164,32 @@ class CudaGraphBackend:
     manager's per-capture `empty_cache()`, which would only churn the default pool between segments.
     """
 
-    _capture_stream: Optional[torch.cuda.Stream] = None  # shared by every recording, made lazily
-
     def __init__(self, capture_error_mode: str = "global") -> None:
         self.capture_error_mode = capture_error_mode
         self._graph: Optional[torch.cuda.CUDAGraph] = None
 
-    def session(self) -> "_CudaSession":
-        if CudaGraphBackend._capture_stream is None:
-            CudaGraphBackend._capture_stream = torch.cuda.Stream()
-        return _CudaSession(CudaGraphBackend._capture_stream)
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """One recording: wait out pending NCCL work, capture on the side stream, synchronize."""
+        graph_pool()  # made before any capture opens
+        # A collective recorded into a graph joins its NCCL stream into the capture; a watchdog
+        # poll of a pending eager collective on that stream would invalidate the capture.
+        from atomrt.distributed.nccl_watchdog import drain_nccl_works
+
+        drain_nccl_works()
+        torch.cuda.synchronize()
+        stream = _capture_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            yield
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
 
     def begin(self) -> None:
         assert self._graph is None, "a segment is already being captured"
-        self._graph = torch.cuda.CUDAGraph()
-        self._graph.capture_begin(pool=graph_pool(), capture_error_mode=self.capture_error_mode)
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=graph_pool(), capture_error_mode=self.capture_error_mode)
+        self._graph = graph  # only once capturing: abort() ends what is open
 
     def end(self) -> torch.cuda.CUDAGraph:
         graph, self._graph = self._graph, None
@@ -169,30 +203,6 @@ class CudaGraphBackend:
 
     def replay(self, segment: torch.cuda.CUDAGraph) -> None:
         segment.replay()
-
-
-class _CudaSession:
-    """One recording: wait out pending NCCL work, then run on the capture stream, then synchronize."""
-
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self.stream = stream
-        self._stream_ctx: Any = None
-
-    def __enter__(self) -> None:
-        # A collective recorded into a graph joins its NCCL stream into the capture; a watchdog
-        # poll of a pending eager collective on that stream would invalidate the capture.
-        from atomrt.distributed.nccl_watchdog import drain_nccl_works
-
-        drain_nccl_works()
-        torch.cuda.synchronize()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        self._stream_ctx = torch.cuda.stream(self.stream)
-        self._stream_ctx.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self._stream_ctx.__exit__(*exc)
-        torch.cuda.current_stream().wait_stream(self.stream)
-        torch.cuda.synchronize()
 
 
 # --------------------------------------------------------------------------- recordings
