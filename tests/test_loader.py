@@ -14,7 +14,7 @@ from atomrt.workers.layers.tp_ops import TPInfo
 from atomrt.workers.loader import build_model, embedded_gguf_path, load_model, resolve_model
 from atomrt.workers.model_presets import preset_config
 from atomrt.workers.models.arch import arch_from_hf_config
-from tests.model_harness import run_prefill_and_decode
+from model_harness import run_prefill_and_decode
 
 
 def _load(model: str, load_format: str = "auto") -> None:

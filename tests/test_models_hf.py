@@ -10,7 +10,7 @@ import torch
 
 from atomrt.runtime.config import DEFAULT_MODEL, Config, ModelConfig
 from atomrt.workers.loader import load_model
-from tests.model_harness import run_prefill_and_decode
+from model_harness import run_prefill_and_decode
 
 transformers = pytest.importorskip("transformers")
 
