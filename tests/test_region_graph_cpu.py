@@ -349,3 +349,41 @@ def test_non_owning_alias():
     assert ref() is None  # the alias kept nothing alive
     empty = non_owning_alias(torch.empty(0, 3))
     assert empty.shape == (0, 3)
+
+
+def _op_impl(x: torch.Tensor, output: torch.Tensor, tag: int) -> None:
+    LOG.append(("op", tag))
+
+
+def test_eager_region_as_a_custom_op_impl_breaks_even_under_torch_compile():
+    """The attention op registers its @eager_region impl: the break happens at run time, inside the
+    dispatcher call, so compiled code (opaque custom op) breaks the recording as eager code does."""
+    from torch.library import Library
+
+    from atomrt.compile.custom_register import direct_register_custom_op
+
+    lib = Library("atomrt_rg_test", "FRAGMENT")
+    direct_register_custom_op(
+        "toy_op", eager_region(_op_impl), mutates_args=["output"], fake_impl=lambda x, output, tag: None, target_lib=lib
+    )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = x + 1
+        out = torch.empty_like(y)
+        torch.ops.atomrt_rg_test.toy_op(y, out, 3)
+        return out * 2
+
+    compiled = torch.compile(forward, backend="eager", fullgraph=True)
+    for fn in (forward, compiled):
+        LOG.clear()
+        graph = TokenGraph(backend=FakeBackend(LOG))
+        x = torch.ones(4)
+        fn(x)  # warm-up (compiles), outside any recording: no break
+        assert LOG == [("op", 3)]
+        LOG.clear()
+        graph.record(4, "decode", fn, x)
+        assert LOG == ["session", ("begin", 0), ("end", 0), ("op", 3), ("begin", 1), ("end", 1), "/session"]
+        LOG.clear()
+        graph.replay(4, "decode", x)
+        assert LOG == [("replay", 0), ("op", 3), ("replay", 1)]
+    del lib
