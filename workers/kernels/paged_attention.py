@@ -46,6 +46,7 @@ class AttentionLaunch:
     num_stages: int
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_attention(
     num_seqs: int,
     max_seqlen_q: int,
@@ -56,7 +57,8 @@ def plan_attention(
     num_sms: int,
 ) -> AttentionLaunch:
     """Tiles and split count for a batch of `num_seqs` sequences of at most `max_seqlen_q` query rows
-    and `max_seqlen_k` keys. Pure: the graph-safe path feeds it bucket values only."""
+    and `max_seqlen_k` keys. Pure (and cached: it runs once per layer call on the host path);
+    the graph-safe path feeds it bucket values only."""
     group_p = triton.next_power_of_2(group)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
     cap_m = 128 if head_dim_p <= 128 else 64
@@ -199,9 +201,13 @@ def launch_attention(
     if split:
         # [num_tokens, num_heads, num_splits, head_dim] unnormalised partial outputs, and their
         # running max / denominator [num_tokens, num_heads, num_splits]
-        partial = torch.empty(num_tokens, num_heads, plan.num_splits, head_dim, device=q.device, dtype=torch.float32)
-        m = torch.empty(num_tokens, num_heads, plan.num_splits, device=q.device, dtype=torch.float32)
-        l = torch.empty_like(m)
+        # (one allocation: each costs host time on every eager call)
+        num_partials = num_tokens * num_heads * plan.num_splits
+        ml_len = triton.cdiv(num_partials, 4) * 4  # keeps m and l 16-byte aligned
+        workspace = torch.empty(num_partials * head_dim + 2 * ml_len, device=q.device, dtype=torch.float32)
+        partial = workspace[: num_partials * head_dim].view(num_tokens, num_heads, plan.num_splits, head_dim)
+        m = workspace[num_partials * head_dim :][:num_partials].view(num_tokens, num_heads, plan.num_splits)
+        l = workspace[num_partials * head_dim + ml_len :][:num_partials].view(num_tokens, num_heads, plan.num_splits)
         dst, stride_os, m_arg, l_arg = partial, partial.stride(2), m, l
         stride_mt, stride_mh = m.stride(0), m.stride(1)
     else:

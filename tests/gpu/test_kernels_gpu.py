@@ -1,0 +1,259 @@
+"""Paged-attention Triton kernels on CUDA at real sizes, in fp16/bf16, against a float64 reference.
+
+Run on the GPU machine:  python -m pytest -m gpu tests/gpu/test_kernels_gpu.py
+(the decode speed figures print even without -s). The CPU tier (tests/test_kernels.py) checks the
+same kernels through Triton's interpreter at tiny sizes.
+
+Every cache slot that no sequence owns and every padded q row holds NaN, so any out-of-bounds or
+unmasked read shows up as a NaN in the output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from atomrt.workers.kernels.paged_attention import unified_attention, write_kv_cache
+
+pytestmark = pytest.mark.gpu
+
+SENTINEL = 7.0
+TOLERANCES = {torch.float16: dict(atol=5e-3, rtol=1e-2), torch.bfloat16: dict(atol=3e-2, rtol=5e-2)}
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor  # [num_rows (incl. padding), num_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    context_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, -1 past the end
+    cu_seqlens_q_cpu: list[int]
+    context_lens_cpu: list[int]
+    num_real_seqs: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def num_real_rows(self) -> int:
+        return self.cu_seqlens_q_cpu[self.num_real_seqs]
+
+
+def make_batch(
+    lens_q: list[int],
+    lens_k: list[int],
+    *,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    max_blocks: int,
+    dtype: torch.dtype,
+    pad_seqs: int = 0,
+    pad_rows: int = 0,
+    num_blocks: int | None = None,
+    seed: int = 0,
+) -> PagedBatch:
+    """A ragged batch in a paged cache with physical blocks shuffled across sequences."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    blocks_per_seq = [math.ceil(n / block_size) for n in lens_k]
+    assert max(blocks_per_seq) <= max_blocks and all(nq <= nk for nq, nk in zip(lens_q, lens_k))
+    num_blocks = num_blocks or sum(blocks_per_seq) + 4
+    physical = torch.randperm(num_blocks, device=dev, generator=gen)
+    num_seqs = len(lens_q) + pad_seqs
+    block_tables = torch.full((num_seqs, max_blocks), -1, dtype=torch.int32, device=dev)
+    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool, device=dev)
+    used = 0
+    for s, (n, nb) in enumerate(zip(lens_k, blocks_per_seq)):
+        blocks = physical[used : used + nb]
+        used += nb
+        block_tables[s, :nb] = blocks.to(torch.int32)
+        owned.view(-1)[(blocks[:, None] * block_size + torch.arange(block_size, device=dev)).view(-1)[:n]] = True
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    nan = torch.tensor(float("nan"), device=dev)
+    k_cache = torch.where(owned[:, :, None, None], torch.randn(shape, device=dev, generator=gen), nan).to(dtype)
+    v_cache = torch.where(owned[:, :, None, None], torch.randn(shape, device=dev, generator=gen), nan).to(dtype)
+    cu = [0]
+    for n in lens_q + [0] * pad_seqs:
+        cu.append(cu[-1] + n)
+    q = torch.full((cu[-1] + pad_rows, num_kv_heads * group, head_dim), float("nan"), device=dev)
+    q[: cu[-1]] = torch.randn(cu[-1], num_kv_heads * group, head_dim, device=dev, generator=gen)
+    ctx = list(lens_k) + [0] * pad_seqs
+    return PagedBatch(
+        q=q.to(dtype),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+        block_tables=block_tables,
+        cu_seqlens_q_cpu=cu,
+        context_lens_cpu=ctx,
+        num_real_seqs=len(lens_q),
+    )
+
+
+def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
+    """float64 causal attention gathered through the block tables: [num_real_rows, num_heads, head_dim]."""
+    block_size, num_kv_heads = batch.k_cache.shape[1], batch.k_cache.shape[2]
+    group = batch.q.shape[1] // num_kv_heads
+    outs = []
+    for s in range(batch.num_real_seqs):
+        q0, q1 = batch.cu_seqlens_q_cpu[s], batch.cu_seqlens_q_cpu[s + 1]
+        n_q, n_k = q1 - q0, batch.context_lens_cpu[s]
+        pos = torch.arange(n_k, device="cuda")
+        blocks = batch.block_tables[s, pos // block_size].long()
+        k = batch.k_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)  # [n_k, H, D]
+        v = batch.v_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", batch.q[q0:q1].double(), k) * scale
+        q_pos = n_k - n_q + torch.arange(n_q, device="cuda")
+        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(outs)
+
+
+def run_attention(batch: PagedBatch, out: torch.Tensor, *, graph_safe: bool, max_seqlen_q: int) -> None:
+    unified_attention(
+        batch.q, batch.k_cache, batch.v_cache, out,
+        batch.cu_seqlens_q, batch.context_lens, batch.block_tables, batch.q.shape[2] ** -0.5,
+        num_seqs=batch.num_seqs,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max(batch.context_lens_cpu),
+        graph_safe=graph_safe,
+        cu_seqlens_q_cpu=batch.cu_seqlens_q_cpu,
+        context_lens_cpu=batch.context_lens_cpu,
+    )
+
+
+def check_output(batch: PagedBatch, out: torch.Tensor) -> None:
+    ref = reference_attention(batch, batch.q.shape[2] ** -0.5)
+    n = batch.num_real_rows
+    assert not torch.isnan(out[:n]).any(), "NaN in output: a masked or out-of-range slot was read"
+    torch.testing.assert_close(out[:n].double(), ref, **TOLERANCES[batch.q.dtype])
+    assert torch.all(out[n:] == SENTINEL), "padded output rows were written"
+
+
+def scenario(name: str, seed: int) -> tuple[list[int], list[int]]:
+    """(lens_q, lens_k) of a realistic step."""
+    g = torch.Generator().manual_seed(seed)
+    if name == "decode64":  # a big decode batch, contexts up to 4096
+        lens_k = torch.randint(1, 4097, (64,), generator=g).tolist()
+        return [1] * 64, lens_k
+    if name == "decode1_long":  # one long sequence: the split-KV path
+        return [1], [4000]
+    if name == "mtp4":  # 4 rows per sequence (MTP verify)
+        lens_k = torch.randint(4, 3001, (16,), generator=g).tolist()
+        return [4] * 16, lens_k
+    if name == "mixed":  # chunked prefill with prior context next to decodes
+        return [700, 1, 256, 1, 33, 1], [3000, 2500, 256, 17, 1200, 1]
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("graph_safe", [False, True], ids=["host", "graph"])
+@pytest.mark.parametrize("name", ["decode64", "decode1_long", "mtp4", "mixed"])
+@pytest.mark.parametrize("group,head_dim", [(1, 128), (4, 128), (8, 64), (4, 64)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_attention_matches_float64(dtype: torch.dtype, group: int, head_dim: int, name: str, graph_safe: bool) -> None:
+    lens_q, lens_k = scenario(name, seed=group + head_dim)
+    block_size = 32 if head_dim == 64 else 16
+    max_blocks = 4096 // block_size + 1
+    batch = make_batch(lens_q, lens_k, num_kv_heads=8 if group < 8 else 4, group=group, head_dim=head_dim,
+                       block_size=block_size, max_blocks=max_blocks, dtype=dtype,
+                       pad_seqs=3 if graph_safe else 0, pad_rows=5, seed=len(name))
+    out = torch.full_like(batch.q, SENTINEL)
+    run_attention(batch, out, graph_safe=graph_safe, max_seqlen_q=max(lens_q))
+    check_output(batch, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_cache(dtype: torch.dtype, block_size: int) -> None:
+    num_tokens, num_kv_heads, head_dim, num_blocks = 300, 8, 128, 40
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), SENTINEL, device="cuda", dtype=dtype)
+    v_cache = torch.full_like(k_cache, -SENTINEL)
+    slot_mapping = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slot_mapping[::7] = -1
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    written = slot_mapping >= 0
+    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    assert torch.equal(k_flat[slot_mapping[written]], k[written])
+    assert torch.equal(v_flat[slot_mapping[written]], v[written])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device="cuda")
+    untouched[slot_mapping[written]] = False
+    assert torch.all(k_flat[untouched] == SENTINEL) and torch.all(v_flat[untouched] == -SENTINEL)
+
+
+@pytest.mark.parametrize("max_seqlen_q", [1, 4])
+def test_cuda_graph_replay_with_new_metadata(max_seqlen_q: int) -> None:
+    """FULL mode: capture unified_attention(graph_safe=True) for a bucket, then put other lengths,
+    block tables and q into the same buffers, replay, and compare with eager and float64."""
+    dtype, bucket_seqs, block_size, max_blocks = torch.bfloat16, 8, 16, 256  # KV capacity 4096
+    layout = dict(num_kv_heads=8, group=4, head_dim=128, block_size=block_size, max_blocks=max_blocks,
+                  dtype=dtype, num_blocks=bucket_seqs * max_blocks)
+    rows = bucket_seqs * max_seqlen_q
+
+    def bucket_batch(lens_k: list[int], seed: int) -> PagedBatch:
+        """Real sequences first, then padded ones (0 rows, 0 context), then padded rows up to the bucket."""
+        lens_q = [min(max_seqlen_q, n) for n in lens_k]
+        return make_batch(lens_q, lens_k, pad_seqs=bucket_seqs - len(lens_k), pad_rows=rows - sum(lens_q),
+                          seed=seed, **layout)
+
+    static = bucket_batch([100, 4096, 1, 37, 2000, 16], seed=1)
+    out = torch.full_like(static.q, SENTINEL)
+    run_attention(static, out, graph_safe=True, max_seqlen_q=max_seqlen_q)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_attention(static, out, graph_safe=True, max_seqlen_q=max_seqlen_q)
+
+    for seed, lens_k in [(2, [4000, 3]), (3, [1, 2, 3, 4, 5, 6, 7, 3333]), (4, [4096])]:
+        new = bucket_batch(lens_k, seed)
+        for name in ("q", "k_cache", "v_cache", "cu_seqlens_q", "context_lens", "block_tables"):
+            getattr(static, name).copy_(getattr(new, name))
+        out.fill_(SENTINEL)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = torch.full_like(out, SENTINEL)
+        run_attention(new, eager, graph_safe=False, max_seqlen_q=max_seqlen_q)
+        n = new.num_real_rows
+        torch.testing.assert_close(out[:n], eager[:n], atol=2e-2, rtol=2e-2)
+        check_output(new, out)
+
+
+@pytest.mark.parametrize("batch_size", [1, 32])
+def test_decode_speed(batch_size: int, capsys: pytest.CaptureFixture[str]) -> None:
+    """Prints decode figures at context 1024 (Llama-3-8B-like heads: 32 q / 8 kv, head_dim 128, bf16):
+    GPU time of one call replayed from a CUDA graph, and host time of one eager (host-planned) call.
+    More configurations: python tests/gpu/bench_paged_attention.py"""
+    import time
+
+    import triton.testing
+
+    ctx, dtype = 1024, torch.bfloat16
+    batch = make_batch([1] * batch_size, [ctx] * batch_size, num_kv_heads=8, group=4, head_dim=128, block_size=16,
+                       max_blocks=ctx // 16, dtype=dtype)
+    out = torch.full_like(batch.q, SENTINEL)
+    run_attention(batch, out, graph_safe=True, max_seqlen_q=1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_attention(batch, out, graph_safe=True, max_seqlen_q=1)
+    gpu_ms = triton.testing.do_bench(graph.replay)
+    check_output(batch, out)
+    start = time.perf_counter()
+    for _ in range(100):
+        run_attention(batch, out, graph_safe=False, max_seqlen_q=1)
+    host_us = (time.perf_counter() - start) * 1e4
+    torch.cuda.synchronize()
+    kv_bytes = 2 * batch_size * ctx * 8 * 128 * batch.k_cache.element_size()
+    with capsys.disabled():
+        print(f"\ndecode bs={batch_size} ctx={ctx} bf16: GPU {gpu_ms * 1e3:.1f} us/call ({kv_bytes / gpu_ms / 1e6:.0f} GB/s "
+              f"of KV), host {host_us:.0f} us per eager call")
