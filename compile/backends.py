@@ -195,11 +195,17 @@ def resolve_splitting_ops(names: list[str]) -> set:
 
 
 def _is_splitting_node(node: torch.fx.Node, ops: set) -> bool:
+    """Dynamo records a call through the packet (`torch.ops.ns.op`) or through an overload; a
+    configured packet matches all its overloads, a configured overload matches itself and calls
+    through its packet."""
     if node.op != "call_function":
         return False
     target = node.target
-    packet = getattr(target, "overloadpacket", None)
-    return target in ops or (packet is not None and packet in ops)
+    if target in ops:
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket in ops
+    return any(getattr(op, "overloadpacket", None) is target for op in ops)
 
 
 def split_graph(graph: torch.fx.GraphModule, splitting_ops: list[str]) -> tuple[torch.fx.GraphModule, list[SplitItem]]:

@@ -1,0 +1,117 @@
+"""Levels 2 and 3 with Inductor on CPU, and the on-disk cache across processes.
+
+One level-3 compile in this process fills a cache directory (module fixture); child processes
+(tests/test_compile_toys.py run as a script) then load from it, recompile a truncated artifact,
+and race on a fresh key. Children report `compilation_counter`, so the assertions count
+compilations instead of timing them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from atomrt.compile import PiecewiseBackend, compilation_counter
+from atomrt.compile.cache import INDEX_FILE_NAME, read_index, verify_ready_marker
+from test_compile_toys import make_config, make_models, max_diff
+
+TOYS = Path(__file__).with_name("test_compile_toys.py")
+CHILD_TIMEOUT_S = 400
+TOLERANCE = 1e-4
+
+
+def run_child(cache_dir: Path, level: int, two_ops: bool) -> tuple[dict, str]:
+    proc = subprocess.run(
+        [sys.executable, str(TOYS), str(cache_dir), str(level), "1" if two_ops else "0"],
+        capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _result(proc.stdout), proc.stderr
+
+
+def _result(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, stdout
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def _prefix_dir(cache_root: Path) -> Path:
+    (hash_dir,) = [p for p in cache_root.iterdir() if p.is_dir()]
+    return hash_dir / "rank_0" / "backbone"
+
+
+@pytest.fixture(scope="module")
+def level3_cache(tmp_path_factory):
+    """Compile the two-op toy model at level 3 here; return (cache root, diff, pieces, counter)."""
+    torch._dynamo.reset()
+    compilation_counter.reset()
+    root = tmp_path_factory.mktemp("level3_cache")
+    torch.manual_seed(0)
+    model, eager = make_models(make_config(3, str(root)), two_ops=True)
+    diff = max_diff(model, eager)
+    pieces = [v for v in model.compile_backend.split_gm.__dict__.values() if isinstance(v, PiecewiseBackend)]
+    return root, diff, pieces, compilation_counter.snapshot()
+
+
+def test_level3_matches_eager(level3_cache):
+    _, diff, pieces, counter = level3_cache
+    assert diff <= TOLERANCE
+    assert len(pieces) == 3  # one more than the two splitting calls
+    for piece in pieces:
+        assert piece.compiled_graph_for_general_shape is not None
+        assert set(piece.concrete_size_entries) == {4} and piece.concrete_size_entries[4].compiled
+    assert counter["num_inductor_compiles"] == 6  # 3 pieces x (general + size 4)
+    assert counter["num_cache_loads"] == 0
+
+
+def test_level2_matches_eager(tmp_path):
+    torch._dynamo.reset()
+    compilation_counter.reset()
+    torch.manual_seed(0)
+    model, eager = make_models(make_config(2, str(tmp_path)))
+    assert max_diff(model, eager) <= TOLERANCE
+    assert compilation_counter.num_inductor_compiles == 1  # Inductor once, general shape
+
+
+def test_second_process_loads_every_artifact(level3_cache):
+    root = level3_cache[0]
+    result, _ = run_child(root, level=3, two_ops=True)
+    assert result["max_diff"] <= TOLERANCE
+    assert result["counter"]["num_inductor_compiles"] == 0
+    assert result["counter"]["num_cache_loads"] == 6
+
+
+def test_truncated_artifact_is_recompiled_with_a_warning(level3_cache, tmp_path):
+    root = tmp_path / "cache"
+    shutil.copytree(level3_cache[0], root)
+    artifact = _prefix_dir(root) / "artifact_shape_None_subgraph_1"
+    victim = max((p for p in artifact.rglob("*") if p.is_file() and p.name != "READY"), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    result, stderr = run_child(root, level=3, two_ops=True)
+    assert result["max_diff"] <= TOLERANCE
+    assert result["counter"]["num_corrupt_entries"] == 1
+    assert result["counter"]["num_inductor_compiles"] == 1
+    assert result["counter"]["num_cache_loads"] == 5
+    assert "WARNING" in stderr and "truncated" in stderr
+    verify_ready_marker(artifact)  # rewritten whole
+
+
+def test_concurrent_compiles_of_one_key(tmp_path):
+    cmd = [sys.executable, str(TOYS), str(tmp_path), "2", "0"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=CHILD_TIMEOUT_S) for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    results = [_result(out) for out, _ in outputs]
+    assert all(r["max_diff"] <= TOLERANCE for r in results)
+    assert sorted(r["counter"]["num_inductor_compiles"] for r in results) == [0, 1]
+    assert sorted(r["counter"]["num_cache_loads"] for r in results) == [0, 1]
+    prefix = _prefix_dir(tmp_path)
+    assert list(read_index(prefix / INDEX_FILE_NAME)) == [(None, 0, "inductor_standalone")]
+    verify_ready_marker(prefix / "artifact_shape_None_subgraph_0")
