@@ -430,7 +430,8 @@ def token_graph(cls: Optional[type] = None, *, per_phase: bool = False) -> Any:
     def mark(unit_cls: type) -> type:
         if not (isinstance(unit_cls, type) and issubclass(unit_cls, torch.nn.Module)):
             raise TypeError(f"@token_graph marks an nn.Module class, got {unit_cls!r}")
-        inner_call = unit_cls.__call__
+        # A subclass of a marked unit re-marks it: wrap the original call, not the base's wrapper.
+        inner_call = getattr(unit_cls.__call__, "__atomrt_unit_inner__", unit_cls.__call__)
 
         def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             ctx = get_forward_context()
@@ -449,6 +450,7 @@ def token_graph(cls: Optional[type] = None, *, per_phase: bool = False) -> Any:
             raise ValueError(f"ForwardContext.tr_graph must be None, 'record' or 'replay', got {ctx.tr_graph!r}")
 
         __call__.__doc__ = inner_call.__doc__
+        __call__.__atomrt_unit_inner__ = inner_call  # type: ignore[attr-defined]
         unit_cls.__call__ = __call__
         setattr(unit_cls, _UNIT_PER_PHASE, per_phase)
         return unit_cls
