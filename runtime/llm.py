@@ -129,6 +129,15 @@ def _load_tokenizer(config: Config):
     from atomrt.workers.tokenizer import load_tokenizer
 
     resolved = resolve_model(config.model)
-    if resolved.kind == "preset" and not config.model_config.tokenizer:
+    explicit = config.model_config.tokenizer
+    if not explicit and resolved.kind == "preset":
         return None
-    return load_tokenizer(resolved, config.model_config.tokenizer)
+    if not explicit and resolved.kind == "safetensors" and not any(
+        (resolved.path / f).is_file() for f in _TOKENIZER_FILES
+    ):
+        logger.warning("%s has no tokenizer files: prompts must be token ids", resolved.path)
+        return None
+    return load_tokenizer(resolved, explicit)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -130,12 +130,20 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(
-    arch: ModelArch, device: Union[str, torch.device], dtype: torch.dtype, tp: TPInfo = TPInfo(), max_position: int = 0
+    arch: ModelArch,
+    device: Union[str, torch.device],
+    dtype: torch.dtype,
+    tp: TPInfo = TPInfo(),
+    max_position: int = 0,
+    config: Any = None,
 ) -> nn.Module:
-    """The model with uninitialized parameters, created directly on `device` in `dtype`."""
+    """The model with uninitialized parameters, created directly on `device` in `dtype`.
+
+    `config` (the engine's Config) reaches the `@support_torch_compile` unit: it picks the
+    compilation level. Without it the model runs eagerly."""
     model_class = get_model_class(arch.architecture)
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(arch, tp, max_position)
+        model = model_class(arch, tp, max_position, config=config)
     return model.eval()
 
 
@@ -174,7 +182,7 @@ def load_model(
         raise ValueError(f"{resolved.name}: load_format={load_format!r} but the model is {resolved.kind}")
     arch, reader = _arch_of(resolved, use_preset=load_format == "dummy")
     max_position = config.model_config.max_model_len or arch.max_position
-    model = build_model(arch, device, dtype, tp, max_position)
+    model = build_model(arch, device, dtype, tp, max_position, config=config)
     if load_format == "dummy":
         init_dummy_weights(model, config.model_config.seed)
     elif resolved.kind == "safetensors":

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from atomrt.compile.decorators import compile_model
 from atomrt.graphs.region_graph import ReqGraph, captured_token_sizes
 from atomrt.runtime.config import Config, CUDAGraphMode
 from atomrt.runtime.forward_context import AttentionMetaData, Context, DPMetadata, set_forward_context
@@ -56,7 +57,7 @@ class ModelRunner:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         loaded = load_model(config, device, self.dtype, tp)
-        self.model, self.arch = loaded.model, loaded.arch
+        self.model, self.arch = compile_model(loaded.model, config), loaded.arch
         self.max_model_len = config.model_config.max_model_len or self.arch.max_position
         self.block_size = config.cache_config.block_size
         self.attn_layers = collect_attention_layers(self.model)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op
+from atomrt.graphs.region_graph import eager_region
 from atomrt.runtime.forward_context import get_forward_context
 from atomrt.workers.layers.attention_ref import causal_attention_no_cache, paged_attention_ref, write_kv_cache_ref
 
@@ -20,10 +21,15 @@ def _host_list(cpu: "list[int] | None", device_tensor: "torch.Tensor | None") ->
     return list(cpu) if cpu is not None else device_tensor.tolist()
 
 
+@eager_region
 def unified_attention_with_output(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_idx: int
 ) -> None:
-    """q/output [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim]."""
+    """q/output [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim].
+
+    An `@eager_region`: under TR_HYBRID it breaks the token-graph recording and runs eagerly at
+    replay with the live step's metadata (host-planned launch); under FULL it is recorded inline
+    with the graph-safe launch (`attn_metadata.graph_safe`)."""
     ctx = get_forward_context()
     layer = ctx.no_compile_layers.get(layer_idx)
     if layer is None:

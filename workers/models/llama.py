@@ -8,11 +8,13 @@ forward context.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
+from atomrt.compile.decorators import support_torch_compile
+from atomrt.graphs.region_graph import token_graph
 from atomrt.workers.layers.activation import SiluAndMul
 from atomrt.workers.layers.attention import Attention
 from atomrt.workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -79,8 +81,14 @@ class LlamaDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+@token_graph
+@support_torch_compile
 class LlamaModel(nn.Module):
-    """Embeddings + decoder layers + final norm: the unit that is compiled and graph-captured."""
+    """Embeddings + decoder layers + final norm: the unit that is compiled and graph-captured.
+
+    `@support_torch_compile` compiles it at levels 2-3 (the config arrives as `config=`);
+    `@token_graph` makes it the TR_HYBRID recording unit.
+    """
 
     def __init__(self, arch: ModelArch, tp: TPInfo = TPInfo(), max_position: int = 0) -> None:
         super().__init__()
@@ -109,10 +117,10 @@ _NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, tp: TPInfo = TPInfo(), max_position: int = 0) -> None:
+    def __init__(self, arch: ModelArch, tp: TPInfo = TPInfo(), max_position: int = 0, config: Any = None) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, tp, max_position)
+        self.model = LlamaModel(arch, tp, max_position, config=config)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
