@@ -171,3 +171,12 @@ def test_compute_hash_ignores_placement():
     c = Config(compilation_config=CompilationConfig(level=3, compile_sizes=[4]))
     assert a.compute_hash() == b.compute_hash()
     assert a.compute_hash() != c.compute_hash()
+
+
+def test_example_configs_load():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).parent.parent / "deploy" / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        build_config(str(path))
