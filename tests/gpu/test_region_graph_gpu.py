@@ -205,3 +205,38 @@ def test_token_and_request_graphs_interleaved_in_one_pool():
                 replayed = req.replay((n, 0)).clone()
         eager = runner.forward(meta, n)
         torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4, msg=f"{kind} graph, bucket {n}")
+
+
+@token_graph(per_phase=True)
+class PerPhaseToy(ToyModel):
+    """Records different work per phase: a prefill forward runs one more block."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids) + positions[:, None].to(torch.float32) * 0.01
+        blocks = self.blocks if get_forward_context().context.is_prefill else self.blocks[:2]
+        for block in blocks:
+            h = block(h)
+        return self.norm(h)
+
+
+@torch.inference_mode()
+def test_per_phase_unit_replays_each_phase_recording():
+    rng = random.Random(3)
+    runner = Runner(seed=3)
+    runner.model = PerPhaseToy().cuda().eval()
+    for is_prefill in (False, True):
+        for n in (8, 4):
+            meta = runner.fill(n, n, rng)
+            runner.forward(meta, n, is_prefill=is_prefill)
+            runner.forward(meta, n, tr_graph="record", is_prefill=is_prefill)
+    graph = token_graph_of(runner.model)
+    assert len(graph) == 4 and graph.captured_sizes("prefill") == [4, 8] == graph.captured_sizes("decode")
+    assert graph.num_segments(8, "prefill") == 4 and graph.num_segments(8, "decode") == 3
+
+    steps = [(p, n) for p in (False, True) for n in (8, 4)] * 2
+    rng.shuffle(steps)
+    for is_prefill, n in steps:
+        meta = runner.fill(rng.randint(n // 2 + 1, n), n, rng)
+        replayed = runner.forward(meta, n, tr_graph="replay", is_prefill=is_prefill).clone()
+        eager = runner.forward(meta, n, is_prefill=is_prefill)
+        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4, msg=f"prefill={is_prefill}, bucket {n}")
