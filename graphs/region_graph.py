@@ -215,7 +215,6 @@ class _EagerCall:
     fn: Callable[..., Any]
     args: tuple
     kwargs: dict
-    result: Any  # None, or the alias of the argument the function returned
 
     def run(self) -> None:
         self.fn(*self.args, **self.kwargs)
@@ -266,19 +265,14 @@ def _break_at(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     assert rec is not None
     rec.segments.append(rec.backend.end())
     result = fn(*args, **kwargs)
-    aliases = {t.data_ptr(): t for t in _tensors((args, kwargs))}
-    if result is not None and not (isinstance(result, torch.Tensor) and result.data_ptr() in aliases):
+    arg_ptrs = {t.data_ptr() for t in _tensors((args, kwargs))}
+    if result is not None and not (isinstance(result, torch.Tensor) and result.data_ptr() in arg_ptrs):
         raise TypeError(
             f"eager region {fn.__qualname__} returned a new value; an eager region must write its result "
             "into an output argument allocated by the caller and return None (or that argument)"
         )
     rec.eager_calls.append(
-        _EagerCall(
-            fn=fn,
-            args=_map_tensors(args, non_owning_alias),
-            kwargs=_map_tensors(kwargs, non_owning_alias),
-            result=None if result is None else non_owning_alias(result),
-        )
+        _EagerCall(fn=fn, args=_map_tensors(args, non_owning_alias), kwargs=_map_tensors(kwargs, non_owning_alias))
     )
     rec.backend.begin()
     return result
@@ -288,9 +282,9 @@ def eager_region(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a function whose launch depends on host data; it breaks a TokenGraph recording.
 
     Outside a recording it just calls `fn`. While a TokenGraph records (the unit's `__call__` under
-    `tr_graph == "record"`, or a drafter's `TokenGraph.record`), the call ends the current segment, runs eagerly, is kept for replay (tensor arguments by
-    address, other arguments as given -- so they must not change between steps), and the next
-    segment begins. `fn` reads the step's metadata from the forward context, writes its result into
+    `tr_graph == "record"`, or a drafter's `TokenGraph.record`), the call ends the current segment,
+    runs eagerly, is kept for replay (tensor arguments by address, other arguments as given -- so
+    they must not change between steps), and the next segment begins. `fn` reads the step's metadata from the forward context, writes its result into
     an output argument and returns None (or that argument). Under a ReqGraph recording
     (FULL, `tr_graph` None) it is recorded inline: its graph-safe launch must not read host data.
     """
@@ -396,7 +390,10 @@ class ReqGraph:
 
     def replay(self, key: tuple[int, int]) -> Any:
         """Replay bucket `key`; the output is valid until the next replay of any recording."""
-        return self._recordings[(key[0], key[1])].replay()
+        rec = self._recordings.get((key[0], key[1]))
+        if rec is None:
+            raise KeyError(f"no request graph recorded for bucket {tuple(key)}; recorded: {self.keys()}")
+        return rec.replay()
 
     def keys(self) -> list[tuple[int, int]]:
         return sorted(self._recordings)
