@@ -1,0 +1,132 @@
+"""GPU tier: every CUDA-graph mode at levels 0 and 3 gives eager's greedy tokens on the embedded
+model's shape, and every captured bucket replays (in random order, after all are captured) to
+eager's output. Dummy weights of SmolLM2-135M's shape (the 98 MB GGUF does not travel), float32
+so that eager and graph kernels agree to well under a greedy near-tie.
+
+Run on the GPU machine: `pytest -m gpu tests/gpu/test_graph_modes_gpu.py`.
+"""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from atomrt.runtime import SamplingParams
+from atomrt.runtime.config import CompilationConfig, CUDAGraphMode
+from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
+from atomrt.runtime.llm import LLM
+
+pytestmark = pytest.mark.gpu
+
+MODEL = dict(model="SmolLM2-135M", load_format="dummy", dtype="float32", device="cuda")
+LADDER_TOP = 64  # capture [1..8, 16, 32, 48, 64]
+NUM_REQUESTS = 64
+
+
+def _requests():
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 49000) for _ in range(rng.randrange(1, 120))] for _ in range(NUM_REQUESTS)]
+    # Staggered lengths: the decode batch shrinks 64 -> 1 through every bucket and between buckets.
+    params = [SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 40, ignore_eos=True) for i in range(NUM_REQUESTS)]
+    return prompts, params
+
+
+def _run(level: int, mode, enforce_eager: bool = False):
+    cc = CompilationConfig(level=level, cudagraph_mode=mode, cuda_graph_sizes=[LADDER_TOP])
+    llm = LLM(**MODEL, enforce_eager=enforce_eager, compilation_config=cc, max_num_seqs=NUM_REQUESTS)
+    try:
+        prompts, params = _requests()
+        outs = llm.generate(prompts, params)
+        return [o.outputs[0].token_ids for o in outs], llm.engine.info
+    finally:
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def eager_tokens():
+    tokens, _ = _run(0, None, enforce_eager=True)
+    return tokens
+
+
+MODES = ["NONE", "FULL", "TR_HYBRID", "FULL_DECODE_ONLY", "FULL_AND_TR_HYBRID"]
+
+
+@pytest.mark.parametrize("level", [0, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_matches_eager(eager_tokens, level, mode):
+    tokens, info = _run(level, mode)
+    m = CUDAGraphMode[mode]
+    if m != CUDAGraphMode.NONE:
+        assert info.capture_sizes, "graphs were captured"
+        if m.uses_tr_hybrid():
+            assert info.decode_token_sizes and not info.req_keys
+        else:
+            assert info.req_keys and not info.decode_token_sizes
+    mismatched = [i for i, (a, b) in enumerate(zip(tokens, eager_tokens)) if a != b]
+    assert not mismatched, f"{mode} level {level}: requests {mismatched[:8]} differ from eager"
+
+
+def _bucket_inputs(runner, bs: int, seed: int):
+    """A real decode batch of `bs` sequences with a few tokens of context in the KV cache."""
+    from atomrt.workers.input_batch import StepInputs
+
+    rng = np.random.default_rng(seed)
+    ctx = rng.integers(1, 40, size=bs).astype(np.int32)
+    blocks_per_seq = -(-int(ctx.max()) // runner.block_size)
+    tables = (1 + np.arange(bs * blocks_per_seq, dtype=np.int32)).reshape(bs, blocks_per_seq)
+    positions = (ctx - 1).astype(np.int64)
+    slots = tables[np.arange(bs), positions // runner.block_size].astype(np.int64) * runner.block_size + positions % runner.block_size
+    cu = np.arange(bs + 1, dtype=np.int32)
+    return StepInputs(
+        seq_ids=np.arange(bs, dtype=np.int64),
+        input_ids=rng.integers(1, 49000, size=bs).astype(np.int64),
+        positions=positions,
+        slot_mapping=slots,
+        cu_seqlens_q=cu,
+        context_lens=ctx,
+        block_tables=tables,
+        sample_seq_idx=np.arange(bs, dtype=np.int64),
+        sample_rows=np.arange(bs, dtype=np.int64),
+        is_prefill=False,
+    )
+
+
+@pytest.mark.parametrize("mode", ["FULL", "TR_HYBRID"])
+def test_every_bucket_replays_like_eager_in_random_order(mode):
+    from atomrt.workers.sampler import SamplingTensors
+
+    cc = CompilationConfig(level=0, cudagraph_mode=mode, cuda_graph_sizes=[LADDER_TOP])
+    llm = LLM(**MODEL, compilation_config=cc, max_num_seqs=NUM_REQUESTS)
+    try:
+        runner = llm.engine.executor.worker.runner
+        sizes = list(runner.capture_sizes)
+        assert sizes == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48, 64]
+        order = sizes * 2
+        random.Random(1).shuffle(order)
+        for i, bs in enumerate(order):
+            inputs = _bucket_inputs(runner, bs, seed=i)
+            sampling = SamplingTensors.from_params([SamplingParams(temperature=0)] * bs, [[]] * bs, [[]] * bs, runner.arch.vocab_size, runner.device)
+            kind = ForwardKind.REQ_GRAPH if mode == "FULL" else ForwardKind.TOKEN_GRAPH
+            graph = ForwardDecision(kind=kind, running_bs=bs, running_tokens=bs, is_prefill=False,
+                                    req_key=(bs, 0) if mode == "FULL" else None, token_bucket=bs if mode != "FULL" else None)
+            eager = ForwardDecision(kind=ForwardKind.EAGER, running_bs=bs, running_tokens=bs, is_prefill=False)
+            md, ctx = runner.prepare(inputs, eager)
+            from atomrt.runtime.forward_context import set_forward_context
+
+            rows = torch.from_numpy(inputs.sample_rows).cuda()
+            with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers, kv_cache_data=runner.kv_cache):
+                ref, _ = runner.run_model(runner.forward_vars["input_ids"][:bs], eager, rows)
+            ref = ref.clone()
+            md, ctx = runner.prepare(inputs, graph)
+            with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers,
+                                     kv_cache_data=runner.kv_cache, tr_graph=graph.tr_graph):
+                got, _ = runner.run_model(runner.forward_vars["input_ids"][:bs], graph, rows)
+            torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4, msg=f"{mode} bucket {bs} (replay #{i})")
+        pool = runner.graph_pool_bytes
+        assert pool > 0
+        print(f"{mode}: graph pool {pool / 2**20:.1f} MiB for {len(sizes)} buckets, capture {llm.engine.info.capture_seconds:.2f} s")
+    finally:
+        llm.shutdown()
