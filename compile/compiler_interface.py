@@ -14,13 +14,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.fx
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from atomrt.compile.cache import CorruptCacheEntry, compiler_factors, verify_ready_marker, write_ready_marker
 
@@ -107,19 +109,26 @@ class InductorStandaloneAdaptor(CompilerInterface):
         # The general shape reuses Dynamo's symbolic shapes (we run inside the backend call); a
         # concrete size specialises on the real example inputs.
         dynamic_shapes = "from_example_inputs" if isinstance(runtime_shape, int) else "from_tracing_context"
-        artifact = standalone_compile(
-            graph, example_inputs, dynamic_shapes=dynamic_shapes, options={"config_patches": patches}
-        )
-        if self.disable_cache or key is None:
+        caching = not self.disable_cache and key is not None
+        # Compile inside a private Inductor cache directory, so the native objects built for this
+        # piece can be saved beside it (see _copy_native_objects).
+        staging = self.cache_dir / f".staging_{key}_{os.getpid()}" if caching else None
+        with temporary_cache_dir(str(staging)) if staging else nullcontext():
+            artifact = standalone_compile(
+                graph, example_inputs, dynamic_shapes=dynamic_shapes, options={"config_patches": patches}
+            )
+        if not caching:
             return artifact, None
         path = self.cache_dir / key
         try:
             artifact.save(path=str(path), format="unpacked")
+            _copy_native_objects(staging, path)
         except RuntimeError as e:  # e.g. something in the graph Inductor cannot serialise
             logger.warning("compile cache: artifact %s could not be saved (%s); it will be recompiled next time", key, e)
             shutil.rmtree(path, ignore_errors=True)
             return artifact, None
-        _copy_native_objects(path)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         write_ready_marker(path)
         return artifact, (key,)
 
@@ -139,21 +148,19 @@ class InductorStandaloneAdaptor(CompilerInterface):
         return lambda *args: artifact(*args)[0]
 
 
-def _copy_native_objects(artifact_dir: Path) -> None:
-    """Put next to each saved C++ source the shared object this process already built from it.
+def _copy_native_objects(built_root: Path, artifact_dir: Path) -> None:
+    """Copy the C++ kernels (source and shared object) built while compiling into the artifact.
 
-    An unpacked artifact holds kernel sources but not their builds; without the `.so` the loading
-    process runs the C++ compiler again (seconds per piece on CPU). Inductor names both by the
-    same content hash under its cache directory, so a missing one is simply rebuilt at load.
+    An unpacked artifact holds the output code but not its native builds; without them the loading
+    process runs the C++ compiler again (seconds per piece on CPU). Inductor names them by content
+    hash under its cache directory, the same relative path in both places.
     """
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    built_root = Path(cache_dir())
-    for source in list(artifact_dir.rglob("*.cpp")):
-        rel = source.relative_to(artifact_dir).with_suffix(".so")
-        built = built_root / rel
-        if built.is_file() and not (artifact_dir / rel).exists():
-            shutil.copy2(built, artifact_dir / rel)
+    for built in list(built_root.rglob("*.so")) + list(built_root.rglob("*.cpp")):
+        rel = built.relative_to(built_root)
+        if rel.parts[0] in ("fxgraph", "aotautograd", "locks") or (artifact_dir / rel).exists():
+            continue
+        (artifact_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built, artifact_dir / rel)
 
 
 class AlwaysHitShapeEnv:
