@@ -368,9 +368,10 @@ class PiecewiseCompileBackend:
             self.compiler_manager.compile_seconds,
         )
         cc = self.config.compilation_config
+        self.compiled_callable: Callable = split_gm
         if cc.cudagraph_copy_inputs and cc.level == CompilationLevel.PIECEWISE and cc.cudagraph_mode != CUDAGraphMode.NONE:
-            return CopyInputsToStaticBuffers(split_gm, graph, example_inputs, cc.max_capture_size)
-        return split_gm
+            self.compiled_callable = CopyInputsToStaticBuffers(split_gm, graph, example_inputs, cc.max_capture_size)
+        return self.compiled_callable
 
     def _init_cache(self, example_inputs: list[Any]) -> None:
         device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))

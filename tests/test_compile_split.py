@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from atomrt.compile.backends import CopyInputsToStaticBuffers
 from atomrt.compile import (
     PiecewiseBackend,
     SplitItem,
@@ -160,3 +161,31 @@ def test_first_compiled_call_needs_two_rows(tmp_path):
     model, _ = make_models(make_config(3, str(tmp_path), use_inductor=False))
     with pytest.raises(ValueError, match=">= 2 rows"):
         model(*inputs(1))
+
+
+def test_debug_dump_and_computation_graph(tmp_path):
+    dump = tmp_path / "dump"
+    model, eager = make_models(make_config(3, str(tmp_path / "cache"), use_inductor=False, debug_dump_path=str(dump)))
+    assert max_diff(model, eager, [8]) <= 1e-6
+    rank_dir = dump / "rank_0"
+    assert (rank_dir / "computation_graph.py").read_text().count("submod_") >= 5
+    assert "test_attn" in (rank_dir / "traced_graph_backbone.py").read_text()
+    assert "original source" in (rank_dir / "transformed_code_backbone.txt").read_text()
+    assert (model.compile_backend.cache_dir / "computation_graph.py").is_file()
+
+
+def test_cudagraph_copy_inputs_uses_static_buffers(tmp_path):
+    model, eager = make_models(make_config(3, str(tmp_path), use_inductor=False, cudagraph_copy_inputs=True))
+    assert max_diff(model, eager) <= 1e-6
+    ids, pos = inputs(3)
+    model(ids, pos)
+    copier = model.compile_backend.compiled_callable
+    assert isinstance(copier, CopyInputsToStaticBuffers)
+    assert copier.buffers and all(b.shape[0] == 8 for b in copier.buffers)  # max(first call 8, capture 8)
+    assert torch.equal(copier.buffers[copier.indices.index(_input_index(model, "l_input_ids_"))][:3], ids)
+
+
+def _input_index(model, name: str) -> int:
+    """Position of a forward argument among the stitching graph's placeholders."""
+    placeholders = [n.name for n in model.compile_backend.split_gm.graph.nodes if n.op == "placeholder"]
+    return placeholders.index(name)

@@ -1,0 +1,21 @@
+"""`atomrt bench startup --toy`: two child processes, cold then warm (slow: two compiles' worth)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from atomrt.runtime.bench_startup import main
+
+
+@pytest.mark.slow
+def test_bench_startup_toy(tmp_path, capsys):
+    out = tmp_path / "startup.json"
+    assert main(["--toy", "--out", str(out)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("startup toy level 3: cold") and "warm/cold" in line
+    result = json.loads(out.read_text())
+    assert result["cold_inductor_compiles"] == 4  # 2 pieces x (general + size 4)
+    assert result["warm_inductor_compiles"] == 0 and result["warm_cache_loads"] == 4
+    assert result["warm_s"] < result["cold_s"]
