@@ -149,14 +149,21 @@ _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) 
 # ------------------------------------------------------------------------------------------ codec
 
 
+_SCALARS = {int, float, bool, str}
+_HEADS: dict[tuple[str, int], tuple[bytes, struct.Struct]] = {}  # (dtype.str, ndim) -> header prefix, shape format
+_DTYPES: dict[bytes, np.dtype] = {}
+
+
 def _pack_array(a: np.ndarray) -> msgpack.ExtType:
     # payload: len(dtype.str) u8 | dtype.str | ndim u8 | shape int64[ndim] | raw C-order bytes
-    if a.dtype.hasobject:
-        raise MessageError(f"cannot send an object array (dtype {a.dtype}); use a numeric dtype")
-    a = np.ascontiguousarray(a)
-    dt = a.dtype.str.encode()
-    head = struct.pack(f"<B{len(dt)}sB{a.ndim}q", len(dt), dt, a.ndim, *a.shape)
-    return msgpack.ExtType(_EXT_NDARRAY, head + a.tobytes())
+    key = (a.dtype.str, a.ndim)
+    head = _HEADS.get(key)
+    if head is None:
+        if a.dtype.hasobject:
+            raise MessageError(f"cannot send an object array (dtype {a.dtype}); use a numeric dtype")
+        dt = a.dtype.str.encode()
+        head = _HEADS[key] = (bytes([len(dt)]) + dt + bytes([a.ndim]), struct.Struct(f"<{a.ndim}q"))
+    return msgpack.ExtType(_EXT_NDARRAY, b"".join((head[0], head[1].pack(*a.shape), a.tobytes())))
 
 
 def _unpack_ext(code: int, data: bytes) -> Any:
@@ -164,9 +171,13 @@ def _unpack_ext(code: int, data: bytes) -> Any:
         raise MessageError(f"unknown msgpack ext type {code}")
     try:
         n = data[0]
-        dtype = np.dtype(data[1 : 1 + n].decode())
         ndim = data[1 + n]
+        dtype = _DTYPES.get(data[1 : 1 + n])
+        if dtype is None:
+            dtype = _DTYPES[data[1 : 1 + n]] = np.dtype(data[1 : 1 + n].decode())
         off = 2 + n + 8 * ndim
+        if ndim == 1:
+            return np.frombuffer(data, dtype=dtype, offset=off)
         shape = struct.unpack_from(f"<{ndim}q", data, 2 + n)
         return np.frombuffer(data, dtype=dtype, offset=off).reshape(shape)
     except (IndexError, TypeError, ValueError, struct.error) as e:
@@ -174,6 +185,8 @@ def _unpack_ext(code: int, data: bytes) -> Any:
 
 
 def _to_wire(obj: Any) -> Any:
+    if obj is None or type(obj) in _SCALARS:
+        return obj
     if isinstance(obj, np.ndarray):
         return _pack_array(obj)
     if isinstance(obj, (NewRequest, RankBatch)):
@@ -189,12 +202,15 @@ def _to_wire(obj: Any) -> Any:
 
 def _pack_block_table_updates(updates: dict[int, tuple[int, np.ndarray]]) -> list:
     """Flat on the wire: [seq_ids int64, starts int32, counts int32, concatenated block ids int32]."""
-    seq_ids = np.fromiter(updates.keys(), dtype=np.int64, count=len(updates))
-    starts = np.fromiter((v[0] for v in updates.values()), dtype=np.int32, count=len(updates))
-    blocks = [np.asarray(v[1], dtype=np.int32).reshape(-1) for v in updates.values()]
-    counts = np.fromiter((b.shape[0] for b in blocks), dtype=np.int32, count=len(updates))
-    flat = np.concatenate(blocks) if blocks else _i32()
-    return [_pack_array(seq_ids), _pack_array(starts), _pack_array(counts), _pack_array(flat)]
+    entries = list(updates.values())
+    blocks = [e[1] for e in entries]
+    flat = np.concatenate(blocks).astype(np.int32, copy=False) if blocks else _i32()
+    return [
+        _pack_array(np.array(list(updates), dtype=np.int64)),
+        _pack_array(np.array([e[0] for e in entries], dtype=np.int32)),
+        _pack_array(np.array([len(b) for b in blocks], dtype=np.int32)),
+        _pack_array(flat),
+    ]
 
 
 def _unpack_block_table_updates(wire: list) -> dict[int, tuple[int, np.ndarray]]:
