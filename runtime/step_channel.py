@@ -1,0 +1,97 @@
+"""The driver's side of the per-step hot path, shared by the `mp` and `ray` executors.
+
+Hot path: `StepChannel.execute`: publish one plan on the ZeroMQ PUB, then collect one
+`StepResult` per DP rank from the PULL. What may live here: the publish, a bounded poll loop, and a
+call to the executor's liveness check when no result has arrived for `LIVENESS_POLL_S` (never a
+Ray call per step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from atomrt.distributed.messages import StepPlan, StepResult
+from atomrt.distributed.transport import PlanPublisher, ResultCollector, TransportAddresses, TransportTimeout
+from atomrt.runtime.executor import WorkerError
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_POLL_S = 0.5  # no result for this long: check that every rank is still alive
+_DEATH_GRACE_S = 2.0  # after a rank reports an error, how long to look for a peer that died
+
+
+class StepChannel:
+    """Driver PUB (plans) + PULL (ready, results) for one engine instance.
+
+    `check_alive()` is the executor's liveness check: it raises `WorkerError` naming a rank that
+    died or stopped answering, and returns otherwise.
+    """
+
+    def __init__(self, world_size: int, dp_size: int, local: bool, host_ip: str = "") -> None:
+        self.dp_size = dp_size
+        self.addresses = TransportAddresses.make(local, host_ip)
+        self.publisher = PlanPublisher(self.addresses, world_size)
+        self.collector = ResultCollector(self.addresses)
+        self.ready = False
+
+    def handshake(self, timeout_s: float, check_alive: Callable[[], None]) -> dict[int, int]:
+        """Wait until every rank's SUB receives plans; returns rank -> pid."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                pids = self.publisher.wait_ready(min(LIVENESS_POLL_S, max(0.0, deadline - time.monotonic())))
+                self.ready = True
+                return pids
+            except TransportTimeout as e:
+                check_alive()
+                if time.monotonic() >= deadline:
+                    raise WorkerError(f"start-up: transport handshake timed out after {timeout_s:.0f} s: {e}") from e
+
+    def execute(self, plan: StepPlan, timeout_s: float, check_alive: Callable[[], None]) -> list[StepResult]:
+        """Publish `plan`; one result per DP rank in DP order. A dead or failed rank raises WorkerError."""
+        self.publisher.publish(plan)
+        deadline = time.monotonic() + timeout_s
+        got: dict[int, StepResult] = {}
+        while len(got) < self.dp_size:
+            try:
+                res = self.collector.recv(LIVENESS_POLL_S)
+            except TransportTimeout:
+                check_alive()
+                if time.monotonic() >= deadline:
+                    missing = sorted(set(range(self.dp_size)) - set(got))
+                    raise WorkerError(
+                        f"step {plan.step}: no result from DP ranks {missing} within {timeout_s:.0f} s "
+                        "(parallel_config.worker_timeout_s) though every rank is alive"
+                    ) from None
+                continue
+            if res.error is not None:
+                self._blame_dead_peer(check_alive, res.error)
+                raise WorkerError(res.error)
+            if res.step != plan.step:
+                raise WorkerError(f"step {plan.step}: DP rank {res.dp_rank} answered for step {res.step}")
+            got[res.dp_rank] = res
+        return [got[i] for i in range(self.dp_size)]
+
+    def _blame_dead_peer(self, check_alive: Callable[[], None], error: str) -> None:
+        """A rank's collective fails when its peer dies: name the dead peer if there is one."""
+        deadline = time.monotonic() + _DEATH_GRACE_S
+        while True:
+            try:
+                check_alive()
+            except WorkerError as e:
+                raise WorkerError(f"{e} (then: {error})") from None
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
+
+    def publish_shutdown(self) -> None:
+        """The shutdown plan: every rank leaves its loop and its process groups."""
+        if self.ready:
+            self.publisher.publish(StepPlan(step=self.publisher.next_step, shutdown=True))
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.collector.close()
+        self.addresses.cleanup()

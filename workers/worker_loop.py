@@ -1,0 +1,259 @@
+"""The per-rank process loop: join the distributed world, build the `Worker`, answer the driver's
+control calls, then run plans from ZeroMQ until the shutdown plan.
+
+One `RankWorker` per (DP rank, TP rank). Both executors run it:
+- `mp`: `mp_main` is the target of a spawned process; control calls arrive over a Pipe
+  (`ControlCall` -> `ControlReply`), then the plan loop runs in the process's main thread.
+- `ray`: `RankActor` is the actor body (wrapped by `ray.remote` in runtime/executor_ray.py); the
+  control calls are actor methods, the plan loop is one long actor call.
+
+Control calls, in order: `node_info` (rank 0's answer is the rendezvous), `init_worker` (process
+groups, model load), `determine_num_blocks`, `initialize(num_blocks)` (KV cache, capture: every
+rank concurrently, so collectives match), `run_plan_loop(addresses)`.
+
+Hot path: `RankWorker.run_plan_loop`. What may live there: receive a plan, run it, push the result.
+A rank whose step raises pushes a `StepResult` carrying the error (naming the rank) and leaves the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from atomrt.runtime.config import Config
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 1.0  # how often an idle plan loop checks whether it should stop
+HEARTBEAT_PERIOD_S = 0.5  # mp: how often a rank's heartbeat thread stamps its time
+DESTROY_TIMEOUT_S = 5.0  # the bound on destroy_process_group() at shutdown
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Who a rank is. Global rank = dp_rank * tp_size + tp_rank (TP ranks of one DP rank are adjacent)."""
+
+    dp_rank: int
+    tp_rank: int
+    dp_size: int
+    tp_size: int
+
+    @property
+    def rank(self) -> int:
+        return self.dp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp_size
+
+    @property
+    def name(self) -> str:
+        return f"rank {self.rank} (dp {self.dp_rank}, tp {self.tp_rank})"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Where a rank runs: its node's address, a port free there now, its pid, node id, GPUs."""
+
+    node_ip: str
+    free_port: int
+    pid: int
+    node_id: str = ""
+    gpu_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ControlCall:
+    """mp driver -> rank over the control Pipe: call `RankWorker.<method>(*args)`."""
+
+    method: str
+    args: tuple = ()
+
+
+@dataclass(frozen=True)
+class ControlReply:
+    """mp rank -> driver: the method's return value, or the error text (with traceback)."""
+
+    value: Any = None
+    error: Optional[str] = None
+
+
+class RankWorker:
+    """One rank's state: the Worker, its process groups, and the plan loop."""
+
+    def __init__(self, config: Config, spec: RankSpec, local_device: Optional[int] = None) -> None:
+        self.config = config
+        self.spec = spec
+        self.local_device = local_device
+        self.worker: Any = None
+        self._distributed = False
+
+    def node_info(self, node_ip: str = "", node_id: str = "", gpu_ids: tuple[str, ...] = ()) -> NodeInfo:
+        from atomrt.distributed.net_utils import get_free_port, get_host_ip
+        from atomrt.runtime.envs import ENV
+
+        ip = node_ip or get_host_ip(ENV.host_ip)
+        return NodeInfo(ip, get_free_port(ip), os.getpid(), node_id, tuple(gpu_ids))
+
+    def init_worker(self, master_addr: str, master_port: int) -> None:
+        """Join the world (NCCL on GPU, gloo on CPU), then load the model on this rank's shard."""
+        import torch
+
+        from atomrt.workers.model_runner import resolve_device
+        from atomrt.workers.worker import Worker
+
+        device = resolve_device(self.config, self.local_device)
+        if device.type == "cpu":
+            # every rank of this node shares its cores; oversubscription slows every collective
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.spec.world_size))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        s = self.spec
+        if s.world_size > 1:
+            from atomrt.distributed import parallel_state as ps
+
+            ps.init_distributed(s.world_size, s.rank, s.dp_size, s.tp_size, master_addr, master_port, backend)
+            self._distributed = True
+            tp_group = ps.get_tp_group().group
+        else:
+            tp_group = None
+        self.worker = Worker(self.config, s.dp_rank, s.tp_rank, self.local_device, tp_group)
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize(self, num_blocks: int) -> Any:
+        return self.worker.initialize(num_blocks)
+
+    def run_plan_loop(self, addresses: dict[str, str], keep_going: Callable[[], bool]) -> None:
+        """Receive plans until the shutdown plan (or `keep_going()` turns false while idle)."""
+        from atomrt.distributed.messages import StepResult
+        from atomrt.distributed.transport import PlanSubscriber, ResultPusher, TransportAddresses, TransportTimeout
+
+        addr = TransportAddresses.from_dict(addresses)
+        sub = PlanSubscriber(addr, self.spec.rank)
+        pusher = ResultPusher(addr, self.spec.dp_rank)  # TP ranks != 0 push only their errors
+        try:
+            while True:
+                step = sub.expected_step
+                try:
+                    plan = sub.recv(timeout=_IDLE_POLL_S)
+                    if plan.shutdown:
+                        logger.debug("%s: shutdown plan at step %d", self.spec.name, plan.step)
+                        return
+                    result = self.worker.execute_plan(plan)
+                except TransportTimeout:
+                    if not keep_going():
+                        logger.warning("%s: leaving the plan loop: the driver is gone", self.spec.name)
+                        return
+                    continue
+                except Exception as e:
+                    text = f"{self.spec.name} failed at step {step}: {type(e).__name__}: {e}"
+                    logger.error("%s\n%s", text, traceback.format_exc())
+                    pusher.push(StepResult(step=step, dp_rank=self.spec.dp_rank, error=text))
+                    raise
+                if result is not None:
+                    pusher.push(result)
+        finally:
+            sub.close()
+            pusher.close()
+
+    def close(self, timeout_s: float = DESTROY_TIMEOUT_S) -> None:
+        """Leave the process groups; never waits longer than `timeout_s` on destroy_process_group()."""
+        self.worker = None
+        if self._distributed:
+            from atomrt.distributed import parallel_state as ps
+
+            self._distributed = False
+            ps.destroy_distributed(timeout_s)
+
+
+# --------------------------------------------------------------------------------------------- mp
+
+
+def _heartbeat(stamp: Any, period_s: float) -> None:
+    while True:
+        stamp.value = time.monotonic()
+        time.sleep(period_s)
+
+
+def mp_main(conn: Any, config: Config, spec: RankSpec, local_device: Optional[int], heartbeat: Any) -> None:
+    """Target of one spawned rank process: control calls over `conn`, then the plan loop."""
+    threading.Thread(target=_heartbeat, args=(heartbeat, HEARTBEAT_PERIOD_S), name="heartbeat", daemon=True).start()
+    parent = os.getppid()
+
+    def parent_alive() -> bool:
+        return os.getppid() == parent
+
+    rank = RankWorker(config, spec, local_device)
+    try:
+        while parent_alive():
+            if not conn.poll(_IDLE_POLL_S):
+                continue
+            call: ControlCall = conn.recv()
+            if call.method == "run_plan_loop":
+                conn.send(ControlReply())
+                rank.run_plan_loop(*call.args, keep_going=parent_alive)
+                return
+            if call.method not in ("node_info", "init_worker", "determine_num_blocks", "initialize"):
+                conn.send(ControlReply(error=f"{spec.name}: unknown control call {call.method!r}"))
+                continue
+            try:
+                value = getattr(rank, call.method)(*call.args)
+            except Exception as e:
+                conn.send(ControlReply(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+                continue
+            conn.send(ControlReply(value=value))
+    except (EOFError, OSError):
+        logger.warning("%s: the driver closed the control pipe; exiting", spec.name)
+    finally:
+        rank.close()
+
+
+# -------------------------------------------------------------------------------------------- ray
+
+
+class RankActor:
+    """Ray actor body: one rank. Runs with max_concurrency=2 so `ping` answers during the plan loop."""
+
+    def __init__(self, config: Config, spec: RankSpec) -> None:
+        import ray
+
+        gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
+        # Ray sets CUDA_VISIBLE_DEVICES to the GPU it gave this actor: it is local device 0.
+        self._gpu_ids = gpu_ids
+        self._stop = threading.Event()
+        self.rank = RankWorker(config, spec, 0 if gpu_ids else None)
+
+    def node_info(self) -> NodeInfo:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return self.rank.node_info(ray.util.get_node_ip_address(), ctx.get_node_id(), self._gpu_ids)
+
+    def init_worker(self, master_addr: str, master_port: int) -> None:
+        self.rank.init_worker(master_addr, master_port)
+
+    def determine_num_blocks(self) -> int:
+        return self.rank.determine_num_blocks()
+
+    def initialize(self, num_blocks: int) -> Any:
+        return self.rank.initialize(num_blocks)
+
+    def run_plan_loop(self, addresses: dict[str, str]) -> None:
+        try:
+            self.rank.run_plan_loop(addresses, keep_going=lambda: not self._stop.is_set())
+        finally:
+            self.rank.close()
+
+    def stop(self) -> None:
+        """Leave the plan loop at its next idle poll (when the driver cannot publish a shutdown plan)."""
+        self._stop.set()
+
+    def ping(self) -> float:
+        return time.monotonic()
+
