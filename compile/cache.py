@@ -8,8 +8,8 @@ Layout (the guide's, under our name):
         computation_graph.py           the stitching graph, for humans
         .lock                          fcntl lock taken around each compile-or-load
 
-`<root>` is `CompilationConfig.cache_dir` if set, else $ATOMRT_CACHE_ROOT, else
-~/.cache/atomrt/torch_compile_cache. `<hash>` covers exactly what changes the compiled code:
+`<root>` is `CompilationConfig.cache_dir` if set, else `<ATOMRT_CACHE_ROOT>/torch_compile_cache`
+(runtime/envs.py; default ~/.cache/atomrt/torch_compile_cache). `<hash>` covers exactly what changes the compiled code:
 `Config.compute_hash()` (graph-affecting config), the contents of the source files Dynamo traced,
 torch / triton / Python versions, device type and capability. Never ports, ranks or placement.
 
@@ -36,8 +36,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-CACHE_ROOT_ENV = "ATOMRT_CACHE_ROOT"
-DEFAULT_CACHE_ROOT = Path("~/.cache/atomrt/torch_compile_cache")
+from atomrt.runtime.envs import ENV
+
 INDEX_FILE_NAME = "atomrt_compile_cache.py"
 READY_FILE_NAME = "READY"
 LOCK_FILE_NAME = ".lock"
@@ -60,8 +60,9 @@ class CacheHash:
 
 def cache_root(cache_dir: str = "") -> Path:
     """The directory under which every `<hash>/` lives."""
-    root = cache_dir or os.environ.get(CACHE_ROOT_ENV) or str(DEFAULT_CACHE_ROOT)
-    return Path(root).expanduser()
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    return ENV.cache_root / "torch_compile_cache"
 
 
 def cache_dir_for(root: Path, hash_str: str, rank: int, prefix: str) -> Path:

@@ -157,3 +157,11 @@ def test_manager_compiles_loads_and_recompiles_damage(tmp_path, caplog):
         _manager(tmp_path).compile(other, args, {}, graph_index=0, runtime_shape=None)
     assert compilation_counter.num_inductor_compiles == 3
     assert any("different graph" in r.getMessage() for r in caplog.records)
+
+
+def test_cache_root_prefers_config_then_env():
+    from atomrt.compile.cache import cache_root
+    from atomrt.runtime.envs import ENV
+
+    assert cache_root("/explicit/dir") == Path("/explicit/dir")
+    assert cache_root("") == ENV.cache_root / "torch_compile_cache"
