@@ -27,8 +27,8 @@ from typing import Optional
 
 import zmq
 
-from .messages import Hello, Ready, StepPlan, StepResult, decode, encode
-from .net_utils import get_free_port, get_host_ip, ipc_address, make_ipc_dir, new_instance_id, tcp_address
+from atomrt.distributed.messages import Hello, Ready, StepPlan, StepResult, decode, encode
+from atomrt.distributed.net_utils import get_free_port, get_host_ip, ipc_address, make_ipc_dir, new_instance_id, tcp_address
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .messages import RankBatch, StepPlan, StepResult
-from .transport import PlanPublisher, PlanSubscriber, ResultCollector, ResultPusher, TransportAddresses
+from atomrt.distributed.messages import RankBatch, StepPlan, StepResult
+from atomrt.distributed.transport import PlanPublisher, PlanSubscriber, ResultCollector, ResultPusher, TransportAddresses
 
 
 @dataclass
@@ -79,7 +79,7 @@ def run_bench(steps: int = 10_000, bs: int = 256, local: bool = True, warmup: in
                 times[step - warmup] = time.perf_counter() - t0
         pub.publish(StepPlan(step=warmup + steps, shutdown=True))
         worker.join(10)
-        from .messages import encode
+        from atomrt.distributed.messages import encode
 
         return BenchResult(steps, bs, float(np.median(times) * 1e6), float(np.percentile(times, 99) * 1e6),
                            len(encode(plans[0])))

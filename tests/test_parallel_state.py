@@ -1,0 +1,115 @@
+"""Process groups and collectives on a real gloo world: 2 ranks (tp=2) and 4 ranks (dp=2, tp=2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from atomrt.distributed.communication_op import dp_pad, make_dp_metadata
+from atomrt.distributed.net_utils import get_free_port
+from atomrt.distributed.parallel_state import (
+    DistributedInitError,
+    destroy_distributed,
+    dp_group_ranks,
+    init_distributed,
+    tp_group_ranks,
+)
+
+_RANK = r"""
+import sys, torch
+import atomrt.distributed.parallel_state as ps
+from atomrt.distributed.communication_op import (
+    dp_all_gather_num_tokens, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
+torch.set_num_threads(1)
+rank, world, dp, tp, port = map(int, sys.argv[1:6])
+g = ps.init_distributed(world, rank, dp, tp, "127.0.0.1", port, backend="gloo", timeout_s=60)
+tp_rank, dp_rank = rank % tp, rank // tp
+assert (g.tp_rank, g.dp_rank) == (tp_rank, dp_rank)
+w, t, d = ps.get_world_group(), ps.get_tp_group(), ps.get_dp_group()
+assert (w.rank, w.world_size) == (rank, world)
+assert t.ranks == tuple(dp_rank * tp + i for i in range(tp)) and t.rank == tp_rank and t.world_size == tp
+assert d.ranks == tuple(i * tp + tp_rank for i in range(dp)) and d.rank == dp_rank and d.world_size == dp
+
+x = torch.full((3, 2), float(rank + 1))
+assert tensor_model_parallel_all_reduce(x) is x
+assert torch.equal(x, torch.full((3, 2), float(sum(r + 1 for r in t.ranks))))
+
+y = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * rank
+for dim in (-1, 0, 1):
+    got = tensor_model_parallel_all_gather(y, dim=dim)
+    want = torch.cat([torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * r for r in t.ranks], dim=dim)
+    assert torch.equal(got, want), (dim, got, want)
+
+counts = dp_all_gather_num_tokens(10 * dp_rank + 3)
+assert counts == [10 * i + 3 for i in range(dp)], counts
+assert ps.destroy_distributed(timeout_s=20)
+assert not ps.is_distributed_initialized()
+print("rank", rank, "ok")
+"""
+
+
+def _run_world(dp: int, tp: int) -> None:
+    world, port = dp * tp, get_free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(world), str(dp), str(tp), str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} failed:\n{out}"
+
+
+def test_gloo_world_of_2_tp2():
+    _run_world(dp=1, tp=2)
+
+
+def test_gloo_world_of_4_dp2_tp2():
+    _run_world(dp=2, tp=2)
+
+
+def test_group_layout():
+    assert tp_group_ranks(1, 4) == [4, 5, 6, 7]
+    assert dp_group_ranks(1, tp_size=2, dp_size=3) == [1, 3, 5]
+
+
+def test_bad_sizes_name_the_knobs():
+    with pytest.raises(DistributedInitError, match="data_parallel_size=2 x tensor_parallel_size=2"):
+        init_distributed(3, 0, 2, 2, "127.0.0.1", 1)
+
+
+def test_single_rank_world_and_bounded_destroy():
+    init_distributed(1, 0, 1, 1, "127.0.0.1", get_free_port(), backend="gloo", timeout_s=30)
+    try:
+        from atomrt.distributed.communication_op import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+
+        x = torch.ones(2)
+        assert tensor_model_parallel_all_reduce(x) is x and tensor_model_parallel_all_gather(x) is x
+        with pytest.raises(DistributedInitError, match="already initialized"):
+            init_distributed(1, 0, 1, 1, "127.0.0.1", 1)
+    finally:
+        assert destroy_distributed(timeout_s=20)
+
+
+def test_dp_pad_picks_the_smallest_bucket_holding_the_max():
+    buckets = [1, 2, 4, 8, 16, 32]
+    assert dp_pad([3, 0], buckets) == 4
+    assert dp_pad([8, 1, 5], buckets) == 8
+    assert dp_pad([0, 0], buckets) == 1
+    assert dp_pad([33], buckets) is None
+    assert dp_pad([5], [32, 8, 16]) == 8
+    md = make_dp_metadata([3, 40], buckets)
+    assert md.num_tokens_across_dp == [3, 40] and md.max_tokens_across_dp == 40
+    assert make_dp_metadata([3, 7], buckets).max_tokens_across_dp == 8
+    with pytest.raises(ValueError):
+        dp_pad([], buckets)
