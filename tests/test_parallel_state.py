@@ -113,3 +113,15 @@ def test_dp_pad_picks_the_smallest_bucket_holding_the_max():
     assert make_dp_metadata([3, 7], buckets).max_tokens_across_dp == 8
     with pytest.raises(ValueError):
         dp_pad([], buckets)
+
+
+def test_drain_is_a_no_op_without_nccl():
+    from atomrt.distributed.nccl_watchdog import drain_nccl_works, graph_capture_kwargs
+
+    drain_nccl_works(timeout_s=1)  # no process group
+    init_distributed(1, 0, 1, 1, "127.0.0.1", get_free_port(), backend="gloo", timeout_s=30)
+    try:
+        drain_nccl_works(timeout_s=1)  # gloo only
+    finally:
+        destroy_distributed(timeout_s=20)
+    assert graph_capture_kwargs() == {"capture_error_mode": "thread_local"}
