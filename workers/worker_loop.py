@@ -116,7 +116,10 @@ class RankWorker:
         if s.world_size > 1:
             from atomrt.distributed import parallel_state as ps
 
-            ps.init_distributed(s.world_size, s.rank, s.dp_size, s.tp_size, master_addr, master_port, backend)
+            ps.init_distributed(
+                s.world_size, s.rank, s.dp_size, s.tp_size, master_addr, master_port, backend,
+                timeout_s=self.config.parallel_config.worker_timeout_s,
+            )
             self._distributed = True
             tp_group = ps.get_tp_group().group
         else:

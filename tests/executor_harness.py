@@ -1,0 +1,77 @@
+"""Shared set-up of the executor tests: a tiny random Llama folder (safetensors + a word-level
+tokenizer) and helpers to run it through `LLM` and to check that no engine process is left."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from atomrt.runtime import SamplingParams
+from atomrt.runtime.llm import LLM
+
+VOCAB = 128
+PROMPTS = [[3, 17, 42, 99, 5, 8, 61], [7, 1, 120], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [50, 51]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# small KV cache (not the 1 GiB CPU default per rank), no graphs on CPU
+COMMON = dict(device="cpu", enforce_eager=True, num_kv_blocks=64, max_num_seqs=8, worker_timeout_s=90.0)
+
+
+def build_tiny_llama(folder: Path) -> Path:
+    """A 2-layer Llama (4 heads, 2 kv heads: TP=2 splits both) with weights large enough to matter."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(folder, safe_serialization=True)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w2"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, bos_token="w0", eos_token="w1", unk_token="w2").save_pretrained(folder)
+    return folder
+
+
+def greedy_tokens(model: Path, prompts: list[list[int]] = PROMPTS, **kwargs: Any) -> tuple[list[list[int]], dict[int, int]]:
+    """Greedy tokens of `prompts` through LLM(**COMMON, **kwargs), and the worker pids it had."""
+    llm = LLM(str(model), **{**COMMON, **kwargs})
+    try:
+        outs = llm.generate(prompts, GREEDY)
+        pids = dict(getattr(llm.engine.executor, "worker_pids", {}))
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], pids
+
+
+def pid_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: Iterable[int], timeout_s: float = 15.0) -> list[int]:
+    """The pids still alive after `timeout_s` (an empty list when every one exited)."""
+    pids = list(pids)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = [p for p in pids if pid_alive(p)]
+        if not left:
+            return []
+        time.sleep(0.2)
+    return [p for p in pids if pid_alive(p)]
+
+
+def own_pid_excluded(pids: Iterable[int]) -> list[int]:
+    return [p for p in pids if p != os.getpid()]

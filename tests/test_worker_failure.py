@@ -1,0 +1,71 @@
+"""A worker that dies mid-generation: the caller gets a `WorkerError` naming the rank within 10 s,
+nothing hangs, and afterwards no process of the engine is left (checked by PID).
+
+Real processes, real Ray, real ZeroMQ: the test SIGKILLs a worker's pid while `generate` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from atomrt.runtime import SamplingParams
+from atomrt.runtime.executor import WorkerError
+from atomrt.runtime.llm import LLM
+from executor_harness import COMMON, PROMPTS, build_tiny_llama, wait_gone
+
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # never done before the kill
+ERROR_WITHIN_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def _kill_mid_generation(llm: LLM, rank: int, after_steps: int = 3) -> tuple[str, float]:
+    """Run generate; SIGKILL `rank`'s process once `after_steps` steps ran. -> (error, seconds to it)."""
+    pid = llm.engine.executor.worker_pids[rank]
+    killed_at: list[float] = []
+
+    def killer() -> None:
+        deadline = time.monotonic() + 60
+        while llm.engine.step_no < after_steps and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        killed_at.append(time.monotonic())
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    with pytest.raises(WorkerError) as err:
+        llm.generate(PROMPTS, LONG)
+    raised_at = time.monotonic()
+    thread.join(5)
+    assert killed_at, "the killer thread never fired: generation ended first"
+    return str(err.value), raised_at - killed_at[0]
+
+
+@pytest.mark.parametrize("executor", ["mp", "ray"])
+def test_killed_worker_ends_generation_with_error_and_leaves_no_process(tiny_model: Path, executor: str) -> None:
+    llm = LLM(str(tiny_model), executor=executor, tensor_parallel_size=2, **COMMON)
+    pids = dict(llm.engine.executor.worker_pids)
+    assert len(pids) == 2 and all(p != os.getpid() for p in pids.values())
+    try:
+        message, seconds = _kill_mid_generation(llm, rank=1)
+    finally:
+        llm.shutdown()
+    print(f"{executor}: error after {seconds:.2f} s: {message}")
+    assert seconds < ERROR_WITHIN_S, f"the error took {seconds:.1f} s"
+    assert "rank 1 (dp 0, tp 1)" in message, message
+    with pytest.raises(WorkerError, match="stopped"):  # the engine cannot step any more
+        llm.engine.executor.execute(None)  # type: ignore[arg-type]
+    assert wait_gone(pids.values()) == [], "worker processes left after shutdown"
+    if executor == "ray":
+        import ray
+
+        assert not ray.is_initialized(), "the executor started Ray, so shutdown must stop it"
