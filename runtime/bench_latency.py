@@ -83,6 +83,7 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest batch size")
     p.add_argument("--cuda-graph-sizes", type=int, default=None, help="capture ladder top (default: largest bs)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget (prefill chunks)")
     p.add_argument("--json", default="bench_latency.json", help="where to write the JSON report")
     args = p.parse_args(argv)
     args.models, args.modes = _csv(args.model), _csv(args.modes)
@@ -141,7 +142,10 @@ def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[
 
     engine = llm.engine
     rng = random.Random(seed)
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.warmup_steps + args.decode_steps + 2)
+    # Early requests of a chunked prefill decode while later ones prefill: one spare token per chunk.
+    num_chunks = -(-bs * args.input_len // engine.config.scheduler_config.max_num_batched_tokens)
+    max_tokens = args.warmup_steps + args.decode_steps + 2 + num_chunks
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
     vocab = engine.info.vocab_size
     ids = [engine.add_request([rng.randrange(vocab) for _ in range(args.input_len)], params) for _ in range(bs)]
     try:
@@ -173,8 +177,9 @@ def bench_one(model: str, mode: str, executor: str, args: argparse.Namespace, re
         max_num_seqs=args.max_num_seqs or max_bs, cuda_graph_sizes=[args.cuda_graph_sizes or max_bs],
         **mode_settings(mode, args.level, on_cuda),
     )
-    if args.max_model_len:
-        settings["max_model_len"] = args.max_model_len
+    for name in ("max_model_len", "max_num_batched_tokens"):
+        if getattr(args, name):
+            settings[name] = getattr(args, name)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

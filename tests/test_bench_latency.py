@@ -28,6 +28,7 @@ def test_cpu_smoke_writes_rows_and_json(tiny_folder: Path, tmp_path: Path, capsy
     rc = main([
         "--model", str(tiny_folder), "--batch-sizes", "1,2", "--decode-steps", "3", "--warmup-steps", "1",
         "--input-len", "8", "--modes", "eager,FULL", "--device", "cpu", "--json", str(out),
+        "--max-num-batched-tokens", "8",  # bs=2 prefills in two chunks: the first request runs ahead
     ])
     assert rc == 0
     report = json.loads(out.read_text())
