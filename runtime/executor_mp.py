@@ -8,6 +8,7 @@ during steps: `Process.is_alive()` and a heartbeat stamp each rank's thread writ
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -50,6 +51,9 @@ class MPExecutor(Executor):
     # ------------------------------------------------------------------------------- start-up
 
     def start(self) -> Any:
+        # multiprocessing joins non-daemon children at interpreter exit, and a rank waits for plans
+        # until its parent is gone: without this hook, an exit without shutdown() would hang.
+        atexit.register(self.shutdown)
         try:
             return self._start()
         except BaseException:
@@ -171,6 +175,7 @@ class MPExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         if graceful and self.channel is not None:
             try:
                 self.channel.publish_shutdown()

@@ -69,3 +69,30 @@ def test_killed_worker_ends_generation_with_error_and_leaves_no_process(tiny_mod
         import ray
 
         assert not ray.is_initialized(), "the executor started Ray, so shutdown must stop it"
+
+
+_EXIT_WITHOUT_SHUTDOWN = """
+import json, sys
+from atomrt.runtime.llm import LLM
+llm = LLM(sys.argv[1], executor="mp", tensor_parallel_size=2, **json.loads(sys.argv[2]))
+out = llm.generate([[3, 4, 5]], {params})
+print(json.dumps(list(llm.engine.executor.worker_pids.values())), flush=True)
+"""  # no shutdown(): the interpreter's exit must still end the workers
+
+
+def test_driver_exit_without_shutdown_leaves_no_process(tiny_model: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    script = _EXIT_WITHOUT_SHUTDOWN.replace(
+        "{params}", "__import__('atomrt.runtime', fromlist=['SamplingParams']).SamplingParams(max_tokens=2)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_model), json.dumps(COMMON)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pids = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(pids) == 2
+    assert wait_gone(pids, timeout_s=5) == []

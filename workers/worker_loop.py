@@ -127,16 +127,27 @@ class RankWorker:
         self.worker = Worker(self.config, s.dp_rank, s.tp_rank, self.local_device, tp_group)
 
     def determine_num_blocks(self) -> int:
+        self._bind_device()
         return self.worker.determine_num_blocks()
 
     def initialize(self, num_blocks: int) -> Any:
+        self._bind_device()
         return self.worker.initialize(num_blocks)
+
+    def _bind_device(self) -> None:
+        """The current CUDA device is per thread; a Ray actor serves its calls from a thread pool."""
+        device = self.worker.runner.device
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
 
     def run_plan_loop(self, addresses: dict[str, str], keep_going: Callable[[], bool]) -> None:
         """Receive plans until the shutdown plan (or `keep_going()` turns false while idle)."""
         from atomrt.distributed.messages import StepResult
         from atomrt.distributed.transport import PlanSubscriber, ResultPusher, TransportAddresses, TransportTimeout
 
+        self._bind_device()
         addr = TransportAddresses.from_dict(addresses)
         sub = PlanSubscriber(addr, self.spec.rank)
         pusher = ResultPusher(addr, self.spec.dp_rank)  # TP ranks != 0 push only their errors

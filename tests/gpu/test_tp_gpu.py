@@ -1,0 +1,93 @@
+"""GPU tier, 2 GPUs: TP=2 through the Ray executor (one actor per GPU, NCCL) gives TP=2 eager's
+greedy tokens in cudagraph modes NONE, FULL and TR_HYBRID; the mp executor too (TR_HYBRID).
+Dummy weights of SmolLM2-135M's shape, float32 (so that eager and graph kernels agree to well under
+a greedy near-tie), token-id prompts (no tokenizer needed on the GPU machine).
+
+Run on the GPU machine: `MARK=multigpu tests/gpu/run_gpu_tier.sh tests/gpu/test_tp_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from atomrt.runtime import SamplingParams
+from atomrt.runtime.config import CompilationConfig, CUDAGraphMode
+from atomrt.runtime.llm import LLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared executor harness
+from executor_harness import wait_gone  # noqa: E402
+
+pytestmark = pytest.mark.multigpu
+
+MODEL = dict(model="SmolLM2-135M", load_format="dummy", dtype="float32", device="cuda", tensor_parallel_size=2)
+LADDER_TOP = 32  # capture [1..8, 16, 32]
+NUM_REQUESTS = 32
+
+
+def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 49000) for _ in range(rng.randrange(1, 100))] for _ in range(NUM_REQUESTS)]
+    # staggered lengths: the decode batch shrinks 32 -> 1 through every bucket and between buckets
+    params = [SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 30, ignore_eos=True) for i in range(NUM_REQUESTS)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One Ray for the module (the executor joins it instead of starting its own)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import ray
+
+    ray.init(num_gpus=2, num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def _run(executor: str, mode, enforce_eager: bool = False):
+    cc = CompilationConfig(level=0, cudagraph_mode=mode, cuda_graph_sizes=[LADDER_TOP])
+    llm = LLM(**MODEL, executor=executor, enforce_eager=enforce_eager, compilation_config=cc,
+              max_num_seqs=NUM_REQUESTS, gpu_memory_utilization=0.5)
+    pids = dict(llm.engine.executor.worker_pids)
+    try:
+        prompts, params = _requests()
+        outs = llm.generate(prompts, params)
+        return [o.outputs[0].token_ids for o in outs], llm.engine.info
+    finally:
+        llm.shutdown()
+        assert wait_gone(pids.values(), timeout_s=30) == [], "worker processes (and their GPU memory) left"
+
+
+@pytest.fixture(scope="module")
+def eager_tokens(ray_session):
+    tokens, info = _run("ray", None, enforce_eager=True)
+    assert not info.capture_sizes
+    return tokens
+
+
+def _check(tokens, info, mode: str, eager_tokens) -> None:
+    m = CUDAGraphMode[mode]
+    if m != CUDAGraphMode.NONE:
+        assert info.capture_sizes, "graphs were captured"
+        if m.uses_tr_hybrid():
+            assert info.decode_token_sizes and not info.req_keys
+        else:
+            assert info.req_keys and not info.decode_token_sizes
+    mismatched = [i for i, (a, b) in enumerate(zip(tokens, eager_tokens)) if a != b]
+    assert not mismatched, f"TP=2 {mode}: requests {mismatched[:8]} differ from TP=2 eager"
+
+
+@pytest.mark.parametrize("mode", ["NONE", "FULL", "TR_HYBRID"])
+def test_ray_tp2_mode_matches_eager(eager_tokens, mode):
+    tokens, info = _run("ray", mode)
+    _check(tokens, info, mode, eager_tokens)
+
+
+def test_mp_tp2_tr_hybrid_matches_eager(eager_tokens):
+    tokens, info = _run("mp", "TR_HYBRID")
+    _check(tokens, info, "TR_HYBRID", eager_tokens)
