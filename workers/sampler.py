@@ -80,18 +80,29 @@ class SamplingTensors:
         )
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
+        # One host tensor, one copy to the device: 6 float rows + top_k, viewed per parameter.
+        host = torch.tensor(
+            [
+                [0.0 if g else p.temperature for p, g in zip(ps, greedy)],
+                [p.top_p for p in ps],
+                [p.min_p for p in ps],
+                [p.repetition_penalty for p in ps],
+                [p.presence_penalty for p in ps],
+                [p.frequency_penalty for p in ps],
+                [float(k) for k in top_ks],
+            ],
+            dtype=torch.float32,
+        ).reshape(7, len(ps))
+        dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
         no_history: list[list[int]] = [[] for _ in ps]
         return cls(
-            temperatures=f32([0.0 if g else p.temperature for p, g in zip(ps, greedy)]),
-            top_ps=f32([p.top_p for p in ps]),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=f32([p.min_p for p in ps]),
-            repetition_penalties=f32([p.repetition_penalty for p in ps]),
-            presence_penalties=f32([p.presence_penalty for p in ps]),
-            frequency_penalties=f32([p.frequency_penalty for p in ps]),
+            temperatures=dev[0],
+            top_ps=dev[1],
+            top_ks=dev[6].to(torch.int64),
+            min_ps=dev[2],
+            repetition_penalties=dev[3],
+            presence_penalties=dev[4],
+            frequency_penalties=dev[5],
             prompt_token_ids=_pad_2d(prompt_token_ids if do_penalties else no_history, vocab_size, device),
             output_token_ids=_pad_2d(output_token_ids if do_penalties else no_history, vocab_size, device),
             seeds=[p.seed for p in ps],
@@ -208,6 +219,8 @@ class Sampler:
         self, logits: torch.Tensor, t: SamplingTensors, generator: Optional[torch.Generator] = None
     ) -> SamplerOutput:
         """logits [num_seqs, vocab] float32 (not modified). `generator` drives unseeded rows."""
+        if t.all_greedy and not t.do_penalties and all(k is None for k in t.num_logprobs):
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))  # the common greedy step
         logits = logits.float().clone()
         if t.do_penalties:
             logits = apply_penalties(logits, t)
