@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -84,9 +84,15 @@ class ModelRunner:
             "cu_seqlens_q": torch.zeros(s + 1, dtype=torch.int32, device=dev),
             "context_lens": torch.zeros(s, dtype=torch.int32, device=dev),
             "block_tables": torch.full((s, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
+            "logits_indices": torch.zeros(s, dtype=torch.int64, device=dev),
             "outputs": torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=dev),
         }
-
+        # Host staging: on CUDA, pinned mirrors filled with numpy and copied asynchronously (one copy
+        # per buffer, padding included); on CPU the buffers are filled in place.
+        self._staging = {
+            k: v.cpu().pin_memory() if dev.type == "cuda" else v
+            for k, v in self.forward_vars.items() if k != "outputs"
+        }
     def kv_layer_specs(self) -> list[KVLayerSpec]:
         return [KVLayerSpec(i, a.num_kv_heads, a.head_dim) for i, a in sorted(self.attn_layers.items())]
 
@@ -99,22 +105,33 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- one step
 
+    def _fill(self, name: str, values: np.ndarray, length: int, pad: Any) -> None:
+        """forward_vars[name][:length] = values, then `pad` (rows of a 2-D buffer alike)."""
+        staging = self._staging[name]
+        host = staging.numpy()
+        n = values.shape[0]
+        if host.ndim == 2:
+            width = values.shape[1] if n else 0
+            host[:n, :width] = values
+            host[:n, width:] = pad
+        else:
+            host[:n] = values
+        host[n:length] = pad
+        if staging is not self.forward_vars[name]:
+            self.forward_vars[name][:length].copy_(staging[:length], non_blocking=True)
+
     def prepare(self, inputs: StepInputs, decision: ForwardDecision) -> tuple[AttentionMetaData, Context]:
         """Copy the step into the static buffers (padding rows zeroed, padded slots -1)."""
         fv = self.forward_vars
         n, bs = inputs.num_tokens, inputs.num_seqs
         rows = max(decision.running_tokens, n)
         seqs = decision.running_bs if decision.kind is ForwardKind.REQ_GRAPH else bs
-        _fill(fv["input_ids"], inputs.input_ids, rows, 0)
-        _fill(fv["positions"], inputs.positions, rows, 0)
-        _fill(fv["slot_mapping"], inputs.slot_mapping, rows, -1)
-        _fill(fv["cu_seqlens_q"], inputs.cu_seqlens_q, seqs + 1, n)
-        _fill(fv["context_lens"], inputs.context_lens, seqs, 0)
-        width = inputs.block_tables.shape[1]
-        if bs:
-            fv["block_tables"][:bs, :width].copy_(torch.from_numpy(inputs.block_tables), non_blocking=True)
-        if seqs > bs:
-            fv["block_tables"][bs:seqs].fill_(-1)
+        self._fill("input_ids", inputs.input_ids, rows, 0)
+        self._fill("positions", inputs.positions, rows, 0)
+        self._fill("slot_mapping", inputs.slot_mapping, rows, -1)
+        self._fill("cu_seqlens_q", inputs.cu_seqlens_q, seqs + 1, n)
+        self._fill("context_lens", inputs.context_lens, seqs, 0)
+        self._fill("block_tables", inputs.block_tables, seqs, -1)
         md = AttentionMetaData(
             cu_seqlens_q=fv["cu_seqlens_q"][: seqs + 1],
             context_lens=fv["context_lens"][:seqs],
@@ -141,16 +158,23 @@ class ModelRunner:
         md, context = self.prepare(inputs, decision)
         dp = DPMetadata.make(list(decision.dp_num_tokens), decision.running_tokens) if decision.dp_num_tokens else None
         rows = context.running_tokens
-        logits_indices = torch.from_numpy(inputs.sample_rows).to(self.device, non_blocking=True)
+        num_sampled = int(inputs.sample_rows.shape[0])
+        if num_sampled == inputs.num_tokens:  # every row samples (decode): no gather needed
+            logits_indices = slice(0, num_sampled)
+        else:
+            self._fill("logits_indices", inputs.sample_rows, num_sampled, 0)
+            logits_indices = self.forward_vars["logits_indices"][:num_sampled]
         with set_forward_context(
             md, self.config, context, no_compile_layers=self.attn_layers, kv_cache_data=self.kv_cache,
             dp_metadata=dp, tr_graph=decision.tr_graph,
         ):
             logits, _ = self.run_model(self.forward_vars["input_ids"][:rows], decision, logits_indices)
-        return StepOutput(self.sampler(logits, sampling), int(inputs.sample_rows.shape[0]))
+        if num_sampled == 0:  # an idle DP rank's dummy batch
+            return StepOutput(SamplerOutput(logits.new_empty(0, dtype=torch.int64)), 0)
+        return StepOutput(self.sampler(logits, sampling), num_sampled)
 
     def run_model(
-        self, input_ids: torch.Tensor, decision: ForwardDecision, logits_indices: torch.Tensor
+        self, input_ids: torch.Tensor, decision: ForwardDecision, logits_indices: Union[torch.Tensor, slice]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward the step's ForwardDecision names: eager, ReqGraph.replay, or the token graph.
 
@@ -185,12 +209,3 @@ class ModelRunner:
             prefill_token_sizes=tuple(captured_token_sizes(self.model, "prefill")),
             decode_token_sizes=tuple(captured_token_sizes(self.model, "decode")),
         )
-
-
-def _fill(buffer: torch.Tensor, values: np.ndarray, length: int, pad: Any) -> None:
-    """buffer[:len(values)] = values; buffer[len(values):length] = pad."""
-    n = values.shape[0]
-    if n:
-        buffer[:n].copy_(torch.from_numpy(values), non_blocking=True)
-    if length > n:
-        buffer[n:length].fill_(pad)
