@@ -164,7 +164,13 @@ class CudaGraphBackend:
     manager's per-capture `empty_cache()`, which would only churn the default pool between segments.
     """
 
-    def __init__(self, capture_error_mode: str = "global") -> None:
+    def __init__(self, capture_error_mode: Optional[str] = None) -> None:
+        if capture_error_mode is None:
+            # "thread_local": a CUDA call of another thread (the NCCL watchdog's event polls) does
+            # not invalidate the capture; the capturing thread is still checked.
+            from atomrt.distributed.nccl_watchdog import graph_capture_kwargs
+
+            capture_error_mode = graph_capture_kwargs()["capture_error_mode"]
         self.capture_error_mode = capture_error_mode
         self._graph: Optional[torch.cuda.CUDAGraph] = None
 
