@@ -3,7 +3,6 @@ tokenizer) and helpers to run it through `LLM` and to check that no engine proce
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -53,8 +52,15 @@ def greedy_tokens(model: Path, prompts: list[list[int]] = PROMPTS, **kwargs: Any
 
 
 def pid_alive(pid: int) -> bool:
-    import psutil
-
+    """True while `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        import psutil
+    except ImportError:  # the GPU machine may lack psutil: /proc tells the same on Linux
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -71,7 +77,3 @@ def wait_gone(pids: Iterable[int], timeout_s: float = 15.0) -> list[int]:
             return []
         time.sleep(0.2)
     return [p for p in pids if pid_alive(p)]
-
-
-def own_pid_excluded(pids: Iterable[int]) -> list[int]:
-    return [p for p in pids if p != os.getpid()]

@@ -1,7 +1,8 @@
 """GPU tier, 2 GPUs: TP=2 through the Ray executor (one actor per GPU, NCCL) gives TP=2 eager's
 greedy tokens in cudagraph modes NONE, FULL and TR_HYBRID; the mp executor too (TR_HYBRID).
-Dummy weights of SmolLM2-135M's shape, float32 (so that eager and graph kernels agree to well under
-a greedy near-tie), token-id prompts (no tokenizer needed on the GPU machine).
+Dummy weights of Llama-3.2-1B's shape (32 heads, 8 kv heads: SmolLM2-135M's 9 heads do not split
+over 2 ranks), float32 (so that eager and graph kernels agree to well under a greedy near-tie),
+token-id prompts (no tokenizer needed on the GPU machine).
 
 Run on the GPU machine: `MARK=multigpu tests/gpu/run_gpu_tier.sh tests/gpu/test_tp_gpu.py`.
 """
@@ -24,7 +25,9 @@ from executor_harness import wait_gone  # noqa: E402
 
 pytestmark = pytest.mark.multigpu
 
-MODEL = dict(model="SmolLM2-135M", load_format="dummy", dtype="float32", device="cuda", tensor_parallel_size=2)
+MODEL = dict(
+    model="Llama-3.2-1B", load_format="dummy", dtype="float32", device="cuda", tensor_parallel_size=2, max_model_len=1024
+)
 LADDER_TOP = 32  # capture [1..8, 16, 32]
 NUM_REQUESTS = 32
 
