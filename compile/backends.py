@@ -54,13 +54,16 @@ class CompilationCounter:
     num_cache_loads: int = 0  # artifacts loaded from the on-disk cache
     num_cache_misses: int = 0  # lookups that found nothing usable
     num_corrupt_entries: int = 0  # entries found damaged, logged and recompiled
+    # Wall time of compile work: each decorated model's first call (Dynamo, compiles, loads)
+    # plus the lazy per-size compiles or loads after it.
+    compile_seconds: float = 0.0
 
     def snapshot(self) -> dict[str, int]:
         return dataclasses.asdict(self)
 
     def reset(self) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, 0)
+            setattr(self, f.name, type(f.default)())
 
 
 compilation_counter = CompilationCounter()
@@ -138,6 +141,16 @@ class CompilerManager:
         runtime_shape: Optional[int] = None,
     ) -> Callable:
         """Load the piece from the cache, or compile it and record it (under the directory lock)."""
+        start = time.perf_counter()
+        try:
+            return self._compile_or_load(
+                graph, example_inputs, additional_inductor_config, graph_index, num_graphs, runtime_shape
+            )
+        finally:
+            if runtime_shape is not None:  # lazy, after the first call (which the decorator times)
+                compilation_counter.compile_seconds += time.perf_counter() - start
+
+    def _compile_or_load(self, graph, example_inputs, additional_inductor_config, graph_index, num_graphs, runtime_shape):
         if self.disable_cache:
             return self._compile(graph, example_inputs, additional_inductor_config, graph_index, num_graphs, runtime_shape)
         assert self.cache_dir is not None

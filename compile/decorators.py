@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn as nn
 
-from atomrt.compile.backends import PiecewiseCompileBackend, current_rank
+from atomrt.compile.backends import PiecewiseCompileBackend, compilation_counter, current_rank
 from atomrt.runtime.config import CompilationLevel, Config
 
 logger = logging.getLogger("atomrt.compile.decorators")
@@ -106,7 +106,9 @@ class TorchCompileWrapperWithCustomDispatcher:
         finally:
             hook.remove()
         self._install_dispatcher()
-        logger.info("torch.compile of %s took %.2f s in total", type(self).__name__, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        compilation_counter.compile_seconds += elapsed
+        logger.info("torch.compile of %s took %.2f s in total", type(self).__name__, elapsed)
         return output
 
     def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:
