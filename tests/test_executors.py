@@ -72,3 +72,16 @@ def test_ray_two_nodes_places_ranks_on_both_and_steps_over_tcp(tiny_model: Path,
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_mp_startup_failure_names_rank_and_phase_and_leaves_no_process(tiny_model: Path) -> None:
+    """4 attention heads do not split over 3 TP ranks: every rank fails loading; nothing is left."""
+    from atomrt.runtime.executor import WorkerError
+    from atomrt.runtime.executor_mp import MPExecutor
+    from atomrt.runtime.llm import config_from_kwargs
+
+    executor = MPExecutor(config_from_kwargs(str(tiny_model), dict(COMMON, executor="mp", tensor_parallel_size=3)))
+    with pytest.raises(WorkerError, match=r"rank \d \(dp 0, tp \d\): init_worker failed: .*tensor_parallel_size 3"):
+        executor.start()
+    assert len(executor.worker_pids) == 3
+    assert wait_gone(executor.worker_pids.values(), timeout_s=5) == []

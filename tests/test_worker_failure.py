@@ -71,6 +71,26 @@ def test_killed_worker_ends_generation_with_error_and_leaves_no_process(tiny_mod
         assert not ray.is_initialized(), "the executor started Ray, so shutdown must stop it"
 
 
+@pytest.mark.parametrize("executor", ["mp", pytest.param("ray", marks=pytest.mark.slow)])
+def test_frozen_worker_is_named_after_its_missed_heartbeat(tiny_model: Path, executor: str) -> None:
+    """SIGSTOP: the process is alive but answers nothing; the heartbeat names it, SIGKILL ends it."""
+    hb = 2.0
+    llm = LLM(str(tiny_model), executor=executor, tensor_parallel_size=2, heartbeat_timeout_s=hb, **COMMON)
+    pids = dict(llm.engine.executor.worker_pids)
+    try:
+        pid = pids[1]
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="heartbeat") as err:
+            llm.generate(PROMPTS, LONG)
+        seconds = time.monotonic() - start
+    finally:
+        llm.shutdown()
+    assert "rank 1 (dp 0, tp 1)" in str(err.value), err.value
+    assert seconds < hb + ERROR_WITHIN_S, f"the error took {seconds:.1f} s"
+    assert wait_gone(pids.values()) == []
+
+
 _EXIT_WITHOUT_SHUTDOWN = """
 import json, sys
 from atomrt.runtime.llm import LLM
