@@ -53,6 +53,7 @@ class RayExecutor(Executor):
         self.actors: list[Any] = []
         self.nodes: list[NodeInfo] = []
         self.pg: Any = None
+        self.pg_strategy = ""
         self.channel: Optional[StepChannel] = None
         self._owns_ray = False
         self._loop_refs: list[Any] = []
@@ -148,7 +149,7 @@ class RayExecutor(Executor):
             )
             strategy = "STRICT_PACK" if fits else "PACK"
         self.pg_strategy = strategy
-        pg = placement_group([dict(bundle) for _ in self.specs], strategy=strategy)
+        self.pg = pg = placement_group([dict(bundle) for _ in self.specs], strategy=strategy)
         timeout = self.config.parallel_config.worker_timeout_s
         if not pg.wait(timeout_seconds=timeout):
             raise WorkerError(
@@ -256,31 +257,40 @@ class RayExecutor(Executor):
         self._closed = True
         import ray
 
-        if not ray.is_initialized():
-            return
-        if graceful and self.channel is not None and self._loop_refs:
-            try:
-                self.channel.publish_shutdown()
-                ray.wait(self._loop_refs, num_returns=len(self._loop_refs), timeout=DESTROY_TIMEOUT_S + 2.0)
-            except Exception as e:  # fall through to ray.kill
-                logger.warning("ray executor: graceful stop failed: %s", e)
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
-        self._wait_actors_gone()
-        if self.pg is not None:
-            from ray.util.placement_group import remove_placement_group
+        if ray.is_initialized():
+            if graceful and self._loop_refs:
+                self._leave_loops()
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            self._wait_actors_gone()
+            if self.pg is not None:
+                from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.pg)
+                remove_placement_group(self.pg)
+            if self._owns_ray:
+                ray.shutdown()
         if self.channel is not None:
             self.channel.close()
-        if self._owns_ray:
-            ray.shutdown()
+
+    def _leave_loops(self) -> None:
+        """Let every rank leave its loop and its process groups (bounded), before ray.kill."""
+        import ray
+
+        try:
+            if self.channel is not None and self.channel.ready:
+                self.channel.publish_shutdown()
+            else:  # the handshake never finished: a rank may not receive plans
+                for actor in self.actors:
+                    actor.stop.remote()
+            ray.wait(self._loop_refs, num_returns=len(self._loop_refs), timeout=DESTROY_TIMEOUT_S + 2.0)
+        except Exception as e:  # sockets or Ray already gone: ray.kill follows
+            logger.warning("ray executor: graceful stop failed: %s", e)
 
     def _wait_actors_gone(self) -> None:
         """ray.kill is asynchronous: wait (bounded) until every actor's pending call has failed."""
         import ray
 
-        refs = [r for r in self._loop_refs] or [a.ping.remote() for a in self.actors]
+        refs = list(self._loop_refs) or [a.ping.remote() for a in self.actors]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=_KILL_WAIT_S)
 
