@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 from atomrt.runtime.block_manager import BlockManager
 from atomrt.runtime.config import Config
-from atomrt.runtime.executor import Executor, make_executor
+from atomrt.runtime.executor import Executor, WorkerError, make_executor
 from atomrt.runtime.forward_mode import BatchShape, CapturedBuckets, ForwardMode
 from atomrt.runtime.outputs import RequestOutput, make_request_output
 from atomrt.runtime.plan_builder import RankPlanner, make_plan
@@ -51,6 +51,7 @@ class LLMEngine:
         captured = CapturedBuckets(info.req_keys, info.prefill_token_sizes, info.decode_token_sizes)
         self.forward_mode = ForwardMode(config, captured)
         self.step_no = 0
+        self.dead: Optional[str] = None  # why the engine stopped (a worker failed)
         self._ids = itertools.count()
         self._prompts: dict[str, Optional[str]] = {}
         self._seqs: dict[str, tuple[int, Sequence]] = {}  # request_id -> (dp rank, sequence)
@@ -61,6 +62,8 @@ class LLMEngine:
         self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
     ) -> str:
         """Validate and queue a request; a ValueError leaves the engine as it was."""
+        if self.dead:
+            raise RuntimeError(self.dead)
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._seqs:
@@ -103,7 +106,11 @@ class LLMEngine:
             return []
         decision = self.forward_mode.decide([_shape(o) for o in outs])
         batches = [planner.batch(o) for planner, o in zip(self.planners, outs)]
-        results = self.executor.execute(make_plan(self.step_no, decision, batches))
+        try:
+            results = self.executor.execute(make_plan(self.step_no, decision, batches))
+        except WorkerError as e:
+            self._fail(e)
+            raise
         self.step_no += 1
         return self._postprocess(outs, results)
 
@@ -122,6 +129,14 @@ class LLMEngine:
                 self._seqs.pop(seq.request_id, None)
                 self._prompts.pop(seq.request_id, None)
         return outputs
+
+    def _fail(self, error: WorkerError) -> None:
+        """A worker died: every in-flight request ends (aborted); later calls raise at once."""
+        self.dead = f"engine stopped: {error}"
+        logger.error("%s; aborting %d requests", self.dead, len(self._seqs))
+        for request_id in list(self._seqs):
+            self.abort(request_id)
+        self.executor.shutdown()
 
     def shutdown(self) -> None:
         self.executor.shutdown()
