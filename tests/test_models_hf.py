@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import traceback
 from pathlib import Path
 
 import pytest
@@ -129,8 +131,13 @@ def _tp_worker(rank: int, tp_size: int, folder: str, init_file: str, out_file: s
         if rank == 0:
             torch.save({"logits": result.logits, "sequences": result.sequences}, out_file)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    # gloo's teardown can abort the process ("terminate called without an active exception") when
+    # its threads race destroy_process_group; what this test checks is already written, so leave
+    # without running C++ destructors.
+    os._exit(0)
 
 
 def test_tensor_parallel_on_gloo_matches_transformers(tmp_path: Path) -> None:
