@@ -3,7 +3,7 @@
 How the ModelRunner uses them (every call under `torch.inference_mode()`):
 
 Capture, sizes descending, per bucket `bs` (rows = bs * max_q_len):
-  fill the static buffers (`fill_padded`) with a dummy decode batch; set the forward context with
+  fill the static buffers with a dummy decode batch (`ModelRunner.prepare`); set the forward context with
   `running_tokens=rows`, then
   * warm-up: `model(input_ids[:rows], positions[:rows])` with `tr_graph=None`;
   * FULL: `req_graph.record(request_bucket(bs, max_q_len), lambda: model(ids[:rows], pos[:rows]))`,
@@ -24,7 +24,7 @@ Replay, per step, following the driver's `ForwardDecision`:
   A replay's output lives in the shared pool: consume it before the next replay.
 """
 
-from atomrt.graphs.buckets import RequestBucket, bucket_for, capture_order, fill_padded, request_bucket
+from atomrt.graphs.buckets import RequestBucket, bucket_for, capture_order, request_bucket
 from atomrt.graphs.region_graph import (
     CudaGraphBackend,
     ReqGraph,
@@ -47,7 +47,6 @@ __all__ = [
     "capture_order",
     "captured_token_sizes",
     "eager_region",
-    "fill_padded",
     "graph_pool",
     "graph_pool_bytes",
     "request_bucket",

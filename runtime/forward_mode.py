@@ -25,10 +25,10 @@ Two-batch overlap (TBO) is not implemented: `ForwardDecision.ubatch_split_bs` is
 from __future__ import annotations
 
 import enum
-from bisect import bisect_left
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
+from atomrt.graphs.buckets import bucket_for
 from atomrt.runtime.config import Config, CUDAGraphMode
 
 
@@ -171,7 +171,7 @@ class ForwardMode:
         return not b.is_prefill and b.max_seqlen_q == q and b.num_tokens == b.num_seqs * q
 
     def _pad_to_req_graph(self, max_seqs: int) -> Optional[ForwardDecision]:
-        bs = _smallest_at_least(self.captured.req_batch_sizes(self.draft_num), max_seqs)
+        bs = bucket_for(max_seqs, self.captured.req_batch_sizes(self.draft_num))
         if bs is None:
             return None
         q = 1 + self.draft_num
@@ -185,7 +185,7 @@ class ForwardMode:
         )
 
     def _pad_to_token_graph(self, is_decode: bool, max_seqs: int, max_tokens: int) -> Optional[ForwardDecision]:
-        bucket = _smallest_at_least(self.captured.token_sizes(not is_decode), max_tokens)
+        bucket = bucket_for(max_tokens, self.captured.token_sizes(not is_decode))
         if bucket is None:
             return None
         q = 1 + self.draft_num
@@ -207,11 +207,6 @@ class ForwardMode:
             is_prefill=is_prefill,
             draft_num=self.draft_num,
         )
-
-
-def _smallest_at_least(sizes: Sequence[int], n: int) -> Optional[int]:
-    i = bisect_left(sizes, n)
-    return sizes[i] if i < len(sizes) else None
 
 
 def _with_dp(d: ForwardDecision, dp_num_tokens: tuple[int, ...]) -> ForwardDecision:

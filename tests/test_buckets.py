@@ -1,17 +1,13 @@
 """Bucket arithmetic: the capture ladder, request-bucket keys, bucket lookup, padding of static buffers."""
 
 import pytest
-import torch
 
 from atomrt.graphs.buckets import (
     RequestBucket,
     bucket_for,
     capture_order,
-    cu_seqlens_padded,
-    fill_padded,
     request_bucket,
     sorted_sizes,
-    token_buckets,
 )
 from atomrt.runtime.config import CompilationConfig, Config, SchedulerConfig, capture_size_ladder
 
@@ -75,38 +71,6 @@ def test_bucket_for_default_ladder_every_count():
 def test_capture_order_and_sizes():
     assert capture_order([1, 16, 4, 4, 2]) == [16, 4, 2, 1]
     assert sorted_sizes([4, 1, 4]) == (1, 4)
-    assert token_buckets([1, 2, 4], max_seqlen_q=3) == (3, 6, 12)
     with pytest.raises(AssertionError):
         sorted_sizes([0, 1])
 
-
-def test_fill_padded_1d():
-    slots = torch.full((16,), 7, dtype=torch.int64)
-    view = fill_padded(slots, torch.tensor([5, 9, 11]), num_padded=8, pad_value=-1)
-    assert view.data_ptr() == slots.data_ptr() and view.shape == (8,)
-    assert view.tolist() == [5, 9, 11, -1, -1, -1, -1, -1]
-    assert slots[8:].tolist() == [7] * 8  # rows past the bucket are left alone
-
-
-def test_fill_padded_2d_and_exact():
-    block_tables = torch.zeros(4, 3, dtype=torch.int32)
-    view = fill_padded(block_tables, torch.tensor([[1, 2, -1]], dtype=torch.int32), num_padded=3, pad_value=-1)
-    assert view.tolist() == [[1, 2, -1], [-1, -1, -1], [-1, -1, -1]]
-    ids = torch.ones(4, dtype=torch.int64)
-    assert fill_padded(ids, torch.tensor([3, 4]), num_padded=2).tolist() == [3, 4]
-
-
-def test_fill_padded_rejects_overflow():
-    with pytest.raises(AssertionError):
-        fill_padded(torch.zeros(4), torch.zeros(3), num_padded=5)
-    with pytest.raises(AssertionError):
-        fill_padded(torch.zeros(4), torch.zeros(3), num_padded=2)
-
-
-def test_cu_seqlens_padded():
-    assert cu_seqlens_padded([1, 1, 1], running_bs=4, num_padded_tokens=4) == [0, 1, 2, 3, 4]
-    assert cu_seqlens_padded([2, 2], running_bs=4, num_padded_tokens=8) == [0, 2, 4, 6, 8]
-    assert cu_seqlens_padded([5, 3], running_bs=2, num_padded_tokens=8) == [0, 5, 8]
-    assert cu_seqlens_padded([5, 3], running_bs=3, num_padded_tokens=16) == [0, 5, 8, 16]
-    with pytest.raises(AssertionError):
-        cu_seqlens_padded([5, 3], running_bs=1, num_padded_tokens=16)

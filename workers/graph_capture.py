@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from atomrt.graphs.buckets import capture_order, request_bucket
 from atomrt.graphs.region_graph import ReqGraph, graph_pool_bytes
 from atomrt.runtime.config import CUDAGraphMode
 from atomrt.runtime.forward_context import set_forward_context
@@ -56,7 +57,7 @@ def capture_all(runner: "ModelRunner") -> tuple[float, list[int]]:
     mode = config.cudagraph_mode
     if runner.enforce_eager or mode == CUDAGraphMode.NONE or not config.capture_sizes:
         return 0.0, []
-    sizes = sorted(config.capture_sizes, reverse=True)
+    sizes = capture_order(config.capture_sizes)
     assert sizes[0] <= runner.max_num_seqs, f"capture size {sizes[0]} > max_num_seqs {runner.max_num_seqs}"
     record_tr = mode.uses_tr_hybrid()
     record_full = mode.decode_mode() == CUDAGraphMode.FULL and not record_tr
@@ -71,7 +72,7 @@ def capture_all(runner: "ModelRunner") -> tuple[float, list[int]]:
             rows = bs * max_q_len
             kind = ForwardKind.TOKEN_GRAPH if record_tr else ForwardKind.REQ_GRAPH
             decision = ForwardDecision(
-                kind=kind, running_bs=bs, running_tokens=rows, is_prefill=False, req_key=(bs, max_q_len - 1)
+                kind=kind, running_bs=bs, running_tokens=rows, is_prefill=False, req_key=request_bucket(bs, max_q_len)
             )
             md, ctx = runner.prepare(dummy_decode_inputs(bs, max_q_len), decision)
             ids, pos = fv["input_ids"][:rows], fv["positions"][:rows]
