@@ -1,0 +1,94 @@
+"""ModelRunner on CPU: static buffers are filled by slicing, padding rows zeroed, padded slots -1,
+padded sequences empty, and the metadata are views of the static buffers (what graphs recorded)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atomrt.runtime.config import Config, SchedulerConfig
+from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
+from atomrt.workers.input_batch import StepInputs
+from atomrt.workers.model_runner import ModelRunner, resolve_device
+from executor_harness import build_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> ModelRunner:
+    folder = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+    config = Config(model=str(folder), device="cpu", scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64))
+    r = ModelRunner(config, resolve_device(config))
+    r.allocate_kv_cache(32)
+    return r
+
+
+def _inputs(q_lens: list[int], computed: list[int], block_size: int) -> StepInputs:
+    bs = len(q_lens)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    seq_of_row = np.repeat(np.arange(bs), q_lens)
+    positions = np.asarray(computed)[seq_of_row] + np.arange(cu[-1]) - cu[:-1][seq_of_row]
+    tables = np.full((bs, 4), -1, dtype=np.int32)
+    for i in range(bs):
+        tables[i, : 1 + (computed[i] + q_lens[i] - 1) // block_size] = np.arange(1 + i * 4, 1 + i * 4 + 1 + (computed[i] + q_lens[i] - 1) // block_size)
+    slots = tables[seq_of_row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return StepInputs(
+        seq_ids=np.arange(bs, dtype=np.int64),
+        input_ids=np.arange(1, cu[-1] + 1, dtype=np.int64),
+        positions=positions.astype(np.int64),
+        slot_mapping=slots,
+        cu_seqlens_q=cu,
+        context_lens=(np.asarray(computed) + np.asarray(q_lens)).astype(np.int32),
+        block_tables=tables,
+        sample_seq_idx=np.arange(bs, dtype=np.int64),
+        sample_rows=cu[1:].astype(np.int64) - 1,
+        is_prefill=max(q_lens) > 1,
+    )
+
+
+def test_padded_request_bucket_fills_static_buffers(runner: ModelRunner) -> None:
+    fv = runner.forward_vars
+    # A large eager step first leaves stale values that padding must overwrite.
+    runner.prepare(_inputs([5, 7, 3], [0, 0, 0], runner.block_size), ForwardDecision(ForwardKind.EAGER, 3, 15, True))
+    inputs = _inputs([1, 1, 1], [5, 7, 3], runner.block_size)
+    decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=8, running_tokens=8, is_prefill=False, req_key=(8, 0))
+    md, ctx = runner.prepare(inputs, decision)
+    assert fv["input_ids"][:3].tolist() == [1, 2, 3] and fv["input_ids"][3:8].tolist() == [0] * 5
+    assert fv["positions"][:3].tolist() == [5, 7, 3] and fv["positions"][3:8].tolist() == [0] * 5
+    assert fv["slot_mapping"][:3].tolist() == inputs.slot_mapping.tolist()
+    assert fv["slot_mapping"][3:8].tolist() == [-1] * 5
+    assert fv["cu_seqlens_q"][:9].tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]  # padded sequences: no rows
+    assert fv["context_lens"][:8].tolist() == [6, 8, 4, 0, 0, 0, 0, 0]
+    assert (fv["block_tables"][3:8] == -1).all()
+    assert fv["block_tables"][0, :2].tolist() == inputs.block_tables[0, :2].tolist()
+    # The metadata are views of the static buffers, sized by the bucket.
+    assert md.slot_mapping.data_ptr() == fv["slot_mapping"].data_ptr() and md.slot_mapping.shape[0] == 8
+    assert md.block_tables.shape[0] == 8 and md.cu_seqlens_q.shape[0] == 9
+    assert md.graph_safe and md.num_seqs == 8 and md.num_tokens == 3
+    assert ctx.running_bs == 8 and ctx.running_tokens == 8 and ctx.batch_size == 3 and not ctx.is_prefill
+
+
+def test_token_bucket_pads_rows_not_sequences(runner: ModelRunner) -> None:
+    inputs = _inputs([4, 2], [0, 3], runner.block_size)
+    decision = ForwardDecision(ForwardKind.TOKEN_GRAPH, running_bs=2, running_tokens=16, is_prefill=True, token_bucket=16)
+    md, ctx = runner.prepare(inputs, decision)
+    assert md.num_seqs == 2 and md.cu_seqlens_q.tolist() == [0, 4, 6]
+    assert md.slot_mapping.shape[0] == 16 and md.slot_mapping[6:].tolist() == [-1] * 10
+    assert not md.graph_safe and md.cu_seqlens_q_cpu == [0, 4, 6] and md.context_lens_cpu == [4, 5]
+    assert ctx.running_tokens == 16 and ctx.is_prefill
+
+
+def test_eager_padded_rows_do_not_change_real_logits(runner: ModelRunner) -> None:
+    """DP padding runs extra rows eagerly; the real rows' logits are those of the unpadded step."""
+    from atomrt.runtime.forward_context import set_forward_context
+
+    def logits(decision: ForwardDecision):
+        inputs = _inputs([3, 2], [0, 0], runner.block_size)
+        md, ctx = runner.prepare(inputs, decision)
+        with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers, kv_cache_data=runner.kv_cache):
+            out, _ = runner.run_model(runner.forward_vars["input_ids"][: ctx.running_tokens], decision,
+                                      runner.forward_vars["logits_indices"][:0].new_tensor([2, 4]))
+        return out
+
+    plain = logits(ForwardDecision(ForwardKind.EAGER, 2, 5, True))
+    padded = logits(ForwardDecision(ForwardKind.EAGER, 2, 12, True, dp_num_tokens=(5, 12)))
+    assert (plain - padded).abs().max().item() <= 1e-5
