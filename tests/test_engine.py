@@ -146,3 +146,20 @@ def test_stop_strings_and_logprobs(llm):
     assert " 6" not in c.text and c.finish_reason == "stop" and c.stop_reason == " 6"
     assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
     assert all(tok in row for tok, row in zip(c.token_ids, c.logprobs))
+
+
+def test_prefix_cache_hits_reuse_blocks_and_give_identical_output(llm):
+    """A prompt sharing 3+ full blocks with an earlier one computes only its tail, same tokens."""
+    shared = "You are a helpful assistant. Answer briefly and precisely, in one sentence. " * 5
+    prompts = [shared + "What is a GPU?", shared + "What is a CPU?"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    bm = llm.engine.schedulers[0].block_manager
+    without = LLM(DEFAULT_MODEL, enable_prefix_caching=False)
+    try:
+        reference = _tokens(without.generate(prompts, params))
+    finally:
+        without.shutdown()
+    llm.generate([shared + "Hello"], params)  # fills the prefix cache
+    hits_before = bm.num_prefix_hit_tokens
+    assert _tokens(llm.generate(prompts, params)) == reference
+    assert bm.num_prefix_hit_tokens - hits_before >= 2 * 3 * bm.block_size
