@@ -16,32 +16,24 @@ import signal
 import time
 from typing import Any, Optional, Sequence
 
-from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.config import Config
-from atomrt.runtime.executor import Executor, WorkerError
-from atomrt.runtime.step_channel import StepChannel
-from atomrt.workers.worker_loop import DESTROY_TIMEOUT_S, ControlCall, ControlReply, RankSpec, mp_main
+from atomrt.runtime.executor import WorkerError
+from atomrt.runtime.step_channel import ChannelExecutor, StepChannel
+from atomrt.workers.worker_loop import DESTROY_TIMEOUT_S, ControlCall, ControlReply, mp_main
 
 logger = logging.getLogger(__name__)
 
 _KILL_WAIT_S = 2.0  # terminate -> kill: how long each signal gets
 
 
-class MPExecutor(Executor):
+class MPExecutor(ChannelExecutor):
+    kind = "mp"
+
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        pc = config.parallel_config
-        self.specs = [
-            RankSpec(d, t, pc.data_parallel_size, pc.tensor_parallel_size)
-            for d in range(pc.data_parallel_size)
-            for t in range(pc.tensor_parallel_size)
-        ]
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.heartbeats: list[Any] = []
-        self.channel: Optional[StepChannel] = None
-        self._failure: Optional[str] = None
-        self._closed = False
 
     @property
     def worker_pids(self) -> dict[int, int]:
@@ -54,11 +46,7 @@ class MPExecutor(Executor):
         # multiprocessing joins non-daemon children at interpreter exit, and a rank waits for plans
         # until its parent is gone: without this hook, an exit without shutdown() would hang.
         atexit.register(self.shutdown)
-        try:
-            return self._start()
-        except BaseException:
-            self._stop(graceful=False)
-            raise
+        return super().start()
 
     def _start(self) -> Any:
         pc = self.config.parallel_config
@@ -128,15 +116,6 @@ class MPExecutor(Executor):
 
     # ---------------------------------------------------------------------------------- steps
 
-    def execute(self, plan: StepPlan) -> list[StepResult]:
-        if self._failure is not None or self.channel is None:
-            raise WorkerError(f"mp executor is stopped: {self._failure or 'not started'}")
-        try:
-            return self.channel.execute(plan, self.config.parallel_config.worker_timeout_s, self._check_alive)
-        except WorkerError as e:
-            self._failure = str(e)
-            self._stop(graceful=False)
-            raise
 
     def _check_alive(self) -> None:
         """Raise WorkerError naming a rank whose process exited or whose heartbeat stopped."""
@@ -166,9 +145,6 @@ class MPExecutor(Executor):
         return f"worker process {proc.pid} {how}"
 
     # ------------------------------------------------------------------------------- shutdown
-
-    def shutdown(self) -> None:
-        self._stop(graceful=self._failure is None)
 
     def _stop(self, graceful: bool) -> None:
         """Shutdown plan (graceful), then terminate and kill: bounded, and idempotent."""

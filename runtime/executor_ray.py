@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Any
 
-from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.config import Config
 from atomrt.runtime.envs import ENV
-from atomrt.runtime.executor import Executor, WorkerError
-from atomrt.runtime.step_channel import StepChannel
+from atomrt.runtime.executor import WorkerError
+from atomrt.runtime.step_channel import ChannelExecutor, StepChannel
 from atomrt.workers.worker_loop import DESTROY_TIMEOUT_S, NodeInfo, RankActor, RankSpec
 
 logger = logging.getLogger(__name__)
@@ -35,31 +34,24 @@ ACTOR_CPUS = 1.0  # logical CPUs per rank's bundle (a scheduling token: the rank
 _KILL_WAIT_S = 5.0  # after ray.kill, how long shutdown waits to see the actors gone
 
 
-class RayExecutor(Executor):
+class RayExecutor(ChannelExecutor):
+    kind = "ray"
+
     def __init__(self, config: Config, placement_strategy: str = "auto", transport: str = "auto") -> None:
         super().__init__(config)
         if placement_strategy not in STRATEGIES:
             raise ValueError(f"placement_strategy: expected one of {STRATEGIES}, got {placement_strategy!r}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
-        pc = config.parallel_config
         self.placement_strategy = placement_strategy
         self.transport = transport
-        self.specs = [
-            RankSpec(d, t, pc.data_parallel_size, pc.tensor_parallel_size)
-            for d in range(pc.data_parallel_size)
-            for t in range(pc.tensor_parallel_size)
-        ]
         self.actors: list[Any] = []
         self.nodes: list[NodeInfo] = []
         self.pg: Any = None
         self.pg_strategy = ""
-        self.channel: Optional[StepChannel] = None
         self._owns_ray = False
         self._loop_refs: list[Any] = []
         self._pings: list[tuple[Any, float]] = []
-        self._failure: Optional[str] = None
-        self._closed = False
 
     @property
     def worker_pids(self) -> dict[int, int]:
@@ -72,13 +64,6 @@ class RayExecutor(Executor):
         return {s.rank: n.node_id for s, n in zip(self.specs, self.nodes)}
 
     # ------------------------------------------------------------------------------- start-up
-
-    def start(self) -> Any:
-        try:
-            return self._start()
-        except BaseException:
-            self._stop(graceful=False)
-            raise
 
     def _start(self) -> Any:
         import ray
@@ -196,15 +181,6 @@ class RayExecutor(Executor):
 
     # ---------------------------------------------------------------------------------- steps
 
-    def execute(self, plan: StepPlan) -> list[StepResult]:
-        if self._failure is not None or self.channel is None:
-            raise WorkerError(f"ray executor is stopped: {self._failure or 'not started'}")
-        try:
-            return self.channel.execute(plan, self.config.parallel_config.worker_timeout_s, self._check_alive)
-        except WorkerError as e:
-            self._failure = str(e)
-            self._stop(graceful=False)
-            raise
 
     def _check_alive(self) -> None:
         """Non-blocking: a rank whose plan loop call ended, or whose ping is overdue, raises WorkerError."""
@@ -246,9 +222,6 @@ class RayExecutor(Executor):
         return "; ".join(died + failed)
 
     # ------------------------------------------------------------------------------- shutdown
-
-    def shutdown(self) -> None:
-        self._stop(graceful=self._failure is None)
 
     def _stop(self, graceful: bool) -> None:
         """Shutdown plan (graceful), kill every actor, remove the placement group, stop our Ray. Bounded."""

@@ -1,4 +1,5 @@
-"""The driver's side of the per-step hot path, shared by the `mp` and `ray` executors.
+"""The driver's side of the per-step hot path, shared by the `mp` and `ray` executors
+(`StepChannel`), and their common base class (`ChannelExecutor`).
 
 Hot path: `StepChannel.execute`: publish one plan on the ZeroMQ PUB, then collect one
 `StepResult` per DP rank from the PULL. What may live here: the publish, a bounded poll loop, and a
@@ -8,13 +9,16 @@ Ray call per step).
 
 from __future__ import annotations
 
+import abc
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable, Optional
 
 from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.distributed.transport import PlanPublisher, ResultCollector, TransportAddresses, TransportTimeout
-from atomrt.runtime.executor import WorkerError
+from atomrt.runtime.config import Config
+from atomrt.runtime.executor import Executor, WorkerError
+from atomrt.workers.worker_loop import RankSpec
 
 logger = logging.getLogger(__name__)
 
@@ -95,3 +99,58 @@ class StepChannel:
         self.publisher.close()
         self.collector.close()
         self.addresses.cleanup()
+
+
+class ChannelExecutor(Executor):
+    """An executor whose ranks run in other processes and step over a `StepChannel`.
+
+    Subclasses launch the ranks (`_start`, which sets `self.channel`), check them without blocking
+    (`_check_alive`, called when no result arrived for a while) and stop them (`_stop`, bounded
+    and idempotent). A failure during a step stops every rank; the executor then refuses steps.
+    """
+
+    kind = "channel"
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        pc = config.parallel_config
+        self.specs = [
+            RankSpec(d, t, pc.data_parallel_size, pc.tensor_parallel_size)
+            for d in range(pc.data_parallel_size)
+            for t in range(pc.tensor_parallel_size)
+        ]
+        self.channel: Optional[StepChannel] = None
+        self._failure: Optional[str] = None
+        self._closed = False
+
+    def start(self) -> Any:
+        try:
+            return self._start()
+        except BaseException:
+            self._stop(graceful=False)
+            raise
+
+    def execute(self, plan: StepPlan) -> list[StepResult]:
+        if self._failure is not None or self.channel is None:
+            raise WorkerError(f"{self.kind} executor is stopped: {self._failure or 'not started'}")
+        try:
+            return self.channel.execute(plan, self.config.parallel_config.worker_timeout_s, self._check_alive)
+        except WorkerError as e:
+            self._failure = str(e)
+            self._stop(graceful=False)
+            raise
+
+    def shutdown(self) -> None:
+        self._stop(graceful=self._failure is None)
+
+    @abc.abstractmethod
+    def _start(self) -> Any:
+        """Launch every rank, size the KV cache, capture, open the channel; return a WorkerInfo."""
+
+    @abc.abstractmethod
+    def _check_alive(self) -> None:
+        """Raise WorkerError naming a rank that died or stopped answering; never block."""
+
+    @abc.abstractmethod
+    def _stop(self, graceful: bool) -> None:
+        """Stop every rank: bounded, idempotent."""

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from atomrt.distributed.messages import RankBatch, StepPlan, StepResult
+from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.config import Config
 from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
 from atomrt.workers.input_batch import SeqMirrors
