@@ -1,7 +1,6 @@
 """ModelRunner on CPU: static buffers are filled by slicing, padding rows zeroed, padded slots -1,
 padded sequences empty, and the metadata are views of the static buffers (what graphs recorded)."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest

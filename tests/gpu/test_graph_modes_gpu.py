@@ -96,8 +96,6 @@ def _bucket_inputs(runner, bs: int, seed: int):
 
 @pytest.mark.parametrize("mode", ["FULL", "TR_HYBRID"])
 def test_every_bucket_replays_like_eager_in_random_order(mode):
-    from atomrt.workers.sampler import SamplingTensors
-
     cc = CompilationConfig(level=0, cudagraph_mode=mode, cuda_graph_sizes=[LADDER_TOP])
     llm = LLM(**MODEL, compilation_config=cc, max_num_seqs=NUM_REQUESTS)
     try:
@@ -108,7 +106,6 @@ def test_every_bucket_replays_like_eager_in_random_order(mode):
         random.Random(1).shuffle(order)
         for i, bs in enumerate(order):
             inputs = _bucket_inputs(runner, bs, seed=i)
-            sampling = SamplingTensors.from_params([SamplingParams(temperature=0)] * bs, [[]] * bs, [[]] * bs, runner.arch.vocab_size, runner.device)
             kind = ForwardKind.REQ_GRAPH if mode == "FULL" else ForwardKind.TOKEN_GRAPH
             graph = ForwardDecision(kind=kind, running_bs=bs, running_tokens=bs, is_prefill=False,
                                     req_key=(bs, 0) if mode == "FULL" else None, token_bucket=bs if mode != "FULL" else None)
