@@ -159,3 +159,14 @@ def test_from_sequences() -> None:
     assert t.prompt_token_ids.tolist() == [[1, 2, 3], [4, VOCAB, VOCAB]]
     assert t.output_token_ids.tolist() == [[5], [VOCAB]] and t.num_output_tokens == [1, 0]
     assert t.do_penalties and not t.all_greedy and t.temperatures.tolist() == [1.0, 0.0]
+
+
+def test_plain_greedy_batch_builds_no_row_tensors_and_takes_the_argmax():
+    from types import SimpleNamespace
+
+    rows = [SimpleNamespace(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None, repetition_penalty=1.0,
+                            presence_penalty=0.0, frequency_penalty=0.0, logprobs=None) for _ in range(3)]
+    t = SamplingTensors.from_params(rows, [[1, 2]] * 3, [[3]] * 3, vocab_size=10)
+    assert t.all_greedy and t.temperatures.numel() == 0
+    logits = torch.randn(3, 10)
+    assert Sampler()(logits, t).sampled_token_ids.tolist() == logits.argmax(-1).tolist()

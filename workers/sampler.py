@@ -79,6 +79,8 @@ class SamplingTensors:
             p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in ps
         )
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
+        if all(greedy) and not do_penalties and all(p.logprobs is None for p in ps):
+            return cls.plain_greedy(len(ps), device)
 
         # One host tensor, one copy to the device: 6 float rows + top_k, viewed per parameter.
         host = torch.tensor(
@@ -113,6 +115,20 @@ class SamplingTensors:
             do_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
             do_top_p=any(p.top_p < 1.0 for p, g in zip(ps, greedy) if not g),
             do_min_p=any(p.min_p > 0.0 for p, g in zip(ps, greedy) if not g),
+        )
+
+    @classmethod
+    def plain_greedy(cls, num_seqs: int, device: torch.device) -> "SamplingTensors":
+        """Every row greedy, no penalties, no logprobs: the sampler takes the argmax and reads no
+        per-row tensor, so none is built or copied (the common decode step)."""
+        empty = torch.empty(0, device=device)
+        no_ids = torch.empty(0, 0, dtype=torch.int64, device=device)
+        return cls(
+            temperatures=empty, top_ps=empty, top_ks=empty.long(), min_ps=empty,
+            repetition_penalties=empty, presence_penalties=empty, frequency_penalties=empty,
+            prompt_token_ids=no_ids, output_token_ids=no_ids,
+            seeds=[None] * num_seqs, num_output_tokens=[0] * num_seqs, num_logprobs=[None] * num_seqs,
+            all_greedy=True, do_penalties=False, do_top_k=False, do_top_p=False, do_min_p=False,
         )
 
     @classmethod
