@@ -91,3 +91,29 @@ def test_eager_padded_rows_do_not_change_real_logits(runner: ModelRunner) -> Non
     plain = logits(ForwardDecision(ForwardKind.EAGER, 2, 5, True))
     padded = logits(ForwardDecision(ForwardKind.EAGER, 2, 12, True, dp_num_tokens=(5, 12)))
     assert (plain - padded).abs().max().item() <= 1e-5
+
+
+def test_token_graph_records_kv_write_inline_and_breaks_only_at_attention(runner: ModelRunner) -> None:
+    """Recorded with a logging backend: one eager call per layer, each the attention (`_attend`);
+    the KV write, whose launch the row count fixes, stays inside the segments."""
+    from atomrt.graphs.region_graph import token_graph_of
+    from atomrt.runtime.forward_context import set_forward_context
+    from test_region_graph_cpu import FakeBackend
+
+    unit = runner.model.model
+    log: list = []
+    graph = token_graph_of(unit, backend=FakeBackend(log))
+    inputs = _inputs([1, 1, 1, 1], [2, 3, 1, 5], runner.block_size)
+    decision = ForwardDecision(ForwardKind.TOKEN_GRAPH, running_bs=4, running_tokens=4, is_prefill=False, token_bucket=4)
+    md, ctx = runner.prepare(inputs, decision)
+    with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers,
+                             kv_cache_data=runner.kv_cache, tr_graph="record"):
+        runner.model(runner.forward_vars["input_ids"][:4], runner.forward_vars["positions"][:4])
+    num_layers = len(runner.attn_layers)
+    assert graph.num_segments(4, "decode") == num_layers + 1
+    rec = graph._recordings[(4, None)]
+    assert [c.fn.__name__ for c in rec.eager_calls] == ["_attend"] * num_layers
+    # The step's k/v went into the cache during the recording's eager pass (written inline).
+    slot = int(inputs.slot_mapping[0])
+    k_cache = runner.kv_cache["layers.0"].k_cache.reshape(-1, *runner.kv_cache["layers.0"].k_cache.shape[2:])
+    assert k_cache[slot].abs().sum().item() > 0

@@ -21,15 +21,8 @@ def _host_list(cpu: "list[int] | None", device_tensor: "torch.Tensor | None") ->
     return list(cpu) if cpu is not None else device_tensor.tolist()
 
 
-@eager_region
-def unified_attention_with_output(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_idx: int
-) -> None:
-    """q/output [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim].
-
-    An `@eager_region`: under TR_HYBRID it breaks the token-graph recording and runs eagerly at
-    replay with the live step's metadata (host-planned launch); under FULL it is recorded inline
-    with the graph-safe launch (`attn_metadata.graph_safe`)."""
+def _layer_state(layer_idx: int) -> "tuple[Attention, object, object]":
+    """(layer, its attention metadata, its KV cache or None) from the forward context."""
     ctx = get_forward_context()
     layer = ctx.no_compile_layers.get(layer_idx)
     if layer is None:
@@ -37,7 +30,20 @@ def unified_attention_with_output(
     md = ctx.attn_metadata
     if isinstance(md, dict):
         md = md[f"layers.{layer_idx}"]
-    kv = ctx.kv_cache_data.get(f"layers.{layer_idx}")
+    return layer, md, ctx.kv_cache_data.get(f"layers.{layer_idx}")
+
+
+def unified_attention_with_output(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_idx: int
+) -> None:
+    """q/output [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim].
+
+    Two launches: the KV write, whose launch is fixed by the row count (a token graph records it
+    in its segment), then the attention itself, `_attend`, an `@eager_region`: under TR_HYBRID it
+    breaks the token-graph recording and runs eagerly at replay with the live step's metadata
+    (host-planned launch); under FULL it is recorded inline with the graph-safe launch
+    (`attn_metadata.graph_safe`)."""
+    layer, md, kv = _layer_state(layer_idx)
     if kv is None or md is None:
         # Profiling / dummy run: no cache, each sequence attends to its own rows.
         if md is None or (md.cu_seqlens_q_cpu is None and md.cu_seqlens_q is None):
@@ -47,17 +53,28 @@ def unified_attention_with_output(
         causal_attention_no_cache(q, k, v, output, cu_cpu, layer.scale)
         return
     if q.is_cuda:
-        from atomrt.workers.kernels.paged_attention import unified_attention, write_kv_cache
+        from atomrt.workers.kernels.paged_attention import write_kv_cache
 
         write_kv_cache(k, v, kv.k_cache, kv.v_cache, md.slot_mapping)
+    else:
+        write_kv_cache_ref(k, v, kv.k_cache, kv.v_cache, md.slot_mapping)
+    _attend(q, output, layer_idx)
+
+
+@eager_region
+def _attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
+    """Attention of the step's query rows over the paged cache (already holding this step's k/v)."""
+    layer, md, kv = _layer_state(layer_idx)
+    if q.is_cuda:
+        from atomrt.workers.kernels.paged_attention import unified_attention
+
         unified_attention(
             q, kv.k_cache, kv.v_cache, output, md.cu_seqlens_q, md.context_lens, md.block_tables, layer.scale,
             num_seqs=md.num_seqs, max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k,
-            graph_safe=getattr(md, "graph_safe", False),
+            graph_safe=md.graph_safe,
             cu_seqlens_q_cpu=md.cu_seqlens_q_cpu, context_lens_cpu=md.context_lens_cpu,
         )
         return
-    write_kv_cache_ref(k, v, kv.k_cache, kv.v_cache, md.slot_mapping)
     cu_cpu = _host_list(md.cu_seqlens_q_cpu, md.cu_seqlens_q)
     num_seqs = md.num_seqs or len(cu_cpu) - 1
     context_lens_cpu = _host_list(md.context_lens_cpu, md.context_lens)
