@@ -65,6 +65,7 @@ def capture_all(runner: "ModelRunner") -> tuple[float, list[int]]:
     max_q_len = 1  # no MTP drafter: a decode row per request
     fv = runner.forward_vars
     start = time.perf_counter()
+    largest_pool = 0  # the pool after the largest bucket: the whole ladder should need about this
     gc.collect()
     gc.disable()
     try:
@@ -87,14 +88,16 @@ def capture_all(runner: "ModelRunner") -> tuple[float, list[int]]:
                     with set_forward_context(replace(md, graph_safe=False), config, phase_ctx, tr_graph="record", **scope):
                         runner.model(ids, pos)
             torch.cuda.synchronize()
+            largest_pool = largest_pool or (graph_pool_bytes() or 0)
     finally:
         gc.enable()
     elapsed = time.perf_counter() - start
-    pool = graph_pool_bytes()
+    pool = graph_pool_bytes() or 0
     logger.info(
-        "captured %d %s graphs in %.2f s; graph pool %.1f MiB",
-        len(sizes), "token" if record_tr else "request", elapsed, (pool or 0) / 2**20,
+        "captured %d %s graphs in %.2f s; graph pool %.1f MiB (%.1f MiB after the largest bucket)",
+        len(sizes), "token" if record_tr else "request", elapsed, pool / 2**20, largest_pool / 2**20,
     )
     runner.capture_sizes = sorted(sizes)
-    runner.graph_pool_bytes = pool or 0
+    runner.graph_pool_bytes = pool
+    runner.graph_pool_largest_bytes = largest_pool
     return elapsed, runner.capture_sizes

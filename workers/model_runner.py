@@ -66,6 +66,8 @@ class ModelRunner:
         self.enforce_eager = config.enforce_eager or device.type != "cuda"
         self.capture_sizes: list[int] = []
         self.req_graph: Optional[ReqGraph] = None
+        self.graph_pool_bytes = 0  # after capture: the shared pool, and the pool after the largest bucket
+        self.graph_pool_largest_bytes = 0
         self._allocate_static_buffers()
 
     # ---------------------------------------------------------------- buffers and KV cache
