@@ -120,7 +120,8 @@ class LLMEngine:
             if res.error:
                 raise RuntimeError(f"DP rank {dp_rank} failed step {res.step}: {res.error}")
             sampled = dict(zip(res.seq_ids.tolist(), res.sampled_token_ids.tolist()))
-            finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res))
+            wanted = {r.seq.seq_id: r.seq.sampling_params.logprobs for r in out.scheduled}
+            finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, wanted))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
             for row in out.scheduled:
                 if row.is_sampled:
@@ -157,12 +158,18 @@ def _shape(out: SchedulerOutput) -> BatchShape:
     return BatchShape(out.num_seqs, out.num_tokens, out.max_seqlen_q, out.is_prefill)
 
 
-def _logprobs(res: StepResult) -> Optional[dict[int, dict[int, float]]]:
+def _logprobs(res: StepResult, wanted: dict[int, Optional[int]]) -> Optional[dict[int, dict[int, float]]]:
+    """seq_id -> {token id: logprob}: the sampled token plus the request's own top-`logprobs`
+    (the worker sends the batch's largest k for every row)."""
     if res.logprobs is None:
         return None
     out: dict[int, dict[int, float]] = {}
     for i, (seq_id, tok) in enumerate(zip(res.seq_ids.tolist(), res.sampled_token_ids.tolist())):
-        row = {int(t): float(lp) for t, lp in zip(res.top_logprob_ids[i].tolist(), res.top_logprobs[i].tolist())}
+        k = wanted.get(seq_id)
+        if k is None:
+            continue
+        top_ids, top_lps = res.top_logprob_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist()
+        row = {int(t): float(lp) for t, lp in zip(top_ids, top_lps)}
         row[int(tok)] = float(res.logprobs[i])
         out[seq_id] = row
     return out

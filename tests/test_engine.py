@@ -163,3 +163,17 @@ def test_prefix_cache_hits_reuse_blocks_and_give_identical_output(llm):
     hits_before = bm.num_prefix_hit_tokens
     assert _tokens(llm.generate(prompts, params)) == reference
     assert bm.num_prefix_hit_tokens - hits_before >= 2 * 3 * bm.block_size
+
+
+def test_each_request_gets_its_own_number_of_logprobs(llm):
+    params = [
+        SamplingParams(temperature=0, max_tokens=3, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=3, logprobs=4),
+        SamplingParams(temperature=0, max_tokens=3),
+    ]
+    outs = llm.generate(["One", "Two", "Three"], params)
+    one, four, none = (o.outputs[0] for o in outs)
+    assert none.logprobs is None
+    for c, k in ((one, 1), (four, 4)):
+        for tok, row in zip(c.token_ids, c.logprobs):
+            assert tok in row and k <= len(row) <= k + 1  # the top k, plus the sampled token if not among them
