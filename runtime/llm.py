@@ -53,9 +53,11 @@ class LLM:
         self,
         prompts: Union[Prompt, Sequence[Prompt]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Every prompt is validated before any runs."""
+        """One RequestOutput per prompt, in order. Every prompt is validated before any runs.
+
+        A progress bar (stderr) counts finished requests when there is more than one."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -74,7 +76,7 @@ class LLM:
         self,
         conversations: Union[Conversation, Sequence[Conversation]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
@@ -85,7 +87,7 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2)
         try:
             while len(final) < len(ids):
                 if not self.engine.has_unfinished():
