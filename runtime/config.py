@@ -217,12 +217,20 @@ class ParallelConfig:
     ray_address: Optional[str] = None  # None: RAY_ADDRESS or a local cluster
     worker_timeout_s: float = 120.0  # start-up, load, profile and capture calls
     heartbeat_timeout_s: float = 10.0
+    # Ray placement of the rank bundles: auto = STRICT_PACK when one node holds them all, else PACK.
+    placement_strategy: str = "auto"  # auto | STRICT_PACK | PACK | SPREAD | STRICT_SPREAD
+    transport: str = "auto"  # step messages: auto (ipc:// on one node, tcp:// across nodes) | ipc | tcp
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if not _positive_int(getattr(self, name)):
                 raise ConfigError(f"parallel_config.{name}: must be a positive integer, got {getattr(self, name)!r}")
         _choice("parallel_config.executor", self.executor, ("inproc", "mp", "ray"))
+        _choice(
+            "parallel_config.placement_strategy", self.placement_strategy,
+            ("auto", "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
+        )
+        _choice("parallel_config.transport", self.transport, ("auto", "ipc", "tcp"))
 
     @property
     def world_size(self) -> int:

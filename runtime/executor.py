@@ -74,4 +74,5 @@ def make_executor(config: Config) -> Executor:
         return MPExecutor(config)
     from atomrt.runtime.executor_ray import RayExecutor
 
-    return RayExecutor(config)
+    pc = config.parallel_config
+    return RayExecutor(config, placement_strategy=pc.placement_strategy, transport=pc.transport)

@@ -180,3 +180,16 @@ def test_example_configs_load():
     assert examples
     for path in examples:
         build_config(str(path))
+
+
+def test_ray_placement_and_transport_reach_the_executor():
+    from atomrt.runtime.executor import make_executor
+
+    cfg = build_config(None, ["parallel_config.executor=ray", "parallel_config.placement_strategy=SPREAD",
+                              "parallel_config.transport=tcp"])
+    ex = make_executor(cfg)
+    assert ex.placement_strategy == "SPREAD" and ex.transport == "tcp"
+    with pytest.raises(ConfigError, match="parallel_config.placement_strategy"):
+        build_config(None, ["parallel_config.placement_strategy=RANDOM"])
+    with pytest.raises(ConfigError, match="parallel_config.transport"):
+        build_config(None, ["parallel_config.transport=udp"])
