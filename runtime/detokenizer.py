@@ -33,30 +33,46 @@ class Detokenizer:
         self.token_ids = list(prompt_token_ids)  # prompt + output, our own copy
         self.read_offset = len(self.token_ids)
         self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
-        self.output_text = ""  # all complete text decoded so far (cut before a stop string)
+        self._text = ""  # all complete text decoded so far (cut before a stop string)
         self.num_streamed_chars = 0  # how much of output_text `take_stream_delta` has returned
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_token(self, token_id: int) -> str:
-        """Append one output token; return the new complete text it yields ("" while a
-        multi-byte character is unfinished) and append it to output_text."""
+    def append_token(self, token_id: int) -> None:
+        """Append one output token without decoding: text is made when it is asked for
+        (`output_text`, `add_token`, `take_stream_delta`), in one decode for all pending tokens."""
         self.token_ids.append(int(token_id))
+
+    def add_token(self, token_id: int) -> str:
+        """Append one output token; return the new complete text it (and any pending tokens)
+        yields ("" while a multi-byte character is unfinished)."""
+        self.append_token(token_id)
+        return self._catch_up()
+
+    def _catch_up(self) -> str:
+        """Decode the tokens past read_offset against the context window; append their text."""
+        if self.read_offset == len(self.token_ids):
+            return ""
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset :])
         if full_text.endswith(_REPLACEMENT):
             return ""  # an unfinished character: wait for the bytes that complete it
-        # What the new token adds past the context's text; text already emitted is never rewritten.
+        # What the new tokens add past the context's text; text already emitted is never rewritten.
         new_text = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
-        self.output_text += new_text
+        self._text += new_text
         return new_text
+
+    @property
+    def output_text(self) -> str:
+        self._catch_up()
+        return self._text
 
     def truncate(self, num_chars: int) -> None:
         """Cut output_text to its first num_chars characters (at a stop string)."""
-        self.output_text = self.output_text[:num_chars]
+        self._text = self.output_text[:num_chars]
         self.num_streamed_chars = min(self.num_streamed_chars, num_chars)
 
     def take_stream_delta(self, finished: bool) -> str:

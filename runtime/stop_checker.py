@@ -31,7 +31,12 @@ def check_stop(seq: Sequence, token_id: int, max_model_len: Optional[int] = None
     """Apply the stop rules to seq, whose last token is token_id. Returns the finish reason (and
     sets seq.stop_reason for stop tokens/strings) or None to keep going."""
     params = seq.sampling_params
-    new_chars = seq.detokenizer.add_token(token_id) if seq.detokenizer is not None else ""
+    new_chars = ""
+    if seq.detokenizer is not None:
+        if params.stop:  # stop strings need the text now
+            new_chars = seq.detokenizer.add_token(token_id)
+        else:  # text is made when asked for (a finished or streamed output)
+            seq.detokenizer.append_token(token_id)
     num_output = seq.num_output_tokens
     if num_output >= params.min_tokens:
         if not params.ignore_eos and token_id in seq.eos_token_ids:
