@@ -54,14 +54,22 @@ class LLMEngine:
         self.dead: Optional[str] = None  # why the engine stopped (a worker failed)
         self._ids = itertools.count()
         self._prompts: dict[str, Optional[str]] = {}
+        self._streamed: set[str] = set()  # requests that get a delta output every step
         self._seqs: dict[str, tuple[int, Sequence]] = {}  # request_id -> (dp rank, sequence)
 
     # ---------------------------------------------------------------- requests
 
     def add_request(
-        self, prompt: Prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        stream: bool = False,
     ) -> str:
-        """Validate and queue a request; a ValueError leaves the engine as it was."""
+        """Validate and queue a request; a ValueError leaves the engine as it was.
+
+        `step()` returns the request's RequestOutput when it finishes; with `stream=True`, also a
+        delta output (new text and tokens only) every step it produced a token."""
         if self.dead:
             raise RuntimeError(self.dead)
         params = params or SamplingParams()
@@ -84,6 +92,8 @@ class LLMEngine:
         self.schedulers[dp_rank].add(seq)  # raises on requests that can never fit
         self._seqs[request_id] = (dp_rank, seq)
         self._prompts[request_id] = prompt if isinstance(prompt, str) else None
+        if stream:
+            self._streamed.add(request_id)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -91,6 +101,7 @@ class LLMEngine:
         if entry is None:
             return
         dp_rank, _ = entry
+        self._streamed.discard(request_id)
         aborted = self.schedulers[dp_rank].abort(request_id)
         self.planners[dp_rank].forget([s.seq_id for s in aborted])
         self._prompts.pop(request_id, None)
@@ -124,11 +135,13 @@ class LLMEngine:
             finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, wanted))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
             for row in out.scheduled:
-                if row.is_sampled:
-                    outputs.append(make_request_output(row.seq, self._prompts.get(row.seq.request_id)))
+                rid = row.seq.request_id
+                if row.is_sampled and (row.seq.is_finished or rid in self._streamed):
+                    outputs.append(make_request_output(row.seq, self._prompts.get(rid), delta=rid in self._streamed))
             for seq in finished:
                 self._seqs.pop(seq.request_id, None)
                 self._prompts.pop(seq.request_id, None)
+                self._streamed.discard(seq.request_id)
         return outputs
 
     def _fail(self, error: WorkerError) -> None:

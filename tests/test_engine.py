@@ -177,3 +177,22 @@ def test_each_request_gets_its_own_number_of_logprobs(llm):
     for c, k in ((one, 1), (four, 4)):
         for tok, row in zip(c.token_ids, c.logprobs):
             assert tok in row and k <= len(row) <= k + 1  # the top k, plus the sampled token if not among them
+
+
+def test_streamed_request_gets_deltas_that_join_to_the_final_text(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    final = llm.generate(["Tell me about Paris."], params)[0].outputs[0]
+    engine = llm.engine
+    rid = engine.add_request("Tell me about Paris.", params, stream=True)
+    quiet = engine.add_request("Another request that is not streamed", params)
+    pieces, tokens, seen_quiet = [], [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                pieces.append(out.outputs[0].text)
+                tokens += out.outputs[0].token_ids
+            elif out.request_id == quiet:
+                seen_quiet.append(out.finished)
+    assert "".join(pieces) == final.text and tokens == final.token_ids
+    assert len(pieces) == 12  # one delta per generated token
+    assert seen_quiet == [True]  # a request that is not streamed appears once, finished
