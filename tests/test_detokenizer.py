@@ -117,3 +117,18 @@ def test_stop_strings_need_a_tokenizer() -> None:
     sched = Scheduler(SchedulerConfig(), CacheConfig(block_size=4), BlockManager(8, 4))
     with pytest.raises(RequestRejectedError, match="tokenizer"):
         sched.add(Sequence("r", [1, 2], SamplingParams(stop=["x"])))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deferred_tokens_decode_to_the_same_text(tok, text: str) -> None:
+    """append_token defers decoding; reading output_text gives a prefix of what per-token add_token
+    gives (it may still hold an unfinished multi-byte character back), and at the end the same."""
+    prompt = prompt_ids(tok)
+    ids = tok.encode(text, add_special_tokens=False)
+    eager, lazy = Detokenizer(tok, prompt), Detokenizer(tok, prompt)
+    for i, t in enumerate(ids):
+        eager.add_token(t)
+        lazy.append_token(t)
+        if i % 3 == 2:  # read now and then, as a streamed output would
+            assert eager.output_text.startswith(lazy.output_text)
+    assert lazy.output_text == eager.output_text == tok.decode(ids, skip_special_tokens=True)
