@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    bench = sub.add_parser("bench", help="benchmarks: startup | latency | transport (their own flags follow)")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: startup | latency | transport (their own flags follow)", add_help=False
+    )
     bench.add_argument("what", choices=["startup", "latency", "transport"])
     return parser
 
