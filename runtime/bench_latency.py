@@ -147,7 +147,11 @@ def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[
     max_tokens = args.warmup_steps + args.decode_steps + 2 + num_chunks
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
     vocab = engine.info.vocab_size
-    ids = [engine.add_request([rng.randrange(vocab) for _ in range(args.input_len)], params) for _ in range(bs)]
+    # Streamed, as a server would: every step returns one (delta) output per sampled row.
+    ids = [
+        engine.add_request([rng.randrange(vocab) for _ in range(args.input_len)], params, stream=True)
+        for _ in range(bs)
+    ]
     try:
         started: set[str] = set()
         while len(started) < bs:  # prefill, possibly chunked over several steps
