@@ -131,8 +131,7 @@ class LLMEngine:
             if res.error:
                 raise RuntimeError(f"DP rank {dp_rank} failed step {res.step}: {res.error}")
             sampled = dict(zip(res.seq_ids.tolist(), res.sampled_token_ids.tolist()))
-            wanted = {r.seq.seq_id: r.seq.sampling_params.logprobs for r in out.scheduled}
-            finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, wanted))
+            finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
             for row in out.scheduled:
                 rid = row.seq.request_id
@@ -171,11 +170,12 @@ def _shape(out: SchedulerOutput) -> BatchShape:
     return BatchShape(out.num_seqs, out.num_tokens, out.max_seqlen_q, out.is_prefill)
 
 
-def _logprobs(res: StepResult, wanted: dict[int, Optional[int]]) -> Optional[dict[int, dict[int, float]]]:
+def _logprobs(res: StepResult, out: SchedulerOutput) -> Optional[dict[int, dict[int, float]]]:
     """seq_id -> {token id: logprob}: the sampled token plus the request's own top-`logprobs`
     (the worker sends the batch's largest k for every row)."""
     if res.logprobs is None:
         return None
+    wanted = {r.seq.seq_id: r.seq.sampling_params.logprobs for r in out.scheduled}
     out: dict[int, dict[int, float]] = {}
     for i, (seq_id, tok) in enumerate(zip(res.seq_ids.tolist(), res.sampled_token_ids.tolist())):
         k = wanted.get(seq_id)

@@ -40,7 +40,6 @@ def _inputs(q_lens: list[int], computed: list[int], block_size: int) -> StepInpu
         block_tables=tables,
         sample_seq_idx=np.arange(bs, dtype=np.int64),
         sample_rows=cu[1:].astype(np.int64) - 1,
-        is_prefill=max(q_lens) > 1,
     )
 
 

@@ -48,7 +48,6 @@ def dummy_decode_inputs(bs: int, max_q_len: int) -> StepInputs:
         block_tables=np.zeros((bs, 1), dtype=np.int32),
         sample_seq_idx=np.arange(bs, dtype=np.int64),
         sample_rows=cu[1:].astype(np.int64) - 1,
-        is_prefill=False,
     )
 
 

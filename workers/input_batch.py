@@ -67,7 +67,6 @@ class StepInputs:
     block_tables: np.ndarray  # int32 [bs, max_blocks], -1 past each table's end
     sample_seq_idx: np.ndarray  # int64 [num_sampled]: which sequences sample this step
     sample_rows: np.ndarray  # int64 [num_sampled]: their last query row
-    is_prefill: bool
 
     @property
     def num_seqs(self) -> int:
@@ -134,7 +133,6 @@ class SeqMirrors:
             block_tables=block_tables,
             sample_seq_idx=sample_seq_idx,
             sample_rows=cu[1:][sample_seq_idx].astype(np.int64) - 1,
-            is_prefill=bool(bs and (q_lens.max() > 1 or np.any(computed == 0))),
         )
 
     def record_sampled(self, seq_ids: list[int], token_ids: list[int]) -> None:

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -25,12 +24,6 @@ from atomrt.workers.loader import load_model
 from atomrt.workers.sampler import Sampler, SamplerOutput, SamplingTensors
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutput:
-    sampled: SamplerOutput  # rows = StepInputs.sample_seq_idx order
-    num_sampled: int
 
 
 def resolve_device(config: Config, local_device: Optional[int] = None) -> torch.device:
@@ -156,7 +149,7 @@ class ModelRunner:
         )
         return md, context
 
-    def execute(self, inputs: StepInputs, decision: ForwardDecision, sampling: SamplingTensors) -> StepOutput:
+    def execute(self, inputs: StepInputs, decision: ForwardDecision, sampling: SamplingTensors) -> SamplerOutput:
         md, context = self.prepare(inputs, decision)
         dp = DPMetadata.make(list(decision.dp_num_tokens), decision.running_tokens) if decision.dp_num_tokens else None
         rows = context.running_tokens
@@ -172,8 +165,8 @@ class ModelRunner:
         ):
             logits, _ = self.run_model(self.forward_vars["input_ids"][:rows], decision, logits_indices)
         if num_sampled == 0:  # an idle DP rank's dummy batch
-            return StepOutput(SamplerOutput(logits.new_empty(0, dtype=torch.int64)), 0)
-        return StepOutput(self.sampler(logits, sampling), num_sampled)
+            return SamplerOutput(logits.new_empty(0, dtype=torch.int64))
+        return self.sampler(logits, sampling)
 
     def run_model(
         self, input_ids: torch.Tensor, decision: ForwardDecision, logits_indices: Union[torch.Tensor, slice]

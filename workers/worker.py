@@ -124,9 +124,9 @@ class Worker:
         out = self.runner.execute(inputs, decision, sampling)
         if self.tp_rank != 0:
             return None
-        tokens = out.sampled.sampled_token_ids.tolist()  # the step's one host synchronisation
+        tokens = out.sampled_token_ids.tolist()  # the step's one host synchronisation
         self.mirrors.record_sampled(seq_ids, tokens)
-        return self._result(plan.step, seq_ids, tokens, out.sampled.logprobs)
+        return self._result(plan.step, seq_ids, tokens, out.logprobs)
 
     def _idle(self, plan: StepPlan, decision: ForwardDecision) -> Optional[StepResult]:
         """A DP rank with no work runs a dummy batch of the decision's shape, so collectives match."""

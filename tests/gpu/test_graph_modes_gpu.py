@@ -90,7 +90,6 @@ def _bucket_inputs(runner, bs: int, seed: int):
         block_tables=tables,
         sample_seq_idx=np.arange(bs, dtype=np.int64),
         sample_rows=np.arange(bs, dtype=np.int64),
-        is_prefill=False,
     )
 
 

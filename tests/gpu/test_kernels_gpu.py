@@ -11,38 +11,17 @@ unmasked read shows up as a NaN in the output.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from atomrt.workers.kernels.paged_attention import unified_attention, write_kv_cache
+from test_kernels import PagedBatch  # the batch layout the CPU tier uses too
 
 pytestmark = pytest.mark.gpu
 
 SENTINEL = 7.0
 TOLERANCES = {torch.float16: dict(atol=5e-3, rtol=1e-2), torch.bfloat16: dict(atol=3e-2, rtol=5e-2)}
-
-
-@dataclass
-class PagedBatch:
-    q: torch.Tensor  # [num_rows (incl. padding), num_heads, head_dim]
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor
-    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
-    context_lens: torch.Tensor  # [num_seqs] int32
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, -1 past the end
-    cu_seqlens_q_cpu: list[int]
-    context_lens_cpu: list[int]
-    num_real_seqs: int
-
-    @property
-    def num_seqs(self) -> int:
-        return self.context_lens.shape[0]
-
-    @property
-    def num_real_rows(self) -> int:
-        return self.cu_seqlens_q_cpu[self.num_real_seqs]
 
 
 def make_batch(
