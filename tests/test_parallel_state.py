@@ -45,6 +45,7 @@ for dim in (-1, 0, 1):
 
 counts = dp_all_gather_num_tokens(10 * dp_rank + 3)
 assert counts == [10 * i + 3 for i in range(dp)], counts
+del g, w, t, d  # destroy_distributed's contract: callers drop their group references first
 assert ps.destroy_distributed(timeout_s=20)
 assert not ps.is_distributed_initialized()
 print("rank", rank, "ok")
