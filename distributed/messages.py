@@ -4,9 +4,12 @@ Hot path: `encode` / `decode` run once per step on the driver and on every worke
 here: message dataclasses and their wire form. No torch, no sockets, no pickle.
 
 Wire form: `msgpack([type_tag, field_0, field_1, ...])`, fields in declaration order. A numpy array
-travels as msgpack ext type 1 holding `[dtype.str, shape, raw C-order bytes]`; it decodes to a
-read-only `np.frombuffer` view of the received bytes (no copy). Every message carries a step
-number (`Hello` / `Ready` carry the handshake round instead: step -1 is "before step 0").
+travels as a msgpack ext: a 1-D int32 / int64 / bool / float32 array as ext 3 / 4 / 5 / 6 holding
+its raw bytes alone, any other as ext 1 holding `[dtype.str, shape, raw C-order bytes]`; it decodes
+to a read-only `np.frombuffer` view of the received bytes (no copy). `block_table_updates` travels
+flat, as one ext 2 (seq ids, starts, counts, concatenated block ids), and decodes to the same dict.
+Every message carries a step number (`Hello` / `Ready` carry the handshake round instead: step -1
+is "before step 0").
 
 A decode step ships only what the worker lacks: the new token of each sequence (`input_ids`), its
 context length (`num_computed_tokens`, from which the worker derives positions), and the block-table
@@ -18,12 +21,11 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any, Optional, Union
 
 import msgpack
 import numpy as np
-
-_EXT_NDARRAY = 1
 
 
 class MessageError(ValueError):
@@ -147,15 +149,29 @@ _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) 
 
 
 # ------------------------------------------------------------------------------------------ codec
+#
+# `encode` hands the message itself to msgpack's C packer; `_default` is called back only for what
+# msgpack cannot pack: a message (-> its field list), an array (-> an ext), a numpy scalar.
+# `decode` gets arrays and block-table updates back from `_unpack_ext` and builds the dataclasses.
 
+# msgpack ext type codes; append only (a code is never reused)
+_EXT_NDARRAY = 1  # any array: dtype and shape in the payload (see _pack_array)
+_EXT_BLOCK_TABLE_UPDATES = 2  # see _pack_block_table_updates
+# 1-D arrays of the dtypes a step carries: the ext code names the dtype, the payload is the raw bytes
+_EXT_1D: dict[np.dtype, int] = {np.dtype("<i4"): 3, np.dtype("<i8"): 4, np.dtype("|b1"): 5, np.dtype("<f4"): 6}
+_EXT_1D_DTYPES: dict[int, np.dtype] = {code: dt for dt, code in _EXT_1D.items()}
 
-_SCALARS = {int, float, bool, str}
 _HEADS: dict[tuple[str, int], tuple[bytes, struct.Struct]] = {}  # (dtype.str, ndim) -> header prefix, shape format
 _DTYPES: dict[bytes, np.dtype] = {}
+_U32 = struct.Struct("<I")
+_I32 = np.dtype("<i4")
 
 
 def _pack_array(a: np.ndarray) -> msgpack.ExtType:
-    # payload: len(dtype.str) u8 | dtype.str | ndim u8 | shape int64[ndim] | raw C-order bytes
+    code = _EXT_1D.get(a.dtype)
+    if code is not None and a.ndim == 1:
+        return msgpack.ExtType(code, a.tobytes())
+    # ext 1 payload: len(dtype.str) u8 | dtype.str | ndim u8 | shape int64[ndim] | raw C-order bytes
     key = (a.dtype.str, a.ndim)
     head = _HEADS.get(key)
     if head is None:
@@ -166,75 +182,103 @@ def _pack_array(a: np.ndarray) -> msgpack.ExtType:
     return msgpack.ExtType(_EXT_NDARRAY, b"".join((head[0], head[1].pack(*a.shape), a.tobytes())))
 
 
+def _unpack_ndarray(data: bytes) -> np.ndarray:
+    n = data[0]
+    ndim = data[1 + n]
+    dtype = _DTYPES.get(data[1 : 1 + n])
+    if dtype is None:
+        dtype = _DTYPES[data[1 : 1 + n]] = np.dtype(data[1 : 1 + n].decode())
+    off = 2 + n + 8 * ndim
+    if ndim == 1:
+        return np.frombuffer(data, dtype=dtype, offset=off)
+    shape = struct.unpack_from(f"<{ndim}q", data, 2 + n)
+    return np.frombuffer(data, dtype=dtype, offset=off).reshape(shape)
+
+
+def _pack_block_table_updates(updates: dict[int, tuple[int, np.ndarray]]) -> msgpack.ExtType:
+    """One ext: n u32 | seq_ids int64[n] | starts int32[n] | counts int32[n] | block ids int32[sum(counts)]."""
+    n = len(updates)
+    if n == 0:
+        return msgpack.ExtType(_EXT_BLOCK_TABLE_UPDATES, _U32.pack(0))
+    entries = updates.values()
+    blocks = [e[1] for e in entries]
+    head = struct.pack(f"<I{n}q{2 * n}i", n, *updates, *[e[0] for e in entries], *[len(b) for b in blocks])
+    return msgpack.ExtType(_EXT_BLOCK_TABLE_UPDATES, head + np.concatenate(blocks, dtype=_I32).tobytes())
+
+
+def _unpack_block_table_updates(data: bytes) -> dict[int, tuple[int, np.ndarray]]:
+    (n,) = _U32.unpack_from(data)
+    head = struct.unpack_from(f"<{n}q{2 * n}i", data, 4)
+    flat = np.frombuffer(data, dtype=_I32, offset=4 + 16 * n)  # int32 [sum(counts)]
+    counts = head[2 * n :]
+    if n and (min(counts) < 0 or sum(counts) != flat.shape[0]):
+        raise MessageError("RankBatch.block_table_updates: inconsistent array lengths")
+    updates = {}
+    lo = 0
+    for seq_id, start, count in zip(head[:n], head[n : 2 * n], counts):
+        hi = lo + count
+        updates[seq_id] = (start, flat[lo:hi])
+        lo = hi
+    return updates
+
+
 def _unpack_ext(code: int, data: bytes) -> Any:
-    if code != _EXT_NDARRAY:
-        raise MessageError(f"unknown msgpack ext type {code}")
     try:
-        n = data[0]
-        ndim = data[1 + n]
-        dtype = _DTYPES.get(data[1 : 1 + n])
-        if dtype is None:
-            dtype = _DTYPES[data[1 : 1 + n]] = np.dtype(data[1 : 1 + n].decode())
-        off = 2 + n + 8 * ndim
-        if ndim == 1:
-            return np.frombuffer(data, dtype=dtype, offset=off)
-        shape = struct.unpack_from(f"<{ndim}q", data, 2 + n)
-        return np.frombuffer(data, dtype=dtype, offset=off).reshape(shape)
+        dtype = _EXT_1D_DTYPES.get(code)
+        if dtype is not None:
+            return np.frombuffer(data, dtype=dtype)
+        if code == _EXT_NDARRAY:
+            return _unpack_ndarray(data)
+        if code == _EXT_BLOCK_TABLE_UPDATES:
+            return _unpack_block_table_updates(data)
     except (IndexError, TypeError, ValueError, struct.error) as e:
-        raise MessageError(f"bad array payload ({len(data)} bytes): {e}") from e
+        raise MessageError(f"bad payload of msgpack ext type {code} ({len(data)} bytes): {e}") from e
+    raise MessageError(f"unknown msgpack ext type {code}")
 
 
-def _to_wire(obj: Any) -> Any:
-    if obj is None or type(obj) in _SCALARS:
-        return obj
+_GETTERS: dict[type, Any] = {cls: attrgetter(*names) for cls, names in _FIELDS.items()}
+_NEW_REQUESTS_FIELD = _FIELDS[RankBatch].index("new_requests")
+_BLOCK_TABLE_UPDATES_FIELD = _FIELDS[RankBatch].index("block_table_updates")
+_RANKS_FIELD = _FIELDS[StepPlan].index("ranks")
+
+
+def _message_wire(msg: Any) -> list:
+    cls = type(msg)
+    return [_TAGS[cls], *_GETTERS[cls](msg)]
+
+
+def _rank_batch_wire(rb: RankBatch) -> list:
+    wire = _message_wire(rb)  # [tag, field_0, ...]
+    wire[1 + _BLOCK_TABLE_UPDATES_FIELD] = _pack_block_table_updates(rb.block_table_updates)
+    return wire
+
+
+_ENCODERS: dict[type, Any] = {cls: _message_wire for cls in _TAGS}
+_ENCODERS[RankBatch] = _rank_batch_wire
+_ENCODERS[np.ndarray] = _pack_array
+
+
+def _default(obj: Any) -> Any:
+    enc = _ENCODERS.get(type(obj))
+    if enc is not None:
+        return enc(obj)
     if isinstance(obj, np.ndarray):
         return _pack_array(obj)
-    if isinstance(obj, (NewRequest, RankBatch)):
-        return [_TAGS[type(obj)]] + [_to_wire(getattr(obj, n)) for n in _FIELDS[type(obj)]]
-    if isinstance(obj, list):
-        return [_to_wire(x) for x in obj]
-    if isinstance(obj, dict):  # block_table_updates
-        return _pack_block_table_updates(obj)
     if isinstance(obj, np.generic):
         return obj.item()
-    return obj
-
-
-def _pack_block_table_updates(updates: dict[int, tuple[int, np.ndarray]]) -> list:
-    """Flat on the wire: [seq_ids int64, starts int32, counts int32, concatenated block ids int32]."""
-    entries = list(updates.values())
-    blocks = [e[1] for e in entries]
-    flat = np.concatenate(blocks).astype(np.int32, copy=False) if blocks else _i32()
-    return [
-        _pack_array(np.array(list(updates), dtype=np.int64)),
-        _pack_array(np.array([e[0] for e in entries], dtype=np.int32)),
-        _pack_array(np.array([len(b) for b in blocks], dtype=np.int32)),
-        _pack_array(flat),
-    ]
-
-
-def _unpack_block_table_updates(wire: list) -> dict[int, tuple[int, np.ndarray]]:
-    if not isinstance(wire, list) or len(wire) != 4:
-        raise MessageError("RankBatch.block_table_updates: expected 4 arrays")
-    seq_ids, starts, counts, flat = wire
-    if not (seq_ids.shape == starts.shape == counts.shape) or int(counts.sum()) != flat.shape[0]:
-        raise MessageError("RankBatch.block_table_updates: inconsistent array lengths")
-    ends = np.cumsum(counts).tolist()
-    begins = [0] + ends[:-1]
-    return {s: (b, flat[lo:hi]) for s, b, lo, hi in zip(seq_ids.tolist(), starts.tolist(), begins, ends)}
+    raise MessageError(f"cannot encode a {type(obj).__name__}")
 
 
 def _from_wire_obj(cls: type, items: list) -> Any:
-    names = _FIELDS[cls]
-    if len(items) != len(names):
-        raise MessageError(f"{cls.__name__}: expected {len(names)} fields, got {len(items)}")
-    kwargs = dict(zip(names, items))
+    if len(items) != len(_FIELDS[cls]):
+        raise MessageError(f"{cls.__name__}: expected {len(_FIELDS[cls])} fields, got {len(items)}")
     if cls is RankBatch:
-        kwargs["new_requests"] = [_nested(NewRequest, r) for r in kwargs["new_requests"]]
-        kwargs["block_table_updates"] = _unpack_block_table_updates(kwargs["block_table_updates"])
+        items[_NEW_REQUESTS_FIELD] = [_nested(NewRequest, r) for r in items[_NEW_REQUESTS_FIELD]]
+        if not isinstance(items[_BLOCK_TABLE_UPDATES_FIELD], dict):
+            raise MessageError("RankBatch.block_table_updates: expected msgpack ext type 2")
     elif cls is StepPlan:
-        kwargs["ranks"] = [_nested(RankBatch, r) for r in kwargs["ranks"]]
-    return cls(**kwargs)
+        items[_RANKS_FIELD] = [_nested(RankBatch, r) for r in items[_RANKS_FIELD]]
+    return cls(*items)
 
 
 def _nested(cls: type, item: Any) -> Any:
@@ -245,17 +289,17 @@ def _nested(cls: type, item: Any) -> Any:
 
 def encode(msg: Message) -> bytes:
     """Serialize a message to bytes (msgpack; arrays as raw buffers)."""
-    cls = type(msg)
-    if cls not in _TAGS:
-        raise MessageError(f"not a message type: {cls.__name__}")
-    wire = [_TAGS[cls]] + [_to_wire(getattr(msg, n)) for n in _FIELDS[cls]]
-    return msgpack.packb(wire, use_bin_type=True)
+    if type(msg) not in _TAGS:
+        raise MessageError(f"not a message type: {type(msg).__name__}")
+    return msgpack.packb(msg, use_bin_type=True, default=_default)
 
 
 def decode(data: Union[bytes, memoryview]) -> Message:
     """Parse bytes from `encode`. Arrays in the result are read-only views of `data`."""
     try:
         wire = msgpack.unpackb(data, raw=False, ext_hook=_unpack_ext, strict_map_key=False)
+    except MessageError:
+        raise
     except (ValueError, msgpack.UnpackException) as e:
         raise MessageError(f"undecodable message ({len(data)} bytes): {e}") from e
     if not isinstance(wire, list) or not wire or wire[0] not in _TYPES:

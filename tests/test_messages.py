@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from atomrt.distributed.messages import (
     Hello,
@@ -218,6 +219,80 @@ def test_decoded_arrays_are_views_with_wire_dtypes():
 def test_bad_bytes_raise_message_error(data):
     with pytest.raises(MessageError):
         decode(data)
+
+
+block_table_updates = st.dictionaries(
+    i64,
+    st.tuples(st.integers(0, 2**31 - 1), st.one_of(
+        arrays(np.int32, st.integers(0, 2**31 - 1), max_size=70),
+        arrays(np.int64, st.integers(0, 2**31 - 1), max_size=5),  # sent as int32, like plan_builder's
+    )),
+    max_size=300,
+)
+
+
+@_SETTINGS
+@given(block_table_updates)
+def test_block_table_updates_roundtrip(updates):
+    """The flat wire form (seq ids, starts, counts, concatenated ids) decodes to the same dict."""
+    out = decode(encode(RankBatch(block_table_updates=updates))).block_table_updates
+    assert list(out) == list(updates)  # insertion order kept
+    for seq_id, (start, blocks) in updates.items():
+        assert type(out[seq_id][0]) is int and out[seq_id][0] == start
+        assert out[seq_id][1].dtype == np.int32 and out[seq_id][1].tolist() == blocks.tolist()
+
+
+def test_block_table_updates_empty_and_large():
+    assert decode(encode(RankBatch())).block_table_updates == {}
+    rng = np.random.default_rng(2)
+    big = {s: (int(rng.integers(0, 100)), rng.integers(0, 2**31 - 1, int(rng.integers(0, 600))).astype(np.int32))
+           for s in range(-5000, 5000, 3)}
+    roundtrip(RankBatch(block_table_updates=big))
+
+
+any_arrays = hnp.arrays(
+    dtype=st.sampled_from([np.int8, np.uint16, np.int32, np.int64, np.float16, np.float32, np.float64, np.bool_,
+                           np.dtype(">i4"), np.dtype(">f8")]),
+    shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=6),
+)
+
+
+@_SETTINGS
+@given(any_arrays, st.booleans())
+def test_arrays_of_any_dtype_and_shape_roundtrip(a, strided):
+    """1-D arrays of the step dtypes take the compact ext, every other array the one with a header."""
+    if strided and a.ndim:
+        a = a[::2]  # not contiguous: sent in C order
+    out = decode(encode(StepResult(step=0, dp_rank=0, logprobs=a))).logprobs
+    assert out.dtype == a.dtype and out.shape == a.shape
+    assert np.array_equal(out, a, equal_nan=a.dtype.kind == "f")
+
+
+def test_numpy_scalars_travel_as_python_scalars():
+    out = decode(encode(StepPlan(step=np.int64(3), bucket=np.int32(8), is_prefill=np.bool_(True),
+                                 num_tokens_across_dp=[np.int64(5)])))
+    assert out.step == 3 and type(out.step) is int and out.is_prefill is True and out.num_tokens_across_dp == [5]
+
+
+@pytest.mark.parametrize("payload", [
+    b"\x02\x00\x00",  # truncated count
+    b"\x01\x00\x00\x00" + b"\x00" * 16 + b"\x05\x00\x00\x00",  # counts say 5 ids, none follow
+    # counts (-1, 2) add up to the one id that follows, but one is negative
+    b"\x02\x00\x00\x00" + b"\x00" * 24 + b"\xff\xff\xff\xff\x02\x00\x00\x00" + b"\x07\x00\x00\x00",
+])
+def test_bad_block_table_updates_raise_message_error(payload):
+    import msgpack
+
+    wire = msgpack.packb([2, [], None, None, None, None, msgpack.ExtType(2, payload), None, None, None])
+    with pytest.raises(MessageError, match="ext type 2|block_table_updates"):
+        decode(wire)
+
+
+def test_unknown_ext_type_raises_message_error():
+    import msgpack
+
+    with pytest.raises(MessageError, match="unknown msgpack ext type 99"):
+        decode(msgpack.packb([4, 0, 0, msgpack.ExtType(99, b""), None, None, None, None, None]))
 
 
 def test_object_arrays_are_refused():
