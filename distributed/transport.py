@@ -13,7 +13,8 @@ step 0 the driver publishes `Hello` probes until every expected worker has answe
 the ready channel; only then is a plan published. PUB/SUB high-water marks are unlimited, so a
 slow worker delays, never loses, a plan.
 
-Every wait has a timeout; a `TransportTimeout` names the rank (or "driver") and the phase.
+Every wait has a timeout; a `TransportTimeout` names the rank (or "driver") and the phase. On the
+hot path a wait is one recv() bounded by ZMQ_RCVTIMEO (`_Inbox`), not a poll() then a recv().
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 _HELLO_PERIOD_S = 0.01  # how often the driver re-publishes the probe during the handshake
 _LINGER_MS = 100  # what close() waits for unsent messages
+_MAX_RCVTIMEO_MS = 2**31 - 1  # ZMQ_RCVTIMEO is an int; a longer wait is "forever"
 
 
 class TransportError(RuntimeError):
@@ -106,11 +108,40 @@ def _deadline(timeout: Optional[float]) -> float:
     return float("inf") if timeout is None else time.monotonic() + timeout
 
 
+def _wait_ms(timeout: Optional[float]) -> int:
+    return -1 if timeout is None else max(0, int(timeout * 1000))
+
+
 def _poll_ms(deadline: float, cap_s: Optional[float] = None) -> int:
     left = deadline - time.monotonic()
     if cap_s is not None:
         left = min(left, cap_s)
     return -1 if left == float("inf") else max(0, int(left * 1000))
+
+
+class _Inbox:
+    """A receiving socket whose `recv` waits at most `timeout_ms` through ZMQ_RCVTIMEO, not poll().
+
+    The option is set only when the wait changes (the step loop passes the same one every step), so
+    a message costs one recv() call, and one already queued costs no wait at all.
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self._timeout_ms = -1  # ZMQ's default: wait forever
+
+    def recv(self, timeout_ms: int) -> Optional[bytes]:
+        """The next message, or None when `timeout_ms` (-1: forever) passed without one."""
+        if timeout_ms != self._timeout_ms:
+            self.sock.setsockopt(zmq.RCVTIMEO, timeout_ms if timeout_ms <= _MAX_RCVTIMEO_MS else -1)
+            self._timeout_ms = timeout_ms
+        try:
+            return self.sock.recv()
+        except zmq.Again:
+            return None
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -176,14 +207,16 @@ class ResultCollector:
 
     def __init__(self, addresses: TransportAddresses) -> None:
         self.addresses = addresses
-        self._pull = _socket(zmq.PULL)
-        _bind(self._pull, addresses.result, "result PULL")
+        pull = _socket(zmq.PULL)
+        _bind(pull, addresses.result, "result PULL")
+        self._pull = _Inbox(pull)
 
     def recv(self, timeout: Optional[float]) -> StepResult:
         """The next result from any DP rank."""
-        if not self._pull.poll(_poll_ms(_deadline(timeout))):
+        data = self._pull.recv(_wait_ms(timeout))
+        if data is None:
             raise TransportTimeout(f"driver: collect results: no StepResult within {timeout:.1f} s")
-        msg = decode(self._pull.recv())
+        msg = decode(data)
         if not isinstance(msg, StepResult):
             raise TransportError(f"driver: collect results: expected a StepResult, got {type(msg).__name__}")
         return msg
@@ -193,13 +226,14 @@ class ResultCollector:
         deadline = _deadline(timeout)
         got: dict[int, StepResult] = {}
         while len(got) < dp_ranks:
-            if not self._pull.poll(_poll_ms(deadline)):
+            data = self._pull.recv(_poll_ms(deadline))
+            if data is None:
                 missing = sorted(set(range(dp_ranks)) - set(got))
                 raise TransportTimeout(
                     f"driver: collect results of step {step}: no StepResult from DP ranks {missing} "
                     f"within {timeout:.1f} s"
                 )
-            r = decode(self._pull.recv())
+            r = decode(data)
             if not isinstance(r, StepResult) or r.step != step:
                 what = f"step {r.step}" if isinstance(r, StepResult) else type(r).__name__
                 raise TransportError(f"driver: collect results of step {step}: got {what} from the result channel")
@@ -222,10 +256,11 @@ class PlanSubscriber:
         self.addresses = addresses
         self.rank = rank
         self.expected_step = first_step
-        self._sub = _socket(zmq.SUB)
-        self._sub.setsockopt(zmq.RCVHWM, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.connect(addresses.plan)
+        sub = _socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(addresses.plan)
+        self._sub = _Inbox(sub)
         self._ready = _socket(zmq.PUSH)
         self._ready.connect(addresses.ready)
         self._answered: set[int] = set()
@@ -233,17 +268,20 @@ class PlanSubscriber:
     def recv(self, timeout: Optional[float]) -> StepPlan:
         """The next plan. Answers handshake probes while waiting; a skipped step raises StepGapError."""
         deadline = _deadline(timeout)
+        wait_ms = _wait_ms(timeout)
         while True:
-            if not self._sub.poll(_poll_ms(deadline)):
+            data = self._sub.recv(wait_ms)
+            if data is None:
                 raise TransportTimeout(
                     f"rank {self.rank}: receive plan: no StepPlan for step {self.expected_step} within "
                     f"{timeout:.1f} s from {self.addresses.plan}"
                 )
-            msg = decode(self._sub.recv())
+            msg = decode(data)
             if isinstance(msg, StepPlan):
                 return self._check_step(msg)
             if isinstance(msg, Hello):
                 self._answer(msg)
+                wait_ms = _poll_ms(deadline)
                 continue
             raise TransportError(f"rank {self.rank}: receive plan: unexpected {type(msg).__name__} on the plan channel")
 

@@ -199,3 +199,37 @@ def test_worker_error_reaches_the_driver(addresses):
     finally:
         col.close()
         push.close()
+
+
+def test_each_wait_follows_its_own_timeout(addresses):
+    """Waits are recv() with ZMQ_RCVTIMEO, set when the timeout changes: each call gets its own."""
+    pub = PlanPublisher(addresses, num_subscribers=1)
+    col = ResultCollector(addresses)
+    sub = PlanSubscriber(addresses, rank=0)
+    push = ResultPusher(addresses, dp_rank=0)
+    try:
+        for timeout in (0.05, 0.3, 0.05):
+            t0 = time.monotonic()
+            with pytest.raises(TransportTimeout, match=f"within {timeout:.1f} s"):
+                col.recv(timeout)
+            assert timeout - 0.01 <= time.monotonic() - t0 < timeout + 1.0
+        ready = threading.Thread(target=pub.wait_ready, args=(10,))
+        ready.start()
+        with pytest.raises(TransportTimeout):  # answers the probe, then times out on step 0
+            while ready.is_alive():
+                sub.recv(timeout=0.3)
+        ready.join()
+        pub.publish(_plan(0))
+        pub.publish(_plan(1))
+        assert sub.recv(timeout=1e9).step == 0  # longer than ZMQ_RCVTIMEO can hold: no limit
+        time.sleep(0.2)
+        assert sub.recv(timeout=0).step == 1  # already queued: no wait needed
+        push.push(StepResult(step=1, dp_rank=0))
+        assert col.recv(timeout=None).step == 1
+        with pytest.raises(TransportTimeout, match="no StepPlan for step 2"):
+            sub.recv(timeout=0)
+    finally:
+        pub.close()
+        col.close()
+        sub.close()
+        push.close()
