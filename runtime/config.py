@@ -60,6 +60,10 @@ class CUDAGraphMode(enum.Enum):
     def uses_tr_hybrid(self) -> bool:
         return CUDAGraphMode.TR_HYBRID in (self.decode_mode(), self.mixed_mode())
 
+    def records_request_graphs(self) -> bool:
+        """FULL and FULL_DECODE_ONLY capture ReqGraphs; FULL_AND_TR_HYBRID is recorded as TR_HYBRID."""
+        return self.decode_mode() == CUDAGraphMode.FULL and not self.uses_tr_hybrid()
+
     @classmethod
     def parse(cls, value: Union["CUDAGraphMode", str, int, list, tuple]) -> "CUDAGraphMode":
         """Accept a member, its name ("FULL_DECODE_ONLY"), or its value (2, [2, 0])."""
