@@ -116,3 +116,29 @@ def test_token_graph_records_kv_write_inline_and_breaks_only_at_attention(runner
     slot = int(inputs.slot_mapping[0])
     k_cache = runner.kv_cache["layers.0"].k_cache.reshape(-1, *runner.kv_cache["layers.0"].k_cache.shape[2:])
     assert k_cache[slot].abs().sum().item() > 0
+
+
+def test_packed_step_unpacks_to_what_the_per_buffer_fill_writes(runner: ModelRunner) -> None:
+    """A request-graph step staged packed (one copy, unpacked by the graph's first nodes) leaves the
+    static buffers exactly as the six per-buffer copies do, padding included, over stale values."""
+    from atomrt.workers.packed_step import PackedStep
+
+    fv = runner.forward_vars
+    inputs = _inputs([1, 1, 1], [5, 7, 3], runner.block_size)
+    decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=8, running_tokens=8, is_prefill=False, req_key=(8, 0))
+    runner.prepare(_inputs([5, 7, 3], [0, 0, 0], runner.block_size), ForwardDecision(ForwardKind.EAGER, 3, 15, True))
+    runner.prepare(inputs, decision)  # on CPU: the per-buffer path
+    expected = {k: v.clone() for k, v in fv.items()}
+    packed = PackedStep(max_seqs=8, max_rows=8, max_blocks=runner.max_blocks_per_seq, device=runner.device)
+    for bs in (8, 4, 8):  # a smaller bucket between: views are per bucket, the buffer is shared
+        runner.prepare(_inputs([5, 7, 3], [0, 0, 0], runner.block_size), ForwardDecision(ForwardKind.EAGER, 3, 15, True))
+        small = _inputs([1, 1], [2, 9], runner.block_size)
+        step = inputs if bs == 8 else small
+        packed.stage(step, bs, bs)
+        packed.unpack(fv, bs, bs)
+    for name in ("input_ids", "positions", "slot_mapping"):
+        assert fv[name][:8].tolist() == expected[name][:8].tolist(), name
+    for name in ("cu_seqlens_q", "context_lens", "block_tables"):
+        assert fv[name][: 9 if name == "cu_seqlens_q" else 8].tolist() == expected[name][: 9 if name == "cu_seqlens_q" else 8].tolist(), name
+    with pytest.raises(ValueError, match="exceeds"):
+        packed.stage(inputs, 16, 16)

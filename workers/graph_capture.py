@@ -59,7 +59,7 @@ def capture_all(runner: "ModelRunner") -> tuple[float, list[int]]:
     sizes = capture_order(config.capture_sizes)
     assert sizes[0] <= runner.max_num_seqs, f"capture size {sizes[0]} > max_num_seqs {runner.max_num_seqs}"
     record_tr = mode.uses_tr_hybrid()
-    record_full = mode.decode_mode() == CUDAGraphMode.FULL and not record_tr
+    record_full = mode.records_request_graphs()
     runner.req_graph = ReqGraph()
     max_q_len = 1  # no MTP drafter: a decode row per request
     fv = runner.forward_vars
@@ -77,11 +77,18 @@ def capture_all(runner: "ModelRunner") -> tuple[float, list[int]]:
             md, ctx = runner.prepare(dummy_decode_inputs(bs, max_q_len), decision)
             ids, pos = fv["input_ids"][:rows], fv["positions"][:rows]
             scope = dict(no_compile_layers=runner.attn_layers, kv_cache_data=runner.kv_cache)
+            unpack = runner.packed.unpack if runner.packed is not None else lambda *_: None
             with set_forward_context(md, config, ctx, **scope):
+                unpack(fv, bs, rows)
                 runner.model(ids, pos)  # warm-up
             if record_full:
+
+                def forward() -> None:  # the request graph: unpack the staged step, run, keep the output
+                    unpack(fv, bs, rows)
+                    fv["outputs"][:rows].copy_(runner.model(ids, pos))
+
                 with set_forward_context(md, config, ctx, **scope):
-                    runner.req_graph.record(decision.req_key, lambda: fv["outputs"][:rows].copy_(runner.model(ids, pos)))
+                    runner.req_graph.record(decision.req_key, forward)
             if record_tr:
                 for phase_ctx in (ctx, replace(ctx, is_prefill=True)):
                     with set_forward_context(replace(md, graph_safe=False), config, phase_ctx, tr_graph="record", **scope):

@@ -21,6 +21,7 @@ from atomrt.workers.kv_cache import KVCacheTensor, KVLayerSpec, allocate_kv_cach
 from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.layers.tp_ops import TPInfo
 from atomrt.workers.loader import load_model
+from atomrt.workers.packed_step import PackedStep, write_padded
 from atomrt.workers.sampler import Sampler, SamplerOutput, SamplingTensors
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,11 @@ class ModelRunner:
             k: v.cpu().pin_memory() if dev.type == "cuda" else v
             for k, v in self.forward_vars.items() if k != "outputs"
         }
+        # Request-graph steps (FULL decode) travel packed: one copy, unpacked inside the graph.
+        self.packed: Optional[PackedStep] = None
+        if dev.type == "cuda" and not self.enforce_eager and self.config.cudagraph_mode.records_request_graphs() and max_capture:
+            self.packed = PackedStep(max_capture, max_capture, self.max_blocks_per_seq, dev)
+
     def kv_layer_specs(self) -> list[KVLayerSpec]:
         return [KVLayerSpec(i, a.num_kv_heads, a.head_dim) for i, a in sorted(self.attn_layers.items())]
 
@@ -103,30 +109,28 @@ class ModelRunner:
     def _fill(self, name: str, values: np.ndarray, length: int, pad: Any) -> None:
         """forward_vars[name][:length] = values, then `pad` (rows of a 2-D buffer alike)."""
         staging = self._staging[name]
-        host = staging.numpy()
-        n = values.shape[0]
-        if host.ndim == 2:
-            width = values.shape[1] if n else 0
-            host[:n, :width] = values
-            host[:n, width:] = pad
-        else:
-            host[:n] = values
-        host[n:length] = pad
+        write_padded(staging.numpy(), values, length, pad)
         if staging is not self.forward_vars[name]:
             self.forward_vars[name][:length].copy_(staging[:length], non_blocking=True)
 
     def prepare(self, inputs: StepInputs, decision: ForwardDecision) -> tuple[AttentionMetaData, Context]:
-        """Copy the step into the static buffers (padding rows zeroed, padded slots -1)."""
+        """Copy the step into the static buffers (padding rows zeroed, padded slots -1).
+
+        A request-graph step on CUDA is staged packed instead (`self.packed`): its one copy lands in
+        the packed device buffer, and the graph's first nodes unpack it into the static buffers."""
         fv = self.forward_vars
         n, bs = inputs.num_tokens, inputs.num_seqs
         rows = max(decision.running_tokens, n)
         seqs = decision.running_bs if decision.kind is ForwardKind.REQ_GRAPH else bs
-        self._fill("input_ids", inputs.input_ids, rows, 0)
-        self._fill("positions", inputs.positions, rows, 0)
-        self._fill("slot_mapping", inputs.slot_mapping, rows, -1)
-        self._fill("cu_seqlens_q", inputs.cu_seqlens_q, seqs + 1, n)
-        self._fill("context_lens", inputs.context_lens, seqs, 0)
-        self._fill("block_tables", inputs.block_tables, seqs, -1)
+        if self.packed is not None and decision.kind is ForwardKind.REQ_GRAPH:
+            self.packed.stage(inputs, seqs, rows)
+        else:
+            self._fill("input_ids", inputs.input_ids, rows, 0)
+            self._fill("positions", inputs.positions, rows, 0)
+            self._fill("slot_mapping", inputs.slot_mapping, rows, -1)
+            self._fill("cu_seqlens_q", inputs.cu_seqlens_q, seqs + 1, n)
+            self._fill("context_lens", inputs.context_lens, seqs, 0)
+            self._fill("block_tables", inputs.block_tables, seqs, -1)
         md = AttentionMetaData(
             cu_seqlens_q=fv["cu_seqlens_q"][: seqs + 1],
             context_lens=fv["context_lens"][:seqs],
@@ -174,8 +178,8 @@ class ModelRunner:
         """The forward the step's ForwardDecision names: eager, ReqGraph.replay, or the token graph.
 
         Under TOKEN_GRAPH the forward context says tr_graph="replay" and the model's `@token_graph`
-        unit replays its recording; under REQ_GRAPH the request bucket's graph replays and its
-        output is `forward_vars["outputs"]`. Logits are computed for `logits_indices` rows only.
+        unit replays its recording; under REQ_GRAPH the request bucket's graph replays (unpacking
+        the staged step first, see `prepare`) and its output is `forward_vars["outputs"]`. Logits are computed for `logits_indices` rows only.
         """
         num_rows = input_ids.shape[0]
         if decision.kind is ForwardKind.REQ_GRAPH:

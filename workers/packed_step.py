@@ -1,0 +1,86 @@
+"""`PackedStep`: a request-graph step's inputs in one buffer, sent to the GPU in one copy.
+
+A FULL decode step fills six static buffers (`forward_vars`); each host-to-device copy costs host
+time (a launch, and an event on the pinned staging buffer) before the graph can start. Instead the step's rows are laid out back to back in one pinned buffer, copied in one
+transfer to a device buffer at a fixed address, and unpacked into the static buffers by device
+copies recorded at the head of every request graph (`unpack`). Layout for a bucket of `seqs`
+sequences and `rows` token rows: int64 input_ids, positions, slot_mapping [rows]; then int32
+cu_seqlens_q [seqs + 1], context_lens [seqs], block_tables [seqs, max_blocks].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+# name, dtype, length ("rows", "seqs" or "seqs+1"), padding value (None: the step's token count)
+FIELDS = (
+    ("input_ids", torch.int64, "rows", 0),
+    ("positions", torch.int64, "rows", 0),
+    ("slot_mapping", torch.int64, "rows", -1),
+    ("cu_seqlens_q", torch.int32, "seqs+1", None),
+    ("context_lens", torch.int32, "seqs", 0),
+    ("block_tables", torch.int32, "seqs", -1),
+)
+
+
+def write_padded(host: np.ndarray, values: np.ndarray, length: int, pad: Any) -> None:
+    """host[:length] = values, then `pad` (rows of a 2-D array alike: columns past values' width too)."""
+    n = values.shape[0]
+    if host.ndim == 2:
+        width = values.shape[1] if n else 0
+        host[:n, :width] = values
+        host[:n, width:] = pad
+    else:
+        host[:n] = values
+    host[n:length] = pad
+
+
+class PackedStep:
+    def __init__(self, max_seqs: int, max_rows: int, max_blocks: int, device: torch.device) -> None:
+        self.max_blocks = max_blocks
+        nbytes = self._layout(max_seqs, max_rows)[1]
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._views: dict[tuple[int, int], tuple[int, dict, dict]] = {}
+
+    def _layout(self, seqs: int, rows: int) -> tuple[list[tuple[str, torch.dtype, int, tuple[int, ...]]], int]:
+        fields, offset = [], 0
+        for name, dtype, length, _ in FIELDS:
+            count = {"rows": rows, "seqs": seqs, "seqs+1": seqs + 1}[length]
+            shape = (count, self.max_blocks) if name == "block_tables" else (count,)
+            fields.append((name, dtype, offset, shape))
+            offset += int(np.prod(shape)) * dtype.itemsize
+        return fields, offset
+
+    def _views_for(self, seqs: int, rows: int) -> tuple[int, dict, dict]:
+        """(bytes used, host numpy views, device tensor views) of a bucket's layout (cached)."""
+        views = self._views.get((seqs, rows))
+        if views is None:
+            fields, nbytes = self._layout(seqs, rows)
+            if nbytes > self.host.numel():
+                raise ValueError(f"PackedStep: a step of {seqs} sequences x {rows} rows exceeds the buffer")
+            host, dev = {}, {}
+            for name, dtype, offset, shape in fields:
+                size = int(np.prod(shape)) * dtype.itemsize
+                host[name] = self.host[offset : offset + size].view(dtype).view(shape).numpy()
+                dev[name] = self.device[offset : offset + size].view(dtype).view(shape)
+            views = self._views[(seqs, rows)] = (nbytes, host, dev)
+        return views
+
+    def stage(self, inputs: Any, seqs: int, rows: int) -> None:
+        """Write a step's `StepInputs`, padded to (seqs, rows), and start its one copy to the device."""
+        nbytes, host, _ = self._views_for(seqs, rows)
+        n = inputs.num_tokens
+        for name, _, length, pad in FIELDS:
+            count = {"rows": rows, "seqs": seqs, "seqs+1": seqs + 1}[length]
+            write_padded(host[name], getattr(inputs, name), count, n if pad is None else pad)
+        self.device[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
+
+    def unpack(self, forward_vars: dict[str, torch.Tensor], seqs: int, rows: int) -> None:
+        """Copy the staged step into the static buffers (device to device; recorded in request graphs)."""
+        _, _, dev = self._views_for(seqs, rows)
+        for name, src in dev.items():
+            forward_vars[name][: src.shape[0]].copy_(src)
