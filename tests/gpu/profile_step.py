@@ -1,7 +1,14 @@
-"""Where a decode step's host time goes: cProfile over engine steps of one model and mode.
+"""Where a decode step's time goes, on the GPU: host phases, GPU kernels, and a cProfile.
 
-    python tests/gpu/profile_step.py [--mode FULL] [--bs 1] [--steps 200] [--out FILE]
-Prints ms/step and the top functions by cumulative time (dummy SmolLM2-135M weights).
+    python tests/gpu/profile_step.py [--mode FULL] [--level 0] [--bs 1] [--steps 200] [--out FILE]
+Prints (dummy weights of --model):
+- ms/step unprofiled;
+- host time per phase (perf_counter, no extra synchronisation): driver (schedule, decide, plan,
+  postprocess), worker before the runner, runner.prepare, the forward launch, logits + sampler
+  launch, and the wait in the step's one synchronisation (the GPU still running);
+- the forward's GPU time alone (CUDA events around run_model);
+- the GPU kernels of one step (torch.profiler: count and total kernel time, the top kernels);
+- the top functions by cumulative host time (cProfile).
 """
 
 import argparse
@@ -9,10 +16,81 @@ import cProfile
 import io
 import pstats
 import time
+from collections import defaultdict
+
+import torch
 
 from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.llm import LLM
+
+
+def _timed(acc: dict, name: str, fn):
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[name] += time.perf_counter() - t
+    return wrapper
+
+
+def phase_times(eng, steps: int) -> tuple[dict, float]:
+    """Host seconds per phase per step, and the forward's GPU ms per step (CUDA events)."""
+    ex = eng.executor
+    worker = ex.worker
+    runner = worker.runner
+    acc: dict = defaultdict(float)
+    originals = (ex.execute, runner.execute, runner.prepare, runner.run_model, runner.sampler.__call__)
+    ex.execute = _timed(acc, "executor.execute", ex.execute)
+    runner.execute = _timed(acc, "runner.execute", runner.execute)
+    runner.prepare = _timed(acc, "runner.prepare", runner.prepare)
+    gpu_ms: list = []
+    run_model = runner.run_model
+
+    def run_model_events(*args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = run_model(*args, **kwargs)
+        end.record()
+        gpu_ms.append((start, end))
+        return out
+
+    runner.run_model = _timed(acc, "runner.run_model (launch)", run_model_events)
+    sampler = runner.sampler
+    runner.sampler = _timed(acc, "sampler (launch)", sampler)
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    total = time.perf_counter() - t
+    torch.cuda.synchronize()
+    ex.execute, runner.execute, runner.prepare, runner.run_model, _ = originals
+    runner.sampler = sampler
+    acc = {k: v / steps for k, v in acc.items()}
+    acc["step"] = total / steps
+    acc["driver (step - executor.execute)"] = acc["step"] - acc["executor.execute"]
+    acc["worker outside runner.execute (incl. .tolist wait)"] = acc["executor.execute"] - acc["runner.execute"]
+    fwd = sum(s.elapsed_time(e) for s, e in gpu_ms) / len(gpu_ms)
+    return acc, fwd
+
+
+def kernel_table(eng, steps: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_name: dict = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        per_name[e.name][0] += 1
+        per_name[e.name][1] += e.device_time
+    total_us = sum(v[1] for v in per_name.values())
+    lines = [f"GPU kernels per step: {len(kernels) / steps:.1f}, kernel time per step {total_us / steps / 1e3:.3f} ms"]
+    for name, (n, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:25]:
+        lines.append(f"  {n / steps:6.1f}/step {us / steps:8.1f} us/step  {name[:110]}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -28,24 +106,29 @@ def main() -> None:
     llm = LLM(a.model, load_format="dummy", compilation_config=cc, max_num_seqs=max(a.bs, 8), max_model_len=2048)
     eng = llm.engine
     for i in range(a.bs):
-        eng.add_request([1 + i] * 128, SamplingParams(temperature=0, max_tokens=3 * a.steps + 10, ignore_eos=True))
+        eng.add_request([1 + i] * 128, SamplingParams(temperature=0, max_tokens=5 * a.steps + 60, ignore_eos=True))
     for _ in range(5):
         eng.step()
     t = time.perf_counter()
     for _ in range(a.steps):
         eng.step()
     ms = (time.perf_counter() - t) * 1e3 / a.steps
+    phases, fwd_ms = phase_times(eng, a.steps)
+    kernels = kernel_table(eng, 20)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.steps):
         eng.step()
     prof.disable()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(45)
-    text = f"{a.model} {a.mode} level {a.level} bs {a.bs}: {ms:.3f} ms/step (unprofiled)\n" + buf.getvalue()
-    print(text)
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+    text = [f"{a.model} {a.mode} level {a.level} bs {a.bs}: {ms:.3f} ms/step (unprofiled)",
+            f"forward GPU time (events around run_model): {fwd_ms:.3f} ms/step", "host ms per step:"]
+    text += [f"  {k:55s} {v * 1e3:7.3f}" for k, v in phases.items()]
+    text += [kernels, buf.getvalue()]
+    print("\n".join(text))
     if a.out:
-        open(a.out, "w").write(text)
+        open(a.out, "w").write("\n".join(text))
     llm.shutdown()
 
 
