@@ -258,14 +258,33 @@ any_arrays = hnp.arrays(
 
 
 @_SETTINGS
-@given(any_arrays, st.booleans())
-def test_arrays_of_any_dtype_and_shape_roundtrip(a, strided):
-    """1-D arrays of the step dtypes take the compact ext, every other array the one with a header."""
+@given(any_arrays, st.booleans(), st.sampled_from(["logprobs", "seq_ids"]))
+def test_arrays_of_any_dtype_and_shape_roundtrip(a, strided, field):
+    """Whatever the field declares (seq_ids: int64 [n]; logprobs: nothing), the array comes back as sent:
+    as bin in its declared dtype, as the compact ext for the step dtypes, else the ext with a header."""
     if strided and a.ndim:
         a = a[::2]  # not contiguous: sent in C order
-    out = decode(encode(StepResult(step=0, dp_rank=0, logprobs=a))).logprobs
-    assert out.dtype == a.dtype and out.shape == a.shape
+    out = getattr(decode(encode(StepResult(step=0, dp_rank=0, **{field: a}))), field)
+    assert out.dtype == a.dtype and out.shape == a.shape and not out.flags.writeable
     assert np.array_equal(out, a, equal_nan=a.dtype.kind == "f")
+
+
+def test_declared_arrays_travel_as_bare_bytes():
+    """A 1-D array of its field's declared dtype is msgpack bin of its bytes; another dtype, an ext."""
+    import msgpack
+
+    wire = msgpack.unpackb(encode(StepResult(step=0, dp_rank=0, seq_ids=np.arange(3, dtype=np.int64),
+                                             sampled_token_ids=np.arange(3, dtype=np.int64))))
+    assert wire[3] == np.arange(3, dtype=np.int64).tobytes()  # seq_ids: int64, as declared
+    assert isinstance(wire[4], msgpack.ExtType)  # sampled_token_ids: int32 declared, int64 sent
+
+
+def test_bad_declared_array_bytes_raise_message_error():
+    import msgpack
+
+    wire = msgpack.packb([4, 0, 0, b"\x00" * 12, b"", None, None, None, None], use_bin_type=True)  # 12 B: not int64s
+    with pytest.raises(MessageError, match="malformed StepResult"):
+        decode(wire)
 
 
 def test_numpy_scalars_travel_as_python_scalars():
