@@ -23,6 +23,7 @@ once, in its `NewRequest`.
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, Optional, Union
@@ -304,11 +305,17 @@ def _nested(cls: type, item: Any) -> Any:
     return _from_wire_obj(cls, item[1:])
 
 
+_LOCAL = threading.local()  # one Packer per thread: `_default` runs Python, so threads may interleave
+
+
 def encode(msg: Message) -> bytes:
     """Serialize a message to bytes (msgpack; arrays as raw buffers)."""
     if type(msg) not in _TAGS:
         raise MessageError(f"not a message type: {type(msg).__name__}")
-    return msgpack.packb(msg, use_bin_type=True, default=_default)
+    packer = getattr(_LOCAL, "packer", None)
+    if packer is None:
+        packer = _LOCAL.packer = msgpack.Packer(use_bin_type=True, default=_default)
+    return packer.pack(msg)  # the Packer empties itself after each pack, raised or not
 
 
 def decode(data: Union[bytes, memoryview]) -> Message:

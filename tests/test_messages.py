@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -287,6 +288,32 @@ def test_bad_declared_array_bytes_raise_message_error():
         decode(wire)
 
 
+def test_encode_from_many_threads():
+    """Each thread packs with its own Packer: concurrent encodes never mix their bytes."""
+    import threading
+
+    msgs = [StepResult(step=i, dp_rank=0, seq_ids=np.arange(i, dtype=np.int64), logprobs=np.full((i, 2), i, np.float64))
+            for i in range(40)]
+    expected = [encode(m) for m in msgs]
+    bad: list[int] = []
+
+    def run() -> None:
+        for _ in range(50):
+            bad.extend(i for i, m in enumerate(msgs) if encode(m) != expected[i])
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads inside `_default` (a shared Packer fails this test)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not bad
+
+
 def test_numpy_scalars_travel_as_python_scalars():
     out = decode(encode(StepPlan(step=np.int64(3), bucket=np.int32(8), is_prefill=np.bool_(True),
                                  num_tokens_across_dp=[np.int64(5)])))
@@ -317,6 +344,7 @@ def test_unknown_ext_type_raises_message_error():
 def test_object_arrays_are_refused():
     with pytest.raises(MessageError, match="object array"):
         encode(StepResult(step=0, dp_rank=0, seq_ids=np.array([object()])))
+    roundtrip(StepResult(step=1, dp_rank=0))  # the failed encode left nothing in the reused Packer
 
 
 def test_malformed_nested_fields_raise_message_error():
