@@ -3,7 +3,9 @@
 `python -m atomrt.distributed.transport_bench [--steps N] [--bs 256] [--tcp]` prints one line:
 the median and p99 of (encode + publish, worker receive + decode + result encode + push,
 driver receive + decode) for a `bs`-request decode plan. Target: median <= 100 us on one node.
-The worker is a separate process, as in the engine.
+The worker is a separate process, as in the engine. Beside it, the floor on this machine now: the
+median of a bare pyzmq PUB -> SUB -> PUSH -> PULL round trip of bytes of the same sizes (no codec,
+no checks), so that a number taken on a busy machine can still be read.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import zmq
 
-from atomrt.distributed.messages import RankBatch, StepPlan, StepResult
+from atomrt.distributed.messages import RankBatch, StepPlan, StepResult, encode
 from atomrt.distributed.transport import PlanPublisher, PlanSubscriber, ResultCollector, ResultPusher, TransportAddresses
 
 
@@ -28,6 +31,8 @@ class BenchResult:
     median_us: float
     p99_us: float
     plan_bytes: int
+    result_bytes: int
+    bare_median_us: float  # bare pyzmq round trip of plan_bytes out, result_bytes back
 
 
 def decode_plan(step: int, bs: int) -> StepPlan:
@@ -79,15 +84,70 @@ def run_bench(steps: int = 10_000, bs: int = 256, local: bool = True, warmup: in
                 times[step - warmup] = time.perf_counter() - t0
         pub.publish(StepPlan(step=warmup + steps, shutdown=True))
         worker.join(10)
-        from atomrt.distributed.messages import encode
-
-        return BenchResult(steps, bs, float(np.median(times) * 1e6), float(np.percentile(times, 99) * 1e6),
-                           len(encode(plans[0])))
     finally:
         if worker.is_alive():
             worker.kill()
         pub.close()
         col.close()
+        addr.cleanup()
+    rb = plans[0].ranks[0]
+    plan_bytes = len(encode(plans[0]))
+    result_bytes = len(encode(StepResult(step=0, dp_rank=0, seq_ids=rb.seq_ids, sampled_token_ids=rb.input_ids)))
+    bare = bare_round_trip_us(min(steps, 3000), plan_bytes, result_bytes, local, warmup)
+    return BenchResult(steps, bs, float(np.median(times) * 1e6), float(np.percentile(times, 99) * 1e6),
+                       plan_bytes, result_bytes, bare)
+
+
+def _bare_echo(plan: str, result: str, result_bytes: int) -> None:
+    ctx = zmq.Context.instance()
+    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 60_000)
+    sub.connect(plan)
+    push.connect(result)
+    reply = bytes(result_bytes)
+    try:
+        while sub.recv() != b"stop":
+            push.send(reply)
+    finally:
+        sub.close(0)
+        push.close(0)
+
+
+def bare_round_trip_us(steps: int, plan_bytes: int, result_bytes: int, local: bool, warmup: int) -> float:
+    """Median us of a bare pyzmq PUB -> SUB -> PUSH -> PULL round trip, in another process."""
+    addr = TransportAddresses.make(local=local, host_ip="127.0.0.1" if not local else "")
+    ctx = zmq.Context.instance()
+    pub, pull = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL)
+    pub.bind(addr.plan)
+    pull.bind(addr.result)
+    echo = mp.get_context("spawn").Process(target=_bare_echo, args=(addr.plan, addr.result, result_bytes), daemon=True)
+    echo.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not pull.poll(10):  # the slow joiner: probe until the echo answers
+            if time.monotonic() > deadline:
+                raise TimeoutError("transport_bench: the bare echo process did not answer within 60 s")
+            pub.send(b"probe")
+        while pull.poll(50):
+            pull.recv()
+        pull.setsockopt(zmq.RCVTIMEO, 10_000)
+        msg = bytes(plan_bytes)
+        times = np.empty(steps, dtype=np.float64)
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            pub.send(msg)
+            pull.recv()
+            if i >= warmup:
+                times[i - warmup] = time.perf_counter() - t0
+        pub.send(b"stop")
+        echo.join(10)
+        return float(np.median(times) * 1e6)
+    finally:
+        if echo.is_alive():
+            echo.kill()
+        pub.close(0)
+        pull.close(0)
         addr.cleanup()
 
 
@@ -100,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     r = run_bench(args.steps, args.bs, local=not args.tcp)
     print(f"transport round trip ({'tcp' if args.tcp else 'ipc'}, bs={r.bs}, {r.plan_bytes} B plan, "
-          f"{r.steps} steps): median {r.median_us:.1f} us, p99 {r.p99_us:.1f} us (target <= 100 us)")
+          f"{r.steps} steps): median {r.median_us:.1f} us, p99 {r.p99_us:.1f} us (target <= 100 us; "
+          f"bare pyzmq round trip of the same sizes here: median {r.bare_median_us:.1f} us)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r.__dict__, f)

@@ -233,3 +233,11 @@ def test_each_wait_follows_its_own_timeout(addresses):
         col.close()
         sub.close()
         push.close()
+
+
+def test_transport_bench_runs():
+    from atomrt.distributed.transport_bench import run_bench
+
+    r = run_bench(steps=50, bs=8, warmup=5)
+    assert r.steps == 50 and 0 < r.bare_median_us and 0 < r.median_us <= r.p99_us
+    assert 0 < r.result_bytes < r.plan_bytes < 1024
