@@ -103,17 +103,18 @@ class BlockManager:
         (`num_cached_tokens(seq)`); hits on free cached blocks take them off the free list too.
         """
         if seq.block_table:
-            return self._num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
+            return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
         hits = self._lookup_prefix(seq)
         num_free_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         need = self.num_blocks_for(len(hits) * self.block_size + num_new_tokens) - len(hits)
         return need + num_free_hits <= self.num_free_blocks
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._num_new_blocks(seq, num_new_tokens) <= self.num_free_blocks
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
-    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(0, self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """New blocks `append_slots(seq, num_new_tokens)` would take (0: the table already holds them)."""
+        return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
 
     # ---- mutations -----------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -138,7 +139,7 @@ class BlockManager:
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow seq.block_table to hold num_computed_tokens + num_new_tokens tokens."""
-        need = self._num_new_blocks(seq, num_new_tokens)
+        need = self.blocks_needed(seq, num_new_tokens)
         if need > self.num_free_blocks:
             raise RuntimeError(
                 f"BlockManager: seq {seq.seq_id} needs {need} blocks, {self.num_free_blocks} free "

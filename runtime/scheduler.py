@@ -190,12 +190,13 @@ class Scheduler:
             if num_new <= 0 or len(out.scheduled) >= self.config.max_num_seqs:
                 kept.append(seq)  # no budget left this step: stays running, unscheduled
                 continue
-            while not bm.can_append(seq, num_new) and queue:
-                self._preempt(queue.pop(), out)
-            if not bm.can_append(seq, num_new):
-                self._preempt(seq, out)
-                break
-            bm.append_slots(seq, num_new)
+            if bm.blocks_needed(seq, num_new):  # a decode mostly fits in its last block: no check
+                while not bm.can_append(seq, num_new) and queue:
+                    self._preempt(queue.pop(), out)
+                if not bm.can_append(seq, num_new):
+                    self._preempt(seq, out)
+                    break
+                bm.append_slots(seq, num_new)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             kept.append(seq)

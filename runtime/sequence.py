@@ -31,8 +31,10 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED_")
+        return self in _FINISHED
 
+
+_FINISHED = frozenset(s for s in SequenceStatus if s.name.startswith("FINISHED_"))
 
 _STATUS_OF_REASON = {
     "stop": SequenceStatus.FINISHED_STOPPED,
