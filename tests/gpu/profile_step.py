@@ -7,6 +7,7 @@ Prints (dummy weights of --model):
   postprocess), worker before the runner, runner.prepare, the forward launch, logits + sampler
   launch, and the wait in the step's one synchronisation (the GPU still running);
 - the forward's GPU time alone (CUDA events around run_model);
+- the largest request graph's replay alone: host us per launch and GPU us per replay;
 - the GPU kernels of one step (torch.profiler: count and total kernel time, the top kernels);
 - the top functions by cumulative host time (cProfile).
 """
@@ -74,6 +75,24 @@ def phase_times(eng, steps: int) -> tuple[dict, float]:
     return acc, fwd
 
 
+def replay_costs(eng) -> str:
+    """Host and GPU time of the largest request graph's replay alone, 50 back to back."""
+    runner = eng.executor.worker.runner
+    if runner.req_graph is None or not len(runner.req_graph):
+        return "no request graphs"
+    key = runner.req_graph.keys()[-1]
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t = time.perf_counter()
+    start.record()
+    for _ in range(50):
+        runner.req_graph.replay(key)
+    host = (time.perf_counter() - t) / 50 * 1e6
+    end.record()
+    torch.cuda.synchronize()
+    return f"request graph {key}: replay host {host:.1f} us/call, GPU {start.elapsed_time(end) / 50 * 1e3:.1f} us/replay"
+
+
 def kernel_table(eng, steps: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -115,6 +134,7 @@ def main() -> None:
     ms = (time.perf_counter() - t) * 1e3 / a.steps
     phases, fwd_ms = phase_times(eng, a.steps)
     kernels = kernel_table(eng, 20)
+    replay = replay_costs(eng)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.steps):
@@ -125,7 +145,7 @@ def main() -> None:
     text = [f"{a.model} {a.mode} level {a.level} bs {a.bs}: {ms:.3f} ms/step (unprofiled)",
             f"forward GPU time (events around run_model): {fwd_ms:.3f} ms/step", "host ms per step:"]
     text += [f"  {k:55s} {v * 1e3:7.3f}" for k, v in phases.items()]
-    text += [kernels, buf.getvalue()]
+    text += [replay, kernels, buf.getvalue()]
     print("\n".join(text))
     if a.out:
         open(a.out, "w").write("\n".join(text))
