@@ -51,15 +51,17 @@ def determine_num_blocks(runner: "ModelRunner") -> KVCacheSizing:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
+        # The largest forward first: at levels 2-3 the first call compiles, and it must have >= 2 rows
+        # (the largest capture bucket may be 1).
+        torch.cuda.reset_peak_memory_stats()
+        _dummy_forward(runner, runner.max_num_tokens)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
         largest_bucket = max(runner.config.capture_sizes or [0])
         if largest_bucket and not runner.enforce_eager:
             torch.cuda.reset_peak_memory_stats()
             _dummy_forward(runner, largest_bucket)
             pool_estimate = torch.cuda.max_memory_allocated() - base
-        torch.cuda.reset_peak_memory_stats()
-        _dummy_forward(runner, runner.max_num_tokens)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
         free, total = torch.cuda.mem_get_info()
         others = total - free - torch.cuda.memory_reserved()  # other processes on this device
         budget = total * cc.gpu_memory_utilization - others - base - peak - pool_estimate
