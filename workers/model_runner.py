@@ -91,6 +91,7 @@ class ModelRunner:
         }
         # Request-graph steps (FULL decode) travel packed: one copy, unpacked inside the graph.
         self.packed: Optional[PackedStep] = None
+        self._staged: Optional[tuple[int, int]] = None  # (seqs, rows) of the step last staged packed
         if dev.type == "cuda" and not self.enforce_eager and self.config.cudagraph_mode.records_request_graphs() and max_capture:
             self.packed = PackedStep(max_capture, max_capture, self.max_blocks_per_seq, dev)
 
@@ -124,6 +125,7 @@ class ModelRunner:
         seqs = decision.running_bs if decision.kind is ForwardKind.REQ_GRAPH else bs
         if self.packed is not None and decision.kind is ForwardKind.REQ_GRAPH:
             self.packed.stage(inputs, seqs, rows)
+            self._staged = (seqs, rows)
         else:
             self._fill("input_ids", inputs.input_ids, rows, 0)
             self._fill("positions", inputs.positions, rows, 0)
@@ -183,6 +185,11 @@ class ModelRunner:
         """
         num_rows = input_ids.shape[0]
         if decision.kind is ForwardKind.REQ_GRAPH:
+            if self.packed is not None and self._staged != (decision.running_bs, num_rows):
+                raise RuntimeError(
+                    f"request graph {decision.req_key} replayed without its step staged by prepare() "
+                    f"(staged: {self._staged}); it would unpack another bucket's layout"
+                )
             self.req_graph.replay(decision.req_key)
             hidden_states = self.forward_vars["outputs"][:num_rows]
         else:

@@ -80,7 +80,13 @@ def replay_costs(eng) -> str:
     runner = eng.executor.worker.runner
     if runner.req_graph is None or not len(runner.req_graph):
         return "no request graphs"
+    from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
+    from atomrt.workers.graph_capture import dummy_decode_inputs
+
     key = runner.req_graph.keys()[-1]
+    bs = key[0]
+    decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=bs, running_tokens=bs, is_prefill=False, req_key=key)
+    runner.prepare(dummy_decode_inputs(bs, 1), decision)  # a request graph replays the step staged for its bucket
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t = time.perf_counter()
