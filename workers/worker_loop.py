@@ -92,6 +92,7 @@ class RankWorker:
         self.local_device = local_device
         self.worker: Any = None
         self._distributed = False
+        self._cpu_threads = 0  # CPU ranks: torch threads per rank (set in every thread that computes)
 
     def node_info(self, node_ip: str = "", node_id: str = "", gpu_ids: tuple[str, ...] = ()) -> NodeInfo:
         from atomrt.distributed.net_utils import get_free_port, get_host_ip
@@ -110,7 +111,8 @@ class RankWorker:
         device = resolve_device(self.config, self.local_device)
         if device.type == "cpu":
             # every rank of this node shares its cores; oversubscription slows every collective
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.spec.world_size))
+            self._cpu_threads = max(1, (os.cpu_count() or 1) // self.spec.world_size)
+            torch.set_num_threads(self._cpu_threads)
         backend = "nccl" if device.type == "cuda" else "gloo"
         s = self.spec
         if s.world_size > 1:
@@ -135,12 +137,15 @@ class RankWorker:
         return self.worker.initialize(num_blocks)
 
     def _bind_device(self) -> None:
-        """The current CUDA device is per thread; a Ray actor serves its calls from a thread pool."""
+        """The current CUDA device and the OpenMP thread count are per thread; a Ray actor serves its
+        calls from a thread pool (and Ray sets OMP_NUM_THREADS=1 for the process)."""
+        import torch
+
         device = self.worker.runner.device
         if device.type == "cuda":
-            import torch
-
             torch.cuda.set_device(device)
+        elif self._cpu_threads:
+            torch.set_num_threads(self._cpu_threads)
 
     def run_plan_loop(self, addresses: dict[str, str], keep_going: Callable[[], bool]) -> None:
         """Receive plans until the shutdown plan (or `keep_going()` turns false while idle)."""
