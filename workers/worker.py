@@ -100,6 +100,7 @@ class Worker:
             decode_token_sizes=captured.decode_token_sizes,
         )
 
+    @torch.inference_mode()
     def execute_plan(self, plan: StepPlan) -> Optional[StepResult]:
         if plan.step != self.next_step:
             raise RuntimeError(
