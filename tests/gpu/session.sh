@@ -5,7 +5,8 @@
 #   probe   step profiles (profile_step.py) of SmolLM2-135M and Llama-3.2-1B, FULL, level 3
 #   tests   the gpu tier, then the multigpu tier (needs nvidia-h200-x2)
 #   dist    transport round trip, Ray vs in-process (levels 0 and 3), the 135M step profile
-#   bench   atomrt bench latency: the three shapes at level 3 and eager, the 512 ladder's capture
+#   bench   atomrt bench latency: the three shapes at level 3, the 512 ladder's capture, Ray / mp vs
+#           in-process at level 3, eager
 set -uo pipefail
 export OUT=${OUT:-/tmp/atomrt-gpu}
 mkdir -p "$OUT"
@@ -33,11 +34,12 @@ for part in "$@"; do
       run tp_overhead_l3 120 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 --json "$OUT/tp_overhead_l3.json"
       prof prof_135m_full_l3 70 --mode FULL --level 3 ;;
     bench)
-      bench latency_8b_l3 170 --model Llama-3.1-8B --level 3 --modes FULL,TR_HYBRID
-      bench latency_1b_l3 130 --model Llama-3.2-1B --level 3 --modes FULL,TR_HYBRID
-      bench latency_135m_l3 90 --model SmolLM2-135M --level 3 --modes FULL,TR_HYBRID
-      bench latency_ladder512 70 --model SmolLM2-135M --level 3 --modes FULL --batch-sizes 1 --cuda-graph-sizes 512 --max-num-seqs 512
-      bench latency_eager 110 --modes eager ;;
+      bench latency_135m_l3 80 --model SmolLM2-135M --level 3 --modes FULL,TR_HYBRID
+      bench latency_ladder512 60 --model SmolLM2-135M --level 3 --modes FULL --batch-sizes 1 --cuda-graph-sizes 512 --max-num-seqs 512
+      bench latency_1b_l3 120 --model Llama-3.2-1B --level 3 --modes FULL,TR_HYBRID
+      bench latency_8b_l3 120 --model Llama-3.1-8B --level 3 --modes FULL
+      run tp_overhead_l3 100 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 --executor inproc,mp,ray --json "$OUT/tp_overhead_l3.json"
+      bench latency_eager 70 --modes eager --decode-steps 8 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
