@@ -128,3 +128,21 @@ def test_every_bucket_replays_like_eager_in_random_order(mode):
         print(f"{mode}: graph pool {pool / 2**20:.1f} MiB for {len(sizes)} buckets, capture {llm.engine.info.capture_seconds:.2f} s")
     finally:
         llm.shutdown()
+
+
+def test_level3_with_one_sequence_starts_and_matches_eager():
+    """max_num_seqs=1 at level 3: the only capture bucket is 1, and the first compiled call (KV
+    sizing) must still see >= 2 rows. Its greedy tokens equal eager's."""
+    prompt, params = [5, 17, 99, 3], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for level, eager in ((0, True), (3, False)):
+        cc = CompilationConfig(level=level, cudagraph_mode="FULL", cuda_graph_sizes=[1])
+        llm = LLM(**MODEL, enforce_eager=eager, compilation_config=cc, max_num_seqs=1)
+        try:
+            tokens[level] = llm.generate([prompt], params)[0].outputs[0].token_ids
+            if not eager:
+                assert llm.engine.info.capture_sizes == (1,)
+        finally:
+            llm.shutdown()
+            torch.cuda.empty_cache()
+    assert tokens[3] == tokens[0]
