@@ -35,6 +35,8 @@ def test_cudagraph_mode_helpers(mode):
     assert mode.has_full_cudagraphs() is full
     assert mode.uses_tr_hybrid() is tr
     assert mode.max_cudagraph_mode() is mx
+    # FULL and FULL_DECODE_ONLY capture request graphs; FULL_AND_TR_HYBRID is recorded as TR_HYBRID
+    assert mode.records_request_graphs() is (mode in (M.FULL, M.FULL_DECODE_ONLY))
 
 
 def test_mode_values_match_guide():
