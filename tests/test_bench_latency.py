@@ -8,19 +8,12 @@ import torch
 
 from atomrt.runtime.bench_latency import Report, Row, compare_executors, main, mode_settings
 from atomrt.runtime.config import CUDAGraphMode
+from executor_harness import build_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64,
-    )
-    folder = tmp_path_factory.mktemp("tiny_bench")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder, safe_serialization=True)
-    return folder
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_bench"))
 
 
 def test_cpu_smoke_writes_rows_and_json(tiny_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -60,40 +60,43 @@ def make_batch(
     pad_rows: int = 0,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    num_blocks: int | None = None,
     seed: int = 0,
 ) -> PagedBatch:
-    """Random q and cache; physical blocks shuffled across sequences. Every cache slot that no
-    sequence owns, and every padded q row, holds NaN: a kernel that reads one fails the test."""
-    gen = torch.Generator().manual_seed(seed)
-    num_heads = num_kv_heads * group
+    """Random q and cache, built on `device`; physical blocks shuffled across sequences. Every cache
+    slot that no sequence owns, and every padded q row, holds NaN: a kernel that reads one fails the
+    test. (The GPU tier builds its real-size batches with this too.)"""
+    gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = [math.ceil(n / block_size) for n in lens_k]
     assert all(b <= max_blocks for b in blocks_per_seq) and all(nq <= nk for nq, nk in zip(lens_q, lens_k))
-    num_blocks = sum(blocks_per_seq) + 3
-    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    num_blocks = num_blocks or sum(blocks_per_seq) + 3
+    physical = torch.randperm(num_blocks, device=device, generator=gen)
     num_seqs = len(lens_q) + pad_seqs
-    block_tables = torch.full((num_seqs, max_blocks), -1, dtype=torch.int32)
+    block_tables = torch.full((num_seqs, max_blocks), -1, dtype=torch.int32, device=device)
+    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool, device=device)
+    used = 0
+    for s, (n, nb) in enumerate(zip(lens_k, blocks_per_seq)):
+        blocks = physical[used : used + nb]
+        used += nb
+        block_tables[s, :nb] = blocks.to(torch.int32)
+        owned.view(-1)[(blocks[:, None] * block_size + torch.arange(block_size, device=device)).view(-1)[:n]] = True
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=torch.float64)
-    v_cache = torch.full(shape, float("nan"), dtype=torch.float64)
-    for s, n in enumerate(lens_k):
-        for b in range(blocks_per_seq[s]):
-            block_tables[s, b] = blk = physical.pop()
-            used = min(block_size, n - b * block_size)
-            k_cache[blk, :used] = torch.randn(used, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
-            v_cache[blk, :used] = torch.randn(used, num_kv_heads, head_dim, generator=gen, dtype=torch.float64)
+    nan = torch.tensor(float("nan"), device=device)
+    k_cache = torch.where(owned[:, :, None, None], torch.randn(shape, device=device, generator=gen), nan).to(dtype)
+    v_cache = torch.where(owned[:, :, None, None], torch.randn(shape, device=device, generator=gen), nan).to(dtype)
     cu = [0]
     for n in lens_q + [0] * pad_seqs:
         cu.append(cu[-1] + n)
-    q = torch.full((cu[-1] + pad_rows, num_heads, head_dim), float("nan"), dtype=torch.float64)
-    q[: cu[-1]] = torch.randn(cu[-1], num_heads, head_dim, generator=gen, dtype=torch.float64)
+    q = torch.full((cu[-1] + pad_rows, num_kv_heads * group, head_dim), float("nan"), device=device)
+    q[: cu[-1]] = torch.randn(cu[-1], num_kv_heads * group, head_dim, device=device, generator=gen)
     ctx = list(lens_k) + [0] * pad_seqs
     return PagedBatch(
-        q=q.to(dtype).to(device),
-        k_cache=k_cache.to(dtype).to(device),
-        v_cache=v_cache.to(dtype).to(device),
+        q=q.to(dtype),
+        k_cache=k_cache,
+        v_cache=v_cache,
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
+        block_tables=block_tables,
         cu_seqlens_q_cpu=cu,
         context_lens_cpu=ctx,
         num_real_seqs=len(lens_q),

@@ -14,6 +14,7 @@ from atomrt.workers.layers.tp_ops import TPInfo
 from atomrt.workers.loader import build_model, embedded_gguf_path, load_model, resolve_model
 from atomrt.workers.model_presets import preset_config
 from atomrt.workers.models.arch import arch_from_hf_config
+from executor_harness import build_tiny_llama
 from model_harness import run_prefill_and_decode
 
 
@@ -23,15 +24,7 @@ def _load(model: str, load_format: str = "auto") -> None:
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64,
-    )
-    folder = tmp_path_factory.mktemp("tiny")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder, safe_serialization=True)
-    return folder
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -54,10 +54,9 @@ def eager_tokens():
 MODES = ["NONE", "FULL", "TR_HYBRID", "FULL_DECODE_ONLY", "FULL_AND_TR_HYBRID"]
 
 
-@pytest.mark.parametrize("level", [0, 3])
-@pytest.mark.parametrize("mode", MODES)
-def test_mode_matches_eager(eager_tokens, level, mode):
-    tokens, info = _run(level, mode)
+def check_matches_eager(tokens, info, mode: str, eager_tokens, label: str) -> None:
+    """The mode captured the graphs it should (token graphs or request graphs) and every request's
+    greedy tokens equal eager's. The TP=2 tier (test_tp_gpu.py) checks with it too."""
     m = CUDAGraphMode[mode]
     if m != CUDAGraphMode.NONE:
         assert info.capture_sizes, "graphs were captured"
@@ -66,7 +65,14 @@ def test_mode_matches_eager(eager_tokens, level, mode):
         else:
             assert info.req_keys and not info.decode_token_sizes
     mismatched = [i for i, (a, b) in enumerate(zip(tokens, eager_tokens)) if a != b]
-    assert not mismatched, f"{mode} level {level}: requests {mismatched[:8]} differ from eager"
+    assert not mismatched, f"{label}: requests {mismatched[:8]} differ from eager"
+
+
+@pytest.mark.parametrize("level", [0, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_matches_eager(eager_tokens, level, mode):
+    tokens, info = _run(level, mode)
+    check_matches_eager(tokens, info, mode, eager_tokens, f"{mode} level {level}")
 
 
 def _bucket_inputs(runner, bs: int, seed: int):

@@ -10,11 +10,12 @@ unmasked read shows up as a NaN in the output.
 
 from __future__ import annotations
 
-import math
+import functools
 
 import pytest
 import torch
 
+import test_kernels as cpu_tier
 from atomrt.workers.kernels.paged_attention import unified_attention, write_kv_cache
 from test_kernels import PagedBatch  # the batch layout the CPU tier uses too
 
@@ -24,77 +25,9 @@ SENTINEL = 7.0
 TOLERANCES = {torch.float16: dict(atol=5e-3, rtol=1e-2), torch.bfloat16: dict(atol=3e-2, rtol=5e-2)}
 
 
-def make_batch(
-    lens_q: list[int],
-    lens_k: list[int],
-    *,
-    num_kv_heads: int,
-    group: int,
-    head_dim: int,
-    block_size: int,
-    max_blocks: int,
-    dtype: torch.dtype,
-    pad_seqs: int = 0,
-    pad_rows: int = 0,
-    num_blocks: int | None = None,
-    seed: int = 0,
-) -> PagedBatch:
-    """A ragged batch in a paged cache with physical blocks shuffled across sequences."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dev = "cuda"
-    blocks_per_seq = [math.ceil(n / block_size) for n in lens_k]
-    assert max(blocks_per_seq) <= max_blocks and all(nq <= nk for nq, nk in zip(lens_q, lens_k))
-    num_blocks = num_blocks or sum(blocks_per_seq) + 4
-    physical = torch.randperm(num_blocks, device=dev, generator=gen)
-    num_seqs = len(lens_q) + pad_seqs
-    block_tables = torch.full((num_seqs, max_blocks), -1, dtype=torch.int32, device=dev)
-    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool, device=dev)
-    used = 0
-    for s, (n, nb) in enumerate(zip(lens_k, blocks_per_seq)):
-        blocks = physical[used : used + nb]
-        used += nb
-        block_tables[s, :nb] = blocks.to(torch.int32)
-        owned.view(-1)[(blocks[:, None] * block_size + torch.arange(block_size, device=dev)).view(-1)[:n]] = True
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    nan = torch.tensor(float("nan"), device=dev)
-    k_cache = torch.where(owned[:, :, None, None], torch.randn(shape, device=dev, generator=gen), nan).to(dtype)
-    v_cache = torch.where(owned[:, :, None, None], torch.randn(shape, device=dev, generator=gen), nan).to(dtype)
-    cu = [0]
-    for n in lens_q + [0] * pad_seqs:
-        cu.append(cu[-1] + n)
-    q = torch.full((cu[-1] + pad_rows, num_kv_heads * group, head_dim), float("nan"), device=dev)
-    q[: cu[-1]] = torch.randn(cu[-1], num_kv_heads * group, head_dim, device=dev, generator=gen)
-    ctx = list(lens_k) + [0] * pad_seqs
-    return PagedBatch(
-        q=q.to(dtype),
-        k_cache=k_cache,
-        v_cache=v_cache,
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-        context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
-        block_tables=block_tables,
-        cu_seqlens_q_cpu=cu,
-        context_lens_cpu=ctx,
-        num_real_seqs=len(lens_q),
-    )
-
-
-def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
-    """float64 causal attention gathered through the block tables: [num_real_rows, num_heads, head_dim]."""
-    block_size, num_kv_heads = batch.k_cache.shape[1], batch.k_cache.shape[2]
-    group = batch.q.shape[1] // num_kv_heads
-    outs = []
-    for s in range(batch.num_real_seqs):
-        q0, q1 = batch.cu_seqlens_q_cpu[s], batch.cu_seqlens_q_cpu[s + 1]
-        n_q, n_k = q1 - q0, batch.context_lens_cpu[s]
-        pos = torch.arange(n_k, device="cuda")
-        blocks = batch.block_tables[s, pos // block_size].long()
-        k = batch.k_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)  # [n_k, H, D]
-        v = batch.v_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", batch.q[q0:q1].double(), k) * scale
-        q_pos = n_k - n_q + torch.arange(n_q, device="cuda")
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
-    return torch.cat(outs)
+# The CPU tier's batch builder and float64 reference, on the GPU at real sizes.
+make_batch = functools.partial(cpu_tier.make_batch, device="cuda")
+reference_attention = cpu_tier.reference_attention
 
 
 def run_attention(batch: PagedBatch, out: torch.Tensor, *, graph_safe: bool, max_seqlen_q: int) -> None:

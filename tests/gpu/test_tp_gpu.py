@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from atomrt.runtime import SamplingParams
-from atomrt.runtime.config import CompilationConfig, CUDAGraphMode
+from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.llm import LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared executor harness
 from executor_harness import wait_gone  # noqa: E402
+from test_graph_modes_gpu import check_matches_eager  # noqa: E402
 
 pytestmark = pytest.mark.multigpu
 
@@ -74,15 +75,7 @@ def eager_tokens(ray_session):
 
 
 def _check(tokens, info, mode: str, eager_tokens) -> None:
-    m = CUDAGraphMode[mode]
-    if m != CUDAGraphMode.NONE:
-        assert info.capture_sizes, "graphs were captured"
-        if m.uses_tr_hybrid():
-            assert info.decode_token_sizes and not info.req_keys
-        else:
-            assert info.req_keys and not info.decode_token_sizes
-    mismatched = [i for i, (a, b) in enumerate(zip(tokens, eager_tokens)) if a != b]
-    assert not mismatched, f"TP=2 {mode}: requests {mismatched[:8]} differ from TP=2 eager"
+    check_matches_eager(tokens, info, mode, eager_tokens, f"TP=2 {mode} vs TP=2 eager")
 
 
 @pytest.mark.parametrize("mode", ["NONE", "FULL", "TR_HYBRID"])
