@@ -41,46 +41,44 @@ def write_padded(host: np.ndarray, values: np.ndarray, length: int, pad: Any) ->
 class PackedStep:
     def __init__(self, max_seqs: int, max_rows: int, max_blocks: int, device: torch.device) -> None:
         self.max_blocks = max_blocks
-        nbytes = self._layout(max_seqs, max_rows)[1]
+        nbytes = sum(nbytes for *_, nbytes in self._layout(max_seqs, max_rows))
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self._views: dict[tuple[int, int], tuple[int, dict, dict]] = {}
+        # (seqs, rows) -> (bytes used, [(name, host numpy view, device view, length, padding)])
+        self._buckets: dict[tuple[int, int], tuple[int, list[tuple[str, np.ndarray, torch.Tensor, int, Any]]]] = {}
 
-    def _layout(self, seqs: int, rows: int) -> tuple[list[tuple[str, torch.dtype, int, tuple[int, ...]]], int]:
-        fields, offset = [], 0
-        for name, dtype, length, _ in FIELDS:
+    def _layout(self, seqs: int, rows: int) -> list[tuple[str, torch.dtype, tuple[int, ...], Any, int]]:
+        """(name, dtype, shape, padding, bytes) per field, in buffer order."""
+        out = []
+        for name, dtype, length, pad in FIELDS:
             count = {"rows": rows, "seqs": seqs, "seqs+1": seqs + 1}[length]
             shape = (count, self.max_blocks) if name == "block_tables" else (count,)
-            fields.append((name, dtype, offset, shape))
-            offset += int(np.prod(shape)) * dtype.itemsize
-        return fields, offset
+            out.append((name, dtype, shape, pad, int(np.prod(shape)) * dtype.itemsize))
+        return out
 
-    def _views_for(self, seqs: int, rows: int) -> tuple[int, dict, dict]:
-        """(bytes used, host numpy views, device tensor views) of a bucket's layout (cached)."""
-        views = self._views.get((seqs, rows))
-        if views is None:
-            fields, nbytes = self._layout(seqs, rows)
-            if nbytes > self.host.numel():
-                raise ValueError(f"PackedStep: a step of {seqs} sequences x {rows} rows exceeds the buffer")
-            host, dev = {}, {}
-            for name, dtype, offset, shape in fields:
-                size = int(np.prod(shape)) * dtype.itemsize
-                host[name] = self.host[offset : offset + size].view(dtype).view(shape).numpy()
-                dev[name] = self.device[offset : offset + size].view(dtype).view(shape)
-            views = self._views[(seqs, rows)] = (nbytes, host, dev)
-        return views
+    def _bucket(self, seqs: int, rows: int) -> tuple[int, list[tuple[str, np.ndarray, torch.Tensor, int, Any]]]:
+        bucket = self._buckets.get((seqs, rows))
+        if bucket is None:
+            views, offset = [], 0
+            for name, dtype, shape, pad, size in self._layout(seqs, rows):
+                if offset + size > self.host.numel():
+                    raise ValueError(f"PackedStep: a step of {seqs} sequences x {rows} rows exceeds the buffer")
+                host = self.host[offset : offset + size].view(dtype).view(shape).numpy()
+                dev = self.device[offset : offset + size].view(dtype).view(shape)
+                views.append((name, host, dev, shape[0], pad))
+                offset += size
+            bucket = self._buckets[(seqs, rows)] = (offset, views)
+        return bucket
 
     def stage(self, inputs: Any, seqs: int, rows: int) -> None:
         """Write a step's `StepInputs`, padded to (seqs, rows), and start its one copy to the device."""
-        nbytes, host, _ = self._views_for(seqs, rows)
+        nbytes, views = self._bucket(seqs, rows)
         n = inputs.num_tokens
-        for name, _, length, pad in FIELDS:
-            count = {"rows": rows, "seqs": seqs, "seqs+1": seqs + 1}[length]
-            write_padded(host[name], getattr(inputs, name), count, n if pad is None else pad)
+        for name, host, _, length, pad in views:
+            write_padded(host, getattr(inputs, name), length, n if pad is None else pad)
         self.device[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
 
     def unpack(self, forward_vars: dict[str, torch.Tensor], seqs: int, rows: int) -> None:
         """Copy the staged step into the static buffers (device to device; recorded in request graphs)."""
-        _, _, dev = self._views_for(seqs, rows)
-        for name, src in dev.items():
-            forward_vars[name][: src.shape[0]].copy_(src)
+        for name, _, dev, length, _ in self._bucket(seqs, rows)[1]:
+            forward_vars[name][:length].copy_(dev)
