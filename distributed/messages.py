@@ -36,6 +36,9 @@ class MessageError(ValueError):
     """Bytes that are not a message of this protocol (wrong tag, wrong arity, bad array)."""
 
 
+PENDING_TOKEN = -1  # RankBatch.input_ids: the sequence's token sampled in the previous step, still in flight
+
+
 def _i32(x: Any = ()) -> np.ndarray:
     return np.asarray(x, dtype=np.int32)
 
@@ -76,7 +79,7 @@ class RankBatch:
     seq_ids: np.ndarray = field(default_factory=_i64)  # int64 [bs]
     num_new_tokens: np.ndarray = field(default_factory=_i32)  # int32 [bs]: query rows per sequence
     num_computed_tokens: np.ndarray = field(default_factory=_i32)  # int32 [bs]: context before this step
-    input_ids: np.ndarray = field(default_factory=_i32)  # int32 [num_tokens]: this step's rows
+    input_ids: np.ndarray = field(default_factory=_i32)  # int32 [num_tokens]: this step's rows (or PENDING_TOKEN)
     # seq_id -> (start index in the block table, int32 new block ids): only entries the worker lacks
     block_table_updates: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
     sample_mask: np.ndarray = field(default_factory=_bool)  # bool [bs]: last row sampled this step
@@ -105,6 +108,9 @@ class StepPlan:
     num_tokens_across_dp: list[int] = field(default_factory=list)  # real rows per DP rank
     ranks: list[RankBatch] = field(default_factory=list)  # index = DP rank
     shutdown: bool = False
+    # Async scheduling: the driver publishes the next plan (or a `Flush`) before it waits for this
+    # step's result, so a worker launches the next step before it hands this one back.
+    pipelined: bool = False
 
     MODE_EAGER = 0
     MODE_TOKEN_GRAPH = 1
@@ -126,6 +132,14 @@ class StepResult:
 
 
 @dataclass
+class Flush:
+    """Driver -> workers: "send me step `step`'s result now; no plan follows it for a while"
+    (async scheduling, when the driver has nothing to submit after a pipelined plan)."""
+
+    step: int
+
+
+@dataclass
 class Hello:
     """Driver -> workers over PUB, repeated until every worker has answered with `Ready`."""
 
@@ -144,10 +158,10 @@ class Ready:
     pid: int = 0
 
 
-Message = Union[NewRequest, RankBatch, StepPlan, StepResult, Hello, Ready]
+Message = Union[NewRequest, RankBatch, StepPlan, StepResult, Hello, Ready, Flush]
 
 # The wire tag of each type; append only (a tag is never reused).
-_TAGS: dict[type, int] = {NewRequest: 1, RankBatch: 2, StepPlan: 3, StepResult: 4, Hello: 5, Ready: 6}
+_TAGS: dict[type, int] = {NewRequest: 1, RankBatch: 2, StepPlan: 3, StepResult: 4, Hello: 5, Ready: 6, Flush: 7}
 _TYPES: dict[int, type] = {tag: cls for cls, tag in _TAGS.items()}
 _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in _TAGS}
 
@@ -238,7 +252,15 @@ def _unpack_ext(code: int, data: bytes) -> Any:
     raise MessageError(f"unknown msgpack ext type {code}")
 
 
-_GETTERS: dict[type, Any] = {cls: attrgetter(*names) for cls, names in _FIELDS.items()}  # -> a tuple (2+ fields)
+def _getter(names: tuple[str, ...]) -> Any:
+    """A callable giving a message's field values as a tuple (attrgetter of one name gives the value)."""
+    if len(names) == 1:
+        name = names[0]
+        return lambda msg: (getattr(msg, name),)
+    return attrgetter(*names)
+
+
+_GETTERS: dict[type, Any] = {cls: _getter(names) for cls, names in _FIELDS.items()}
 # (field index, dtype) of the array fields whose default factory names their dtype: a 1-D array of that
 # dtype travels there as msgpack bin of its raw bytes (no ext, no callback); any other as an ext
 _DECLARED_DTYPES = {_i32: np.dtype("<i4"), _i64: np.dtype("<i8"), _bool: np.dtype("|b1")}

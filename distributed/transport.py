@@ -4,7 +4,7 @@ Hot path: `PlanPublisher.publish`, `PlanSubscriber.recv`, `ResultPusher.push`,
 `ResultCollector.recv`. What may live here: sockets, the ready handshake, the step-number check.
 
     driver                                    every worker (dp, tp)
-    PUB   plan    ── StepPlan / Hello ──▶     SUB   (checks steps are contiguous from 0)
+    PUB   plan    ── StepPlan / Flush / Hello ──▶  SUB   (checks steps are contiguous from 0)
     PULL  ready   ◀──────── Ready ───────     PUSH  (handshake only)
     PULL  result  ◀────── StepResult ────     PUSH  (TP rank 0 of each DP rank)
 
@@ -24,11 +24,11 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import zmq
 
-from atomrt.distributed.messages import Hello, Ready, StepPlan, StepResult, decode, encode
+from atomrt.distributed.messages import Flush, Hello, Ready, StepPlan, StepResult, decode, encode
 from atomrt.distributed.net_utils import get_free_port, get_host_ip, ipc_address, make_ipc_dir, new_instance_id, tcp_address
 
 logger = logging.getLogger(__name__)
@@ -197,6 +197,12 @@ class PlanPublisher:
         self._pub.send(encode(plan), copy=False)
         self.next_step += 1
 
+    def publish_flush(self, step: int) -> None:
+        """Ask for pipelined step `step`'s result now; takes no step number."""
+        if not 0 <= step < self.next_step:
+            raise TransportError(f"driver: flush of step {step}, but only steps 0..{self.next_step - 1} were published")
+        self._pub.send(encode(Flush(step)))
+
     def close(self) -> None:
         self._pub.close()
         self._ready.close()
@@ -265,8 +271,8 @@ class PlanSubscriber:
         self._ready.connect(addresses.ready)
         self._answered: set[int] = set()
 
-    def recv(self, timeout: Optional[float]) -> StepPlan:
-        """The next plan. Answers handshake probes while waiting; a skipped step raises StepGapError."""
+    def recv(self, timeout: Optional[float]) -> Union[StepPlan, Flush]:
+        """The next plan (or flush). Answers handshake probes while waiting; a skipped step raises StepGapError."""
         deadline = _deadline(timeout)
         wait_ms = _wait_ms(timeout)
         while True:
@@ -279,6 +285,8 @@ class PlanSubscriber:
             msg = decode(data)
             if isinstance(msg, StepPlan):
                 return self._check_step(msg)
+            if isinstance(msg, Flush):
+                return msg
             if isinstance(msg, Hello):
                 self._answer(msg)
                 wait_ms = _poll_ms(deadline)

@@ -72,7 +72,8 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--batch-sizes", default="1" if compare else "1,8,32,128")
     p.add_argument("--modes", default="FULL" if compare else "eager,TR_HYBRID,FULL",
-                   help="eager or CUDA-graph mode names (TR_HYBRID, FULL, FULL_DECODE_ONLY, ...)")
+                   help="eager or CUDA-graph mode names (TR_HYBRID, FULL, FULL_DECODE_ONLY, ...); a name "
+                   "ending in +async (FULL+async) runs with async scheduling")
     p.add_argument("--level", type=int, default=0, help="compilation level for the graph modes")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=256 if compare else 64)
@@ -90,8 +91,9 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
     args.batch_sizes = sorted(int(b) for b in _csv(args.batch_sizes))
     args.executors = _csv(args.executor)
     for mode in args.modes:
-        if mode != "eager":
-            CUDAGraphMode.parse(mode)  # a ConfigError names the bad mode
+        base, _ = split_mode(mode)
+        if base != "eager":
+            CUDAGraphMode.parse(base)  # a ConfigError names the bad mode
     return args
 
 
@@ -119,11 +121,22 @@ def measure_copy_bandwidth(device: torch.device) -> float:
     return 2 * nbytes * iters / seconds / 1e9
 
 
+ASYNC_SUFFIX = "+async"  # a mode name ending in it runs with scheduler_config.async_scheduling
+
+
+def split_mode(mode: str) -> tuple[str, bool]:
+    """("FULL", True) for "FULL+async"; (mode, False) otherwise."""
+    if mode.endswith(ASYNC_SUFFIX):
+        return mode[: -len(ASYNC_SUFFIX)], True
+    return mode, False
+
+
 def mode_settings(mode: str, level: int, on_cuda: bool) -> dict[str, Any]:
     """LLM keyword settings for a benchmark mode; graph modes run eagerly without CUDA."""
-    if mode == "eager" or not on_cuda:
-        return {"enforce_eager": True}
-    return {"level": level, "cudagraph_mode": CUDAGraphMode.parse(mode)}
+    base, async_scheduling = split_mode(mode)
+    if base == "eager" or not on_cuda:
+        return {"enforce_eager": True, "async_scheduling": async_scheduling}
+    return {"level": level, "cudagraph_mode": CUDAGraphMode.parse(base), "async_scheduling": async_scheduling}
 
 
 def _inproc_model_stats(llm: Any) -> tuple[Optional[int], Optional[int]]:

@@ -161,12 +161,12 @@ class BlockManager:
         return block_id
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register the full blocks whose tokens are all computed (call after advancing
-        num_computed_tokens). A block whose hash another block already holds stays private."""
+        """Register the full blocks whose tokens are all computed and known (a pending token's is
+        not). A block whose hash another block already holds stays private."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // bs, len(seq.block_table))
         if num_full <= seq.num_cached_blocks:
             return
         hashes = self._block_hashes(seq)

@@ -1,12 +1,16 @@
 """`LLMEngine`: the driver. Schedulers (one per DP rank), ForwardMode, the executor, outputs.
 
-The step reads top to bottom: schedule -> decide -> publish plan -> collect results -> postprocess.
+The step reads top to bottom: schedule -> decide -> submit plan -> collect results -> postprocess.
+With `scheduler_config.async_scheduling` the results collected are the previous step's: step N+1
+is scheduled and submitted while step N runs, so the driver's and the workers' host work hides
+behind the GPU (see runtime/scheduler.py for what that changes).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from typing import Optional, Union
 
 from atomrt.runtime.block_manager import BlockManager
@@ -51,6 +55,8 @@ class LLMEngine:
         captured = CapturedBuckets(info.req_keys, info.prefill_token_sizes, info.decode_token_sizes)
         self.forward_mode = ForwardMode(config, captured)
         self.step_no = 0
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        self._inflight: deque[tuple[int, list[SchedulerOutput]]] = deque()  # submitted, not collected
         self.dead: Optional[str] = None  # why the engine stopped (a worker failed)
         self._ids = itertools.count()
         self._prompts: dict[str, Optional[str]] = {}
@@ -114,15 +120,31 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outs = [s.schedule() for s in self.schedulers]
         if all(o.is_empty for o in outs):
-            return []
+            return self._collect(flush=True) if self._inflight else []
         decision = self.forward_mode.decide([_shape(o) for o in outs])
         batches = [planner.batch(o) for planner, o in zip(self.planners, outs)]
+        plan = make_plan(self.step_no, decision, batches, pipelined=self.async_scheduling)
         try:
-            results = self.executor.execute(make_plan(self.step_no, decision, batches))
+            self.executor.submit(plan)
         except WorkerError as e:
             self._fail(e)
             raise
+        for scheduler, out in zip(self.schedulers, outs):
+            scheduler.advance(out)
+        self._inflight.append((plan.step, outs))
         self.step_no += 1
+        if self.async_scheduling and len(self._inflight) < 2:
+            return []  # the first step of a run: its results come with the next step
+        return self._collect(flush=False)
+
+    def _collect(self, flush: bool) -> list[RequestOutput]:
+        """Collect and apply the oldest submitted step's results."""
+        step, outs = self._inflight.popleft()
+        try:
+            results = self.executor.collect(step, flush)
+        except WorkerError as e:
+            self._fail(e)
+            raise
         return self._postprocess(outs, results)
 
     def _postprocess(self, outs: list[SchedulerOutput], results: list[StepResult]) -> list[RequestOutput]:
@@ -135,7 +157,7 @@ class LLMEngine:
             self.planners[dp_rank].forget([s.seq_id for s in finished])
             for row in out.scheduled:
                 rid = row.seq.request_id
-                if row.is_sampled and (row.seq.is_finished or rid in self._streamed):
+                if row.token_applied and (row.seq.is_finished or rid in self._streamed):
                     outputs.append(make_request_output(row.seq, self._prompts.get(rid), delta=rid in self._streamed))
             for seq in finished:
                 self._seqs.pop(seq.request_id, None)
@@ -146,6 +168,7 @@ class LLMEngine:
     def _fail(self, error: WorkerError) -> None:
         """A worker died: every in-flight request ends (aborted); later calls raise at once."""
         self.dead = f"engine stopped: {error}"
+        self._inflight.clear()
         logger.error("%s; aborting %d requests", self.dead, len(self._seqs))
         for request_id in list(self._seqs):
             self.abort(request_id)

@@ -3,13 +3,17 @@
 - `inproc`: one Worker in the driver's process (TP = DP = 1); plans are passed as objects.
 - `mp`: spawned local processes running the same worker loop (runtime/executor_mp.py).
 - `ray`: one Ray actor per (DP, TP) rank in a placement group (runtime/executor_ray.py).
-Start-up (`start`) is control-plane work; `execute` is the per-step hot path.
+Start-up (`start`) is control-plane work; `submit` and `collect` are the per-step hot path. A step
+is submitted, then its results collected; under async scheduling the engine submits step N+1 before
+it collects step N, and asks for a flush when it collects a pipelined step with nothing submitted
+after it.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
+from collections import deque
 from typing import TYPE_CHECKING
 
 from atomrt.distributed.messages import StepPlan, StepResult
@@ -34,8 +38,18 @@ class Executor(abc.ABC):
         """Launch workers, load the model, size the KV cache (the group's minimum), capture graphs."""
 
     @abc.abstractmethod
+    def submit(self, plan: StepPlan) -> None:
+        """Start one step on every worker; its results come from `collect`."""
+
+    @abc.abstractmethod
+    def collect(self, step: int, flush: bool) -> list[StepResult]:
+        """The results of submitted step `step` (the oldest not collected): one StepResult per DP
+        rank, in DP-rank order. `flush`: the step was pipelined and no plan was submitted after it."""
+
     def execute(self, plan: StepPlan) -> list[StepResult]:
-        """Run one step on every worker; one StepResult per DP rank, in DP-rank order."""
+        """Submit one step and collect its results."""
+        self.submit(plan)
+        return self.collect(plan.step, flush=plan.pipelined)
 
     @abc.abstractmethod
     def shutdown(self) -> None:
@@ -53,10 +67,17 @@ class InProcExecutor(Executor):
                 f"tensor_parallel_size={pc.tensor_parallel_size}, data_parallel_size={pc.data_parallel_size}"
             )
         self.worker = Worker(self.config)
+        self._submitted: deque = deque()  # PendingSteps not collected yet
         return self.worker.initialize(self.worker.determine_num_blocks())
 
-    def execute(self, plan: StepPlan) -> list[StepResult]:
-        result = self.worker.execute_plan(plan)
+    def submit(self, plan: StepPlan) -> None:
+        self._submitted.append(self.worker.launch(plan))
+
+    def collect(self, step: int, flush: bool) -> list[StepResult]:
+        pending = self._submitted.popleft()
+        if pending.step != step:
+            raise RuntimeError(f"inproc executor: collecting step {step}, but the oldest submitted step is {pending.step}")
+        result = self.worker.finish(pending)
         assert result is not None
         return [result]
 

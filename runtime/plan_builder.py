@@ -1,13 +1,15 @@
 # Hot path (driver, once per step): a SchedulerOutput -> the RankBatch that workers need.
 # What may live here: deciding what workers lack (new requests, new block-table entries).
 """Building `StepPlan`s: ship the minimum. A sequence's prompt and sampling parameters go once, as a
-`NewRequest`; a decode step ships its new token and any new block ids only."""
+`NewRequest`; a decode step ships its new token and any new block ids only. Under async scheduling
+a row whose token is still pending ships `PENDING_TOKEN`: the workers take it from their previous
+step's sample of that sequence."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from atomrt.distributed.messages import NewRequest, RankBatch, StepPlan
+from atomrt.distributed.messages import PENDING_TOKEN, NewRequest, RankBatch, StepPlan
 from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
 from atomrt.runtime.scheduler import SchedulerOutput
 from atomrt.runtime.sequence import Sequence
@@ -63,7 +65,10 @@ class RankPlanner:
             if len(seq.block_table) > known:
                 updates[seq.seq_id] = (known, np.asarray(seq.block_table[known:], dtype=np.int32))
             self.known_blocks[seq.seq_id] = len(seq.block_table)
-            input_ids.extend(seq.token_ids[row.num_computed_tokens : row.num_computed_tokens + row.num_new_tokens])
+            end = row.num_computed_tokens + row.num_new_tokens
+            input_ids.extend(seq.token_ids[row.num_computed_tokens : end])
+            if end > seq.num_tokens:  # the last row's token is the previous step's, still in flight
+                input_ids.append(PENDING_TOKEN)
         finished, self.pending_finished = self.pending_finished, []
         return RankBatch(
             new_requests=new_requests,
@@ -78,7 +83,7 @@ class RankPlanner:
         )
 
 
-def make_plan(step: int, decision: ForwardDecision, batches: list[RankBatch]) -> StepPlan:
+def make_plan(step: int, decision: ForwardDecision, batches: list[RankBatch], pipelined: bool = False) -> StepPlan:
     return StepPlan(
         step=step,
         mode=_MODE_OF_KIND[decision.kind],
@@ -88,4 +93,5 @@ def make_plan(step: int, decision: ForwardDecision, batches: list[RankBatch]) ->
         is_prefill=decision.is_prefill,
         num_tokens_across_dp=list(decision.dp_num_tokens),
         ranks=batches,
+        pipelined=pipelined,
     )

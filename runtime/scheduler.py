@@ -8,9 +8,18 @@ goes back to the front of the waiting queue keeping its output tokens). Then, if
 preempted, waiting sequences in FCFS order with what is left of the token budget, after their
 prefix-cache hits. A sequence is sampled iff its rows reach the end of its token_ids.
 
-postprocess(): advances num_computed_tokens, registers newly full blocks in the prefix cache,
+advance(): when the step is submitted, moves every scheduled sequence's num_computed_tokens past
+its rows and counts each sampled row as a pending token (`Sequence.num_pending`).
+
+postprocess(): when the step's results are back, registers newly full blocks in the prefix cache,
 appends sampled tokens, applies the stop rules (runtime/stop_checker.py) and frees finished
 sequences' blocks.
+
+Synchronous scheduling calls advance() and postprocess() back to back. Async scheduling schedules
+and submits step N+1 before step N's results are back: a sequence sampled in step N then decodes in
+step N+1 from its pending token (the workers take it from their own step-N sample), and one that
+turns out to have stopped at step N wastes its step-N+1 row, whose result is dropped. A sequence
+whose pending tokens already reach its length limit is not scheduled again.
 """
 
 from __future__ import annotations
@@ -37,11 +46,12 @@ class ScheduledSeq:
     num_new_tokens: int  # query rows this step
     # Captured when scheduled (postprocess moves the sequence on):
     num_computed_tokens: int = field(init=False)  # position of the first row
-    num_tokens: int = field(init=False)  # len(seq.token_ids) at schedule time
+    num_tokens: int = field(init=False)  # the sequence's length at schedule time (pending tokens included)
+    token_applied: bool = field(init=False, default=False)  # postprocess appended this row's sampled token
 
     def __post_init__(self) -> None:
         self.num_computed_tokens = self.seq.num_computed_tokens
-        self.num_tokens = self.seq.num_tokens
+        self.num_tokens = self.seq.num_tokens + self.seq.num_pending
 
     @property
     def context_len(self) -> int:
@@ -186,8 +196,8 @@ class Scheduler:
         kept: list[Sequence] = []
         while queue:
             seq = queue.popleft()
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0 or len(out.scheduled) >= self.config.max_num_seqs:
+            num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
+            if num_new <= 0 or len(out.scheduled) >= self.config.max_num_seqs or self._pending_at_limit(seq):
                 kept.append(seq)  # no budget left this step: stays running, unscheduled
                 continue
             if bm.blocks_needed(seq, num_new):  # a decode mostly fits in its last block: no check
@@ -202,6 +212,14 @@ class Scheduler:
             kept.append(seq)
         self.running = kept
         return self.config.max_num_batched_tokens - budget
+
+    def _pending_at_limit(self, seq: Sequence) -> bool:
+        """Whether the tokens in flight already reach the sequence's length limit (async scheduling)."""
+        if not seq.num_pending:
+            return False
+        if seq.num_output_tokens + seq.num_pending >= seq.sampling_params.max_tokens:
+            return True
+        return self.max_model_len is not None and seq.num_tokens + seq.num_pending >= self.max_model_len
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)
@@ -235,30 +253,40 @@ class Scheduler:
             used += num_new
         return used
 
+    def advance(self, output: SchedulerOutput) -> None:
+        """The step was submitted: its rows count as computed, its sampled rows as pending tokens."""
+        for row in output.scheduled:
+            seq = row.seq
+            assert seq.num_computed_tokens == row.num_computed_tokens, f"seq {seq.seq_id} moved since schedule()"
+            seq.num_computed_tokens += row.num_new_tokens
+            if row.is_sampled:
+                seq.num_pending += 1
+
     def postprocess(
         self,
         output: SchedulerOutput,
         sampled: dict[int, int],
         logprobs: Optional[dict[int, dict[int, float]]] = None,
     ) -> list[Sequence]:
-        """Apply one step's results: `sampled` maps seq_id -> token id for every sampled row;
-        `logprobs` (optional) maps seq_id -> {token id: logprob} (sampled token + top ones).
-        Returns the sequences that finished this step (their blocks are freed)."""
+        """Apply one advanced step's results: `sampled` maps seq_id -> token id for every sampled
+        row; `logprobs` (optional) maps seq_id -> {token id: logprob} (sampled token + top ones).
+        Returns the sequences that finished this step (their blocks are freed). Rows of sequences
+        that finished before (aborted, or stopped at the previous step) are skipped."""
         bm = self.block_manager
         finished: list[Sequence] = []
         for row in output.scheduled:
             seq = row.seq
-            if seq.is_finished:  # aborted after schedule()
+            if seq.is_finished:
                 continue
-            assert seq.num_computed_tokens == row.num_computed_tokens, f"seq {seq.seq_id} moved since schedule()"
-            seq.num_computed_tokens += row.num_new_tokens
             bm.cache_computed_blocks(seq)
             if not row.is_sampled:
                 continue
             if seq.seq_id not in sampled:
                 raise KeyError(f"postprocess: no sampled token for seq {seq.seq_id} (request {seq.request_id!r})")
             token_id = int(sampled[seq.seq_id])
+            seq.num_pending -= 1
             seq.append_token(token_id, logprobs.get(seq.seq_id) if logprobs else None)
+            row.token_applied = True
             reason = check_stop(seq, token_id, self.max_model_len)
             if reason is not None:
                 seq.finish(reason)
@@ -266,6 +294,8 @@ class Scheduler:
         if finished:
             done = {id(s) for s in finished}
             self.running = [s for s in self.running if id(s) not in done]
+            if any(s in self.waiting for s in finished):  # preempted while its token was in flight
+                self.waiting = deque(s for s in self.waiting if id(s) not in done)
             for seq in finished:
                 bm.free(seq)
         return finished

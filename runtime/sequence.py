@@ -1,7 +1,10 @@
 """`Sequence`: one request's state on the driver (tokens, KV progress, block table, status).
 
-`token_ids` is prompt + output. `num_computed_tokens` counts the tokens whose KV is in the cache;
-the scheduler advances it, the block manager owns `block_table` and `num_cached_blocks`.
+`token_ids` is prompt + output. `num_computed_tokens` counts the tokens whose KV is in the cache
+(or is being written by a submitted step); the scheduler advances it, the block manager owns
+`block_table` and `num_cached_blocks`. With async scheduling a step is submitted before the previous
+one's tokens are back: `num_pending` counts this sequence's sampled tokens still in flight, which
+count towards its length but are not in `token_ids` yet.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     num_prompt_tokens: int = -1  # -1: all of token_ids at construction
     num_computed_tokens: int = 0
+    num_pending: int = 0  # sampled tokens of submitted steps whose results are not back yet
     block_table: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of token_ids

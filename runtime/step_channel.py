@@ -1,8 +1,8 @@
 """The driver's side of the per-step hot path, shared by the `mp` and `ray` executors
 (`StepChannel`), and their common base class (`ChannelExecutor`).
 
-Hot path: `StepChannel.execute`: publish one plan on the ZeroMQ PUB, then collect one
-`StepResult` per DP rank from the PULL. What may live here: the publish, a bounded poll loop, and a
+Hot path: `StepChannel.publish` (one plan on the ZeroMQ PUB) and `StepChannel.collect` (one
+`StepResult` per DP rank from the PULL). What may live here: the publish, a bounded poll loop, and a
 call to the executor's liveness check when no result has arrived for `LIVENESS_POLL_S` (never a
 Ray call per step).
 """
@@ -53,9 +53,15 @@ class StepChannel:
                 if time.monotonic() >= deadline:
                     raise WorkerError(f"start-up: transport handshake timed out after {timeout_s:.0f} s: {e}") from e
 
-    def execute(self, plan: StepPlan, timeout_s: float, check_alive: Callable[[], None]) -> list[StepResult]:
-        """Publish `plan`; one result per DP rank in DP order. A dead or failed rank raises WorkerError."""
+    def publish(self, plan: StepPlan) -> None:
         self.publisher.publish(plan)
+
+    def flush(self, step: int) -> None:
+        """Ask for pipelined step `step`'s results now (no plan follows it yet)."""
+        self.publisher.publish_flush(step)
+
+    def collect(self, step: int, timeout_s: float, check_alive: Callable[[], None]) -> list[StepResult]:
+        """One result of step `step` per DP rank, in DP order. A dead or failed rank raises WorkerError."""
         deadline = time.monotonic() + timeout_s
         got: dict[int, StepResult] = {}
         while len(got) < self.dp_size:
@@ -66,15 +72,15 @@ class StepChannel:
                 if time.monotonic() >= deadline:
                     missing = sorted(set(range(self.dp_size)) - set(got))
                     raise WorkerError(
-                        f"step {plan.step}: no result from DP ranks {missing} within {timeout_s:.0f} s "
+                        f"step {step}: no result from DP ranks {missing} within {timeout_s:.0f} s "
                         "(parallel_config.worker_timeout_s) though every rank is alive"
                     ) from None
                 continue
             if res.error is not None:
                 self._blame_dead_peer(check_alive, res.error)
                 raise WorkerError(res.error)
-            if res.step != plan.step:
-                raise WorkerError(f"step {plan.step}: DP rank {res.dp_rank} answered for step {res.step}")
+            if res.step != step:
+                raise WorkerError(f"step {step}: DP rank {res.dp_rank} answered for step {res.step}")
             got[res.dp_rank] = res
         return [got[i] for i in range(self.dp_size)]
 
@@ -130,15 +136,24 @@ class ChannelExecutor(Executor):
             self._stop(graceful=False)
             raise
 
-    def execute(self, plan: StepPlan) -> list[StepResult]:
-        if self._failure is not None or self.channel is None:
-            raise WorkerError(f"{self.kind} executor is stopped: {self._failure or 'not started'}")
+    def submit(self, plan: StepPlan) -> None:
+        self._channel().publish(plan)
+
+    def collect(self, step: int, flush: bool) -> list[StepResult]:
+        channel = self._channel()
         try:
-            return self.channel.execute(plan, self.config.parallel_config.worker_timeout_s, self._check_alive)
+            if flush:
+                channel.flush(step)
+            return channel.collect(step, self.config.parallel_config.worker_timeout_s, self._check_alive)
         except WorkerError as e:
             self._failure = str(e)
             self._stop(graceful=False)
             raise
+
+    def _channel(self) -> StepChannel:
+        if self._failure is not None or self.channel is None:
+            raise WorkerError(f"{self.kind} executor is stopped: {self._failure or 'not started'}")
+        return self.channel
 
     def shutdown(self) -> None:
         self._stop(graceful=self._failure is None)

@@ -71,6 +71,7 @@ def run_with_stop(tok, text: str, stop: list[str], **params):
     streamed = []
     for token in tok.encode(text, add_special_tokens=False):
         out = sched.schedule()
+        sched.advance(out)
         finished = sched.postprocess(out, {seq.seq_id: token})
         piece = make_request_output(seq, delta=True).outputs[0].text
         streamed.append(piece)

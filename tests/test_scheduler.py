@@ -41,6 +41,7 @@ def step(sched: Scheduler) -> tuple[SchedulerOutput, list[Sequence]]:
     assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
     assert out.num_seqs <= len(sched.running) <= sched.config.max_num_seqs
     sampled = {r.seq.seq_id: fake_model(r.seq.token_ids) for r in out.scheduled if r.is_sampled}
+    sched.advance(out)
     return out, sched.postprocess(out, sampled)
 
 
@@ -195,6 +196,7 @@ def test_abort_frees_blocks() -> None:
     sched.add(seq("b", list(range(9)), max_tokens=10))
     out = sched.schedule()
     assert sched.abort("a") == [a] and a.finish_reason == "abort" and a.block_table == []
+    sched.advance(out)
     sched.postprocess(out, {r.seq.seq_id: 1 for r in out.scheduled})  # a's row is skipped
     assert a.num_output_tokens == 0
     assert sched.abort("nope") == []
@@ -221,6 +223,7 @@ def test_stop_rules(params: SamplingParams, tokens: list[int], expect_len: int, 
     sched.add(s)
     for token in tokens:
         out = sched.schedule()
+        sched.advance(out)
         finished = sched.postprocess(out, {s.seq_id: token})
         if finished:
             break
@@ -254,6 +257,7 @@ def test_random_traffic_never_leaks_blocks(data, num_blocks, block_size, budget,
         elif op == "step":
             out = sched.schedule()
             tokens = {r.seq.seq_id: data.draw(st.integers(0, 3)) for r in out.scheduled if r.is_sampled}
+            sched.advance(out)
             sched.postprocess(out, tokens)
         elif all_seqs:
             sched.abort(data.draw(st.sampled_from(all_seqs)).request_id)

@@ -77,14 +77,13 @@ def capture_all(runner: "ModelRunner") -> tuple[float, list[int]]:
             md, ctx = runner.prepare(dummy_decode_inputs(bs, max_q_len), decision)
             ids, pos = fv["input_ids"][:rows], fv["positions"][:rows]
             scope = dict(no_compile_layers=runner.attn_layers, kv_cache_data=runner.kv_cache)
-            unpack = runner.packed.unpack if runner.packed is not None else lambda *_: None
             with set_forward_context(md, config, ctx, **scope):
-                unpack(fv, bs, rows)
+                runner.unpack_step(bs, rows)
                 runner.model(ids, pos)  # warm-up
             if record_full:
 
                 def forward() -> None:  # the request graph: unpack the staged step, run, keep the output
-                    unpack(fv, bs, rows)
+                    runner.unpack_step(bs, rows)
                     fv["outputs"][:rows].copy_(runner.model(ids, pos))
 
                 with set_forward_context(md, config, ctx, **scope):

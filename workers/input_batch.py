@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from atomrt.distributed.messages import NewRequest, RankBatch
+from atomrt.distributed.messages import PENDING_TOKEN, NewRequest, RankBatch
 
 
 @dataclass
@@ -30,6 +30,16 @@ class WorkerSamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: Optional[int] = None
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the sequence's output so far (penalties; a seeded row's draw number)."""
+        return (
+            self.seed is not None
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @classmethod
     def from_request(cls, r: NewRequest) -> "WorkerSamplingParams":
@@ -67,6 +77,9 @@ class StepInputs:
     block_tables: np.ndarray  # int32 [bs, max_blocks], -1 past each table's end
     sample_seq_idx: np.ndarray  # int64 [num_sampled]: which sequences sample this step
     sample_rows: np.ndarray  # int64 [num_sampled]: their last query row
+    # int64 [num_tokens] (async scheduling): where each row's token is in the runner's token pool:
+    # the row's own staged id (its index), or the previous step's sample (prev_token_base + its row)
+    token_src: Optional[np.ndarray] = None
 
     @property
     def num_seqs(self) -> int:
@@ -88,8 +101,9 @@ class StepInputs:
 class SeqMirrors:
     """The worker's sequences: applies a plan's updates and builds its `StepInputs`."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, prev_token_base: Optional[int] = None) -> None:
         self.block_size = block_size
+        self.prev_token_base = prev_token_base  # None: no token pool (synchronous scheduling)
         self.seqs: dict[int, SeqMirror] = {}
 
     def apply(self, batch: RankBatch) -> None:
@@ -105,8 +119,9 @@ class SeqMirrors:
             del table[start:]
             table.extend(blocks.tolist())
 
-    def build(self, batch: RankBatch) -> StepInputs:
-        """Positions, slots, cu_seqlens and block tables of the plan's rows (vectorised per step)."""
+    def build(self, batch: RankBatch, prev_sampled: Optional[dict[int, int]] = None) -> StepInputs:
+        """Positions, slots, cu_seqlens and block tables of the plan's rows (vectorised per step).
+        `prev_sampled` maps seq_id -> its row in the previous step's sample (for pending tokens)."""
         q_lens = batch.num_new_tokens.astype(np.int64)
         computed = batch.num_computed_tokens.astype(np.int64)
         bs = q_lens.shape[0]
@@ -123,6 +138,7 @@ class SeqMirrors:
         blocks = block_tables[seq_of_row, positions // self.block_size].astype(np.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
         sample_seq_idx = np.nonzero(batch.sample_mask)[0].astype(np.int64)
+        token_src = self._token_src(batch, seq_of_row, prev_sampled or {})
         return StepInputs(
             seq_ids=batch.seq_ids.astype(np.int64),
             input_ids=batch.input_ids.astype(np.int64),
@@ -133,8 +149,27 @@ class SeqMirrors:
             block_tables=block_tables,
             sample_seq_idx=sample_seq_idx,
             sample_rows=cu[1:][sample_seq_idx].astype(np.int64) - 1,
+            token_src=token_src,
         )
 
+    def _token_src(self, batch: RankBatch, seq_of_row: np.ndarray, prev_sampled: dict[int, int]) -> Optional[np.ndarray]:
+        pending = np.flatnonzero(batch.input_ids == PENDING_TOKEN)
+        if self.prev_token_base is None:
+            if pending.size:
+                raise RuntimeError("the plan has pending input tokens, but this worker runs without async scheduling")
+            return None
+        token_src = np.arange(batch.num_tokens, dtype=np.int64)
+        if pending.size:
+            seq_ids = batch.seq_ids[seq_of_row[pending]].tolist()
+            missing = [s for s in seq_ids if s not in prev_sampled]
+            if missing:
+                raise RuntimeError(f"sequences {missing[:5]} have a pending input token but sampled nothing in the previous step")
+            token_src[pending] = [self.prev_token_base + prev_sampled[s] for s in seq_ids]
+        return token_src
+
     def record_sampled(self, seq_ids: list[int], token_ids: list[int]) -> None:
+        """Append each sequence's sampled token (one freed since its step was launched is skipped)."""
         for s, t in zip(seq_ids, token_ids):
-            self.seqs[s].output_token_ids.append(t)
+            mirror = self.seqs.get(s)
+            if mirror is not None:
+                mirror.output_token_ids.append(t)

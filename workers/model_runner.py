@@ -21,10 +21,37 @@ from atomrt.workers.kv_cache import KVCacheTensor, KVLayerSpec, allocate_kv_cach
 from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.layers.tp_ops import TPInfo
 from atomrt.workers.loader import load_model
-from atomrt.workers.packed_step import PackedStep, write_padded
+from atomrt.workers.packed_step import ASYNC_FIELDS, FIELDS, PackedStep, write_padded
 from atomrt.workers.sampler import Sampler, SamplerOutput, SamplingTensors
 
 logger = logging.getLogger(__name__)
+
+
+class Readback:
+    """A step's sampled tokens (and logprobs) on their way to the host. On CUDA the copies are queued
+    behind the step and the host waits on an event, so a later step queued meanwhile is not waited
+    for; on CPU the values are already there."""
+
+    def __init__(self, out: SamplerOutput, device: torch.device) -> None:
+        lp = out.logprobs
+        tensors = [out.sampled_token_ids]
+        if lp is not None:
+            tensors += [lp.sampled_logprobs.float(), lp.top_token_ids.to(torch.int32), lp.top_logprobs.float()]
+        self.event: Optional[torch.cuda.Event] = None
+        if device.type == "cuda":
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.tensors = tensors
+
+    def wait(self) -> tuple[list[int], Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+        """(token ids, (sampled logprobs, top ids, top logprobs) or None)."""
+        if self.event is not None:
+            self.event.synchronize()
+        tokens = self.tensors[0].tolist()
+        if len(self.tensors) == 1:
+            return tokens, None
+        return tokens, tuple(t.numpy() for t in self.tensors[1:])
 
 
 def resolve_device(config: Config, local_device: Optional[int] = None) -> torch.device:
@@ -47,6 +74,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.rank = rank
+        self.tp = tp
         self.dtype = resolve_dtype(config, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -83,17 +111,29 @@ class ModelRunner:
             "logits_indices": torch.zeros(s, dtype=torch.int64, device=dev),
             "outputs": torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=dev),
         }
+        # Async scheduling: a row's token is gathered from the token pool: [the step's staged ids |
+        # the previous step's sampled tokens], at the index `token_src` names (StepInputs.token_src).
+        self.token_pool: Optional[torch.Tensor] = None
+        self.prev_token_base: Optional[int] = None
+        if self.config.scheduler_config.async_scheduling:
+            self.token_pool = torch.zeros(n + s, dtype=torch.int64, device=dev)
+            self.prev_token_base = n
+            self.forward_vars["staged_ids"] = self.token_pool[:n]
+            self.forward_vars["prev_tokens"] = self.token_pool[n:]
+            self.forward_vars["token_src"] = torch.zeros(n, dtype=torch.int64, device=dev)
+            self._own_rows = np.arange(n, dtype=np.int64)
         # Host staging: on CUDA, pinned mirrors filled with numpy and copied asynchronously (one copy
         # per buffer, padding included); on CPU the buffers are filled in place.
         self._staging = {
             k: v.cpu().pin_memory() if dev.type == "cuda" else v
-            for k, v in self.forward_vars.items() if k != "outputs"
+            for k, v in self.forward_vars.items() if k not in ("outputs", "prev_tokens")
         }
         # Request-graph steps (FULL decode) travel packed: one copy, unpacked inside the graph.
         self.packed: Optional[PackedStep] = None
         self._staged: Optional[tuple[int, int]] = None  # (seqs, rows) of the step last staged packed
         if dev.type == "cuda" and not self.enforce_eager and self.config.cudagraph_mode.records_request_graphs() and max_capture:
-            self.packed = PackedStep(max_capture, max_capture, self.max_blocks_per_seq, dev)
+            fields = ASYNC_FIELDS if self.token_pool is not None else FIELDS
+            self.packed = PackedStep(max_capture, max_capture, self.max_blocks_per_seq, dev, fields)
 
     def kv_layer_specs(self) -> list[KVLayerSpec]:
         return [KVLayerSpec(i, a.num_kv_heads, a.head_dim) for i, a in sorted(self.attn_layers.items())]
@@ -123,11 +163,17 @@ class ModelRunner:
         n, bs = inputs.num_tokens, inputs.num_seqs
         rows = max(decision.running_tokens, n)
         seqs = decision.running_bs if decision.kind is ForwardKind.REQ_GRAPH else bs
+        if self.token_pool is not None and inputs.token_src is None:  # every row's token is staged
+            inputs.token_src = self._own_rows[:n]
         if self.packed is not None and decision.kind is ForwardKind.REQ_GRAPH:
             self.packed.stage(inputs, seqs, rows)
             self._staged = (seqs, rows)
         else:
-            self._fill("input_ids", inputs.input_ids, rows, 0)
+            if self.token_pool is not None:
+                self._fill("staged_ids", inputs.input_ids, rows, 0)
+                self._fill("token_src", inputs.token_src, rows, 0)
+            else:
+                self._fill("input_ids", inputs.input_ids, rows, 0)
             self._fill("positions", inputs.positions, rows, 0)
             self._fill("slot_mapping", inputs.slot_mapping, rows, -1)
             self._fill("cu_seqlens_q", inputs.cu_seqlens_q, seqs + 1, n)
@@ -155,6 +201,19 @@ class ModelRunner:
         )
         return md, context
 
+    def unpack_step(self, seqs: int, rows: int) -> None:
+        """The device half of staging, recorded at the head of request graphs: unpack the packed
+        step, then gather the rows' tokens from the token pool (async scheduling)."""
+        if self.packed is not None:
+            self.packed.unpack(self.forward_vars, seqs, rows)
+        self.gather_input_ids(rows)
+
+    def gather_input_ids(self, rows: int) -> None:
+        """input_ids[:rows] = token_pool[token_src[:rows]] (async scheduling; else a no-op)."""
+        if self.token_pool is not None:
+            fv = self.forward_vars
+            torch.index_select(self.token_pool, 0, fv["token_src"][:rows], out=fv["input_ids"][:rows])
+
     def execute(self, inputs: StepInputs, decision: ForwardDecision, sampling: SamplingTensors) -> SamplerOutput:
         md, context = self.prepare(inputs, decision)
         dp = DPMetadata.make(list(decision.dp_num_tokens), decision.running_tokens) if decision.dp_num_tokens else None
@@ -165,6 +224,8 @@ class ModelRunner:
         else:
             self._fill("logits_indices", inputs.sample_rows, num_sampled, 0)
             logits_indices = self.forward_vars["logits_indices"][:num_sampled]
+        if decision.kind is not ForwardKind.REQ_GRAPH:  # a request graph gathers them itself
+            self.gather_input_ids(rows)
         with set_forward_context(
             md, self.config, context, no_compile_layers=self.attn_layers, kv_cache_data=self.kv_cache,
             dp_metadata=dp, tr_graph=decision.tr_graph,
@@ -172,7 +233,22 @@ class ModelRunner:
             logits, _ = self.run_model(self.forward_vars["input_ids"][:rows], decision, logits_indices)
         if num_sampled == 0:  # an idle DP rank's dummy batch
             return SamplerOutput(logits.new_empty(0, dtype=torch.int64))
-        return self.sampler(logits, sampling)
+        out = self.sampler(logits, sampling)
+        if self.token_pool is not None:
+            self._keep_sampled(out.sampled_token_ids, sampling)
+        return out
+
+    def _keep_sampled(self, tokens: torch.Tensor, sampling: SamplingTensors) -> None:
+        """Async scheduling: the step's tokens become the next step's pending inputs. Every TP rank
+        must feed the same ones: unless sampling is plain greedy (an argmax of the same logits),
+        TP rank 0's are broadcast."""
+        if self.tp.tp_size > 1 and not (sampling.all_greedy and not sampling.do_penalties):
+            torch.distributed.broadcast(tokens, src=self.rank - self.tp.tp_rank, group=self.tp.group)
+        self.forward_vars["prev_tokens"][: tokens.shape[0]].copy_(tokens)
+
+    def start_readback(self, out: SamplerOutput) -> "Readback":
+        """Start copying a step's tokens (and logprobs) to the host; `Readback.wait` returns them."""
+        return Readback(out, self.device)
 
     def run_model(
         self, input_ids: torch.Tensor, decision: ForwardDecision, logits_indices: Union[torch.Tensor, slice]

@@ -16,14 +16,17 @@ import numpy as np
 import torch
 
 # name, dtype, length ("rows", "seqs" or "seqs+1"), padding value (None: the step's token count)
-FIELDS = (
-    ("input_ids", torch.int64, "rows", 0),
+_METADATA = (
     ("positions", torch.int64, "rows", 0),
     ("slot_mapping", torch.int64, "rows", -1),
     ("cu_seqlens_q", torch.int32, "seqs+1", None),
     ("context_lens", torch.int32, "seqs", 0),
     ("block_tables", torch.int32, "seqs", -1),
 )
+FIELDS = (("input_ids", torch.int64, "rows", 0),) + _METADATA
+# Async scheduling: the rows' ids land in the token pool, and `token_src` says where each row's is
+# (StepInputs.token_src); the graph gathers input_ids after unpacking (ModelRunner.unpack_step).
+ASYNC_FIELDS = (("staged_ids", torch.int64, "rows", 0), ("token_src", torch.int64, "rows", 0)) + _METADATA
 
 
 def write_padded(host: np.ndarray, values: np.ndarray, length: int, pad: Any) -> None:
@@ -39,8 +42,11 @@ def write_padded(host: np.ndarray, values: np.ndarray, length: int, pad: Any) ->
 
 
 class PackedStep:
-    def __init__(self, max_seqs: int, max_rows: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self, max_seqs: int, max_rows: int, max_blocks: int, device: torch.device, fields: tuple = FIELDS
+    ) -> None:
         self.max_blocks = max_blocks
+        self.fields = fields
         nbytes = sum(nbytes for *_, nbytes in self._layout(max_seqs, max_rows))
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -50,7 +56,7 @@ class PackedStep:
     def _layout(self, seqs: int, rows: int) -> list[tuple[str, torch.dtype, tuple[int, ...], Any, int]]:
         """(name, dtype, shape, padding, bytes) per field, in buffer order."""
         out = []
-        for name, dtype, length, pad in FIELDS:
+        for name, dtype, length, pad in self.fields:
             count = {"rows": rows, "seqs": seqs, "seqs+1": seqs + 1}[length]
             shape = (count, self.max_blocks) if name == "block_tables" else (count,)
             out.append((name, dtype, shape, pad, int(np.prod(shape)) * dtype.itemsize))
@@ -75,10 +81,14 @@ class PackedStep:
         nbytes, views = self._bucket(seqs, rows)
         n = inputs.num_tokens
         for name, host, _, length, pad in views:
-            write_padded(host, getattr(inputs, name), length, n if pad is None else pad)
+            write_padded(host, _field(inputs, name), length, n if pad is None else pad)
         self.device[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
 
     def unpack(self, forward_vars: dict[str, torch.Tensor], seqs: int, rows: int) -> None:
         """Copy the staged step into the static buffers (device to device; recorded in request graphs)."""
         for name, _, dev, length, _ in self._bucket(seqs, rows)[1]:
             forward_vars[name][:length].copy_(dev)
+
+
+def _field(inputs: Any, name: str) -> np.ndarray:
+    return inputs.input_ids if name == "staged_ids" else getattr(inputs, name)

@@ -46,6 +46,20 @@ def decision_of(plan: StepPlan) -> ForwardDecision:
     )
 
 
+@dataclass(eq=False)
+class PendingStep:
+    """A launched step: its sampled sequences and, until `Worker.finish`, the readback in flight."""
+
+    step: int
+    seq_ids: list[int]
+    readback: Any = None  # workers.model_runner.Readback (TP rank 0)
+    result: Optional[StepResult] = None
+    done: bool = True
+
+    def __post_init__(self) -> None:
+        self.done = self.readback is None
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     """What the driver learns from a worker at start-up (plain data: crosses Ray and mp)."""
@@ -76,8 +90,10 @@ class Worker:
         device = resolve_device(config, local_device)
         rank = dp_rank * config.parallel_config.tensor_parallel_size + tp_rank
         self.runner = ModelRunner(config, device, tp, rank=rank)
-        self.mirrors = SeqMirrors(config.cache_config.block_size)
+        self.mirrors = SeqMirrors(config.cache_config.block_size, self.runner.prev_token_base)
         self.next_step = 0
+        self._prev_sampled: dict[int, int] = {}  # seq_id -> row of the previous step's sample
+        self._unfinished: Optional[PendingStep] = None  # TP rank 0: the last launched step, until finished
 
     def determine_num_blocks(self) -> int:
         return determine_num_blocks(self.runner).num_blocks
@@ -100,8 +116,17 @@ class Worker:
             decode_token_sizes=captured.decode_token_sizes,
         )
 
-    @torch.inference_mode()
     def execute_plan(self, plan: StepPlan) -> Optional[StepResult]:
+        """Run one step to the end (launch, then wait for its tokens)."""
+        return self.finish(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Apply the plan and start its forward and sampling on the device; `finish` waits for them.
+
+        Rows whose input is PENDING_TOKEN read the token this worker sampled for that sequence in
+        the previous step, on the device. The sampling history of penalised and seeded rows must be
+        exact, so such a step first finishes the previous one (which records its tokens)."""
         if plan.step != self.next_step:
             raise RuntimeError(
                 f"worker dp={self.dp_rank} tp={self.tp_rank}: got plan step {plan.step}, expected {self.next_step}"
@@ -111,10 +136,13 @@ class Worker:
         self.mirrors.apply(batch)
         decision = decision_of(plan)
         if batch.num_seqs == 0:
-            return self._idle(plan, decision)
-        inputs = self.mirrors.build(batch)
+            self._prev_sampled = {}
+            return PendingStep(plan.step, [], result=self._idle(plan, decision))
+        inputs = self.mirrors.build(batch, self._prev_sampled)
         seq_ids = inputs.seq_ids[inputs.sample_seq_idx].tolist()
         mirrors = [self.mirrors.seqs[s] for s in seq_ids]
+        if self._unfinished is not None and any(m.sampling_params.needs_history for m in mirrors):
+            self.finish(self._unfinished)
         sampling = SamplingTensors.from_params(
             [m.sampling_params for m in mirrors],
             [m.prompt_token_ids for m in mirrors],
@@ -123,11 +151,24 @@ class Worker:
             self.runner.device,
         )
         out = self.runner.execute(inputs, decision, sampling)
+        self._prev_sampled = {s: j for j, s in enumerate(seq_ids)}
         if self.tp_rank != 0:
-            return None
-        tokens = out.sampled_token_ids.tolist()  # the step's one host synchronisation
-        self.mirrors.record_sampled(seq_ids, tokens)
-        return self._result(plan.step, seq_ids, tokens, out.logprobs)
+            return PendingStep(plan.step, seq_ids, result=None)
+        pending = PendingStep(plan.step, seq_ids, readback=self.runner.start_readback(out))
+        self._unfinished = pending
+        return pending
+
+    def finish(self, pending: PendingStep) -> Optional[StepResult]:
+        """Wait for a launched step's tokens; TP rank 0's StepResult (None on other TP ranks)."""
+        if pending.done:
+            return pending.result
+        tokens, logprobs = pending.readback.wait()  # the step's one host synchronisation
+        self.mirrors.record_sampled(pending.seq_ids, tokens)
+        pending.result = self._result(pending.step, pending.seq_ids, tokens, logprobs)
+        pending.done = True
+        if self._unfinished is pending:
+            self._unfinished = None
+        return pending.result
 
     def _idle(self, plan: StepPlan, decision: ForwardDecision) -> Optional[StepResult]:
         """A DP rank with no work runs a dummy batch of the decision's shape, so collectives match."""
@@ -151,7 +192,5 @@ class Worker:
             sampled_token_ids=np.asarray(tokens, dtype=np.int32),
         )
         if logprobs is not None:
-            res.logprobs = logprobs.sampled_logprobs.float().cpu().numpy()
-            res.top_logprob_ids = logprobs.top_token_ids.to(torch.int32).cpu().numpy()
-            res.top_logprobs = logprobs.top_logprobs.float().cpu().numpy()
+            res.logprobs, res.top_logprob_ids, res.top_logprobs = logprobs
         return res

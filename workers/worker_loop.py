@@ -12,6 +12,8 @@ groups, model load), `determine_num_blocks`, `initialize(num_blocks)` (KV cache,
 rank concurrently, so collectives match), `run_plan_loop(addresses)`.
 
 Hot path: `RankWorker.run_plan_loop`. What may live there: receive a plan, run it, push the result.
+A pipelined plan (async scheduling) is launched and its result held until the next message: the
+next plan is launched first (so the device never waits for this host), or a `Flush` asks for it.
 A rank whose step raises pushes a `StepResult` carrying the error (naming the rank) and leaves the loop.
 """
 
@@ -149,22 +151,42 @@ class RankWorker:
 
     def run_plan_loop(self, addresses: dict[str, str], keep_going: Callable[[], bool]) -> None:
         """Receive plans until the shutdown plan (or `keep_going()` turns false while idle)."""
-        from atomrt.distributed.messages import StepResult
+        from atomrt.distributed.messages import Flush, StepResult
         from atomrt.distributed.transport import PlanSubscriber, ResultPusher, TransportAddresses, TransportTimeout
 
         self._bind_device()
         addr = TransportAddresses.from_dict(addresses)
         sub = PlanSubscriber(addr, self.spec.rank)
         pusher = ResultPusher(addr, self.spec.dp_rank)  # TP ranks != 0 push only their errors
+        pending = None  # a pipelined step launched and not handed back yet
+
+        def hand_back(launched: Any) -> None:
+            result = self.worker.finish(launched)
+            if result is not None:
+                pusher.push(result)
+
         try:
             while True:
                 step = sub.expected_step
                 try:
-                    plan = sub.recv(timeout=_IDLE_POLL_S)
-                    if plan.shutdown:
-                        logger.debug("%s: shutdown plan at step %d", self.spec.name, plan.step)
+                    msg = sub.recv(timeout=_IDLE_POLL_S)
+                    if isinstance(msg, Flush):
+                        if pending is None or pending.step != msg.step:
+                            raise RuntimeError(f"flush of step {msg.step}, but the step held is {pending and pending.step}")
+                        pending, held = None, pending
+                        hand_back(held)
+                        continue
+                    if msg.shutdown:
+                        logger.debug("%s: shutdown plan at step %d", self.spec.name, msg.step)
                         return
-                    result = self.worker.execute_plan(plan)
+                    launched = self.worker.launch(msg)
+                    if pending is not None:
+                        pending, held = None, pending
+                        hand_back(held)
+                    if msg.pipelined:
+                        pending = launched
+                    else:
+                        hand_back(launched)
                 except TransportTimeout:
                     if not keep_going():
                         logger.warning("%s: leaving the plan loop: the driver is gone", self.spec.name)
@@ -175,8 +197,6 @@ class RankWorker:
                     logger.error("%s\n%s", text, traceback.format_exc())
                     pusher.push(StepResult(step=step, dp_rank=self.spec.dp_rank, error=text))
                     raise
-                if result is not None:
-                    pusher.push(result)
         finally:
             sub.close()
             pusher.close()

@@ -1,11 +1,12 @@
 """Where a decode step's time goes, on the GPU: host phases, GPU kernels, and a cProfile.
 
-    python tests/gpu/profile_step.py [--mode FULL] [--level 0] [--bs 1] [--steps 200] [--out FILE]
+    python tests/gpu/profile_step.py [--mode FULL] [--level 0] [--bs 1] [--steps 200] [--async-scheduling] [--out FILE]
 Prints (dummy weights of --model):
 - ms/step unprofiled;
 - host time per phase (perf_counter, no extra synchronisation): driver (schedule, decide, plan,
-  postprocess), worker before the runner, runner.prepare, the forward launch, logits + sampler
-  launch, and the wait in the step's one synchronisation (the GPU still running);
+  postprocess), the worker's launch outside the runner, runner.prepare, the forward launch,
+  logits + sampler launch, and `executor.collect`: the wait in the step's one synchronisation
+  (the GPU still running) plus the readback;
 - the forward's GPU time alone (CUDA events around run_model);
 - the largest request graph's replay alone: host us per launch and GPU us per replay;
 - the GPU kernels of one step (torch.profiler: count and total kernel time, the top kernels);
@@ -42,8 +43,9 @@ def phase_times(eng, steps: int) -> tuple[dict, float]:
     worker = ex.worker
     runner = worker.runner
     acc: dict = defaultdict(float)
-    originals = (ex.execute, runner.execute, runner.prepare, runner.run_model, runner.sampler.__call__)
-    ex.execute = _timed(acc, "executor.execute", ex.execute)
+    originals = (ex.submit, ex.collect, runner.execute, runner.prepare, runner.run_model)
+    ex.submit = _timed(acc, "executor.submit", ex.submit)
+    ex.collect = _timed(acc, "executor.collect", ex.collect)
     runner.execute = _timed(acc, "runner.execute", runner.execute)
     runner.prepare = _timed(acc, "runner.prepare", runner.prepare)
     gpu_ms: list = []
@@ -65,12 +67,12 @@ def phase_times(eng, steps: int) -> tuple[dict, float]:
         eng.step()
     total = time.perf_counter() - t
     torch.cuda.synchronize()
-    ex.execute, runner.execute, runner.prepare, runner.run_model, _ = originals
+    ex.submit, ex.collect, runner.execute, runner.prepare, runner.run_model = originals
     runner.sampler = sampler
     acc = {k: v / steps for k, v in acc.items()}
     acc["step"] = total / steps
-    acc["driver (step - executor.execute)"] = acc["step"] - acc["executor.execute"]
-    acc["worker outside runner.execute (incl. .tolist wait)"] = acc["executor.execute"] - acc["runner.execute"]
+    acc["driver (step - submit - collect)"] = acc["step"] - acc["executor.submit"] - acc["executor.collect"]
+    acc["worker launch outside runner.execute"] = acc["executor.submit"] - acc["runner.execute"]
     fwd = sum(s.elapsed_time(e) for s, e in gpu_ms) / len(gpu_ms)
     return acc, fwd
 
@@ -126,9 +128,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--model", default="SmolLM2-135M")
     ap.add_argument("--out", default="")
+    ap.add_argument("--async-scheduling", action="store_true")
     a = ap.parse_args()
     cc = CompilationConfig(level=a.level, cudagraph_mode=a.mode, cuda_graph_sizes=[max(a.bs, 8)])
-    llm = LLM(a.model, load_format="dummy", compilation_config=cc, max_num_seqs=max(a.bs, 8), max_model_len=2048)
+    llm = LLM(a.model, load_format="dummy", compilation_config=cc, max_num_seqs=max(a.bs, 8), max_model_len=2048,
+              async_scheduling=a.async_scheduling)
     eng = llm.engine
     for i in range(a.bs):
         eng.add_request([1 + i] * 128, SamplingParams(temperature=0, max_tokens=5 * a.steps + 60, ignore_eos=True))
@@ -148,7 +152,7 @@ def main() -> None:
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
-    text = [f"{a.model} {a.mode} level {a.level} bs {a.bs}: {ms:.3f} ms/step (unprofiled)",
+    text = [f"{a.model} {a.mode}{' async' if a.async_scheduling else ''} level {a.level} bs {a.bs}: {ms:.3f} ms/step (unprofiled)",
             f"forward GPU time (events around run_model): {fwd_ms:.3f} ms/step", "host ms per step:"]
     text += [f"  {k:55s} {v * 1e3:7.3f}" for k, v in phases.items()]
     text += [replay, kernels, buf.getvalue()]

@@ -7,6 +7,8 @@
 #   dist    transport round trip, Ray vs in-process (levels 0 and 3), the 135M step profile
 #   bench   atomrt bench latency: the three shapes at level 3, the 512 ladder's capture, Ray / mp vs
 #           in-process at level 3, eager
+#   async   async scheduling at level 3: the 135M step profile, the three shapes (sync vs async), and
+#           Ray / mp vs in-process
 set -uo pipefail
 export OUT=${OUT:-/tmp/atomrt-gpu}
 mkdir -p "$OUT"
@@ -26,8 +28,8 @@ for part in "$@"; do
       prof prof_135m_full_l3 70 --mode FULL --level 3
       prof prof_1b_full_l3_bs32 80 --mode FULL --level 3 --model Llama-3.2-1B --bs 32 ;;
     tests)
-      run pytest-gpu 270 python3 -m pytest -p no:cacheprovider -q -rs -s -m gpu tests/gpu
-      run pytest-multigpu 150 python3 -m pytest -p no:cacheprovider -q -rs -m multigpu tests/gpu ;;
+      run pytest-gpu 340 python3 -m pytest -p no:cacheprovider -q -rs -s -m gpu tests/gpu
+      run pytest-multigpu 200 python3 -m pytest -p no:cacheprovider -q -rs -m multigpu tests/gpu ;;
     dist)
       run transport 90 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
       run tp_overhead_l0 100 python3 -m atomrt.runtime.cli bench latency --compare-executors --json "$OUT/tp_overhead_l0.json"
@@ -40,6 +42,12 @@ for part in "$@"; do
       bench latency_8b_l3 120 --model Llama-3.1-8B --level 3 --modes FULL
       run tp_overhead_l3 100 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 --executor inproc,mp,ray --json "$OUT/tp_overhead_l3.json"
       bench latency_eager 70 --modes eager --decode-steps 8 ;;
+    async)
+      prof prof_135m_full_l3_async 80 --mode FULL --level 3 --async-scheduling
+      bench async_135m_l3 100 --model SmolLM2-135M --level 3 --modes FULL,FULL+async,TR_HYBRID+async
+      bench async_1b_l3 110 --model Llama-3.2-1B --level 3 --modes FULL,FULL+async
+      bench async_8b_l3 110 --model Llama-3.1-8B --level 3 --modes FULL+async --batch-sizes 1
+      run async_tp_overhead_l3 150 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 --modes FULL+async --executor inproc,mp,ray --json "$OUT/async_tp_overhead_l3.json" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

@@ -32,12 +32,12 @@ def _requests():
     return prompts, params
 
 
-def _run(level: int, mode, enforce_eager: bool = False):
+def _run(level: int, mode, enforce_eager: bool = False, params=None, **settings):
     cc = CompilationConfig(level=level, cudagraph_mode=mode, cuda_graph_sizes=[LADDER_TOP])
-    llm = LLM(**MODEL, enforce_eager=enforce_eager, compilation_config=cc, max_num_seqs=NUM_REQUESTS)
+    llm = LLM(**MODEL, enforce_eager=enforce_eager, compilation_config=cc, max_num_seqs=NUM_REQUESTS, **settings)
     try:
-        prompts, params = _requests()
-        outs = llm.generate(prompts, params)
+        prompts, greedy = _requests()
+        outs = llm.generate(prompts, params or greedy)
         return [o.outputs[0].token_ids for o in outs], llm.engine.info
     finally:
         llm.shutdown()
@@ -73,6 +73,41 @@ def check_matches_eager(tokens, info, mode: str, eager_tokens, label: str) -> No
 def test_mode_matches_eager(eager_tokens, level, mode):
     tokens, info = _run(level, mode)
     check_matches_eager(tokens, info, mode, eager_tokens, f"{mode} level {level}")
+
+
+@pytest.mark.parametrize("level,mode", [(0, "NONE"), (0, "FULL"), (0, "TR_HYBRID"), (3, "FULL"), (3, "TR_HYBRID")])
+def test_async_scheduling_matches_eager(eager_tokens, level, mode):
+    """Step N+1 submitted before step N's tokens are back: decode rows read their pending token
+    from the device (gathered inside the request graph under FULL)."""
+    tokens, info = _run(level, mode, async_scheduling=True)
+    check_matches_eager(tokens, info, mode, eager_tokens, f"async {mode} level {level}")
+
+
+def test_async_scheduling_with_seeds_penalties_and_logprobs_matches_sync():
+    """Rows whose sampling reads their history (seeds, penalties) and logprobs read back, under
+    FULL graphs: async gives the synchronous run's tokens and logprobs."""
+    kinds = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+    ]
+    params = [kinds[i % 3] for i in range(NUM_REQUESTS)]
+    runs = []
+    for async_scheduling in (False, True):
+        cc = CompilationConfig(level=0, cudagraph_mode="FULL", cuda_graph_sizes=[LADDER_TOP])
+        llm = LLM(**MODEL, compilation_config=cc, max_num_seqs=NUM_REQUESTS, async_scheduling=async_scheduling)
+        try:
+            outs = llm.generate(_requests()[0], params)
+            runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        finally:
+            llm.shutdown()
+            del llm
+            torch.cuda.empty_cache()
+    assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
+    for (_, a), (_, b) in zip(*runs):
+        if a is not None:
+            assert [sorted(r) for r in a] == [sorted(r) for r in b]
+            assert all(abs(r[k] - s[k]) < 1e-4 for r, s in zip(a, b) for k in r)
 
 
 def _bucket_inputs(runner, bs: int, seed: int):

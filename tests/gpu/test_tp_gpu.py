@@ -53,10 +53,10 @@ def ray_session():
     ray.shutdown()
 
 
-def _run(executor: str, mode, enforce_eager: bool = False):
+def _run(executor: str, mode, enforce_eager: bool = False, **settings):
     cc = CompilationConfig(level=0, cudagraph_mode=mode, cuda_graph_sizes=[LADDER_TOP])
     llm = LLM(**MODEL, executor=executor, enforce_eager=enforce_eager, compilation_config=cc,
-              max_num_seqs=NUM_REQUESTS, gpu_memory_utilization=0.5)
+              max_num_seqs=NUM_REQUESTS, gpu_memory_utilization=0.5, **settings)
     pids = dict(llm.engine.executor.worker_pids)
     try:
         prompts, params = _requests()
@@ -87,3 +87,10 @@ def test_ray_tp2_mode_matches_eager(eager_tokens, mode):
 def test_mp_tp2_tr_hybrid_matches_eager(eager_tokens):
     tokens, info = _run("mp", "TR_HYBRID")
     _check(tokens, info, "TR_HYBRID", eager_tokens)
+
+
+@pytest.mark.parametrize("mode", ["FULL", "TR_HYBRID"])
+def test_ray_tp2_async_scheduling_matches_eager(eager_tokens, mode):
+    """Pipelined plans over ZeroMQ; both TP ranks feed their own pending tokens (plain greedy)."""
+    tokens, info = _run("ray", mode, async_scheduling=True)
+    _check(tokens, info, mode, eager_tokens)
