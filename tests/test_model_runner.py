@@ -4,6 +4,7 @@ padded sequences empty, and the metadata are views of the static buffers (what g
 
 import numpy as np
 import pytest
+import torch
 
 from atomrt.runtime.config import Config, SchedulerConfig
 from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
@@ -142,3 +143,35 @@ def test_packed_step_unpacks_to_what_the_per_buffer_fill_writes(runner: ModelRun
         assert fv[name][: 9 if name == "cu_seqlens_q" else 8].tolist() == expected[name][: 9 if name == "cu_seqlens_q" else 8].tolist(), name
     with pytest.raises(ValueError, match="exceeds"):
         packed.stage(inputs, 16, 16)
+
+
+def test_async_pending_rows_and_padding_rows_gather_valid_tokens(tmp_path_factory) -> None:
+    """Async scheduling: decode rows whose token is pending read the previous step's sample from the
+    token pool; padding rows of the bucket read staged slot 0, which holds a valid id (a pending
+    row's staged id is 0, never PENDING_TOKEN)."""
+    from atomrt.distributed.messages import PENDING_TOKEN, RankBatch
+    from atomrt.workers.input_batch import SeqMirror, SeqMirrors, WorkerSamplingParams
+
+    folder = build_tiny_llama(tmp_path_factory.mktemp("tiny_async") / "model")
+    config = Config(model=str(folder), device="cpu",
+                    scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, async_scheduling=True))
+    r = ModelRunner(config, resolve_device(config))
+    r.allocate_kv_cache(32)
+    mirrors = SeqMirrors(r.block_size, r.prev_token_base)
+    for s in (10, 11, 12):
+        mirrors.seqs[s] = SeqMirror(WorkerSamplingParams(), [1, 2, 3], block_table=[s - 9])
+    r.forward_vars["prev_tokens"][:3] = torch.tensor([71, 72, 73])  # the previous step sampled 12, 10, 11
+    batch = RankBatch(
+        seq_ids=np.array([10, 11, 12], dtype=np.int64), num_new_tokens=np.array([1, 1, 2], dtype=np.int32),
+        num_computed_tokens=np.array([3, 3, 1], dtype=np.int32),
+        input_ids=np.array([PENDING_TOKEN, PENDING_TOKEN, 2, 3], dtype=np.int32), sample_mask=np.ones(3, dtype=np.bool_),
+    )
+    inputs = mirrors.build(batch, prev_sampled={12: 0, 10: 1, 11: 2})
+    assert inputs.input_ids.tolist() == [0, 0, 2, 3]
+    assert inputs.token_src.tolist() == [r.prev_token_base + 1, r.prev_token_base + 2, 2, 3]
+    decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=8, running_tokens=8, is_prefill=False, req_key=(8, 0))
+    r.prepare(inputs, decision)
+    r.gather_input_ids(8)
+    assert r.forward_vars["input_ids"][:8].tolist() == [72, 73, 2, 3, 0, 0, 0, 0]
+    with pytest.raises(RuntimeError, match="sampled nothing"):
+        mirrors.build(batch, prev_sampled={12: 0})

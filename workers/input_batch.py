@@ -138,10 +138,11 @@ class SeqMirrors:
         blocks = block_tables[seq_of_row, positions // self.block_size].astype(np.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
         sample_seq_idx = np.nonzero(batch.sample_mask)[0].astype(np.int64)
-        token_src = self._token_src(batch, seq_of_row, prev_sampled or {})
+        input_ids = batch.input_ids.astype(np.int64)
+        token_src = self._token_src(batch, input_ids, seq_of_row, prev_sampled or {})
         return StepInputs(
             seq_ids=batch.seq_ids.astype(np.int64),
-            input_ids=batch.input_ids.astype(np.int64),
+            input_ids=input_ids,
             positions=positions.astype(np.int64),
             slot_mapping=slot_mapping,
             cu_seqlens_q=cu,
@@ -152,8 +153,12 @@ class SeqMirrors:
             token_src=token_src,
         )
 
-    def _token_src(self, batch: RankBatch, seq_of_row: np.ndarray, prev_sampled: dict[int, int]) -> Optional[np.ndarray]:
-        pending = np.flatnonzero(batch.input_ids == PENDING_TOKEN)
+    def _token_src(
+        self, batch: RankBatch, input_ids: np.ndarray, seq_of_row: np.ndarray, prev_sampled: dict[int, int]
+    ) -> Optional[np.ndarray]:
+        """Where each row's token is (see StepInputs.token_src). A pending row's staged id becomes 0:
+        padding rows of a graph bucket read staged slot 0, which must hold a valid token id."""
+        pending = np.flatnonzero(input_ids == PENDING_TOKEN)
         if self.prev_token_base is None:
             if pending.size:
                 raise RuntimeError("the plan has pending input tokens, but this worker runs without async scheduling")
@@ -165,6 +170,7 @@ class SeqMirrors:
             if missing:
                 raise RuntimeError(f"sequences {missing[:5]} have a pending input token but sampled nothing in the previous step")
             token_src[pending] = [self.prev_token_base + prev_sampled[s] for s in seq_ids]
+            input_ids[pending] = 0
         return token_src
 
     def record_sampled(self, seq_ids: list[int], token_ids: list[int]) -> None:

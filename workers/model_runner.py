@@ -128,6 +128,10 @@ class ModelRunner:
             k: v.cpu().pin_memory() if dev.type == "cuda" else v
             for k, v in self.forward_vars.items() if k not in ("outputs", "prev_tokens")
         }
+        # The pinned staging buffers are rewritten every step; under async scheduling the host may
+        # stage step N+1 before step N's copies ran, so it first waits for this event (recorded after
+        # a step's copies were queued; in practice long complete).
+        self._staging_read = torch.cuda.Event() if dev.type == "cuda" else None
         # Request-graph steps (FULL decode) travel packed: one copy, unpacked inside the graph.
         self.packed: Optional[PackedStep] = None
         self._staged: Optional[tuple[int, int]] = None  # (seqs, rows) of the step last staged packed
@@ -165,6 +169,8 @@ class ModelRunner:
         seqs = decision.running_bs if decision.kind is ForwardKind.REQ_GRAPH else bs
         if self.token_pool is not None and inputs.token_src is None:  # every row's token is staged
             inputs.token_src = self._own_rows[:n]
+        if self._staging_read is not None:
+            self._staging_read.synchronize()
         if self.packed is not None and decision.kind is ForwardKind.REQ_GRAPH:
             self.packed.stage(inputs, seqs, rows)
             self._staged = (seqs, rows)
@@ -224,6 +230,8 @@ class ModelRunner:
         else:
             self._fill("logits_indices", inputs.sample_rows, num_sampled, 0)
             logits_indices = self.forward_vars["logits_indices"][:num_sampled]
+        if self._staging_read is not None:
+            self._staging_read.record()
         if decision.kind is not ForwardKind.REQ_GRAPH:  # a request graph gathers them itself
             self.gather_input_ids(rows)
         with set_forward_context(
