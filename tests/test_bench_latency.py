@@ -20,7 +20,7 @@ def test_cpu_smoke_writes_rows_and_json(tiny_folder: Path, tmp_path: Path, capsy
     out = tmp_path / "latency.json"
     rc = main([
         "--model", str(tiny_folder), "--batch-sizes", "1,2", "--decode-steps", "3", "--warmup-steps", "1",
-        "--input-len", "8", "--modes", "eager,FULL", "--device", "cpu", "--json", str(out),
+        "--input-len", "8", "--modes", "eager,FULL+async", "--device", "cpu", "--json", str(out),
         "--max-num-batched-tokens", "8",  # bs=2 prefills in two chunks: the first request runs ahead
     ])
     assert rc == 0
@@ -29,7 +29,7 @@ def test_cpu_smoke_writes_rows_and_json(tiny_folder: Path, tmp_path: Path, capsy
     assert report["weight_bytes"][str(tiny_folder)] > 0
     assert any("graph modes run eagerly" in n for n in report["notes"])
     rows = report["rows"]
-    assert [(r["mode"], r["batch_size"]) for r in rows] == [("eager", 1), ("eager", 2), ("FULL", 1), ("FULL", 2)]
+    assert [(r["mode"], r["batch_size"]) for r in rows] == [("eager", 1), ("eager", 2), ("FULL+async", 1), ("FULL+async", 2)]
     for r in rows:
         assert r["forward_kind"] == "eager"
         assert 0 < r["ms_median"] <= r["ms_p90"]
@@ -40,9 +40,13 @@ def test_cpu_smoke_writes_rows_and_json(tiny_folder: Path, tmp_path: Path, capsy
 
 
 def test_mode_settings() -> None:
-    assert mode_settings("eager", 3, on_cuda=True) == {"enforce_eager": True}
-    assert mode_settings("FULL", 3, on_cuda=False) == {"enforce_eager": True}
-    assert mode_settings("TR_HYBRID", 3, on_cuda=True) == {"level": 3, "cudagraph_mode": CUDAGraphMode.TR_HYBRID}
+    assert mode_settings("eager", 3, on_cuda=True) == {"enforce_eager": True, "async_scheduling": False}
+    assert mode_settings("FULL", 3, on_cuda=False) == {"enforce_eager": True, "async_scheduling": False}
+    assert mode_settings("TR_HYBRID", 3, on_cuda=True) == {
+        "level": 3, "cudagraph_mode": CUDAGraphMode.TR_HYBRID, "async_scheduling": False}
+    assert mode_settings("FULL+async", 3, on_cuda=True) == {
+        "level": 3, "cudagraph_mode": CUDAGraphMode.FULL, "async_scheduling": True}
+    assert mode_settings("eager+async", 0, on_cuda=True) == {"enforce_eager": True, "async_scheduling": True}
 
 
 def test_compare_executors_slowdown() -> None:
