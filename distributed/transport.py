@@ -15,6 +15,9 @@ slow worker delays, never loses, a plan.
 
 Every wait has a timeout; a `TransportTimeout` names the rank (or "driver") and the phase. On the
 hot path a wait is one recv() bounded by ZMQ_RCVTIMEO (`_Inbox`), not a poll() then a recv().
+With `spin_s` > 0 a hot-path receiver first polls without blocking for up to that long: a process
+that sleeps in recv() pays the kernel's wake-up on every message, one that spins does not, at the
+price of a busy core while it waits (`parallel_config.transport_spin_us`).
 """
 
 from __future__ import annotations
@@ -126,12 +129,23 @@ class _Inbox:
     a message costs one recv() call, and one already queued costs no wait at all.
     """
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket, spin_s: float = 0.0) -> None:
         self.sock = sock
+        self.spin_s = spin_s
         self._timeout_ms = -1  # ZMQ's default: wait forever
 
     def recv(self, timeout_ms: int) -> Optional[bytes]:
-        """The next message, or None when `timeout_ms` (-1: forever) passed without one."""
+        """The next message, or None when `timeout_ms` (-1: forever) passed without one (after
+        spinning up to `spin_s`, then blocking; a spin longer than the timeout is cut to it)."""
+        if self.spin_s:
+            spin = self.spin_s if timeout_ms < 0 else min(self.spin_s, timeout_ms / 1000)
+            end = time.perf_counter() + spin
+            while True:
+                try:
+                    return self.sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    if time.perf_counter() >= end:
+                        break
         if timeout_ms != self._timeout_ms:
             self.sock.setsockopt(zmq.RCVTIMEO, timeout_ms if timeout_ms <= _MAX_RCVTIMEO_MS else -1)
             self._timeout_ms = timeout_ms
@@ -211,11 +225,11 @@ class PlanPublisher:
 class ResultCollector:
     """Driver side: binds the result PULL."""
 
-    def __init__(self, addresses: TransportAddresses) -> None:
+    def __init__(self, addresses: TransportAddresses, spin_s: float = 0.0) -> None:
         self.addresses = addresses
         pull = _socket(zmq.PULL)
         _bind(pull, addresses.result, "result PULL")
-        self._pull = _Inbox(pull)
+        self._pull = _Inbox(pull, spin_s)
 
     def recv(self, timeout: Optional[float]) -> StepResult:
         """The next result from any DP rank."""
@@ -258,7 +272,7 @@ class ResultCollector:
 class PlanSubscriber:
     """Worker side: SUB to plans; answers the driver's handshake; checks step numbers."""
 
-    def __init__(self, addresses: TransportAddresses, rank: int, first_step: int = 0) -> None:
+    def __init__(self, addresses: TransportAddresses, rank: int, first_step: int = 0, spin_s: float = 0.0) -> None:
         self.addresses = addresses
         self.rank = rank
         self.expected_step = first_step
@@ -266,7 +280,7 @@ class PlanSubscriber:
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(addresses.plan)
-        self._sub = _Inbox(sub)
+        self._sub = _Inbox(sub, spin_s)
         self._ready = _socket(zmq.PUSH)
         self._ready.connect(addresses.ready)
         self._answered: set[int] = set()

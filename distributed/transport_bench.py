@@ -1,11 +1,12 @@
 """Round-trip cost of one step on the transport: driver -> worker -> driver, no model.
 
-`python -m atomrt.distributed.transport_bench [--steps N] [--bs 256] [--tcp]` prints one line:
+`python -m atomrt.distributed.transport_bench [--steps N] [--bs 256] [--tcp] [--spin-us S]` prints one line:
 the median and p99 of (encode + publish, worker receive + decode + result encode + push,
 driver receive + decode) for a `bs`-request decode plan. Target: median <= 100 us on one node.
 The worker is a separate process, as in the engine. Beside it, the floor on this machine now: the
 median of a bare pyzmq PUB -> SUB -> PUSH -> PULL round trip of bytes of the same sizes (no codec,
-no checks), so that a number taken on a busy machine can still be read.
+no checks), so that a number taken on a busy machine can still be read. `--spin-us` sets both
+receivers' `transport_spin_us` (the bare round trip always sleeps in recv()).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class BenchResult:
     plan_bytes: int
     result_bytes: int
     bare_median_us: float  # bare pyzmq round trip of plan_bytes out, result_bytes back
+    spin_us: float = 0.0
 
 
 def decode_plan(step: int, bs: int) -> StepPlan:
@@ -50,9 +52,9 @@ def decode_plan(step: int, bs: int) -> StepPlan:
                     ranks=[rb])
 
 
-def _echo_worker(addresses: dict) -> None:
+def _echo_worker(addresses: dict, spin_s: float) -> None:
     addr = TransportAddresses.from_dict(addresses)
-    sub, push = PlanSubscriber(addr, rank=0), ResultPusher(addr, dp_rank=0)
+    sub, push = PlanSubscriber(addr, rank=0, spin_s=spin_s), ResultPusher(addr, dp_rank=0)
     try:
         while True:
             plan = sub.recv(timeout=60)
@@ -65,10 +67,10 @@ def _echo_worker(addresses: dict) -> None:
         push.close()
 
 
-def run_bench(steps: int = 10_000, bs: int = 256, local: bool = True, warmup: int = 200) -> BenchResult:
+def run_bench(steps: int = 10_000, bs: int = 256, local: bool = True, warmup: int = 200, spin_us: float = 0.0) -> BenchResult:
     addr = TransportAddresses.make(local=local, host_ip="127.0.0.1" if not local else "")
-    pub, col = PlanPublisher(addr, num_subscribers=1), ResultCollector(addr)
-    worker = mp.get_context("spawn").Process(target=_echo_worker, args=(addr.to_dict(),), daemon=True)
+    pub, col = PlanPublisher(addr, num_subscribers=1), ResultCollector(addr, spin_s=spin_us / 1e6)
+    worker = mp.get_context("spawn").Process(target=_echo_worker, args=(addr.to_dict(), spin_us / 1e6), daemon=True)
     worker.start()
     try:
         pub.wait_ready(timeout=60)
@@ -95,7 +97,7 @@ def run_bench(steps: int = 10_000, bs: int = 256, local: bool = True, warmup: in
     result_bytes = len(encode(StepResult(step=0, dp_rank=0, seq_ids=rb.seq_ids, sampled_token_ids=rb.input_ids)))
     bare = bare_round_trip_us(min(steps, 3000), plan_bytes, result_bytes, local, warmup)
     return BenchResult(steps, bs, float(np.median(times) * 1e6), float(np.percentile(times, 99) * 1e6),
-                       plan_bytes, result_bytes, bare)
+                       plan_bytes, result_bytes, bare, spin_us)
 
 
 def _bare_echo(plan: str, result: str, result_bytes: int) -> None:
@@ -156,10 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--bs", type=int, default=256)
     ap.add_argument("--tcp", action="store_true", help="tcp:// on 127.0.0.1 instead of ipc://")
+    ap.add_argument("--spin-us", type=float, default=0.0, help="receivers poll this long before sleeping")
     ap.add_argument("--json", default="", help="also write the result here")
     args = ap.parse_args(argv)
-    r = run_bench(args.steps, args.bs, local=not args.tcp)
-    print(f"transport round trip ({'tcp' if args.tcp else 'ipc'}, bs={r.bs}, {r.plan_bytes} B plan, "
+    r = run_bench(args.steps, args.bs, local=not args.tcp, spin_us=args.spin_us)
+    print(f"transport round trip ({'tcp' if args.tcp else 'ipc'}, spin {r.spin_us:g} us, bs={r.bs}, {r.plan_bytes} B plan, "
           f"{r.steps} steps): median {r.median_us:.1f} us, p99 {r.p99_us:.1f} us (target <= 100 us; "
           f"bare pyzmq round trip of the same sizes here: median {r.bare_median_us:.1f} us)")
     if args.json:

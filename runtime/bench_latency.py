@@ -85,6 +85,7 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
     p.add_argument("--cuda-graph-sizes", type=int, default=None, help="capture ladder top (default: largest bs)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget (prefill chunks)")
+    p.add_argument("--transport-spin-us", type=float, default=None, help="parallel_config.transport_spin_us (mp, ray)")
     p.add_argument("--json", default="bench_latency.json", help="where to write the JSON report")
     args = p.parse_args(argv)
     args.models, args.modes = _csv(args.model), _csv(args.modes)
@@ -194,7 +195,7 @@ def bench_one(model: str, mode: str, executor: str, args: argparse.Namespace, re
         max_num_seqs=args.max_num_seqs or max_bs, cuda_graph_sizes=[args.cuda_graph_sizes or max_bs],
         **mode_settings(mode, args.level, on_cuda),
     )
-    for name in ("max_model_len", "max_num_batched_tokens"):
+    for name in ("max_model_len", "max_num_batched_tokens", "transport_spin_us"):
         if getattr(args, name):
             settings[name] = getattr(args, name)
     if on_cuda:

@@ -214,6 +214,9 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if not _positive_int(getattr(self, name)):
                 raise ConfigError(f"scheduler_config.{name}: must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("enable_chunked_prefill", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"scheduler_config.{name}: must be true or false, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -227,6 +230,9 @@ class ParallelConfig:
     # Ray placement of the rank bundles: auto = STRICT_PACK when one node holds them all, else PACK.
     placement_strategy: str = "auto"  # auto | STRICT_PACK | PACK | SPREAD | STRICT_SPREAD
     transport: str = "auto"  # step messages: auto (ipc:// on one node, tcp:// across nodes) | ipc | tcp
+    # How long the driver and each worker poll for the next step message before sleeping in recv():
+    # no wake-up latency per message, a busy core per process while it waits. 0: always sleep.
+    transport_spin_us: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -238,6 +244,11 @@ class ParallelConfig:
             ("auto", "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
         )
         _choice("parallel_config.transport", self.transport, ("auto", "ipc", "tcp"))
+        if not isinstance(self.transport_spin_us, (int, float)) or isinstance(self.transport_spin_us, bool) \
+                or not 0 <= self.transport_spin_us <= 1e6:
+            raise ConfigError(
+                f"parallel_config.transport_spin_us: must be a number of microseconds in [0, 1e6], got {self.transport_spin_us!r}"
+            )
 
     @property
     def world_size(self) -> int:

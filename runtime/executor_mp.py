@@ -67,7 +67,7 @@ class MPExecutor(ChannelExecutor):
         self._call_all("init_worker", [("127.0.0.1", rendezvous.free_port)] * len(self.specs))
         num_blocks = min(self._call_all("determine_num_blocks", [()] * len(self.specs)))
         infos = self._call_all("initialize", [(num_blocks,)] * len(self.specs))
-        self.channel = StepChannel(len(self.specs), pc.data_parallel_size, local=True)
+        self.channel = StepChannel(len(self.specs), pc.data_parallel_size, local=True, spin_s=pc.transport_spin_us / 1e6)
         self._call_all("run_plan_loop", [(self.channel.addresses.to_dict(),)] * len(self.specs))
         self.channel.handshake(pc.worker_timeout_s, self._check_alive)
         logger.info("mp executor: %d ranks up, %d KV blocks each", len(self.specs), num_blocks)

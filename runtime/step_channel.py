@@ -33,11 +33,11 @@ class StepChannel:
     died or stopped answering, and returns otherwise.
     """
 
-    def __init__(self, world_size: int, dp_size: int, local: bool, host_ip: str = "") -> None:
+    def __init__(self, world_size: int, dp_size: int, local: bool, host_ip: str = "", spin_s: float = 0.0) -> None:
         self.dp_size = dp_size
         self.addresses = TransportAddresses.make(local, host_ip)
         self.publisher = PlanPublisher(self.addresses, world_size)
-        self.collector = ResultCollector(self.addresses)
+        self.collector = ResultCollector(self.addresses, spin_s)
         self.ready = False
 
     def handshake(self, timeout_s: float, check_alive: Callable[[], None]) -> dict[int, int]:

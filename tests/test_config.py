@@ -145,6 +145,8 @@ def test_overrides_and_base(tmp_path):
         ("cache_config: {gpu_memory_utilization: 1.5}\n", "cache_config.gpu_memory_utilization"),
         ("cache_config: {block_size: 16.5}\n", "cache_config.block_size"),
         ("parallel_config: {executor: slurm}\n", "parallel_config.executor"),
+        ("parallel_config: {transport_spin_us: -5}\n", "parallel_config.transport_spin_us"),
+        ("scheduler_config: {async_scheduling: sometimes}\n", "scheduler_config.async_scheduling"),
         ("enforce_eager: maybe\n", "enforce_eager"),
         ("device: tpu\n", "device"),
         ("model_config: {dtype: float8}\n", "model_config.dtype"),

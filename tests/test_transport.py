@@ -201,11 +201,13 @@ def test_worker_error_reaches_the_driver(addresses):
         push.close()
 
 
-def test_each_wait_follows_its_own_timeout(addresses):
-    """Waits are recv() with ZMQ_RCVTIMEO, set when the timeout changes: each call gets its own."""
+@pytest.mark.parametrize("spin_s", [0.0, 0.02], ids=["sleep", "spin"])
+def test_each_wait_follows_its_own_timeout(addresses, spin_s):
+    """Waits are recv() with ZMQ_RCVTIMEO, set when the timeout changes: each call gets its own.
+    A spinning receiver (transport_spin_us) polls first, never past the timeout, then sleeps."""
     pub = PlanPublisher(addresses, num_subscribers=1)
-    col = ResultCollector(addresses)
-    sub = PlanSubscriber(addresses, rank=0)
+    col = ResultCollector(addresses, spin_s=spin_s)
+    sub = PlanSubscriber(addresses, rank=0, spin_s=spin_s)
     push = ResultPusher(addresses, dp_rank=0)
     try:
         for timeout in (0.05, 0.3, 0.05):
@@ -241,3 +243,5 @@ def test_transport_bench_runs():
     r = run_bench(steps=50, bs=8, warmup=5)
     assert r.steps == 50 and 0 < r.bare_median_us and 0 < r.median_us <= r.p99_us
     assert 0 < r.result_bytes < r.plan_bytes < 1024
+    spun = run_bench(steps=50, bs=8, warmup=5, spin_us=500)
+    assert spun.spin_us == 500 and 0 < spun.median_us <= spun.p99_us
