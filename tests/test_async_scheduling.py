@@ -7,7 +7,8 @@
   strings, logprobs, seeded sampling and penalties; under preemption; and a streamed request's
   deltas join to its final text with no output repeated.
 - Executors: through `mp` and Ray with TP=2 (real ZeroMQ, pipelined plans and flushes), the greedy
-  tokens equal the in-process ones.
+  tokens equal the in-process ones; with penalised and seeded rows every TP rank feeds rank 0's
+  samples; an abort while its step is in flight; a killed worker still errors within 10 s.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from atomrt.runtime.llm import LLM
 from atomrt.runtime.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
 from atomrt.runtime.sequence import Sequence
 
-from executor_harness import COMMON, build_tiny_llama, greedy_tokens
+from executor_harness import COMMON, GREEDY, PROMPTS, build_tiny_llama, greedy_tokens
 from test_block_manager import check_invariants
 from test_scheduler import fake_model, make
 
@@ -235,3 +236,50 @@ def test_tp2_ranks_feed_rank0s_samples_when_sampling_is_not_plain_greedy(tiny_mo
         finally:
             llm.shutdown()
     assert runs[0] == runs[1]
+
+
+def test_abort_while_its_step_is_in_flight_leaves_the_others_exact(tiny_model: Path) -> None:
+    """A request aborted between submit and collect: its in-flight result is dropped, the others
+    still get the synchronous tokens, and every KV block comes back."""
+    reference, _ = greedy_tokens(tiny_model, executor="inproc")
+    llm = LLM(str(tiny_model), **{**COMMON, "executor": "inproc", "async_scheduling": True})
+    try:
+        engine = llm.engine
+        ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+        victim = ids[1]
+        done: dict[str, list[int]] = {}
+        steps = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.request_id != victim or not out.finished, "an aborted request produced a final output"
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            steps += 1
+            if steps == 3:
+                assert engine._inflight, "the abort should land while a step is in flight"
+                engine.abort(victim)
+        assert victim not in done
+        assert [done[i] for i in ids if i != victim] == [t for i, t in zip(ids, reference) if i != victim]
+        bm = engine.schedulers[0].block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_killed_worker_under_async_scheduling_errors_in_time_and_leaves_no_process(tiny_model: Path) -> None:
+    from atomrt.runtime.executor import WorkerError
+    from executor_harness import wait_gone
+    from test_worker_failure import ERROR_WITHIN_S, _kill_mid_generation
+
+    llm = LLM(str(tiny_model), **{**COMMON, "executor": "mp", "tensor_parallel_size": 2, "async_scheduling": True})
+    pids = dict(llm.engine.executor.worker_pids)
+    try:
+        message, seconds = _kill_mid_generation(llm, rank=1)
+    finally:
+        llm.shutdown()
+    assert seconds < ERROR_WITHIN_S, f"the error took {seconds:.1f} s"
+    assert "rank 1 (dp 0, tp 1)" in message, message
+    with pytest.raises(WorkerError, match="stopped"):
+        llm.engine.executor.execute(None)  # type: ignore[arg-type]
+    assert not llm.engine.has_unfinished()
+    assert wait_gone(pids.values()) == []
