@@ -6,8 +6,8 @@
 - Engine, embedded SmolLM2-135M on CPU: async equals sync for a mixed batch with EOS stops, stop
   strings, logprobs, seeded sampling and penalties; under preemption; and a streamed request's
   deltas join to its final text with no output repeated.
-- Executors: through `mp` and Ray with TP=2 (real ZeroMQ, pipelined plans and flushes), the greedy
-  tokens equal the in-process ones; with penalised and seeded rows every TP rank feeds rank 0's
+- Executors: through `mp` and Ray with TP=2 and `mp` with DP=2 (real ZeroMQ, pipelined plans and
+  flushes), the greedy tokens equal the in-process ones; with penalised and seeded rows every TP rank feeds rank 0's
   samples; an abort while its step is in flight; a killed worker still errors within 10 s.
 """
 
@@ -210,11 +210,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
-@pytest.mark.parametrize("executor", ["mp", "ray"])
-def test_pipelined_plans_through_tp2_give_the_inproc_tokens(tiny_model: Path, executor: str) -> None:
-    reference, _ = greedy_tokens(tiny_model, executor="inproc")
-    tokens, _ = greedy_tokens(tiny_model, executor=executor, tensor_parallel_size=2, async_scheduling=True)
-    assert tokens == reference
+@pytest.mark.parametrize(
+    "executor,layout",
+    [("mp", dict(tensor_parallel_size=2)), ("ray", dict(tensor_parallel_size=2)), ("mp", dict(data_parallel_size=2))],
+    ids=["mp-tp2", "ray-tp2", "mp-dp2"],
+)
+def test_pipelined_plans_give_the_inproc_tokens(tiny_model: Path, executor: str, layout: dict) -> None:
+    """With 3 requests the DP=2 ranks get uneven batches (2 and 1 sequences)."""
+    for prompts in (PROMPTS, PROMPTS[:3]):
+        reference, _ = greedy_tokens(tiny_model, prompts, executor="inproc")
+        tokens, _ = greedy_tokens(tiny_model, prompts, executor=executor, async_scheduling=True, **layout)
+        assert tokens == reference
 
 
 def test_tp2_ranks_feed_rank0s_samples_when_sampling_is_not_plain_greedy(tiny_model: Path) -> None:
