@@ -199,7 +199,7 @@ def _logprobs(res: StepResult, out: SchedulerOutput) -> Optional[dict[int, dict[
     if res.logprobs is None:
         return None
     wanted = {r.seq.seq_id: r.seq.sampling_params.logprobs for r in out.scheduled}
-    out: dict[int, dict[int, float]] = {}
+    rows: dict[int, dict[int, float]] = {}
     for i, (seq_id, tok) in enumerate(zip(res.seq_ids.tolist(), res.sampled_token_ids.tolist())):
         k = wanted.get(seq_id)
         if k is None:
@@ -207,5 +207,5 @@ def _logprobs(res: StepResult, out: SchedulerOutput) -> Optional[dict[int, dict[
         top_ids, top_lps = res.top_logprob_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist()
         row = {int(t): float(lp) for t, lp in zip(top_ids, top_lps)}
         row[int(tok)] = float(res.logprobs[i])
-        out[seq_id] = row
-    return out
+        rows[seq_id] = row
+    return rows

@@ -28,6 +28,7 @@ from atomrt.runtime.sequence import Sequence
 
 from executor_harness import COMMON, GREEDY, PROMPTS, build_tiny_llama, greedy_tokens
 from test_block_manager import check_invariants
+from test_engine import stream_beside_a_quiet_request
 from test_scheduler import fake_model, make
 
 EOS = 3
@@ -172,19 +173,8 @@ def test_engine_async_equals_sync_on_the_embedded_model(sync_reference):
         assert _summary(llm.generate(_prompts(llm.tokenizer), _params())) == sync_reference
         assert {r[2] for r in sync_reference} >= {"stop", "length"}
         assert any(r[1] and r[2] == "stop" and len(r[0]) < 16 for r in sync_reference[6:])
-        engine = llm.engine
         params = SamplingParams(temperature=0.0, max_tokens=12)
-        final = llm.generate(["Tell me about Paris."], params)[0].outputs[0]
-        rid = engine.add_request("Tell me about Paris.", params, stream=True)
-        quiet = engine.add_request("Another request that is not streamed", params)
-        pieces, tokens, seen_quiet = [], [], []
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.request_id == rid:
-                    pieces.append(out.outputs[0].text)
-                    tokens += out.outputs[0].token_ids
-                elif out.request_id == quiet:
-                    seen_quiet.append(out.finished)
+        final, pieces, tokens, seen_quiet = stream_beside_a_quiet_request(llm, params)
         assert "".join(pieces) == final.text and tokens == final.token_ids
         assert seen_quiet == [True]
     finally:

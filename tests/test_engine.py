@@ -179,8 +179,9 @@ def test_each_request_gets_its_own_number_of_logprobs(llm):
             assert tok in row and k <= len(row) <= k + 1  # the top k, plus the sampled token if not among them
 
 
-def test_streamed_request_gets_deltas_that_join_to_the_final_text(llm):
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+def stream_beside_a_quiet_request(llm, params: SamplingParams):
+    """Generate "Tell me about Paris." alone, then again streamed beside a request that is not:
+    (final output alone, the streamed text pieces, their tokens, `finished` of each quiet output)."""
     final = llm.generate(["Tell me about Paris."], params)[0].outputs[0]
     engine = llm.engine
     rid = engine.add_request("Tell me about Paris.", params, stream=True)
@@ -193,6 +194,12 @@ def test_streamed_request_gets_deltas_that_join_to_the_final_text(llm):
                 tokens += out.outputs[0].token_ids
             elif out.request_id == quiet:
                 seen_quiet.append(out.finished)
+    return final, pieces, tokens, seen_quiet
+
+
+def test_streamed_request_gets_deltas_that_join_to_the_final_text(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    final, pieces, tokens, seen_quiet = stream_beside_a_quiet_request(llm, params)
     assert "".join(pieces) == final.text and tokens == final.token_ids
     assert len(pieces) == 12  # one delta per generated token
     assert seen_quiet == [True]  # a request that is not streamed appears once, finished

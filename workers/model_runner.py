@@ -128,10 +128,11 @@ class ModelRunner:
             k: v.cpu().pin_memory() if dev.type == "cuda" else v
             for k, v in self.forward_vars.items() if k not in ("outputs", "prev_tokens")
         }
-        # The pinned staging buffers are rewritten every step; under async scheduling the host may
+        # The pinned staging buffers are rewritten every step. Under async scheduling the host may
         # stage step N+1 before step N's copies ran, so it first waits for this event (recorded after
-        # a step's copies were queued; in practice long complete).
-        self._staging_read = torch.cuda.Event() if dev.type == "cuda" else None
+        # a step's copies were queued; in practice long complete). Synchronously it has already
+        # waited for step N's tokens.
+        self._staging_read = torch.cuda.Event() if dev.type == "cuda" and self.token_pool is not None else None
         # Request-graph steps (FULL decode) travel packed: one copy, unpacked inside the graph.
         self.packed: Optional[PackedStep] = None
         self._staged: Optional[tuple[int, int]] = None  # (seqs, rows) of the step last staged packed

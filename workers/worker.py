@@ -52,12 +52,12 @@ class PendingStep:
 
     step: int
     seq_ids: list[int]
-    readback: Any = None  # workers.model_runner.Readback (TP rank 0)
+    readback: Any = None  # workers.model_runner.Readback (TP rank 0), None once finished
     result: Optional[StepResult] = None
-    done: bool = True
 
-    def __post_init__(self) -> None:
-        self.done = self.readback is None
+    @property
+    def done(self) -> bool:
+        return self.readback is None
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,8 @@ class Worker:
             self.runner.device,
         )
         out = self.runner.execute(inputs, decision, sampling)
-        self._prev_sampled = {s: j for j, s in enumerate(seq_ids)}
+        if self.runner.token_pool is not None:  # async scheduling: the next step's pending rows
+            self._prev_sampled = {s: j for j, s in enumerate(seq_ids)}
         if self.tp_rank != 0:
             return PendingStep(plan.step, seq_ids, result=None)
         pending = PendingStep(plan.step, seq_ids, readback=self.runner.start_readback(out))
@@ -165,7 +166,7 @@ class Worker:
         tokens, logprobs = pending.readback.wait()  # the step's one host synchronisation
         self.mirrors.record_sampled(pending.seq_ids, tokens)
         pending.result = self._result(pending.step, pending.seq_ids, tokens, logprobs)
-        pending.done = True
+        pending.readback = None
         if self._unfinished is pending:
             self._unfinished = None
         return pending.result

@@ -173,16 +173,16 @@ class RankWorker:
                     if isinstance(msg, Flush):
                         if pending is None or pending.step != msg.step:
                             raise RuntimeError(f"flush of step {msg.step}, but the step held is {pending and pending.step}")
-                        pending, held = None, pending
-                        hand_back(held)
+                        hand_back(pending)
+                        pending = None
                         continue
                     if msg.shutdown:
                         logger.debug("%s: shutdown plan at step %d", self.spec.name, msg.step)
                         return
                     launched = self.worker.launch(msg)
                     if pending is not None:
-                        pending, held = None, pending
-                        hand_back(held)
+                        hand_back(pending)
+                        pending = None
                     if msg.pipelined:
                         pending = launched
                     else:
