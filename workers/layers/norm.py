@@ -1,4 +1,5 @@
-"""RMSNorm, computed in float32 and scaled in the input dtype (the Llama convention)."""
+"""RMSNorm, computed in float32 and scaled in the input dtype (the Llama convention), and the
+residual add that precedes each norm."""
 
 from __future__ import annotations
 
@@ -18,3 +19,15 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * x32.to(input_dtype)
+
+
+def residual_add(residual: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """`residual + update`, rounded once to the residual's dtype, as eager computes it.
+
+    Under torch.compile the sum is spelled through float32: Inductor folds a plain `x + mm(...)`
+    whose result feeds a reduction (the next norm) into cuBLAS `addmm`, which costs a copy kernel
+    before each such GEMM and keeps the add out of the norm's kernel. Spelled this way, the add
+    fuses into the norm's kernel. The result is bitwise the same either way."""
+    if torch.compiler.is_compiling():
+        return (residual.float() + update.float()).to(residual.dtype)
+    return residual + update

@@ -18,7 +18,7 @@ from atomrt.graphs.region_graph import token_graph
 from atomrt.workers.layers.activation import SiluAndMul
 from atomrt.workers.layers.attention import Attention
 from atomrt.workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from atomrt.workers.layers.norm import RMSNorm
+from atomrt.workers.layers.norm import RMSNorm, residual_add
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.tp_ops import TPInfo
 from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -77,8 +77,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = residual_add(hidden_states, self.self_attn(positions, self.input_layernorm(hidden_states)))
+        return residual_add(hidden_states, self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
 @token_graph
