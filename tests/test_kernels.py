@@ -17,9 +17,11 @@ from atomrt.workers.kernels.paged_attention import (
     AttentionLaunch,
     launch_attention,
     plan_attention,
+    rope_write_kv,
     unified_attention,
     write_kv_cache,
 )
+from atomrt.workers.layers.rotary import RotaryEmbedding
 
 SENTINEL = 7.0  # what padded output rows hold before the call, and must hold after it
 
@@ -244,6 +246,67 @@ def test_write_kv_cache_skips_padded_slots() -> None:
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slot_mapping[written]] = False
     assert torch.all(k_flat[untouched] == SENTINEL) and torch.all(v_flat[untouched] == -SENTINEL)
+
+
+def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotary embedding in float64; x [T, heads, D], cos/sin [T, D / 2]."""
+    x = x.double()
+    half = x.shape[-1] // 2
+    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 32), (3, 1, 64), (6, 3, 16)])
+def test_rope_write_kv_matches_reference(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """q and k rotated as a float64 reference does, k and v at their slots, padded rows (-1) leave
+    the cache alone; q and k are strided views of one fused qkv row, as the model hands them over."""
+    gen = torch.Generator().manual_seed(11)
+    num_tokens, num_blocks, block_size = 7, 3, 16
+    rotary = RotaryEmbedding(head_dim, max_position=64, theta=10000.0)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(num_tokens, num_heads, head_dim)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    positions = torch.tensor([0, 5, 63, 17, 0, 2, 40], dtype=torch.int64)
+    slot_mapping = torch.tensor([33, 2, -1, 17, 47, -1, 0], dtype=torch.int64)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), SENTINEL)
+    v_cache = torch.full_like(k_cache, -SENTINEL)
+
+    q_rot = rope_write_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_cache, v_cache, slot_mapping)
+
+    cos, sin = rotary.cos_cache[positions], rotary.sin_cache[positions]
+    torch.testing.assert_close(q_rot.double(), _rotate_ref(q, cos, sin), rtol=1e-5, atol=1e-5)
+    assert q_rot.is_contiguous() and q_rot.shape == q.shape
+    written = slot_mapping >= 0
+    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    k_ref = _rotate_ref(k, cos, sin)
+    torch.testing.assert_close(k_flat[slot_mapping[written]].double(), k_ref[written], rtol=1e-5, atol=1e-5)
+    assert torch.equal(v_flat[slot_mapping[written]], v[written])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slot_mapping[written]] = False
+    assert torch.all(k_flat[untouched] == SENTINEL) and torch.all(v_flat[untouched] == -SENTINEL)
+    # The unfused path the CPU reference runs (RotaryEmbedding) agrees.
+    q_torch, k_torch = rotary(positions, q, k)
+    torch.testing.assert_close(q_rot, q_torch, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_flat[slot_mapping[written]], k_torch[written], rtol=1e-5, atol=1e-5)
+
+
+def test_rope_write_kv_rejects_mismatched_caches() -> None:
+    rotary = RotaryEmbedding(32, max_position=8, theta=10000.0)
+    q, k = torch.zeros(2, 4, 32), torch.zeros(2, 2, 32)
+    k_cache = torch.zeros(2, 16, 2, 32)
+    slots, positions = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="do not fit head_dim 64"):
+        q64, k64 = torch.zeros(2, 4, 64), torch.zeros(2, 2, 64)
+        rope_write_kv(q64, k64, k64, positions, rotary.cos_cache, rotary.sin_cache,
+                      torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64), slots)
+    with pytest.raises(ValueError, match="do not fit caches"):
+        rope_write_kv(q, k, k, positions, rotary.cos_cache, rotary.sin_cache, k_cache[:, :, :1], k_cache, slots)
+    with pytest.raises(ValueError, match="1 positions"):
+        rope_write_kv(q, k, k, positions[:1], rotary.cos_cache, rotary.sin_cache, k_cache, k_cache.clone(), slots)
 
 
 def test_write_then_attend_round_trip() -> None:

@@ -51,6 +51,65 @@ def write_kv_kernel(
 
 
 @triton.jit
+def rope_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr,  # q [T, H, D], k/v [T, Hk, D]
+    q_out_ptr,  # [T, H, D] contiguous: the rotated q
+    positions_ptr,  # [T] int64
+    cos_ptr, sin_ptr,  # [max_position, D / 2] fp32, contiguous
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hk, D]
+    slot_mapping_ptr,  # [T] int64, -1 = padded row (rotated q only, nothing written to the cache)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    num_heads, num_kv_heads,
+    HALF: tl.constexpr,  # head_dim / 2
+    BLOCK_SIZE: tl.constexpr,
+    HEADS_P: tl.constexpr,  # next pow2 of num_heads
+    KV_HEADS_P: tl.constexpr,
+    HALF_P: tl.constexpr,
+):
+    """One program per token row: rotary embedding (half-split layout) of q into q_out and of k, then
+    k and v into the row's cache slot. cos/sin are rounded to q's dtype first and each rotated value
+    is rounded once, from fp32 (Hugging Face computes `q * cos + rotate_half(q) * sin` in q's dtype)."""
+    row = tl.program_id(0)
+    pos = tl.load(positions_ptr + row).to(tl.int64)
+    half = tl.arange(0, HALF_P)
+    half_mask = half < HALF
+    dtype = q_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * HALF + half, mask=half_mask).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + half, mask=half_mask).to(dtype).to(tl.float32)[None, :]
+
+    heads = tl.arange(0, HEADS_P)
+    mask = (heads < num_heads)[:, None] & half_mask[None, :]
+    src = q_ptr + row * stride_qt + heads[:, None] * stride_qh + half[None, :]
+    x1 = tl.load(src, mask=mask).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
+    dst = q_out_ptr + row * num_heads * 2 * HALF + heads[:, None] * 2 * HALF + half[None, :]
+    tl.store(dst, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+    slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    kv_heads = tl.arange(0, KV_HEADS_P)
+    kv_mask = (kv_heads < num_kv_heads)[:, None] & half_mask[None, :]
+    src = k_ptr + row * stride_kt + kv_heads[:, None] * stride_kh + half[None, :]
+    k1 = tl.load(src, mask=kv_mask).to(tl.float32)
+    k2 = tl.load(src + HALF, mask=kv_mask).to(tl.float32)
+    cache_ty = k_cache_ptr.dtype.element_ty
+    # Round to q's dtype (what the unfused rotary hands over), then to the cache's.
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_heads[:, None] * stride_kch + half[None, :]
+    tl.store(k_dst, (k1 * cos - k2 * sin).to(dtype).to(cache_ty), mask=kv_mask)
+    tl.store(k_dst + HALF, (k2 * cos + k1 * sin).to(dtype).to(cache_ty), mask=kv_mask)
+    v_src = v_ptr + row * stride_vt + kv_heads[:, None] * stride_vh + half[None, :]
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_heads[:, None] * stride_vch + half[None, :]
+    tl.store(v_dst, tl.load(v_src, mask=kv_mask).to(cache_ty), mask=kv_mask)
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask).to(cache_ty), mask=kv_mask)
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
     out_ptr,  # SPLIT: partial acc [T, H, S, D] fp32; else out [T, H, D]

@@ -1,5 +1,6 @@
 # Paged attention on CUDA: the two entry points the attention op calls, and their launch planning.
 #   write_kv_cache     - scatter this step's k, v rows into the paged cache at slot_mapping
+#   rope_write_kv      - the same, after the rotary embedding of k, and the rotated q into a new tensor
 #   unified_attention  - causal attention of ragged query rows over their paged context (prefill with
 #                        prior context, decode, several rows per sequence for MTP verify), GQA, split-KV
 # Two launch paths (see the guide: FULL vs TR_HYBRID):
@@ -20,6 +21,7 @@ import triton
 from atomrt.workers.kernels.attention_kernels import (
     paged_attention_kernel,
     reduce_splits_kernel,
+    rope_write_kv_kernel,
     write_kv_kernel,
 )
 
@@ -135,6 +137,59 @@ def write_kv_cache(
         HEADS_PER_PROG=heads_per_prog,
         HEAD_DIM_P=head_dim_p,
     )
+
+
+def rope_write_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_cache: torch.Tensor,  # [max_position, head_dim / 2] fp32
+    sin_cache: torch.Tensor,  # [max_position, head_dim / 2] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padded row
+) -> torch.Tensor:
+    """Rotary embedding (half-split layout) of q and k, and k, v written at `slot_mapping`, in one
+    launch. Returns the rotated q ([num_tokens, num_heads, head_dim], contiguous); padded rows get a
+    rotated q too, and nothing in the cache."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape or v.shape != k.shape:
+        raise ValueError(
+            f"rope_write_kv: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit caches "
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    if head_dim % 2 or cos_cache.shape[1:] != (head_dim // 2,) or sin_cache.shape != cos_cache.shape:
+        raise ValueError(
+            f"rope_write_kv: cos/sin caches {tuple(cos_cache.shape)}, {tuple(sin_cache.shape)} "
+            f"do not fit head_dim {head_dim} (want [max_position, {head_dim // 2}])"
+        )
+    if slot_mapping.shape[0] < num_tokens or positions.shape[0] < num_tokens or k.shape[0] != num_tokens:
+        raise ValueError(
+            f"rope_write_kv: {num_tokens} query rows, {k.shape[0]} key rows, "
+            f"{positions.shape[0]} positions, {slot_mapping.shape[0]} slots"
+        )
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    _check_unit_last_stride(k_cache, "k_cache")
+    _check_unit_last_stride(v_cache, "v_cache")
+    rope_write_kv_kernel[(num_tokens,)](
+        q, k, v, q_out, positions, cos_cache.contiguous(), sin_cache.contiguous(), k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_heads, num_kv_heads,
+        HALF=head_dim // 2,
+        BLOCK_SIZE=k_cache.shape[1],
+        HEADS_P=triton.next_power_of_2(num_heads),
+        KV_HEADS_P=triton.next_power_of_2(num_kv_heads),
+        HALF_P=triton.next_power_of_2(head_dim // 2),
+        num_warps=4 if num_heads * head_dim >= 2048 else 2,
+    )
+    return q_out
 
 
 def unified_attention(

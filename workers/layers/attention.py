@@ -1,20 +1,24 @@
 """The attention layer and its one custom op, `torch.ops.atomrt.unified_attention_with_output`.
 
 The op is opaque to Dynamo (a splitting op at compile level 3, an eager region in token graphs):
-it reads the step's metadata and this layer's KV cache from the forward context, writes k/v at
-slot_mapping, and computes causal attention over each sequence's context into `output`.
+it reads the step's metadata and this layer's KV cache from the forward context, applies the
+layer's rotary embedding to q and k when given `positions`, writes k/v at slot_mapping, and
+computes causal attention over each sequence's context into `output`.
 CPU: the torch reference (attention_ref). CUDA: the Triton kernels of workers/kernels/paged_attention.
 """
 
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
 
 import torch
+from typing import Optional
+
 from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.graphs.region_graph import eager_region
 from atomrt.runtime.forward_context import get_forward_context
 from atomrt.workers.layers.attention_ref import causal_attention_no_cache, paged_attention_ref, write_kv_cache_ref
+from atomrt.workers.layers.rotary import RotaryEmbedding
 
 
 def _host_list(cpu: "list[int] | None", device_tensor: "torch.Tensor | None") -> "list[int]":
@@ -34,29 +38,47 @@ def _layer_state(layer_idx: int) -> "tuple[Attention, object, object]":
 
 
 def unified_attention_with_output(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_idx: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    output: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    layer_idx: int,
 ) -> None:
-    """q/output [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim].
+    """q/output [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
+    positions [num_tokens] int64, or None when the layer has no rotary embedding.
 
-    Two launches: the KV write, whose launch is fixed by the row count (a token graph records it
-    in its segment), then the attention itself, `_attend`, an `@eager_region`: under TR_HYBRID it
-    breaks the token-graph recording and runs eagerly at replay with the live step's metadata
-    (host-planned launch); under FULL it is recorded inline with the graph-safe launch
-    (`attn_metadata.graph_safe`)."""
+    Two launches: the KV write (on CUDA fused with the rotary embedding of q and k), whose launch is
+    fixed by the row count (a token graph records it in its segment), then the attention itself,
+    `_attend`, an `@eager_region`: under TR_HYBRID it breaks the token-graph recording and runs
+    eagerly at replay with the live step's metadata (host-planned launch); under FULL it is recorded
+    inline with the graph-safe launch (`attn_metadata.graph_safe`)."""
     layer, md, kv = _layer_state(layer_idx)
+    rotary = layer.rotary if positions is not None else None
+    if positions is not None and rotary is None:
+        raise RuntimeError(f"attention layer {layer_idx} was given positions but has no rotary embedding")
     if kv is None or md is None:
         # Profiling / dummy run: no cache, each sequence attends to its own rows.
         if md is None or (md.cu_seqlens_q_cpu is None and md.cu_seqlens_q is None):
             cu_cpu = [0, q.shape[0]]  # all rows are one sequence
         else:
             cu_cpu = _host_list(md.cu_seqlens_q_cpu, md.cu_seqlens_q)
+        if rotary is not None:
+            q, k = rotary(positions, q, k)
         causal_attention_no_cache(q, k, v, output, cu_cpu, layer.scale)
         return
     if q.is_cuda:
-        from atomrt.workers.kernels.paged_attention import write_kv_cache
+        from atomrt.workers.kernels.paged_attention import rope_write_kv, write_kv_cache
 
-        write_kv_cache(k, v, kv.k_cache, kv.v_cache, md.slot_mapping)
+        if rotary is not None:
+            q = rope_write_kv(
+                q, k, v, positions, rotary.cos_cache, rotary.sin_cache, kv.k_cache, kv.v_cache, md.slot_mapping
+            )
+        else:
+            write_kv_cache(k, v, kv.k_cache, kv.v_cache, md.slot_mapping)
     else:
+        if rotary is not None:
+            q, k = rotary(positions, q, k)
         write_kv_cache_ref(k, v, kv.k_cache, kv.v_cache, md.slot_mapping)
     _attend(q, output, layer_idx)
 
@@ -84,7 +106,12 @@ def _attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
 
 
 def _unified_attention_with_output_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_idx: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    output: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    layer_idx: int,
 ) -> None:
     return None
 
@@ -98,23 +125,35 @@ direct_register_custom_op(
 
 
 class Attention(nn.Module):
-    """Attention over the paged KV cache, per rank: num_heads / num_kv_heads are this rank's heads."""
+    """Attention over the paged KV cache, per rank: num_heads / num_kv_heads are this rank's heads.
 
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    With `rotary`, the layer applies the rotary embedding to q and k itself (`forward` then needs
+    the step's positions): on CUDA it is fused into the KV-cache write, one launch instead of three.
+    """
+
+    def __init__(
+        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+        rotary: Optional[RotaryEmbedding] = None,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.rotary = rotary
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """q [num_tokens, num_heads(*head_dim)], k/v [num_tokens, num_kv_heads(*head_dim)] -> [num_tokens, num_heads * head_dim]."""
+        if (positions is None) != (self.rotary is None):
+            raise ValueError(f"attention layer {self.layer_idx}: positions are needed exactly when it has a rotary embedding")
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         output = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
-        torch.ops.atomrt.unified_attention_with_output(q, k, v, output, self.layer_idx)
+        torch.ops.atomrt.unified_attention_with_output(q, k, v, output, positions, self.layer_idx)
         return output.reshape(-1, self.num_heads * self.head_dim)
 
 

@@ -41,8 +41,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.qk_norm = arch.qk_norm
-        self.rotary_emb = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling)
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+        rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling)
+        self.attn = Attention(
+            layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, rotary=rotary
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
@@ -51,8 +53,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v)  # [num_tokens, num_heads * head_dim]
+        out = self.attn(q, k, v, positions)  # rotary embedding inside; [num_tokens, num_heads * head_dim]
         return self.o_proj(out)
 
 
