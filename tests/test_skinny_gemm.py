@@ -1,0 +1,213 @@
+"""The skinny GEMM kernel against a float64 reference, on CPU through Triton's interpreter.
+
+Small shapes (N, K of a few hundred at most, not multiples of the tiles) and small explicit tiles, so
+every case walks several K steps and masks the M, N and K edges while the interpreter stays fast.
+The interpreter multiplies bfloat16 tl.dot operands as raw bit patterns (triton-lang/triton#11584),
+so the dot path is checked in fp16 and fp32 here; bf16 runs through the broadcast path (which casts
+to fp32 before multiplying) and, on the GPU, through tests/gpu/sweep_gemm.py's check against F.linear.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from atomrt.workers.kernels.skinny_gemm import (
+    BROADCAST_MAX_M,
+    CONFIGS,
+    SKINNY_MAX_M,
+    SkinnyConfig,
+    block_m_for,
+    bucket_m,
+    heuristic_config,
+    pick_config,
+    skinny_linear,
+    use_skinny,
+)
+
+# assert_close tolerances: outputs are ~1 (weights scaled by K^-0.5), so the output rounding dominates
+TOLERANCES = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+    torch.bfloat16: {"rtol": 2**-7, "atol": 2**-7},
+}
+BROADCAST = SkinnyConfig(block_n=16, block_k=64, use_dot=False, num_warps=4, num_stages=2)
+DOT = SkinnyConfig(block_n=16, block_k=32, use_dot=True, num_warps=4, num_stages=2)
+MODEL_SHAPES = [  # (N, K) per TP rank of SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B
+    (960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576),
+    (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048),
+    (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+]
+
+
+def make_inputs(
+    m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * max(1, k) ** -0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return x, w, b
+
+
+def check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: SkinnyConfig | None) -> None:
+    y = skinny_linear(x, w, b, config)
+    ref = x.double() @ w.double().T  # [M, N]
+    if b is not None:
+        ref += b.double()
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    torch.testing.assert_close(y.double(), ref, **TOLERANCES[x.dtype])
+
+
+# (M, N, K): M powers of two and not, N and K never multiples of the tiles (or shorter than one)
+CASES = [(1, 100, 200), (3, 77, 200), (17, 100, 77), (33, 40, 130), (64, 50, 96), (2, 9, 5)]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(
+    "config,dtype",
+    [(BROADCAST, torch.float32), (BROADCAST, torch.bfloat16), (DOT, torch.float32), (DOT, torch.float16)],
+    ids=["broadcast-fp32", "broadcast-bf16", "dot-fp32", "dot-fp16"],
+)
+@pytest.mark.parametrize("m,n,k", CASES, ids=[f"{m}x{n}x{k}" for m, n, k in CASES])
+def test_matches_reference(m: int, n: int, k: int, config: SkinnyConfig, dtype: torch.dtype, bias: bool) -> None:
+    check(*make_inputs(m, n, k, dtype, bias=bias, seed=m + n + k), config)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_shapes_and_configs(seed: int) -> None:
+    gen = torch.Generator().manual_seed(1000 + seed)
+
+    def pick(options: list) -> object:
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    m, n, k = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (SKINNY_MAX_M + 1, 150, 300))
+    use_dot = seed % 2 == 1
+    config = SkinnyConfig(
+        block_n=pick([16, 32] if use_dot else [4, 8, 16, 32]),
+        block_k=pick([16, 32, 64, 128]),
+        use_dot=use_dot,
+        num_warps=pick([2, 4, 8]),
+        num_stages=pick([1, 2, 3]),
+    )
+    dtype = pick([torch.float32, torch.float16] if use_dot else [torch.float32, torch.float16, torch.bfloat16])
+    check(*make_inputs(m, n, k, dtype, bias=seed % 3 == 0, seed=seed), config)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 200, 300), (4, 100, 64), (5, 64, 100), (32, 100, 200)])
+def test_default_config(m: int, n: int, k: int) -> None:
+    """config=None: the heuristic (the interpreter counts 4 SMs) picks the path and the tiles."""
+    dtype = torch.float32 if m > 4 else torch.bfloat16  # the dot path only in fp32 here (see module doc)
+    check(*make_inputs(m, n, k, dtype, bias=True), None)
+
+
+def test_strided_inputs() -> None:
+    """x rows with a row stride (a slice), x with a non-unit K stride (copied), and a weight that is a
+    column slice of a wider matrix (row stride > K), as a view into a fused weight would be."""
+    m, n, k = 5, 60, 90
+    x_wide, w_wide, b = make_inputs(2 * m, n, 2 * k + 3, torch.float32, bias=True, seed=7)
+    x_rows = x_wide[::2, :k]  # stride (2 * (2k + 3), 1)
+    w_cols = w_wide[:, 3 : 3 + k]  # stride (2k + 3, 1)
+    assert not x_rows.is_contiguous() and not w_cols.is_contiguous()
+    for config in (BROADCAST, DOT):
+        check(x_rows, w_cols, b, config)
+    x_t = torch.randn(k, m).T  # stride (1, m): K not contiguous
+    check(x_t, w_cols.contiguous(), None, BROADCAST)
+
+
+def test_empty_dimensions() -> None:
+    x, w, b = make_inputs(3, 10, 0, torch.float32, bias=True)
+    torch.testing.assert_close(skinny_linear(x, w, b), b.expand(3, 10))  # K = 0: bias only
+    assert skinny_linear(torch.zeros(0, 8), torch.zeros(10, 8)).shape == (0, 10)
+    assert skinny_linear(torch.zeros(2, 8), torch.zeros(0, 8)).shape == (2, 0)
+
+
+@pytest.mark.parametrize(
+    "x,w,b,match",
+    [
+        (torch.zeros(8), torch.zeros(4, 8), None, r"want x \[M, K\] and weight \[N, K\], got x \(8,\)"),
+        (torch.zeros(2, 3, 8), torch.zeros(4, 8), None, r"got x \(2, 3, 8\)"),
+        (torch.zeros(2, 8), torch.zeros(4, 8, 1), None, r"weight \(4, 8, 1\)"),
+        (torch.zeros(2, 8), torch.zeros(4, 7), None, r"x \(2, 8\) has K=8 but weight \(4, 7\) has K=7"),
+        (torch.zeros(65, 8), torch.zeros(4, 8), None, r"M=65 > SKINNY_MAX_M=64; use F.linear"),
+        (torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.float16), None, r"x torch.float32 and weight torch.float16"),
+        (torch.zeros(2, 8, dtype=torch.int32), torch.zeros(4, 8, dtype=torch.int32), None, r"one of bf16, fp16, fp32"),
+        (torch.zeros(2, 8), torch.zeros(8, 4).T, None, r"weight \(4, 8\) must be contiguous along K"),
+        (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(5), r"bias must be \[4\] torch.float32 .* got \(5,\)"),
+        (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(4, dtype=torch.float16), r"got \(4,\) torch.float16"),
+    ],
+    ids=["x-1d", "x-3d", "w-3d", "k-mismatch", "m-too-big", "dtype-mismatch", "int-dtype", "w-k-strided",
+         "bias-shape", "bias-dtype"],
+)
+def test_rejects_bad_arguments(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        skinny_linear(x, w, b)
+
+
+def test_config_validation_names_the_knob() -> None:
+    with pytest.raises(ValueError, match="block_n must be a power of two, got 24"):
+        SkinnyConfig(block_n=24, block_k=64, use_dot=False, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="use_dot needs block_n and block_k >= 16"):
+        SkinnyConfig(block_n=8, block_k=64, use_dot=True, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="num_stages must be >= 1"):
+        SkinnyConfig(block_n=8, block_k=64, use_dot=False, num_warps=4, num_stages=0)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 32, 64])
+def test_heuristic_at_model_shapes(m: int) -> None:
+    """Valid launches that fill an H200 (two programs per SM) whenever the narrowest tile allows it,
+    keep the register / shared-memory budgets, and never tile K wider than K needs."""
+    for n, k in MODEL_SHAPES:
+        config = heuristic_config(m, n, k, 132)
+        assert config.use_dot == (m > 4)
+        min_n = 16 if config.use_dot else 8
+        assert triton.cdiv(n, config.block_n) >= min(2 * 132, triton.cdiv(n, min_n)), (m, n, k, config)
+        assert config.block_k <= max(32, triton.next_power_of_2(k))
+        block_m = block_m_for(m, config.use_dot)
+        if config.use_dot:
+            assert config.num_stages * (config.block_n + block_m) * config.block_k * 2 <= 160 << 10
+        else:
+            assert config.block_n * block_m * config.block_k <= 8192
+        assert pick_config(m, n, k) == CONFIGS.get((bucket_m(m), n, k), config)  # the sweep's table first
+
+
+def test_pick_config_prefers_table_by_bucketed_m(monkeypatch: pytest.MonkeyPatch) -> None:
+    swept = SkinnyConfig(block_n=32, block_k=256, use_dot=True, num_warps=8, num_stages=4)
+    monkeypatch.setitem(CONFIGS, (32, 960, 576), swept)
+    assert pick_config(17, 960, 576) == swept and pick_config(32, 960, 576) == swept
+    assert pick_config(16, 960, 576) == heuristic_config(16, 960, 576)  # another bucket
+    x, w, _ = make_inputs(17, 96, 40, torch.float32, bias=False)
+    monkeypatch.setitem(CONFIGS, (32, 96, 40), DOT)
+    check(x, w, None, None)
+
+
+def test_use_skinny_only_on_cuda() -> None:
+    x, w, _ = make_inputs(1, 8, 16, torch.bfloat16, bias=False)
+    assert not use_skinny(x, w)  # CPU tensors go to F.linear
+    if torch.cuda.is_available():
+        xc, wc = x.cuda(), w.cuda()
+        assert use_skinny(xc, wc)
+        assert not use_skinny(xc.float(), wc.float())
+        assert not use_skinny(torch.zeros(BROADCAST_MAX_M + 1, 16, device="cuda", dtype=torch.bfloat16), wc)
+        assert not use_skinny(xc, torch.zeros(16, 8, device="cuda", dtype=torch.bfloat16).T)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 100, 200), (3, 77, 130), (4, 40, 1000)])
+def test_gated_matches_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    """gated=True: (silu(gate) * up) @ W^T from a [M, 2K] gate | up row, the activation rounded to
+    x's dtype first, against float64."""
+    gen = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, 2 * k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    gate, up = x[:, :k].double(), x[:, k:].double()
+    act = (gate * torch.sigmoid(gate) * up).to(dtype).double()
+    for config in (None, BROADCAST):
+        y = skinny_linear(x, w, None, config=config, gated=True)
+        torch.testing.assert_close(y.double(), act @ w.double().T, **TOLERANCES[dtype])
+
+
+def test_gated_rejects_bad_widths() -> None:
+    with pytest.raises(ValueError, match="gated x must be"):
+        skinny_linear(torch.zeros(1, 10), torch.zeros(4, 6), gated=True)
