@@ -192,6 +192,16 @@ def test_use_skinny_only_on_cuda() -> None:
         assert not use_skinny(xc, torch.zeros(16, 8, device="cuda", dtype=torch.bfloat16).T)
 
 
+def test_layer_linear_op_is_f_linear_on_cpu() -> None:
+    """The layers' `linear` (and its custom op, what a compiled graph calls) is F.linear off CUDA."""
+    from atomrt.workers.layers.linear import linear
+
+    x, w, b = torch.randn(5, 12), torch.randn(7, 12), torch.randn(7)
+    assert torch.equal(linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    assert torch.equal(torch.ops.atomrt.linear(x, w, None), torch.nn.functional.linear(x, w))
+    compiled = torch.compile(lambda x, w: linear(x, w) * 2, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, w), torch.nn.functional.linear(x, w) * 2)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(1, 100, 200), (3, 77, 130), (4, 40, 1000)])
@@ -211,3 +221,15 @@ def test_gated_matches_reference(m: int, n: int, k: int, dtype: torch.dtype) -> 
 def test_gated_rejects_bad_widths() -> None:
     with pytest.raises(ValueError, match="gated x must be"):
         skinny_linear(torch.zeros(1, 10), torch.zeros(4, 6), gated=True)
+
+
+def test_layer_silu_mul_linear_on_cpu() -> None:
+    """The layers' fused activation + projection is silu_and_mul then F.linear off CUDA, traced too."""
+    from atomrt.workers.layers.activation import silu_and_mul
+    from atomrt.workers.layers.linear import silu_mul_linear
+
+    x, w = torch.randn(5, 24), torch.randn(7, 12)
+    want = torch.nn.functional.linear(silu_and_mul(x), w)
+    assert torch.equal(silu_mul_linear(x, w), want)
+    compiled = torch.compile(lambda x, w: silu_mul_linear(x, w) + 1, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, w), want + 1)

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from atomrt.workers.kernels.skinny_gemm import heuristic_config, pick_config, skinny_linear
+from atomrt.workers.layers.activation import silu_and_mul
+from atomrt.workers.layers.linear import linear, silu_mul_linear
 
 pytestmark = pytest.mark.gpu
 
@@ -46,6 +48,18 @@ def test_graph_replay_reads_new_inputs() -> None:
         x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed)))
         graph.replay()
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=2**-7, atol=2**-6)
+
+
+def test_layer_linear_picks_by_row_count() -> None:
+    """Decode-sized batches go through the skinny kernel, larger ones through cuBLAS: same results,
+    for the plain projection and the one with the gated activation fused in."""
+    w = torch.randn(960, 576, device="cuda", dtype=torch.bfloat16) * 576**-0.5
+    for m in (1, 4, 5, 64, 512):
+        x = torch.randn(m, 576, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w), rtol=2**-7, atol=2**-6)
+        gate_up = torch.randn(m, 2 * 576, device="cuda", dtype=torch.bfloat16)
+        want = torch.nn.functional.linear(silu_and_mul(gate_up), w)
+        torch.testing.assert_close(silu_mul_linear(gate_up, w), want, rtol=2**-6, atol=2**-5)
 
 
 @pytest.mark.parametrize("m", [1, 4])

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[num_tokens, 2 * d] (gate then up) -> [num_tokens, d]."""
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * d] (gate then up) -> [num_tokens, d]."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+

@@ -4,15 +4,65 @@ Column parallel: the output features are split over ranks (no communication; q/k
 Row parallel: the input features are split, each rank computes a partial sum, and the sum is
 all-reduced (o_proj, down_proj). Every parameter carries `weight_loader(param, loaded_weight,
 shard_id=None)` that reads only this rank's shard of `loaded_weight` (see weight_utils).
+
+Every projection runs through `linear`: decode-sized CUDA batches (at most SKINNY_MAX_M rows) take
+the skinny Triton GEMM (workers/kernels/skinny_gemm), everything else F.linear. Under torch.compile
+it is the custom op `torch.ops.atomrt.linear`, so the choice is made per call, at run time, on the
+real row count (the traced graphs have a dynamic token dimension).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atomrt.compile.custom_register import direct_register_custom_op
+from atomrt.workers.kernels.skinny_gemm import skinny_linear, use_skinny
+from atomrt.workers.layers.activation import silu_and_mul
 from atomrt.workers.layers.tp_ops import TPInfo, divide, tp_all_gather_last_dim, tp_all_reduce
+
+
+def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if use_skinny(rows, weight):
+        return skinny_linear(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _silu_mul_linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [..., 2K] (gate | up) -> (silu(gate) * up) @ weight [N, K]^T (+ bias) -> [..., N]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if use_skinny(rows[:, : weight.shape[1]], weight):
+        return skinny_linear(rows, weight, bias, gated=True).reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(silu_and_mul(x), weight, bias)
+
+
+direct_register_custom_op("linear", _linear_impl, fake_impl=_linear_fake)
+direct_register_custom_op("silu_mul_linear", _silu_mul_linear_impl, fake_impl=_linear_fake)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch.Tensor]" = None) -> torch.Tensor:
+    """F.linear, or the skinny GEMM for a decode-sized CUDA batch. Traced, it is one opaque op
+    (Inductor cannot fold it into addmm or pick the kernel for a symbolic row count); eager, a call."""
+    if torch.compiler.is_compiling():
+        return torch.ops.atomrt.linear(x, weight, bias)
+    return _linear_impl(x, weight, bias)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch.Tensor]" = None) -> torch.Tensor:
+    """`linear(silu_and_mul(x), weight, bias)`; for a decode-sized CUDA batch the activation is
+    computed inside the skinny GEMM (one kernel instead of two)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.atomrt.silu_mul_linear(x, weight, bias)
+    return _silu_mul_linear_impl(x, weight, bias)
 from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, read_narrow
 
 
@@ -47,7 +97,7 @@ class ColumnParallelLinear(_LinearBase):
         copy_checked(param.data, read_narrow(loaded_weight, 0, start, self.output_size_per_rank), "column shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return tp_all_gather_last_dim(y, self.tp) if self.gather_output else y
 
 
@@ -124,8 +174,10 @@ class RowParallelLinear(_LinearBase):
         start = self.tp.tp_rank * self.input_size_per_rank
         copy_checked(param.data, read_narrow(loaded_weight, 1, start, self.input_size_per_rank), "row shard")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, gated_input: bool = False) -> torch.Tensor:
+        """x [..., in]; with `gated_input`, x is [..., 2 * in] (gate | up, a gated MLP's merged
+        projection) and the layer's input is silu(gate) * up, fused into the matmul where it can be."""
+        y = silu_mul_linear(x, self.weight) if gated_input else linear(x, self.weight)
         if self.reduce_output:
             y = tp_all_reduce(y, self.tp)
         return y + self.bias if self.bias is not None else y

@@ -15,7 +15,6 @@ from torch import nn
 
 from atomrt.compile.decorators import support_torch_compile
 from atomrt.graphs.region_graph import token_graph
-from atomrt.workers.layers.activation import SiluAndMul
 from atomrt.workers.layers.attention import Attention
 from atomrt.workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from atomrt.workers.layers.norm import RMSNorm, residual_add
@@ -62,11 +61,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size], bias=False, tp=tp)
-        self.act_fn = SiluAndMul()
         self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # silu(gate) * up is the down projection's input, fused into its matmul for decode batches
+        return self.down_proj(self.gate_up_proj(x), gated_input=True)
 
 
 class LlamaDecoderLayer(nn.Module):
