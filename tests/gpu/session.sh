@@ -9,6 +9,8 @@
 #           in-process at level 3, eager
 #   async   async scheduling at level 3: the 135M step profile, the three shapes (sync vs async), and
 #           Ray / mp vs in-process
+#   kernels the skinny GEMM sweep against cuBLAS, then the rope and skinny GEMM kernel tests
+#   quick   the three targets' shapes at level 3, FULL with async scheduling, one batch size each
 set -uo pipefail
 export OUT=${OUT:-/tmp/atomrt-gpu}
 mkdir -p "$OUT"
@@ -48,6 +50,13 @@ for part in "$@"; do
       bench async_1b_l3 110 --model Llama-3.2-1B --level 3 --modes FULL,FULL+async
       bench async_8b_l3 110 --model Llama-3.1-8B --level 3 --modes FULL+async --batch-sizes 1
       run async_tp_overhead_l3 150 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 --modes FULL+async --executor inproc,mp,ray --json "$OUT/async_tp_overhead_l3.json" ;;
+    kernels)
+      run sweep_gemm 170 python3 tests/gpu/sweep_gemm.py --budget-s 110 --json "$OUT/sweep_gemm.json"
+      run pytest-kernels 150 python3 -m pytest -p no:cacheprovider -q -rs -m gpu tests/gpu/test_kernels_gpu.py::test_rope_write_kv tests/gpu/test_skinny_gemm_gpu.py ;;
+    quick)
+      bench quick_135m 80 --model SmolLM2-135M --level 3 --modes FULL+async --batch-sizes 1
+      bench quick_1b 100 --model Llama-3.2-1B --level 3 --modes FULL+async --batch-sizes 32
+      bench quick_8b 110 --model Llama-3.1-8B --level 3 --modes FULL+async --batch-sizes 1 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import test_kernels as cpu_tier
-from atomrt.workers.kernels.paged_attention import unified_attention, write_kv_cache
+from atomrt.workers.kernels.paged_attention import rope_write_kv, unified_attention, write_kv_cache
+from atomrt.workers.layers.rotary import RotaryEmbedding
 from test_kernels import PagedBatch  # the batch layout the CPU tier uses too
 
 pytestmark = pytest.mark.gpu
@@ -101,6 +102,37 @@ def test_write_kv_cache(dtype: torch.dtype, block_size: int) -> None:
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device="cuda")
     untouched[slot_mapping[written]] = False
     assert torch.all(k_flat[untouched] == SENTINEL) and torch.all(v_flat[untouched] == -SENTINEL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (32, 8, 128)])
+def test_rope_write_kv(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """The fused rotary + KV write at the model shapes against float64, q and k strided views of one
+    qkv row; within one rounding of the unfused torch rotary (RotaryEmbedding) as well."""
+    num_tokens, num_blocks, block_size = 300, 40, 16
+    rotary = RotaryEmbedding(head_dim, max_position=4096, theta=500000.0).cuda()
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, device="cuda", dtype=dtype)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = (t.reshape(num_tokens, -1, head_dim) for t in (q, k, v))
+    positions = torch.randint(0, 4096, (num_tokens,), device="cuda")
+    slot_mapping = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slot_mapping[::7] = -1
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), SENTINEL, device="cuda", dtype=dtype)
+    v_cache = torch.full_like(k_cache, -SENTINEL)
+    q_rot = rope_write_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_cache, v_cache, slot_mapping)
+    cos, sin = rotary.cos_cache[positions].to(dtype), rotary.sin_cache[positions].to(dtype)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(q_rot.double(), cpu_tier._rotate_ref(q, cos, sin), **tol)
+    written = slot_mapping >= 0
+    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    torch.testing.assert_close(k_flat[slot_mapping[written]].double(), cpu_tier._rotate_ref(k, cos, sin)[written], **tol)
+    assert torch.equal(v_flat[slot_mapping[written]], v[written])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device="cuda")
+    untouched[slot_mapping[written]] = False
+    assert torch.all(k_flat[untouched] == SENTINEL) and torch.all(v_flat[untouched] == -SENTINEL)
+    q_torch, _ = rotary(positions, q, k)
+    torch.testing.assert_close(q_rot, q_torch, **tol)
 
 
 @pytest.mark.parametrize("max_seqlen_q", [1, 4])
