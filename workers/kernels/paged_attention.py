@@ -69,14 +69,11 @@ def plan_attention(
     num_q_blocks = triton.cdiv(max(1, max_seqlen_q), block_q)
     tile_n = 64 if head_dim_p <= 128 else 32
     # Few query tiles over long contexts (decode of a small batch) leave SMs idle: split the keys.
-    # Split when the grid leaves SMs idle (for one-row decode tiles: fewer than two programs per
-    # SM), aiming at two programs per SM; no split under MIN_KEYS_PER_SPLIT keys, and partial
-    # outputs (fp32, one per split) of at most _MAX_PARTIAL_BYTES. (Llama-3.2-1B decode at bs=32 is
-    # 256 programs on 132 SMs: 2 splits took a 1024-key call from 33.5 to about 25 µs on an H200,
-    # tests/gpu/sweep_attention.py.)
+    # Split only when the grid leaves SMs idle; aim at two programs per SM, no split under
+    # MIN_KEYS_PER_SPLIT keys, and partial outputs (fp32, one per split) of at most _MAX_PARTIAL_BYTES.
     num_programs = max(1, num_seqs * num_q_blocks * num_kv_heads)
     num_splits = 1
-    if num_programs < (2 if max_seqlen_q <= 1 else 1) * num_sms:
+    if num_programs < num_sms:
         partial_bytes = max(1, num_seqs * max_seqlen_q * num_kv_heads * group * head_dim * 4)
         max_splits = min(MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT, _MAX_PARTIAL_BYTES // partial_bytes)
         num_splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, num_programs)))
