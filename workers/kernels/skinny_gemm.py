@@ -26,6 +26,8 @@ import triton.language as tl
 
 SKINNY_MAX_M = 64  # the kernel keeps all M rows of x in registers: larger M belongs to cuBLAS
 BROADCAST_MAX_M = 4  # default heuristic: broadcast-sum up to this M, tl.dot above it
+# use_skinny: the weights where skinny beats cuBLAS in the model step (latency-bound small GEMMs)
+SKINNY_MAX_WEIGHT_ELEMS = 1 << 24
 H200_NUM_SMS = 132  # pick_config's default SM count (the machine CONFIGS is swept on)
 _INTERPRETER_SMS = 4  # stands in for the SM count when the Triton interpreter runs on CPU
 _BROADCAST_ELEMS = 8192  # broadcast path: BLOCK_N * BLOCK_M * BLOCK_K fp32 products per K step
@@ -226,13 +228,16 @@ def _stage_bytes(block_n: int, block_m: int, block_k: int) -> int:
 
 def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a linear layer should call skinny_linear rather than F.linear for this input: the
-    broadcast path's batches (M <= BROADCAST_MAX_M). From M=8 up the H200 sweep found cuBLAS as fast
-    or faster on most model shapes (Llama-3.2-1B at M=32: 8.4 against 6.5 us for qkv)."""
+    broadcast path's batches (M <= BROADCAST_MAX_M) over weights below SKINNY_MAX_WEIGHT_ELEMS.
+    From M=8 up the H200 sweep found cuBLAS as fast or faster on most model shapes (Llama-3.2-1B at
+    M=32: 8.4 against 6.5 us for qkv). On large weights cuBLAS streams near copy bandwidth: the
+    sweep's 0-5% gains there did not carry into the Llama-3.1-8B step, which ran slower."""
     return (
         x.is_cuda
         and x.dim() == 2
         and weight.dim() == 2
         and x.shape[0] <= BROADCAST_MAX_M
+        and weight.numel() < SKINNY_MAX_WEIGHT_ELEMS
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.shape[1] == weight.shape[1]
