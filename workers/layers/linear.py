@@ -38,10 +38,10 @@ def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 # The fused activation is recomputed for every weight element (each program of the skinny GEMM
-# evaluates silu for its own rows), so it pays only while the weight is small. On an H200 the
-# SmolLM2-135M step (down projection 0.9M elements) gained with it; the Llama-3.1-8B step (59M)
-# measured 5.05 ms with it against 4.66 ms in the run before, whose other differences were launch
-# configs the GEMM sweep measured faster.
+# evaluates silu for its own rows), so it can pay only while the weight is small. It is on for
+# SmolLM2-135M's down projection (0.9M elements; the 135M step gained with it on an H200). For
+# Llama-3.1-8B's (59M) it was not isolated: with or without it the 8B step was slower on the skinny
+# kernel than on cuBLAS (docs/perf.md), which use_skinny now keeps for such weights anyway.
 GATED_MAX_WEIGHT_ELEMS = 1 << 21
 
 
