@@ -24,12 +24,12 @@ from atomrt.workers.kernels.attention_kernels import (
     rope_write_kv_kernel,
     write_kv_kernel,
 )
+from atomrt.workers.kernels.device_info import sm_count
 
 _LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256  # a KV split shorter than this costs more in the reduce than it saves
 MAX_SPLITS = 32
 _MAX_PARTIAL_BYTES = 64 << 20
-_INTERPRETER_SMS = 4  # stands in for the SM count when the Triton interpreter runs on CPU
 
 
 @dataclass(frozen=True)
@@ -90,17 +90,6 @@ def plan_attention(
         num_warps=num_warps,
         num_stages=2 if block_m >= 128 else 3,
     )
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def write_kv_cache(
@@ -226,7 +215,7 @@ def unified_attention(
         plan_q, plan_k, reduce_rows = max_seqlen_q, max_seqlen_k, q.shape[0]
     if num_seqs == 0 or plan_q == 0:
         return
-    plan = plan_attention(num_seqs, plan_q, plan_k, num_kv_heads, group, head_dim, _sm_count(q.device))
+    plan = plan_attention(num_seqs, plan_q, plan_k, num_kv_heads, group, head_dim, sm_count(q.device))
     launch_attention(
         plan, q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale,
         num_seqs=num_seqs, reduce_rows=reduce_rows,

@@ -24,12 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
+from atomrt.workers.kernels.device_info import sm_count
+
 SKINNY_MAX_M = 64  # the kernel keeps all M rows of x in registers: larger M belongs to cuBLAS
 BROADCAST_MAX_M = 4  # default heuristic: broadcast-sum up to this M, tl.dot above it
 # use_skinny: the weights where skinny beats cuBLAS in the model step (latency-bound small GEMMs)
 SKINNY_MAX_WEIGHT_ELEMS = 1 << 24
 H200_NUM_SMS = 132  # pick_config's default SM count (the machine CONFIGS is swept on)
-_INTERPRETER_SMS = 4  # stands in for the SM count when the Triton interpreter runs on CPU
 _BROADCAST_ELEMS = 8192  # broadcast path: BLOCK_N * BLOCK_M * BLOCK_K fp32 products per K step
 _DOT_W_ELEMS = 16384  # dot path: W elements per K step (32 KB of bf16 per pipeline stage)
 _MAX_SMEM_BYTES = 160 << 10  # pipeline stages x (W + x tiles) must fit in shared memory (228 KB on H200)
@@ -268,11 +269,11 @@ def skinny_linear(
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)  # [M, N]
     if m == 0 or n == 0:
         return y
-    config = config or pick_config(m, n, k, num_sms=_sm_count(x.device))
+    config = config or pick_config(m, n, k, num_sms=sm_count(x.device))
     if gated and config.use_dot:
         if m > BROADCAST_MAX_M:
             raise ValueError(f"skinny_linear: gated runs the broadcast path, M={m} > {BROADCAST_MAX_M}")
-        config = heuristic_config(m, n, k, _sm_count(x.device))
+        config = heuristic_config(m, n, k, sm_count(x.device))
     grid = (triton.cdiv(n, config.block_n),)
     skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else y, y,
@@ -322,14 +323,3 @@ def _check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             f"{bias.dtype} on {bias.device}"
         )
     return m, n, k
-
-
-@functools.cache
-def _cuda_sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
