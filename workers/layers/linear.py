@@ -50,7 +50,7 @@ def _silu_mul_linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     rows = x.reshape(-1, x.shape[-1])
     if weight.numel() <= GATED_MAX_WEIGHT_ELEMS and use_skinny(rows[:, : weight.shape[1]], weight):
         return skinny_linear(rows, weight, bias, gated=True).reshape(*x.shape[:-1], weight.shape[0])
-    return F.linear(silu_and_mul(x), weight, bias)
+    return _linear_impl(silu_and_mul(x), weight, bias)
 
 
 direct_register_custom_op("linear", _linear_impl, fake_impl=_linear_fake)
