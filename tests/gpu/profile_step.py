@@ -1,6 +1,7 @@
 """Where a decode step's time goes, on the GPU: host phases, GPU kernels, and a cProfile.
 
-    python tests/gpu/profile_step.py [--mode FULL] [--level 0] [--bs 1] [--steps 200] [--async-scheduling] [--out FILE]
+    python tests/gpu/profile_step.py [--mode FULL] [--level 0] [--bs 1] [--steps 200] [--async-scheduling]
+        [--skinny-max-weight-elems N] [--out FILE]
 Prints (dummy weights of --model):
 - ms/step unprofiled;
 - host time per phase (perf_counter, no extra synchronisation): driver (schedule, decide, plan,
@@ -11,6 +12,8 @@ Prints (dummy weights of --model):
 - the largest request graph's replay alone: host us per launch and GPU us per replay;
 - the GPU kernels of one step (torch.profiler: count and total kernel time, the top kernels);
 - the top functions by cumulative host time (cProfile).
+`--skinny-max-weight-elems` overrides which weights the skinny GEMM takes (0: none, cuBLAS only),
+so one GPU call can compare the two in the same model step.
 """
 
 import argparse
@@ -25,6 +28,7 @@ import torch
 from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.llm import LLM
+from atomrt.workers.kernels import skinny_gemm
 
 
 def _timed(acc: dict, name: str, fn):
@@ -129,7 +133,10 @@ def main() -> None:
     ap.add_argument("--model", default="SmolLM2-135M")
     ap.add_argument("--out", default="")
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--skinny-max-weight-elems", type=int, default=None)
     a = ap.parse_args()
+    if a.skinny_max_weight_elems is not None:
+        skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS = a.skinny_max_weight_elems  # read per call by use_skinny
     cc = CompilationConfig(level=a.level, cudagraph_mode=a.mode, cuda_graph_sizes=[max(a.bs, 8)])
     llm = LLM(a.model, load_format="dummy", compilation_config=cc, max_num_seqs=max(a.bs, 8), max_model_len=2048,
               async_scheduling=a.async_scheduling)
@@ -152,7 +159,9 @@ def main() -> None:
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
-    text = [f"{a.model} {a.mode}{' async' if a.async_scheduling else ''} level {a.level} bs {a.bs}: {ms:.3f} ms/step (unprofiled)",
+    skinny = f" skinny < {skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS} elems"
+    text = [f"{a.model} {a.mode}{' async' if a.async_scheduling else ''} level {a.level} bs {a.bs}{skinny}: "
+            f"{ms:.3f} ms/step (unprofiled)",
             f"forward GPU time (events around run_model): {fwd_ms:.3f} ms/step", "host ms per step:"]
     text += [f"  {k:55s} {v * 1e3:7.3f}" for k, v in phases.items()]
     text += [replay, kernels, buf.getvalue()]

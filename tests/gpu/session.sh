@@ -11,6 +11,8 @@
 #           Ray / mp vs in-process
 #   kernels the skinny GEMM sweep against cuBLAS, then the rope and skinny GEMM kernel tests
 #   quick   the three targets' shapes at level 3, FULL with async scheduling, one batch size each
+#   diag8b  Llama-3.1-8B step profiles, FULL+async level 3, with the skinny GEMM on every weight and
+#           with cuBLAS only (why the sweep's gains did not carry into the step)
 set -uo pipefail
 export OUT=${OUT:-/tmp/atomrt-gpu}
 mkdir -p "$OUT"
@@ -57,6 +59,9 @@ for part in "$@"; do
       bench quick_135m 80 --model SmolLM2-135M --level 3 --modes FULL+async --batch-sizes 1
       bench quick_1b 100 --model Llama-3.2-1B --level 3 --modes FULL+async --batch-sizes 32
       bench quick_8b 110 --model Llama-3.1-8B --level 3 --modes FULL+async --batch-sizes 1 ;;
+    diag8b)
+      prof prof_8b_skinny_all 110 --mode FULL --level 3 --async-scheduling --model Llama-3.1-8B --skinny-max-weight-elems $((1 << 40))
+      prof prof_8b_cublas 110 --mode FULL --level 3 --async-scheduling --model Llama-3.1-8B --skinny-max-weight-elems 0 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
