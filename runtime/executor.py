@@ -46,11 +46,6 @@ class Executor(abc.ABC):
         """The results of submitted step `step` (the oldest not collected): one StepResult per DP
         rank, in DP-rank order. `flush`: the step was pipelined and no plan was submitted after it."""
 
-    def execute(self, plan: StepPlan) -> list[StepResult]:
-        """Submit one step and collect its results."""
-        self.submit(plan)
-        return self.collect(plan.step, flush=plan.pipelined)
-
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop every worker; never blocks without a bound."""

@@ -276,6 +276,6 @@ def test_killed_worker_under_async_scheduling_errors_in_time_and_leaves_no_proce
     assert seconds < ERROR_WITHIN_S, f"the error took {seconds:.1f} s"
     assert "rank 1 (dp 0, tp 1)" in message, message
     with pytest.raises(WorkerError, match="stopped"):
-        llm.engine.executor.execute(None)  # type: ignore[arg-type]
+        llm.engine.executor.submit(None)  # type: ignore[arg-type]
     assert not llm.engine.has_unfinished()
     assert wait_gone(pids.values()) == []

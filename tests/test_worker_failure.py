@@ -63,7 +63,7 @@ def test_killed_worker_ends_generation_with_error_and_leaves_no_process(tiny_mod
     assert seconds < ERROR_WITHIN_S, f"the error took {seconds:.1f} s"
     assert "rank 1 (dp 0, tp 1)" in message, message
     with pytest.raises(WorkerError, match="stopped"):  # the engine cannot step any more
-        llm.engine.executor.execute(None)  # type: ignore[arg-type]
+        llm.engine.executor.submit(None)  # type: ignore[arg-type]
     assert not llm.engine.has_unfinished(), "in-flight requests end with the failure"
     with pytest.raises(RuntimeError, match="rank 1"):  # new requests are refused, naming the rank
         llm.engine.add_request([1, 2, 3])

@@ -116,10 +116,6 @@ class Worker:
             decode_token_sizes=captured.decode_token_sizes,
         )
 
-    def execute_plan(self, plan: StepPlan) -> Optional[StepResult]:
-        """Run one step to the end (launch, then wait for its tokens)."""
-        return self.finish(self.launch(plan))
-
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         """Apply the plan and start its forward and sampling on the device; `finish` waits for them.

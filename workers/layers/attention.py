@@ -54,9 +54,7 @@ def unified_attention_with_output(
     eagerly at replay with the live step's metadata (host-planned launch); under FULL it is recorded
     inline with the graph-safe launch (`attn_metadata.graph_safe`)."""
     layer, md, kv = _layer_state(layer_idx)
-    rotary = layer.rotary if positions is not None else None
-    if positions is not None and rotary is None:
-        raise RuntimeError(f"attention layer {layer_idx} was given positions but has no rotary embedding")
+    rotary = layer.rotary if positions is not None else None  # Attention.forward pairs them
     if kv is None or md is None:
         # Profiling / dummy run: no cache, each sequence attends to its own rows.
         if md is None or (md.cu_seqlens_q_cpu is None and md.cu_seqlens_q is None):
