@@ -68,6 +68,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch.Tensor]"
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch.Tensor]" = None) -> torch.Tensor:
     """`linear(silu_and_mul(x), weight, bias)`; for a decode-sized CUDA batch the activation is
     computed inside the skinny GEMM (one kernel instead of two)."""
+    if weight.numel() > GATED_MAX_WEIGHT_ELEMS:
+        # Never fused for such a weight: the activation stays outside the opaque op, where Inductor
+        # makes it one kernel (inside the op it would be two eager ones, silu and mul).
+        return linear(silu_and_mul(x), weight, bias)
     if torch.compiler.is_compiling():
         return torch.ops.atomrt.silu_mul_linear(x, weight, bias)
     return _silu_mul_linear_impl(x, weight, bias)
