@@ -32,7 +32,12 @@ def kv_bytes_per_block(specs: list[KVLayerSpec], block_size: int, dtype: torch.d
 def allocate_kv_cache(
     specs: list[KVLayerSpec], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> dict[str, KVCacheTensor]:
-    """Allocate every layer's cache, keyed "layers.<i>" as the attention op looks it up."""
+    """Allocate every layer's cache, keyed "layers.<i>" as the attention op looks it up (on CUDA with
+    the decode kernel's split counters, which must exist before any CUDA-graph capture)."""
+    if torch.device(device).type == "cuda":
+        from atomrt.workers.kernels.paged_attention import prepare_decode_counters
+
+        prepare_decode_counters(device)
     caches: dict[str, KVCacheTensor] = {}
     for s in specs:
         shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)

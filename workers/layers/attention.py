@@ -4,7 +4,8 @@ The op is opaque to Dynamo (a splitting op at compile level 3, an eager region i
 it reads the step's metadata and this layer's KV cache from the forward context, applies the
 layer's rotary embedding to q and k when given `positions`, writes k/v at slot_mapping, and
 computes causal attention over each sequence's context into `output`.
-CPU: the torch reference (attention_ref). CUDA: the Triton kernels of workers/kernels/paged_attention.
+CPU: the torch reference (attention_ref). CUDA: the Triton kernels of workers/kernels/paged_attention
+(a decode batch, one row per sequence, is a single launch).
 """
 
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
@@ -48,11 +49,11 @@ def unified_attention_with_output(
     """q/output [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
     positions [num_tokens] int64, or None when the layer has no rotary embedding.
 
-    Two launches: the KV write (on CUDA fused with the rotary embedding of q and k), whose launch is
-    fixed by the row count (a token graph records it in its segment), then the attention itself,
-    `_attend`, an `@eager_region`: under TR_HYBRID it breaks the token-graph recording and runs
-    eagerly at replay with the live step's metadata (host-planned launch); under FULL it is recorded
-    inline with the graph-safe launch (`attn_metadata.graph_safe`)."""
+    On CUDA all of it -- rotary, KV write, attention -- is one `@eager_region`, `_attend_cuda`:
+    under TR_HYBRID it breaks the token-graph recording and runs eagerly at replay with the live
+    step's metadata (host-planned launches; a decode step is one fused launch); under FULL it is
+    recorded inline with the graph-safe launch (`attn_metadata.graph_safe`). On CPU the rotary and
+    the KV write run in the recording and `_attend`, the eager region, runs the torch reference."""
     layer, md, kv = _layer_state(layer_idx)
     rotary = layer.rotary if positions is not None else None  # Attention.forward pairs them
     if kv is None or md is None:
@@ -66,35 +67,38 @@ def unified_attention_with_output(
         causal_attention_no_cache(q, k, v, output, cu_cpu, layer.scale)
         return
     if q.is_cuda:
-        from atomrt.workers.kernels.paged_attention import rope_write_kv, write_kv_cache
-
-        if rotary is not None:
-            q = rope_write_kv(
-                q, k, v, positions, rotary.cos_cache, rotary.sin_cache, kv.k_cache, kv.v_cache, md.slot_mapping
-            )
-        else:
-            write_kv_cache(k, v, kv.k_cache, kv.v_cache, md.slot_mapping)
-    else:
-        if rotary is not None:
-            q, k = rotary(positions, q, k)
-        write_kv_cache_ref(k, v, kv.k_cache, kv.v_cache, md.slot_mapping)
+        _attend_cuda(q, k, v, output, positions, layer_idx)
+        return
+    if rotary is not None:
+        q, k = rotary(positions, q, k)
+    write_kv_cache_ref(k, v, kv.k_cache, kv.v_cache, md.slot_mapping)
     _attend(q, output, layer_idx)
 
 
 @eager_region
-def _attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
-    """Attention of the step's query rows over the paged cache (already holding this step's k/v)."""
-    layer, md, kv = _layer_state(layer_idx)
-    if q.is_cuda:
-        from atomrt.workers.kernels.paged_attention import unified_attention
+def _attend_cuda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, positions: Optional[torch.Tensor],
+    layer_idx: int,
+) -> None:
+    """The Triton path: rotary, KV write and attention (one launch for a decode batch)."""
+    from atomrt.workers.kernels.paged_attention import attention_step
 
-        unified_attention(
-            q, kv.k_cache, kv.v_cache, output, md.cu_seqlens_q, md.context_lens, md.block_tables, layer.scale,
-            num_seqs=md.num_seqs, max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k,
-            graph_safe=md.graph_safe,
-            cu_seqlens_q_cpu=md.cu_seqlens_q_cpu, context_lens_cpu=md.context_lens_cpu,
-        )
-        return
+    layer, md, kv = _layer_state(layer_idx)
+    rotary = layer.rotary if positions is not None else None
+    attention_step(
+        q, k, v, output, positions,
+        rotary.cos_cache if rotary is not None else None, rotary.sin_cache if rotary is not None else None,
+        kv.k_cache, kv.v_cache, md.slot_mapping, md.cu_seqlens_q, md.context_lens, md.block_tables, layer.scale,
+        num_seqs=md.num_seqs, max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k,
+        graph_safe=md.graph_safe,
+        cu_seqlens_q_cpu=md.cu_seqlens_q_cpu, context_lens_cpu=md.context_lens_cpu,
+    )
+
+
+@eager_region
+def _attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
+    """CPU: attention of the step's query rows over the paged cache (already holding this step's k/v)."""
+    layer, md, kv = _layer_state(layer_idx)
     cu_cpu = _host_list(md.cu_seqlens_q_cpu, md.cu_seqlens_q)
     num_seqs = md.num_seqs or len(cu_cpu) - 1
     context_lens_cpu = _host_list(md.context_lens_cpu, md.context_lens)
