@@ -25,13 +25,11 @@ import triton
 import triton.language as tl
 
 from atomrt.workers.kernels.device_info import sm_count
-from atomrt.workers.kernels.rmsnorm import _add_rmsnorm_row
 
 SKINNY_MAX_M = 64  # the kernel keeps all M rows of x in registers: larger M belongs to cuBLAS
 BROADCAST_MAX_M = 4  # default heuristic: broadcast-sum up to this M, tl.dot above it
 # use_skinny: the weights where skinny beats cuBLAS in the model step (latency-bound small GEMMs)
 SKINNY_MAX_WEIGHT_ELEMS = 1 << 24
-NORM_MAX_K = 1024  # rmsnorm_skinny_linear: the whole row in one K step (every program normalises it)
 H200_NUM_SMS = 132  # pick_config's default SM count (the machine CONFIGS is swept on)
 _BROADCAST_ELEMS = 8192  # broadcast path: BLOCK_N * BLOCK_M * BLOCK_K fp32 products per K step
 _DOT_W_ELEMS = 16384  # dot path: W elements per K step (32 KB of bf16 per pipeline stage)
@@ -137,47 +135,6 @@ def _broadcast_tile(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc
-
-
-@triton.jit
-def rmsnorm_skinny_gemm_kernel(
-    hidden_ptr, update_ptr, norm_w_ptr,  # [M, K], [M, K], [K]: the projection's input is RMSNorm(hidden + update)
-    w_ptr,  # [N, K], K contiguous
-    bias_ptr,  # [N]; unused unless HAS_BIAS
-    y_ptr,  # [M, N]
-    h_ptr,  # [M, K]: hidden + update, written by program 0 (the next residual)
-    M, N, K,
-    stride_hm, stride_um, stride_wn, stride_bias, stride_ym, stride_om,
-    eps,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # >= K: one step
-    HAS_BIAS: tl.constexpr,
-):
-    """The residual add and RMSNorm of a decoder layer fused into the next projection's prologue
-    (broadcast path, the whole K in one step): every program loads the M rows of hidden and update
-    (a few KB, from L2), normalises them as add_rmsnorm does, and multiplies its BLOCK_N weight rows;
-    program 0 also stores hidden + update. The weight load does not wait on the norm."""
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, BLOCK_K)
-    x_mask = (rows < M)[:, None] & (ks < K)[None, :]
-    col_valid = cols < N
-    w = tl.load(w_ptr + cols.to(tl.int64)[:, None, None] * stride_wn + ks[None, None, :],
-                mask=col_valid[:, None, None] & (ks < K)[None, None, :], other=0.0)  # [BLOCK_N, 1, BLOCK_K]
-    hidden = tl.load(hidden_ptr + rows[:, None] * stride_hm + ks[None, :], mask=x_mask, other=0.0)
-    update = tl.load(update_ptr + rows[:, None] * stride_um + ks[None, :], mask=x_mask, other=0.0)
-    norm_w = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0)
-    x, h = _add_rmsnorm_row(hidden, update, norm_w[None, :], K, eps)  # [BLOCK_M, BLOCK_K]
-    if pid == 0:
-        tl.store(h_ptr + rows[:, None] * stride_om + ks[None, :], h, mask=x_mask)
-    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_N, BLOCK_M]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols * stride_bias, mask=col_valid, other=0.0)
-        acc += bias.to(tl.float32)[:, None]
-    y_ptrs = y_ptr + rows[None, :] * stride_ym + cols[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=col_valid[:, None] & (rows < M)[None, :])
 
 
 @dataclass(frozen=True)
@@ -335,57 +292,6 @@ def skinny_linear(
         num_stages=config.num_stages,
     )
     return y
-
-
-def use_rmsnorm_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether rmsnorm_skinny_linear takes this projection: use_skinny's batches and weights, with
-    rows short enough (K <= NORM_MAX_K) for every program to normalise them in one step."""
-    return x.dim() == 2 and x.shape[1] <= NORM_MAX_K and use_skinny(x, weight)
-
-
-def rmsnorm_skinny_linear(
-    hidden: torch.Tensor,  # [M, K], M <= BROADCAST_MAX_M
-    update: torch.Tensor,  # [M, K]
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
-    weight: torch.Tensor,  # [N, K], K <= NORM_MAX_K
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(hidden + update) * norm_weight @ weight^T (+ bias), hidden + update) in one launch."""
-    m, n, k = _check_linear_args(hidden, weight, bias)
-    if update.shape != hidden.shape or update.dtype != hidden.dtype or norm_weight.shape != (k,):
-        raise ValueError(
-            f"rmsnorm_skinny_linear: update {tuple(update.shape)} {update.dtype} and norm_weight "
-            f"{tuple(norm_weight.shape)} must match hidden {tuple(hidden.shape)} {hidden.dtype}"
-        )
-    if m > BROADCAST_MAX_M or k > NORM_MAX_K:
-        raise ValueError(
-            f"rmsnorm_skinny_linear: M={m} (at most {BROADCAST_MAX_M}) and K={k} (at most {NORM_MAX_K}) out of range"
-        )
-    if hidden.stride(1) != 1:
-        hidden = hidden.contiguous()
-    if update.stride(1) != 1:
-        update = update.contiguous()
-    y = torch.empty((m, n), device=hidden.device, dtype=hidden.dtype)
-    h = torch.empty((m, k), device=hidden.device, dtype=hidden.dtype)
-    if m == 0 or n == 0:
-        return y, h
-    config = pick_config(m, n, k, num_sms=sm_count(hidden.device))
-    block_n = config.block_n if not config.use_dot else 8
-    num_warps = config.num_warps if not config.use_dot else 4
-    rmsnorm_skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        hidden, update, norm_weight.contiguous(), weight, bias if bias is not None else y, y, h,
-        m, n, k,
-        hidden.stride(0), update.stride(0), weight.stride(0), bias.stride(0) if bias is not None else 0,
-        y.stride(0), h.stride(0),
-        eps,
-        BLOCK_M=block_m_for(m, False),
-        BLOCK_N=block_n,
-        BLOCK_K=triton.next_power_of_2(k),
-        HAS_BIAS=bias is not None,
-        num_warps=num_warps,
-    )
-    return y, h
 
 
 def _check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:

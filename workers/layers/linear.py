@@ -20,16 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op
-from atomrt.workers.kernels.skinny_gemm import (
-    NORM_MAX_K,
-    SKINNY_MAX_WEIGHT_ELEMS,
-    rmsnorm_skinny_linear,
-    skinny_linear,
-    use_rmsnorm_skinny,
-    use_skinny,
-)
+from atomrt.workers.kernels.skinny_gemm import skinny_linear, use_skinny
 from atomrt.workers.layers.activation import silu_and_mul
-from atomrt.workers.layers.norm import rms_norm
 from atomrt.workers.layers.tp_ops import TPInfo, divide, tp_all_gather_last_dim, tp_all_reduce
 
 
@@ -61,37 +53,8 @@ def _silu_mul_linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     return _linear_impl(silu_and_mul(x), weight, bias)
 
 
-def _add_rmsnorm_linear_impl(
-    hidden: torch.Tensor, update: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(hidden + update) @ weight^T (+ bias), hidden + update); hidden, update [..., K]."""
-    k = hidden.shape[-1]
-    rows, upd = hidden.reshape(-1, k), update.reshape(-1, k)
-    if use_rmsnorm_skinny(rows, weight):
-        y, h = rmsnorm_skinny_linear(rows, upd, norm_weight, eps, weight, bias)
-    else:
-        if rows.is_cuda:
-            from atomrt.workers.kernels.rmsnorm import add_rmsnorm
-
-            normed, h = add_rmsnorm(rows, upd, norm_weight, eps)
-        else:
-            h = rows + upd
-            normed = rms_norm(h, norm_weight, eps)
-        y = _linear_impl(normed, weight, bias)
-    return y.reshape(*hidden.shape[:-1], weight.shape[0]), h.reshape(hidden.shape)
-
-
-def _add_rmsnorm_linear_fake(
-    hidden: torch.Tensor, update: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return hidden.new_empty((*hidden.shape[:-1], weight.shape[0])), torch.empty_like(hidden)
-
-
 direct_register_custom_op("linear", _linear_impl, fake_impl=_linear_fake)
 direct_register_custom_op("silu_mul_linear", _silu_mul_linear_impl, fake_impl=_linear_fake)
-direct_register_custom_op("add_rmsnorm_linear", _add_rmsnorm_linear_impl, fake_impl=_add_rmsnorm_linear_fake)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch.Tensor]" = None) -> torch.Tensor:
@@ -112,26 +75,6 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch
     if torch.compiler.is_compiling():
         return torch.ops.atomrt.silu_mul_linear(x, weight, bias)
     return _silu_mul_linear_impl(x, weight, bias)
-def add_rmsnorm_linear(
-    hidden: torch.Tensor, update: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: "Optional[torch.Tensor]" = None,
-) -> "tuple[torch.Tensor, torch.Tensor]":
-    """`(linear(rms_norm(hidden + update, norm_weight, eps), weight, bias), hidden + update)`: a
-    decoder layer's residual add, its norm and the projection after it. For a decode-sized CUDA batch
-    of short rows it is one kernel (the norm in the skinny GEMM's prologue); otherwise the add+norm
-    kernel (torch ops on CPU), then the projection. Traced, it is one opaque op."""
-    if torch.compiler.is_compiling():
-        return torch.ops.atomrt.add_rmsnorm_linear(hidden, update, norm_weight, eps, weight, bias)
-    return _add_rmsnorm_linear_impl(hidden, update, norm_weight, eps, weight, bias)
-
-
-def norm_fusable(hidden_size: int, weight: torch.Tensor) -> bool:
-    """Whether a model should hand the norm before this projection to add_rmsnorm_linear: rows short
-    enough for the fused kernel, and a weight the skinny GEMM takes. (Otherwise the add and norm stay
-    in the traced graph, where Inductor fuses them into one kernel, and the projection is plain.)"""
-    return hidden_size <= NORM_MAX_K and weight.numel() < SKINNY_MAX_WEIGHT_ELEMS
-
-
 from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, read_narrow
 
 

@@ -20,8 +20,6 @@ from atomrt.workers.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    add_rmsnorm_linear,
-    norm_fusable,
 )
 from atomrt.workers.layers.norm import RMSNorm, residual_add
 from atomrt.workers.layers.rotary import RotaryEmbedding
@@ -82,9 +80,8 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """One block. The residual stream travels between blocks as (hidden, update): this block's input
-    is hidden + update, so the add can fuse into whatever reads it first. That is the input norm and
-    the qkv projection when `fused_norms` (small hidden sizes: one skinny-GEMM launch for add, norm
-    and projection in decode), else the norm's Inductor kernel."""
+    is hidden + update, so the add can fuse into whatever reads it first (the input norm's Inductor
+    kernel)."""
 
     def __init__(self, arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> None:
         super().__init__()
@@ -92,26 +89,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(arch, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.fused_norms = norm_fusable(arch.hidden_size, self.self_attn.qkv_proj.weight) and norm_fusable(
-            arch.hidden_size, self.mlp.gate_up_proj.weight
-        )
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, update: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, update) -> the next block's (hidden, update); update None: the input is hidden."""
-        if self.fused_norms and update is not None:
-            attn, mlp = self.self_attn, self.mlp
-            qkv, hidden = add_rmsnorm_linear(
-                hidden, update, self.input_layernorm.weight, self.input_layernorm.eps, attn.qkv_proj.weight,
-                attn.qkv_proj.bias,
-            )
-            update = attn.attend(positions, qkv)
-            gate_up, hidden = add_rmsnorm_linear(
-                hidden, update, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
-                mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-            )
-            return hidden, mlp.down(gate_up)
         if update is not None:
             hidden = residual_add(hidden, update)
         hidden = residual_add(hidden, self.self_attn(positions, self.input_layernorm(hidden)))
