@@ -8,7 +8,7 @@ forward context.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -16,11 +16,7 @@ from torch import nn
 from atomrt.compile.decorators import support_torch_compile
 from atomrt.graphs.region_graph import token_graph
 from atomrt.workers.layers.attention import Attention
-from atomrt.workers.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from atomrt.workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from atomrt.workers.layers.norm import RMSNorm, residual_add
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.tp_ops import TPInfo
@@ -50,10 +46,7 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden_states))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """The rest of the block after the qkv projection: q/k norms, attention, o_proj."""
+        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
@@ -71,18 +64,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         # silu(gate) * up is the down projection's input, fused into its matmul for decode batches
-        return self.down_proj(gate_up, gated_input=True)
+        return self.down_proj(self.gate_up_proj(x), gated_input=True)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """One block. The residual stream travels between blocks as (hidden, update): this block's input
-    is hidden + update, so the add can fuse into whatever reads it first (the input norm's Inductor
-    kernel)."""
-
     def __init__(self, arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, layer_idx, tp, max_position)
@@ -90,14 +76,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, update: Optional[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, update) -> the next block's (hidden, update); update None: the input is hidden."""
-        if update is not None:
-            hidden = residual_add(hidden, update)
-        hidden = residual_add(hidden, self.self_attn(positions, self.input_layernorm(hidden)))
-        return hidden, self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = residual_add(hidden_states, self.self_attn(positions, self.input_layernorm(hidden_states)))
+        return residual_add(hidden_states, self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
 @token_graph
@@ -118,10 +99,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens] int64 -> hidden_states [num_tokens, hidden]."""
-        hidden, update = self.embed_tokens(input_ids), None
+        hidden_states = self.embed_tokens(input_ids)
         for layer in self.layers:
-            hidden, update = layer(positions, hidden, update)
-        return self.norm(residual_add(hidden, update) if update is not None else hidden)
+            hidden_states = layer(positions, hidden_states)
+        return self.norm(hidden_states)
 
 
 # (our fused parameter, checkpoint projection, shard id)
