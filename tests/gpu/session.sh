@@ -13,6 +13,11 @@
 #   quick   the three targets' shapes at level 3, FULL with async scheduling, one batch size each
 #   diag8b  Llama-3.1-8B step profiles, FULL+async level 3, with the skinny GEMM on every weight and
 #           with cuBLAS only (why the sweep's gains did not carry into the step)
+#   ab      the quick part's 135M and 1B shapes on a baseline tree and on this one, alternating, in
+#           one call (figures from different calls land on different machines and can differ by more
+#           than a change): make the baseline with
+#             mkdir .base && git archive REV runtime workers compile graphs distributed | tar -x -C .base
+#           (.base is git-ignored through .git/info/exclude) and carry it with .whl
 set -uo pipefail
 export OUT=${OUT:-/tmp/atomrt-gpu}
 mkdir -p "$OUT"
@@ -62,6 +67,21 @@ for part in "$@"; do
     diag8b)
       prof prof_8b_skinny_all 110 --mode FULL --level 3 --async-scheduling --model Llama-3.1-8B --skinny-max-weight-elems $((1 << 40))
       prof prof_8b_cublas 110 --mode FULL --level 3 --async-scheduling --model Llama-3.1-8B --skinny-max-weight-elems 0 ;;
+    ab)
+      [ -d .base/workers ] || { echo "ab: no .base tree (see the header)"; exit 2; }
+      bp=/tmp/atomrt-base
+      mkdir -p "$bp/atomrt"
+      for d in runtime workers compile graphs distributed; do ln -sfn "$PWD/.base/$d" "$bp/atomrt/$d"; done
+      for shape in "SmolLM2-135M 1" "Llama-3.2-1B 32"; do
+        read -r model bs <<< "$shape"
+        for tree in base head; do
+          root=$pp; [ "$tree" = base ] && root=$bp
+          name="ab_${tree}_${model}"
+          PYTHONPATH="$root:$pp/site" timeout 110 python3 -m atomrt.runtime.cli bench latency --json "$OUT/$name.json" \
+            --model "$model" --level 3 --modes FULL+async --batch-sizes "$bs" > "/tmp/$name.txt" 2>&1
+          echo "== $name rc=$?"; tail -1 "/tmp/$name.txt"
+        done
+      done ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
