@@ -331,8 +331,8 @@ def plan_decode(
     plan_attention does; inside the kernel a split works only on MIN_KEYS_PER_SPLIT keys or more."""
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
     # 128-key tiles: fewer dependent round trips per program. On an H200 (tests/gpu/
-    # bench_decode_attention.py --sweep) they beat 64-key tiles at 1024-key contexts by 10-25% for
-    # head_dim 64 and 128, and tied at 170 keys.
+    # bench_decode_attention.py --sweep, on the kernel's first version) they beat 64-key tiles at
+    # 1024-key contexts by 10-25% for head_dim 64 and 128, and tied at 170 keys.
     tile_n = 128 if head_dim_p <= 128 else 32
     num_programs = max(1, num_seqs * num_kv_heads)
     num_splits = 1
