@@ -35,7 +35,7 @@ def allocate_kv_cache(
     """Allocate every layer's cache, keyed "layers.<i>" as the attention op looks it up (on CUDA with
     the decode kernel's split counters, which must exist before any CUDA-graph capture)."""
     if torch.device(device).type == "cuda":
-        from atomrt.workers.kernels.paged_attention import prepare_decode_counters
+        from atomrt.workers.kernels.decode_attention import prepare_decode_counters
 
         prepare_decode_counters(device)
     caches: dict[str, KVCacheTensor] = {}

@@ -1,11 +1,10 @@
-# Paged attention on CUDA: the two entry points the attention op calls, and their launch planning.
+# Paged attention on CUDA: the kernels' entry points for prefill and mixed batches, and their launch planning.
 #   write_kv_cache     - scatter this step's k, v rows into the paged cache at slot_mapping
 #   rope_write_kv      - the same, after the rotary embedding of k, and the rotated q into a new tensor
 #   unified_attention  - causal attention of ragged query rows over their paged context (prefill with
 #                        prior context, decode, several rows per sequence for MTP verify), GQA, split-KV
-#   attention_step     - what the attention op runs: a decode batch (one row per sequence) in one
-#                        launch (decode_attention: rotary, KV write, attention, split merge), any
-#                        other batch as rope_write_kv / write_kv_cache, then unified_attention
+# A decode batch (one row per sequence) takes decode_attention.py instead: rotary, KV write,
+# attention and the split merge in one launch; its `attention_step` is what the attention op runs.
 # Two launch paths (see the guide: FULL vs TR_HYBRID):
 #   graph_safe=True   the launch depends only on the bucket (shapes, num_seqs, max_seqlen_q, KV capacity),
 #                     so a FULL CUDA graph can replay it with new metadata in the same buffers;
@@ -22,7 +21,6 @@ import torch
 import triton
 
 from atomrt.workers.kernels.attention_kernels import (
-    decode_attention_kernel,
     paged_attention_kernel,
     reduce_splits_kernel,
     rope_write_kv_kernel,
@@ -30,10 +28,10 @@ from atomrt.workers.kernels.attention_kernels import (
 )
 from atomrt.workers.kernels.device_info import sm_count
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256  # a KV split shorter than this costs more in the reduce than it saves
 MAX_SPLITS = 32
-_MAX_PARTIAL_BYTES = 64 << 20
+MAX_PARTIAL_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -74,12 +72,12 @@ def plan_attention(
     tile_n = 64 if head_dim_p <= 128 else 32
     # Few query tiles over long contexts (decode of a small batch) leave SMs idle: split the keys.
     # Split only when the grid leaves SMs idle; aim at two programs per SM, no split under
-    # MIN_KEYS_PER_SPLIT keys, and partial outputs (fp32, one per split) of at most _MAX_PARTIAL_BYTES.
+    # MIN_KEYS_PER_SPLIT keys, and partial outputs (fp32, one per split) of at most MAX_PARTIAL_BYTES.
     num_programs = max(1, num_seqs * num_q_blocks * num_kv_heads)
     num_splits = 1
     if num_programs < num_sms:
         partial_bytes = max(1, num_seqs * max_seqlen_q * num_kv_heads * group * head_dim * 4)
-        max_splits = min(MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT, _MAX_PARTIAL_BYTES // partial_bytes)
+        max_splits = min(MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_PARTIAL_BYTES // partial_bytes)
         num_splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, num_programs)))
     num_warps = 8 if block_m * head_dim_p >= 128 * 128 else 4
     return AttentionLaunch(
@@ -114,7 +112,7 @@ def write_kv_cache(
         raise ValueError(f"write_kv_cache: slot_mapping has {slot_mapping.shape[0]} rows for {num_tokens} tokens")
     if num_tokens == 0:
         return
-    k, v = _unit_last_stride(k), _unit_last_stride(v)
+    k, v = unit_last_stride(k), unit_last_stride(v)
     _check_unit_last_stride(k_cache, "k_cache")
     _check_unit_last_stride(v_cache, "v_cache")
     head_dim_p = triton.next_power_of_2(head_dim)
@@ -166,7 +164,7 @@ def rope_write_kv(
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     _check_unit_last_stride(k_cache, "k_cache")
     _check_unit_last_stride(v_cache, "v_cache")
     rope_write_kv_kernel[(num_tokens,)](
@@ -185,7 +183,7 @@ def rope_write_kv(
     return q_out
 
 
-def _plan_lengths(
+def plan_lengths(
     q: torch.Tensor,
     block_tables: torch.Tensor,
     block_size: int,
@@ -225,19 +223,53 @@ def unified_attention(
 ) -> None:
     """Causal paged attention: query row j of sequence s (n_q rows) sits at position
     context_lens[s] - n_q + j and attends to keys 0..that position of its block table."""
-    num_kv_heads, head_dim = _check_attention_args(q, k_cache, v_cache, out, block_tables)
-    group = q.shape[1] // num_kv_heads
-    plan_q, plan_k, reduce_rows = _plan_lengths(
+    check_attention_args(q, k_cache, v_cache, out, block_tables)
+    lengths = plan_lengths(
         q, block_tables, k_cache.shape[1], num_seqs, max_seqlen_q, max_seqlen_k, graph_safe,
         cu_seqlens_q_cpu, context_lens_cpu,
     )
+    attend_planned(q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale, num_seqs, lengths)
+
+
+def attend_planned(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_seqs: int,
+    lengths: tuple[int, int, int],
+) -> None:
+    """unified_attention after its checks, for `plan_lengths`' (rows, keys, rows to reduce)."""
+    plan_q, plan_k, reduce_rows = lengths
     if num_seqs == 0 or plan_q == 0:
         return
-    plan = plan_attention(num_seqs, plan_q, plan_k, num_kv_heads, group, head_dim, sm_count(q.device))
+    num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
+    plan = plan_attention(
+        num_seqs, plan_q, plan_k, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, sm_count(q.device)
+    )
     launch_attention(
         plan, q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale,
         num_seqs=num_seqs, reduce_rows=reduce_rows,
     )
+
+
+def split_workspace(
+    num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A split-KV launch's fp32 partials: unnormalised outputs [num_tokens, num_heads, num_splits,
+    head_dim] and their running max and denominator [num_tokens, num_heads, num_splits], in one
+    allocation (each costs host time on every eager call)."""
+    num_partials = num_tokens * num_heads * num_splits
+    ml_len = triton.cdiv(num_partials, 4) * 4  # keeps m and l 16-byte aligned
+    workspace = torch.empty(num_partials * head_dim + 2 * ml_len, device=device, dtype=torch.float32)
+    partial = workspace[: num_partials * head_dim].view(num_tokens, num_heads, num_splits, head_dim)
+    m = workspace[num_partials * head_dim :][:num_partials].view(num_tokens, num_heads, num_splits)
+    l = workspace[num_partials * head_dim + ml_len :][:num_partials].view(num_tokens, num_heads, num_splits)
+    return partial, m, l
 
 
 def launch_attention(
@@ -257,19 +289,11 @@ def launch_attention(
     """Runs one planned launch (tests call it directly to force a split count)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    q = _unit_last_stride(q)
+    q = unit_last_stride(q)
     grid = (num_seqs * plan.num_q_blocks, num_kv_heads, plan.num_splits)
     split = plan.num_splits > 1
     if split:
-        # [num_tokens, num_heads, num_splits, head_dim] unnormalised partial outputs, and their
-        # running max / denominator [num_tokens, num_heads, num_splits]
-        # (one allocation: each costs host time on every eager call)
-        num_partials = num_tokens * num_heads * plan.num_splits
-        ml_len = triton.cdiv(num_partials, 4) * 4  # keeps m and l 16-byte aligned
-        workspace = torch.empty(num_partials * head_dim + 2 * ml_len, device=q.device, dtype=torch.float32)
-        partial = workspace[: num_partials * head_dim].view(num_tokens, num_heads, plan.num_splits, head_dim)
-        m = workspace[num_partials * head_dim :][:num_partials].view(num_tokens, num_heads, plan.num_splits)
-        l = workspace[num_partials * head_dim + ml_len :][:num_partials].view(num_tokens, num_heads, plan.num_splits)
+        partial, m, l = split_workspace(num_tokens, num_heads, plan.num_splits, head_dim, q.device)
         dst, stride_os, m_arg, l_arg = partial, partial.stride(2), m, l
         stride_mt, stride_mh = m.stride(0), m.stride(1)
     else:
@@ -277,7 +301,7 @@ def launch_attention(
     paged_attention_kernel[grid](
         q, k_cache, v_cache, dst, m_arg, l_arg,
         cu_seqlens_q, context_lens, block_tables,
-        scale * _LOG2E, plan.num_q_blocks, plan.num_splits,
+        scale * LOG2E, plan.num_q_blocks, plan.num_splits,
         q.stride(0), q.stride(1),
         dst.stride(0), dst.stride(1), stride_os,
         stride_mt, stride_mh,
@@ -305,197 +329,7 @@ def launch_attention(
     )
 
 
-@dataclass(frozen=True)
-class DecodeLaunch:
-    """One launch of the decode kernel (one query row per sequence): tiles, KV splits, warps."""
-
-    block_m: int  # tile rows: the group's query heads, padded to >= 16 for tl.dot
-    head_dim_p: int
-    tile_n: int  # keys per inner iteration
-    num_splits: int  # grid dim 2; the live context decides how many of them work
-    min_tiles_per_split: int
-    num_warps: int
-    num_stages: int
-
-
-SPLIT_CHUNK = 4  # splits the merging program reads per step
-DECODE_COUNTERS = 4096  # split counters per device: a split launch has < num_sms (sequence, KV head) pairs
-
-
-@functools.lru_cache(maxsize=4096)
-def plan_decode(
-    num_seqs: int, max_seqlen_k: int, num_kv_heads: int, group: int, head_dim: int, num_sms: int
-) -> DecodeLaunch:
-    """Tiles and split count of a decode launch over contexts of at most `max_seqlen_k` keys (the KV
-    capacity on the graph-safe path). Splits only when (sequence, KV head) pairs leave SMs idle, as
-    plan_attention does; inside the kernel a split works only on MIN_KEYS_PER_SPLIT keys or more."""
-    head_dim_p = max(16, triton.next_power_of_2(head_dim))
-    # 128-key tiles: fewer dependent round trips per program. On an H200 (tests/gpu/
-    # bench_decode_attention.py --sweep, on the kernel's first version) they beat 64-key tiles at
-    # 1024-key contexts by 10-25% for head_dim 64 and 128, and tied at 170 keys.
-    tile_n = 128 if head_dim_p <= 128 else 32
-    num_programs = max(1, num_seqs * num_kv_heads)
-    num_splits = 1
-    if num_programs < num_sms and num_programs <= DECODE_COUNTERS:
-        partial_bytes = max(1, num_seqs * num_kv_heads * group * head_dim * 4)
-        max_splits = min(MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT, _MAX_PARTIAL_BYTES // partial_bytes)
-        num_splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, num_programs)))
-    return DecodeLaunch(
-        block_m=max(16, triton.next_power_of_2(group)),
-        head_dim_p=head_dim_p,
-        tile_n=tile_n,
-        num_splits=num_splits,
-        min_tiles_per_split=max(1, MIN_KEYS_PER_SPLIT // tile_n),
-        num_warps=8 if head_dim_p >= 128 else 4,
-        num_stages=2,
-    )
-
-
-_decode_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def prepare_decode_counters(device: torch.device) -> torch.Tensor:
-    """The device's split counters (zeroed int32), allocated on first use. Allocate them before any
-    CUDA-graph capture (the KV-cache allocation does): a recording cannot zero new memory.
-    One device's decode launches must not overlap in time (one stream): they share the counters."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    counters = _decode_counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "decode attention: split counters are allocated during a CUDA-graph capture; call "
-                "paged_attention.prepare_decode_counters(device) before capturing (allocate_kv_cache does)"
-            )
-        counters = torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=device)
-        _decode_counters[device] = counters
-    return counters
-
-
-def decode_attention(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before the rotary embedding
-    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; rows of no sequence are left as they are
-    positions: Optional[torch.Tensor],  # [num_tokens] int64, with cos/sin caches; None: no rotary
-    cos_cache: Optional[torch.Tensor],  # [max_position, head_dim / 2] fp32
-    sin_cache: Optional[torch.Tensor],
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = not written
-    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32; every sequence has 0 or 1 rows
-    context_lens: torch.Tensor,  # [num_seqs] int32, including the new row
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
-    scale: float,
-    plan: DecodeLaunch,
-    *,
-    num_seqs: int,
-) -> None:
-    """A decode step in one launch: the rotary embedding of q and k, k and v into the cache at
-    `slot_mapping`, and attention of each sequence's row over its context including the new key.
-    The caller guarantees at most one row per sequence (the kernel reads nothing past it)."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
-        raise ValueError(
-            f"decode_attention: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit q {tuple(q.shape)} "
-            f"and the caches' {num_kv_heads} KV heads"
-        )
-    has_rope = positions is not None
-    if has_rope and (cos_cache is None or sin_cache is None or cos_cache.shape[1:] != (head_dim // 2,) or head_dim % 2):
-        raise ValueError(f"decode_attention: rotary caches do not fit head_dim {head_dim} (want [max_position, {head_dim // 2}])")
-    if num_seqs == 0 or num_tokens == 0:
-        return
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    split = plan.num_splits > 1
-    if split:
-        num_partials = num_tokens * num_heads * plan.num_splits
-        ml_len = triton.cdiv(num_partials, 4) * 4  # keeps m and l 16-byte aligned
-        workspace = torch.empty(num_partials * head_dim + 2 * ml_len, device=q.device, dtype=torch.float32)
-        partial = workspace[: num_partials * head_dim].view(num_tokens, num_heads, plan.num_splits, head_dim)
-        m = workspace[num_partials * head_dim :][:num_partials].view(num_tokens, num_heads, plan.num_splits)
-        l = workspace[num_partials * head_dim + ml_len :][:num_partials].view(num_tokens, num_heads, plan.num_splits)
-        counters = prepare_decode_counters(q.device)
-        partial_strides, ml_strides = partial.stride()[:3], m.stride()[:2]
-    else:
-        partial = m = l = counters = out  # unused
-        partial_strides, ml_strides = (0, 0, 0), (0, 0)
-    if has_rope:
-        rope_args = (positions, cos_cache.contiguous(), sin_cache.contiguous())
-    else:
-        rope_args = (slot_mapping, out, out)  # unused
-    decode_attention_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
-        q, k, v, out, partial, m, l, counters, *rope_args,
-        k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, block_tables,
-        scale * _LOG2E, plan.num_splits, num_kv_heads, num_tokens, block_tables.shape[1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
-        *partial_strides, *ml_strides,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        head_dim,
-        GROUP=num_heads // num_kv_heads, BLOCK_M=plan.block_m, HALF=head_dim // 2, HEAD_DIM_P=plan.head_dim_p,
-        TILE_N=plan.tile_n, BLOCK_SIZE=k_cache.shape[1], HAS_ROPE=has_rope, SPLIT=split,
-        MIN_TILES_PER_SPLIT=plan.min_tiles_per_split, SPLIT_CHUNK=SPLIT_CHUNK,
-        IEEE_DOT=q.dtype == torch.float32,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
-
-
-def attention_step(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,
-    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    positions: Optional[torch.Tensor],  # [num_tokens] int64, or None (no rotary embedding)
-    cos_cache: Optional[torch.Tensor],
-    sin_cache: Optional[torch.Tensor],
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    *,
-    num_seqs: int,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    graph_safe: bool,
-    cu_seqlens_q_cpu: Optional[list[int]] = None,
-    context_lens_cpu: Optional[list[int]] = None,
-) -> None:
-    """The attention op's CUDA work: rotary (with `positions`), the KV write, attention into `out`.
-
-    A batch of at most one row per sequence -- by the bucket on the graph-safe path, by the live
-    lengths otherwise -- is one decode_attention launch; any other batch is rope_write_kv (or
-    write_kv_cache) followed by unified_attention."""
-    num_kv_heads, head_dim = _check_attention_args(q, k_cache, v_cache, out, block_tables)
-    plan_q, plan_k, _ = _plan_lengths(
-        q, block_tables, k_cache.shape[1], num_seqs, max_seqlen_q, max_seqlen_k, graph_safe,
-        cu_seqlens_q_cpu, context_lens_cpu,
-    )
-    if plan_q == 1:
-        plan = plan_decode(num_seqs, plan_k, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, sm_count(q.device))
-        decode_attention(
-            q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
-            cu_seqlens_q, context_lens, block_tables, scale, plan, num_seqs=num_seqs,
-        )
-        return
-    if positions is not None:
-        q = rope_write_kv(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
-    else:
-        write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-    unified_attention(
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale,
-        num_seqs=num_seqs, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, graph_safe=graph_safe,
-        cu_seqlens_q_cpu=cu_seqlens_q_cpu, context_lens_cpu=context_lens_cpu,
-    )
-
-
-def _check_attention_args(
+def check_attention_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor
 ) -> tuple[int, int]:
     """Validates shapes and dtypes; returns (num_kv_heads, head_dim)."""
@@ -530,5 +364,5 @@ def _check_unit_last_stride(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension, has stride {t.stride(-1)}")
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
