@@ -10,4 +10,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[num_tokens, 2 * d] (gate then up) -> [num_tokens, d]."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
-
