@@ -360,17 +360,17 @@ def decode_attention_kernel(
     tile_keys = tl.arange(0, TILE_N)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-    # Round trip 1: metadata, the guessed row, and the block-table entries of this split's first tile.
+    # Round trip 1: metadata, the block-table entries of this split's first tile, and the guessed row.
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
     context_len = tl.load(context_lens_ptr + seq)
+    cols = (split * TILE_N + tile_keys) // BLOCK_SIZE
+    block = tl.load(table_row + cols, mask=cols < max_blocks, other=0).to(tl.int64)
     q, q_partner, k_new, k_partner, v_new, slot, pos = _decode_row(
         seq, num_rows, kvh, q_ptr, k_ptr, v_ptr, positions_ptr, slot_mapping_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         head, row_valid, dims, dim_valid, partner, HAS_ROPE,
     )
-    cols = (split * TILE_N + tile_keys) // BLOCK_SIZE
-    block = tl.load(table_row + cols, mask=cols < max_blocks, other=0).to(tl.int64)
     if q_end <= q_start:  # a padded sequence: no row
         return
     if q_start != seq:  # the guess was wrong (a sequence before this one has no row): reload

@@ -109,9 +109,7 @@ def _broadcast_tile(
 ):
     """acc [BLOCK_N, BLOCK_M] = sum over K of W [BLOCK_N, 1, BLOCK_K] * x [1, BLOCK_M, BLOCK_K].
     The tiles are loaded 3-D, so the product keeps the loads' 16-byte-vector layout: expanding 2-D
-    loads instead makes Triton convert the W tile's layout through shared memory on every step.
-    GATED: x = silu(gate) * up, from the halves of a [M, 2K] row, rounded to x's dtype as the unfused
-    activation hands it over (every program recomputes it: x is a few KB, the weight is the cost)."""
+    loads instead makes Triton convert the W tile's layout through shared memory on every step."""
     n3 = cols[:, None, None]
     m3 = rows[None, :, None]
     k3 = tl.arange(0, BLOCK_K)[None, None, :]
@@ -119,22 +117,34 @@ def _broadcast_tile(
     w_ptrs = w_ptr + n3.to(tl.int64) * stride_wn + k3  # [BLOCK_N, 1, BLOCK_K]
     acc = tl.zeros([cols.shape[0], rows.shape[0]], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            x_mask = m3 < M
-            w = tl.load(w_ptrs, mask=n3 < N, other=0.0)
-        else:
-            k_valid = k0 + k3 < K
-            x_mask = (m3 < M) & k_valid
-            w = tl.load(w_ptrs, mask=(n3 < N) & k_valid, other=0.0)
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if GATED:
-            gate = x.to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            x = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w = _load_w_step(w_ptrs, N, K, k0, n3, k3, EVEN_K)
+        acc = _broadcast_step(acc, w, x_ptrs, M, K, k0, m3, k3, EVEN_K, GATED)
     return acc
+
+
+@triton.jit
+def _load_w_step(w_ptrs, N, K, k0, n3, k3, EVEN_K: tl.constexpr):
+    """The weight tile [BLOCK_N, 1, BLOCK_K] of the K step at k0."""
+    if EVEN_K:
+        return tl.load(w_ptrs + k0, mask=n3 < N, other=0.0)
+    return tl.load(w_ptrs + k0, mask=(n3 < N) & (k0 + k3 < K), other=0.0)
+
+
+@triton.jit
+def _broadcast_step(acc, w, x_ptrs, M, K, k0, m3, k3, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+    """acc + the products of the K step at k0: w against x's tile.
+    GATED: x = silu(gate) * up, from the halves of a [M, 2K] row, rounded to x's dtype as the unfused
+    activation hands it over (every program recomputes it: x is a few KB, the weight is the cost)."""
+    if EVEN_K:
+        x_mask = m3 < M
+    else:
+        x_mask = (m3 < M) & (k0 + k3 < K)
+    x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+    if GATED:
+        gate = x.to(tl.float32)
+        up = tl.load(x_ptrs + k0 + K, mask=x_mask, other=0.0).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(x.dtype)
+    return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)
 
 
 @dataclass(frozen=True)
