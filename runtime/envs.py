@@ -16,6 +16,7 @@ class Env:
     log_level: str  # ATOMRT_LOG_LEVEL: logging level for the "atomrt" loggers (default INFO)
     ray_address: str  # RAY_ADDRESS: an existing Ray cluster to join ("" = start a local one)
     host_ip: str  # ATOMRT_HOST_IP: this node's address for tcp:// transport ("" = detect)
+    pdl: bool  # ATOMRT_PDL: programmatic dependent launch for the decode kernels on sm90+ (default 0)
 
 
 def read_env() -> Env:
@@ -24,6 +25,7 @@ def read_env() -> Env:
         log_level=os.environ.get("ATOMRT_LOG_LEVEL", "INFO").upper(),
         ray_address=os.environ.get("RAY_ADDRESS", ""),
         host_ip=os.environ.get("ATOMRT_HOST_IP", ""),
+        pdl=os.environ.get("ATOMRT_PDL", "0") == "1",
     )
 
 

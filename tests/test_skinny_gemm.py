@@ -259,3 +259,23 @@ def test_large_gated_weight_leaves_the_activation_to_inductor() -> None:
     big = ops_traced(torch.randn(8, (linear_mod.GATED_MAX_WEIGHT_ELEMS // 8) + 1))
     assert not any("silu_mul_linear" in op for op in big)
     assert any("atomrt.linear" in op for op in big) and any("silu" in op for op in big)
+
+
+def test_pdl_needs_the_switch_and_a_cuda_device(monkeypatch) -> None:
+    """ATOMRT_PDL=1 turns programmatic dependent launch on for sm90+ CUDA devices only (the kernels'
+    PDL code is checked on the GPU: tests/gpu/test_pdl_gpu.py); the switch is part of the compile
+    cache key, since Inductor's kernels carry PDL code with it."""
+    import dataclasses
+
+    from atomrt.compile import cache
+    from atomrt.workers.kernels import device_info
+
+    off = dataclasses.replace(device_info.ENV, pdl=False)
+    monkeypatch.setattr(device_info, "ENV", off)
+    assert not device_info.use_pdl(torch.device("cuda", 0))  # decided before any CUDA call
+    monkeypatch.setattr(device_info, "ENV", dataclasses.replace(off, pdl=True))
+    assert not device_info.use_pdl(torch.device("cpu"))
+    monkeypatch.setattr(cache, "ENV", off)
+    key_off = cache.compiler_factors(torch.device("cpu"))
+    monkeypatch.setattr(cache, "ENV", dataclasses.replace(off, pdl=True))
+    assert cache.compiler_factors(torch.device("cpu")) == {**key_off, "pdl": True} and key_off["pdl"] is False

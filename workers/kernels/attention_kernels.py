@@ -330,6 +330,7 @@ def decode_attention_kernel(
     MIN_TILES_PER_SPLIT: tl.constexpr,  # a working split takes at least this many tiles
     SPLIT_CHUNK: tl.constexpr,  # splits merged per step of the merge loop
     IEEE_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (device_info.use_pdl)
 ):
     """A decode step of one sequence (at most one query row) over one KV head, for one KV split: the
     rotary embedding of q and of the new key, the new key and value into the cache, and attention over
@@ -361,11 +362,17 @@ def decode_attention_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     # Round trip 1: metadata, the block-table entries of this split's first tile, and the guessed row.
+    # With USE_PDL the metadata loads before the wait on the previous kernel (which computes q, k, v):
+    # the step's metadata is written before its forward starts, by copies or by kernels that finished
+    # before the previous one started (device_info.use_pdl).
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
     context_len = tl.load(context_lens_ptr + seq)
     cols = (split * TILE_N + tile_keys) // BLOCK_SIZE
     block = tl.load(table_row + cols, mask=cols < max_blocks, other=0).to(tl.int64)
+    if USE_PDL:  # before any return: a kernel may not finish before the one it waits on
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     q, q_partner, k_new, k_partner, v_new, slot, pos = _decode_row(
         seq, num_rows, kvh, q_ptr, k_ptr, v_ptr, positions_ptr, slot_mapping_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,

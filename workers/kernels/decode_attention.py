@@ -17,7 +17,8 @@ import torch
 import triton
 
 from atomrt.workers.kernels.attention_kernels import decode_attention_kernel
-from atomrt.workers.kernels.device_info import sm_count
+from atomrt.workers.kernels import device_info
+from atomrt.workers.kernels.device_info import sm_count, use_pdl
 from atomrt.workers.kernels.paged_attention import (
     LOG2E,
     MAX_PARTIAL_BYTES,
@@ -148,6 +149,7 @@ def decode_attention(
         rope_args = (positions, cos_cache.contiguous(), sin_cache.contiguous())
     else:
         rope_args = (slot_mapping, out, out)  # unused
+    pdl = use_pdl(q.device)
     decode_attention_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
         q, k, v, out, partial, m, l, counters, *rope_args,
         k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, block_tables,
@@ -162,8 +164,8 @@ def decode_attention(
         GROUP=num_heads // num_kv_heads, BLOCK_M=plan.block_m, HALF=head_dim // 2, HEAD_DIM_P=plan.head_dim_p,
         TILE_N=plan.tile_n, BLOCK_SIZE=k_cache.shape[1], HAS_ROPE=has_rope, SPLIT=split,
         MIN_TILES_PER_SPLIT=plan.min_tiles_per_split, SPLIT_CHUNK=SPLIT_CHUNK,
-        IEEE_DOT=q.dtype == torch.float32,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        IEEE_DOT=q.dtype == torch.float32, USE_PDL=pdl,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=pdl and device_info.PDL_ATTRIBUTE,
     )
 
 

@@ -1,4 +1,5 @@
-"""What the kernels' launch planning reads of the device: its SM count (cached per device).
+"""What the kernels' launch planning reads of the device: its SM count (cached per device), and
+whether the decode kernels launch with programmatic dependent launch.
 
 On CPU (Triton's interpreter) a small stand-in count keeps the planned grids small.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from atomrt.runtime.envs import ENV
 
 INTERPRETER_SMS = 4  # stands in for the SM count when the Triton interpreter runs on CPU
 
@@ -22,3 +25,26 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SMS
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# False: kernels still compile their PDL code (use_pdl) but launch without the attribute, so they run
+# one after another: the same arithmetic without the overlap (tests/gpu/test_pdl_gpu.py's reference).
+PDL_ATTRIBUTE = True
+
+
+@functools.cache
+def _cuda_capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch (ATOMRT_PDL=1, sm90+).
+
+    A kernel launched so may start while the kernel before it in the stream finishes. Such a kernel
+    must call `gdc_wait` before it touches anything that kernel writes or reads (every store, and every
+    load but those of weights, which no kernel writes during a forward), and calls
+    `gdc_launch_dependents` only after that wait: then, when a kernel starts, every kernel but the one
+    just before it has finished, and whatever it loads before its wait cannot be in flight."""
+    if not ENV.pdl or device.type != "cuda":
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9

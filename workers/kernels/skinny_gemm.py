@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from atomrt.workers.kernels.device_info import sm_count
+from atomrt.workers.kernels import device_info
+from atomrt.workers.kernels.device_info import sm_count, use_pdl
 
 SKINNY_MAX_M = 64  # the kernel keeps all M rows of x in registers: larger M belongs to cuBLAS
 BROADCAST_MAX_M = 4  # default heuristic: broadcast-sum up to this M, tl.dot above it
@@ -54,17 +55,21 @@ def skinny_gemm_kernel(
     GATED: tl.constexpr,  # x is [M, 2K] (gate | up) and the product reads silu(gate) * up (broadcast path)
     IEEE_DOT: tl.constexpr,  # fp32 inputs: full-precision dots instead of tf32
     NUM_STAGES: tl.constexpr,  # set on the K loop too, so that the broadcast path's loads pipeline
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (device_info.use_pdl)
 ):
     """Columns pid * BLOCK_N .. + BLOCK_N of y for all M rows. The tile is kept transposed,
     acc [BLOCK_N, BLOCK_M], so that W's rows are the MMA's M side on the dot path."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     if USE_DOT:
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         acc = _dot_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols, rows,
                         BLOCK_K, EVEN_K, IEEE_DOT, NUM_STAGES)
     else:
         acc = _broadcast_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols, rows,
-                              BLOCK_K, EVEN_K, GATED, NUM_STAGES)
+                              BLOCK_K, EVEN_K, GATED, NUM_STAGES, USE_PDL)
     col_valid = cols < N
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols * stride_bias, mask=col_valid, other=0.0)
@@ -106,17 +111,26 @@ def _dot_tile(
 def _broadcast_tile(
     x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols, rows,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] = sum over K of W [BLOCK_N, 1, BLOCK_K] * x [1, BLOCK_M, BLOCK_K].
     The tiles are loaded 3-D, so the product keeps the loads' 16-byte-vector layout: expanding 2-D
-    loads instead makes Triton convert the W tile's layout through shared memory on every step."""
+    loads instead makes Triton convert the W tile's layout through shared memory on every step.
+    USE_PDL: the first K step is peeled off the loop and its weight tile loads before the wait on the
+    previous kernel, so that memory round trip overlaps the previous kernel's end (no kernel writes
+    weights during a forward)."""
     n3 = cols[:, None, None]
     m3 = rows[None, :, None]
     k3 = tl.arange(0, BLOCK_K)[None, None, :]
     x_ptrs = x_ptr + m3 * stride_xm + k3  # [1, BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + n3.to(tl.int64) * stride_wn + k3  # [BLOCK_N, 1, BLOCK_K]
     acc = tl.zeros([cols.shape[0], rows.shape[0]], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+    if USE_PDL:
+        w = _load_w_step(w_ptrs, N, K, 0, n3, k3, EVEN_K)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        acc = _broadcast_step(acc, w, x_ptrs, M, K, 0, m3, k3, EVEN_K, GATED)
+    for k0 in tl.range(BLOCK_K if USE_PDL else 0, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _load_w_step(w_ptrs, N, K, k0, n3, k3, EVEN_K)
         acc = _broadcast_step(acc, w, x_ptrs, M, K, k0, m3, k3, EVEN_K, GATED)
     return acc
@@ -285,6 +299,7 @@ def skinny_linear(
             raise ValueError(f"skinny_linear: gated runs the broadcast path, M={m} > {BROADCAST_MAX_M}")
         config = heuristic_config(m, n, k, sm_count(x.device))
     grid = (triton.cdiv(n, config.block_n),)
+    pdl = use_pdl(x.device)
     skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else y, y,
         m, n, k,
@@ -293,13 +308,15 @@ def skinny_linear(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         USE_DOT=config.use_dot,
-        EVEN_K=k % config.block_k == 0,
+        EVEN_K=k > 0 and k % config.block_k == 0,  # K = 0 takes the masked loads (USE_PDL's peeled step)
         HAS_BIAS=bias is not None,
         GATED=gated,
         IEEE_DOT=x.dtype == torch.float32,
         NUM_STAGES=config.num_stages,
+        USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl and device_info.PDL_ATTRIBUTE,
     )
     return y
 
