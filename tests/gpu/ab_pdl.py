@@ -1,25 +1,32 @@
-"""Programmatic dependent launch off and on, alternating, in one process: `atomrt bench latency` rows
-for each setting (figures from different GPU calls land on different machines and can differ by
-more than the change).
+"""Programmatic dependent launch off and on, alternating, in one process (figures from different GPU
+calls land on different machines and can differ by more than the change).
 
-    python tests/gpu/ab_pdl.py [--model SmolLM2-135M:1,Llama-3.2-1B:32] [--rounds 2] [--out DIR]
-        [-- extra bench latency args]
-Each (model:batch size) runs FULL+async at level 3, PDL off then on, `--rounds` times. The first
-round of each setting compiles; later rounds load the compile cache (its key includes the setting).
-Prints one summary line per model: the median of each setting's rows.
+    python tests/gpu/ab_pdl.py [--model SmolLM2-135M:1,Llama-3.2-1B:32] [--rounds 2] [--decode-steps 64]
+For each (model:batch size), FULL+async at level 3, PDL off then on, `--rounds` times, one LLM each:
+- the decode step as `atomrt bench latency` times it (median ms over --decode-steps steps);
+- the bucket's request graph replayed 50 times back to back: GPU us per replay (the step's GPU
+  work alone, with the host out of the way) and host us per replay call.
+The first round of each setting compiles; later rounds load the compile cache (its key includes the
+setting). Prints one summary line per model: the median of each setting's figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import gc
+import re
 import statistics
-from pathlib import Path
+import time
+
+import numpy as np
+import torch
 
 from atomrt.compile import backends, cache
 from atomrt.runtime import bench_latency
+from atomrt.runtime.llm import LLM
 from atomrt.workers.kernels import device_info
+from profile_step import replay_costs
 
 
 def set_pdl(on: bool) -> None:
@@ -28,15 +35,33 @@ def set_pdl(on: bool) -> None:
         module.ENV = env
 
 
+def measure(model: str, bs: int, args: argparse.Namespace) -> tuple[float, float, float]:
+    """(step ms, replay GPU us, replay host us) of one fresh LLM."""
+    t = time.perf_counter()
+    llm = LLM(model, load_format="dummy", max_num_seqs=bs, cuda_graph_sizes=[bs],
+              **bench_latency.mode_settings("FULL+async", 3, True))
+    try:
+        print(f"   built in {time.perf_counter() - t:.1f} s", flush=True)
+        step_ms = float(np.median(bench_latency.time_decode(llm, bs, args, seed=bs))) * 1e3
+        replay = replay_costs(llm.engine)
+        host, gpu = (float(x) for x in re.findall(r"([\d.]+) us", replay))
+        return step_ms, gpu, host
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="SmolLM2-135M:1,Llama-3.2-1B:32")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default="/tmp/ab_pdl")
-    ap.add_argument("extra", nargs="*")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--warmup-steps", type=int, default=8)
     a = ap.parse_args()
-    out = Path(a.out)
-    import torch
     import triton
     from torch._inductor import config as inductor_config
 
@@ -45,19 +70,20 @@ def main() -> None:
     summary = []
     for spec in a.model.split(","):
         model, bs = spec.split(":")
-        medians: dict[bool, list[float]] = {False: [], True: []}
+        figures: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
         for rnd in range(a.rounds):
             for on in (False, True):
                 set_pdl(on)
-                path = out / f"{model}_bs{bs}_pdl{int(on)}_r{rnd}.json"
-                print(f"== {model} bs={bs} pdl={'on' if on else 'off'} round {rnd}", flush=True)
-                bench_latency.main(["--model", model, "--level", "3", "--modes", "FULL+async",
-                                    "--batch-sizes", bs, "--json", str(path), *a.extra])
-                rows = json.loads(path.read_text())["rows"]
-                medians[on] += [r["ms_median"] for r in rows]
-        off, on_ = statistics.median(medians[False]), statistics.median(medians[True])
-        summary.append(f"{model} bs={bs}: PDL off {off:.3f} ms {medians[False]}, on {on_:.3f} ms {medians[True]} "
-                       f"({(on_ / off - 1) * 100:+.1f}%)")
+                step, gpu, host = measure(model, int(bs), a)
+                figures[on].append((step, gpu, host))
+                print(f"== {model} bs={bs} pdl={'on' if on else 'off'} round {rnd}: step {step:.3f} ms, "
+                      f"graph replay GPU {gpu:.1f} us, host {host:.1f} us", flush=True)
+        med = {on: [statistics.median(f[i] for f in figures[on]) for i in range(3)] for on in (False, True)}
+        summary.append(
+            f"{model} bs={bs}: step ms off {med[False][0]:.3f} on {med[True][0]:.3f}; "
+            f"replay GPU us off {med[False][1]:.1f} on {med[True][1]:.1f} ({(med[True][1] / med[False][1] - 1) * 100:+.1f}%); "
+            f"replay host us off {med[False][2]:.1f} on {med[True][2]:.1f}"
+        )
     print("\n".join(summary))
 
 

@@ -13,6 +13,8 @@
 #   quick   the three targets' shapes at level 3, FULL with async scheduling, one batch size each
 #   diag8b  Llama-3.1-8B step profiles, FULL+async level 3, with the skinny GEMM on every weight and
 #           with cuBLAS only (why the sweep's gains did not carry into the step)
+#   pdl     programmatic dependent launch: 135M bs=1 and 1B bs=32 with ATOMRT_PDL off and on,
+#           alternating in one process (tests/gpu/ab_pdl.py), then its bitwise-equality tests
 #   ab      the quick part's 135M and 1B shapes on a baseline tree and on this one, alternating, in
 #           one call (figures from different calls land on different machines and can differ by more
 #           than a change): make the baseline with
@@ -38,7 +40,7 @@ for part in "$@"; do
       prof prof_1b_full_l3_bs32 80 --mode FULL --level 3 --model Llama-3.2-1B --bs 32 ;;
     tests)
       run pytest-gpu 340 python3 -m pytest -p no:cacheprovider -q -rs -s -m gpu tests/gpu
-      run pytest-multigpu 200 python3 -m pytest -p no:cacheprovider -q -rs -m multigpu tests/gpu ;;
+      run pytest-multigpu 260 python3 -m pytest -p no:cacheprovider -q -rA --tb=long -m multigpu tests/gpu ;;
     dist)
       run transport 90 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
       run tp_overhead_l0 100 python3 -m atomrt.runtime.cli bench latency --compare-executors --json "$OUT/tp_overhead_l0.json"
@@ -67,6 +69,9 @@ for part in "$@"; do
     diag8b)
       prof prof_8b_skinny_all 110 --mode FULL --level 3 --async-scheduling --model Llama-3.1-8B --skinny-max-weight-elems $((1 << 40))
       prof prof_8b_cublas 110 --mode FULL --level 3 --async-scheduling --model Llama-3.1-8B --skinny-max-weight-elems 0 ;;
+    pdl)
+      run ab_pdl 330 python3 tests/gpu/ab_pdl.py --out /tmp/ab_pdl
+      run pytest-pdl 230 python3 -m pytest -p no:cacheprovider -q -rA --tb=short -m gpu tests/gpu/test_pdl_gpu.py ;;
     ab)
       [ -d .base/workers ] || { echo "ab: no .base tree (see the header)"; exit 2; }
       bp=/tmp/atomrt-base
