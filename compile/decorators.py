@@ -146,6 +146,12 @@ class TorchCompileWrapperWithCustomDispatcher:
             self._compiled_forward = lambda _self, *a, **k: self.compiled_callable(*a, **k)
             return
         self._compiled_forward = self.dispatch_to_code(0) if self.use_custom_dispatcher else None
+        if self._compiled_forward is not None:
+            # Calls bypass Dynamo from here on, so its cache entry for `forward`'s code is dead
+            # weight. Left there, every instance compiled in this process adds one (Dynamo guards on
+            # `self`), and the one past torch._dynamo.config.recompile_limit (8) fails to compile:
+            # a hard error under fullgraph=True.
+            torch._dynamo.eval_frame.remove_from_cache(original)
         self._dump_transformed_code(code)
 
     def _dump_transformed_code(self, code: types.CodeType) -> None:

@@ -129,6 +129,16 @@ def test_custom_dispatcher_skips_guards(tmp_path):
     assert torch._dynamo.utils.counters["frames"]["total"] == frames
 
 
+def test_more_instances_than_the_recompile_limit(tmp_path):
+    """Every LLM in a process compiles its own model: past Dynamo's recompile limit (8 per code
+    object) the instances still compile, and each gives eager's output."""
+    limit = torch._dynamo.config.recompile_limit
+    for i in range(limit + 3):
+        model, eager = make_models(make_config(3, str(tmp_path), use_inductor=False))
+        assert max_diff(model, eager) <= 1e-6, f"instance {i}"
+        assert model._compiled_forward is not None, f"instance {i} runs through the custom dispatcher"
+
+
 class _BufferUpdater(nn.Module):
     def __init__(self) -> None:
         super().__init__()
