@@ -170,3 +170,32 @@ def test_plain_greedy_batch_builds_no_row_tensors_and_takes_the_argmax():
     assert t.all_greedy and t.temperatures.numel() == 0
     logits = torch.randn(3, 10)
     assert Sampler()(logits, t).sampled_token_ids.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_sample_as_their_float32_values(dtype) -> None:
+    """The LM head hands over logits in the model's dtype: greedy (ties included: the first maximal
+    index), penalties and logprobs give what the same values in float32 give."""
+    logits = random_logits(6).to(dtype)
+    logits[0, 3] = logits[0, 9] = logits[0].max() + 1  # a tie: index 3 wins
+    greedy = Sampler()(logits, tensors([SamplingParams(temperature=0)] * 6))
+    assert greedy.sampled_token_ids[0].item() == 3
+    assert torch.equal(greedy.sampled_token_ids, logits.float().argmax(-1))
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3, logprobs=2)] * 6
+    t = tensors(params, outputs=[[1, 2]] * 6)
+    got, want = Sampler()(logits, t), Sampler()(logits.float(), t)
+    assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+    torch.testing.assert_close(got.logprobs.sampled_logprobs, want.logprobs.sampled_logprobs, rtol=0, atol=0)
+    assert logits.dtype == dtype, "the sampler does not modify its input"
+
+
+def test_lm_head_hands_over_logits_in_the_model_dtype() -> None:
+    """No float32 copy of [rows, vocab] per step: the logits are the head's product, unpadded."""
+    from atomrt.workers.layers.vocab import ParallelLMHead
+
+    head = ParallelLMHead(VOCAB, 16)
+    head.weight.data = torch.randn(VOCAB, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    hidden = torch.randn(3, 16, dtype=torch.bfloat16)
+    logits = head.compute_logits(hidden)
+    assert logits.dtype == torch.bfloat16 and logits.shape == (3, VOCAB)
+    assert torch.equal(logits, torch.nn.functional.linear(hidden, head.weight))

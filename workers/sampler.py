@@ -234,10 +234,11 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, t: SamplingTensors, generator: Optional[torch.Generator] = None
     ) -> SamplerOutput:
-        """logits [num_seqs, vocab] float32 (not modified). `generator` drives unseeded rows."""
+        """logits [num_seqs, vocab] in float32 or the model's dtype (not modified); everything but
+        the plain greedy argmax computes on a float32 copy. `generator` drives unseeded rows."""
         if t.all_greedy and not t.do_penalties and all(k is None for k in t.num_logprobs):
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1))  # the common greedy step
-        logits = logits.float().clone()
+        logits = logits.to(torch.float32, copy=True)
         if t.do_penalties:
             logits = apply_penalties(logits, t)
         greedy_tokens = logits.argmax(dim=-1)

@@ -48,10 +48,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; with tied embeddings its weight is the embedding's Parameter."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab_size] float32."""
+        """[n, hidden] -> [n, vocab_size] in the weight's dtype. A bf16 model's logits stay bf16: a
+        greedy step's argmax reads them as they are (converting to float32 is exact, so the index is
+        the same), and the sampler converts them where it computes (penalties, softmax, logprobs)."""
         logits = F.linear(hidden_states, self.weight)  # [n, num_rows_per_rank]
         logits = tp_all_gather_last_dim(logits, self.tp)
-        return logits[:, : self.vocab_size].float()
+        return logits[:, : self.vocab_size]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden_states)
