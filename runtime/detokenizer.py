@@ -78,11 +78,12 @@ class Detokenizer:
     def take_stream_delta(self, finished: bool) -> str:
         """Text not yet streamed. While running, a tail that could begin a stop string is held
         back; once finished, everything left is released."""
-        end = len(self.output_text)
+        text = self.output_text
+        end = len(text)
         if not finished:
-            end -= held_back_len(self.output_text, self.stop)
+            end -= held_back_len(text, self.stop)
         end = max(end, self.num_streamed_chars)
-        delta = self.output_text[self.num_streamed_chars : end]
+        delta = text[self.num_streamed_chars : end]
         self.num_streamed_chars = end
         return delta
 

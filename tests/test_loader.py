@@ -128,6 +128,28 @@ def test_tp_shards_cover_the_model() -> None:
         build_model(arch, "meta", torch.float32, TPInfo(0, 2), max_position=16)
 
 
+def test_tokenizer_decode_is_transformers_decode(gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's decode (the Rust tokenizer's, called directly where that is all transformers
+    does) gives transformers' text for random windows of ids, special tokens and byte pieces
+    included; a tokenizer that cleans up spaces keeps transformers' decode."""
+    import random
+
+    from atomrt.workers.tokenizer import Tokenizer, load_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    assert tokenizer._rust_decode is not None, "the embedded tokenizer takes the direct path"
+    rng = random.Random(0)
+    specials = [0, 1, 2]  # <|endoftext|>, <|im_start|>, <|im_end|>
+    for _ in range(300):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(tokenizer.vocab_size)
+               for _ in range(rng.randrange(0, 12))]
+        for skip in (True, False):
+            assert tokenizer.decode(ids, skip) == tokenizer.hf.decode(ids, skip_special_tokens=skip), (ids, skip)
+    tokenizer.hf.clean_up_tokenization_spaces = True
+    assert Tokenizer(tokenizer.hf, (2,))._rust_decode is None
+
+
 def test_embedded_tokenizer_round_trip_and_chat_template(gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from atomrt.workers.tokenizer import load_tokenizer
 

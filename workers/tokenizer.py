@@ -17,11 +17,16 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.bos_token_id: Optional[int] = hf_tokenizer.bos_token_id
         self.vocab_size: int = len(hf_tokenizer)
+        # Streaming decodes every running sequence's window twice a step: where transformers' decode
+        # would only call the Rust tokenizer, call it directly (about 1.6 of 2.5 us per call here).
+        self._rust_decode = _plain_rust_decode(hf_tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
@@ -32,6 +37,23 @@ class Tokenizer:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
         text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _plain_rust_decode(hf: Any) -> Any:
+    """The Rust tokenizer's `decode` when transformers' `decode` of a list of ids is exactly that
+    call: a tokenizers-backed class that overrides neither `decode` nor `_decode`, and no clean-up
+    of tokenization spaces. None otherwise (slow tokenizers, model-specific decoding)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    rust = getattr(hf, "_tokenizer", None)
+    if not isinstance(hf, PreTrainedTokenizerFast) or rust is None or hf.clean_up_tokenization_spaces:
+        return None
+    base = PreTrainedTokenizerFast
+    if type(hf).decode is not base.decode or type(hf)._decode is not base._decode:
+        return None
+    return rust.decode
 
 
 def load_tokenizer(resolved: ResolvedModel, tokenizer_path: Optional[str] = None) -> Tokenizer:
