@@ -120,11 +120,11 @@ class SamplingTensors:
     @classmethod
     def plain_greedy(cls, num_seqs: int, device: torch.device) -> "SamplingTensors":
         """Every row greedy, no penalties, no logprobs: the sampler takes the argmax and reads no
-        per-row tensor, so none is built or copied (the common decode step)."""
-        empty = torch.empty(0, device=device)
-        no_ids = torch.empty(0, 0, dtype=torch.int64, device=device)
+        per-row tensor, so none is built or copied (the common decode step). The empty tensors are
+        made once per device (a CUDA tensor costs the host microseconds every step)."""
+        empty, empty_long, no_ids = _empty_tensors(torch.device(device))
         return cls(
-            temperatures=empty, top_ps=empty, top_ks=empty.long(), min_ps=empty,
+            temperatures=empty, top_ps=empty, top_ks=empty_long, min_ps=empty,
             repetition_penalties=empty, presence_penalties=empty, frequency_penalties=empty,
             prompt_token_ids=no_ids, output_token_ids=no_ids,
             seeds=[None] * num_seqs, num_output_tokens=[0] * num_seqs, num_logprobs=[None] * num_seqs,
@@ -223,6 +223,19 @@ def _exponential_noise(probs: torch.Tensor, t: SamplingTensors, generator: Optio
             g.manual_seed(_mix_seed(seed, t.num_output_tokens[i]))
             q[i].exponential_(generator=g)
     return q.clamp_min_(1e-30)  # a zero draw would turn a masked token's 0 / 0 into NaN
+
+
+_EMPTY: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _empty_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float32 [0], int64 [0], int64 [0, 0]) on `device`, shared: nothing ever writes them."""
+    tensors = _EMPTY.get(device)
+    if tensors is None:
+        tensors = (torch.empty(0, device=device), torch.empty(0, dtype=torch.int64, device=device),
+                   torch.empty(0, 0, dtype=torch.int64, device=device))
+        _EMPTY[device] = tensors
+    return tensors
 
 
 class Sampler:
