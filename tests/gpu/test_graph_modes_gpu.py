@@ -54,7 +54,24 @@ def eager_tokens():
 MODES = ["NONE", "FULL", "TR_HYBRID", "FULL_DECODE_ONLY", "FULL_AND_TR_HYBRID"]
 
 
-def check_matches_eager(tokens, info, mode: str, eager_tokens, label: str) -> None:
+def describe_mismatches(tokens, eager_tokens, mismatched, eager_logprobs=None) -> str:
+    """Where each of the first mismatched requests first differs; with eager's logprobs (top 2 per
+    position), the margin between eager's two best tokens there: a margin near 0 is a greedy
+    near-tie that a different summation order can flip, a large one a wrong result."""
+    lines = []
+    for i in mismatched[:8]:
+        a, b = tokens[i], eager_tokens[i]
+        pos = next((p for p, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        line = f"request {i}: first differs at token {pos} of {len(b)} ({a[pos:pos + 1]} vs eager {b[pos:pos + 1]})"
+        if eager_logprobs is not None and pos < len(eager_logprobs[i]):
+            top = sorted(eager_logprobs[i][pos].values(), reverse=True)
+            if len(top) >= 2:
+                line += f", eager's top-2 logprob margin there {top[0] - top[1]:.3g}"
+        lines.append(line)
+    return "; ".join(lines)
+
+
+def check_matches_eager(tokens, info, mode: str, eager_tokens, label: str, eager_logprobs=None) -> None:
     """The mode captured the graphs it should (token graphs or request graphs) and every request's
     greedy tokens equal eager's. The TP=2 tier (test_tp_gpu.py) checks with it too."""
     m = CUDAGraphMode[mode]
@@ -65,7 +82,10 @@ def check_matches_eager(tokens, info, mode: str, eager_tokens, label: str) -> No
         else:
             assert info.req_keys and not info.decode_token_sizes
     mismatched = [i for i, (a, b) in enumerate(zip(tokens, eager_tokens)) if a != b]
-    assert not mismatched, f"{label}: requests {mismatched[:8]} differ from eager"
+    assert not mismatched, (
+        f"{label}: requests {mismatched[:8]} differ from eager: "
+        + describe_mismatches(tokens, eager_tokens, mismatched, eager_logprobs)
+    )
 
 
 @pytest.mark.parametrize("level", [0, 3])

@@ -33,11 +33,12 @@ LADDER_TOP = 32  # capture [1..8, 16, 32]
 NUM_REQUESTS = 32
 
 
-def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
+def _requests(logprobs=None) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 49000) for _ in range(rng.randrange(1, 100))] for _ in range(NUM_REQUESTS)]
     # staggered lengths: the decode batch shrinks 32 -> 1 through every bucket and between buckets
-    params = [SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 30, ignore_eos=True) for i in range(NUM_REQUESTS)]
+    params = [SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 30, ignore_eos=True, logprobs=logprobs)
+              for i in range(NUM_REQUESTS)]
     return prompts, params
 
 
@@ -53,14 +54,16 @@ def ray_session():
     ray.shutdown()
 
 
-def _run(executor: str, mode, enforce_eager: bool = False, **settings):
+def _run(executor: str, mode, enforce_eager: bool = False, logprobs=None, **settings):
     cc = CompilationConfig(level=0, cudagraph_mode=mode, cuda_graph_sizes=[LADDER_TOP])
     llm = LLM(**MODEL, executor=executor, enforce_eager=enforce_eager, compilation_config=cc,
               max_num_seqs=NUM_REQUESTS, gpu_memory_utilization=0.5, **settings)
     pids = dict(llm.engine.executor.worker_pids)
     try:
-        prompts, params = _requests()
+        prompts, params = _requests(logprobs)
         outs = llm.generate(prompts, params)
+        if logprobs is not None:
+            return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
         return [o.outputs[0].token_ids for o in outs], llm.engine.info
     finally:
         llm.shutdown()
@@ -74,23 +77,33 @@ def eager_tokens(ray_session):
     return tokens
 
 
-def _check(tokens, info, mode: str, eager_tokens) -> None:
-    check_matches_eager(tokens, info, mode, eager_tokens, f"TP=2 {mode} vs TP=2 eager")
+@pytest.fixture(scope="module")
+def eager_logprobs(ray_session, eager_tokens):
+    """Eager's top-2 logprobs per token, for the report of a mismatch (is it a near-tie?); run
+    only when a test mismatches. Asking for logprobs leaves greedy's tokens as they are."""
+    tokens, logprobs = _run("ray", None, enforce_eager=True, logprobs=2)
+    assert tokens == eager_tokens, "eager's greedy tokens changed when logprobs were asked for"
+    return logprobs
+
+
+def _check(tokens, info, mode: str, eager_tokens, request) -> None:
+    logprobs = request.getfixturevalue("eager_logprobs") if tokens != eager_tokens else None
+    check_matches_eager(tokens, info, mode, eager_tokens, f"TP=2 {mode} vs TP=2 eager", logprobs)
 
 
 @pytest.mark.parametrize("mode", ["NONE", "FULL", "TR_HYBRID"])
-def test_ray_tp2_mode_matches_eager(eager_tokens, mode):
+def test_ray_tp2_mode_matches_eager(eager_tokens, mode, request):
     tokens, info = _run("ray", mode)
-    _check(tokens, info, mode, eager_tokens)
+    _check(tokens, info, mode, eager_tokens, request)
 
 
-def test_mp_tp2_tr_hybrid_matches_eager(eager_tokens):
+def test_mp_tp2_tr_hybrid_matches_eager(eager_tokens, request):
     tokens, info = _run("mp", "TR_HYBRID")
-    _check(tokens, info, "TR_HYBRID", eager_tokens)
+    _check(tokens, info, "TR_HYBRID", eager_tokens, request)
 
 
 @pytest.mark.parametrize("mode", ["FULL", "TR_HYBRID"])
-def test_ray_tp2_async_scheduling_matches_eager(eager_tokens, mode):
+def test_ray_tp2_async_scheduling_matches_eager(eager_tokens, mode, request):
     """Pipelined plans over ZeroMQ; both TP ranks feed their own pending tokens (plain greedy)."""
     tokens, info = _run("ray", mode, async_scheduling=True)
-    _check(tokens, info, mode, eager_tokens)
+    _check(tokens, info, mode, eager_tokens, request)
