@@ -4,6 +4,8 @@
 # Usage (repo root): bash tests/gpu/session.sh PART...   parts, run in the order given:
 #   probe   step profiles (profile_step.py) of SmolLM2-135M and Llama-3.2-1B, FULL, level 3
 #   tests   the gpu tier, then the multigpu tier (needs nvidia-h200-x2)
+#   full    (nvidia-h200-x2, ~570 s) the multigpu tier first, then the gpu tier on GPU 0 while the
+#           quick part's 135M and 1B benches run on GPU 1 (the host is shared: say so with figures)
 #   dist    transport round trip, Ray vs in-process (levels 0 and 3), the 135M step profile
 #   bench   atomrt bench latency: the three shapes at level 3, the 512 ladder's capture, Ray / mp vs
 #           in-process at level 3, eager
@@ -35,6 +37,14 @@ prof() { run "$1" "$2" python3 tests/gpu/profile_step.py "${@:3}"; }
 bench() { run "$1" "$2" python3 -m atomrt.runtime.cli bench latency --json "$OUT/$1.json" "${@:3}"; }
 for part in "$@"; do
   case "$part" in
+    full)
+      run pytest-multigpu 250 python3 -m pytest -p no:cacheprovider -q -rA --tb=long -m multigpu tests/gpu
+      ( export CUDA_VISIBLE_DEVICES=1
+        bench quick_135m 100 --model SmolLM2-135M --level 3 --modes FULL+async --batch-sizes 1
+        bench quick_1b 110 --model Llama-3.2-1B --level 3 --modes FULL+async --batch-sizes 32 ) > "$OUT/side.log" 2>&1 &
+      side=$!  # waited for by pid: a pgrep -f pattern also matches this script's own command line
+      CUDA_VISIBLE_DEVICES=0 run pytest-gpu 310 python3 -m pytest -p no:cacheprovider -q -rs -m gpu tests/gpu
+      wait "$side"; cat "$OUT/side.log" ;;
     probe)
       prof prof_135m_full_l3 70 --mode FULL --level 3
       prof prof_1b_full_l3_bs32 80 --mode FULL --level 3 --model Llama-3.2-1B --bs 32 ;;
