@@ -7,7 +7,8 @@ Prints (dummy weights of --model):
 - host time per phase (perf_counter, no extra synchronisation): driver (schedule, decide, plan,
   postprocess), the worker's launch outside the runner, runner.prepare, the forward launch,
   logits + sampler launch, and `executor.collect`: the wait in the step's one synchronisation
-  (the GPU still running) plus the readback;
+  (the GPU still running) plus the readback; inside those, the request graph's replay call, the
+  LM head's launch, the readback's start and the worker's mirrors (apply, build);
 - the forward's GPU time alone (CUDA events around run_model);
 - the largest request graph's replay alone: host us per launch and GPU us per replay;
 - the GPU kernels of one step (torch.profiler: count and total kernel time, the top kernels);
@@ -66,6 +67,16 @@ def phase_times(eng, steps: int) -> tuple[dict, float]:
     runner.run_model = _timed(acc, "runner.run_model (launch)", run_model_events)
     sampler = runner.sampler
     runner.sampler = _timed(acc, "sampler (launch)", sampler)
+    # Inside the worker's launch: where its host time goes (attributes set on the instances; deleted
+    # afterwards so the class's methods show through again).
+    parts = [(runner.model, "compute_logits", "  run_model: compute_logits (launch)"),
+             (runner, "start_readback", "worker: start_readback"),
+             (worker.mirrors, "build", "worker: mirrors.build"),
+             (worker.mirrors, "apply", "worker: mirrors.apply")]
+    if runner.req_graph is not None:
+        parts.append((runner.req_graph, "replay", "  run_model: req_graph.replay (launch)"))
+    for obj, name, label in parts:
+        setattr(obj, name, _timed(acc, label, getattr(obj, name)))
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
@@ -73,6 +84,8 @@ def phase_times(eng, steps: int) -> tuple[dict, float]:
     torch.cuda.synchronize()
     ex.submit, ex.collect, runner.execute, runner.prepare, runner.run_model = originals
     runner.sampler = sampler
+    for obj, name, _ in parts:
+        delattr(obj, name)
     acc = {k: v / steps for k, v in acc.items()}
     acc["step"] = total / steps
     acc["driver (step - submit - collect)"] = acc["step"] - acc["executor.submit"] - acc["executor.collect"]
