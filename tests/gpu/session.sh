@@ -32,6 +32,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$pp/site" .whl/*.whl
 fi
 export PYTHONPATH="$pp:$pp/site" PYTHONUNBUFFERED=1
+# Which machine: figures differ between calls by more than a change (the runtime, gVisor or
+# Firecracker, shows in the kernel release; host speed in the cores' model).
+echo "machine: kernel $(uname -r), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?"; tail -4 "$OUT/$name.txt"; }
 prof() { run "$1" "$2" python3 tests/gpu/profile_step.py "${@:3}"; }
 bench() { run "$1" "$2" python3 -m atomrt.runtime.cli bench latency --json "$OUT/$1.json" "${@:3}"; }
