@@ -39,7 +39,6 @@ from atomrt.compile.cache import (
 from atomrt.compile.compiler_interface import CompilerInterface, EagerAdaptor, graph_fingerprint, make_compiler
 from atomrt.compile.piecewise_backend import PiecewiseBackend
 from atomrt.runtime.config import CompilationLevel, Config, CUDAGraphMode
-from atomrt.runtime.envs import ENV
 
 logger = logging.getLogger("atomrt.compile.backends")
 
@@ -356,13 +355,6 @@ class PiecewiseCompileBackend:
         self.splitting_ops = list(cc.splitting_ops or []) if piecewise else []
         self.compile_sizes = [int(s) for s in cc.compile_sizes or []] if piecewise else []
         self.inductor_config = dict(cc.inductor_compile_config)
-        if ENV.pdl:
-            from torch._inductor import config as inductor_config
-
-            if hasattr(inductor_config.triton, "enable_pdl"):
-                # Inductor's kernels then take part in the PDL chains of atomrt's (device_info.use_pdl);
-                # Inductor emits PDL code only on devices that support it.
-                self.inductor_config.setdefault("triton.enable_pdl", True)
         self.cache_hash: Optional[CacheHash] = None
         self.cache_dir: Optional[Path] = None
         self.split_gm: Optional[torch.fx.GraphModule] = None

@@ -92,7 +92,6 @@ def compiler_factors(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": sys.version.split()[0],
-        "pdl": ENV.pdl,  # Inductor's kernels carry programmatic-dependent-launch code (backends.py)
         **device_factors(device),
     }
 

@@ -1,6 +1,6 @@
 """Configuration: one dataclass per concern, composed by `Config`.
 
-This module is a leaf: it imports no other atomrt module. Names, fields and defaults follow the
+This module imports no other atomrt module but the environment snapshot (`envs`). Names, fields and defaults follow the
 guide (`CompilationLevel`, `CompilationConfig`, `CUDAGraphMode`, `Config.__post_init__`).
 Values found at run time (KV block count, capture sizes actually recorded) are not stored here.
 YAML loading and CLI overrides live in `atomrt.runtime.config_io`.
@@ -14,6 +14,8 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional, Union
+
+from atomrt.runtime import envs
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,13 @@ class CompilationConfig:
                     "compilation_config.compile_sizes: entries are positive integers or the string "
                     f"'cudagraph_capture_sizes', got {s!r}"
                 )
+        if envs.ENV.pdl and "triton.enable_pdl" not in self.inductor_compile_config:
+            from torch._inductor import config as inductor_config
+
+            if hasattr(inductor_config.triton, "enable_pdl"):
+                # Inductor's kernels take part in the PDL chains of atomrt's (device_info.use_pdl);
+                # as an Inductor option it is hashed into the compile cache key with the others.
+                self.inductor_compile_config = {**self.inductor_compile_config, "triton.enable_pdl": True}
 
     def set_splitting_ops_for_v1(self) -> None:
         """Level 3: split at our attention ops unless the user chose the list."""

@@ -263,19 +263,23 @@ def test_large_gated_weight_leaves_the_activation_to_inductor() -> None:
 
 def test_pdl_needs_the_switch_and_a_cuda_device(monkeypatch) -> None:
     """ATOMRT_PDL=1 turns programmatic dependent launch on for sm90+ CUDA devices only (the kernels'
-    PDL code is checked on the GPU: tests/gpu/test_pdl_gpu.py); the switch is part of the compile
-    cache key, since Inductor's kernels carry PDL code with it."""
+    PDL code is checked on the GPU: tests/gpu/test_pdl_gpu.py), and adds Inductor's PDL option to
+    the compilation config, whose hash keys the compile cache; an explicit setting is kept."""
     import dataclasses
 
-    from atomrt.compile import cache
+    from atomrt.runtime import envs
+    from atomrt.runtime.config import CompilationConfig
     from atomrt.workers.kernels import device_info
 
-    off = dataclasses.replace(device_info.ENV, pdl=False)
-    monkeypatch.setattr(device_info, "ENV", off)
+    off = dataclasses.replace(envs.ENV, pdl=False)
+    monkeypatch.setattr(envs, "ENV", off)
     assert not device_info.use_pdl(torch.device("cuda", 0))  # decided before any CUDA call
-    monkeypatch.setattr(device_info, "ENV", dataclasses.replace(off, pdl=True))
+    plain = CompilationConfig(level=3)
+    assert "triton.enable_pdl" not in plain.inductor_compile_config
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(off, pdl=True))
     assert not device_info.use_pdl(torch.device("cpu"))
-    monkeypatch.setattr(cache, "ENV", off)
-    key_off = cache.compiler_factors(torch.device("cpu"))
-    monkeypatch.setattr(cache, "ENV", dataclasses.replace(off, pdl=True))
-    assert cache.compiler_factors(torch.device("cpu")) == {**key_off, "pdl": True} and key_off["pdl"] is False
+    with_pdl = CompilationConfig(level=3)
+    assert with_pdl.inductor_compile_config == {"triton.enable_pdl": True}
+    assert with_pdl.compute_hash() != plain.compute_hash()
+    user = CompilationConfig(level=3, inductor_compile_config={"triton.enable_pdl": False})
+    assert user.inductor_compile_config == {"triton.enable_pdl": False}

@@ -22,17 +22,13 @@ import time
 import numpy as np
 import torch
 
-from atomrt.compile import backends, cache
-from atomrt.runtime import bench_latency
+from atomrt.runtime import bench_latency, envs
 from atomrt.runtime.llm import LLM
-from atomrt.workers.kernels import device_info
 from profile_step import replay_costs
 
 
 def set_pdl(on: bool) -> None:
-    env = dataclasses.replace(device_info.ENV, pdl=on)
-    for module in (device_info, backends, cache):
-        module.ENV = env
+    envs.ENV = dataclasses.replace(envs.ENV, pdl=on)
 
 
 def measure(model: str, bs: int, args: argparse.Namespace) -> tuple[float, float, float]:

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 import test_decode_attention as cpu_tier
-from atomrt.compile import backends, cache
-from atomrt.runtime import SamplingParams
+from atomrt.runtime import SamplingParams, envs
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.llm import LLM
 from atomrt.workers.kernels import device_info
@@ -37,10 +36,8 @@ pytestmark = [
 
 
 def set_pdl(monkeypatch, on: bool) -> None:
-    """ATOMRT_PDL as if set at start-up: the kernels' launch, Inductor's codegen and the cache key."""
-    env = dataclasses.replace(device_info.ENV, pdl=on)
-    for module in (device_info, backends, cache):
-        monkeypatch.setattr(module, "ENV", env)
+    """ATOMRT_PDL as if set at start-up: the kernels' launch, and Inductor's option in configs made after."""
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, pdl=on))
 
 
 def serialized(monkeypatch, fn):

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from atomrt.runtime.envs import ENV
+from atomrt.runtime import envs
 
 INTERPRETER_SMS = 4  # stands in for the SM count when the Triton interpreter runs on CPU
 
@@ -45,6 +45,6 @@ def use_pdl(device: torch.device) -> bool:
     load but those of weights, which no kernel writes during a forward), and calls
     `gdc_launch_dependents` only after that wait: then, when a kernel starts, every kernel but the one
     just before it has finished, and whatever it loads before its wait cannot be in flight."""
-    if not ENV.pdl or device.type != "cuda":
+    if not envs.ENV.pdl or device.type != "cuda":
         return False
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
