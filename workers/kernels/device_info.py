@@ -24,7 +24,7 @@ def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (INTERPRETER_SMS off CUDA)."""
     if device.type != "cuda":
         return INTERPRETER_SMS
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_sm_count(_index(device))
 
 
 # False: kernels still compile their PDL code (use_pdl) but launch without the attribute, so they run
@@ -47,4 +47,9 @@ def use_pdl(device: torch.device) -> bool:
     just before it has finished, and whatever it loads before its wait cannot be in flight."""
     if not envs.ENV.pdl or device.type != "cuda":
         return False
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    return _cuda_capability(_index(device))[0] >= 9
+
+
+def _index(device: torch.device) -> int:
+    """A CUDA device's index; the current device for a bare "cuda"."""
+    return device.index if device.index is not None else torch.cuda.current_device()

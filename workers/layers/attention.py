@@ -4,8 +4,9 @@ The op is opaque to Dynamo (a splitting op at compile level 3, an eager region i
 it reads the step's metadata and this layer's KV cache from the forward context, applies the
 layer's rotary embedding to q and k when given `positions`, writes k/v at slot_mapping, and
 computes causal attention over each sequence's context into `output`.
-CPU: the torch reference (attention_ref). CUDA: the Triton kernels of workers/kernels/paged_attention
-(a decode batch, one row per sequence, is a single launch).
+CPU: the torch reference (attention_ref). CUDA: `decode_attention.attention_step` (workers/kernels):
+a decode batch, one row per sequence, is a single launch; other batches take paged_attention's
+rotary + KV write and its unified attention.
 """
 
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
