@@ -15,10 +15,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize over the last dimension ([..., hidden] or [num_tokens, num_heads, head_dim])."""
-        input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension: statistics in float32, the normalized x rounded to x's dtype,
+    then scaled by `weight`."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def residual_add(residual: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
