@@ -149,8 +149,8 @@ def test_async_pending_rows_and_padding_rows_gather_valid_tokens(tmp_path_factor
     """Async scheduling: decode rows whose token is pending read the previous step's sample from the
     token pool; padding rows of the bucket read staged slot 0, which holds a valid id (a pending
     row's staged id is 0, never PENDING_TOKEN)."""
-    from atomrt.distributed.messages import PENDING_TOKEN, RankBatch
-    from atomrt.workers.input_batch import SeqMirror, SeqMirrors, WorkerSamplingParams
+    from atomrt.distributed.messages import PENDING_TOKEN, NewRequest, RankBatch
+    from atomrt.workers.input_batch import SeqMirrors
 
     folder = build_tiny_llama(tmp_path_factory.mktemp("tiny_async") / "model")
     config = Config(model=str(folder), device="cpu",
@@ -158,8 +158,10 @@ def test_async_pending_rows_and_padding_rows_gather_valid_tokens(tmp_path_factor
     r = ModelRunner(config, resolve_device(config))
     r.allocate_kv_cache(32)
     mirrors = SeqMirrors(r.block_size, r.prev_token_base)
-    for s in (10, 11, 12):
-        mirrors.seqs[s] = SeqMirror(WorkerSamplingParams(), [1, 2, 3], block_table=[s - 9])
+    mirrors.apply(RankBatch(
+        new_requests=[NewRequest(s, np.array([1, 2, 3], dtype=np.int32)) for s in (10, 11, 12)],
+        block_table_updates={s: (0, np.array([s - 9], dtype=np.int32)) for s in (10, 11, 12)},
+    ))
     r.forward_vars["prev_tokens"][:3] = torch.tensor([71, 72, 73])  # the previous step sampled 12, 10, 11
     batch = RankBatch(
         seq_ids=np.array([10, 11, 12], dtype=np.int64), num_new_tokens=np.array([1, 1, 2], dtype=np.int32),

@@ -61,7 +61,54 @@ class SeqMirror:
     sampling_params: WorkerSamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    block_table_row: int = -1  # the sequence's row of `BlockTables.table`
+
+
+class BlockTables:
+    """Every mirrored sequence's block table, one row each of a persistent int32 array, -1 past
+    its end. A step's tables are then one gather of its rows, not a copy per row from a list."""
+
+    def __init__(self, num_rows: int = 64, width: int = 16) -> None:
+        self.table = np.full((num_rows, width), -1, dtype=np.int32)  # [rows, max blocks so far]
+        self.lengths = np.zeros(num_rows, dtype=np.int64)  # entries per row
+        self._free_rows = list(range(num_rows - 1, -1, -1))  # popped from the end: lowest row first
+
+    def add_row(self) -> int:
+        if not self._free_rows:
+            self._grow(rows=2 * self.table.shape[0], width=self.table.shape[1])
+        return self._free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        self.truncate(row, 0)
+        self._free_rows.append(row)
+
+    def truncate(self, row: int, length: int) -> None:
+        """Keep the row's first `length` entries."""
+        self.table[row, length : self.lengths[row]] = -1
+        self.lengths[row] = min(int(self.lengths[row]), length)
+
+    def update(self, row: int, start: int, blocks: np.ndarray) -> None:
+        """The row's entries from `start` on become `blocks` (the driver sends only what we lack)."""
+        assert start <= self.lengths[row], f"block-table update at {start} past the row's end {self.lengths[row]}"
+        end = start + blocks.shape[0]
+        if end > self.table.shape[1]:
+            self._grow(rows=self.table.shape[0], width=max(end, 2 * self.table.shape[1]))
+        self.truncate(row, start)
+        self.table[row, start:end] = blocks
+        self.lengths[row] = end
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """int32 [len(rows), max(their lengths, 1)]: the rows' tables, -1 past each one's end."""
+        width = max(int(self.lengths[rows].max(initial=0)), 1)
+        return self.table[rows, :width]
+
+    def _grow(self, rows: int, width: int) -> None:
+        old_rows, old_width = self.table.shape
+        table = np.full((rows, width), -1, dtype=np.int32)
+        table[:old_rows, :old_width] = self.table
+        self.table = table
+        self.lengths = np.concatenate([self.lengths, np.zeros(rows - old_rows, dtype=np.int64)])
+        self._free_rows.extend(range(rows - 1, old_rows - 1, -1))
 
 
 @dataclass
@@ -105,19 +152,28 @@ class SeqMirrors:
         self.block_size = block_size
         self.prev_token_base = prev_token_base  # None: no token pool (synchronous scheduling)
         self.seqs: dict[int, SeqMirror] = {}
+        self.block_tables = BlockTables()
 
     def apply(self, batch: RankBatch) -> None:
         for seq_id in batch.finished_seq_ids.tolist():
-            self.seqs.pop(seq_id, None)
+            mirror = self.seqs.pop(seq_id, None)
+            if mirror is not None:
+                self.block_tables.free_row(mirror.block_table_row)
         for seq_id in batch.preempted_seq_ids.tolist():
             if seq_id in self.seqs:
-                self.seqs[seq_id].block_table.clear()
+                self.block_tables.truncate(self.seqs[seq_id].block_table_row, 0)
         for r in batch.new_requests:
-            self.seqs[r.seq_id] = SeqMirror(WorkerSamplingParams.from_request(r), r.token_ids.tolist())
+            self.add(r.seq_id, SeqMirror(WorkerSamplingParams.from_request(r), r.token_ids.tolist()))
         for seq_id, (start, blocks) in batch.block_table_updates.items():
-            table = self.seqs[seq_id].block_table
-            del table[start:]
-            table.extend(blocks.tolist())
+            self.block_tables.update(self.seqs[seq_id].block_table_row, start, blocks)
+
+    def add(self, seq_id: int, mirror: SeqMirror) -> None:
+        """Mirror a new sequence (a seq_id sent again replaces its mirror); its block table starts empty."""
+        old = self.seqs.get(seq_id)
+        if old is not None:
+            self.block_tables.free_row(old.block_table_row)
+        mirror.block_table_row = self.block_tables.add_row()
+        self.seqs[seq_id] = mirror
 
     def build(self, batch: RankBatch, prev_sampled: Optional[dict[int, int]] = None) -> StepInputs:
         """Positions, slots, cu_seqlens and block tables of the plan's rows (vectorised per step).
@@ -130,11 +186,8 @@ class SeqMirrors:
         num_tokens = int(cu[-1])
         seq_of_row = np.repeat(np.arange(bs), q_lens)
         positions = computed[seq_of_row] + (np.arange(num_tokens) - cu[:-1][seq_of_row])
-        tables = [self.seqs[s].block_table for s in batch.seq_ids.tolist()]
-        width = max((len(t) for t in tables), default=0)
-        block_tables = np.full((bs, max(width, 1)), -1, dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
+        table_rows = np.asarray([self.seqs[s].block_table_row for s in batch.seq_ids.tolist()], dtype=np.int64)
+        block_tables = self.block_tables.gather(table_rows)
         blocks = block_tables[seq_of_row, positions // self.block_size].astype(np.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
         sample_seq_idx = np.nonzero(batch.sample_mask)[0].astype(np.int64)

@@ -1,0 +1,79 @@
+"""The worker's mirror of its sequences (workers/input_batch.py): block tables kept across steps
+from the driver's updates, and the step inputs built from them."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from atomrt.distributed.messages import NewRequest, RankBatch
+from atomrt.workers.input_batch import BlockTables, SeqMirrors
+
+
+def _decode_batch(seq_ids: list[int], context_lens: list[int], **kw) -> RankBatch:
+    n = len(seq_ids)
+    return RankBatch(
+        seq_ids=np.asarray(seq_ids, dtype=np.int64),
+        num_new_tokens=np.ones(n, dtype=np.int32),
+        num_computed_tokens=np.asarray(context_lens, dtype=np.int32) - 1,
+        input_ids=np.arange(n, dtype=np.int32),
+        sample_mask=np.ones(n, dtype=np.bool_),
+        **kw,
+    )
+
+
+def test_build_reads_tables_kept_from_updates() -> None:
+    mirrors = SeqMirrors(block_size=4)
+    new = [NewRequest(7, np.array([1, 2, 3], dtype=np.int32)), NewRequest(8, np.array([4], dtype=np.int32))]
+    updates = {7: (0, np.array([5, 6], dtype=np.int32)), 8: (0, np.array([9], dtype=np.int32))}
+    mirrors.apply(_decode_batch([], [], new_requests=new, block_table_updates=updates))
+    mirrors.apply(_decode_batch([], [], block_table_updates={7: (2, np.array([11], dtype=np.int32))}))
+    inputs = mirrors.build(_decode_batch([8, 7], [2, 9]))
+    assert inputs.block_tables.tolist() == [[9, -1, -1], [5, 6, 11]]
+    assert inputs.slot_mapping.tolist() == [9 * 4 + 1, 11 * 4 + 0]
+
+    # An update from an earlier index replaces the tail; a preempted sequence starts empty again.
+    mirrors.apply(_decode_batch([], [], block_table_updates={7: (1, np.array([12], dtype=np.int32))},
+                                preempted_seq_ids=np.array([8], dtype=np.int64)))
+    assert mirrors.build(_decode_batch([7, 8], [5, 1])).block_tables.tolist() == [[5, 12], [-1, -1]]
+
+
+def test_a_freed_row_is_reused_clean() -> None:
+    mirrors = SeqMirrors(block_size=4)
+    first = {1: (0, np.arange(3, dtype=np.int32))}
+    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1)], block_table_updates=first))
+    row = mirrors.seqs[1].block_table_row
+    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(2)], finished_seq_ids=np.array([1], dtype=np.int64)))
+    assert 1 not in mirrors.seqs and mirrors.seqs[2].block_table_row == row
+    assert mirrors.build(_decode_batch([2], [1])).block_tables.tolist() == [[-1]]
+
+
+def test_block_tables_match_lists_through_growth() -> None:
+    """Random updates, truncations and frees, past the initial rows and width, against plain lists."""
+    rng = random.Random(0)
+    tables = BlockTables(num_rows=2, width=2)
+    reference: dict[int, list[int]] = {}
+    for _ in range(500):
+        op = rng.random()
+        if op < 0.2 or not reference:
+            reference[tables.add_row()] = []
+        elif op < 0.3:
+            row = rng.choice(list(reference))
+            tables.free_row(row)
+            del reference[row]
+        elif op < 0.4:
+            row = rng.choice(list(reference))
+            tables.truncate(row, 0)
+            reference[row] = []
+        else:
+            row = rng.choice(list(reference))
+            start = rng.randint(0, len(reference[row]))
+            blocks = [rng.randrange(1000) for _ in range(rng.randint(0, 5))]
+            tables.update(row, start, np.asarray(blocks, dtype=np.int32))
+            reference[row] = reference[row][:start] + blocks
+        rows = list(reference)
+        width = max([len(t) for t in reference.values()] + [1])
+        expected = [t + [-1] * (width - len(t)) for t in reference.values()]
+        assert tables.gather(np.asarray(rows, dtype=np.int64)).tolist() == expected
+    assert tables.table.shape[0] > 2 and tables.table.shape[1] > 2
