@@ -156,9 +156,12 @@ class LLMEngine:
             finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
             for row in out.scheduled:
-                rid = row.seq.request_id
-                if row.token_applied and (row.seq.is_finished or rid in self._streamed):
-                    outputs.append(make_request_output(row.seq, self._prompts.get(rid), delta=rid in self._streamed))
+                if not row.token_applied:
+                    continue
+                seq = row.seq
+                streamed = seq.request_id in self._streamed
+                if streamed or seq.is_finished:
+                    outputs.append(make_request_output(seq, self._prompts.get(seq.request_id), delta=streamed))
             for seq in finished:
                 self._seqs.pop(seq.request_id, None)
                 self._prompts.pop(seq.request_id, None)

@@ -51,12 +51,15 @@ def make_request_output(seq: Sequence, prompt: Optional[str] = None, delta: bool
     (streaming) returns only the text and token ids not yet streamed, holding back a tail that
     could start a stop string while the sequence runs."""
     finished = seq.is_finished
-    token_ids = seq.output_token_ids
     if delta:
         text = seq.detokenizer.take_stream_delta(finished) if seq.detokenizer is not None else ""
-        token_ids, seq.num_streamed_tokens = token_ids[seq.num_streamed_tokens :], len(token_ids)
+        # Slice the new tokens straight from token_ids: copying the whole output first costs a
+        # streamed row time that grows with its length, every step.
+        token_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_streamed_tokens :]
+        seq.num_streamed_tokens = seq.num_output_tokens
     else:
         text = seq.output_text
+        token_ids = seq.output_token_ids
     wants_logprobs = seq.sampling_params.logprobs is not None
     completion = CompletionOutput(
         index=0,
