@@ -283,3 +283,51 @@ def test_pdl_needs_the_switch_and_a_cuda_device(monkeypatch) -> None:
     assert with_pdl.compute_hash() != plain.compute_hash()
     user = CompilationConfig(level=3, inductor_compile_config={"triton.enable_pdl": False})
     assert user.inductor_compile_config == {"triton.enable_pdl": False}
+
+
+def add_norm_reference(
+    residual: torch.Tensor, update: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+    b: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = residual + update as eager rounds it; y in float64 from RMSNorm's eager output."""
+    from atomrt.workers.layers.norm import rms_norm
+
+    h = residual + update
+    y = rms_norm(h, norm_weight, eps).double() @ w.double().T
+    return h, y + b.double() if b is not None else y
+
+
+# The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest): bf16 is checked on the
+# GPU (tests/gpu/test_skinny_gemm_gpu.py); fp16 and fp32 here, where h must match eager bit for bit.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m,n,k", [(1, 100, 200), (3, 77, 130), (4, 40, 1000), (2, 9, 5)])
+def test_add_norm_matches_reference(m: int, n: int, k: int, bias: bool, dtype: torch.dtype) -> None:
+    """skinny_add_norm_linear: h = residual + update exactly as eager; y from RMSNorm(h) against
+    float64, with the default config (one K step up to 1024) and with several K steps."""
+    from atomrt.workers.kernels.skinny_gemm import skinny_add_norm_linear
+
+    gen = torch.Generator().manual_seed(m * n + k)
+    residual, update = (torch.randn(m, k, generator=gen).to(dtype) for _ in range(2))
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    want_h, want_y = add_norm_reference(residual, update, norm_weight, 1e-5, w, b)
+    for config in (None, BROADCAST):
+        h, y = skinny_add_norm_linear(residual, update, norm_weight, 1e-5, w, b, config=config)
+        assert torch.equal(h, want_h)
+        torch.testing.assert_close(y.double(), want_y, **TOLERANCES[dtype])
+
+
+def test_add_norm_rejects_bad_arguments() -> None:
+    from atomrt.workers.kernels.skinny_gemm import skinny_add_norm_linear
+
+    x, w, nw = torch.zeros(2, 8), torch.zeros(4, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="update"):
+        skinny_add_norm_linear(x, torch.zeros(2, 7), nw, 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        skinny_add_norm_linear(x, x, torch.ones(7), 1e-6, w)
+    with pytest.raises(ValueError, match="broadcast path"):
+        skinny_add_norm_linear(torch.zeros(5, 8), torch.zeros(5, 8), nw, 1e-6, w)
+    h, y = skinny_add_norm_linear(x[:0], x[:0], nw, 1e-6, w)  # no rows: nothing to launch
+    assert h.shape == (0, 8) and y.shape == (0, 4)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atomrt.workers.kernels.skinny_gemm import heuristic_config, pick_config, skinny_linear
+from atomrt.workers.kernels.rms_norm import add_rms_norm
+from atomrt.workers.kernels.skinny_gemm import heuristic_config, pick_config, skinny_add_norm_linear, skinny_linear
 from atomrt.workers.layers.activation import silu_and_mul
-from atomrt.workers.layers.linear import linear, silu_mul_linear
+from atomrt.workers.layers.linear import add_norm_linear, linear, silu_mul_linear
+from atomrt.workers.layers.norm import rms_norm
 
 pytestmark = pytest.mark.gpu
 
@@ -73,3 +75,65 @@ def test_gated_matches_float64(n: int, k: int, m: int) -> None:
     act = (gate * torch.sigmoid(gate) * up).to(torch.bfloat16).double()
     y = skinny_linear(x, w, gated=True)
     torch.testing.assert_close(y.double(), act @ w.double().T, rtol=2**-7, atol=2**-5)
+
+
+def norm_inputs(m: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    residual = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+    update = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+    norm_weight = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(dtype)
+    return residual, update, norm_weight
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (3072, 2048), (1024, 3000)])
+def test_add_norm_matches_float64(n: int, k: int, m: int, dtype: torch.dtype) -> None:
+    """Residual add + RMSNorm in the GEMM's prologue: h bit for bit as eager adds; y against float64
+    from RMSNorm's eager output (the norm's statistics may differ from eager's in the last fp32 bit,
+    which can move a normalized element by one rounding step: inside the tolerance)."""
+    residual, update, norm_weight = norm_inputs(m, k, dtype, n + k + m)
+    w = (torch.randn(n, k, device="cuda", dtype=dtype) * k**-0.5).to(dtype)
+    h_want = residual + update
+    y_want = rms_norm(h_want, norm_weight, 1e-5).double() @ w.double().T
+    for config in {pick_config(m, n, k), heuristic_config(m, n, k)}:
+        h, y = skinny_add_norm_linear(residual, update, norm_weight, 1e-5, w, config=config)
+        assert torch.equal(h, h_want)
+        tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
+        torch.testing.assert_close(y.double(), y_want, rtol=tol, atol=4 * tol, msg=f"{config}")
+
+
+@pytest.mark.parametrize("m,k", [(1, 576), (7, 2048), (300, 4096), (64, 8192)])
+def test_add_rms_norm_kernel_matches_eager(m: int, k: int) -> None:
+    """The prefill side's one-kernel add + norm, bf16: h bit for bit, the norm within one bf16 step of
+    eager's (the fp32 sum of squares runs in another order)."""
+    residual, update, norm_weight = norm_inputs(m, k, torch.bfloat16, m + k)
+    h, out = add_rms_norm(residual, update, norm_weight, 1e-6)
+    assert torch.equal(h, residual + update)
+    torch.testing.assert_close(out, rms_norm(residual + update, norm_weight, 1e-6), rtol=2**-7, atol=2**-7)
+
+
+def test_layer_add_norm_linear_picks_by_row_count_and_replays() -> None:
+    """Decode batches take the fused kernel, larger ones add_rms_norm + cuBLAS: both as eager's add,
+    norm and linear; the decode one captured in a CUDA graph follows new inputs on replay."""
+    k, n = 576, 960
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    for m in (1, 4, 5, 64, 512):
+        residual, update, norm_weight = norm_inputs(m, k, torch.bfloat16, m)
+        h, y = add_norm_linear(residual, update, norm_weight, 1e-5, w)
+        assert torch.equal(h, residual + update)
+        want = torch.nn.functional.linear(rms_norm(residual + update, norm_weight, 1e-5), w)
+        torch.testing.assert_close(y, want, rtol=2**-6, atol=2**-5)
+    residual, update, norm_weight = norm_inputs(2, k, torch.bfloat16, 0)
+    add_norm_linear(residual, update, norm_weight, 1e-5, w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h, y = add_norm_linear(residual, update, norm_weight, 1e-5, w)
+    for seed in range(3):
+        new = norm_inputs(2, k, torch.bfloat16, 100 + seed)
+        residual.copy_(new[0])
+        update.copy_(new[1])
+        graph.replay()
+        assert torch.equal(h, residual + update)
+        want = torch.nn.functional.linear(rms_norm(residual + update, norm_weight, 1e-5), w)
+        torch.testing.assert_close(y, want, rtol=2**-6, atol=2**-5)

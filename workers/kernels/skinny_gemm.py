@@ -9,7 +9,12 @@
 # re-read from L2. Wide K tiles split K across the warps of a program, so there is no split-K across
 # programs: that would need either a second kernel (reduce / cast) or an fp32 workspace plus a
 # self-resetting semaphore, each costing more than it saves at these sizes; small BLOCK_N gives
-# the programs instead. Two inner products (constexpr USE_DOT):
+# the programs instead. Two prologues fuse the layer before the GEMM into its x tiles (broadcast
+# path; each program recomputes them from x, a few KB, while its weight tiles stream):
+#   GATED  x = silu(gate) * up, the gated MLP's activation (the down projection);
+#   NORM   x = rms_norm(residual + update), the residual add and RMSNorm before q/k/v and gate/up
+#          (`skinny_add_norm_linear`; program 0 also writes residual + update, the next residual).
+# Two inner products (constexpr USE_DOT):
 #   USE_DOT=False  broadcast-multiply + tl.sum over K: no padding of M, best for M <= 4 or so;
 #   USE_DOT=True   tl.dot(W tile, x tile^T) with M padded to 16: W's BLOCK_N is the MMA's M side.
 # The launch depends only on (M, N, K, dtype), never on data: safe to capture in a CUDA graph.
@@ -44,8 +49,10 @@ def skinny_gemm_kernel(
     w_ptr,  # [N, K], K contiguous
     bias_ptr,  # [N]; unused unless HAS_BIAS
     y_ptr,  # [M, N]
+    u_ptr, nw_ptr, h_ptr,  # NORM only: update [M, K], the norm's weight [K], out: h = x + update [M, K]
     M, N, K,
-    stride_xm, stride_wn, stride_bias, stride_ym,
+    stride_xm, stride_wn, stride_bias, stride_ym, stride_um, stride_hm,
+    eps,  # NORM only: the RMSNorm's epsilon
     BLOCK_M: tl.constexpr,  # next power of two of M (at least 16 with USE_DOT)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -53,6 +60,8 @@ def skinny_gemm_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,  # x is [M, 2K] (gate | up) and the product reads silu(gate) * up (broadcast path)
+    NORM: tl.constexpr,  # the product reads rms_norm(x + update) * norm weight (broadcast path)
+    ONE_STEP: tl.constexpr,  # K <= BLOCK_K: the K loop is one step (NORM takes the row's statistics there)
     IEEE_DOT: tl.constexpr,  # fp32 inputs: full-precision dots instead of tf32
     NUM_STAGES: tl.constexpr,  # set on the K loop too, so that the broadcast path's loads pipeline
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (device_info.use_pdl)
@@ -68,8 +77,9 @@ def skinny_gemm_kernel(
         acc = _dot_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols, rows,
                         BLOCK_K, EVEN_K, IEEE_DOT, NUM_STAGES)
     else:
-        acc = _broadcast_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols, rows,
-                              BLOCK_K, EVEN_K, GATED, NUM_STAGES, USE_PDL)
+        acc = _broadcast_tile(x_ptr, w_ptr, u_ptr, nw_ptr, h_ptr, M, N, K, stride_xm, stride_wn, stride_um,
+                              stride_hm, eps, cols, rows, BLOCK_K, EVEN_K, GATED, NORM, ONE_STEP, NUM_STAGES,
+                              USE_PDL)
     col_valid = cols < N
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols * stride_bias, mask=col_valid, other=0.0)
@@ -109,30 +119,40 @@ def _dot_tile(
 
 @triton.jit
 def _broadcast_tile(
-    x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols, rows,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NUM_STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, u_ptr, nw_ptr, h_ptr, M, N, K, stride_xm, stride_wn, stride_um, stride_hm, eps, cols, rows,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+    ONE_STEP: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] = sum over K of W [BLOCK_N, 1, BLOCK_K] * x [1, BLOCK_M, BLOCK_K].
     The tiles are loaded 3-D, so the product keeps the loads' 16-byte-vector layout: expanding 2-D
     loads instead makes Triton convert the W tile's layout through shared memory on every step.
-    USE_PDL: the first K step is peeled off the loop and its weight tile loads before the wait on the
-    previous kernel, so that memory round trip overlaps the previous kernel's end (no kernel writes
-    weights during a forward)."""
+    USE_PDL and NORM peel the first K step off the loop and load its weight tile first: before the
+    wait on the previous kernel (PDL; no kernel writes weights during a forward), and before the
+    norm's pass over x (NORM), so that memory round trip overlaps the wait or the pass. With ONE_STEP
+    NORM makes no separate pass: the step's x tile is the whole row and gives the statistics."""
     n3 = cols[:, None, None]
     m3 = rows[None, :, None]
     k3 = tl.arange(0, BLOCK_K)[None, None, :]
     x_ptrs = x_ptr + m3 * stride_xm + k3  # [1, BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + n3.to(tl.int64) * stride_wn + k3  # [BLOCK_N, 1, BLOCK_K]
+    u_ptrs = u_ptr + m3 * stride_um + k3
+    h_ptrs = h_ptr + m3 * stride_hm + k3
+    store_h = tl.program_id(0) == 0  # one program writes the residual stream's new value
+    inv_rms = tl.zeros([1, rows.shape[0], 1], dtype=tl.float32)  # NORM: set below, per row
     acc = tl.zeros([cols.shape[0], rows.shape[0]], dtype=tl.float32)
-    if USE_PDL:
+    if USE_PDL or NORM:
         w = _load_w_step(w_ptrs, N, K, 0, n3, k3, EVEN_K)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-        acc = _broadcast_step(acc, w, x_ptrs, M, K, 0, m3, k3, EVEN_K, GATED)
-    for k0 in tl.range(BLOCK_K if USE_PDL else 0, K, BLOCK_K, num_stages=NUM_STAGES):
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        if NORM and not ONE_STEP:
+            inv_rms = _inv_rms(x_ptrs, u_ptrs, M, K, eps, m3, k3, BLOCK_K)
+        acc = _broadcast_step(acc, w, x_ptrs, u_ptrs, nw_ptr, h_ptrs, store_h, inv_rms, eps, M, K, 0, m3, k3,
+                              EVEN_K, GATED, NORM, ONE_STEP)
+    for k0 in tl.range(BLOCK_K if USE_PDL or NORM else 0, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _load_w_step(w_ptrs, N, K, k0, n3, k3, EVEN_K)
-        acc = _broadcast_step(acc, w, x_ptrs, M, K, k0, m3, k3, EVEN_K, GATED)
+        acc = _broadcast_step(acc, w, x_ptrs, u_ptrs, nw_ptr, h_ptrs, store_h, inv_rms, eps, M, K, k0, m3, k3,
+                              EVEN_K, GATED, NORM, ONE_STEP)
     return acc
 
 
@@ -145,15 +165,50 @@ def _load_w_step(w_ptrs, N, K, k0, n3, k3, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _broadcast_step(acc, w, x_ptrs, M, K, k0, m3, k3, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+def _residual_sum(x_ptrs, u_ptrs, mask):
+    """x + update, rounded once to x's dtype (as `residual + update` is in eager)."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    return (x.to(tl.float32) + tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _inv_rms(x_ptrs, u_ptrs, M, K, eps, m3, k3, BLOCK_K: tl.constexpr):
+    """[1, BLOCK_M, 1]: 1 / sqrt(mean((x + update)^2) + eps) per row, in fp32 (a pass over x's rows:
+    a few KB, read again by the K loop from L1/L2)."""
+    sum_sq = tl.zeros([1, m3.shape[1]], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        h = _residual_sum(x_ptrs + k0, u_ptrs + k0, (m3 < M) & (k0 + k3 < K)).to(tl.float32)
+        sum_sq += tl.sum(h * h, axis=2)
+    return tl.rsqrt(sum_sq / K + eps)[:, :, None]
+
+
+@triton.jit
+def _broadcast_step(
+    acc, w, x_ptrs, u_ptrs, nw_ptr, h_ptrs, store_h, inv_rms, eps, M, K, k0, m3, k3,
+    EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, ONE_STEP: tl.constexpr,
+):
     """acc + the products of the K step at k0: w against x's tile.
     GATED: x = silu(gate) * up, from the halves of a [M, 2K] row, rounded to x's dtype as the unfused
-    activation hands it over (every program recomputes it: x is a few KB, the weight is the cost)."""
+    activation hands it over (every program recomputes it: x is a few KB, the weight is the cost).
+    NORM: x = norm weight * (h * inv_rms), h = x + update, each product rounded to x's dtype as
+    RMSNorm's eager forward rounds it; program 0 (store_h) also writes h. ONE_STEP: the tile holds
+    the whole row, and inv_rms comes from it (x, update and the norm weight load in one round trip)."""
     if EVEN_K:
         x_mask = m3 < M
     else:
         x_mask = (m3 < M) & (k0 + k3 < K)
-    x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+    if NORM:
+        h = _residual_sum(x_ptrs + k0, u_ptrs + k0, x_mask)
+        norm_w = tl.load(nw_ptr + k0 + k3, mask=k0 + k3 < K, other=0.0)  # before the branch: one round trip
+        if store_h:
+            tl.store(h_ptrs + k0, h, mask=x_mask)
+        if ONE_STEP:
+            h32 = h.to(tl.float32)
+            inv_rms = tl.rsqrt(tl.sum(h32 * h32, axis=2) / K + eps)[:, :, None]
+        x = (h.to(tl.float32) * inv_rms).to(h.dtype)
+        x = (norm_w.to(tl.float32) * x.to(tl.float32)).to(h.dtype)
+    else:
+        x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0)
     if GATED:
         gate = x.to(tl.float32)
         up = tl.load(x_ptrs + k0 + K, mask=x_mask, other=0.0).to(tl.float32)
@@ -298,19 +353,79 @@ def skinny_linear(
         if m > BROADCAST_MAX_M:
             raise ValueError(f"skinny_linear: gated runs the broadcast path, M={m} > {BROADCAST_MAX_M}")
         config = heuristic_config(m, n, k, sm_count(x.device))
+    _launch(x, weight, bias, y, config, gated=gated)
+    return y
+
+
+def skinny_add_norm_linear(
+    residual: torch.Tensor,  # [M, K], M <= BROADCAST_MAX_M
+    update: torch.Tensor,  # [M, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K], K contiguous
+    bias: torch.Tensor | None = None,  # [N]
+    config: SkinnyConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, y): h = residual + update, y = RMSNorm(h) @ weight^T (+ bias), with RMSNorm's eager
+    arithmetic (fp32 statistics; the normalized row and its product with norm_weight each rounded
+    to the input dtype). A decoder layer's residual add, norm and next projection in one launch of
+    the broadcast path: the norm runs in the GEMM's prologue, on every program."""
+    m, n, k = _check_linear_args(residual, weight, bias)
+    if update.shape != residual.shape or update.dtype != residual.dtype or update.device != residual.device:
+        raise ValueError(
+            f"skinny_add_norm_linear: update {tuple(update.shape)} {update.dtype} on {update.device} must match "
+            f"residual {tuple(residual.shape)} {residual.dtype} on {residual.device}"
+        )
+    if norm_weight.shape != (k,) or norm_weight.dtype != residual.dtype or norm_weight.device != residual.device:
+        raise ValueError(
+            f"skinny_add_norm_linear: norm_weight must be [{k}] {residual.dtype} on {residual.device}, got "
+            f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}"
+        )
+    if m > BROADCAST_MAX_M:
+        raise ValueError(f"skinny_add_norm_linear: the norm runs on the broadcast path, M={m} > {BROADCAST_MAX_M}")
+    residual, update, norm_weight = (
+        t if t.stride(-1) == 1 else t.contiguous() for t in (residual, update, norm_weight)
+    )
+    y = torch.empty((m, n), device=residual.device, dtype=residual.dtype)
+    if m == 0 or n == 0:  # no program runs to write h
+        return residual + update, y
+    h = torch.empty((m, k), device=residual.device, dtype=residual.dtype)
+    config = config or pick_config(m, n, k, num_sms=sm_count(residual.device))
+    if config.use_dot:
+        config = heuristic_config(m, n, k, sm_count(residual.device))
+    _launch(residual, weight, bias, y, config, norm=(update, norm_weight, h, eps))
+    return h, y
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    config: SkinnyConfig,
+    *,
+    gated: bool = False,
+    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,  # update, norm weight, h, eps
+) -> None:
+    """One skinny_gemm_kernel launch writing y (and h with `norm`); arguments already checked."""
+    (m, n), k = y.shape, weight.shape[1]
+    update, norm_weight, h, eps = norm if norm is not None else (y, y, y, 0.0)  # unused without NORM
     grid = (triton.cdiv(n, config.block_n),)
     pdl = use_pdl(x.device)
     skinny_gemm_kernel[grid](
-        x, weight, bias if bias is not None else y, y,
+        x, weight, bias if bias is not None else y, y, update, norm_weight, h,
         m, n, k,
         x.stride(0), weight.stride(0), bias.stride(0) if bias is not None else 0, y.stride(0),
+        update.stride(0), h.stride(0), eps,
         BLOCK_M=block_m_for(m, config.use_dot),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         USE_DOT=config.use_dot,
-        EVEN_K=k > 0 and k % config.block_k == 0,  # K = 0 takes the masked loads (USE_PDL's peeled step)
+        EVEN_K=k > 0 and k % config.block_k == 0,  # K = 0 takes the masked loads (a peeled first step)
         HAS_BIAS=bias is not None,
         GATED=gated,
+        NORM=norm is not None,
+        ONE_STEP=k <= config.block_k,
         IEEE_DOT=x.dtype == torch.float32,
         NUM_STAGES=config.num_stages,
         USE_PDL=pdl,
@@ -318,7 +433,6 @@ def skinny_linear(
         num_stages=config.num_stages,
         launch_pdl=pdl and device_info.PDL_ATTRIBUTE,
     )
-    return y
 
 
 def _check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:

@@ -8,7 +8,9 @@ shard_id=None)` that reads only this rank's shard of `loaded_weight` (see weight
 Every projection runs through `linear`: decode-sized CUDA batches (at most SKINNY_MAX_M rows) take
 the skinny Triton GEMM (workers/kernels/skinny_gemm), everything else F.linear. Under torch.compile
 it is the custom op `torch.ops.atomrt.linear`, so the choice is made per call, at run time, on the
-real row count (the traced graphs have a dynamic token dimension).
+real row count (the traced graphs have a dynamic token dimension). Two fused variants follow the
+same pattern: `silu_mul_linear` (a gated MLP's activation + down projection) and `add_norm_linear`
+(a decoder layer's residual add + RMSNorm + the projection after it).
 """
 
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
@@ -20,8 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op
-from atomrt.workers.kernels.skinny_gemm import skinny_linear, use_skinny
+from atomrt.workers.kernels.rms_norm import add_rms_norm
+from atomrt.workers.kernels.skinny_gemm import (
+    SKINNY_MAX_WEIGHT_ELEMS,
+    skinny_add_norm_linear,
+    skinny_linear,
+    use_skinny,
+)
 from atomrt.workers.layers.activation import silu_and_mul
+from atomrt.workers.layers.norm import residual_add, rms_norm
 from atomrt.workers.layers.tp_ops import TPInfo, divide, tp_all_gather_last_dim, tp_all_reduce
 
 
@@ -53,8 +62,34 @@ def _silu_mul_linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     return _linear_impl(silu_and_mul(x), weight, bias)
 
 
+def _add_norm_linear_impl(
+    residual: torch.Tensor, update: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual, update [..., K] -> (h = residual + update [..., K], RMSNorm(h) @ weight^T (+ bias) [..., N])."""
+    rows, update_rows = residual.reshape(-1, residual.shape[-1]), update.reshape(-1, update.shape[-1])
+    fusable = norm_weight.dtype == residual.dtype and update.dtype == residual.dtype
+    if fusable and use_skinny(rows, weight):  # a decode batch: one kernel
+        h, y = skinny_add_norm_linear(rows, update_rows, norm_weight, eps, weight, bias)
+    elif fusable and rows.is_cuda:  # two: the add and norm in one, then the GEMM
+        h, normed = add_rms_norm(rows, update_rows, norm_weight, eps)
+        y = F.linear(normed, weight, bias)
+    else:
+        h = residual_add(rows, update_rows)
+        y = F.linear(rms_norm(h, norm_weight, eps), weight, bias)
+    return h.reshape(residual.shape), y.reshape(*residual.shape[:-1], weight.shape[0])
+
+
+def _add_norm_linear_fake(
+    residual: torch.Tensor, update: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return residual.new_empty(residual.shape), residual.new_empty((*residual.shape[:-1], weight.shape[0]))
+
+
 direct_register_custom_op("linear", _linear_impl, fake_impl=_linear_fake)
 direct_register_custom_op("silu_mul_linear", _silu_mul_linear_impl, fake_impl=_linear_fake)
+direct_register_custom_op("add_norm_linear", _add_norm_linear_impl, fake_impl=_add_norm_linear_fake)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch.Tensor]" = None) -> torch.Tensor:
@@ -76,6 +111,27 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch
         return torch.ops.atomrt.silu_mul_linear(x, weight, bias)
     return _silu_mul_linear_impl(x, weight, bias)
 from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, read_narrow
+
+
+def add_norm_linear(
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: "Optional[torch.Tensor]" = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, linear(rms_norm(h, norm_weight, eps), weight, bias)) for h = residual + update: a decoder
+    layer's residual add, its norm and the projection after it. Where the skinny GEMM can take the
+    weight, one op: for a decode batch one kernel (the add and the norm in the GEMM's prologue)
+    instead of two. Above, the add and the norm stay outside the opaque op, where Inductor fuses
+    them into one kernel."""
+    if weight.numel() >= SKINNY_MAX_WEIGHT_ELEMS:
+        h = residual_add(residual, update)
+        return h, linear(rms_norm(h, norm_weight, eps), weight, bias)
+    if torch.compiler.is_compiling():
+        return torch.ops.atomrt.add_norm_linear(residual, update, norm_weight, eps, weight, bias)
+    return _add_norm_linear_impl(residual, update, norm_weight, eps, weight, bias)
 
 
 class _LinearBase(nn.Module):
@@ -111,6 +167,13 @@ class ColumnParallelLinear(_LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias)
         return tp_all_gather_last_dim(y, self.tp) if self.gather_output else y
+
+    def forward_add_norm(
+        self, residual: torch.Tensor, update: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, self(norm(h))) for h = residual + update and an RMSNorm `norm`, through add_norm_linear."""
+        h, y = add_norm_linear(residual, update, norm.weight, norm.eps, self.weight, self.bias)
+        return h, tp_all_gather_last_dim(y, self.tp) if self.gather_output else y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

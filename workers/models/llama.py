@@ -8,7 +8,7 @@ forward context.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -45,8 +45,9 @@ class LlamaAttention(nn.Module):
             layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, rotary=rotary
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv: `qkv_proj`'s output [num_tokens, q_size + 2 * kv_size], projected by the decoder layer
+        (which fuses the norm before it into the projection)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
@@ -63,9 +64,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size], bias=False, tp=tp)
         self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=False, tp=tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu(gate) * up is the down projection's input, fused into its matmul for decode batches
-        return self.down_proj(self.gate_up_proj(x), gated_input=True)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: `gate_up_proj`'s output, projected by the decoder layer (which fuses the norm
+        before it into the projection). silu(gate) * up is the down projection's input, fused into
+        its matmul for decode batches."""
+        return self.down_proj(gate_up, gated_input=True)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -76,9 +79,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = residual_add(hidden_states, self.self_attn(positions, self.input_layernorm(hidden_states)))
-        return residual_add(hidden_states, self.mlp(self.post_attention_layernorm(hidden_states)))
+    def forward(
+        self, positions: torch.Tensor, residual: torch.Tensor, update: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream comes in, and goes out, as residual + update (update None: the
+        embeddings alone). Each add is done by the projection after the norm that follows it
+        (`forward_add_norm`: for decode batches the add, the norm and the GEMM are one kernel)."""
+        if update is None:
+            qkv = self.self_attn.qkv_proj(self.input_layernorm(residual))
+        else:
+            residual, qkv = self.self_attn.qkv_proj.forward_add_norm(residual, update, self.input_layernorm)
+        update = self.self_attn(positions, qkv)
+        residual, gate_up = self.mlp.gate_up_proj.forward_add_norm(residual, update, self.post_attention_layernorm)
+        return residual, self.mlp(gate_up)
 
 
 @token_graph
@@ -99,10 +112,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens] int64 -> hidden_states [num_tokens, hidden]."""
-        hidden_states = self.embed_tokens(input_ids)
+        residual, update = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
-        return self.norm(hidden_states)
+            residual, update = layer(positions, residual, update)
+        return self.norm(residual if update is None else residual_add(residual, update))
 
 
 # (our fused parameter, checkpoint projection, shard id)
