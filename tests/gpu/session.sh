@@ -28,7 +28,8 @@ mkdir -p "$OUT"
 pp=/tmp/atomrt-ns
 mkdir -p "$pp/atomrt"
 for d in runtime workers compile graphs distributed; do ln -sfn "$PWD/$d" "$pp/atomrt/$d"; done
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d "$pp/site/ray" ]; then  # once per machine: a second install
+  # while another part of the call imports from $pp/site could break that import
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$pp/site" .whl/*.whl
 fi
 export PYTHONPATH="$pp:$pp/site" PYTHONUNBUFFERED=1
