@@ -1,0 +1,57 @@
+"""Greedy argmax: workers/kernels/argmax.argmax_rows against torch.argmax, bf16 logits.
+
+    python tests/gpu/bench_argmax.py
+Prints, per (rows, vocab) of the latency targets' shapes: GPU us per call (200 calls captured in a
+CUDA graph, so launch gaps do not count) and host us per eager call (the sampler launches it eagerly).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from atomrt.workers.kernels.argmax import argmax_rows
+
+
+def gpu_us(fn, logits: torch.Tensor, calls: int = 200) -> float:
+    fn(logits)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(logits)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def host_us(fn, logits: torch.Tensor, calls: int = 2000) -> float:
+    fn(logits)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn(logits)
+    host = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def main() -> None:
+    torch_argmax = lambda x: x.argmax(dim=-1)  # noqa: E731
+    print("us per call:")
+    print(f"{'rows':>5} {'vocab':>7}  {'torch GPU':>9} {'ours GPU':>8}  {'torch host':>10} {'ours host':>9}")
+    for rows, vocab in [(1, 49152), (8, 49152), (1, 128256), (32, 128256), (128, 128256)]:
+        logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(argmax_rows(logits), torch_argmax(logits))
+        print(f"{rows:5d} {vocab:7d}  {gpu_us(torch_argmax, logits):9.1f} {gpu_us(argmax_rows, logits):8.1f}  "
+              f"{host_us(torch_argmax, logits):10.1f} {host_us(argmax_rows, logits):9.1f}")
+
+
+if __name__ == "__main__":
+    main()
