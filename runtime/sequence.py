@@ -32,12 +32,10 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "finished_aborted"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = frozenset(s for s in SequenceStatus if s.name.startswith("FINISHED_"))
+    def __init__(self, value: str) -> None:
+        # A plain attribute of each member: read several times per running sequence per step,
+        # where a property testing set membership would call Enum.__hash__ (Python code) each time.
+        self.is_finished: bool = value.startswith("finished_")
 
 _STATUS_OF_REASON = {
     "stop": SequenceStatus.FINISHED_STOPPED,
