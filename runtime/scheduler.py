@@ -47,21 +47,20 @@ class ScheduledSeq:
     # Captured when scheduled (postprocess moves the sequence on):
     num_computed_tokens: int = field(init=False)  # position of the first row
     num_tokens: int = field(init=False)  # the sequence's length at schedule time (pending tokens included)
+    # Whether this row block reaches the end of the sequence, so a token is sampled (stored: the
+    # planner, advance() and postprocess() each read it for every row).
+    is_sampled: bool = field(init=False)
     token_applied: bool = field(init=False, default=False)  # postprocess appended this row's sampled token
 
     def __post_init__(self) -> None:
         self.num_computed_tokens = self.seq.num_computed_tokens
         self.num_tokens = self.seq.num_tokens + self.seq.num_pending
+        self.is_sampled = self.context_len == self.num_tokens
 
     @property
     def context_len(self) -> int:
         """Tokens of context after this step (this step's rows included)."""
         return self.num_computed_tokens + self.num_new_tokens
-
-    @property
-    def is_sampled(self) -> bool:
-        """Whether this row block reaches the end of the sequence, so a token is sampled."""
-        return self.context_len == self.num_tokens
 
     @property
     def is_decode(self) -> bool:
