@@ -10,6 +10,7 @@ penalties, the token history.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 import numpy as np
@@ -17,9 +18,10 @@ import numpy as np
 from atomrt.distributed.messages import PENDING_TOKEN, NewRequest, RankBatch
 
 
-@dataclass
+@dataclass(frozen=True)
 class WorkerSamplingParams:
-    """What the sampler reads per row (the SamplingParams fields a worker needs)."""
+    """What the sampler reads per row (the SamplingParams fields a worker needs). Frozen: what is
+    derived from it is computed once per sequence, not once per step."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -31,7 +33,7 @@ class WorkerSamplingParams:
     frequency_penalty: float = 0.0
     logprobs: Optional[int] = None
 
-    @property
+    @cached_property
     def needs_history(self) -> bool:
         """Whether sampling reads the sequence's output so far (penalties; a seeded row's draw number)."""
         return (
