@@ -44,6 +44,11 @@ def _tiny_configs() -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_hf_folders(tmp_path_factory)
+
+
+def build_hf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A saved checkpoint of each tiny configuration, random weights (the same on every call)."""
     from transformers import AutoModelForCausalLM
 
     folders = {}
