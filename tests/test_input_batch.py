@@ -77,3 +77,20 @@ def test_block_tables_match_lists_through_growth() -> None:
         expected = [t + [-1] * (width - len(t)) for t in reference.values()]
         assert tables.gather(np.asarray(rows, dtype=np.int64)).tolist() == expected
     assert tables.table.shape[0] > 2 and tables.table.shape[1] > 2
+
+
+def test_mixed_step_positions_and_slots() -> None:
+    """A prefill chunk next to a decode row: positions count on from each sequence's computed tokens."""
+    mirrors = SeqMirrors(block_size=4)
+    updates = {1: (0, np.array([3, 8], dtype=np.int32)), 2: (0, np.array([5], dtype=np.int32))}
+    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1), NewRequest(2)], block_table_updates=updates))
+    batch = RankBatch(
+        seq_ids=np.array([2, 1], dtype=np.int64), num_new_tokens=np.array([1, 3], dtype=np.int32),
+        num_computed_tokens=np.array([2, 2], dtype=np.int32), input_ids=np.arange(4, dtype=np.int32),
+        sample_mask=np.array([True, False]),
+    )
+    inputs = mirrors.build(batch)
+    assert inputs.positions.tolist() == [2, 2, 3, 4]
+    assert inputs.slot_mapping.tolist() == [5 * 4 + 2, 3 * 4 + 2, 3 * 4 + 3, 8 * 4 + 0]
+    assert inputs.cu_seqlens_q.tolist() == [0, 1, 4] and inputs.context_lens.tolist() == [3, 5]
+    assert inputs.sample_seq_idx.tolist() == [0] and inputs.sample_rows.tolist() == [0]

@@ -186,19 +186,22 @@ class SeqMirrors:
         cu = np.zeros(bs + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
         num_tokens = int(cu[-1])
-        seq_of_row = np.repeat(np.arange(bs), q_lens)
-        positions = computed[seq_of_row] + (np.arange(num_tokens) - cu[:-1][seq_of_row])
+        if num_tokens == bs:  # every sequence has >= 1 row, so one each (a decode step): row i is sequence i
+            seq_of_row, positions = np.arange(bs), computed
+        else:
+            seq_of_row = np.repeat(np.arange(bs), q_lens)
+            positions = computed[seq_of_row] + (np.arange(num_tokens) - cu[:-1][seq_of_row])
         table_rows = np.asarray([self.seqs[s].block_table_row for s in batch.seq_ids.tolist()], dtype=np.int64)
         block_tables = self.block_tables.gather(table_rows)
         blocks = block_tables[seq_of_row, positions // self.block_size].astype(np.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
-        sample_seq_idx = np.nonzero(batch.sample_mask)[0].astype(np.int64)
+        sample_seq_idx = np.flatnonzero(batch.sample_mask).astype(np.int64, copy=False)
         input_ids = batch.input_ids.astype(np.int64)
         token_src = self._token_src(batch, input_ids, seq_of_row, prev_sampled or {})
         return StepInputs(
-            seq_ids=batch.seq_ids.astype(np.int64),
+            seq_ids=batch.seq_ids.astype(np.int64, copy=False),
             input_ids=input_ids,
-            positions=positions.astype(np.int64),
+            positions=positions,
             slot_mapping=slot_mapping,
             cu_seqlens_q=cu,
             context_lens=(computed + q_lens).astype(np.int32),
