@@ -180,10 +180,6 @@ class Scheduler:
             budget -= self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.is_prefill = any(not s.is_decode for s in out.scheduled)
-        now = time.monotonic()
-        for s in out.scheduled:
-            if s.seq.first_scheduled_time is None:
-                s.seq.first_scheduled_time = now
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> int:
@@ -247,6 +243,8 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:  # only ever set here: every running sequence came this way
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             used += num_new
