@@ -80,7 +80,7 @@ class Detokenizer:
         back; once finished, everything left is released."""
         text = self.output_text
         end = len(text)
-        if not finished:
+        if not finished and self.stop:
             end -= held_back_len(text, self.stop)
         end = max(end, self.num_streamed_chars)
         delta = text[self.num_streamed_chars : end]
