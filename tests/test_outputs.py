@@ -1,0 +1,45 @@
+"""make_request_output: every field of the user's RequestOutput comes from its own Sequence field
+(the outputs are built with positional arguments, so a reordered dataclass must fail here)."""
+
+from __future__ import annotations
+
+from atomrt.runtime.outputs import make_request_output
+from atomrt.runtime.sampling_params import SamplingParams
+from atomrt.runtime.sequence import Sequence
+
+
+def _finished_sequence() -> Sequence:
+    seq = Sequence("req-7", [1, 2, 3], SamplingParams(logprobs=1, max_tokens=5), arrival_time=10.0)
+    seq.first_scheduled_time = 11.0
+    seq.append_token(4, {4: -0.5, 9: -1.0})
+    seq.append_token(5, {5: -0.25})
+    seq.num_preemptions = 2
+    seq.stop_reason = 5
+    seq.finish("stop")
+    seq.first_token_time, seq.finished_time = 12.0, 13.0
+    return seq
+
+
+def test_every_output_field_comes_from_its_sequence_field() -> None:
+    seq = _finished_sequence()
+    out = make_request_output(seq, "the prompt")
+    assert (out.request_id, out.prompt, out.prompt_token_ids, out.finished) == ("req-7", "the prompt", [1, 2, 3], True)
+    (c,) = out.outputs
+    assert (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) == (0, "", [4, 5], "stop", 5)
+    assert c.logprobs == [{4: -0.5, 9: -1.0}, {5: -0.25}] and c.cumulative_logprob == -0.75
+    m = out.metrics
+    assert (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions) == (
+        10.0, 11.0, 12.0, 13.0, 2
+    )
+
+
+def test_delta_outputs_return_each_token_once() -> None:
+    seq = Sequence("r", [1, 2], SamplingParams(max_tokens=5))
+    seq.append_token(3)
+    seq.append_token(4)
+    assert make_request_output(seq, delta=True).outputs[0].token_ids == [3, 4]
+    assert make_request_output(seq, delta=True).outputs[0].token_ids == []
+    seq.append_token(5)
+    assert make_request_output(seq, delta=True).outputs[0].token_ids == [5]
+    assert make_request_output(seq).outputs[0].token_ids == [3, 4, 5]
+    assert make_request_output(seq).outputs[0].logprobs is None
