@@ -6,6 +6,9 @@
 #   tests   the gpu tier, then the multigpu tier (needs nvidia-h200-x2)
 #   full    (nvidia-h200-x2, ~570 s) the multigpu tier first, then the gpu tier on GPU 0 while the
 #           quick part's 135M and 1B benches run on GPU 1 (the host is shared: say so with figures)
+#   verify  (nvidia-h200-x2, ~400 s) the multigpu tier, then on GPU 0 the graph-mode, transformers,
+#           argmax and skinny GEMM tests and the transport bench, while GPU 1 repeats the 135M (x3)
+#           and 1B (x2) quick benches
 #   dist    transport round trip, Ray vs in-process (levels 0 and 3), the 135M step profile
 #   bench   atomrt bench latency: the three shapes at level 3, the 512 ladder's capture, Ray / mp vs
 #           in-process at level 3, eager
@@ -48,6 +51,18 @@ for part in "$@"; do
         bench quick_1b 110 --model Llama-3.2-1B --level 3 --modes FULL+async --batch-sizes 32 ) > "$OUT/side.log" 2>&1 &
       side=$!  # waited for by pid: a pgrep -f pattern also matches this script's own command line
       CUDA_VISIBLE_DEVICES=0 run pytest-gpu 310 python3 -m pytest -p no:cacheprovider -q -rs -m gpu tests/gpu
+      wait "$side"; cat "$OUT/side.log" ;;
+    verify)
+      run pytest-multigpu 250 python3 -m pytest -p no:cacheprovider -q -rA --tb=long -m multigpu tests/gpu
+      ( export CUDA_VISIBLE_DEVICES=1
+        for r in 1 2 3; do bench "quick_135m_$r" 80 --model SmolLM2-135M --level 3 --modes FULL+async --batch-sizes 1; done
+        for r in 1 2; do bench "quick_1b_$r" 100 --model Llama-3.2-1B --level 3 --modes FULL+async --batch-sizes 32; done
+      ) > "$OUT/side.log" 2>&1 &
+      side=$!
+      CUDA_VISIBLE_DEVICES=0 run pytest-verify 250 python3 -m pytest -p no:cacheprovider -q -rs -m gpu \
+        tests/gpu/test_graph_modes_gpu.py tests/gpu/test_models_hf_gpu.py tests/gpu/test_argmax_gpu.py \
+        tests/gpu/test_skinny_gemm_gpu.py
+      CUDA_VISIBLE_DEVICES=0 run transport 60 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
       wait "$side"; cat "$OUT/side.log" ;;
     probe)
       prof prof_135m_full_l3 70 --mode FULL --level 3
