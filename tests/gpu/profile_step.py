@@ -10,7 +10,7 @@ Prints (dummy weights of --model):
   (the GPU still running) plus the readback; inside those, the request graph's replay call, the
   LM head's launch, the readback's start and the worker's mirrors (apply, build);
 - the forward's GPU time alone (CUDA events around run_model);
-- the largest request graph's replay alone: host us per launch and GPU us per replay;
+- the replay alone of the step's request graph: host us per launch and GPU us per replay;
 - the GPU kernels of one step (torch.profiler: count and total kernel time, the top kernels);
 - the top functions by cumulative host time (cProfile).
 `--skinny-max-weight-elems` overrides which weights the skinny GEMM takes (0: none, cuBLAS only),
@@ -94,15 +94,16 @@ def phase_times(eng, steps: int) -> tuple[dict, float]:
     return acc, fwd
 
 
-def replay_costs(eng) -> str:
-    """Host and GPU time of the largest request graph's replay alone, 50 back to back."""
+def replay_costs(eng, bs: int) -> str:
+    """Host and GPU time of the replay alone of the request graph a `bs`-row decode step runs (the
+    smallest bucket that holds it), 50 back to back."""
     runner = eng.executor.worker.runner
     if runner.req_graph is None or not len(runner.req_graph):
         return "no request graphs"
     from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
     from atomrt.workers.graph_capture import dummy_decode_inputs
 
-    key = runner.req_graph.keys()[-1]
+    key = min((k for k in runner.req_graph.keys() if k[0] >= bs), default=runner.req_graph.keys()[-1])
     bs = key[0]
     decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=bs, running_tokens=bs, is_prefill=False, req_key=key)
     runner.prepare(dummy_decode_inputs(bs, 1), decision)  # a request graph replays the step staged for its bucket
@@ -163,7 +164,7 @@ def main() -> None:
         eng.step()
     ms = (time.perf_counter() - t) * 1e3 / a.steps
     phases, fwd_ms = phase_times(eng, a.steps)
-    replay = replay_costs(eng)  # before torch.profiler, whose leftovers may slow later launches
+    replay = replay_costs(eng, a.bs)  # before torch.profiler, whose leftovers may slow later launches
     kernels = kernel_table(eng, 20)
     prof = cProfile.Profile()
     prof.enable()
