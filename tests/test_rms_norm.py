@@ -14,6 +14,7 @@ import torch
 from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers import linear as linear_mod
 from atomrt.workers.layers.norm import rms_norm
+from test_skinny_gemm import traced_ops
 
 TOLERANCES = {torch.float32: {"rtol": 1e-6, "atol": 1e-6}, torch.float16: {"rtol": 2**-10, "atol": 2**-10}}
 
@@ -70,20 +71,12 @@ def test_large_weight_leaves_the_add_and_norm_to_inductor() -> None:
     where Inductor fuses them into one kernel."""
 
     def ops_traced(weight: torch.Tensor) -> set[str]:
-        seen: set[str] = set()
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-            seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-            return gm.forward
-
-        torch._dynamo.reset()
         k = weight.shape[1]
         residual, update, norm_weight = torch.randn(2, k), torch.randn(2, k), torch.ones(k)
-        compiled = torch.compile(lambda r, u: linear_mod.add_norm_linear(r, u, norm_weight, 1e-6, weight),
-                                 backend=backend, fullgraph=True)
-        want = eager_add_norm_linear(residual, update, norm_weight, 1e-6, weight, None)
-        for got, want in zip(compiled(residual, update), want):
-            torch.testing.assert_close(got, want)
+        fused = lambda r, u: linear_mod.add_norm_linear(r, u, norm_weight, 1e-6, weight)  # noqa: E731
+        got, seen = traced_ops(fused, residual, update)
+        for g, w in zip(got, eager_add_norm_linear(residual, update, norm_weight, 1e-6, weight, None)):
+            torch.testing.assert_close(g, w)
         return seen
 
     small = ops_traced(torch.randn(8, 16))

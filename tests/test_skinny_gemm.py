@@ -235,23 +235,29 @@ def test_layer_silu_mul_linear_on_cpu() -> None:
     assert torch.equal(compiled(x, w), want + 1)
 
 
+def traced_ops(fn, *inputs: torch.Tensor) -> tuple[object, set[str]]:
+    """fn(*inputs) compiled in one graph: its outputs, and the names of the ops Dynamo traced."""
+    seen: set[str] = set()
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, fullgraph=True)(*inputs), seen
+
+
 def test_large_gated_weight_leaves_the_activation_to_inductor() -> None:
     """Above GATED_MAX_WEIGHT_ELEMS the traced graph holds silu, mul and the plain linear op (Inductor
     fuses silu * mul into one kernel); below it, the one fused op."""
     from atomrt.workers.layers import linear as linear_mod
 
     def ops_traced(weight: torch.Tensor) -> set[str]:
-        seen: set[str] = set()
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-            seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-            return gm.forward
-
-        torch._dynamo.reset()
-        x = torch.randn(2, 2 * weight.shape[1])
-        compiled = torch.compile(lambda x: linear_mod.silu_mul_linear(x, weight), backend=backend, fullgraph=True)
-        want = torch.nn.functional.linear(torch.nn.functional.silu(x[:, : weight.shape[1]]) * x[:, weight.shape[1]:], weight)
-        torch.testing.assert_close(compiled(x), want)
+        k = weight.shape[1]
+        x = torch.randn(2, 2 * k)
+        got, seen = traced_ops(lambda x: linear_mod.silu_mul_linear(x, weight), x)
+        want = torch.nn.functional.linear(torch.nn.functional.silu(x[:, :k]) * x[:, k:], weight)
+        torch.testing.assert_close(got, want)
         return seen
 
     small = ops_traced(torch.randn(8, 16))

@@ -30,7 +30,7 @@ from atomrt.workers.kernels.skinny_gemm import (
     use_skinny,
 )
 from atomrt.workers.layers.activation import silu_and_mul
-from atomrt.workers.layers.norm import residual_add, rms_norm
+from atomrt.workers.layers.norm import RMSNorm, residual_add, rms_norm
 from atomrt.workers.layers.tp_ops import TPInfo, divide, tp_all_gather_last_dim, tp_all_reduce
 
 
@@ -169,9 +169,9 @@ class ColumnParallelLinear(_LinearBase):
         return tp_all_gather_last_dim(y, self.tp) if self.gather_output else y
 
     def forward_add_norm(
-        self, residual: torch.Tensor, update: torch.Tensor, norm: nn.Module
+        self, residual: torch.Tensor, update: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, self(norm(h))) for h = residual + update and an RMSNorm `norm`, through add_norm_linear."""
+        """(h, self(norm(h))) for h = residual + update, through add_norm_linear."""
         h, y = add_norm_linear(residual, update, norm.weight, norm.eps, self.weight, self.bias)
         return h, tp_all_gather_last_dim(y, self.tp) if self.gather_output else y
 
