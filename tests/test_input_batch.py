@@ -94,3 +94,18 @@ def test_mixed_step_positions_and_slots() -> None:
     assert inputs.slot_mapping.tolist() == [5 * 4 + 2, 3 * 4 + 2, 3 * 4 + 3, 8 * 4 + 0]
     assert inputs.cu_seqlens_q.tolist() == [0, 1, 4] and inputs.context_lens.tolist() == [3, 5]
     assert inputs.sample_seq_idx.tolist() == [0] and inputs.sample_rows.tolist() == [0]
+
+
+def test_as_many_rows_as_sequences_but_not_one_each() -> None:
+    """Rows [0, 2]: as many rows as sequences, yet not a decode step; both rows are sequence 2's."""
+    mirrors = SeqMirrors(block_size=4)
+    updates = {1: (0, np.array([3], dtype=np.int32)), 2: (0, np.array([5, 6], dtype=np.int32))}
+    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1), NewRequest(2)], block_table_updates=updates))
+    batch = RankBatch(
+        seq_ids=np.array([1, 2], dtype=np.int64), num_new_tokens=np.array([0, 2], dtype=np.int32),
+        num_computed_tokens=np.array([1, 3], dtype=np.int32), input_ids=np.arange(2, dtype=np.int32),
+        sample_mask=np.array([False, True]),
+    )
+    inputs = mirrors.build(batch)
+    assert inputs.positions.tolist() == [3, 4]
+    assert inputs.slot_mapping.tolist() == [5 * 4 + 3, 6 * 4 + 0]

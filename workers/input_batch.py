@@ -186,7 +186,7 @@ class SeqMirrors:
         cu = np.zeros(bs + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
         num_tokens = int(cu[-1])
-        if num_tokens == bs:  # every sequence has >= 1 row, so one each (a decode step): row i is sequence i
+        if num_tokens == bs and (bs == 0 or int(q_lens.max()) == 1):  # one row each (decode): row i is sequence i
             seq_of_row, positions = np.arange(bs), computed
         else:
             seq_of_row = np.repeat(np.arange(bs), q_lens)
