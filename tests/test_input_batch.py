@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 
 from atomrt.distributed.messages import NewRequest, RankBatch
 from atomrt.workers.input_batch import BlockTables, SeqMirrors
@@ -109,3 +110,11 @@ def test_as_many_rows_as_sequences_but_not_one_each() -> None:
     inputs = mirrors.build(batch)
     assert inputs.positions.tolist() == [3, 4]
     assert inputs.slot_mapping.tolist() == [5 * 4 + 3, 6 * 4 + 0]
+
+
+def test_an_update_past_the_end_is_an_error() -> None:
+    tables = BlockTables(num_rows=2, width=4)
+    row = tables.add_row()
+    tables.update(row, 0, np.array([7, 8], dtype=np.int32))
+    with pytest.raises(RuntimeError, match="past the row's end 2"):
+        tables.update(row, 3, np.array([9], dtype=np.int32))

@@ -91,7 +91,8 @@ class BlockTables:
 
     def update(self, row: int, start: int, blocks: np.ndarray) -> None:
         """The row's entries from `start` on become `blocks` (the driver sends only what we lack)."""
-        assert start <= self.lengths[row], f"block-table update at {start} past the row's end {self.lengths[row]}"
+        if start > self.lengths[row]:  # a plan from the driver that skips entries: never silently leave a gap
+            raise RuntimeError(f"block-table update at {start} past the row's end {self.lengths[row]}")
         end = start + blocks.shape[0]
         if end > self.table.shape[1]:
             self._grow(rows=self.table.shape[0], width=max(end, 2 * self.table.shape[1]))
