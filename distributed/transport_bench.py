@@ -3,6 +3,10 @@
 `python -m atomrt.distributed.transport_bench [--steps N] [--bs 256] [--tcp] [--spin-us S]` prints one line:
 the median and p99 of (encode + publish, worker receive + decode + result encode + push,
 driver receive + decode) for a `bs`-request decode plan. Target: median <= 100 us on one node.
+A second line splits the median into its legs, from CLOCK_MONOTONIC stamps the driver and the
+worker take (one clock for every process of the machine): the driver's encode + send, the plan's
+way to the worker's recv() returning, the worker's decode, its result encode + push, the result's
+way back, and the driver's decode.
 The worker is a separate process, as in the engine. Beside it, the floor on this machine now: the
 median of a bare pyzmq PUB -> SUB -> PUSH -> PULL round trip of bytes of the same sizes (no codec,
 no checks), so that a number taken on a busy machine can still be read. `--spin-us` sets both
@@ -14,14 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import shutil
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
-from atomrt.distributed.messages import RankBatch, StepPlan, StepResult, encode
+from atomrt.distributed.messages import RankBatch, StepPlan, StepResult, decode, encode
 from atomrt.distributed.transport import PlanPublisher, PlanSubscriber, ResultCollector, ResultPusher, TransportAddresses
 
 
@@ -35,7 +42,14 @@ class BenchResult:
     result_bytes: int
     bare_median_us: float  # bare pyzmq round trip of plan_bytes out, result_bytes back
     spin_us: float = 0.0
+    legs_us: dict = field(default_factory=dict)  # leg name -> median us (see LEGS)
 
+
+# The legs of one round trip, in order: (name, index of the stamp it starts at, index it ends at) in
+# the stamps [driver before encode, driver after send, worker recv returned, worker decoded, worker
+# pushed, driver recv returned, driver decoded].
+LEGS = (("driver encode+send", 0, 1), ("to worker", 1, 2), ("worker decode", 2, 3),
+        ("worker result encode+push", 3, 4), ("to driver", 4, 5), ("driver decode", 5, 6))
 
 def decode_plan(step: int, bs: int) -> StepPlan:
     """A decode step as the driver would send it: one new token per sequence, a few new blocks."""
@@ -52,16 +66,30 @@ def decode_plan(step: int, bs: int) -> StepPlan:
                     ranks=[rb])
 
 
-def _echo_worker(addresses: dict, spin_s: float) -> None:
+def _echo_worker(addresses: dict, spin_s: float, stamps_path: str, steps: int) -> None:
+    """Echo every plan back as a result. The first `steps` plans' (recv returned, decoded, pushed)
+    monotonic-ns stamps go to `stamps_path` at shutdown (int64 [steps, 3])."""
     addr = TransportAddresses.from_dict(addresses)
     sub, push = PlanSubscriber(addr, rank=0, spin_s=spin_s), ResultPusher(addr, dp_rank=0)
+    stamps = np.zeros((steps, 3), np.int64)
+    inbox, clock = sub._sub, time.monotonic_ns
     try:
+        plan = sub.recv(timeout=60)  # step 0, after the handshake's probes; from here on only plans come
         while True:
-            plan = sub.recv(timeout=60)
             if plan.shutdown:
+                np.save(stamps_path, stamps)
                 return
             rb = plan.ranks[0]
             push.push(StepResult(step=plan.step, dp_rank=0, seq_ids=rb.seq_ids, sampled_token_ids=rb.input_ids))
+            if plan.step < steps:
+                stamps[plan.step, 2] = clock()
+            data = inbox.recv(60_000)  # the hot path of PlanSubscriber.recv, stamped in between
+            t_recv = clock()
+            if data is None:
+                raise TimeoutError("transport_bench worker: no plan within 60 s")
+            plan = sub._check_step(decode(data))
+            if plan.step < steps:
+                stamps[plan.step, :2] = (t_recv, clock())
     finally:
         sub.close()
         push.close()
@@ -70,34 +98,50 @@ def _echo_worker(addresses: dict, spin_s: float) -> None:
 def run_bench(steps: int = 10_000, bs: int = 256, local: bool = True, warmup: int = 200, spin_us: float = 0.0) -> BenchResult:
     addr = TransportAddresses.make(local=local, host_ip="127.0.0.1" if not local else "")
     pub, col = PlanPublisher(addr, num_subscribers=1), ResultCollector(addr, spin_s=spin_us / 1e6)
-    worker = mp.get_context("spawn").Process(target=_echo_worker, args=(addr.to_dict(), spin_us / 1e6), daemon=True)
+    stamps_path = os.path.join(tempfile.mkdtemp(prefix="atomrt-transport-bench-"), "worker_stamps.npy")
+    worker = mp.get_context("spawn").Process(
+        target=_echo_worker, args=(addr.to_dict(), spin_us / 1e6, stamps_path, warmup + steps), daemon=True)
     worker.start()
     try:
         pub.wait_ready(timeout=60)
         plans = [decode_plan(s, bs) for s in range(16)]  # built ahead: measure the transport only
-        times = np.empty(steps, dtype=np.float64)
+        # driver stamps per step: before encode, after send, recv returned, decoded (monotonic ns)
+        stamps = np.zeros((warmup + steps, 4), np.int64)
+        inbox, clock = col._pull, time.monotonic_ns
         for step in range(warmup + steps):
             plan = plans[step % 16]
             plan.step = step
-            t0 = time.perf_counter()
+            t0 = clock()
             pub.publish(plan)
-            col.recv(timeout=10)
-            if step >= warmup:
-                times[step - warmup] = time.perf_counter() - t0
+            t1 = clock()
+            data = inbox.recv(10_000)
+            t2 = clock()
+            if data is None:
+                raise TimeoutError(f"transport_bench: no result for step {step} within 10 s")
+            result = decode(data)
+            stamps[step] = (t0, t1, t2, clock())
+            if result.step != step:
+                raise RuntimeError(f"transport_bench: result of step {result.step}, expected {step}")
         pub.publish(StepPlan(step=warmup + steps, shutdown=True))
         worker.join(10)
+        worker_stamps = np.load(stamps_path)
     finally:
         if worker.is_alive():
             worker.kill()
         pub.close()
         col.close()
         addr.cleanup()
+        shutil.rmtree(os.path.dirname(stamps_path), ignore_errors=True)
+    d, w = stamps[warmup:], worker_stamps[warmup:]
+    all_stamps = np.concatenate([d[:, :2], w, d[:, 2:]], axis=1)  # in LEGS' order
+    times = (d[:, 3] - d[:, 0]) / 1e3
+    legs = {name: float(np.median(all_stamps[:, b] - all_stamps[:, a]) / 1e3) for name, a, b in LEGS}
     rb = plans[0].ranks[0]
     plan_bytes = len(encode(plans[0]))
     result_bytes = len(encode(StepResult(step=0, dp_rank=0, seq_ids=rb.seq_ids, sampled_token_ids=rb.input_ids)))
     bare = bare_round_trip_us(min(steps, 3000), plan_bytes, result_bytes, local, warmup)
-    return BenchResult(steps, bs, float(np.median(times) * 1e6), float(np.percentile(times, 99) * 1e6),
-                       plan_bytes, result_bytes, bare, spin_us)
+    return BenchResult(steps, bs, float(np.median(times)), float(np.percentile(times, 99)),
+                       plan_bytes, result_bytes, bare, spin_us, legs)
 
 
 def _bare_echo(plan: str, result: str, result_bytes: int) -> None:
@@ -165,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"transport round trip ({'tcp' if args.tcp else 'ipc'}, spin {r.spin_us:g} us, bs={r.bs}, {r.plan_bytes} B plan, "
           f"{r.steps} steps): median {r.median_us:.1f} us, p99 {r.p99_us:.1f} us (target <= 100 us; "
           f"bare pyzmq round trip of the same sizes here: median {r.bare_median_us:.1f} us)")
+    print("legs (median us): " + ", ".join(f"{k} {v:.1f}" for k, v in r.legs_us.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r.__dict__, f)

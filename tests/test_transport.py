@@ -243,5 +243,11 @@ def test_transport_bench_runs():
     r = run_bench(steps=50, bs=8, warmup=5)
     assert r.steps == 50 and 0 < r.bare_median_us and 0 < r.median_us <= r.p99_us
     assert 0 < r.result_bytes < r.plan_bytes < 1024
+    from atomrt.distributed.transport_bench import LEGS
+
+    # every leg was stamped (a zero stamp would give a huge or negative leg), in the order of a round trip
+    assert list(r.legs_us) == [name for name, _, _ in LEGS]
+    assert all(0 <= v < r.p99_us for v in r.legs_us.values())
+    assert r.legs_us["driver encode+send"] > 0 and r.legs_us["worker decode"] > 0
     spun = run_bench(steps=50, bs=8, warmup=5, spin_us=500)
     assert spun.spin_us == 500 and 0 < spun.median_us <= spun.p99_us
