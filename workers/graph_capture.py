@@ -3,7 +3,8 @@
 Sizes descending (largest first, so smaller recordings reuse the shared pool's blocks); per size a
 dummy decode batch of `bs` sequences x `max_q_len` rows, the forward context with
 `running_tokens` the same on every rank (capture is symmetric), a warm-up run, the recording,
-`torch.cuda.synchronize()`. FULL (and FULL_DECODE_ONLY) record `ReqGraph`s; TR_HYBRID (and
+`torch.cuda.synchronize()`. FULL (and FULL_DECODE_ONLY) record `ReqGraph`s, the LM head included
+(its logits are the recording's output); TR_HYBRID (and
 FULL_AND_TR_HYBRID, recorded exactly as TR_HYBRID) record the model's token graphs, asked once
 for decode and once for prefill (the same recording serves both). GC is off during capture; a
 progress bar shows on rank 0. Every recording drains pending NCCL work first (graphs/region_graph).
@@ -79,12 +80,18 @@ def capture_all(runner: "ModelRunner") -> tuple[float, list[int]]:
             scope = dict(no_compile_layers=runner.attn_layers, kv_cache_data=runner.kv_cache)
             with set_forward_context(md, config, ctx, **scope):
                 runner.unpack_step(bs, rows)
-                runner.model(ids, pos)  # warm-up
+                hidden = runner.model(ids, pos)  # warm-up
+                if record_full:
+                    runner.model.compute_logits(hidden)
             if record_full:
 
-                def forward() -> None:  # the request graph: unpack the staged step, run, keep the output
+                def forward() -> torch.Tensor:
+                    """The request graph: unpack the staged step, run, keep the hidden states, and
+                    return every row's logits (a decode step samples every row)."""
                     runner.unpack_step(bs, rows)
-                    fv["outputs"][:rows].copy_(runner.model(ids, pos))
+                    hidden = runner.model(ids, pos)
+                    fv["outputs"][:rows].copy_(hidden)
+                    return runner.model.compute_logits(hidden)
 
                 with set_forward_context(md, config, ctx, **scope):
                     runner.req_graph.record(decision.req_key, forward)

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _dummy_forward(runner: "ModelRunner", num_tokens: int) -> None:
-    """A prefill of `num_tokens` rows cut into sequences of at most max_model_len, without KV cache."""
+def _dummy_forward(runner: "ModelRunner", num_tokens: int, logits_rows: int = 1) -> None:
+    """A prefill of `num_tokens` rows cut into sequences of at most max_model_len, without KV cache,
+    and the logits of its last `logits_rows` rows."""
     seq_len = min(num_tokens, runner.max_model_len)
     cu = list(range(0, num_tokens, seq_len)) + [num_tokens]
     ids = runner.forward_vars["input_ids"][:num_tokens]
@@ -34,7 +35,7 @@ def _dummy_forward(runner: "ModelRunner", num_tokens: int) -> None:
     ctx = Context(positions=pos, is_prefill=True, batch_size=len(cu) - 1, running_bs=len(cu) - 1, running_tokens=num_tokens)
     with torch.inference_mode(), set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers):
         hidden = runner.model(ids, pos)
-        runner.model.compute_logits(hidden[-1:])
+        runner.model.compute_logits(hidden[-logits_rows:])
 
 
 def determine_num_blocks(runner: "ModelRunner") -> KVCacheSizing:
@@ -60,7 +61,7 @@ def determine_num_blocks(runner: "ModelRunner") -> KVCacheSizing:
         largest_bucket = max(runner.config.capture_sizes or [0])
         if largest_bucket and not runner.enforce_eager:
             torch.cuda.reset_peak_memory_stats()
-            _dummy_forward(runner, largest_bucket)
+            _dummy_forward(runner, largest_bucket, logits_rows=largest_bucket)  # a request graph's LM head: every row
             pool_estimate = torch.cuda.max_memory_allocated() - base
         free, total = torch.cuda.mem_get_info()
         others = total - free - torch.cuda.memory_reserved()  # other processes on this device

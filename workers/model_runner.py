@@ -266,7 +266,9 @@ class ModelRunner:
 
         Under TOKEN_GRAPH the forward context says tr_graph="replay" and the model's `@token_graph`
         unit replays its recording; under REQ_GRAPH the request bucket's graph replays (unpacking
-        the staged step first, see `prepare`) and its output is `forward_vars["outputs"]`. Logits are computed for `logits_indices` rows only.
+        the staged step first, see `prepare`): its hidden states land in `forward_vars["outputs"]`,
+        and its output is every row's logits, which a `slice` of `logits_indices` (the rows a decode
+        step samples) takes as they are. Otherwise logits are computed for `logits_indices` rows only.
         """
         num_rows = input_ids.shape[0]
         if decision.kind is ForwardKind.REQ_GRAPH:
@@ -275,8 +277,10 @@ class ModelRunner:
                     f"request graph {decision.req_key} replayed without its step staged by prepare() "
                     f"(staged: {self._staged}); it would unpack another bucket's layout"
                 )
-            self.req_graph.replay(decision.req_key)
+            logits = self.req_graph.replay(decision.req_key)  # every row's, valid until the next replay
             hidden_states = self.forward_vars["outputs"][:num_rows]
+            if isinstance(logits_indices, slice):  # rows 0..n-1 sample: the graph computed their logits
+                return logits[logits_indices], hidden_states
         else:
             hidden_states = self.model(input_ids, self.forward_vars["positions"][:num_rows])
         return self.model.compute_logits(hidden_states[logits_indices]), hidden_states

@@ -182,6 +182,12 @@ def test_every_bucket_replays_like_eager_in_random_order(mode):
                                      kv_cache_data=runner.kv_cache, tr_graph=graph.tr_graph):
                 got, _ = runner.run_model(runner.forward_vars["input_ids"][:bs], graph, rows)
             torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4, msg=f"{mode} bucket {bs} (replay #{i})")
+            if mode == "FULL":  # every row samples (a slice): the logits are the graph's own output
+                md, ctx = runner.prepare(inputs, graph)
+                with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers,
+                                         kv_cache_data=runner.kv_cache):
+                    got, _ = runner.run_model(runner.forward_vars["input_ids"][:bs], graph, slice(0, bs))
+                torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4, msg=f"{mode} bucket {bs} in-graph logits")
         pool, largest = runner.graph_pool_bytes, runner.graph_pool_largest_bytes
         assert 0 < largest <= pool
         # Recordings share one pool: the ladder needs about what its largest bucket needs, not the sum.
@@ -207,3 +213,4 @@ def test_level3_with_one_sequence_starts_and_matches_eager():
             llm.shutdown()
             torch.cuda.empty_cache()
     assert tokens[3] == tokens[0]
+
