@@ -26,21 +26,44 @@ from atomrt.workers.sampler import Sampler, SamplerOutput, SamplingTensors
 
 logger = logging.getLogger(__name__)
 
+_READBACK_SLOTS = 4  # pinned token buffers reused by start_readback (async scheduling keeps <= 2 busy)
+
+
+class ReadbackSlot:
+    """A pinned host buffer for a step's sampled tokens and the event that says their copy landed.
+    The runner keeps a few and reuses them (a step's readback allocates nothing); `busy` from the
+    copy's start until `Readback.wait`."""
+
+    def __init__(self, size: int) -> None:
+        self.tokens = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        self.event = torch.cuda.Event()
+        self.busy = False
+
 
 class Readback:
     """A step's sampled tokens (and logprobs) on their way to the host. On CUDA the copies are queued
     behind the step and the host waits on an event, so a later step queued meanwhile is not waited
-    for; on CPU the values are already there."""
+    for; on CPU the values are already there. The tokens land in `slot` when one is given (free,
+    and large enough), else in a new pinned tensor."""
 
-    def __init__(self, out: SamplerOutput, device: torch.device) -> None:
+    def __init__(self, out: SamplerOutput, device: torch.device, slot: Optional[ReadbackSlot] = None) -> None:
         lp = out.logprobs
         tensors = [out.sampled_token_ids]
         if lp is not None:
             tensors += [lp.sampled_logprobs.float(), lp.top_token_ids.to(torch.int32), lp.top_logprobs.float()]
         self.event: Optional[torch.cuda.Event] = None
+        self.slot: Optional[ReadbackSlot] = None
         if device.type == "cuda":
-            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
-            self.event = torch.cuda.Event()
+            tokens = tensors[0]
+            fits = slot is not None and tokens.dtype == slot.tokens.dtype and tokens.shape[0] <= slot.tokens.shape[0]
+            if fits and not slot.busy:
+                host = slot.tokens[: tokens.shape[0]]
+                host.copy_(tokens, non_blocking=True)
+                tensors = [host] + [t.to("cpu", non_blocking=True) for t in tensors[1:]]
+                slot.busy, self.slot, self.event = True, slot, slot.event
+            else:
+                tensors = [t.to("cpu", non_blocking=True) for t in tensors]
+                self.event = torch.cuda.Event()
             self.event.record()
         self.tensors = tensors
 
@@ -49,6 +72,8 @@ class Readback:
         if self.event is not None:
             self.event.synchronize()
         tokens = self.tensors[0].tolist()
+        if self.slot is not None:  # the tokens are out of the slot: it may take the next step's
+            self.slot.busy, self.slot = False, None
         if len(self.tensors) == 1:
             return tokens, None
         return tokens, tuple(t.numpy() for t in self.tensors[1:])
@@ -133,6 +158,8 @@ class ModelRunner:
         # a step's copies were queued; in practice long complete). Synchronously it has already
         # waited for step N's tokens.
         self._staging_read = torch.cuda.Event() if dev.type == "cuda" and self.token_pool is not None else None
+        self._readback_slots = [ReadbackSlot(s) for _ in range(_READBACK_SLOTS)] if dev.type == "cuda" else []
+        self._next_slot = 0
         # Request-graph steps (FULL decode) travel packed: one copy, unpacked inside the graph.
         self.packed: Optional[PackedStep] = None
         self._staged: Optional[tuple[int, int]] = None  # (seqs, rows) of the step last staged packed
@@ -256,8 +283,18 @@ class ModelRunner:
         self.forward_vars["prev_tokens"][: tokens.shape[0]].copy_(tokens)
 
     def start_readback(self, out: SamplerOutput) -> "Readback":
-        """Start copying a step's tokens (and logprobs) to the host; `Readback.wait` returns them."""
-        return Readback(out, self.device)
+        """Start copying a step's tokens (and logprobs) to the host; `Readback.wait` returns them.
+        On CUDA the tokens go to the next free one of the runner's pinned slots (a step in flight
+        and one waiting hold two; a busy slot is passed over, and with none free a new buffer is
+        allocated)."""
+        slot = None
+        for _ in range(len(self._readback_slots)):
+            candidate = self._readback_slots[self._next_slot]
+            self._next_slot = (self._next_slot + 1) % len(self._readback_slots)
+            if not candidate.busy:
+                slot = candidate
+                break
+        return Readback(out, self.device, slot)
 
     def run_model(
         self, input_ids: torch.Tensor, decision: ForwardDecision, logits_indices: Union[torch.Tensor, slice]

@@ -214,3 +214,24 @@ def test_level3_with_one_sequence_starts_and_matches_eager():
             torch.cuda.empty_cache()
     assert tokens[3] == tokens[0]
 
+
+def test_readback_reuses_free_slots_and_passes_over_busy_ones():
+    """A step's tokens land in a pinned slot the runner reuses; a slot still waited on, or too small,
+    is passed over (a new buffer), so no readback ever overwrites tokens not yet read."""
+    from atomrt.workers.model_runner import Readback, ReadbackSlot
+    from atomrt.workers.sampler import SamplerOutput
+
+    dev = torch.device("cuda")
+    slot, spare = ReadbackSlot(8), ReadbackSlot(4)
+
+    def start(values, s):
+        return Readback(SamplerOutput(torch.tensor(values, dtype=torch.int64, device=dev)), dev, s)
+
+    a = start([3, 1, 4], slot)
+    b = start([1, 5, 9, 2, 6], slot)  # `slot` is busy until a.wait()
+    c = start(list(range(6)), spare)  # too large for `spare`
+    assert a.slot is slot and b.slot is None and c.slot is None and slot.busy
+    assert b.wait()[0] == [1, 5, 9, 2, 6] and c.wait()[0] == list(range(6))
+    assert a.wait()[0] == [3, 1, 4] and not slot.busy
+    d = start([2, 7], slot)
+    assert d.slot is slot and d.wait() == ([2, 7], None)
