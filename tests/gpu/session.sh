@@ -20,6 +20,11 @@
 #           with cuBLAS only (why the sweep's gains did not carry into the step)
 #   pdl     programmatic dependent launch: 135M bs=1 and 1B bs=32 with ATOMRT_PDL off and on,
 #           alternating in one process (tests/gpu/ab_pdl.py), then its bitwise-equality tests
+#   diag    (nvidia-h200, ~330 s) the host (tests/gpu/host_probe.py), the transport's legs (spin 0 and
+#           1000 us), slow-mode rounds (tests/gpu/slow_mode.py) in four 135M and two 1B processes, and
+#           the Llama-3.1-8B step profile (FULL+async, level 3)
+#   abslow  slow_mode.py rounds on a baseline tree (.base, as for ab) and on this one, alternating:
+#           135M bs=1 x2 each, 1B bs=32 x1 each (the median of 12 rounds of 64 steps per process)
 #   ab      the quick part's 135M and 1B shapes on a baseline tree and on this one, alternating, in
 #           one call (figures from different calls land on different machines and can differ by more
 #           than a change): make the baseline with
@@ -101,6 +106,28 @@ for part in "$@"; do
     pdl)
       run ab_pdl 330 python3 tests/gpu/ab_pdl.py --out /tmp/ab_pdl
       run pytest-pdl 230 python3 -m pytest -p no:cacheprovider -q -rA --tb=short -m gpu tests/gpu/test_pdl_gpu.py ;;
+    diag)
+      run host_probe 60 python3 tests/gpu/host_probe.py
+      run transport_spin0 60 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
+      run transport_spin1000 60 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256 --spin-us 1000
+      for r in 1 2 3 4; do run "slow_135m_$r" 60 python3 tests/gpu/slow_mode.py; done
+      for r in 1 2; do run "slow_1b_$r" 80 python3 tests/gpu/slow_mode.py --model Llama-3.2-1B --bs 32; done
+      prof prof_8b_full_l3_async 120 --mode FULL --level 3 --async-scheduling --model Llama-3.1-8B --steps 100 ;;
+    abslow)
+      [ -d .base/workers ] || { echo "abslow: no .base tree (see ab)"; exit 2; }
+      bp=/tmp/atomrt-base
+      mkdir -p "$bp/atomrt"
+      for d in runtime workers compile graphs distributed; do ln -sfn "$PWD/.base/$d" "$bp/atomrt/$d"; done
+      for shape in "SmolLM2-135M 1" "Llama-3.2-1B 32" "SmolLM2-135M 1"; do
+        read -r model bs <<< "$shape"
+        for tree in base head; do
+          root=$pp; [ "$tree" = base ] && root=$bp
+          name="abslow_${tree}_${model}_$RANDOM"
+          PYTHONPATH="$root:$pp/site" timeout 90 python3 tests/gpu/slow_mode.py --model "$model" --bs "$bs" \
+            > "$OUT/$name.txt" 2>&1
+          echo "== $name rc=$?"; tail -1 "$OUT/$name.txt"
+        done
+      done ;;
     ab)
       [ -d .base/workers ] || { echo "ab: no .base tree (see the header)"; exit 2; }
       bp=/tmp/atomrt-base

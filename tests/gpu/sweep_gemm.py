@@ -1,6 +1,7 @@
 """Skinny GEMM against cuBLAS at the model shapes: GPU time inside a CUDA graph (not a test; GPU machine).
 
     PYTHONPATH=<dir holding atomrt> python tests/gpu/sweep_gemm.py [--quick] [--json FILE] [--hot]
+        [--shapes "8B qkv,8B o"] [--ms 1]
 
 For M in 1, 8, 32 and every (N, K) of SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B (bf16, per TP
 rank), times F.linear (cuBLAS), skinny_linear under its default config (pick_config) and a grid of
@@ -280,6 +281,8 @@ def main() -> None:
     ap.add_argument("--hot", action="store_true", help="one weight copy (L2-warm small weights)")
     ap.add_argument("--budget-s", type=float, default=120.0, help="past this, only cuBLAS and default")
     ap.add_argument("--json", default="", help="write every timing and the summaries here")
+    ap.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
+    ap.add_argument("--ms", default="", help="only these M (comma-separated; default 1,8,32, --quick 1,32)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_gemm.py needs a CUDA GPU")
@@ -289,8 +292,11 @@ def main() -> None:
           f"{CALLS} calls per graph, median of {REPLAYS} replays, weights {'hot' if args.hot else 'rotated'}")
     start = time.perf_counter()
     summaries, results = [], []
-    for m in QUICK_MS if args.quick else MS:
-        for name, (n, k) in SHAPES.items():
+    ms = [int(m) for m in args.ms.split(",")] if args.ms else (QUICK_MS if args.quick else MS)
+    wanted = [w.strip() for w in args.shapes.split(",") if w.strip()]
+    shapes = {name: nk for name, nk in SHAPES.items() if not wanted or any(w in name for w in wanted)}
+    for m in ms:
+        for name, (n, k) in shapes.items():
             bench = Bench(name, m, n, k, args.hot)
             search = time.perf_counter() - start < args.budget_s
             summaries.append(sweep_one(bench, num_sms, args.quick, search))
