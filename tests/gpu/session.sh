@@ -2,6 +2,9 @@
 # A GPU session's checks and figures, for calls of the device tool (carry .whl, built by
 # ../shared/tools/gpu-wheels, for Ray and pyzmq). Everything lands in $OUT as <name>.txt / .json.
 # Usage (repo root): bash tests/gpu/session.sh PART...   parts, run in the order given:
+#   final   (nvidia-h200-x2, ~450 s) the multigpu tier, then GPU 1 runs the quick benches (135M x2,
+#           1B x2, 8B x1) while GPU 0 runs the transport bench and Ray / mp vs in-process at level 3
+#           (FULL+async); the host is shared between the two sides
 #   probe   step profiles (profile_step.py) of SmolLM2-135M and Llama-3.2-1B, FULL, level 3
 #   tests   the gpu tier, then the multigpu tier (needs nvidia-h200-x2)
 #   full    (nvidia-h200-x2, ~570 s) the multigpu tier first, then the gpu tier on GPU 0 while the
@@ -25,6 +28,8 @@
 #           the Llama-3.1-8B step profile (FULL+async, level 3)
 #   abslow  slow_mode.py rounds on a baseline tree (.base, as for ab) and on this one, alternating:
 #           135M bs=1 x2 each, 1B bs=32 x1 each (the median of 12 rounds of 64 steps per process)
+#   abhog   as abslow, 135M bs=1 only, with the step loop's thread sharing CPU 3 with a busy loop
+#           (slow_mode.py --contend 3): what a slow host costs each tree
 #   ab      the quick part's 135M and 1B shapes on a baseline tree and on this one, alternating, in
 #           one call (figures from different calls land on different machines and can differ by more
 #           than a change): make the baseline with
@@ -68,6 +73,19 @@ for part in "$@"; do
         tests/gpu/test_graph_modes_gpu.py tests/gpu/test_models_hf_gpu.py tests/gpu/test_argmax_gpu.py \
         tests/gpu/test_skinny_gemm_gpu.py
       CUDA_VISIBLE_DEVICES=0 run transport 60 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
+      wait "$side"; cat "$OUT/side.log" ;;
+    final)
+      run pytest-multigpu 250 python3 -m pytest -p no:cacheprovider -q -rA --tb=long -m multigpu tests/gpu
+      ( export CUDA_VISIBLE_DEVICES=1
+        for r in 1 2; do bench "quick_135m_$r" 80 --model SmolLM2-135M --level 3 --modes FULL+async --batch-sizes 1; done
+        for r in 1 2; do bench "quick_1b_$r" 100 --model Llama-3.2-1B --level 3 --modes FULL+async --batch-sizes 32; done
+        bench quick_8b 120 --model Llama-3.1-8B --level 3 --modes FULL+async --batch-sizes 1
+      ) > "$OUT/side.log" 2>&1 &
+      side=$!
+      ( export CUDA_VISIBLE_DEVICES=0
+        run transport 60 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
+        run tp_overhead_l3 170 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 \
+          --modes FULL+async --executor inproc,mp,ray --json "$OUT/tp_overhead_l3.json" )
       wait "$side"; cat "$OUT/side.log" ;;
     probe)
       prof prof_135m_full_l3 70 --mode FULL --level 3
@@ -113,17 +131,19 @@ for part in "$@"; do
       for r in 1 2 3 4; do run "slow_135m_$r" 60 python3 tests/gpu/slow_mode.py; done
       for r in 1 2; do run "slow_1b_$r" 80 python3 tests/gpu/slow_mode.py --model Llama-3.2-1B --bs 32; done
       prof prof_8b_full_l3_async 120 --mode FULL --level 3 --async-scheduling --model Llama-3.1-8B --steps 100 ;;
-    abslow)
+    abslow|abhog)
       [ -d .base/workers ] || { echo "abslow: no .base tree (see ab)"; exit 2; }
       bp=/tmp/atomrt-base
       mkdir -p "$bp/atomrt"
       for d in runtime workers compile graphs distributed; do ln -sfn "$PWD/.base/$d" "$bp/atomrt/$d"; done
-      for shape in "SmolLM2-135M 1" "Llama-3.2-1B 32" "SmolLM2-135M 1"; do
+      shapes=("SmolLM2-135M 1" "Llama-3.2-1B 32" "SmolLM2-135M 1"); extra=(); tag=abslow
+      [ "$part" = abhog ] && { shapes=("SmolLM2-135M 1" "SmolLM2-135M 1"); extra=(--contend 3); tag=abhog; }
+      for shape in "${shapes[@]}"; do
         read -r model bs <<< "$shape"
         for tree in base head; do
           root=$pp; [ "$tree" = base ] && root=$bp
-          name="abslow_${tree}_${model}_$RANDOM"
-          PYTHONPATH="$root:$pp/site" timeout 90 python3 tests/gpu/slow_mode.py --model "$model" --bs "$bs" \
+          name="${tag}_${tree}_${model}_$RANDOM"
+          PYTHONPATH="$root:$pp/site" timeout 90 python3 tests/gpu/slow_mode.py --model "$model" --bs "$bs" "${extra[@]}" \
             > "$OUT/$name.txt" 2>&1
           echo "== $name rc=$?"; tail -1 "$OUT/$name.txt"
         done

@@ -12,9 +12,14 @@ in three (docs/perf.md, "the slow mode"). Per round of `--steps` decode steps th
 - the GPU's SM and memory clocks (NVML, when it can be read).
 A process that is slow in every round, with the same GPU us and a slower Python loop, is slow on
 the host; one whose replay is slower is slow on the GPU.
+`--contend CPU` makes the host slow on purpose, to see what a slow host costs a given tree: after
+start-up the main thread is pinned to that CPU and a busy-looping process shares it (about half
+the CPU for the step loop; other threads are left where they are).
 """
 
 import argparse
+import multiprocessing as mp
+import os
 import time
 
 import numpy as np
@@ -64,6 +69,12 @@ def replay_gpu_us(runner, bs: int) -> float:
     return start.elapsed_time(end) / 20 * 1e3
 
 
+def _spin(cpu: int) -> None:
+    os.sched_setaffinity(0, {cpu})
+    while True:
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="SmolLM2-135M")
@@ -73,6 +84,7 @@ def main() -> None:
     ap.add_argument("--mode", default="FULL")
     ap.add_argument("--level", type=int, default=3)
     ap.add_argument("--no-async", action="store_true")
+    ap.add_argument("--contend", type=int, default=None, metavar="CPU", help="share this CPU with a busy loop")
     a = ap.parse_args()
     cc = CompilationConfig(level=a.level, cudagraph_mode=a.mode, cuda_graph_sizes=[a.bs])
     llm = LLM(a.model, load_format="dummy", compilation_config=cc, max_num_seqs=a.bs,
@@ -84,6 +96,13 @@ def main() -> None:
         eng.add_request([1 + i] * 128, params)
     for _ in range(8):
         eng.step()
+    hog = None
+    if a.contend is not None:
+        os.sched_setaffinity(0, {a.contend})  # this thread only
+        hog = mp.get_context("spawn").Process(target=_spin, args=(a.contend,), daemon=True)
+        hog.start()
+        time.sleep(0.5)
+        print(f"main thread pinned to CPU {a.contend}, shared with a busy loop (pid {hog.pid})")
     print(f"{a.model} {a.mode}{'' if a.no_async else '+async'} level {a.level} bs {a.bs}, {a.steps} steps a round")
     print("round  median ms  p90 ms  replay GPU us  python ns/iter  cpu start->end  clocks", flush=True)
     medians = []
@@ -102,6 +121,8 @@ def main() -> None:
         print(f"{r:5d}  {med:9.3f}  {np.percentile(times, 90) * 1e3:6.3f}  {gpu:13.1f}  {py:14.1f}  "
               f"{cpu0:5d}->{cpu1:<5d}  {clocks()}", flush=True)
     print(f"median of round medians: {np.median(medians):.3f} ms (min {min(medians):.3f}, max {max(medians):.3f})")
+    if hog is not None:
+        hog.kill()
     llm.shutdown()
 
 
