@@ -196,7 +196,7 @@ def bench_one(model: str, mode: str, executor: str, args: argparse.Namespace, re
         **mode_settings(mode, args.level, on_cuda),
     )
     for name in ("max_model_len", "max_num_batched_tokens", "transport_spin_us"):
-        if getattr(args, name):
+        if getattr(args, name) is not None:  # an explicit 0 (no spinning) is a setting too
             settings[name] = getattr(args, name)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
