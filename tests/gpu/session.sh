@@ -3,8 +3,8 @@
 # ../shared/tools/gpu-wheels, for Ray and pyzmq). Everything lands in $OUT as <name>.txt / .json.
 # Usage (repo root): bash tests/gpu/session.sh PART...   parts, run in the order given:
 #   final   (nvidia-h200-x2, ~450 s) the multigpu tier, then GPU 1 runs the quick benches (135M x2,
-#           1B x2, 8B x1) while GPU 0 runs the transport bench and Ray / mp vs in-process at level 3
-#           (FULL+async); the host is shared between the two sides
+#           1B x2, 8B x1) while GPU 0 runs the transport bench and Ray vs in-process at level 3
+#           (FULL+async), with transport_spin_us 0 and 2000; the host is shared between the two sides
 #   probe   step profiles (profile_step.py) of SmolLM2-135M and Llama-3.2-1B, FULL, level 3
 #   tests   the gpu tier, then the multigpu tier (needs nvidia-h200-x2)
 #   full    (nvidia-h200-x2, ~570 s) the multigpu tier first, then the gpu tier on GPU 0 while the
@@ -84,8 +84,10 @@ for part in "$@"; do
       side=$!
       ( export CUDA_VISIBLE_DEVICES=0
         run transport 60 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
-        run tp_overhead_l3 170 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 \
-          --modes FULL+async --executor inproc,mp,ray --json "$OUT/tp_overhead_l3.json" )
+        for spin in 0 2000; do
+          run "tp_overhead_l3_spin$spin" 120 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 \
+            --modes FULL+async --executor inproc,ray --transport-spin-us "$spin" --json "$OUT/tp_overhead_l3_spin$spin.json"
+        done )
       wait "$side"; cat "$OUT/side.log" ;;
     probe)
       prof prof_135m_full_l3 70 --mode FULL --level 3
