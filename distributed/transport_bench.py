@@ -29,7 +29,13 @@ import numpy as np
 import zmq
 
 from atomrt.distributed.messages import RankBatch, StepPlan, StepResult, decode, encode
-from atomrt.distributed.transport import PlanPublisher, PlanSubscriber, ResultCollector, ResultPusher, TransportAddresses
+from atomrt.distributed.transport import (
+    PlanPublisher,
+    PlanSubscriber,
+    ResultCollector,
+    ResultPusher,
+    TransportAddresses,
+)
 
 
 @dataclass
@@ -95,7 +101,8 @@ def _echo_worker(addresses: dict, spin_s: float, stamps_path: str, steps: int) -
         push.close()
 
 
-def run_bench(steps: int = 10_000, bs: int = 256, local: bool = True, warmup: int = 200, spin_us: float = 0.0) -> BenchResult:
+def run_bench(steps: int = 10_000, bs: int = 256, local: bool = True, warmup: int = 200,
+              spin_us: float = 0.0) -> BenchResult:
     addr = TransportAddresses.make(local=local, host_ip="127.0.0.1" if not local else "")
     pub, col = PlanPublisher(addr, num_subscribers=1), ResultCollector(addr, spin_s=spin_us / 1e6)
     stamps_path = os.path.join(tempfile.mkdtemp(prefix="atomrt-transport-bench-"), "worker_stamps.npy")
@@ -206,9 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default="", help="also write the result here")
     args = ap.parse_args(argv)
     r = run_bench(args.steps, args.bs, local=not args.tcp, spin_us=args.spin_us)
-    print(f"transport round trip ({'tcp' if args.tcp else 'ipc'}, spin {r.spin_us:g} us, bs={r.bs}, {r.plan_bytes} B plan, "
-          f"{r.steps} steps): median {r.median_us:.1f} us, p99 {r.p99_us:.1f} us (target <= 100 us; "
-          f"bare pyzmq round trip of the same sizes here: median {r.bare_median_us:.1f} us)")
+    print(f"transport round trip ({'tcp' if args.tcp else 'ipc'}, spin {r.spin_us:g} us, bs={r.bs}, "
+          f"{r.plan_bytes} B plan, {r.steps} steps): median {r.median_us:.1f} us, p99 {r.p99_us:.1f} us "
+          f"(target <= 100 us; bare pyzmq round trip of the same sizes here: median {r.bare_median_us:.1f} us)")
     print("legs (median us): " + ", ".join(f"{k} {v:.1f}" for k, v in r.legs_us.items()))
     if args.json:
         with open(args.json, "w") as f:

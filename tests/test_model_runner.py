@@ -16,7 +16,8 @@ from executor_harness import build_tiny_llama
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory) -> ModelRunner:
     folder = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
-    config = Config(model=str(folder), device="cpu", scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64))
+    config = Config(model=str(folder), device="cpu",
+                    scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64))
     r = ModelRunner(config, resolve_device(config))
     r.allocate_kv_cache(32)
     return r
@@ -29,7 +30,8 @@ def _inputs(q_lens: list[int], computed: list[int], block_size: int) -> StepInpu
     positions = np.asarray(computed)[seq_of_row] + np.arange(cu[-1]) - cu[:-1][seq_of_row]
     tables = np.full((bs, 4), -1, dtype=np.int32)
     for i in range(bs):
-        tables[i, : 1 + (computed[i] + q_lens[i] - 1) // block_size] = np.arange(1 + i * 4, 1 + i * 4 + 1 + (computed[i] + q_lens[i] - 1) // block_size)
+        num_blocks = 1 + (computed[i] + q_lens[i] - 1) // block_size
+        tables[i, :num_blocks] = np.arange(1 + i * 4, 1 + i * 4 + num_blocks)
     slots = tables[seq_of_row, positions // block_size].astype(np.int64) * block_size + positions % block_size
     return StepInputs(
         seq_ids=np.arange(bs, dtype=np.int64),
@@ -68,7 +70,8 @@ def test_padded_request_bucket_fills_static_buffers(runner: ModelRunner) -> None
 
 def test_token_bucket_pads_rows_not_sequences(runner: ModelRunner) -> None:
     inputs = _inputs([4, 2], [0, 3], runner.block_size)
-    decision = ForwardDecision(ForwardKind.TOKEN_GRAPH, running_bs=2, running_tokens=16, is_prefill=True, token_bucket=16)
+    decision = ForwardDecision(ForwardKind.TOKEN_GRAPH, running_bs=2, running_tokens=16, is_prefill=True,
+                               token_bucket=16)
     md, ctx = runner.prepare(inputs, decision)
     assert md.num_seqs == 2 and md.cu_seqlens_q.tolist() == [0, 4, 6]
     assert md.slot_mapping.shape[0] == 16 and md.slot_mapping[6:].tolist() == [-1] * 10
@@ -83,7 +86,8 @@ def test_eager_padded_rows_do_not_change_real_logits(runner: ModelRunner) -> Non
     def logits(decision: ForwardDecision):
         inputs = _inputs([3, 2], [0, 0], runner.block_size)
         md, ctx = runner.prepare(inputs, decision)
-        with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers, kv_cache_data=runner.kv_cache):
+        with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers,
+                                 kv_cache_data=runner.kv_cache):
             out, _ = runner.run_model(runner.forward_vars["input_ids"][: ctx.running_tokens], decision,
                                       runner.forward_vars["logits_indices"][:0].new_tensor([2, 4]))
         return out
@@ -104,7 +108,8 @@ def test_token_graph_records_kv_write_inline_and_breaks_only_at_attention(runner
     log: list = []
     graph = token_graph_of(unit, backend=FakeBackend(log))
     inputs = _inputs([1, 1, 1, 1], [2, 3, 1, 5], runner.block_size)
-    decision = ForwardDecision(ForwardKind.TOKEN_GRAPH, running_bs=4, running_tokens=4, is_prefill=False, token_bucket=4)
+    decision = ForwardDecision(ForwardKind.TOKEN_GRAPH, running_bs=4, running_tokens=4, is_prefill=False,
+                               token_bucket=4)
     md, ctx = runner.prepare(inputs, decision)
     with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers,
                              kv_cache_data=runner.kv_cache, tr_graph="record"):
@@ -132,7 +137,8 @@ def test_packed_step_unpacks_to_what_the_per_buffer_fill_writes(runner: ModelRun
     expected = {k: v.clone() for k, v in fv.items()}
     packed = PackedStep(max_seqs=8, max_rows=8, max_blocks=runner.max_blocks_per_seq, device=runner.device)
     for bs in (8, 4, 8):  # a smaller bucket between: views are per bucket, the buffer is shared
-        runner.prepare(_inputs([5, 7, 3], [0, 0, 0], runner.block_size), ForwardDecision(ForwardKind.EAGER, 3, 15, True))
+        runner.prepare(_inputs([5, 7, 3], [0, 0, 0], runner.block_size),
+                       ForwardDecision(ForwardKind.EAGER, 3, 15, True))
         small = _inputs([1, 1], [2, 9], runner.block_size)
         step = inputs if bs == 8 else small
         packed.stage(step, bs, bs)
@@ -140,7 +146,8 @@ def test_packed_step_unpacks_to_what_the_per_buffer_fill_writes(runner: ModelRun
     for name in ("input_ids", "positions", "slot_mapping"):
         assert fv[name][:8].tolist() == expected[name][:8].tolist(), name
     for name in ("cu_seqlens_q", "context_lens", "block_tables"):
-        assert fv[name][: 9 if name == "cu_seqlens_q" else 8].tolist() == expected[name][: 9 if name == "cu_seqlens_q" else 8].tolist(), name
+        n = 9 if name == "cu_seqlens_q" else 8
+        assert fv[name][:n].tolist() == expected[name][:n].tolist(), name
     with pytest.raises(ValueError, match="exceeds"):
         packed.stage(inputs, 16, 16)
 
@@ -166,7 +173,8 @@ def test_async_pending_rows_and_padding_rows_gather_valid_tokens(tmp_path_factor
     batch = RankBatch(
         seq_ids=np.array([10, 11, 12], dtype=np.int64), num_new_tokens=np.array([1, 1, 2], dtype=np.int32),
         num_computed_tokens=np.array([3, 3, 1], dtype=np.int32),
-        input_ids=np.array([PENDING_TOKEN, PENDING_TOKEN, 2, 3], dtype=np.int32), sample_mask=np.ones(3, dtype=np.bool_),
+        input_ids=np.array([PENDING_TOKEN, PENDING_TOKEN, 2, 3], dtype=np.int32),
+        sample_mask=np.ones(3, dtype=np.bool_),
     )
     inputs = mirrors.build(batch, prev_sampled={12: 0, 10: 1, 11: 2})
     assert inputs.input_ids.tolist() == [0, 0, 2, 3]

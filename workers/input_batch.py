@@ -227,7 +227,8 @@ class SeqMirrors:
             seq_ids = batch.seq_ids[seq_of_row[pending]].tolist()
             missing = [s for s in seq_ids if s not in prev_sampled]
             if missing:
-                raise RuntimeError(f"sequences {missing[:5]} have a pending input token but sampled nothing in the previous step")
+                raise RuntimeError(
+                    f"sequences {missing[:5]} have a pending input token but sampled nothing in the previous step")
             token_src[pending] = [self.prev_token_base + prev_sampled[s] for s in seq_ids]
             input_ids[pending] = 0
         return token_src
