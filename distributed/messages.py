@@ -8,15 +8,18 @@ in a field that declares its dtype (`default_factory=_i32 / _i64 / _bool`) trave
 that dtype, as msgpack bin of its raw bytes. Any other array travels as a msgpack ext: 1-D int32 /
 int64 / bool / float32 as ext 3 / 4 / 5 / 6 holding its raw bytes alone, else ext 1 holding
 `[dtype.str, shape, raw C-order bytes]`. Each decodes to a read-only `np.frombuffer` view of the
-received bytes (no copy). `block_table_updates` travels flat, as one ext 2 (seq ids, starts, counts,
-concatenated block ids), and decodes to the same dict.
+received bytes (no copy). Ext 2 is retired (it carried the block-table updates as a dict).
 
 Every message carries a step number (`Hello` / `Ready` carry the handshake round instead: step -1
 is "before step 0").
 
 A decode step ships only what the worker lacks: the new token of each sequence (`input_ids`), its
 context length (`num_computed_tokens`, from which the worker derives positions), and the block-table
-entries it has not seen (`block_table_updates`). A sequence's prompt and sampling settings travel
+entries it has not seen. Those travel flat, as four declared arrays (bytes on the wire, no Python
+per update): update i replaces sequence `new_block_seq_ids[i]`'s entries from `new_block_starts[i]`
+on with the next `num_new_blocks[i]` ids of `new_block_ids` (every update's ids, concatenated in
+update order). `decode` checks that the three per-update arrays are equally long and that the
+counts, none negative, add up to the ids sent. A sequence's prompt and sampling settings travel
 once, in its `NewRequest`.
 """
 
@@ -80,8 +83,13 @@ class RankBatch:
     num_new_tokens: np.ndarray = field(default_factory=_i32)  # int32 [bs]: query rows per sequence
     num_computed_tokens: np.ndarray = field(default_factory=_i32)  # int32 [bs]: context before this step
     input_ids: np.ndarray = field(default_factory=_i32)  # int32 [num_tokens]: this step's rows (or PENDING_TOKEN)
-    # seq_id -> (start index in the block table, int32 new block ids): only entries the worker lacks
-    block_table_updates: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
+    # The block-table entries the worker lacks, one update per sequence that has any: update i
+    # replaces sequence new_block_seq_ids[i]'s entries from new_block_starts[i] on with the next
+    # num_new_blocks[i] ids of new_block_ids. Declared together, in this order (_NEW_BLOCK_FIELDS).
+    new_block_seq_ids: np.ndarray = field(default_factory=_i64)  # int64 [num_updates]
+    new_block_starts: np.ndarray = field(default_factory=_i32)  # int32 [num_updates]: first entry replaced
+    num_new_blocks: np.ndarray = field(default_factory=_i32)  # int32 [num_updates]: ids of each update
+    new_block_ids: np.ndarray = field(default_factory=_i32)  # int32 [sum(num_new_blocks)], in update order
     sample_mask: np.ndarray = field(default_factory=_bool)  # bool [bs]: last row sampled this step
     finished_seq_ids: np.ndarray = field(default_factory=_i64)  # int64: free the worker's mirror
     preempted_seq_ids: np.ndarray = field(default_factory=_i64)  # int64: reset the worker's mirror
@@ -170,19 +178,17 @@ _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) 
 #
 # `encode` hands the message itself to msgpack's C packer; `_default` is called back only for what
 # msgpack cannot pack: a message (-> its field list), an array (-> an ext), a numpy scalar.
-# `decode` gets arrays and block-table updates back from `_unpack_ext` and builds the dataclasses.
+# `decode` gets arrays back from `_unpack_ext` and builds the dataclasses.
 
 # msgpack ext type codes; append only (a code is never reused)
 _EXT_NDARRAY = 1  # any array: dtype and shape in the payload (see _pack_array)
-_EXT_BLOCK_TABLE_UPDATES = 2  # see _pack_block_table_updates
+# 2: retired, never to be reused (it carried RankBatch.block_table_updates, a dict, now flat arrays)
 # 1-D arrays of the dtypes a step carries: the ext code names the dtype, the payload is the raw bytes
 _EXT_1D: dict[np.dtype, int] = {np.dtype("<i4"): 3, np.dtype("<i8"): 4, np.dtype("|b1"): 5, np.dtype("<f4"): 6}
 _EXT_1D_DTYPES: dict[int, np.dtype] = {code: dt for dt, code in _EXT_1D.items()}
 
 _HEADS: dict[tuple[str, int], tuple[bytes, struct.Struct]] = {}  # (dtype.str, ndim) -> header prefix, shape format
 _DTYPES: dict[bytes, np.dtype] = {}
-_U32 = struct.Struct("<I")
-_I32 = np.dtype("<i4")
 
 
 def _pack_array(a: np.ndarray) -> msgpack.ExtType:
@@ -213,31 +219,6 @@ def _unpack_ndarray(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype, offset=off).reshape(shape)
 
 
-def _pack_block_table_updates(updates: dict[int, tuple[int, np.ndarray]]) -> msgpack.ExtType:
-    """One ext: n u32 | seq_ids int64[n] | starts int32[n] | counts uint32[n] | block ids int32[sum(counts)]."""
-    n = len(updates)
-    if n == 0:
-        return msgpack.ExtType(_EXT_BLOCK_TABLE_UPDATES, _U32.pack(0))
-    starts, blocks = zip(*updates.values())
-    head = struct.pack(f"<I{n}q{n}i{n}I", n, *updates, *starts, *map(len, blocks))
-    return msgpack.ExtType(_EXT_BLOCK_TABLE_UPDATES, head + np.concatenate(blocks, dtype=_I32).tobytes())
-
-
-def _unpack_block_table_updates(data: bytes) -> dict[int, tuple[int, np.ndarray]]:
-    (n,) = _U32.unpack_from(data)
-    head = struct.unpack_from(f"<{n}q{n}i{n}I", data, 4)  # counts read unsigned: never negative
-    flat = np.frombuffer(data, _I32, -1, 4 + 16 * n)  # int32 [sum(counts)]; positional args: ~0.2 us less
-    updates = {}
-    lo = 0
-    for seq_id, start, count in zip(head[:n], head[n : 2 * n], head[2 * n :]):
-        hi = lo + count
-        updates[seq_id] = (start, flat[lo:hi])
-        lo = hi
-    if lo != flat.shape[0]:
-        raise MessageError(f"RankBatch.block_table_updates: counts add up to {lo} block ids, {flat.shape[0]} follow")
-    return updates
-
-
 def _unpack_ext(code: int, data: bytes) -> Any:
     try:
         dtype = _EXT_1D_DTYPES.get(code)
@@ -245,8 +226,6 @@ def _unpack_ext(code: int, data: bytes) -> Any:
             return np.frombuffer(data, dtype)
         if code == _EXT_NDARRAY:
             return _unpack_ndarray(data)
-        if code == _EXT_BLOCK_TABLE_UPDATES:
-            return _unpack_block_table_updates(data)
     except (IndexError, TypeError, ValueError, struct.error) as e:
         raise MessageError(f"bad payload of msgpack ext type {code} ({len(data)} bytes): {e}") from e
     raise MessageError(f"unknown msgpack ext type {code}")
@@ -270,7 +249,9 @@ _ARRAY_FIELDS: dict[type, tuple[tuple[int, np.dtype], ...]] = {
     for cls in _TAGS
 }
 _NEW_REQUESTS_FIELD = _FIELDS[RankBatch].index("new_requests")
-_BLOCK_TABLE_UPDATES_FIELD = _FIELDS[RankBatch].index("block_table_updates")
+_NEW_BLOCK_FIELDS = slice(_FIELDS[RankBatch].index("new_block_seq_ids"), _FIELDS[RankBatch].index("new_block_ids") + 1)
+assert _FIELDS[RankBatch][_NEW_BLOCK_FIELDS] == (  # _check_new_blocks' arguments, in order
+    "new_block_seq_ids", "new_block_starts", "num_new_blocks", "new_block_ids")
 _RANKS_FIELD = _FIELDS[StepPlan].index("ranks")
 
 
@@ -284,14 +265,7 @@ def _message_wire(msg: Any) -> list:
     return wire
 
 
-def _rank_batch_wire(rb: RankBatch) -> list:
-    wire = _message_wire(rb)
-    wire[1 + _BLOCK_TABLE_UPDATES_FIELD] = _pack_block_table_updates(rb.block_table_updates)
-    return wire
-
-
 _ENCODERS: dict[type, Any] = {cls: _message_wire for cls in _TAGS}
-_ENCODERS[RankBatch] = _rank_batch_wire
 _ENCODERS[np.ndarray] = _pack_array
 
 
@@ -314,11 +288,25 @@ def _from_wire_obj(cls: type, items: list) -> Any:
             items[i] = np.frombuffer(items[i], dtype)  # dtype positional: ~0.1 us less
     if cls is RankBatch:
         items[_NEW_REQUESTS_FIELD] = [_nested(NewRequest, r) for r in items[_NEW_REQUESTS_FIELD]]
-        if not isinstance(items[_BLOCK_TABLE_UPDATES_FIELD], dict):
-            raise MessageError("RankBatch.block_table_updates: expected msgpack ext type 2")
+        _check_new_blocks(*items[_NEW_BLOCK_FIELDS])
     elif cls is StepPlan:
         items[_RANKS_FIELD] = [_nested(RankBatch, r) for r in items[_RANKS_FIELD]]
     return cls(*items)
+
+
+def _check_new_blocks(seq_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
+    """What `SeqMirrors.apply` relies on: a seq id, a start and a count per update, and counts that
+    are never negative and add up to the block ids sent."""
+    n = len(seq_ids)
+    if len(starts) != n or len(counts) != n:
+        raise MessageError(f"RankBatch: {n} new_block_seq_ids, {len(starts)} new_block_starts and {len(counts)} "
+                           "num_new_blocks; expected one of each per block-table update")
+    num_new_blocks = counts.tolist()  # a list's sum and min: ~0.4 us for 16 updates, numpy's ~2 us
+    if n and min(num_new_blocks) < 0:
+        raise MessageError(f"RankBatch: a negative count in num_new_blocks ({min(num_new_blocks)})")
+    if sum(num_new_blocks) != len(block_ids):
+        raise MessageError(f"RankBatch: num_new_blocks add up to {sum(num_new_blocks)} block ids, "
+                           f"but {len(block_ids)} new_block_ids were sent")
 
 
 def _nested(cls: type, item: Any) -> Any:

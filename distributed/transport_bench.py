@@ -60,12 +60,16 @@ LEGS = (("driver encode+send", 0, 1), ("to worker", 1, 2), ("worker decode", 2, 
 def decode_plan(step: int, bs: int) -> StepPlan:
     """A decode step as the driver would send it: one new token per sequence, a few new blocks."""
     rng = np.random.default_rng(step)
+    updated = np.arange(step % 16, bs, 16)  # one sequence in 16 gets a new block: 16 updates at bs=256
     rb = RankBatch(
         seq_ids=np.arange(bs, dtype=np.int64),
         num_new_tokens=np.ones(bs, np.int32),
         num_computed_tokens=np.full(bs, 1000 + step, np.int32),
         input_ids=rng.integers(0, 50000, bs).astype(np.int32),
-        block_table_updates={s: (63, np.array([s], np.int32)) for s in range(step % 16, bs, 16)},
+        new_block_seq_ids=updated.astype(np.int64),
+        new_block_starts=np.full(updated.shape[0], 63, np.int32),
+        num_new_blocks=np.ones(updated.shape[0], np.int32),
+        new_block_ids=updated.astype(np.int32),
         sample_mask=np.ones(bs, np.bool_),
     )
     return StepPlan(step=step, mode=2, bucket=bs, running_bs=bs, running_tokens=bs, num_tokens_across_dp=[bs],

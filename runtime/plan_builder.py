@@ -55,16 +55,21 @@ class RankPlanner:
         preempted = [s.seq_id for s in out.preempted if s.seq_id in self.known_blocks]
         for s in preempted:
             self.known_blocks[s] = 0
-        new_requests, updates, input_ids = [], {}, []
+        new_requests, input_ids = [], []
+        new_block_seq_ids, new_block_starts, num_new_blocks, new_block_ids = [], [], [], []
         for row in out.scheduled:
             seq = row.seq
             known = self.known_blocks.get(seq.seq_id)
             if known is None:
                 new_requests.append(new_request(seq))
                 known = 0
-            if len(seq.block_table) > known:
-                updates[seq.seq_id] = (known, np.asarray(seq.block_table[known:], dtype=np.int32))
-            self.known_blocks[seq.seq_id] = len(seq.block_table)
+            num_blocks = len(seq.block_table)
+            if num_blocks > known:
+                new_block_seq_ids.append(seq.seq_id)
+                new_block_starts.append(known)
+                num_new_blocks.append(num_blocks - known)
+                new_block_ids.extend(seq.block_table[known:])
+            self.known_blocks[seq.seq_id] = num_blocks
             end = row.num_computed_tokens + row.num_new_tokens
             input_ids.extend(seq.token_ids[row.num_computed_tokens : end])
             if end > seq.num_tokens:  # the last row's token is the previous step's, still in flight
@@ -76,7 +81,10 @@ class RankPlanner:
             num_new_tokens=np.asarray([r.num_new_tokens for r in out.scheduled], dtype=np.int32),
             num_computed_tokens=np.asarray([r.num_computed_tokens for r in out.scheduled], dtype=np.int32),
             input_ids=np.asarray(input_ids, dtype=np.int32),
-            block_table_updates=updates,
+            new_block_seq_ids=np.asarray(new_block_seq_ids, dtype=np.int64),
+            new_block_starts=np.asarray(new_block_starts, dtype=np.int32),
+            num_new_blocks=np.asarray(num_new_blocks, dtype=np.int32),
+            new_block_ids=np.asarray(new_block_ids, dtype=np.int32),
             sample_mask=np.asarray([r.is_sampled for r in out.scheduled], dtype=np.bool_),
             finished_seq_ids=np.asarray(finished, dtype=np.int64),
             preempted_seq_ids=np.asarray(preempted, dtype=np.int64),

@@ -8,8 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from atomrt.distributed.messages import NewRequest, RankBatch
+from atomrt.distributed.messages import NewRequest, RankBatch, decode, encode
 from atomrt.workers.input_batch import BlockTables, SeqMirrors
+from test_messages import new_blocks
 
 
 def _decode_batch(seq_ids: list[int], context_lens: list[int], **kw) -> RankBatch:
@@ -27,23 +28,20 @@ def _decode_batch(seq_ids: list[int], context_lens: list[int], **kw) -> RankBatc
 def test_build_reads_tables_kept_from_updates() -> None:
     mirrors = SeqMirrors(block_size=4)
     new = [NewRequest(7, np.array([1, 2, 3], dtype=np.int32)), NewRequest(8, np.array([4], dtype=np.int32))]
-    updates = {7: (0, np.array([5, 6], dtype=np.int32)), 8: (0, np.array([9], dtype=np.int32))}
-    mirrors.apply(_decode_batch([], [], new_requests=new, block_table_updates=updates))
-    mirrors.apply(_decode_batch([], [], block_table_updates={7: (2, np.array([11], dtype=np.int32))}))
+    mirrors.apply(_decode_batch([], [], new_requests=new, **new_blocks({7: (0, [5, 6]), 8: (0, [9])})))
+    mirrors.apply(_decode_batch([], [], **new_blocks({7: (2, [11])})))
     inputs = mirrors.build(_decode_batch([8, 7], [2, 9]))
     assert inputs.block_tables.tolist() == [[9, -1, -1], [5, 6, 11]]
     assert inputs.slot_mapping.tolist() == [9 * 4 + 1, 11 * 4 + 0]
 
     # An update from an earlier index replaces the tail; a preempted sequence starts empty again.
-    mirrors.apply(_decode_batch([], [], block_table_updates={7: (1, np.array([12], dtype=np.int32))},
-                                preempted_seq_ids=np.array([8], dtype=np.int64)))
+    mirrors.apply(_decode_batch([], [], **new_blocks({7: (1, [12])}), preempted_seq_ids=np.array([8], dtype=np.int64)))
     assert mirrors.build(_decode_batch([7, 8], [5, 1])).block_tables.tolist() == [[5, 12], [-1, -1]]
 
 
 def test_a_freed_row_is_reused_clean() -> None:
     mirrors = SeqMirrors(block_size=4)
-    first = {1: (0, np.arange(3, dtype=np.int32))}
-    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1)], block_table_updates=first))
+    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1)], **new_blocks({1: (0, [0, 1, 2])})))
     row = mirrors.seqs[1].block_table_row
     mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(2)], finished_seq_ids=np.array([1], dtype=np.int64)))
     assert 1 not in mirrors.seqs and mirrors.seqs[2].block_table_row == row
@@ -83,8 +81,8 @@ def test_block_tables_match_lists_through_growth() -> None:
 def test_mixed_step_positions_and_slots() -> None:
     """A prefill chunk next to a decode row: positions count on from each sequence's computed tokens."""
     mirrors = SeqMirrors(block_size=4)
-    updates = {1: (0, np.array([3, 8], dtype=np.int32)), 2: (0, np.array([5], dtype=np.int32))}
-    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1), NewRequest(2)], block_table_updates=updates))
+    updates = new_blocks({1: (0, [3, 8]), 2: (0, [5])})
+    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1), NewRequest(2)], **updates))
     batch = RankBatch(
         seq_ids=np.array([2, 1], dtype=np.int64), num_new_tokens=np.array([1, 3], dtype=np.int32),
         num_computed_tokens=np.array([2, 2], dtype=np.int32), input_ids=np.arange(4, dtype=np.int32),
@@ -100,8 +98,8 @@ def test_mixed_step_positions_and_slots() -> None:
 def test_as_many_rows_as_sequences_but_not_one_each() -> None:
     """Rows [0, 2]: as many rows as sequences, yet not a decode step; both rows are sequence 2's."""
     mirrors = SeqMirrors(block_size=4)
-    updates = {1: (0, np.array([3], dtype=np.int32)), 2: (0, np.array([5, 6], dtype=np.int32))}
-    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1), NewRequest(2)], block_table_updates=updates))
+    updates = new_blocks({1: (0, [3]), 2: (0, [5, 6])})
+    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1), NewRequest(2)], **updates))
     batch = RankBatch(
         seq_ids=np.array([1, 2], dtype=np.int64), num_new_tokens=np.array([0, 2], dtype=np.int32),
         num_computed_tokens=np.array([1, 3], dtype=np.int32), input_ids=np.arange(2, dtype=np.int32),
@@ -118,3 +116,33 @@ def test_an_update_past_the_end_is_an_error() -> None:
     tables.update(row, 0, np.array([7, 8], dtype=np.int32))
     with pytest.raises(RuntimeError, match="past the row's end 2"):
         tables.update(row, 3, np.array([9], dtype=np.int32))
+
+
+def test_flat_updates_round_trip_and_apply_like_per_sequence_updates() -> None:
+    """Steps of random updates (new, growing, rewound, preempted and finished sequences), flat in a
+    RankBatch through the codec: the mirrors' tables are those of one BlockTables.update per sequence."""
+    rng = random.Random(1)
+    mirrors = SeqMirrors(block_size=4)
+    reference: dict[int, list[int]] = {}  # seq_id -> its block table, from the per-sequence updates
+    for _ in range(60):
+        finished = rng.sample(sorted(reference), k=min(len(reference), rng.randint(0, 2)))
+        for s in finished:
+            del reference[s]
+        preempted = rng.sample(sorted(reference), k=min(len(reference), rng.randint(0, 1)))
+        for s in preempted:
+            reference[s] = []
+        new = [s for s in rng.sample(range(100), k=rng.randint(0, 4)) if s not in reference]
+        reference.update({s: [] for s in new})
+        updates = {}
+        for s in rng.sample(sorted(reference), k=rng.randint(0, len(reference))):
+            start = rng.randint(0, len(reference[s]))
+            updates[s] = (start, [rng.randrange(4096) for _ in range(rng.randint(0, 40))])
+            reference[s] = reference[s][:start] + updates[s][1]
+        batch = decode(encode(_decode_batch(
+            [], [], new_requests=[NewRequest(s) for s in new], finished_seq_ids=np.array(finished, dtype=np.int64),
+            preempted_seq_ids=np.array(preempted, dtype=np.int64), **new_blocks(updates))))
+        mirrors.apply(batch)
+        assert sorted(mirrors.seqs) == sorted(reference)
+        for s, table in reference.items():
+            row = mirrors.seqs[s].block_table_row
+            assert mirrors.block_tables.table[row, : mirrors.block_tables.lengths[row]].tolist() == table, s

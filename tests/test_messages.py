@@ -29,6 +29,24 @@ i64 = st.integers(-(2**63), 2**63 - 1)
 f32 = st.floats(width=32, allow_nan=False)
 
 
+def new_blocks(updates: dict[int, tuple[int, list[int]]]) -> dict[str, np.ndarray]:
+    """RankBatch's new_block_* fields (as keyword arguments) for `seq_id -> (start, new block ids)`."""
+    return dict(
+        new_block_seq_ids=np.asarray(list(updates), dtype=np.int64),
+        new_block_starts=np.asarray([start for start, _ in updates.values()], dtype=np.int32),
+        num_new_blocks=np.asarray([len(blocks) for _, blocks in updates.values()], dtype=np.int32),
+        new_block_ids=np.asarray([b for _, blocks in updates.values() for b in blocks], dtype=np.int32),
+    )
+
+
+def block_table_updates(rb: RankBatch) -> dict[int, tuple[int, list[int]]]:
+    """The inverse of `new_blocks`: `seq_id -> (start, new block ids)` of a RankBatch."""
+    bounds = np.cumsum(rb.num_new_blocks.tolist(), dtype=np.int64)
+    blocks = np.split(rb.new_block_ids, bounds[:-1]) if len(bounds) else []
+    return {s: (start, b.tolist())
+            for s, start, b in zip(rb.new_block_seq_ids.tolist(), rb.new_block_starts.tolist(), blocks)}
+
+
 def arrays(dtype, elements, max_size=40, shape=None):
     if shape is not None:
         return shape.flatmap(lambda s: st.lists(elements, min_size=int(np.prod(s)), max_size=int(np.prod(s))).map(
@@ -58,7 +76,7 @@ def rank_batches(draw, max_bs=20):
     seq_ids = np.array(draw(st.lists(i64, min_size=bs, max_size=bs, unique=True)), dtype=np.int64)
     num_new = np.array(draw(st.lists(st.integers(1, 8), min_size=bs, max_size=bs)), dtype=np.int32)
     updates = {
-        int(s): (draw(st.integers(0, 1000)), draw(arrays(np.int32, st.integers(0, 2**31 - 1), max_size=5)))
+        int(s): (draw(st.integers(0, 1000)), draw(st.lists(st.integers(0, 2**31 - 1), max_size=5)))
         for s in seq_ids
         if draw(st.booleans())
     }
@@ -68,7 +86,7 @@ def rank_batches(draw, max_bs=20):
         num_new_tokens=num_new,
         num_computed_tokens=np.array(draw(st.lists(st.integers(0, 10**6), min_size=bs, max_size=bs)), np.int32),
         input_ids=np.array(draw(st.lists(i32, min_size=int(num_new.sum()), max_size=int(num_new.sum()))), np.int32),
-        block_table_updates=updates,
+        **new_blocks(updates),
         sample_mask=np.array(draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), dtype=np.bool_),
         finished_seq_ids=draw(arrays(np.int64, i64, max_size=5)),
         preempted_seq_ids=draw(arrays(np.int64, i64, max_size=5)),
@@ -181,7 +199,7 @@ def _decode_batch(bs: int) -> RankBatch:
         num_new_tokens=np.ones(bs, np.int32),
         num_computed_tokens=rng.integers(1, 4096, bs).astype(np.int32),
         input_ids=rng.integers(0, 50000, bs).astype(np.int32),
-        block_table_updates={s: (100, np.array([s], np.int32)) for s in range(0, bs, 16)},
+        **new_blocks({s: (100, [s]) for s in range(0, bs, 16)}),
         sample_mask=np.ones(bs, np.bool_),
     )
 
@@ -195,7 +213,7 @@ def test_large_batches_roundtrip():
         num_new_tokens=np.full(300, 2048, np.int32),
         num_computed_tokens=np.zeros(300, np.int32),
         input_ids=rng.integers(0, 50000, 300 * 2048).astype(np.int32),
-        block_table_updates={i: (0, np.arange(128, dtype=np.int32) + 128 * i) for i in range(300)},
+        **new_blocks({i: (0, range(128 * i, 128 * (i + 1))) for i in range(300)}),
         sample_mask=np.ones(300, np.bool_),
     )
     plan = StepPlan(step=9, mode=0, is_prefill=True, num_tokens_across_dp=[300 * 2048, 256],
@@ -222,33 +240,42 @@ def test_bad_bytes_raise_message_error(data):
         decode(data)
 
 
-block_table_updates = st.dictionaries(
-    i64,
-    st.tuples(st.integers(0, 2**31 - 1), st.one_of(
-        arrays(np.int32, st.integers(0, 2**31 - 1), max_size=70),
-        arrays(np.int64, st.integers(0, 2**31 - 1), max_size=5),  # sent as int32, like plan_builder's
-    )),
-    max_size=300,
-)
+updates_dicts = st.dictionaries(
+    i64, st.tuples(st.integers(0, 2**31 - 1), st.lists(st.integers(0, 2**31 - 1), max_size=70)), max_size=300)
 
 
 @_SETTINGS
-@given(block_table_updates)
+@given(updates_dicts)
 def test_block_table_updates_roundtrip(updates):
-    """The flat wire form (seq ids, starts, counts, concatenated ids) decodes to the same dict."""
-    out = decode(encode(RankBatch(block_table_updates=updates))).block_table_updates
-    assert list(out) == list(updates)  # insertion order kept
-    for seq_id, (start, blocks) in updates.items():
-        assert type(out[seq_id][0]) is int and out[seq_id][0] == start
-        assert out[seq_id][1].dtype == np.int32 and out[seq_id][1].tolist() == blocks.tolist()
+    """The flat new_block_* arrays travel as bytes and come back as the same updates, in order."""
+    rb = decode(encode(RankBatch(**new_blocks(updates))))
+    assert [(f, getattr(rb, f).dtype) for f in new_blocks({})] == [
+        ("new_block_seq_ids", np.int64), ("new_block_starts", np.int32), ("num_new_blocks", np.int32),
+        ("new_block_ids", np.int32)]
+    out = block_table_updates(rb)
+    assert list(out) == list(updates)  # update order kept
+    assert out == {s: (start, list(blocks)) for s, (start, blocks) in updates.items()}
 
 
 def test_block_table_updates_empty_and_large():
-    assert decode(encode(RankBatch())).block_table_updates == {}
+    empty = decode(encode(RankBatch()))
+    assert all(getattr(empty, f).shape == (0,) for f in new_blocks({})) and block_table_updates(empty) == {}
     rng = np.random.default_rng(2)
-    big = {s: (int(rng.integers(0, 100)), rng.integers(0, 2**31 - 1, int(rng.integers(0, 600))).astype(np.int32))
+    big = {s: (int(rng.integers(0, 100)), rng.integers(0, 2**31 - 1, int(rng.integers(0, 600))).tolist())
            for s in range(-5000, 5000, 3)}
-    roundtrip(RankBatch(block_table_updates=big))
+    out = roundtrip(RankBatch(**new_blocks(big)))
+    assert block_table_updates(out) == big
+
+
+def test_new_block_fields_travel_as_bare_bytes():
+    """No ext, no Python per update: each new_block_* array is one msgpack bin of its raw bytes."""
+    import msgpack
+
+    fields = new_blocks({5: (3, [40, 41]), 9: (0, [7])})
+    wire = msgpack.unpackb(encode(RankBatch(**fields)))
+    names = [f.name for f in dataclasses.fields(RankBatch)]
+    for name, a in fields.items():
+        assert wire[1 + names.index(name)] == a.tobytes(), name
 
 
 any_arrays = hnp.arrays(
@@ -320,18 +347,42 @@ def test_numpy_scalars_travel_as_python_scalars():
     assert out.step == 3 and type(out.step) is int and out.is_prefill is True and out.num_tokens_across_dp == [5]
 
 
-@pytest.mark.parametrize("payload", [
-    b"\x02\x00\x00",  # truncated count
-    b"\x01\x00\x00\x00" + b"\x00" * 16 + b"\x05\x00\x00\x00",  # counts say 5 ids, none follow
-    # counts (-1, 2) add up to the one id that follows, but one is negative
-    b"\x02\x00\x00\x00" + b"\x00" * 24 + b"\xff\xff\xff\xff\x02\x00\x00\x00" + b"\x07\x00\x00\x00",
-])
-def test_bad_block_table_updates_raise_message_error(payload):
+def _rank_batch_wire(**fields) -> bytes:
+    """A RankBatch's bytes with some fields replaced by raw wire values."""
     import msgpack
 
-    wire = msgpack.packb([2, [], None, None, None, None, msgpack.ExtType(2, payload), None, None, None])
-    with pytest.raises(MessageError, match="ext type 2|block_table_updates"):
-        decode(wire)
+    names = [f.name for f in dataclasses.fields(RankBatch)]
+    wire = msgpack.unpackb(encode(RankBatch(**new_blocks({5: (0, [1, 2]), 6: (4, [3])}))))
+    for name, value in fields.items():
+        wire[1 + names.index(name)] = value
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+@pytest.mark.parametrize("fields, match", [
+    # counts say 4 ids, 3 follow; then 2, 3 follow
+    ({"num_new_blocks": np.array([2, 2], np.int32).tobytes()}, "add up to 4 block ids, but 3"),
+    ({"new_block_ids": np.array([1, 2], np.int32).tobytes()}, "add up to 3 block ids, but 2"),
+    # counts (-1, 4) add up to the 3 ids that follow, but one is negative
+    ({"num_new_blocks": np.array([-1, 4], np.int32).tobytes()}, "negative count"),
+    # 2 updates, but 1 start / 3 counts / 3 seq ids
+    ({"new_block_starts": np.array([0], np.int32).tobytes()}, "2 new_block_seq_ids, 1 new_block_starts and 2"),
+    ({"num_new_blocks": np.array([1, 1, 1], np.int32).tobytes()}, "2 new_block_seq_ids, 2 new_block_starts and 3"),
+    ({"new_block_seq_ids": np.arange(3, dtype=np.int64).tobytes()}, "3 new_block_seq_ids, 2 new_block_starts"),
+    # not arrays at all
+    ({"new_block_ids": None}, "malformed RankBatch"),
+    ({"num_new_blocks": 7}, "malformed RankBatch"),
+])
+def test_bad_new_blocks_raise_message_error(fields, match):
+    with pytest.raises(MessageError, match=match):
+        decode(_rank_batch_wire(**fields))
+
+
+def test_retired_ext_2_is_unknown():
+    """Ext 2 carried the block-table updates as a dict; it is retired, and never reused."""
+    import msgpack
+
+    with pytest.raises(MessageError, match="unknown msgpack ext type 2"):
+        decode(_rank_batch_wire(new_block_ids=msgpack.ExtType(2, b"\x00\x00\x00\x00")))
 
 
 def test_unknown_ext_type_raises_message_error():
@@ -350,6 +401,6 @@ def test_object_arrays_are_refused():
 def test_malformed_nested_fields_raise_message_error():
     import msgpack
 
-    wire = msgpack.packb([2, 7, None, None, None, None, None, None, None, None])  # RankBatch, bad fields
+    wire = msgpack.packb([2, 7] + [None] * 11)  # RankBatch, bad fields
     with pytest.raises(MessageError, match="RankBatch"):
         decode(wire)

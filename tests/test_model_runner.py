@@ -167,7 +167,8 @@ def test_async_pending_rows_and_padding_rows_gather_valid_tokens(tmp_path_factor
     mirrors = SeqMirrors(r.block_size, r.prev_token_base)
     mirrors.apply(RankBatch(
         new_requests=[NewRequest(s, np.array([1, 2, 3], dtype=np.int32)) for s in (10, 11, 12)],
-        block_table_updates={s: (0, np.array([s - 9], dtype=np.int32)) for s in (10, 11, 12)},
+        new_block_seq_ids=np.array([10, 11, 12], dtype=np.int64), new_block_starts=np.zeros(3, dtype=np.int32),
+        num_new_blocks=np.ones(3, dtype=np.int32), new_block_ids=np.array([1, 2, 3], dtype=np.int32),
     ))
     r.forward_vars["prev_tokens"][:3] = torch.tensor([71, 72, 73])  # the previous step sampled 12, 10, 11
     batch = RankBatch(

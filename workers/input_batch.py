@@ -167,8 +167,11 @@ class SeqMirrors:
                 self.block_tables.truncate(self.seqs[seq_id].block_table_row, 0)
         for r in batch.new_requests:
             self.add(r.seq_id, SeqMirror(WorkerSamplingParams.from_request(r), r.token_ids.tolist()))
-        for seq_id, (start, blocks) in batch.block_table_updates.items():
-            self.block_tables.update(self.seqs[seq_id].block_table_row, start, blocks)
+        new_block_ids, hi = batch.new_block_ids, 0
+        for seq_id, start, n in zip(batch.new_block_seq_ids.tolist(), batch.new_block_starts.tolist(),
+                                    batch.num_new_blocks.tolist()):
+            lo, hi = hi, hi + n
+            self.block_tables.update(self.seqs[seq_id].block_table_row, start, new_block_ids[lo:hi])
 
     def add(self, seq_id: int, mirror: SeqMirror) -> None:
         """Mirror a new sequence (a seq_id sent again replaces its mirror); its block table starts empty."""
