@@ -39,3 +39,52 @@ def test_strided_rows_and_bad_arguments() -> None:
         argmax_rows(torch.zeros(5))
     with pytest.raises(ValueError, match="empty vocabulary"):
         argmax_rows(torch.zeros(2, 0))
+
+
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("rows,vocab", [(1, 3 * BLOCK + 5), (3, 4 * BLOCK), (2, 5000), (1, 700)])
+def test_split_rows_match_torch_argmax(rows: int, vocab: int, splits: int) -> None:
+    """A row split over several programs (some of them past the vocabulary's end) gives torch's
+    answer, and the last program of each row leaves its counter at zero for the next launch."""
+    from atomrt.workers.kernels.argmax import _workspace
+
+    gen = torch.Generator().manual_seed(rows * vocab + splits)
+    logits = torch.randn(rows, vocab, generator=gen)
+    assert torch.equal(argmax_rows(logits, num_splits=splits), logits.argmax(dim=-1))
+    assert torch.count_nonzero(_workspace(logits.device)[2]) == 0, "row counters not reset"
+
+
+def test_split_ties_take_the_first_index() -> None:
+    """Equal maxima in different splits, in one split's two lanes, and rows of -inf: the first index."""
+    vocab, splits = 4 * BLOCK, 4  # one loop step per split
+    logits = torch.zeros(4, vocab)
+    logits[0, [3 * BLOCK + 1, BLOCK + 7, 2 * BLOCK]] = 5.0  # splits 3, 1, 2: split 1's wins
+    logits[1, [2 * BLOCK + 9, 2 * BLOCK + 4]] = 1.0  # two lanes of split 2
+    logits[2] = float("-inf")
+    logits[3, :] = float("-inf")
+    logits[3, vocab - 1] = -1e30  # the only finite value, in the last split
+    got = argmax_rows(logits, num_splits=splits)
+    assert got.tolist() == [BLOCK + 7, 2 * BLOCK + 4, 0, vocab - 1]
+    assert torch.equal(got, logits.argmax(dim=-1))
+
+
+def test_plan_splits() -> None:
+    from atomrt.workers.kernels.argmax import SPLIT_ROWS, plan_splits
+
+    assert plan_splits(1, 49152) == 8  # 49152 / (2 loop steps of 2048) = 12 -> 8
+    assert plan_splits(1, 128256) == 16  # 31 -> 16
+    assert plan_splits(32, 128256) == 8  # 2 * 132 / 32 -> 8.25 -> 8
+    assert plan_splits(128, 128256) == 2
+    assert plan_splits(512, 128256) == 1  # the rows fill the GPU
+    assert plan_splits(4, 3000) == 1  # too short to split
+    assert plan_splits(SPLIT_ROWS + 1, 128256) == 1
+    for rows, vocab in ((1, 49152), (7, 151936), (64, 32000)):
+        s = plan_splits(rows, vocab)
+        assert s & (s - 1) == 0 and rows * s <= 2 * 132 + rows
+
+
+def test_bad_split_counts() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        argmax_rows(torch.zeros(2, 100), num_splits=3)
+    with pytest.raises(ValueError, match="power of two"):
+        argmax_rows(torch.zeros(2, 100), num_splits=0)

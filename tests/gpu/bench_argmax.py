@@ -1,7 +1,8 @@
 """Greedy argmax: workers/kernels/argmax.argmax_rows against torch.argmax, bf16 logits.
 
     python tests/gpu/bench_argmax.py
-Prints, per (rows, vocab) of the latency targets' shapes: GPU us per call (200 calls captured in a
+Prints, per (rows, vocab) of the latency targets' shapes (and the splits per row planned there): GPU
+us per call, for torch, this kernel and this kernel with one program per row (200 calls captured in a
 CUDA graph, so launch gaps do not count) and host us per eager call (the sampler launches it eagerly).
 """
 
@@ -11,7 +12,8 @@ import time
 
 import torch
 
-from atomrt.workers.kernels.argmax import argmax_rows
+from atomrt.workers.kernels.argmax import argmax_rows, plan_splits
+from atomrt.workers.kernels.device_info import sm_count
 
 
 def gpu_us(fn, logits: torch.Tensor, calls: int = 200) -> float:
@@ -45,12 +47,17 @@ def host_us(fn, logits: torch.Tensor, calls: int = 2000) -> float:
 def main() -> None:
     torch_argmax = lambda x: x.argmax(dim=-1)  # noqa: E731
     print("us per call:")
-    print(f"{'rows':>5} {'vocab':>7}  {'torch GPU':>9} {'ours GPU':>8}  {'torch host':>10} {'ours host':>9}")
+    print(f"{'rows':>5} {'vocab':>7} {'splits':>6}  {'torch GPU':>9} {'ours GPU':>8} {'1 split GPU':>11}  "
+          f"{'torch host':>10} {'ours host':>9}")
+    one_split = lambda x: argmax_rows(x, num_splits=1)  # noqa: E731
     for rows, vocab in [(1, 49152), (8, 49152), (1, 128256), (32, 128256), (128, 128256)]:
         logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
         assert torch.equal(argmax_rows(logits), torch_argmax(logits))
-        print(f"{rows:5d} {vocab:7d}  {gpu_us(torch_argmax, logits):9.1f} {gpu_us(argmax_rows, logits):8.1f}  "
-              f"{host_us(torch_argmax, logits):10.1f} {host_us(argmax_rows, logits):9.1f}")
+        splits = plan_splits(rows, vocab, sm_count(logits.device))
+        gpu = [gpu_us(fn, logits) for fn in (torch_argmax, argmax_rows, one_split)]
+        host = [host_us(fn, logits) for fn in (torch_argmax, argmax_rows)]
+        print(f"{rows:5d} {vocab:7d} {splits:6d}  {gpu[0]:9.1f} {gpu[1]:8.1f} {gpu[2]:11.1f}  "
+              f"{host[0]:10.1f} {host[1]:9.1f}")
 
 
 if __name__ == "__main__":

@@ -38,3 +38,18 @@ def test_in_a_cuda_graph() -> None:
         logits.normal_()
         graph.replay()
         assert torch.equal(out, logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 16, 32])
+def test_every_split_count(splits: int) -> None:
+    """Forced split counts at Llama-3's vocabulary, with the row maximum planted in several splits;
+    the row counters are back at zero after each launch."""
+    from atomrt.workers.kernels.argmax import _workspace
+
+    vocab = 128256
+    logits = torch.randn(3, vocab, device="cuda", dtype=torch.bfloat16)
+    logits[0, [vocab - 5, 70_000, 9]] = 30.0  # the first of three equal maxima wins
+    logits[1, :] = float("-inf")
+    for _ in range(2):
+        assert torch.equal(argmax_rows(logits, num_splits=splits), logits.argmax(dim=-1))
+        assert torch.count_nonzero(_workspace(logits.device)[2]) == 0
