@@ -28,7 +28,7 @@
 #           the Llama-3.1-8B step profile (FULL+async, level 3)
 #   abslow  slow_mode.py rounds on a baseline tree (.base, as for ab) and on this one, alternating:
 #           135M bs=1 x2 each, 1B bs=32 x1 each (the median of 12 rounds of 64 steps per process)
-#   abhog   as abslow, 135M bs=1 only, with the step loop's thread sharing CPU 3 with a busy loop
+#   abhog   as abslow, one 135M bs=1 pair only, with the step loop's thread sharing CPU 3 with a busy loop
 #           (slow_mode.py --contend 3): what a slow host costs each tree
 #   ab      the quick part's 135M and 1B shapes on a baseline tree and on this one, alternating, in
 #           one call (figures from different calls land on different machines and can differ by more
@@ -139,7 +139,7 @@ for part in "$@"; do
       mkdir -p "$bp/atomrt"
       for d in runtime workers compile graphs distributed; do ln -sfn "$PWD/.base/$d" "$bp/atomrt/$d"; done
       shapes=("SmolLM2-135M 1" "Llama-3.2-1B 32" "SmolLM2-135M 1"); extra=(); tag=abslow
-      [ "$part" = abhog ] && { shapes=("SmolLM2-135M 1" "SmolLM2-135M 1"); extra=(--contend 3); tag=abhog; }
+      [ "$part" = abhog ] && { shapes=("SmolLM2-135M 1"); extra=(--contend 3); tag=abhog; }
       for shape in "${shapes[@]}"; do
         read -r model bs <<< "$shape"
         for tree in base head; do
