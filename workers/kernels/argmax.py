@@ -7,7 +7,9 @@
 # programs (`plan_splits`): each writes its part's (maximum, first index) to a per-device workspace
 # and bumps the row's counter; the program that bumps it last merges the parts, writes the answer
 # and resets the counter (the last-block pattern of kernels/attention_kernels.py's split merge).
-# The launch depends only on (rows, vocab): safe inside a CUDA graph.
+# Measured (H200, bench_argmax.py): 4.7 -> 2.8 us at [1, 49152], 10.3 -> 3.2 at [1, 128256], 10.4 ->
+# 5.1 at [32, 128256] against one program per row. The launch depends only on (rows, vocab): safe
+# inside a CUDA graph.
 # Importing this module needs no GPU.
 
 from __future__ import annotations
