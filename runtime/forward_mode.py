@@ -146,8 +146,19 @@ class ForwardMode:
         self.captured = captured
         self.draft_num = num_draft_tokens
         self.ubatch_split_bs: Optional[int] = None  # TBO is not implemented
+        # The decision is a pure function of the shapes: a steady decode repeats the last one.
+        self._last: tuple[tuple[BatchShape, ...], Optional[ForwardDecision]] = ((), None)
 
     def decide(self, batches: Sequence[BatchShape]) -> ForwardDecision:
+        shapes = tuple(batches)
+        last_shapes, last_decision = self._last
+        if shapes == last_shapes:
+            return last_decision
+        decision = self._decide(shapes)
+        self._last = (shapes, decision)
+        return decision
+
+    def _decide(self, batches: tuple[BatchShape, ...]) -> ForwardDecision:
         assert batches, "decide needs one BatchShape per DP rank"
         for b in batches:
             assert b.num_seqs >= 0 and b.num_tokens >= b.num_seqs, f"bad batch shape {b}"

@@ -158,6 +158,22 @@ def test_draft_decode_keys_by_draft_num():
     assert d.kind is TOKEN and d.token_bucket == 12 and d.running_bs == 4
 
 
+def test_repeated_shapes_reuse_the_decision_and_new_shapes_get_their_own():
+    steps = [
+        [BatchShape(3, 3, 1, False)],
+        [BatchShape(3, 3, 1, False)],
+        [BatchShape(5, 5, 1, False)],
+        [BatchShape(1, 9, 9, True)],
+        [BatchShape(3, 3, 1, False)],
+        [BatchShape(3, 3, 1, False), BatchShape.idle()],
+        [BatchShape(3, 3, 1, False), BatchShape(3, 3, 1, False)],
+    ]
+    mode = make_mode(M.FULL)
+    decisions = [mode.decide(s) for s in steps]
+    assert decisions == [make_mode(M.FULL).decide(s) for s in steps]  # as if each step were decided afresh
+    assert decisions[1] is decisions[0]  # a steady decode reuses the frozen decision
+
+
 def test_decision_is_frozen_and_ships_in_msgpack():
     d = make_mode(M.TR_HYBRID).decide([BatchShape(5, 5, 1, False), BatchShape.idle()])
     with pytest.raises(dataclasses.FrozenInstanceError):
