@@ -55,37 +55,45 @@ class RankPlanner:
         preempted = [s.seq_id for s in out.preempted if s.seq_id in self.known_blocks]
         for s in preempted:
             self.known_blocks[s] = 0
+        known_blocks = self.known_blocks
         new_requests, input_ids = [], []
         new_block_seq_ids, new_block_starts, num_new_blocks, new_block_ids = [], [], [], []
+        seq_ids, row_new_tokens, row_computed_tokens, sample_mask = [], [], [], []
         for row in out.scheduled:
             seq = row.seq
-            known = self.known_blocks.get(seq.seq_id)
+            seq_id, block_table, token_ids = seq.seq_id, seq.block_table, seq.token_ids
+            known = known_blocks.get(seq_id)
             if known is None:
                 new_requests.append(new_request(seq))
                 known = 0
-            num_blocks = len(seq.block_table)
+            num_blocks = len(block_table)
             if num_blocks > known:
-                new_block_seq_ids.append(seq.seq_id)
+                new_block_seq_ids.append(seq_id)
                 new_block_starts.append(known)
                 num_new_blocks.append(num_blocks - known)
-                new_block_ids.extend(seq.block_table[known:])
-            self.known_blocks[seq.seq_id] = num_blocks
-            end = row.num_computed_tokens + row.num_new_tokens
-            input_ids.extend(seq.token_ids[row.num_computed_tokens : end])
-            if end > seq.num_tokens:  # the last row's token is the previous step's, still in flight
+                new_block_ids.extend(block_table[known:])
+            known_blocks[seq_id] = num_blocks
+            start, num_new = row.num_computed_tokens, row.num_new_tokens
+            end = start + num_new
+            input_ids.extend(token_ids[start:end])
+            if end > len(token_ids):  # the last row's token is the previous step's, still in flight
                 input_ids.append(PENDING_TOKEN)
+            seq_ids.append(seq_id)
+            row_new_tokens.append(num_new)
+            row_computed_tokens.append(start)
+            sample_mask.append(row.is_sampled)
         finished, self.pending_finished = self.pending_finished, []
         return RankBatch(
             new_requests=new_requests,
-            seq_ids=np.asarray([r.seq.seq_id for r in out.scheduled], dtype=np.int64),
-            num_new_tokens=np.asarray([r.num_new_tokens for r in out.scheduled], dtype=np.int32),
-            num_computed_tokens=np.asarray([r.num_computed_tokens for r in out.scheduled], dtype=np.int32),
+            seq_ids=np.asarray(seq_ids, dtype=np.int64),
+            num_new_tokens=np.asarray(row_new_tokens, dtype=np.int32),
+            num_computed_tokens=np.asarray(row_computed_tokens, dtype=np.int32),
             input_ids=np.asarray(input_ids, dtype=np.int32),
             new_block_seq_ids=np.asarray(new_block_seq_ids, dtype=np.int64),
             new_block_starts=np.asarray(new_block_starts, dtype=np.int32),
             num_new_blocks=np.asarray(num_new_blocks, dtype=np.int32),
             new_block_ids=np.asarray(new_block_ids, dtype=np.int32),
-            sample_mask=np.asarray([r.is_sampled for r in out.scheduled], dtype=np.bool_),
+            sample_mask=np.asarray(sample_mask, dtype=np.bool_),
             finished_seq_ids=np.asarray(finished, dtype=np.int64),
             preempted_seq_ids=np.asarray(preempted, dtype=np.int64),
         )

@@ -84,7 +84,9 @@ class SchedulerOutput:
 
     @property
     def max_seqlen_q(self) -> int:
-        return max((s.num_new_tokens for s in self.scheduled), default=0)
+        if not self.is_prefill:  # only single-token decode rows
+            return 1 if self.scheduled else 0
+        return max(s.num_new_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
