@@ -40,7 +40,7 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt: Optional[str]
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # shared by every output of the request: read it, do not modify it
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: Optional[RequestMetrics] = None

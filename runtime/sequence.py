@@ -77,6 +77,7 @@ class Sequence:
         if self.num_prompt_tokens == 0:
             raise ValueError(f"request {self.request_id!r}: the prompt must hold at least one token")
         self.eos_token_ids = frozenset(self.eos_token_ids)
+        self._prompt_token_ids = self.token_ids[: self.num_prompt_tokens]  # see prompt_token_ids
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -87,7 +88,10 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        """The prompt, one list for the sequence's life: every RequestOutput of the request holds
+        this same list (a streamed row would otherwise copy the whole prompt every step), so it
+        must not be modified."""
+        return self._prompt_token_ids
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -43,3 +43,14 @@ def test_delta_outputs_return_each_token_once() -> None:
     assert make_request_output(seq, delta=True).outputs[0].token_ids == [5]
     assert make_request_output(seq).outputs[0].token_ids == [3, 4, 5]
     assert make_request_output(seq).outputs[0].logprobs is None
+
+
+def test_outputs_share_one_prompt_list() -> None:
+    """A streamed row does not copy its prompt every step: every output of a request holds the
+    sequence's one prompt list, which output tokens never reach."""
+    seq = Sequence("r", list(range(1, 2001)), SamplingParams(max_tokens=5))
+    first = make_request_output(seq, delta=True)
+    seq.append_token(7)
+    second = make_request_output(seq, delta=True)
+    assert first.prompt_token_ids is second.prompt_token_ids is seq.prompt_token_ids
+    assert seq.prompt_token_ids == list(range(1, 2001)) and seq.token_ids[-1] == 7
