@@ -159,7 +159,6 @@ class ModelRunner:
         # waited for step N's tokens.
         self._staging_read = torch.cuda.Event() if dev.type == "cuda" and self.token_pool is not None else None
         self._readback_slots = [ReadbackSlot(s) for _ in range(_READBACK_SLOTS)] if dev.type == "cuda" else []
-        self._next_slot = 0
         # Request-graph steps (FULL decode) travel packed: one copy, unpacked inside the graph.
         self.packed: Optional[PackedStep] = None
         self._staged: Optional[tuple[int, int]] = None  # (seqs, rows) of the step last staged packed
@@ -284,16 +283,9 @@ class ModelRunner:
 
     def start_readback(self, out: SamplerOutput) -> "Readback":
         """Start copying a step's tokens (and logprobs) to the host; `Readback.wait` returns them.
-        On CUDA the tokens go to the next free one of the runner's pinned slots (a step in flight
-        and one waiting hold two; a busy slot is passed over, and with none free a new buffer is
-        allocated)."""
-        slot = None
-        for _ in range(len(self._readback_slots)):
-            candidate = self._readback_slots[self._next_slot]
-            self._next_slot = (self._next_slot + 1) % len(self._readback_slots)
-            if not candidate.busy:
-                slot = candidate
-                break
+        On CUDA the tokens go to a free one of the runner's pinned slots (a step in flight and one
+        waiting hold two); with none free a new buffer is allocated."""
+        slot = next((s for s in self._readback_slots if not s.busy), None)
         return Readback(out, self.device, slot)
 
     def run_model(

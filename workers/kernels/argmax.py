@@ -14,13 +14,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from atomrt.workers.kernels.device_info import sm_count
+from atomrt.workers.kernels.device_info import device_scratch, sm_count
 
 BLOCK = 2048  # elements per loop step (8 per thread at 8 warps)
 MIN_SPLIT_STEPS = 2  # a split streams at least this many loop steps of its row
@@ -71,6 +72,7 @@ def argmax_rows_kernel(logits_ptr, out_ptr, part_max_ptr, part_idx_ptr, counter_
             tl.store(counter_ptr + row, 0)
 
 
+@functools.lru_cache(maxsize=1024)
 def plan_splits(rows: int, vocab: int, num_sms: int = H200_NUM_SMS) -> int:
     """Programs per row (a power of two): about two per SM in all, each streaming at least
     MIN_SPLIT_STEPS loop steps; 1 when the rows alone fill the GPU or exceed the workspace."""
@@ -83,25 +85,17 @@ def plan_splits(rows: int, vocab: int, num_sms: int = H200_NUM_SMS) -> int:
     return splits
 
 
-_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The device's (part maxima fp32, part indices int32, row counters int32, zeroed), allocated on
-    first use, outside any CUDA-graph capture (a recording cannot zero new memory). One device's
-    split launches must not overlap in time (one stream): they share it."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    ws = _workspaces.get(device)
-    if ws is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("argmax_rows: its split workspace would be allocated during a CUDA-graph capture; "
-                               "call argmax_rows once before capturing")
-        ws = (torch.empty(SPLIT_PARTS, dtype=torch.float32, device=device),
-              torch.empty(SPLIT_PARTS, dtype=torch.int32, device=device),
-              torch.zeros(SPLIT_ROWS, dtype=torch.int32, device=device))
-        _workspaces[device] = ws
-    return ws
+    first use, outside any CUDA-graph capture. One device's split launches must not overlap in time
+    (one stream): they share it."""
+    return device_scratch(
+        "argmax_rows: the split workspace", device,
+        lambda d: (torch.empty(SPLIT_PARTS, dtype=torch.float32, device=d),
+                   torch.empty(SPLIT_PARTS, dtype=torch.int32, device=d),
+                   torch.zeros(SPLIT_ROWS, dtype=torch.int32, device=d)),
+        hint="call argmax_rows once before capturing",
+    )
 
 
 def argmax_rows(logits: torch.Tensor, num_splits: Optional[int] = None) -> torch.Tensor:
@@ -120,11 +114,14 @@ def argmax_rows(logits: torch.Tensor, num_splits: Optional[int] = None) -> torch
         logits = logits.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        splits = plan_splits(rows, vocab, sm_count(logits.device)) if num_splits is None else num_splits
-        fits = splits == 1 or (rows <= SPLIT_ROWS and rows * splits <= SPLIT_PARTS)
-        if splits < 1 or splits & (splits - 1) or not fits:
-            raise ValueError(f"argmax_rows: {splits} splits of {rows} rows: want a power of two within the "
-                             f"workspace ({SPLIT_ROWS} rows, {SPLIT_PARTS} parts)")
+        if num_splits is None:
+            splits = plan_splits(rows, vocab, sm_count(logits.device))
+        else:  # a caller's count; plan_splits' always fits
+            splits = num_splits
+            fits = splits == 1 or (rows <= SPLIT_ROWS and rows * splits <= SPLIT_PARTS)
+            if splits < 1 or splits & (splits - 1) or not fits:
+                raise ValueError(f"argmax_rows: {splits} splits of {rows} rows: want a power of two within the "
+                                 f"workspace ({SPLIT_ROWS} rows, {SPLIT_PARTS} parts)")
         part_max, part_idx, counters = _workspace(logits.device)
         chunk = -(-vocab // (splits * BLOCK)) * BLOCK  # whole loop steps per split
         argmax_rows_kernel[(rows, splits)](logits, out, part_max, part_idx, counters, vocab, logits.stride(0),

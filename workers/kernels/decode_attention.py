@@ -18,7 +18,7 @@ import triton
 
 from atomrt.workers.kernels.attention_kernels import decode_attention_kernel
 from atomrt.workers.kernels import device_info
-from atomrt.workers.kernels.device_info import sm_count, use_pdl
+from atomrt.workers.kernels.device_info import device_scratch, sm_count, use_pdl
 from atomrt.workers.kernels.paged_attention import (
     LOG2E,
     MAX_PARTIAL_BYTES,
@@ -80,26 +80,15 @@ def plan_decode(
     )
 
 
-_decode_counters: dict[torch.device, torch.Tensor] = {}
-
-
 def prepare_decode_counters(device: torch.device) -> torch.Tensor:
     """The device's split counters (zeroed int32), allocated on first use. Allocate them before any
     CUDA-graph capture (the KV-cache allocation does): a recording cannot zero new memory.
     One device's decode launches must not overlap in time (one stream): they share the counters."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    counters = _decode_counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "decode attention: split counters are allocated during a CUDA-graph capture; call "
-                "decode_attention.prepare_decode_counters(device) before capturing (allocate_kv_cache does)"
-            )
-        counters = torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=device)
-        _decode_counters[device] = counters
-    return counters
+    return device_scratch(
+        "decode attention: split counters", device,
+        lambda d: torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=d),
+        hint="call decode_attention.prepare_decode_counters(device) before capturing (allocate_kv_cache does)",
+    )
 
 
 def decode_attention(

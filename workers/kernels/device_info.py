@@ -1,5 +1,6 @@
 """What the kernels' launch planning reads of the device: its SM count (cached per device), and
-whether the decode kernels launch with programmatic dependent launch.
+whether the decode kernels launch with programmatic dependent launch; and the per-device scratch
+buffers kernels keep between launches (`device_scratch`).
 
 On CPU (Triton's interpreter) a small stand-in count keeps the planned grids small.
 """
@@ -7,6 +8,7 @@ On CPU (Triton's interpreter) a small stand-in count keeps the planned grids sma
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import torch
 
@@ -53,3 +55,22 @@ def use_pdl(device: torch.device) -> bool:
 def _index(device: torch.device) -> int:
     """A CUDA device's index; the current device for a bare "cuda"."""
     return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_scratch: dict[tuple[str, torch.device], Any] = {}
+
+
+def device_scratch(name: str, device: torch.device, make: Callable[[torch.device], Any], hint: str) -> Any:
+    """`make(device)`, made once per device and kept: buffers a kernel reuses between launches
+    (self-resetting counters, split workspaces). They must be made before any CUDA-graph capture,
+    since a recording cannot zero new memory: made during one, this raises naming `name` and `hint`
+    (how to make them earlier). One device's launches sharing them must not overlap in time."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buffers = _scratch.get((name, device))
+    if buffers is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{name} would be allocated during a CUDA-graph capture; {hint}")
+        buffers = _scratch[(name, device)] = make(device)
+    return buffers
