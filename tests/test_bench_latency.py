@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from atomrt.runtime.bench_latency import Report, Row, compare_executors, main, mode_settings
-from atomrt.runtime.config import CUDAGraphMode
+from atomrt.runtime.bench_latency import Report, Row, _parse, compare_executors, main, mode_settings
+from atomrt.runtime.config import ConfigError, CUDAGraphMode
 from executor_harness import build_tiny_llama
 
 
@@ -55,3 +55,14 @@ def test_compare_executors_slowdown() -> None:
         report.rows.append(Row("m", "FULL", executor, 1, "req_graph", ms, ms, 1e3 / ms, None, None, None, 0.0, 0.0, None))
     (c,) = compare_executors(report)
     assert (c["inproc_ms"], c["ray_ms"]) == (2.0, 2.1) and c["slowdown_pct"] == pytest.approx(5.0)
+
+
+def test_transport_spin_us_flag_takes_auto_or_microseconds() -> None:
+    assert _parse([]).transport_spin_us is None  # the config's default ("auto") applies
+    assert _parse(["--transport-spin-us", "auto"]).transport_spin_us == "auto"
+    assert _parse(["--transport-spin-us", "0"]).transport_spin_us == 0.0
+    assert _parse(["--transport-spin-us", "2000"]).transport_spin_us == 2000.0
+    with pytest.raises(SystemExit):  # argparse: not auto, not a number
+        _parse(["--transport-spin-us", "fast"])
+    with pytest.raises(ConfigError, match=r"parallel_config\.transport_spin_us"):
+        _parse(["--transport-spin-us", "2e6"])

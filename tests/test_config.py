@@ -2,7 +2,9 @@
 
 import pytest
 
+from atomrt.runtime import config as config_module
 from atomrt.runtime.config import (
+    AUTO_SPIN_US,
     CompilationConfig,
     CompilationLevel,
     Config,
@@ -197,3 +199,47 @@ def test_ray_placement_and_transport_reach_the_executor():
         build_config(None, ["parallel_config.placement_strategy=RANDOM"])
     with pytest.raises(ConfigError, match="parallel_config.transport"):
         build_config(None, ["parallel_config.transport=udp"])
+
+
+def test_transport_spin_us_auto_is_the_default_and_follows_the_device(monkeypatch):
+    pc = ParallelConfig()
+    assert pc.transport_spin_us == "auto" and Config().parallel_config.transport_spin_us == "auto"
+    assert config_module.usable_cpu_count() >= 1
+    monkeypatch.setattr(config_module, "usable_cpu_count", lambda: 32)
+    assert pc.resolved_spin_s("cuda") == AUTO_SPIN_US / 1e6 == 0.002
+    assert pc.resolved_spin_s("cpu") == 0.0  # a CPU engine's cores run the model
+    monkeypatch.setattr(config_module, "usable_cpu_count", lambda: 2)  # the CPU CI machines
+    assert pc.resolved_spin_s("cuda") == 0.0
+    monkeypatch.setattr(config_module, "usable_cpu_count", lambda: config_module.AUTO_SPIN_MIN_CPUS)
+    assert pc.resolved_spin_s("cuda") == 0.002
+
+
+@pytest.mark.parametrize("spin_us, spin_s", [(0, 0.0), (0.0, 0.0), (500, 0.0005), (2000.0, 0.002), (1e6, 1.0)])
+def test_explicit_transport_spin_us_passes_through_on_any_device(monkeypatch, spin_us, spin_s):
+    monkeypatch.setattr(config_module, "usable_cpu_count", lambda: 1)
+    pc = ParallelConfig(transport_spin_us=spin_us)
+    assert pc.resolved_spin_s("cpu") == pc.resolved_spin_s("cuda") == pytest.approx(spin_s)
+
+
+@pytest.mark.parametrize("bad", ["fast", "AUTO", "", -1, True, 2e6, None, [2000]])
+def test_bad_transport_spin_us_names_the_field_and_the_choices(bad):
+    with pytest.raises(ConfigError, match=r"parallel_config\.transport_spin_us: must be 'auto' or a number"):
+        ParallelConfig(transport_spin_us=bad)
+
+
+@pytest.mark.parametrize("text", ["fast", "-1", "true", "2e6", "2000000", "[2000]"])
+def test_bad_transport_spin_us_from_yaml_names_the_field(text):
+    with pytest.raises(ConfigError, match=r"parallel_config\.transport_spin_us"):
+        build_config(None, [f"parallel_config.transport_spin_us={text}"])
+
+
+@pytest.mark.parametrize("value", ["auto", 2000, 0, 12.5])
+def test_transport_spin_us_yaml_round_trip(tmp_path, value):
+    p = tmp_path / "c.yaml"
+    p.write_text(f"parallel_config: {{executor: mp, transport_spin_us: {value}}}\n")
+    cfg = build_config(str(p))
+    assert cfg.parallel_config.transport_spin_us == value
+    p.write_text(dump_yaml(cfg))
+    assert load_yaml(p)["parallel_config"]["transport_spin_us"] == value
+    assert build_config(str(p)) == cfg
+    assert build_config(None, [f"parallel_config.transport_spin_us={value}"]).parallel_config.transport_spin_us == value

@@ -156,7 +156,8 @@ class RankWorker:
 
         self._bind_device()
         addr = TransportAddresses.from_dict(addresses)
-        sub = PlanSubscriber(addr, self.spec.rank, spin_s=self.config.parallel_config.transport_spin_us / 1e6)
+        spin_s = self.config.parallel_config.resolved_spin_s(self.worker.runner.device.type)
+        sub = PlanSubscriber(addr, self.spec.rank, spin_s=spin_s)
         pusher = ResultPusher(addr, self.spec.dp_rank)  # TP ranks != 0 push only their errors
         pending = None  # a pipelined step launched and not handed back yet
 
