@@ -125,31 +125,70 @@ def test_token_graph_records_kv_write_inline_and_breaks_only_at_attention(runner
 
 
 def test_packed_step_unpacks_to_what_the_per_buffer_fill_writes(runner: ModelRunner) -> None:
-    """A request-graph step staged packed (one copy, unpacked by the graph's first nodes) leaves the
-    static buffers exactly as the six per-buffer copies do, padding included, over stale values."""
+    """A request-graph step staged packed (one copy, unpacked by one kernel at the graph's head,
+    here through Triton's interpreter) leaves the static buffers as the per-buffer copies do,
+    padding included, over stale values; of the block tables only the step's live width travels,
+    and the columns past it keep what they held (no kernel reads them)."""
     from atomrt.workers.packed_step import PackedStep
 
     fv = runner.forward_vars
     inputs = _inputs([1, 1, 1], [5, 7, 3], runner.block_size)
+    inputs.block_tables = inputs.block_tables[:, :2]  # the live width, as SeqMirrors.build gathers it
+    small = _inputs([1, 1], [2, 9], runner.block_size)
+    small.block_tables = small.block_tables[:, :3]
     decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=8, running_tokens=8, is_prefill=False, req_key=(8, 0))
-    runner.prepare(_inputs([5, 7, 3], [0, 0, 0], runner.block_size), ForwardDecision(ForwardKind.EAGER, 3, 15, True))
+    stale = _inputs([5, 7, 3], [0, 0, 0], runner.block_size)
+    runner.prepare(stale, ForwardDecision(ForwardKind.EAGER, 3, 15, True))
     runner.prepare(inputs, decision)  # on CPU: the per-buffer path
     expected = {k: v.clone() for k, v in fv.items()}
     packed = PackedStep(max_seqs=8, max_rows=8, max_blocks=runner.max_blocks_per_seq, device=runner.device)
-    for bs in (8, 4, 8):  # a smaller bucket between: views are per bucket, the buffer is shared
-        runner.prepare(_inputs([5, 7, 3], [0, 0, 0], runner.block_size),
-                       ForwardDecision(ForwardKind.EAGER, 3, 15, True))
-        small = _inputs([1, 1], [2, 9], runner.block_size)
+    for bs in (8, 4, 8):  # a smaller bucket between: layouts are per bucket, the buffer is shared
+        runner.prepare(stale, ForwardDecision(ForwardKind.EAGER, 3, 15, True))
+        before = fv["block_tables"].clone()
         step = inputs if bs == 8 else small
         packed.stage(step, bs, bs)
         packed.unpack(fv, bs, bs)
     for name in ("input_ids", "positions", "slot_mapping"):
         assert fv[name][:8].tolist() == expected[name][:8].tolist(), name
-    for name in ("cu_seqlens_q", "context_lens", "block_tables"):
-        n = 9 if name == "cu_seqlens_q" else 8
-        assert fv[name][:n].tolist() == expected[name][:n].tolist(), name
+    assert fv["cu_seqlens_q"][:9].tolist() == expected["cu_seqlens_q"][:9].tolist()
+    assert fv["context_lens"][:8].tolist() == expected["context_lens"][:8].tolist()
+    assert fv["block_tables"][:8, :2].tolist() == expected["block_tables"][:8, :2].tolist()
+    assert fv["block_tables"][:, 2:].tolist() == before[:, 2:].tolist()  # past the live width: untouched
+    assert fv["block_tables"][8:].tolist() == before[8:].tolist()  # past the bucket: untouched
     with pytest.raises(ValueError, match="exceeds"):
         packed.stage(inputs, 16, 16)
+    wide = _inputs([1], [0], runner.block_size)
+    wide.block_tables = np.zeros((1, runner.max_blocks_per_seq + 1), dtype=np.int32)
+    with pytest.raises(ValueError, match="max_blocks"):
+        packed.stage(wide, 1, 1)
+
+
+def test_packed_step_gathers_pending_tokens_in_its_unpack(tmp_path_factory) -> None:
+    """Async scheduling, packed: the unpack kernel gives each row the token the eager gather does:
+    its own staged id, the previous step's sample (token_src >= prev_token_base), or for a padding
+    row staged slot 0."""
+    from atomrt.workers.packed_step import PackedStep
+
+    folder = build_tiny_llama(tmp_path_factory.mktemp("tiny_packed_async") / "model")
+    config = Config(model=str(folder), device="cpu",
+                    scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, async_scheduling=True))
+    r = ModelRunner(config, resolve_device(config))
+    r.allocate_kv_cache(32)
+    fv, base = r.forward_vars, r.prev_token_base
+    fv["prev_tokens"][:3] = torch.tensor([71, 72, 73])
+    inputs = _inputs([1, 1, 1], [3, 3, 1], r.block_size)
+    inputs.input_ids = np.array([5, 0, 0], dtype=np.int64)  # rows 1 and 2 are pending (staged id 0)
+    inputs.token_src = np.array([0, base + 2, base + 0], dtype=np.int64)
+    packed = PackedStep(max_seqs=8, max_rows=8, max_blocks=r.max_blocks_per_seq, device=r.device,
+                        prev_token_base=base)
+    fv["input_ids"][:8] = -5  # stale
+    packed.stage(inputs, 4, 4)
+    packed.unpack(fv, 4, 4)
+    assert fv["input_ids"][:4].tolist() == [5, 73, 71, 5]  # padding row 3 reads staged slot 0
+    fv["input_ids"][:8] = -5
+    r.prepare(inputs, ForwardDecision(ForwardKind.EAGER, 4, 4, False))  # the per-buffer path, then its gather
+    r.gather_input_ids(4)
+    assert fv["input_ids"][:4].tolist() == [5, 73, 71, 5]
 
 
 def test_async_pending_rows_and_padding_rows_gather_valid_tokens(tmp_path_factory) -> None:

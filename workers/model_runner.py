@@ -21,7 +21,7 @@ from atomrt.workers.kv_cache import KVCacheTensor, KVLayerSpec, allocate_kv_cach
 from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.layers.tp_ops import TPInfo
 from atomrt.workers.loader import load_model
-from atomrt.workers.packed_step import ASYNC_FIELDS, FIELDS, PackedStep, write_padded
+from atomrt.workers.packed_step import PackedStep, write_padded
 from atomrt.workers.sampler import Sampler, SamplerOutput, SamplingTensors
 
 logger = logging.getLogger(__name__)
@@ -163,8 +163,7 @@ class ModelRunner:
         self.packed: Optional[PackedStep] = None
         self._staged: Optional[tuple[int, int]] = None  # (seqs, rows) of the step last staged packed
         if dev.type == "cuda" and not self.enforce_eager and self.config.cudagraph_mode.records_request_graphs() and max_capture:
-            fields = ASYNC_FIELDS if self.token_pool is not None else FIELDS
-            self.packed = PackedStep(max_capture, max_capture, self.max_blocks_per_seq, dev, fields)
+            self.packed = PackedStep(max_capture, max_capture, self.max_blocks_per_seq, dev, self.prev_token_base)
 
     def kv_layer_specs(self) -> list[KVLayerSpec]:
         return [KVLayerSpec(i, a.num_kv_heads, a.head_dim) for i, a in sorted(self.attn_layers.items())]
@@ -236,10 +235,11 @@ class ModelRunner:
 
     def unpack_step(self, seqs: int, rows: int) -> None:
         """The device half of staging, recorded at the head of request graphs: unpack the packed
-        step, then gather the rows' tokens from the token pool (async scheduling)."""
+        step (which gathers the rows' tokens too, under async scheduling), else only the gather."""
         if self.packed is not None:
             self.packed.unpack(self.forward_vars, seqs, rows)
-        self.gather_input_ids(rows)
+        else:
+            self.gather_input_ids(rows)
 
     def gather_input_ids(self, rows: int) -> None:
         """input_ids[:rows] = token_pool[token_src[:rows]] (async scheduling; else a no-op)."""

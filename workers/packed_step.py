@@ -1,32 +1,33 @@
 """`PackedStep`: a request-graph step's inputs in one buffer, sent to the GPU in one copy.
 
 A FULL decode step fills six static buffers (`forward_vars`); each host-to-device copy costs host
-time (a launch, and an event on the pinned staging buffer) before the graph can start. Instead the step's rows are laid out back to back in one pinned buffer, copied in one
-transfer to a device buffer at a fixed address, and unpacked into the static buffers by device
-copies recorded at the head of every request graph (`unpack`). Layout for a bucket of `seqs`
-sequences and `rows` token rows: int64 input_ids, positions, slot_mapping [rows]; then int32
-cu_seqlens_q [seqs + 1], context_lens [seqs], block_tables [seqs, max_blocks].
+time (a launch, and an event on the pinned staging buffer) before the graph can start. Instead the
+step's rows are laid out back to back in one pinned buffer, copied in one transfer to a device
+buffer at a fixed address, and unpacked into the static buffers by one kernel recorded at the head
+of every request graph (`unpack`, kernels/unpack_step.py).
+
+Layout for a bucket of `seqs` sequences and `rows` token rows, in the order of the buffer:
+- int64 [rows] each: the input ids (async scheduling: the staged ids, then `token_src`), positions,
+  slot_mapping;
+- int32: the block tables' live width W (the widest table of the step), cu_seqlens_q [seqs + 1],
+  context_lens [seqs], block_tables [seqs, W].
+Only W columns travel: with a long max_model_len a full-width table would cost a copy of up to
+max_blocks entries per sequence every step (1 MiB for 32 sequences at 131072 tokens). The static
+table's columns past W keep stale entries, which no kernel reads: attention loads a table entry
+only for keys inside the sequence's context, and those lie within W.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-# name, dtype, length ("rows", "seqs" or "seqs+1"), padding value (None: the step's token count)
-_METADATA = (
-    ("positions", torch.int64, "rows", 0),
-    ("slot_mapping", torch.int64, "rows", -1),
-    ("cu_seqlens_q", torch.int32, "seqs+1", None),
-    ("context_lens", torch.int32, "seqs", 0),
-    ("block_tables", torch.int32, "seqs", -1),
-)
-FIELDS = (("input_ids", torch.int64, "rows", 0),) + _METADATA
-# Async scheduling: the rows' ids land in the token pool, and `token_src` says where each row's is
-# (StepInputs.token_src); the graph gathers input_ids after unpacking (ModelRunner.unpack_step).
-ASYNC_FIELDS = (("staged_ids", torch.int64, "rows", 0), ("token_src", torch.int64, "rows", 0)) + _METADATA
+from atomrt.workers.kernels.unpack_step import unpack_step_kernel
+
+UNPACK_BLOCK = 1024  # entries a program moves per loop step
 
 
 def write_padded(host: np.ndarray, values: np.ndarray, length: int, pad: Any) -> None:
@@ -41,54 +42,86 @@ def write_padded(host: np.ndarray, values: np.ndarray, length: int, pad: Any) ->
     host[n:length] = pad
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Word offsets of one bucket's fields: int64 words for the row fields, int32 words for the rest."""
+
+    ids_at: int
+    src_at: int  # async scheduling only (else equal to ids_at and unused)
+    positions_at: int
+    slots_at: int
+    width_at: int
+    cu_at: int
+    context_at: int
+    table_at: int
+
+
 class PackedStep:
     def __init__(
-        self, max_seqs: int, max_rows: int, max_blocks: int, device: torch.device, fields: tuple = FIELDS
+        self, max_seqs: int, max_rows: int, max_blocks: int, device: torch.device,
+        prev_token_base: Optional[int] = None,
     ) -> None:
-        self.max_blocks = max_blocks
-        self.fields = fields
-        nbytes = sum(nbytes for *_, nbytes in self._layout(max_seqs, max_rows))
+        """`prev_token_base` (async scheduling): `token_src` values from it on name the previous
+        step's samples (`forward_vars["prev_tokens"]`), values below it the step's own staged ids."""
+        self.max_seqs, self.max_rows, self.max_blocks = max_seqs, max_rows, max_blocks
+        self.prev_token_base = prev_token_base
+        self._layouts: dict[tuple[int, int], _Layout] = {}
+        last = self._layout(max_seqs, max_rows)
+        nbytes = 8 * -(-(last.table_at + max_seqs * max_blocks) // 2)
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        # (seqs, rows) -> (bytes used, [(name, host numpy view, device view, length, padding)])
-        self._buckets: dict[tuple[int, int], tuple[int, list[tuple[str, np.ndarray, torch.Tensor, int, Any]]]] = {}
+        self._host64, self._host32 = self.host.numpy().view(np.int64), self.host.numpy().view(np.int32)
+        self._device64, self._device32 = self.device.view(torch.int64), self.device.view(torch.int32)
 
-    def _layout(self, seqs: int, rows: int) -> list[tuple[str, torch.dtype, tuple[int, ...], Any, int]]:
-        """(name, dtype, shape, padding, bytes) per field, in buffer order."""
-        out = []
-        for name, dtype, length, pad in self.fields:
-            count = {"rows": rows, "seqs": seqs, "seqs+1": seqs + 1}[length]
-            shape = (count, self.max_blocks) if name == "block_tables" else (count,)
-            out.append((name, dtype, shape, pad, int(np.prod(shape)) * dtype.itemsize))
-        return out
-
-    def _bucket(self, seqs: int, rows: int) -> tuple[int, list[tuple[str, np.ndarray, torch.Tensor, int, Any]]]:
-        bucket = self._buckets.get((seqs, rows))
-        if bucket is None:
-            views, offset = [], 0
-            for name, dtype, shape, pad, size in self._layout(seqs, rows):
-                if offset + size > self.host.numel():
-                    raise ValueError(f"PackedStep: a step of {seqs} sequences x {rows} rows exceeds the buffer")
-                host = self.host[offset : offset + size].view(dtype).view(shape).numpy()
-                dev = self.device[offset : offset + size].view(dtype).view(shape)
-                views.append((name, host, dev, shape[0], pad))
-                offset += size
-            bucket = self._buckets[(seqs, rows)] = (offset, views)
-        return bucket
+    def _layout(self, seqs: int, rows: int) -> _Layout:
+        layout = self._layouts.get((seqs, rows))
+        if layout is None:
+            row_fields = 4 if self.prev_token_base is not None else 3
+            ids_at = 0
+            src_at = rows if self.prev_token_base is not None else ids_at
+            positions_at = (row_fields - 2) * rows
+            slots_at = positions_at + rows
+            width_at = 2 * (slots_at + rows)  # the int32 words start where the int64 ones end
+            layout = _Layout(ids_at, src_at, positions_at, slots_at, width_at,
+                             width_at + 1, width_at + 2 + seqs, width_at + 2 + 2 * seqs)
+            self._layouts[(seqs, rows)] = layout
+        return layout
 
     def stage(self, inputs: Any, seqs: int, rows: int) -> None:
         """Write a step's `StepInputs`, padded to (seqs, rows), and start its one copy to the device."""
-        nbytes, views = self._bucket(seqs, rows)
-        n = inputs.num_tokens
-        for name, host, _, length, pad in views:
-            write_padded(host, _field(inputs, name), length, n if pad is None else pad)
+        if seqs > self.max_seqs or rows > self.max_rows:
+            raise ValueError(f"PackedStep: a step of {seqs} sequences x {rows} rows exceeds the buffer "
+                             f"({self.max_seqs} x {self.max_rows})")
+        table = inputs.block_tables  # int32 [num_seqs, W]
+        width = table.shape[1]
+        if width > self.max_blocks:
+            raise ValueError(f"PackedStep: block tables of {width} blocks exceed max_blocks {self.max_blocks}")
+        lay, h64, h32, n = self._layout(seqs, rows), self._host64, self._host32, inputs.num_tokens
+        write_padded(h64[lay.ids_at : lay.ids_at + rows], inputs.input_ids, rows, 0)
+        if self.prev_token_base is not None:
+            write_padded(h64[lay.src_at : lay.src_at + rows], inputs.token_src, rows, 0)
+        write_padded(h64[lay.positions_at : lay.positions_at + rows], inputs.positions, rows, 0)
+        write_padded(h64[lay.slots_at : lay.slots_at + rows], inputs.slot_mapping, rows, -1)
+        h32[lay.width_at] = width
+        write_padded(h32[lay.cu_at : lay.cu_at + seqs + 1], inputs.cu_seqlens_q, seqs + 1, n)
+        write_padded(h32[lay.context_at : lay.context_at + seqs], inputs.context_lens, seqs, 0)
+        write_padded(h32[lay.table_at : lay.table_at + seqs * width].reshape(seqs, width), table, seqs, -1)
+        nbytes = 4 * (lay.table_at + seqs * width)
         self.device[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
 
     def unpack(self, forward_vars: dict[str, torch.Tensor], seqs: int, rows: int) -> None:
-        """Copy the staged step into the static buffers (device to device; recorded in request graphs)."""
-        for name, _, dev, length, _ in self._bucket(seqs, rows)[1]:
-            forward_vars[name][:length].copy_(dev)
-
-
-def _field(inputs: Any, name: str) -> np.ndarray:
-    return inputs.input_ids if name == "staged_ids" else getattr(inputs, name)
+        """Unpack the staged step into the static buffers, and (async scheduling) gather the rows'
+        input ids: one launch whose grid depends only on the bucket (recorded in request graphs)."""
+        lay, fv = self._layout(seqs, rows), forward_vars
+        is_async = self.prev_token_base is not None
+        tables = fv["block_tables"]
+        unpack_step_kernel[(seqs + 1,)](
+            self._device64, self._device32,
+            fv["input_ids"], fv["positions"], fv["slot_mapping"], fv["cu_seqlens_q"], fv["context_lens"], tables,
+            fv["prev_tokens"] if is_async else fv["input_ids"],
+            rows, seqs, tables.stride(0),
+            lay.ids_at, lay.src_at, lay.positions_at, lay.slots_at,
+            lay.width_at, lay.cu_at, lay.context_at, lay.table_at,
+            self.prev_token_base or 0,
+            ASYNC=is_async, BLOCK=UNPACK_BLOCK, num_warps=4,
+        )
