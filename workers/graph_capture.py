@@ -3,8 +3,8 @@
 Sizes descending (largest first, so smaller recordings reuse the shared pool's blocks); per size a
 dummy decode batch of `bs` sequences x `max_q_len` rows, the forward context with
 `running_tokens` the same on every rank (capture is symmetric), a warm-up run, the recording,
-`torch.cuda.synchronize()`. FULL (and FULL_DECODE_ONLY) record `ReqGraph`s, the LM head included
-(its logits are the recording's output); TR_HYBRID (and
+`torch.cuda.synchronize()`. FULL (and FULL_DECODE_ONLY) record `ReqGraph`s, the LM head and the
+greedy argmax included (the recording's outputs are the logits and their argmax); TR_HYBRID (and
 FULL_AND_TR_HYBRID, recorded exactly as TR_HYBRID) record the model's token graphs, asked once
 for decode and once for prefill (the same recording serves both). GC is off during capture; a
 progress bar shows on rank 0. Every recording drains pending NCCL work first (graphs/region_graph).
@@ -82,16 +82,17 @@ def capture_all(runner: "ModelRunner") -> tuple[float, list[int]]:
                 runner.unpack_step(bs, rows)
                 hidden = runner.model(ids, pos)  # warm-up
                 if record_full:
-                    runner.model.compute_logits(hidden)
+                    runner.greedy_tokens(runner.model.compute_logits(hidden))
             if record_full:
 
-                def forward() -> torch.Tensor:
+                def forward() -> tuple[torch.Tensor, torch.Tensor]:
                     """The request graph: unpack the staged step, run, keep the hidden states, and
-                    return every row's logits (a decode step samples every row)."""
+                    return every row's logits (a decode step samples every row) and their argmax."""
                     runner.unpack_step(bs, rows)
                     hidden = runner.model(ids, pos)
                     fv["outputs"][:rows].copy_(hidden)
-                    return runner.model.compute_logits(hidden)
+                    logits = runner.model.compute_logits(hidden)
+                    return logits, runner.greedy_tokens(logits)
 
                 with set_forward_context(md, config, ctx, **scope):
                     runner.req_graph.record(decision.req_key, forward)

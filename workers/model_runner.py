@@ -22,7 +22,7 @@ from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.layers.tp_ops import TPInfo
 from atomrt.workers.loader import load_model
 from atomrt.workers.packed_step import PackedStep, write_padded
-from atomrt.workers.sampler import Sampler, SamplerOutput, SamplingTensors
+from atomrt.workers.sampler import Sampler, SamplerOutput, SamplingTensors, greedy_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,7 @@ class ModelRunner:
         # waited for step N's tokens.
         self._staging_read = torch.cuda.Event() if dev.type == "cuda" and self.token_pool is not None else None
         self._readback_slots = [ReadbackSlot(s) for _ in range(_READBACK_SLOTS)] if dev.type == "cuda" else []
+        self._replayed_tokens: Optional[torch.Tensor] = None  # the last request-graph replay's argmax [rows]
         # Request-graph steps (FULL decode) travel packed: one copy, unpacked inside the graph.
         self.packed: Optional[PackedStep] = None
         self._staged: Optional[tuple[int, int]] = None  # (seqs, rows) of the step last staged packed
@@ -268,10 +269,23 @@ class ModelRunner:
             logits, _ = self.run_model(self.forward_vars["input_ids"][:rows], decision, logits_indices)
         if num_sampled == 0:  # an idle DP rank's dummy batch
             return SamplerOutput(logits.new_empty(0, dtype=torch.int64))
+        if self._replayed_tokens is not None and sampling.is_plain_greedy:
+            # The request graph's argmax (which also fed the next step's pending rows).
+            return SamplerOutput(self._replayed_tokens[:num_sampled])
         out = self.sampler(logits, sampling)
         if self.token_pool is not None:
             self._keep_sampled(out.sampled_token_ids, sampling)
         return out
+
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """The argmax of a request graph's logits [rows, vocab], recorded after them: a plain greedy
+        step takes its tokens from here with no sampler launch. Under async scheduling they go to
+        the token pool too, as `_keep_sampled` would put them (a step that samples otherwise
+        overwrites them after the replay)."""
+        tokens = greedy_argmax(logits)
+        if self.token_pool is not None:
+            self.forward_vars["prev_tokens"][: tokens.shape[0]].copy_(tokens)
+        return tokens
 
     def _keep_sampled(self, tokens: torch.Tensor, sampling: SamplingTensors) -> None:
         """Async scheduling: the step's tokens become the next step's pending inputs. Every TP rank
@@ -300,15 +314,17 @@ class ModelRunner:
         step samples) takes as they are. Otherwise logits are computed for `logits_indices` rows only.
         """
         num_rows = input_ids.shape[0]
+        self._replayed_tokens = None
         if decision.kind is ForwardKind.REQ_GRAPH:
             if self.packed is not None and self._staged != (decision.running_bs, num_rows):
                 raise RuntimeError(
                     f"request graph {decision.req_key} replayed without its step staged by prepare() "
                     f"(staged: {self._staged}); it would unpack another bucket's layout"
                 )
-            logits = self.req_graph.replay(decision.req_key)  # every row's, valid until the next replay
+            logits, tokens = self.req_graph.replay(decision.req_key)  # every row's, valid until the next replay
             hidden_states = self.forward_vars["outputs"][:num_rows]
             if isinstance(logits_indices, slice):  # rows 0..n-1 sample: the graph computed their logits
+                self._replayed_tokens = tokens
                 return logits[logits_indices], hidden_states
         else:
             hidden_states = self.model(input_ids, self.forward_vars["positions"][:num_rows])

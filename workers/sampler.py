@@ -119,6 +119,11 @@ class SamplingTensors:
             do_min_p=any(p.min_p > 0.0 for p, g in zip(ps, greedy) if not g),
         )
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Every row greedy, no penalties, no logprobs: the tokens are the logits' argmax."""
+        return self.all_greedy and not self.do_penalties and all(k is None for k in self.num_logprobs)
+
     @classmethod
     def plain_greedy(cls, num_seqs: int, device: torch.device) -> "SamplingTensors":
         """Every row greedy, no penalties, no logprobs: the sampler takes the argmax and reads no
@@ -251,7 +256,7 @@ class Sampler:
     ) -> SamplerOutput:
         """logits [num_seqs, vocab] in float32 or the model's dtype (not modified); everything but
         the plain greedy argmax computes on a float32 copy. `generator` drives unseeded rows."""
-        if t.all_greedy and not t.do_penalties and all(k is None for k in t.num_logprobs):
+        if t.is_plain_greedy:
             return SamplerOutput(sampled_token_ids=greedy_argmax(logits))  # the common greedy step
         logits = logits.to(torch.float32, copy=True)
         if t.do_penalties:

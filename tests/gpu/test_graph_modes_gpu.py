@@ -188,6 +188,8 @@ def test_every_bucket_replays_like_eager_in_random_order(mode):
                                          kv_cache_data=runner.kv_cache):
                     got, _ = runner.run_model(runner.forward_vars["input_ids"][:bs], graph, slice(0, bs))
                 torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4, msg=f"{mode} bucket {bs} in-graph logits")
+                # ... and the argmax recorded after them is what the sampler computes from them
+                assert runner._replayed_tokens[:bs].tolist() == got.argmax(-1).tolist(), f"bucket {bs} in-graph argmax"
         pool, largest = runner.graph_pool_bytes, runner.graph_pool_largest_bytes
         assert 0 < largest <= pool
         # Recordings share one pool: the ladder needs about what its largest bucket needs, not the sum.
