@@ -110,36 +110,22 @@ def check(case: DecodeCase, out: torch.Tensor, atol: float = 1e-5, rtol: float =
     torch.testing.assert_close(b.v_cache.view(-1, hk, d)[case.slot_mapping[written]].double(), ref_v, atol=0, rtol=0)
 
 
-def forced_plan(group: int, head_dim: int, num_splits: int, tile_n: int = 16, min_tiles: int = 1,
-                prefetch: bool = True, early_exit: bool = True) -> DecodeLaunch:
+def forced_plan(group: int, head_dim: int, num_splits: int, tile_n: int = 16, min_tiles: int = 1) -> DecodeLaunch:
     return DecodeLaunch(block_m=max(16, 1 << (group - 1).bit_length()), head_dim_p=max(16, 1 << (head_dim - 1).bit_length()),
-                        tile_n=tile_n, num_splits=num_splits, min_tiles_per_split=min_tiles, num_warps=4, num_stages=2,
-                        prefetch=prefetch, early_exit=early_exit)
+                        tile_n=tile_n, num_splits=num_splits, min_tiles_per_split=min_tiles, num_warps=4, num_stages=2)
 
 
 LENS = [1, 2, 17, 40, 64]  # a first token (no cached key), a block boundary, several tiles
 
 
-@pytest.mark.parametrize("variant", [(True, True), (False, False)], ids=["prefetch-exit", "plain"])
 @pytest.mark.parametrize("rope", [True, False], ids=["rope", "no-rope"])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
 @pytest.mark.parametrize("group,head_dim", [(1, 32), (3, 64), (4, 32)], ids=["mha-d32", "gqa3-d64", "gqa4-d32"])
-def test_decode_matches_reference(group: int, head_dim: int, num_splits: int, rope: bool, variant) -> None:
-    """Every split count, with padded sequences and padded rows, GQA, with and without rotary; with
-    the tiles prefetched and idle splits leaving early, and without either."""
+def test_decode_matches_reference(group: int, head_dim: int, num_splits: int, rope: bool) -> None:
+    """Every split count, with padded sequences and padded rows, GQA, with and without rotary."""
     case = make_decode_case(LENS, num_kv_heads=2, group=group, head_dim=head_dim, pad_seqs=2, pad_rows=3, rope=rope,
                             seed=group * 10 + num_splits)
-    prefetch, early_exit = variant
-    check(case, run_decode(case, forced_plan(group, head_dim, num_splits, prefetch=prefetch, early_exit=early_exit)))
-    assert torch.all(prepare_decode_counters(torch.device("cpu")) == 0), "split counters not reset"
-
-
-@pytest.mark.parametrize("prefetch,early_exit", [(True, False), (False, True)])
-def test_decode_variants_match_reference(prefetch: bool, early_exit: bool) -> None:
-    """The two mixed variants of the launch (the sweep times all four) over several tiles and splits."""
-    case = make_decode_case(LENS + [100], num_kv_heads=2, group=4, head_dim=32, pad_seqs=1, pad_rows=2, rope=True,
-                            seed=7)
-    check(case, run_decode(case, forced_plan(4, 32, 3, min_tiles=2, prefetch=prefetch, early_exit=early_exit)))
+    check(case, run_decode(case, forced_plan(group, head_dim, num_splits)))
     assert torch.all(prepare_decode_counters(torch.device("cpu")) == 0), "split counters not reset"
 
 

@@ -1,6 +1,6 @@
 """Decode attention timings (not a test; run on the GPU machine):
 
-    python tests/gpu/bench_decode_attention.py [--sweep] [--variants] [--json PATH]
+    python tests/gpu/bench_decode_attention.py [--sweep] [--json PATH]
 
 For the three benchmark model shapes, GPU µs per layer of a decode step's attention work, replayed
 from a CUDA graph that holds 16 layers' calls back to back (as a step does):
@@ -87,8 +87,6 @@ def time_us(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--variants", action="store_true",
-                    help="time the launch's prefetch / early-exit flags and a few split counts at every context")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     prepare_decode_counters(torch.device("cuda"))
@@ -116,16 +114,6 @@ def main() -> None:
                 best = min((v, k) for k, v in variants.items() if isinstance(v, float))
                 row["best"] = best
                 row["variants"] = variants
-            if args.variants:
-                flags = {}
-                for prefetch in (False, True):
-                    for early_exit in (False, True):
-                        plan = dataclasses.replace(base, prefetch=prefetch, early_exit=early_exit)
-                        flags[f"pf{int(prefetch)}ee{int(early_exit)}"] = time_us(lambda i: fused(s, i, plan))
-                for splits in (1, 8):
-                    plan = dataclasses.replace(base, num_splits=splits)
-                    flags[f"splits{splits}"] = time_us(lambda i: fused(s, i, plan))
-                row["flags"] = flags
             print(json.dumps({k: v for k, v in row.items() if k != "variants"}), flush=True)
             rows.append(row)
     if args.json:

@@ -297,32 +297,6 @@ def _decode_row(
 
 
 @triton.jit
-def _decode_tile(
-    k_cache_ptr, v_cache_ptr, block, t, num_old, kvh, tile_keys, dims, dim_valid,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-):
-    """Key tile `t` of the cache (its block-table entries in `block`): K, V [TILE_N, HEAD_DIM_P]
-    and which of its keys lie before `num_old`."""
-    keys = t * TILE_N + tile_keys
-    key_valid = keys < num_old
-    kv_mask = key_valid[:, None] & dim_valid[None, :]
-    in_block = keys % BLOCK_SIZE
-    k_off = block * stride_kcb + in_block * stride_kcs + kvh * stride_kch
-    v_off = block * stride_vcb + in_block * stride_vcs + kvh * stride_vch
-    k = tl.load(k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    return k, v, key_valid
-
-
-@triton.jit
-def _tile_blocks(table_row, t, num_old, tile_keys, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The block-table entries of key tile `t` (0 past the context)."""
-    keys = t * TILE_N + tile_keys
-    return tl.load(table_row + keys // BLOCK_SIZE, mask=keys < num_old, other=0).to(tl.int64)
-
-
-@triton.jit
 def decode_attention_kernel(
     q_ptr, k_ptr, v_ptr,  # this step's rows: q [T, H, D], k/v [T, Hk, D] (k not yet rotated)
     out_ptr,  # [T, H, D]
@@ -357,8 +331,6 @@ def decode_attention_kernel(
     SPLIT_CHUNK: tl.constexpr,  # splits merged per step of the merge loop
     IEEE_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (device_info.use_pdl)
-    PREFETCH: tl.constexpr,  # load each K/V tile one step ahead: the first goes out with the cos/sin loads
-    EARLY_EXIT: tl.constexpr,  # a split past 0 returns on the context length, before loading its row
 ):
     """A decode step of one sequence (at most one query row) over one KV head, for one KV split: the
     rotary embedding of q and of the new key, the new key and value into the cache, and attention over
@@ -401,11 +373,6 @@ def decode_attention_kernel(
     if USE_PDL:  # before any return: a kernel may not finish before the one it waits on
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if EARLY_EXIT:
-        if split > 0:  # split 0 always works: it does not wait for the length before its row's loads
-            num_tiles_early = tl.cdiv(context_len - 1, TILE_N)
-            if split >= tl.minimum(num_splits, tl.cdiv(num_tiles_early, MIN_TILES_PER_SPLIT)):
-                return
     q, q_partner, k_new, k_partner, v_new, slot, pos = _decode_row(
         seq, num_rows, kvh, q_ptr, k_ptr, v_ptr, positions_ptr, slot_mapping_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -427,13 +394,6 @@ def decode_attention_kernel(
     num_active = tl.maximum(tl.minimum(num_splits, tl.cdiv(num_tiles, MIN_TILES_PER_SPLIT)), 1)
     if split >= num_active:
         return
-
-    if PREFETCH:  # tile `split` goes out now, so its round trip overlaps the cos/sin loads below
-        k, v, key_valid = _decode_tile(
-            k_cache_ptr, v_cache_ptr, block, split, num_old, kvh, tile_keys, dims, dim_valid,
-            stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, TILE_N, BLOCK_SIZE,
-        )
-        block = _tile_blocks(table_row, split + num_active, num_old, tile_keys, TILE_N, BLOCK_SIZE)
 
     dtype = q_ptr.dtype.element_ty
     if HAS_ROPE:
@@ -466,13 +426,17 @@ def decode_attention_kernel(
 
     t = split
     for _ in range(0, tl.cdiv(num_tiles - split, num_active)):
-        if not PREFETCH:  # tile t now, with the next tile's block-table entries
-            k, v, key_valid = _decode_tile(
-                k_cache_ptr, v_cache_ptr, block, t, num_old, kvh, tile_keys, dims, dim_valid,
-                stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, TILE_N, BLOCK_SIZE,
-            )  # [TILE_N, HEAD_DIM_P]
-            block = _tile_blocks(table_row, t + num_active, num_old, tile_keys, TILE_N, BLOCK_SIZE)
+        keys = t * TILE_N + tile_keys
+        key_valid = keys < num_old
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        in_block = keys % BLOCK_SIZE
+        k_off = block * stride_kcb + in_block * stride_kcs + kvh * stride_kch
+        v_off = block * stride_vcb + in_block * stride_vcs + kvh * stride_vch
+        k = tl.load(k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [TILE_N, HEAD_DIM_P]
+        v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         t += num_active
+        next_keys = t * TILE_N + tile_keys
+        block = tl.load(table_row + next_keys // BLOCK_SIZE, mask=next_keys < num_old, other=0).to(tl.int64)
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -487,12 +451,6 @@ def decode_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-        if PREFETCH:  # tile t (the next of this split; masked off past the context) and its successor's entries
-            k, v, key_valid = _decode_tile(
-                k_cache_ptr, v_cache_ptr, block, t, num_old, kvh, tile_keys, dims, dim_valid,
-                stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, TILE_N, BLOCK_SIZE,
-            )
-            block = _tile_blocks(table_row, t + num_active, num_old, tile_keys, TILE_N, BLOCK_SIZE)
 
     q_mask = row_valid[:, None] & dim_valid[None, :]
     finish = num_active == 1  # this program holds the whole result

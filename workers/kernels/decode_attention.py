@@ -45,8 +45,6 @@ class DecodeLaunch:
     min_tiles_per_split: int
     num_warps: int
     num_stages: int
-    prefetch: bool = True  # each K/V tile loads a step ahead (the first with the rotary's cos/sin)
-    early_exit: bool = True  # a split with no work returns on the context length, before its row's loads
 
 
 SPLIT_CHUNK = 4  # splits the merging program reads per step
@@ -155,7 +153,7 @@ def decode_attention(
         GROUP=num_heads // num_kv_heads, BLOCK_M=plan.block_m, HALF=head_dim // 2, HEAD_DIM_P=plan.head_dim_p,
         TILE_N=plan.tile_n, BLOCK_SIZE=k_cache.shape[1], HAS_ROPE=has_rope, SPLIT=split,
         MIN_TILES_PER_SPLIT=plan.min_tiles_per_split, SPLIT_CHUNK=SPLIT_CHUNK,
-        IEEE_DOT=q.dtype == torch.float32, USE_PDL=pdl, PREFETCH=plan.prefetch, EARLY_EXIT=plan.early_exit,
+        IEEE_DOT=q.dtype == torch.float32, USE_PDL=pdl,
         num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=pdl and device_info.PDL_ATTRIBUTE,
     )
 
