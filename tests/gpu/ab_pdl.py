@@ -39,7 +39,7 @@ def measure(model: str, bs: int, args: argparse.Namespace) -> tuple[float, float
     try:
         print(f"   built in {time.perf_counter() - t:.1f} s", flush=True)
         step_ms = float(np.median(bench_latency.time_decode(llm, bs, args, seed=bs))) * 1e3
-        replay = replay_costs(llm.engine)
+        replay = replay_costs(llm.engine, bs)
         host, gpu = (float(x) for x in re.findall(r"([\d.]+) us", replay))
         return step_ms, gpu, host
     finally:

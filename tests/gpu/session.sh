@@ -30,6 +30,11 @@
 #           135M bs=1 x2 each, 1B bs=32 x1 each (the median of 12 rounds of 64 steps per process)
 #   abhog   as abslow, one 135M bs=1 pair only, with the step loop's thread sharing CPU 3 with a busy loop
 #           (slow_mode.py --contend 3): what a slow host costs each tree
+#   tier2   (nvidia-h200-x2, ~450 s) the gpu tier split over both GPUs, then the multigpu tier
+#   mid     (nvidia-h200-x2, ~350 s) GPU 0: ab_pdl.py on Llama-3.1-8B bs=1; GPU 1: quick 135M x2 and 1B,
+#           then Ray vs in-process at the default transport_spin_us (auto), then the transport bench
+#   abpar   (nvidia-h200-x2) GPU 1 runs the quick 135M / 1B benches on .base and this tree in ABBA order,
+#           while GPU 0 runs the gpu tests in $AB_TESTS, then bench_decode_attention.py --variants
 #   ab      the quick part's 135M and 1B shapes on a baseline tree and on this one, alternating, in
 #           one call (figures from different calls land on different machines and can differ by more
 #           than a change): make the baseline with
@@ -165,6 +170,47 @@ for part in "$@"; do
           echo "== $name rc=$?"; tail -1 "/tmp/$name.txt"
         done
       done ;;
+    abpar)
+      [ -d .base/workers ] || { echo "abpar: no .base tree (see ab)"; exit 2; }
+      bp=/tmp/atomrt-base
+      mkdir -p "$bp/atomrt"
+      for d in runtime workers compile graphs distributed; do ln -sfn "$PWD/.base/$d" "$bp/atomrt/$d"; done
+      ( export CUDA_VISIBLE_DEVICES=1
+        for run in "base SmolLM2-135M 1" "head SmolLM2-135M 1" "head Llama-3.2-1B 32" "base Llama-3.2-1B 32" \
+                   "head SmolLM2-135M 1" "base SmolLM2-135M 1"; do
+          read -r tree model bs <<< "$run"
+          root=$pp; [ "$tree" = base ] && root=$bp
+          name="abpar_${tree}_${model}_$RANDOM"
+          PYTHONPATH="$root:$pp/site" timeout 110 python3 -m atomrt.runtime.cli bench latency --json "$OUT/$name.json" \
+            --model "$model" --level 3 --modes FULL+async --batch-sizes "$bs" > "$OUT/$name.txt" 2>&1
+          echo "== $name rc=$?"; tail -1 "$OUT/$name.txt"
+        done ) > "$OUT/side.log" 2>&1 &
+      side=$!
+      ( export CUDA_VISIBLE_DEVICES=0
+        run pytest-abpar 330 python3 -m pytest -p no:cacheprovider -q -rs -x -m gpu ${AB_TESTS:-tests/gpu/test_decode_attention_gpu.py}
+        run attn_variants 150 python3 tests/gpu/bench_decode_attention.py --variants --json "$OUT/attn_variants.json" )
+      wait "$side"; cat "$OUT/side.log" ;;
+    mid)
+      ( export CUDA_VISIBLE_DEVICES=1
+        for r in 1 2; do bench "quick_135m_$r" 80 --model SmolLM2-135M --level 3 --modes FULL+async --batch-sizes 1; done
+        bench quick_1b 100 --model Llama-3.2-1B --level 3 --modes FULL+async --batch-sizes 32
+        run tp_overhead_l3_auto 130 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 \
+          --modes FULL+async --executor inproc,ray --json "$OUT/tp_overhead_l3_auto.json"
+        run transport 60 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
+      ) > "$OUT/side.log" 2>&1 &
+      side=$!
+      CUDA_VISIBLE_DEVICES=0 run ab_pdl_8b 330 python3 tests/gpu/ab_pdl.py --model Llama-3.1-8B:1 --rounds 2
+      wait "$side"; cat "$OUT/side.log" ;;
+    tier2)
+      ( CUDA_VISIBLE_DEVICES=1 run pytest-gpu1 330 python3 -m pytest -p no:cacheprovider -q -rs -m gpu \
+          tests/gpu/test_models_hf_gpu.py tests/gpu/test_region_graph_gpu.py tests/gpu/test_skinny_gemm_gpu.py \
+          tests/gpu/test_pdl_gpu.py ) > "$OUT/side.log" 2>&1 &
+      side=$!
+      CUDA_VISIBLE_DEVICES=0 run pytest-gpu0 330 python3 -m pytest -p no:cacheprovider -q -rs -m gpu \
+        tests/gpu/test_graph_modes_gpu.py tests/gpu/test_argmax_gpu.py tests/gpu/test_decode_attention_gpu.py \
+        tests/gpu/test_kernels_gpu.py
+      wait "$side"; cat "$OUT/side.log"
+      run pytest-multigpu 250 python3 -m pytest -p no:cacheprovider -q -rA --tb=long -m multigpu tests/gpu ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done
