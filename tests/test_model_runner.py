@@ -225,3 +225,46 @@ def test_async_pending_rows_and_padding_rows_gather_valid_tokens(tmp_path_factor
     assert r.forward_vars["input_ids"][:8].tolist() == [72, 73, 2, 3, 0, 0, 0, 0]
     with pytest.raises(RuntimeError, match="sampled nothing"):
         mirrors.build(batch, prev_sampled={12: 0})
+
+
+class _RecordedRequestGraph:
+    """Stands in for a ReqGraph on CPU (no CUDA graphs): replay returns fixed outputs, as a
+    recording returns its outputs' addresses, [rows, vocab] logits and their recorded argmax."""
+
+    def __init__(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.logits, self.tokens, self.replays = logits, tokens, 0
+
+    def replay(self, key):
+        self.replays += 1
+        return self.logits, self.tokens
+
+
+def test_plain_greedy_request_graph_step_takes_the_replayed_argmax(runner: ModelRunner) -> None:
+    """A decode step replayed from a request graph: plain greedy sampling takes the graph's own
+    argmax rows (no sampler); any other sampling (here a temperature) samples from the replayed
+    logits; a step that replays no request graph leaves no replayed tokens behind."""
+    from atomrt.runtime.sampling_params import SamplingParams
+    from atomrt.workers.sampler import SamplingTensors
+
+    vocab = runner.arch.vocab_size
+    logits = torch.full((8, vocab), -1.0)
+    logits[torch.arange(8), torch.arange(8) + 3] = 5.0  # argmax of row i: i + 3
+    recorded = torch.tensor([40, 41, 42, 43, 44, 45, 46, 47])  # differs from it: where tokens come from shows
+    saved = runner.req_graph
+    runner.req_graph = _RecordedRequestGraph(logits, recorded)
+    try:
+        decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=8, running_tokens=8, is_prefill=False,
+                                   req_key=(8, 0))
+        inputs = _inputs([1, 1, 1], [5, 7, 3], runner.block_size)
+        greedy = SamplingTensors.from_params([SamplingParams(temperature=0)] * 3, [[1]] * 3, [[]] * 3, vocab)
+        assert greedy.is_plain_greedy
+        assert runner.execute(inputs, decision, greedy).sampled_token_ids.tolist() == [40, 41, 42]
+        hot = SamplingTensors.from_params([SamplingParams(temperature=1e-3, seed=1)] * 3, [[1]] * 3, [[]] * 3, vocab)
+        assert not hot.is_plain_greedy
+        assert runner.execute(inputs, decision, hot).sampled_token_ids.tolist() == [3, 4, 5]
+        assert runner.req_graph.replays == 2
+        eager = ForwardDecision(ForwardKind.EAGER, running_bs=3, running_tokens=3, is_prefill=False)
+        runner.execute(inputs, eager, greedy)
+        assert runner._replayed_tokens is None
+    finally:
+        runner.req_graph = saved
