@@ -3,7 +3,8 @@
 CPU: `cache_config.cpu_kv_cache_gib`. GPU: a profile forward of `max_num_batched_tokens` rows
 (no KV cache, sequences of at most max_model_len) measures the activation peak; a forward at the
 largest capture bucket measures an estimate of the graph pool (the pool is the largest recording's,
-not the sum); the rest of `gpu_memory_utilization` of the device becomes KV blocks. An explicit
+not the sum; with every row's logits where request graphs record the LM head; none without graphs);
+the rest of `gpu_memory_utilization` of the device becomes KV blocks. An explicit
 `cache_config.num_kv_blocks` wins. Never more than the scheduler could ever fill.
 """
 
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from atomrt.runtime.config import CUDAGraphMode
 from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
 from atomrt.workers.kv_cache import KVCacheSizing, num_blocks_needed
 
@@ -59,9 +61,12 @@ def determine_num_blocks(runner: "ModelRunner") -> KVCacheSizing:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         largest_bucket = max(runner.config.capture_sizes or [0])
-        if largest_bucket and not runner.enforce_eager:
+        mode = runner.config.cudagraph_mode
+        if largest_bucket and not runner.enforce_eager and mode != CUDAGraphMode.NONE:
+            # A request graph records its bucket's LM head (every row's logits); a token graph does not.
+            logits_rows = largest_bucket if mode.records_request_graphs() else 1
             torch.cuda.reset_peak_memory_stats()
-            _dummy_forward(runner, largest_bucket, logits_rows=largest_bucket)  # a request graph's LM head: every row
+            _dummy_forward(runner, largest_bucket, logits_rows=logits_rows)
             pool_estimate = torch.cuda.max_memory_allocated() - base
         free, total = torch.cuda.mem_get_info()
         others = total - free - torch.cuda.memory_reserved()  # other processes on this device

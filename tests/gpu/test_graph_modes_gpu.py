@@ -237,3 +237,24 @@ def test_readback_reuses_free_slots_and_passes_over_busy_ones():
     assert a.wait()[0] == [3, 1, 4] and not slot.busy
     d = start([2, 7], slot)
     assert d.slot is slot and d.wait() == ([2, 7], None)
+
+
+def test_pool_estimate_counts_logits_only_where_request_graphs_record_them():
+    """KV sizing reserves a graph-pool estimate: none without graphs; with token graphs the largest
+    bucket's forward; with request graphs that forward plus every row's logits (their LM head)."""
+    from atomrt.workers.kv_sizing import determine_num_blocks
+
+    estimates = {}
+    for mode in ("NONE", "TR_HYBRID", "FULL"):
+        cc = CompilationConfig(level=0, cudagraph_mode=mode, cuda_graph_sizes=[LADDER_TOP])
+        llm = LLM(**MODEL, compilation_config=cc, max_num_seqs=NUM_REQUESTS)
+        try:
+            runner = llm.engine.executor.worker.runner
+            estimates[mode] = determine_num_blocks(runner).graph_pool_estimate_bytes
+            vocab = runner.arch.vocab_size
+        finally:
+            llm.shutdown()
+    logits = LADDER_TOP * vocab * 4  # fp32 logits of every row of the largest bucket
+    assert estimates["NONE"] == 0, estimates
+    assert 0 < estimates["TR_HYBRID"] < logits, estimates  # no LM head in a token graph
+    assert estimates["FULL"] >= logits, estimates
