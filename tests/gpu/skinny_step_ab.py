@@ -8,8 +8,9 @@ projection then run in its prologue) and adds the sweep's best configs (sweep_ge
 the shapes where they beat cuBLAS; `cublas` is the default threshold and table. Prints the step's
 median ms as `atomrt bench latency` times it and the request graph's replay GPU us (50 replays of
 the bucket staged with a one-key context, so its attention is shorter than the step's). Give each
-setting its own ATOMRT_CACHE_ROOT: the compile cache's key does not cover the threshold, which
-decides the traced graph's shape.
+setting its own ATOMRT_CACHE_ROOT: the cache directory's hash does not cover the threshold, which
+decides the traced graph's shape, so two settings in one root would recompile over each other's
+artifacts (each piece's fingerprint keeps the wrong one from loading).
 """
 
 from __future__ import annotations
