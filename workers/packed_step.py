@@ -76,14 +76,15 @@ class PackedStep:
     def _layout(self, seqs: int, rows: int) -> _Layout:
         layout = self._layouts.get((seqs, rows))
         if layout is None:
-            row_fields = 4 if self.prev_token_base is not None else 3
             ids_at = 0
-            src_at = rows if self.prev_token_base is not None else ids_at
-            positions_at = (row_fields - 2) * rows
+            src_at = rows if self.prev_token_base is not None else ids_at  # token_src follows the ids
+            positions_at = src_at + rows
             slots_at = positions_at + rows
             width_at = 2 * (slots_at + rows)  # the int32 words start where the int64 ones end
-            layout = _Layout(ids_at, src_at, positions_at, slots_at, width_at,
-                             width_at + 1, width_at + 2 + seqs, width_at + 2 + 2 * seqs)
+            cu_at = width_at + 1
+            context_at = cu_at + seqs + 1
+            table_at = context_at + seqs
+            layout = _Layout(ids_at, src_at, positions_at, slots_at, width_at, cu_at, context_at, table_at)
             self._layouts[(seqs, rows)] = layout
         return layout
 
