@@ -337,3 +337,44 @@ def test_add_norm_rejects_bad_arguments() -> None:
         skinny_add_norm_linear(torch.zeros(5, 8), torch.zeros(5, 8), nw, 1e-6, w)
     h, y = skinny_add_norm_linear(x[:0], x[:0], nw, 1e-6, w)  # no rows: nothing to launch
     assert h.shape == (0, 8) and y.shape == (0, 4)
+
+
+@pytest.mark.parametrize("stats_values", [64, 4096], ids=["narrow", "wide"])
+@pytest.mark.parametrize("m,k", [(1, 300), (3, 1000), (4, 2500)])
+def test_add_norm_statistics_pass_any_width(
+    m: int, k: int, stats_values: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The NORM prologue's statistics pass (K wider than one K step) gives the same h and a y within
+    fp32's tolerance whether it walks K in many narrow steps (each masked at K's end) or in one or a
+    few wide ones: narrow at 64 values, and the default's 4096 values over all M rows."""
+    from atomrt.workers.kernels import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "NORM_STATS_VALUES", stats_values)
+    gen = torch.Generator().manual_seed(m + k)
+    residual, update = (torch.randn(m, k, generator=gen) for _ in range(2))
+    norm_weight = 1 + 0.1 * torch.randn(k, generator=gen)
+    w = torch.randn(30, k, generator=gen) * k**-0.5
+    want_h, want_y = add_norm_reference(residual, update, norm_weight, 1e-6, w, None)
+    config = SkinnyConfig(block_n=16, block_k=128, use_dot=False, num_warps=4, num_stages=2)
+    stats_block = skinny_gemm.norm_stats_block(m, k, config)
+    wide = min(triton.next_power_of_2(k), stats_values // block_m_for(m, False))
+    assert stats_block == max(config.block_k, wide)  # narrow: the K tile's 128, so several masked steps
+    h, y = skinny_gemm.skinny_add_norm_linear(residual, update, norm_weight, 1e-6, w, config=config)
+    assert torch.equal(h, want_h)
+    torch.testing.assert_close(y.double(), want_y, **TOLERANCES[torch.float32])
+
+
+def test_norm_stats_block_takes_an_8b_row_in_one_step() -> None:
+    """norm_stats_block: the Llama-3.1-8B row (K 4096) at M=1 in one step of the pass, whatever the
+    GEMM's K tile; wider M rows share the 4096 values; at most K's next power of two, else at least
+    block_k."""
+    from atomrt.workers.kernels.skinny_gemm import norm_stats_block
+
+    for block_k in (128, 256, 512):
+        config = SkinnyConfig(block_n=8, block_k=block_k, use_dot=False, num_warps=2, num_stages=3)
+        assert norm_stats_block(1, 4096, config) == 4096
+        assert norm_stats_block(4, 4096, config) == max(block_k, 1024)
+        assert norm_stats_block(1, 2048, config) == 2048
+        assert norm_stats_block(1, 100, config) == 128  # (one K step: ONE_STEP, no pass is made)
+    wide_k = SkinnyConfig(block_n=8, block_k=8192, use_dot=False, num_warps=2, num_stages=3)
+    assert norm_stats_block(1, 16384, wide_k) == 8192

@@ -39,6 +39,8 @@ SKINNY_MAX_WEIGHT_ELEMS = 1 << 24
 H200_NUM_SMS = 132  # pick_config's default SM count (the machine CONFIGS is swept on)
 _BROADCAST_ELEMS = 8192  # broadcast path: BLOCK_N * BLOCK_M * BLOCK_K fp32 products per K step
 _DOT_W_ELEMS = 16384  # dot path: W elements per K step (32 KB of bf16 per pipeline stage)
+# NORM prologue: x values (over all M rows) per step of the statistics pass, norm_stats_block
+NORM_STATS_VALUES = 4096
 _MAX_SMEM_BYTES = 160 << 10  # pipeline stages x (W + x tiles) must fit in shared memory (228 KB on H200)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -62,6 +64,7 @@ def skinny_gemm_kernel(
     GATED: tl.constexpr,  # x is [M, 2K] (gate | up) and the product reads silu(gate) * up (broadcast path)
     NORM: tl.constexpr,  # the product reads rms_norm(x + update) * norm weight (broadcast path)
     ONE_STEP: tl.constexpr,  # K <= BLOCK_K: the K loop is one step (NORM takes the row's statistics there)
+    STATS_BLOCK: tl.constexpr,  # NORM without ONE_STEP: K elements per step of the statistics pass
     IEEE_DOT: tl.constexpr,  # fp32 inputs: full-precision dots instead of tf32
     NUM_STAGES: tl.constexpr,  # set on the K loop too, so that the broadcast path's loads pipeline
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (device_info.use_pdl)
@@ -78,8 +81,8 @@ def skinny_gemm_kernel(
                         BLOCK_K, EVEN_K, IEEE_DOT, NUM_STAGES)
     else:
         acc = _broadcast_tile(x_ptr, w_ptr, u_ptr, nw_ptr, h_ptr, M, N, K, stride_xm, stride_wn, stride_um,
-                              stride_hm, eps, cols, rows, BLOCK_K, EVEN_K, GATED, NORM, ONE_STEP, NUM_STAGES,
-                              USE_PDL)
+                              stride_hm, eps, cols, rows, BLOCK_K, EVEN_K, GATED, NORM, ONE_STEP, STATS_BLOCK,
+                              NUM_STAGES, USE_PDL)
     col_valid = cols < N
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols * stride_bias, mask=col_valid, other=0.0)
@@ -121,7 +124,7 @@ def _dot_tile(
 def _broadcast_tile(
     x_ptr, w_ptr, u_ptr, nw_ptr, h_ptr, M, N, K, stride_xm, stride_wn, stride_um, stride_hm, eps, cols, rows,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-    ONE_STEP: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    ONE_STEP: tl.constexpr, STATS_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] = sum over K of W [BLOCK_N, 1, BLOCK_K] * x [1, BLOCK_M, BLOCK_K].
     The tiles are loaded 3-D, so the product keeps the loads' 16-byte-vector layout: expanding 2-D
@@ -129,7 +132,8 @@ def _broadcast_tile(
     USE_PDL and NORM peel the first K step off the loop and load its weight tile first: before the
     wait on the previous kernel (PDL; no kernel writes weights during a forward), and before the
     norm's pass over x (NORM), so that memory round trip overlaps the wait or the pass. With ONE_STEP
-    NORM makes no separate pass: the step's x tile is the whole row and gives the statistics."""
+    NORM makes no separate pass: the step's x tile is the whole row and gives the statistics;
+    without, the pass reads STATS_BLOCK-wide tiles, each step one dependent round trip."""
     n3 = cols[:, None, None]
     m3 = rows[None, :, None]
     k3 = tl.arange(0, BLOCK_K)[None, None, :]
@@ -146,7 +150,7 @@ def _broadcast_tile(
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if NORM and not ONE_STEP:
-            inv_rms = _inv_rms(x_ptrs, u_ptrs, M, K, eps, m3, k3, BLOCK_K)
+            inv_rms = _inv_rms(x_ptr, u_ptr, M, K, stride_xm, stride_um, eps, m3, STATS_BLOCK)
         acc = _broadcast_step(acc, w, x_ptrs, u_ptrs, nw_ptr, h_ptrs, store_h, inv_rms, eps, M, K, 0, m3, k3,
                               EVEN_K, GATED, NORM, ONE_STEP)
     for k0 in tl.range(BLOCK_K if USE_PDL or NORM else 0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -172,11 +176,15 @@ def _residual_sum(x_ptrs, u_ptrs, mask):
 
 
 @triton.jit
-def _inv_rms(x_ptrs, u_ptrs, M, K, eps, m3, k3, BLOCK_K: tl.constexpr):
+def _inv_rms(x_ptr, u_ptr, M, K, stride_xm, stride_um, eps, m3, STATS_BLOCK: tl.constexpr):
     """[1, BLOCK_M, 1]: 1 / sqrt(mean((x + update)^2) + eps) per row, in fp32 (a pass over x's rows:
-    a few KB, read again by the K loop from L1/L2)."""
+    a few KB, read again by the K loop from L1/L2). Each step of the pass waits on its loads, so the
+    pass costs cdiv(K, STATS_BLOCK) dependent round trips: STATS_BLOCK is wide (norm_stats_block)."""
+    k3 = tl.arange(0, STATS_BLOCK)[None, None, :]
+    x_ptrs = x_ptr + m3 * stride_xm + k3
+    u_ptrs = u_ptr + m3 * stride_um + k3
     sum_sq = tl.zeros([1, m3.shape[1]], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K, STATS_BLOCK):
         h = _residual_sum(x_ptrs + k0, u_ptrs + k0, (m3 < M) & (k0 + k3 < K)).to(tl.float32)
         sum_sq += tl.sum(h * h, axis=2)
     return tl.rsqrt(sum_sq / K + eps)[:, :, None]
@@ -301,6 +309,17 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int = H200_NUM_SMS) -> Ski
     return SkinnyConfig(block_n, block_k, True, num_warps, num_stages)
 
 
+def norm_stats_block(m: int, k: int, config: SkinnyConfig) -> int:
+    """K elements per step of the NORM prologue's statistics pass (when K > block_k): up to
+    NORM_STATS_VALUES of x per step over all M rows, at least block_k, at most K's next power of two
+    (the latter wins where they disagree: K <= block_k makes no pass).
+    Every program makes the pass before its K loop can use x, and each step is a dependent round trip
+    to L2: in block_k steps the pass took 16 round trips for Llama-3.1-8B's qkv at block_k 256, 32
+    for its gate_up at 128. 4096 values take an 8B row at M=1 in one step."""
+    block_m = block_m_for(m, config.use_dot)
+    return min(triton.next_power_of_2(max(1, k)), max(config.block_k, NORM_STATS_VALUES // block_m))
+
+
 def _stage_bytes(block_n: int, block_m: int, block_k: int) -> int:
     """Shared memory of one pipeline stage: a W tile and an x tile of 2-byte elements."""
     return (block_n + block_m) * block_k * 2
@@ -411,6 +430,7 @@ def _launch(
     (m, n), k = y.shape, weight.shape[1]
     update, norm_weight, h, eps = norm if norm is not None else (y, y, y, 0.0)  # unused without NORM
     grid = (triton.cdiv(n, config.block_n),)
+    one_step = k <= config.block_k
     pdl = use_pdl(x.device)
     skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else y, y, update, norm_weight, h,
@@ -425,7 +445,8 @@ def _launch(
         HAS_BIAS=bias is not None,
         GATED=gated,
         NORM=norm is not None,
-        ONE_STEP=k <= config.block_k,
+        ONE_STEP=one_step,
+        STATS_BLOCK=norm_stats_block(m, k, config) if norm is not None and not one_step else config.block_k,
         IEEE_DOT=x.dtype == torch.float32,
         NUM_STAGES=config.num_stages,
         USE_PDL=pdl,
