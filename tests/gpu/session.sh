@@ -21,6 +21,10 @@
 #   quick   the three targets' shapes at level 3, FULL with async scheduling, one batch size each
 #   diag8b  Llama-3.1-8B step profiles, FULL+async level 3, with the skinny GEMM on every weight and
 #           with cuBLAS only (why the sweep's gains did not carry into the step)
+#   skinny8b (one GPU, ~550 s) Llama-3.1-8B bs=1: the 8B GEMM sweeps at M=1 (qkv and gate_up with the
+#           add + norm on both sides, the prologue's statistics pass narrow and wide; o and down plain),
+#           then skinny_step_ab.py steps, FULL+async level 3: cuBLAS, skinny on qkv + o (wide pass,
+#           narrow pass), skinny on every weight, cuBLAS again; kernel tables for three of them
 #   pdl     programmatic dependent launch: 135M bs=1 and 1B bs=32 with ATOMRT_PDL off and on,
 #           alternating in one process (tests/gpu/ab_pdl.py), then its bitwise-equality tests
 #   diag    (nvidia-h200, ~330 s) the host (tests/gpu/host_probe.py), the transport's legs (spin 0 and
@@ -128,6 +132,22 @@ for part in "$@"; do
     diag8b)
       prof prof_8b_skinny_all 110 --mode FULL --level 3 --async-scheduling --model Llama-3.1-8B --skinny-max-weight-elems $((1 << 40))
       prof prof_8b_cublas 110 --mode FULL --level 3 --async-scheduling --model Llama-3.1-8B --skinny-max-weight-elems 0 ;;
+    skinny8b)
+      sw=(python3 tests/gpu/sweep_gemm.py --ms 1 --budget-s 45)
+      run sweep_norm_pass0 80 "${sw[@]}" --norm --shapes "8B qkv,8B gate_up" --stats-values 0 \
+        --json "$OUT/sweep_norm_pass0.json"
+      run sweep_norm 80 "${sw[@]}" --norm --shapes "8B qkv,8B gate_up" --json "$OUT/sweep_norm.json"
+      run sweep_plain 80 "${sw[@]}" --shapes "8B o,8B down" --json "$OUT/sweep_plain.json"
+      ab=(python3 tests/gpu/skinny_step_ab.py --model Llama-3.1-8B --bs 1)
+      sj="$OUT/sweep_plain.json,$OUT/sweep_norm.json"
+      qkv_o=(--setting skinny --max-weight-elems $((1 << 25)) --sweep-json "$sj")
+      ATOMRT_CACHE_ROOT=/tmp/cache_cublas run step_cublas_1 130 "${ab[@]}" --setting cublas
+      ATOMRT_CACHE_ROOT=/tmp/cache_qkv_o run step_qkv_o 130 "${ab[@]}" "${qkv_o[@]}" --kernels
+      ATOMRT_CACHE_ROOT=/tmp/cache_qkv_o run step_qkv_o_pass0 90 "${ab[@]}" "${qkv_o[@]}" --stats-values 0
+      ATOMRT_CACHE_ROOT=/tmp/cache_all run step_all 130 "${ab[@]}" --setting skinny --max-weight-elems $((1 << 40)) \
+        --sweep-json "$sj" --kernels
+      ATOMRT_CACHE_ROOT=/tmp/cache_cublas run step_cublas_2 90 "${ab[@]}" --setting cublas --kernels
+      grep -h "^==" "$OUT"/step_*.txt ;;
     pdl)
       run ab_pdl 330 python3 tests/gpu/ab_pdl.py --out /tmp/ab_pdl
       run pytest-pdl 230 python3 -m pytest -p no:cacheprovider -q -rA --tb=short -m gpu tests/gpu/test_pdl_gpu.py ;;

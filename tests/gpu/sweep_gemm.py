@@ -1,7 +1,7 @@
 """Skinny GEMM against cuBLAS at the model shapes: GPU time inside a CUDA graph (not a test; GPU machine).
 
     PYTHONPATH=<dir holding atomrt> python tests/gpu/sweep_gemm.py [--quick] [--json FILE] [--hot]
-        [--shapes "8B qkv,8B o"] [--ms 1]
+        [--shapes "8B qkv,8B o"] [--ms 1] [--norm [--stats-values V]]
 
 For M in 1, 8, 32 and every (N, K) of SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B (bf16, per TP
 rank), times F.linear (cuBLAS), skinny_linear under its default config (pick_config) and a grid of
@@ -18,6 +18,12 @@ together span ROTATE_BYTES (at most CALLS copies), so weights come from HBM as i
 rather than from the 50 MB L2 (--hot: one copy, L2-warm for the small weights).
 A time budget (--budget-s) keeps the run bounded: past it, remaining shapes time only cuBLAS and the
 default config, and say so.
+
+--norm times what a decoder layer runs before and in a projection that follows a residual add and
+RMSNorm (qkv, gate_up; broadcast path, M <= 4): on the cuBLAS side the add + norm kernel
+(kernels/rms_norm.add_rms_norm) then F.linear, on the skinny side skinny_add_norm_linear, the add and
+norm in the GEMM's prologue. --stats-values sets skinny_gemm.NORM_STATS_VALUES for the prologue's
+statistics pass (0: one K tile per step of the pass, as before norm_stats_block).
 """
 
 from __future__ import annotations
@@ -34,10 +40,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import triton
+from atomrt.workers.kernels import skinny_gemm
+from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.kernels.skinny_gemm import (
+    BROADCAST_MAX_M,
     SkinnyConfig,
     block_m_for,
     pick_config,
+    skinny_add_norm_linear,
     skinny_linear,
 )
 
@@ -100,13 +110,14 @@ class Summary:
     searched: bool
 
 
-def stage1_candidates(m: int, n: int, k: int, num_sms: int, quick: bool) -> list[SkinnyConfig]:
+def stage1_candidates(m: int, n: int, k: int, num_sms: int, quick: bool, norm: bool = False) -> list[SkinnyConfig]:
     """Tiles that make sense for this shape, each at warps/stages that suit it: broadcast only for
-    M <= 8 and block_n <= 64; enough programs to give every SM one (unless the narrowest tile cannot);
-    no K tile wider than K; a per-step working set between 2K and 32K values."""
+    M <= 8 and block_n <= 64 (only broadcast with `norm`, whose prologue is on that path); enough
+    programs to give every SM one (unless the narrowest tile cannot); no K tile wider than K; a
+    per-step working set between 2K and 32K values."""
     out = []
     k_cap = max(64, triton.next_power_of_2(k))
-    for use_dot in (False, True) if m <= 8 else (True,):
+    for use_dot in (False,) if norm else (False, True) if m <= 8 else (True,):
         block_m = block_m_for(m, use_dot)
         min_n = 16 if use_dot else 8
         block_ks = (128, 256, 512, 1024) if not use_dot else (64, 128, 256, 512)
@@ -123,6 +134,9 @@ def stage1_candidates(m: int, n: int, k: int, num_sms: int, quick: bool) -> list
                 if _fits(config, block_m):
                     out.append(config)
     return out
+
+
+NORM_EPS = 1e-5
 
 
 def stage2_candidates(best: SkinnyConfig, m: int, k: int, knob: str) -> list[SkinnyConfig]:
@@ -172,29 +186,45 @@ def graph_us(call: Callable[[int], object]) -> float:
 
 
 class Bench:
-    """Operands and the reference of one (shape, M); times cuBLAS and skinny configs on them."""
+    """Operands and the reference of one (shape, M); times cuBLAS and skinny configs on them. With
+    `norm`, each side also makes x from a residual add and RMSNorm (the module docstring's --norm)."""
 
-    def __init__(self, name: str, m: int, n: int, k: int, hot: bool) -> None:
-        self.name, self.m, self.n, self.k = name, m, n, k
+    def __init__(self, name: str, m: int, n: int, k: int, hot: bool, norm: bool = False) -> None:
+        self.name, self.m, self.n, self.k, self.norm = name, m, n, k, norm
         gen = torch.Generator(device="cuda").manual_seed(m * 7919 + n + k)
         self.x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
         copies = 1 if hot else min(CALLS, math.ceil(ROTATE_BYTES / w.nbytes))
         self.weights = [w] + [w.clone() for _ in range(copies - 1)]
-        self.ref = F.linear(self.x, w).float()
+        if norm:  # x is the residual stream; the GEMM reads RMSNorm(x + update)
+            self.update = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            self.norm_weight = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
+            self.ref = F.linear(add_rms_norm(self.x, self.update, self.norm_weight, NORM_EPS)[1], w).float()
+        else:
+            self.ref = F.linear(self.x, w).float()
         self.results: list[Result] = []
 
     def cublas(self) -> float:
-        us = graph_us(lambda i: F.linear(self.x, self.weights[i % len(self.weights)]))
+        us = graph_us(lambda i: self._cublas_call(self.weights[i % len(self.weights)]))
         self.results.append(Result(self.name, self.m, self.n, self.k, None, "cublas", us))
         return us
+
+    def _cublas_call(self, w: torch.Tensor) -> torch.Tensor:
+        if self.norm:
+            return F.linear(add_rms_norm(self.x, self.update, self.norm_weight, NORM_EPS)[1], w)
+        return F.linear(self.x, w)
+
+    def _skinny_call(self, w: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
+        if self.norm:
+            return skinny_add_norm_linear(self.x, self.update, self.norm_weight, NORM_EPS, w, config=config)[1]
+        return skinny_linear(self.x, w, config=config)
 
     def skinny(self, config: SkinnyConfig, label: str) -> float | None:
         """Checks `config` against F.linear, then times it; None (and a note) when it cannot run."""
         record = Result(self.name, self.m, self.n, self.k, dataclasses.asdict(config), label, None)
         self.results.append(record)
         try:
-            y = skinny_linear(self.x, self.weights[0], config=config)
+            y = self._skinny_call(self.weights[0], config)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit: reported, not fatal
             record.note = f"compile/launch: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
@@ -203,7 +233,7 @@ class Bench:
         if not bool(torch.all(diff <= 0.02 + 0.01 * self.ref.abs())):
             record.note = f"mismatch: max |diff| {diff.max().item():.3g}"
             return None
-        record.us = graph_us(lambda i: skinny_linear(self.x, self.weights[i % len(self.weights)], config=config))
+        record.us = graph_us(lambda i: self._skinny_call(self.weights[i % len(self.weights)], config))
         return record.us
 
     def gbs(self, us: float) -> float:
@@ -223,7 +253,7 @@ def sweep_one(bench: Bench, num_sms: int, quick: bool, search: bool) -> Summary:
     default_us = bench.skinny(default, "default")
     timed: dict[SkinnyConfig, float] = {default: default_us} if default_us is not None else {}
     if search:
-        for config in stage1_candidates(m, n, k, num_sms, quick):
+        for config in stage1_candidates(m, n, k, num_sms, quick, bench.norm):
             if config not in timed and (us := bench.skinny(config, "stage1")) is not None:
                 timed[config] = us
         for knob in () if quick or not timed else ("num_warps", "num_stages"):
@@ -283,6 +313,10 @@ def main() -> None:
     ap.add_argument("--json", default="", help="write every timing and the summaries here")
     ap.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
     ap.add_argument("--ms", default="", help="only these M (comma-separated; default 1,8,32, --quick 1,32)")
+    ap.add_argument("--norm", action="store_true",
+                    help="the residual add + RMSNorm before the GEMM on both sides (qkv, gate_up; M <= 4)")
+    ap.add_argument("--stats-values", type=int, default=None,
+                    help="with --norm: skinny_gemm.NORM_STATS_VALUES (0: one K tile per step of the pass)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_gemm.py needs a CUDA GPU")
@@ -295,9 +329,18 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")] if args.ms else (QUICK_MS if args.quick else MS)
     wanted = [w.strip() for w in args.shapes.split(",") if w.strip()]
     shapes = {name: nk for name, nk in SHAPES.items() if not wanted or any(w in name for w in wanted)}
+    if args.norm:
+        if any(m > BROADCAST_MAX_M for m in ms):
+            raise SystemExit(f"--norm: the fused add + norm runs on the broadcast path, M <= {BROADCAST_MAX_M}")
+        shapes = {name: nk for name, nk in shapes.items() if name.endswith(("qkv", "gate_up"))}
+        if args.stats_values is not None:
+            skinny_gemm.NORM_STATS_VALUES = args.stats_values
+        print(f"--norm: add + RMSNorm on both sides; NORM_STATS_VALUES {skinny_gemm.NORM_STATS_VALUES}")
+    elif args.stats_values is not None:
+        raise SystemExit("--stats-values needs --norm")
     for m in ms:
         for name, (n, k) in shapes.items():
-            bench = Bench(name, m, n, k, args.hot)
+            bench = Bench(name, m, n, k, args.hot, args.norm)
             search = time.perf_counter() - start < args.budget_s
             summaries.append(sweep_one(bench, num_sms, args.quick, search))
             results += [dataclasses.asdict(r) for r in bench.results]
@@ -311,6 +354,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "num_sms": num_sms, "hot": args.hot, "quick": args.quick,
+                       "norm": args.norm, "norm_stats_values": skinny_gemm.NORM_STATS_VALUES,
                        "elapsed_s": elapsed, "summaries": [dataclasses.asdict(s) for s in summaries],
                        "results": results}, f, indent=1)
 
