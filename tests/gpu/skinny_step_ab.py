@@ -2,6 +2,7 @@
 
     python tests/gpu/skinny_step_ab.py --setting cublas|skinny [--model Llama-3.1-8B] [--bs 1]
         [--max-weight-elems 33554432] [--sweep-json a.json,b.json] [--stats-values V] [--kernels]
+        [--gated-max-weight-elems N]
 
 `skinny` lets the skinny GEMM take weights below --max-weight-elems (the add + RMSNorm before a
 projection then run in its prologue) and adds the sweeps' best configs (sweep_gemm.py --json, one
@@ -10,7 +11,9 @@ where they beat cuBLAS; `cublas` is the default threshold and table. --stats-val
 skinny_gemm.NORM_STATS_VALUES (the prologue's statistics pass; 0: one K tile per step). Prints the
 step's median ms as `atomrt bench latency` times it and the request graph's replay GPU us (50
 replays of the bucket staged with a one-key context, so its attention is shorter than the step's);
---kernels adds the step's kernel table (profile_step.kernel_table, 20 steps). Give each
+--kernels adds the step's kernel table (profile_step.kernel_table, 20 steps).
+--gated-max-weight-elems (skinny only) sets layers/linear.GATED_MAX_WEIGHT_ELEMS: down projections
+up to that size take the gated MLP's SiLU-and-mul in their prologue. Give each
 setting its own ATOMRT_CACHE_ROOT: the cache directory's hash does not cover the threshold, which
 decides the traced graph's shape, so two settings in one root would recompile over each other's
 artifacts (each piece's fingerprint keeps the wrong one from loading).
@@ -73,6 +76,7 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=8)
     ap.add_argument("--stats-values", type=int, default=None)
     ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--gated-max-weight-elems", type=int, default=None)
     a = ap.parse_args()
     if a.stats_values is not None:
         skinny_gemm.NORM_STATS_VALUES = a.stats_values
@@ -80,6 +84,12 @@ def main() -> None:
     if a.setting == "skinny":
         for line in apply_skinny(a.max_weight_elems, a.sweep_json):
             print("config", line)
+        if a.gated_max_weight_elems is not None:
+            linear.GATED_MAX_WEIGHT_ELEMS = a.gated_max_weight_elems
+    elif a.gated_max_weight_elems is not None:
+        raise SystemExit("--gated-max-weight-elems needs --setting skinny")
+    print(f"skinny below {skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS} weight elements; SiLU-and-mul fused up to "
+          f"{linear.GATED_MAX_WEIGHT_ELEMS}")
     llm = LLM(a.model, load_format="dummy", max_num_seqs=a.bs, cuda_graph_sizes=[a.bs],
               **bench_latency.mode_settings("FULL+async", 3, True))
     try:
