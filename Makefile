@@ -28,6 +28,7 @@ test: install
 test-gpu: install
 	$(PY) -m pytest -q -m "gpu or multigpu"
 
+# the whole CPU suite, slow tests included (the GPU tiers are test-gpu, on a GPU machine)
 test-all: install
 	$(PY) -m pytest -q -m "not gpu and not multigpu"
 

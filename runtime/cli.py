@@ -1,4 +1,4 @@
-"""The `atomrt` command: `generate`, `serve`, `bench`.
+"""The `atomrt` command: `generate` and `bench`.
 
     atomrt generate [--model PATH] --prompt TEXT [--prompt TEXT ...] [--chat] [--config FILE] [--set KEY=VALUE ...]
 """
@@ -17,7 +17,7 @@ from atomrt.runtime.envs import ENV
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=f"model folder, .gguf file or preset (default {DEFAULT_MODEL})")
-    p.add_argument("--config", default=None, help="YAML config file (see docs/configuration.md)")
+    p.add_argument("--config", default=None, help="YAML config file (README, Configuration; deploy/examples/)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set compilation_config.level=3 (repeatable)")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no compilation, no CUDA graphs")

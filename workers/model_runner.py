@@ -334,7 +334,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> tuple[float, list[int]]:
-        """Record the graphs of the step kinds the CUDA-graph mode replays; see graphs/capture.py."""
+        """Record the graphs of the step kinds the CUDA-graph mode replays; see workers/graph_capture.py."""
         from atomrt.workers.graph_capture import capture_all
 
         return capture_all(self)

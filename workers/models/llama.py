@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab_size] float32 (vocab shards gathered)."""
+        """[n, hidden] -> [n, vocab_size] in the weight's dtype (vocab shards gathered)."""
         return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint") -> None:
