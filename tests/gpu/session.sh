@@ -35,6 +35,8 @@
 #           135M bs=1 x2 each, 1B bs=32 x1 each (the median of 12 rounds of 64 steps per process)
 #   abhog   as abslow, one 135M bs=1 pair only, with the step loop's thread sharing CPU 3 with a busy loop
 #           (slow_mode.py --contend 3): what a slow host costs each tree
+#   pair    (nvidia-h200-x2, ~500 s) GPU 0: the whole gpu tier (~270 s alone in call 5 of the seventh
+#           session); GPU 1: skinny8b (the host is shared: its step timings carry that)
 #   tier2   (nvidia-h200-x2, ~450 s) the gpu tier split over both GPUs, then the multigpu tier
 #   mid     (nvidia-h200-x2, ~350 s) GPU 0: ab_pdl.py on Llama-3.1-8B bs=1; GPU 1: quick 135M x2 and 1B,
 #           then Ray vs in-process at the default transport_spin_us (auto), then the transport bench
@@ -223,6 +225,11 @@ for part in "$@"; do
       ) > "$OUT/side.log" 2>&1 &
       side=$!
       CUDA_VISIBLE_DEVICES=0 run ab_pdl_8b 330 python3 tests/gpu/ab_pdl.py --model Llama-3.1-8B:1 --rounds 2
+      wait "$side"; cat "$OUT/side.log" ;;
+    pair)
+      ( export CUDA_VISIBLE_DEVICES=1; bash "$0" skinny8b ) > "$OUT/side.log" 2>&1 &
+      side=$!
+      CUDA_VISIBLE_DEVICES=0 run pytest-gpu 560 python3 -m pytest -p no:cacheprovider -q -rs -m gpu tests/gpu
       wait "$side"; cat "$OUT/side.log" ;;
     tier2)
       ( CUDA_VISIBLE_DEVICES=1 run pytest-gpu1 330 python3 -m pytest -p no:cacheprovider -q -rs -m gpu \
