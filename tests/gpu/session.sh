@@ -36,7 +36,8 @@
 #   abhog   as abslow, one 135M bs=1 pair only, with the step loop's thread sharing CPU 3 with a busy loop
 #           (slow_mode.py --contend 3): what a slow host costs each tree
 #   pair    (nvidia-h200-x2, ~500 s) GPU 0: the whole gpu tier (~270 s alone in call 5 of the seventh
-#           session); GPU 1: skinny8b (the host is shared: its step timings carry that)
+#           session), then Llama-3.2-1B bs=1 steps with the NORM statistics pass narrow and wide,
+#           twice; GPU 1: skinny8b (the host is shared: step timings carry that)
 #   tier2   (nvidia-h200-x2, ~450 s) the gpu tier split over both GPUs, then the multigpu tier
 #   mid     (nvidia-h200-x2, ~350 s) GPU 0: ab_pdl.py on Llama-3.1-8B bs=1; GPU 1: quick 135M x2 and 1B,
 #           then Ray vs in-process at the default transport_spin_us (auto), then the transport bench
@@ -144,14 +145,14 @@ for part in "$@"; do
       ab=(python3 tests/gpu/skinny_step_ab.py --model Llama-3.1-8B --bs 1)
       sj="$OUT/sweep_plain.json,$OUT/sweep_norm.json"
       qkv_o=(--setting skinny --max-weight-elems $((1 << 25)) --sweep-json "$sj")
-      ATOMRT_CACHE_ROOT=/tmp/cache_cublas run step_cublas_1 130 "${ab[@]}" --setting cublas
+      ATOMRT_CACHE_ROOT=/tmp/cache_cublas run step_cublas_1 130 "${ab[@]}" --setting default
       ATOMRT_CACHE_ROOT=/tmp/cache_qkv_o run step_qkv_o 130 "${ab[@]}" "${qkv_o[@]}" --kernels
       ATOMRT_CACHE_ROOT=/tmp/cache_qkv_o run step_qkv_o_pass0 90 "${ab[@]}" "${qkv_o[@]}" --stats-values 0
       ATOMRT_CACHE_ROOT=/tmp/cache_all run step_all 130 "${ab[@]}" --setting skinny --max-weight-elems $((1 << 40)) \
         --sweep-json "$sj" --kernels
       ATOMRT_CACHE_ROOT=/tmp/cache_gated run step_all_gated 110 "${ab[@]}" --setting skinny \
         --max-weight-elems $((1 << 40)) --gated-max-weight-elems $((1 << 40)) --sweep-json "$sj"
-      ATOMRT_CACHE_ROOT=/tmp/cache_cublas run step_cublas_2 90 "${ab[@]}" --setting cublas --kernels
+      ATOMRT_CACHE_ROOT=/tmp/cache_cublas run step_cublas_2 90 "${ab[@]}" --setting default --kernels
       grep -h "^==" "$OUT"/step_*.txt ;;
     pdl)
       run ab_pdl 330 python3 tests/gpu/ab_pdl.py --out /tmp/ab_pdl
@@ -229,7 +230,15 @@ for part in "$@"; do
     pair)
       ( export CUDA_VISIBLE_DEVICES=1; bash "$0" skinny8b ) > "$OUT/side.log" 2>&1 &
       side=$!
-      CUDA_VISIBLE_DEVICES=0 run pytest-gpu 560 python3 -m pytest -p no:cacheprovider -q -rs -m gpu tests/gpu
+      ( export CUDA_VISIBLE_DEVICES=0
+        run pytest-gpu 400 python3 -m pytest -p no:cacheprovider -q -rs -m gpu tests/gpu
+        for r in 1 2; do  # the default path's NORM projections with K above one K tile: 1B qkv at bs=1
+          for v in 0 4096; do
+            run "step_1b_pass${v}_$r" 70 python3 tests/gpu/skinny_step_ab.py --model Llama-3.2-1B --bs 1 \
+              --setting default --stats-values "$v"
+          done
+        done
+        grep -h "^==" "$OUT"/step_1b_*.txt )
       wait "$side"; cat "$OUT/side.log" ;;
     tier2)
       ( CUDA_VISIBLE_DEVICES=1 run pytest-gpu1 330 python3 -m pytest -p no:cacheprovider -q -rs -m gpu \

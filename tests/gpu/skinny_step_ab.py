@@ -1,13 +1,14 @@
 """One decode-step setting of the skinny GEMM, in its own process (not a test; GPU machine):
 
-    python tests/gpu/skinny_step_ab.py --setting cublas|skinny [--model Llama-3.1-8B] [--bs 1]
+    python tests/gpu/skinny_step_ab.py --setting default|skinny [--model Llama-3.1-8B] [--bs 1]
         [--max-weight-elems 33554432] [--sweep-json a.json,b.json] [--stats-values V] [--kernels]
         [--gated-max-weight-elems N]
 
 `skinny` lets the skinny GEMM take weights below --max-weight-elems (the add + RMSNorm before a
 projection then run in its prologue) and adds the sweeps' best configs (sweep_gemm.py --json, one
 file or several, comma-separated; a later file's entry replaces an earlier one's) for the shapes
-where they beat cuBLAS; `cublas` is the default threshold and table. --stats-values sets
+where they beat cuBLAS; `default` is the default threshold and table (cuBLAS for every
+Llama-3.1-8B weight; the skinny GEMM for the small weights of smaller models). --stats-values sets
 skinny_gemm.NORM_STATS_VALUES (the prologue's statistics pass; 0: one K tile per step). Prints the
 step's median ms as `atomrt bench latency` times it and the request graph's replay GPU us (50
 replays of the bucket staged with a one-key context, so its attention is shorter than the step's);
@@ -66,7 +67,7 @@ def decode_kernel_table(llm: LLM, a: argparse.Namespace) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--setting", choices=("cublas", "skinny"), required=True)
+    ap.add_argument("--setting", choices=("default", "skinny"), required=True)
     ap.add_argument("--model", default="Llama-3.1-8B")
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--max-weight-elems", type=int, default=1 << 25)
