@@ -24,8 +24,9 @@
 #   skinny8b (one GPU, ~500 s, estimated) Llama-3.1-8B bs=1: the 8B GEMM sweeps at M=1 (qkv and gate_up with the
 #           add + norm on both sides, the prologue's statistics pass narrow and wide; o and down plain),
 #           then skinny_step_ab.py steps, FULL+async level 3: cuBLAS, skinny on qkv + o (wide pass,
-#           narrow pass), skinny on every weight (without, then with the SiLU-and-mul in down's
-#           prologue), cuBLAS again; kernel tables for three of them
+#           narrow pass), cuBLAS again, then skinny on every weight (without, then with the SiLU-and-mul
+#           in down's prologue); kernel tables for three of them. Each setting compiles into its own
+#           cache root (cold the first time): the last runs may not fit one 600 s call
 #   pdl     programmatic dependent launch: 135M bs=1 and 1B bs=32 with ATOMRT_PDL off and on,
 #           alternating in one process (tests/gpu/ab_pdl.py), then its bitwise-equality tests
 #   diag    (nvidia-h200, ~330 s) the host (tests/gpu/host_probe.py), the transport's legs (spin 0 and
@@ -148,11 +149,12 @@ for part in "$@"; do
       ATOMRT_CACHE_ROOT=/tmp/cache_cublas run step_cublas_1 130 "${ab[@]}" --setting default
       ATOMRT_CACHE_ROOT=/tmp/cache_qkv_o run step_qkv_o 130 "${ab[@]}" "${qkv_o[@]}" --kernels
       ATOMRT_CACHE_ROOT=/tmp/cache_qkv_o run step_qkv_o_pass0 90 "${ab[@]}" "${qkv_o[@]}" --stats-values 0
+      ATOMRT_CACHE_ROOT=/tmp/cache_cublas run step_cublas_2 90 "${ab[@]}" --setting default --kernels
+      # extras, last: a call cut at its limit loses these first
       ATOMRT_CACHE_ROOT=/tmp/cache_all run step_all 130 "${ab[@]}" --setting skinny --max-weight-elems $((1 << 40)) \
         --sweep-json "$sj" --kernels
       ATOMRT_CACHE_ROOT=/tmp/cache_gated run step_all_gated 110 "${ab[@]}" --setting skinny \
         --max-weight-elems $((1 << 40)) --gated-max-weight-elems $((1 << 40)) --sweep-json "$sj"
-      ATOMRT_CACHE_ROOT=/tmp/cache_cublas run step_cublas_2 90 "${ab[@]}" --setting default --kernels
       grep -h "^==" "$OUT"/step_*.txt ;;
     pdl)
       run ab_pdl 330 python3 tests/gpu/ab_pdl.py --out /tmp/ab_pdl
