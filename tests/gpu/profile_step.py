@@ -30,7 +30,6 @@ from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.llm import LLM
 from atomrt.workers.kernels import skinny_gemm
-from atomrt.workers.layers import linear
 
 
 def _timed(acc: dict, name: str, fn):
@@ -151,9 +150,8 @@ def main() -> None:
     ap.add_argument("--skinny-max-weight-elems", type=int, default=None)
     a = ap.parse_args()
     if a.skinny_max_weight_elems is not None:
-        # use_skinny reads skinny_gemm's per call; layers/linear.add_norm_linear (whether the add + norm
-        # go into the GEMM's prologue) reads its own imported copy, at trace time
-        skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS = linear.SKINNY_MAX_WEIGHT_ELEMS = a.skinny_max_weight_elems
+        # read through skinny_gemm.takes_weight: per call (use_skinny) and at trace time (add_norm_linear)
+        skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS = a.skinny_max_weight_elems
     cc = CompilationConfig(level=a.level, cudagraph_mode=a.mode, cuda_graph_sizes=[max(a.bs, 8)])
     llm = LLM(a.model, load_format="dummy", compilation_config=cc, max_num_seqs=max(a.bs, 8), max_model_len=2048,
               async_scheduling=a.async_scheduling)

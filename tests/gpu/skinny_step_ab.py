@@ -36,8 +36,8 @@ from profile_step import kernel_table, replay_costs
 
 
 def apply_skinny(max_weight_elems: int, sweep_jsons: str) -> list[str]:
-    """Raise the threshold (both modules' copies) and add the sweeps' winning configs; what was added."""
-    skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS = linear.SKINNY_MAX_WEIGHT_ELEMS = max_weight_elems
+    """Raise the threshold and add the sweeps' winning configs; what was added."""
+    skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS = max_weight_elems
     added = []
     for sweep_json in filter(None, sweep_jsons.split(",")):
         with open(sweep_json) as f:

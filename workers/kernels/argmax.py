@@ -21,13 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from atomrt.workers.kernels.device_info import device_scratch, sm_count
+from atomrt.workers.kernels.device_info import H200_NUM_SMS, device_scratch, sm_count
 
 BLOCK = 2048  # elements per loop step (8 per thread at 8 warps)
 MIN_SPLIT_STEPS = 2  # a split streams at least this many loop steps of its row
 SPLIT_ROWS = 4096  # rows a split launch may have: the per-device counters
 SPLIT_PARTS = 1 << 16  # (row, split) parts a split launch may have: the per-device workspace
-H200_NUM_SMS = 132
 
 
 @triton.jit

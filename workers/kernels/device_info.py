@@ -15,6 +15,7 @@ import torch
 from atomrt.runtime import envs
 
 INTERPRETER_SMS = 4  # stands in for the SM count when the Triton interpreter runs on CPU
+H200_NUM_SMS = 132  # the planners' default SM count: the machine their tables and splits are tuned on
 
 
 @functools.cache

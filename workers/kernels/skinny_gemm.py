@@ -30,13 +30,12 @@ import triton
 import triton.language as tl
 
 from atomrt.workers.kernels import device_info
-from atomrt.workers.kernels.device_info import sm_count, use_pdl
+from atomrt.workers.kernels.device_info import H200_NUM_SMS, sm_count, use_pdl
 
 SKINNY_MAX_M = 64  # the kernel keeps all M rows of x in registers: larger M belongs to cuBLAS
 BROADCAST_MAX_M = 4  # default heuristic: broadcast-sum up to this M, tl.dot above it
 # use_skinny: the weights where skinny beats cuBLAS in the model step (latency-bound small GEMMs)
 SKINNY_MAX_WEIGHT_ELEMS = 1 << 24
-H200_NUM_SMS = 132  # pick_config's default SM count (the machine CONFIGS is swept on)
 _BROADCAST_ELEMS = 8192  # broadcast path: BLOCK_N * BLOCK_M * BLOCK_K fp32 products per K step
 _DOT_W_ELEMS = 16384  # dot path: W elements per K step (32 KB of bf16 per pipeline stage)
 # NORM prologue: x values (over all M rows) per step of the statistics pass, norm_stats_block
@@ -325,6 +324,13 @@ def _stage_bytes(block_n: int, block_m: int, block_k: int) -> int:
     return (block_n + block_m) * block_k * 2
 
 
+def takes_weight(weight: torch.Tensor) -> bool:
+    """Whether the skinny GEMM takes a weight of this size at all (below SKINNY_MAX_WEIGHT_ELEMS): the
+    rule use_skinny applies per call and layers/linear.add_norm_linear applies when it is traced.
+    Read here, so that setting this module's SKINNY_MAX_WEIGHT_ELEMS reaches both."""
+    return weight.numel() < SKINNY_MAX_WEIGHT_ELEMS
+
+
 def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a linear layer should call skinny_linear rather than F.linear for this input: the
     broadcast path's batches (M <= BROADCAST_MAX_M) over weights below SKINNY_MAX_WEIGHT_ELEMS.
@@ -336,7 +342,7 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dim() == 2
         and weight.dim() == 2
         and x.shape[0] <= BROADCAST_MAX_M
-        and weight.numel() < SKINNY_MAX_WEIGHT_ELEMS
+        and takes_weight(weight)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.shape[1] == weight.shape[1]

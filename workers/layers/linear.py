@@ -24,9 +24,9 @@ from torch import nn
 from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.kernels.skinny_gemm import (
-    SKINNY_MAX_WEIGHT_ELEMS,
     skinny_add_norm_linear,
     skinny_linear,
+    takes_weight,
     use_skinny,
 )
 from atomrt.workers.layers.activation import silu_and_mul
@@ -126,7 +126,7 @@ def add_norm_linear(
     weight, one op: for a decode batch one kernel (the add and the norm in the GEMM's prologue)
     instead of two. Above, the add and the norm stay outside the opaque op, where Inductor fuses
     them into one kernel."""
-    if weight.numel() >= SKINNY_MAX_WEIGHT_ELEMS:
+    if not takes_weight(weight):
         h = residual_add(residual, update)
         return h, linear(rms_norm(h, norm_weight, eps), weight, bias)
     if torch.compiler.is_compiling():
