@@ -66,9 +66,9 @@ def test_layer_add_norm_linear_is_eager_on_cpu() -> None:
         assert y.shape == (2, 3, 10)
 
 
-def test_large_weight_leaves_the_add_and_norm_to_inductor() -> None:
-    """Below SKINNY_MAX_WEIGHT_ELEMS the traced graph holds the one fused op; at or above it (the skinny
-    GEMM never takes such a weight) the add and the norm are traced as plain ops beside the linear op,
+def test_large_weight_leaves_the_add_and_norm_to_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below SKINNY_M1_MAX_WEIGHT_ELEMS the traced graph holds the one fused op; at or above it (the
+    skinny GEMM takes such a weight at no batch size) the add and the norm are traced as plain ops beside the linear op,
     where Inductor fuses them into one kernel."""
 
     def ops_traced(weight: torch.Tensor) -> set[str]:
@@ -80,8 +80,12 @@ def test_large_weight_leaves_the_add_and_norm_to_inductor() -> None:
             torch.testing.assert_close(g, w)
         return seen
 
+    monkeypatch.setattr(skinny_gemm, "SKINNY_MAX_WEIGHT_ELEMS", 1 << 8)  # small weights tell the rule
+    monkeypatch.setattr(skinny_gemm, "SKINNY_M1_MAX_WEIGHT_ELEMS", 1 << 12)
     small = ops_traced(torch.randn(8, 16))
     assert any("add_norm_linear" in op for op in small)
-    big = ops_traced(torch.empty(4, skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS // 4).normal_())
+    single_row_only = ops_traced(torch.randn(8, 256))  # only a one-row batch takes it: still the fused op
+    assert any("add_norm_linear" in op for op in single_row_only)
+    big = ops_traced(torch.randn(4, 1 << 10))
     assert not any("add_norm_linear" in op for op in big)
     assert any("atomrt.linear" in op for op in big) and any("rsqrt" in op for op in big)

@@ -22,6 +22,7 @@ from atomrt.workers.kernels.skinny_gemm import (
     heuristic_config,
     pick_config,
     skinny_linear,
+    takes_weight,
     use_skinny,
 )
 
@@ -190,6 +191,24 @@ def test_use_skinny_only_on_cuda() -> None:
         assert not use_skinny(xc.float(), wc.float())
         assert not use_skinny(torch.zeros(BROADCAST_MAX_M + 1, 16, device="cuda", dtype=torch.bfloat16), wc)
         assert not use_skinny(xc, torch.zeros(16, 8, device="cuda", dtype=torch.bfloat16).T)
+
+
+@pytest.mark.parametrize(
+    "n, k, single_row, batch",
+    [
+        (3072, 2048, True, True),  # Llama-3.2-1B qkv, 6.3M elements
+        (4096, 4096, True, False),  # Llama-3.1-8B o, 16.8M: at and above 16M, one row only
+        (28672, 4096, True, False),  # Llama-3.1-8B gate_up, 117M
+        (128256, 4096, False, False),  # Llama-3.1-8B's vocabulary x hidden, 525M: never
+    ],
+)
+def test_takes_weight_by_batch_size(n: int, k: int, single_row: bool, batch: bool) -> None:
+    """The measured rule: Llama-3.1-8B's weights only at bs=1 (its bs=2 and bs=4 steps were slower on
+    the skinny GEMM); small weights at every batch the broadcast path takes."""
+    weight = torch.empty(n, k, device="meta")
+    assert takes_weight(weight, 1) is single_row and takes_weight(weight) is single_row
+    for m in range(2, BROADCAST_MAX_M + 1):
+        assert takes_weight(weight, m) is batch
 
 
 def test_layer_linear_op_is_f_linear_on_cpu() -> None:

@@ -151,7 +151,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.skinny_max_weight_elems is not None:
         # read through skinny_gemm.takes_weight: per call (use_skinny) and at trace time (add_norm_linear)
-        skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS = a.skinny_max_weight_elems
+        skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS = skinny_gemm.SKINNY_M1_MAX_WEIGHT_ELEMS = a.skinny_max_weight_elems
     cc = CompilationConfig(level=a.level, cudagraph_mode=a.mode, cuda_graph_sizes=[max(a.bs, 8)])
     llm = LLM(a.model, load_format="dummy", compilation_config=cc, max_num_seqs=max(a.bs, 8), max_model_len=2048,
               async_scheduling=a.async_scheduling)

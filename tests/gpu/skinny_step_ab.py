@@ -4,11 +4,12 @@
         [--max-weight-elems 33554432] [--sweep-json a.json,b.json] [--stats-values V] [--kernels]
         [--gated-max-weight-elems N]
 
-`skinny` lets the skinny GEMM take weights below --max-weight-elems (the add + RMSNorm before a
-projection then run in its prologue) and adds the sweeps' best configs (sweep_gemm.py --json, one
+`skinny` lets the skinny GEMM take weights below --max-weight-elems at every batch size up to 4
+(one threshold for SKINNY_MAX_WEIGHT_ELEMS and SKINNY_M1_MAX_WEIGHT_ELEMS; the add + RMSNorm before
+a projection then run in its prologue) and adds the sweeps' best configs (sweep_gemm.py --json, one
 file or several, comma-separated; a later file's entry replaces an earlier one's) for the shapes
-where they beat cuBLAS; `default` is the default threshold and table (cuBLAS for every
-Llama-3.1-8B weight; the skinny GEMM for the small weights of smaller models). --stats-values sets
+where they beat cuBLAS; `default` is the default thresholds and table (for Llama-3.1-8B's weights
+the skinny GEMM at bs=1, cuBLAS above). --stats-values sets
 skinny_gemm.NORM_STATS_VALUES (the prologue's statistics pass; 0: one K tile per step). Prints the
 step's median ms as `atomrt bench latency` times it and the request graph's replay GPU us (50
 replays of the bucket staged with a one-key context, so its attention is shorter than the step's);
@@ -37,7 +38,7 @@ from profile_step import kernel_table, replay_costs
 
 def apply_skinny(max_weight_elems: int, sweep_jsons: str) -> list[str]:
     """Raise the threshold and add the sweeps' winning configs; what was added."""
-    skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS = max_weight_elems
+    skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS = skinny_gemm.SKINNY_M1_MAX_WEIGHT_ELEMS = max_weight_elems
     added = []
     for sweep_json in filter(None, sweep_jsons.split(",")):
         with open(sweep_json) as f:
@@ -89,7 +90,8 @@ def main() -> None:
             linear.GATED_MAX_WEIGHT_ELEMS = a.gated_max_weight_elems
     elif a.gated_max_weight_elems is not None:
         raise SystemExit("--gated-max-weight-elems needs --setting skinny")
-    print(f"skinny below {skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS} weight elements; SiLU-and-mul fused up to "
+    print(f"skinny below {skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS} weight elements "
+          f"({skinny_gemm.SKINNY_M1_MAX_WEIGHT_ELEMS} at bs=1); SiLU-and-mul fused up to "
           f"{linear.GATED_MAX_WEIGHT_ELEMS}")
     llm = LLM(a.model, load_format="dummy", max_num_seqs=a.bs, cuda_graph_sizes=[a.bs],
               **bench_latency.mode_settings("FULL+async", 3, True))

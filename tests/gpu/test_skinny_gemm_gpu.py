@@ -12,6 +12,7 @@ import torch
 
 from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.kernels.skinny_gemm import (
+    CONFIGS,
     SkinnyConfig,
     heuristic_config,
     pick_config,
@@ -41,6 +42,25 @@ def test_matches_float64(n: int, k: int, m: int, dtype: torch.dtype) -> None:
         # one rounding of a ~N(0, 2) result to bf16/fp16, plus fp32 accumulation order
         tol = 2**-7 if dtype == torch.bfloat16 else 2**-10
         torch.testing.assert_close(y.double(), ref, rtol=tol, atol=4 * tol, msg=f"{config}")
+
+
+@pytest.mark.parametrize("m,n,k", sorted(CONFIGS))
+def test_every_table_config_matches_float64(m: int, n: int, k: int) -> None:
+    """Each swept launch in CONFIGS at its own shape, plain and (for the broadcast path, which takes
+    the norm) with the add + RMSNorm prologue, bf16 against float64."""
+    dtype, tol = torch.bfloat16, 2**-7
+    gen = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+    w = (torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * k**-0.5).to(dtype)
+    config = CONFIGS[(m, n, k)]
+    y = skinny_linear(x, w, config=config)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=tol, atol=4 * tol, msg=f"{config}")
+    if not config.use_dot:
+        residual, update, norm_weight = norm_inputs(m, k, dtype, n + k)
+        h, y = skinny_add_norm_linear(residual, update, norm_weight, 1e-5, w, config=config)
+        assert torch.equal(h, residual + update)
+        y_want = rms_norm(residual + update, norm_weight, 1e-5).double() @ w.double().T
+        torch.testing.assert_close(y.double(), y_want, rtol=tol, atol=4 * tol, msg=f"{config} with the norm")
 
 
 def test_graph_replay_reads_new_inputs() -> None:

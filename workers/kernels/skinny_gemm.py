@@ -34,8 +34,12 @@ from atomrt.workers.kernels.device_info import H200_NUM_SMS, sm_count, use_pdl
 
 SKINNY_MAX_M = 64  # the kernel keeps all M rows of x in registers: larger M belongs to cuBLAS
 BROADCAST_MAX_M = 4  # default heuristic: broadcast-sum up to this M, tl.dot above it
-# use_skinny: the weights where skinny beats cuBLAS in the model step (latency-bound small GEMMs)
+# use_skinny: the weights where skinny beats cuBLAS in the model step (docs/perf.md, 2026-11-30).
+# Batches of 2-4 rows: below 16M elements (Llama-3.1-8B's weights on the heuristic's launches made
+# its bs=2 and bs=4 steps 1.5x and 3.7x slower). Single rows: below 128M elements, which holds every
+# projection of the three bench models (Llama-3.1-8B's gate_up has 117M); above, never measured.
 SKINNY_MAX_WEIGHT_ELEMS = 1 << 24
+SKINNY_M1_MAX_WEIGHT_ELEMS = 1 << 27
 _BROADCAST_ELEMS = 8192  # broadcast path: BLOCK_N * BLOCK_M * BLOCK_K fp32 products per K step
 _DOT_W_ELEMS = 16384  # dot path: W elements per K step (32 KB of bf16 per pipeline stage)
 # NORM prologue: x values (over all M rows) per step of the statistics pass, norm_stats_block
@@ -256,7 +260,12 @@ CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     (1, 16384, 2048): SkinnyConfig(64, 128, _D, 4, 4),  # Llama-3.2-1B gate_up, 17.47 us (18.18)
     (1, 2048, 2048): SkinnyConfig(8, 512, _B, 4, 4),  # Llama-3.2-1B o, 4.75 us (6.01)
     (1, 2048, 8192): SkinnyConfig(8, 1024, _B, 2, 3),  # Llama-3.2-1B down, 10.43 us (12.57)
-    (1, 28672, 4096): SkinnyConfig(16, 128, _B, 2, 3),  # Llama-3.1-8B gate_up, 55.28 us (56.17)
+    # Llama-3.1-8B, swept 2026-11-30 with the add + RMSNorm on both sides for qkv and gate_up (their
+    # NORM prologue against add_rms_norm then cuBLAS: sweep_gemm.py --norm)
+    (1, 6144, 4096): SkinnyConfig(8, 256, _B, 2, 3),  # qkv, 17.28 us (17.25)
+    (1, 4096, 4096): SkinnyConfig(8, 512, _B, 4, 3),  # o, 10.80 us (12.30)
+    (1, 28672, 4096): SkinnyConfig(8, 1024, _B, 2, 1),  # gate_up, 58.21 us (58.44)
+    (1, 4096, 14336): SkinnyConfig(8, 1024, _B, 2, 3),  # down, 29.40 us (31.03)
 }
 
 
@@ -324,25 +333,28 @@ def _stage_bytes(block_n: int, block_m: int, block_k: int) -> int:
     return (block_n + block_m) * block_k * 2
 
 
-def takes_weight(weight: torch.Tensor) -> bool:
-    """Whether the skinny GEMM takes a weight of this size at all (below SKINNY_MAX_WEIGHT_ELEMS): the
-    rule use_skinny applies per call and layers/linear.add_norm_linear applies when it is traced.
-    Read here, so that setting this module's SKINNY_MAX_WEIGHT_ELEMS reaches both."""
-    return weight.numel() < SKINNY_MAX_WEIGHT_ELEMS
+def takes_weight(weight: torch.Tensor, m: int = 1) -> bool:
+    """Whether the skinny GEMM takes a weight of this size for a batch of m rows (below
+    SKINNY_M1_MAX_WEIGHT_ELEMS for one row, else below SKINNY_MAX_WEIGHT_ELEMS): the rule use_skinny
+    applies per call; layers/linear.add_norm_linear, when traced, asks whether any batch (m=1) can
+    take it: the single-row limit is the larger. Read here, so that setting this module's thresholds
+    reaches both."""
+    return weight.numel() < (SKINNY_M1_MAX_WEIGHT_ELEMS if m == 1 else SKINNY_MAX_WEIGHT_ELEMS)
 
 
 def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a linear layer should call skinny_linear rather than F.linear for this input: the
-    broadcast path's batches (M <= BROADCAST_MAX_M) over weights below SKINNY_MAX_WEIGHT_ELEMS.
+    broadcast path's batches (M <= BROADCAST_MAX_M) over the weights `takes_weight` gives it.
     From M=8 up the H200 sweep found cuBLAS as fast or faster on most model shapes (Llama-3.2-1B at
-    M=32: 8.4 against 6.5 us for qkv). On large weights cuBLAS streams near copy bandwidth: the
-    sweep's 0-5% gains there did not carry into the Llama-3.1-8B step, which ran slower."""
+    M=32: 8.4 against 6.5 us for qkv). On the Llama-3.1-8B weights the kernels alone tie or gain
+    0-13%, and the step gains more: every add + RMSNorm goes into a projection's prologue
+    (docs/perf.md, 2026-11-30). With only qkv and o skinny the step was slower than cuBLAS."""
     return (
         x.is_cuda
         and x.dim() == 2
         and weight.dim() == 2
         and x.shape[0] <= BROADCAST_MAX_M
-        and takes_weight(weight)
+        and takes_weight(weight, x.shape[0])
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.shape[1] == weight.shape[1]

@@ -49,8 +49,8 @@ def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 # The fused activation is recomputed for every weight element (each program of the skinny GEMM
 # evaluates silu for its own rows), so it can pay only while the weight is small. It is on for
 # SmolLM2-135M's down projection (0.9M elements; the 135M step gained with it on an H200). For
-# Llama-3.1-8B's (59M) it was not isolated: with or without it the 8B step was slower on the skinny
-# kernel than on cuBLAS (docs/perf.md), which use_skinny now keeps for such weights anyway.
+# Llama-3.1-8B's (59M) at bs=1 it made no difference beyond the noise (4.258 against 4.277 ms a
+# step, one run each, docs/perf.md): off.
 GATED_MAX_WEIGHT_ELEMS = 1 << 21
 
 
