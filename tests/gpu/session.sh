@@ -39,6 +39,13 @@
 #   pair    (nvidia-h200-x2, ~500 s) GPU 0: the whole gpu tier (~270 s alone in call 5 of the seventh
 #           session), then Llama-3.2-1B bs=1 steps with the NORM statistics pass narrow and wide,
 #           twice; GPU 1: skinny8b (the host is shared: step timings carry that)
+#   thresh  (nvidia-h200-x2, ~450 s) the skinny GEMM's weight threshold, this tree's against the old 16M
+#           elements (skinny_step_ab.py, FULL+async level 3), bs 1, 2, 4, 1 (the last pair in reverse):
+#           Llama-3.1-8B on GPU 1 then its bench latency at bs 1, 2, 4; Llama-3.2-1B on GPU 0, then
+#           the skinny GEMM tests and the 135M (bs 1) and 1B (bs 1, 4, 32) benches
+#   m1      (one GPU, ~450 s) the single-row threshold: Llama-3.1-8B's bench at bs 1, 2, 4; Llama-3.2-1B
+#           bs=1 on this tree against 16M elements at every batch size (ABBA); the skinny GEMM tests;
+#           the 135M (bs 1) and 1B (bs 1, 32) benches
 #   tier2   (nvidia-h200-x2, ~450 s) the gpu tier split over both GPUs, then the multigpu tier
 #   mid     (nvidia-h200-x2, ~350 s) GPU 0: ab_pdl.py on Llama-3.1-8B bs=1; GPU 1: quick 135M x2 and 1B,
 #           then Ray vs in-process at the default transport_spin_us (auto), then the transport bench
@@ -242,6 +249,38 @@ for part in "$@"; do
         done
         grep -h "^==" "$OUT"/step_1b_*.txt )
       wait "$side"; cat "$OUT/side.log" ;;
+    thresh)
+      ( export CUDA_VISIBLE_DEVICES=1; THR=8B bash "$0" thresh_side ) > "$OUT/side.log" 2>&1 &
+      side=$!
+      ( export CUDA_VISIBLE_DEVICES=0; THR=1B bash "$0" thresh_side
+        run pytest-skinny 150 python3 -m pytest -p no:cacheprovider -q -rs -m gpu tests/gpu/test_skinny_gemm_gpu.py
+        bench quick_135m 80 --model SmolLM2-135M --level 3 --modes FULL+async --batch-sizes 1
+        bench quick_1b 100 --model Llama-3.2-1B --level 3 --modes FULL+async --batch-sizes 1,4,32 )
+      wait "$side"; cat "$OUT/side.log" ;;
+    thresh_side)  # (one GPU; THR=8B or THR=1B) the skinny threshold, this tree's against 16M elements
+      model=Llama-3.1-8B; [ "${THR:?}" = 1B ] && model=Llama-3.2-1B
+      i=0
+      for pick in "new 1" "old 1" "new 2" "old 2" "new 4" "old 4" "old 1" "new 1"; do
+        read -r tree bs <<< "$pick"; i=$((i + 1))
+        set=(--setting default); [ "$tree" = old ] && set=(--setting skinny --max-weight-elems $((1 << 24)))
+        ATOMRT_CACHE_ROOT=/tmp/cache_$tree run "thr_${THR}_${i}_${tree}_bs$bs" 100 python3 tests/gpu/skinny_step_ab.py \
+          --model "$model" --bs "$bs" "${set[@]}"
+      done
+      [ "$THR" = 8B ] && bench quick_8b 120 --model Llama-3.1-8B --level 3 --modes FULL+async --batch-sizes 1,2,4
+      grep -h "^==" "$OUT"/thr_"$THR"_*.txt ;;
+    m1)
+      bench quick_8b 130 --model Llama-3.1-8B --level 3 --modes FULL+async --batch-sizes 1,2,4
+      i=0
+      for tree in new old old new; do
+        i=$((i + 1)); set=(--setting default)
+        [ "$tree" = old ] && set=(--setting skinny --max-weight-elems $((1 << 24)))
+        ATOMRT_CACHE_ROOT=/tmp/cache_$tree run "m1_1B_${i}_$tree" 80 python3 tests/gpu/skinny_step_ab.py \
+          --model Llama-3.2-1B --bs 1 "${set[@]}"
+      done
+      grep -h "^==" "$OUT"/m1_1B_*.txt
+      run pytest-skinny 150 python3 -m pytest -p no:cacheprovider -q -rs -m gpu tests/gpu/test_skinny_gemm_gpu.py
+      bench quick_135m 80 --model SmolLM2-135M --level 3 --modes FULL+async --batch-sizes 1
+      bench quick_1b 100 --model Llama-3.2-1B --level 3 --modes FULL+async --batch-sizes 1,32 ;;
     tier2)
       ( CUDA_VISIBLE_DEVICES=1 run pytest-gpu1 330 python3 -m pytest -p no:cacheprovider -q -rs -m gpu \
           tests/gpu/test_models_hf_gpu.py tests/gpu/test_region_graph_gpu.py tests/gpu/test_skinny_gemm_gpu.py \
