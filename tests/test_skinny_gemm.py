@@ -12,19 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from atomrt.workers.kernels.skinny_gemm import (
+from atomrt.workers.kernels.skinny_configs import (
     BROADCAST_MAX_M,
     CONFIGS,
-    SKINNY_MAX_M,
     SkinnyConfig,
     block_m_for,
     bucket_m,
     heuristic_config,
     pick_config,
-    skinny_linear,
-    takes_weight,
-    use_skinny,
 )
+from atomrt.workers.kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear, takes_weight, use_skinny
 
 # assert_close tolerances: outputs are ~1 (weights scaled by K^-0.5), so the output rounding dominates
 TOLERANCES = {

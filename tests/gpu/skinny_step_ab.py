@@ -31,7 +31,7 @@ import numpy as np
 from atomrt.runtime import bench_latency
 from atomrt.runtime.llm import LLM
 from atomrt.runtime.sampling_params import SamplingParams
-from atomrt.workers.kernels import skinny_gemm
+from atomrt.workers.kernels import skinny_configs, skinny_gemm
 from atomrt.workers.layers import linear
 from profile_step import kernel_table, replay_costs
 
@@ -44,9 +44,9 @@ def apply_skinny(max_weight_elems: int, sweep_jsons: str) -> list[str]:
         with open(sweep_json) as f:
             for s in json.load(f)["summaries"]:
                 if s["best"] and s["best_us"] < s["cublas_us"]:
-                    key = (skinny_gemm.bucket_m(s["m"]), s["n"], s["k"])
-                    skinny_gemm.CONFIGS[key] = skinny_gemm.SkinnyConfig(**s["best"])
-                    added.append(f"{key}: {skinny_gemm.CONFIGS[key]} "
+                    key = (skinny_configs.bucket_m(s["m"]), s["n"], s["k"])
+                    skinny_configs.CONFIGS[key] = skinny_configs.SkinnyConfig(**s["best"])
+                    added.append(f"{key}: {skinny_configs.CONFIGS[key]} "
                                  f"({s['best_us']:.2f} vs cuBLAS {s['cublas_us']:.2f} us)")
     return added
 

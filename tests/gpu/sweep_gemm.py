@@ -9,7 +9,7 @@ candidate configs: stage 1 sweeps the tiles (block_n x block_k x use_dot) at war
 each tile, stage 2 then tries the best tile at other num_warps, then the best of those at other
 num_stages (--quick: stage 1 only, fewer K tiles, M 1 and 32 only). Every config is first checked
 against F.linear; one that fails to compile or mismatches is skipped and counted. One line per
-(shape, M), then a CONFIGS dict literal to paste into atomrt/workers/kernels/skinny_gemm.py, and
+(shape, M), then a CONFIGS dict literal to paste into atomrt/workers/kernels/skinny_configs.py, and
 the whole result as JSON with --json. About 600 timings and 150 Triton compiles: ~1-2 min on an H200.
 
 Timing: CALLS back-to-back calls captured into one CUDA graph, replayed REPLAYS times between CUDA
@@ -42,14 +42,8 @@ import torch.nn.functional as F
 import triton
 from atomrt.workers.kernels import skinny_gemm
 from atomrt.workers.kernels.rms_norm import add_rms_norm
-from atomrt.workers.kernels.skinny_gemm import (
-    BROADCAST_MAX_M,
-    SkinnyConfig,
-    block_m_for,
-    pick_config,
-    skinny_add_norm_linear,
-    skinny_linear,
-)
+from atomrt.workers.kernels.skinny_configs import BROADCAST_MAX_M, SkinnyConfig, block_m_for, pick_config
+from atomrt.workers.kernels.skinny_gemm import skinny_add_norm_linear, skinny_linear
 
 SHAPES = {  # name: (N, K) per TP rank
     "SmolLM2-135M qkv": (960, 576),
@@ -348,7 +342,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     elapsed = time.perf_counter() - start
     print_skips(results)
-    print(f"{len(results)} timings in {elapsed:.0f} s; paste into skinny_gemm.py "
+    print(f"{len(results)} timings in {elapsed:.0f} s; paste into skinny_configs.py "
           f"(SkinnyConfig(block_n, block_k, use_dot, num_warps, num_stages)):")
     print(configs_literal(summaries))
     if args.json:
