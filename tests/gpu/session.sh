@@ -73,6 +73,19 @@ echo "machine: kernel $(uname -r), $(nproc) cores, $(grep -m1 'model name' /proc
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?"; tail -4 "$OUT/$name.txt"; }
 prof() { run "$1" "$2" python3 tests/gpu/profile_step.py "${@:3}"; }
 bench() { run "$1" "$2" python3 -m atomrt.runtime.cli bench latency --json "$OUT/$1.json" "${@:3}"; }
+# thr_ab MODEL TAG "TREE BS"...: skinny_step_ab.py decode steps, in order, each in its own process;
+# TREE new: this tree's skinny thresholds, old: 16M elements at every batch size (before f2777b9)
+thr_ab() {
+  local model=$1 tag=$2 i=0 tree bs pick; shift 2
+  for pick in "$@"; do
+    read -r tree bs <<< "$pick"; i=$((i + 1))
+    local set=(--setting default)
+    [ "$tree" = old ] && set=(--setting skinny --max-weight-elems $((1 << 24)))
+    ATOMRT_CACHE_ROOT=/tmp/cache_$tree run "${tag}_${i}_${tree}_bs$bs" 100 python3 tests/gpu/skinny_step_ab.py \
+      --model "$model" --bs "$bs" "${set[@]}"
+  done
+  grep -h "^==" "$OUT/${tag}"_*.txt
+}
 for part in "$@"; do
   case "$part" in
     full)
@@ -259,25 +272,11 @@ for part in "$@"; do
       wait "$side"; cat "$OUT/side.log" ;;
     thresh_side)  # (one GPU; THR=8B or THR=1B) the skinny threshold, this tree's against 16M elements
       model=Llama-3.1-8B; [ "${THR:?}" = 1B ] && model=Llama-3.2-1B
-      i=0
-      for pick in "new 1" "old 1" "new 2" "old 2" "new 4" "old 4" "old 1" "new 1"; do
-        read -r tree bs <<< "$pick"; i=$((i + 1))
-        set=(--setting default); [ "$tree" = old ] && set=(--setting skinny --max-weight-elems $((1 << 24)))
-        ATOMRT_CACHE_ROOT=/tmp/cache_$tree run "thr_${THR}_${i}_${tree}_bs$bs" 100 python3 tests/gpu/skinny_step_ab.py \
-          --model "$model" --bs "$bs" "${set[@]}"
-      done
-      [ "$THR" = 8B ] && bench quick_8b 120 --model Llama-3.1-8B --level 3 --modes FULL+async --batch-sizes 1,2,4
-      grep -h "^==" "$OUT"/thr_"$THR"_*.txt ;;
+      thr_ab "$model" "thr_$THR" "new 1" "old 1" "new 2" "old 2" "new 4" "old 4" "old 1" "new 1"
+      [ "$THR" = 8B ] && bench quick_8b 120 --model Llama-3.1-8B --level 3 --modes FULL+async --batch-sizes 1,2,4 ;;
     m1)
       bench quick_8b 130 --model Llama-3.1-8B --level 3 --modes FULL+async --batch-sizes 1,2,4
-      i=0
-      for tree in new old old new; do
-        i=$((i + 1)); set=(--setting default)
-        [ "$tree" = old ] && set=(--setting skinny --max-weight-elems $((1 << 24)))
-        ATOMRT_CACHE_ROOT=/tmp/cache_$tree run "m1_1B_${i}_$tree" 80 python3 tests/gpu/skinny_step_ab.py \
-          --model Llama-3.2-1B --bs 1 "${set[@]}"
-      done
-      grep -h "^==" "$OUT"/m1_1B_*.txt
+      thr_ab Llama-3.2-1B m1_1B "new 1" "old 1" "old 1" "new 1"
       run pytest-skinny 150 python3 -m pytest -p no:cacheprovider -q -rs -m gpu tests/gpu/test_skinny_gemm_gpu.py
       bench quick_135m 80 --model SmolLM2-135M --level 3 --modes FULL+async --batch-sizes 1
       bench quick_1b 100 --model Llama-3.2-1B --level 3 --modes FULL+async --batch-sizes 1,32 ;;
