@@ -12,7 +12,7 @@ can still use the process groups):
   `dp_all_gather_num_tokens`, `dp_pad`, `make_dp_metadata`
 - `nccl_watchdog`: `drain_nccl_works`, `graph_capture_kwargs`
 - `net_utils`: host IP, free ports, per-instance ipc directories
-- `transport_bench`: `python -m atomrt.distributed.transport_bench`
+- `transport_bench`: `python -m atomrt.runtime.bench.transport`
 """
 
 from atomrt.runtime.forward_context import DPMetadata

@@ -13,7 +13,7 @@ __all__ = ["LLM", "SamplingParams"]
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from atomrt.runtime.llm import LLM
+        from atomrt.runtime.entrypoints.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'atomrt.runtime' has no attribute {name!r}")

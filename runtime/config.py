@@ -224,7 +224,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192  # the per-step token budget
     enable_chunked_prefill: bool = True
     # Submit step N+1 before step N's tokens are back (its decode rows take them on the GPU), so
-    # host work overlaps the GPU; a request that stops computes one wasted row. See runtime/scheduler.py.
+    # host work overlaps the GPU; a request that stops computes one wasted row. See runtime/driver/scheduler.py.
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from atomrt.runtime import SamplingParams
-from atomrt.runtime.llm import LLM
+from atomrt.runtime.entrypoints.llm import LLM
 from executor_harness import VOCAB, build_tiny_llama
 
 

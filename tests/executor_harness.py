@@ -10,7 +10,7 @@ from typing import Any, Iterable
 import torch
 
 from atomrt.runtime import SamplingParams
-from atomrt.runtime.llm import LLM
+from atomrt.runtime.entrypoints.llm import LLM
 
 VOCAB = 128
 PROMPTS = [[3, 17, 42, 99, 5, 8, 61], [7, 1, 120], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [50, 51]]

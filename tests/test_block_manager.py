@@ -5,8 +5,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atomrt.runtime.block_manager import BlockManager
-from atomrt.runtime.sequence import Sequence
+from atomrt.runtime.driver.block_manager import BlockManager
+from atomrt.runtime.driver.sequence import Sequence
 
 
 def check_invariants(bm: BlockManager, holders: list[Sequence]) -> None:

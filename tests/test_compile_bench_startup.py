@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from atomrt.runtime.bench_startup import main
+from atomrt.runtime.bench.startup import main
 
 
 @pytest.mark.slow

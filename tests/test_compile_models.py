@@ -12,7 +12,7 @@ import torch
 
 from atomrt.compile import compilation_counter, compile_model
 from atomrt.runtime.config import CompilationConfig, Config
-from atomrt.workers.loader import load_model
+from atomrt.workers.loading.loader import load_model
 from model_harness import run_prefill_and_decode
 
 TINY = dict(

@@ -12,14 +12,14 @@ import dataclasses
 import pytest
 import torch
 
-from atomrt.workers.kernels.decode_attention import (
+from atomrt.workers.kernels.attention.decode_attention import (
     DecodeLaunch,
     attention_step,
     decode_attention,
     plan_decode,
     prepare_decode_counters,
 )
-from atomrt.workers.kernels.paged_attention import rope_write_kv, unified_attention
+from atomrt.workers.kernels.attention.paged_attention import rope_write_kv, unified_attention
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from test_kernels import SENTINEL, PagedBatch, make_batch, reference_attention
 

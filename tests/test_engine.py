@@ -12,7 +12,7 @@ import torch
 
 from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import DEFAULT_MODEL
-from atomrt.runtime.llm import LLM
+from atomrt.runtime.entrypoints.llm import LLM
 
 PROMPTS = [
     "The capital of Germany is",
@@ -42,7 +42,7 @@ def test_chat_answer_names_paris(llm):
 def test_first_32_greedy_tokens_match_transformers(llm):
     from transformers import AutoModelForCausalLM
 
-    from atomrt.workers.loader import embedded_gguf_path
+    from atomrt.workers.loading.loader import embedded_gguf_path
 
     path = embedded_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)

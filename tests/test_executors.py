@@ -50,7 +50,7 @@ def test_ray_two_nodes_places_ranks_on_both_and_steps_over_tcp(tiny_model: Path,
     import ray
     from ray.cluster_utils import Cluster
 
-    from atomrt.runtime.llm import LLM
+    from atomrt.runtime.entrypoints.llm import LLM
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     try:
@@ -76,9 +76,9 @@ def test_ray_two_nodes_places_ranks_on_both_and_steps_over_tcp(tiny_model: Path,
 
 def test_mp_startup_failure_names_rank_and_phase_and_leaves_no_process(tiny_model: Path) -> None:
     """4 attention heads do not split over 3 TP ranks: every rank fails loading; nothing is left."""
-    from atomrt.runtime.executor import WorkerError
-    from atomrt.runtime.executor_mp import MPExecutor
-    from atomrt.runtime.llm import config_from_kwargs
+    from atomrt.runtime.executors.base import WorkerError
+    from atomrt.runtime.executors.mp_executor import MPExecutor
+    from atomrt.runtime.entrypoints.llm import config_from_kwargs
 
     executor = MPExecutor(config_from_kwargs(str(tiny_model), dict(COMMON, executor="mp", tensor_parallel_size=3)))
     with pytest.raises(WorkerError, match=r"rank \d \(dp 0, tp \d\): init_worker failed: .*tensor_parallel_size 3"):

@@ -6,7 +6,8 @@ import msgpack
 import pytest
 
 from atomrt.runtime.config import CompilationConfig, Config, CUDAGraphMode
-from atomrt.runtime.forward_mode import BatchShape, CapturedBuckets, ForwardDecision, ForwardKind, ForwardMode
+from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardDecision, ForwardKind
+from atomrt.runtime.driver.forward_mode import ForwardMode
 
 LADDER = (1, 2, 4, 8, 16)
 PREFILL_TOKEN_SIZES = (16, 64, 256)

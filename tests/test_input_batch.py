@@ -1,4 +1,4 @@
-"""The worker's mirror of its sequences (workers/input_batch.py): block tables kept across steps
+"""The worker's mirror of its sequences (workers/runner/input_batch.py): block tables kept across steps
 from the driver's updates, and the step inputs built from them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from atomrt.distributed.messages import NewRequest, RankBatch, decode, encode
-from atomrt.workers.input_batch import BlockTables, SeqMirrors
+from atomrt.workers.runner.input_batch import BlockTables, SeqMirrors
 from test_messages import new_blocks
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from atomrt.workers.kernels.paged_attention import (
+from atomrt.workers.kernels.attention.paged_attention import (
     AttentionLaunch,
     launch_attention,
     plan_attention,

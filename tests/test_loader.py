@@ -11,8 +11,8 @@ import torch
 
 from atomrt.runtime.config import DEFAULT_MODEL, Config, ModelConfig
 from atomrt.workers.layers.tp_ops import TPInfo
-from atomrt.workers.loader import build_model, embedded_gguf_path, load_model, resolve_model
-from atomrt.workers.model_presets import preset_config
+from atomrt.workers.loading.loader import build_model, embedded_gguf_path, load_model, resolve_model
+from atomrt.workers.loading.presets import preset_config
 from atomrt.workers.models.arch import arch_from_hf_config
 from executor_harness import build_tiny_llama
 from model_harness import run_prefill_and_decode
@@ -134,7 +134,7 @@ def test_tokenizer_decode_is_transformers_decode(gguf_path: Path, monkeypatch: p
     included; a tokenizer that cleans up spaces keeps transformers' decode."""
     import random
 
-    from atomrt.workers.tokenizer import Tokenizer, load_tokenizer
+    from atomrt.workers.loading.tokenizer import Tokenizer, load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
@@ -151,7 +151,7 @@ def test_tokenizer_decode_is_transformers_decode(gguf_path: Path, monkeypatch: p
 
 
 def test_embedded_tokenizer_round_trip_and_chat_template(gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from atomrt.workers.tokenizer import load_tokenizer
+    from atomrt.workers.loading.tokenizer import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from atomrt.runtime.config import Config, SchedulerConfig
-from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
-from atomrt.workers.input_batch import StepInputs
-from atomrt.workers.model_runner import ModelRunner, resolve_device
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
+from atomrt.workers.runner.input_batch import StepInputs
+from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
 from executor_harness import build_tiny_llama
 
 
@@ -129,7 +129,7 @@ def test_packed_step_unpacks_to_what_the_per_buffer_fill_writes(runner: ModelRun
     here through Triton's interpreter) leaves the static buffers as the per-buffer copies do,
     padding included, over stale values; of the block tables only the step's live width travels,
     and the columns past it keep what they held (no kernel reads them)."""
-    from atomrt.workers.packed_step import PackedStep
+    from atomrt.workers.runner.packed_step import PackedStep
 
     fv = runner.forward_vars
     inputs = _inputs([1, 1, 1], [5, 7, 3], runner.block_size)
@@ -167,7 +167,7 @@ def test_packed_step_gathers_pending_tokens_in_its_unpack(tmp_path_factory) -> N
     """Async scheduling, packed: the unpack kernel gives each row the token the eager gather does:
     its own staged id, the previous step's sample (token_src >= prev_token_base), or for a padding
     row staged slot 0."""
-    from atomrt.workers.packed_step import PackedStep
+    from atomrt.workers.runner.packed_step import PackedStep
 
     folder = build_tiny_llama(tmp_path_factory.mktemp("tiny_packed_async") / "model")
     config = Config(model=str(folder), device="cpu",
@@ -196,7 +196,7 @@ def test_async_pending_rows_and_padding_rows_gather_valid_tokens(tmp_path_factor
     token pool; padding rows of the bucket read staged slot 0, which holds a valid id (a pending
     row's staged id is 0, never PENDING_TOKEN)."""
     from atomrt.distributed.messages import PENDING_TOKEN, NewRequest, RankBatch
-    from atomrt.workers.input_batch import SeqMirrors
+    from atomrt.workers.runner.input_batch import SeqMirrors
 
     folder = build_tiny_llama(tmp_path_factory.mktemp("tiny_async") / "model")
     config = Config(model=str(folder), device="cpu",
@@ -244,7 +244,7 @@ def test_plain_greedy_request_graph_step_takes_the_replayed_argmax(runner: Model
     argmax rows (no sampler); any other sampling (here a temperature) samples from the replayed
     logits; a step that replays no request graph leaves no replayed tokens behind."""
     from atomrt.runtime.sampling_params import SamplingParams
-    from atomrt.workers.sampler import SamplingTensors
+    from atomrt.workers.runner.sampler import SamplingTensors
 
     vocab = runner.arch.vocab_size
     logits = torch.full((8, vocab), -1.0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from atomrt.runtime.config import DEFAULT_MODEL, Config, ModelConfig
-from atomrt.workers.loader import load_model
+from atomrt.workers.loading.loader import load_model
 from model_harness import run_prefill_and_decode
 
 transformers = pytest.importorskip("transformers")

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from atomrt.runtime.outputs import make_request_output
+from atomrt.runtime.driver.outputs import make_request_output
 from atomrt.runtime.sampling_params import SamplingParams
-from atomrt.runtime.sequence import Sequence
+from atomrt.runtime.driver.sequence import Sequence
 
 
 def _finished_sequence() -> Sequence:

@@ -22,10 +22,10 @@ def test_every_package_folder_is_listed():
 
 
 def test_cli_help_and_config_error():
-    ok = subprocess.run([sys.executable, "-m", "atomrt.runtime.cli", "generate", "--help"], capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-m", "atomrt.runtime.entrypoints.cli", "generate", "--help"], capture_output=True, text=True)
     assert ok.returncode == 0 and "--prompt" in ok.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "atomrt.runtime.cli", "generate", "--prompt", "x", "--set", "compilation_config.levle=3"],
+        [sys.executable, "-m", "atomrt.runtime.entrypoints.cli", "generate", "--prompt", "x", "--set", "compilation_config.levle=3"],
         capture_output=True, text=True,
     )
     assert bad.returncode == 2 and "compilation_config.levle" in bad.stderr and "Traceback" not in bad.stderr

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atomrt.workers.kernels import skinny_gemm
+from atomrt.workers.kernels.gemm import skinny_gemm
 from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers import linear as linear_mod
 from atomrt.workers.layers.norm import rms_norm

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from atomrt.runtime.sampling_params import SamplingParams
-from atomrt.runtime.sequence import Sequence
-from atomrt.workers.sampler import Sampler, SamplingTensors, apply_penalties, apply_top_k_top_p_min_p
+from atomrt.runtime.driver.sequence import Sequence
+from atomrt.workers.runner.sampler import Sampler, SamplingTensors, apply_penalties, apply_top_k_top_p_min_p
 
 VOCAB = 32
 

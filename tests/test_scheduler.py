@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atomrt.runtime.block_manager import BlockManager
+from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.config import CacheConfig, SchedulerConfig
 from atomrt.runtime.sampling_params import SamplingParams
-from atomrt.runtime.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
-from atomrt.runtime.sequence import Sequence, SequenceStatus
+from atomrt.runtime.driver.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
+from atomrt.runtime.driver.sequence import Sequence, SequenceStatus
 
 from test_block_manager import check_invariants
 

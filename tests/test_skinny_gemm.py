@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from atomrt.workers.kernels.skinny_configs import (
+from atomrt.workers.kernels.gemm.skinny_configs import (
     BROADCAST_MAX_M,
     CONFIGS,
     SkinnyConfig,
@@ -21,7 +21,7 @@ from atomrt.workers.kernels.skinny_configs import (
     heuristic_config,
     pick_config,
 )
-from atomrt.workers.kernels.skinny_gemm import SKINNY_MAX_M, skinny_linear, takes_weight, use_skinny
+from atomrt.workers.kernels.gemm.skinny_gemm import SKINNY_MAX_M, skinny_linear, takes_weight, use_skinny
 
 # assert_close tolerances: outputs are ~1 (weights scaled by K^-0.5), so the output rounding dominates
 TOLERANCES = {
@@ -327,7 +327,7 @@ def add_norm_reference(
 def test_add_norm_matches_reference(m: int, n: int, k: int, bias: bool, dtype: torch.dtype) -> None:
     """skinny_add_norm_linear: h = residual + update exactly as eager; y from RMSNorm(h) against
     float64, with the default config (one K step up to 1024) and with several K steps."""
-    from atomrt.workers.kernels.skinny_gemm import skinny_add_norm_linear
+    from atomrt.workers.kernels.gemm.skinny_gemm import skinny_add_norm_linear
 
     gen = torch.Generator().manual_seed(m * n + k)
     residual, update = (torch.randn(m, k, generator=gen).to(dtype) for _ in range(2))
@@ -342,7 +342,7 @@ def test_add_norm_matches_reference(m: int, n: int, k: int, bias: bool, dtype: t
 
 
 def test_add_norm_rejects_bad_arguments() -> None:
-    from atomrt.workers.kernels.skinny_gemm import skinny_add_norm_linear
+    from atomrt.workers.kernels.gemm.skinny_gemm import skinny_add_norm_linear
 
     x, w, nw = torch.zeros(2, 8), torch.zeros(4, 8), torch.ones(8)
     with pytest.raises(ValueError, match="update"):
@@ -363,7 +363,7 @@ def test_add_norm_statistics_pass_any_width(
     """The NORM prologue's statistics pass (K wider than one K step) gives the same h and a y within
     fp32's tolerance whether it walks K in many narrow steps (each masked at K's end) or in one or a
     few wide ones: narrow at 64 values, and the default's 4096 values over all M rows."""
-    from atomrt.workers.kernels import skinny_gemm
+    from atomrt.workers.kernels.gemm import skinny_gemm
 
     monkeypatch.setattr(skinny_gemm, "NORM_STATS_VALUES", stats_values)
     gen = torch.Generator().manual_seed(m + k)
@@ -384,7 +384,7 @@ def test_norm_stats_block_takes_an_8b_row_in_one_step() -> None:
     """norm_stats_block: the Llama-3.1-8B row (K 4096) at M=1 in one step of the pass, whatever the
     GEMM's K tile; wider M rows share the 4096 values; at most K's next power of two, else at least
     block_k."""
-    from atomrt.workers.kernels.skinny_gemm import norm_stats_block
+    from atomrt.workers.kernels.gemm.skinny_gemm import norm_stats_block
 
     for block_k in (128, 256, 512):
         config = SkinnyConfig(block_n=8, block_k=block_k, use_dot=False, num_warps=2, num_stages=3)

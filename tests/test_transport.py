@@ -238,12 +238,12 @@ def test_each_wait_follows_its_own_timeout(addresses, spin_s):
 
 
 def test_transport_bench_runs():
-    from atomrt.distributed.transport_bench import run_bench
+    from atomrt.runtime.bench.transport import run_bench
 
     r = run_bench(steps=50, bs=8, warmup=5)
     assert r.steps == 50 and 0 < r.bare_median_us and 0 < r.median_us <= r.p99_us
     assert 0 < r.result_bytes < r.plan_bytes < 1024
-    from atomrt.distributed.transport_bench import LEGS
+    from atomrt.runtime.bench.transport import LEGS
 
     # every leg was stamped (a zero stamp would give a huge or negative leg), in the order of a round trip
     assert list(r.legs_us) == [name for name, _, _ in LEGS]

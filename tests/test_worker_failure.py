@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from atomrt.runtime import SamplingParams
-from atomrt.runtime.executor import WorkerError
-from atomrt.runtime.llm import LLM
+from atomrt.runtime.executors.base import WorkerError
+from atomrt.runtime.entrypoints.llm import LLM
 from executor_harness import COMMON, PROMPTS, build_tiny_llama, wait_gone
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # never done before the kill
@@ -96,7 +96,7 @@ def test_frozen_worker_is_named_after_its_missed_heartbeat(tiny_model: Path, exe
 
 _EXIT_WITHOUT_SHUTDOWN = """
 import json, sys
-from atomrt.runtime.llm import LLM
+from atomrt.runtime.entrypoints.llm import LLM
 llm = LLM(sys.argv[1], executor="mp", tensor_parallel_size=2, **json.loads(sys.argv[2]))
 out = llm.generate([[3, 4, 5]], {params})
 print(json.dumps(list(llm.engine.executor.worker_pids.values())), flush=True)

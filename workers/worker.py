@@ -16,12 +16,12 @@ import torch
 
 from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.config import Config
-from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
-from atomrt.workers.input_batch import SeqMirrors
-from atomrt.workers.kv_sizing import determine_num_blocks
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
+from atomrt.workers.runner.input_batch import SeqMirrors
+from atomrt.workers.runner.kv_sizing import determine_num_blocks
 from atomrt.workers.layers.tp_ops import TPInfo
-from atomrt.workers.model_runner import ModelRunner, resolve_device
-from atomrt.workers.sampler import SamplingTensors
+from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
+from atomrt.workers.runner.sampler import SamplingTensors
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class Worker:
     def _idle(self, plan: StepPlan, decision: ForwardDecision) -> Optional[StepResult]:
         """A DP rank with no work runs a dummy batch of the decision's shape, so collectives match."""
         if len(plan.ranks) > 1 and decision.running_tokens > 0:
-            from atomrt.workers.graph_capture import dummy_decode_inputs
+            from atomrt.workers.runner.graph_capture import dummy_decode_inputs
 
             shape = decision.dummy_batch()
             q = max(shape.max_seqlen_q, 1)

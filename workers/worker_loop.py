@@ -4,7 +4,7 @@ control calls, then run plans from ZeroMQ until the shutdown plan.
 One `RankWorker` per (DP rank, TP rank). Both executors run it:
 - `mp`: `mp_main` is the target of a spawned process; control calls arrive over a Pipe
   (`ControlCall` -> `ControlReply`), then the plan loop runs in the process's main thread.
-- `ray`: `RankActor` is the actor body (wrapped by `ray.remote` in runtime/executor_ray.py); the
+- `ray`: `RankActor` is the actor body (wrapped by `ray.remote` in runtime/executors/ray_executor.py); the
   control calls are actor methods, the plan loop is one long actor call.
 
 Control calls, in order: `node_info` (rank 0's answer is the rendezvous), `init_worker` (process
@@ -107,7 +107,7 @@ class RankWorker:
         """Join the world (NCCL on GPU, gloo on CPU), then load the model on this rank's shard."""
         import torch
 
-        from atomrt.workers.model_runner import resolve_device
+        from atomrt.workers.runner.model_runner import resolve_device
         from atomrt.workers.worker import Worker
 
         device = resolve_device(self.config, self.local_device)

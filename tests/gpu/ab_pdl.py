@@ -22,8 +22,9 @@ import time
 import numpy as np
 import torch
 
-from atomrt.runtime import bench_latency, envs
-from atomrt.runtime.llm import LLM
+from atomrt.runtime import envs
+from atomrt.runtime.bench import latency as bench_latency
+from atomrt.runtime.entrypoints.llm import LLM
 from profile_step import replay_costs
 
 

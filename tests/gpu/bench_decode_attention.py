@@ -20,8 +20,8 @@ import triton
 import triton.testing
 
 from atomrt.workers.kernels.device_info import sm_count
-from atomrt.workers.kernels.decode_attention import attention_step, decode_attention, plan_decode, prepare_decode_counters
-from atomrt.workers.kernels.paged_attention import rope_write_kv, unified_attention
+from atomrt.workers.kernels.attention.decode_attention import attention_step, decode_attention, plan_decode, prepare_decode_counters
+from atomrt.workers.kernels.attention.paged_attention import rope_write_kv, unified_attention
 from atomrt.workers.layers.rotary import RotaryEmbedding
 
 SHAPES = {  # name: (batch size, KV heads, group, head_dim)

@@ -14,7 +14,7 @@ import time
 import torch
 import triton.testing
 
-from atomrt.workers.kernels.paged_attention import unified_attention
+from atomrt.workers.kernels.attention.paged_attention import unified_attention
 
 
 def bench(batch_size: int, ctx: int, num_q: int, graph_safe: bool, num_kv_heads: int = 8, group: int = 4,

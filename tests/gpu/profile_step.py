@@ -28,8 +28,8 @@ import torch
 
 from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import CompilationConfig
-from atomrt.runtime.llm import LLM
-from atomrt.workers.kernels import skinny_gemm
+from atomrt.runtime.entrypoints.llm import LLM
+from atomrt.workers.kernels.gemm import skinny_gemm
 
 
 def _timed(acc: dict, name: str, fn):
@@ -100,8 +100,8 @@ def replay_costs(eng, bs: int) -> str:
     runner = eng.executor.worker.runner
     if runner.req_graph is None or not len(runner.req_graph):
         return "no request graphs"
-    from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
-    from atomrt.workers.graph_capture import dummy_decode_inputs
+    from atomrt.runtime.decision import ForwardDecision, ForwardKind
+    from atomrt.workers.runner.graph_capture import dummy_decode_inputs
 
     key = min((k for k in runner.req_graph.keys() if k[0] >= bs), default=runner.req_graph.keys()[-1])
     bs = key[0]

@@ -72,7 +72,7 @@ export PYTHONPATH="$pp:$pp/site" PYTHONUNBUFFERED=1
 echo "machine: kernel $(uname -r), $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?"; tail -4 "$OUT/$name.txt"; }
 prof() { run "$1" "$2" python3 tests/gpu/profile_step.py "${@:3}"; }
-bench() { run "$1" "$2" python3 -m atomrt.runtime.cli bench latency --json "$OUT/$1.json" "${@:3}"; }
+bench() { run "$1" "$2" python3 -m atomrt.runtime.entrypoints.cli bench latency --json "$OUT/$1.json" "${@:3}"; }
 # thr_ab MODEL TAG "TREE BS"...: skinny_step_ab.py decode steps, in order, each in its own process;
 # TREE new: this tree's skinny thresholds, old: 16M elements at every batch size (before f2777b9)
 thr_ab() {
@@ -106,7 +106,7 @@ for part in "$@"; do
       CUDA_VISIBLE_DEVICES=0 run pytest-verify 250 python3 -m pytest -p no:cacheprovider -q -rs -m gpu \
         tests/gpu/test_graph_modes_gpu.py tests/gpu/test_models_hf_gpu.py tests/gpu/test_argmax_gpu.py \
         tests/gpu/test_skinny_gemm_gpu.py
-      CUDA_VISIBLE_DEVICES=0 run transport 60 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
+      CUDA_VISIBLE_DEVICES=0 run transport 60 python3 -m atomrt.runtime.bench.transport --steps 10000 --bs 256
       wait "$side"; cat "$OUT/side.log" ;;
     final)
       run pytest-multigpu 250 python3 -m pytest -p no:cacheprovider -q -rA --tb=long -m multigpu tests/gpu
@@ -117,9 +117,9 @@ for part in "$@"; do
       ) > "$OUT/side.log" 2>&1 &
       side=$!
       ( export CUDA_VISIBLE_DEVICES=0
-        run transport 60 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
+        run transport 60 python3 -m atomrt.runtime.bench.transport --steps 10000 --bs 256
         for spin in 0 2000; do
-          run "tp_overhead_l3_spin$spin" 120 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 \
+          run "tp_overhead_l3_spin$spin" 120 python3 -m atomrt.runtime.entrypoints.cli bench latency --compare-executors --level 3 \
             --modes FULL+async --executor inproc,ray --transport-spin-us "$spin" --json "$OUT/tp_overhead_l3_spin$spin.json"
         done )
       wait "$side"; cat "$OUT/side.log" ;;
@@ -130,23 +130,23 @@ for part in "$@"; do
       run pytest-gpu 340 python3 -m pytest -p no:cacheprovider -q -rs -s -m gpu tests/gpu
       run pytest-multigpu 260 python3 -m pytest -p no:cacheprovider -q -rA --tb=long -m multigpu tests/gpu ;;
     dist)
-      run transport 90 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
-      run tp_overhead_l0 100 python3 -m atomrt.runtime.cli bench latency --compare-executors --json "$OUT/tp_overhead_l0.json"
-      run tp_overhead_l3 120 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 --json "$OUT/tp_overhead_l3.json"
+      run transport 90 python3 -m atomrt.runtime.bench.transport --steps 10000 --bs 256
+      run tp_overhead_l0 100 python3 -m atomrt.runtime.entrypoints.cli bench latency --compare-executors --json "$OUT/tp_overhead_l0.json"
+      run tp_overhead_l3 120 python3 -m atomrt.runtime.entrypoints.cli bench latency --compare-executors --level 3 --json "$OUT/tp_overhead_l3.json"
       prof prof_135m_full_l3 70 --mode FULL --level 3 ;;
     bench)
       bench latency_135m_l3 80 --model SmolLM2-135M --level 3 --modes FULL,TR_HYBRID
       bench latency_ladder512 60 --model SmolLM2-135M --level 3 --modes FULL --batch-sizes 1 --cuda-graph-sizes 512 --max-num-seqs 512
       bench latency_1b_l3 120 --model Llama-3.2-1B --level 3 --modes FULL,TR_HYBRID
       bench latency_8b_l3 120 --model Llama-3.1-8B --level 3 --modes FULL
-      run tp_overhead_l3 100 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 --executor inproc,mp,ray --json "$OUT/tp_overhead_l3.json"
+      run tp_overhead_l3 100 python3 -m atomrt.runtime.entrypoints.cli bench latency --compare-executors --level 3 --executor inproc,mp,ray --json "$OUT/tp_overhead_l3.json"
       bench latency_eager 70 --modes eager --decode-steps 8 ;;
     async)
       prof prof_135m_full_l3_async 80 --mode FULL --level 3 --async-scheduling
       bench async_135m_l3 100 --model SmolLM2-135M --level 3 --modes FULL,FULL+async,TR_HYBRID+async
       bench async_1b_l3 110 --model Llama-3.2-1B --level 3 --modes FULL,FULL+async
       bench async_8b_l3 110 --model Llama-3.1-8B --level 3 --modes FULL+async --batch-sizes 1
-      run async_tp_overhead_l3 150 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 --modes FULL+async --executor inproc,mp,ray --json "$OUT/async_tp_overhead_l3.json" ;;
+      run async_tp_overhead_l3 150 python3 -m atomrt.runtime.entrypoints.cli bench latency --compare-executors --level 3 --modes FULL+async --executor inproc,mp,ray --json "$OUT/async_tp_overhead_l3.json" ;;
     kernels)
       run sweep_gemm 170 python3 tests/gpu/sweep_gemm.py --budget-s 110 --json "$OUT/sweep_gemm.json"
       run pytest-kernels 150 python3 -m pytest -p no:cacheprovider -q -rs -m gpu tests/gpu/test_kernels_gpu.py::test_rope_write_kv tests/gpu/test_skinny_gemm_gpu.py ;;
@@ -181,8 +181,8 @@ for part in "$@"; do
       run pytest-pdl 230 python3 -m pytest -p no:cacheprovider -q -rA --tb=short -m gpu tests/gpu/test_pdl_gpu.py ;;
     diag)
       run host_probe 60 python3 tests/gpu/host_probe.py
-      run transport_spin0 60 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
-      run transport_spin1000 60 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256 --spin-us 1000
+      run transport_spin0 60 python3 -m atomrt.runtime.bench.transport --steps 10000 --bs 256
+      run transport_spin1000 60 python3 -m atomrt.runtime.bench.transport --steps 10000 --bs 256 --spin-us 1000
       for r in 1 2 3 4; do run "slow_135m_$r" 60 python3 tests/gpu/slow_mode.py; done
       for r in 1 2; do run "slow_1b_$r" 80 python3 tests/gpu/slow_mode.py --model Llama-3.2-1B --bs 32; done
       prof prof_8b_full_l3_async 120 --mode FULL --level 3 --async-scheduling --model Llama-3.1-8B --steps 100 ;;
@@ -213,7 +213,7 @@ for part in "$@"; do
         for tree in base head; do
           root=$pp; [ "$tree" = base ] && root=$bp
           name="ab_${tree}_${model}"
-          PYTHONPATH="$root:$pp/site" timeout 110 python3 -m atomrt.runtime.cli bench latency --json "$OUT/$name.json" \
+          PYTHONPATH="$root:$pp/site" timeout 110 python3 -m atomrt.runtime.entrypoints.cli bench latency --json "$OUT/$name.json" \
             --model "$model" --level 3 --modes FULL+async --batch-sizes "$bs" > "/tmp/$name.txt" 2>&1
           echo "== $name rc=$?"; tail -1 "/tmp/$name.txt"
         done
@@ -229,7 +229,7 @@ for part in "$@"; do
           read -r tree model bs <<< "$run"
           root=$pp; [ "$tree" = base ] && root=$bp
           name="abpar_${tree}_${model}_$RANDOM"
-          PYTHONPATH="$root:$pp/site" timeout 110 python3 -m atomrt.runtime.cli bench latency --json "$OUT/$name.json" \
+          PYTHONPATH="$root:$pp/site" timeout 110 python3 -m atomrt.runtime.entrypoints.cli bench latency --json "$OUT/$name.json" \
             --model "$model" --level 3 --modes FULL+async --batch-sizes "$bs" > "$OUT/$name.txt" 2>&1
           echo "== $name rc=$?"; tail -1 "$OUT/$name.txt"
         done ) > "$OUT/side.log" 2>&1 &
@@ -242,9 +242,9 @@ for part in "$@"; do
       ( export CUDA_VISIBLE_DEVICES=1
         for r in 1 2; do bench "quick_135m_$r" 80 --model SmolLM2-135M --level 3 --modes FULL+async --batch-sizes 1; done
         bench quick_1b 100 --model Llama-3.2-1B --level 3 --modes FULL+async --batch-sizes 32
-        run tp_overhead_l3_auto 130 python3 -m atomrt.runtime.cli bench latency --compare-executors --level 3 \
+        run tp_overhead_l3_auto 130 python3 -m atomrt.runtime.entrypoints.cli bench latency --compare-executors --level 3 \
           --modes FULL+async --executor inproc,ray --json "$OUT/tp_overhead_l3_auto.json"
-        run transport 60 python3 -m atomrt.distributed.transport_bench --steps 10000 --bs 256
+        run transport 60 python3 -m atomrt.runtime.bench.transport --steps 10000 --bs 256
       ) > "$OUT/side.log" 2>&1 &
       side=$!
       CUDA_VISIBLE_DEVICES=0 run ab_pdl_8b 330 python3 tests/gpu/ab_pdl.py --model Llama-3.1-8B:1 --rounds 2

@@ -28,10 +28,11 @@ import json
 
 import numpy as np
 
-from atomrt.runtime import bench_latency
-from atomrt.runtime.llm import LLM
+from atomrt.runtime.bench import latency as bench_latency
+from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import SamplingParams
-from atomrt.workers.kernels import skinny_configs, skinny_gemm
+from atomrt.workers.kernels.gemm import skinny_configs
+from atomrt.workers.kernels.gemm import skinny_gemm
 from atomrt.workers.layers import linear
 from profile_step import kernel_table, replay_costs
 

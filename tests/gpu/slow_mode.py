@@ -27,7 +27,7 @@ import torch
 
 from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import CompilationConfig
-from atomrt.runtime.llm import LLM
+from atomrt.runtime.entrypoints.llm import LLM
 
 
 def current_cpu() -> int:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.testing
 
-from atomrt.workers.kernels.paged_attention import launch_attention, plan_attention, unified_attention, write_kv_cache
+from atomrt.workers.kernels.attention.paged_attention import launch_attention, plan_attention, unified_attention, write_kv_cache
 
 SHAPES = {  # name: (batch, kv heads, group, head dim)
     "SmolLM2-135M bs=1": (1, 3, 3, 64),

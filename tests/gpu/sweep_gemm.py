@@ -40,10 +40,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import triton
-from atomrt.workers.kernels import skinny_gemm
+from atomrt.workers.kernels.gemm import skinny_gemm
 from atomrt.workers.kernels.rms_norm import add_rms_norm
-from atomrt.workers.kernels.skinny_configs import BROADCAST_MAX_M, SkinnyConfig, block_m_for, pick_config
-from atomrt.workers.kernels.skinny_gemm import skinny_add_norm_linear, skinny_linear
+from atomrt.workers.kernels.gemm.skinny_configs import BROADCAST_MAX_M, SkinnyConfig, block_m_for, pick_config
+from atomrt.workers.kernels.gemm.skinny_gemm import skinny_add_norm_linear, skinny_linear
 
 SHAPES = {  # name: (N, K) per TP rank
     "SmolLM2-135M qkv": (960, 576),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import test_decode_attention as cpu_tier
-from atomrt.workers.kernels.decode_attention import attention_step, prepare_decode_counters
+from atomrt.workers.kernels.attention.decode_attention import attention_step, prepare_decode_counters
 
 pytestmark = pytest.mark.gpu
 

@@ -14,8 +14,8 @@ import torch
 
 from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import CompilationConfig, CUDAGraphMode
-from atomrt.runtime.forward_mode import ForwardDecision, ForwardKind
-from atomrt.runtime.llm import LLM
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
+from atomrt.runtime.entrypoints.llm import LLM
 
 pytestmark = pytest.mark.gpu
 
@@ -132,7 +132,7 @@ def test_async_scheduling_with_seeds_penalties_and_logprobs_matches_sync():
 
 def _bucket_inputs(runner, bs: int, seed: int):
     """A real decode batch of `bs` sequences with a few tokens of context in the KV cache."""
-    from atomrt.workers.input_batch import StepInputs
+    from atomrt.workers.runner.input_batch import StepInputs
 
     rng = np.random.default_rng(seed)
     ctx = rng.integers(1, 40, size=bs).astype(np.int32)
@@ -220,8 +220,8 @@ def test_level3_with_one_sequence_starts_and_matches_eager():
 def test_readback_reuses_free_slots_and_passes_over_busy_ones():
     """A step's tokens land in a pinned slot the runner reuses; a slot still waited on, or too small,
     is passed over (a new buffer), so no readback ever overwrites tokens not yet read."""
-    from atomrt.workers.model_runner import Readback, ReadbackSlot
-    from atomrt.workers.sampler import SamplerOutput
+    from atomrt.workers.runner.model_runner import Readback, ReadbackSlot
+    from atomrt.workers.runner.sampler import SamplerOutput
 
     dev = torch.device("cuda")
     slot, spare = ReadbackSlot(8), ReadbackSlot(4)
@@ -242,7 +242,7 @@ def test_readback_reuses_free_slots_and_passes_over_busy_ones():
 def test_pool_estimate_counts_logits_only_where_request_graphs_record_them():
     """KV sizing reserves a graph-pool estimate: none without graphs; with token graphs the largest
     bucket's forward; with request graphs that forward plus every row's logits (their LM head)."""
-    from atomrt.workers.kv_sizing import determine_num_blocks
+    from atomrt.workers.runner.kv_sizing import determine_num_blocks
 
     estimates = {}
     for mode in ("NONE", "TR_HYBRID", "FULL"):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import test_kernels as cpu_tier
-from atomrt.workers.kernels.paged_attention import rope_write_kv, unified_attention, write_kv_cache
+from atomrt.workers.kernels.attention.paged_attention import rope_write_kv, unified_attention, write_kv_cache
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from test_kernels import PagedBatch  # the batch layout the CPU tier uses too
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from atomrt.runtime.config import Config, ModelConfig
-from atomrt.workers.loader import load_model
+from atomrt.workers.loading.loader import load_model
 from model_harness import run_prefill_and_decode
 from test_models_hf import PROMPTS, _hf_logits, build_hf_folders
 

@@ -21,10 +21,10 @@ import torch
 import test_decode_attention as cpu_tier
 from atomrt.runtime import SamplingParams, envs
 from atomrt.runtime.config import CompilationConfig
-from atomrt.runtime.llm import LLM
+from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.workers.kernels import device_info
-from atomrt.workers.kernels.decode_attention import attention_step
-from atomrt.workers.kernels.skinny_gemm import skinny_linear
+from atomrt.workers.kernels.attention.decode_attention import attention_step
+from atomrt.workers.kernels.gemm.skinny_gemm import skinny_linear
 
 pytestmark = [
     pytest.mark.gpu,

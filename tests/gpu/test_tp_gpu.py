@@ -18,7 +18,7 @@ import torch
 
 from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import CompilationConfig
-from atomrt.runtime.llm import LLM
+from atomrt.runtime.entrypoints.llm import LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared executor harness
 from executor_harness import wait_gone  # noqa: E402

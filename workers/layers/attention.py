@@ -82,7 +82,7 @@ def _attend_cuda(
     layer_idx: int,
 ) -> None:
     """The Triton path: rotary, KV write and attention (one launch for a decode batch)."""
-    from atomrt.workers.kernels.decode_attention import attention_step
+    from atomrt.workers.kernels.attention.decode_attention import attention_step
 
     layer, md, kv = _layer_state(layer_idx)
     rotary = layer.rotary if positions is not None else None

@@ -23,7 +23,7 @@ from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.workers.kernels.rms_norm import add_rms_norm
-from atomrt.workers.kernels.skinny_gemm import (
+from atomrt.workers.kernels.gemm.skinny_gemm import (
     skinny_add_norm_linear,
     skinny_linear,
     takes_weight,

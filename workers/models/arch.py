@@ -1,7 +1,7 @@
 """`ModelArch`: the shape and settings of a model, whatever file it came from.
 
 Built from a Hugging Face config.json dict (`arch_from_hf_config`), from GGUF metadata
-(workers/gguf_loader.py) or from a preset (workers/model_presets.py). Models are constructed
+(workers/loading/gguf.py) or from a preset (workers/loading/presets.py). Models are constructed
 from it alone.
 """
 

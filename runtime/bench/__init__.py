@@ -1,0 +1,1 @@
+"""`atomrt bench` subcommands."""

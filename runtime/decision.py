@@ -1,0 +1,112 @@
+"""The step-decision types: what `ForwardMode` (runtime/driver/forward_mode.py) decides once per
+step on the driver, and what every worker follows. Plain data: they ship in a msgpack plan.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+
+class ForwardKind(str, enum.Enum):
+    """How a step runs. A `str` enum: it ships in a msgpack plan as its value."""
+
+    EAGER = "eager"
+    REQ_GRAPH = "req_graph"  # FULL: replay ReqGraph at `req_key`
+    TOKEN_GRAPH = "token_graph"  # TR_HYBRID: replay the unit's TokenGraph at `token_bucket`
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """One DP rank's scheduled batch, as the decision needs it. An idle rank has `num_seqs == 0`."""
+
+    num_seqs: int
+    num_tokens: int  # query rows this step
+    max_seqlen_q: int  # the longest sequence's query rows
+    is_prefill: bool  # any prompt rows (prefill or mixed)
+
+    @classmethod
+    def idle(cls) -> "BatchShape":
+        return cls(0, 0, 0, False)
+
+
+@dataclass(frozen=True)
+class CapturedBuckets:
+    """What capture actually recorded (filled by the runner after `capture_cudagraph`).
+
+    `req_keys`: the ReqGraph keys `(running_bs, draft_num)`; `prefill_token_sizes` /
+    `decode_token_sizes`: `captured_token_sizes(model, phase)` of the token-graph units.
+    """
+
+    req_keys: tuple[tuple[int, int], ...] = ()
+    prefill_token_sizes: tuple[int, ...] = ()
+    decode_token_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "req_keys", tuple(sorted((int(b), int(d)) for b, d in self.req_keys)))
+        object.__setattr__(self, "prefill_token_sizes", tuple(sorted(set(self.prefill_token_sizes))))
+        object.__setattr__(self, "decode_token_sizes", tuple(sorted(set(self.decode_token_sizes))))
+
+    def token_sizes(self, is_prefill: bool) -> tuple[int, ...]:
+        return self.prefill_token_sizes if is_prefill else self.decode_token_sizes
+
+    def req_batch_sizes(self, draft_num: int) -> tuple[int, ...]:
+        return tuple(bs for bs, d in self.req_keys if d == draft_num)
+
+
+@dataclass(frozen=True)
+class ForwardDecision:
+    """One step's decision, the same for every DP rank. Plain fields: ships in a msgpack plan.
+
+    `running_tokens` is the padded row count every rank runs (a graph bucket's rows; eager under DP:
+    the group's largest token count; eager on one rank: the real count). `running_bs` is the padded
+    sequence count (a request bucket; a decode token bucket's rows / (1 + draft); else the group's
+    largest sequence count). `dp_num_tokens` are the real rows per rank, `dp_padded_tokens` the rows
+    each rank runs (`running_tokens` each, an idle rank's dummy batch included).
+    `ubatch_split_bs` is always None: two-batch overlap is not implemented.
+    """
+
+    kind: ForwardKind
+    running_bs: int
+    running_tokens: int
+    is_prefill: bool
+    draft_num: int = 0
+    req_key: Optional[tuple[int, int]] = None  # REQ_GRAPH only
+    token_bucket: Optional[int] = None  # TOKEN_GRAPH only
+    ubatch_split_bs: Optional[int] = None
+    dp_num_tokens: tuple[int, ...] = field(default_factory=tuple)
+    dp_padded_tokens: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def is_eager(self) -> bool:
+        return self.kind is ForwardKind.EAGER
+
+    @property
+    def tr_graph(self) -> Optional[str]:
+        """What `set_forward_context(..., tr_graph=...)` takes for this step."""
+        return "replay" if self.kind is ForwardKind.TOKEN_GRAPH else None
+
+    def dummy_batch(self) -> BatchShape:
+        """The batch an idle rank runs so its collectives match the others'."""
+        if self.is_prefill:
+            return BatchShape(1, self.running_tokens, self.running_tokens, True)
+        q = 1 + self.draft_num
+        return BatchShape(self.running_tokens // q, self.running_tokens, q, False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"] = self.kind.value
+        d["req_key"] = list(self.req_key) if self.req_key is not None else None
+        d["dp_num_tokens"] = list(self.dp_num_tokens)
+        d["dp_padded_tokens"] = list(self.dp_padded_tokens)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ForwardDecision":
+        d = dict(d)
+        d["kind"] = ForwardKind(d["kind"])
+        d["req_key"] = tuple(d["req_key"]) if d.get("req_key") is not None else None
+        d["dp_num_tokens"] = tuple(d.get("dp_num_tokens", ()))
+        d["dp_padded_tokens"] = tuple(d.get("dp_padded_tokens", ()))
+        return cls(**d)

@@ -1,0 +1,121 @@
+# Hot path (driver, once per step): only the graph/eager/bucket decision lives here -- pure
+# arithmetic over the DP ranks' batch shapes and the buckets capture recorded. No torch, no I/O.
+"""`ForwardMode`: the one owner of the step's graph / eager / bucket decision, on the driver.
+
+`ForwardMode(config, captured).decide(batches)` looks at every DP rank's batch at once and returns
+one frozen `ForwardDecision` that every rank follows, so the ranks' collectives match:
+
+- `enforce_eager`, or mode NONE: eager.
+- A step is *decode* when every rank with work is pure decode, each sequence running
+  `1 + draft` query rows (`max_seqlen_q == 1 + draft`, `num_tokens == num_seqs * (1 + draft)`);
+  otherwise it is a *prefill* step (prefill or mixed on any rank).
+- FULL: a decode step replays the request graph at the smallest recorded bucket
+  `(running_bs, draft)` with `running_bs >=` the group's largest `num_seqs`; prefill and mixed steps,
+  and decode steps beyond the recorded ladder, run eagerly.
+- FULL_DECODE_ONLY: FULL for decode, eager for prefill / mixed.
+- TR_HYBRID, and FULL_AND_TR_HYBRID (recorded and run exactly as TR_HYBRID): the step replays the
+  token graph at the smallest token bucket recorded for its phase that holds the group's largest
+  `num_tokens`; none holds it: eager.
+- If one rank must run eagerly, every rank does. Every rank gets the same bucket; a rank with no
+  work (`num_seqs == 0`) runs a dummy batch of the decision's shape (`dummy_batch`).
+
+Two-batch overlap (TBO) is not implemented: `ForwardDecision.ubatch_split_bs` is always None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional, Sequence
+
+from atomrt.graphs.buckets import bucket_for
+from atomrt.runtime.config import Config, CUDAGraphMode
+from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardDecision, ForwardKind
+
+
+class ForwardMode:
+    """Decides, once per step on the driver, how every DP rank runs the step (see the module docstring)."""
+
+    def __init__(self, config: Config, captured: CapturedBuckets, num_draft_tokens: int = 0) -> None:
+        assert num_draft_tokens >= 0
+        self.mode: CUDAGraphMode = config.cudagraph_mode or CUDAGraphMode.NONE
+        self.enforce_eager = bool(config.enforce_eager) or self.mode == CUDAGraphMode.NONE
+        self.tr_hybrid = self.mode.uses_tr_hybrid()  # FULL_AND_TR_HYBRID runs as TR_HYBRID
+        self.captured = captured
+        self.draft_num = num_draft_tokens
+        self.ubatch_split_bs: Optional[int] = None  # TBO is not implemented
+        # The decision is a pure function of the shapes: a steady decode repeats the last one.
+        self._last: tuple[tuple[BatchShape, ...], Optional[ForwardDecision]] = ((), None)
+
+    def decide(self, batches: Sequence[BatchShape]) -> ForwardDecision:
+        shapes = tuple(batches)
+        last_shapes, last_decision = self._last
+        if shapes == last_shapes:
+            return last_decision
+        decision = self._decide(shapes)
+        self._last = (shapes, decision)
+        return decision
+
+    def _decide(self, batches: tuple[BatchShape, ...]) -> ForwardDecision:
+        assert batches, "decide needs one BatchShape per DP rank"
+        for b in batches:
+            assert b.num_seqs >= 0 and b.num_tokens >= b.num_seqs, f"bad batch shape {b}"
+        busy = [b for b in batches if b.num_seqs > 0]
+        dp_num_tokens = tuple(b.num_tokens for b in batches)
+        max_seqs = max((b.num_seqs for b in busy), default=0)
+        max_tokens = max(dp_num_tokens)
+        is_decode = bool(busy) and all(self._is_decode(b) for b in busy)
+        decision = None
+        if busy and not self.enforce_eager:
+            if self.tr_hybrid:
+                decision = self._pad_to_token_graph(is_decode, max_seqs, max_tokens)
+            elif is_decode and self.mode.decode_mode() == CUDAGraphMode.FULL:
+                decision = self._pad_to_req_graph(max_seqs)
+        if decision is None:
+            decision = self._eager(len(batches), not is_decode and bool(busy), max_seqs, max_tokens)
+        return _with_dp(decision, dp_num_tokens)
+
+    def _is_decode(self, b: BatchShape) -> bool:
+        q = 1 + self.draft_num
+        return not b.is_prefill and b.max_seqlen_q == q and b.num_tokens == b.num_seqs * q
+
+    def _pad_to_req_graph(self, max_seqs: int) -> Optional[ForwardDecision]:
+        bs = bucket_for(max_seqs, self.captured.req_batch_sizes(self.draft_num))
+        if bs is None:
+            return None
+        q = 1 + self.draft_num
+        return ForwardDecision(
+            kind=ForwardKind.REQ_GRAPH,
+            running_bs=bs,
+            running_tokens=bs * q,
+            is_prefill=False,
+            draft_num=self.draft_num,
+            req_key=(bs, self.draft_num),
+        )
+
+    def _pad_to_token_graph(self, is_decode: bool, max_seqs: int, max_tokens: int) -> Optional[ForwardDecision]:
+        bucket = bucket_for(max_tokens, self.captured.token_sizes(not is_decode))
+        if bucket is None:
+            return None
+        q = 1 + self.draft_num
+        return ForwardDecision(
+            kind=ForwardKind.TOKEN_GRAPH,
+            running_bs=bucket // q if is_decode else max_seqs,
+            running_tokens=bucket,
+            is_prefill=not is_decode,
+            draft_num=self.draft_num,
+            token_bucket=bucket,
+        )
+
+    def _eager(self, dp_size: int, is_prefill: bool, max_seqs: int, max_tokens: int) -> ForwardDecision:
+        # One rank runs its real rows; DP ranks step in lockstep, padded to the group's largest count.
+        return ForwardDecision(
+            kind=ForwardKind.EAGER,
+            running_bs=max_seqs,
+            running_tokens=max_tokens,
+            is_prefill=is_prefill,
+            draft_num=self.draft_num,
+        )
+
+
+def _with_dp(d: ForwardDecision, dp_num_tokens: tuple[int, ...]) -> ForwardDecision:
+    return replace(d, dp_num_tokens=dp_num_tokens, dp_padded_tokens=(d.running_tokens,) * len(dp_num_tokens))

@@ -1,0 +1,72 @@
+"""What the engine hands to users: `RequestOutput` with one `CompletionOutput` per sample
+(the shape vLLM users know)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from atomrt.runtime.driver.sequence import Sequence
+
+# Per sampled token: {token id: logprob} holding the sampled token and the top alternatives.
+SampleLogprobs = list[dict[int, float]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
+    logprobs: Optional[SampleLogprobs] = None
+    cumulative_logprob: Optional[float] = None
+    stop_reason: Optional[object] = None  # the stop token id or string, when one ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]  # shared by every output of the request: read it, do not modify it
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    metrics: Optional[RequestMetrics] = None
+
+
+def make_request_output(seq: Sequence, prompt: Optional[str] = None, delta: bool = False) -> RequestOutput:
+    """Snapshot of seq for the user: cumulative text and tokens by default; delta=True
+    (streaming) returns only the text and token ids not yet streamed, holding back a tail that
+    could start a stop string while the sequence runs."""
+    finished = seq.is_finished
+    if delta:
+        text = seq.detokenizer.take_stream_delta(finished) if seq.detokenizer is not None else ""
+        # Slice the new tokens straight from token_ids: copying the whole output first costs a
+        # streamed row time that grows with its length, every step.
+        token_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_streamed_tokens :]
+        seq.num_streamed_tokens = seq.num_output_tokens
+    else:
+        text = seq.output_text
+        token_ids = seq.output_token_ids
+    wants_logprobs = seq.sampling_params.logprobs is not None
+    logprobs = list(seq.output_logprobs) if wants_logprobs else None
+    cumulative_logprob = seq.cumulative_logprob if wants_logprobs else None
+    # Positional arguments in field order (each named as its field): this runs for every streamed
+    # row every step, and keyword arguments cost about 0.15 us more per dataclass.
+    completion = CompletionOutput(0, text, token_ids, seq.finish_reason, logprobs, cumulative_logprob, seq.stop_reason)
+    metrics = RequestMetrics(
+        seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time, seq.num_preemptions
+    )
+    return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, [completion], finished, metrics)

@@ -1,0 +1,113 @@
+# Hot path (driver, once per step): a SchedulerOutput -> the RankBatch that workers need.
+# What may live here: deciding what workers lack (new requests, new block-table entries).
+"""Building `StepPlan`s: ship the minimum. A sequence's prompt and sampling parameters go once, as a
+`NewRequest`; a decode step ships its new token and any new block ids only. Under async scheduling
+a row whose token is still pending ships `PENDING_TOKEN`: the workers take it from their previous
+step's sample of that sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from atomrt.distributed.messages import PENDING_TOKEN, NewRequest, RankBatch, StepPlan
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
+from atomrt.runtime.driver.scheduler import SchedulerOutput
+from atomrt.runtime.driver.sequence import Sequence
+
+_MODE_OF_KIND = {
+    ForwardKind.EAGER: StepPlan.MODE_EAGER,
+    ForwardKind.TOKEN_GRAPH: StepPlan.MODE_TOKEN_GRAPH,
+    ForwardKind.REQ_GRAPH: StepPlan.MODE_REQUEST_GRAPH,
+}
+
+
+def new_request(seq: Sequence) -> NewRequest:
+    p = seq.sampling_params
+    return NewRequest(
+        seq_id=seq.seq_id,
+        token_ids=np.asarray(seq.prompt_token_ids, dtype=np.int32),
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=-1 if p.seed is None else p.seed,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logprobs=-1 if p.logprobs is None else p.logprobs,
+    )
+
+
+class RankPlanner:
+    """One DP rank's view of what its workers hold: which sequences, how many block-table entries."""
+
+    def __init__(self) -> None:
+        self.known_blocks: dict[int, int] = {}  # seq_id -> block-table entries the workers hold
+        self.pending_finished: list[int] = []
+
+    def forget(self, seq_ids: list[int]) -> None:
+        """Sequences that finished or were aborted: the next plan tells the workers to free them."""
+        for s in seq_ids:
+            if self.known_blocks.pop(s, None) is not None:
+                self.pending_finished.append(s)
+
+    def batch(self, out: SchedulerOutput) -> RankBatch:
+        preempted = [s.seq_id for s in out.preempted if s.seq_id in self.known_blocks]
+        for s in preempted:
+            self.known_blocks[s] = 0
+        known_blocks = self.known_blocks
+        new_requests, input_ids = [], []
+        new_block_seq_ids, new_block_starts, num_new_blocks, new_block_ids = [], [], [], []
+        seq_ids, row_new_tokens, row_computed_tokens, sample_mask = [], [], [], []
+        for row in out.scheduled:
+            seq = row.seq
+            seq_id, block_table, token_ids = seq.seq_id, seq.block_table, seq.token_ids
+            known = known_blocks.get(seq_id)
+            if known is None:
+                new_requests.append(new_request(seq))
+                known = 0
+            num_blocks = len(block_table)
+            if num_blocks > known:
+                new_block_seq_ids.append(seq_id)
+                new_block_starts.append(known)
+                num_new_blocks.append(num_blocks - known)
+                new_block_ids.extend(block_table[known:])
+            known_blocks[seq_id] = num_blocks
+            start, num_new = row.num_computed_tokens, row.num_new_tokens
+            end = start + num_new
+            input_ids.extend(token_ids[start:end])
+            if end > len(token_ids):  # the last row's token is the previous step's, still in flight
+                input_ids.append(PENDING_TOKEN)
+            seq_ids.append(seq_id)
+            row_new_tokens.append(num_new)
+            row_computed_tokens.append(start)
+            sample_mask.append(row.is_sampled)
+        finished, self.pending_finished = self.pending_finished, []
+        return RankBatch(
+            new_requests=new_requests,
+            seq_ids=np.asarray(seq_ids, dtype=np.int64),
+            num_new_tokens=np.asarray(row_new_tokens, dtype=np.int32),
+            num_computed_tokens=np.asarray(row_computed_tokens, dtype=np.int32),
+            input_ids=np.asarray(input_ids, dtype=np.int32),
+            new_block_seq_ids=np.asarray(new_block_seq_ids, dtype=np.int64),
+            new_block_starts=np.asarray(new_block_starts, dtype=np.int32),
+            num_new_blocks=np.asarray(num_new_blocks, dtype=np.int32),
+            new_block_ids=np.asarray(new_block_ids, dtype=np.int32),
+            sample_mask=np.asarray(sample_mask, dtype=np.bool_),
+            finished_seq_ids=np.asarray(finished, dtype=np.int64),
+            preempted_seq_ids=np.asarray(preempted, dtype=np.int64),
+        )
+
+
+def make_plan(step: int, decision: ForwardDecision, batches: list[RankBatch], pipelined: bool = False) -> StepPlan:
+    return StepPlan(
+        step=step,
+        mode=_MODE_OF_KIND[decision.kind],
+        bucket=decision.token_bucket or (decision.req_key[0] if decision.req_key else 0),
+        running_bs=decision.running_bs,
+        running_tokens=decision.running_tokens,
+        is_prefill=decision.is_prefill,
+        num_tokens_across_dp=list(decision.dp_num_tokens),
+        ranks=batches,
+        pipelined=pipelined,
+    )

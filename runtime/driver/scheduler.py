@@ -1,0 +1,300 @@
+"""`Scheduler`: picks each step's batch for one DP rank (continuous batching) and applies its
+results.
+
+schedule(): running sequences first (decodes and unfinished chunked prefills, oldest first), each
+taking min(tokens left, budget) rows; when the KV cache cannot grow, the most recently admitted
+running sequence is preempted (recompute: its blocks are freed, num_computed_tokens = 0, and it
+goes back to the front of the waiting queue keeping its output tokens). Then, if nothing was
+preempted, waiting sequences in FCFS order with what is left of the token budget, after their
+prefix-cache hits. A sequence is sampled iff its rows reach the end of its token_ids.
+
+advance(): when the step is submitted, moves every scheduled sequence's num_computed_tokens past
+its rows and counts each sampled row as a pending token (`Sequence.num_pending`).
+
+postprocess(): when the step's results are back, registers newly full blocks in the prefix cache,
+appends sampled tokens, applies the stop rules (runtime/driver/stop_checker.py) and frees finished
+sequences' blocks.
+
+Synchronous scheduling calls advance() and postprocess() back to back. Async scheduling schedules
+and submits step N+1 before step N's results are back: a sequence sampled in step N then decodes in
+step N+1 from its pending token (the workers take it from their own step-N sample), and one that
+turns out to have stopped at step N wastes its step-N+1 row, whose result is dropped. A sequence
+whose pending tokens already reach its length limit is not scheduled again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from atomrt.runtime.driver.block_manager import BlockManager
+from atomrt.runtime.config import CacheConfig, SchedulerConfig
+from atomrt.runtime.driver.detokenizer import Detokenizer
+from atomrt.runtime.driver.sequence import Sequence, SequenceStatus
+from atomrt.runtime.driver.stop_checker import check_stop
+
+
+class RequestRejectedError(ValueError):
+    """A request that this scheduler can never run; the message says what to change."""
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # query rows this step
+    # Captured when scheduled (postprocess moves the sequence on):
+    num_computed_tokens: int = field(init=False)  # position of the first row
+    num_tokens: int = field(init=False)  # the sequence's length at schedule time (pending tokens included)
+    # Whether this row block reaches the end of the sequence, so a token is sampled (stored: the
+    # planner, advance() and postprocess() each read it for every row).
+    is_sampled: bool = field(init=False)
+    token_applied: bool = field(init=False, default=False)  # postprocess appended this row's sampled token
+
+    def __post_init__(self) -> None:
+        self.num_computed_tokens = self.seq.num_computed_tokens
+        self.num_tokens = self.seq.num_tokens + self.seq.num_pending
+        self.is_sampled = self.context_len == self.num_tokens
+
+    @property
+    def context_len(self) -> int:
+        """Tokens of context after this step (this step's rows included)."""
+        return self.num_computed_tokens + self.num_new_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.num_computed_tokens >= self.seq.num_prompt_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    is_prefill: bool = False  # any row block that is not a single-token decode
+    num_batched_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_batched_tokens
+
+    @property
+    def max_seqlen_q(self) -> int:
+        if not self.is_prefill:  # only single-token decode rows
+            return 1 if self.scheduled else 0
+        return max(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def sampled_seq_ids(self) -> list[int]:
+        return [s.seq.seq_id for s in self.scheduled if s.is_sampled]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        block_manager: BlockManager,
+        tokenizer: Optional[Any] = None,
+        max_model_len: Optional[int] = None,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_manager = block_manager
+        self.tokenizer = tokenizer  # gives each sequence a Detokenizer (stop strings need text)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self._check_fits(seq)
+        params = seq.sampling_params
+        if seq.detokenizer is None and self.tokenizer is not None:
+            seq.detokenizer = Detokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop)
+        if params.stop and seq.detokenizer is None:
+            raise RequestRejectedError(
+                f"request {seq.request_id!r}: stop strings need text; give the Scheduler a tokenizer"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def _check_fits(self, seq: Sequence) -> None:
+        """Reject what could never finish: the KV it may need (prompt + max_tokens - 1 tokens;
+        the last sampled token is never computed) beyond the whole cache or max_model_len."""
+        params = seq.sampling_params
+        if self.max_model_len is not None and seq.num_prompt_tokens >= self.max_model_len:
+            raise RequestRejectedError(
+                f"request {seq.request_id!r}: the prompt has {seq.num_prompt_tokens} tokens, "
+                f"max_model_len is {self.max_model_len}; shorten the prompt"
+            )
+        max_kv_tokens = seq.num_prompt_tokens + params.max_tokens - 1
+        if self.max_model_len is not None:
+            max_kv_tokens = min(max_kv_tokens, self.max_model_len - 1)
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and seq.num_prompt_tokens > budget:
+            raise RequestRejectedError(
+                f"request {seq.request_id!r}: the prompt has {seq.num_prompt_tokens} tokens but "
+                f"scheduler_config.max_num_batched_tokens is {budget} and chunked prefill is off; "
+                "raise max_num_batched_tokens or set enable_chunked_prefill"
+            )
+        capacity = self.block_manager.capacity_tokens
+        if max_kv_tokens > capacity:
+            raise RequestRejectedError(
+                f"request {seq.request_id!r}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
+                f"({params.max_tokens}) needs {max_kv_tokens} KV slots but the cache holds {capacity} "
+                f"({self.block_manager.num_blocks} blocks x {self.block_manager.block_size}); shorten the "
+                "prompt, lower max_tokens, or give the KV cache more memory"
+            )
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of request_id with reason "abort" and free its blocks."""
+        aborted = [s for s in list(self.waiting) + self.running if s.request_id == request_id]
+        for seq in aborted:
+            if seq in self.running:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            self.block_manager.free(seq)
+            seq.finish("abort")
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens - self._schedule_running(out)
+        if not out.preempted:
+            budget -= self._schedule_waiting(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.is_prefill = any(not s.is_decode for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> int:
+        """Schedule running sequences oldest first, preempting the newest when blocks run out.
+        Returns the tokens scheduled."""
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        queue = deque(self.running)
+        kept: list[Sequence] = []
+        while queue:
+            seq = queue.popleft()
+            num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
+            if num_new <= 0 or len(out.scheduled) >= self.config.max_num_seqs or self._pending_at_limit(seq):
+                kept.append(seq)  # no budget left this step: stays running, unscheduled
+                continue
+            if bm.blocks_needed(seq, num_new):  # a decode mostly fits in its last block: no check
+                while not bm.can_append(seq, num_new) and queue:
+                    self._preempt(queue.pop(), out)
+                if not bm.can_append(seq, num_new):
+                    self._preempt(seq, out)
+                    break
+                bm.append_slots(seq, num_new)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            kept.append(seq)
+        self.running = kept
+        return self.config.max_num_batched_tokens - budget
+
+    def _pending_at_limit(self, seq: Sequence) -> bool:
+        """Whether the tokens in flight already reach the sequence's length limit (async scheduling)."""
+        if not seq.num_pending:
+            return False
+        if seq.num_output_tokens + seq.num_pending >= seq.sampling_params.max_tokens:
+            return True
+        return self.max_model_len is not None and seq.num_tokens + seq.num_pending >= self.max_model_len
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)  # older victims end up in front of newer ones
+        out.preempted.append(seq)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting sequences FCFS with what is left of the budget, while fewer than
+        max_num_seqs sequences run. Returns the tokens scheduled."""
+        bm = self.block_manager
+        used = 0
+        while self.waiting and used < budget and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - bm.num_cached_tokens(seq)
+            num_new = min(remaining, budget - used)
+            # Without chunked prefill a prompt runs whole; one longer than the full budget (only
+            # a long preempted sequence) is chunked anyway, else it could never run again.
+            must_chunk = remaining > self.config.max_num_batched_tokens
+            if num_new < remaining and not self.config.enable_chunked_prefill and not must_chunk:
+                break
+            if not bm.can_allocate(seq, num_new):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:  # only ever set here: every running sequence came this way
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            used += num_new
+        return used
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """The step was submitted: its rows count as computed, its sampled rows as pending tokens."""
+        for row in output.scheduled:
+            seq = row.seq
+            assert seq.num_computed_tokens == row.num_computed_tokens, f"seq {seq.seq_id} moved since schedule()"
+            seq.num_computed_tokens += row.num_new_tokens
+            if row.is_sampled:
+                seq.num_pending += 1
+
+    def postprocess(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[int, int],
+        logprobs: Optional[dict[int, dict[int, float]]] = None,
+    ) -> list[Sequence]:
+        """Apply one advanced step's results: `sampled` maps seq_id -> token id for every sampled
+        row; `logprobs` (optional) maps seq_id -> {token id: logprob} (sampled token + top ones).
+        Returns the sequences that finished this step (their blocks are freed). Rows of sequences
+        that finished before (aborted, or stopped at the previous step) are skipped."""
+        bm = self.block_manager
+        finished: list[Sequence] = []
+        for row in output.scheduled:
+            seq = row.seq
+            if seq.is_finished:
+                continue
+            bm.cache_computed_blocks(seq)
+            if not row.is_sampled:
+                continue
+            if seq.seq_id not in sampled:
+                raise KeyError(f"postprocess: no sampled token for seq {seq.seq_id} (request {seq.request_id!r})")
+            token_id = int(sampled[seq.seq_id])
+            seq.num_pending -= 1
+            seq.append_token(token_id, logprobs.get(seq.seq_id) if logprobs else None)
+            row.token_applied = True
+            reason = check_stop(seq, token_id, self.max_model_len)
+            if reason is not None:
+                seq.finish(reason)
+                finished.append(seq)
+        if finished:
+            done = {id(s) for s in finished}
+            self.running = [s for s in self.running if id(s) not in done]
+            if any(s in self.waiting for s in finished):  # preempted while its token was in flight
+                self.waiting = deque(s for s in self.waiting if id(s) not in done)
+            for seq in finished:
+                bm.free(seq)
+        return finished

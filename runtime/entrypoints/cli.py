@@ -1,0 +1,126 @@
+"""The `atomrt` command: `generate` and `bench`.
+
+    atomrt generate [--model PATH] --prompt TEXT [--prompt TEXT ...] [--chat] [--config FILE] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any, Optional
+
+from atomrt.runtime.config import ConfigError, DEFAULT_MODEL
+from atomrt.runtime.envs import ENV
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help=f"model folder, .gguf file or preset (default {DEFAULT_MODEL})")
+    p.add_argument("--config", default=None, help="YAML config file (README, Configuration; deploy/examples/)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set compilation_config.level=3 (repeatable)")
+    p.add_argument("--enforce-eager", action="store_true", default=None, help="no compilation, no CUDA graphs")
+    p.add_argument("--level", type=int, default=None, help="compilation level 0-3")
+    p.add_argument("--cudagraph-mode", default=None, help="NONE | TR_HYBRID | FULL | FULL_DECODE_ONLY | FULL_AND_TR_HYBRID")
+    p.add_argument("--load-format", default=None, help="auto | safetensors | gguf | dummy")
+    p.add_argument("--dtype", default=None, help="auto | float32 | float16 | bfloat16")
+    p.add_argument("--device", default=None, help="auto | cpu | cuda")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None)
+    p.add_argument("--data-parallel-size", "--dp", type=int, default=None)
+    p.add_argument("--executor", default=None, help="inproc | mp | ray")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def config_from_args(args: argparse.Namespace):
+    from atomrt.runtime.config_io import build_config
+
+    base: dict[str, Any] = {}
+    sections = {
+        "compilation_config": {"level": args.level, "cudagraph_mode": args.cudagraph_mode},
+        "model_config": {"load_format": args.load_format, "dtype": args.dtype, "max_model_len": args.max_model_len},
+        "parallel_config": {"tensor_parallel_size": args.tensor_parallel_size,
+                            "data_parallel_size": args.data_parallel_size, "executor": args.executor},
+        "scheduler_config": {"max_num_seqs": args.max_num_seqs},
+    }
+    for top in ("model", "enforce_eager", "device"):
+        if getattr(args, top) is not None:
+            base[top] = getattr(args, top)
+    for name, values in sections.items():
+        chosen = {k: v for k, v in values.items() if v is not None}
+        if chosen:
+            base[name] = chosen
+    return build_config(args.config, args.overrides, base)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from atomrt.runtime.entrypoints.llm import LLM
+    from atomrt.runtime.sampling_params import SamplingParams
+
+    config = config_from_args(args)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    llm = LLM(config=config)
+    try:
+        start = time.perf_counter()
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            outputs = llm.generate(args.prompt, params)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    num_tokens = 0
+    for prompt, out in zip(args.prompt, outputs):
+        completion = out.outputs[0]
+        num_tokens += len(completion.token_ids)
+        print(f"### {prompt}\n{completion.text}\n")
+    print(f"generated {num_tokens} tokens for {len(outputs)} prompts in {elapsed:.2f} s: "
+          f"{num_tokens / max(elapsed, 1e-9):.1f} tokens/s")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.what == "startup":
+        from atomrt.runtime.bench.startup import main as bench_main
+    elif args.what == "latency":
+        from atomrt.runtime.bench.latency import main as bench_main
+    else:
+        from atomrt.runtime.bench.transport import main as bench_main
+    return int(bench_main(rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="atomrt", description="atomrt LLM inference runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline for a few prompts")
+    _add_config_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    bench = sub.add_parser(
+        "bench", help="benchmarks: startup | latency | transport (their own flags follow)", add_help=False
+    )
+    bench.add_argument("what", choices=["startup", "latency", "transport"])
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=ENV.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "bench":
+            return cmd_bench(args, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return cmd_generate(args)
+    except (ConfigError, ValueError) as e:
+        print(f"atomrt: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Triton attention kernels: decode (split-KV), paged prefill, rotary + KV write."""

@@ -1,0 +1,206 @@
+# Paged attention for a decode batch (at most one query row per sequence), on CUDA:
+#   decode_attention  - one launch of decode_attention_kernel: the rotary embedding of q and the new
+#                       k, the KV write, split-KV attention, and the merge of the splits (the last
+#                       program of each (sequence, KV head) merges, through per-device counters)
+#   attention_step    - what the attention op runs on CUDA: decode_attention for a decode batch, else
+#                       paged_attention's rope_write_kv / write_kv_cache then unified attention
+# Launch paths as in paged_attention.py: graph-safe (bucket values only) or host-planned.
+# Importing this module needs no GPU.
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from atomrt.workers.kernels.attention.attention_kernels import decode_attention_kernel
+from atomrt.workers.kernels import device_info
+from atomrt.workers.kernels.device_info import device_scratch, sm_count, use_pdl
+from atomrt.workers.kernels.attention.paged_attention import (
+    LOG2E,
+    MAX_PARTIAL_BYTES,
+    MAX_SPLITS,
+    MIN_KEYS_PER_SPLIT,
+    attend_planned,
+    check_attention_args,
+    plan_lengths,
+    rope_write_kv,
+    split_workspace,
+    unit_last_stride,
+    write_kv_cache,
+)
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """One launch of the decode kernel (one query row per sequence): tiles, KV splits, warps."""
+
+    block_m: int  # tile rows: the group's query heads, padded to >= 16 for tl.dot
+    head_dim_p: int
+    tile_n: int  # keys per inner iteration
+    num_splits: int  # grid dim 2; the live context decides how many of them work
+    min_tiles_per_split: int
+    num_warps: int
+    num_stages: int
+
+
+SPLIT_CHUNK = 4  # splits the merging program reads per step
+DECODE_COUNTERS = 4096  # split counters per device: a split launch has < num_sms (sequence, KV head) pairs
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_decode(
+    num_seqs: int, max_seqlen_k: int, num_kv_heads: int, group: int, head_dim: int, num_sms: int
+) -> DecodeLaunch:
+    """Tiles and split count of a decode launch over contexts of at most `max_seqlen_k` keys (the KV
+    capacity on the graph-safe path). Splits only when (sequence, KV head) pairs leave SMs idle, as
+    plan_attention does; inside the kernel a split works only on MIN_KEYS_PER_SPLIT keys or more."""
+    head_dim_p = max(16, triton.next_power_of_2(head_dim))
+    # 128-key tiles: fewer dependent round trips per program. On an H200 (tests/gpu/
+    # bench_decode_attention.py --sweep, on the kernel's first version) they beat 64-key tiles at
+    # 1024-key contexts by 10-25% for head_dim 64 and 128, and tied at 170 keys.
+    tile_n = 128 if head_dim_p <= 128 else 32
+    num_programs = max(1, num_seqs * num_kv_heads)
+    num_splits = 1
+    if num_programs < num_sms and num_programs <= DECODE_COUNTERS:
+        partial_bytes = max(1, num_seqs * num_kv_heads * group * head_dim * 4)
+        max_splits = min(MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_PARTIAL_BYTES // partial_bytes)
+        num_splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, num_programs)))
+    return DecodeLaunch(
+        block_m=max(16, triton.next_power_of_2(group)),
+        head_dim_p=head_dim_p,
+        tile_n=tile_n,
+        num_splits=num_splits,
+        min_tiles_per_split=max(1, MIN_KEYS_PER_SPLIT // tile_n),
+        num_warps=8 if head_dim_p >= 128 else 4,
+        num_stages=2,
+    )
+
+
+def prepare_decode_counters(device: torch.device) -> torch.Tensor:
+    """The device's split counters (zeroed int32), allocated on first use. Allocate them before any
+    CUDA-graph capture (the KV-cache allocation does): a recording cannot zero new memory.
+    One device's decode launches must not overlap in time (one stream): they share the counters."""
+    return device_scratch(
+        "decode attention: split counters", device,
+        lambda d: torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=d),
+        hint="call decode_attention.prepare_decode_counters(device) before capturing (allocate_kv_cache does)",
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before the rotary embedding
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; rows of no sequence are left as they are
+    positions: Optional[torch.Tensor],  # [num_tokens] int64, with cos/sin caches; None: no rotary
+    cos_cache: Optional[torch.Tensor],  # [max_position, head_dim / 2] fp32
+    sin_cache: Optional[torch.Tensor],
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = not written
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32; every sequence has 0 or 1 rows
+    context_lens: torch.Tensor,  # [num_seqs] int32, including the new row
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    scale: float,
+    plan: DecodeLaunch,
+    *,
+    num_seqs: int,
+) -> None:
+    """A decode step in one launch: the rotary embedding of q and k, k and v into the cache at
+    `slot_mapping`, and attention of each sequence's row over its context including the new key.
+    The caller guarantees at most one row per sequence (the kernel reads nothing past it)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(
+            f"decode_attention: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit q {tuple(q.shape)} "
+            f"and the caches' {num_kv_heads} KV heads"
+        )
+    has_rope = positions is not None
+    if has_rope and (cos_cache is None or sin_cache is None or cos_cache.shape[1:] != (head_dim // 2,) or head_dim % 2):
+        raise ValueError(f"decode_attention: rotary caches do not fit head_dim {head_dim} (want [max_position, {head_dim // 2}])")
+    if num_seqs == 0 or num_tokens == 0:
+        return
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    split = plan.num_splits > 1
+    if split:
+        partial, m, l = split_workspace(num_tokens, num_heads, plan.num_splits, head_dim, q.device)
+        counters = prepare_decode_counters(q.device)
+        partial_strides, ml_strides = partial.stride()[:3], m.stride()[:2]
+    else:
+        partial = m = l = counters = out  # unused
+        partial_strides, ml_strides = (0, 0, 0), (0, 0)
+    if has_rope:
+        rope_args = (positions, cos_cache.contiguous(), sin_cache.contiguous())
+    else:
+        rope_args = (slot_mapping, out, out)  # unused
+    pdl = use_pdl(q.device)
+    decode_attention_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
+        q, k, v, out, partial, m, l, counters, *rope_args,
+        k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, block_tables,
+        scale * LOG2E, plan.num_splits, num_kv_heads, num_tokens, block_tables.shape[1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        *partial_strides, *ml_strides,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        head_dim,
+        GROUP=num_heads // num_kv_heads, BLOCK_M=plan.block_m, HALF=head_dim // 2, HEAD_DIM_P=plan.head_dim_p,
+        TILE_N=plan.tile_n, BLOCK_SIZE=k_cache.shape[1], HAS_ROPE=has_rope, SPLIT=split,
+        MIN_TILES_PER_SPLIT=plan.min_tiles_per_split, SPLIT_CHUNK=SPLIT_CHUNK,
+        IEEE_DOT=q.dtype == torch.float32, USE_PDL=pdl,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=pdl and device_info.PDL_ATTRIBUTE,
+    )
+
+
+def attention_step(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    positions: Optional[torch.Tensor],  # [num_tokens] int64, or None (no rotary embedding)
+    cos_cache: Optional[torch.Tensor],
+    sin_cache: Optional[torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    num_seqs: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    graph_safe: bool,
+    cu_seqlens_q_cpu: Optional[list[int]] = None,
+    context_lens_cpu: Optional[list[int]] = None,
+) -> None:
+    """The attention op's CUDA work: rotary (with `positions`), the KV write, attention into `out`.
+
+    A batch of at most one row per sequence -- by the bucket on the graph-safe path, by the live
+    lengths otherwise -- is one decode_attention launch; any other batch is rope_write_kv (or
+    write_kv_cache) followed by unified_attention."""
+    num_kv_heads, head_dim = check_attention_args(q, k_cache, v_cache, out, block_tables)
+    lengths = plan_lengths(
+        q, block_tables, k_cache.shape[1], num_seqs, max_seqlen_q, max_seqlen_k, graph_safe,
+        cu_seqlens_q_cpu, context_lens_cpu,
+    )
+    plan_q, plan_k, _ = lengths
+    if plan_q == 1:
+        plan = plan_decode(num_seqs, plan_k, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, sm_count(q.device))
+        decode_attention(
+            q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
+            cu_seqlens_q, context_lens, block_tables, scale, plan, num_seqs=num_seqs,
+        )
+        return
+    if positions is not None:
+        q = rope_write_kv(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    attend_planned(q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale, num_seqs, lengths)

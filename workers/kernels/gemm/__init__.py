@@ -1,0 +1,1 @@
+"""Triton GEMM kernels: the skinny (small-batch) GEMM and its launch configs."""

@@ -1,0 +1,1 @@
+"""Weights (safetensors, GGUF, dummy presets) and tokenizers."""

