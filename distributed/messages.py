@@ -28,11 +28,14 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from operator import attrgetter
 from typing import Any, Optional, Union
 
 import msgpack
 import numpy as np
+
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
 
 
 class MessageError(ValueError):
@@ -57,21 +60,40 @@ def _bool(x: Any = ()) -> np.ndarray:
 # ---------------------------------------------------------------------------------------- messages
 
 
+@dataclass(frozen=True)
+class WorkerSamplingParams:
+    """How a worker samples one sequence's rows: the `SamplingParams` fields the sampler reads, and
+    the one shape they have on the worker side. Frozen: what is derived from it is computed once
+    per sequence, not once per step."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    seed: Optional[int] = None  # None: unseeded
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Optional[int] = None  # None: none; 0: the sampled token's; k: plus the top k
+
+    @cached_property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the sequence's output so far (penalties; a seeded row's draw number)."""
+        return (
+            self.seed is not None
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
 @dataclass
 class NewRequest:
     """A sequence a worker has not seen: what it prefills and how its rows are sampled."""
 
     seq_id: int
     token_ids: np.ndarray = field(default_factory=_i32)  # int32 [n]: prompt (+ outputs after preemption)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: off
-    min_p: float = 0.0
-    seed: int = -1  # -1: unseeded
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int = -1  # -1: none; 0: the sampled token's; k: plus the top k
+    sampling_params: WorkerSamplingParams = field(default_factory=WorkerSamplingParams)
 
 
 @dataclass
@@ -108,21 +130,12 @@ class StepPlan:
     """Driver -> every worker, once per step: the ForwardMode decision and each DP rank's batch."""
 
     step: int
-    mode: int = 0  # 0 eager, 1 token graph, 2 request graph
-    bucket: int = 0  # the graph bucket every DP rank runs (0 when eager)
-    running_bs: int = 0  # padded sequence count
-    running_tokens: int = 0  # padded row count (what the DP all_gather pads to)
-    is_prefill: bool = False
-    num_tokens_across_dp: list[int] = field(default_factory=list)  # real rows per DP rank
+    decision: Optional[ForwardDecision] = None  # None only on the shutdown plan
     ranks: list[RankBatch] = field(default_factory=list)  # index = DP rank
     shutdown: bool = False
     # Async scheduling: the driver publishes the next plan (or a `Flush`) before it waits for this
     # step's result, so a worker launches the next step before it hands this one back.
     pipelined: bool = False
-
-    MODE_EAGER = 0
-    MODE_TOKEN_GRAPH = 1
-    MODE_REQUEST_GRAPH = 2
 
 
 @dataclass
@@ -168,8 +181,12 @@ class Ready:
 
 Message = Union[NewRequest, RankBatch, StepPlan, StepResult, Hello, Ready, Flush]
 
-# The wire tag of each type; append only (a tag is never reused).
-_TAGS: dict[type, int] = {NewRequest: 1, RankBatch: 2, StepPlan: 3, StepResult: 4, Hello: 5, Ready: 6, Flush: 7}
+# The wire tag of each type; append only (a tag is never reused). ForwardDecision and
+# WorkerSamplingParams travel only nested, in a StepPlan and a NewRequest.
+_TAGS: dict[type, int] = {
+    NewRequest: 1, RankBatch: 2, StepPlan: 3, StepResult: 4, Hello: 5, Ready: 6, Flush: 7,
+    ForwardDecision: 8, WorkerSamplingParams: 9,
+}
 _TYPES: dict[int, type] = {tag: cls for cls, tag in _TAGS.items()}
 _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in _TAGS}
 
@@ -253,6 +270,9 @@ _NEW_BLOCK_FIELDS = slice(_FIELDS[RankBatch].index("new_block_seq_ids"), _FIELDS
 assert _FIELDS[RankBatch][_NEW_BLOCK_FIELDS] == (  # _check_new_blocks' arguments, in order
     "new_block_seq_ids", "new_block_starts", "num_new_blocks", "new_block_ids")
 _RANKS_FIELD = _FIELDS[StepPlan].index("ranks")
+_DECISION_FIELD = _FIELDS[StepPlan].index("decision")
+_SAMPLING_FIELD = _FIELDS[NewRequest].index("sampling_params")
+_DECISION_TUPLES = tuple(_FIELDS[ForwardDecision].index(n) for n in ("req_key", "dp_num_tokens", "dp_padded_tokens"))
 
 
 def _message_wire(msg: Any) -> list:
@@ -291,6 +311,15 @@ def _from_wire_obj(cls: type, items: list) -> Any:
         _check_new_blocks(*items[_NEW_BLOCK_FIELDS])
     elif cls is StepPlan:
         items[_RANKS_FIELD] = [_nested(RankBatch, r) for r in items[_RANKS_FIELD]]
+        if items[_DECISION_FIELD] is not None:
+            items[_DECISION_FIELD] = _nested(ForwardDecision, items[_DECISION_FIELD])
+    elif cls is NewRequest:
+        items[_SAMPLING_FIELD] = _nested(WorkerSamplingParams, items[_SAMPLING_FIELD])
+    elif cls is ForwardDecision:
+        items[0] = ForwardKind(items[0])
+        for i in _DECISION_TUPLES:
+            if items[i] is not None:
+                items[i] = tuple(items[i])
     return cls(*items)
 
 

@@ -5,8 +5,8 @@ step on the driver, and what every worker follows. Plain data: they ship in a ms
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
 
 class ForwardKind(str, enum.Enum):
@@ -93,20 +93,3 @@ class ForwardDecision:
             return BatchShape(1, self.running_tokens, self.running_tokens, True)
         q = 1 + self.draft_num
         return BatchShape(self.running_tokens // q, self.running_tokens, q, False)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["kind"] = self.kind.value
-        d["req_key"] = list(self.req_key) if self.req_key is not None else None
-        d["dp_num_tokens"] = list(self.dp_num_tokens)
-        d["dp_padded_tokens"] = list(self.dp_padded_tokens)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ForwardDecision":
-        d = dict(d)
-        d["kind"] = ForwardKind(d["kind"])
-        d["req_key"] = tuple(d["req_key"]) if d.get("req_key") is not None else None
-        d["dp_num_tokens"] = tuple(d.get("dp_num_tokens", ()))
-        d["dp_padded_tokens"] = tuple(d.get("dp_padded_tokens", ()))
-        return cls(**d)

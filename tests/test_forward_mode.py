@@ -2,12 +2,13 @@
 
 import dataclasses
 
-import msgpack
+
 import pytest
 
 from atomrt.runtime.config import CompilationConfig, Config, CUDAGraphMode
 from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardDecision, ForwardKind
 from atomrt.runtime.driver.forward_mode import ForwardMode
+from atomrt.distributed.messages import StepPlan, decode, encode
 
 LADDER = (1, 2, 4, 8, 16)
 PREFILL_TOKEN_SIZES = (16, 64, 256)
@@ -175,15 +176,14 @@ def test_repeated_shapes_reuse_the_decision_and_new_shapes_get_their_own():
     assert decisions[1] is decisions[0]  # a steady decode reuses the frozen decision
 
 
-def test_decision_is_frozen_and_ships_in_msgpack():
+def test_decision_is_frozen_and_ships_in_a_plan():
     d = make_mode(M.TR_HYBRID).decide([BatchShape(5, 5, 1, False), BatchShape.idle()])
     with pytest.raises(dataclasses.FrozenInstanceError):
         d.running_tokens = 3
-    wire = msgpack.packb(d.to_dict())
-    back = ForwardDecision.from_dict(msgpack.unpackb(wire))
+    back = decode(encode(StepPlan(step=0, decision=d))).decision
     assert back == d and back.kind is TOKEN
     eager = make_mode(M.NONE).decide([BatchShape(1, 9, 9, True)])
-    assert ForwardDecision.from_dict(msgpack.unpackb(msgpack.packb(eager.to_dict()))) == eager
+    assert decode(encode(StepPlan(step=1, decision=eager))).decision == eager
 
 
 def test_dummy_batch_shapes():

@@ -19,9 +19,11 @@ from atomrt.distributed.messages import (
     Ready,
     StepPlan,
     StepResult,
+    WorkerSamplingParams,
     decode,
     encode,
 )
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
 
 _SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 i32 = st.integers(-(2**31), 2**31 - 1)
@@ -54,19 +56,38 @@ def arrays(dtype, elements, max_size=40, shape=None):
     return st.lists(elements, max_size=max_size).map(lambda xs: np.array(xs, dtype=dtype))
 
 
-new_requests = st.builds(
-    NewRequest,
-    seq_id=i64,
-    token_ids=arrays(np.int32, i32, max_size=300),
+worker_sampling_params = st.builds(
+    WorkerSamplingParams,
     temperature=st.floats(0, 2),
     top_p=st.floats(0, 1),
     top_k=st.integers(-1, 1000),
     min_p=st.floats(0, 1),
-    seed=st.integers(-1, 2**63 - 1),
+    seed=st.none() | st.integers(0, 2**63 - 1),
     repetition_penalty=st.floats(0.5, 2),
     presence_penalty=st.floats(-2, 2),
     frequency_penalty=st.floats(-2, 2),
-    logprobs=st.integers(-1, 20),
+    logprobs=st.none() | st.integers(0, 20),
+)
+
+new_requests = st.builds(
+    NewRequest,
+    seq_id=i64,
+    token_ids=arrays(np.int32, i32, max_size=300),
+    sampling_params=worker_sampling_params,
+)
+
+forward_decisions = st.builds(
+    ForwardDecision,
+    kind=st.sampled_from(list(ForwardKind)),
+    running_bs=st.integers(0, 512),
+    running_tokens=st.integers(0, 8192),
+    is_prefill=st.booleans(),
+    draft_num=st.integers(0, 8),
+    req_key=st.none() | st.tuples(st.integers(1, 512), st.integers(0, 8)),
+    token_bucket=st.none() | st.integers(1, 8192),
+    ubatch_split_bs=st.none() | st.integers(1, 512),
+    dp_num_tokens=st.lists(st.integers(0, 8192), max_size=8).map(tuple),
+    dp_padded_tokens=st.lists(st.integers(0, 8192), max_size=8).map(tuple),
 )
 
 
@@ -96,12 +117,7 @@ def rank_batches(draw, max_bs=20):
 step_plans = st.builds(
     StepPlan,
     step=st.integers(0, 2**62),
-    mode=st.sampled_from([0, 1, 2]),
-    bucket=st.integers(0, 8192),
-    running_bs=st.integers(0, 512),
-    running_tokens=st.integers(0, 8192),
-    is_prefill=st.booleans(),
-    num_tokens_across_dp=st.lists(st.integers(0, 8192), max_size=8),
+    decision=st.none() | forward_decisions,
     ranks=st.lists(rank_batches(), max_size=3),
     shutdown=st.booleans(),
 )
@@ -207,7 +223,8 @@ def _decode_batch(bs: int) -> RankBatch:
 def test_large_batches_roundtrip():
     rng = np.random.default_rng(1)
     prefill = RankBatch(
-        new_requests=[NewRequest(seq_id=i, token_ids=rng.integers(0, 50000, 2048).astype(np.int32), seed=i)
+        new_requests=[NewRequest(seq_id=i, token_ids=rng.integers(0, 50000, 2048).astype(np.int32),
+                               sampling_params=WorkerSamplingParams(seed=i))
                       for i in range(300)],
         seq_ids=np.arange(300, dtype=np.int64),
         num_new_tokens=np.full(300, 2048, np.int32),
@@ -216,16 +233,18 @@ def test_large_batches_roundtrip():
         **new_blocks({i: (0, range(128 * i, 128 * (i + 1))) for i in range(300)}),
         sample_mask=np.ones(300, np.bool_),
     )
-    plan = StepPlan(step=9, mode=0, is_prefill=True, num_tokens_across_dp=[300 * 2048, 256],
-                    ranks=[prefill, _decode_batch(256)])
+    decision = ForwardDecision(ForwardKind.EAGER, running_bs=300, running_tokens=300 * 2048, is_prefill=True,
+                               dp_num_tokens=(300 * 2048, 256), dp_padded_tokens=(300 * 2048, 300 * 2048))
+    plan = StepPlan(step=9, decision=decision, ranks=[prefill, _decode_batch(256)])
     out = roundtrip(plan)
     assert out.ranks[0].new_requests[299].token_ids.shape == (2048,)
 
 
 def test_decode_step_ships_only_new_rows():
     """A 256-sequence decode step is a few KB: one token, one length, and rare new blocks per row."""
-    data = encode(StepPlan(step=1, mode=2, bucket=256, running_bs=256, running_tokens=256,
-                           num_tokens_across_dp=[256], ranks=[_decode_batch(256)]))
+    decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=256, running_tokens=256, is_prefill=False,
+                               req_key=(256, 0), dp_num_tokens=(256,), dp_padded_tokens=(256,))
+    data = encode(StepPlan(step=1, decision=decision, ranks=[_decode_batch(256)]))
     assert len(data) < 8 * 1024
 
 
@@ -342,9 +361,12 @@ def test_encode_from_many_threads():
 
 
 def test_numpy_scalars_travel_as_python_scalars():
-    out = decode(encode(StepPlan(step=np.int64(3), bucket=np.int32(8), is_prefill=np.bool_(True),
-                                 num_tokens_across_dp=[np.int64(5)])))
-    assert out.step == 3 and type(out.step) is int and out.is_prefill is True and out.num_tokens_across_dp == [5]
+    decision = ForwardDecision(ForwardKind.TOKEN_GRAPH, running_bs=np.int32(8), running_tokens=np.int32(8),
+                               is_prefill=np.bool_(True), token_bucket=np.int64(8), dp_num_tokens=(np.int64(5),))
+    out = decode(encode(StepPlan(step=np.int64(3), decision=decision)))
+    assert out.step == 3 and type(out.step) is int
+    assert out.decision.is_prefill is True and out.decision.dp_num_tokens == (5,)
+    assert out.decision.kind is ForwardKind.TOKEN_GRAPH and type(out.decision.token_bucket) is int
 
 
 def _rank_batch_wire(**fields) -> bytes:

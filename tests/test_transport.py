@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from atomrt.distributed.messages import RankBatch, StepPlan, StepResult
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.distributed.transport import (
     PlanPublisher,
     PlanSubscriber,
@@ -39,7 +40,9 @@ def _plan(step: int, bs: int = 4) -> StepPlan:
         input_ids=np.full(bs, step, np.int32),
         sample_mask=np.ones(bs, np.bool_),
     )
-    return StepPlan(step=step, running_bs=bs, running_tokens=bs, num_tokens_across_dp=[bs], ranks=[rb])
+    decision = ForwardDecision(ForwardKind.EAGER, running_bs=bs, running_tokens=bs, is_prefill=False,
+                               dp_num_tokens=(bs,), dp_padded_tokens=(bs,))
+    return StepPlan(step=step, decision=decision, ranks=[rb])
 
 
 def _receive_all(addr: TransportAddresses, rank: int, n: int, out: dict, start_delay: float = 0.0) -> None:

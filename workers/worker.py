@@ -16,7 +16,7 @@ import torch
 
 from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.config import Config
-from atomrt.runtime.decision import ForwardDecision, ForwardKind
+from atomrt.runtime.decision import ForwardDecision
 from atomrt.workers.runner.input_batch import SeqMirrors
 from atomrt.workers.runner.kv_sizing import determine_num_blocks
 from atomrt.workers.layers.tp_ops import TPInfo
@@ -24,27 +24,6 @@ from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
 from atomrt.workers.runner.sampler import SamplingTensors
 
 logger = logging.getLogger(__name__)
-
-_KIND_OF_MODE = {
-    StepPlan.MODE_EAGER: ForwardKind.EAGER,
-    StepPlan.MODE_TOKEN_GRAPH: ForwardKind.TOKEN_GRAPH,
-    StepPlan.MODE_REQUEST_GRAPH: ForwardKind.REQ_GRAPH,
-}
-
-
-def decision_of(plan: StepPlan) -> ForwardDecision:
-    """The ForwardDecision a plan carries (no draft tokens: draft_num is 0)."""
-    kind = _KIND_OF_MODE[plan.mode]
-    return ForwardDecision(
-        kind=kind,
-        running_bs=plan.running_bs,
-        running_tokens=plan.running_tokens,
-        is_prefill=plan.is_prefill,
-        req_key=(plan.running_bs, 0) if kind is ForwardKind.REQ_GRAPH else None,
-        token_bucket=plan.bucket if kind is ForwardKind.TOKEN_GRAPH else None,
-        dp_num_tokens=tuple(plan.num_tokens_across_dp),
-    )
-
 
 @dataclass(eq=False)
 class PendingStep:
@@ -130,7 +109,7 @@ class Worker:
         self.next_step += 1
         batch = plan.ranks[self.dp_rank]
         self.mirrors.apply(batch)
-        decision = decision_of(plan)
+        decision = plan.decision
         if batch.num_seqs == 0:
             self._prev_sampled = {}
             return PendingStep(plan.step, [], result=self._idle(plan, decision))

@@ -29,6 +29,7 @@ import numpy as np
 import zmq
 
 from atomrt.distributed.messages import RankBatch, StepPlan, StepResult, decode, encode
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.distributed.transport import (
     PlanPublisher,
     PlanSubscriber,
@@ -72,8 +73,9 @@ def decode_plan(step: int, bs: int) -> StepPlan:
         new_block_ids=updated.astype(np.int32),
         sample_mask=np.ones(bs, np.bool_),
     )
-    return StepPlan(step=step, mode=2, bucket=bs, running_bs=bs, running_tokens=bs, num_tokens_across_dp=[bs],
-                    ranks=[rb])
+    decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=bs, running_tokens=bs, is_prefill=False,
+                               req_key=(bs, 0), dp_num_tokens=(bs,), dp_padded_tokens=(bs,))
+    return StepPlan(step=step, decision=decision, ranks=[rb])
 
 
 def _echo_worker(addresses: dict, spin_s: float, stamps_path: str, steps: int) -> None:

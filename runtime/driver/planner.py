@@ -9,32 +9,33 @@ from __future__ import annotations
 
 import numpy as np
 
-from atomrt.distributed.messages import PENDING_TOKEN, NewRequest, RankBatch, StepPlan
-from atomrt.runtime.decision import ForwardDecision, ForwardKind
+from atomrt.distributed.messages import PENDING_TOKEN, NewRequest, RankBatch, StepPlan, WorkerSamplingParams
+from atomrt.runtime.decision import ForwardDecision
 from atomrt.runtime.driver.scheduler import SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
-
-_MODE_OF_KIND = {
-    ForwardKind.EAGER: StepPlan.MODE_EAGER,
-    ForwardKind.TOKEN_GRAPH: StepPlan.MODE_TOKEN_GRAPH,
-    ForwardKind.REQ_GRAPH: StepPlan.MODE_REQUEST_GRAPH,
-}
+from atomrt.runtime.sampling_params import SamplingParams
 
 
-def new_request(seq: Sequence) -> NewRequest:
-    p = seq.sampling_params
-    return NewRequest(
-        seq_id=seq.seq_id,
-        token_ids=np.asarray(seq.prompt_token_ids, dtype=np.int32),
+def worker_sampling_params(p: SamplingParams) -> WorkerSamplingParams:
+    """The fields of a request's SamplingParams that its workers sample with."""
+    return WorkerSamplingParams(
         temperature=p.temperature,
         top_p=p.top_p,
         top_k=p.top_k,
         min_p=p.min_p,
-        seed=-1 if p.seed is None else p.seed,
+        seed=p.seed,
         repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
-        logprobs=-1 if p.logprobs is None else p.logprobs,
+        logprobs=p.logprobs,
+    )
+
+
+def new_request(seq: Sequence) -> NewRequest:
+    return NewRequest(
+        seq_id=seq.seq_id,
+        token_ids=np.asarray(seq.prompt_token_ids, dtype=np.int32),
+        sampling_params=worker_sampling_params(seq.sampling_params),
     )
 
 
@@ -100,14 +101,4 @@ class RankPlanner:
 
 
 def make_plan(step: int, decision: ForwardDecision, batches: list[RankBatch], pipelined: bool = False) -> StepPlan:
-    return StepPlan(
-        step=step,
-        mode=_MODE_OF_KIND[decision.kind],
-        bucket=decision.token_bucket or (decision.req_key[0] if decision.req_key else 0),
-        running_bs=decision.running_bs,
-        running_tokens=decision.running_tokens,
-        is_prefill=decision.is_prefill,
-        num_tokens_across_dp=list(decision.dp_num_tokens),
-        ranks=batches,
-        pipelined=pipelined,
-    )
+    return StepPlan(step=step, decision=decision, ranks=batches, pipelined=pipelined)

@@ -10,52 +10,11 @@ penalties, the token history.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Optional
 
 import numpy as np
 
-from atomrt.distributed.messages import PENDING_TOKEN, NewRequest, RankBatch
-
-
-@dataclass(frozen=True)
-class WorkerSamplingParams:
-    """What the sampler reads per row (the SamplingParams fields a worker needs). Frozen: what is
-    derived from it is computed once per sequence, not once per step."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: Optional[int] = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Optional[int] = None
-
-    @cached_property
-    def needs_history(self) -> bool:
-        """Whether sampling reads the sequence's output so far (penalties; a seeded row's draw number)."""
-        return (
-            self.seed is not None
-            or self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
-
-    @classmethod
-    def from_request(cls, r: NewRequest) -> "WorkerSamplingParams":
-        return cls(
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            min_p=r.min_p,
-            seed=None if r.seed < 0 else r.seed,
-            repetition_penalty=r.repetition_penalty,
-            presence_penalty=r.presence_penalty,
-            frequency_penalty=r.frequency_penalty,
-            logprobs=None if r.logprobs < 0 else r.logprobs,
-        )
+from atomrt.distributed.messages import PENDING_TOKEN, RankBatch, WorkerSamplingParams
 
 
 @dataclass
@@ -166,7 +125,7 @@ class SeqMirrors:
             if seq_id in self.seqs:
                 self.block_tables.truncate(self.seqs[seq_id].block_table_row, 0)
         for r in batch.new_requests:
-            self.add(r.seq_id, SeqMirror(WorkerSamplingParams.from_request(r), r.token_ids.tolist()))
+            self.add(r.seq_id, SeqMirror(r.sampling_params, r.token_ids.tolist()))
         new_block_ids, hi = batch.new_block_ids, 0
         for seq_id, start, n in zip(batch.new_block_seq_ids.tolist(), batch.new_block_starts.tolist(),
                                     batch.num_new_blocks.tolist()):
