@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from atomrt.runtime.config import DEFAULT_MODEL, Config, ModelConfig
-from atomrt.workers.layers.tp_ops import TPInfo
+from atomrt.distributed.communication_op import TPInfo
 from atomrt.workers.loading.loader import build_model, embedded_gguf_path, load_model, resolve_model
 from atomrt.workers.loading.presets import preset_config
 from atomrt.workers.models.arch import arch_from_hf_config

@@ -47,12 +47,12 @@ def _inputs(q_lens: list[int], computed: list[int], block_size: int) -> StepInpu
 
 
 def test_padded_request_bucket_fills_static_buffers(runner: ModelRunner) -> None:
-    fv = runner.forward_vars
+    fv = runner.buffers.forward_vars
     # A large eager step first leaves stale values that padding must overwrite.
-    runner.prepare(_inputs([5, 7, 3], [0, 0, 0], runner.block_size), ForwardDecision(ForwardKind.EAGER, 3, 15, True))
-    inputs = _inputs([1, 1, 1], [5, 7, 3], runner.block_size)
+    runner.buffers.prepare(_inputs([5, 7, 3], [0, 0, 0], runner.shape.block_size), ForwardDecision(ForwardKind.EAGER, 3, 15, True))
+    inputs = _inputs([1, 1, 1], [5, 7, 3], runner.shape.block_size)
     decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=8, running_tokens=8, is_prefill=False, req_key=(8, 0))
-    md, ctx = runner.prepare(inputs, decision)
+    md, ctx = runner.buffers.prepare(inputs, decision)
     assert fv["input_ids"][:3].tolist() == [1, 2, 3] and fv["input_ids"][3:8].tolist() == [0] * 5
     assert fv["positions"][:3].tolist() == [5, 7, 3] and fv["positions"][3:8].tolist() == [0] * 5
     assert fv["slot_mapping"][:3].tolist() == inputs.slot_mapping.tolist()
@@ -69,10 +69,10 @@ def test_padded_request_bucket_fills_static_buffers(runner: ModelRunner) -> None
 
 
 def test_token_bucket_pads_rows_not_sequences(runner: ModelRunner) -> None:
-    inputs = _inputs([4, 2], [0, 3], runner.block_size)
+    inputs = _inputs([4, 2], [0, 3], runner.shape.block_size)
     decision = ForwardDecision(ForwardKind.TOKEN_GRAPH, running_bs=2, running_tokens=16, is_prefill=True,
                                token_bucket=16)
-    md, ctx = runner.prepare(inputs, decision)
+    md, ctx = runner.buffers.prepare(inputs, decision)
     assert md.num_seqs == 2 and md.cu_seqlens_q.tolist() == [0, 4, 6]
     assert md.slot_mapping.shape[0] == 16 and md.slot_mapping[6:].tolist() == [-1] * 10
     assert not md.graph_safe and md.cu_seqlens_q_cpu == [0, 4, 6] and md.context_lens_cpu == [4, 5]
@@ -84,13 +84,13 @@ def test_eager_padded_rows_do_not_change_real_logits(runner: ModelRunner) -> Non
     from atomrt.runtime.forward_context import set_forward_context
 
     def logits(decision: ForwardDecision):
-        inputs = _inputs([3, 2], [0, 0], runner.block_size)
-        md, ctx = runner.prepare(inputs, decision)
+        inputs = _inputs([3, 2], [0, 0], runner.shape.block_size)
+        md, ctx = runner.buffers.prepare(inputs, decision)
         with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers,
                                  kv_cache_data=runner.kv_cache):
-            out, _ = runner.run_model(runner.forward_vars["input_ids"][: ctx.running_tokens], decision,
-                                      runner.forward_vars["logits_indices"][:0].new_tensor([2, 4]))
-        return out
+            out = runner.run_model(runner.buffers.forward_vars["input_ids"][: ctx.running_tokens], decision,
+                                      runner.buffers.forward_vars["logits_indices"][:0].new_tensor([2, 4]))
+        return out.logits
 
     plain = logits(ForwardDecision(ForwardKind.EAGER, 2, 5, True))
     padded = logits(ForwardDecision(ForwardKind.EAGER, 2, 12, True, dp_num_tokens=(5, 12)))
@@ -107,13 +107,13 @@ def test_token_graph_records_kv_write_inline_and_breaks_only_at_attention(runner
     unit = runner.model.model
     log: list = []
     graph = token_graph_of(unit, backend=FakeBackend(log))
-    inputs = _inputs([1, 1, 1, 1], [2, 3, 1, 5], runner.block_size)
+    inputs = _inputs([1, 1, 1, 1], [2, 3, 1, 5], runner.shape.block_size)
     decision = ForwardDecision(ForwardKind.TOKEN_GRAPH, running_bs=4, running_tokens=4, is_prefill=False,
                                token_bucket=4)
-    md, ctx = runner.prepare(inputs, decision)
+    md, ctx = runner.buffers.prepare(inputs, decision)
     with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers,
                              kv_cache_data=runner.kv_cache, tr_graph="record"):
-        runner.model(runner.forward_vars["input_ids"][:4], runner.forward_vars["positions"][:4])
+        runner.model(runner.buffers.forward_vars["input_ids"][:4], runner.buffers.forward_vars["positions"][:4])
     num_layers = len(runner.attn_layers)
     assert graph.num_segments(4, "decode") == num_layers + 1
     rec = graph._recordings[(4, None)]
@@ -131,19 +131,19 @@ def test_packed_step_unpacks_to_what_the_per_buffer_fill_writes(runner: ModelRun
     and the columns past it keep what they held (no kernel reads them)."""
     from atomrt.workers.runner.packed_step import PackedStep
 
-    fv = runner.forward_vars
-    inputs = _inputs([1, 1, 1], [5, 7, 3], runner.block_size)
+    fv = runner.buffers.forward_vars
+    inputs = _inputs([1, 1, 1], [5, 7, 3], runner.shape.block_size)
     inputs.block_tables = inputs.block_tables[:, :2]  # the live width, as SeqMirrors.build gathers it
-    small = _inputs([1, 1], [2, 9], runner.block_size)
+    small = _inputs([1, 1], [2, 9], runner.shape.block_size)
     small.block_tables = small.block_tables[:, :3]
     decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=8, running_tokens=8, is_prefill=False, req_key=(8, 0))
-    stale = _inputs([5, 7, 3], [0, 0, 0], runner.block_size)
-    runner.prepare(stale, ForwardDecision(ForwardKind.EAGER, 3, 15, True))
-    runner.prepare(inputs, decision)  # on CPU: the per-buffer path
+    stale = _inputs([5, 7, 3], [0, 0, 0], runner.shape.block_size)
+    runner.buffers.prepare(stale, ForwardDecision(ForwardKind.EAGER, 3, 15, True))
+    runner.buffers.prepare(inputs, decision)  # on CPU: the per-buffer path
     expected = {k: v.clone() for k, v in fv.items()}
-    packed = PackedStep(max_seqs=8, max_rows=8, max_blocks=runner.max_blocks_per_seq, device=runner.device)
+    packed = PackedStep(max_seqs=8, max_rows=8, max_blocks=runner.shape.max_blocks_per_seq, device=runner.device)
     for bs in (8, 4, 8):  # a smaller bucket between: layouts are per bucket, the buffer is shared
-        runner.prepare(stale, ForwardDecision(ForwardKind.EAGER, 3, 15, True))
+        runner.buffers.prepare(stale, ForwardDecision(ForwardKind.EAGER, 3, 15, True))
         before = fv["block_tables"].clone()
         step = inputs if bs == 8 else small
         packed.stage(step, bs, bs)
@@ -157,15 +157,15 @@ def test_packed_step_unpacks_to_what_the_per_buffer_fill_writes(runner: ModelRun
     assert fv["block_tables"][8:].tolist() == before[8:].tolist()  # past the bucket: untouched
     with pytest.raises(ValueError, match="exceeds"):
         packed.stage(inputs, 16, 16)
-    wide = _inputs([1], [0], runner.block_size)
-    wide.block_tables = np.zeros((1, runner.max_blocks_per_seq + 1), dtype=np.int32)
+    wide = _inputs([1], [0], runner.shape.block_size)
+    wide.block_tables = np.zeros((1, runner.shape.max_blocks_per_seq + 1), dtype=np.int32)
     with pytest.raises(ValueError, match="max_blocks"):
         packed.stage(wide, 1, 1)
 
 
 def test_packed_step_gathers_pending_tokens_in_its_unpack(tmp_path_factory) -> None:
     """Async scheduling, packed: the unpack kernel gives each row the token the eager gather does:
-    its own staged id, the previous step's sample (token_src >= prev_token_base), or for a padding
+    its own staged id, the previous step's sample (token_src >= TokenPool.prev_base), or for a padding
     row staged slot 0."""
     from atomrt.workers.runner.packed_step import PackedStep
 
@@ -174,20 +174,20 @@ def test_packed_step_gathers_pending_tokens_in_its_unpack(tmp_path_factory) -> N
                     scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, async_scheduling=True))
     r = ModelRunner(config, resolve_device(config))
     r.allocate_kv_cache(32)
-    fv, base = r.forward_vars, r.prev_token_base
+    fv, base = r.buffers.forward_vars, r.tokens.prev_base
     fv["prev_tokens"][:3] = torch.tensor([71, 72, 73])
-    inputs = _inputs([1, 1, 1], [3, 3, 1], r.block_size)
+    inputs = _inputs([1, 1, 1], [3, 3, 1], r.shape.block_size)
     inputs.input_ids = np.array([5, 0, 0], dtype=np.int64)  # rows 1 and 2 are pending (staged id 0)
     inputs.token_src = np.array([0, base + 2, base + 0], dtype=np.int64)
-    packed = PackedStep(max_seqs=8, max_rows=8, max_blocks=r.max_blocks_per_seq, device=r.device,
+    packed = PackedStep(max_seqs=8, max_rows=8, max_blocks=r.shape.max_blocks_per_seq, device=r.device,
                         prev_token_base=base)
     fv["input_ids"][:8] = -5  # stale
     packed.stage(inputs, 4, 4)
     packed.unpack(fv, 4, 4)
     assert fv["input_ids"][:4].tolist() == [5, 73, 71, 5]  # padding row 3 reads staged slot 0
     fv["input_ids"][:8] = -5
-    r.prepare(inputs, ForwardDecision(ForwardKind.EAGER, 4, 4, False))  # the per-buffer path, then its gather
-    r.gather_input_ids(4)
+    r.buffers.prepare(inputs, ForwardDecision(ForwardKind.EAGER, 4, 4, False))  # the per-buffer path, then its gather
+    r.buffers.gather_input_ids(4)
     assert fv["input_ids"][:4].tolist() == [5, 73, 71, 5]
 
 
@@ -203,38 +203,40 @@ def test_async_pending_rows_and_padding_rows_gather_valid_tokens(tmp_path_factor
                     scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, async_scheduling=True))
     r = ModelRunner(config, resolve_device(config))
     r.allocate_kv_cache(32)
-    mirrors = SeqMirrors(r.block_size, r.prev_token_base)
+    mirrors = SeqMirrors(r.shape.block_size)
     mirrors.apply(RankBatch(
         new_requests=[NewRequest(s, np.array([1, 2, 3], dtype=np.int32)) for s in (10, 11, 12)],
         new_block_seq_ids=np.array([10, 11, 12], dtype=np.int64), new_block_starts=np.zeros(3, dtype=np.int32),
         num_new_blocks=np.ones(3, dtype=np.int32), new_block_ids=np.array([1, 2, 3], dtype=np.int32),
     ))
-    r.forward_vars["prev_tokens"][:3] = torch.tensor([71, 72, 73])  # the previous step sampled 12, 10, 11
+    r.buffers.forward_vars["prev_tokens"][:3] = torch.tensor([71, 72, 73])  # the previous step sampled 12, 10, 11
     batch = RankBatch(
         seq_ids=np.array([10, 11, 12], dtype=np.int64), num_new_tokens=np.array([1, 1, 2], dtype=np.int32),
         num_computed_tokens=np.array([3, 3, 1], dtype=np.int32),
         input_ids=np.array([PENDING_TOKEN, PENDING_TOKEN, 2, 3], dtype=np.int32),
         sample_mask=np.ones(3, dtype=np.bool_),
     )
-    inputs = mirrors.build(batch, prev_sampled={12: 0, 10: 1, 11: 2})
+    r.tokens.record([12, 10, 11])
+    inputs = mirrors.build(batch, r.tokens)
     assert inputs.input_ids.tolist() == [0, 0, 2, 3]
-    assert inputs.token_src.tolist() == [r.prev_token_base + 1, r.prev_token_base + 2, 2, 3]
+    assert inputs.token_src.tolist() == [r.tokens.prev_base + 1, r.tokens.prev_base + 2, 2, 3]
     decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=8, running_tokens=8, is_prefill=False, req_key=(8, 0))
-    r.prepare(inputs, decision)
-    r.gather_input_ids(8)
-    assert r.forward_vars["input_ids"][:8].tolist() == [72, 73, 2, 3, 0, 0, 0, 0]
+    r.buffers.prepare(inputs, decision)
+    r.buffers.gather_input_ids(8)
+    assert r.buffers.forward_vars["input_ids"][:8].tolist() == [72, 73, 2, 3, 0, 0, 0, 0]
     with pytest.raises(RuntimeError, match="sampled nothing"):
-        mirrors.build(batch, prev_sampled={12: 0})
+        r.tokens.record([12])
+        mirrors.build(batch, r.tokens)
 
 
 class _RecordedRequestGraph:
-    """Stands in for a ReqGraph on CPU (no CUDA graphs): replay returns fixed outputs, as a
-    recording returns its outputs' addresses, [rows, vocab] logits and their recorded argmax."""
+    """Stands in for a GraphRunner's request graphs on CPU (no CUDA graphs): replay returns fixed
+    outputs, as a recording returns its outputs' addresses, [rows, vocab] logits and their argmax."""
 
     def __init__(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         self.logits, self.tokens, self.replays = logits, tokens, 0
 
-    def replay(self, key):
+    def replay(self, decision):
         self.replays += 1
         return self.logits, self.tokens
 
@@ -242,7 +244,7 @@ class _RecordedRequestGraph:
 def test_plain_greedy_request_graph_step_takes_the_replayed_argmax(runner: ModelRunner) -> None:
     """A decode step replayed from a request graph: plain greedy sampling takes the graph's own
     argmax rows (no sampler); any other sampling (here a temperature) samples from the replayed
-    logits; a step that replays no request graph leaves no replayed tokens behind."""
+    logits; an eager step neither uses nor returns replayed tokens."""
     from atomrt.runtime.sampling_params import SamplingParams
     from atomrt.workers.runner.sampler import SamplingTensors
 
@@ -250,21 +252,20 @@ def test_plain_greedy_request_graph_step_takes_the_replayed_argmax(runner: Model
     logits = torch.full((8, vocab), -1.0)
     logits[torch.arange(8), torch.arange(8) + 3] = 5.0  # argmax of row i: i + 3
     recorded = torch.tensor([40, 41, 42, 43, 44, 45, 46, 47])  # differs from it: where tokens come from shows
-    saved = runner.req_graph
-    runner.req_graph = _RecordedRequestGraph(logits, recorded)
+    saved = runner.graphs
+    runner.graphs = _RecordedRequestGraph(logits, recorded)
     try:
         decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=8, running_tokens=8, is_prefill=False,
                                    req_key=(8, 0))
-        inputs = _inputs([1, 1, 1], [5, 7, 3], runner.block_size)
+        inputs = _inputs([1, 1, 1], [5, 7, 3], runner.shape.block_size)
         greedy = SamplingTensors.from_params([SamplingParams(temperature=0)] * 3, [[1]] * 3, [[]] * 3, vocab)
         assert greedy.is_plain_greedy
         assert runner.execute(inputs, decision, greedy).sampled_token_ids.tolist() == [40, 41, 42]
         hot = SamplingTensors.from_params([SamplingParams(temperature=1e-3, seed=1)] * 3, [[1]] * 3, [[]] * 3, vocab)
         assert not hot.is_plain_greedy
         assert runner.execute(inputs, decision, hot).sampled_token_ids.tolist() == [3, 4, 5]
-        assert runner.req_graph.replays == 2
+        assert runner.graphs.replays == 2
         eager = ForwardDecision(ForwardKind.EAGER, running_bs=3, running_tokens=3, is_prefill=False)
-        runner.execute(inputs, eager, greedy)
-        assert runner._replayed_tokens is None
+        assert runner.execute(inputs, eager, greedy).sampled_token_ids.tolist() != [40, 41, 42]
     finally:
-        runner.req_graph = saved
+        runner.graphs = saved

@@ -125,7 +125,7 @@ def test_dynamo_traces_without_graph_breaks(hf_folders: dict[str, Path]) -> None
 def _tp_worker(rank: int, tp_size: int, folder: str, init_file: str, out_file: str) -> None:
     import torch.distributed as dist
 
-    from atomrt.workers.layers.tp_ops import TPInfo
+    from atomrt.distributed.communication_op import TPInfo
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp_size)

@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 
-from atomrt.distributed.communication_op import dp_pad, make_dp_metadata
 from atomrt.distributed.net_utils import get_free_port
 from atomrt.distributed.parallel_state import (
     DistributedInitError,
@@ -21,8 +20,7 @@ from atomrt.distributed.parallel_state import (
 _RANK = r"""
 import sys, torch
 import atomrt.distributed.parallel_state as ps
-from atomrt.distributed.communication_op import (
-    dp_all_gather_num_tokens, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
+from atomrt.distributed.communication_op import TPInfo, tp_all_gather, tp_all_reduce, tp_broadcast
 torch.set_num_threads(1)
 rank, world, dp, tp, port = map(int, sys.argv[1:6])
 g = ps.init_distributed(world, rank, dp, tp, "127.0.0.1", port, backend="gloo", timeout_s=60)
@@ -33,18 +31,19 @@ assert (w.rank, w.world_size) == (rank, world)
 assert t.ranks == tuple(dp_rank * tp + i for i in range(tp)) and t.rank == tp_rank and t.world_size == tp
 assert d.ranks == tuple(i * tp + tp_rank for i in range(dp)) and d.rank == dp_rank and d.world_size == dp
 
+tp_info = TPInfo(t.rank, t.world_size, t.group)
 x = torch.full((3, 2), float(rank + 1))
-assert tensor_model_parallel_all_reduce(x) is x
+assert tp_all_reduce(x, tp_info) is x
 assert torch.equal(x, torch.full((3, 2), float(sum(r + 1 for r in t.ranks))))
 
 y = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * rank
 for dim in (-1, 0, 1):
-    got = tensor_model_parallel_all_gather(y, dim=dim)
+    got = tp_all_gather(y, tp_info, dim=dim)
     want = torch.cat([torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * r for r in t.ranks], dim=dim)
     assert torch.equal(got, want), (dim, got, want)
 
-counts = dp_all_gather_num_tokens(10 * dp_rank + 3)
-assert counts == [10 * i + 3 for i in range(dp)], counts
+z = torch.full((4,), float(rank))
+assert tp_broadcast(z, tp_info) is z and torch.equal(z, torch.full((4,), float(t.ranks[0])))
 del g, w, t, d  # destroy_distributed's contract: callers drop their group references first
 assert ps.destroy_distributed(timeout_s=20)
 assert not ps.is_distributed_initialized()
@@ -92,28 +91,14 @@ def test_bad_sizes_name_the_knobs():
 def test_single_rank_world_and_bounded_destroy():
     init_distributed(1, 0, 1, 1, "127.0.0.1", get_free_port(), backend="gloo", timeout_s=30)
     try:
-        from atomrt.distributed.communication_op import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+        from atomrt.distributed.communication_op import TPInfo, tp_all_gather, tp_all_reduce, tp_broadcast
 
-        x = torch.ones(2)
-        assert tensor_model_parallel_all_reduce(x) is x and tensor_model_parallel_all_gather(x) is x
+        x, tp = torch.ones(2), TPInfo()
+        assert tp_all_reduce(x, tp) is x and tp_all_gather(x, tp) is x and tp_broadcast(x, tp) is x
         with pytest.raises(DistributedInitError, match="already initialized"):
             init_distributed(1, 0, 1, 1, "127.0.0.1", 1)
     finally:
         assert destroy_distributed(timeout_s=20)
-
-
-def test_dp_pad_picks_the_smallest_bucket_holding_the_max():
-    buckets = [1, 2, 4, 8, 16, 32]
-    assert dp_pad([3, 0], buckets) == 4
-    assert dp_pad([8, 1, 5], buckets) == 8
-    assert dp_pad([0, 0], buckets) == 1
-    assert dp_pad([33], buckets) is None
-    assert dp_pad([5], [32, 8, 16]) == 8
-    md = make_dp_metadata([3, 40], buckets)
-    assert md.num_tokens_across_dp == [3, 40] and md.max_tokens_across_dp == 40
-    assert make_dp_metadata([3, 7], buckets).max_tokens_across_dp == 8
-    with pytest.raises(ValueError):
-        dp_pad([], buckets)
 
 
 def test_drain_is_a_no_op_without_nccl():

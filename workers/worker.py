@@ -17,10 +17,11 @@ import torch
 from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision
-from atomrt.workers.runner.input_batch import SeqMirrors
+from atomrt.workers.runner.input_batch import SeqMirrors, dummy_decode_inputs
 from atomrt.workers.runner.kv_sizing import determine_num_blocks
-from atomrt.workers.layers.tp_ops import TPInfo
+from atomrt.distributed.communication_op import TPInfo
 from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
+from atomrt.workers.runner.readback import Readback
 from atomrt.workers.runner.sampler import SamplingTensors
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class PendingStep:
 
     step: int
     seq_ids: list[int]
-    readback: Any = None  # workers.model_runner.Readback (TP rank 0), None once finished
+    readback: Optional[Readback] = None  # TP rank 0, until finished
     result: Optional[StepResult] = None
 
     @property
@@ -69,9 +70,8 @@ class Worker:
         device = resolve_device(config, local_device)
         rank = dp_rank * config.parallel_config.tensor_parallel_size + tp_rank
         self.runner = ModelRunner(config, device, tp, rank=rank)
-        self.mirrors = SeqMirrors(config.cache_config.block_size, self.runner.prev_token_base)
+        self.mirrors = SeqMirrors(config.cache_config.block_size)
         self.next_step = 0
-        self._prev_sampled: dict[int, int] = {}  # seq_id -> row of the previous step's sample
         self._unfinished: Optional[PendingStep] = None  # TP rank 0: the last launched step, until finished
 
     def determine_num_blocks(self) -> int:
@@ -80,16 +80,17 @@ class Worker:
     def initialize(self, num_blocks: int) -> WorkerInfo:
         """Allocate the KV cache (the group agreed on `num_blocks`) and capture graphs."""
         self.runner.allocate_kv_cache(num_blocks)
-        seconds, sizes = self.runner.capture_cudagraph()
-        captured = self.runner.captured_buckets()
+        seconds = self.runner.capture_cudagraph()
+        graphs = self.runner.graphs
+        captured = graphs.captured_buckets(self.runner.model)
         arch = self.runner.arch
         return WorkerInfo(
             num_kv_blocks=num_blocks,
             vocab_size=arch.vocab_size,
-            max_model_len=self.runner.max_model_len,
+            max_model_len=self.runner.shape.max_model_len,
             eos_token_ids=tuple(arch.eos_token_ids),
             capture_seconds=seconds,
-            capture_sizes=tuple(sizes),
+            capture_sizes=tuple(graphs.capture_sizes),
             req_keys=captured.req_keys,
             prefill_token_sizes=captured.prefill_token_sizes,
             decode_token_sizes=captured.decode_token_sizes,
@@ -111,9 +112,10 @@ class Worker:
         self.mirrors.apply(batch)
         decision = plan.decision
         if batch.num_seqs == 0:
-            self._prev_sampled = {}
+            if self.runner.tokens is not None:
+                self.runner.tokens.record([])
             return PendingStep(plan.step, [], result=self._idle(plan, decision))
-        inputs = self.mirrors.build(batch, self._prev_sampled)
+        inputs = self.mirrors.build(batch, self.runner.tokens)
         seq_ids = inputs.seq_ids[inputs.sample_seq_idx].tolist()
         mirrors = [self.mirrors.seqs[s] for s in seq_ids]
         if self._unfinished is not None and any(m.sampling_params.needs_history for m in mirrors):
@@ -126,8 +128,8 @@ class Worker:
             self.runner.device,
         )
         out = self.runner.execute(inputs, decision, sampling)
-        if self.runner.token_pool is not None:  # async scheduling: the next step's pending rows
-            self._prev_sampled = {s: j for j, s in enumerate(seq_ids)}
+        if self.runner.tokens is not None:  # async scheduling: the next step's pending rows
+            self.runner.tokens.record(seq_ids)
         if self.tp_rank != 0:
             return PendingStep(plan.step, seq_ids, result=None)
         pending = PendingStep(plan.step, seq_ids, readback=self.runner.start_readback(out))
@@ -149,8 +151,6 @@ class Worker:
     def _idle(self, plan: StepPlan, decision: ForwardDecision) -> Optional[StepResult]:
         """A DP rank with no work runs a dummy batch of the decision's shape, so collectives match."""
         if len(plan.ranks) > 1 and decision.running_tokens > 0:
-            from atomrt.workers.runner.graph_capture import dummy_decode_inputs
-
             shape = decision.dummy_batch()
             q = max(shape.max_seqlen_q, 1)
             inputs = dummy_decode_inputs(max(shape.num_tokens // q, 1), q)

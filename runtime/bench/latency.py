@@ -160,7 +160,7 @@ def _inproc_model_stats(llm: Any) -> tuple[Optional[int], Optional[int]]:
         return None, None
     runner = worker.runner
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    return weights, runner.kv_bytes_per_block() // runner.block_size
+    return weights, runner.kv_bytes_per_block() // runner.shape.block_size
 
 
 def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[float]:

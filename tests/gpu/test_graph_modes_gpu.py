@@ -136,10 +136,10 @@ def _bucket_inputs(runner, bs: int, seed: int):
 
     rng = np.random.default_rng(seed)
     ctx = rng.integers(1, 40, size=bs).astype(np.int32)
-    blocks_per_seq = -(-int(ctx.max()) // runner.block_size)
+    blocks_per_seq = -(-int(ctx.max()) // runner.shape.block_size)
     tables = (1 + np.arange(bs * blocks_per_seq, dtype=np.int32)).reshape(bs, blocks_per_seq)
     positions = (ctx - 1).astype(np.int64)
-    slots = tables[np.arange(bs), positions // runner.block_size].astype(np.int64) * runner.block_size + positions % runner.block_size
+    slots = tables[np.arange(bs), positions // runner.shape.block_size].astype(np.int64) * runner.shape.block_size + positions % runner.shape.block_size
     cu = np.arange(bs + 1, dtype=np.int32)
     return StepInputs(
         seq_ids=np.arange(bs, dtype=np.int64),
@@ -160,7 +160,7 @@ def test_every_bucket_replays_like_eager_in_random_order(mode):
     llm = LLM(**MODEL, compilation_config=cc, max_num_seqs=NUM_REQUESTS)
     try:
         runner = llm.engine.executor.worker.runner
-        sizes = list(runner.capture_sizes)
+        sizes = list(runner.graphs.capture_sizes)
         assert sizes == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48, 64]
         order = sizes * 2
         random.Random(1).shuffle(order)
@@ -170,27 +170,28 @@ def test_every_bucket_replays_like_eager_in_random_order(mode):
             graph = ForwardDecision(kind=kind, running_bs=bs, running_tokens=bs, is_prefill=False,
                                     req_key=(bs, 0) if mode == "FULL" else None, token_bucket=bs if mode != "FULL" else None)
             eager = ForwardDecision(kind=ForwardKind.EAGER, running_bs=bs, running_tokens=bs, is_prefill=False)
-            md, ctx = runner.prepare(inputs, eager)
+            md, ctx = runner.buffers.prepare(inputs, eager)
             from atomrt.runtime.forward_context import set_forward_context
 
             rows = torch.from_numpy(inputs.sample_rows).cuda()
             with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers, kv_cache_data=runner.kv_cache):
-                ref, _ = runner.run_model(runner.forward_vars["input_ids"][:bs], eager, rows)
+                ref = runner.run_model(runner.buffers.forward_vars["input_ids"][:bs], eager, rows).logits
             ref = ref.clone()
-            md, ctx = runner.prepare(inputs, graph)
+            md, ctx = runner.buffers.prepare(inputs, graph)
             with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers,
                                      kv_cache_data=runner.kv_cache, tr_graph=graph.tr_graph):
-                got, _ = runner.run_model(runner.forward_vars["input_ids"][:bs], graph, rows)
+                got = runner.run_model(runner.buffers.forward_vars["input_ids"][:bs], graph, rows).logits
             torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4, msg=f"{mode} bucket {bs} (replay #{i})")
             if mode == "FULL":  # every row samples (a slice): the logits are the graph's own output
-                md, ctx = runner.prepare(inputs, graph)
+                md, ctx = runner.buffers.prepare(inputs, graph)
                 with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers,
                                          kv_cache_data=runner.kv_cache):
-                    got, _ = runner.run_model(runner.forward_vars["input_ids"][:bs], graph, slice(0, bs))
+                    out = runner.run_model(runner.buffers.forward_vars["input_ids"][:bs], graph, slice(0, bs))
+                got = out.logits
                 torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4, msg=f"{mode} bucket {bs} in-graph logits")
                 # ... and the argmax recorded after them is what the sampler computes from them
-                assert runner._replayed_tokens[:bs].tolist() == got.argmax(-1).tolist(), f"bucket {bs} in-graph argmax"
-        pool, largest = runner.graph_pool_bytes, runner.graph_pool_largest_bytes
+                assert out.tokens[:bs].tolist() == got.argmax(-1).tolist(), f"bucket {bs} in-graph argmax"
+        pool, largest = runner.graphs.pool_bytes, runner.graphs.largest_pool_bytes
         assert 0 < largest <= pool
         # Recordings share one pool: the ladder needs about what its largest bucket needs, not the sum.
         assert pool <= 1.25 * largest + 8 * 2**20, f"pool {pool / 2**20:.1f} MiB vs largest {largest / 2**20:.1f} MiB"
@@ -220,7 +221,7 @@ def test_level3_with_one_sequence_starts_and_matches_eager():
 def test_readback_reuses_free_slots_and_passes_over_busy_ones():
     """A step's tokens land in a pinned slot the runner reuses; a slot still waited on, or too small,
     is passed over (a new buffer), so no readback ever overwrites tokens not yet read."""
-    from atomrt.workers.runner.model_runner import Readback, ReadbackSlot
+    from atomrt.workers.runner.readback import Readback, ReadbackSlot
     from atomrt.workers.runner.sampler import SamplerOutput
 
     dev = torch.device("cuda")

@@ -22,25 +22,26 @@ import os, sys, time
 import torch
 import torch.distributed as dist
 import atomrt.distributed.parallel_state as ps
-from atomrt.distributed.communication_op import tensor_model_parallel_all_reduce
+from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
 from atomrt.distributed.nccl_watchdog import drain_nccl_works, graph_capture_kwargs
 
 rank, port, loops = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 torch.cuda.set_device(rank)
 dev = torch.device("cuda", rank)
 ps.init_distributed(2, rank, 1, 2, "127.0.0.1", port, backend="nccl", timeout_s=60)
+tp = TPInfo(rank, 2, ps.get_tp_group().group)
 pool = torch.cuda.graph_pool_handle()
 n = 4096
 t0 = time.monotonic()
 for i in range(loops):
     eager = torch.full((n,), float(rank + 1 + i), device=dev)
-    tensor_model_parallel_all_reduce(eager)               # eager collective, still pending ...
+    tp_all_reduce(eager, tp)               # eager collective, still pending ...
     drain_nccl_works(timeout_s=30)                         # ... until completed and retired
     static_in = torch.zeros(n, device=dev)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, **graph_capture_kwargs()):
         out = static_in * 2
-        tensor_model_parallel_all_reduce(out)
+        tp_all_reduce(out, tp)
     static_in.fill_(float(rank + 1 + i))
     graph.replay()
     torch.cuda.synchronize()

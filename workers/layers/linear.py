@@ -31,7 +31,7 @@ from atomrt.workers.kernels.gemm.skinny_gemm import (
 )
 from atomrt.workers.layers.activation import silu_and_mul
 from atomrt.workers.layers.norm import RMSNorm, residual_add, rms_norm
-from atomrt.workers.layers.tp_ops import TPInfo, divide, tp_all_gather_last_dim, tp_all_reduce
+from atomrt.distributed.communication_op import TPInfo, tp_all_gather, tp_all_reduce
 
 
 def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -110,7 +110,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch
     if torch.compiler.is_compiling():
         return torch.ops.atomrt.silu_mul_linear(x, weight, bias)
     return _silu_mul_linear_impl(x, weight, bias)
-from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, read_narrow
+from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, divide, read_narrow
 
 
 def add_norm_linear(
@@ -166,14 +166,14 @@ class ColumnParallelLinear(_LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias)
-        return tp_all_gather_last_dim(y, self.tp) if self.gather_output else y
+        return tp_all_gather(y, self.tp) if self.gather_output else y
 
     def forward_add_norm(
         self, residual: torch.Tensor, update: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, self(norm(h))) for h = residual + update, through add_norm_linear."""
         h, y = add_norm_linear(residual, update, norm.weight, norm.eps, self.weight, self.bias)
-        return h, tp_all_gather_last_dim(y, self.tp) if self.gather_output else y
+        return h, tp_all_gather(y, self.tp) if self.gather_output else y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

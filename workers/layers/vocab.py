@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atomrt.workers.layers.tp_ops import TPInfo, tp_all_gather_last_dim, tp_all_reduce
+from atomrt.distributed.communication_op import TPInfo, tp_all_gather, tp_all_reduce
 from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, read_narrow, shape_of
 
 
@@ -52,7 +52,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         greedy step's argmax reads them as they are (converting to float32 is exact, so the index is
         the same), and the sampler converts them where it computes (penalties, softmax, logprobs)."""
         logits = F.linear(hidden_states, self.weight)  # [n, num_rows_per_rank]
-        logits = tp_all_gather_last_dim(logits, self.tp)
+        logits = tp_all_gather(logits, self.tp)
         return logits[:, : self.vocab_size]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

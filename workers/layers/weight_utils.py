@@ -42,3 +42,10 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 def default_weight_loader(param: torch.nn.Parameter, loaded_weight: Sliceable) -> None:
     """A replicated parameter: every rank loads the whole tensor."""
     copy_checked(param.data, read_all(loaded_weight), "replicated weight")
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """Exact division for sharding over TP ranks, with an error that names what did not split evenly."""
+    if numerator % denominator != 0:
+        raise ValueError(f"{what}: {numerator} is not divisible by tensor_parallel_size {denominator}")
+    return numerator // denominator

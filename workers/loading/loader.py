@@ -20,7 +20,7 @@ from torch import nn
 
 from atomrt.runtime.config import DEFAULT_MODEL
 from atomrt.workers.loading.gguf import arch_from_gguf, gguf_weights, open_gguf
-from atomrt.workers.layers.tp_ops import TPInfo
+from atomrt.distributed.communication_op import TPInfo
 from atomrt.workers.loading.presets import find_preset, preset_config
 from atomrt.workers.models.arch import ModelArch, arch_from_hf_config
 from atomrt.workers.models.registry import get_model_class

@@ -19,7 +19,7 @@ from atomrt.workers.layers.attention import Attention
 from atomrt.workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from atomrt.workers.layers.norm import RMSNorm, residual_add
 from atomrt.workers.layers.rotary import RotaryEmbedding
-from atomrt.workers.layers.tp_ops import TPInfo
+from atomrt.distributed.communication_op import TPInfo
 from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from atomrt.workers.layers.weight_utils import Sliceable, default_weight_loader
 from atomrt.workers.models.arch import ModelArch

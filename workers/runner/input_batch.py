@@ -10,11 +10,14 @@ penalties, the token history.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from atomrt.distributed.messages import PENDING_TOKEN, RankBatch, WorkerSamplingParams
+
+if TYPE_CHECKING:
+    from atomrt.workers.runner.token_pool import TokenPool
 
 
 @dataclass
@@ -87,7 +90,7 @@ class StepInputs:
     sample_seq_idx: np.ndarray  # int64 [num_sampled]: which sequences sample this step
     sample_rows: np.ndarray  # int64 [num_sampled]: their last query row
     # int64 [num_tokens] (async scheduling): where each row's token is in the runner's token pool:
-    # the row's own staged id (its index), or the previous step's sample (prev_token_base + its row)
+    # the row's own staged id (its index), or the previous step's sample (TokenPool.prev_base + its row)
     token_src: Optional[np.ndarray] = None
 
     @property
@@ -110,9 +113,8 @@ class StepInputs:
 class SeqMirrors:
     """The worker's sequences: applies a plan's updates and builds its `StepInputs`."""
 
-    def __init__(self, block_size: int, prev_token_base: Optional[int] = None) -> None:
+    def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.prev_token_base = prev_token_base  # None: no token pool (synchronous scheduling)
         self.seqs: dict[int, SeqMirror] = {}
         self.block_tables = BlockTables()
 
@@ -140,9 +142,9 @@ class SeqMirrors:
         mirror.block_table_row = self.block_tables.add_row()
         self.seqs[seq_id] = mirror
 
-    def build(self, batch: RankBatch, prev_sampled: Optional[dict[int, int]] = None) -> StepInputs:
+    def build(self, batch: RankBatch, tokens: Optional["TokenPool"] = None) -> StepInputs:
         """Positions, slots, cu_seqlens and block tables of the plan's rows (vectorised per step).
-        `prev_sampled` maps seq_id -> its row in the previous step's sample (for pending tokens)."""
+        `tokens` (async scheduling) says where pending rows find their token."""
         q_lens = batch.num_new_tokens.astype(np.int64)
         computed = batch.num_computed_tokens.astype(np.int64)
         bs = q_lens.shape[0]
@@ -160,7 +162,7 @@ class SeqMirrors:
         slot_mapping = blocks * self.block_size + positions % self.block_size
         sample_seq_idx = np.flatnonzero(batch.sample_mask).astype(np.int64, copy=False)
         input_ids = batch.input_ids.astype(np.int64)
-        token_src = self._token_src(batch, input_ids, seq_of_row, prev_sampled or {})
+        token_src = self._token_src(batch, input_ids, seq_of_row, tokens)
         return StepInputs(
             seq_ids=batch.seq_ids.astype(np.int64, copy=False),
             input_ids=input_ids,
@@ -175,23 +177,25 @@ class SeqMirrors:
         )
 
     def _token_src(
-        self, batch: RankBatch, input_ids: np.ndarray, seq_of_row: np.ndarray, prev_sampled: dict[int, int]
+        self, batch: RankBatch, input_ids: np.ndarray, seq_of_row: np.ndarray, tokens: Optional["TokenPool"]
     ) -> Optional[np.ndarray]:
-        """Where each row's token is (see StepInputs.token_src). A pending row's staged id becomes 0:
-        padding rows of a graph bucket read staged slot 0, which must hold a valid token id."""
+        """Where each row's token is in the token pool (see StepInputs.token_src). A pending row's
+        staged id becomes 0: padding rows of a graph bucket read staged slot 0, which must hold a
+        valid token id."""
         pending = np.flatnonzero(input_ids == PENDING_TOKEN)
-        if self.prev_token_base is None:
+        if tokens is None:
             if pending.size:
                 raise RuntimeError("the plan has pending input tokens, but this worker runs without async scheduling")
             return None
         token_src = np.arange(batch.num_tokens, dtype=np.int64)
         if pending.size:
             seq_ids = batch.seq_ids[seq_of_row[pending]].tolist()
-            missing = [s for s in seq_ids if s not in prev_sampled]
+            prev_rows = tokens.prev_rows
+            missing = [s for s in seq_ids if s not in prev_rows]
             if missing:
                 raise RuntimeError(
                     f"sequences {missing[:5]} have a pending input token but sampled nothing in the previous step")
-            token_src[pending] = [self.prev_token_base + prev_sampled[s] for s in seq_ids]
+            token_src[pending] = [tokens.prev_base + prev_rows[s] for s in seq_ids]
             input_ids[pending] = 0
         return token_src
 
@@ -201,3 +205,22 @@ class SeqMirrors:
             mirror = self.seqs.get(s)
             if mirror is not None:
                 mirror.output_token_ids.append(t)
+
+
+def dummy_decode_inputs(bs: int, max_q_len: int) -> StepInputs:
+    """`bs` sequences of `max_q_len` rows at position 0.. with one cache block (0) and no KV writes:
+    what capture records, and what an idle DP rank runs."""
+    n = bs * max_q_len
+    cu = np.arange(0, n + 1, max_q_len, dtype=np.int32)
+    return StepInputs(
+        seq_ids=np.arange(bs, dtype=np.int64),
+        input_ids=np.zeros(n, dtype=np.int64),
+        positions=np.tile(np.arange(max_q_len, dtype=np.int64), bs),
+        slot_mapping=np.full(n, -1, dtype=np.int64),
+        cu_seqlens_q=cu,
+        context_lens=np.full(bs, max_q_len, dtype=np.int32),
+        block_tables=np.zeros((bs, 1), dtype=np.int32),
+        sample_seq_idx=np.arange(bs, dtype=np.int64),
+        sample_rows=cu[1:].astype(np.int64) - 1,
+    )
+

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from atomrt.runtime.config import CUDAGraphMode
 from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
 from atomrt.workers.runner.kv_cache import KVCacheSizing, num_blocks_needed
 
@@ -29,9 +28,9 @@ logger = logging.getLogger(__name__)
 def _dummy_forward(runner: "ModelRunner", num_tokens: int, logits_rows: int = 1) -> None:
     """A prefill of `num_tokens` rows cut into sequences of at most max_model_len, without KV cache,
     and the logits of its last `logits_rows` rows."""
-    seq_len = min(num_tokens, runner.max_model_len)
+    seq_len = min(num_tokens, runner.shape.max_model_len)
     cu = list(range(0, num_tokens, seq_len)) + [num_tokens]
-    ids = runner.forward_vars["input_ids"][:num_tokens]
+    ids = runner.buffers.forward_vars["input_ids"][:num_tokens]
     pos = torch.from_numpy(np.concatenate([np.arange(b - a) for a, b in zip(cu, cu[1:])])).to(runner.device)
     md = AttentionMetaData(cu_seqlens_q_cpu=cu, num_seqs=len(cu) - 1, num_tokens=num_tokens)
     ctx = Context(positions=pos, is_prefill=True, batch_size=len(cu) - 1, running_bs=len(cu) - 1, running_tokens=num_tokens)
@@ -43,12 +42,12 @@ def _dummy_forward(runner: "ModelRunner", num_tokens: int, logits_rows: int = 1)
 def determine_num_blocks(runner: "ModelRunner") -> KVCacheSizing:
     cc = runner.config.cache_config
     per_block = runner.kv_bytes_per_block()
-    cap = num_blocks_needed(runner.max_num_seqs, runner.max_model_len, runner.block_size)
+    cap = num_blocks_needed(runner.shape.max_num_seqs, runner.shape.max_model_len, runner.shape.block_size)
     peak = pool_estimate = 0
     if cc.num_kv_blocks is not None:
         num_blocks = cc.num_kv_blocks
     elif runner.device.type != "cuda":
-        _dummy_forward(runner, min(runner.max_num_tokens, 256))  # checks the model runs; CPU has no profile
+        _dummy_forward(runner, min(runner.shape.max_num_tokens, 256))  # checks the model runs; CPU has no profile
         num_blocks = int(cc.cpu_kv_cache_gib * 2**30) // per_block
     else:
         torch.cuda.synchronize()
@@ -57,14 +56,13 @@ def determine_num_blocks(runner: "ModelRunner") -> KVCacheSizing:
         # The largest forward first: at levels 2-3 the first call compiles, and it must have >= 2 rows
         # (the largest capture bucket may be 1).
         torch.cuda.reset_peak_memory_stats()
-        _dummy_forward(runner, runner.max_num_tokens)
+        _dummy_forward(runner, runner.shape.max_num_tokens)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        largest_bucket = max(runner.config.capture_sizes or [0])
-        mode = runner.config.cudagraph_mode
-        if largest_bucket and not runner.enforce_eager and mode != CUDAGraphMode.NONE:
+        if runner.graphs.enabled:
+            largest_bucket = max(runner.config.capture_sizes)
             # A request graph records its bucket's LM head (every row's logits); a token graph does not.
-            logits_rows = largest_bucket if mode.records_request_graphs() else 1
+            logits_rows = largest_bucket if runner.graphs.records_request_graphs else 1
             torch.cuda.reset_peak_memory_stats()
             _dummy_forward(runner, largest_bucket, logits_rows=logits_rows)
             pool_estimate = torch.cuda.max_memory_allocated() - base
@@ -82,6 +80,6 @@ def determine_num_blocks(runner: "ModelRunner") -> KVCacheSizing:
         )
     logger.info(
         "KV cache: %d blocks x %d tokens (%.1f MiB); activation peak %.1f MiB; graph pool estimate %.1f MiB",
-        num_blocks, runner.block_size, num_blocks * per_block / 2**20, peak / 2**20, pool_estimate / 2**20,
+        num_blocks, runner.shape.block_size, num_blocks * per_block / 2**20, peak / 2**20, pool_estimate / 2**20,
     )
     return KVCacheSizing(num_blocks, per_block, peak, pool_estimate)

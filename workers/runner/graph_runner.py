@@ -1,0 +1,133 @@
+"""`GraphRunner`: one model runner's CUDA graphs, captured once and replayed per step.
+
+Capture follows the guide's flow. Sizes descending (largest first, so smaller recordings reuse the
+shared pool's blocks); per size a dummy decode batch of `bs` sequences x `max_q_len` rows, the
+forward context with `running_tokens` the same on every rank (capture is symmetric), a warm-up
+run, the recording, `torch.cuda.synchronize()`. FULL (and FULL_DECODE_ONLY) record `ReqGraph`s,
+the LM head and the greedy argmax included (a recording's outputs are every row's logits and their
+argmax); TR_HYBRID (and FULL_AND_TR_HYBRID, recorded exactly as TR_HYBRID) record the model's token
+graphs, asked once for decode and once for prefill (the same recording serves both). GC is off
+during capture; a progress bar shows on rank 0. Every recording drains pending NCCL work first
+(graphs/region_graph.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from atomrt.graphs.buckets import capture_order, request_bucket
+from atomrt.graphs.region_graph import ReqGraph, captured_token_sizes, graph_pool_bytes
+from atomrt.runtime.config import Config, CUDAGraphMode
+from atomrt.runtime.decision import CapturedBuckets, ForwardDecision, ForwardKind
+from atomrt.runtime.forward_context import set_forward_context
+from atomrt.workers.runner.input_batch import dummy_decode_inputs
+
+if TYPE_CHECKING:
+    from atomrt.workers.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class GraphRunner:
+    """What capture recorded and how a step replays it. `enabled` is false on CPU, under
+    `enforce_eager`, in mode NONE and without capture sizes: then nothing is recorded."""
+
+    def __init__(self, config: Config, enabled: bool) -> None:
+        mode = config.cudagraph_mode
+        self.config = config
+        self.enabled = enabled and mode != CUDAGraphMode.NONE and bool(config.capture_sizes)
+        self.records_token_graphs = mode.uses_tr_hybrid()
+        self.records_request_graphs = mode.records_request_graphs()
+        self.req_graph = ReqGraph()
+        self.capture_sizes: list[int] = []  # ascending, once captured
+        self.pool_bytes = 0  # the shared pool after capture
+        self.largest_pool_bytes = 0  # the pool after the largest bucket: the whole ladder should need about this
+
+    @property
+    def packed_bucket(self) -> int:
+        """The largest request-graph bucket (steps are staged packed for them), 0 without any."""
+        if not (self.enabled and self.records_request_graphs):
+            return 0
+        return max(self.config.capture_sizes)
+
+    def capture(self, runner: "ModelRunner") -> float:
+        """Record every capture size's graphs; returns the seconds it took."""
+        if not self.enabled:
+            return 0.0
+        sizes = capture_order(self.config.capture_sizes)
+        assert sizes[0] <= runner.shape.max_num_seqs, f"capture size {sizes[0]} > max_num_seqs"
+        self.req_graph = ReqGraph()
+        start = time.perf_counter()
+        gc.collect()
+        gc.disable()
+        try:
+            for bs in tqdm(sizes, desc="Capturing CUDA graphs", disable=runner.rank != 0):
+                self._capture_one(runner, bs, max_q_len=1)  # no drafter: one decode row per request
+                torch.cuda.synchronize()
+                self.largest_pool_bytes = self.largest_pool_bytes or (graph_pool_bytes() or 0)
+        finally:
+            gc.enable()
+        elapsed = time.perf_counter() - start
+        self.pool_bytes = graph_pool_bytes() or 0
+        self.capture_sizes = sorted(sizes)
+        logger.info(
+            "captured %d %s graphs in %.2f s; graph pool %.1f MiB (%.1f MiB after the largest bucket)",
+            len(sizes), "token" if self.records_token_graphs else "request", elapsed,
+            self.pool_bytes / 2**20, self.largest_pool_bytes / 2**20,
+        )
+        return elapsed
+
+    def _capture_one(self, runner: "ModelRunner", bs: int, max_q_len: int) -> None:
+        rows = bs * max_q_len
+        kind = ForwardKind.TOKEN_GRAPH if self.records_token_graphs else ForwardKind.REQ_GRAPH
+        decision = ForwardDecision(
+            kind=kind, running_bs=bs, running_tokens=rows, is_prefill=False, req_key=request_bucket(bs, max_q_len)
+        )
+        md, ctx = runner.buffers.prepare(dummy_decode_inputs(bs, max_q_len), decision)
+        fv = runner.buffers.forward_vars
+        ids, pos = fv["input_ids"][:rows], fv["positions"][:rows]
+        scope = dict(no_compile_layers=runner.attn_layers, kv_cache_data=runner.kv_cache)
+        with set_forward_context(md, self.config, ctx, **scope):
+            runner.buffers.unpack(bs, rows)
+            hidden = runner.model(ids, pos)  # warm-up
+            if self.records_request_graphs:
+                runner.greedy_tokens(runner.model.compute_logits(hidden))
+        if self.records_request_graphs:
+
+            def forward() -> tuple[torch.Tensor, torch.Tensor]:
+                """The request graph: unpack the staged step, run, keep the hidden states, and
+                return every row's logits (a decode step samples every row) and their argmax."""
+                runner.buffers.unpack(bs, rows)
+                hidden = runner.model(ids, pos)
+                fv["outputs"][:rows].copy_(hidden)
+                logits = runner.model.compute_logits(hidden)
+                return logits, runner.greedy_tokens(logits)
+
+            with set_forward_context(md, self.config, ctx, **scope):
+                self.req_graph.record(decision.req_key, forward)
+        if self.records_token_graphs:
+            for phase_ctx in (ctx, replace(ctx, is_prefill=True)):
+                with set_forward_context(replace(md, graph_safe=False), self.config, phase_ctx, tr_graph="record", **scope):
+                    runner.model(ids, pos)
+
+    def replay(self, decision: ForwardDecision) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the request graph of the decision's bucket: (every row's logits, their argmax),
+        valid until the next replay."""
+        return self.req_graph.replay(decision.req_key)
+
+    def captured_buckets(self, model: torch.nn.Module) -> CapturedBuckets:
+        """What capture recorded, for the driver's ForwardMode."""
+        if not self.enabled:
+            return CapturedBuckets()
+        return CapturedBuckets(
+            req_keys=tuple(self.req_graph.keys()),
+            prefill_token_sizes=tuple(captured_token_sizes(model, "prefill")),
+            decode_token_sizes=tuple(captured_token_sizes(model, "decode")),
+        )

@@ -1,0 +1,78 @@
+"""A step's sampled tokens on their way to the host, through pinned slots the runner reuses."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from atomrt.workers.runner.sampler import SamplerOutput
+
+NUM_SLOTS = 4  # pinned token buffers reused by `Readbacks.start` (async scheduling keeps <= 2 busy)
+
+
+class ReadbackSlot:
+    """A pinned host buffer for a step's sampled tokens and the event that says their copy landed.
+    `busy` from the copy's start until `Readback.wait`."""
+
+    def __init__(self, size: int) -> None:
+        self.tokens = torch.empty(size, dtype=torch.int64, pin_memory=True)
+        self.event = torch.cuda.Event()
+        self.busy = False
+
+
+class Readback:
+    """A step's sampled tokens (and logprobs) on their way to the host. On CUDA the copies are queued
+    behind the step and the host waits on an event, so a later step queued meanwhile is not waited
+    for; on CPU the values are already there. The tokens land in `slot` when one is given (free,
+    and large enough), else in a new pinned tensor."""
+
+    def __init__(self, out: SamplerOutput, device: torch.device, slot: Optional[ReadbackSlot] = None) -> None:
+        lp = out.logprobs
+        tensors = [out.sampled_token_ids]
+        if lp is not None:
+            tensors += [lp.sampled_logprobs.float(), lp.top_token_ids.to(torch.int32), lp.top_logprobs.float()]
+        self.event: Optional[torch.cuda.Event] = None
+        self.slot: Optional[ReadbackSlot] = None
+        if device.type == "cuda":
+            tokens = tensors[0]
+            fits = slot is not None and tokens.dtype == slot.tokens.dtype and tokens.shape[0] <= slot.tokens.shape[0]
+            if fits and not slot.busy:
+                host = slot.tokens[: tokens.shape[0]]
+                host.copy_(tokens, non_blocking=True)
+                tensors = [host] + [t.to("cpu", non_blocking=True) for t in tensors[1:]]
+                slot.busy, self.slot, self.event = True, slot, slot.event
+            else:
+                tensors = [t.to("cpu", non_blocking=True) for t in tensors]
+                self.event = torch.cuda.Event()
+            self.event.record()
+        self.tensors = tensors
+
+    def done(self) -> bool:
+        """Whether the copies have landed (never blocks)."""
+        return self.event is None or self.event.query()
+
+    def wait(self) -> tuple[list[int], Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+        """(token ids, (sampled logprobs, top ids, top logprobs) or None)."""
+        if self.event is not None:
+            self.event.synchronize()
+        tokens = self.tensors[0].tolist()
+        if self.slot is not None:  # the tokens are out of the slot: it may take the next step's
+            self.slot.busy, self.slot = False, None
+        if len(self.tensors) == 1:
+            return tokens, None
+        return tokens, tuple(t.numpy() for t in self.tensors[1:])
+
+
+class Readbacks:
+    """The runner's pinned slots (CUDA only): a step's readback takes the first free one, so a step
+    allocates nothing; with none free (or on CPU) a new buffer is used."""
+
+    def __init__(self, device: torch.device, max_num_seqs: int) -> None:
+        self.device = device
+        self.slots = [ReadbackSlot(max_num_seqs) for _ in range(NUM_SLOTS)] if device.type == "cuda" else []
+
+    def start(self, out: SamplerOutput) -> Readback:
+        slot = next((s for s in self.slots if not s.busy), None)
+        return Readback(out, self.device, slot)

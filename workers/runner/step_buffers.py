@@ -1,0 +1,171 @@
+# Hot path (worker, once per step): copying a step's host arrays into the static device buffers.
+# What may live here: the buffers, their pinned staging, and filling them by slicing.
+"""`StepBuffers`: the static device buffers a forward reads (`forward_vars`: the addresses every
+graph was recorded at) and how a step gets into them.
+
+On CUDA each buffer has a pinned host mirror, filled with numpy and copied asynchronously (one copy
+per buffer, padding included); on CPU the buffers are filled in place. A request-graph step on CUDA
+travels packed instead (`PackedStep`): one copy, unpacked by the graph's first kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
+from atomrt.runtime.forward_context import AttentionMetaData, Context
+from atomrt.workers.runner.input_batch import StepInputs
+from atomrt.workers.runner.packed_step import PackedStep, write_padded
+from atomrt.workers.runner.token_pool import TokenPool
+
+
+@dataclass(frozen=True)
+class RunnerShape:
+    """The sizes a runner's static buffers are allocated for."""
+
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    max_num_tokens: int  # rows: the larger of the token budget and the largest capture bucket
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+class StepBuffers:
+    def __init__(
+        self, shape: RunnerShape, hidden_size: int, dtype: torch.dtype, device: torch.device,
+        tokens: Optional[TokenPool], packed_bucket: int,
+    ) -> None:
+        """`tokens`: async scheduling's token pool (rows gather their ids from it); `packed_bucket`:
+        the largest request-graph bucket that steps are staged packed for (0: none)."""
+        n, s = shape.max_num_tokens, shape.max_num_seqs
+        self.tokens = tokens
+        self.forward_vars: dict[str, torch.Tensor] = {
+            "input_ids": torch.zeros(n, dtype=torch.int64, device=device),
+            "positions": torch.zeros(n, dtype=torch.int64, device=device),
+            "slot_mapping": torch.full((n,), -1, dtype=torch.int64, device=device),
+            "cu_seqlens_q": torch.zeros(s + 1, dtype=torch.int32, device=device),
+            "context_lens": torch.zeros(s, dtype=torch.int32, device=device),
+            "block_tables": torch.full((s, shape.max_blocks_per_seq), -1, dtype=torch.int32, device=device),
+            "logits_indices": torch.zeros(s, dtype=torch.int64, device=device),
+            "outputs": torch.zeros(n, hidden_size, dtype=dtype, device=device),
+        }
+        if tokens is not None:
+            self.forward_vars["staged_ids"] = tokens.staged_ids
+            self.forward_vars["prev_tokens"] = tokens.prev_tokens
+            self.forward_vars["token_src"] = torch.zeros(n, dtype=torch.int64, device=device)
+        self._staging = {
+            k: v.cpu().pin_memory() if device.type == "cuda" else v
+            for k, v in self.forward_vars.items() if k not in ("outputs", "prev_tokens")
+        }
+        # The pinned staging buffers are rewritten every step. Under async scheduling the host may
+        # stage step N+1 before step N's copies ran, so it first waits for this event (recorded once
+        # a step's copies are queued). Synchronously it has already waited for step N's tokens.
+        self._staging_read = torch.cuda.Event() if device.type == "cuda" and tokens is not None else None
+        self.packed: Optional[PackedStep] = None
+        if device.type == "cuda" and packed_bucket:
+            prev_base = tokens.prev_base if tokens is not None else None
+            self.packed = PackedStep(packed_bucket, packed_bucket, shape.max_blocks_per_seq, device, prev_base)
+        self._staged: Optional[tuple[int, int]] = None  # (seqs, rows) of the step last staged packed
+
+    def fill(self, name: str, values: np.ndarray, length: int, pad: Any) -> None:
+        """forward_vars[name][:length] = values, then `pad` (rows of a 2-D buffer alike)."""
+        staging = self._staging[name]
+        write_padded(staging.numpy(), values, length, pad)
+        if staging is not self.forward_vars[name]:
+            self.forward_vars[name][:length].copy_(staging[:length], non_blocking=True)
+
+    def prepare(self, inputs: StepInputs, decision: ForwardDecision) -> tuple[AttentionMetaData, Context]:
+        """Copy the step into the static buffers (padding rows zeroed, padded slots -1) and return
+        its attention metadata and context, views of those buffers sized by the decision."""
+        n, bs = inputs.num_tokens, inputs.num_seqs
+        rows = max(decision.running_tokens, n)
+        seqs = decision.running_bs if decision.kind is ForwardKind.REQ_GRAPH else bs
+        if self.tokens is not None and inputs.token_src is None:  # every row's token is staged
+            inputs.token_src = self.tokens.own_rows[:n]
+        if self._staging_read is not None:
+            self._staging_read.synchronize()
+        if self.packed is not None and decision.kind is ForwardKind.REQ_GRAPH:
+            self.packed.stage(inputs, seqs, rows)
+            self._staged = (seqs, rows)
+        else:
+            self._fill_each(inputs, seqs, rows)
+        return self._metadata(inputs, decision, seqs, rows), self._context(decision, bs, rows)
+
+    def _fill_each(self, inputs: StepInputs, seqs: int, rows: int) -> None:
+        if self.tokens is not None:
+            self.fill("staged_ids", inputs.input_ids, rows, 0)
+            self.fill("token_src", inputs.token_src, rows, 0)
+        else:
+            self.fill("input_ids", inputs.input_ids, rows, 0)
+        self.fill("positions", inputs.positions, rows, 0)
+        self.fill("slot_mapping", inputs.slot_mapping, rows, -1)
+        self.fill("cu_seqlens_q", inputs.cu_seqlens_q, seqs + 1, inputs.num_tokens)
+        self.fill("context_lens", inputs.context_lens, seqs, 0)
+        self.fill("block_tables", inputs.block_tables, seqs, -1)
+
+    def _metadata(self, inputs: StepInputs, decision: ForwardDecision, seqs: int, rows: int) -> AttentionMetaData:
+        fv = self.forward_vars
+        return AttentionMetaData(
+            cu_seqlens_q=fv["cu_seqlens_q"][: seqs + 1],
+            context_lens=fv["context_lens"][:seqs],
+            block_tables=fv["block_tables"][:seqs],
+            slot_mapping=fv["slot_mapping"][:rows],
+            max_seqlen_q=max(inputs.max_seqlen_q, 1 + decision.draft_num if not decision.is_prefill else 0),
+            max_seqlen_k=inputs.max_seqlen_k,
+            num_seqs=seqs,
+            num_tokens=inputs.num_tokens,
+            cu_seqlens_q_cpu=inputs.cu_seqlens_q.tolist(),
+            context_lens_cpu=inputs.context_lens.tolist(),
+            graph_safe=decision.kind is ForwardKind.REQ_GRAPH,
+        )
+
+    def _context(self, decision: ForwardDecision, bs: int, rows: int) -> Context:
+        return Context(
+            positions=self.forward_vars["positions"][:rows],
+            is_prefill=decision.is_prefill,
+            batch_size=bs,
+            running_bs=decision.running_bs,
+            running_tokens=rows,
+        )
+
+    def logits_indices(self, inputs: StepInputs) -> Union[torch.Tensor, slice]:
+        """The rows whose logits the step samples: a slice when every row samples (decode)."""
+        num_sampled = int(inputs.sample_rows.shape[0])
+        if num_sampled == inputs.num_tokens:
+            return slice(0, num_sampled)
+        self.fill("logits_indices", inputs.sample_rows, num_sampled, 0)
+        return self.forward_vars["logits_indices"][:num_sampled]
+
+    def staged(self) -> None:
+        """The step's copies are queued: the next step may rewrite the staging once they ran."""
+        if self._staging_read is not None:
+            self._staging_read.record()
+
+    def check_staged(self, decision: ForwardDecision, rows: int) -> None:
+        """A request graph unpacks the packed step: it must be this bucket's."""
+        if self.packed is not None and self._staged != (decision.running_bs, rows):
+            raise RuntimeError(
+                f"request graph {decision.req_key} replayed without its step staged by prepare() "
+                f"(staged: {self._staged}); it would unpack another bucket's layout"
+            )
+
+    def unpack(self, seqs: int, rows: int) -> None:
+        """The device half of staging, recorded at the head of request graphs: unpack the packed
+        step (which gathers the rows' tokens too, under async scheduling), else only the gather."""
+        if self.packed is not None:
+            self.packed.unpack(self.forward_vars, seqs, rows)
+        else:
+            self.gather_input_ids(rows)
+
+    def gather_input_ids(self, rows: int) -> None:
+        """input_ids[:rows] = token pool[token_src[:rows]] (async scheduling; else a no-op)."""
+        if self.tokens is not None:
+            fv = self.forward_vars
+            torch.index_select(self.tokens.pool, 0, fv["token_src"][:rows], out=fv["input_ids"][:rows])
