@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atomrt.workers.kernels.gemm import skinny_gemm
 from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers import linear as linear_mod
 from atomrt.workers.layers.norm import rms_norm
@@ -66,26 +65,30 @@ def test_layer_add_norm_linear_is_eager_on_cpu() -> None:
         assert y.shape == (2, 3, 10)
 
 
-def test_large_weight_leaves_the_add_and_norm_to_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Below SKINNY_M1_MAX_WEIGHT_ELEMS the traced graph holds the one fused op; at or above it (the
-    skinny GEMM takes such a weight at no batch size) the add and the norm are traced as plain ops beside the linear op,
-    where Inductor fuses them into one kernel."""
+def test_large_weight_leaves_the_add_and_norm_to_inductor() -> None:
+    """Where the layer's policy lets the skinny GEMM take the weight (at bs=1 at least) the traced
+    graph holds the one fused op; where it takes it at no batch size, the add and the norm are traced
+    as plain ops beside the linear op, where Inductor fuses them into one kernel."""
+    from atomrt.workers.kernels.gemm.skinny_gemm import SkinnyPolicy
+    from atomrt.workers.layers.linear import ColumnParallelLinear
+    from atomrt.workers.layers.norm import RMSNorm
 
-    def ops_traced(weight: torch.Tensor) -> set[str]:
-        k = weight.shape[1]
-        residual, update, norm_weight = torch.randn(2, k), torch.randn(2, k), torch.ones(k)
-        fused = lambda r, u: linear_mod.add_norm_linear(r, u, norm_weight, 1e-6, weight)  # noqa: E731
-        got, seen = traced_ops(fused, residual, update)
-        for g, w in zip(got, eager_add_norm_linear(residual, update, norm_weight, 1e-6, weight, None)):
+    policy = SkinnyPolicy(max_weight_elems=1 << 8, m1_max_weight_elems=1 << 12)  # small weights tell the rule
+
+    def ops_traced(n: int, k: int) -> set[str]:
+        layer = ColumnParallelLinear(k, n, skinny=policy)
+        layer.weight.data.normal_()
+        norm = RMSNorm(k, 1e-6)
+        residual, update = torch.randn(2, k), torch.randn(2, k)
+        got, seen = traced_ops(lambda r, u: layer.forward_add_norm(r, u, norm), residual, update)
+        for g, w in zip(got, eager_add_norm_linear(residual, update, norm.weight, 1e-6, layer.weight, None)):
             torch.testing.assert_close(g, w)
         return seen
 
-    monkeypatch.setattr(skinny_gemm, "SKINNY_MAX_WEIGHT_ELEMS", 1 << 8)  # small weights tell the rule
-    monkeypatch.setattr(skinny_gemm, "SKINNY_M1_MAX_WEIGHT_ELEMS", 1 << 12)
-    small = ops_traced(torch.randn(8, 16))
+    small = ops_traced(8, 16)
     assert any("add_norm_linear" in op for op in small)
-    single_row_only = ops_traced(torch.randn(8, 256))  # only a one-row batch takes it: still the fused op
+    single_row_only = ops_traced(8, 256)  # only a one-row batch takes it: still the fused op
     assert any("add_norm_linear" in op for op in single_row_only)
-    big = ops_traced(torch.randn(4, 1 << 10))
+    big = ops_traced(4, 1 << 10)
     assert not any("add_norm_linear" in op for op in big)
     assert any("atomrt.linear" in op for op in big) and any("rsqrt" in op for op in big)

@@ -21,7 +21,13 @@ from atomrt.workers.kernels.gemm.skinny_configs import (
     heuristic_config,
     pick_config,
 )
-from atomrt.workers.kernels.gemm.skinny_gemm import SKINNY_MAX_M, skinny_linear, takes_weight, use_skinny
+from atomrt.workers.kernels.gemm.skinny_gemm import (
+    DEFAULT_SKINNY_POLICY,
+    SKINNY_MAX_M,
+    SkinnyPolicy,
+    skinny_linear,
+    use_skinny,
+)
 
 # assert_close tolerances: outputs are ~1 (weights scaled by K^-0.5), so the output rounding dominates
 TOLERANCES = {
@@ -181,13 +187,13 @@ def test_pick_config_prefers_table_by_bucketed_m(monkeypatch: pytest.MonkeyPatch
 
 def test_use_skinny_only_on_cuda() -> None:
     x, w, _ = make_inputs(1, 8, 16, torch.bfloat16, bias=False)
-    assert not use_skinny(x, w)  # CPU tensors go to F.linear
+    assert not use_skinny(x, w, BROADCAST_MAX_M)  # CPU tensors go to F.linear
     if torch.cuda.is_available():
         xc, wc = x.cuda(), w.cuda()
-        assert use_skinny(xc, wc)
-        assert not use_skinny(xc.float(), wc.float())
-        assert not use_skinny(torch.zeros(BROADCAST_MAX_M + 1, 16, device="cuda", dtype=torch.bfloat16), wc)
-        assert not use_skinny(xc, torch.zeros(16, 8, device="cuda", dtype=torch.bfloat16).T)
+        assert use_skinny(xc, wc, BROADCAST_MAX_M) and use_skinny(xc, wc, 1) and not use_skinny(xc, wc, 0)
+        assert not use_skinny(xc.float(), wc.float(), BROADCAST_MAX_M)
+        assert not use_skinny(torch.zeros(2, 16, device="cuda", dtype=torch.bfloat16), wc, 1)
+        assert not use_skinny(xc, torch.zeros(16, 8, device="cuda", dtype=torch.bfloat16).T, BROADCAST_MAX_M)
 
 
 @pytest.mark.parametrize(
@@ -199,13 +205,26 @@ def test_use_skinny_only_on_cuda() -> None:
         (128256, 4096, False, False),  # Llama-3.1-8B's vocabulary x hidden, 525M: never
     ],
 )
-def test_takes_weight_by_batch_size(n: int, k: int, single_row: bool, batch: bool) -> None:
+def test_default_policy_by_batch_size(n: int, k: int, single_row: bool, batch: bool) -> None:
     """The measured rule: Llama-3.1-8B's weights only at bs=1 (its bs=2 and bs=4 steps were slower on
     the skinny GEMM); small weights at every batch the broadcast path takes."""
-    weight = torch.empty(n, k, device="meta")
-    assert takes_weight(weight, 1) is single_row and takes_weight(weight) is single_row
-    for m in range(2, BROADCAST_MAX_M + 1):
-        assert takes_weight(weight, m) is batch
+    max_rows = DEFAULT_SKINNY_POLICY.max_rows(n * k)
+    assert (max_rows >= 1) is single_row
+    assert (max_rows == BROADCAST_MAX_M) is batch
+    assert max_rows in (0, 1, BROADCAST_MAX_M)
+
+
+def test_layers_take_their_policy_at_construction() -> None:
+    """A layer decides from its own weight's size under the policy it was built with: nothing reads
+    a module constant at run time."""
+    from atomrt.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    tight = SkinnyPolicy(max_weight_elems=100, m1_max_weight_elems=1000, gated_max_weight_elems=50)
+    assert ColumnParallelLinear(8, 8, skinny=tight).skinny_max_rows == BROADCAST_MAX_M  # 64 < 100
+    assert ColumnParallelLinear(16, 16, skinny=tight).skinny_max_rows == 1  # 256: single rows only
+    assert ColumnParallelLinear(64, 64, skinny=tight).skinny_max_rows == 0  # 4096: never
+    assert ColumnParallelLinear(64, 64).skinny_max_rows == BROADCAST_MAX_M  # the default policy
+    assert RowParallelLinear(4, 8, skinny=tight).fuses_gate and not RowParallelLinear(8, 8, skinny=tight).fuses_gate
 
 
 def test_layer_linear_op_is_f_linear_on_cpu() -> None:
@@ -214,7 +233,7 @@ def test_layer_linear_op_is_f_linear_on_cpu() -> None:
 
     x, w, b = torch.randn(5, 12), torch.randn(7, 12), torch.randn(7)
     assert torch.equal(linear(x, w, b), torch.nn.functional.linear(x, w, b))
-    assert torch.equal(torch.ops.atomrt.linear(x, w, None), torch.nn.functional.linear(x, w))
+    assert torch.equal(torch.ops.atomrt.linear(x, w, None, BROADCAST_MAX_M), torch.nn.functional.linear(x, w))
     compiled = torch.compile(lambda x, w: linear(x, w) * 2, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x, w), torch.nn.functional.linear(x, w) * 2)
 
@@ -264,21 +283,23 @@ def traced_ops(fn, *inputs: torch.Tensor) -> tuple[object, set[str]]:
 
 
 def test_large_gated_weight_leaves_the_activation_to_inductor() -> None:
-    """Above GATED_MAX_WEIGHT_ELEMS the traced graph holds silu, mul and the plain linear op (Inductor
-    fuses silu * mul into one kernel); below it, the one fused op."""
-    from atomrt.workers.layers import linear as linear_mod
+    """Where the policy does not fuse the gate (a large down projection) the traced graph holds silu,
+    mul and the plain linear op (Inductor fuses silu * mul into one kernel); below, the one fused op."""
+    from atomrt.workers.layers.linear import RowParallelLinear
 
-    def ops_traced(weight: torch.Tensor) -> set[str]:
-        k = weight.shape[1]
+    def ops_traced(n: int, k: int) -> set[str]:
+        layer = RowParallelLinear(k, n)
+        layer.weight.data.normal_()
         x = torch.randn(2, 2 * k)
-        got, seen = traced_ops(lambda x: linear_mod.silu_mul_linear(x, weight), x)
-        want = torch.nn.functional.linear(torch.nn.functional.silu(x[:, :k]) * x[:, k:], weight)
+        got, seen = traced_ops(lambda x: layer(x, gated_input=True), x)
+        want = torch.nn.functional.linear(torch.nn.functional.silu(x[:, :k]) * x[:, k:], layer.weight)
         torch.testing.assert_close(got, want)
         return seen
 
-    small = ops_traced(torch.randn(8, 16))
+    small = ops_traced(8, 16)
     assert any("silu_mul_linear" in op for op in small)
-    big = ops_traced(torch.randn(8, (linear_mod.GATED_MAX_WEIGHT_ELEMS // 8) + 1))
+    big_k = DEFAULT_SKINNY_POLICY.gated_max_weight_elems // 8 + 1
+    big = ops_traced(8, big_k)
     assert not any("silu_mul_linear" in op for op in big)
     assert any("atomrt.linear" in op for op in big) and any("silu" in op for op in big)
 
@@ -357,25 +378,24 @@ def test_add_norm_rejects_bad_arguments() -> None:
 
 @pytest.mark.parametrize("stats_values", [64, 4096], ids=["narrow", "wide"])
 @pytest.mark.parametrize("m,k", [(1, 300), (3, 1000), (4, 2500)])
-def test_add_norm_statistics_pass_any_width(
-    m: int, k: int, stats_values: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_add_norm_statistics_pass_any_width(m: int, k: int, stats_values: int) -> None:
     """The NORM prologue's statistics pass (K wider than one K step) gives the same h and a y within
     fp32's tolerance whether it walks K in many narrow steps (each masked at K's end) or in one or a
     few wide ones: narrow at 64 values, and the default's 4096 values over all M rows."""
     from atomrt.workers.kernels.gemm import skinny_gemm
 
-    monkeypatch.setattr(skinny_gemm, "NORM_STATS_VALUES", stats_values)
     gen = torch.Generator().manual_seed(m + k)
     residual, update = (torch.randn(m, k, generator=gen) for _ in range(2))
     norm_weight = 1 + 0.1 * torch.randn(k, generator=gen)
     w = torch.randn(30, k, generator=gen) * k**-0.5
     want_h, want_y = add_norm_reference(residual, update, norm_weight, 1e-6, w, None)
     config = SkinnyConfig(block_n=16, block_k=128, use_dot=False, num_warps=4, num_stages=2)
-    stats_block = skinny_gemm.norm_stats_block(m, k, config)
+    stats_block = skinny_gemm.norm_stats_block(m, k, config, stats_values)
     wide = min(triton.next_power_of_2(k), stats_values // block_m_for(m, False))
     assert stats_block == max(config.block_k, wide)  # narrow: the K tile's 128, so several masked steps
-    h, y = skinny_gemm.skinny_add_norm_linear(residual, update, norm_weight, 1e-6, w, config=config)
+    h, y = skinny_gemm.skinny_add_norm_linear(
+        residual, update, norm_weight, 1e-6, w, config=config, stats_values=stats_values
+    )
     assert torch.equal(h, want_h)
     torch.testing.assert_close(y.double(), want_y, **TOLERANCES[torch.float32])
 

@@ -5,10 +5,11 @@ Row parallel: the input features are split, each rank computes a partial sum, an
 all-reduced (o_proj, down_proj). Every parameter carries `weight_loader(param, loaded_weight,
 shard_id=None)` that reads only this rank's shard of `loaded_weight` (see weight_utils).
 
-Every projection runs through `linear`: decode-sized CUDA batches (at most SKINNY_MAX_M rows) take
-the skinny Triton GEMM (workers/kernels/skinny_gemm), everything else F.linear. Under torch.compile
-it is the custom op `torch.ops.atomrt.linear`, so the choice is made per call, at run time, on the
-real row count (the traced graphs have a dynamic token dimension). Two fused variants follow the
+Every projection runs through `linear`: decode-sized CUDA batches take the skinny Triton GEMM
+(workers/kernels/gemm/skinny_gemm.py), everything else F.linear. Which batches is the layer's
+`SkinnyPolicy` (given at construction, the default otherwise) applied to its weight's size. Under
+torch.compile `linear` is the custom op `torch.ops.atomrt.linear`, so the choice is made per call,
+at run time, on the real row count (the traced graphs have a dynamic token dimension). Two fused variants follow the
 same pattern: `silu_mul_linear` (a gated MLP's activation + down projection) and `add_norm_linear`
 (a decoder layer's residual add + RMSNorm + the projection after it).
 """
@@ -22,55 +23,54 @@ import torch.nn.functional as F
 from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op
-from atomrt.workers.kernels.rms_norm import add_rms_norm
+from atomrt.distributed.communication_op import TPInfo, tp_all_gather, tp_all_reduce
 from atomrt.workers.kernels.gemm.skinny_gemm import (
+    DEFAULT_SKINNY_POLICY,
+    SkinnyPolicy,
     skinny_add_norm_linear,
     skinny_linear,
-    takes_weight,
     use_skinny,
 )
+from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers.activation import silu_and_mul
 from atomrt.workers.layers.norm import RMSNorm, residual_add, rms_norm
-from atomrt.distributed.communication_op import TPInfo, tp_all_gather, tp_all_reduce
+from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, divide, read_narrow
+
+# `max_rows` below is the calling layer's `SkinnyPolicy.max_rows` of its weight: the largest batch
+# that takes the skinny GEMM (0: never). An int, so that it is a constant of the traced op.
 
 
-def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], max_rows: int) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
-    if use_skinny(rows, weight):
+    if use_skinny(rows, weight, max_rows):
         return skinny_linear(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
-def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], max_rows: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-# The fused activation is recomputed for every weight element (each program of the skinny GEMM
-# evaluates silu for its own rows), so it can pay only while the weight is small. It is on for
-# SmolLM2-135M's down projection (0.9M elements; the 135M step gained with it on an H200). For
-# Llama-3.1-8B's (59M) at bs=1 it made no difference beyond the noise (4.258 against 4.277 ms a
-# step, one run each, docs/perf.md): off.
-GATED_MAX_WEIGHT_ELEMS = 1 << 21
-
-
-def _silu_mul_linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _silu_mul_linear_impl(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], max_rows: int
+) -> torch.Tensor:
     """x [..., 2K] (gate | up) -> (silu(gate) * up) @ weight [N, K]^T (+ bias) -> [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
-    if weight.numel() <= GATED_MAX_WEIGHT_ELEMS and use_skinny(rows[:, : weight.shape[1]], weight):
+    if use_skinny(rows[:, : weight.shape[1]], weight, max_rows):
         return skinny_linear(rows, weight, bias, gated=True).reshape(*x.shape[:-1], weight.shape[0])
-    return _linear_impl(silu_and_mul(x), weight, bias)
+    return _linear_impl(silu_and_mul(x), weight, bias, max_rows)
 
 
 def _add_norm_linear_impl(
     residual: torch.Tensor, update: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor], max_rows: int, stats_values: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual, update [..., K] -> (h = residual + update [..., K], RMSNorm(h) @ weight^T (+ bias) [..., N])."""
     rows, update_rows = residual.reshape(-1, residual.shape[-1]), update.reshape(-1, update.shape[-1])
     fusable = norm_weight.dtype == residual.dtype and update.dtype == residual.dtype
-    if fusable and use_skinny(rows, weight):  # a decode batch: one kernel
-        h, y = skinny_add_norm_linear(rows, update_rows, norm_weight, eps, weight, bias)
+    if fusable and use_skinny(rows, weight, max_rows):  # a decode batch: one kernel
+        h, y = skinny_add_norm_linear(rows, update_rows, norm_weight, eps, weight, bias, stats_values=stats_values)
     elif fusable and rows.is_cuda:  # two: the add and norm in one, then the GEMM
         h, normed = add_rms_norm(rows, update_rows, norm_weight, eps)
         y = F.linear(normed, weight, bias)
@@ -82,7 +82,7 @@ def _add_norm_linear_impl(
 
 def _add_norm_linear_fake(
     residual: torch.Tensor, update: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor], max_rows: int, stats_values: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return residual.new_empty(residual.shape), residual.new_empty((*residual.shape[:-1], weight.shape[0]))
 
@@ -92,25 +92,33 @@ direct_register_custom_op("silu_mul_linear", _silu_mul_linear_impl, fake_impl=_l
 direct_register_custom_op("add_norm_linear", _add_norm_linear_impl, fake_impl=_add_norm_linear_fake)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch.Tensor]" = None) -> torch.Tensor:
-    """F.linear, or the skinny GEMM for a decode-sized CUDA batch. Traced, it is one opaque op
-    (Inductor cannot fold it into addmm or pick the kernel for a symbolic row count); eager, a call."""
-    if torch.compiler.is_compiling():
-        return torch.ops.atomrt.linear(x, weight, bias)
-    return _linear_impl(x, weight, bias)
+def _max_rows(weight: torch.Tensor, max_rows: Optional[int]) -> int:
+    return DEFAULT_SKINNY_POLICY.max_rows(weight.numel()) if max_rows is None else max_rows
 
 
-def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch.Tensor]" = None) -> torch.Tensor:
-    """`linear(silu_and_mul(x), weight, bias)`; for a decode-sized CUDA batch the activation is
-    computed inside the skinny GEMM (one kernel instead of two)."""
-    if weight.numel() > GATED_MAX_WEIGHT_ELEMS:
-        # Never fused for such a weight: the activation stays outside the opaque op, where Inductor
-        # makes it one kernel (inside the op it would be two eager ones, silu and mul).
-        return linear(silu_and_mul(x), weight, bias)
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch.Tensor]" = None, max_rows: Optional[int] = None
+) -> torch.Tensor:
+    """F.linear, or the skinny GEMM for a decode-sized CUDA batch (at most `max_rows` rows; None:
+    the default policy's for this weight). Traced, it is one opaque op (Inductor cannot fold it into
+    addmm or pick the kernel for a symbolic row count); eager, a call."""
+    max_rows = _max_rows(weight, max_rows)
     if torch.compiler.is_compiling():
-        return torch.ops.atomrt.silu_mul_linear(x, weight, bias)
-    return _silu_mul_linear_impl(x, weight, bias)
-from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, divide, read_narrow
+        return torch.ops.atomrt.linear(x, weight, bias, max_rows)
+    return _linear_impl(x, weight, bias, max_rows)
+
+
+def silu_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch.Tensor]" = None, max_rows: Optional[int] = None
+) -> torch.Tensor:
+    """`linear(silu_and_mul(x), weight, bias)` with the activation computed inside the skinny GEMM
+    for a decode-sized CUDA batch (one kernel instead of two). Call it only for a weight whose
+    policy `fuses_gate`: for others the activation belongs outside the opaque op, where Inductor
+    makes it one kernel (inside the op it would be two eager ones, silu and mul)."""
+    max_rows = _max_rows(weight, max_rows)
+    if torch.compiler.is_compiling():
+        return torch.ops.atomrt.silu_mul_linear(x, weight, bias, max_rows)
+    return _silu_mul_linear_impl(x, weight, bias, max_rows)
 
 
 def add_norm_linear(
@@ -120,24 +128,29 @@ def add_norm_linear(
     eps: float,
     weight: torch.Tensor,
     bias: "Optional[torch.Tensor]" = None,
+    max_rows: Optional[int] = None,
+    stats_values: int = DEFAULT_SKINNY_POLICY.norm_stats_values,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, linear(rms_norm(h, norm_weight, eps), weight, bias)) for h = residual + update: a decoder
     layer's residual add, its norm and the projection after it. Where the skinny GEMM can take the
-    weight, one op: for a decode batch one kernel (the add and the norm in the GEMM's prologue)
-    instead of two. Above, the add and the norm stay outside the opaque op, where Inductor fuses
-    them into one kernel."""
-    if not takes_weight(weight):
+    weight (`max_rows` > 0), one op: for a decode batch one kernel (the add and the norm in the
+    GEMM's prologue) instead of two. Otherwise the add and the norm stay outside the opaque op,
+    where Inductor fuses them into one kernel."""
+    max_rows = _max_rows(weight, max_rows)
+    if max_rows == 0:
         h = residual_add(residual, update)
-        return h, linear(rms_norm(h, norm_weight, eps), weight, bias)
+        return h, linear(rms_norm(h, norm_weight, eps), weight, bias, max_rows)
     if torch.compiler.is_compiling():
-        return torch.ops.atomrt.add_norm_linear(residual, update, norm_weight, eps, weight, bias)
-    return _add_norm_linear_impl(residual, update, norm_weight, eps, weight, bias)
+        return torch.ops.atomrt.add_norm_linear(residual, update, norm_weight, eps, weight, bias, max_rows, stats_values)
+    return _add_norm_linear_impl(residual, update, norm_weight, eps, weight, bias, max_rows, stats_values)
 
 
 class _LinearBase(nn.Module):
-    def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPInfo) -> None:
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPInfo, skinny: SkinnyPolicy) -> None:
         super().__init__()
         self.tp = tp
+        self.skinny_max_rows = skinny.max_rows(in_local * out_local)  # see linear()
+        self.norm_stats_values = skinny.norm_stats_values
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -154,10 +167,11 @@ class ColumnParallelLinear(_LinearBase):
     """y = x W^T + b with W's rows (output features) split over ranks."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, tp: TPInfo = TPInfo(), gather_output: bool = False
+        self, input_size: int, output_size: int, bias: bool = False, tp: TPInfo = TPInfo(),
+        gather_output: bool = False, skinny: SkinnyPolicy = DEFAULT_SKINNY_POLICY,
     ) -> None:
         self.output_size_per_rank = divide(output_size, tp.tp_size, "ColumnParallelLinear output_size")
-        super().__init__(input_size, self.output_size_per_rank, bias, tp)
+        super().__init__(input_size, self.output_size_per_rank, bias, tp, skinny)
         self.gather_output = gather_output
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
@@ -165,14 +179,16 @@ class ColumnParallelLinear(_LinearBase):
         copy_checked(param.data, read_narrow(loaded_weight, 0, start, self.output_size_per_rank), "column shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.skinny_max_rows)
         return tp_all_gather(y, self.tp) if self.gather_output else y
 
     def forward_add_norm(
         self, residual: torch.Tensor, update: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, self(norm(h))) for h = residual + update, through add_norm_linear."""
-        h, y = add_norm_linear(residual, update, norm.weight, norm.eps, self.weight, self.bias)
+        h, y = add_norm_linear(
+            residual, update, norm.weight, norm.eps, self.weight, self.bias, self.skinny_max_rows, self.norm_stats_values
+        )
         return h, tp_all_gather(y, self.tp) if self.gather_output else y
 
 
@@ -183,9 +199,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     Each rank's weight is [its slice of shard 0; its slice of shard 1; ...].
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPInfo = TPInfo()) -> None:
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPInfo = TPInfo(),
+        skinny: SkinnyPolicy = DEFAULT_SKINNY_POLICY,
+    ) -> None:
         self.output_sizes_per_rank = [divide(s, tp.tp_size, "MergedColumnParallelLinear output") for s in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias, tp)
+        super().__init__(input_size, sum(output_sizes), bias, tp, skinny=skinny)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
         assert isinstance(shard_id, int), "merged linear needs the index of the projection"
@@ -205,7 +224,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-        tp: TPInfo = TPInfo(),
+        tp: TPInfo = TPInfo(), skinny: SkinnyPolicy = DEFAULT_SKINNY_POLICY,
     ) -> None:
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp.tp_size, "num_attention_heads")
@@ -219,7 +238,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_dim  # per rank
         self.kv_size = self.num_kv_heads * head_dim  # per rank
         out_total = (self.q_size + 2 * self.kv_size) * tp.tp_size  # so that the base divides evenly
-        super().__init__(hidden_size, out_total, bias, tp)
+        super().__init__(hidden_size, out_total, bias, tp, skinny=skinny)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
         assert shard_id in ("q", "k", "v"), f"qkv shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
@@ -236,11 +255,13 @@ class RowParallelLinear(_LinearBase):
     """y = x W^T + b with W's columns (input features) split; partial sums are all-reduced."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, tp: TPInfo = TPInfo(), reduce_output: bool = True
+        self, input_size: int, output_size: int, bias: bool = False, tp: TPInfo = TPInfo(),
+        reduce_output: bool = True, skinny: SkinnyPolicy = DEFAULT_SKINNY_POLICY,
     ) -> None:
         self.input_size_per_rank = divide(input_size, tp.tp_size, "RowParallelLinear input_size")
-        super().__init__(self.input_size_per_rank, output_size, bias, tp)
+        super().__init__(self.input_size_per_rank, output_size, bias, tp, skinny)
         self.reduce_output = reduce_output
+        self.fuses_gate = skinny.fuses_gate(self.input_size_per_rank * output_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
         if param.dim() == 1:  # the bias is replicated and added once, after the reduce
@@ -252,7 +273,10 @@ class RowParallelLinear(_LinearBase):
     def forward(self, x: torch.Tensor, gated_input: bool = False) -> torch.Tensor:
         """x [..., in]; with `gated_input`, x is [..., 2 * in] (gate | up, a gated MLP's merged
         projection) and the layer's input is silu(gate) * up, fused into the matmul where it can be."""
-        y = silu_mul_linear(x, self.weight) if gated_input else linear(x, self.weight)
+        if gated_input and self.fuses_gate:
+            y = silu_mul_linear(x, self.weight, None, self.skinny_max_rows)
+        else:
+            y = linear(silu_and_mul(x) if gated_input else x, self.weight, None, self.skinny_max_rows)
         if self.reduce_output:
             y = tp_all_reduce(y, self.tp)
         return y + self.bias if self.bias is not None else y

@@ -1,7 +1,7 @@
 # Skinny GEMM for decode-sized batches: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), M <= SKINNY_MAX_M.
-# What lives here: the Triton kernel, the launchers `skinny_linear` / `skinny_add_norm_linear` and
-# the gate `use_skinny`; the launch configs (heuristic + a table a GPU sweep fills,
-# tests/gpu/sweep_gemm.py) are in skinny_configs.py. No layer code:
+# What lives here: the Triton kernel, the launchers `skinny_linear` / `skinny_add_norm_linear`, the
+# gate `use_skinny` and `SkinnyPolicy` (which weights take it); the launch configs (heuristic + a
+# table a GPU sweep fills, benchmarks/sweep_gemm.py) are in skinny_configs.py. No layer code:
 # the linear layers call `skinny_linear` when `use_skinny` says so, F.linear otherwise.
 #
 # Design: decode GEMMs read the whole weight once and do almost no arithmetic, so the kernel is a
@@ -23,6 +23,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -38,14 +40,35 @@ from atomrt.workers.kernels.gemm.skinny_configs import (
 )
 
 SKINNY_MAX_M = 64  # the kernel keeps all M rows of x in registers: larger M belongs to cuBLAS
-# use_skinny: the weights where skinny beats cuBLAS in the model step (docs/perf.md, 2026-11-30).
-# Batches of 2-4 rows: below 16M elements (Llama-3.1-8B's weights on the heuristic's launches made
-# its bs=2 and bs=4 steps 1.5x and 3.7x slower). Single rows: below 128M elements, which holds every
-# projection of the three bench models (Llama-3.1-8B's gate_up has 117M); above, never measured.
-SKINNY_MAX_WEIGHT_ELEMS = 1 << 24
-SKINNY_M1_MAX_WEIGHT_ELEMS = 1 << 27
-# NORM prologue: x values (over all M rows) per step of the statistics pass, norm_stats_block
-NORM_STATS_VALUES = 4096
+NORM_STATS_VALUES = 4096  # NORM prologue: x values (over all M rows) per step of the statistics pass
+
+
+@dataclass(frozen=True)
+class SkinnyPolicy:
+    """Which projections take the skinny GEMM, and its prologues' settings. A model's linear layers
+    get one at construction and decide from their weight's size (`max_rows`); the defaults are the
+    H200 measurements' (docs/perf.md, skinny GEMM): batches of 2-4 rows only below 16M weight
+    elements (larger weights on the heuristic's launches were slower than cuBLAS), single rows below
+    128M (every projection of the three bench models), the gated MLP's SiLU-and-mul fused into the
+    down projection only below 2M (it is recomputed per weight element: a win only while small)."""
+
+    max_weight_elems: int = 1 << 24  # batches of 2..BROADCAST_MAX_M rows: weights below this
+    m1_max_weight_elems: int = 1 << 27  # single rows: weights below this
+    gated_max_weight_elems: int = 1 << 21  # fused SiLU-and-mul: weights up to this
+    norm_stats_values: int = NORM_STATS_VALUES
+
+    def max_rows(self, weight_elems: int) -> int:
+        """The largest batch the skinny GEMM takes for a weight of this many elements: 0 (never),
+        1 (single rows) or BROADCAST_MAX_M."""
+        if weight_elems < self.max_weight_elems:
+            return BROADCAST_MAX_M
+        return 1 if weight_elems < self.m1_max_weight_elems else 0
+
+    def fuses_gate(self, weight_elems: int) -> bool:
+        return weight_elems <= self.gated_max_weight_elems
+
+
+DEFAULT_SKINNY_POLICY = SkinnyPolicy()
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -228,39 +251,26 @@ def _broadcast_step(
     return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)
 
 
-def norm_stats_block(m: int, k: int, config: SkinnyConfig) -> int:
+def norm_stats_block(m: int, k: int, config: SkinnyConfig, stats_values: int = NORM_STATS_VALUES) -> int:
     """K elements per step of the NORM prologue's statistics pass (when K > block_k): up to
-    NORM_STATS_VALUES of x per step over all M rows, at least block_k, at most K's next power of two
+    `stats_values` of x per step over all M rows, at least block_k, at most K's next power of two
     (the latter wins where they disagree: K <= block_k makes no pass).
     Every program makes the pass before its K loop can use x, and each step is a dependent round trip
     to L2: in block_k steps the pass took 16 round trips for Llama-3.1-8B's qkv at block_k 256, 32
     for its gate_up at 128. 4096 values take an 8B row at M=1 in one step."""
     block_m = block_m_for(m, config.use_dot)
-    return min(triton.next_power_of_2(max(1, k)), max(config.block_k, NORM_STATS_VALUES // block_m))
+    return min(triton.next_power_of_2(max(1, k)), max(config.block_k, stats_values // block_m))
 
 
-def takes_weight(weight: torch.Tensor, m: int = 1) -> bool:
-    """Whether the skinny GEMM takes a weight of this size for a batch of m rows (below
-    SKINNY_M1_MAX_WEIGHT_ELEMS for one row, else below SKINNY_MAX_WEIGHT_ELEMS): the rule use_skinny
-    applies per call; layers/linear.add_norm_linear, when traced, asks whether any batch (m=1) can
-    take it: the single-row limit is the larger. Read here, so that setting this module's thresholds
-    reaches both."""
-    return weight.numel() < (SKINNY_M1_MAX_WEIGHT_ELEMS if m == 1 else SKINNY_MAX_WEIGHT_ELEMS)
-
-
-def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a linear layer should call skinny_linear rather than F.linear for this input: the
-    broadcast path's batches (M <= BROADCAST_MAX_M) over the weights `takes_weight` gives it.
-    From M=8 up the H200 sweep found cuBLAS as fast or faster on most model shapes (Llama-3.2-1B at
-    M=32: 8.4 against 6.5 us for qkv). On the Llama-3.1-8B weights the kernels alone tie or gain
-    0-13%, and the step gains more: every add + RMSNorm goes into a projection's prologue
-    (docs/perf.md, 2026-11-30). With only qkv and o skinny the step was slower than cuBLAS."""
+def use_skinny(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
+    """Whether a linear layer should call skinny_linear rather than F.linear for this input: a CUDA
+    bf16/fp16 batch of at most `max_rows` rows (the layer's `SkinnyPolicy.max_rows`). From M=8 up
+    the H200 sweep found cuBLAS as fast or faster on most model shapes, hence BROADCAST_MAX_M."""
     return (
         x.is_cuda
         and x.dim() == 2
         and weight.dim() == 2
-        and x.shape[0] <= BROADCAST_MAX_M
-        and takes_weight(weight, x.shape[0])
+        and x.shape[0] <= max_rows
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.shape[1] == weight.shape[1]
@@ -308,6 +318,7 @@ def skinny_add_norm_linear(
     weight: torch.Tensor,  # [N, K], K contiguous
     bias: torch.Tensor | None = None,  # [N]
     config: SkinnyConfig | None = None,
+    stats_values: int = NORM_STATS_VALUES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, y): h = residual + update, y = RMSNorm(h) @ weight^T (+ bias), with RMSNorm's eager
     arithmetic (fp32 statistics; the normalized row and its product with norm_weight each rounded
@@ -336,7 +347,7 @@ def skinny_add_norm_linear(
     config = config or pick_config(m, n, k, num_sms=sm_count(residual.device))
     if config.use_dot:
         config = heuristic_config(m, n, k, sm_count(residual.device))
-    _launch(residual, weight, bias, y, config, norm=(update, norm_weight, h, eps))
+    _launch(residual, weight, bias, y, config, norm=(update, norm_weight, h, eps), stats_values=stats_values)
     return h, y
 
 
@@ -349,6 +360,7 @@ def _launch(
     *,
     gated: bool = False,
     norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,  # update, norm weight, h, eps
+    stats_values: int = NORM_STATS_VALUES,
 ) -> None:
     """One skinny_gemm_kernel launch writing y (and h with `norm`); arguments already checked."""
     (m, n), k = y.shape, weight.shape[1]
@@ -370,7 +382,7 @@ def _launch(
         GATED=gated,
         NORM=norm is not None,
         ONE_STEP=one_step,
-        STATS_BLOCK=norm_stats_block(m, k, config) if norm is not None and not one_step else config.block_k,
+        STATS_BLOCK=norm_stats_block(m, k, config, stats_values) if norm is not None and not one_step else config.block_k,
         IEEE_DOT=x.dtype == torch.float32,
         NUM_STAGES=config.num_stages,
         USE_PDL=pdl,
