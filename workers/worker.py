@@ -2,7 +2,7 @@
 applies each `StepPlan`, runs the step and, on TP rank 0, returns a `StepResult`.
 
 The same class runs in-process, in an `mp` child process and as a Ray actor; the transport loop
-that feeds it plans lives in workers/worker_loop.py.
+that feeds it plans lives in workers/process.py.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.distributed.transport import PlanPublisher, ResultCollector, TransportAddresses, TransportTimeout
 from atomrt.runtime.config import Config
 from atomrt.runtime.executors.base import Executor, WorkerError
-from atomrt.workers.worker_loop import RankSpec
+from atomrt.workers.process import RankSpec
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`MPExecutor`: one spawned local process per (DP, TP) rank, running workers/worker_loop.py.
+"""`MPExecutor`: one spawned local process per (DP, TP) rank, running workers/process.py.
 
 Control calls (rendezvous, load, KV sizing, capture) go over one Pipe per rank, each wait bounded
 by `parallel_config.worker_timeout_s` and watching the process's sentinel, so a rank that dies
@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 from atomrt.runtime.config import Config
 from atomrt.runtime.executors.base import WorkerError
 from atomrt.runtime.executors.channel import ChannelExecutor, StepChannel
-from atomrt.workers.worker_loop import DESTROY_TIMEOUT_S, ControlCall, ControlReply, mp_main
+from atomrt.workers.process import DESTROY_TIMEOUT_S, ControlCall, ControlReply, mp_main
 
 logger = logging.getLogger(__name__)
 

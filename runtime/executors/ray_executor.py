@@ -24,7 +24,7 @@ from atomrt.runtime.config import Config
 from atomrt.runtime.envs import ENV
 from atomrt.runtime.executors.base import WorkerError
 from atomrt.runtime.executors.channel import ChannelExecutor, StepChannel
-from atomrt.workers.worker_loop import DESTROY_TIMEOUT_S, NodeInfo, RankActor, RankSpec
+from atomrt.workers.process import DESTROY_TIMEOUT_S, NodeInfo, RankSpec, WorkerProcess
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class RayExecutor(ChannelExecutor):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        cls = ray.remote(RankActor)
+        cls = ray.remote(WorkerProcess)
         return cls.options(
             num_cpus=ACTOR_CPUS,
             num_gpus=1 if use_gpu else 0,
@@ -156,7 +156,7 @@ class RayExecutor(ChannelExecutor):
             max_restarts=0,
             name=None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
-        ).remote(self.config, spec)
+        ).remote(self.config, spec, None, True)
 
     def _get(self, refs: list[Any], phase: str) -> list[Any]:
         """ray.get every rank's ref, bounded by worker_timeout_s; an error names the rank and phase."""

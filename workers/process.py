@@ -1,18 +1,20 @@
-"""The per-rank process loop: join the distributed world, build the `Worker`, answer the driver's
-control calls, then run plans from ZeroMQ until the shutdown plan.
+"""`WorkerProcess`: one (DP rank, TP rank) in its own process. It joins the distributed world,
+builds the `Worker`, answers the driver's control calls, then runs plans from ZeroMQ until the
+shutdown plan.
 
-One `RankWorker` per (DP rank, TP rank). Both executors run it:
+Both executors run the same class, through the same method table (`CONTROL_CALLS`):
 - `mp`: `mp_main` is the target of a spawned process; control calls arrive over a Pipe
   (`ControlCall` -> `ControlReply`), then the plan loop runs in the process's main thread.
-- `ray`: `RankActor` is the actor body (wrapped by `ray.remote` in runtime/executors/ray_executor.py); the
-  control calls are actor methods, the plan loop is one long actor call.
+- `ray`: the class is the actor body (`ray.remote(WorkerProcess)` in
+  runtime/executors/ray_executor.py, with `under_ray=True`); the control calls are actor methods,
+  the plan loop is one long actor call, and `ping` / `stop` answer beside it.
 
 Control calls, in order: `node_info` (rank 0's answer is the rendezvous), `init_worker` (process
 groups, model load), `determine_num_blocks`, `initialize(num_blocks)` (KV cache, capture: every
-rank concurrently, so collectives match), `run_plan_loop(addresses)`.
+rank concurrently, so collectives match), then `run_plan_loop(addresses)`.
 
-Hot path: `RankWorker.run_plan_loop`. What may live there: receive a plan, run it, push the result.
-A pipelined plan (async scheduling) is launched and its result held until the next message: the
+Hot path: `run_plan_loop`. What may live there: receive a plan, run it, push the result. A
+pipelined plan (async scheduling) is launched and its result held until the next message: the
 next plan is launched first (so the device never waits for this host), or a `Flush` asks for it.
 A rank whose step raises pushes a `StepResult` carrying the error (naming the rank) and leaves the loop.
 """
@@ -27,13 +29,23 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
+
+from atomrt.distributed import parallel_state as ps
+from atomrt.distributed.messages import Flush, StepResult
+from atomrt.distributed.net_utils import get_free_port, get_host_ip
+from atomrt.distributed.transport import PlanSubscriber, ResultPusher, TransportAddresses, TransportTimeout
 from atomrt.runtime.config import Config
+from atomrt.runtime.envs import ENV
+from atomrt.workers.runner.model_runner import resolve_device
+from atomrt.workers.worker import PendingStep, Worker, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 1.0  # how often an idle plan loop checks whether it should stop
+IDLE_POLL_S = 1.0  # how often an idle plan loop checks whether it should stop
 HEARTBEAT_PERIOD_S = 0.5  # mp: how often a rank's heartbeat thread stamps its time
 DESTROY_TIMEOUT_S = 5.0  # the bound on destroy_process_group() at shutdown
+CONTROL_CALLS = ("node_info", "init_worker", "determine_num_blocks", "initialize")
 
 
 @dataclass(frozen=True)
@@ -71,7 +83,7 @@ class NodeInfo:
 
 @dataclass(frozen=True)
 class ControlCall:
-    """mp driver -> rank over the control Pipe: call `RankWorker.<method>(*args)`."""
+    """mp driver -> rank over the control Pipe: call `WorkerProcess.<method>(*args)`."""
 
     method: str
     args: tuple = ()
@@ -85,129 +97,144 @@ class ControlReply:
     error: Optional[str] = None
 
 
-class RankWorker:
-    """One rank's state: the Worker, its process groups, and the plan loop."""
+class WorkerProcess:
+    """One rank's process state: the Worker, its process groups, and the plan loop."""
 
-    def __init__(self, config: Config, spec: RankSpec, local_device: Optional[int] = None) -> None:
+    def __init__(
+        self, config: Config, spec: RankSpec, local_device: Optional[int] = None, under_ray: bool = False
+    ) -> None:
         self.config = config
         self.spec = spec
+        self.under_ray = under_ray
+        self.gpu_ids: tuple[str, ...] = ()
+        if under_ray:
+            import ray
+
+            # Ray sets CUDA_VISIBLE_DEVICES to the GPU it gave this actor: it is local device 0.
+            self.gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
+            local_device = 0 if self.gpu_ids else None
         self.local_device = local_device
-        self.worker: Any = None
+        self.worker: Optional[Worker] = None
         self._distributed = False
         self._cpu_threads = 0  # CPU ranks: torch threads per rank (set in every thread that computes)
+        self._stop = threading.Event()
 
-    def node_info(self, node_ip: str = "", node_id: str = "", gpu_ids: tuple[str, ...] = ()) -> NodeInfo:
-        from atomrt.distributed.net_utils import get_free_port, get_host_ip
-        from atomrt.runtime.envs import ENV
+    # ---------------------------------------------------------------- control calls
 
-        ip = node_ip or get_host_ip(ENV.host_ip)
-        return NodeInfo(ip, get_free_port(ip), os.getpid(), node_id, tuple(gpu_ids))
+    def node_info(self) -> NodeInfo:
+        if self.under_ray:
+            import ray
+
+            ip, node_id = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+        else:
+            ip, node_id = get_host_ip(ENV.host_ip), ""
+        return NodeInfo(ip, get_free_port(ip), os.getpid(), node_id, self.gpu_ids)
 
     def init_worker(self, master_addr: str, master_port: int) -> None:
         """Join the world (NCCL on GPU, gloo on CPU), then load the model on this rank's shard."""
-        import torch
-
-        from atomrt.workers.runner.model_runner import resolve_device
-        from atomrt.workers.worker import Worker
-
         device = resolve_device(self.config, self.local_device)
         if device.type == "cpu":
             # every rank of this node shares its cores; oversubscription slows every collective
             self._cpu_threads = max(1, (os.cpu_count() or 1) // self.spec.world_size)
             torch.set_num_threads(self._cpu_threads)
-        backend = "nccl" if device.type == "cuda" else "gloo"
         s = self.spec
+        tp_group = None
         if s.world_size > 1:
-            from atomrt.distributed import parallel_state as ps
-
+            backend = "nccl" if device.type == "cuda" else "gloo"
             ps.init_distributed(
                 s.world_size, s.rank, s.dp_size, s.tp_size, master_addr, master_port, backend,
                 timeout_s=self.config.parallel_config.worker_timeout_s,
             )
             self._distributed = True
             tp_group = ps.get_tp_group().group
-        else:
-            tp_group = None
         self.worker = Worker(self.config, s.dp_rank, s.tp_rank, self.local_device, tp_group)
 
     def determine_num_blocks(self) -> int:
         self._bind_device()
         return self.worker.determine_num_blocks()
 
-    def initialize(self, num_blocks: int) -> Any:
+    def initialize(self, num_blocks: int) -> WorkerInfo:
         self._bind_device()
         return self.worker.initialize(num_blocks)
+
+    def ping(self) -> float:
+        """Ray's health check: answered beside the plan loop."""
+        return time.monotonic()
+
+    def stop(self) -> None:
+        """Leave the plan loop at its next idle poll (when the driver cannot publish a shutdown plan)."""
+        self._stop.set()
 
     def _bind_device(self) -> None:
         """The current CUDA device and the OpenMP thread count are per thread; a Ray actor serves its
         calls from a thread pool (and Ray sets OMP_NUM_THREADS=1 for the process)."""
-        import torch
-
         device = self.worker.runner.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
         elif self._cpu_threads:
             torch.set_num_threads(self._cpu_threads)
 
-    def run_plan_loop(self, addresses: dict[str, str], keep_going: Callable[[], bool]) -> None:
-        """Receive plans until the shutdown plan (or `keep_going()` turns false while idle)."""
-        from atomrt.distributed.messages import Flush, StepResult
-        from atomrt.distributed.transport import PlanSubscriber, ResultPusher, TransportAddresses, TransportTimeout
+    # ---------------------------------------------------------------- the plan loop
 
+    def run_plan_loop(self, addresses: dict[str, str], keep_going: Optional[Callable[[], bool]] = None) -> None:
+        """Receive plans until the shutdown plan (or `keep_going()` turns false while idle); then
+        leave the process groups."""
+        keep_going = keep_going or (lambda: not self._stop.is_set())
         self._bind_device()
         addr = TransportAddresses.from_dict(addresses)
         spin_s = self.config.parallel_config.resolved_spin_s(self.worker.runner.device.type)
         sub = PlanSubscriber(addr, self.spec.rank, spin_s=spin_s)
         pusher = ResultPusher(addr, self.spec.dp_rank)  # TP ranks != 0 push only their errors
-        pending = None  # a pipelined step launched and not handed back yet
+        try:
+            self._serve(sub, pusher, keep_going)
+        finally:
+            sub.close()
+            pusher.close()
+            self.close()
 
-        def hand_back(launched: Any) -> None:
+    def _serve(self, sub: PlanSubscriber, pusher: ResultPusher, keep_going: Callable[[], bool]) -> None:
+        pending: Optional[PendingStep] = None  # a pipelined step launched and not handed back yet
+
+        def hand_back(launched: PendingStep) -> None:
             result = self.worker.finish(launched)
             if result is not None:
                 pusher.push(result)
 
-        try:
-            while True:
-                step = sub.expected_step
-                try:
-                    msg = sub.recv(timeout=_IDLE_POLL_S)
-                    if isinstance(msg, Flush):
-                        if pending is None or pending.step != msg.step:
-                            raise RuntimeError(f"flush of step {msg.step}, but the step held is {pending and pending.step}")
-                        hand_back(pending)
-                        pending = None
-                        continue
-                    if msg.shutdown:
-                        logger.debug("%s: shutdown plan at step %d", self.spec.name, msg.step)
-                        return
-                    launched = self.worker.launch(msg)
-                    if pending is not None:
-                        hand_back(pending)
-                        pending = None
-                    if msg.pipelined:
-                        pending = launched
-                    else:
-                        hand_back(launched)
-                except TransportTimeout:
-                    if not keep_going():
-                        logger.warning("%s: leaving the plan loop: the driver is gone", self.spec.name)
-                        return
+        while True:
+            step = sub.expected_step
+            try:
+                msg = sub.recv(timeout=IDLE_POLL_S)
+                if isinstance(msg, Flush):
+                    if pending is None or pending.step != msg.step:
+                        raise RuntimeError(f"flush of step {msg.step}, but the step held is {pending and pending.step}")
+                    hand_back(pending)
+                    pending = None
                     continue
-                except Exception as e:
-                    text = f"{self.spec.name} failed at step {step}: {type(e).__name__}: {e}"
-                    logger.error("%s\n%s", text, traceback.format_exc())
-                    pusher.push(StepResult(step=step, dp_rank=self.spec.dp_rank, error=text))
-                    raise
-        finally:
-            sub.close()
-            pusher.close()
+                if msg.shutdown:
+                    logger.debug("%s: shutdown plan at step %d", self.spec.name, msg.step)
+                    return
+                launched = self.worker.launch(msg)
+                if pending is not None:
+                    hand_back(pending)
+                    pending = None
+                if msg.pipelined:
+                    pending = launched
+                else:
+                    hand_back(launched)
+            except TransportTimeout:
+                if not keep_going():
+                    logger.warning("%s: leaving the plan loop: the driver is gone", self.spec.name)
+                    return
+            except Exception as e:
+                text = f"{self.spec.name} failed at step {step}: {type(e).__name__}: {e}"
+                logger.error("%s\n%s", text, traceback.format_exc())
+                pusher.push(StepResult(step=step, dp_rank=self.spec.dp_rank, error=text))
+                raise
 
     def close(self, timeout_s: float = DESTROY_TIMEOUT_S) -> None:
         """Leave the process groups; never waits longer than `timeout_s` on destroy_process_group()."""
         self.worker = None
         if self._distributed:
-            from atomrt.distributed import parallel_state as ps
-
             self._distributed = False
             ps.destroy_distributed(timeout_s)
 
@@ -229,21 +256,21 @@ def mp_main(conn: Any, config: Config, spec: RankSpec, local_device: Optional[in
     def parent_alive() -> bool:
         return os.getppid() == parent
 
-    rank = RankWorker(config, spec, local_device)
+    process = WorkerProcess(config, spec, local_device)
     try:
         while parent_alive():
-            if not conn.poll(_IDLE_POLL_S):
+            if not conn.poll(IDLE_POLL_S):
                 continue
             call: ControlCall = conn.recv()
             if call.method == "run_plan_loop":
                 conn.send(ControlReply())
-                rank.run_plan_loop(*call.args, keep_going=parent_alive)
+                process.run_plan_loop(*call.args, keep_going=parent_alive)
                 return
-            if call.method not in ("node_info", "init_worker", "determine_num_blocks", "initialize"):
+            if call.method not in CONTROL_CALLS:
                 conn.send(ControlReply(error=f"{spec.name}: unknown control call {call.method!r}"))
                 continue
             try:
-                value = getattr(rank, call.method)(*call.args)
+                value = getattr(process, call.method)(*call.args)
             except Exception as e:
                 conn.send(ControlReply(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
                 continue
@@ -251,49 +278,4 @@ def mp_main(conn: Any, config: Config, spec: RankSpec, local_device: Optional[in
     except (EOFError, OSError):
         logger.warning("%s: the driver closed the control pipe; exiting", spec.name)
     finally:
-        rank.close()
-
-
-# -------------------------------------------------------------------------------------------- ray
-
-
-class RankActor:
-    """Ray actor body: one rank. Runs with max_concurrency=2 so `ping` answers during the plan loop."""
-
-    def __init__(self, config: Config, spec: RankSpec) -> None:
-        import ray
-
-        gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
-        # Ray sets CUDA_VISIBLE_DEVICES to the GPU it gave this actor: it is local device 0.
-        self._gpu_ids = gpu_ids
-        self._stop = threading.Event()
-        self.rank = RankWorker(config, spec, 0 if gpu_ids else None)
-
-    def node_info(self) -> NodeInfo:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return self.rank.node_info(ray.util.get_node_ip_address(), ctx.get_node_id(), self._gpu_ids)
-
-    def init_worker(self, master_addr: str, master_port: int) -> None:
-        self.rank.init_worker(master_addr, master_port)
-
-    def determine_num_blocks(self) -> int:
-        return self.rank.determine_num_blocks()
-
-    def initialize(self, num_blocks: int) -> Any:
-        return self.rank.initialize(num_blocks)
-
-    def run_plan_loop(self, addresses: dict[str, str]) -> None:
-        try:
-            self.rank.run_plan_loop(addresses, keep_going=lambda: not self._stop.is_set())
-        finally:
-            self.rank.close()
-
-    def stop(self) -> None:
-        """Leave the plan loop at its next idle poll (when the driver cannot publish a shutdown plan)."""
-        self._stop.set()
-
-    def ping(self) -> float:
-        return time.monotonic()
-
+        process.close()
