@@ -189,7 +189,7 @@ def test_example_configs_load():
 
 
 def test_ray_placement_and_transport_reach_the_executor():
-    from atomrt.runtime.executors.base import make_executor
+    from atomrt.runtime.executors.factory import make_executor
 
     cfg = build_config(None, ["parallel_config.executor=ray", "parallel_config.placement_strategy=SPREAD",
                               "parallel_config.transport=tcp"])

@@ -15,7 +15,8 @@ from typing import Optional, Union
 
 from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.config import Config
-from atomrt.runtime.executors.base import Executor, WorkerError, make_executor
+from atomrt.runtime.executors.base import Executor, WorkerError
+from atomrt.runtime.executors.factory import make_executor
 from atomrt.runtime.decision import BatchShape, CapturedBuckets
 from atomrt.runtime.driver.forward_mode import ForwardMode
 from atomrt.runtime.driver.outputs import RequestOutput, make_request_output

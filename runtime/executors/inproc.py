@@ -1,0 +1,36 @@
+"""`InProcExecutor`: one Worker in the driver's process (TP = DP = 1); plans are passed as objects."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from atomrt.distributed.messages import StepPlan, StepResult
+from atomrt.runtime.executors.base import Executor
+from atomrt.workers.worker import Worker, WorkerInfo
+
+
+class InProcExecutor(Executor):
+    def start(self) -> WorkerInfo:
+        pc = self.config.parallel_config
+        if pc.world_size != 1:
+            raise ValueError(
+                "parallel_config.executor='inproc' runs one worker; use executor 'mp' or 'ray' for "
+                f"tensor_parallel_size={pc.tensor_parallel_size}, data_parallel_size={pc.data_parallel_size}"
+            )
+        self.worker = Worker(self.config)
+        self._submitted: deque = deque()  # PendingSteps not collected yet
+        return self.worker.initialize(self.worker.determine_num_blocks())
+
+    def submit(self, plan: StepPlan) -> None:
+        self._submitted.append(self.worker.launch(plan))
+
+    def collect(self, step: int, flush: bool) -> list[StepResult]:
+        pending = self._submitted.popleft()
+        if pending.step != step:
+            raise RuntimeError(f"inproc executor: collecting step {step}, but the oldest submitted step is {pending.step}")
+        result = self.worker.finish(pending)
+        assert result is not None
+        return [result]
+
+    def shutdown(self) -> None:
+        self.worker = None
