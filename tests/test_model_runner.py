@@ -129,7 +129,7 @@ def test_packed_step_unpacks_to_what_the_per_buffer_fill_writes(runner: ModelRun
     here through Triton's interpreter) leaves the static buffers as the per-buffer copies do,
     padding included, over stale values; of the block tables only the step's live width travels,
     and the columns past it keep what they held (no kernel reads them)."""
-    from atomrt.workers.runner.packed_step import PackedStep
+    from atomrt.workers.runner.step_buffers import PackedStep
 
     fv = runner.buffers.forward_vars
     inputs = _inputs([1, 1, 1], [5, 7, 3], runner.shape.block_size)
@@ -167,7 +167,7 @@ def test_packed_step_gathers_pending_tokens_in_its_unpack(tmp_path_factory) -> N
     """Async scheduling, packed: the unpack kernel gives each row the token the eager gather does:
     its own staged id, the previous step's sample (token_src >= TokenPool.prev_base), or for a padding
     row staged slot 0."""
-    from atomrt.workers.runner.packed_step import PackedStep
+    from atomrt.workers.runner.step_buffers import PackedStep
 
     folder = build_tiny_llama(tmp_path_factory.mktemp("tiny_packed_async") / "model")
     config = Config(model=str(folder), device="cpu",

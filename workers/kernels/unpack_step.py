@@ -1,5 +1,5 @@
 # The head of a request graph: one launch that unpacks the step staged in PackedStep's device buffer
-# (workers/runner/packed_step.py holds the layout) into the static buffers the recording reads, and under
+# (workers/runner/step_buffers.py holds the layout) into the static buffers the recording reads, and under
 # async scheduling gathers each row's token from the staged ids or the previous step's sample.
 # It replaces a device copy per buffer plus a gather kernel (~1 us of GPU time each).
 # Importing this module needs no GPU.
