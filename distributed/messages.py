@@ -305,7 +305,7 @@ def _from_wire_obj(cls: type, items: list) -> Any:
         raise MessageError(f"{cls.__name__}: expected {len(_FIELDS[cls])} fields, got {len(items)}")
     for i, dtype in _ARRAY_FIELDS[cls]:
         if type(items[i]) is bytes:
-            items[i] = np.frombuffer(items[i], dtype)  # dtype positional: ~0.1 us less
+            items[i] = np.frombuffer(items[i], dtype=dtype)
     if cls is RankBatch:
         items[_NEW_REQUESTS_FIELD] = [_nested(NewRequest, r) for r in items[_NEW_REQUESTS_FIELD]]
         _check_new_blocks(*items[_NEW_BLOCK_FIELDS])
@@ -330,7 +330,7 @@ def _check_new_blocks(seq_ids: np.ndarray, starts: np.ndarray, counts: np.ndarra
     if len(starts) != n or len(counts) != n:
         raise MessageError(f"RankBatch: {n} new_block_seq_ids, {len(starts)} new_block_starts and {len(counts)} "
                            "num_new_blocks; expected one of each per block-table update")
-    num_new_blocks = counts.tolist()  # a list's sum and min: ~0.4 us for 16 updates, numpy's ~2 us
+    num_new_blocks = counts.tolist()  # a list's sum and min: faster than numpy's at these sizes
     if n and min(num_new_blocks) < 0:
         raise MessageError(f"RankBatch: a negative count in num_new_blocks ({min(num_new_blocks)})")
     if sum(num_new_blocks) != len(block_ids):

