@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Run the GPU tier on a GPU machine where atomrt is not installed (the lent H200): the top-level
-# folders are linked into a temporary `atomrt` namespace on PYTHONPATH, then pytest runs.
+# The GPU tier from a checkout, on a GPU machine where atomrt need not be installed: the top-level
+# folders are linked into a temporary `atomrt` namespace on PYTHONPATH, then pytest runs the tests
+# marked gpu (default) or multigpu in tests/gpu.
 # Usage (repo root): tests/gpu/run_gpu_tier.sh [pytest args...]   (MARK=multigpu for the 2-GPU tests)
-# Logs go to $OUT (default /tmp/atomrt-gpu).
+# torch, triton and pytest must already be importable by python3; wheels in .whl/, if any, are
+# installed offline (no index, no dependencies) into the temporary path, nothing is downloaded.
+# Logs go to $LOG_DIR (default /tmp/atomrt-gpu).
 set -uo pipefail
-OUT=${OUT:-/tmp/atomrt-gpu}
-mkdir -p "$OUT"
+LOG_DIR=${LOG_DIR:-/tmp/atomrt-gpu}
+MARK=${MARK:-gpu}
+mkdir -p "$LOG_DIR"
 pp=$(mktemp -d)
 mkdir -p "$pp/atomrt"
 for d in runtime workers compile graphs distributed; do ln -s "$PWD/$d" "$pp/atomrt/$d"; done
@@ -14,6 +18,6 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   pp="$pp:$pp/site"
 fi
 export PYTHONPATH="$pp${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -p no:cacheprovider -q -rs -m "${MARK:-gpu}" "${@:-tests/gpu}" 2>&1 | tee "$OUT/pytest-${MARK:-gpu}.log"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG_DIR/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG_DIR/gpu.txt"
+python3 -m pytest -p no:cacheprovider -q -rs -m "$MARK" "${@:-tests/gpu}" 2>&1 | tee "$LOG_DIR/pytest-$MARK.log"

@@ -1,6 +1,6 @@
-"""Decode attention at the model shapes: GPU time of forced launch plans (not a test; GPU machine).
+"""Decode attention at the model shapes: GPU time of forced launch plans (needs a CUDA GPU).
 
-    python tests/gpu/sweep_attention.py [--json FILE]
+    python benchmarks/sweep_attention.py [--json FILE]
 
 For each shape (SmolLM2-135M bs=1, Llama-3.2-1B bs=32, Llama-3.1-8B bs=1, KV capacity 2048 as in
 the graph-safe launch) and context length, the GPU time of one call replayed from a CUDA graph for
@@ -128,7 +128,9 @@ def host_costs() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)

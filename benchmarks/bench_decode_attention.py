@@ -1,10 +1,10 @@
-"""Decode attention timings (not a test; run on the GPU machine):
+"""Decode attention timings (needs a CUDA GPU):
 
-    python tests/gpu/bench_decode_attention.py [--sweep] [--json PATH]
+    python benchmarks/bench_decode_attention.py [--sweep] [--json PATH]
 
 For the three benchmark model shapes, GPU µs per layer of a decode step's attention work, replayed
 from a CUDA graph that holds 16 layers' calls back to back (as a step does):
-  two_launch  rope_write_kv, then unified_attention (+ its split reduce): the path before the fused kernel
+  two_launch  rope_write_kv, then unified_attention (+ its split reduce), for comparison
   fused       attention_step: one decode_attention launch (rotary, KV write, attention, split merge)
 `--sweep` adds the fused kernel under other tile sizes / warps / stages, to tune plan_decode.
 """
@@ -85,7 +85,9 @@ def time_us(fn) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default="")
     args = ap.parse_args()

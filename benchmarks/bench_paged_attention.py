@@ -1,6 +1,6 @@
-"""Decode / prefill timings of the paged-attention kernels (not a test; run on the GPU machine):
+"""Decode / prefill timings of the paged-attention kernels (needs a CUDA GPU):
 
-    python tests/gpu/bench_paged_attention.py
+    python benchmarks/bench_paged_attention.py
 
 One line per configuration: GPU time of one call replayed from a CUDA graph (no host overhead),
 the host-side cost of one eager call, and the KV bytes read per second against the GPU time.
@@ -8,6 +8,7 @@ the host-side cost of one eager call, and the KV bytes read per second against t
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -54,6 +55,10 @@ def bench(batch_size: int, ctx: int, num_q: int, graph_safe: bool, num_kv_heads:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.parse_args()
     rows = []
     for bs, ctx, num_q in [(1, 1024, 1), (32, 1024, 1), (1, 8192, 1), (64, 4096, 1), (16, 2048, 4), (1, 4096, 2048)]:
         for graph_safe in (False, True):

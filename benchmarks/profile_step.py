@@ -1,20 +1,18 @@
 """Where a decode step's time goes, on the GPU: host phases, GPU kernels, and a cProfile.
 
-    python tests/gpu/profile_step.py [--mode FULL] [--level 0] [--bs 1] [--steps 200] [--async-scheduling]
-        [--skinny-max-weight-elems N] [--out FILE]
+    python benchmarks/profile_step.py [--model SmolLM2-135M] [--mode FULL] [--level 0] [--bs 1]
+        [--steps 200] [--async-scheduling] [--out FILE]
 Prints (dummy weights of --model):
 - ms/step unprofiled;
 - host time per phase (perf_counter, no extra synchronisation): driver (schedule, decide, plan,
-  postprocess), the worker's launch outside the runner, runner.prepare, the forward launch,
-  logits + sampler launch, and `executor.collect`: the wait in the step's one synchronisation
-  (the GPU still running) plus the readback; inside those, the request graph's replay call, the
-  LM head's launch, the readback's start and the worker's mirrors (apply, build);
+  postprocess), the worker's launch outside the runner, the runner's staging (buffers.prepare),
+  the forward launch, logits + sampler launch, and `executor.collect`: the wait in the step's one
+  synchronisation (the GPU still running) plus the readback; inside those, the request graph's
+  replay call, the LM head's launch, the readback's start and the worker's mirrors (apply, build);
 - the forward's GPU time alone (CUDA events around run_model);
 - the replay alone of the step's request graph: host us per launch and GPU us per replay;
 - the GPU kernels of one step (torch.profiler: count and total kernel time, the top kernels);
 - the top functions by cumulative host time (cProfile).
-`--skinny-max-weight-elems` overrides which weights the skinny GEMM takes (0: none, cuBLAS only),
-so one GPU call can compare the two in the same model step.
 """
 
 import argparse
@@ -28,8 +26,9 @@ import torch
 
 from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import CompilationConfig
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.entrypoints.llm import LLM
-from atomrt.workers.kernels.gemm import skinny_gemm
+from atomrt.workers.runner.input_batch import dummy_decode_inputs
 
 
 def _timed(acc: dict, name: str, fn):
@@ -48,11 +47,6 @@ def phase_times(eng, steps: int) -> tuple[dict, float]:
     worker = ex.worker
     runner = worker.runner
     acc: dict = defaultdict(float)
-    originals = (ex.submit, ex.collect, runner.execute, runner.prepare, runner.run_model)
-    ex.submit = _timed(acc, "executor.submit", ex.submit)
-    ex.collect = _timed(acc, "executor.collect", ex.collect)
-    runner.execute = _timed(acc, "runner.execute", runner.execute)
-    runner.prepare = _timed(acc, "runner.prepare", runner.prepare)
     gpu_ms: list = []
     run_model = runner.run_model
 
@@ -64,26 +58,27 @@ def phase_times(eng, steps: int) -> tuple[dict, float]:
         gpu_ms.append((start, end))
         return out
 
-    runner.run_model = _timed(acc, "runner.run_model (launch)", run_model_events)
-    sampler = runner.sampler
-    runner.sampler = _timed(acc, "sampler (launch)", sampler)
-    # Inside the worker's launch: where its host time goes (attributes set on the instances; deleted
-    # afterwards so the class's methods show through again).
-    parts = [(runner.model, "compute_logits", "  run_model: compute_logits (launch)"),
+    # Bound methods are wrapped on the instances and the wrappers deleted afterwards, so the
+    # class's methods show through again.
+    parts = [(ex, "submit", "executor.submit"), (ex, "collect", "executor.collect"),
+             (runner, "execute", "runner.execute"), (runner.buffers, "prepare", "runner.buffers.prepare"),
+             (runner.model, "compute_logits", "  run_model: compute_logits (launch)"),
              (runner, "start_readback", "worker: start_readback"),
              (worker.mirrors, "build", "worker: mirrors.build"),
-             (worker.mirrors, "apply", "worker: mirrors.apply")]
-    if runner.req_graph is not None:
-        parts.append((runner.req_graph, "replay", "  run_model: req_graph.replay (launch)"))
+             (worker.mirrors, "apply", "worker: mirrors.apply"),
+             (runner.graphs.req_graph, "replay", "  run_model: req_graph.replay (launch)")]
     for obj, name, label in parts:
         setattr(obj, name, _timed(acc, label, getattr(obj, name)))
+    runner.run_model = _timed(acc, "runner.run_model (launch)", run_model_events)
+    sampler = runner.sampler  # an instance attribute: put back, not deleted
+    runner.sampler = _timed(acc, "sampler (launch)", sampler)
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
     total = time.perf_counter() - t
     torch.cuda.synchronize()
-    ex.submit, ex.collect, runner.execute, runner.prepare, runner.run_model = originals
     runner.sampler = sampler
+    del runner.run_model
     for obj, name, _ in parts:
         delattr(obj, name)
     acc = {k: v / steps for k, v in acc.items()}
@@ -98,21 +93,19 @@ def replay_costs(eng, bs: int) -> str:
     """Host and GPU time of the replay alone of the request graph a `bs`-row decode step runs (the
     smallest bucket that holds it), 50 back to back."""
     runner = eng.executor.worker.runner
-    if runner.req_graph is None or not len(runner.req_graph):
+    req_graph = runner.graphs.req_graph
+    if not len(req_graph):
         return "no request graphs"
-    from atomrt.runtime.decision import ForwardDecision, ForwardKind
-    from atomrt.workers.runner.graph_capture import dummy_decode_inputs
-
-    key = min((k for k in runner.req_graph.keys() if k[0] >= bs), default=runner.req_graph.keys()[-1])
+    key = min((k for k in req_graph.keys() if k[0] >= bs), default=req_graph.keys()[-1])
     bs = key[0]
     decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=bs, running_tokens=bs, is_prefill=False, req_key=key)
-    runner.prepare(dummy_decode_inputs(bs, 1), decision)  # a request graph replays the step staged for its bucket
+    runner.buffers.prepare(dummy_decode_inputs(bs, 1), decision)  # a request graph replays the step staged for its bucket
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t = time.perf_counter()
     start.record()
     for _ in range(50):
-        runner.req_graph.replay(key)
+        req_graph.replay(key)
     host = (time.perf_counter() - t) / 50 * 1e6
     end.record()
     torch.cuda.synchronize()
@@ -139,7 +132,9 @@ def kernel_table(eng, steps: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--mode", default="FULL")
     ap.add_argument("--level", type=int, default=0)
     ap.add_argument("--bs", type=int, default=1)
@@ -147,11 +142,7 @@ def main() -> None:
     ap.add_argument("--model", default="SmolLM2-135M")
     ap.add_argument("--out", default="")
     ap.add_argument("--async-scheduling", action="store_true")
-    ap.add_argument("--skinny-max-weight-elems", type=int, default=None)
     a = ap.parse_args()
-    if a.skinny_max_weight_elems is not None:
-        # read through skinny_gemm.takes_weight: per call (use_skinny) and at trace time (add_norm_linear)
-        skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS = skinny_gemm.SKINNY_M1_MAX_WEIGHT_ELEMS = a.skinny_max_weight_elems
     cc = CompilationConfig(level=a.level, cudagraph_mode=a.mode, cuda_graph_sizes=[max(a.bs, 8)])
     llm = LLM(a.model, load_format="dummy", compilation_config=cc, max_num_seqs=max(a.bs, 8), max_model_len=2048,
               async_scheduling=a.async_scheduling)
@@ -174,8 +165,7 @@ def main() -> None:
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
-    skinny = f" skinny < {skinny_gemm.SKINNY_MAX_WEIGHT_ELEMS} elems"
-    text = [f"{a.model} {a.mode}{' async' if a.async_scheduling else ''} level {a.level} bs {a.bs}{skinny}: "
+    text = [f"{a.model} {a.mode}{' async' if a.async_scheduling else ''} level {a.level} bs {a.bs}: "
             f"{ms:.3f} ms/step (unprofiled)",
             f"forward GPU time (events around run_model): {fwd_ms:.3f} ms/step", "host ms per step:"]
     text += [f"  {k:55s} {v * 1e3:7.3f}" for k, v in phases.items()]

@@ -1,6 +1,6 @@
 """Greedy argmax: workers/kernels/argmax.argmax_rows against torch.argmax, bf16 logits.
 
-    python tests/gpu/bench_argmax.py
+    python benchmarks/bench_argmax.py
 Prints, per (rows, vocab) of the latency targets' shapes (and the splits per row planned there): GPU
 us per call, for torch, this kernel and this kernel with one program per row (200 calls captured in a
 CUDA graph, so launch gaps do not count) and host us per eager call (the sampler launches it eagerly).
@@ -8,6 +8,7 @@ CUDA graph, so launch gaps do not count) and host us per eager call (the sampler
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -45,6 +46,10 @@ def host_us(fn, logits: torch.Tensor, calls: int = 2000) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.parse_args()
     torch_argmax = lambda x: x.argmax(dim=-1)  # noqa: E731
     print("us per call:")
     print(f"{'rows':>5} {'vocab':>7} {'splits':>6}  {'torch GPU':>9} {'ours GPU':>8} {'1 split GPU':>11}  "

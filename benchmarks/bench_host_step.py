@@ -2,7 +2,7 @@
 logits, on CPU. What is left is everything but the model: scheduling, the plan, the worker's
 inputs, the sampler's argmax, postprocessing and streamed detokenization.
 
-    python tests/bench_host_step.py [--bs 1] [--sync] [--steps 200] [--profile tottime]
+    python benchmarks/bench_host_step.py [--bs 1] [--sync] [--steps 200] [--profile tottime]
 Prints the best of three runs in us/step (tiny 2-layer Llama, word-level tokenizer, streamed
 outputs as a server asks for them). Under async scheduling this host work overlaps the GPU's, so
 on the GPU machine it bounds the step from below: a step is at least max(GPU, host) long.
@@ -14,6 +14,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,11 +23,16 @@ import torch
 
 from atomrt.runtime import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
-from executor_harness import VOCAB, build_tiny_llama
+from atomrt.workers.runner.model_runner import ModelOutput
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the CPU tests' tiny model
+from executor_harness import VOCAB, build_tiny_llama  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--sync", action="store_true", help="synchronous scheduling (default: async)")
     ap.add_argument("--steps", type=int, default=200)
@@ -39,9 +45,9 @@ def main() -> None:
     runner = eng.executor.worker.runner
     logits = torch.randn(max(a.bs, 8) * 8, VOCAB)
 
-    def fixed_logits(input_ids, decision, logits_indices):
+    def fixed_logits(input_ids, decision, logits_indices) -> ModelOutput:
         n = input_ids.shape[0]
-        return logits[:n][logits_indices], logits[:n]
+        return ModelOutput(logits[:n][logits_indices], logits[:n], None)
 
     runner.run_model = fixed_logits
     max_tokens = min(a.steps + 10, 240)  # the tiny model's 256 positions

@@ -1,6 +1,6 @@
 """Skinny GEMM against cuBLAS at the model shapes: GPU time inside a CUDA graph (not a test; GPU machine).
 
-    PYTHONPATH=<dir holding atomrt> python tests/gpu/sweep_gemm.py [--quick] [--json FILE] [--hot]
+    python benchmarks/sweep_gemm.py [--quick] [--json FILE] [--hot]
         [--shapes "8B qkv,8B o"] [--ms 1] [--norm [--stats-values V]]
 
 For M in 1, 8, 32 and every (N, K) of SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B (bf16, per TP
@@ -9,7 +9,7 @@ candidate configs: stage 1 sweeps the tiles (block_n x block_k x use_dot) at war
 each tile, stage 2 then tries the best tile at other num_warps, then the best of those at other
 num_stages (--quick: stage 1 only, fewer K tiles, M 1 and 32 only). Every config is first checked
 against F.linear; one that fails to compile or mismatches is skipped and counted. One line per
-(shape, M), then a CONFIGS dict literal to paste into atomrt/workers/kernels/skinny_configs.py, and
+(shape, M), then a CONFIGS dict literal to paste into workers/kernels/gemm/skinny_configs.py, and
 the whole result as JSON with --json. About 600 timings and 150 Triton compiles: ~1-2 min on an H200.
 
 Timing: CALLS back-to-back calls captured into one CUDA graph, replayed REPLAYS times between CUDA
@@ -22,8 +22,8 @@ default config, and say so.
 --norm times what a decoder layer runs before and in a projection that follows a residual add and
 RMSNorm (qkv, gate_up; broadcast path, M <= 4): on the cuBLAS side the add + norm kernel
 (kernels/rms_norm.add_rms_norm) then F.linear, on the skinny side skinny_add_norm_linear, the add and
-norm in the GEMM's prologue. --stats-values sets skinny_gemm.NORM_STATS_VALUES for the prologue's
-statistics pass (0: one K tile per step of the pass, as before norm_stats_block).
+norm in the GEMM's prologue. --stats-values is the prologue's statistics pass width passed to each
+call (`stats_values`; default skinny_gemm.NORM_STATS_VALUES; 0: one K tile per step of the pass).
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import triton
-from atomrt.workers.kernels.gemm import skinny_gemm
 from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.kernels.gemm.skinny_configs import BROADCAST_MAX_M, SkinnyConfig, block_m_for, pick_config
-from atomrt.workers.kernels.gemm.skinny_gemm import skinny_add_norm_linear, skinny_linear
+from atomrt.workers.kernels.gemm.skinny_gemm import NORM_STATS_VALUES, skinny_add_norm_linear, skinny_linear
 
 SHAPES = {  # name: (N, K) per TP rank
     "SmolLM2-135M qkv": (960, 576),
@@ -183,8 +182,10 @@ class Bench:
     """Operands and the reference of one (shape, M); times cuBLAS and skinny configs on them. With
     `norm`, each side also makes x from a residual add and RMSNorm (the module docstring's --norm)."""
 
-    def __init__(self, name: str, m: int, n: int, k: int, hot: bool, norm: bool = False) -> None:
-        self.name, self.m, self.n, self.k, self.norm = name, m, n, k, norm
+    def __init__(
+        self, name: str, m: int, n: int, k: int, hot: bool, norm: bool = False, stats_values: int = NORM_STATS_VALUES
+    ) -> None:
+        self.name, self.m, self.n, self.k, self.norm, self.stats_values = name, m, n, k, norm, stats_values
         gen = torch.Generator(device="cuda").manual_seed(m * 7919 + n + k)
         self.x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
@@ -210,7 +211,9 @@ class Bench:
 
     def _skinny_call(self, w: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
         if self.norm:
-            return skinny_add_norm_linear(self.x, self.update, self.norm_weight, NORM_EPS, w, config=config)[1]
+            return skinny_add_norm_linear(
+                self.x, self.update, self.norm_weight, NORM_EPS, w, config=config, stats_values=self.stats_values
+            )[1]
         return skinny_linear(self.x, w, config=config)
 
     def skinny(self, config: SkinnyConfig, label: str) -> float | None:
@@ -310,7 +313,8 @@ def main() -> None:
     ap.add_argument("--norm", action="store_true",
                     help="the residual add + RMSNorm before the GEMM on both sides (qkv, gate_up; M <= 4)")
     ap.add_argument("--stats-values", type=int, default=None,
-                    help="with --norm: skinny_gemm.NORM_STATS_VALUES (0: one K tile per step of the pass)")
+                    help="with --norm: the statistics pass's values per step (default NORM_STATS_VALUES; "
+                    "0: one K tile per step)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_gemm.py needs a CUDA GPU")
@@ -321,20 +325,19 @@ def main() -> None:
     start = time.perf_counter()
     summaries, results = [], []
     ms = [int(m) for m in args.ms.split(",")] if args.ms else (QUICK_MS if args.quick else MS)
+    stats_values = NORM_STATS_VALUES if args.stats_values is None else args.stats_values
     wanted = [w.strip() for w in args.shapes.split(",") if w.strip()]
     shapes = {name: nk for name, nk in SHAPES.items() if not wanted or any(w in name for w in wanted)}
     if args.norm:
         if any(m > BROADCAST_MAX_M for m in ms):
             raise SystemExit(f"--norm: the fused add + norm runs on the broadcast path, M <= {BROADCAST_MAX_M}")
         shapes = {name: nk for name, nk in shapes.items() if name.endswith(("qkv", "gate_up"))}
-        if args.stats_values is not None:
-            skinny_gemm.NORM_STATS_VALUES = args.stats_values
-        print(f"--norm: add + RMSNorm on both sides; NORM_STATS_VALUES {skinny_gemm.NORM_STATS_VALUES}")
+        print(f"--norm: add + RMSNorm on both sides; stats_values {stats_values}")
     elif args.stats_values is not None:
         raise SystemExit("--stats-values needs --norm")
     for m in ms:
         for name, (n, k) in shapes.items():
-            bench = Bench(name, m, n, k, args.hot, args.norm)
+            bench = Bench(name, m, n, k, args.hot, args.norm, stats_values)
             search = time.perf_counter() - start < args.budget_s
             summaries.append(sweep_one(bench, num_sms, args.quick, search))
             results += [dataclasses.asdict(r) for r in bench.results]
@@ -348,7 +351,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": props.name, "num_sms": num_sms, "hot": args.hot, "quick": args.quick,
-                       "norm": args.norm, "norm_stats_values": skinny_gemm.NORM_STATS_VALUES,
+                       "norm": args.norm, "norm_stats_values": stats_values,
                        "elapsed_s": elapsed, "summaries": [dataclasses.asdict(s) for s in summaries],
                        "results": results}, f, indent=1)
 
