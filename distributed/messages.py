@@ -92,7 +92,9 @@ class NewRequest:
     """A sequence a worker has not seen: what it prefills and how its rows are sampled."""
 
     seq_id: int
-    token_ids: np.ndarray = field(default_factory=_i32)  # int32 [n]: prompt (+ outputs after preemption)
+    token_ids: np.ndarray = field(default_factory=_i32)  # int32 [n]: the prompt
+    # int32 [m]: the outputs so far (penalties read them); empty unless the workers were reset
+    output_token_ids: np.ndarray = field(default_factory=_i32)
     sampling_params: WorkerSamplingParams = field(default_factory=WorkerSamplingParams)
 
 
@@ -114,7 +116,9 @@ class RankBatch:
     new_block_ids: np.ndarray = field(default_factory=_i32)  # int32 [sum(num_new_blocks)], in update order
     sample_mask: np.ndarray = field(default_factory=_bool)  # bool [bs]: last row sampled this step
     finished_seq_ids: np.ndarray = field(default_factory=_i64)  # int64: free the worker's mirror
-    preempted_seq_ids: np.ndarray = field(default_factory=_i64)  # int64: reset the worker's mirror
+    # Drop every mirrored sequence (and pending token) before applying this batch: the driver
+    # discarded a step, and re-sends what it runs as new requests.
+    reset: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -34,9 +34,20 @@ def test_build_reads_tables_kept_from_updates() -> None:
     assert inputs.block_tables.tolist() == [[9, -1, -1], [5, 6, 11]]
     assert inputs.slot_mapping.tolist() == [9 * 4 + 1, 11 * 4 + 0]
 
-    # An update from an earlier index replaces the tail; a preempted sequence starts empty again.
-    mirrors.apply(_decode_batch([], [], **new_blocks({7: (1, [12])}), preempted_seq_ids=np.array([8], dtype=np.int64)))
-    assert mirrors.build(_decode_batch([7, 8], [5, 1])).block_tables.tolist() == [[5, 12], [-1, -1]]
+    # An update from an earlier index replaces the tail (from 0: a preempted sequence's new table).
+    mirrors.apply(_decode_batch([], [], **new_blocks({7: (1, [12]), 8: (0, [3])})))
+    assert mirrors.build(_decode_batch([7, 8], [5, 1])).block_tables.tolist() == [[5, 12], [3, -1]]
+
+
+def test_reset_drops_every_mirror_before_the_batch_applies() -> None:
+    mirrors = SeqMirrors(block_size=4)
+    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1), NewRequest(2)],
+                                **new_blocks({1: (0, [4, 5]), 2: (0, [6])})))
+    again = NewRequest(2, np.array([9, 9], dtype=np.int32), output_token_ids=np.array([7], dtype=np.int32))
+    mirrors.apply(_decode_batch([], [], new_requests=[again], reset=True, **new_blocks({2: (0, [8])})))
+    assert sorted(mirrors.seqs) == [2]
+    assert mirrors.seqs[2].prompt_token_ids == [9, 9] and mirrors.seqs[2].output_token_ids == [7]
+    assert mirrors.build(_decode_batch([2], [1])).block_tables.tolist() == [[8]]
 
 
 def test_a_freed_row_is_reused_clean() -> None:
@@ -128,9 +139,6 @@ def test_flat_updates_round_trip_and_apply_like_per_sequence_updates() -> None:
         finished = rng.sample(sorted(reference), k=min(len(reference), rng.randint(0, 2)))
         for s in finished:
             del reference[s]
-        preempted = rng.sample(sorted(reference), k=min(len(reference), rng.randint(0, 1)))
-        for s in preempted:
-            reference[s] = []
         new = [s for s in rng.sample(range(100), k=rng.randint(0, 4)) if s not in reference]
         reference.update({s: [] for s in new})
         updates = {}
@@ -140,7 +148,7 @@ def test_flat_updates_round_trip_and_apply_like_per_sequence_updates() -> None:
             reference[s] = reference[s][:start] + updates[s][1]
         batch = decode(encode(_decode_batch(
             [], [], new_requests=[NewRequest(s) for s in new], finished_seq_ids=np.array(finished, dtype=np.int64),
-            preempted_seq_ids=np.array(preempted, dtype=np.int64), **new_blocks(updates))))
+            **new_blocks(updates))))
         mirrors.apply(batch)
         assert sorted(mirrors.seqs) == sorted(reference)
         for s, table in reference.items():

@@ -73,6 +73,7 @@ new_requests = st.builds(
     NewRequest,
     seq_id=i64,
     token_ids=arrays(np.int32, i32, max_size=300),
+    output_token_ids=arrays(np.int32, i32, max_size=30),
     sampling_params=worker_sampling_params,
 )
 
@@ -110,7 +111,7 @@ def rank_batches(draw, max_bs=20):
         **new_blocks(updates),
         sample_mask=np.array(draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), dtype=np.bool_),
         finished_seq_ids=draw(arrays(np.int64, i64, max_size=5)),
-        preempted_seq_ids=draw(arrays(np.int64, i64, max_size=5)),
+        reset=draw(st.booleans()),
     )
 
 

@@ -7,6 +7,8 @@ step's sample of that sequence."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from atomrt.distributed.messages import PENDING_TOKEN, NewRequest, RankBatch, StepPlan, WorkerSamplingParams
@@ -32,48 +34,73 @@ def worker_sampling_params(p: SamplingParams) -> WorkerSamplingParams:
 
 
 def new_request(seq: Sequence) -> NewRequest:
+    """What workers need of a sequence they do not hold: its tokens so far (the output tokens too,
+    after workers were reset: penalties read them) and its sampling parameters."""
     return NewRequest(
         seq_id=seq.seq_id,
         token_ids=np.asarray(seq.prompt_token_ids, dtype=np.int32),
+        output_token_ids=np.asarray(seq.output_token_ids, dtype=np.int32),
         sampling_params=worker_sampling_params(seq.sampling_params),
     )
 
 
+@dataclass
+class _Known:
+    """What a rank's workers hold of one sequence."""
+
+    epoch: int  # the sequence's num_preemptions when its block table was last sent from entry 0
+    num_blocks: int  # block-table entries the workers hold
+
+
 class RankPlanner:
-    """One DP rank's view of what its workers hold: which sequences, how many block-table entries."""
+    """The one source of truth for what a DP rank's workers know of each sequence, so a plan ships
+    what changed and never a stale count.
+
+    A sequence's blocks are reallocated from scratch when it is preempted (whether or not the step
+    that preempted it sent a plan): the workers' table is then stale, which the planner sees from
+    the sequence's preemption count and answers by sending the table from entry 0. Finished and
+    aborted sequences are freed on the workers by the next plan (`forget`); `reset` forgets every
+    sequence and has the next plan clear the workers' state (after a step was discarded).
+    """
 
     def __init__(self) -> None:
-        self.known_blocks: dict[int, int] = {}  # seq_id -> block-table entries the workers hold
+        self.known: dict[int, _Known] = {}  # seq_id -> what the workers hold
         self.pending_finished: list[int] = []
+        self.pending_reset = False
 
     def forget(self, seq_ids: list[int]) -> None:
         """Sequences that finished or were aborted: the next plan tells the workers to free them."""
         for s in seq_ids:
-            if self.known_blocks.pop(s, None) is not None:
+            if self.known.pop(s, None) is not None:
                 self.pending_finished.append(s)
 
+    def reset(self) -> None:
+        """The workers' state is gone or untrusted: the next plan clears it and re-sends what it runs."""
+        self.known.clear()
+        self.pending_finished.clear()
+        self.pending_reset = True
+
     def batch(self, out: SchedulerOutput) -> RankBatch:
-        preempted = [s.seq_id for s in out.preempted if s.seq_id in self.known_blocks]
-        for s in preempted:
-            self.known_blocks[s] = 0
-        known_blocks = self.known_blocks
+        known = self.known
         new_requests, input_ids = [], []
         new_block_seq_ids, new_block_starts, num_new_blocks, new_block_ids = [], [], [], []
         seq_ids, row_new_tokens, row_computed_tokens, sample_mask = [], [], [], []
         for row in out.scheduled:
             seq = row.seq
             seq_id, block_table, token_ids = seq.seq_id, seq.block_table, seq.token_ids
-            known = known_blocks.get(seq_id)
-            if known is None:
+            k = known.get(seq_id)
+            if k is None:
                 new_requests.append(new_request(seq))
-                known = 0
+                k = known[seq_id] = _Known(seq.num_preemptions, 0)
+            elif k.epoch != seq.num_preemptions:  # preempted since: its blocks were reallocated
+                k.epoch, k.num_blocks = seq.num_preemptions, 0
             num_blocks = len(block_table)
-            if num_blocks > known:
+            if num_blocks > k.num_blocks:
                 new_block_seq_ids.append(seq_id)
-                new_block_starts.append(known)
-                num_new_blocks.append(num_blocks - known)
-                new_block_ids.extend(block_table[known:])
-            known_blocks[seq_id] = num_blocks
+                new_block_starts.append(k.num_blocks)
+                num_new_blocks.append(num_blocks - k.num_blocks)
+                new_block_ids.extend(block_table[k.num_blocks :])
+            k.num_blocks = num_blocks
             start, num_new = row.num_computed_tokens, row.num_new_tokens
             end = start + num_new
             input_ids.extend(token_ids[start:end])
@@ -84,6 +111,7 @@ class RankPlanner:
             row_computed_tokens.append(start)
             sample_mask.append(row.is_sampled)
         finished, self.pending_finished = self.pending_finished, []
+        reset, self.pending_reset = self.pending_reset, False
         return RankBatch(
             new_requests=new_requests,
             seq_ids=np.asarray(seq_ids, dtype=np.int64),
@@ -96,7 +124,7 @@ class RankPlanner:
             new_block_ids=np.asarray(new_block_ids, dtype=np.int32),
             sample_mask=np.asarray(sample_mask, dtype=np.bool_),
             finished_seq_ids=np.asarray(finished, dtype=np.int64),
-            preempted_seq_ids=np.asarray(preempted, dtype=np.int64),
+            reset=reset,
         )
 
 

@@ -119,20 +119,26 @@ class SeqMirrors:
         self.block_tables = BlockTables()
 
     def apply(self, batch: RankBatch) -> None:
+        if batch.reset:
+            self.clear()
         for seq_id in batch.finished_seq_ids.tolist():
             mirror = self.seqs.pop(seq_id, None)
             if mirror is not None:
                 self.block_tables.free_row(mirror.block_table_row)
-        for seq_id in batch.preempted_seq_ids.tolist():
-            if seq_id in self.seqs:
-                self.block_tables.truncate(self.seqs[seq_id].block_table_row, 0)
         for r in batch.new_requests:
-            self.add(r.seq_id, SeqMirror(r.sampling_params, r.token_ids.tolist()))
+            mirror = SeqMirror(r.sampling_params, r.token_ids.tolist(), r.output_token_ids.tolist())
+            self.add(r.seq_id, mirror)
         new_block_ids, hi = batch.new_block_ids, 0
         for seq_id, start, n in zip(batch.new_block_seq_ids.tolist(), batch.new_block_starts.tolist(),
                                     batch.num_new_blocks.tolist()):
             lo, hi = hi, hi + n
             self.block_tables.update(self.seqs[seq_id].block_table_row, start, new_block_ids[lo:hi])
+
+    def clear(self) -> None:
+        """Forget every sequence."""
+        for mirror in self.seqs.values():
+            self.block_tables.free_row(mirror.block_table_row)
+        self.seqs.clear()
 
     def add(self, seq_id: int, mirror: SeqMirror) -> None:
         """Mirror a new sequence (a seq_id sent again replaces its mirror); its block table starts empty."""
