@@ -8,6 +8,7 @@ YAML loading and CLI overrides live in `atomrt.runtime.config_io`.
 
 from __future__ import annotations
 
+import copy
 import enum
 import hashlib
 import json
@@ -188,12 +189,15 @@ class ModelConfig:
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     max_model_len: Optional[int] = None  # defaults to the model's context length
     seed: int = 0  # seeds dummy weights and unseeded sampling
+    max_logprobs: int = 20  # the most top logprobs a request may ask for (each row computes that many)
 
     def __post_init__(self) -> None:
         _choice("model_config.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
         _choice("model_config.load_format", self.load_format, ("auto", "safetensors", "gguf", "dummy"))
         if self.max_model_len is not None and not _positive_int(self.max_model_len):
             raise ConfigError(f"model_config.max_model_len: must be a positive integer, got {self.max_model_len!r}")
+        if not _is_int(self.max_logprobs) or self.max_logprobs < 0:
+            raise ConfigError(f"model_config.max_logprobs: must be an integer >= 0, got {self.max_logprobs!r}")
 
 
 @dataclass(frozen=True)
@@ -241,7 +245,11 @@ class ParallelConfig:
     data_parallel_size: int = 1
     executor: str = "inproc"  # inproc | mp | ray
     ray_address: Optional[str] = None  # None: RAY_ADDRESS or a local cluster
-    worker_timeout_s: float = 120.0  # start-up, load, profile and capture calls
+    worker_timeout_s: float = 120.0  # start-up calls (rendezvous, load), the handshake, one step
+    compile_timeout_s: float = 1800.0  # KV sizing's profile run, which compiles at levels 1-3
+    capture_timeout_s: float = 1800.0  # CUDA-graph capture of the whole ladder
+    # A worker whose step loop shows no progress for this long is reported (a GPU wait counts as
+    # progress while it polls): a hung worker surfaces in seconds, whatever worker_timeout_s is.
     heartbeat_timeout_s: float = 10.0
     # Ray placement of the rank bundles: auto = STRICT_PACK when one node holds them all, else PACK.
     placement_strategy: str = "auto"  # auto | STRICT_PACK | PACK | SPREAD | STRICT_SPREAD
@@ -255,6 +263,10 @@ class ParallelConfig:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if not _positive_int(getattr(self, name)):
                 raise ConfigError(f"parallel_config.{name}: must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("worker_timeout_s", "compile_timeout_s", "capture_timeout_s", "heartbeat_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"parallel_config.{name}: must be a positive number of seconds, got {value!r}")
         _choice("parallel_config.executor", self.executor, ("inproc", "mp", "ray"))
         _choice(
             "parallel_config.placement_strategy", self.placement_strategy,
@@ -302,7 +314,8 @@ class Config:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"model: must be a non-empty path or model name, got {self.model!r}")
         _choice("device", self.device, ("auto", "cpu", "cuda"))
-        cc = self.compilation_config
+        # Derive into a copy: the caller's CompilationConfig stays as given (it may be reused).
+        self.compilation_config = cc = copy.deepcopy(self.compilation_config)
         if self.enforce_eager:
             # The guide: enforce_eager skips all compilation and CUDA graphs.
             cc.level = CompilationLevel.NO_COMPILATION

@@ -17,6 +17,9 @@ class Env:
     ray_address: str  # RAY_ADDRESS: an existing Ray cluster to join ("" = start a local one)
     host_ip: str  # ATOMRT_HOST_IP: this node's address for tcp:// transport ("" = detect)
     pdl: bool  # ATOMRT_PDL: programmatic dependent launch for the decode kernels on sm90+ (default 0)
+    # ATOMRT_ALLOW_LONG_MAX_MODEL_LEN: accept model_config.max_model_len above the model's context
+    # (with a warning; positions past it were never trained). Default 0: an error.
+    allow_long_max_model_len: bool
 
 
 def read_env() -> Env:
@@ -26,6 +29,7 @@ def read_env() -> Env:
         ray_address=os.environ.get("RAY_ADDRESS", ""),
         host_ip=os.environ.get("ATOMRT_HOST_IP", ""),
         pdl=os.environ.get("ATOMRT_PDL", "0") == "1",
+        allow_long_max_model_len=os.environ.get("ATOMRT_ALLOW_LONG_MAX_MODEL_LEN", "0") == "1",
     )
 
 

@@ -9,15 +9,25 @@ logits, multiply negative ones, over prompt + output); presence/frequency penalt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 # Below this a temperature is treated as 0 (greedy): dividing by it would overflow.
 _GREEDY_EPS = 1e-5
+MAX_SEED = 2**63 - 1  # seeds travel to the workers as int64
+MAX_INT32 = 2**31 - 1  # top_k and logprobs travel as int32-sized counts
 
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite(v: float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _is_number(v: object) -> bool:
@@ -44,6 +54,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (the engine calls it again at add_request: fields may have been changed
+        since construction); a ValueError names the field and the allowed range."""
         self._check_types()
         if self.n != 1:
             raise ValueError(f"n: only n=1 is supported for now, got {self.n}")
@@ -51,8 +66,8 @@ class SamplingParams:
             raise ValueError(f"temperature: must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k: must be -1 or 0 (disabled) or a positive integer, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_INT32:
+            raise ValueError(f"top_k: must be -1 or 0 (disabled) or a positive integer <= {MAX_INT32}, got {self.top_k}")
         if self.top_k == 0:
             self.top_k = -1
         if not 0.0 <= self.min_p <= 1.0:
@@ -69,8 +84,10 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs: must be None or >= 0, got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_INT32:
+            raise ValueError(f"logprobs: must be None or an integer >= 0, got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed: must be None or an integer in [0, {MAX_SEED}], got {self.seed}")
         self._normalize_stops()
 
     def _check_types(self) -> None:
@@ -81,8 +98,8 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be an integer, got {getattr(self, name)!r}")
         for name in floats:
             value = getattr(self, name)
-            if not _is_number(value) or value != value:  # rejects NaN too
-                raise ValueError(f"{name}: must be a number, got {value!r}")
+            if not _is_number(value) or not _finite(value):
+                raise ValueError(f"{name}: must be a finite number, got {value!r}")
             setattr(self, name, float(value))
         for name in ("seed", "logprobs"):
             value = getattr(self, name)

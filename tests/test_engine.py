@@ -115,7 +115,9 @@ def test_bad_input_is_a_clear_error_and_engine_stays_usable(llm, prompt, params,
 def test_bad_prompt_in_a_batch_runs_nothing(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate(["fine prompt", ""], SamplingParams(max_tokens=2))
-    assert not llm.engine.has_unfinished()
+    assert not any(s.has_unfinished() for s in llm.engine.schedulers)  # nothing runs
+    outs = llm.engine.step()  # the rolled-back request's final output
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort"] and not llm.engine.has_unfinished()
 
 
 def test_unknown_model_and_corrupt_files(tmp_path):

@@ -42,8 +42,7 @@ from atomrt.workers.worker import PendingStep, Worker, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 1.0  # how often an idle plan loop checks whether it should stop
-HEARTBEAT_PERIOD_S = 0.5  # mp: how often a rank's heartbeat thread stamps its time
+IDLE_POLL_S = 1.0  # how often an idle plan loop checks whether it should stop (and stamps its progress)
 DESTROY_TIMEOUT_S = 5.0  # the bound on destroy_process_group() at shutdown
 CONTROL_CALLS = ("node_info", "init_worker", "determine_num_blocks", "initialize")
 
@@ -101,9 +100,15 @@ class WorkerProcess:
     """One rank's process state: the Worker, its process groups, and the plan loop."""
 
     def __init__(
-        self, config: Config, spec: RankSpec, local_device: Optional[int] = None, under_ray: bool = False
+        self, config: Config, spec: RankSpec, local_device: Optional[int] = None, under_ray: bool = False,
+        stamp: Any = None,
     ) -> None:
+        """`stamp` (mp): a shared double the process writes its last progress time to; the driver
+        reads it (same node, same monotonic clock). Under Ray, `ping` reports the progress age."""
         self.config = config
+        self._stamp = stamp
+        self.last_progress = time.monotonic()
+        self._in_loop = False
         self.spec = spec
         self.under_ray = under_ray
         self.gpu_ids: tuple[str, ...] = ()
@@ -147,7 +152,7 @@ class WorkerProcess:
             )
             self._distributed = True
             tp_group = ps.get_tp_group().group
-        self.worker = Worker(self.config, s.dp_rank, s.tp_rank, self.local_device, tp_group)
+        self.worker = Worker(self.config, s.dp_rank, s.tp_rank, self.local_device, tp_group, progress=self.progress)
 
     def determine_num_blocks(self) -> int:
         self._bind_device()
@@ -158,8 +163,15 @@ class WorkerProcess:
         return self.worker.initialize(num_blocks)
 
     def ping(self) -> float:
-        """Ray's health check: answered beside the plan loop."""
-        return time.monotonic()
+        """Ray's health check, answered beside the plan loop: seconds since the loop last made
+        progress (0 before the loop runs)."""
+        return time.monotonic() - self.last_progress if self._in_loop else 0.0
+
+    def progress(self) -> None:
+        """The step loop is making progress (idle polls, steps, waits on the device)."""
+        self.last_progress = now = time.monotonic()
+        if self._stamp is not None:
+            self._stamp.value = now
 
     def stop(self) -> None:
         """Leave the plan loop at its next idle poll (when the driver cannot publish a shutdown plan)."""
@@ -180,6 +192,8 @@ class WorkerProcess:
         """Receive plans until the shutdown plan (or `keep_going()` turns false while idle); then
         leave the process groups."""
         keep_going = keep_going or (lambda: not self._stop.is_set())
+        self.progress()
+        self._in_loop = True
         self._bind_device()
         addr = TransportAddresses.from_dict(addresses)
         spin_s = self.config.parallel_config.resolved_spin_s(self.worker.runner.device.type)
@@ -201,6 +215,7 @@ class WorkerProcess:
                 pusher.push(result)
 
         while True:
+            self.progress()
             step = sub.expected_step
             try:
                 msg = sub.recv(timeout=IDLE_POLL_S)
@@ -242,21 +257,14 @@ class WorkerProcess:
 # --------------------------------------------------------------------------------------------- mp
 
 
-def _heartbeat(stamp: Any, period_s: float) -> None:
-    while True:
-        stamp.value = time.monotonic()
-        time.sleep(period_s)
-
-
 def mp_main(conn: Any, config: Config, spec: RankSpec, local_device: Optional[int], heartbeat: Any) -> None:
     """Target of one spawned rank process: control calls over `conn`, then the plan loop."""
-    threading.Thread(target=_heartbeat, args=(heartbeat, HEARTBEAT_PERIOD_S), name="heartbeat", daemon=True).start()
     parent = os.getppid()
 
     def parent_alive() -> bool:
         return os.getppid() == parent
 
-    process = WorkerProcess(config, spec, local_device)
+    process = WorkerProcess(config, spec, local_device, stamp=heartbeat)
     try:
         while parent_alive():
             if not conn.poll(IDLE_POLL_S):
@@ -274,6 +282,7 @@ def mp_main(conn: Any, config: Config, spec: RankSpec, local_device: Optional[in
             except Exception as e:
                 conn.send(ControlReply(error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
                 continue
+            process.progress()  # the driver reads heartbeats from the plan loop's start on
             conn.send(ControlReply(value=value))
     except (EOFError, OSError):
         logger.warning("%s: the driver closed the control pipe; exiting", spec.name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -63,8 +63,11 @@ class Worker:
         tp_rank: int = 0,
         local_device: Optional[int] = None,
         tp_group: Any = None,
+        progress: Optional[Callable[[], None]] = None,
     ) -> None:
+        """`progress` is called while a step waits on the device (the process's heartbeat)."""
         self.config = config
+        self.progress = progress
         self.dp_rank, self.tp_rank = dp_rank, tp_rank
         tp = TPInfo(tp_rank, config.parallel_config.tensor_parallel_size, tp_group)
         device = resolve_device(config, local_device)
@@ -103,12 +106,14 @@ class Worker:
         Rows whose input is PENDING_TOKEN read the token this worker sampled for that sequence in
         the previous step, on the device. The sampling history of penalised and seeded rows must be
         exact, so such a step first finishes the previous one (which records its tokens)."""
-        if plan.step != self.next_step:
+        batch = plan.ranks[self.dp_rank]
+        if batch.reset:
+            self.reset()
+        elif plan.step != self.next_step:
             raise RuntimeError(
                 f"worker dp={self.dp_rank} tp={self.tp_rank}: got plan step {plan.step}, expected {self.next_step}"
             )
-        self.next_step += 1
-        batch = plan.ranks[self.dp_rank]
+        self.next_step = plan.step + 1
         self.mirrors.apply(batch)
         decision = plan.decision
         if batch.num_seqs == 0:
@@ -136,11 +141,22 @@ class Worker:
         self._unfinished = pending
         return pending
 
+    def reset(self) -> None:
+        """The driver discarded the steps in flight: let the last one finish, then forget what it
+        sampled (the plan's batch then clears the mirrors, `SeqMirrors.apply`)."""
+        if self._unfinished is not None:
+            self.finish(self._unfinished)
+        if self.runner.tokens is not None:
+            self.runner.tokens.record([])
+
     def finish(self, pending: PendingStep) -> Optional[StepResult]:
         """Wait for a launched step's tokens; TP rank 0's StepResult (None on other TP ranks)."""
         if pending.done:
             return pending.result
-        tokens, logprobs = pending.readback.wait()  # the step's one host synchronisation
+        tokens, logprobs = pending.readback.wait(  # the step's one host synchronisation
+            self.config.parallel_config.heartbeat_timeout_s, self.progress,
+            f"worker dp={self.dp_rank} tp={self.tp_rank}, step {pending.step}",
+        )
         self.mirrors.record_sampled(pending.seq_ids, tokens)
         pending.result = self._result(pending.step, pending.seq_ids, tokens, logprobs)
         pending.readback = None

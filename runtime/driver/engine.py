@@ -10,60 +10,83 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 from collections import deque
 from typing import Optional, Union
 
-from atomrt.runtime.driver.block_manager import BlockManager
+from atomrt.distributed.messages import StepResult
 from atomrt.runtime.config import Config
-from atomrt.runtime.executors.base import Executor, WorkerError
-from atomrt.runtime.executors.factory import make_executor
 from atomrt.runtime.decision import BatchShape, CapturedBuckets
+from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.driver.forward_mode import ForwardMode
+from atomrt.runtime.driver.interrupts import InterruptGuard
 from atomrt.runtime.driver.outputs import RequestOutput, make_request_output
 from atomrt.runtime.driver.planner import RankPlanner, make_plan
-from atomrt.runtime.sampling_params import SamplingParams
 from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
-from atomrt.distributed.messages import StepResult
+from atomrt.runtime.driver.validation import RequestLimits, check_max_model_len, check_request
+from atomrt.runtime.executors.base import Executor, WorkerError
+from atomrt.runtime.executors.factory import make_executor
+from atomrt.runtime.sampling_params import SamplingParams
+from atomrt.workers.loading.loader import check_parallel_layout, read_arch
 
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int]]
 
 
+class EngineDeadError(RuntimeError):
+    """The engine stopped (a worker failed); the message says why. Every later call raises it."""
+
+
 class LLMEngine:
+    """The driver. Single-threaded by contract: `add_request`, `abort`, `step`, `has_unfinished` and
+    `shutdown` are called from one thread (a server puts a thread-safe front on it).
+
+    A step is atomic from the caller's view: an exception or a KeyboardInterrupt anywhere in it
+    discards the steps in flight (their sequences go back to the waiting queue and recompute, the
+    workers are told to drop what they hold) and the engine takes the next call with correct
+    results; only a failed worker makes the engine dead (`EngineDeadError`, naming the rank and
+    the phase).
+    """
+
     def __init__(self, config: Config, tokenizer=None) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        arch = read_arch(config)  # errors a user can fix, found before anything is launched
+        check_parallel_layout(arch, config.parallel_config.tensor_parallel_size)
+        check_max_model_len(config, arch)
         self.executor: Executor = make_executor(config)
-        info = self.executor.start()
-        self.info = info
+        self.info = info = self.executor.start()
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(info.eos_token_ids) | frozenset(
             tokenizer.eos_token_ids if tokenizer is not None else ()
         )
-        dp = config.parallel_config.data_parallel_size
+        self.limits = RequestLimits(info.vocab_size, config.model_config.max_logprobs)
+        cc = config.cache_config
         self.schedulers = [
             Scheduler(
                 config.scheduler_config,
-                config.cache_config,
-                BlockManager(info.num_kv_blocks, config.cache_config.block_size, config.cache_config.enable_prefix_caching),
+                cc,
+                BlockManager(info.num_kv_blocks, cc.block_size, cc.enable_prefix_caching),
                 tokenizer=tokenizer,
                 max_model_len=self.max_model_len,
             )
-            for _ in range(dp)
+            for _ in range(config.parallel_config.data_parallel_size)
         ]
-        self.planners = [RankPlanner() for _ in range(dp)]
+        self.planners = [RankPlanner() for _ in self.schedulers]
         captured = CapturedBuckets(info.req_keys, info.prefill_token_sizes, info.decode_token_sizes)
         self.forward_mode = ForwardMode(config, captured)
         self.step_no = 0
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._inflight: deque[tuple[int, list[SchedulerOutput]]] = deque()  # submitted, not collected
         self.dead: Optional[str] = None  # why the engine stopped (a worker failed)
+        self._guard = InterruptGuard()
         self._ids = itertools.count()
         self._prompts: dict[str, Optional[str]] = {}
         self._streamed: set[str] = set()  # requests that get a delta output every step
         self._seqs: dict[str, tuple[int, Sequence]] = {}  # request_id -> (dp rank, sequence)
+        self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step
 
     # ---------------------------------------------------------------- requests
 
@@ -74,27 +97,23 @@ class LLMEngine:
         request_id: Optional[str] = None,
         stream: bool = False,
     ) -> str:
-        """Validate and queue a request; a ValueError leaves the engine as it was.
+        """Validate and queue a request; a ValueError (naming the field) leaves the engine as it was.
 
         `step()` returns the request's RequestOutput when it finishes; with `stream=True`, also a
-        delta output (new text and tokens only) every step it produced a token."""
-        if self.dead:
-            raise RuntimeError(self.dead)
-        params = params or SamplingParams()
+        delta output (new text, tokens and logprobs only) every step it produced a token."""
+        self._check_alive()
+        with self._guard.critical():
+            return self._add(prompt, params, request_id, stream)
+
+    def _add(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str], stream: bool) -> str:
+        params = params if params is not None else SamplingParams()
+        if request_id is not None and not isinstance(request_id, str):
+            raise ValueError(f"request_id: must be a string, got {request_id!r}")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already running")
         token_ids = self._tokenize(prompt)
-        if not token_ids:
-            raise ValueError("prompt is empty: send at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, which must "
-                "leave room for at least one generated token"
-            )
-        bad = [t for t in token_ids if not 0 <= t < self.info.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.info.vocab_size}): {bad[:5]}")
+        check_request(token_ids, params, self.limits, self.max_model_len)
         seq = Sequence(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
         dp_rank = min(range(len(self.schedulers)), key=lambda r: self.schedulers[r].num_unfinished)
         self.schedulers[dp_rank].add(seq)  # raises on requests that can never fit
@@ -105,55 +124,68 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_id: str) -> None:
+        """End a request now: its KV blocks are freed, and the next `step()` returns its final
+        output (finish_reason "abort"; for a streamed request, a delta). Unknown ids are ignored."""
+        with self._guard.critical():
+            self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
         entry = self._seqs.pop(request_id, None)
         if entry is None:
             return
         dp_rank, _ = entry
-        self._streamed.discard(request_id)
         aborted = self.schedulers[dp_rank].abort(request_id)
         self.planners[dp_rank].forget([s.seq_id for s in aborted])
+        streamed = request_id in self._streamed
+        for seq in aborted:
+            self._aborted.append(make_request_output(seq, self._prompts.get(request_id), delta=streamed))
+        self._streamed.discard(request_id)
         self._prompts.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return any(s.has_unfinished() for s in self.schedulers)
+        """Whether `step()` has more to give: running or waiting requests, or aborted ones' final
+        outputs (False once the engine is dead)."""
+        if self.dead:
+            return False
+        return bool(self._aborted) or any(s.has_unfinished() for s in self.schedulers)
 
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
+        """schedule -> decide -> publish the plan -> collect results -> postprocess (atomic: see the
+        class docstring). Under async scheduling the results collected are the previous step's."""
+        self._check_alive()
+        try:
+            with self._guard.critical():
+                submitted = self._schedule_and_submit()
+            if not self._inflight or (submitted and self.async_scheduling and len(self._inflight) < 2):
+                return self._take_aborted()
+            step, outs = self._inflight[0]
+            results = self.executor.collect(step, flush=not submitted)  # Ctrl-C may land here
+            with self._guard.critical():
+                self._inflight.popleft()
+                return self._take_aborted() + self._postprocess(outs, results)
+        except BaseException as e:
+            self._recover(e)
+            raise
+
+    def _schedule_and_submit(self) -> bool:
         outs = [s.schedule() for s in self.schedulers]
         if all(o.is_empty for o in outs):
-            return self._collect(flush=True) if self._inflight else []
+            return False
         decision = self.forward_mode.decide([_shape(o) for o in outs])
         batches = [planner.batch(o) for planner, o in zip(self.planners, outs)]
         plan = make_plan(self.step_no, decision, batches, pipelined=self.async_scheduling)
-        try:
-            self.executor.submit(plan)
-        except WorkerError as e:
-            self._fail(e)
-            raise
+        self.executor.submit(plan)
+        self.step_no += 1  # at once: the plan went out under this number
         for scheduler, out in zip(self.schedulers, outs):
             scheduler.advance(out)
         self._inflight.append((plan.step, outs))
-        self.step_no += 1
-        if self.async_scheduling and len(self._inflight) < 2:
-            return []  # the first step of a run: its results come with the next step
-        return self._collect(flush=False)
-
-    def _collect(self, flush: bool) -> list[RequestOutput]:
-        """Collect and apply the oldest submitted step's results."""
-        step, outs = self._inflight.popleft()
-        try:
-            results = self.executor.collect(step, flush)
-        except WorkerError as e:
-            self._fail(e)
-            raise
-        return self._postprocess(outs, results)
+        return True
 
     def _postprocess(self, outs: list[SchedulerOutput], results: list[StepResult]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for dp_rank, (out, res) in enumerate(zip(outs, results)):
-            if res.error:
-                raise RuntimeError(f"DP rank {dp_rank} failed step {res.step}: {res.error}")
             sampled = dict(zip(res.seq_ids.tolist(), res.sampled_token_ids.tolist()))
             finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
@@ -170,14 +202,47 @@ class LLMEngine:
                 self._streamed.discard(seq.request_id)
         return outputs
 
-    def _fail(self, error: WorkerError) -> None:
-        """A worker died: every in-flight request ends (aborted); later calls raise at once."""
-        self.dead = f"engine stopped: {error}"
+    def _take_aborted(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        return outputs
+
+    # ---------------------------------------------------------------- failures
+
+    def _recover(self, error: BaseException) -> None:
+        """A step raised: discard what is in flight, or give up when a worker failed."""
+        if self.dead:
+            return
+        if isinstance(error, WorkerError):
+            self._fail(str(error))
+            return
+        try:
+            num_discarded = len(self._inflight)
+            self._inflight.clear()
+            self.executor.discard_in_flight()
+            for scheduler, planner in zip(self.schedulers, self.planners):
+                scheduler.requeue_running()
+                planner.reset()
+        except BaseException as e:  # recovery itself failed: the engine cannot go on
+            self._fail(f"recovering from {type(error).__name__} in step {self.step_no} failed: {e}")
+            return
+        logger.warning(
+            "step %d raised %s: %d step(s) in flight discarded, their sequences will recompute",
+            self.step_no, type(error).__name__, num_discarded,
+        )
+
+    def _fail(self, reason: str) -> None:
+        """A worker failed: every request ends (aborted); later calls raise EngineDeadError."""
+        self.dead = f"engine stopped: {reason}"
         self._inflight.clear()
         logger.error("%s; aborting %d requests", self.dead, len(self._seqs))
         for request_id in list(self._seqs):
             self.abort(request_id)
+        self._aborted.clear()  # nobody can step a dead engine to receive them
         self.executor.shutdown()
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -185,11 +250,13 @@ class LLMEngine:
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: send prompt token ids")
+                raise ValueError("prompt: this model has no tokenizer, send token ids")
             return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
-            raise ValueError("prompt must be a string or a list of token ids")
-        return list(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError("prompt: must be a string or a list of token ids")
+        return [int(t) for t in prompt]
 
 
 def _shape(out: SchedulerOutput) -> BatchShape:

@@ -47,21 +47,23 @@ class RequestOutput:
 
 
 def make_request_output(seq: Sequence, prompt: Optional[str] = None, delta: bool = False) -> RequestOutput:
-    """Snapshot of seq for the user: cumulative text and tokens by default; delta=True
-    (streaming) returns only the text and token ids not yet streamed, holding back a tail that
-    could start a stop string while the sequence runs."""
+    """Snapshot of seq for the user: cumulative text, tokens and logprobs by default; delta=True
+    (streaming) returns only the text, token ids and logprobs not yet streamed (the same rows),
+    holding back a text tail that could start a stop string while the sequence runs."""
     finished = seq.is_finished
+    wants_logprobs = seq.sampling_params.logprobs is not None
     if delta:
         text = seq.detokenizer.take_stream_delta(finished) if seq.detokenizer is not None else ""
         # Slice the new tokens straight from token_ids: copying the whole output first costs a
         # streamed row time that grows with its length, every step.
-        token_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_streamed_tokens :]
+        start = seq.num_streamed_tokens
+        token_ids = seq.token_ids[seq.num_prompt_tokens + start :]
+        logprobs = seq.output_logprobs[start:] if wants_logprobs else None  # the same new rows
         seq.num_streamed_tokens = seq.num_output_tokens
     else:
         text = seq.output_text
         token_ids = seq.output_token_ids
-    wants_logprobs = seq.sampling_params.logprobs is not None
-    logprobs = list(seq.output_logprobs) if wants_logprobs else None
+        logprobs = list(seq.output_logprobs) if wants_logprobs else None
     cumulative_logprob = seq.cumulative_logprob if wants_logprobs else None
     completion = CompletionOutput(
         index=0,

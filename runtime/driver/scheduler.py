@@ -218,13 +218,24 @@ class Scheduler:
             return True
         return self.max_model_len is not None and seq.num_tokens + seq.num_pending >= self.max_model_len
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: Optional[SchedulerOutput]) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)  # older victims end up in front of newer ones
-        out.preempted.append(seq)
+        if out is not None:
+            out.preempted.append(seq)
+
+    def requeue_running(self) -> None:
+        """The steps in flight were discarded: every running sequence goes back to the front of the
+        waiting queue (oldest first, its blocks freed, to recompute), and no sampled token is in
+        flight any more."""
+        for seq in reversed(self.running):
+            self._preempt(seq, None)
+        self.running = []
+        for seq in self.waiting:
+            seq.num_pending = 0
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting sequences FCFS with what is left of the budget, while fewer than

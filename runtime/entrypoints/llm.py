@@ -87,13 +87,14 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
+        wanted = set(ids)  # the engine may also return outputs of requests aborted before these
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2)
         try:
             while len(final) < len(ids):
                 if not self.engine.has_unfinished():
                     raise RuntimeError(f"engine stopped with {len(ids) - len(final)} requests unfinished")
                 for out in self.engine.step():
-                    if out.finished and out.request_id not in final:
+                    if out.finished and out.request_id in wanted and out.request_id not in final:
                         final[out.request_id] = out
                         bar.update(1)
         except BaseException:

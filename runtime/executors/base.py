@@ -43,6 +43,10 @@ class Executor(abc.ABC):
         """The results of submitted step `step` (the oldest not collected): one StepResult per DP
         rank, in DP-rank order. `flush`: the step was pipelined and no plan was submitted after it."""
 
+    def discard_in_flight(self) -> None:
+        """Forget every step submitted and not collected (the engine discarded them); results that
+        still arrive for them are dropped. The next plan carries `RankBatch.reset`."""
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop every worker; never blocks without a bound."""

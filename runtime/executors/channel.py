@@ -24,6 +24,12 @@ logger = logging.getLogger(__name__)
 
 LIVENESS_POLL_S = 0.5  # no result for this long: check that every rank is still alive
 _DEATH_GRACE_S = 2.0  # after a rank reports an error, how long to look for a peer that died
+# Start-up control calls that take long: what the progress line calls them, and the knob bounding them.
+PHASES = {
+    "init_worker": ("loading the model", "worker_timeout_s"),
+    "determine_num_blocks": ("KV sizing (compiles at levels 1-3)", "compile_timeout_s"),
+    "initialize": ("KV cache and CUDA-graph capture", "capture_timeout_s"),
+}
 
 
 class StepChannel:
@@ -79,6 +85,9 @@ class StepChannel:
             if res.error is not None:
                 self._blame_dead_peer(check_alive, res.error)
                 raise WorkerError(res.error)
+            if res.step < step:  # a step the engine discarded: its result comes late
+                logger.debug("dropping DP rank %d's result of discarded step %d", res.dp_rank, res.step)
+                continue
             if res.step != step:
                 raise WorkerError(f"step {step}: DP rank {res.dp_rank} answered for step {res.step}")
             got[res.dp_rank] = res

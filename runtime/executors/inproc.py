@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import deque
 
 from atomrt.distributed.messages import StepPlan, StepResult
-from atomrt.runtime.executors.base import Executor
+from atomrt.runtime.executors.base import Executor, WorkerError
+from atomrt.workers.runner.readback import DeviceTimeout
 from atomrt.workers.worker import Worker, WorkerInfo
 
 
@@ -28,9 +29,15 @@ class InProcExecutor(Executor):
         pending = self._submitted.popleft()
         if pending.step != step:
             raise RuntimeError(f"inproc executor: collecting step {step}, but the oldest submitted step is {pending.step}")
-        result = self.worker.finish(pending)
+        try:
+            result = self.worker.finish(pending)
+        except DeviceTimeout as e:  # a hung device is not a step to retry
+            raise WorkerError(str(e)) from e
         assert result is not None
         return [result]
+
+    def discard_in_flight(self) -> None:
+        self._submitted.clear()
 
     def shutdown(self) -> None:
         self.worker = None

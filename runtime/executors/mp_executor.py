@@ -3,7 +3,8 @@
 Control calls (rendezvous, load, KV sizing, capture) go over one Pipe per rank, each wait bounded
 by `parallel_config.worker_timeout_s` and watching the process's sentinel, so a rank that dies
 during start-up is named at once. Steps go over ZeroMQ ipc:// (runtime/executors/channel.py). Liveness
-during steps: `Process.is_alive()` and a heartbeat stamp each rank's thread writes to shared memory.
+during steps: `Process.is_alive()` and the progress stamp each rank's plan loop writes to shared memory
+(a hung but live process stops stamping).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 from atomrt.runtime.config import Config
 from atomrt.runtime.executors.base import WorkerError
-from atomrt.runtime.executors.channel import ChannelExecutor, StepChannel
+from atomrt.runtime.executors.channel import PHASES, ChannelExecutor, StepChannel
 from atomrt.workers.process import DESTROY_TIMEOUT_S, ControlCall, ControlReply, mp_main
 
 logger = logging.getLogger(__name__)
@@ -63,13 +64,14 @@ class MPExecutor(ChannelExecutor):
             self.procs.append(proc)
             self.conns.append(parent)
             self.heartbeats.append(stamp)
-        rendezvous = self._call_all("node_info", [()] * len(self.specs))[0]
-        self._call_all("init_worker", [("127.0.0.1", rendezvous.free_port)] * len(self.specs))
-        num_blocks = min(self._call_all("determine_num_blocks", [()] * len(self.specs)))
-        infos = self._call_all("initialize", [(num_blocks,)] * len(self.specs))
+        n = len(self.specs)
+        rendezvous = self._call_all("node_info", [()] * n, pc.worker_timeout_s)[0]
+        self._call_all("init_worker", [("127.0.0.1", rendezvous.free_port)] * n, pc.worker_timeout_s)
+        num_blocks = min(self._call_all("determine_num_blocks", [()] * n, pc.compile_timeout_s))
+        infos = self._call_all("initialize", [(num_blocks,)] * n, pc.capture_timeout_s)
         spin_s = pc.resolved_spin_s("cpu" if devices[0] is None else "cuda")
         self.channel = StepChannel(len(self.specs), pc.data_parallel_size, local=True, spin_s=spin_s)
-        self._call_all("run_plan_loop", [(self.channel.addresses.to_dict(),)] * len(self.specs))
+        self._call_all("run_plan_loop", [(self.channel.addresses.to_dict(),)] * n, pc.worker_timeout_s)
         self.channel.handshake(pc.worker_timeout_s, self._check_alive)
         logger.info("mp executor: %d ranks up, %d KV blocks each", len(self.specs), num_blocks)
         return infos[0]
@@ -86,9 +88,13 @@ class MPExecutor(ChannelExecutor):
             )
         return [s.rank for s in self.specs]
 
-    def _call_all(self, method: str, args: Sequence[tuple]) -> list[Any]:
-        """Call `method` on every rank at once; each rank's answer, in rank order (bounded wait)."""
-        timeout = self.config.parallel_config.worker_timeout_s
+    def _call_all(self, method: str, args: Sequence[tuple], timeout: float) -> list[Any]:
+        """Call `method` on every rank at once; each rank's answer, in rank order (a wait bounded by
+        `timeout`, with a progress line for the long phases)."""
+        phase = PHASES.get(method)
+        if phase is not None:
+            logger.info("mp executor: %s on %d ranks (limit %.0f s, parallel_config.%s)", phase[0], len(self.specs),
+                        timeout, phase[1])
         for conn, a in zip(self.conns, args):
             conn.send(ControlCall(method, tuple(a)))
         deadline = time.monotonic() + timeout
@@ -101,7 +107,8 @@ class MPExecutor(ChannelExecutor):
             )
             if not ready:
                 names = ", ".join(self.specs[i].name for i in waiting)
-                raise WorkerError(f"{method}: no answer within {timeout:.0f} s from {names} (parallel_config.worker_timeout_s)")
+                knob = (phase or ("", "worker_timeout_s"))[1]
+                raise WorkerError(f"{method}: no answer within {timeout:.0f} s from {names} (parallel_config.{knob})")
             for obj in ready:
                 if obj in sentinels:
                     i = sentinels[obj]
@@ -117,20 +124,25 @@ class MPExecutor(ChannelExecutor):
 
     # ---------------------------------------------------------------------------------- steps
 
-
     def _check_alive(self) -> None:
-        """Raise WorkerError naming a rank whose process exited or whose heartbeat stopped."""
+        """Raise WorkerError naming a rank whose process exited or whose step loop stopped making
+        progress. When several stopped (a rank blocked in a collective waits for a stuck peer),
+        the one that stopped first is named."""
         hb_timeout = self.config.parallel_config.heartbeat_timeout_s
         now = time.monotonic()
+        stuck = []
         for i, (spec, proc) in enumerate(zip(self.specs, self.procs)):
             if not proc.is_alive():
                 raise WorkerError(f"{spec.name}: {self._exit_text(i)}")
             age = now - self.heartbeats[i].value
             if age > hb_timeout:
-                raise WorkerError(
-                    f"{spec.name}: process {proc.pid} missed its heartbeat for {age:.1f} s "
-                    f"(parallel_config.heartbeat_timeout_s={hb_timeout})"
-                )
+                stuck.append((age, i))
+        if stuck:
+            age, i = max(stuck)
+            raise WorkerError(
+                f"{self.specs[i].name}: process {self.procs[i].pid} is alive but its step loop made no progress "
+                f"for {age:.1f} s, a missed heartbeat (parallel_config.heartbeat_timeout_s={hb_timeout})"
+            )
 
     def _exit_text(self, i: int) -> str:
         proc = self.procs[i]

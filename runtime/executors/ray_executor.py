@@ -23,7 +23,7 @@ from typing import Any
 from atomrt.runtime.config import Config
 from atomrt.runtime.envs import ENV
 from atomrt.runtime.executors.base import WorkerError
-from atomrt.runtime.executors.channel import ChannelExecutor, StepChannel
+from atomrt.runtime.executors.channel import PHASES, ChannelExecutor, StepChannel
 from atomrt.workers.process import DESTROY_TIMEOUT_S, NodeInfo, RankSpec, WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -159,10 +159,14 @@ class RayExecutor(ChannelExecutor):
         ).remote(self.config, spec, None, True)
 
     def _get(self, refs: list[Any], phase: str) -> list[Any]:
-        """ray.get every rank's ref, bounded by worker_timeout_s; an error names the rank and phase."""
+        """ray.get every rank's ref, bounded by the phase's limit (PHASES, else worker_timeout_s);
+        an error names the rank and the phase."""
         import ray
 
-        timeout = self.config.parallel_config.worker_timeout_s
+        what, knob = PHASES.get(phase, ("", "worker_timeout_s"))
+        timeout = getattr(self.config.parallel_config, knob)
+        if what:
+            logger.info("ray executor: %s on %d ranks (limit %.0f s, parallel_config.%s)", what, len(refs), timeout, knob)
         deadline = time.monotonic() + timeout
         index = {ref: i for i, ref in enumerate(refs)}
         values: dict[int, Any] = {}
@@ -171,7 +175,7 @@ class RayExecutor(ChannelExecutor):
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 names = ", ".join(self.specs[index[r]].name for r in pending)
-                raise WorkerError(f"{phase}: no answer within {timeout:.0f} s from {names} (parallel_config.worker_timeout_s)")
+                raise WorkerError(f"{phase}: no answer within {timeout:.0f} s from {names} (parallel_config.{knob})")
             for ref in ready:
                 i = index[ref]
                 try:
@@ -192,19 +196,30 @@ class RayExecutor(ChannelExecutor):
             raise WorkerError(self._why_ended(ended))
         hb_timeout = self.config.parallel_config.heartbeat_timeout_s
         now = time.monotonic()
+        stuck, waiting = [], False  # ranks that answer but made no progress; a ping still out
         for i, (ref, sent) in enumerate(self._pings):
             done, _ = ray.wait([ref], timeout=0)
             if done:
                 try:
-                    ray.get(ref, timeout=0)
+                    idle = ray.get(ref, timeout=0)
                 except ray.exceptions.RayError as e:
                     raise WorkerError(f"{self.specs[i].name}: health check failed: {e}") from e
+                if idle > hb_timeout:
+                    stuck.append((idle, i))
                 self._pings[i] = (self.actors[i].ping.remote(), now)
-            elif now - sent > hb_timeout:
+            elif now - sent > hb_timeout:  # answers nothing at all: the likeliest culprit
                 raise WorkerError(
                     f"{self.specs[i].name}: no heartbeat for {now - sent:.1f} s "
                     f"(parallel_config.heartbeat_timeout_s={hb_timeout})"
                 )
+            else:
+                waiting = True
+        if stuck and not waiting:  # a rank blocked in a collective waits for a peer: name the first stopped
+            idle, i = max(stuck)
+            raise WorkerError(
+                f"{self.specs[i].name}: its step loop made no progress for {idle:.1f} s, a missed heartbeat "
+                f"(parallel_config.heartbeat_timeout_s={hb_timeout})"
+            )
 
     def _why_ended(self, ended: list[Any]) -> str:
         """Name the ranks whose loop ended; a dead actor is named before a rank whose collective then failed."""

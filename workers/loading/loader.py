@@ -119,6 +119,27 @@ def _arch_of(resolved: ResolvedModel, use_preset: bool) -> tuple[ModelArch, Any]
     raise ValueError(f"{resolved.name}: a preset has no weights; use load_format='dummy' or give a model path")
 
 
+def read_arch(config: Any) -> ModelArch:
+    """The model's architecture from its config alone (config.json, GGUF metadata or a preset),
+    without touching weights: what the driver checks a configuration against before launching."""
+    resolved = resolve_model(config.model)
+    load_format = config.model_config.load_format
+    if resolved.kind == "preset" and load_format != "dummy":
+        raise ValueError(f"{resolved.name}: a preset has no weights; use load_format='dummy' or give a model path")
+    return _arch_of(resolved, use_preset=load_format == "dummy")[0]
+
+
+def check_parallel_layout(arch: ModelArch, tensor_parallel_size: int) -> None:
+    """Raise the ValueError a rank would raise when building its shard, naming the model's size that
+    does not split over `tensor_parallel_size` (builds the model on the meta device: no memory)."""
+    if tensor_parallel_size == 1:
+        return
+    try:
+        build_model(arch, "meta", torch.float32, TPInfo(0, tensor_parallel_size))
+    except ValueError as e:
+        raise ValueError(f"parallel_config.tensor_parallel_size={tensor_parallel_size} does not fit the model: {e}") from None
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()

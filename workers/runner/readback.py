@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -10,6 +11,25 @@ import torch
 from atomrt.workers.runner.sampler import SamplerOutput
 
 NUM_SLOTS = 4  # pinned token buffers reused by `Readbacks.start` (async scheduling keeps <= 2 busy)
+PROGRESS_PERIOD_S = 0.1  # how often a long wait on the device reports progress
+
+
+class DeviceTimeout(RuntimeError):
+    """The device did not finish a step within the bound: a hung GPU or a runaway kernel."""
+
+
+def wait_event(event: "torch.cuda.Event", timeout_s: float, progress: Optional[Callable[[], None]], what: str) -> None:
+    """Wait for `event` by polling it (never an unbounded synchronize): `progress()` is called while
+    waiting, and DeviceTimeout is raised after `timeout_s`."""
+    start = last = time.monotonic()
+    while not event.query():
+        now = time.monotonic()
+        if now - start > timeout_s:
+            raise DeviceTimeout(f"{what}: the device did not finish within {timeout_s:.0f} s "
+                                "(parallel_config.heartbeat_timeout_s)")
+        if progress is not None and now - last > PROGRESS_PERIOD_S:
+            progress()
+            last = now
 
 
 class ReadbackSlot:
@@ -53,10 +73,13 @@ class Readback:
         """Whether the copies have landed (never blocks)."""
         return self.event is None or self.event.query()
 
-    def wait(self) -> tuple[list[int], Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
-        """(token ids, (sampled logprobs, top ids, top logprobs) or None)."""
+    def wait(
+        self, timeout_s: float = float("inf"), progress: Optional[Callable[[], None]] = None, what: str = "readback"
+    ) -> tuple[list[int], Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+        """(token ids, (sampled logprobs, top ids, top logprobs) or None), once the copies landed
+        (a bounded wait: see `wait_event`)."""
         if self.event is not None:
-            self.event.synchronize()
+            wait_event(self.event, timeout_s, progress, what)
         tokens = self.tensors[0].tolist()
         if self.slot is not None:  # the tokens are out of the slot: it may take the next step's
             self.slot.busy, self.slot = False, None
