@@ -3,7 +3,7 @@
 How the ModelRunner uses them (every call under `torch.inference_mode()`):
 
 Capture, sizes descending, per bucket `bs` (rows = bs * max_q_len):
-  fill the static buffers with a dummy decode batch (`ModelRunner.prepare`); set the forward context with
+  fill the static buffers with a dummy decode batch (`StepBuffers.prepare`); set the forward context with
   `running_tokens=rows`, then
   * warm-up: `model(input_ids[:rows], positions[:rows])` with `tr_graph=None`;
   * FULL: `req_graph.record(request_bucket(bs, max_q_len), lambda: model(ids[:rows], pos[:rows]))`,

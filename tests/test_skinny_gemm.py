@@ -4,7 +4,7 @@ Small shapes (N, K of a few hundred at most, not multiples of the tiles) and sma
 every case walks several K steps and masks the M, N and K edges while the interpreter stays fast.
 The interpreter multiplies bfloat16 tl.dot operands as raw bit patterns (triton-lang/triton#11584),
 so the dot path is checked in fp16 and fp32 here; bf16 runs through the broadcast path (which casts
-to fp32 before multiplying) and, on the GPU, through tests/gpu/sweep_gemm.py's check against F.linear.
+to fp32 before multiplying) and, on the GPU, through benchmarks/sweep_gemm.py's check against F.linear.
 """
 
 from __future__ import annotations

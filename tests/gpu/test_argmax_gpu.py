@@ -2,7 +2,7 @@
 including planted ties across the row (the first index wins).
 
 Run on the GPU machine:  python -m pytest -m gpu tests/gpu/test_argmax_gpu.py
-Speed against torch.argmax: python tests/gpu/bench_argmax.py
+Speed against torch.argmax: python benchmarks/bench_argmax.py
 """
 
 from __future__ import annotations

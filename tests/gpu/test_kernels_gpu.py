@@ -176,7 +176,7 @@ def test_cuda_graph_replay_with_new_metadata(max_seqlen_q: int) -> None:
 def test_decode_speed(batch_size: int, capsys: pytest.CaptureFixture[str]) -> None:
     """Prints decode figures at context 1024 (Llama-3-8B-like heads: 32 q / 8 kv, head_dim 128, bf16):
     GPU time of one call replayed from a CUDA graph, and host time of one eager (host-planned) call.
-    More configurations: python tests/gpu/bench_paged_attention.py"""
+    More configurations: python benchmarks/bench_paged_attention.py"""
     import time
 
     import triton.testing
