@@ -47,6 +47,8 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         from atomrt.runtime.bench.startup import main as bench_main
     elif args.what == "latency":
         from atomrt.runtime.bench.latency import main as bench_main
+    elif args.what == "throughput":
+        from atomrt.runtime.bench.throughput import main as bench_main
     else:
         from atomrt.runtime.bench.transport import main as bench_main
     return int(bench_main(rest) or 0)
@@ -63,9 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     bench = sub.add_parser(
-        "bench", help="benchmarks: startup | latency | transport (their own flags follow)", add_help=False
+        "bench", help="benchmarks: startup | latency | throughput | transport (their own flags follow)",
+        add_help=False,
     )
-    bench.add_argument("what", choices=["startup", "latency", "transport"])
+    bench.add_argument("what", choices=["startup", "latency", "throughput", "transport"])
     return parser
 
 
