@@ -1,8 +1,10 @@
 """Torch reference attention over the paged KV cache: the CPU path of the attention op.
 
-Plain torch, eager (it runs inside the opaque custom op, never traced), so host-side loops over
-sequences are fine here. Each sequence gathers its context from the cache with one index of its
-block_table, then runs SDPA with the causal mask shifted to the sequence's position.
+Plain torch, eager (it runs inside the opaque custom op, never traced). A decode step (one query
+row per sequence) gathers every sequence's context in one index of the block tables, padded to the
+longest, and runs one SDPA with a key mask: per-sequence calls would cost the host more than the
+arithmetic. Other steps loop over sequences: each gathers its context with one index of its
+block_table and runs SDPA with the causal mask shifted to the sequence's position.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def paged_attention_ref(
     num_seqs: int,
 ) -> None:
     """Causal attention of each sequence's query rows over its cached context, written into out."""
+    if num_seqs > 0 and cu_seqlens_q_cpu[: num_seqs + 1] == list(range(num_seqs + 1)):
+        decode_attention_ref(q, k_cache, v_cache, out, context_lens_cpu[:num_seqs], block_tables, scale)
+        return
     block_size = k_cache.shape[1]
     for s in range(num_seqs):
         q_start, q_end = cu_seqlens_q_cpu[s], cu_seqlens_q_cpu[s + 1]
@@ -73,6 +78,37 @@ def paged_attention_ref(
         values = v_cache[blocks].flatten(0, 1)[:context_len]
         out[q_start:q_end] = causal_sdpa(q[q_start:q_end], keys, values, scale, context_len - n_q)
     out[cu_seqlens_q_cpu[num_seqs]:] = 0
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    context_lens_cpu: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+) -> None:
+    """Attention of one query row per sequence (row s at position context_lens_cpu[s] - 1, which sees
+    its whole context) over the paged cache, written into out[:num_seqs]; rows past them are zeroed."""
+    num_seqs = len(context_lens_cpu)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_blocks = -(-max(context_lens_cpu) // block_size)
+    max_len = num_blocks * block_size
+    # Table entries past a sequence's end (-1) read block 0: their keys are masked.
+    blocks = block_tables[:num_seqs, :num_blocks].long().clamp_min(0).flatten()  # [num_seqs * num_blocks]
+    # [num_blocks_total, block_size, num_kv_heads, head_dim] -> [num_seqs, num_kv_heads, max_len, head_dim]
+    keys = k_cache.index_select(0, blocks).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, blocks).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    context_lens = torch.tensor(context_lens_cpu, device=q.device)
+    mask = torch.arange(max_len, device=q.device) < context_lens.unsqueeze(1)  # [num_seqs, max_len]
+    queries = q[:num_seqs].unsqueeze(2)  # [num_seqs, num_heads, 1, head_dim]
+    attn = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask.view(num_seqs, 1, 1, max_len), scale=scale,
+        enable_gqa=queries.shape[1] != num_kv_heads,
+    )
+    out[:num_seqs] = attn.squeeze(2)
+    out[num_seqs:] = 0
 
 
 def causal_attention_no_cache(
