@@ -153,9 +153,20 @@ def _summary(outs) -> list[tuple]:
     rows = []
     for o in outs:
         c = o.outputs[0]
-        lps = [sorted((k, round(v, 3)) for k, v in row.items()) for row in c.logprobs] if c.logprobs else None
+        lps = [sorted(row.items()) for row in c.logprobs] if c.logprobs else None
         rows.append((c.token_ids, c.text, c.finish_reason, lps))
     return rows
+
+
+def _assert_same(got: list[tuple], want: list[tuple]) -> None:
+    """Tokens, text and finish reasons equal; each logprob within 1e-3 (a recompute after preemption
+    runs prefill where the reference ran decode steps, so the floats differ in their last bits)."""
+    assert [r[:3] for r in got] == [r[:3] for r in want]
+    for g, w in zip(got, want):
+        assert (g[3] is None) == (w[3] is None)
+        for g_row, w_row in zip(g[3] or [], w[3] or []):
+            assert [t for t, _ in g_row] == [t for t, _ in w_row]
+            assert [v for _, v in g_row] == pytest.approx([v for _, v in w_row], abs=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +181,7 @@ def sync_reference() -> list[tuple]:
 def test_engine_async_equals_sync_on_the_embedded_model(sync_reference):
     llm = LLM(DEFAULT_MODEL, async_scheduling=True)
     try:
-        assert _summary(llm.generate(_prompts(llm.tokenizer), _params())) == sync_reference
+        assert _summary(llm.generate(_prompts(llm.tokenizer), _params())) == sync_reference  # bit for bit
         assert {r[2] for r in sync_reference} >= {"stop", "length"}
         assert any(r[1] and r[2] == "stop" and len(r[0]) < 16 for r in sync_reference[6:])
         params = SamplingParams(temperature=0.0, max_tokens=12)
@@ -187,7 +198,7 @@ def test_engine_async_under_preemption_equals_sync(sync_reference):
     try:
         outs = llm.generate(_prompts(llm.tokenizer), _params())
         assert sum(o.metrics.num_preemptions for o in outs) > 0
-        assert _summary(outs) == sync_reference
+        _assert_same(_summary(outs), sync_reference)
     finally:
         llm.shutdown()
 
