@@ -12,6 +12,9 @@ torch.compile `linear` is the custom op `torch.ops.atomrt.linear`, so the choice
 at run time, on the real row count (the traced graphs have a dynamic token dimension). Two fused variants follow the
 same pattern: `silu_mul_linear` (a gated MLP's activation + down projection) and `add_norm_linear`
 (a decoder layer's residual add + RMSNorm + the projection after it).
+
+On CPU, eager float32 forwards take oneDNN's GEMM on the layer's reordered weight instead of
+F.linear (`cpu_packed`, workers/layers/cpu_gemm.py).
 """
 
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
@@ -33,6 +36,7 @@ from atomrt.workers.kernels.gemm.skinny_gemm import (
 )
 from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers.activation import silu_and_mul
+from atomrt.workers.layers.cpu_gemm import CPUPackedWeight, packed_linear
 from atomrt.workers.layers.norm import RMSNorm, residual_add, rms_norm
 from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, divide, read_narrow
 
@@ -153,6 +157,7 @@ class _LinearBase(nn.Module):
         self.norm_stats_values = skinny.norm_stats_values
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.cpu_packed = CPUPackedWeight()  # the CPU eager path's copy of the weight
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -179,16 +184,26 @@ class ColumnParallelLinear(_LinearBase):
         copy_checked(param.data, read_narrow(loaded_weight, 0, start, self.output_size_per_rank), "column shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, self.skinny_max_rows)
+        packed = self.cpu_packed.get(self.weight, x)
+        if packed is not None:
+            y = packed_linear(x, packed, self.bias)
+        else:
+            y = linear(x, self.weight, self.bias, self.skinny_max_rows)
         return tp_all_gather(y, self.tp) if self.gather_output else y
 
     def forward_add_norm(
         self, residual: torch.Tensor, update: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, self(norm(h))) for h = residual + update, through add_norm_linear."""
-        h, y = add_norm_linear(
-            residual, update, norm.weight, norm.eps, self.weight, self.bias, self.skinny_max_rows, self.norm_stats_values
-        )
+        packed = self.cpu_packed.get(self.weight, residual)
+        if packed is not None:
+            h = residual_add(residual, update)
+            y = packed_linear(rms_norm(h, norm.weight, norm.eps), packed, self.bias)
+        else:
+            h, y = add_norm_linear(
+                residual, update, norm.weight, norm.eps, self.weight, self.bias, self.skinny_max_rows,
+                self.norm_stats_values,
+            )
         return h, tp_all_gather(y, self.tp) if self.gather_output else y
 
 
@@ -273,7 +288,10 @@ class RowParallelLinear(_LinearBase):
     def forward(self, x: torch.Tensor, gated_input: bool = False) -> torch.Tensor:
         """x [..., in]; with `gated_input`, x is [..., 2 * in] (gate | up, a gated MLP's merged
         projection) and the layer's input is silu(gate) * up, fused into the matmul where it can be."""
-        if gated_input and self.fuses_gate:
+        packed = self.cpu_packed.get(self.weight, x)
+        if packed is not None:
+            y = packed_linear(silu_and_mul(x) if gated_input else x, packed, None)
+        elif gated_input and self.fuses_gate:
             y = silu_mul_linear(x, self.weight, None, self.skinny_max_rows)
         else:
             y = linear(silu_and_mul(x) if gated_input else x, self.weight, None, self.skinny_max_rows)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atomrt.distributed.communication_op import TPInfo, tp_all_gather, tp_all_reduce
+from atomrt.workers.layers.cpu_gemm import CPUPackedWeight, packed_linear
 from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, read_narrow, shape_of
 
 
@@ -47,11 +48,19 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; with tied embeddings its weight is the embedding's Parameter."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPInfo = TPInfo()) -> None:
+        super().__init__(vocab_size, hidden_size, tp)
+        self.cpu_packed = CPUPackedWeight()  # the CPU eager path's copy of the weight (cpu_gemm.py)
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab_size] in the weight's dtype. A bf16 model's logits stay bf16: a
         greedy step's argmax reads them as they are (converting to float32 is exact, so the index is
         the same), and the sampler converts them where it computes (penalties, softmax, logprobs)."""
-        logits = F.linear(hidden_states, self.weight)  # [n, num_rows_per_rank]
+        packed = self.cpu_packed.get(self.weight, hidden_states)
+        if packed is not None:
+            logits = packed_linear(hidden_states, packed, None)  # [n, num_rows_per_rank]
+        else:
+            logits = F.linear(hidden_states, self.weight)
         logits = tp_all_gather(logits, self.tp)
         return logits[:, : self.vocab_size]
 

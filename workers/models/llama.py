@@ -16,6 +16,7 @@ from torch import nn
 from atomrt.compile.decorators import support_torch_compile
 from atomrt.graphs.region_graph import token_graph
 from atomrt.workers.layers.attention import Attention
+from atomrt.workers.layers.cpu_gemm import reset_packed_weights
 from atomrt.workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from atomrt.workers.layers.norm import RMSNorm, residual_add
 from atomrt.workers.layers.rotary import RotaryEmbedding
@@ -171,3 +172,4 @@ class LlamaForCausalLM(nn.Module):
         ]
         if missing:
             raise ValueError(f"{where}: missing tensors for {len(missing)} parameters, e.g. {missing[:4]}")
+        reset_packed_weights(self)  # loading writes in place, which a packed copy cannot see
