@@ -219,6 +219,7 @@ class WorkerProcess:
             step = sub.expected_step
             try:
                 msg = sub.recv(timeout=IDLE_POLL_S)
+                self.progress()  # a plan arrived: a rank then blocked on a stuck peer is not the first stopped
                 if isinstance(msg, Flush):
                     if pending is None or pending.step != msg.step:
                         raise RuntimeError(f"flush of step {msg.step}, but the step held is {pending and pending.step}")

@@ -179,16 +179,17 @@ def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[
         engine.add_request([rng.randrange(vocab) for _ in range(args.input_len)], params, stream=True)
         for _ in range(bs)
     ]
+    mine = set(ids)
     try:
         started: set[str] = set()
         while len(started) < bs:  # prefill, possibly chunked over several steps
             if not engine.has_unfinished():
                 raise RuntimeError(f"bs={bs}: requests finished during prefill")
-            started.update(o.request_id for o in engine.step())
+            started.update(o.request_id for o in engine.step() if o.request_id in mine)
         times: list[float] = []
         for i in range(args.warmup_steps + args.decode_steps):
             t0 = time.perf_counter()
-            outs = engine.step()
+            outs = [o for o in engine.step() if o.request_id in mine]
             times.append(time.perf_counter() - t0)
             if len(outs) != bs:
                 raise RuntimeError(f"bs={bs}: decode step {i} sampled {len(outs)} rows, expected {bs}")
@@ -196,6 +197,8 @@ def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[
     finally:
         for rid in ids:
             engine.abort(rid)
+        while engine.has_unfinished():  # hand out the aborted requests' final outputs
+            engine.step()
 
 
 def bench_one(model: str, mode: str, executor: str, args: argparse.Namespace, report: Report, on_cuda: bool) -> None:
