@@ -52,8 +52,10 @@ def main() -> None:
     parser.parse_args()
     torch_argmax = lambda x: x.argmax(dim=-1)  # noqa: E731
     print("us per call:")
-    print(f"{'rows':>5} {'vocab':>7} {'splits':>6}  {'torch GPU':>9} {'ours GPU':>8} {'1 split GPU':>11}  "
-          f"{'torch host':>10} {'ours host':>9}")
+    print(
+        f"{'rows':>5} {'vocab':>7} {'splits':>6}  {'torch GPU':>9} {'ours GPU':>8} {'1 split GPU':>11}  "
+        f"{'torch host':>10} {'ours host':>9}"
+    )
     one_split = lambda x: argmax_rows(x, num_splits=1)  # noqa: E731
     for rows, vocab in [(1, 49152), (8, 49152), (1, 128256), (32, 128256), (128, 128256)]:
         logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
@@ -61,8 +63,10 @@ def main() -> None:
         splits = plan_splits(rows, vocab, sm_count(logits.device))
         gpu = [gpu_us(fn, logits) for fn in (torch_argmax, argmax_rows, one_split)]
         host = [host_us(fn, logits) for fn in (torch_argmax, argmax_rows)]
-        print(f"{rows:5d} {vocab:7d} {splits:6d}  {gpu[0]:9.1f} {gpu[1]:8.1f} {gpu[2]:11.1f}  "
-              f"{host[0]:10.1f} {host[1]:9.1f}")
+        print(
+            f"{rows:5d} {vocab:7d} {splits:6d}  {gpu[0]:9.1f} {gpu[1]:8.1f} {gpu[2]:11.1f}  "
+            f"{host[0]:10.1f} {host[1]:9.1f}"
+        )
 
 
 if __name__ == "__main__":

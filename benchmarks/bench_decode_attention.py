@@ -20,7 +20,12 @@ import triton
 import triton.testing
 
 from atomrt.workers.kernels.device_info import sm_count
-from atomrt.workers.kernels.attention.decode_attention import attention_step, decode_attention, plan_decode, prepare_decode_counters
+from atomrt.workers.kernels.attention.decode_attention import (
+    attention_step,
+    decode_attention,
+    plan_decode,
+    prepare_decode_counters,
+)
 from atomrt.workers.kernels.attention.paged_attention import rope_write_kv, unified_attention
 from atomrt.workers.layers.rotary import RotaryEmbedding
 
@@ -36,40 +41,103 @@ def setup(bs: int, num_kv_heads: int, group: int, head_dim: int, ctx: int) -> di
     dev, dtype = "cuda", torch.bfloat16
     max_blocks = CAPACITY // BLOCK_SIZE
     num_blocks = bs * max_blocks
-    caches = [(torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev, dtype=dtype),
-               torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev, dtype=dtype))
-              for _ in range(LAYERS)]
+    caches = [
+        (
+            torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev, dtype=dtype),
+            torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev, dtype=dtype),
+        )
+        for _ in range(LAYERS)
+    ]
     block_tables = torch.randperm(num_blocks, device=dev).to(torch.int32).view(bs, max_blocks)
     q = torch.randn(bs, num_kv_heads * group, head_dim, device=dev, dtype=dtype)
     k = torch.randn(bs, num_kv_heads, head_dim, device=dev, dtype=dtype)
     v = torch.randn_like(k)
     positions = torch.full((bs,), ctx - 1, device=dev, dtype=torch.int64)
-    slots = (block_tables[:, (ctx - 1) // BLOCK_SIZE].long() * BLOCK_SIZE + (ctx - 1) % BLOCK_SIZE).contiguous()
+    slots = (
+        block_tables[:, (ctx - 1) // BLOCK_SIZE].long() * BLOCK_SIZE + (ctx - 1) % BLOCK_SIZE
+    ).contiguous()
     rotary = RotaryEmbedding(head_dim, max_position=CAPACITY, theta=10000.0).to(dev)
-    return dict(q=q, k=k, v=v, out=torch.empty_like(q), positions=positions, slots=slots, caches=caches,
-                block_tables=block_tables, rotary=rotary, bs=bs,
-                cu=torch.arange(bs + 1, device=dev, dtype=torch.int32),
-                context_lens=torch.full((bs,), ctx, device=dev, dtype=torch.int32))
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        out=torch.empty_like(q),
+        positions=positions,
+        slots=slots,
+        caches=caches,
+        block_tables=block_tables,
+        rotary=rotary,
+        bs=bs,
+        cu=torch.arange(bs + 1, device=dev, dtype=torch.int32),
+        context_lens=torch.full((bs,), ctx, device=dev, dtype=torch.int32),
+    )
 
 
 def two_launch(s: dict, layer: int) -> None:
     kc, vc = s["caches"][layer]
     r = s["rotary"]
-    q = rope_write_kv(s["q"], s["k"], s["v"], s["positions"], r.cos_cache, r.sin_cache, kc, vc, s["slots"])
-    unified_attention(q, kc, vc, s["out"], s["cu"], s["context_lens"], s["block_tables"], 0.125,
-                      num_seqs=s["bs"], max_seqlen_q=1, max_seqlen_k=CAPACITY, graph_safe=True)
+    q = rope_write_kv(
+        s["q"], s["k"], s["v"], s["positions"], r.cos_cache, r.sin_cache, kc, vc, s["slots"]
+    )
+    unified_attention(
+        q,
+        kc,
+        vc,
+        s["out"],
+        s["cu"],
+        s["context_lens"],
+        s["block_tables"],
+        0.125,
+        num_seqs=s["bs"],
+        max_seqlen_q=1,
+        max_seqlen_k=CAPACITY,
+        graph_safe=True,
+    )
 
 
 def fused(s: dict, layer: int, plan=None) -> None:
     kc, vc = s["caches"][layer]
     r = s["rotary"]
     if plan is None:
-        attention_step(s["q"], s["k"], s["v"], s["out"], s["positions"], r.cos_cache, r.sin_cache, kc, vc,
-                       s["slots"], s["cu"], s["context_lens"], s["block_tables"], 0.125,
-                       num_seqs=s["bs"], max_seqlen_q=1, max_seqlen_k=CAPACITY, graph_safe=True)
+        attention_step(
+            s["q"],
+            s["k"],
+            s["v"],
+            s["out"],
+            s["positions"],
+            r.cos_cache,
+            r.sin_cache,
+            kc,
+            vc,
+            s["slots"],
+            s["cu"],
+            s["context_lens"],
+            s["block_tables"],
+            0.125,
+            num_seqs=s["bs"],
+            max_seqlen_q=1,
+            max_seqlen_k=CAPACITY,
+            graph_safe=True,
+        )
     else:
-        decode_attention(s["q"], s["k"], s["v"], s["out"], s["positions"], r.cos_cache, r.sin_cache, kc, vc,
-                         s["slots"], s["cu"], s["context_lens"], s["block_tables"], 0.125, plan, num_seqs=s["bs"])
+        decode_attention(
+            s["q"],
+            s["k"],
+            s["v"],
+            s["out"],
+            s["positions"],
+            r.cos_cache,
+            r.sin_cache,
+            kc,
+            vc,
+            s["slots"],
+            s["cu"],
+            s["context_lens"],
+            s["block_tables"],
+            0.125,
+            plan,
+            num_seqs=s["bs"],
+        )
 
 
 def time_us(fn) -> float:
@@ -97,17 +165,29 @@ def main() -> None:
         for ctx in (170, 1024, 4096):
             s = setup(bs, hk, group, hd, ctx)
             base = plan_decode(bs, CAPACITY, hk, group, hd, sm_count(s["q"].device))
-            row = dict(shape=name, ctx=ctx, two_launch=time_us(lambda i: two_launch(s, i)),
-                       fused=time_us(lambda i: fused(s, i)), plan=dataclasses.asdict(base))
+            row = dict(
+                shape=name,
+                ctx=ctx,
+                two_launch=time_us(lambda i: two_launch(s, i)),
+                fused=time_us(lambda i: fused(s, i)),
+                plan=dataclasses.asdict(base),
+            )
             if args.sweep and ctx <= 1024:
                 variants = {}
                 for tile_n in (64, 128):
                     for warps in (4, 8):
                         for stages in (1, 2):
-                            plan = dataclasses.replace(base, tile_n=tile_n, num_warps=warps, num_stages=stages,
-                                                       min_tiles_per_split=max(1, 256 // tile_n))
+                            plan = dataclasses.replace(
+                                base,
+                                tile_n=tile_n,
+                                num_warps=warps,
+                                num_stages=stages,
+                                min_tiles_per_split=max(1, 256 // tile_n),
+                            )
                             try:
-                                variants[f"t{tile_n}w{warps}s{stages}"] = time_us(lambda i: fused(s, i, plan))
+                                variants[f"t{tile_n}w{warps}s{stages}"] = time_us(
+                                    lambda i: fused(s, i, plan)
+                                )
                             except Exception as exc:  # out of resources for this config
                                 variants[f"t{tile_n}w{warps}s{stages}"] = f"{type(exc).__name__}"
                 for splits in (1, 2, 4, 8):

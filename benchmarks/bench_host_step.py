@@ -25,7 +25,9 @@ from atomrt.runtime import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.workers.runner.model_runner import ModelOutput
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the CPU tests' tiny model
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent.parent / "tests")
+)  # the CPU tests' tiny model
 from executor_harness import VOCAB, build_tiny_llama  # noqa: E402
 
 
@@ -39,8 +41,14 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="cProfile one more run, sorted by this key")
     a = ap.parse_args()
     folder = build_tiny_llama(Path(tempfile.mkdtemp()) / "model")
-    llm = LLM(str(folder), device="cpu", enforce_eager=True, num_kv_blocks=4096, max_num_seqs=max(a.bs, 8),
-              async_scheduling=not a.sync)
+    llm = LLM(
+        str(folder),
+        device="cpu",
+        enforce_eager=True,
+        num_kv_blocks=4096,
+        max_num_seqs=max(a.bs, 8),
+        async_scheduling=not a.sync,
+    )
     eng = llm.engine
     runner = eng.executor.worker.runner
     logits = torch.randn(max(a.bs, 8) * 8, VOCAB)
@@ -54,8 +62,11 @@ def main() -> None:
 
     def run(steps: int) -> float:
         for _ in range(a.bs):
-            eng.add_request([3, 17, 42, 5], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                            stream=True)
+            eng.add_request(
+                [3, 17, 42, 5],
+                SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                stream=True,
+            )
         for _ in range(5):
             eng.step()
         t = time.perf_counter()
@@ -68,8 +79,10 @@ def main() -> None:
 
     steps = min(a.steps, max_tokens - 10)
     runs = [run(steps) for _ in range(3)]
-    print(f"bs={a.bs} {'sync' if a.sync else 'async'}: host {min(runs):.1f} us/step "
-          f"(runs {', '.join(f'{r:.1f}' for r in runs)}; {steps} steps each)")
+    print(
+        f"bs={a.bs} {'sync' if a.sync else 'async'}: host {min(runs):.1f} us/step "
+        f"(runs {', '.join(f'{r:.1f}' for r in runs)}; {steps} steps each)"
+    )
     if a.profile:
         prof = cProfile.Profile()
         prof.enable()

@@ -38,6 +38,7 @@ def _timed(acc: dict, name: str, fn):
             return fn(*args, **kwargs)
         finally:
             acc[name] += time.perf_counter() - t
+
     return wrapper
 
 
@@ -60,13 +61,17 @@ def phase_times(eng, steps: int) -> tuple[dict, float]:
 
     # Bound methods are wrapped on the instances and the wrappers deleted afterwards, so the
     # class's methods show through again.
-    parts = [(ex, "submit", "executor.submit"), (ex, "collect", "executor.collect"),
-             (runner, "execute", "runner.execute"), (runner.buffers, "prepare", "runner.buffers.prepare"),
-             (runner.model, "compute_logits", "  run_model: compute_logits (launch)"),
-             (runner, "start_readback", "worker: start_readback"),
-             (worker.mirrors, "build", "worker: mirrors.build"),
-             (worker.mirrors, "apply", "worker: mirrors.apply"),
-             (runner.graphs.req_graph, "replay", "  run_model: req_graph.replay (launch)")]
+    parts = [
+        (ex, "submit", "executor.submit"),
+        (ex, "collect", "executor.collect"),
+        (runner, "execute", "runner.execute"),
+        (runner.buffers, "prepare", "runner.buffers.prepare"),
+        (runner.model, "compute_logits", "  run_model: compute_logits (launch)"),
+        (runner, "start_readback", "worker: start_readback"),
+        (worker.mirrors, "build", "worker: mirrors.build"),
+        (worker.mirrors, "apply", "worker: mirrors.apply"),
+        (runner.graphs.req_graph, "replay", "  run_model: req_graph.replay (launch)"),
+    ]
     for obj, name, label in parts:
         setattr(obj, name, _timed(acc, label, getattr(obj, name)))
     runner.run_model = _timed(acc, "runner.run_model (launch)", run_model_events)
@@ -83,7 +88,9 @@ def phase_times(eng, steps: int) -> tuple[dict, float]:
         delattr(obj, name)
     acc = {k: v / steps for k, v in acc.items()}
     acc["step"] = total / steps
-    acc["driver (step - submit - collect)"] = acc["step"] - acc["executor.submit"] - acc["executor.collect"]
+    acc["driver (step - submit - collect)"] = (
+        acc["step"] - acc["executor.submit"] - acc["executor.collect"]
+    )
     acc["worker launch outside runner.execute"] = acc["executor.submit"] - acc["runner.execute"]
     fwd = sum(s.elapsed_time(e) for s, e in gpu_ms) / len(gpu_ms)
     return acc, fwd
@@ -98,8 +105,12 @@ def replay_costs(eng, bs: int) -> str:
         return "no request graphs"
     key = min((k for k in req_graph.keys() if k[0] >= bs), default=req_graph.keys()[-1])
     bs = key[0]
-    decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=bs, running_tokens=bs, is_prefill=False, req_key=key)
-    runner.buffers.prepare(dummy_decode_inputs(bs, 1), decision)  # a request graph replays the step staged for its bucket
+    decision = ForwardDecision(
+        ForwardKind.REQ_GRAPH, running_bs=bs, running_tokens=bs, is_prefill=False, req_key=key
+    )
+    runner.buffers.prepare(
+        dummy_decode_inputs(bs, 1), decision
+    )  # a request graph replays the step staged for its bucket
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t = time.perf_counter()
@@ -125,7 +136,9 @@ def kernel_table(eng, steps: int) -> str:
         per_name[e.name][0] += 1
         per_name[e.name][1] += e.device_time
     total_us = sum(v[1] for v in per_name.values())
-    lines = [f"GPU kernels per step: {len(kernels) / steps:.1f}, kernel time per step {total_us / steps / 1e3:.3f} ms"]
+    lines = [
+        f"GPU kernels per step: {len(kernels) / steps:.1f}, kernel time per step {total_us / steps / 1e3:.3f} ms"
+    ]
     for name, (n, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:25]:
         lines.append(f"  {n / steps:6.1f}/step {us / steps:8.1f} us/step  {name[:110]}")
     return "\n".join(lines)
@@ -144,11 +157,20 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true")
     a = ap.parse_args()
     cc = CompilationConfig(level=a.level, cudagraph_mode=a.mode, cuda_graph_sizes=[max(a.bs, 8)])
-    llm = LLM(a.model, load_format="dummy", compilation_config=cc, max_num_seqs=max(a.bs, 8), max_model_len=2048,
-              async_scheduling=a.async_scheduling)
+    llm = LLM(
+        a.model,
+        load_format="dummy",
+        compilation_config=cc,
+        max_num_seqs=max(a.bs, 8),
+        max_model_len=2048,
+        async_scheduling=a.async_scheduling,
+    )
     eng = llm.engine
     for i in range(a.bs):
-        eng.add_request([1 + i] * 128, SamplingParams(temperature=0, max_tokens=5 * a.steps + 60, ignore_eos=True))
+        eng.add_request(
+            [1 + i] * 128,
+            SamplingParams(temperature=0, max_tokens=5 * a.steps + 60, ignore_eos=True),
+        )
     for _ in range(5):
         eng.step()
     t = time.perf_counter()
@@ -156,7 +178,9 @@ def main() -> None:
         eng.step()
     ms = (time.perf_counter() - t) * 1e3 / a.steps
     phases, fwd_ms = phase_times(eng, a.steps)
-    replay = replay_costs(eng, a.bs)  # before torch.profiler, whose leftovers may slow later launches
+    replay = replay_costs(
+        eng, a.bs
+    )  # before torch.profiler, whose leftovers may slow later launches
     kernels = kernel_table(eng, 20)
     prof = cProfile.Profile()
     prof.enable()
@@ -165,9 +189,12 @@ def main() -> None:
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
-    text = [f"{a.model} {a.mode}{' async' if a.async_scheduling else ''} level {a.level} bs {a.bs}: "
-            f"{ms:.3f} ms/step (unprofiled)",
-            f"forward GPU time (events around run_model): {fwd_ms:.3f} ms/step", "host ms per step:"]
+    text = [
+        f"{a.model} {a.mode}{' async' if a.async_scheduling else ''} level {a.level} bs {a.bs}: "
+        f"{ms:.3f} ms/step (unprofiled)",
+        f"forward GPU time (events around run_model): {fwd_ms:.3f} ms/step",
+        "host ms per step:",
+    ]
     text += [f"  {k:55s} {v * 1e3:7.3f}" for k, v in phases.items()]
     text += [replay, kernels, buf.getvalue()]
     print("\n".join(text))

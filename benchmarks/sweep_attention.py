@@ -19,7 +19,12 @@ import torch
 import triton
 import triton.testing
 
-from atomrt.workers.kernels.attention.paged_attention import launch_attention, plan_attention, unified_attention, write_kv_cache
+from atomrt.workers.kernels.attention.paged_attention import (
+    launch_attention,
+    plan_attention,
+    unified_attention,
+    write_kv_cache,
+)
 
 SHAPES = {  # name: (batch, kv heads, group, head dim)
     "SmolLM2-135M bs=1": (1, 3, 3, 64),
@@ -74,27 +79,52 @@ def sweep(rows: list) -> None:
             base = plan_attention(bs, 1, CAPACITY, kvh, group, hd, sms)
 
             def run(plan):
-                return lambda: launch_attention(plan, q, k_cache, v_cache, out, cu, lens, tables, hd**-0.5,
-                                                num_seqs=bs, reduce_rows=bs)
+                return lambda: launch_attention(
+                    plan,
+                    q,
+                    k_cache,
+                    v_cache,
+                    out,
+                    cu,
+                    lens,
+                    tables,
+                    hd**-0.5,
+                    num_seqs=bs,
+                    reduce_rows=bs,
+                )
 
             default = gpu_us(run(base))
             best = (default, base)
             for splits in (1, 2, 4, 8, 16, 32):
                 for tile_n in (32, 64, 128):
                     for warps in (2, 4):
-                        plan = dataclasses.replace(base, num_splits=splits, tile_n=tile_n, num_warps=warps)
+                        plan = dataclasses.replace(
+                            base, num_splits=splits, tile_n=tile_n, num_warps=warps
+                        )
                         try:
                             us = gpu_us(run(plan))
                         except Exception as e:  # a tile that does not compile for this shape
                             print(f"  skip {splits=} {tile_n=} {warps=}: {type(e).__name__}")
                             continue
-                        rows.append(dict(shape=name, ctx=ctx, splits=splits, tile_n=tile_n, warps=warps, us=round(us, 2)))
+                        rows.append(
+                            dict(
+                                shape=name,
+                                ctx=ctx,
+                                splits=splits,
+                                tile_n=tile_n,
+                                warps=warps,
+                                us=round(us, 2),
+                            )
+                        )
                         if us < best[0]:
                             best = (us, plan)
             b = best[1]
-            print(f"{name:22s} ctx={ctx:5d}: default (splits={base.num_splits}, tile_n={base.tile_n}, "
-                  f"warps={base.num_warps}) {default:6.2f} us; best splits={b.num_splits} tile_n={b.tile_n} "
-                  f"warps={b.num_warps} {best[0]:6.2f} us", flush=True)
+            print(
+                f"{name:22s} ctx={ctx:5d}: default (splits={base.num_splits}, tile_n={base.tile_n}, "
+                f"warps={base.num_warps}) {default:6.2f} us; best splits={b.num_splits} tile_n={b.tile_n} "
+                f"warps={b.num_warps} {best[0]:6.2f} us",
+                flush=True,
+            )
 
 
 def host_costs() -> None:
@@ -115,12 +145,42 @@ def host_costs() -> None:
         ("torch x.add_(1)", lambda: x.add_(1)),
         ("torch.empty(4096)", lambda: torch.empty(4096, device="cuda")),
         ("write_kv_cache (1 Triton launch)", lambda: write_kv_cache(k, k, k_cache, v_cache, slots)),
-        ("unified_attention eager, ctx 1024 (host plan)", lambda: unified_attention(
-            q, k_cache, v_cache, out, cu, lens, tables, hd**-0.5, num_seqs=1, max_seqlen_q=1, max_seqlen_k=1024,
-            graph_safe=False, cu_seqlens_q_cpu=cu_cpu, context_lens_cpu=lens_cpu)),
-        ("unified_attention graph-safe (split + reduce)", lambda: unified_attention(
-            q, k_cache, v_cache, out, cu, lens, tables, hd**-0.5, num_seqs=1, max_seqlen_q=1, max_seqlen_k=1024,
-            graph_safe=True)),
+        (
+            "unified_attention eager, ctx 1024 (host plan)",
+            lambda: unified_attention(
+                q,
+                k_cache,
+                v_cache,
+                out,
+                cu,
+                lens,
+                tables,
+                hd**-0.5,
+                num_seqs=1,
+                max_seqlen_q=1,
+                max_seqlen_k=1024,
+                graph_safe=False,
+                cu_seqlens_q_cpu=cu_cpu,
+                context_lens_cpu=lens_cpu,
+            ),
+        ),
+        (
+            "unified_attention graph-safe (split + reduce)",
+            lambda: unified_attention(
+                q,
+                k_cache,
+                v_cache,
+                out,
+                cu,
+                lens,
+                tables,
+                hd**-0.5,
+                num_seqs=1,
+                max_seqlen_q=1,
+                max_seqlen_k=1024,
+                graph_safe=True,
+            ),
+        ),
         ("CUDAGraph.replay, 1 kernel", one.replay),
         ("CUDAGraph.replay, 430 kernels", many.replay),
     ]:

@@ -41,8 +41,17 @@ import torch
 import torch.nn.functional as F
 import triton
 from atomrt.workers.kernels.rms_norm import add_rms_norm
-from atomrt.workers.kernels.gemm.skinny_configs import BROADCAST_MAX_M, SkinnyConfig, block_m_for, pick_config
-from atomrt.workers.kernels.gemm.skinny_gemm import NORM_STATS_VALUES, skinny_add_norm_linear, skinny_linear
+from atomrt.workers.kernels.gemm.skinny_configs import (
+    BROADCAST_MAX_M,
+    SkinnyConfig,
+    block_m_for,
+    pick_config,
+)
+from atomrt.workers.kernels.gemm.skinny_gemm import (
+    NORM_STATS_VALUES,
+    skinny_add_norm_linear,
+    skinny_linear,
+)
 
 SHAPES = {  # name: (N, K) per TP rank
     "SmolLM2-135M qkv": (960, 576),
@@ -103,7 +112,9 @@ class Summary:
     searched: bool
 
 
-def stage1_candidates(m: int, n: int, k: int, num_sms: int, quick: bool, norm: bool = False) -> list[SkinnyConfig]:
+def stage1_candidates(
+    m: int, n: int, k: int, num_sms: int, quick: bool, norm: bool = False
+) -> list[SkinnyConfig]:
     """Tiles that make sense for this shape, each at warps/stages that suit it: broadcast only for
     M <= 8 and block_n <= 64 (only broadcast with `norm`, whose prologue is on that path); enough
     programs to give every SM one (unless the narrowest tile cannot); no K tile wider than K; a
@@ -183,9 +194,23 @@ class Bench:
     `norm`, each side also makes x from a residual add and RMSNorm (the module docstring's --norm)."""
 
     def __init__(
-        self, name: str, m: int, n: int, k: int, hot: bool, norm: bool = False, stats_values: int = NORM_STATS_VALUES
+        self,
+        name: str,
+        m: int,
+        n: int,
+        k: int,
+        hot: bool,
+        norm: bool = False,
+        stats_values: int = NORM_STATS_VALUES,
     ) -> None:
-        self.name, self.m, self.n, self.k, self.norm, self.stats_values = name, m, n, k, norm, stats_values
+        self.name, self.m, self.n, self.k, self.norm, self.stats_values = (
+            name,
+            m,
+            n,
+            k,
+            norm,
+            stats_values,
+        )
         gen = torch.Generator(device="cuda").manual_seed(m * 7919 + n + k)
         self.x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         w = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).to(torch.bfloat16)
@@ -193,8 +218,12 @@ class Bench:
         self.weights = [w] + [w.clone() for _ in range(copies - 1)]
         if norm:  # x is the residual stream; the GEMM reads RMSNorm(x + update)
             self.update = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-            self.norm_weight = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
-            self.ref = F.linear(add_rms_norm(self.x, self.update, self.norm_weight, NORM_EPS)[1], w).float()
+            self.norm_weight = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(
+                torch.bfloat16
+            )
+            self.ref = F.linear(
+                add_rms_norm(self.x, self.update, self.norm_weight, NORM_EPS)[1], w
+            ).float()
         else:
             self.ref = F.linear(self.x, w).float()
         self.results: list[Result] = []
@@ -212,7 +241,13 @@ class Bench:
     def _skinny_call(self, w: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
         if self.norm:
             return skinny_add_norm_linear(
-                self.x, self.update, self.norm_weight, NORM_EPS, w, config=config, stats_values=self.stats_values
+                self.x,
+                self.update,
+                self.norm_weight,
+                NORM_EPS,
+                w,
+                config=config,
+                stats_values=self.stats_values,
             )[1]
         return skinny_linear(self.x, w, config=config)
 
@@ -230,7 +265,9 @@ class Bench:
         if not bool(torch.all(diff <= 0.02 + 0.01 * self.ref.abs())):
             record.note = f"mismatch: max |diff| {diff.max().item():.3g}"
             return None
-        record.us = graph_us(lambda i: self._skinny_call(self.weights[i % len(self.weights)], config))
+        record.us = graph_us(
+            lambda i: self._skinny_call(self.weights[i % len(self.weights)], config)
+        )
         return record.us
 
     def gbs(self, us: float) -> float:
@@ -239,7 +276,9 @@ class Bench:
 
 def short(config: SkinnyConfig) -> str:
     path = "dot" if config.use_dot else "bcast"
-    return f"bn={config.block_n} bk={config.block_k} {path} w{config.num_warps} s{config.num_stages}"
+    return (
+        f"bn={config.block_n} bk={config.block_k} {path} w{config.num_warps} s{config.num_stages}"
+    )
 
 
 def sweep_one(bench: Bench, num_sms: int, quick: bool, search: bool) -> Summary:
@@ -260,21 +299,36 @@ def sweep_one(bench: Bench, num_sms: int, quick: bool, search: bool) -> Summary:
     best = min(timed, key=timed.get) if timed else None
     skipped = [r for r in bench.results if r.us is None]
     summary = Summary(
-        bench.name, m, n, k, cublas_us, dataclasses.asdict(default), default_us,
-        dataclasses.asdict(best) if best else None, timed.get(best), bench.gbs(timed[best]) if best else None,
-        len(timed), len(skipped), search,
+        bench.name,
+        m,
+        n,
+        k,
+        cublas_us,
+        dataclasses.asdict(default),
+        default_us,
+        dataclasses.asdict(best) if best else None,
+        timed.get(best),
+        bench.gbs(timed[best]) if best else None,
+        len(timed),
+        len(skipped),
+        search,
     )
     default_txt = f"{default_us:7.2f}" if default_us is not None else "   fail"
     if best is None:
         best_txt = "no config ran"
     else:
         gbs = bench.gbs(timed[best])
-        best_txt = (f"best {timed[best]:7.2f} us {short(best):28s} {gbs:6.0f} GB/s "
-                    f"({100 * gbs / COPY_BANDWIDTH_GBS:3.0f}% copy) x{cublas_us / timed[best]:.2f} vs cuBLAS")
+        best_txt = (
+            f"best {timed[best]:7.2f} us {short(best):28s} {gbs:6.0f} GB/s "
+            f"({100 * gbs / COPY_BANDWIDTH_GBS:3.0f}% copy) x{cublas_us / timed[best]:.2f} vs cuBLAS"
+        )
     notes = f" [{len(skipped)} skipped]" if skipped else ""
     notes += "" if search else " [budget: search skipped]"
-    print(f"{bench.name:21s} M={m:2d} ({n:6d},{k:5d}): cuBLAS {cublas_us:7.2f} us | default {default_txt} us | "
-          f"{best_txt}{notes}", flush=True)
+    print(
+        f"{bench.name:21s} M={m:2d} ({n:6d},{k:5d}): cuBLAS {cublas_us:7.2f} us | default {default_txt} us | "
+        f"{best_txt}{notes}",
+        flush=True,
+    )
     return summary
 
 
@@ -286,7 +340,9 @@ def print_skips(results: list[dict]) -> None:
             reasons.setdefault(r["note"][:100], []).append(r)
     for note, rows in sorted(reasons.items(), key=lambda item: -len(item[1]))[:5]:
         r = rows[0]
-        print(f"skipped x{len(rows)}: {note} (e.g. {r['shape']} M={r['m']} {short(SkinnyConfig(**r['config']))})")
+        print(
+            f"skipped x{len(rows)}: {note} (e.g. {r['shape']} M={r['m']} {short(SkinnyConfig(**r['config']))})"
+        )
 
 
 def configs_literal(summaries: list[Summary]) -> str:
@@ -304,33 +360,56 @@ def configs_literal(summaries: list[Summary]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="stage 1 only, fewer K tiles, M in 1 and 32")
+    ap.add_argument(
+        "--quick", action="store_true", help="stage 1 only, fewer K tiles, M in 1 and 32"
+    )
     ap.add_argument("--hot", action="store_true", help="one weight copy (L2-warm small weights)")
-    ap.add_argument("--budget-s", type=float, default=120.0, help="past this, only cuBLAS and default")
+    ap.add_argument(
+        "--budget-s", type=float, default=120.0, help="past this, only cuBLAS and default"
+    )
     ap.add_argument("--json", default="", help="write every timing and the summaries here")
-    ap.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
-    ap.add_argument("--ms", default="", help="only these M (comma-separated; default 1,8,32, --quick 1,32)")
-    ap.add_argument("--norm", action="store_true",
-                    help="the residual add + RMSNorm before the GEMM on both sides (qkv, gate_up; M <= 4)")
-    ap.add_argument("--stats-values", type=int, default=None,
-                    help="with --norm: the statistics pass's values per step (default NORM_STATS_VALUES; "
-                    "0: one K tile per step)")
+    ap.add_argument(
+        "--shapes",
+        default="",
+        help="only shapes whose name contains one of these (comma-separated)",
+    )
+    ap.add_argument(
+        "--ms", default="", help="only these M (comma-separated; default 1,8,32, --quick 1,32)"
+    )
+    ap.add_argument(
+        "--norm",
+        action="store_true",
+        help="the residual add + RMSNorm before the GEMM on both sides (qkv, gate_up; M <= 4)",
+    )
+    ap.add_argument(
+        "--stats-values",
+        type=int,
+        default=None,
+        help="with --norm: the statistics pass's values per step (default NORM_STATS_VALUES; "
+        "0: one K tile per step)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_gemm.py needs a CUDA GPU")
     props = torch.cuda.get_device_properties(0)
     num_sms = props.multi_processor_count
-    print(f"{props.name} ({num_sms} SMs), torch {torch.__version__}, triton {triton.__version__}; "
-          f"{CALLS} calls per graph, median of {REPLAYS} replays, weights {'hot' if args.hot else 'rotated'}")
+    print(
+        f"{props.name} ({num_sms} SMs), torch {torch.__version__}, triton {triton.__version__}; "
+        f"{CALLS} calls per graph, median of {REPLAYS} replays, weights {'hot' if args.hot else 'rotated'}"
+    )
     start = time.perf_counter()
     summaries, results = [], []
     ms = [int(m) for m in args.ms.split(",")] if args.ms else (QUICK_MS if args.quick else MS)
     stats_values = NORM_STATS_VALUES if args.stats_values is None else args.stats_values
     wanted = [w.strip() for w in args.shapes.split(",") if w.strip()]
-    shapes = {name: nk for name, nk in SHAPES.items() if not wanted or any(w in name for w in wanted)}
+    shapes = {
+        name: nk for name, nk in SHAPES.items() if not wanted or any(w in name for w in wanted)
+    }
     if args.norm:
         if any(m > BROADCAST_MAX_M for m in ms):
-            raise SystemExit(f"--norm: the fused add + norm runs on the broadcast path, M <= {BROADCAST_MAX_M}")
+            raise SystemExit(
+                f"--norm: the fused add + norm runs on the broadcast path, M <= {BROADCAST_MAX_M}"
+            )
         shapes = {name: nk for name, nk in shapes.items() if name.endswith(("qkv", "gate_up"))}
         print(f"--norm: add + RMSNorm on both sides; stats_values {stats_values}")
     elif args.stats_values is not None:
@@ -345,15 +424,28 @@ def main() -> None:
             torch.cuda.empty_cache()
     elapsed = time.perf_counter() - start
     print_skips(results)
-    print(f"{len(results)} timings in {elapsed:.0f} s; paste into skinny_configs.py "
-          f"(SkinnyConfig(block_n, block_k, use_dot, num_warps, num_stages)):")
+    print(
+        f"{len(results)} timings in {elapsed:.0f} s; paste into skinny_configs.py "
+        f"(SkinnyConfig(block_n, block_k, use_dot, num_warps, num_stages)):"
+    )
     print(configs_literal(summaries))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": props.name, "num_sms": num_sms, "hot": args.hot, "quick": args.quick,
-                       "norm": args.norm, "norm_stats_values": stats_values,
-                       "elapsed_s": elapsed, "summaries": [dataclasses.asdict(s) for s in summaries],
-                       "results": results}, f, indent=1)
+            json.dump(
+                {
+                    "device": props.name,
+                    "num_sms": num_sms,
+                    "hot": args.hot,
+                    "quick": args.quick,
+                    "norm": args.norm,
+                    "norm_stats_values": stats_values,
+                    "elapsed_s": elapsed,
+                    "summaries": [dataclasses.asdict(s) for s in summaries],
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,12 @@ from atomrt.compile.cache import (
     read_index,
     write_index,
 )
-from atomrt.compile.compiler_interface import CompilerInterface, EagerAdaptor, graph_fingerprint, make_compiler
+from atomrt.compile.compiler_interface import (
+    CompilerInterface,
+    EagerAdaptor,
+    graph_fingerprint,
+    make_compiler,
+)
 from atomrt.compile.piecewise_backend import PiecewiseBackend
 from atomrt.runtime.config import CompilationLevel, Config, CUDAGraphMode
 
@@ -86,7 +91,9 @@ class CompilerManager:
     def compute_hash(self, device: torch.device) -> str:
         return self.compiler.compute_hash(device)
 
-    def initialize_cache(self, cache_dir: Path, disable_cache: bool = False, prefix: str = "") -> None:
+    def initialize_cache(
+        self, cache_dir: Path, disable_cache: bool = False, prefix: str = ""
+    ) -> None:
         self.cache_dir = cache_dir
         self.disable_cache = disable_cache or isinstance(self.compiler, EagerAdaptor)
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +117,11 @@ class CompilerManager:
         write_index(self.index_path, self.cache)
 
     def load(
-        self, graph: torch.fx.GraphModule, example_inputs: list[Any], graph_index: int, runtime_shape: Optional[int]
+        self,
+        graph: torch.fx.GraphModule,
+        example_inputs: list[Any],
+        graph_index: int,
+        runtime_shape: Optional[int],
     ) -> Optional[Callable]:
         """The cached callable, or None (missing, for another graph, or damaged: logged)."""
         key = (runtime_shape, graph_index, self.compiler.name)
@@ -118,10 +129,14 @@ class CompilerManager:
         if entry is None:
             return None
         if entry.get("graph_hash") != graph_fingerprint(graph, example_inputs):
-            logger.warning("compile cache: entry %s was compiled for a different graph; recompiling", key)
+            logger.warning(
+                "compile cache: entry %s was compiled for a different graph; recompiling", key
+            )
             return None
         try:
-            compiled = self.compiler.load(entry["handle"], graph, example_inputs, graph_index, runtime_shape)
+            compiled = self.compiler.load(
+                entry["handle"], graph, example_inputs, graph_index, runtime_shape
+            )
         except CorruptCacheEntry as e:
             compilation_counter.num_corrupt_entries += 1
             logger.warning("compile cache: %s; recompiling", e)
@@ -144,15 +159,35 @@ class CompilerManager:
         start = time.perf_counter()
         try:
             return self._compile_or_load(
-                graph, example_inputs, additional_inductor_config, graph_index, num_graphs, runtime_shape
+                graph,
+                example_inputs,
+                additional_inductor_config,
+                graph_index,
+                num_graphs,
+                runtime_shape,
             )
         finally:
             if runtime_shape is not None:  # lazy, after the first call (which the decorator times)
                 compilation_counter.compile_seconds += time.perf_counter() - start
 
-    def _compile_or_load(self, graph, example_inputs, additional_inductor_config, graph_index, num_graphs, runtime_shape):
+    def _compile_or_load(
+        self,
+        graph,
+        example_inputs,
+        additional_inductor_config,
+        graph_index,
+        num_graphs,
+        runtime_shape,
+    ):
         if self.disable_cache:
-            return self._compile(graph, example_inputs, additional_inductor_config, graph_index, num_graphs, runtime_shape)
+            return self._compile(
+                graph,
+                example_inputs,
+                additional_inductor_config,
+                graph_index,
+                num_graphs,
+                runtime_shape,
+            )
         assert self.cache_dir is not None
         with FileLock(self.cache_dir / LOCK_FILE_NAME):
             self.cache = self._read_index()  # another process may have added entries
@@ -160,22 +195,44 @@ class CompilerManager:
             if compiled is not None:
                 return compiled
             compilation_counter.num_cache_misses += 1
-            return self._compile(graph, example_inputs, additional_inductor_config, graph_index, num_graphs, runtime_shape)
+            return self._compile(
+                graph,
+                example_inputs,
+                additional_inductor_config,
+                graph_index,
+                num_graphs,
+                runtime_shape,
+            )
 
-    def _compile(self, graph, example_inputs, config, graph_index, num_graphs, runtime_shape) -> Callable:
+    def _compile(
+        self, graph, example_inputs, config, graph_index, num_graphs, runtime_shape
+    ) -> Callable:
         key = (runtime_shape, graph_index, self.compiler.name)
         start = time.perf_counter()
         compiled, handle = self.compiler.compile(
-            graph, example_inputs, config, runtime_shape, key=f"artifact_shape_{runtime_shape}_subgraph_{graph_index}"
+            graph,
+            example_inputs,
+            config,
+            runtime_shape,
+            key=f"artifact_shape_{runtime_shape}_subgraph_{graph_index}",
         )
         elapsed = time.perf_counter() - start
         self.compile_seconds += elapsed
         if not isinstance(self.compiler, EagerAdaptor):
             compilation_counter.num_inductor_compiles += 1
             shape = "general shape" if runtime_shape is None else f"shape {runtime_shape}"
-            logger.info("Inductor compiled piece %d/%d for %s in %.2f s", graph_index + 1, num_graphs, shape, elapsed)
+            logger.info(
+                "Inductor compiled piece %d/%d for %s in %.2f s",
+                graph_index + 1,
+                num_graphs,
+                shape,
+                elapsed,
+            )
         if handle is not None and not self.disable_cache:
-            self.cache[key] = {"handle": handle, "graph_hash": graph_fingerprint(graph, example_inputs)}
+            self.cache[key] = {
+                "handle": handle,
+                "graph_hash": graph_fingerprint(graph, example_inputs),
+            }
             self.save_to_file()
         return compiled
 
@@ -198,7 +255,9 @@ def resolve_splitting_ops(names: list[str]) -> set:
     for name in names:
         parts = name.split(".")
         if len(parts) not in (2, 3):
-            raise ValueError(f"compilation_config.splitting_ops: {name!r} is not 'namespace.op[.overload]'")
+            raise ValueError(
+                f"compilation_config.splitting_ops: {name!r} is not 'namespace.op[.overload]'"
+            )
         try:
             op = getattr(getattr(torch.ops, parts[0]), parts[1])
             resolved.add(getattr(op, parts[2]) if len(parts) == 3 else op)
@@ -221,7 +280,9 @@ def _is_splitting_node(node: torch.fx.Node, ops: set) -> bool:
     return any(getattr(op, "overloadpacket", None) is target for op in ops)
 
 
-def split_graph(graph: torch.fx.GraphModule, splitting_ops: list[str]) -> tuple[torch.fx.GraphModule, list[SplitItem]]:
+def split_graph(
+    graph: torch.fx.GraphModule, splitting_ops: list[str]
+) -> tuple[torch.fx.GraphModule, list[SplitItem]]:
     """Split `graph` so every call of a splitting op is a piece of its own.
 
     Returns the stitching module (its children are the pieces, called in order) and one
@@ -261,19 +322,28 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
     """Run the split graph on fake inputs; compile each named piece as the run reaches it and
     replace it in the stitching module by a `PiecewiseBackend`."""
 
-    def __init__(self, module: torch.fx.GraphModule, compile_submod_names: list[str], backend: "PiecewiseCompileBackend"):
+    def __init__(
+        self,
+        module: torch.fx.GraphModule,
+        compile_submod_names: list[str],
+        backend: "PiecewiseCompileBackend",
+    ):
         super().__init__(module)
         from torch._guards import detect_fake_mode
 
         self.fake_mode = detect_fake_mode()
-        assert self.fake_mode is not None, "PiecewiseCompileInterpreter runs inside a Dynamo backend call"
+        assert self.fake_mode is not None, (
+            "PiecewiseCompileInterpreter runs inside a Dynamo backend call"
+        )
         self.compile_submod_names = compile_submod_names
         self.backend = backend
 
     def run(self, *args: Any) -> Any:
         from torch._dispatch.python import enable_python_dispatcher
 
-        fake_args = [self.fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in args]
+        fake_args = [
+            self.fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in args
+        ]
         with self.fake_mode, enable_python_dispatcher():
             return super().run(*fake_args)
 
@@ -289,12 +359,22 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
             sym_shape_indices = [i for i, x in enumerate(args) if _symbolic_dim0(x)][:1]
         backend = self.backend
         general = backend.compiler_manager.compile(
-            submod, list(args), backend.inductor_config, graph_index=index,
-            num_graphs=len(self.compile_submod_names), runtime_shape=None,
+            submod,
+            list(args),
+            backend.inductor_config,
+            graph_index=index,
+            num_graphs=len(self.compile_submod_names),
+            runtime_shape=None,
         )
         piece = PiecewiseBackend(
-            submod, backend.compile_sizes, backend.inductor_config, index, len(self.compile_submod_names),
-            sym_shape_indices, general, backend.compiler_manager,
+            submod,
+            backend.compile_sizes,
+            backend.inductor_config,
+            index,
+            len(self.compile_submod_names),
+            sym_shape_indices,
+            general,
+            backend.compiler_manager,
         )
         # The stitching module calls `self.<target>(...)`: an instance attribute wins over the
         # child module of that name, which we drop so the piece is not held twice.
@@ -311,12 +391,20 @@ class CopyInputsToStaticBuffers:
     stability). Buffers hold max(first call, max capture size) rows; a larger call is passed
     through uncopied (no graph is captured at that size)."""
 
-    def __init__(self, fn: Callable, graph: torch.fx.GraphModule, example_inputs: list[Any], max_capture_size: int):
+    def __init__(
+        self,
+        fn: Callable,
+        graph: torch.fx.GraphModule,
+        example_inputs: list[Any],
+        max_capture_size: int,
+    ):
         self.fn = fn
         placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
         self.indices = [
-            i for i, n in enumerate(placeholders)
-            if _symbolic_dim0(n.meta.get("example_value")) and isinstance(example_inputs[i], torch.Tensor)
+            i
+            for i, n in enumerate(placeholders)
+            if _symbolic_dim0(n.meta.get("example_value"))
+            and isinstance(example_inputs[i], torch.Tensor)
         ]
         self.buffers = []
         for i in self.indices:
@@ -345,7 +433,9 @@ def current_rank() -> int:
 class PiecewiseCompileBackend:
     """The `torch.compile` backend of levels 2 and 3 (the guide's `VllmBackend`)."""
 
-    def __init__(self, config: Config, prefix: str = "backbone", compile_start: Optional[float] = None):
+    def __init__(
+        self, config: Config, prefix: str = "backbone", compile_start: Optional[float] = None
+    ):
         cc = config.compilation_config
         self.config = config
         self.prefix = prefix
@@ -376,22 +466,40 @@ class PiecewiseCompileBackend:
         PiecewiseCompileInterpreter(split_gm, names, self).run(*example_inputs)
         logger.info(
             "%s: %d pieces (%d compiled, %d loaded from cache) in %.2f s, Inductor %.2f s",
-            self.prefix, len(names), len(names) - (compilation_counter.num_cache_loads - loads_before),
-            compilation_counter.num_cache_loads - loads_before, time.perf_counter() - start,
+            self.prefix,
+            len(names),
+            len(names) - (compilation_counter.num_cache_loads - loads_before),
+            compilation_counter.num_cache_loads - loads_before,
+            time.perf_counter() - start,
             self.compiler_manager.compile_seconds,
         )
         cc = self.config.compilation_config
         self.compiled_callable: Callable = split_gm
-        if cc.cudagraph_copy_inputs and cc.level == CompilationLevel.PIECEWISE and cc.cudagraph_mode != CUDAGraphMode.NONE:
-            self.compiled_callable = CopyInputsToStaticBuffers(split_gm, graph, example_inputs, cc.max_capture_size)
+        if (
+            cc.cudagraph_copy_inputs
+            and cc.level == CompilationLevel.PIECEWISE
+            and cc.cudagraph_mode != CUDAGraphMode.NONE
+        ):
+            self.compiled_callable = CopyInputsToStaticBuffers(
+                split_gm, graph, example_inputs, cc.max_capture_size
+            )
         return self.compiled_callable
 
     def _init_cache(self, example_inputs: list[Any]) -> None:
-        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        device = next(
+            (x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu")
+        )
         traced = torch._dynamo.utils.get_traced_code() or []
         files = model_source_files(traced)
-        self.cache_hash = compute_cache_hash(self.config.compute_hash(), files, self.compiler_manager.compute_hash(device))
-        logger.info("compile cache hash %s from %s; traced files %s", self.cache_hash.hash, self.cache_hash.factors, files)
+        self.cache_hash = compute_cache_hash(
+            self.config.compute_hash(), files, self.compiler_manager.compute_hash(device)
+        )
+        logger.info(
+            "compile cache hash %s from %s; traced files %s",
+            self.cache_hash.hash,
+            self.cache_hash.factors,
+            files,
+        )
         root = cache_root(self.config.compilation_config.cache_dir)
         self.cache_dir = cache_dir_for(root, self.cache_hash.hash, current_rank(), self.prefix)
         self.compiler_manager.initialize_cache(self.cache_dir, prefix=self.prefix)
@@ -405,7 +513,10 @@ class PiecewiseCompileBackend:
         if dump:
             rank_dir = Path(dump) / f"rank_{current_rank()}"
             rank_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomic(rank_dir / f"traced_graph_{self.prefix}.py", graph.print_readable(print_output=False))
+            _write_atomic(
+                rank_dir / f"traced_graph_{self.prefix}.py",
+                graph.print_readable(print_output=False),
+            )
             _write_atomic(rank_dir / "computation_graph.py", stitching)
 
 

@@ -116,7 +116,9 @@ def source_hash(files: Iterable[str]) -> str:
     return h.hexdigest()
 
 
-def compute_cache_hash(config_hash: str, source_files: Iterable[str], compiler_hash: str) -> CacheHash:
+def compute_cache_hash(
+    config_hash: str, source_files: Iterable[str], compiler_hash: str
+) -> CacheHash:
     """The directory hash: a pure function of the three inputs (tested on its own)."""
     files = sorted(source_files)
     factors = {
@@ -141,7 +143,9 @@ def read_index(path: Path) -> dict:
     except (SyntaxError, ValueError) as e:
         raise CorruptCacheEntry(f"compile cache index {path} is unreadable: {e}") from e
     if not isinstance(value, dict):
-        raise CorruptCacheEntry(f"compile cache index {path} holds {type(value).__name__}, not a dict")
+        raise CorruptCacheEntry(
+            f"compile cache index {path} holds {type(value).__name__}, not a dict"
+        )
     return value
 
 
@@ -180,11 +184,15 @@ def verify_ready_marker(artifact_dir: Path) -> None:
     """
     marker = artifact_dir / READY_FILE_NAME
     if not marker.is_file():
-        raise CorruptCacheEntry(f"artifact {artifact_dir} has no {READY_FILE_NAME} marker (partial write?)")
+        raise CorruptCacheEntry(
+            f"artifact {artifact_dir} has no {READY_FILE_NAME} marker (partial write?)"
+        )
     try:
         manifest = json.loads(marker.read_text())
     except json.JSONDecodeError as e:
-        raise CorruptCacheEntry(f"artifact {artifact_dir}: unreadable {READY_FILE_NAME}: {e}") from e
+        raise CorruptCacheEntry(
+            f"artifact {artifact_dir}: unreadable {READY_FILE_NAME}: {e}"
+        ) from e
     for rel, (size, digest) in manifest.items():
         p = artifact_dir / rel
         if not p.is_file():

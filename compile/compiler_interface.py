@@ -24,7 +24,12 @@ import torch
 import torch.fx
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-from atomrt.compile.cache import CorruptCacheEntry, compiler_factors, verify_ready_marker, write_ready_marker
+from atomrt.compile.cache import (
+    CorruptCacheEntry,
+    compiler_factors,
+    verify_ready_marker,
+    write_ready_marker,
+)
 
 logger = logging.getLogger("atomrt.compile.compiler")
 
@@ -49,7 +54,9 @@ class CompilerInterface:
 
     name: str = "interface"
 
-    def initialize_cache(self, cache_dir: str, disable_cache: bool = False, prefix: str = "") -> None:
+    def initialize_cache(
+        self, cache_dir: str, disable_cache: bool = False, prefix: str = ""
+    ) -> None:
         """Where artifacts go; `disable_cache` means compile every time and save nothing."""
         self.cache_dir = Path(cache_dir)
         self.disable_cache = disable_cache
@@ -108,14 +115,19 @@ class InductorStandaloneAdaptor(CompilerInterface):
             patches.update(max_autotune=True, coordinate_descent_tuning=True)
         # The general shape reuses Dynamo's symbolic shapes (we run inside the backend call); a
         # concrete size specialises on the real example inputs.
-        dynamic_shapes = "from_example_inputs" if isinstance(runtime_shape, int) else "from_tracing_context"
+        dynamic_shapes = (
+            "from_example_inputs" if isinstance(runtime_shape, int) else "from_tracing_context"
+        )
         caching = not self.disable_cache and key is not None
         # Compile inside a private Inductor cache directory, so the native objects built for this
         # piece can be saved beside it (see _copy_native_objects).
         staging = self.cache_dir / f".staging_{key}_{os.getpid()}" if caching else None
         with temporary_cache_dir(str(staging)) if staging else nullcontext():
             artifact = standalone_compile(
-                graph, example_inputs, dynamic_shapes=dynamic_shapes, options={"config_patches": patches}
+                graph,
+                example_inputs,
+                dynamic_shapes=dynamic_shapes,
+                options={"config_patches": patches},
             )
         if not caching:
             return artifact, None
@@ -124,7 +136,11 @@ class InductorStandaloneAdaptor(CompilerInterface):
             artifact.save(path=str(path), format="unpacked")
             _copy_native_objects(staging, path)
         except RuntimeError as e:  # e.g. something in the graph Inductor cannot serialise
-            logger.warning("compile cache: artifact %s could not be saved (%s); it will be recompiled next time", key, e)
+            logger.warning(
+                "compile cache: artifact %s could not be saved (%s); it will be recompiled next time",
+                key,
+                e,
+            )
             shutil.rmtree(path, ignore_errors=True)
             return artifact, None
         finally:
@@ -141,7 +157,9 @@ class InductorStandaloneAdaptor(CompilerInterface):
         try:
             artifact = CompiledArtifact.load(path=str(path), format="unpacked")
         except Exception as e:  # any failure inside Inductor's loader means a bad entry
-            raise CorruptCacheEntry(f"artifact {path} failed to load: {type(e).__name__}: {e}") from e
+            raise CorruptCacheEntry(
+                f"artifact {path} failed to load: {type(e).__name__}: {e}"
+            ) from e
         if _graph_returns_tuple(graph):
             return artifact
         # A loaded artifact always returns the flat output list; the traced piece returned one value.

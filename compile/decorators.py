@@ -62,7 +62,11 @@ class TorchCompileWrapperWithCustomDispatcher:
         if self._init_takes_config:
             kwargs["config"] = config
         super().__init__(*args, **kwargs)
-        level = config.compilation_config.level if config is not None else CompilationLevel.NO_COMPILATION
+        level = (
+            config.compilation_config.level
+            if config is not None
+            else CompilationLevel.NO_COMPILATION
+        )
         self.atomrt_config = config
         self.do_not_compile = level < CompilationLevel.DYNAMO_ONCE
         self.use_custom_dispatcher = level >= CompilationLevel.DYNAMO_ONCE
@@ -91,7 +95,11 @@ class TorchCompileWrapperWithCustomDispatcher:
         """A function running compiled code object `index` as `forward` (call it with self first)."""
         forward = type(self).forward
         fn = types.FunctionType(
-            self.compiled_codes[index], forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__
+            self.compiled_codes[index],
+            forward.__globals__,
+            forward.__name__,
+            forward.__defaults__,
+            forward.__closure__,
         )
         fn.__kwdefaults__ = forward.__kwdefaults__
         return fn
@@ -116,7 +124,9 @@ class TorchCompileWrapperWithCustomDispatcher:
         for name, value in bound.arguments.items():
             if not isinstance(value, torch.Tensor):
                 continue
-            dims = (self._dynamic_arg_dims or {}).get(name, 0 if self._dynamic_arg_dims is None else None)
+            dims = (self._dynamic_arg_dims or {}).get(
+                name, 0 if self._dynamic_arg_dims is None else None
+            )
             for dim in [dims] if isinstance(dims, int) else dims or []:
                 if value.shape[dim] < 2:
                     raise ValueError(
@@ -130,7 +140,9 @@ class TorchCompileWrapperWithCustomDispatcher:
         cls_name = type(self).__name__
         original = type(self).forward.__code__
         if not self.compiled_codes:
-            logger.warning("%s: Dynamo produced no new code for forward; calls keep Dynamo's guards", cls_name)
+            logger.warning(
+                "%s: Dynamo produced no new code for forward; calls keep Dynamo's guards", cls_name
+            )
             self._compiled_forward = lambda _self, *a, **k: self.compiled_callable(*a, **k)
             return
         code = self.compiled_codes[0]
@@ -142,7 +154,9 @@ class TorchCompileWrapperWithCustomDispatcher:
                 "in as an argument, or update it outside the compiled forward."
             )
         if code.co_freevars != original.co_freevars:
-            logger.warning("%s: compiled code has other free variables; calls keep Dynamo's guards", cls_name)
+            logger.warning(
+                "%s: compiled code has other free variables; calls keep Dynamo's guards", cls_name
+            )
             self._compiled_forward = lambda _self, *a, **k: self.compiled_callable(*a, **k)
             return
         self._compiled_forward = self.dispatch_to_code(0) if self.use_custom_dispatcher else None
@@ -171,7 +185,10 @@ class TorchCompileWrapperWithCustomDispatcher:
 
 
 def support_torch_compile(
-    cls: Optional[type] = None, *, dynamic_arg_dims: Optional[DynamicArgDims] = None, prefix: str = "backbone"
+    cls: Optional[type] = None,
+    *,
+    dynamic_arg_dims: Optional[DynamicArgDims] = None,
+    prefix: str = "backbone",
 ) -> Any:
     """Class decorator (also usable as `@support_torch_compile(dynamic_arg_dims=..., prefix=...)`).
 
@@ -181,7 +198,9 @@ def support_torch_compile(
 
     def decorate(model_cls: type) -> type:
         if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
-            raise TypeError(f"@support_torch_compile decorates nn.Module classes, not {model_cls!r}")
+            raise TypeError(
+                f"@support_torch_compile decorates nn.Module classes, not {model_cls!r}"
+            )
         namespace = {
             "__module__": model_cls.__module__,
             "__qualname__": model_cls.__qualname__,
@@ -190,7 +209,9 @@ def support_torch_compile(
             "_dynamic_arg_dims": dynamic_arg_dims,
             "_init_takes_config": "config" in inspect.signature(model_cls.__init__).parameters,
         }
-        return type(model_cls.__name__, (TorchCompileWrapperWithCustomDispatcher, model_cls), namespace)
+        return type(
+            model_cls.__name__, (TorchCompileWrapperWithCustomDispatcher, model_cls), namespace
+        )
 
     return decorate if cls is None else decorate(cls)
 
@@ -201,7 +222,9 @@ def compile_model(model: nn.Module, config: Config) -> nn.Module:
     and 3 compile inside the decorated class on its first call). Returns `model`."""
     if config.compilation_config.level != CompilationLevel.DYNAMO_AS_IS:
         return model
-    targets = [m for m in model.modules() if isinstance(m, TorchCompileWrapperWithCustomDispatcher)] or [model]
+    targets = [
+        m for m in model.modules() if isinstance(m, TorchCompileWrapperWithCustomDispatcher)
+    ] or [model]
     for module in targets:
         module.compile(backend="eager", fullgraph=True)
     return model

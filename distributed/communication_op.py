@@ -25,7 +25,9 @@ class TPInfo:
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"TPInfo: need 0 <= tp_rank < tp_size, got rank {self.tp_rank} of {self.tp_size}")
+            raise ValueError(
+                f"TPInfo: need 0 <= tp_rank < tp_size, got rank {self.tp_rank} of {self.tp_size}"
+            )
 
 
 def tp_all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:

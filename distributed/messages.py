@@ -42,7 +42,9 @@ class MessageError(ValueError):
     """Bytes that are not a message of this protocol (wrong tag, wrong arity, bad array)."""
 
 
-PENDING_TOKEN = -1  # RankBatch.input_ids: the sequence's token sampled in the previous step, still in flight
+PENDING_TOKEN = (
+    -1
+)  # RankBatch.input_ids: the sequence's token sampled in the previous step, still in flight
 
 
 def _i32(x: Any = ()) -> np.ndarray:
@@ -105,15 +107,25 @@ class RankBatch:
     new_requests: list[NewRequest] = field(default_factory=list)
     seq_ids: np.ndarray = field(default_factory=_i64)  # int64 [bs]
     num_new_tokens: np.ndarray = field(default_factory=_i32)  # int32 [bs]: query rows per sequence
-    num_computed_tokens: np.ndarray = field(default_factory=_i32)  # int32 [bs]: context before this step
-    input_ids: np.ndarray = field(default_factory=_i32)  # int32 [num_tokens]: this step's rows (or PENDING_TOKEN)
+    num_computed_tokens: np.ndarray = field(
+        default_factory=_i32
+    )  # int32 [bs]: context before this step
+    input_ids: np.ndarray = field(
+        default_factory=_i32
+    )  # int32 [num_tokens]: this step's rows (or PENDING_TOKEN)
     # The block-table entries the worker lacks, one update per sequence that has any: update i
     # replaces sequence new_block_seq_ids[i]'s entries from new_block_starts[i] on with the next
     # num_new_blocks[i] ids of new_block_ids. Declared together, in this order (_NEW_BLOCK_FIELDS).
     new_block_seq_ids: np.ndarray = field(default_factory=_i64)  # int64 [num_updates]
-    new_block_starts: np.ndarray = field(default_factory=_i32)  # int32 [num_updates]: first entry replaced
-    num_new_blocks: np.ndarray = field(default_factory=_i32)  # int32 [num_updates]: ids of each update
-    new_block_ids: np.ndarray = field(default_factory=_i32)  # int32 [sum(num_new_blocks)], in update order
+    new_block_starts: np.ndarray = field(
+        default_factory=_i32
+    )  # int32 [num_updates]: first entry replaced
+    num_new_blocks: np.ndarray = field(
+        default_factory=_i32
+    )  # int32 [num_updates]: ids of each update
+    new_block_ids: np.ndarray = field(
+        default_factory=_i32
+    )  # int32 [sum(num_new_blocks)], in update order
     sample_mask: np.ndarray = field(default_factory=_bool)  # bool [bs]: last row sampled this step
     finished_seq_ids: np.ndarray = field(default_factory=_i64)  # int64: free the worker's mirror
     # Drop every mirrored sequence (and pending token) before applying this batch: the driver
@@ -188,8 +200,15 @@ Message = Union[NewRequest, RankBatch, StepPlan, StepResult, Hello, Ready, Flush
 # The wire tag of each type; append only (a tag is never reused). ForwardDecision and
 # WorkerSamplingParams travel only nested, in a StepPlan and a NewRequest.
 _TAGS: dict[type, int] = {
-    NewRequest: 1, RankBatch: 2, StepPlan: 3, StepResult: 4, Hello: 5, Ready: 6, Flush: 7,
-    ForwardDecision: 8, WorkerSamplingParams: 9,
+    NewRequest: 1,
+    RankBatch: 2,
+    StepPlan: 3,
+    StepResult: 4,
+    Hello: 5,
+    Ready: 6,
+    Flush: 7,
+    ForwardDecision: 8,
+    WorkerSamplingParams: 9,
 }
 _TYPES: dict[int, type] = {tag: cls for cls, tag in _TAGS.items()}
 _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in _TAGS}
@@ -205,10 +224,17 @@ _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) 
 _EXT_NDARRAY = 1  # any array: dtype and shape in the payload (see _pack_array)
 # 2: retired, never to be reused (it carried RankBatch.block_table_updates, a dict, now flat arrays)
 # 1-D arrays of the dtypes a step carries: the ext code names the dtype, the payload is the raw bytes
-_EXT_1D: dict[np.dtype, int] = {np.dtype("<i4"): 3, np.dtype("<i8"): 4, np.dtype("|b1"): 5, np.dtype("<f4"): 6}
+_EXT_1D: dict[np.dtype, int] = {
+    np.dtype("<i4"): 3,
+    np.dtype("<i8"): 4,
+    np.dtype("|b1"): 5,
+    np.dtype("<f4"): 6,
+}
 _EXT_1D_DTYPES: dict[int, np.dtype] = {code: dt for dt, code in _EXT_1D.items()}
 
-_HEADS: dict[tuple[str, int], tuple[bytes, struct.Struct]] = {}  # (dtype.str, ndim) -> header prefix, shape format
+_HEADS: dict[
+    tuple[str, int], tuple[bytes, struct.Struct]
+] = {}  # (dtype.str, ndim) -> header prefix, shape format
 _DTYPES: dict[bytes, np.dtype] = {}
 
 
@@ -221,7 +247,9 @@ def _pack_array(a: np.ndarray) -> msgpack.ExtType:
     head = _HEADS.get(key)
     if head is None:
         if a.dtype.hasobject:
-            raise MessageError(f"cannot send an object array (dtype {a.dtype}); use a numeric dtype")
+            raise MessageError(
+                f"cannot send an object array (dtype {a.dtype}); use a numeric dtype"
+            )
         dt = a.dtype.str.encode()
         head = _HEADS[key] = (bytes([len(dt)]) + dt + bytes([a.ndim]), struct.Struct(f"<{a.ndim}q"))
     return msgpack.ExtType(_EXT_NDARRAY, b"".join((head[0], head[1].pack(*a.shape), a.tobytes())))
@@ -248,7 +276,9 @@ def _unpack_ext(code: int, data: bytes) -> Any:
         if code == _EXT_NDARRAY:
             return _unpack_ndarray(data)
     except (IndexError, TypeError, ValueError, struct.error) as e:
-        raise MessageError(f"bad payload of msgpack ext type {code} ({len(data)} bytes): {e}") from e
+        raise MessageError(
+            f"bad payload of msgpack ext type {code} ({len(data)} bytes): {e}"
+        ) from e
     raise MessageError(f"unknown msgpack ext type {code}")
 
 
@@ -265,18 +295,29 @@ _GETTERS: dict[type, Any] = {cls: _getter(names) for cls, names in _FIELDS.items
 # dtype travels there as msgpack bin of its raw bytes (no ext, no callback); any other as an ext
 _DECLARED_DTYPES = {_i32: np.dtype("<i4"), _i64: np.dtype("<i8"), _bool: np.dtype("|b1")}
 _ARRAY_FIELDS: dict[type, tuple[tuple[int, np.dtype], ...]] = {
-    cls: tuple((i, _DECLARED_DTYPES[f.default_factory]) for i, f in enumerate(fields(cls))
-               if f.default_factory in _DECLARED_DTYPES)
+    cls: tuple(
+        (i, _DECLARED_DTYPES[f.default_factory])
+        for i, f in enumerate(fields(cls))
+        if f.default_factory in _DECLARED_DTYPES
+    )
     for cls in _TAGS
 }
 _NEW_REQUESTS_FIELD = _FIELDS[RankBatch].index("new_requests")
-_NEW_BLOCK_FIELDS = slice(_FIELDS[RankBatch].index("new_block_seq_ids"), _FIELDS[RankBatch].index("new_block_ids") + 1)
+_NEW_BLOCK_FIELDS = slice(
+    _FIELDS[RankBatch].index("new_block_seq_ids"), _FIELDS[RankBatch].index("new_block_ids") + 1
+)
 assert _FIELDS[RankBatch][_NEW_BLOCK_FIELDS] == (  # _check_new_blocks' arguments, in order
-    "new_block_seq_ids", "new_block_starts", "num_new_blocks", "new_block_ids")
+    "new_block_seq_ids",
+    "new_block_starts",
+    "num_new_blocks",
+    "new_block_ids",
+)
 _RANKS_FIELD = _FIELDS[StepPlan].index("ranks")
 _DECISION_FIELD = _FIELDS[StepPlan].index("decision")
 _SAMPLING_FIELD = _FIELDS[NewRequest].index("sampling_params")
-_DECISION_TUPLES = tuple(_FIELDS[ForwardDecision].index(n) for n in ("req_key", "dp_num_tokens", "dp_padded_tokens"))
+_DECISION_TUPLES = tuple(
+    _FIELDS[ForwardDecision].index(n) for n in ("req_key", "dp_num_tokens", "dp_padded_tokens")
+)
 
 
 def _message_wire(msg: Any) -> list:
@@ -327,19 +368,25 @@ def _from_wire_obj(cls: type, items: list) -> Any:
     return cls(*items)
 
 
-def _check_new_blocks(seq_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
+def _check_new_blocks(
+    seq_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_ids: np.ndarray
+) -> None:
     """What `SeqMirrors.apply` relies on: a seq id, a start and a count per update, and counts that
     are never negative and add up to the block ids sent."""
     n = len(seq_ids)
     if len(starts) != n or len(counts) != n:
-        raise MessageError(f"RankBatch: {n} new_block_seq_ids, {len(starts)} new_block_starts and {len(counts)} "
-                           "num_new_blocks; expected one of each per block-table update")
+        raise MessageError(
+            f"RankBatch: {n} new_block_seq_ids, {len(starts)} new_block_starts and {len(counts)} "
+            "num_new_blocks; expected one of each per block-table update"
+        )
     num_new_blocks = counts.tolist()  # a list's sum and min: faster than numpy's at these sizes
     if n and min(num_new_blocks) < 0:
         raise MessageError(f"RankBatch: a negative count in num_new_blocks ({min(num_new_blocks)})")
     if sum(num_new_blocks) != len(block_ids):
-        raise MessageError(f"RankBatch: num_new_blocks add up to {sum(num_new_blocks)} block ids, "
-                           f"but {len(block_ids)} new_block_ids were sent")
+        raise MessageError(
+            f"RankBatch: num_new_blocks add up to {sum(num_new_blocks)} block ids, "
+            f"but {len(block_ids)} new_block_ids were sent"
+        )
 
 
 def _nested(cls: type, item: Any) -> Any:
@@ -348,7 +395,9 @@ def _nested(cls: type, item: Any) -> Any:
     return _from_wire_obj(cls, item[1:])
 
 
-_LOCAL = threading.local()  # one Packer per thread: `_default` runs Python, so threads may interleave
+_LOCAL = (
+    threading.local()
+)  # one Packer per thread: `_default` runs Python, so threads may interleave
 
 
 def encode(msg: Message) -> bytes:
@@ -370,7 +419,9 @@ def decode(data: Union[bytes, memoryview]) -> Message:
     except (ValueError, msgpack.UnpackException) as e:
         raise MessageError(f"undecodable message ({len(data)} bytes): {e}") from e
     if not isinstance(wire, list) or not wire or wire[0] not in _TYPES:
-        raise MessageError(f"unknown message tag {wire[0] if isinstance(wire, list) and wire else wire!r}")
+        raise MessageError(
+            f"unknown message tag {wire[0] if isinstance(wire, list) and wire else wire!r}"
+        )
     try:
         return _from_wire_obj(_TYPES[wire[0]], wire[1:])
     except MessageError:

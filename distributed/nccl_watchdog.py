@@ -117,7 +117,8 @@ def _wait_retired(pgs: list[Any]) -> None:
                 _warned_fallback = True
                 logger.warning(
                     "torch %s has no ProcessGroup._wait_for_pending_works; draining NCCL work by waiting "
-                    "two watchdog periods instead", torch.__version__
+                    "two watchdog periods instead",
+                    torch.__version__,
                 )
             time.sleep(2 * _WATCHDOG_PERIOD_S)
             return

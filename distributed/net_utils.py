@@ -46,7 +46,9 @@ def get_host_ip(preferred: str = "") -> str:
             return ip
     except OSError:
         pass
-    logger.warning("could not find this node's IP; using 127.0.0.1 (set ATOMRT_HOST_IP for multi-node)")
+    logger.warning(
+        "could not find this node's IP; using 127.0.0.1 (set ATOMRT_HOST_IP for multi-node)"
+    )
     return "127.0.0.1"
 
 
@@ -71,7 +73,9 @@ def make_ipc_dir(instance: str) -> str:
 def ipc_address(ipc_dir: str, name: str) -> str:
     path = os.path.join(ipc_dir, name)
     if len(path) > _MAX_IPC_PATH:
-        raise ValueError(f"ipc socket path too long ({len(path)} > {_MAX_IPC_PATH} bytes): {path}; set TMPDIR shorter")
+        raise ValueError(
+            f"ipc socket path too long ({len(path)} > {_MAX_IPC_PATH} bytes): {path}; set TMPDIR shorter"
+        )
     return f"ipc://{path}"
 
 

@@ -76,23 +76,33 @@ def init_distributed(
     """
     global _groups
     if _groups is not None:
-        raise DistributedInitError(f"rank {rank}: init_distributed: already initialized; call destroy_distributed() first")
+        raise DistributedInitError(
+            f"rank {rank}: init_distributed: already initialized; call destroy_distributed() first"
+        )
     if dp_size * tp_size != world_size:
         raise DistributedInitError(
             f"rank {rank}: init_distributed: world_size={world_size} != data_parallel_size={dp_size} x "
             f"tensor_parallel_size={tp_size}"
         )
     if not 0 <= rank < world_size:
-        raise DistributedInitError(f"rank {rank}: init_distributed: rank outside 0..{world_size - 1}")
+        raise DistributedInitError(
+            f"rank {rank}: init_distributed: rank outside 0..{world_size - 1}"
+        )
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("nccl", "gloo"):
-        raise DistributedInitError(f"rank {rank}: init_distributed: backend must be nccl, gloo or auto, got {backend!r}")
+        raise DistributedInitError(
+            f"rank {rank}: init_distributed: backend must be nccl, gloo or auto, got {backend!r}"
+        )
     timeout = timedelta(seconds=timeout_s)
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
     try:
         dist.init_process_group(
-            backend, init_method=f"tcp://{host}:{master_port}", world_size=world_size, rank=rank, timeout=timeout
+            backend,
+            init_method=f"tcp://{host}:{master_port}",
+            world_size=world_size,
+            rank=rank,
+            timeout=timeout,
         )
     except Exception as e:  # a store timeout or a refused connection: say who and where
         raise DistributedInitError(
@@ -102,8 +112,12 @@ def init_distributed(
     try:
         _groups = _carve_groups(backend, world_size, rank, dp_size, tp_size, timeout)
     except Exception as e:
-        raise DistributedInitError(f"rank {rank}: init_distributed: creating TP/DP groups failed: {e}") from e
-    logger.debug("rank %d: joined %s world of %d (dp=%d, tp=%d)", rank, backend, world_size, dp_size, tp_size)
+        raise DistributedInitError(
+            f"rank {rank}: init_distributed: creating TP/DP groups failed: {e}"
+        ) from e
+    logger.debug(
+        "rank %d: joined %s world of %d (dp=%d, tp=%d)", rank, backend, world_size, dp_size, tp_size
+    )
     return _groups
 
 
@@ -111,7 +125,11 @@ def _carve_groups(
     backend: str, world_size: int, rank: int, dp_size: int, tp_size: int, timeout: timedelta
 ) -> ParallelGroups:
     world_ranks = list(range(world_size))
-    cpu_world = dist.group.WORLD if backend == "gloo" else dist.new_group(world_ranks, backend="gloo", timeout=timeout)
+    cpu_world = (
+        dist.group.WORLD
+        if backend == "gloo"
+        else dist.new_group(world_ranks, backend="gloo", timeout=timeout)
+    )
     world = GroupInfo(rank, world_size, dist.group.WORLD, cpu_world, tuple(world_ranks))
     tp_rank, dp_rank = rank % tp_size, rank // tp_size
 
@@ -120,7 +138,9 @@ def _carve_groups(
         mine = None
         for ranks in all_ranks:
             dev = dist.new_group(ranks, backend=backend, timeout=timeout)
-            cpu = dev if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
+            cpu = (
+                dev if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
+            )
             if rank in ranks:
                 mine = GroupInfo(ranks.index(rank), len(ranks), dev, cpu, tuple(ranks))
         assert mine is not None
@@ -201,7 +221,9 @@ def destroy_distributed(timeout_s: float = 10.0) -> bool:
     t.join(timeout_s)
     gc.collect()  # groups nobody references any more are destroyed now, not during interpreter exit
     if t.is_alive():
-        logger.warning("destroy_process_group() did not return within %.1f s; leaving it behind", timeout_s)
+        logger.warning(
+            "destroy_process_group() did not return within %.1f s; leaving it behind", timeout_s
+        )
         return False
     if errors:
         logger.warning("destroy_process_group() failed: %s", errors[0])

@@ -33,7 +33,14 @@ from typing import Optional, Union
 import zmq
 
 from atomrt.distributed.messages import Flush, Hello, Ready, StepPlan, StepResult, decode, encode
-from atomrt.distributed.net_utils import get_free_port, get_host_ip, ipc_address, make_ipc_dir, new_instance_id, tcp_address
+from atomrt.distributed.net_utils import (
+    get_free_port,
+    get_host_ip,
+    ipc_address,
+    make_ipc_dir,
+    new_instance_id,
+    tcp_address,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +81,13 @@ class TransportAddresses:
         instance = instance or new_instance_id()
         if local:
             d = make_ipc_dir(instance)
-            return cls(ipc_address(d, "plan"), ipc_address(d, "ready"), ipc_address(d, "result"), instance, d)
+            return cls(
+                ipc_address(d, "plan"),
+                ipc_address(d, "ready"),
+                ipc_address(d, "result"),
+                instance,
+                d,
+            )
         ip = get_host_ip(host_ip)
         ports = [get_free_port(ip) for _ in range(3)]
         while len(set(ports)) < 3:  # the OS may hand back a just-released port
@@ -206,16 +219,22 @@ class PlanPublisher:
     def publish(self, plan: StepPlan) -> None:
         """Send one plan to every worker. Steps must go 0, 1, 2, ... (the workers check it too)."""
         if len(self.ready_ranks) < self.num_subscribers:
-            raise TransportError("driver: publish before wait_ready(): a slow subscriber would lose the plan")
+            raise TransportError(
+                "driver: publish before wait_ready(): a slow subscriber would lose the plan"
+            )
         if plan.step != self.next_step:
-            raise StepGapError(f"driver: publishing step {plan.step}, but the next step is {self.next_step}")
+            raise StepGapError(
+                f"driver: publishing step {plan.step}, but the next step is {self.next_step}"
+            )
         self._pub.send(encode(plan), copy=False)
         self.next_step += 1
 
     def publish_flush(self, step: int) -> None:
         """Ask for pipelined step `step`'s result now; takes no step number."""
         if not 0 <= step < self.next_step:
-            raise TransportError(f"driver: flush of step {step}, but only steps 0..{self.next_step - 1} were published")
+            raise TransportError(
+                f"driver: flush of step {step}, but only steps 0..{self.next_step - 1} were published"
+            )
         self._pub.send(encode(Flush(step)))
 
     def close(self) -> None:
@@ -239,7 +258,9 @@ class ResultCollector:
             raise TransportTimeout(f"driver: collect results: no StepResult within {timeout:.1f} s")
         msg = decode(data)
         if not isinstance(msg, StepResult):
-            raise TransportError(f"driver: collect results: expected a StepResult, got {type(msg).__name__}")
+            raise TransportError(
+                f"driver: collect results: expected a StepResult, got {type(msg).__name__}"
+            )
         return msg
 
     def collect(self, step: int, dp_ranks: int, timeout: float) -> list[StepResult]:
@@ -257,7 +278,9 @@ class ResultCollector:
             r = decode(data)
             if not isinstance(r, StepResult) or r.step != step:
                 what = f"step {r.step}" if isinstance(r, StepResult) else type(r).__name__
-                raise TransportError(f"driver: collect results of step {step}: got {what} from the result channel")
+                raise TransportError(
+                    f"driver: collect results of step {step}: got {what} from the result channel"
+                )
             if r.error is not None:
                 raise TransportError(f"DP rank {r.dp_rank} failed at step {step}: {r.error}")
             got[r.dp_rank] = r
@@ -273,7 +296,9 @@ class ResultCollector:
 class PlanSubscriber:
     """Worker side: SUB to plans; answers the driver's handshake; checks step numbers."""
 
-    def __init__(self, addresses: TransportAddresses, rank: int, first_step: int = 0, spin_s: float = 0.0) -> None:
+    def __init__(
+        self, addresses: TransportAddresses, rank: int, first_step: int = 0, spin_s: float = 0.0
+    ) -> None:
         self.addresses = addresses
         self.rank = rank
         self.expected_step = first_step
@@ -306,7 +331,9 @@ class PlanSubscriber:
                 self._answer(msg)
                 wait_ms = _poll_ms(deadline)
                 continue
-            raise TransportError(f"rank {self.rank}: receive plan: unexpected {type(msg).__name__} on the plan channel")
+            raise TransportError(
+                f"rank {self.rank}: receive plan: unexpected {type(msg).__name__} on the plan channel"
+            )
 
     def _answer(self, hello: Hello) -> None:
         if hello.instance != self.addresses.instance or hello.nonce in self._answered:

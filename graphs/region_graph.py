@@ -111,7 +111,9 @@ def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    storage = torch._C._construct_storage_from_data_pointer(t.data_ptr(), t.device, extent * t.element_size())
+    storage = torch._C._construct_storage_from_data_pointer(
+        t.data_ptr(), t.device, extent * t.element_size()
+    )
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
 
 
@@ -245,7 +247,9 @@ class _Recording:
         return self.output
 
 
-def _record(backend: SegmentBackend, breaks: bool, fn: Callable[..., Any], args: tuple, kwargs: dict) -> _Recording:
+def _record(
+    backend: SegmentBackend, breaks: bool, fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> _Recording:
     """Record `fn(*args, **kwargs)`; the output is kept as non-owning aliases (see the module docstring)."""
     global _active
     assert _active is None, "recordings do not nest"
@@ -272,13 +276,19 @@ def _break_at(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     rec.segments.append(rec.backend.end())
     result = fn(*args, **kwargs)
     arg_ptrs = {t.data_ptr() for t in _tensors((args, kwargs))}
-    if result is not None and not (isinstance(result, torch.Tensor) and result.data_ptr() in arg_ptrs):
+    if result is not None and not (
+        isinstance(result, torch.Tensor) and result.data_ptr() in arg_ptrs
+    ):
         raise TypeError(
             f"eager region {fn.__qualname__} returned a new value; an eager region must write its result "
             "into an output argument allocated by the caller and return None (or that argument)"
         )
     rec.eager_calls.append(
-        _EagerCall(fn=fn, args=_map_tensors(args, non_owning_alias), kwargs=_map_tensors(kwargs, non_owning_alias))
+        _EagerCall(
+            fn=fn,
+            args=_map_tensors(args, non_owning_alias),
+            kwargs=_map_tensors(kwargs, non_owning_alias),
+        )
     )
     rec.backend.begin()
     return result
@@ -326,7 +336,9 @@ class TokenGraph:
         assert phase in PHASES, f"phase must be 'prefill' or 'decode', got {phase!r}"
         return (int(num_tokens), phase if self.per_phase else None)
 
-    def record(self, num_tokens: int, phase: Phase, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def record(
+        self, num_tokens: int, phase: Phase, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
         """Record `fn(*args, **kwargs)` for `num_tokens` rows; returns its output (non-owning aliases).
 
         The tensor arguments must be the runner's static buffers (sliced to `num_tokens` rows): a
@@ -398,7 +410,9 @@ class ReqGraph:
         """Replay bucket `key`; the output is valid until the next replay of any recording."""
         rec = self._recordings.get((key[0], key[1]))
         if rec is None:
-            raise KeyError(f"no request graph recorded for bucket {tuple(key)}; recorded: {self.keys()}")
+            raise KeyError(
+                f"no request graph recorded for bucket {tuple(key)}; recorded: {self.keys()}"
+            )
         return rec.replay()
 
     def keys(self) -> list[tuple[int, int]]:
@@ -449,8 +463,12 @@ def token_graph(cls: Optional[type] = None, *, per_phase: bool = False) -> Any:
                 assert ctx.context.running_tokens in (0, num_tokens), (
                     f"context.running_tokens={ctx.context.running_tokens} but the unit was called with {num_tokens} rows"
                 )
-                return graph.record(num_tokens, phase, functools.partial(inner_call, self), *args, **kwargs)
-            raise ValueError(f"ForwardContext.tr_graph must be None, 'record' or 'replay', got {ctx.tr_graph!r}")
+                return graph.record(
+                    num_tokens, phase, functools.partial(inner_call, self), *args, **kwargs
+                )
+            raise ValueError(
+                f"ForwardContext.tr_graph must be None, 'record' or 'replay', got {ctx.tr_graph!r}"
+            )
 
         __call__.__doc__ = inner_call.__doc__
         __call__.__atomrt_unit_inner__ = inner_call  # type: ignore[attr-defined]
@@ -474,7 +492,9 @@ def token_graph_of(unit: torch.nn.Module, backend: Optional[SegmentBackend] = No
         graph = TokenGraph(per_phase=getattr(type(unit), _UNIT_PER_PHASE), backend=backend)
         unit.__dict__[_UNIT_GRAPH] = graph
     else:
-        assert backend is None or graph.backend is backend, "the unit's TokenGraph already has another backend"
+        assert backend is None or graph.backend is backend, (
+            "the unit's TokenGraph already has another backend"
+        )
     return graph
 
 
@@ -497,4 +517,6 @@ def captured_token_sizes(model: torch.nn.Module, phase: Phase) -> list[int]:
 def _num_rows(args: tuple, kwargs: dict) -> int:
     for t in _tensors((args, kwargs)):
         return int(t.shape[0])
-    raise TypeError("a @token_graph unit takes its token rows (e.g. input_ids) as a tensor argument")
+    raise TypeError(
+        "a @token_graph unit takes its token rows (e.g. input_ids) as a tensor argument"
+    )

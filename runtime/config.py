@@ -145,7 +145,10 @@ class CompilationConfig:
             if hasattr(inductor_config.triton, "enable_pdl"):
                 # Inductor's kernels take part in the PDL chains of atomrt's (device_info.use_pdl);
                 # as an Inductor option it is hashed into the compile cache key with the others.
-                self.inductor_compile_config = {**self.inductor_compile_config, "triton.enable_pdl": True}
+                self.inductor_compile_config = {
+                    **self.inductor_compile_config,
+                    "triton.enable_pdl": True,
+                }
 
     def set_splitting_ops_for_v1(self) -> None:
         """Level 3: split at our attention ops unless the user chose the list."""
@@ -189,15 +192,23 @@ class ModelConfig:
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     max_model_len: Optional[int] = None  # defaults to the model's context length
     seed: int = 0  # seeds dummy weights and unseeded sampling
-    max_logprobs: int = 20  # the most top logprobs a request may ask for (each row computes that many)
+    max_logprobs: int = (
+        20  # the most top logprobs a request may ask for (each row computes that many)
+    )
 
     def __post_init__(self) -> None:
         _choice("model_config.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
-        _choice("model_config.load_format", self.load_format, ("auto", "safetensors", "gguf", "dummy"))
+        _choice(
+            "model_config.load_format", self.load_format, ("auto", "safetensors", "gguf", "dummy")
+        )
         if self.max_model_len is not None and not _positive_int(self.max_model_len):
-            raise ConfigError(f"model_config.max_model_len: must be a positive integer, got {self.max_model_len!r}")
+            raise ConfigError(
+                f"model_config.max_model_len: must be a positive integer, got {self.max_model_len!r}"
+            )
         if not _is_int(self.max_logprobs) or self.max_logprobs < 0:
-            raise ConfigError(f"model_config.max_logprobs: must be an integer >= 0, got {self.max_logprobs!r}")
+            raise ConfigError(
+                f"model_config.max_logprobs: must be an integer >= 0, got {self.max_logprobs!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -210,15 +221,21 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if not _positive_int(self.block_size):
-            raise ConfigError(f"cache_config.block_size: must be a positive integer, got {self.block_size!r}")
+            raise ConfigError(
+                f"cache_config.block_size: must be a positive integer, got {self.block_size!r}"
+            )
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ConfigError(
                 f"cache_config.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
         if self.num_kv_blocks is not None and not _positive_int(self.num_kv_blocks):
-            raise ConfigError(f"cache_config.num_kv_blocks: must be a positive integer, got {self.num_kv_blocks!r}")
+            raise ConfigError(
+                f"cache_config.num_kv_blocks: must be a positive integer, got {self.num_kv_blocks!r}"
+            )
         if not float(self.cpu_kv_cache_gib) > 0:
-            raise ConfigError(f"cache_config.cpu_kv_cache_gib: must be > 0, got {self.cpu_kv_cache_gib!r}")
+            raise ConfigError(
+                f"cache_config.cpu_kv_cache_gib: must be > 0, got {self.cpu_kv_cache_gib!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -233,10 +250,14 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if not _positive_int(getattr(self, name)):
-                raise ConfigError(f"scheduler_config.{name}: must be a positive integer, got {getattr(self, name)!r}")
+                raise ConfigError(
+                    f"scheduler_config.{name}: must be a positive integer, got {getattr(self, name)!r}"
+                )
         for name in ("enable_chunked_prefill", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"scheduler_config.{name}: must be true or false, got {getattr(self, name)!r}")
+                raise ConfigError(
+                    f"scheduler_config.{name}: must be true or false, got {getattr(self, name)!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -253,7 +274,9 @@ class ParallelConfig:
     heartbeat_timeout_s: float = 10.0
     # Ray placement of the rank bundles: auto = STRICT_PACK when one node holds them all, else PACK.
     placement_strategy: str = "auto"  # auto | STRICT_PACK | PACK | SPREAD | STRICT_SPREAD
-    transport: str = "auto"  # step messages: auto (ipc:// on one node, tcp:// across nodes) | ipc | tcp
+    transport: str = (
+        "auto"  # step messages: auto (ipc:// on one node, tcp:// across nodes) | ipc | tcp
+    )
     # How long the driver and each worker poll for the next step message before sleeping in recv():
     # no wake-up latency per message, a busy core per process while it waits. 0: always sleep.
     # auto: AUTO_SPIN_US on CUDA with at least AUTO_SPIN_MIN_CPUS cores, else 0 (`resolved_spin_s`).
@@ -262,19 +285,31 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
             if not _positive_int(getattr(self, name)):
-                raise ConfigError(f"parallel_config.{name}: must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("worker_timeout_s", "compile_timeout_s", "capture_timeout_s", "heartbeat_timeout_s"):
+                raise ConfigError(
+                    f"parallel_config.{name}: must be a positive integer, got {getattr(self, name)!r}"
+                )
+        for name in (
+            "worker_timeout_s",
+            "compile_timeout_s",
+            "capture_timeout_s",
+            "heartbeat_timeout_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"parallel_config.{name}: must be a positive number of seconds, got {value!r}")
+                raise ConfigError(
+                    f"parallel_config.{name}: must be a positive number of seconds, got {value!r}"
+                )
         _choice("parallel_config.executor", self.executor, ("inproc", "mp", "ray"))
         _choice(
-            "parallel_config.placement_strategy", self.placement_strategy,
+            "parallel_config.placement_strategy",
+            self.placement_strategy,
             ("auto", "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
         )
         _choice("parallel_config.transport", self.transport, ("auto", "ipc", "tcp"))
         spin = self.transport_spin_us
-        if spin != "auto" and (not isinstance(spin, (int, float)) or isinstance(spin, bool) or not 0 <= spin <= 1e6):
+        if spin != "auto" and (
+            not isinstance(spin, (int, float)) or isinstance(spin, bool) or not 0 <= spin <= 1e6
+        ):
             raise ConfigError(
                 "parallel_config.transport_spin_us: must be 'auto' or a number of microseconds in [0, 1e6], "
                 f"got {spin!r}"
@@ -291,7 +326,9 @@ class ParallelConfig:
         runner's, an executor the one it placed its ranks on). "auto" gives AUTO_SPIN_US on "cuda"
         when this process may run on at least AUTO_SPIN_MIN_CPUS cores, else 0.
         """
-        assert device_type in ("cpu", "cuda"), f"resolved_spin_s wants a resolved device type, got {device_type!r}"
+        assert device_type in ("cpu", "cuda"), (
+            f"resolved_spin_s wants a resolved device type, got {device_type!r}"
+        )
         if self.transport_spin_us != "auto":
             return float(self.transport_spin_us) / 1e6
         spins = device_type == "cuda" and usable_cpu_count() >= AUTO_SPIN_MIN_CPUS
@@ -352,7 +389,9 @@ class Config:
                     f"scheduler_config.max_num_seqs={max_num_seqs}; raise max_num_seqs or drop them"
                 )
         elif len(cc.cuda_graph_sizes) == 1:
-            sizes = [s for s in capture_size_ladder(int(cc.cuda_graph_sizes[0])) if s <= max_num_seqs]
+            sizes = [
+                s for s in capture_size_ladder(int(cc.cuda_graph_sizes[0])) if s <= max_num_seqs
+            ]
         else:
             sizes = sorted(set(int(s) for s in cc.cuda_graph_sizes if int(s) <= max_num_seqs))
         self.capture_sizes = sizes
@@ -435,7 +474,9 @@ def _check_type(name: str, annotation: Any, value: Any) -> Any:
         "dict": lambda v: isinstance(v, dict),
         "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
         "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-        "list[Union[int,str]]": lambda v: isinstance(v, list) and all(_is_int(x) or isinstance(x, str) for x in v),
+        "list[Union[int,str]]": lambda v: (
+            isinstance(v, list) and all(_is_int(x) or isinstance(x, str) for x in v)
+        ),
     }
     check = checks.get(ann)
     if check is None:  # pragma: no cover - a new field type without a check

@@ -32,7 +32,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {p}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {p}: the top level must be a mapping, got {type(data).__name__}")
+        raise ConfigError(
+            f"--config {p}: the top level must be a mapping, got {type(data).__name__}"
+        )
     return data
 
 
@@ -51,7 +53,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return path, value
 
 
-def apply_overrides(data: dict[str, Any], overrides: Iterable[tuple[list[str], Any]]) -> dict[str, Any]:
+def apply_overrides(
+    data: dict[str, Any], overrides: Iterable[tuple[list[str], Any]]
+) -> dict[str, Any]:
     out = copy.deepcopy(data)
     for path, value in overrides:
         node = out

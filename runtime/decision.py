@@ -44,8 +44,12 @@ class CapturedBuckets:
     decode_token_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "req_keys", tuple(sorted((int(b), int(d)) for b, d in self.req_keys)))
-        object.__setattr__(self, "prefill_token_sizes", tuple(sorted(set(self.prefill_token_sizes))))
+        object.__setattr__(
+            self, "req_keys", tuple(sorted((int(b), int(d)) for b, d in self.req_keys))
+        )
+        object.__setattr__(
+            self, "prefill_token_sizes", tuple(sorted(set(self.prefill_token_sizes)))
+        )
         object.__setattr__(self, "decode_token_sizes", tuple(sorted(set(self.decode_token_sizes))))
 
     def token_sizes(self, is_prefill: bool) -> tuple[int, ...]:

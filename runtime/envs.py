@@ -24,7 +24,9 @@ class Env:
 
 def read_env() -> Env:
     return Env(
-        cache_root=Path(os.environ.get("ATOMRT_CACHE_ROOT", "") or Path.home() / ".cache" / "atomrt"),
+        cache_root=Path(
+            os.environ.get("ATOMRT_CACHE_ROOT", "") or Path.home() / ".cache" / "atomrt"
+        ),
         log_level=os.environ.get("ATOMRT_LOG_LEVEL", "INFO").upper(),
         ray_address=os.environ.get("RAY_ADDRESS", ""),
         host_ip=os.environ.get("ATOMRT_HOST_IP", ""),

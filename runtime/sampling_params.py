@@ -67,13 +67,17 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if not -1 <= self.top_k <= MAX_INT32:
-            raise ValueError(f"top_k: must be -1 or 0 (disabled) or a positive integer <= {MAX_INT32}, got {self.top_k}")
+            raise ValueError(
+                f"top_k: must be -1 or 0 (disabled) or a positive integer <= {MAX_INT32}, got {self.top_k}"
+            )
         if self.top_k == 0:
             self.top_k = -1
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty: must be > 0 (1 disables), got {self.repetition_penalty}")
+            raise ValueError(
+                f"repetition_penalty: must be > 0 (1 disables), got {self.repetition_penalty}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
@@ -87,12 +91,21 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_INT32:
             raise ValueError(f"logprobs: must be None or an integer >= 0, got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed: must be None or an integer in [0, {MAX_SEED}], got {self.seed}")
+            raise ValueError(
+                f"seed: must be None or an integer in [0, {MAX_SEED}], got {self.seed}"
+            )
         self._normalize_stops()
 
     def _check_types(self) -> None:
         ints = ("n", "top_k", "max_tokens", "min_tokens")
-        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        floats = (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        )
         for name in ints:
             if not _is_int(getattr(self, name)):
                 raise ValueError(f"{name}: must be an integer, got {getattr(self, name)!r}")
@@ -116,11 +129,15 @@ class SamplingParams:
         elif isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop: must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+            raise ValueError(
+                f"stop: must be a non-empty string or a list of non-empty strings, got {self.stop!r}"
+            )
         self.stop = list(stop)
         ids = self.stop_token_ids or []
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids: must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids: must be a list of token ids >= 0, got {self.stop_token_ids!r}"
+            )
         self.stop_token_ids = list(ids)
 
     @property
@@ -130,5 +147,7 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
         )

@@ -13,10 +13,17 @@ from atomrt.runtime import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
 
 VOCAB = 128
-PROMPTS = [[3, 17, 42, 99, 5, 8, 61], [7, 1, 120], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [50, 51]]
+PROMPTS = [
+    [3, 17, 42, 99, 5, 8, 61],
+    [7, 1, 120],
+    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+    [50, 51],
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # small KV cache (not the 1 GiB CPU default per rank), no graphs on CPU
-COMMON = dict(device="cpu", enforce_eager=True, num_kv_blocks=64, max_num_seqs=8, worker_timeout_s=90.0)
+COMMON = dict(
+    device="cpu", enforce_eager=True, num_kv_blocks=64, max_num_seqs=8, worker_timeout_s=90.0
+)
 
 
 def build_tiny_llama(folder: Path) -> Path:
@@ -25,8 +32,16 @@ def build_tiny_llama(folder: Path) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        bos_token_id=0,
+        eos_token_id=1,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
@@ -36,11 +51,15 @@ def build_tiny_llama(folder: Path) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w2"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=words, bos_token="w0", eos_token="w1", unk_token="w2").save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, bos_token="w0", eos_token="w1", unk_token="w2"
+    ).save_pretrained(folder)
     return folder
 
 
-def greedy_tokens(model: Path, prompts: list[list[int]] = PROMPTS, **kwargs: Any) -> tuple[list[list[int]], dict[int, int]]:
+def greedy_tokens(
+    model: Path, prompts: list[list[int]] = PROMPTS, **kwargs: Any
+) -> tuple[list[list[int]], dict[int, int]]:
     """Greedy tokens of `prompts` through LLM(**COMMON, **kwargs), and the worker pids it had."""
     llm = LLM(str(model), **{**COMMON, **kwargs})
     try:

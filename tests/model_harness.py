@@ -31,7 +31,9 @@ class HarnessResult:
 
 
 class PagedHarness:
-    def __init__(self, model: nn.Module, max_len: int, num_seqs: int, block_size: int = 4, seed: int = 0) -> None:
+    def __init__(
+        self, model: nn.Module, max_len: int, num_seqs: int, block_size: int = 4, seed: int = 0
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.layers = collect_attention_layers(model)
@@ -40,17 +42,36 @@ class PagedHarness:
         num_blocks = num_seqs * self.max_blocks_per_seq + 1
         order = list(range(num_blocks))
         random.Random(seed).shuffle(order)
-        self.block_tables = [order[s * self.max_blocks_per_seq : (s + 1) * self.max_blocks_per_seq] for s in range(num_seqs)]
+        self.block_tables = [
+            order[s * self.max_blocks_per_seq : (s + 1) * self.max_blocks_per_seq]
+            for s in range(num_seqs)
+        ]
         self.kv_cache_data = {
             f"layers.{i}": KVCache(
-                torch.zeros(num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=param.dtype, device=param.device),
-                torch.zeros(num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=param.dtype, device=param.device),
+                torch.zeros(
+                    num_blocks,
+                    block_size,
+                    a.num_kv_heads,
+                    a.head_dim,
+                    dtype=param.dtype,
+                    device=param.device,
+                ),
+                torch.zeros(
+                    num_blocks,
+                    block_size,
+                    a.num_kv_heads,
+                    a.head_dim,
+                    dtype=param.dtype,
+                    device=param.device,
+                ),
             )
             for i, a in self.layers.items()
         }
         self.config = Config(enforce_eager=True)
 
-    def step(self, new_tokens: list[list[int]], num_computed: list[int], num_pad_rows: int = 0) -> torch.Tensor:
+    def step(
+        self, new_tokens: list[list[int]], num_computed: list[int], num_pad_rows: int = 0
+    ) -> torch.Tensor:
         """Run one step: sequence s appends new_tokens[s] after num_computed[s] cached tokens.
 
         Returns the logits of each sequence's last row, [num_seqs, vocab] float32.
@@ -62,14 +83,18 @@ class PagedHarness:
                 pos = start + j
                 input_ids.append(token)
                 positions.append(pos)
-                slots.append(self.block_tables[s][pos // self.block_size] * self.block_size + pos % self.block_size)
+                slots.append(
+                    self.block_tables[s][pos // self.block_size] * self.block_size
+                    + pos % self.block_size
+                )
             cu.append(cu[-1] + len(tokens))
         input_ids += [0] * num_pad_rows
         positions += [0] * num_pad_rows
         slots += [-1] * num_pad_rows
         context_lens = [start + len(t) for t, start in zip(new_tokens, num_computed)]
         block_tables = [
-            bt[: -(-n // self.block_size)] + [-1] * (self.max_blocks_per_seq - -(-n // self.block_size))
+            bt[: -(-n // self.block_size)]
+            + [-1] * (self.max_blocks_per_seq - -(-n // self.block_size))
             for bt, n in zip(self.block_tables, context_lens)
         ]
         num_seqs = len(new_tokens)
@@ -93,16 +118,29 @@ class PagedHarness:
             running_bs=num_seqs,
             running_tokens=len(input_ids),
         )
-        with torch.inference_mode(), set_forward_context(
-            md, self.config, context, no_compile_layers=self.layers, kv_cache_data=self.kv_cache_data
+        with (
+            torch.inference_mode(),
+            set_forward_context(
+                md,
+                self.config,
+                context,
+                no_compile_layers=self.layers,
+                kv_cache_data=self.kv_cache_data,
+            ),
         ):
-            hidden = self.model(torch.tensor(input_ids, dtype=torch.int64, device=device), positions_t)
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.int64, device=device), positions_t
+            )
             last_rows = torch.tensor(cu[1:], device=device) - 1
             return self.model.compute_logits(hidden[last_rows])
 
 
 def run_prefill_and_decode(
-    model: nn.Module, prompts: list[list[int]], num_decode_steps: int, block_size: int = 4, num_pad_rows: int = 0
+    model: nn.Module,
+    prompts: list[list[int]],
+    num_decode_steps: int,
+    block_size: int = 4,
+    num_pad_rows: int = 0,
 ) -> HarnessResult:
     """Prefill every prompt in one ragged batch, then decode greedily `num_decode_steps` times."""
     max_len = max(len(p) for p in prompts) + num_decode_steps + 1

@@ -41,7 +41,9 @@ def _sample(out: SchedulerOutput, truth: dict[int, list[int]]) -> dict[int, int]
     for row in out.scheduled:
         seq = row.seq
         hist = truth.setdefault(seq.seq_id, list(seq.prompt_token_ids))
-        assert seq.token_ids == hist[: seq.num_tokens], "the driver's tokens disagree with what was sampled"
+        assert seq.token_ids == hist[: seq.num_tokens], (
+            "the driver's tokens disagree with what was sampled"
+        )
         assert row.context_len <= len(hist), "a row computes a token that was never sampled"
         if row.is_sampled:
             token = fake_model(hist[: row.context_len])
@@ -51,7 +53,9 @@ def _sample(out: SchedulerOutput, truth: dict[int, list[int]]) -> dict[int, int]
     return sampled
 
 
-def _run(sched: Scheduler, seqs: list[Sequence], pipelined: bool) -> dict[str, tuple[list[int], str]]:
+def _run(
+    sched: Scheduler, seqs: list[Sequence], pipelined: bool
+) -> dict[str, tuple[list[int], str]]:
     truth: dict[int, list[int]] = {}
     inflight: deque[tuple[SchedulerOutput, dict[int, int]]] = deque()
     for _ in range(5000):
@@ -85,10 +89,16 @@ def _run(sched: Scheduler, seqs: list[Sequence], pipelined: bool) -> dict[str, t
     chunked=st.booleans(),
     prefix=st.booleans(),
 )
-def test_one_step_ahead_gives_the_synchronous_tokens(data, num_blocks, block_size, budget, max_seqs, chunked, prefix):
+def test_one_step_ahead_gives_the_synchronous_tokens(
+    data, num_blocks, block_size, budget, max_seqs, chunked, prefix
+):
     requests = data.draw(
         st.lists(
-            st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=20), st.integers(1, 8), st.booleans()),
+            st.tuples(
+                st.lists(st.integers(0, 5), min_size=1, max_size=20),
+                st.integers(1, 8),
+                st.booleans(),
+            ),
             min_size=1,
             max_size=6,
         ),
@@ -130,10 +140,25 @@ def test_a_request_at_its_length_limit_is_not_scheduled_while_its_last_token_is_
 
 def _prompts(tokenizer) -> list:
     """Six story prompts (they run to their length limit) and six chat questions (they stop at EOS)."""
-    words = "the a of GPU graph token kernel cache scheduler block prefill decode bucket pool".split()
-    stories = [" ".join(words[(i * 3) % len(words):] + words[: (i * 5) % 7 + 1]) + f" story {i}:" for i in range(6)]
-    questions = ["What is the capital of France?", "Say hi.", "Name a color.", "What is 2+2?", "Name a fruit.", "Say yes."]
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
+    words = (
+        "the a of GPU graph token kernel cache scheduler block prefill decode bucket pool".split()
+    )
+    stories = [
+        " ".join(words[(i * 3) % len(words) :] + words[: (i * 5) % 7 + 1]) + f" story {i}:"
+        for i in range(6)
+    ]
+    questions = [
+        "What is the capital of France?",
+        "Say hi.",
+        "Name a color.",
+        "What is 2+2?",
+        "Name a fruit.",
+        "Say yes.",
+    ]
+    chats = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in questions
+    ]
     return stories + chats
 
 
@@ -143,7 +168,9 @@ def _params() -> list[SamplingParams]:
         SamplingParams(temperature=0.0, max_tokens=16, stop=[" here", "."]),
         SamplingParams(temperature=0.0, max_tokens=6, logprobs=2),
         SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10),
-        SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3, frequency_penalty=0.5),
+        SamplingParams(
+            temperature=0.0, max_tokens=10, repetition_penalty=1.3, frequency_penalty=0.5
+        ),
         SamplingParams(temperature=0.0, max_tokens=1),
     ]
     return [kinds[i % len(kinds)] for i in range(12)]
@@ -181,7 +208,9 @@ def sync_reference() -> list[tuple]:
 def test_engine_async_equals_sync_on_the_embedded_model(sync_reference):
     llm = LLM(DEFAULT_MODEL, async_scheduling=True)
     try:
-        assert _summary(llm.generate(_prompts(llm.tokenizer), _params())) == sync_reference  # bit for bit
+        assert (
+            _summary(llm.generate(_prompts(llm.tokenizer), _params())) == sync_reference
+        )  # bit for bit
         assert {r[2] for r in sync_reference} >= {"stop", "length"}
         assert any(r[1] and r[2] == "stop" and len(r[0]) < 16 for r in sync_reference[6:])
         params = SamplingParams(temperature=0.0, max_tokens=12)
@@ -213,14 +242,22 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize(
     "executor,layout",
-    [("mp", dict(tensor_parallel_size=2)), ("ray", dict(tensor_parallel_size=2)), ("mp", dict(data_parallel_size=2))],
+    [
+        ("mp", dict(tensor_parallel_size=2)),
+        ("ray", dict(tensor_parallel_size=2)),
+        ("mp", dict(data_parallel_size=2)),
+    ],
     ids=["mp-tp2", "ray-tp2", "mp-dp2"],
 )
-def test_pipelined_plans_give_the_inproc_tokens(tiny_model: Path, executor: str, layout: dict) -> None:
+def test_pipelined_plans_give_the_inproc_tokens(
+    tiny_model: Path, executor: str, layout: dict
+) -> None:
     """With 3 requests the DP=2 ranks get uneven batches (2 and 1 sequences)."""
     for prompts in (PROMPTS, PROMPTS[:3]):
         reference, _ = greedy_tokens(tiny_model, prompts, executor="inproc")
-        tokens, _ = greedy_tokens(tiny_model, prompts, executor=executor, async_scheduling=True, **layout)
+        tokens, _ = greedy_tokens(
+            tiny_model, prompts, executor=executor, async_scheduling=True, **layout
+        )
         assert tokens == reference
 
 
@@ -230,14 +267,27 @@ def test_tp2_ranks_feed_rank0s_samples_when_sampling_is_not_plain_greedy(tiny_mo
     and the tokens drift from the synchronous run's)."""
     params = [
         SamplingParams(temperature=0.9, seed=11, max_tokens=12, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.5, presence_penalty=0.7, ignore_eos=True),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=12,
+            repetition_penalty=1.5,
+            presence_penalty=0.7,
+            ignore_eos=True,
+        ),
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
     ]
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     runs = []
     for async_scheduling in (False, True):
-        llm = LLM(str(tiny_model), **{**COMMON, "executor": "mp", "tensor_parallel_size": 2,
-                                      "async_scheduling": async_scheduling})
+        llm = LLM(
+            str(tiny_model),
+            **{
+                **COMMON,
+                "executor": "mp",
+                "tensor_parallel_size": 2,
+                "async_scheduling": async_scheduling,
+            },
+        )
         try:
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         finally:
@@ -269,19 +319,26 @@ def test_abort_while_its_step_is_in_flight_leaves_the_others_exact(tiny_model: P
                 engine.abort(victim)
         assert finals[victim] == "abort"  # the aborted request's one final output
         assert all(reason == "length" for rid, reason in finals.items() if rid != victim)
-        assert [done[i] for i in ids if i != victim] == [t for i, t in zip(ids, reference) if i != victim]
+        assert [done[i] for i in ids if i != victim] == [
+            t for i, t in zip(ids, reference) if i != victim
+        ]
         bm = engine.schedulers[0].block_manager
         assert bm.num_free_blocks == bm.num_blocks
     finally:
         llm.shutdown()
 
 
-def test_killed_worker_under_async_scheduling_errors_in_time_and_leaves_no_process(tiny_model: Path) -> None:
+def test_killed_worker_under_async_scheduling_errors_in_time_and_leaves_no_process(
+    tiny_model: Path,
+) -> None:
     from atomrt.runtime.executors.base import WorkerError
     from executor_harness import wait_gone
     from test_worker_failure import ERROR_WITHIN_S, _kill_mid_generation
 
-    llm = LLM(str(tiny_model), **{**COMMON, "executor": "mp", "tensor_parallel_size": 2, "async_scheduling": True})
+    llm = LLM(
+        str(tiny_model),
+        **{**COMMON, "executor": "mp", "tensor_parallel_size": 2, "async_scheduling": True},
+    )
     pids = dict(llm.engine.executor.worker_pids)
     try:
         message, seconds = _kill_mid_generation(llm, rank=1)

@@ -25,7 +25,17 @@ def test_decode_step_matches_per_sequence_attention(num_heads: int, num_kv_heads
     q = torch.randn(num_seqs + 2, num_heads, head_dim, generator=gen)  # two padded rows
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    paged_attention_ref(q, k_cache, v_cache, out, list(range(num_seqs + 1)), context_lens, block_tables, scale, num_seqs)
+    paged_attention_ref(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        list(range(num_seqs + 1)),
+        context_lens,
+        block_tables,
+        scale,
+        num_seqs,
+    )
     for s, n in enumerate(context_lens):
         blocks = block_tables[s, : -(-n // block_size)].long()
         keys, values = k_cache[blocks].flatten(0, 1)[:n], v_cache[blocks].flatten(0, 1)[:n]

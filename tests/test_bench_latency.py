@@ -16,43 +16,103 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_bench"))
 
 
-def test_cpu_smoke_writes_rows_and_json(tiny_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cpu_smoke_writes_rows_and_json(
+    tiny_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "latency.json"
-    rc = main([
-        "--model", str(tiny_folder), "--batch-sizes", "1,2", "--decode-steps", "3", "--warmup-steps", "1",
-        "--input-len", "8", "--modes", "eager,FULL+async", "--device", "cpu", "--json", str(out),
-        "--max-num-batched-tokens", "8",  # bs=2 prefills in two chunks: the first request runs ahead
-    ])
+    rc = main(
+        [
+            "--model",
+            str(tiny_folder),
+            "--batch-sizes",
+            "1,2",
+            "--decode-steps",
+            "3",
+            "--warmup-steps",
+            "1",
+            "--input-len",
+            "8",
+            "--modes",
+            "eager,FULL+async",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+            "--max-num-batched-tokens",
+            "8",  # bs=2 prefills in two chunks: the first request runs ahead
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["errors"] == [] and report["copy_gbps"] > 0
     assert report["weight_bytes"][str(tiny_folder)] > 0
     assert any("graph modes run eagerly" in n for n in report["notes"])
     rows = report["rows"]
-    assert [(r["mode"], r["batch_size"]) for r in rows] == [("eager", 1), ("eager", 2), ("FULL+async", 1), ("FULL+async", 2)]
+    assert [(r["mode"], r["batch_size"]) for r in rows] == [
+        ("eager", 1),
+        ("eager", 2),
+        ("FULL+async", 1),
+        ("FULL+async", 2),
+    ]
     for r in rows:
         assert r["forward_kind"] == "eager"
         assert 0 < r["ms_median"] <= r["ms_p90"]
         assert r["tokens_per_s"] == pytest.approx(r["batch_size"] / r["ms_median"] * 1e3, rel=1e-2)
-        assert r["floor_ms"] > 0 and r["ratio_to_floor"] > 0 and r["floor_with_kv_ms"] >= r["floor_ms"]
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(str(tiny_folder))]
+        assert (
+            r["floor_ms"] > 0 and r["ratio_to_floor"] > 0 and r["floor_with_kv_ms"] >= r["floor_ms"]
+        )
+    lines = [
+        line for line in capsys.readouterr().out.splitlines() if line.startswith(str(tiny_folder))
+    ]
     assert len(lines) == 4  # one printed line per (model, mode, bs)
 
 
 def test_mode_settings() -> None:
-    assert mode_settings("eager", 3, on_cuda=True) == {"enforce_eager": True, "async_scheduling": False}
-    assert mode_settings("FULL", 3, on_cuda=False) == {"enforce_eager": True, "async_scheduling": False}
+    assert mode_settings("eager", 3, on_cuda=True) == {
+        "enforce_eager": True,
+        "async_scheduling": False,
+    }
+    assert mode_settings("FULL", 3, on_cuda=False) == {
+        "enforce_eager": True,
+        "async_scheduling": False,
+    }
     assert mode_settings("TR_HYBRID", 3, on_cuda=True) == {
-        "level": 3, "cudagraph_mode": CUDAGraphMode.TR_HYBRID, "async_scheduling": False}
+        "level": 3,
+        "cudagraph_mode": CUDAGraphMode.TR_HYBRID,
+        "async_scheduling": False,
+    }
     assert mode_settings("FULL+async", 3, on_cuda=True) == {
-        "level": 3, "cudagraph_mode": CUDAGraphMode.FULL, "async_scheduling": True}
-    assert mode_settings("eager+async", 0, on_cuda=True) == {"enforce_eager": True, "async_scheduling": True}
+        "level": 3,
+        "cudagraph_mode": CUDAGraphMode.FULL,
+        "async_scheduling": True,
+    }
+    assert mode_settings("eager+async", 0, on_cuda=True) == {
+        "enforce_eager": True,
+        "async_scheduling": True,
+    }
 
 
 def test_compare_executors_slowdown() -> None:
     report = Report("cpu", torch.__version__, 1.0, {})
     for executor, ms in (("inproc", 2.0), ("ray", 2.1)):
-        report.rows.append(Row("m", "FULL", executor, 1, "req_graph", ms, ms, 1e3 / ms, None, None, None, 0.0, 0.0, None))
+        report.rows.append(
+            Row(
+                "m",
+                "FULL",
+                executor,
+                1,
+                "req_graph",
+                ms,
+                ms,
+                1e3 / ms,
+                None,
+                None,
+                None,
+                0.0,
+                0.0,
+                None,
+            )
+        )
     (c,) = compare_executors(report)
     assert (c["inproc_ms"], c["ray_ms"]) == (2.0, 2.1) and c["slowdown_pct"] == pytest.approx(5.0)
 

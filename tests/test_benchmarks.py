@@ -20,7 +20,9 @@ def indexed() -> list[str]:
 def test_readme_indexes_every_script_once():
     names = indexed()
     assert SCRIPTS, "benchmarks/ holds no scripts"
-    assert len(names) == len(set(names)), f"listed twice: {sorted({n for n in names if names.count(n) > 1})}"
+    assert len(names) == len(set(names)), (
+        f"listed twice: {sorted({n for n in names if names.count(n) > 1})}"
+    )
     assert set(names) == set(SCRIPTS), (
         f"not in the README: {sorted(set(SCRIPTS) - set(names))}; "
         f"in the README but missing: {sorted(set(names) - set(SCRIPTS))}"
@@ -37,8 +39,11 @@ def test_scripts_answer_help():
     # side by side because each spends seconds importing torch.
     procs = {
         name: subprocess.Popen(
-            [sys.executable, str(BENCH / name), "--help"], cwd=ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, str(BENCH / name), "--help"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for name in SCRIPTS
     }

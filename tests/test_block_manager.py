@@ -22,12 +22,16 @@ def check_invariants(bm: BlockManager, holders: list[Sequence]) -> None:
     for h, block_id in bm._cached.items():
         assert bm.blocks[block_id].block_hash == h
     bs = bm.block_size
-    for s in holders:  # a cached block a sequence holds (shared or not) holds that sequence's tokens
+    for (
+        s
+    ) in holders:  # a cached block a sequence holds (shared or not) holds that sequence's tokens
         for i, block_id in enumerate(s.block_table):
             block = bm.blocks[block_id]
             if block.block_hash is not None:
                 assert block.token_ids == tuple(s.token_ids[i * bs : (i + 1) * bs]), (s.seq_id, i)
-                assert (i + 1) * bs <= s.num_computed_tokens, "a cached block must be fully computed"
+                assert (i + 1) * bs <= s.num_computed_tokens, (
+                    "a cached block must be fully computed"
+                )
 
 
 def compute(bm: BlockManager, seq: Sequence, num_new: int) -> None:

@@ -22,14 +22,21 @@ def test_ladder_default_512():
 
 @pytest.mark.parametrize(
     "max_size, expected",
-    [(1, [1, 2, 3, 4, 5, 6, 7, 8]), (16, [1, 2, 3, 4, 5, 6, 7, 8, 16]), (40, [1, 2, 3, 4, 5, 6, 7, 8, 16, 32])],
+    [
+        (1, [1, 2, 3, 4, 5, 6, 7, 8]),
+        (16, [1, 2, 3, 4, 5, 6, 7, 8, 16]),
+        (40, [1, 2, 3, 4, 5, 6, 7, 8, 16, 32]),
+    ],
 )
 def test_ladder_small(max_size, expected):
     assert capture_size_ladder(max_size) == expected
 
 
 def test_config_ladder_capped_by_max_num_seqs():
-    c = Config(scheduler_config=SchedulerConfig(max_num_seqs=48), compilation_config=CompilationConfig(level=3))
+    c = Config(
+        scheduler_config=SchedulerConfig(max_num_seqs=48),
+        compilation_config=CompilationConfig(level=3),
+    )
     assert c.capture_sizes == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48]
     assert c.compilation_config.max_capture_size == 48
 
@@ -51,7 +58,19 @@ def test_request_bucket():
 
 @pytest.mark.parametrize(
     "n, expected",
-    [(0, 1), (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16), (16, 16), (17, None), (1000, None)],
+    [
+        (0, 1),
+        (1, 1),
+        (2, 2),
+        (3, 4),
+        (4, 4),
+        (5, 8),
+        (8, 8),
+        (9, 16),
+        (16, 16),
+        (17, None),
+        (1000, None),
+    ],
 )
 def test_bucket_for(n, expected):
     assert bucket_for(n, (1, 2, 4, 8, 16)) == expected
@@ -73,4 +92,3 @@ def test_capture_order_and_sizes():
     assert sorted_sizes([4, 1, 4]) == (1, 4)
     with pytest.raises(AssertionError):
         sorted_sizes([0, 1])
-

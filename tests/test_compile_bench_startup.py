@@ -19,4 +19,6 @@ def test_bench_startup_toy(tmp_path, capsys):
     assert result["cold_inductor_compiles"] == 4  # 2 pieces x (general + size 4)
     assert result["warm_inductor_compiles"] == 0 and result["warm_cache_loads"] == 4
     assert result["warm_compile_s"] < result["cold_compile_s"]
-    assert result["ratio"] == pytest.approx(result["warm_compile_s"] / result["cold_compile_s"], abs=0.01)
+    assert result["ratio"] == pytest.approx(
+        result["warm_compile_s"] / result["cold_compile_s"], abs=0.01
+    )

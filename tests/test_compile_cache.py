@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from atomrt.compile import CompilerInterface, CompilerManager, CorruptCacheEntry, compilation_counter, compute_cache_hash
+from atomrt.compile import (
+    CompilerInterface,
+    CompilerManager,
+    CorruptCacheEntry,
+    compilation_counter,
+    compute_cache_hash,
+)
 from atomrt.compile.cache import (
     FileLock,
     cache_dir_for,
@@ -36,7 +42,9 @@ def test_hash_follows_model_source(tmp_path):
     assert _hash(config, [str(b / "model.py")]) == base  # another checkout of the same source
     (b / "model.py").write_text("x = 2\n")
     assert _hash(config, [str(b / "model.py")]) != base
-    assert compute_cache_hash(config.compute_hash(), [str(a / "model.py")], "compiler-y").hash != base
+    assert (
+        compute_cache_hash(config.compute_hash(), [str(a / "model.py")], "compiler-y").hash != base
+    )
 
 
 @pytest.mark.parametrize(
@@ -60,21 +68,38 @@ def test_placement_and_unrelated_settings_keep_the_hash():
     h = _hash(base, [])
     variants = [
         make_config(3, cache_dir="/somewhere/else", debug_dump_path="/tmp/dump"),
-        dataclasses.replace(base, parallel_config=ParallelConfig(ray_address="10.1.2.3:6390", worker_timeout_s=5.0)),
-        dataclasses.replace(base, parallel_config=ParallelConfig(data_parallel_size=2, executor="ray")),
+        dataclasses.replace(
+            base, parallel_config=ParallelConfig(ray_address="10.1.2.3:6390", worker_timeout_s=5.0)
+        ),
+        dataclasses.replace(
+            base, parallel_config=ParallelConfig(data_parallel_size=2, executor="ray")
+        ),
         dataclasses.replace(base, scheduler_config=SchedulerConfig(max_num_seqs=64)),
-        dataclasses.replace(base, cache_config=CacheConfig(block_size=32, gpu_memory_utilization=0.5)),
+        dataclasses.replace(
+            base, cache_config=CacheConfig(block_size=32, gpu_memory_utilization=0.5)
+        ),
     ]
     for v in variants:
         assert _hash(v, []) == h
     # The rank is a directory below the hash, never part of it.
     root = Path("/cache-root")
-    assert cache_dir_for(root, h, 0, "backbone").parent.parent == cache_dir_for(root, h, 1, "backbone").parent.parent
+    assert (
+        cache_dir_for(root, h, 0, "backbone").parent.parent
+        == cache_dir_for(root, h, 1, "backbone").parent.parent
+    )
 
 
 def test_index_round_trip_and_garbage(tmp_path):
-    index = {(None, 0, "inductor_standalone"): {"handle": ("artifact_shape_None_subgraph_0",), "graph_hash": "ab"},
-             (4, 1, "inductor_standalone"): {"handle": ("artifact_shape_4_subgraph_1",), "graph_hash": "cd"}}
+    index = {
+        (None, 0, "inductor_standalone"): {
+            "handle": ("artifact_shape_None_subgraph_0",),
+            "graph_hash": "ab",
+        },
+        (4, 1, "inductor_standalone"): {
+            "handle": ("artifact_shape_4_subgraph_1",),
+            "graph_hash": "cd",
+        },
+    }
     path = tmp_path / "atomrt_compile_cache.py"
     write_index(path, index)
     assert read_index(path) == index
@@ -139,11 +164,17 @@ def test_manager_compiles_loads_and_recompiles_damage(tmp_path, caplog):
     args = [torch.randn(2, 4)]
     compilation_counter.reset()
     _manager(tmp_path).compile(graph, args, {}, graph_index=0, runtime_shape=None)
-    assert (compilation_counter.num_inductor_compiles, compilation_counter.num_cache_loads) == (1, 0)
+    assert (compilation_counter.num_inductor_compiles, compilation_counter.num_cache_loads) == (
+        1,
+        0,
+    )
     index = read_index(tmp_path / "atomrt_compile_cache.py")
     assert list(index) == [(None, 0, "file_test")]
     _manager(tmp_path).compile(graph, args, {}, graph_index=0, runtime_shape=None)
-    assert (compilation_counter.num_inductor_compiles, compilation_counter.num_cache_loads) == (1, 1)
+    assert (compilation_counter.num_inductor_compiles, compilation_counter.num_cache_loads) == (
+        1,
+        1,
+    )
     (tmp_path / "artifact_shape_None_subgraph_0" / "artifact.txt").write_text("trunc")
     with caplog.at_level(logging.WARNING, logger="atomrt.compile"):
         _manager(tmp_path).compile(graph, args, {}, graph_index=0, runtime_shape=None)

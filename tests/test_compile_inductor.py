@@ -29,7 +29,9 @@ TOLERANCE = 1e-4
 def run_child(cache_dir: Path, level: int, two_ops: bool) -> tuple[dict, str]:
     proc = subprocess.run(
         [sys.executable, str(TOYS), str(cache_dir), str(level), "1" if two_ops else "0"],
-        capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return _result(proc.stdout), proc.stderr
@@ -38,7 +40,7 @@ def run_child(cache_dir: Path, level: int, two_ops: bool) -> tuple[dict, str]:
 def _result(stdout: str) -> dict:
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, stdout
-    return json.loads(lines[0][len("RESULT "):])
+    return json.loads(lines[0][len("RESULT ") :])
 
 
 def _prefix_dir(cache_root: Path) -> Path:
@@ -55,7 +57,11 @@ def level3_cache(tmp_path_factory):
     torch.manual_seed(0)
     model, eager = make_models(make_config(3, str(root)), two_ops=True)
     diff = max_diff(model, eager)
-    pieces = [v for v in model.compile_backend.split_gm.__dict__.values() if isinstance(v, PiecewiseBackend)]
+    pieces = [
+        v
+        for v in model.compile_backend.split_gm.__dict__.values()
+        if isinstance(v, PiecewiseBackend)
+    ]
     return root, diff, pieces, compilation_counter.snapshot()
 
 
@@ -91,7 +97,10 @@ def test_truncated_artifact_is_recompiled_with_a_warning(level3_cache, tmp_path)
     root = tmp_path / "cache"
     shutil.copytree(level3_cache[0], root)
     artifact = _prefix_dir(root) / "artifact_shape_None_subgraph_1"
-    victim = max((p for p in artifact.rglob("*") if p.is_file() and p.name != "READY"), key=lambda p: p.stat().st_size)
+    victim = max(
+        (p for p in artifact.rglob("*") if p.is_file() and p.name != "READY"),
+        key=lambda p: p.stat().st_size,
+    )
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     result, stderr = run_child(root, level=3, two_ops=True)
     assert result["max_diff"] <= TOLERANCE
@@ -104,7 +113,10 @@ def test_truncated_artifact_is_recompiled_with_a_warning(level3_cache, tmp_path)
 
 def test_concurrent_compiles_of_one_key(tmp_path):
     cmd = [sys.executable, str(TOYS), str(tmp_path), "2", "0"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=CHILD_TIMEOUT_S) for p in procs]
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]

@@ -16,8 +16,14 @@ from atomrt.workers.loading.loader import load_model
 from model_harness import run_prefill_and_decode
 
 TINY = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
 )
 PROMPTS_3 = [[1, 5, 9, 2], [7, 3, 3, 8, 1], [4, 4]]  # 11 prefill rows, then 3-row decode steps
 PROMPTS_2 = [[2, 6, 1], [9, 9, 9, 9, 3, 5]]  # 9 prefill rows, then 2-row decode steps
@@ -37,7 +43,9 @@ def folder(request, tmp_path_factory) -> Path:
     return path
 
 
-def _logits(folder: Path, level: int, prompts: list[list[int]], cache_dir: Path) -> list[torch.Tensor]:
+def _logits(
+    folder: Path, level: int, prompts: list[list[int]], cache_dir: Path
+) -> list[torch.Tensor]:
     cc = CompilationConfig(level=level, compile_sizes=[3], cache_dir=str(cache_dir))
     config = Config(model=str(folder), device="cpu", compilation_config=cc)
     torch._dynamo.reset()
@@ -53,7 +61,9 @@ def test_levels_match_eager_logits(folder: Path, level: int, tmp_path: Path) -> 
         compiled = _logits(folder, level, prompts, tmp_path)
         for step, (a, b) in enumerate(zip(eager, compiled)):
             worst = (a - b).abs().max().item()
-            assert worst <= 1e-4, f"level {level}, {len(prompts)} seqs, step {step}: max diff {worst:.3g}"
+            assert worst <= 1e-4, (
+                f"level {level}, {len(prompts)} seqs, step {step}: max diff {worst:.3g}"
+            )
 
 
 def test_level3_pieces_and_specialized_size(folder: Path, tmp_path: Path) -> None:
@@ -63,4 +73,6 @@ def test_level3_pieces_and_specialized_size(folder: Path, tmp_path: Path) -> Non
     assert compilation_counter.num_piecewise_capturable_graphs_seen == num_attention_calls + 1
     assert compilation_counter.num_piecewise_graphs_seen == 2 * num_attention_calls + 1
     # General shape for every compiled piece, plus the shape-specialized size 3 on the decode steps.
-    assert compilation_counter.num_inductor_compiles + compilation_counter.num_cache_loads >= 2 * (num_attention_calls + 1)
+    assert compilation_counter.num_inductor_compiles + compilation_counter.num_cache_loads >= 2 * (
+        num_attention_calls + 1
+    )

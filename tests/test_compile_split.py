@@ -36,7 +36,9 @@ def _dynamo_graph(model: nn.Module, num_tokens: int = 8) -> tuple[torch.fx.Graph
     captured: list = []
 
     def capture(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        captured.append((gm, [num_tokens if isinstance(x, torch.SymInt) else x for x in example_inputs]))
+        captured.append(
+            (gm, [num_tokens if isinstance(x, torch.SymInt) else x for x in example_inputs])
+        )
         return gm.forward
 
     ids, pos = inputs(num_tokens)
@@ -48,7 +50,11 @@ def _dynamo_graph(model: nn.Module, num_tokens: int = 8) -> tuple[torch.fx.Graph
 
 
 def _count_calls(gm: torch.fx.GraphModule, op: object) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "overloadpacket", n.target) is op)
+    return sum(
+        1
+        for n in gm.graph.nodes
+        if n.op == "call_function" and getattr(n.target, "overloadpacket", n.target) is op
+    )
 
 
 @pytest.mark.parametrize("num_layers", [1, 3])
@@ -99,7 +105,11 @@ def test_levels_agree_without_inductor(tmp_path, two_ops):
     model, eager = make_models(make_config(3, str(tmp_path), use_inductor=False), two_ops=two_ops)
     assert not model.do_not_compile
     assert max_diff(model, eager) <= 1e-6
-    pieces = [v for v in model.compile_backend.split_gm.__dict__.values() if isinstance(v, PiecewiseBackend)]
+    pieces = [
+        v
+        for v in model.compile_backend.split_gm.__dict__.values()
+        if isinstance(v, PiecewiseBackend)
+    ]
     assert len(pieces) == 3  # two splitting calls -> three compiled pieces
     assert all(set(p.concrete_size_entries) == {4} for p in pieces)
     assert all(p.concrete_size_entries[4].compiled for p in pieces)  # 4 ran after the first call
@@ -136,7 +146,9 @@ def test_more_instances_than_the_recompile_limit(tmp_path):
     for i in range(limit + 3):
         model, eager = make_models(make_config(3, str(tmp_path), use_inductor=False))
         assert max_diff(model, eager) <= 1e-6, f"instance {i}"
-        assert model._compiled_forward is not None, f"instance {i} runs through the custom dispatcher"
+        assert model._compiled_forward is not None, (
+            f"instance {i} runs through the custom dispatcher"
+        )
 
 
 class _BufferUpdater(nn.Module):
@@ -175,7 +187,9 @@ def test_first_compiled_call_needs_two_rows(tmp_path):
 
 def test_debug_dump_and_computation_graph(tmp_path):
     dump = tmp_path / "dump"
-    model, eager = make_models(make_config(3, str(tmp_path / "cache"), use_inductor=False, debug_dump_path=str(dump)))
+    model, eager = make_models(
+        make_config(3, str(tmp_path / "cache"), use_inductor=False, debug_dump_path=str(dump))
+    )
     assert max_diff(model, eager, [8]) <= 1e-6
     rank_dir = dump / "rank_0"
     assert (rank_dir / "computation_graph.py").read_text().count("submod_") >= 5
@@ -185,17 +199,25 @@ def test_debug_dump_and_computation_graph(tmp_path):
 
 
 def test_cudagraph_copy_inputs_uses_static_buffers(tmp_path):
-    model, eager = make_models(make_config(3, str(tmp_path), use_inductor=False, cudagraph_copy_inputs=True))
+    model, eager = make_models(
+        make_config(3, str(tmp_path), use_inductor=False, cudagraph_copy_inputs=True)
+    )
     assert max_diff(model, eager) <= 1e-6
     ids, pos = inputs(3)
     model(ids, pos)
     copier = model.compile_backend.compiled_callable
     assert isinstance(copier, CopyInputsToStaticBuffers)
-    assert copier.buffers and all(b.shape[0] == 8 for b in copier.buffers)  # max(first call 8, capture 8)
-    assert torch.equal(copier.buffers[copier.indices.index(_input_index(model, "l_input_ids_"))][:3], ids)
+    assert copier.buffers and all(
+        b.shape[0] == 8 for b in copier.buffers
+    )  # max(first call 8, capture 8)
+    assert torch.equal(
+        copier.buffers[copier.indices.index(_input_index(model, "l_input_ids_"))][:3], ids
+    )
 
 
 def _input_index(model, name: str) -> int:
     """Position of a forward argument among the stitching graph's placeholders."""
-    placeholders = [n.name for n in model.compile_backend.split_gm.graph.nodes if n.op == "placeholder"]
+    placeholders = [
+        n.name for n in model.compile_backend.split_gm.graph.nodes if n.op == "placeholder"
+    ]
     return placeholders.index(name)

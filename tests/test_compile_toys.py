@@ -37,7 +37,9 @@ def _test_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.
     output.copy_(torch.cumsum(gated, dim=0) / counts)
 
 
-def _test_attn_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor) -> None:
+def _test_attn_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor
+) -> None:
     return None
 
 
@@ -49,7 +51,9 @@ def _test_mix_fake(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-direct_register_custom_op("test_attn", _test_attn, mutates_args=["output"], fake_impl=_test_attn_fake)
+direct_register_custom_op(
+    "test_attn", _test_attn, mutates_args=["output"], fake_impl=_test_attn_fake
+)
 direct_register_custom_op("test_mix", _test_mix, mutates_args=[], fake_impl=_test_mix_fake)
 
 
@@ -65,7 +69,9 @@ class ToyModelEager(nn.Module):
         self.scale_output = False  # a Python attribute Dynamo guards on (see the guard test)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids) + positions[:, None].to(torch.float32) * 0.01  # [num_tokens, hidden]
+        h = (
+            self.embed(input_ids) + positions[:, None].to(torch.float32) * 0.01
+        )  # [num_tokens, hidden]
         for i, layer in enumerate(self.qkv):
             q, k, v = layer(h).chunk(3, dim=-1)
             if self.two_ops and i % 2 == 1:
@@ -122,7 +128,10 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(0)
     model, eager = make_models(make_config(level, cache_dir), two_ops=two_ops)
     diff = max_diff(model, eager)
-    print("RESULT " + json.dumps({"counter": compilation_counter.snapshot(), "max_diff": diff}), flush=True)
+    print(
+        "RESULT " + json.dumps({"counter": compilation_counter.snapshot(), "max_diff": diff}),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

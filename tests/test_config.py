@@ -76,7 +76,9 @@ def test_default_ladder():
 
 def test_level3_rules():
     cfg = Config(
-        compilation_config=CompilationConfig(level=3, compile_sizes=["cudagraph_capture_sizes", 3000]),
+        compilation_config=CompilationConfig(
+            level=3, compile_sizes=["cudagraph_capture_sizes", 3000]
+        ),
         scheduler_config=SchedulerConfig(max_num_seqs=512),
     )
     cc = cfg.compilation_config
@@ -88,14 +90,22 @@ def test_level3_rules():
 
 
 def test_level3_respects_user_choices():
-    cc = CompilationConfig(level=3, cudagraph_mode="FULL", splitting_ops=["atomrt.other"], cudagraph_capture_sizes=[4, 1, 2])
+    cc = CompilationConfig(
+        level=3,
+        cudagraph_mode="FULL",
+        splitting_ops=["atomrt.other"],
+        cudagraph_capture_sizes=[4, 1, 2],
+    )
     cfg = Config(compilation_config=cc)
     assert cc.cudagraph_mode is M.FULL and cc.splitting_ops == ["atomrt.other"]
     assert cfg.capture_sizes == [1, 2, 4]
 
 
 def test_ladder_filtered_by_max_num_seqs_and_explicit_list_checked():
-    cfg = Config(compilation_config=CompilationConfig(level=3), scheduler_config=SchedulerConfig(max_num_seqs=40))
+    cfg = Config(
+        compilation_config=CompilationConfig(level=3),
+        scheduler_config=SchedulerConfig(max_num_seqs=40),
+    )
     assert cfg.capture_sizes == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32]
     with pytest.raises(ConfigError, match="max_num_seqs"):
         Config(
@@ -110,12 +120,16 @@ def test_enforce_eager_skips_compilation_and_graphs():
     cfg = Config(enforce_eager=True, compilation_config=CompilationConfig(level=3))
     assert cfg.compilation_config.level == 0
     assert cfg.cudagraph_mode is M.NONE
-    assert Config(compilation_config=CompilationConfig(use_cudagraph=False)).cudagraph_mode is M.NONE
+    assert (
+        Config(compilation_config=CompilationConfig(use_cudagraph=False)).cudagraph_mode is M.NONE
+    )
 
 
 def test_yaml_round_trip(tmp_path):
     cfg = Config(
-        compilation_config=CompilationConfig(level=3, cudagraph_mode="FULL_DECODE_ONLY", compile_sizes=[1, 8]),
+        compilation_config=CompilationConfig(
+            level=3, cudagraph_mode="FULL_DECODE_ONLY", compile_sizes=[1, 8]
+        ),
     )
     p = tmp_path / "c.yaml"
     p.write_text(dump_yaml(cfg))
@@ -127,8 +141,11 @@ def test_yaml_round_trip(tmp_path):
 def test_overrides_and_base(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("compilation_config: {level: 3}\nscheduler_config: {max_num_seqs: 64}\n")
-    cfg = build_config(str(p), ["compilation_config.cudagraph_mode=FULL", "cache_config.block_size=32"],
-                       base={"enforce_eager": False})
+    cfg = build_config(
+        str(p),
+        ["compilation_config.cudagraph_mode=FULL", "cache_config.block_size=32"],
+        base={"enforce_eager": False},
+    )
     assert cfg.compilation_config.level == 3 and cfg.cudagraph_mode is M.FULL
     assert cfg.cache_config.block_size == 32 and cfg.scheduler_config.max_num_seqs == 64
 
@@ -173,7 +190,10 @@ def test_bad_override_and_missing_file(tmp_path):
 
 def test_compute_hash_ignores_placement():
     a = Config(compilation_config=CompilationConfig(level=3))
-    b = Config(compilation_config=CompilationConfig(level=3), parallel_config=ParallelConfig(executor="ray", worker_timeout_s=5))
+    b = Config(
+        compilation_config=CompilationConfig(level=3),
+        parallel_config=ParallelConfig(executor="ray", worker_timeout_s=5),
+    )
     c = Config(compilation_config=CompilationConfig(level=3, compile_sizes=[4]))
     assert a.compute_hash() == b.compute_hash()
     assert a.compute_hash() != c.compute_hash()
@@ -191,8 +211,14 @@ def test_example_configs_load():
 def test_ray_placement_and_transport_reach_the_executor():
     from atomrt.runtime.executors.factory import make_executor
 
-    cfg = build_config(None, ["parallel_config.executor=ray", "parallel_config.placement_strategy=SPREAD",
-                              "parallel_config.transport=tcp"])
+    cfg = build_config(
+        None,
+        [
+            "parallel_config.executor=ray",
+            "parallel_config.placement_strategy=SPREAD",
+            "parallel_config.transport=tcp",
+        ],
+    )
     ex = make_executor(cfg)
     assert ex.placement_strategy == "SPREAD" and ex.transport == "tcp"
     with pytest.raises(ConfigError, match="parallel_config.placement_strategy"):
@@ -214,7 +240,9 @@ def test_transport_spin_us_auto_is_the_default_and_follows_the_device(monkeypatc
     assert pc.resolved_spin_s("cuda") == 0.002
 
 
-@pytest.mark.parametrize("spin_us, spin_s", [(0, 0.0), (0.0, 0.0), (500, 0.0005), (2000.0, 0.002), (1e6, 1.0)])
+@pytest.mark.parametrize(
+    "spin_us, spin_s", [(0, 0.0), (0.0, 0.0), (500, 0.0005), (2000.0, 0.002), (1e6, 1.0)]
+)
 def test_explicit_transport_spin_us_passes_through_on_any_device(monkeypatch, spin_us, spin_s):
     monkeypatch.setattr(config_module, "usable_cpu_count", lambda: 1)
     pc = ParallelConfig(transport_spin_us=spin_us)
@@ -223,7 +251,9 @@ def test_explicit_transport_spin_us_passes_through_on_any_device(monkeypatch, sp
 
 @pytest.mark.parametrize("bad", ["fast", "AUTO", "", -1, True, 2e6, None, [2000]])
 def test_bad_transport_spin_us_names_the_field_and_the_choices(bad):
-    with pytest.raises(ConfigError, match=r"parallel_config\.transport_spin_us: must be 'auto' or a number"):
+    with pytest.raises(
+        ConfigError, match=r"parallel_config\.transport_spin_us: must be 'auto' or a number"
+    ):
         ParallelConfig(transport_spin_us=bad)
 
 
@@ -242,4 +272,9 @@ def test_transport_spin_us_yaml_round_trip(tmp_path, value):
     p.write_text(dump_yaml(cfg))
     assert load_yaml(p)["parallel_config"]["transport_spin_us"] == value
     assert build_config(str(p)) == cfg
-    assert build_config(None, [f"parallel_config.transport_spin_us={value}"]).parallel_config.transport_spin_us == value
+    assert (
+        build_config(
+            None, [f"parallel_config.transport_spin_us={value}"]
+        ).parallel_config.transport_spin_us
+        == value
+    )

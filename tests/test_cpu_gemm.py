@@ -38,13 +38,19 @@ def test_a_changed_weight_is_packed_again() -> None:
         layer.weight.normal_()
         layer.bias.normal_()
     x = torch.randn(3, 16)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+    )
     with torch.no_grad():
         layer.weight.mul_(2)  # bumps the version
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+    )
     layer.weight.data.copy_(torch.randn(8, 16))  # as loading writes: no version bump
     reset_packed_weights(layer)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_gated_row_parallel_layer() -> None:

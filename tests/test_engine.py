@@ -34,7 +34,10 @@ def _tokens(outputs):
 
 
 def test_chat_answer_names_paris(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=24))
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+    )
     assert "Paris" in out[0].outputs[0].text
     assert out[0].finished and out[0].outputs[0].finish_reason in ("stop", "length")
 
@@ -45,14 +48,18 @@ def test_first_32_greedy_tokens_match_transformers(llm):
     from atomrt.workers.loading.loader import embedded_gguf_path
 
     path = embedded_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     hf.eval()
     ours = _tokens(llm.generate(PROMPTS, GREEDY32))
     for prompt, our_tokens in zip(PROMPTS, ours):
         ids = llm.tokenizer.encode(prompt)
         with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=0)
-        theirs = gen[0, len(ids):].tolist()
+            gen = hf.generate(
+                torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=0
+            )
+        theirs = gen[0, len(ids) :].tolist()
         eos = set(llm.tokenizer.eos_token_ids)
         if theirs and theirs[-1] in eos:
             pass  # both stop at EOS, including it
@@ -60,8 +67,13 @@ def test_first_32_greedy_tokens_match_transformers(llm):
 
 
 def _mixed_prompts(llm) -> list[str]:
-    words = "the a of GPU graph token kernel cache scheduler block prefill decode bucket pool".split()
-    return [" ".join(words[(i * 3) % len(words):] + words[: (i * 5) % 7 + 1]) + f" story {i}:" for i in range(16)]
+    words = (
+        "the a of GPU graph token kernel cache scheduler block prefill decode bucket pool".split()
+    )
+    return [
+        " ".join(words[(i * 3) % len(words) :] + words[: (i * 5) % 7 + 1]) + f" story {i}:"
+        for i in range(16)
+    ]
 
 
 def test_batch_invariance_alone_vs_batch_of_16(llm):
@@ -117,7 +129,9 @@ def test_bad_prompt_in_a_batch_runs_nothing(llm):
         llm.generate(["fine prompt", ""], SamplingParams(max_tokens=2))
     assert not any(s.has_unfinished() for s in llm.engine.schedulers)  # nothing runs
     outs = llm.engine.step()  # the rolled-back request's final output
-    assert [o.outputs[0].finish_reason for o in outs] == ["abort"] and not llm.engine.has_unfinished()
+    assert [o.outputs[0].finish_reason for o in outs] == [
+        "abort"
+    ] and not llm.engine.has_unfinished()
 
 
 def test_unknown_model_and_corrupt_files(tmp_path):
@@ -129,7 +143,9 @@ def test_unknown_model_and_corrupt_files(tmp_path):
         LLM(str(bad_gguf))
     folder = tmp_path / "broken-st"
     folder.mkdir()
-    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    (folder / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}'
+    )
     (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ValueError, match="broken-st"):
         LLM(str(folder))
@@ -138,12 +154,19 @@ def test_unknown_model_and_corrupt_files(tmp_path):
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     p = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
     a = _tokens(llm.generate(["Tell me a story"], p))[0]
-    b = _tokens(llm.generate(["Tell me a story", "Another prompt here"], [p, SamplingParams(temperature=1.0, max_tokens=10)]))[0]
+    b = _tokens(
+        llm.generate(
+            ["Tell me a story", "Another prompt here"],
+            [p, SamplingParams(temperature=1.0, max_tokens=10)],
+        )
+    )[0]
     assert a == b
 
 
 def test_stop_strings_and_logprobs(llm):
-    out = llm.generate(["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=20, stop=[" 6"], logprobs=2))[0]
+    out = llm.generate(
+        ["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=20, stop=[" 6"], logprobs=2)
+    )[0]
     c = out.outputs[0]
     assert " 6" not in c.text and c.finish_reason == "stop" and c.stop_reason == " 6"
     assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
@@ -178,7 +201,9 @@ def test_each_request_gets_its_own_number_of_logprobs(llm):
     assert none.logprobs is None
     for c, k in ((one, 1), (four, 4)):
         for tok, row in zip(c.token_ids, c.logprobs):
-            assert tok in row and k <= len(row) <= k + 1  # the top k, plus the sampled token if not among them
+            assert (
+                tok in row and k <= len(row) <= k + 1
+            )  # the top k, plus the sampled token if not among them
 
 
 def stream_beside_a_quiet_request(llm, params: SamplingParams):

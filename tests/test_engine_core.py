@@ -55,15 +55,23 @@ class Alone:
     tokens are a prefix: greedy, ignore_eos)."""
 
     def __init__(self, model: Path) -> None:
-        self.llm = LLM(str(model), **CPU, num_kv_blocks=256, block_size=BLOCK, max_num_seqs=1,
-                       enable_prefix_caching=False)
+        self.llm = LLM(
+            str(model),
+            **CPU,
+            num_kv_blocks=256,
+            block_size=BLOCK,
+            max_num_seqs=1,
+            enable_prefix_caching=False,
+        )
         self.cache: dict[tuple[int, ...], list[int]] = {}
 
     def tokens(self, prompt: list[int], n: int) -> list[int]:
         key = tuple(prompt)
         if key not in self.cache:
             params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-            self.cache[key] = self.llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+            self.cache[key] = (
+                self.llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+            )
         return self.cache[key][:n]
 
 
@@ -103,8 +111,11 @@ def run_workload(llm: LLM, rng: random.Random, alone: Alone) -> int:
     for _ in range(3000):
         if todo and rng.random() < 0.5:
             prompt, n, stream = todo.pop(0)
-            rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                                     stream=stream)
+            rid = engine.add_request(
+                prompt,
+                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                stream=stream,
+            )
             prompts[rid] = (prompt, n)
             if stream:
                 streamed[rid] = []
@@ -132,11 +143,15 @@ def run_workload(llm: LLM, rng: random.Random, alone: Alone) -> int:
             assert completion.finish_reason == "abort" and tokens == want[: len(tokens)], rid
         else:
             assert completion.finish_reason == "length" and tokens == want, (rid, prompt, n)
-    assert all(s.block_manager.num_free_blocks == s.block_manager.num_blocks for s in engine.schedulers)
+    assert all(
+        s.block_manager.num_free_blocks == s.block_manager.num_blocks for s in engine.schedulers
+    )
     return len(prompts)
 
 
-def _differential(tiny: Path, alone: Alone, seed: int, workloads: int, executor: str = "inproc") -> None:
+def _differential(
+    tiny: Path, alone: Alone, seed: int, workloads: int, executor: str = "inproc"
+) -> None:
     rng = random.Random(seed)
     config = random_config(rng)
     llm = LLM(str(tiny), **CPU, executor=executor, worker_timeout_s=90.0, **config)
@@ -177,8 +192,16 @@ def test_preemption_in_a_step_that_schedules_nothing_reaches_the_workers(tiny, a
             seen.append(out.preempted[0].seq_id)
         return out
 
-    llm = LLM(str(tiny), **CPU, num_kv_blocks=11, block_size=BLOCK, max_num_seqs=7, max_num_batched_tokens=16,
-              async_scheduling=True, enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny),
+        **CPU,
+        num_kv_blocks=11,
+        block_size=BLOCK,
+        max_num_seqs=7,
+        max_num_batched_tokens=16,
+        async_scheduling=True,
+        enable_prefix_caching=False,
+    )
     Scheduler.schedule = schedule
     try:
         for seed in range(40):
@@ -194,7 +217,9 @@ def test_preemption_in_a_step_that_schedules_nothing_reaches_the_workers(tiny, a
 # ------------------------------------------------------------------------------------ interrupts
 
 
-def _interrupt_trials(llm: LLM, prompts: list[list[int]], params: SamplingParams, trials: int, span_s: float) -> int:
+def _interrupt_trials(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, trials: int, span_s: float
+) -> int:
     """Ctrl-C (a timer's interrupt_main) at random points of generate, then generate again."""
     assert llm.engine._guard.installed, "the engine must hold SIGINT back in its critical sections"
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -229,8 +254,15 @@ def test_keyboard_interrupt_in_process_then_generate_again(tiny):
 
 @pytest.mark.parametrize("executor", ["mp", "ray"])
 def test_keyboard_interrupt_through_workers_then_generate_again(tiny, executor):
-    llm = LLM(str(tiny), **CPU, executor=executor, num_kv_blocks=64, max_num_seqs=4, async_scheduling=True,
-              worker_timeout_s=90.0)
+    llm = LLM(
+        str(tiny),
+        **CPU,
+        executor=executor,
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        async_scheduling=True,
+        worker_timeout_s=90.0,
+    )
     try:
         start = time.monotonic()
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -259,14 +291,16 @@ def test_exception_in_an_in_process_step_leaves_the_next_step_right(tiny):
         with pytest.raises(RuntimeError, match="injected step failure"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         ModelRunner.execute = original
-        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+        assert [
+            o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        ] == want
         assert llm.engine.dead is None
     finally:
         ModelRunner.execute = original
         llm.shutdown()
 
 
-FAULTS = textwrap.dedent('''
+FAULTS = textwrap.dedent("""
     import os, time
     if os.environ.get("ATOMRT_TEST_FAULT"):
         from atomrt.workers import worker as _w
@@ -281,24 +315,32 @@ FAULTS = textwrap.dedent('''
             return _launch(self, plan)
 
         _w.Worker.launch = launch
-''')
+""")
 
 
 @pytest.fixture
 def worker_faults(tmp_path, monkeypatch):
     """Spawned workers import this sitecustomize: ATOMRT_TEST_FAULT=raise:N or hang:N at step N."""
     (tmp_path / "sitecustomize.py").write_text(FAULTS)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
     return monkeypatch
 
 
 def test_exception_in_an_mp_worker_step_is_a_dead_engine_naming_rank_and_step(tiny, worker_faults):
     worker_faults.setenv("ATOMRT_TEST_FAULT", "raise:2")
-    llm = LLM(str(tiny), **CPU, executor="mp", num_kv_blocks=64, max_num_seqs=4, worker_timeout_s=90.0)
+    llm = LLM(
+        str(tiny), **CPU, executor="mp", num_kv_blocks=64, max_num_seqs=4, worker_timeout_s=90.0
+    )
     try:
         with pytest.raises(WorkerError) as err:
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert "rank 0" in str(err.value) and "step 2" in str(err.value) and "injected" in str(err.value)
+        assert (
+            "rank 0" in str(err.value)
+            and "step 2" in str(err.value)
+            and "injected" in str(err.value)
+        )
         assert "expected" not in str(err.value)
         with pytest.raises(EngineDeadError, match="injected step failure"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -308,8 +350,15 @@ def test_exception_in_an_mp_worker_step_is_a_dead_engine_naming_rank_and_step(ti
 
 def test_a_hung_but_alive_mp_worker_is_reported_within_the_heartbeat_timeout(tiny, worker_faults):
     worker_faults.setenv("ATOMRT_TEST_FAULT", "hang:3")
-    llm = LLM(str(tiny), **CPU, executor="mp", num_kv_blocks=64, max_num_seqs=4, worker_timeout_s=120.0,
-              heartbeat_timeout_s=10.0)
+    llm = LLM(
+        str(tiny),
+        **CPU,
+        executor="mp",
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        worker_timeout_s=120.0,
+        heartbeat_timeout_s=10.0,
+    )
     try:
         start = time.monotonic()
         with pytest.raises(WorkerError, match="no progress") as err:
@@ -343,8 +392,11 @@ def test_bounds_every_request_meets(tiny):
     engine = llm.engine
     try:
         for kwargs, field in [
-            (dict(seed=-1), "seed"), (dict(seed=2**64), "seed"), (dict(top_k=2**64), "top_k"),
-            (dict(logprobs=2**64), "logprobs"), (dict(temperature=math.inf), "temperature"),
+            (dict(seed=-1), "seed"),
+            (dict(seed=2**64), "seed"),
+            (dict(top_k=2**64), "top_k"),
+            (dict(logprobs=2**64), "logprobs"),
+            (dict(temperature=math.inf), "temperature"),
         ]:
             with pytest.raises(ValueError, match=field):
                 SamplingParams(**kwargs)
@@ -359,7 +411,9 @@ def test_bounds_every_request_meets(tiny):
         with pytest.raises(ValueError, match="request_id"):
             engine.add_request([5, 6], request_id=7)
         assert not engine.has_unfinished()  # nothing was queued by a rejected request
-        out = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=3, logprobs=20), use_tqdm=False)
+        out = llm.generate(
+            [[5, 6]], SamplingParams(temperature=0, max_tokens=3, logprobs=20), use_tqdm=False
+        )
         assert len(out[0].outputs[0].logprobs[0]) >= 20
     finally:
         llm.shutdown()
@@ -367,12 +421,16 @@ def test_bounds_every_request_meets(tiny):
 
 def test_max_model_len_beyond_the_models_context(tiny, monkeypatch, caplog):
     with pytest.raises(ConfigError, match="max_model_len.*ATOMRT_ALLOW_LONG_MAX_MODEL_LEN"):
-        LLM(str(tiny), **CPU, num_kv_blocks=64, max_model_len=512)  # the tiny model's context is 256
+        LLM(
+            str(tiny), **CPU, num_kv_blocks=64, max_model_len=512
+        )  # the tiny model's context is 256
     import dataclasses
 
     from atomrt.runtime.driver import validation
 
-    monkeypatch.setattr(validation, "ENV", dataclasses.replace(validation.ENV, allow_long_max_model_len=True))
+    monkeypatch.setattr(
+        validation, "ENV", dataclasses.replace(validation.ENV, allow_long_max_model_len=True)
+    )
     llm = LLM(str(tiny), **CPU, num_kv_blocks=64, max_model_len=512)
     try:
         assert llm.engine.max_model_len == 512
@@ -386,11 +444,15 @@ def test_config_leaves_its_compilation_config_as_given():
     eager = Config(compilation_config=cc, enforce_eager=True)
     assert eager.compilation_config.level == 0 and cc.level == 3 and cc.cudagraph_mode is None
     big = Config(compilation_config=cc)
-    assert big.compilation_config.cudagraph_mode.name == "TR_HYBRID" and big.capture_sizes[-1] == 256
+    assert (
+        big.compilation_config.cudagraph_mode.name == "TR_HYBRID" and big.capture_sizes[-1] == 256
+    )
     assert cc.cudagraph_capture_sizes is None and cc.splitting_ops is None
     from atomrt.runtime.config import SchedulerConfig
 
-    small = Config(compilation_config=cc, scheduler_config=SchedulerConfig(max_num_seqs=4))  # reused: fine
+    small = Config(
+        compilation_config=cc, scheduler_config=SchedulerConfig(max_num_seqs=4)
+    )  # reused: fine
     assert small.capture_sizes == [1, 2, 3, 4]
 
 
@@ -409,13 +471,16 @@ def test_stream_deltas_carry_the_logprobs_of_their_own_tokens_and_abort_ends_a_s
                 tokens += delta.token_ids
                 logprobs += delta.logprobs
         assert tokens == whole.token_ids and logprobs == whole.logprobs
-        rid = engine.add_request([9, 8, 7], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True),
-                                 stream=True)
+        rid = engine.add_request(
+            [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True), stream=True
+        )
         engine.step()
         engine.step()
         engine.abort(rid)
         outs = engine.step()
-        assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [(rid, True, "abort")]
+        assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs] == [
+            (rid, True, "abort")
+        ]
         assert not engine.has_unfinished()
     finally:
         llm.shutdown()
@@ -425,38 +490,85 @@ def test_a_parallel_layout_the_model_cannot_take_is_one_clean_line():
     """The embedded model has 9 attention heads: TP=2 is refused on the driver, before Ray starts."""
     start = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "atomrt.runtime.entrypoints.cli", "generate", "--executor", "ray", "--tp", "2",
-         "--prompt", "hi"], capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "atomrt.runtime.entrypoints.cli",
+            "generate",
+            "--executor",
+            "ray",
+            "--tp",
+            "2",
+            "--prompt",
+            "hi",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 2, r.stderr
-    assert "Traceback" not in r.stderr and "ray" not in r.stderr.lower().replace("--executor ray", "")
+    assert "Traceback" not in r.stderr and "ray" not in r.stderr.lower().replace(
+        "--executor ray", ""
+    )
     lines = [line for line in r.stderr.splitlines() if "atomrt: error" in line]
-    assert len(lines) == 1 and "num_attention_heads" in lines[0] and "tensor_parallel_size" in lines[0]
+    assert (
+        len(lines) == 1 and "num_attention_heads" in lines[0] and "tensor_parallel_size" in lines[0]
+    )
     assert time.monotonic() - start < 60
 
 
 # ------------------------------------------------------------------------------- parameter fuzz
 
-ODD_INTS = st.one_of(st.integers(-(2**70), 2**70), st.sampled_from([0, -1, 1, 2**31, 2**63, 2**64, -(2**63)]))
-ODD_FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e-30, 1e30]))
-ODD = st.one_of(ODD_INTS, ODD_FLOATS, st.booleans(), st.none(), st.text(max_size=5),
-                st.lists(st.integers(-5, 2**40), max_size=3))
-FIELDS = ["temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-          "frequency_penalty", "max_tokens", "min_tokens", "logprobs", "stop_token_ids", "ignore_eos", "n"]
+ODD_INTS = st.one_of(
+    st.integers(-(2**70), 2**70), st.sampled_from([0, -1, 1, 2**31, 2**63, 2**64, -(2**63)])
+)
+ODD_FLOATS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e-30, 1e30])
+)
+ODD = st.one_of(
+    ODD_INTS,
+    ODD_FLOATS,
+    st.booleans(),
+    st.none(),
+    st.text(max_size=5),
+    st.lists(st.integers(-5, 2**40), max_size=3),
+)
+FIELDS = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+]
 
 
 @pytest.fixture(scope="module")
 def mp_llm(tiny):
-    llm = LLM(str(tiny), **CPU, executor="mp", num_kv_blocks=64, max_num_seqs=4, worker_timeout_s=90.0)
+    llm = LLM(
+        str(tiny), **CPU, executor="mp", num_kv_blocks=64, max_num_seqs=4, worker_timeout_s=90.0
+    )
     yield llm
     llm.shutdown()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(values=st.dictionaries(st.sampled_from(FIELDS), ODD, min_size=1, max_size=4))
 def test_parameter_fuzz_through_mp(mp_llm, alone, values):
     engine = mp_llm.engine
-    companion = engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    companion = engine.add_request(
+        PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    )
     odd: Optional[str] = None
     try:
         params = SamplingParams(**{**dict(max_tokens=4), **values})

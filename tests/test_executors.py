@@ -27,7 +27,9 @@ def reference(tiny_model: Path) -> list[list[int]]:
     return tokens
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(data_parallel_size=2)], ids=["tp2", "dp2"])
+@pytest.mark.parametrize(
+    "layout", [dict(tensor_parallel_size=2), dict(data_parallel_size=2)], ids=["tp2", "dp2"]
+)
 def test_mp_matches_inproc(tiny_model: Path, reference: list[list[int]], layout: dict) -> None:
     tokens, pids = greedy_tokens(tiny_model, executor="mp", **layout)
     assert tokens == reference
@@ -42,11 +44,15 @@ def test_ray_tp2_matches_inproc(tiny_model: Path, reference: list[list[int]]) ->
     tokens, pids = greedy_tokens(tiny_model, executor="ray", tensor_parallel_size=2)
     assert tokens == reference
     assert len(pids) == 2
-    assert not ray.is_initialized(), "the executor started a local Ray, so its shutdown must stop it"
+    assert not ray.is_initialized(), (
+        "the executor started a local Ray, so its shutdown must stop it"
+    )
     assert wait_gone(pids.values()) == []
 
 
-def test_ray_two_nodes_places_ranks_on_both_and_steps_over_tcp(tiny_model: Path, reference: list[list[int]]) -> None:
+def test_ray_two_nodes_places_ranks_on_both_and_steps_over_tcp(
+    tiny_model: Path, reference: list[list[int]]
+) -> None:
     import ray
     from ray.cluster_utils import Cluster
 
@@ -67,7 +73,9 @@ def test_ray_two_nodes_places_ranks_on_both_and_steps_over_tcp(tiny_model: Path,
         assert len(set(nodes.values())) == 2, f"both ranks on one node: {nodes}"
         assert executor.channel.addresses.plan.startswith("tcp://"), executor.channel.addresses
         assert tokens == reference
-        assert ray.is_initialized(), "the executor joined a Ray it did not start: it must leave it running"
+        assert ray.is_initialized(), (
+            "the executor joined a Ray it did not start: it must leave it running"
+        )
         assert wait_gone(pids.values()) == []
     finally:
         ray.shutdown()
@@ -80,8 +88,12 @@ def test_mp_startup_failure_names_rank_and_phase_and_leaves_no_process(tiny_mode
     from atomrt.runtime.executors.mp_executor import MPExecutor
     from atomrt.runtime.entrypoints.llm import config_from_kwargs
 
-    executor = MPExecutor(config_from_kwargs(str(tiny_model), dict(COMMON, executor="mp", tensor_parallel_size=3)))
-    with pytest.raises(WorkerError, match=r"rank \d \(dp 0, tp \d\): init_worker failed: .*tensor_parallel_size 3"):
+    executor = MPExecutor(
+        config_from_kwargs(str(tiny_model), dict(COMMON, executor="mp", tensor_parallel_size=3))
+    )
+    with pytest.raises(
+        WorkerError, match=r"rank \d \(dp 0, tp \d\): init_worker failed: .*tensor_parallel_size 3"
+    ):
         executor.start()
     assert len(executor.worker_pids) == 3
     assert wait_gone(executor.worker_pids.values(), timeout_s=5) == []

@@ -20,8 +20,12 @@ CAPTURED = {
     M.NONE: CapturedBuckets(),
     M.FULL: CapturedBuckets(req_keys=[(b, 0) for b in LADDER]),
     M.FULL_DECODE_ONLY: CapturedBuckets(req_keys=[(b, 0) for b in LADDER]),
-    M.TR_HYBRID: CapturedBuckets(decode_token_sizes=LADDER, prefill_token_sizes=PREFILL_TOKEN_SIZES),
-    M.FULL_AND_TR_HYBRID: CapturedBuckets(decode_token_sizes=LADDER, prefill_token_sizes=PREFILL_TOKEN_SIZES),
+    M.TR_HYBRID: CapturedBuckets(
+        decode_token_sizes=LADDER, prefill_token_sizes=PREFILL_TOKEN_SIZES
+    ),
+    M.FULL_AND_TR_HYBRID: CapturedBuckets(
+        decode_token_sizes=LADDER, prefill_token_sizes=PREFILL_TOKEN_SIZES
+    ),
 }
 
 # The graph a step of each phase replays under each mode, when a recorded bucket holds it.
@@ -54,12 +58,18 @@ OTHER = {
 }
 
 
-def make_mode(mode: CUDAGraphMode, enforce_eager: bool = False, draft: int = 0, captured=None) -> ForwardMode:
+def make_mode(
+    mode: CUDAGraphMode, enforce_eager: bool = False, draft: int = 0, captured=None
+) -> ForwardMode:
     config = Config(
         enforce_eager=enforce_eager,
-        compilation_config=CompilationConfig(cudagraph_mode=mode, cudagraph_capture_sizes=list(LADDER)),
+        compilation_config=CompilationConfig(
+            cudagraph_mode=mode, cudagraph_capture_sizes=list(LADDER)
+        ),
     )
-    return ForwardMode(config, CAPTURED[mode] if captured is None else captured, num_draft_tokens=draft)
+    return ForwardMode(
+        config, CAPTURED[mode] if captured is None else captured, num_draft_tokens=draft
+    )
 
 
 CASES = [
@@ -102,7 +112,11 @@ def test_decide_table(mode, kind, size, other):
 def test_enforce_eager_always_eager(mode, kind):
     batch, _ = BATCH[(kind, "in")]
     d = make_mode(mode, enforce_eager=True, captured=CAPTURED[mode]).decide([batch, OTHER["idle"]])
-    assert d.kind is EAGER and d.running_tokens == batch.num_tokens and d.dp_padded_tokens == (batch.num_tokens,) * 2
+    assert (
+        d.kind is EAGER
+        and d.running_tokens == batch.num_tokens
+        and d.dp_padded_tokens == (batch.num_tokens,) * 2
+    )
 
 
 @pytest.mark.parametrize("mode", [M.FULL, M.FULL_DECODE_ONLY, M.TR_HYBRID])
@@ -117,11 +131,18 @@ def test_one_rank_prefilling_makes_the_group_a_prefill_step(mode):
 
 def test_one_rank_beyond_makes_every_rank_eager():
     d = make_mode(M.FULL).decide([BatchShape(2, 2, 1, False), BatchShape(20, 20, 1, False)])
-    assert d.kind is EAGER and d.running_tokens == 20 and d.running_bs == 20 and d.dp_padded_tokens == (20, 20)
+    assert (
+        d.kind is EAGER
+        and d.running_tokens == 20
+        and d.running_bs == 20
+        and d.dp_padded_tokens == (20, 20)
+    )
 
 
 def test_group_bucket_holds_the_largest_rank():
-    d = make_mode(M.FULL).decide([BatchShape(3, 3, 1, False), BatchShape(7, 7, 1, False), BatchShape.idle()])
+    d = make_mode(M.FULL).decide(
+        [BatchShape(3, 3, 1, False), BatchShape(7, 7, 1, False), BatchShape.idle()]
+    )
     assert d.kind is REQ and d.req_key == (8, 0) and d.dp_padded_tokens == (8, 8, 8)
     assert d.dp_num_tokens == (3, 7, 0)
 
@@ -138,7 +159,9 @@ def test_nothing_captured_is_eager():
 
 
 def test_tr_hybrid_without_prefill_buckets_runs_prefill_eagerly():
-    captured = CapturedBuckets(decode_token_sizes=LADDER)  # a model that records decode buckets only
+    captured = CapturedBuckets(
+        decode_token_sizes=LADDER
+    )  # a model that records decode buckets only
     mode = make_mode(M.TR_HYBRID, captured=captured)
     assert mode.decide([BatchShape(1, 4, 4, True)]).kind is EAGER
     assert mode.decide([BatchShape(3, 3, 1, False)]).token_bucket == 4
@@ -155,7 +178,9 @@ def test_draft_decode_keys_by_draft_num():
     # Recorded for another draft width: no bucket.
     assert make_mode(M.FULL, draft=1).decide([BatchShape(3, 6, 2, False)]).kind is EAGER
 
-    tr = make_mode(M.TR_HYBRID, draft=2, captured=CapturedBuckets(decode_token_sizes=[b * q for b in LADDER]))
+    tr = make_mode(
+        M.TR_HYBRID, draft=2, captured=CapturedBuckets(decode_token_sizes=[b * q for b in LADDER])
+    )
     d = tr.decide([BatchShape(3, 3 * q, q, False)])
     assert d.kind is TOKEN and d.token_bucket == 12 and d.running_bs == 4
 
@@ -172,7 +197,9 @@ def test_repeated_shapes_reuse_the_decision_and_new_shapes_get_their_own():
     ]
     mode = make_mode(M.FULL)
     decisions = [mode.decide(s) for s in steps]
-    assert decisions == [make_mode(M.FULL).decide(s) for s in steps]  # as if each step were decided afresh
+    assert decisions == [
+        make_mode(M.FULL).decide(s) for s in steps
+    ]  # as if each step were decided afresh
     assert decisions[1] is decisions[0]  # a steady decode reuses the frozen decision
 
 

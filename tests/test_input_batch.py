@@ -27,8 +27,13 @@ def _decode_batch(seq_ids: list[int], context_lens: list[int], **kw) -> RankBatc
 
 def test_build_reads_tables_kept_from_updates() -> None:
     mirrors = SeqMirrors(block_size=4)
-    new = [NewRequest(7, np.array([1, 2, 3], dtype=np.int32)), NewRequest(8, np.array([4], dtype=np.int32))]
-    mirrors.apply(_decode_batch([], [], new_requests=new, **new_blocks({7: (0, [5, 6]), 8: (0, [9])})))
+    new = [
+        NewRequest(7, np.array([1, 2, 3], dtype=np.int32)),
+        NewRequest(8, np.array([4], dtype=np.int32)),
+    ]
+    mirrors.apply(
+        _decode_batch([], [], new_requests=new, **new_blocks({7: (0, [5, 6]), 8: (0, [9])}))
+    )
     mirrors.apply(_decode_batch([], [], **new_blocks({7: (2, [11])})))
     inputs = mirrors.build(_decode_batch([8, 7], [2, 9]))
     assert inputs.block_tables.tolist() == [[9, -1, -1], [5, 6, 11]]
@@ -41,10 +46,20 @@ def test_build_reads_tables_kept_from_updates() -> None:
 
 def test_reset_drops_every_mirror_before_the_batch_applies() -> None:
     mirrors = SeqMirrors(block_size=4)
-    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1), NewRequest(2)],
-                                **new_blocks({1: (0, [4, 5]), 2: (0, [6])})))
-    again = NewRequest(2, np.array([9, 9], dtype=np.int32), output_token_ids=np.array([7], dtype=np.int32))
-    mirrors.apply(_decode_batch([], [], new_requests=[again], reset=True, **new_blocks({2: (0, [8])})))
+    mirrors.apply(
+        _decode_batch(
+            [],
+            [],
+            new_requests=[NewRequest(1), NewRequest(2)],
+            **new_blocks({1: (0, [4, 5]), 2: (0, [6])}),
+        )
+    )
+    again = NewRequest(
+        2, np.array([9, 9], dtype=np.int32), output_token_ids=np.array([7], dtype=np.int32)
+    )
+    mirrors.apply(
+        _decode_batch([], [], new_requests=[again], reset=True, **new_blocks({2: (0, [8])}))
+    )
     assert sorted(mirrors.seqs) == [2]
     assert mirrors.seqs[2].prompt_token_ids == [9, 9] and mirrors.seqs[2].output_token_ids == [7]
     assert mirrors.build(_decode_batch([2], [1])).block_tables.tolist() == [[8]]
@@ -52,9 +67,15 @@ def test_reset_drops_every_mirror_before_the_batch_applies() -> None:
 
 def test_a_freed_row_is_reused_clean() -> None:
     mirrors = SeqMirrors(block_size=4)
-    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1)], **new_blocks({1: (0, [0, 1, 2])})))
+    mirrors.apply(
+        _decode_batch([], [], new_requests=[NewRequest(1)], **new_blocks({1: (0, [0, 1, 2])}))
+    )
     row = mirrors.seqs[1].block_table_row
-    mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(2)], finished_seq_ids=np.array([1], dtype=np.int64)))
+    mirrors.apply(
+        _decode_batch(
+            [], [], new_requests=[NewRequest(2)], finished_seq_ids=np.array([1], dtype=np.int64)
+        )
+    )
     assert 1 not in mirrors.seqs and mirrors.seqs[2].block_table_row == row
     assert mirrors.build(_decode_batch([2], [1])).block_tables.tolist() == [[-1]]
 
@@ -95,8 +116,10 @@ def test_mixed_step_positions_and_slots() -> None:
     updates = new_blocks({1: (0, [3, 8]), 2: (0, [5])})
     mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1), NewRequest(2)], **updates))
     batch = RankBatch(
-        seq_ids=np.array([2, 1], dtype=np.int64), num_new_tokens=np.array([1, 3], dtype=np.int32),
-        num_computed_tokens=np.array([2, 2], dtype=np.int32), input_ids=np.arange(4, dtype=np.int32),
+        seq_ids=np.array([2, 1], dtype=np.int64),
+        num_new_tokens=np.array([1, 3], dtype=np.int32),
+        num_computed_tokens=np.array([2, 2], dtype=np.int32),
+        input_ids=np.arange(4, dtype=np.int32),
         sample_mask=np.array([True, False]),
     )
     inputs = mirrors.build(batch)
@@ -112,8 +135,10 @@ def test_as_many_rows_as_sequences_but_not_one_each() -> None:
     updates = new_blocks({1: (0, [3]), 2: (0, [5, 6])})
     mirrors.apply(_decode_batch([], [], new_requests=[NewRequest(1), NewRequest(2)], **updates))
     batch = RankBatch(
-        seq_ids=np.array([1, 2], dtype=np.int64), num_new_tokens=np.array([0, 2], dtype=np.int32),
-        num_computed_tokens=np.array([1, 3], dtype=np.int32), input_ids=np.arange(2, dtype=np.int32),
+        seq_ids=np.array([1, 2], dtype=np.int64),
+        num_new_tokens=np.array([0, 2], dtype=np.int32),
+        num_computed_tokens=np.array([1, 3], dtype=np.int32),
+        input_ids=np.arange(2, dtype=np.int32),
         sample_mask=np.array([False, True]),
     )
     inputs = mirrors.build(batch)
@@ -146,11 +171,22 @@ def test_flat_updates_round_trip_and_apply_like_per_sequence_updates() -> None:
             start = rng.randint(0, len(reference[s]))
             updates[s] = (start, [rng.randrange(4096) for _ in range(rng.randint(0, 40))])
             reference[s] = reference[s][:start] + updates[s][1]
-        batch = decode(encode(_decode_batch(
-            [], [], new_requests=[NewRequest(s) for s in new], finished_seq_ids=np.array(finished, dtype=np.int64),
-            **new_blocks(updates))))
+        batch = decode(
+            encode(
+                _decode_batch(
+                    [],
+                    [],
+                    new_requests=[NewRequest(s) for s in new],
+                    finished_seq_ids=np.array(finished, dtype=np.int64),
+                    **new_blocks(updates),
+                )
+            )
+        )
         mirrors.apply(batch)
         assert sorted(mirrors.seqs) == sorted(reference)
         for s, table in reference.items():
             row = mirrors.seqs[s].block_table_row
-            assert mirrors.block_tables.table[row, : mirrors.block_tables.lengths[row]].tolist() == table, s
+            assert (
+                mirrors.block_tables.table[row, : mirrors.block_tables.lengths[row]].tolist()
+                == table
+            ), s

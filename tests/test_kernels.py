@@ -70,7 +70,9 @@ def make_batch(
     test. (The GPU tier builds its real-size batches with this too.)"""
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = [math.ceil(n / block_size) for n in lens_k]
-    assert all(b <= max_blocks for b in blocks_per_seq) and all(nq <= nk for nq, nk in zip(lens_q, lens_k))
+    assert all(b <= max_blocks for b in blocks_per_seq) and all(
+        nq <= nk for nq, nk in zip(lens_q, lens_k)
+    )
     num_blocks = num_blocks or sum(blocks_per_seq) + 3
     physical = torch.randperm(num_blocks, device=device, generator=gen)
     num_seqs = len(lens_q) + pad_seqs
@@ -81,11 +83,17 @@ def make_batch(
         blocks = physical[used : used + nb]
         used += nb
         block_tables[s, :nb] = blocks.to(torch.int32)
-        owned.view(-1)[(blocks[:, None] * block_size + torch.arange(block_size, device=device)).view(-1)[:n]] = True
+        owned.view(-1)[
+            (blocks[:, None] * block_size + torch.arange(block_size, device=device)).view(-1)[:n]
+        ] = True
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     nan = torch.tensor(float("nan"), device=device)
-    k_cache = torch.where(owned[:, :, None, None], torch.randn(shape, device=device, generator=gen), nan).to(dtype)
-    v_cache = torch.where(owned[:, :, None, None], torch.randn(shape, device=device, generator=gen), nan).to(dtype)
+    k_cache = torch.where(
+        owned[:, :, None, None], torch.randn(shape, device=device, generator=gen), nan
+    ).to(dtype)
+    v_cache = torch.where(
+        owned[:, :, None, None], torch.randn(shape, device=device, generator=gen), nan
+    ).to(dtype)
     cu = [0]
     for n in lens_q + [0] * pad_seqs:
         cu.append(cu[-1] + n)
@@ -127,12 +135,20 @@ def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def run_attention(batch: PagedBatch, *, graph_safe: bool, max_seqlen_q: int, host_lists: bool = True) -> torch.Tensor:
+def run_attention(
+    batch: PagedBatch, *, graph_safe: bool, max_seqlen_q: int, host_lists: bool = True
+) -> torch.Tensor:
     """Calls unified_attention as the attention op would; returns the whole out buffer."""
     out = torch.full_like(batch.q, SENTINEL)
     unified_attention(
-        batch.q, batch.k_cache, batch.v_cache, out,
-        batch.cu_seqlens_q, batch.context_lens, batch.block_tables, batch.q.shape[2] ** -0.5,
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        out,
+        batch.cu_seqlens_q,
+        batch.context_lens,
+        batch.block_tables,
+        batch.q.shape[2] ** -0.5,
         num_seqs=batch.num_seqs,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max(batch.context_lens_cpu),
@@ -143,7 +159,9 @@ def run_attention(batch: PagedBatch, *, graph_safe: bool, max_seqlen_q: int, hos
     return out
 
 
-def check_output(batch: PagedBatch, out: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+def check_output(
+    batch: PagedBatch, out: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-5
+) -> None:
     ref = reference_attention(batch, batch.q.shape[2] ** -0.5)
     n = batch.num_real_rows
     torch.testing.assert_close(out[:n].double(), ref, rtol=rtol, atol=atol)
@@ -161,11 +179,23 @@ CASES = {
 @pytest.mark.parametrize("graph_safe", [False, True], ids=["host", "graph"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 32)], ids=["mha-d64", "gqa4-d32"])
-def test_attention_matches_reference(graph_safe: bool, case: str, group: int, head_dim: int) -> None:
+def test_attention_matches_reference(
+    graph_safe: bool, case: str, group: int, head_dim: int
+) -> None:
     lens_q, lens_k = CASES[case]
     pad_seqs, pad_rows = (2, 3) if graph_safe else (0, 2)
-    batch = make_batch(lens_q, lens_k, num_kv_heads=2, group=group, head_dim=head_dim, block_size=16,
-                       max_blocks=4, pad_seqs=pad_seqs, pad_rows=pad_rows, seed=len(case) + group)
+    batch = make_batch(
+        lens_q,
+        lens_k,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        block_size=16,
+        max_blocks=4,
+        pad_seqs=pad_seqs,
+        pad_rows=pad_rows,
+        seed=len(case) + group,
+    )
     # A graph bucket's rows per sequence may exceed the batch's real maximum.
     max_seqlen_q = max(lens_q) + (3 if graph_safe and case == "prefill" else 0)
     check_output(batch, run_attention(batch, graph_safe=graph_safe, max_seqlen_q=max_seqlen_q))
@@ -181,22 +211,50 @@ def test_random_ragged_batches(seed: int) -> None:
 
     block_size, max_blocks = pick([16, 32]), 3
     group, head_dim, num_kv_heads = pick([1, 3, 4, 8]), pick([32, 48, 64]), pick([1, 2])
-    lens_k = [int(n) for n in torch.randint(1, block_size * max_blocks + 1, (int(pick([1, 3, 5])),), generator=rng)]
+    lens_k = [
+        int(n)
+        for n in torch.randint(
+            1, block_size * max_blocks + 1, (int(pick([1, 3, 5])),), generator=rng
+        )
+    ]
     lens_q = [min(n_k, pick([1, 2, 4, n_k])) for n_k in lens_k]
     graph_safe = seed % 2 == 0
-    batch = make_batch(lens_q, lens_k, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                       block_size=block_size, max_blocks=max_blocks, pad_seqs=int(graph_safe), pad_rows=2, seed=seed)
+    batch = make_batch(
+        lens_q,
+        lens_k,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        max_blocks=max_blocks,
+        pad_seqs=int(graph_safe),
+        pad_rows=2,
+        seed=seed,
+    )
     check_output(batch, run_attention(batch, graph_safe=graph_safe, max_seqlen_q=max(lens_q)))
 
 
 def test_host_path_without_host_lists() -> None:
     lens_q, lens_k = CASES["prefill"]
-    batch = make_batch(lens_q, lens_k, num_kv_heads=1, group=4, head_dim=32, block_size=16, max_blocks=3, pad_rows=1)
-    check_output(batch, run_attention(batch, graph_safe=False, max_seqlen_q=max(lens_q), host_lists=False))
+    batch = make_batch(
+        lens_q,
+        lens_k,
+        num_kv_heads=1,
+        group=4,
+        head_dim=32,
+        block_size=16,
+        max_blocks=3,
+        pad_rows=1,
+    )
+    check_output(
+        batch, run_attention(batch, graph_safe=False, max_seqlen_q=max(lens_q), host_lists=False)
+    )
 
 
 def test_block_size_32() -> None:
-    batch = make_batch([4, 1, 2], [37, 64, 2], num_kv_heads=2, group=2, head_dim=32, block_size=32, max_blocks=2)
+    batch = make_batch(
+        [4, 1, 2], [37, 64, 2], num_kv_heads=2, group=2, head_dim=32, block_size=32, max_blocks=2
+    )
     check_output(batch, run_attention(batch, graph_safe=True, max_seqlen_q=4))
 
 
@@ -205,20 +263,47 @@ def test_block_size_32() -> None:
 def test_split_kv_matches_reference(num_splits: int, case: str) -> None:
     """Forces a split count (the planner only splits contexts of hundreds of keys) to test the reduce."""
     lens_q, lens_k = CASES[case]
-    batch = make_batch(lens_q, lens_k, num_kv_heads=2, group=4, head_dim=32, block_size=16, max_blocks=3,
-                       pad_seqs=1, pad_rows=2, seed=num_splits)
-    plan = plan_attention(batch.num_seqs, max(lens_q), 48, num_kv_heads=2, group=4, head_dim=32, num_sms=4)
-    plan = dataclasses.replace(plan, num_splits=num_splits, tile_n=16)  # 16-key tiles: up to 3 per sequence
+    batch = make_batch(
+        lens_q,
+        lens_k,
+        num_kv_heads=2,
+        group=4,
+        head_dim=32,
+        block_size=16,
+        max_blocks=3,
+        pad_seqs=1,
+        pad_rows=2,
+        seed=num_splits,
+    )
+    plan = plan_attention(
+        batch.num_seqs, max(lens_q), 48, num_kv_heads=2, group=4, head_dim=32, num_sms=4
+    )
+    plan = dataclasses.replace(
+        plan, num_splits=num_splits, tile_n=16
+    )  # 16-key tiles: up to 3 per sequence
     out = torch.full_like(batch.q, SENTINEL)
-    launch_attention(plan, batch.q, batch.k_cache, batch.v_cache, out, batch.cu_seqlens_q, batch.context_lens,
-                     batch.block_tables, 32**-0.5, num_seqs=batch.num_seqs, reduce_rows=batch.q.shape[0])
+    launch_attention(
+        plan,
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        out,
+        batch.cu_seqlens_q,
+        batch.context_lens,
+        batch.block_tables,
+        32**-0.5,
+        num_seqs=batch.num_seqs,
+        reduce_rows=batch.q.shape[0],
+    )
     check_output(batch, out)
 
 
 def test_graph_safe_replay_with_new_metadata_in_same_buffers() -> None:
     """What a FULL graph replay does: same tensors, new contents (lengths, tables, q), same launch."""
     bucket = dict(num_kv_heads=2, group=2, head_dim=32, block_size=16, max_blocks=3, seed=1)
-    first = make_batch([1, 1, 1], [3, 33, 16], pad_seqs=1, pad_rows=1, **bucket)  # 4 sequences, 4 rows
+    first = make_batch(
+        [1, 1, 1], [3, 33, 16], pad_seqs=1, pad_rows=1, **bucket
+    )  # 4 sequences, 4 rows
     second = make_batch([1, 1], [48, 1], pad_seqs=2, pad_rows=2, **bucket)
     check_output(first, run_attention(first, graph_safe=True, max_seqlen_q=1))
     num_blocks = min(first.k_cache.shape[0], second.k_cache.shape[0])
@@ -239,7 +324,10 @@ def test_write_kv_cache_skips_padded_slots() -> None:
     v_cache = torch.full_like(k_cache, -SENTINEL)
     slot_mapping = torch.tensor([33, 2, -1, 17, 47, -1], dtype=torch.int64)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat, v_flat = (
+        k_cache.view(-1, num_kv_heads, head_dim),
+        v_cache.view(-1, num_kv_heads, head_dim),
+    )
     written = slot_mapping >= 0
     assert torch.equal(k_flat[slot_mapping[written]], k[written])
     assert torch.equal(v_flat[slot_mapping[written]], v[written])
@@ -275,15 +363,22 @@ def test_rope_write_kv_matches_reference(num_heads: int, num_kv_heads: int, head
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), SENTINEL)
     v_cache = torch.full_like(k_cache, -SENTINEL)
 
-    q_rot = rope_write_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_cache, v_cache, slot_mapping)
+    q_rot = rope_write_kv(
+        q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_cache, v_cache, slot_mapping
+    )
 
     cos, sin = rotary.cos_cache[positions], rotary.sin_cache[positions]
     torch.testing.assert_close(q_rot.double(), _rotate_ref(q, cos, sin), rtol=1e-5, atol=1e-5)
     assert q_rot.is_contiguous() and q_rot.shape == q.shape
     written = slot_mapping >= 0
-    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat, v_flat = (
+        k_cache.view(-1, num_kv_heads, head_dim),
+        v_cache.view(-1, num_kv_heads, head_dim),
+    )
     k_ref = _rotate_ref(k, cos, sin)
-    torch.testing.assert_close(k_flat[slot_mapping[written]].double(), k_ref[written], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        k_flat[slot_mapping[written]].double(), k_ref[written], rtol=1e-5, atol=1e-5
+    )
     assert torch.equal(v_flat[slot_mapping[written]], v[written])
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slot_mapping[written]] = False
@@ -291,7 +386,9 @@ def test_rope_write_kv_matches_reference(num_heads: int, num_kv_heads: int, head
     # The unfused path the CPU reference runs (RotaryEmbedding) agrees.
     q_torch, k_torch = rotary(positions, q, k)
     torch.testing.assert_close(q_rot, q_torch, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(k_flat[slot_mapping[written]], k_torch[written], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        k_flat[slot_mapping[written]], k_torch[written], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_rope_write_kv_rejects_mismatched_caches() -> None:
@@ -301,36 +398,90 @@ def test_rope_write_kv_rejects_mismatched_caches() -> None:
     slots, positions = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
     with pytest.raises(ValueError, match="do not fit head_dim 64"):
         q64, k64 = torch.zeros(2, 4, 64), torch.zeros(2, 2, 64)
-        rope_write_kv(q64, k64, k64, positions, rotary.cos_cache, rotary.sin_cache,
-                      torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64), slots)
+        rope_write_kv(
+            q64,
+            k64,
+            k64,
+            positions,
+            rotary.cos_cache,
+            rotary.sin_cache,
+            torch.zeros(2, 16, 2, 64),
+            torch.zeros(2, 16, 2, 64),
+            slots,
+        )
     with pytest.raises(ValueError, match="do not fit caches"):
-        rope_write_kv(q, k, k, positions, rotary.cos_cache, rotary.sin_cache, k_cache[:, :, :1], k_cache, slots)
+        rope_write_kv(
+            q,
+            k,
+            k,
+            positions,
+            rotary.cos_cache,
+            rotary.sin_cache,
+            k_cache[:, :, :1],
+            k_cache,
+            slots,
+        )
     with pytest.raises(ValueError, match="1 positions"):
-        rope_write_kv(q, k, k, positions[:1], rotary.cos_cache, rotary.sin_cache, k_cache, k_cache.clone(), slots)
+        rope_write_kv(
+            q,
+            k,
+            k,
+            positions[:1],
+            rotary.cos_cache,
+            rotary.sin_cache,
+            k_cache,
+            k_cache.clone(),
+            slots,
+        )
 
 
 def test_write_then_attend_round_trip() -> None:
     """Prefill chunk written through write_kv_cache, then attended: the attention op's order."""
-    batch = make_batch([4, 2], [20, 2], num_kv_heads=2, group=1, head_dim=32, block_size=16, max_blocks=2, seed=5)
+    batch = make_batch(
+        [4, 2], [20, 2], num_kv_heads=2, group=1, head_dim=32, block_size=16, max_blocks=2, seed=5
+    )
     new_k = torch.randn(6, 2, 32)
     new_v = torch.randn(6, 2, 32)
     slots = []
     for s, (n_q, n_k) in enumerate([(4, 20), (2, 2)]):
         for p in range(n_k - n_q, n_k):
             slots.append(int(batch.block_tables[s, p // 16]) * 16 + p % 16)
-    write_kv_cache(new_k, new_v, batch.k_cache, batch.v_cache, torch.tensor(slots, dtype=torch.int64))
+    write_kv_cache(
+        new_k, new_v, batch.k_cache, batch.v_cache, torch.tensor(slots, dtype=torch.int64)
+    )
     check_output(batch, run_attention(batch, graph_safe=False, max_seqlen_q=4))
 
 
 def test_plan_depends_on_bucket_values_only_and_splits_long_decode() -> None:
-    few_long = plan_attention(num_seqs=1, max_seqlen_q=1, max_seqlen_k=8192, num_kv_heads=8, group=4,
-                              head_dim=128, num_sms=132)
+    few_long = plan_attention(
+        num_seqs=1,
+        max_seqlen_q=1,
+        max_seqlen_k=8192,
+        num_kv_heads=8,
+        group=4,
+        head_dim=128,
+        num_sms=132,
+    )
     assert few_long.num_splits > 1
-    many = plan_attention(num_seqs=64, max_seqlen_q=1, max_seqlen_k=1024, num_kv_heads=8, group=4,
-                          head_dim=128, num_sms=132)
+    many = plan_attention(
+        num_seqs=64,
+        max_seqlen_q=1,
+        max_seqlen_k=1024,
+        num_kv_heads=8,
+        group=4,
+        head_dim=128,
+        num_sms=132,
+    )
     assert many.num_splits == 1
-    prefill = plan_attention(num_seqs=2, max_seqlen_q=2048, max_seqlen_k=4096, num_kv_heads=8, group=1,
-                             head_dim=128, num_sms=132)
+    prefill = plan_attention(
+        num_seqs=2,
+        max_seqlen_q=2048,
+        max_seqlen_k=4096,
+        num_kv_heads=8,
+        group=1,
+        head_dim=128,
+        num_sms=132,
+    )
     assert prefill.block_m == 128 and prefill.num_splits == 1
     assert isinstance(few_long, AttentionLaunch) and few_long.block_m % few_long.group_p == 0
 
@@ -339,6 +490,17 @@ def test_rejects_mismatched_heads() -> None:
     q = torch.zeros(2, 3, 32)
     cache = torch.zeros(2, 16, 2, 32)
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        unified_attention(q, cache, cache, torch.zeros_like(q), torch.tensor([0, 2], dtype=torch.int32),
-                          torch.tensor([2], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 1.0,
-                          num_seqs=1, max_seqlen_q=2, max_seqlen_k=2, graph_safe=False)
+        unified_attention(
+            q,
+            cache,
+            cache,
+            torch.zeros_like(q),
+            torch.tensor([0, 2], dtype=torch.int32),
+            torch.tensor([2], dtype=torch.int32),
+            torch.zeros(1, 1, dtype=torch.int32),
+            1.0,
+            num_seqs=1,
+            max_seqlen_q=2,
+            max_seqlen_k=2,
+            graph_safe=False,
+        )

@@ -16,19 +16,35 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
-FOLDERS = {"runtime": "atomrt.runtime", "workers": "atomrt.workers", "compile": "atomrt.compile",
-           "graphs": "atomrt.graphs", "distributed": "atomrt.distributed"}
-LEAVES = {f"atomrt.runtime.{m}" for m in ("config", "config_io", "envs", "forward_context", "sampling_params",
-                                          "decision")}
+FOLDERS = {
+    "runtime": "atomrt.runtime",
+    "workers": "atomrt.workers",
+    "compile": "atomrt.compile",
+    "graphs": "atomrt.graphs",
+    "distributed": "atomrt.distributed",
+}
+LEAVES = {
+    f"atomrt.runtime.{m}"
+    for m in ("config", "config_io", "envs", "forward_context", "sampling_params", "decision")
+}
 LAYERS = [  # (prefix, layer); the longest matching prefix wins
-    ("atomrt.compile", 1), ("atomrt.graphs", 1), ("atomrt.distributed", 1),
+    ("atomrt.compile", 1),
+    ("atomrt.graphs", 1),
+    ("atomrt.distributed", 1),
     ("atomrt.workers", 2),
     ("atomrt.runtime.executors", 3),
     ("atomrt.runtime.driver", 4),
-    ("atomrt.runtime.entrypoints", 5), ("atomrt.runtime.bench", 5),
+    ("atomrt.runtime.entrypoints", 5),
+    ("atomrt.runtime.bench", 5),
 ]
-LAYER_NAMES = ["runtime leaves", "compile / graphs / distributed", "workers", "runtime.executors",
-               "runtime.driver", "runtime.entrypoints / bench"]
+LAYER_NAMES = [
+    "runtime leaves",
+    "compile / graphs / distributed",
+    "workers",
+    "runtime.executors",
+    "runtime.driver",
+    "runtime.entrypoints / bench",
+]
 
 
 def modules() -> dict[str, Path]:
@@ -82,9 +98,15 @@ def layer_of(module: str) -> int:
         return 0
     if module == "atomrt.runtime":
         return 5  # the package re-exports LLM (its __getattr__ imports the entry point)
-    matches = [(len(prefix), layer) for prefix, layer in LAYERS if module == prefix or module.startswith(prefix + ".")]
+    matches = [
+        (len(prefix), layer)
+        for prefix, layer in LAYERS
+        if module == prefix or module.startswith(prefix + ".")
+    ]
     if not matches:
-        raise AssertionError(f"{module}: in no layer; add it to LEAVES or LAYERS in {Path(__file__).name}")
+        raise AssertionError(
+            f"{module}: in no layer; add it to LEAVES or LAYERS in {Path(__file__).name}"
+        )
     return max(matches)[1]
 
 
@@ -154,11 +176,18 @@ def test_the_checks_catch_what_they_look_for(tmp_path: Path) -> None:
     )
     known = set(modules())
     assert imports_of(src, known) == {
-        "atomrt.workers.kernels.device_info", "atomrt.runtime.config", "atomrt.runtime.driver.scheduler"
+        "atomrt.workers.kernels.device_info",
+        "atomrt.runtime.config",
+        "atomrt.runtime.driver.scheduler",
     }
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("atomrt.runtime.something_new")
-    assert layer_of("atomrt.runtime.driver.engine") > layer_of("atomrt.runtime.executors.base") > layer_of(
-        "atomrt.workers.worker") > layer_of("atomrt.graphs.buckets") > layer_of("atomrt.runtime.config")
+    assert (
+        layer_of("atomrt.runtime.driver.engine")
+        > layer_of("atomrt.runtime.executors.base")
+        > layer_of("atomrt.workers.worker")
+        > layer_of("atomrt.graphs.buckets")
+        > layer_of("atomrt.runtime.config")
+    )

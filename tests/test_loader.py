@@ -19,7 +19,9 @@ from model_harness import run_prefill_and_decode
 
 
 def _load(model: str, load_format: str = "auto") -> None:
-    load_model(Config(model=model, model_config=ModelConfig(load_format=load_format)), "cpu", torch.float32)
+    load_model(
+        Config(model=model, model_config=ModelConfig(load_format=load_format)), "cpu", torch.float32
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,10 @@ def test_dummy_smollm2_shapes_and_finite_logits() -> None:
     result = run_prefill_and_decode(loaded.model, [[1, 2, 3, 4, 5], [9, 8]], num_decode_steps=1)
     assert all(torch.isfinite(step).all() for step in result.logits)
     again = load_model(config, "cpu", torch.float32)
-    assert torch.equal(again.model.model.layers[0].mlp.down_proj.weight, loaded.model.model.layers[0].mlp.down_proj.weight)
+    assert torch.equal(
+        again.model.model.layers[0].mlp.down_proj.weight,
+        loaded.model.model.layers[0].mlp.down_proj.weight,
+    )
 
 
 @pytest.mark.parametrize(
@@ -121,14 +126,22 @@ def test_preset_parameter_counts(preset: str, num_params: int) -> None:
 def test_tp_shards_cover_the_model() -> None:
     """With tp_size > num_kv_heads each rank holds one kv head; shards add up to the whole."""
     arch = arch_from_hf_config(preset_config("SmolLM2-135M"), "preset")  # 9 heads, 3 kv heads
-    ranks = [build_model(arch, "meta", torch.float32, TPInfo(r, 3), max_position=16) for r in range(3)]
+    ranks = [
+        build_model(arch, "meta", torch.float32, TPInfo(r, 3), max_position=16) for r in range(3)
+    ]
     qkv = [m.model.layers[0].self_attn.qkv_proj for m in ranks]
-    assert [q.num_kv_heads for q in qkv] == [1, 1, 1] and [q.kv_head_start for q in qkv] == [0, 1, 2]
+    assert [q.num_kv_heads for q in qkv] == [1, 1, 1] and [q.kv_head_start for q in qkv] == [
+        0,
+        1,
+        2,
+    ]
     with pytest.raises(ValueError, match="num_attention_heads"):
         build_model(arch, "meta", torch.float32, TPInfo(0, 2), max_position=16)
 
 
-def test_tokenizer_decode_is_transformers_decode(gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tokenizer_decode_is_transformers_decode(
+    gguf_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The engine's decode (the Rust tokenizer's, called directly where that is all transformers
     does) gives transformers' text for random windows of ids, special tokens and byte pieces
     included; a tokenizer that cleans up spaces keeps transformers' decode."""
@@ -142,15 +155,21 @@ def test_tokenizer_decode_is_transformers_decode(gguf_path: Path, monkeypatch: p
     rng = random.Random(0)
     specials = [0, 1, 2]  # <|endoftext|>, <|im_start|>, <|im_end|>
     for _ in range(300):
-        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(tokenizer.vocab_size)
-               for _ in range(rng.randrange(0, 12))]
+        ids = [
+            rng.choice(specials) if rng.random() < 0.1 else rng.randrange(tokenizer.vocab_size)
+            for _ in range(rng.randrange(0, 12))
+        ]
         for skip in (True, False):
-            assert tokenizer.decode(ids, skip) == tokenizer.hf.decode(ids, skip_special_tokens=skip), (ids, skip)
+            assert tokenizer.decode(ids, skip) == tokenizer.hf.decode(
+                ids, skip_special_tokens=skip
+            ), (ids, skip)
     tokenizer.hf.clean_up_tokenization_spaces = True
     assert Tokenizer(tokenizer.hf, (2,))._rust_decode is None
 
 
-def test_embedded_tokenizer_round_trip_and_chat_template(gguf_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_embedded_tokenizer_round_trip_and_chat_template(
+    gguf_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from atomrt.workers.loading.tokenizer import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

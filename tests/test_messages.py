@@ -37,7 +37,9 @@ def new_blocks(updates: dict[int, tuple[int, list[int]]]) -> dict[str, np.ndarra
         new_block_seq_ids=np.asarray(list(updates), dtype=np.int64),
         new_block_starts=np.asarray([start for start, _ in updates.values()], dtype=np.int32),
         num_new_blocks=np.asarray([len(blocks) for _, blocks in updates.values()], dtype=np.int32),
-        new_block_ids=np.asarray([b for _, blocks in updates.values() for b in blocks], dtype=np.int32),
+        new_block_ids=np.asarray(
+            [b for _, blocks in updates.values() for b in blocks], dtype=np.int32
+        ),
     )
 
 
@@ -45,14 +47,19 @@ def block_table_updates(rb: RankBatch) -> dict[int, tuple[int, list[int]]]:
     """The inverse of `new_blocks`: `seq_id -> (start, new block ids)` of a RankBatch."""
     bounds = np.cumsum(rb.num_new_blocks.tolist(), dtype=np.int64)
     blocks = np.split(rb.new_block_ids, bounds[:-1]) if len(bounds) else []
-    return {s: (start, b.tolist())
-            for s, start, b in zip(rb.new_block_seq_ids.tolist(), rb.new_block_starts.tolist(), blocks)}
+    return {
+        s: (start, b.tolist())
+        for s, start, b in zip(rb.new_block_seq_ids.tolist(), rb.new_block_starts.tolist(), blocks)
+    }
 
 
 def arrays(dtype, elements, max_size=40, shape=None):
     if shape is not None:
-        return shape.flatmap(lambda s: st.lists(elements, min_size=int(np.prod(s)), max_size=int(np.prod(s))).map(
-            lambda xs: np.array(xs, dtype=dtype).reshape(s)))
+        return shape.flatmap(
+            lambda s: st.lists(elements, min_size=int(np.prod(s)), max_size=int(np.prod(s))).map(
+                lambda xs: np.array(xs, dtype=dtype).reshape(s)
+            )
+        )
     return st.lists(elements, max_size=max_size).map(lambda xs: np.array(xs, dtype=dtype))
 
 
@@ -106,10 +113,16 @@ def rank_batches(draw, max_bs=20):
         new_requests=draw(st.lists(new_requests, max_size=3)),
         seq_ids=seq_ids,
         num_new_tokens=num_new,
-        num_computed_tokens=np.array(draw(st.lists(st.integers(0, 10**6), min_size=bs, max_size=bs)), np.int32),
-        input_ids=np.array(draw(st.lists(i32, min_size=int(num_new.sum()), max_size=int(num_new.sum()))), np.int32),
+        num_computed_tokens=np.array(
+            draw(st.lists(st.integers(0, 10**6), min_size=bs, max_size=bs)), np.int32
+        ),
+        input_ids=np.array(
+            draw(st.lists(i32, min_size=int(num_new.sum()), max_size=int(num_new.sum()))), np.int32
+        ),
         **new_blocks(updates),
-        sample_mask=np.array(draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), dtype=np.bool_),
+        sample_mask=np.array(
+            draw(st.lists(st.booleans(), min_size=bs, max_size=bs)), dtype=np.bool_
+        ),
         finished_seq_ids=draw(arrays(np.int64, i64, max_size=5)),
         reset=draw(st.booleans()),
     )
@@ -192,20 +205,31 @@ def test_step_result_roundtrip(msg):
 
 
 @_SETTINGS
-@given(st.builds(Hello, step=st.just(-1), instance=st.text(max_size=20), nonce=st.integers(0, 2**32)))
+@given(
+    st.builds(Hello, step=st.just(-1), instance=st.text(max_size=20), nonce=st.integers(0, 2**32))
+)
 def test_hello_roundtrip(msg):
     roundtrip(msg)
 
 
 @_SETTINGS
-@given(st.builds(Ready, rank=st.integers(0, 1023), nonce=st.integers(0, 2**32), pid=st.integers(0, 2**22)))
+@given(
+    st.builds(
+        Ready, rank=st.integers(0, 1023), nonce=st.integers(0, 2**32), pid=st.integers(0, 2**22)
+    )
+)
 def test_ready_roundtrip(msg):
     roundtrip(msg)
 
 
 def test_empty_messages_roundtrip():
-    for msg in (RankBatch(), StepPlan(step=0), StepPlan(step=0, ranks=[RankBatch(), RankBatch()]),
-                StepResult(step=0, dp_rank=0), NewRequest(seq_id=0)):
+    for msg in (
+        RankBatch(),
+        StepPlan(step=0),
+        StepPlan(step=0, ranks=[RankBatch(), RankBatch()]),
+        StepResult(step=0, dp_rank=0),
+        NewRequest(seq_id=0),
+    ):
         roundtrip(msg)
 
 
@@ -224,9 +248,14 @@ def _decode_batch(bs: int) -> RankBatch:
 def test_large_batches_roundtrip():
     rng = np.random.default_rng(1)
     prefill = RankBatch(
-        new_requests=[NewRequest(seq_id=i, token_ids=rng.integers(0, 50000, 2048).astype(np.int32),
-                               sampling_params=WorkerSamplingParams(seed=i))
-                      for i in range(300)],
+        new_requests=[
+            NewRequest(
+                seq_id=i,
+                token_ids=rng.integers(0, 50000, 2048).astype(np.int32),
+                sampling_params=WorkerSamplingParams(seed=i),
+            )
+            for i in range(300)
+        ],
         seq_ids=np.arange(300, dtype=np.int64),
         num_new_tokens=np.full(300, 2048, np.int32),
         num_computed_tokens=np.zeros(300, np.int32),
@@ -234,8 +263,14 @@ def test_large_batches_roundtrip():
         **new_blocks({i: (0, range(128 * i, 128 * (i + 1))) for i in range(300)}),
         sample_mask=np.ones(300, np.bool_),
     )
-    decision = ForwardDecision(ForwardKind.EAGER, running_bs=300, running_tokens=300 * 2048, is_prefill=True,
-                               dp_num_tokens=(300 * 2048, 256), dp_padded_tokens=(300 * 2048, 300 * 2048))
+    decision = ForwardDecision(
+        ForwardKind.EAGER,
+        running_bs=300,
+        running_tokens=300 * 2048,
+        is_prefill=True,
+        dp_num_tokens=(300 * 2048, 256),
+        dp_padded_tokens=(300 * 2048, 300 * 2048),
+    )
     plan = StepPlan(step=9, decision=decision, ranks=[prefill, _decode_batch(256)])
     out = roundtrip(plan)
     assert out.ranks[0].new_requests[299].token_ids.shape == (2048,)
@@ -243,8 +278,15 @@ def test_large_batches_roundtrip():
 
 def test_decode_step_ships_only_new_rows():
     """A 256-sequence decode step is a few KB: one token, one length, and rare new blocks per row."""
-    decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=256, running_tokens=256, is_prefill=False,
-                               req_key=(256, 0), dp_num_tokens=(256,), dp_padded_tokens=(256,))
+    decision = ForwardDecision(
+        ForwardKind.REQ_GRAPH,
+        running_bs=256,
+        running_tokens=256,
+        is_prefill=False,
+        req_key=(256, 0),
+        dp_num_tokens=(256,),
+        dp_padded_tokens=(256,),
+    )
     data = encode(StepPlan(step=1, decision=decision, ranks=[_decode_batch(256)]))
     assert len(data) < 8 * 1024
 
@@ -261,7 +303,10 @@ def test_bad_bytes_raise_message_error(data):
 
 
 updates_dicts = st.dictionaries(
-    i64, st.tuples(st.integers(0, 2**31 - 1), st.lists(st.integers(0, 2**31 - 1), max_size=70)), max_size=300)
+    i64,
+    st.tuples(st.integers(0, 2**31 - 1), st.lists(st.integers(0, 2**31 - 1), max_size=70)),
+    max_size=300,
+)
 
 
 @_SETTINGS
@@ -270,8 +315,11 @@ def test_block_table_updates_roundtrip(updates):
     """The flat new_block_* arrays travel as bytes and come back as the same updates, in order."""
     rb = decode(encode(RankBatch(**new_blocks(updates))))
     assert [(f, getattr(rb, f).dtype) for f in new_blocks({})] == [
-        ("new_block_seq_ids", np.int64), ("new_block_starts", np.int32), ("num_new_blocks", np.int32),
-        ("new_block_ids", np.int32)]
+        ("new_block_seq_ids", np.int64),
+        ("new_block_starts", np.int32),
+        ("num_new_blocks", np.int32),
+        ("new_block_ids", np.int32),
+    ]
     out = block_table_updates(rb)
     assert list(out) == list(updates)  # update order kept
     assert out == {s: (start, list(blocks)) for s, (start, blocks) in updates.items()}
@@ -279,10 +327,18 @@ def test_block_table_updates_roundtrip(updates):
 
 def test_block_table_updates_empty_and_large():
     empty = decode(encode(RankBatch()))
-    assert all(getattr(empty, f).shape == (0,) for f in new_blocks({})) and block_table_updates(empty) == {}
+    assert (
+        all(getattr(empty, f).shape == (0,) for f in new_blocks({}))
+        and block_table_updates(empty) == {}
+    )
     rng = np.random.default_rng(2)
-    big = {s: (int(rng.integers(0, 100)), rng.integers(0, 2**31 - 1, int(rng.integers(0, 600))).tolist())
-           for s in range(-5000, 5000, 3)}
+    big = {
+        s: (
+            int(rng.integers(0, 100)),
+            rng.integers(0, 2**31 - 1, int(rng.integers(0, 600))).tolist(),
+        )
+        for s in range(-5000, 5000, 3)
+    }
     out = roundtrip(RankBatch(**new_blocks(big)))
     assert block_table_updates(out) == big
 
@@ -299,8 +355,20 @@ def test_new_block_fields_travel_as_bare_bytes():
 
 
 any_arrays = hnp.arrays(
-    dtype=st.sampled_from([np.int8, np.uint16, np.int32, np.int64, np.float16, np.float32, np.float64, np.bool_,
-                           np.dtype(">i4"), np.dtype(">f8")]),
+    dtype=st.sampled_from(
+        [
+            np.int8,
+            np.uint16,
+            np.int32,
+            np.int64,
+            np.float16,
+            np.float32,
+            np.float64,
+            np.bool_,
+            np.dtype(">i4"),
+            np.dtype(">f8"),
+        ]
+    ),
     shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=6),
 )
 
@@ -321,8 +389,16 @@ def test_declared_arrays_travel_as_bare_bytes():
     """A 1-D array of its field's declared dtype is msgpack bin of its bytes; another dtype, an ext."""
     import msgpack
 
-    wire = msgpack.unpackb(encode(StepResult(step=0, dp_rank=0, seq_ids=np.arange(3, dtype=np.int64),
-                                             sampled_token_ids=np.arange(3, dtype=np.int64))))
+    wire = msgpack.unpackb(
+        encode(
+            StepResult(
+                step=0,
+                dp_rank=0,
+                seq_ids=np.arange(3, dtype=np.int64),
+                sampled_token_ids=np.arange(3, dtype=np.int64),
+            )
+        )
+    )
     assert wire[3] == np.arange(3, dtype=np.int64).tobytes()  # seq_ids: int64, as declared
     assert isinstance(wire[4], msgpack.ExtType)  # sampled_token_ids: int32 declared, int64 sent
 
@@ -330,7 +406,9 @@ def test_declared_arrays_travel_as_bare_bytes():
 def test_bad_declared_array_bytes_raise_message_error():
     import msgpack
 
-    wire = msgpack.packb([4, 0, 0, b"\x00" * 12, b"", None, None, None, None], use_bin_type=True)  # 12 B: not int64s
+    wire = msgpack.packb(
+        [4, 0, 0, b"\x00" * 12, b"", None, None, None, None], use_bin_type=True
+    )  # 12 B: not int64s
     with pytest.raises(MessageError, match="malformed StepResult"):
         decode(wire)
 
@@ -339,8 +417,15 @@ def test_encode_from_many_threads():
     """Each thread packs with its own Packer: concurrent encodes never mix their bytes."""
     import threading
 
-    msgs = [StepResult(step=i, dp_rank=0, seq_ids=np.arange(i, dtype=np.int64), logprobs=np.full((i, 2), i, np.float64))
-            for i in range(40)]
+    msgs = [
+        StepResult(
+            step=i,
+            dp_rank=0,
+            seq_ids=np.arange(i, dtype=np.int64),
+            logprobs=np.full((i, 2), i, np.float64),
+        )
+        for i in range(40)
+    ]
     expected = [encode(m) for m in msgs]
     bad: list[int] = []
 
@@ -350,7 +435,9 @@ def test_encode_from_many_threads():
 
     threads = [threading.Thread(target=run) for _ in range(4)]
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads inside `_default` (a shared Packer fails this test)
+    sys.setswitchinterval(
+        1e-6
+    )  # switch threads inside `_default` (a shared Packer fails this test)
     try:
         for t in threads:
             t.start()
@@ -362,8 +449,14 @@ def test_encode_from_many_threads():
 
 
 def test_numpy_scalars_travel_as_python_scalars():
-    decision = ForwardDecision(ForwardKind.TOKEN_GRAPH, running_bs=np.int32(8), running_tokens=np.int32(8),
-                               is_prefill=np.bool_(True), token_bucket=np.int64(8), dp_num_tokens=(np.int64(5),))
+    decision = ForwardDecision(
+        ForwardKind.TOKEN_GRAPH,
+        running_bs=np.int32(8),
+        running_tokens=np.int32(8),
+        is_prefill=np.bool_(True),
+        token_bucket=np.int64(8),
+        dp_num_tokens=(np.int64(5),),
+    )
     out = decode(encode(StepPlan(step=np.int64(3), decision=decision)))
     assert out.step == 3 and type(out.step) is int
     assert out.decision.is_prefill is True and out.decision.dp_num_tokens == (5,)
@@ -381,20 +474,32 @@ def _rank_batch_wire(**fields) -> bytes:
     return msgpack.packb(wire, use_bin_type=True)
 
 
-@pytest.mark.parametrize("fields, match", [
-    # counts say 4 ids, 3 follow; then 2, 3 follow
-    ({"num_new_blocks": np.array([2, 2], np.int32).tobytes()}, "add up to 4 block ids, but 3"),
-    ({"new_block_ids": np.array([1, 2], np.int32).tobytes()}, "add up to 3 block ids, but 2"),
-    # counts (-1, 4) add up to the 3 ids that follow, but one is negative
-    ({"num_new_blocks": np.array([-1, 4], np.int32).tobytes()}, "negative count"),
-    # 2 updates, but 1 start / 3 counts / 3 seq ids
-    ({"new_block_starts": np.array([0], np.int32).tobytes()}, "2 new_block_seq_ids, 1 new_block_starts and 2"),
-    ({"num_new_blocks": np.array([1, 1, 1], np.int32).tobytes()}, "2 new_block_seq_ids, 2 new_block_starts and 3"),
-    ({"new_block_seq_ids": np.arange(3, dtype=np.int64).tobytes()}, "3 new_block_seq_ids, 2 new_block_starts"),
-    # not arrays at all
-    ({"new_block_ids": None}, "malformed RankBatch"),
-    ({"num_new_blocks": 7}, "malformed RankBatch"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        # counts say 4 ids, 3 follow; then 2, 3 follow
+        ({"num_new_blocks": np.array([2, 2], np.int32).tobytes()}, "add up to 4 block ids, but 3"),
+        ({"new_block_ids": np.array([1, 2], np.int32).tobytes()}, "add up to 3 block ids, but 2"),
+        # counts (-1, 4) add up to the 3 ids that follow, but one is negative
+        ({"num_new_blocks": np.array([-1, 4], np.int32).tobytes()}, "negative count"),
+        # 2 updates, but 1 start / 3 counts / 3 seq ids
+        (
+            {"new_block_starts": np.array([0], np.int32).tobytes()},
+            "2 new_block_seq_ids, 1 new_block_starts and 2",
+        ),
+        (
+            {"num_new_blocks": np.array([1, 1, 1], np.int32).tobytes()},
+            "2 new_block_seq_ids, 2 new_block_starts and 3",
+        ),
+        (
+            {"new_block_seq_ids": np.arange(3, dtype=np.int64).tobytes()},
+            "3 new_block_seq_ids, 2 new_block_starts",
+        ),
+        # not arrays at all
+        ({"new_block_ids": None}, "malformed RankBatch"),
+        ({"num_new_blocks": 7}, "malformed RankBatch"),
+    ],
+)
 def test_bad_new_blocks_raise_message_error(fields, match):
     with pytest.raises(MessageError, match=match):
         decode(_rank_batch_wire(**fields))

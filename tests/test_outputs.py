@@ -23,14 +23,29 @@ def _finished_sequence() -> Sequence:
 def test_every_output_field_comes_from_its_sequence_field() -> None:
     seq = _finished_sequence()
     out = make_request_output(seq, "the prompt")
-    assert (out.request_id, out.prompt, out.prompt_token_ids, out.finished) == ("req-7", "the prompt", [1, 2, 3], True)
+    assert (out.request_id, out.prompt, out.prompt_token_ids, out.finished) == (
+        "req-7",
+        "the prompt",
+        [1, 2, 3],
+        True,
+    )
     (c,) = out.outputs
-    assert (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) == (0, "", [4, 5], "stop", 5)
+    assert (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) == (
+        0,
+        "",
+        [4, 5],
+        "stop",
+        5,
+    )
     assert c.logprobs == [{4: -0.5, 9: -1.0}, {5: -0.25}] and c.cumulative_logprob == -0.75
     m = out.metrics
-    assert (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time, m.num_preemptions) == (
-        10.0, 11.0, 12.0, 13.0, 2
-    )
+    assert (
+        m.arrival_time,
+        m.first_scheduled_time,
+        m.first_token_time,
+        m.finished_time,
+        m.num_preemptions,
+    ) == (10.0, 11.0, 12.0, 13.0, 2)
 
 
 def test_delta_outputs_return_each_token_once() -> None:

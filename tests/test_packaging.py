@@ -18,14 +18,34 @@ def test_every_package_folder_is_listed():
             rel = init.parent.relative_to(ROOT / folder)
             found.add(".".join([pkg, *rel.parts]) if rel.parts else pkg)
     assert found == set(setup["packages"])
-    assert set(mapping) == {f"atomrt.{k}" for k in ("runtime", "workers", "compile", "graphs", "distributed")}
+    assert set(mapping) == {
+        f"atomrt.{k}" for k in ("runtime", "workers", "compile", "graphs", "distributed")
+    }
 
 
 def test_cli_help_and_config_error():
-    ok = subprocess.run([sys.executable, "-m", "atomrt.runtime.entrypoints.cli", "generate", "--help"], capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "atomrt.runtime.entrypoints.cli", "generate", "--help"],
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0 and "--prompt" in ok.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "atomrt.runtime.entrypoints.cli", "generate", "--prompt", "x", "--set", "compilation_config.levle=3"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "atomrt.runtime.entrypoints.cli",
+            "generate",
+            "--prompt",
+            "x",
+            "--set",
+            "compilation_config.levle=3",
+        ],
+        capture_output=True,
+        text=True,
     )
-    assert bad.returncode == 2 and "compilation_config.levle" in bad.stderr and "Traceback" not in bad.stderr
+    assert (
+        bad.returncode == 2
+        and "compilation_config.levle" in bad.stderr
+        and "Traceback" not in bad.stderr
+    )

@@ -54,8 +54,12 @@ print("rank", rank, "ok")
 def _run_world(dp: int, tp: int) -> None:
     world, port = dp * tp, get_free_port()
     procs = [
-        subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(world), str(dp), str(tp), str(port)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(r), str(world), str(dp), str(tp), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(world)
     ]
     outs = []
@@ -91,7 +95,12 @@ def test_bad_sizes_name_the_knobs():
 def test_single_rank_world_and_bounded_destroy():
     init_distributed(1, 0, 1, 1, "127.0.0.1", get_free_port(), backend="gloo", timeout_s=30)
     try:
-        from atomrt.distributed.communication_op import TPInfo, tp_all_gather, tp_all_reduce, tp_broadcast
+        from atomrt.distributed.communication_op import (
+            TPInfo,
+            tp_all_gather,
+            tp_all_reduce,
+            tp_broadcast,
+        )
 
         x, tp = torch.ones(2), TPInfo()
         assert tp_all_reduce(x, tp) is x and tp_all_gather(x, tp) is x and tp_broadcast(x, tp) is x

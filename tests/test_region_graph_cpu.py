@@ -69,7 +69,9 @@ def toy_attention(q: torch.Tensor, output: torch.Tensor, layer: int) -> None:
     from atomrt.runtime.forward_context import get_forward_context
 
     SEEN.append(weakref.ref(q))
-    LOG.append(("eager", layer, get_forward_context().attn_metadata, q.data_ptr(), output.data_ptr()))
+    LOG.append(
+        ("eager", layer, get_forward_context().attn_metadata, q.data_ptr(), output.data_ptr())
+    )
 
 
 class Layer(torch.nn.Module):
@@ -148,7 +150,9 @@ def test_unit_runs_forward_without_tr_graph():
 
 def test_record_breaks_at_each_eager_region_and_replay_interleaves():
     model = ToyModel(layers=2)
-    graph = token_graph_of(model, backend=FakeBackend(LOG))  # backend and eager regions share one log
+    graph = token_graph_of(
+        model, backend=FakeBackend(LOG)
+    )  # backend and eager regions share one log
     ids, pos = static_buffers()
 
     out = run(model, ids, pos, 4, tr_graph="record", meta="capture-meta")
@@ -207,7 +211,9 @@ def test_captured_sizes_per_phase_shared_recordings():
     for n in (8, 4):
         run(model, ids, pos, n, tr_graph="record", is_prefill=True)
     assert graph.captured_sizes("prefill") == [4, 8] and graph.captured_sizes("decode") == [1, 2, 4]
-    assert len(graph) == 4  # bucket 4 serves both phases: recorded once, replayed for the prefill ask
+    assert (
+        len(graph) == 4
+    )  # bucket 4 serves both phases: recorded once, replayed for the prefill ask
     assert log.count("session") == 1 and ("replay", 0) in log
     assert (4, "prefill") in graph and (8, "decode") in graph and (16, "decode") not in graph
 
@@ -219,7 +225,9 @@ def test_per_phase_unit_records_each_phase():
     ids, pos = static_buffers()
     run(model, ids, pos, 4, tr_graph="record", is_prefill=False)
     run(model, ids, pos, 4, tr_graph="record", is_prefill=True)
-    assert len(graph) == 2 and graph.captured_sizes("prefill") == [4] == graph.captured_sizes("decode")
+    assert len(graph) == 2 and graph.captured_sizes("prefill") == [4] == graph.captured_sizes(
+        "decode"
+    )
     assert (4, "decode") in graph and (8, "decode") not in graph
 
 
@@ -259,7 +267,9 @@ def test_eager_region_returning_a_new_tensor_is_rejected():
     def returns_its_output(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return out
 
-    out = graph.record(2, "decode", lambda x: returns_its_output(x, torch.empty_like(x)) + 1, torch.ones(2))
+    out = graph.record(
+        2, "decode", lambda x: returns_its_output(x, torch.empty_like(x)) + 1, torch.ones(2)
+    )
     assert out.shape == (2,) and graph.num_segments(2, "decode") == 2
 
 
@@ -284,7 +294,10 @@ def test_req_graph_records_eager_regions_inline():
     def full_forward():
         return model(ids[:4], pos[:4])
 
-    with set_forward_context("capture-meta", None, Context(running_tokens=4)), torch.inference_mode():
+    with (
+        set_forward_context("capture-meta", None, Context(running_tokens=4)),
+        torch.inference_mode(),
+    ):
         out = req.record((4, 0), full_forward)
     assert log == ["session", ("begin", 0), ("end", 0), "/session"]
     assert len(LOG) == 2  # the eager regions ran inside the one segment
@@ -306,7 +319,10 @@ def test_units_in_a_model_and_their_sizes():
     ids, pos = static_buffers()
     for n in (2, 1):
         run(inner, ids, pos, n, tr_graph="record")
-    assert captured_token_sizes(model, "decode") == [1, 2] and captured_token_sizes(model, "prefill") == []
+    assert (
+        captured_token_sizes(model, "decode") == [1, 2]
+        and captured_token_sizes(model, "prefill") == []
+    )
     assert captured_token_sizes(torch.nn.Linear(2, 2), "decode") == []
 
 
@@ -339,7 +355,11 @@ def test_non_owning_alias():
     base = torch.arange(24.0).reshape(4, 6)
     view = base[1:, ::2]  # non-contiguous, offset
     alias = non_owning_alias(view)
-    assert alias.data_ptr() == view.data_ptr() and alias.shape == view.shape and alias.stride() == view.stride()
+    assert (
+        alias.data_ptr() == view.data_ptr()
+        and alias.shape == view.shape
+        and alias.stride() == view.stride()
+    )
     assert torch.equal(alias, view)
     base[2, 2] = -1.0
     assert alias[1, 1] == -1.0
@@ -364,7 +384,11 @@ def test_eager_region_as_a_custom_op_impl_breaks_even_under_torch_compile():
 
     lib = Library("atomrt_rg_test", "FRAGMENT")
     direct_register_custom_op(
-        "toy_op", eager_region(_op_impl), mutates_args=["output"], fake_impl=lambda x, output, tag: None, target_lib=lib
+        "toy_op",
+        eager_region(_op_impl),
+        mutates_args=["output"],
+        fake_impl=lambda x, output, tag: None,
+        target_lib=lib,
     )
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -382,7 +406,15 @@ def test_eager_region_as_a_custom_op_impl_breaks_even_under_torch_compile():
         assert LOG == [("op", 3)]
         LOG.clear()
         graph.record(4, "decode", fn, x)
-        assert LOG == ["session", ("begin", 0), ("end", 0), ("op", 3), ("begin", 1), ("end", 1), "/session"]
+        assert LOG == [
+            "session",
+            ("begin", 0),
+            ("end", 0),
+            ("op", 3),
+            ("begin", 1),
+            ("end", 1),
+            "/session",
+        ]
         LOG.clear()
         graph.replay(4, "decode", x)
         assert LOG == [("replay", 0), ("op", 3), ("replay", 1)]

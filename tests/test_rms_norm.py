@@ -16,7 +16,10 @@ from atomrt.workers.layers import linear as linear_mod
 from atomrt.workers.layers.norm import rms_norm
 from test_skinny_gemm import traced_ops
 
-TOLERANCES = {torch.float32: {"rtol": 1e-6, "atol": 1e-6}, torch.float16: {"rtol": 2**-10, "atol": 2**-10}}
+TOLERANCES = {
+    torch.float32: {"rtol": 1e-6, "atol": 1e-6},
+    torch.float16: {"rtol": 2**-10, "atol": 2**-10},
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -55,11 +58,17 @@ def test_layer_add_norm_linear_is_eager_on_cpu() -> None:
     """Off CUDA the op is eager's arithmetic exactly, called and traced (3-D input, with a bias)."""
     gen = torch.Generator().manual_seed(0)
     residual, update = torch.randn(2, 3, 24, generator=gen), torch.randn(2, 3, 24, generator=gen)
-    norm_weight, weight, bias = torch.rand(24, generator=gen) + 0.5, torch.randn(10, 24, generator=gen), torch.randn(10)
+    norm_weight, weight, bias = (
+        torch.rand(24, generator=gen) + 0.5,
+        torch.randn(10, 24, generator=gen),
+        torch.randn(10),
+    )
     args = (norm_weight, 1e-6, weight, bias)
     want_h, want_y = eager_add_norm_linear(residual, update, *args)
-    for fn in (linear_mod.add_norm_linear,
-               torch.compile(linear_mod.add_norm_linear, backend="aot_eager", fullgraph=True)):
+    for fn in (
+        linear_mod.add_norm_linear,
+        torch.compile(linear_mod.add_norm_linear, backend="aot_eager", fullgraph=True),
+    ):
         h, y = fn(residual, update, *args)
         assert torch.equal(h, want_h) and torch.equal(y, want_y)
         assert y.shape == (2, 3, 10)
@@ -73,7 +82,9 @@ def test_large_weight_leaves_the_add_and_norm_to_inductor() -> None:
     from atomrt.workers.layers.linear import ColumnParallelLinear
     from atomrt.workers.layers.norm import RMSNorm
 
-    policy = SkinnyPolicy(max_weight_elems=1 << 8, m1_max_weight_elems=1 << 12)  # small weights tell the rule
+    policy = SkinnyPolicy(
+        max_weight_elems=1 << 8, m1_max_weight_elems=1 << 12
+    )  # small weights tell the rule
 
     def ops_traced(n: int, k: int) -> set[str]:
         layer = ColumnParallelLinear(k, n, skinny=policy)
@@ -81,7 +92,9 @@ def test_large_weight_leaves_the_add_and_norm_to_inductor() -> None:
         norm = RMSNorm(k, 1e-6)
         residual, update = torch.randn(2, k), torch.randn(2, k)
         got, seen = traced_ops(lambda r, u: layer.forward_add_norm(r, u, norm), residual, update)
-        for g, w in zip(got, eager_add_norm_linear(residual, update, norm.weight, 1e-6, layer.weight, None)):
+        for g, w in zip(
+            got, eager_add_norm_linear(residual, update, norm.weight, 1e-6, layer.weight, None)
+        ):
             torch.testing.assert_close(g, w)
         return seen
 

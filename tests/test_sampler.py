@@ -8,7 +8,12 @@ import torch
 
 from atomrt.runtime.sampling_params import SamplingParams
 from atomrt.runtime.driver.sequence import Sequence
-from atomrt.workers.runner.sampler import Sampler, SamplingTensors, apply_penalties, apply_top_k_top_p_min_p
+from atomrt.workers.runner.sampler import (
+    Sampler,
+    SamplingTensors,
+    apply_penalties,
+    apply_top_k_top_p_min_p,
+)
 
 VOCAB = 32
 
@@ -86,7 +91,9 @@ def test_sampled_tokens_stay_inside_the_kept_set() -> None:
 def test_sampling_follows_the_distribution() -> None:
     row = torch.tensor([[0.0, 1.0, 2.0, -1.0] + [-1e9] * (VOCAB - 4)])
     n = 20000
-    tokens = Sampler()(row.expand(n, VOCAB).contiguous(), tensors([SamplingParams()] * n)).sampled_token_ids
+    tokens = Sampler()(
+        row.expand(n, VOCAB).contiguous(), tensors([SamplingParams()] * n)
+    ).sampled_token_ids
     freq = torch.bincount(tokens, minlength=VOCAB)[:4].float() / n
     assert torch.allclose(freq, row[0, :4].softmax(-1), atol=0.02), freq
 
@@ -103,13 +110,17 @@ def test_penalties_match_a_hand_computation() -> None:
     expect[4] = -2.0 * 2 - 0.5 - 0.25 * 1
     assert torch.allclose(got, expect), (got[:5], expect[:5])
     # Penalties apply to greedy rows too: the penalized prompt token 3 loses the argmax to token 0.
-    greedy = Sampler()(logits, tensors([SamplingParams(temperature=0, repetition_penalty=10.0)], [[3]], [[]]))
+    greedy = Sampler()(
+        logits, tensors([SamplingParams(temperature=0, repetition_penalty=10.0)], [[3]], [[]])
+    )
     assert greedy.sampled_token_ids.item() == 0
 
 
 def test_penalties_leave_unpenalized_rows_alone() -> None:
     logits = random_logits(2, seed=5)
-    t = tensors([SamplingParams(), SamplingParams(frequency_penalty=1.0)], [[1, 2], [1]], [[3], [3]])
+    t = tensors(
+        [SamplingParams(), SamplingParams(frequency_penalty=1.0)], [[1, 2], [1]], [[3], [3]]
+    )
     got = apply_penalties(logits.clone(), t)
     assert torch.equal(got[0], logits[0]) and got[1, 3] == logits[1, 3] - 1.0
 
@@ -124,26 +135,45 @@ def test_seeded_rows_are_the_same_alone_and_in_any_batch() -> None:
     assert len(set(alone)) > 1, "the seed is mixed with the step: draws differ from step to step"
     for batch_seed in range(3):
         others = random_logits(5, seed=100 + batch_seed)
-        params = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_k=3, seed=9), SamplingParams(min_p=0.3)]
+        params = [
+            SamplingParams(),
+            SamplingParams(temperature=0),
+            SamplingParams(top_k=3, seed=9),
+            SamplingParams(min_p=0.3),
+        ]
         for pos in range(5):
             logits = torch.cat([others[:pos], row, others[pos:4]])
             batch_params = params[:pos] + [seeded] + params[pos:]
             for step in range(8):
-                outs = [[0] * (step + k) for k in range(pos)] + [[0] * step] + [[0] * (step + k) for k in range(pos, 4)]
-                got = Sampler()(logits, tensors(batch_params, outputs=outs)).sampled_token_ids[pos].item()
+                outs = (
+                    [[0] * (step + k) for k in range(pos)]
+                    + [[0] * step]
+                    + [[0] * (step + k) for k in range(pos, 4)]
+                )
+                got = (
+                    Sampler()(logits, tensors(batch_params, outputs=outs))
+                    .sampled_token_ids[pos]
+                    .item()
+                )
                 assert got == alone[step], (batch_seed, pos, step)
 
 
 def test_logprobs_of_the_sampled_token_and_the_top_alternatives() -> None:
     logits = random_logits(3, seed=8)
-    params = [SamplingParams(logprobs=3, temperature=0.5), SamplingParams(temperature=0, logprobs=0), SamplingParams()]
+    params = [
+        SamplingParams(logprobs=3, temperature=0.5),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(),
+    ]
     t = tensors(params)
     out = Sampler()(logits, t)
     assert out.logprobs is not None
     scaled = logits / torch.tensor([0.5, 1.0, 1.0]).unsqueeze(1)
     lp = scaled.log_softmax(-1)
     tokens = out.sampled_token_ids
-    assert torch.allclose(out.logprobs.sampled_logprobs, lp.gather(1, tokens.unsqueeze(1)).squeeze(1))
+    assert torch.allclose(
+        out.logprobs.sampled_logprobs, lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    )
     dicts = out.logprobs.to_dicts(t.num_logprobs, tokens.tolist())
     top3 = lp[0].topk(3)
     assert set(top3.indices.tolist()) <= set(dicts[0]) and len(dicts[0]) in (3, 4)
@@ -153,7 +183,10 @@ def test_logprobs_of_the_sampled_token_and_the_top_alternatives() -> None:
 
 
 def test_from_sequences() -> None:
-    seqs = [Sequence("a", [1, 2, 3], SamplingParams(frequency_penalty=1.0)), Sequence("b", [4], SamplingParams(temperature=0))]
+    seqs = [
+        Sequence("a", [1, 2, 3], SamplingParams(frequency_penalty=1.0)),
+        Sequence("b", [4], SamplingParams(temperature=0)),
+    ]
     seqs[0].append_token(5)
     t = SamplingTensors.from_sequences(seqs, VOCAB)
     assert t.prompt_token_ids.tolist() == [[1, 2, 3], [4, VOCAB, VOCAB]]
@@ -164,8 +197,20 @@ def test_from_sequences() -> None:
 def test_plain_greedy_batch_builds_no_row_tensors_and_takes_the_argmax():
     from types import SimpleNamespace
 
-    rows = [SimpleNamespace(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None, repetition_penalty=1.0,
-                            presence_penalty=0.0, frequency_penalty=0.0, logprobs=None) for _ in range(3)]
+    rows = [
+        SimpleNamespace(
+            temperature=0.0,
+            top_p=1.0,
+            top_k=-1,
+            min_p=0.0,
+            seed=None,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            logprobs=None,
+        )
+        for _ in range(3)
+    ]
     t = SamplingTensors.from_params(rows, [[1, 2]] * 3, [[3]] * 3, vocab_size=10)
     assert t.all_greedy and t.temperatures.numel() == 0
     logits = torch.randn(3, 10)
@@ -185,7 +230,9 @@ def test_half_precision_logits_sample_as_their_float32_values(dtype) -> None:
     t = tensors(params, outputs=[[1, 2]] * 6)
     got, want = Sampler()(logits, t), Sampler()(logits.float(), t)
     assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
-    torch.testing.assert_close(got.logprobs.sampled_logprobs, want.logprobs.sampled_logprobs, rtol=0, atol=0)
+    torch.testing.assert_close(
+        got.logprobs.sampled_logprobs, want.logprobs.sampled_logprobs, rtol=0, atol=0
+    )
     assert logits.dtype == dtype, "the sampler does not modify its input"
 
 
@@ -194,7 +241,9 @@ def test_lm_head_hands_over_logits_in_the_model_dtype() -> None:
     from atomrt.workers.layers.vocab import ParallelLMHead
 
     head = ParallelLMHead(VOCAB, 16)
-    head.weight.data = torch.randn(VOCAB, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    head.weight.data = torch.randn(VOCAB, 16, generator=torch.Generator().manual_seed(1)).to(
+        torch.bfloat16
+    )
     hidden = torch.randn(3, 16, dtype=torch.bfloat16)
     logits = head.compute_logits(hidden)
     assert logits.dtype == torch.bfloat16 and logits.shape == (3, VOCAB)

@@ -21,10 +21,14 @@ def fake_model(token_ids: list[int]) -> int:
     return (sum(t * (i + 1) for i, t in enumerate(token_ids)) * 31 + len(token_ids)) % VOCAB
 
 
-def make(num_blocks=64, block_size=4, budget=64, max_seqs=8, chunked=True, prefix=True, **kw) -> Scheduler:
+def make(
+    num_blocks=64, block_size=4, budget=64, max_seqs=8, chunked=True, prefix=True, **kw
+) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, prefix)
     return Scheduler(
-        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked),
+        SchedulerConfig(
+            max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        ),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix),
         bm,
         **kw,
@@ -35,7 +39,9 @@ def step(sched: Scheduler) -> tuple[SchedulerOutput, list[Sequence]]:
     out = sched.schedule()
     bs = sched.block_manager.block_size
     for row in out.scheduled:
-        assert len(row.seq.block_table) * bs >= row.context_len, "block table too short for the step"
+        assert len(row.seq.block_table) * bs >= row.context_len, (
+            "block table too short for the step"
+        )
         assert row.num_new_tokens >= 1
     assert out.num_batched_tokens == sum(r.num_new_tokens for r in out.scheduled)
     assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
@@ -73,7 +79,9 @@ def test_decodes_first_then_prefills_with_the_rest_of_the_budget() -> None:
     a = seq("a", list(range(6)), max_tokens=5)
     sched.add(a)
     out, _ = step(sched)
-    assert [(r.seq.request_id, r.num_new_tokens) for r in out.scheduled] == [("a", 6)] and out.is_prefill
+    assert [(r.seq.request_id, r.num_new_tokens) for r in out.scheduled] == [
+        ("a", 6)
+    ] and out.is_prefill
     b = seq("b", list(range(20, 40)), max_tokens=5)
     sched.add(b)
     out, _ = step(sched)
@@ -129,7 +137,9 @@ def test_preemption_when_blocks_run_out_keeps_greedy_output(chunked: bool) -> No
         sched.add(s)
     outs = run_all(sched)
     preempted = [p for o in outs for p in o.preempted]
-    assert preempted, "12 blocks of 4 cannot hold six growing sequences: something must be preempted"
+    assert preempted, (
+        "12 blocks of 4 cannot hold six growing sequences: something must be preempted"
+    )
     assert all(s.status == SequenceStatus.FINISHED_LENGTH for s in seqs)
     for s, p in zip(seqs, prompts):
         assert s.output_token_ids == reference_output(p, 20)
@@ -212,12 +222,19 @@ def eos_params(**kw) -> SamplingParams:
     [
         (eos_params(max_tokens=10), [5, 0, 5], 2, "stop"),  # EOS id 0
         (eos_params(max_tokens=4, ignore_eos=True), [5, 0, 5, 5], 4, "length"),
-        (eos_params(max_tokens=10, min_tokens=3), [0, 0, 0, 5], 3, "stop"),  # no stop before min_tokens
+        (
+            eos_params(max_tokens=10, min_tokens=3),
+            [0, 0, 0, 5],
+            3,
+            "stop",
+        ),  # no stop before min_tokens
         (eos_params(max_tokens=10, stop_token_ids=[7]), [5, 7], 2, "stop"),
         (eos_params(max_tokens=3), [5, 5, 5, 5], 3, "length"),
     ],
 )
-def test_stop_rules(params: SamplingParams, tokens: list[int], expect_len: int, reason: str) -> None:
+def test_stop_rules(
+    params: SamplingParams, tokens: list[int], expect_len: int, reason: str
+) -> None:
     sched = make()
     s = Sequence("a", [1, 2, 3], params, eos_token_ids={0})
     sched.add(s)
@@ -228,7 +245,10 @@ def test_stop_rules(params: SamplingParams, tokens: list[int], expect_len: int, 
         if finished:
             break
     assert finished == [s] and s.num_output_tokens == expect_len and s.finish_reason == reason
-    assert s.block_table == [] and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    assert (
+        s.block_table == []
+        and sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -241,22 +261,36 @@ def test_stop_rules(params: SamplingParams, tokens: list[int], expect_len: int, 
     chunked=st.booleans(),
     prefix=st.booleans(),
 )
-def test_random_traffic_never_leaks_blocks(data, num_blocks, block_size, budget, max_seqs, chunked, prefix) -> None:
+def test_random_traffic_never_leaks_blocks(
+    data, num_blocks, block_size, budget, max_seqs, chunked, prefix
+) -> None:
     sched = make(num_blocks, block_size, budget, max_seqs, chunked, prefix)
     all_seqs: list[Sequence] = []
     for _ in range(data.draw(st.integers(1, 30), label="num_ops")):
         op = data.draw(st.sampled_from(["add", "add", "step", "step", "step", "abort"]), label="op")
         if op == "add":
-            prompt = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=budget if not chunked else 20))
-            s = Sequence(f"r{len(all_seqs)}", prompt, SamplingParams(max_tokens=data.draw(st.integers(1, 6))), eos_token_ids={3})
+            prompt = data.draw(
+                st.lists(st.integers(0, 3), min_size=1, max_size=budget if not chunked else 20)
+            )
+            s = Sequence(
+                f"r{len(all_seqs)}",
+                prompt,
+                SamplingParams(max_tokens=data.draw(st.integers(1, 6))),
+                eos_token_ids={3},
+            )
             try:
                 sched.add(s)
                 all_seqs.append(s)
             except RequestRejectedError:
-                assert len(prompt) + s.sampling_params.max_tokens - 1 > num_blocks * block_size or len(prompt) > budget
+                assert (
+                    len(prompt) + s.sampling_params.max_tokens - 1 > num_blocks * block_size
+                    or len(prompt) > budget
+                )
         elif op == "step":
             out = sched.schedule()
-            tokens = {r.seq.seq_id: data.draw(st.integers(0, 3)) for r in out.scheduled if r.is_sampled}
+            tokens = {
+                r.seq.seq_id: data.draw(st.integers(0, 3)) for r in out.scheduled if r.is_sampled
+            }
             sched.advance(out)
             sched.postprocess(out, tokens)
         elif all_seqs:

@@ -38,9 +38,21 @@ TOLERANCES = {
 BROADCAST = SkinnyConfig(block_n=16, block_k=64, use_dot=False, num_warps=4, num_stages=2)
 DOT = SkinnyConfig(block_n=16, block_k=32, use_dot=True, num_warps=4, num_stages=2)
 MODEL_SHAPES = [  # (N, K) per TP rank of SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B
-    (960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576),
-    (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048),
-    (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+    (960, 576),
+    (576, 576),
+    (3072, 576),
+    (576, 1536),
+    (49152, 576),
+    (3072, 2048),
+    (2048, 2048),
+    (16384, 2048),
+    (2048, 8192),
+    (128256, 2048),
+    (6144, 4096),
+    (4096, 4096),
+    (28672, 4096),
+    (4096, 14336),
+    (128256, 4096),
 ]
 
 
@@ -54,7 +66,9 @@ def make_inputs(
     return x, w, b
 
 
-def check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: SkinnyConfig | None) -> None:
+def check(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: SkinnyConfig | None
+) -> None:
     y = skinny_linear(x, w, b, config)
     ref = x.double() @ w.double().T  # [M, N]
     if b is not None:
@@ -70,11 +84,18 @@ CASES = [(1, 100, 200), (3, 77, 200), (17, 100, 77), (33, 40, 130), (64, 50, 96)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize(
     "config,dtype",
-    [(BROADCAST, torch.float32), (BROADCAST, torch.bfloat16), (DOT, torch.float32), (DOT, torch.float16)],
+    [
+        (BROADCAST, torch.float32),
+        (BROADCAST, torch.bfloat16),
+        (DOT, torch.float32),
+        (DOT, torch.float16),
+    ],
     ids=["broadcast-fp32", "broadcast-bf16", "dot-fp32", "dot-fp16"],
 )
 @pytest.mark.parametrize("m,n,k", CASES, ids=[f"{m}x{n}x{k}" for m, n, k in CASES])
-def test_matches_reference(m: int, n: int, k: int, config: SkinnyConfig, dtype: torch.dtype, bias: bool) -> None:
+def test_matches_reference(
+    m: int, n: int, k: int, config: SkinnyConfig, dtype: torch.dtype, bias: bool
+) -> None:
     check(*make_inputs(m, n, k, dtype, bias=bias, seed=m + n + k), config)
 
 
@@ -85,7 +106,9 @@ def test_random_shapes_and_configs(seed: int) -> None:
     def pick(options: list) -> object:
         return options[int(torch.randint(len(options), (1,), generator=gen))]
 
-    m, n, k = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (SKINNY_MAX_M + 1, 150, 300))
+    m, n, k = (
+        int(torch.randint(1, hi, (1,), generator=gen)) for hi in (SKINNY_MAX_M + 1, 150, 300)
+    )
     use_dot = seed % 2 == 1
     config = SkinnyConfig(
         block_n=pick([16, 32] if use_dot else [4, 8, 16, 32]),
@@ -94,14 +117,20 @@ def test_random_shapes_and_configs(seed: int) -> None:
         num_warps=pick([2, 4, 8]),
         num_stages=pick([1, 2, 3]),
     )
-    dtype = pick([torch.float32, torch.float16] if use_dot else [torch.float32, torch.float16, torch.bfloat16])
+    dtype = pick(
+        [torch.float32, torch.float16]
+        if use_dot
+        else [torch.float32, torch.float16, torch.bfloat16]
+    )
     check(*make_inputs(m, n, k, dtype, bias=seed % 3 == 0, seed=seed), config)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 200, 300), (4, 100, 64), (5, 64, 100), (32, 100, 200)])
 def test_default_config(m: int, n: int, k: int) -> None:
     """config=None: the heuristic (the interpreter counts 4 SMs) picks the path and the tiles."""
-    dtype = torch.float32 if m > 4 else torch.bfloat16  # the dot path only in fp32 here (see module doc)
+    dtype = (
+        torch.float32 if m > 4 else torch.bfloat16
+    )  # the dot path only in fp32 here (see module doc)
     check(*make_inputs(m, n, k, dtype, bias=True), None)
 
 
@@ -129,21 +158,68 @@ def test_empty_dimensions() -> None:
 @pytest.mark.parametrize(
     "x,w,b,match",
     [
-        (torch.zeros(8), torch.zeros(4, 8), None, r"want x \[M, K\] and weight \[N, K\], got x \(8,\)"),
+        (
+            torch.zeros(8),
+            torch.zeros(4, 8),
+            None,
+            r"want x \[M, K\] and weight \[N, K\], got x \(8,\)",
+        ),
         (torch.zeros(2, 3, 8), torch.zeros(4, 8), None, r"got x \(2, 3, 8\)"),
         (torch.zeros(2, 8), torch.zeros(4, 8, 1), None, r"weight \(4, 8, 1\)"),
-        (torch.zeros(2, 8), torch.zeros(4, 7), None, r"x \(2, 8\) has K=8 but weight \(4, 7\) has K=7"),
+        (
+            torch.zeros(2, 8),
+            torch.zeros(4, 7),
+            None,
+            r"x \(2, 8\) has K=8 but weight \(4, 7\) has K=7",
+        ),
         (torch.zeros(65, 8), torch.zeros(4, 8), None, r"M=65 > SKINNY_MAX_M=64; use F.linear"),
-        (torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.float16), None, r"x torch.float32 and weight torch.float16"),
-        (torch.zeros(2, 8, dtype=torch.int32), torch.zeros(4, 8, dtype=torch.int32), None, r"one of bf16, fp16, fp32"),
-        (torch.zeros(2, 8), torch.zeros(8, 4).T, None, r"weight \(4, 8\) must be contiguous along K"),
-        (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(5), r"bias must be \[4\] torch.float32 .* got \(5,\)"),
-        (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(4, dtype=torch.float16), r"got \(4,\) torch.float16"),
+        (
+            torch.zeros(2, 8),
+            torch.zeros(4, 8, dtype=torch.float16),
+            None,
+            r"x torch.float32 and weight torch.float16",
+        ),
+        (
+            torch.zeros(2, 8, dtype=torch.int32),
+            torch.zeros(4, 8, dtype=torch.int32),
+            None,
+            r"one of bf16, fp16, fp32",
+        ),
+        (
+            torch.zeros(2, 8),
+            torch.zeros(8, 4).T,
+            None,
+            r"weight \(4, 8\) must be contiguous along K",
+        ),
+        (
+            torch.zeros(2, 8),
+            torch.zeros(4, 8),
+            torch.zeros(5),
+            r"bias must be \[4\] torch.float32 .* got \(5,\)",
+        ),
+        (
+            torch.zeros(2, 8),
+            torch.zeros(4, 8),
+            torch.zeros(4, dtype=torch.float16),
+            r"got \(4,\) torch.float16",
+        ),
     ],
-    ids=["x-1d", "x-3d", "w-3d", "k-mismatch", "m-too-big", "dtype-mismatch", "int-dtype", "w-k-strided",
-         "bias-shape", "bias-dtype"],
+    ids=[
+        "x-1d",
+        "x-3d",
+        "w-3d",
+        "k-mismatch",
+        "m-too-big",
+        "dtype-mismatch",
+        "int-dtype",
+        "w-k-strided",
+        "bias-shape",
+        "bias-dtype",
+    ],
 )
-def test_rejects_bad_arguments(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, match: str) -> None:
+def test_rejects_bad_arguments(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, match: str
+) -> None:
     with pytest.raises(ValueError, match=match):
         skinny_linear(x, w, b)
 
@@ -165,14 +241,21 @@ def test_heuristic_at_model_shapes(m: int) -> None:
         config = heuristic_config(m, n, k, 132)
         assert config.use_dot == (m > 4)
         min_n = 16 if config.use_dot else 8
-        assert triton.cdiv(n, config.block_n) >= min(2 * 132, triton.cdiv(n, min_n)), (m, n, k, config)
+        assert triton.cdiv(n, config.block_n) >= min(2 * 132, triton.cdiv(n, min_n)), (
+            m,
+            n,
+            k,
+            config,
+        )
         assert config.block_k <= max(32, triton.next_power_of_2(k))
         block_m = block_m_for(m, config.use_dot)
         if config.use_dot:
             assert config.num_stages * (config.block_n + block_m) * config.block_k * 2 <= 160 << 10
         else:
             assert config.block_n * block_m * config.block_k <= 8192
-        assert pick_config(m, n, k) == CONFIGS.get((bucket_m(m), n, k), config)  # the sweep's table first
+        assert pick_config(m, n, k) == CONFIGS.get(
+            (bucket_m(m), n, k), config
+        )  # the sweep's table first
 
 
 def test_pick_config_prefers_table_by_bucketed_m(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -190,10 +273,16 @@ def test_use_skinny_only_on_cuda() -> None:
     assert not use_skinny(x, w, BROADCAST_MAX_M)  # CPU tensors go to F.linear
     if torch.cuda.is_available():
         xc, wc = x.cuda(), w.cuda()
-        assert use_skinny(xc, wc, BROADCAST_MAX_M) and use_skinny(xc, wc, 1) and not use_skinny(xc, wc, 0)
+        assert (
+            use_skinny(xc, wc, BROADCAST_MAX_M)
+            and use_skinny(xc, wc, 1)
+            and not use_skinny(xc, wc, 0)
+        )
         assert not use_skinny(xc.float(), wc.float(), BROADCAST_MAX_M)
         assert not use_skinny(torch.zeros(2, 16, device="cuda", dtype=torch.bfloat16), wc, 1)
-        assert not use_skinny(xc, torch.zeros(16, 8, device="cuda", dtype=torch.bfloat16).T, BROADCAST_MAX_M)
+        assert not use_skinny(
+            xc, torch.zeros(16, 8, device="cuda", dtype=torch.bfloat16).T, BROADCAST_MAX_M
+        )
 
 
 @pytest.mark.parametrize(
@@ -224,7 +313,10 @@ def test_layers_take_their_policy_at_construction() -> None:
     assert ColumnParallelLinear(16, 16, skinny=tight).skinny_max_rows == 1  # 256: single rows only
     assert ColumnParallelLinear(64, 64, skinny=tight).skinny_max_rows == 0  # 4096: never
     assert ColumnParallelLinear(64, 64).skinny_max_rows == BROADCAST_MAX_M  # the default policy
-    assert RowParallelLinear(4, 8, skinny=tight).fuses_gate and not RowParallelLinear(8, 8, skinny=tight).fuses_gate
+    assert (
+        RowParallelLinear(4, 8, skinny=tight).fuses_gate
+        and not RowParallelLinear(8, 8, skinny=tight).fuses_gate
+    )
 
 
 def test_layer_linear_op_is_f_linear_on_cpu() -> None:
@@ -233,7 +325,9 @@ def test_layer_linear_op_is_f_linear_on_cpu() -> None:
 
     x, w, b = torch.randn(5, 12), torch.randn(7, 12), torch.randn(7)
     assert torch.equal(linear(x, w, b), torch.nn.functional.linear(x, w, b))
-    assert torch.equal(torch.ops.atomrt.linear(x, w, None, BROADCAST_MAX_M), torch.nn.functional.linear(x, w))
+    assert torch.equal(
+        torch.ops.atomrt.linear(x, w, None, BROADCAST_MAX_M), torch.nn.functional.linear(x, w)
+    )
     compiled = torch.compile(lambda x, w: linear(x, w) * 2, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x, w), torch.nn.functional.linear(x, w) * 2)
 
@@ -266,7 +360,9 @@ def test_layer_silu_mul_linear_on_cpu() -> None:
     x, w = torch.randn(5, 24), torch.randn(7, 12)
     want = torch.nn.functional.linear(silu_and_mul(x), w)
     assert torch.equal(silu_mul_linear(x, w), want)
-    compiled = torch.compile(lambda x, w: silu_mul_linear(x, w) + 1, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(
+        lambda x, w: silu_mul_linear(x, w) + 1, backend="aot_eager", fullgraph=True
+    )
     assert torch.equal(compiled(x, w), want + 1)
 
 
@@ -292,7 +388,9 @@ def test_large_gated_weight_leaves_the_activation_to_inductor() -> None:
         layer.weight.data.normal_()
         x = torch.randn(2, 2 * k)
         got, seen = traced_ops(lambda x: layer(x, gated_input=True), x)
-        want = torch.nn.functional.linear(torch.nn.functional.silu(x[:, :k]) * x[:, k:], layer.weight)
+        want = torch.nn.functional.linear(
+            torch.nn.functional.silu(x[:, :k]) * x[:, k:], layer.weight
+        )
         torch.testing.assert_close(got, want)
         return seen
 
@@ -329,7 +427,11 @@ def test_pdl_needs_the_switch_and_a_cuda_device(monkeypatch) -> None:
 
 
 def add_norm_reference(
-    residual: torch.Tensor, update: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
     b: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h = residual + update as eager rounds it; y in float64 from RMSNorm's eager output."""
@@ -392,7 +494,9 @@ def test_add_norm_statistics_pass_any_width(m: int, k: int, stats_values: int) -
     config = SkinnyConfig(block_n=16, block_k=128, use_dot=False, num_warps=4, num_stages=2)
     stats_block = skinny_gemm.norm_stats_block(m, k, config, stats_values)
     wide = min(triton.next_power_of_2(k), stats_values // block_m_for(m, False))
-    assert stats_block == max(config.block_k, wide)  # narrow: the K tile's 128, so several masked steps
+    assert stats_block == max(
+        config.block_k, wide
+    )  # narrow: the K tile's 128, so several masked steps
     h, y = skinny_gemm.skinny_add_norm_linear(
         residual, update, norm_weight, 1e-6, w, config=config, stats_values=stats_values
     )

@@ -32,7 +32,10 @@ def decode_step_walk(model: Path) -> tuple[list[str], int]:
     engine.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     engine.step()  # prefill
     engine.step()  # a first decode step
-    kernel, engine_file = attention_ref.paged_attention_ref.__code__, LLMEngine.step.__code__.co_filename
+    kernel, engine_file = (
+        attention_ref.paged_attention_ref.__code__,
+        LLMEngine.step.__code__.co_filename,
+    )
     stack: list[str] = []
     walk: list[str] = []
     touched: set[str] = set()
@@ -72,4 +75,6 @@ def test_decode_step_walk_is_short_and_documented(tmp_path):
     section = doc.split("## The decode-step walk", 1)[1].split("\n## ", 1)[0]
     documented = re.findall(r"^\d+\. `([^`]+)`", section, re.M)
     assert documented == files, f"docs/architecture.md lists {documented}, the step walks {files}"
-    print(f"walk: {len(files)} files; the step runs code in {touched} package files before the kernel")
+    print(
+        f"walk: {len(files)} files; the step runs code in {touched} package files before the kernel"
+    )

@@ -40,12 +40,20 @@ def _plan(step: int, bs: int = 4) -> StepPlan:
         input_ids=np.full(bs, step, np.int32),
         sample_mask=np.ones(bs, np.bool_),
     )
-    decision = ForwardDecision(ForwardKind.EAGER, running_bs=bs, running_tokens=bs, is_prefill=False,
-                               dp_num_tokens=(bs,), dp_padded_tokens=(bs,))
+    decision = ForwardDecision(
+        ForwardKind.EAGER,
+        running_bs=bs,
+        running_tokens=bs,
+        is_prefill=False,
+        dp_num_tokens=(bs,),
+        dp_padded_tokens=(bs,),
+    )
     return StepPlan(step=step, decision=decision, ranks=[rb])
 
 
-def _receive_all(addr: TransportAddresses, rank: int, n: int, out: dict, start_delay: float = 0.0) -> None:
+def _receive_all(
+    addr: TransportAddresses, rank: int, n: int, out: dict, start_delay: float = 0.0
+) -> None:
     time.sleep(start_delay)
     sub = PlanSubscriber(addr, rank)
     try:
@@ -74,7 +82,8 @@ def test_late_joining_subscribers_lose_no_plan(addresses):
     pub = PlanPublisher(addresses, num_subscribers=n_sub)
     got: dict = {}
     threads = [
-        threading.Thread(target=_receive_all, args=(addresses, r, n_steps, got, 0.2 * r)) for r in range(n_sub)
+        threading.Thread(target=_receive_all, args=(addresses, r, n_steps, got, 0.2 * r))
+        for r in range(n_sub)
     ]
     for t in threads:
         t.start()
@@ -146,7 +155,9 @@ def test_skipped_step_is_an_error(addresses):
             pub.publish(_plan(2))  # the driver refuses to skip
         pub.next_step = 2  # a lost plan, as a worker would see it
         pub.publish(_plan(2))
-        with pytest.raises(StepGapError, match=r"rank 0: receive plan: got step 2, expected step 1"):
+        with pytest.raises(
+            StepGapError, match=r"rank 0: receive plan: got step 2, expected step 1"
+        ):
             sub.recv(timeout=5)
     finally:
         pub.close()
@@ -168,15 +179,21 @@ def test_timeouts_name_rank_and_phase(addresses):
     sub = PlanSubscriber(addresses, rank=1)
     try:
         t0 = time.monotonic()
-        answering = threading.Thread(target=_swallow, args=(sub.recv, 0.8))  # rank 1 answers the probe
+        answering = threading.Thread(
+            target=_swallow, args=(sub.recv, 0.8)
+        )  # rank 1 answers the probe
         answering.start()
-        with pytest.raises(TransportTimeout, match=r"handshake: 1 of 2 workers ready .* missing ranks \[0\]"):
+        with pytest.raises(
+            TransportTimeout, match=r"handshake: 1 of 2 workers ready .* missing ranks \[0\]"
+        ):
             pub.wait_ready(timeout=0.5)
         assert time.monotonic() - t0 < 3
         answering.join()
         with pytest.raises(TransportTimeout, match=r"rank 1: receive plan: no StepPlan for step 0"):
             sub.recv(timeout=0.05)
-        with pytest.raises(TransportTimeout, match=r"driver: collect results of step 7: .*DP ranks \[0, 1\]"):
+        with pytest.raises(
+            TransportTimeout, match=r"driver: collect results of step 7: .*DP ranks \[0, 1\]"
+        ):
             col.collect(7, dp_ranks=2, timeout=0.05)
     finally:
         pub.close()

@@ -19,7 +19,9 @@ from atomrt.runtime.executors.base import WorkerError
 from atomrt.runtime.entrypoints.llm import LLM
 from executor_harness import COMMON, PROMPTS, build_tiny_llama, wait_gone
 
-LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)  # never done before the kill
+LONG = SamplingParams(
+    temperature=0.0, max_tokens=200, ignore_eos=True
+)  # never done before the kill
 ERROR_WITHIN_S = 10.0
 
 
@@ -51,7 +53,9 @@ def _kill_mid_generation(llm: LLM, rank: int, after_steps: int = 3) -> tuple[str
 
 
 @pytest.mark.parametrize("executor", ["mp", "ray"])
-def test_killed_worker_ends_generation_with_error_and_leaves_no_process(tiny_model: Path, executor: str) -> None:
+def test_killed_worker_ends_generation_with_error_and_leaves_no_process(
+    tiny_model: Path, executor: str
+) -> None:
     llm = LLM(str(tiny_model), executor=executor, tensor_parallel_size=2, **COMMON)
     pids = dict(llm.engine.executor.worker_pids)
     assert len(pids) == 2 and all(p != os.getpid() for p in pids.values())
@@ -78,7 +82,9 @@ def test_killed_worker_ends_generation_with_error_and_leaves_no_process(tiny_mod
 def test_frozen_worker_is_named_after_its_missed_heartbeat(tiny_model: Path, executor: str) -> None:
     """SIGSTOP: the process is alive but answers nothing; the heartbeat names it, SIGKILL ends it."""
     hb = 2.0
-    llm = LLM(str(tiny_model), executor=executor, tensor_parallel_size=2, heartbeat_timeout_s=hb, **COMMON)
+    llm = LLM(
+        str(tiny_model), executor=executor, tensor_parallel_size=2, heartbeat_timeout_s=hb, **COMMON
+    )
     pids = dict(llm.engine.executor.worker_pids)
     try:
         pid = pids[1]
@@ -109,11 +115,14 @@ def test_driver_exit_without_shutdown_leaves_no_process(tiny_model: Path) -> Non
     import sys
 
     script = _EXIT_WITHOUT_SHUTDOWN.replace(
-        "{params}", "__import__('atomrt.runtime', fromlist=['SamplingParams']).SamplingParams(max_tokens=2)"
+        "{params}",
+        "__import__('atomrt.runtime', fromlist=['SamplingParams']).SamplingParams(max_tokens=2)",
     )
     proc = subprocess.run(
         [sys.executable, "-c", script, str(tiny_model), json.dumps(COMMON)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     pids = json.loads(proc.stdout.strip().splitlines()[-1])

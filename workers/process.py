@@ -34,7 +34,12 @@ import torch
 from atomrt.distributed import parallel_state as ps
 from atomrt.distributed.messages import Flush, StepResult
 from atomrt.distributed.net_utils import get_free_port, get_host_ip
-from atomrt.distributed.transport import PlanSubscriber, ResultPusher, TransportAddresses, TransportTimeout
+from atomrt.distributed.transport import (
+    PlanSubscriber,
+    ResultPusher,
+    TransportAddresses,
+    TransportTimeout,
+)
 from atomrt.runtime.config import Config
 from atomrt.runtime.envs import ENV
 from atomrt.workers.runner.model_runner import resolve_device
@@ -42,7 +47,9 @@ from atomrt.workers.worker import PendingStep, Worker, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 1.0  # how often an idle plan loop checks whether it should stop (and stamps its progress)
+IDLE_POLL_S = (
+    1.0  # how often an idle plan loop checks whether it should stop (and stamps its progress)
+)
 DESTROY_TIMEOUT_S = 5.0  # the bound on destroy_process_group() at shutdown
 CONTROL_CALLS = ("node_info", "init_worker", "determine_num_blocks", "initialize")
 
@@ -100,7 +107,11 @@ class WorkerProcess:
     """One rank's process state: the Worker, its process groups, and the plan loop."""
 
     def __init__(
-        self, config: Config, spec: RankSpec, local_device: Optional[int] = None, under_ray: bool = False,
+        self,
+        config: Config,
+        spec: RankSpec,
+        local_device: Optional[int] = None,
+        under_ray: bool = False,
         stamp: Any = None,
     ) -> None:
         """`stamp` (mp): a shared double the process writes its last progress time to; the driver
@@ -121,7 +132,9 @@ class WorkerProcess:
         self.local_device = local_device
         self.worker: Optional[Worker] = None
         self._distributed = False
-        self._cpu_threads = 0  # CPU ranks: torch threads per rank (set in every thread that computes)
+        self._cpu_threads = (
+            0  # CPU ranks: torch threads per rank (set in every thread that computes)
+        )
         self._stop = threading.Event()
 
     # ---------------------------------------------------------------- control calls
@@ -147,12 +160,20 @@ class WorkerProcess:
         if s.world_size > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
             ps.init_distributed(
-                s.world_size, s.rank, s.dp_size, s.tp_size, master_addr, master_port, backend,
+                s.world_size,
+                s.rank,
+                s.dp_size,
+                s.tp_size,
+                master_addr,
+                master_port,
+                backend,
                 timeout_s=self.config.parallel_config.worker_timeout_s,
             )
             self._distributed = True
             tp_group = ps.get_tp_group().group
-        self.worker = Worker(self.config, s.dp_rank, s.tp_rank, self.local_device, tp_group, progress=self.progress)
+        self.worker = Worker(
+            self.config, s.dp_rank, s.tp_rank, self.local_device, tp_group, progress=self.progress
+        )
 
     def determine_num_blocks(self) -> int:
         self._bind_device()
@@ -188,7 +209,9 @@ class WorkerProcess:
 
     # ---------------------------------------------------------------- the plan loop
 
-    def run_plan_loop(self, addresses: dict[str, str], keep_going: Optional[Callable[[], bool]] = None) -> None:
+    def run_plan_loop(
+        self, addresses: dict[str, str], keep_going: Optional[Callable[[], bool]] = None
+    ) -> None:
         """Receive plans until the shutdown plan (or `keep_going()` turns false while idle); then
         leave the process groups."""
         keep_going = keep_going or (lambda: not self._stop.is_set())
@@ -206,7 +229,9 @@ class WorkerProcess:
             pusher.close()
             self.close()
 
-    def _serve(self, sub: PlanSubscriber, pusher: ResultPusher, keep_going: Callable[[], bool]) -> None:
+    def _serve(
+        self, sub: PlanSubscriber, pusher: ResultPusher, keep_going: Callable[[], bool]
+    ) -> None:
         pending: Optional[PendingStep] = None  # a pipelined step launched and not handed back yet
 
         def hand_back(launched: PendingStep) -> None:
@@ -222,7 +247,9 @@ class WorkerProcess:
                 self.progress()  # a plan arrived: a rank then blocked on a stuck peer is not the first stopped
                 if isinstance(msg, Flush):
                     if pending is None or pending.step != msg.step:
-                        raise RuntimeError(f"flush of step {msg.step}, but the step held is {pending and pending.step}")
+                        raise RuntimeError(
+                            f"flush of step {msg.step}, but the step held is {pending and pending.step}"
+                        )
                     hand_back(pending)
                     pending = None
                     continue
@@ -258,7 +285,9 @@ class WorkerProcess:
 # --------------------------------------------------------------------------------------------- mp
 
 
-def mp_main(conn: Any, config: Config, spec: RankSpec, local_device: Optional[int], heartbeat: Any) -> None:
+def mp_main(
+    conn: Any, config: Config, spec: RankSpec, local_device: Optional[int], heartbeat: Any
+) -> None:
     """Target of one spawned rank process: control calls over `conn`, then the plan loop."""
     parent = os.getppid()
 

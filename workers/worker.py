@@ -26,6 +26,7 @@ from atomrt.workers.runner.sampler import SamplingTensors
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(eq=False)
 class PendingStep:
     """A launched step: its sampled sequences and, until `Worker.finish`, the readback in flight."""
@@ -75,7 +76,9 @@ class Worker:
         self.runner = ModelRunner(config, device, tp, rank=rank)
         self.mirrors = SeqMirrors(config.cache_config.block_size)
         self.next_step = 0
-        self._unfinished: Optional[PendingStep] = None  # TP rank 0: the last launched step, until finished
+        self._unfinished: Optional[PendingStep] = (
+            None  # TP rank 0: the last launched step, until finished
+        )
 
     def determine_num_blocks(self) -> int:
         return determine_num_blocks(self.runner).num_blocks
@@ -154,7 +157,8 @@ class Worker:
         if pending.done:
             return pending.result
         tokens, logprobs = pending.readback.wait(  # the step's one host synchronisation
-            self.config.parallel_config.heartbeat_timeout_s, self.progress,
+            self.config.parallel_config.heartbeat_timeout_s,
+            self.progress,
             f"worker dp={self.dp_rank} tp={self.tp_rank}, step {pending.step}",
         )
         self.mirrors.record_sampled(pending.seq_ids, tokens)
@@ -170,13 +174,17 @@ class Worker:
             shape = decision.dummy_batch()
             q = max(shape.max_seqlen_q, 1)
             inputs = dummy_decode_inputs(max(shape.num_tokens // q, 1), q)
-            empty = SamplingTensors.from_params([], [], [], self.runner.arch.vocab_size, self.runner.device)
+            empty = SamplingTensors.from_params(
+                [], [], [], self.runner.arch.vocab_size, self.runner.device
+            )
             inputs.sample_seq_idx = inputs.sample_seq_idx[:0]
             inputs.sample_rows = inputs.sample_rows[:0]
             self.runner.execute(inputs, decision, empty)
         return None if self.tp_rank != 0 else StepResult(step=plan.step, dp_rank=self.dp_rank)
 
-    def _result(self, step: int, seq_ids: list[int], tokens: list[int], logprobs: Any) -> StepResult:
+    def _result(
+        self, step: int, seq_ids: list[int], tokens: list[int], logprobs: Any
+    ) -> StepResult:
         res = StepResult(
             step=step,
             dp_rank=self.dp_rank,

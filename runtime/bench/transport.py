@@ -55,13 +55,22 @@ class BenchResult:
 # The legs of one round trip, in order: (name, index of the stamp it starts at, index it ends at) in
 # the stamps [driver before encode, driver after send, worker recv returned, worker decoded, worker
 # pushed, driver recv returned, driver decoded].
-LEGS = (("driver encode+send", 0, 1), ("to worker", 1, 2), ("worker decode", 2, 3),
-        ("worker result encode+push", 3, 4), ("to driver", 4, 5), ("driver decode", 5, 6))
+LEGS = (
+    ("driver encode+send", 0, 1),
+    ("to worker", 1, 2),
+    ("worker decode", 2, 3),
+    ("worker result encode+push", 3, 4),
+    ("to driver", 4, 5),
+    ("driver decode", 5, 6),
+)
+
 
 def decode_plan(step: int, bs: int) -> StepPlan:
     """A decode step as the driver would send it: one new token per sequence, a few new blocks."""
     rng = np.random.default_rng(step)
-    updated = np.arange(step % 16, bs, 16)  # one sequence in 16 gets a new block: 16 updates at bs=256
+    updated = np.arange(
+        step % 16, bs, 16
+    )  # one sequence in 16 gets a new block: 16 updates at bs=256
     rb = RankBatch(
         seq_ids=np.arange(bs, dtype=np.int64),
         num_new_tokens=np.ones(bs, np.int32),
@@ -73,8 +82,15 @@ def decode_plan(step: int, bs: int) -> StepPlan:
         new_block_ids=updated.astype(np.int32),
         sample_mask=np.ones(bs, np.bool_),
     )
-    decision = ForwardDecision(ForwardKind.REQ_GRAPH, running_bs=bs, running_tokens=bs, is_prefill=False,
-                               req_key=(bs, 0), dp_num_tokens=(bs,), dp_padded_tokens=(bs,))
+    decision = ForwardDecision(
+        ForwardKind.REQ_GRAPH,
+        running_bs=bs,
+        running_tokens=bs,
+        is_prefill=False,
+        req_key=(bs, 0),
+        dp_num_tokens=(bs,),
+        dp_padded_tokens=(bs,),
+    )
     return StepPlan(step=step, decision=decision, ranks=[rb])
 
 
@@ -86,13 +102,19 @@ def _echo_worker(addresses: dict, spin_s: float, stamps_path: str, steps: int) -
     stamps = np.zeros((steps, 3), np.int64)
     inbox, clock = sub._sub, time.monotonic_ns
     try:
-        plan = sub.recv(timeout=60)  # step 0, after the handshake's probes; from here on only plans come
+        plan = sub.recv(
+            timeout=60
+        )  # step 0, after the handshake's probes; from here on only plans come
         while True:
             if plan.shutdown:
                 np.save(stamps_path, stamps)
                 return
             rb = plan.ranks[0]
-            push.push(StepResult(step=plan.step, dp_rank=0, seq_ids=rb.seq_ids, sampled_token_ids=rb.input_ids))
+            push.push(
+                StepResult(
+                    step=plan.step, dp_rank=0, seq_ids=rb.seq_ids, sampled_token_ids=rb.input_ids
+                )
+            )
             if plan.step < steps:
                 stamps[plan.step, 2] = clock()
             data = inbox.recv(60_000)  # the hot path of PlanSubscriber.recv, stamped in between
@@ -107,13 +129,19 @@ def _echo_worker(addresses: dict, spin_s: float, stamps_path: str, steps: int) -
         push.close()
 
 
-def run_bench(steps: int = 10_000, bs: int = 256, local: bool = True, warmup: int = 200,
-              spin_us: float = 0.0) -> BenchResult:
+def run_bench(
+    steps: int = 10_000, bs: int = 256, local: bool = True, warmup: int = 200, spin_us: float = 0.0
+) -> BenchResult:
     addr = TransportAddresses.make(local=local, host_ip="127.0.0.1" if not local else "")
     pub, col = PlanPublisher(addr, num_subscribers=1), ResultCollector(addr, spin_s=spin_us / 1e6)
-    stamps_path = os.path.join(tempfile.mkdtemp(prefix="atomrt-transport-bench-"), "worker_stamps.npy")
+    stamps_path = os.path.join(
+        tempfile.mkdtemp(prefix="atomrt-transport-bench-"), "worker_stamps.npy"
+    )
     worker = mp.get_context("spawn").Process(
-        target=_echo_worker, args=(addr.to_dict(), spin_us / 1e6, stamps_path, warmup + steps), daemon=True)
+        target=_echo_worker,
+        args=(addr.to_dict(), spin_us / 1e6, stamps_path, warmup + steps),
+        daemon=True,
+    )
     worker.start()
     try:
         pub.wait_ready(timeout=60)
@@ -134,7 +162,9 @@ def run_bench(steps: int = 10_000, bs: int = 256, local: bool = True, warmup: in
             result = decode(data)
             stamps[step] = (t0, t1, t2, clock())
             if result.step != step:
-                raise RuntimeError(f"transport_bench: result of step {result.step}, expected {step}")
+                raise RuntimeError(
+                    f"transport_bench: result of step {result.step}, expected {step}"
+                )
         pub.publish(StepPlan(step=warmup + steps, shutdown=True))
         worker.join(10)
         worker_stamps = np.load(stamps_path)
@@ -148,13 +178,26 @@ def run_bench(steps: int = 10_000, bs: int = 256, local: bool = True, warmup: in
     d, w = stamps[warmup:], worker_stamps[warmup:]
     all_stamps = np.concatenate([d[:, :2], w, d[:, 2:]], axis=1)  # in LEGS' order
     times = (d[:, 3] - d[:, 0]) / 1e3
-    legs = {name: float(np.median(all_stamps[:, b] - all_stamps[:, a]) / 1e3) for name, a, b in LEGS}
+    legs = {
+        name: float(np.median(all_stamps[:, b] - all_stamps[:, a]) / 1e3) for name, a, b in LEGS
+    }
     rb = plans[0].ranks[0]
     plan_bytes = len(encode(plans[0]))
-    result_bytes = len(encode(StepResult(step=0, dp_rank=0, seq_ids=rb.seq_ids, sampled_token_ids=rb.input_ids)))
+    result_bytes = len(
+        encode(StepResult(step=0, dp_rank=0, seq_ids=rb.seq_ids, sampled_token_ids=rb.input_ids))
+    )
     bare = bare_round_trip_us(min(steps, 3000), plan_bytes, result_bytes, local, warmup)
-    return BenchResult(steps, bs, float(np.median(times)), float(np.percentile(times, 99)),
-                       plan_bytes, result_bytes, bare, spin_us, legs)
+    return BenchResult(
+        steps,
+        bs,
+        float(np.median(times)),
+        float(np.percentile(times, 99)),
+        plan_bytes,
+        result_bytes,
+        bare,
+        spin_us,
+        legs,
+    )
 
 
 def _bare_echo(plan: str, result: str, result_bytes: int) -> None:
@@ -173,20 +216,26 @@ def _bare_echo(plan: str, result: str, result_bytes: int) -> None:
         push.close(0)
 
 
-def bare_round_trip_us(steps: int, plan_bytes: int, result_bytes: int, local: bool, warmup: int) -> float:
+def bare_round_trip_us(
+    steps: int, plan_bytes: int, result_bytes: int, local: bool, warmup: int
+) -> float:
     """Median us of a bare pyzmq PUB -> SUB -> PUSH -> PULL round trip, in another process."""
     addr = TransportAddresses.make(local=local, host_ip="127.0.0.1" if not local else "")
     ctx = zmq.Context.instance()
     pub, pull = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL)
     pub.bind(addr.plan)
     pull.bind(addr.result)
-    echo = mp.get_context("spawn").Process(target=_bare_echo, args=(addr.plan, addr.result, result_bytes), daemon=True)
+    echo = mp.get_context("spawn").Process(
+        target=_bare_echo, args=(addr.plan, addr.result, result_bytes), daemon=True
+    )
     echo.start()
     try:
         deadline = time.monotonic() + 60
         while not pull.poll(10):  # the slow joiner: probe until the echo answers
             if time.monotonic() > deadline:
-                raise TimeoutError("transport_bench: the bare echo process did not answer within 60 s")
+                raise TimeoutError(
+                    "transport_bench: the bare echo process did not answer within 60 s"
+                )
             pub.send(b"probe")
         while pull.poll(50):
             pull.recv()
@@ -215,13 +264,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--bs", type=int, default=256)
     ap.add_argument("--tcp", action="store_true", help="tcp:// on 127.0.0.1 instead of ipc://")
-    ap.add_argument("--spin-us", type=float, default=0.0, help="receivers poll this long before sleeping")
+    ap.add_argument(
+        "--spin-us", type=float, default=0.0, help="receivers poll this long before sleeping"
+    )
     ap.add_argument("--json", default="", help="also write the result here")
     args = ap.parse_args(argv)
     r = run_bench(args.steps, args.bs, local=not args.tcp, spin_us=args.spin_us)
-    print(f"transport round trip ({'tcp' if args.tcp else 'ipc'}, spin {r.spin_us:g} us, bs={r.bs}, "
-          f"{r.plan_bytes} B plan, {r.steps} steps): median {r.median_us:.1f} us, p99 {r.p99_us:.1f} us "
-          f"(target <= 100 us; bare pyzmq round trip of the same sizes here: median {r.bare_median_us:.1f} us)")
+    print(
+        f"transport round trip ({'tcp' if args.tcp else 'ipc'}, spin {r.spin_us:g} us, bs={r.bs}, "
+        f"{r.plan_bytes} B plan, {r.steps} steps): median {r.median_us:.1f} us, p99 {r.p99_us:.1f} us "
+        f"(target <= 100 us; bare pyzmq round trip of the same sizes here: median {r.bare_median_us:.1f} us)"
+    )
     print("legs (median us): " + ", ".join(f"{k} {v:.1f}" for k, v in r.legs_us.items()))
     if args.json:
         with open(args.json, "w") as f:

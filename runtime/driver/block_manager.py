@@ -38,9 +38,13 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"BlockManager: num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"BlockManager: num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -85,7 +89,9 @@ class BlockManager:
         hits: list[int] = []
         for i, h in enumerate(self._block_hashes(seq)[:max_blocks]):
             block_id = self._cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            if block_id is None or self.blocks[block_id].token_ids != tuple(
+                seq.token_ids[i * bs : (i + 1) * bs]
+            ):
                 break
             hits.append(block_id)
         return hits
@@ -114,7 +120,11 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """New blocks `append_slots(seq, num_new_tokens)` would take (0: the table already holds them)."""
-        return max(0, -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
+        return max(
+            0,
+            -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+            - len(seq.block_table),
+        )
 
     # ---- mutations -----------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -122,7 +132,9 @@ class BlockManager:
 
         Sets seq.num_computed_tokens to the cached tokens and returns that count.
         """
-        assert not seq.block_table and seq.num_computed_tokens == 0, f"seq {seq.seq_id} already holds blocks"
+        assert not seq.block_table and seq.num_computed_tokens == 0, (
+            f"seq {seq.seq_id} already holds blocks"
+        )
         hits = self._lookup_prefix(seq)
         for block_id in hits:
             block = self.blocks[block_id]

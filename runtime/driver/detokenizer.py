@@ -97,4 +97,3 @@ def held_back_len(text: str, stop: Seq[str]) -> int:
                 best = k
                 break
     return best
-

@@ -79,14 +79,18 @@ class LLMEngine:
         self.forward_mode = ForwardMode(config, captured)
         self.step_no = 0
         self.async_scheduling = config.scheduler_config.async_scheduling
-        self._inflight: deque[tuple[int, list[SchedulerOutput]]] = deque()  # submitted, not collected
+        self._inflight: deque[tuple[int, list[SchedulerOutput]]] = (
+            deque()
+        )  # submitted, not collected
         self.dead: Optional[str] = None  # why the engine stopped (a worker failed)
         self._guard = InterruptGuard()
         self._ids = itertools.count()
         self._prompts: dict[str, Optional[str]] = {}
         self._streamed: set[str] = set()  # requests that get a delta output every step
         self._seqs: dict[str, tuple[int, Sequence]] = {}  # request_id -> (dp rank, sequence)
-        self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step
+        self._aborted: list[
+            RequestOutput
+        ] = []  # final outputs of aborted requests, for the next step
 
     # ---------------------------------------------------------------- requests
 
@@ -105,7 +109,13 @@ class LLMEngine:
         with self._guard.critical():
             return self._add(prompt, params, request_id, stream)
 
-    def _add(self, prompt: Prompt, params: Optional[SamplingParams], request_id: Optional[str], stream: bool) -> str:
+    def _add(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams],
+        request_id: Optional[str],
+        stream: bool,
+    ) -> str:
         params = params if params is not None else SamplingParams()
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id: must be a string, got {request_id!r}")
@@ -138,7 +148,9 @@ class LLMEngine:
         self.planners[dp_rank].forget([s.seq_id for s in aborted])
         streamed = request_id in self._streamed
         for seq in aborted:
-            self._aborted.append(make_request_output(seq, self._prompts.get(request_id), delta=streamed))
+            self._aborted.append(
+                make_request_output(seq, self._prompts.get(request_id), delta=streamed)
+            )
         self._streamed.discard(request_id)
         self._prompts.pop(request_id, None)
 
@@ -158,7 +170,9 @@ class LLMEngine:
         try:
             with self._guard.critical():
                 submitted = self._schedule_and_submit()
-            if not self._inflight or (submitted and self.async_scheduling and len(self._inflight) < 2):
+            if not self._inflight or (
+                submitted and self.async_scheduling and len(self._inflight) < 2
+            ):
                 return self._take_aborted()
             step, outs = self._inflight[0]
             results = self.executor.collect(step, flush=not submitted)  # Ctrl-C may land here
@@ -183,7 +197,9 @@ class LLMEngine:
         self._inflight.append((plan.step, outs))
         return True
 
-    def _postprocess(self, outs: list[SchedulerOutput], results: list[StepResult]) -> list[RequestOutput]:
+    def _postprocess(
+        self, outs: list[SchedulerOutput], results: list[StepResult]
+    ) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for dp_rank, (out, res) in enumerate(zip(outs, results)):
             sampled = dict(zip(res.seq_ids.tolist(), res.sampled_token_ids.tolist()))
@@ -195,7 +211,9 @@ class LLMEngine:
                 seq = row.seq
                 streamed = seq.request_id in self._streamed
                 if streamed or seq.is_finished:
-                    outputs.append(make_request_output(seq, self._prompts.get(seq.request_id), delta=streamed))
+                    outputs.append(
+                        make_request_output(seq, self._prompts.get(seq.request_id), delta=streamed)
+                    )
             for seq in finished:
                 self._seqs.pop(seq.request_id, None)
                 self._prompts.pop(seq.request_id, None)
@@ -227,7 +245,9 @@ class LLMEngine:
             return
         logger.warning(
             "step %d raised %s: %d step(s) in flight discarded, their sequences will recompute",
-            self.step_no, type(error).__name__, num_discarded,
+            self.step_no,
+            type(error).__name__,
+            num_discarded,
         )
 
     def _fail(self, reason: str) -> None:

@@ -35,7 +35,9 @@ from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardDecision
 class ForwardMode:
     """Decides, once per step on the driver, how every DP rank runs the step (see the module docstring)."""
 
-    def __init__(self, config: Config, captured: CapturedBuckets, num_draft_tokens: int = 0) -> None:
+    def __init__(
+        self, config: Config, captured: CapturedBuckets, num_draft_tokens: int = 0
+    ) -> None:
         assert num_draft_tokens >= 0
         self.mode: CUDAGraphMode = config.cudagraph_mode or CUDAGraphMode.NONE
         self.enforce_eager = bool(config.enforce_eager) or self.mode == CUDAGraphMode.NONE
@@ -93,7 +95,9 @@ class ForwardMode:
             req_key=(bs, self.draft_num),
         )
 
-    def _pad_to_token_graph(self, is_decode: bool, max_seqs: int, max_tokens: int) -> Optional[ForwardDecision]:
+    def _pad_to_token_graph(
+        self, is_decode: bool, max_seqs: int, max_tokens: int
+    ) -> Optional[ForwardDecision]:
         bucket = bucket_for(max_tokens, self.captured.token_sizes(not is_decode))
         if bucket is None:
             return None
@@ -107,7 +111,9 @@ class ForwardMode:
             token_bucket=bucket,
         )
 
-    def _eager(self, dp_size: int, is_prefill: bool, max_seqs: int, max_tokens: int) -> ForwardDecision:
+    def _eager(
+        self, dp_size: int, is_prefill: bool, max_seqs: int, max_tokens: int
+    ) -> ForwardDecision:
         # One rank runs its real rows; DP ranks step in lockstep, padded to the group's largest count.
         return ForwardDecision(
             kind=ForwardKind.EAGER,
@@ -119,4 +125,6 @@ class ForwardMode:
 
 
 def _with_dp(d: ForwardDecision, dp_num_tokens: tuple[int, ...]) -> ForwardDecision:
-    return replace(d, dp_num_tokens=dp_num_tokens, dp_padded_tokens=(d.running_tokens,) * len(dp_num_tokens))
+    return replace(
+        d, dp_num_tokens=dp_num_tokens, dp_padded_tokens=(d.running_tokens,) * len(dp_num_tokens)
+    )

@@ -46,7 +46,9 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
 
 
-def make_request_output(seq: Sequence, prompt: Optional[str] = None, delta: bool = False) -> RequestOutput:
+def make_request_output(
+    seq: Sequence, prompt: Optional[str] = None, delta: bool = False
+) -> RequestOutput:
     """Snapshot of seq for the user: cumulative text, tokens and logprobs by default; delta=True
     (streaming) returns only the text, token ids and logprobs not yet streamed (the same rows),
     holding back a text tail that could start a stop string while the sequence runs."""

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from atomrt.distributed.messages import PENDING_TOKEN, NewRequest, RankBatch, StepPlan, WorkerSamplingParams
+from atomrt.distributed.messages import (
+    PENDING_TOKEN,
+    NewRequest,
+    RankBatch,
+    StepPlan,
+    WorkerSamplingParams,
+)
 from atomrt.runtime.decision import ForwardDecision
 from atomrt.runtime.driver.scheduler import SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
@@ -128,5 +134,7 @@ class RankPlanner:
         )
 
 
-def make_plan(step: int, decision: ForwardDecision, batches: list[RankBatch], pipelined: bool = False) -> StepPlan:
+def make_plan(
+    step: int, decision: ForwardDecision, batches: list[RankBatch], pipelined: bool = False
+) -> StepPlan:
     return StepPlan(step=step, decision=decision, ranks=batches, pipelined=pipelined)

@@ -46,11 +46,15 @@ class ScheduledSeq:
     num_new_tokens: int  # query rows this step
     # Captured when scheduled (postprocess moves the sequence on):
     num_computed_tokens: int = field(init=False)  # position of the first row
-    num_tokens: int = field(init=False)  # the sequence's length at schedule time (pending tokens included)
+    num_tokens: int = field(
+        init=False
+    )  # the sequence's length at schedule time (pending tokens included)
     # Whether this row block reaches the end of the sequence, so a token is sampled (stored: the
     # planner, advance() and postprocess() each read it for every row).
     is_sampled: bool = field(init=False)
-    token_applied: bool = field(init=False, default=False)  # postprocess appended this row's sampled token
+    token_applied: bool = field(
+        init=False, default=False
+    )  # postprocess appended this row's sampled token
 
     def __post_init__(self) -> None:
         self.num_computed_tokens = self.seq.num_computed_tokens
@@ -119,7 +123,9 @@ class Scheduler:
         self._check_fits(seq)
         params = seq.sampling_params
         if seq.detokenizer is None and self.tokenizer is not None:
-            seq.detokenizer = Detokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop)
+            seq.detokenizer = Detokenizer(
+                self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop
+            )
         if params.stop and seq.detokenizer is None:
             raise RequestRejectedError(
                 f"request {seq.request_id!r}: stop strings need text; give the Scheduler a tokenizer"
@@ -194,7 +200,11 @@ class Scheduler:
         while queue:
             seq = queue.popleft()
             num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
-            if num_new <= 0 or len(out.scheduled) >= self.config.max_num_seqs or self._pending_at_limit(seq):
+            if (
+                num_new <= 0
+                or len(out.scheduled) >= self.config.max_num_seqs
+                or self._pending_at_limit(seq)
+            ):
                 kept.append(seq)  # no budget left this step: stays running, unscheduled
                 continue
             if bm.blocks_needed(seq, num_new):  # a decode mostly fits in its last block: no check
@@ -216,7 +226,10 @@ class Scheduler:
             return False
         if seq.num_output_tokens + seq.num_pending >= seq.sampling_params.max_tokens:
             return True
-        return self.max_model_len is not None and seq.num_tokens + seq.num_pending >= self.max_model_len
+        return (
+            self.max_model_len is not None
+            and seq.num_tokens + seq.num_pending >= self.max_model_len
+        )
 
     def _preempt(self, seq: Sequence, out: Optional[SchedulerOutput]) -> None:
         self.block_manager.free(seq)
@@ -256,7 +269,9 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled_time is None:  # only ever set here: every running sequence came this way
+            if (
+                seq.first_scheduled_time is None
+            ):  # only ever set here: every running sequence came this way
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
@@ -267,7 +282,9 @@ class Scheduler:
         """The step was submitted: its rows count as computed, its sampled rows as pending tokens."""
         for row in output.scheduled:
             seq = row.seq
-            assert seq.num_computed_tokens == row.num_computed_tokens, f"seq {seq.seq_id} moved since schedule()"
+            assert seq.num_computed_tokens == row.num_computed_tokens, (
+                f"seq {seq.seq_id} moved since schedule()"
+            )
             seq.num_computed_tokens += row.num_new_tokens
             if row.is_sampled:
                 seq.num_pending += 1
@@ -292,7 +309,9 @@ class Scheduler:
             if not row.is_sampled:
                 continue
             if seq.seq_id not in sampled:
-                raise KeyError(f"postprocess: no sampled token for seq {seq.seq_id} (request {seq.request_id!r})")
+                raise KeyError(
+                    f"postprocess: no sampled token for seq {seq.seq_id} (request {seq.request_id!r})"
+                )
             token_id = int(sampled[seq.seq_id])
             seq.num_pending -= 1
             seq.append_token(token_id, logprobs.get(seq.seq_id) if logprobs else None)

@@ -37,6 +37,7 @@ class SequenceStatus(enum.Enum):
         # where a property testing set membership would call Enum.__hash__ (Python code) each time.
         self.is_finished: bool = value.startswith("finished_")
 
+
 _STATUS_OF_REASON = {
     "stop": SequenceStatus.FINISHED_STOPPED,
     "length": SequenceStatus.FINISHED_LENGTH,
@@ -57,7 +58,9 @@ class Sequence:
     num_pending: int = 0  # sampled tokens of submitted steps whose results are not back yet
     block_table: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of token_ids
+    block_hashes: list[int] = field(
+        default_factory=list
+    )  # chained hashes of full blocks of token_ids
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[object] = None  # the stop token id or stop string that ended it
@@ -75,7 +78,9 @@ class Sequence:
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
         if self.num_prompt_tokens == 0:
-            raise ValueError(f"request {self.request_id!r}: the prompt must hold at least one token")
+            raise ValueError(
+                f"request {self.request_id!r}: the prompt must hold at least one token"
+            )
         self.eos_token_ids = frozenset(self.eos_token_ids)
         self._prompt_token_ids = self.token_ids[: self.num_prompt_tokens]  # see prompt_token_ids
 

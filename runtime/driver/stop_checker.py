@@ -27,7 +27,9 @@ def find_stop_string(text: str, num_new_chars: int, stop: Seq[str]) -> Optional[
     return best
 
 
-def check_stop(seq: Sequence, token_id: int, max_model_len: Optional[int] = None) -> Optional[FinishReason]:
+def check_stop(
+    seq: Sequence, token_id: int, max_model_len: Optional[int] = None
+) -> Optional[FinishReason]:
     """Apply the stop rules to seq, whose last token is token_id. Returns the finish reason (and
     sets seq.stop_reason for stop tokens/strings) or None to keep going."""
     params = seq.sampling_params

@@ -24,7 +24,9 @@ class RequestLimits:
     max_logprobs: int  # model_config.max_logprobs
 
 
-def check_request(token_ids: list[int], params: Any, limits: RequestLimits, max_model_len: int) -> None:
+def check_request(
+    token_ids: list[int], params: Any, limits: RequestLimits, max_model_len: int
+) -> None:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
     params.validate()
@@ -58,5 +60,8 @@ def check_max_model_len(config: Config, arch: Any) -> None:
         )
     logger.warning(
         "model_config.max_model_len=%d exceeds the model's context of %d tokens (ATOMRT_ALLOW_LONG_MAX_MODEL_LEN=1): "
-        "outputs past position %d may be garbage", asked, arch.max_position, arch.max_position,
+        "outputs past position %d may be garbage",
+        asked,
+        arch.max_position,
+        arch.max_position,
     )

@@ -1,6 +1,6 @@
 """The `atomrt` command: `generate` and `bench`.
 
-    atomrt generate [--model PATH] --prompt TEXT [--prompt TEXT ...] [--chat] [--config FILE] [--set KEY=VALUE ...]
+atomrt generate [--model PATH] --prompt TEXT [--prompt TEXT ...] [--chat] [--config FILE] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from atomrt.runtime.sampling_params import SamplingParams
 
     config = config_from_args(args)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
     llm = LLM(config=config)
     try:
         start = time.perf_counter()
@@ -37,8 +39,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         completion = out.outputs[0]
         num_tokens += len(completion.token_ids)
         print(f"### {prompt}\n{completion.text}\n")
-    print(f"generated {num_tokens} tokens for {len(outputs)} prompts in {elapsed:.2f} s: "
-          f"{num_tokens / max(elapsed, 1e-9):.1f} tokens/s")
+    print(
+        f"generated {num_tokens} tokens for {len(outputs)} prompts in {elapsed:.2f} s: "
+        f"{num_tokens / max(elapsed, 1e-9):.1f} tokens/s"
+    )
     return 0
 
 
@@ -60,12 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text offline for a few prompts")
     _add_config_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument(
+        "--chat", action="store_true", help="wrap each prompt in the model's chat template"
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     bench = sub.add_parser(
-        "bench", help="benchmarks: startup | latency | throughput | transport (their own flags follow)",
+        "bench",
+        help="benchmarks: startup | latency | throughput | transport (their own flags follow)",
         add_help=False,
     )
     bench.add_argument("what", choices=["startup", "latency", "throughput", "transport"])
@@ -73,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=ENV.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=ENV.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:

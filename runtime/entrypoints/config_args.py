@@ -10,13 +10,31 @@ from atomrt.runtime.config import DEFAULT_MODEL
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help=f"model folder, .gguf file or preset (default {DEFAULT_MODEL})")
-    p.add_argument("--config", default=None, help="YAML config file (README, Configuration; deploy/examples/)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set compilation_config.level=3 (repeatable)")
-    p.add_argument("--enforce-eager", action="store_true", default=None, help="no compilation, no CUDA graphs")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"model folder, .gguf file or preset (default {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--config", default=None, help="YAML config file (README, Configuration; deploy/examples/)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set compilation_config.level=3 (repeatable)",
+    )
+    p.add_argument(
+        "--enforce-eager", action="store_true", default=None, help="no compilation, no CUDA graphs"
+    )
     p.add_argument("--level", type=int, default=None, help="compilation level 0-3")
-    p.add_argument("--cudagraph-mode", default=None, help="NONE | TR_HYBRID | FULL | FULL_DECODE_ONLY | FULL_AND_TR_HYBRID")
+    p.add_argument(
+        "--cudagraph-mode",
+        default=None,
+        help="NONE | TR_HYBRID | FULL | FULL_DECODE_ONLY | FULL_AND_TR_HYBRID",
+    )
     p.add_argument("--load-format", default=None, help="auto | safetensors | gguf | dummy")
     p.add_argument("--dtype", default=None, help="auto | float32 | float16 | bfloat16")
     p.add_argument("--device", default=None, help="auto | cpu | cuda")
@@ -33,9 +51,16 @@ def config_from_args(args: argparse.Namespace):
     base: dict[str, Any] = {}
     sections = {
         "compilation_config": {"level": args.level, "cudagraph_mode": args.cudagraph_mode},
-        "model_config": {"load_format": args.load_format, "dtype": args.dtype, "max_model_len": args.max_model_len},
-        "parallel_config": {"tensor_parallel_size": args.tensor_parallel_size,
-                            "data_parallel_size": args.data_parallel_size, "executor": args.executor},
+        "model_config": {
+            "load_format": args.load_format,
+            "dtype": args.dtype,
+            "max_model_len": args.max_model_len,
+        },
+        "parallel_config": {
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "data_parallel_size": args.data_parallel_size,
+            "executor": args.executor,
+        },
         "scheduler_config": {"max_num_seqs": args.max_num_seqs},
     }
     for top in ("model", "enforce_eager", "device"):

@@ -30,7 +30,11 @@ def config_from_kwargs(model: str, kwargs: dict[str, Any]) -> Config:
         if key in top:
             direct[key] = value
             continue
-        owners = [name for name, cls in _SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}]
+        owners = [
+            name
+            for name, cls in _SECTIONS.items()
+            if key in {f.name for f in dataclasses.fields(cls)}
+        ]
         if not owners:
             raise ConfigError(f"LLM(): unknown argument {key!r}")
         sections.setdefault(owners[0], {})[key] = value
@@ -41,7 +45,9 @@ def config_from_kwargs(model: str, kwargs: dict[str, Any]) -> Config:
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, config: Optional[Config] = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str = DEFAULT_MODEL, *, config: Optional[Config] = None, **kwargs: Any
+    ) -> None:
         if config is not None and kwargs:
             raise ConfigError("LLM(): pass either config= or keyword settings, not both")
         self.config = config if config is not None else config_from_kwargs(model, kwargs)
@@ -58,7 +64,9 @@ class LLM:
         """One RequestOutput per prompt, in order. Every prompt is validated before any runs.
 
         A progress bar (stderr) counts finished requests when there is more than one."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
@@ -82,17 +90,24 @@ class LLM:
             conversations = [conversations]  # type: ignore[list-item]
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
-        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True)
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)  # the engine may also return outputs of requests aborted before these
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2)
+        bar = tqdm(
+            total=len(ids), desc="Generating", unit="req", disable=not use_tqdm or len(ids) < 2
+        )
         try:
             while len(final) < len(ids):
                 if not self.engine.has_unfinished():
-                    raise RuntimeError(f"engine stopped with {len(ids) - len(final)} requests unfinished")
+                    raise RuntimeError(
+                        f"engine stopped with {len(ids) - len(final)} requests unfinished"
+                    )
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted and out.request_id not in final:
                         final[out.request_id] = out
@@ -116,7 +131,9 @@ class LLM:
         self.shutdown()
 
 
-def _per_prompt(params: Union[SamplingParams, Sequence[SamplingParams], None], n: int) -> list[SamplingParams]:
+def _per_prompt(
+    params: Union[SamplingParams, Sequence[SamplingParams], None], n: int
+) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
@@ -135,8 +152,10 @@ def _load_tokenizer(config: Config):
     explicit = config.model_config.tokenizer
     if not explicit and resolved.kind == "preset":
         return None
-    if not explicit and resolved.kind == "safetensors" and not any(
-        (resolved.path / f).is_file() for f in _TOKENIZER_FILES
+    if (
+        not explicit
+        and resolved.kind == "safetensors"
+        and not any((resolved.path / f).is_file() for f in _TOKENIZER_FILES)
     ):
         logger.warning("%s has no tokenizer files: prompts must be token ids", resolved.path)
         return None

@@ -15,7 +15,12 @@ import time
 from typing import Any, Callable, Optional
 
 from atomrt.distributed.messages import StepPlan, StepResult
-from atomrt.distributed.transport import PlanPublisher, ResultCollector, TransportAddresses, TransportTimeout
+from atomrt.distributed.transport import (
+    PlanPublisher,
+    ResultCollector,
+    TransportAddresses,
+    TransportTimeout,
+)
 from atomrt.runtime.config import Config
 from atomrt.runtime.executors.base import Executor, WorkerError
 from atomrt.workers.process import RankSpec
@@ -39,7 +44,9 @@ class StepChannel:
     died or stopped answering, and returns otherwise.
     """
 
-    def __init__(self, world_size: int, dp_size: int, local: bool, host_ip: str = "", spin_s: float = 0.0) -> None:
+    def __init__(
+        self, world_size: int, dp_size: int, local: bool, host_ip: str = "", spin_s: float = 0.0
+    ) -> None:
         self.dp_size = dp_size
         self.addresses = TransportAddresses.make(local, host_ip)
         self.publisher = PlanPublisher(self.addresses, world_size)
@@ -51,13 +58,17 @@ class StepChannel:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                pids = self.publisher.wait_ready(min(LIVENESS_POLL_S, max(0.0, deadline - time.monotonic())))
+                pids = self.publisher.wait_ready(
+                    min(LIVENESS_POLL_S, max(0.0, deadline - time.monotonic()))
+                )
                 self.ready = True
                 return pids
             except TransportTimeout as e:
                 check_alive()
                 if time.monotonic() >= deadline:
-                    raise WorkerError(f"start-up: transport handshake timed out after {timeout_s:.0f} s: {e}") from e
+                    raise WorkerError(
+                        f"start-up: transport handshake timed out after {timeout_s:.0f} s: {e}"
+                    ) from e
 
     def publish(self, plan: StepPlan) -> None:
         self.publisher.publish(plan)
@@ -66,7 +77,9 @@ class StepChannel:
         """Ask for pipelined step `step`'s results now (no plan follows it yet)."""
         self.publisher.publish_flush(step)
 
-    def collect(self, step: int, timeout_s: float, check_alive: Callable[[], None]) -> list[StepResult]:
+    def collect(
+        self, step: int, timeout_s: float, check_alive: Callable[[], None]
+    ) -> list[StepResult]:
         """One result of step `step` per DP rank, in DP order. A dead or failed rank raises WorkerError."""
         deadline = time.monotonic() + timeout_s
         got: dict[int, StepResult] = {}
@@ -86,10 +99,14 @@ class StepChannel:
                 self._blame_dead_peer(check_alive, res.error)
                 raise WorkerError(res.error)
             if res.step < step:  # a step the engine discarded: its result comes late
-                logger.debug("dropping DP rank %d's result of discarded step %d", res.dp_rank, res.step)
+                logger.debug(
+                    "dropping DP rank %d's result of discarded step %d", res.dp_rank, res.step
+                )
                 continue
             if res.step != step:
-                raise WorkerError(f"step {step}: DP rank {res.dp_rank} answered for step {res.step}")
+                raise WorkerError(
+                    f"step {step}: DP rank {res.dp_rank} answered for step {res.step}"
+                )
             got[res.dp_rank] = res
         return [got[i] for i in range(self.dp_size)]
 
@@ -153,7 +170,9 @@ class ChannelExecutor(Executor):
         try:
             if flush:
                 channel.flush(step)
-            return channel.collect(step, self.config.parallel_config.worker_timeout_s, self._check_alive)
+            return channel.collect(
+                step, self.config.parallel_config.worker_timeout_s, self._check_alive
+            )
         except WorkerError as e:
             self._failure = str(e)
             self._stop(graceful=False)

@@ -28,7 +28,9 @@ class InProcExecutor(Executor):
     def collect(self, step: int, flush: bool) -> list[StepResult]:
         pending = self._submitted.popleft()
         if pending.step != step:
-            raise RuntimeError(f"inproc executor: collecting step {step}, but the oldest submitted step is {pending.step}")
+            raise RuntimeError(
+                f"inproc executor: collecting step {step}, but the oldest submitted step is {pending.step}"
+            )
         try:
             result = self.worker.finish(pending)
         except DeviceTimeout as e:  # a hung device is not a step to retry

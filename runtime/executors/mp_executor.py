@@ -57,7 +57,9 @@ class MPExecutor(ChannelExecutor):
             parent, child = ctx.Pipe()
             stamp = ctx.Value("d", time.monotonic(), lock=False)
             proc = ctx.Process(
-                target=mp_main, args=(child, self.config, spec, device, stamp), name=f"atomrt-rank{spec.rank}"
+                target=mp_main,
+                args=(child, self.config, spec, device, stamp),
+                name=f"atomrt-rank{spec.rank}",
             )
             proc.start()
             child.close()
@@ -66,12 +68,18 @@ class MPExecutor(ChannelExecutor):
             self.heartbeats.append(stamp)
         n = len(self.specs)
         rendezvous = self._call_all("node_info", [()] * n, pc.worker_timeout_s)[0]
-        self._call_all("init_worker", [("127.0.0.1", rendezvous.free_port)] * n, pc.worker_timeout_s)
+        self._call_all(
+            "init_worker", [("127.0.0.1", rendezvous.free_port)] * n, pc.worker_timeout_s
+        )
         num_blocks = min(self._call_all("determine_num_blocks", [()] * n, pc.compile_timeout_s))
         infos = self._call_all("initialize", [(num_blocks,)] * n, pc.capture_timeout_s)
         spin_s = pc.resolved_spin_s("cpu" if devices[0] is None else "cuda")
-        self.channel = StepChannel(len(self.specs), pc.data_parallel_size, local=True, spin_s=spin_s)
-        self._call_all("run_plan_loop", [(self.channel.addresses.to_dict(),)] * n, pc.worker_timeout_s)
+        self.channel = StepChannel(
+            len(self.specs), pc.data_parallel_size, local=True, spin_s=spin_s
+        )
+        self._call_all(
+            "run_plan_loop", [(self.channel.addresses.to_dict(),)] * n, pc.worker_timeout_s
+        )
         self.channel.handshake(pc.worker_timeout_s, self._check_alive)
         logger.info("mp executor: %d ranks up, %d KV blocks each", len(self.specs), num_blocks)
         return infos[0]
@@ -79,7 +87,9 @@ class MPExecutor(ChannelExecutor):
     def _local_devices(self) -> list[Optional[int]]:
         import torch
 
-        if self.config.device == "cpu" or (self.config.device == "auto" and not torch.cuda.is_available()):
+        if self.config.device == "cpu" or (
+            self.config.device == "auto" and not torch.cuda.is_available()
+        ):
             return [None] * len(self.specs)
         if torch.cuda.device_count() < len(self.specs):
             raise ValueError(
@@ -93,8 +103,13 @@ class MPExecutor(ChannelExecutor):
         `timeout`, with a progress line for the long phases)."""
         phase = PHASES.get(method)
         if phase is not None:
-            logger.info("mp executor: %s on %d ranks (limit %.0f s, parallel_config.%s)", phase[0], len(self.specs),
-                        timeout, phase[1])
+            logger.info(
+                "mp executor: %s on %d ranks (limit %.0f s, parallel_config.%s)",
+                phase[0],
+                len(self.specs),
+                timeout,
+                phase[1],
+            )
         for conn, a in zip(self.conns, args):
             conn.send(ControlCall(method, tuple(a)))
         deadline = time.monotonic() + timeout
@@ -103,12 +118,15 @@ class MPExecutor(ChannelExecutor):
             waiting = {i: c for i, c in enumerate(self.conns) if i not in answers}
             sentinels = {self.procs[i].sentinel: i for i in waiting}
             ready = multiprocessing.connection.wait(
-                list(waiting.values()) + list(sentinels), timeout=max(0.0, deadline - time.monotonic())
+                list(waiting.values()) + list(sentinels),
+                timeout=max(0.0, deadline - time.monotonic()),
             )
             if not ready:
                 names = ", ".join(self.specs[i].name for i in waiting)
                 knob = (phase or ("", "worker_timeout_s"))[1]
-                raise WorkerError(f"{method}: no answer within {timeout:.0f} s from {names} (parallel_config.{knob})")
+                raise WorkerError(
+                    f"{method}: no answer within {timeout:.0f} s from {names} (parallel_config.{knob})"
+                )
             for obj in ready:
                 if obj in sentinels:
                     i = sentinels[obj]

@@ -30,17 +30,23 @@ logger = logging.getLogger(__name__)
 
 STRATEGIES = ("auto", "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 TRANSPORTS = ("auto", "ipc", "tcp")
-ACTOR_CPUS = 1.0  # logical CPUs per rank's bundle (a scheduling token: the rank mostly waits or runs torch)
+ACTOR_CPUS = (
+    1.0  # logical CPUs per rank's bundle (a scheduling token: the rank mostly waits or runs torch)
+)
 _KILL_WAIT_S = 5.0  # after ray.kill, how long shutdown waits to see the actors gone
 
 
 class RayExecutor(ChannelExecutor):
     kind = "ray"
 
-    def __init__(self, config: Config, placement_strategy: str = "auto", transport: str = "auto") -> None:
+    def __init__(
+        self, config: Config, placement_strategy: str = "auto", transport: str = "auto"
+    ) -> None:
         super().__init__(config)
         if placement_strategy not in STRATEGIES:
-            raise ValueError(f"placement_strategy: expected one of {STRATEGIES}, got {placement_strategy!r}")
+            raise ValueError(
+                f"placement_strategy: expected one of {STRATEGIES}, got {placement_strategy!r}"
+            )
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
         self.placement_strategy = placement_strategy
@@ -76,15 +82,24 @@ class RayExecutor(ChannelExecutor):
         n = len(self.specs)
         self.nodes = self._get([a.node_info.remote() for a in self.actors], "node_info")
         master = self.nodes[0]
-        self._get([a.init_worker.remote(master.node_ip, master.free_port) for a in self.actors], "init_worker")
-        num_blocks = min(self._get([a.determine_num_blocks.remote() for a in self.actors], "determine_num_blocks"))
+        self._get(
+            [a.init_worker.remote(master.node_ip, master.free_port) for a in self.actors],
+            "init_worker",
+        )
+        num_blocks = min(
+            self._get(
+                [a.determine_num_blocks.remote() for a in self.actors], "determine_num_blocks"
+            )
+        )
         infos = self._get([a.initialize.remote(num_blocks) for a in self.actors], "initialize")
         driver_node = ray.get_runtime_context().get_node_id()
         local = self.transport == "ipc" or (
             self.transport == "auto" and all(node.node_id == driver_node for node in self.nodes)
         )
         host_ip = "" if local else (ENV.host_ip or ray.util.get_node_ip_address())
-        spin_s = pc.resolved_spin_s("cuda" if use_gpu else "cpu")  # the device the ranks were placed on
+        spin_s = pc.resolved_spin_s(
+            "cuda" if use_gpu else "cpu"
+        )  # the device the ranks were placed on
         self.channel = StepChannel(n, pc.data_parallel_size, local, host_ip, spin_s)
         addresses = self.channel.addresses.to_dict()
         self._loop_refs = [a.run_plan_loop.remote(addresses) for a in self.actors]
@@ -93,7 +108,11 @@ class RayExecutor(ChannelExecutor):
         self.channel.handshake(pc.worker_timeout_s, self._check_alive)
         logger.info(
             "ray executor: %d ranks on %d node(s), %s placement, %s transport, %d KV blocks each",
-            n, len({node.node_id for node in self.nodes}), self.pg_strategy, "ipc" if local else "tcp", num_blocks,
+            n,
+            len({node.node_id for node in self.nodes}),
+            self.pg_strategy,
+            "ipc" if local else "tcp",
+            num_blocks,
         )
         return infos[0]
 
@@ -106,8 +125,11 @@ class RayExecutor(ChannelExecutor):
         if address:
             ray.init(address=address, logging_level=logging.WARNING)
         else:
-            ray.init(num_cpus=int(len(self.specs) * ACTOR_CPUS + 0.999), include_dashboard=False,
-                     logging_level=logging.WARNING)
+            ray.init(
+                num_cpus=int(len(self.specs) * ACTOR_CPUS + 0.999),
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+            )
         self._owns_ray = True
 
     def _use_gpu(self) -> bool:
@@ -131,7 +153,8 @@ class RayExecutor(ChannelExecutor):
         if strategy == "auto":
             need = {k: v * len(self.specs) for k, v in bundle.items()}
             fits = any(
-                node["Alive"] and all(node["Resources"].get(k, 0) >= v for k, v in need.items()) for node in ray.nodes()
+                node["Alive"] and all(node["Resources"].get(k, 0) >= v for k, v in need.items())
+                for node in ray.nodes()
             )
             strategy = "STRICT_PACK" if fits else "PACK"
         self.pg_strategy = strategy
@@ -155,7 +178,9 @@ class RayExecutor(ChannelExecutor):
             max_concurrency=2,  # the plan loop and a ping
             max_restarts=0,
             name=None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=index
+            ),
         ).remote(self.config, spec, None, True)
 
     def _get(self, refs: list[Any], phase: str) -> list[Any]:
@@ -166,16 +191,26 @@ class RayExecutor(ChannelExecutor):
         what, knob = PHASES.get(phase, ("", "worker_timeout_s"))
         timeout = getattr(self.config.parallel_config, knob)
         if what:
-            logger.info("ray executor: %s on %d ranks (limit %.0f s, parallel_config.%s)", what, len(refs), timeout, knob)
+            logger.info(
+                "ray executor: %s on %d ranks (limit %.0f s, parallel_config.%s)",
+                what,
+                len(refs),
+                timeout,
+                knob,
+            )
         deadline = time.monotonic() + timeout
         index = {ref: i for i, ref in enumerate(refs)}
         values: dict[int, Any] = {}
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            ready, pending = ray.wait(
+                pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic())
+            )
             if not ready:
                 names = ", ".join(self.specs[index[r]].name for r in pending)
-                raise WorkerError(f"{phase}: no answer within {timeout:.0f} s from {names} (parallel_config.{knob})")
+                raise WorkerError(
+                    f"{phase}: no answer within {timeout:.0f} s from {names} (parallel_config.{knob})"
+                )
             for ref in ready:
                 i = index[ref]
                 try:
@@ -185,7 +220,6 @@ class RayExecutor(ChannelExecutor):
         return [values[i] for i in range(len(refs))]
 
     # ---------------------------------------------------------------------------------- steps
-
 
     def _check_alive(self) -> None:
         """Non-blocking: a rank whose plan loop call ended, or whose ping is overdue, raises WorkerError."""
@@ -214,7 +248,9 @@ class RayExecutor(ChannelExecutor):
                 )
             else:
                 waiting = True
-        if stuck and not waiting:  # a rank blocked in a collective waits for a peer: name the first stopped
+        if (
+            stuck and not waiting
+        ):  # a rank blocked in a collective waits for a peer: name the first stopped
             idle, i = max(stuck)
             raise WorkerError(
                 f"{self.specs[i].name}: its step loop made no progress for {idle:.1f} s, a missed heartbeat "
@@ -232,7 +268,9 @@ class RayExecutor(ChannelExecutor):
                 ray.get(ref, timeout=0)
                 failed.append(f"{spec.name}: left the plan loop unexpectedly")
             except ray.exceptions.RayActorError as e:
-                died.append(f"{spec.name}: worker actor died (pid {self.worker_pids.get(spec.rank)}): {_first_line(e)}")
+                died.append(
+                    f"{spec.name}: worker actor died (pid {self.worker_pids.get(spec.rank)}): {_first_line(e)}"
+                )
             except ray.exceptions.RayError as e:
                 failed.append(f"{spec.name}: plan loop failed: {_first_line(e)}")
         return "; ".join(died + failed)
@@ -271,7 +309,9 @@ class RayExecutor(ChannelExecutor):
             else:  # the handshake never finished: a rank may not receive plans
                 for actor in self.actors:
                     actor.stop.remote()
-            ray.wait(self._loop_refs, num_returns=len(self._loop_refs), timeout=DESTROY_TIMEOUT_S + 2.0)
+            ray.wait(
+                self._loop_refs, num_returns=len(self._loop_refs), timeout=DESTROY_TIMEOUT_S + 2.0
+            )
         except Exception as e:  # sockets or Ray already gone: ray.kill follows
             logger.warning("ray executor: graceful stop failed: %s", e)
 

@@ -14,7 +14,10 @@ import pytest
 import torch
 
 import test_decode_attention as cpu_tier
-from atomrt.workers.kernels.attention.decode_attention import attention_step, prepare_decode_counters
+from atomrt.workers.kernels.attention.decode_attention import (
+    attention_step,
+    prepare_decode_counters,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,10 +28,26 @@ make_case = functools.partial(cpu_tier.make_decode_case, device="cuda")
 def step(case: cpu_tier.DecodeCase, out: torch.Tensor, *, graph_safe: bool) -> None:
     b, r = case.batch, case.rotary
     attention_step(
-        b.q, case.k, case.v, out, case.positions, r.cos_cache, r.sin_cache, b.k_cache, b.v_cache,
-        case.slot_mapping, b.cu_seqlens_q, b.context_lens, b.block_tables, b.q.shape[2] ** -0.5,
-        num_seqs=b.num_seqs, max_seqlen_q=1, max_seqlen_k=max(b.context_lens_cpu), graph_safe=graph_safe,
-        cu_seqlens_q_cpu=b.cu_seqlens_q_cpu, context_lens_cpu=b.context_lens_cpu,
+        b.q,
+        case.k,
+        case.v,
+        out,
+        case.positions,
+        r.cos_cache,
+        r.sin_cache,
+        b.k_cache,
+        b.v_cache,
+        case.slot_mapping,
+        b.cu_seqlens_q,
+        b.context_lens,
+        b.block_tables,
+        b.q.shape[2] ** -0.5,
+        num_seqs=b.num_seqs,
+        max_seqlen_q=1,
+        max_seqlen_k=max(b.context_lens_cpu),
+        graph_safe=graph_safe,
+        cu_seqlens_q_cpu=b.cu_seqlens_q_cpu,
+        context_lens_cpu=b.context_lens_cpu,
     )
 
 
@@ -41,20 +60,34 @@ SCENARIOS = {
     "bs1_short": [170],  # the latency benchmark's context
     "bs1_long": [4000],  # split over the SMs
     "bs3_mixed": [1, 300, 3999],  # one split launch, each sequence its own number of working splits
-    "bs64": [int(x) for x in torch.randint(1, 4001, (64,), generator=torch.Generator().manual_seed(0))],
+    "bs64": [
+        int(x) for x in torch.randint(1, 4001, (64,), generator=torch.Generator().manual_seed(0))
+    ],
 }
 
 
 @pytest.mark.parametrize("graph_safe", [False, True], ids=["host", "graph"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-@pytest.mark.parametrize("group,head_dim,num_kv_heads", [(3, 64, 3), (4, 64, 8), (4, 128, 8), (8, 128, 1)],
-                         ids=["smollm", "llama1b", "llama8b", "gqa8-1kv"])
+@pytest.mark.parametrize(
+    "group,head_dim,num_kv_heads",
+    [(3, 64, 3), (4, 64, 8), (4, 128, 8), (8, 128, 1)],
+    ids=["smollm", "llama1b", "llama8b", "gqa8-1kv"],
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_decode_matches_float64(dtype: torch.dtype, group: int, head_dim: int, num_kv_heads: int, name: str,
-                                graph_safe: bool) -> None:
-    case = make_case(SCENARIOS[name], num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                     pad_seqs=2 if graph_safe else 0, pad_rows=3, dtype=dtype, seed=len(name) + group,
-                     max_blocks=300)  # a KV capacity of 4800 keys: the graph-safe plan splits small batches
+def test_decode_matches_float64(
+    dtype: torch.dtype, group: int, head_dim: int, num_kv_heads: int, name: str, graph_safe: bool
+) -> None:
+    case = make_case(
+        SCENARIOS[name],
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=head_dim,
+        pad_seqs=2 if graph_safe else 0,
+        pad_rows=3,
+        dtype=dtype,
+        seed=len(name) + group,
+        max_blocks=300,
+    )  # a KV capacity of 4800 keys: the graph-safe plan splits small batches
     out = torch.full_like(case.batch.q, cpu_tier.SENTINEL)
     step(case, out, graph_safe=graph_safe)
     check(case, out)
@@ -67,9 +100,18 @@ def test_graph_replay_with_new_lengths(bucket_seqs: int) -> None:
     dtype, head_dim, group, num_kv_heads = torch.bfloat16, 128, 4, 8
 
     def case_for(lens_k: list[int], seed: int) -> cpu_tier.DecodeCase:
-        return make_case(lens_k, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
-                         pad_seqs=bucket_seqs - len(lens_k), pad_rows=bucket_seqs - len(lens_k), dtype=dtype, seed=seed,
-                         max_blocks=257, num_blocks=bucket_seqs * 257 + 3)
+        return make_case(
+            lens_k,
+            num_kv_heads=num_kv_heads,
+            group=group,
+            head_dim=head_dim,
+            pad_seqs=bucket_seqs - len(lens_k),
+            pad_rows=bucket_seqs - len(lens_k),
+            dtype=dtype,
+            seed=seed,
+            max_blocks=257,
+            num_blocks=bucket_seqs * 257 + 3,
+        )
 
     static = case_for([4096] * bucket_seqs, seed=1)
     out = torch.full_like(static.batch.q, cpu_tier.SENTINEL)
@@ -78,7 +120,11 @@ def test_graph_replay_with_new_lengths(bucket_seqs: int) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(static, out, graph_safe=True)
-    lens_list = [[170], [1], [4096], [2000], [300]] if bucket_seqs == 1 else [[1, 4096, 700], [170] * 4, [3000, 2]]
+    lens_list = (
+        [[170], [1], [4096], [2000], [300]]
+        if bucket_seqs == 1
+        else [[1, 4096, 700], [170] * 4, [3000, 2]]
+    )
     for seed, lens_k in enumerate(lens_list, start=2):
         new = case_for(lens_k, seed)
         sb, nb = static.batch, new.batch
@@ -95,6 +141,9 @@ def test_graph_replay_with_new_lengths(bucket_seqs: int) -> None:
         torch.testing.assert_close(out[:n].double(), ref_out, **TOLERANCES[dtype])
         assert torch.all(out[n:] == cpu_tier.SENTINEL)
         written = new.slot_mapping >= 0
-        torch.testing.assert_close(sb.k_cache.view(-1, num_kv_heads, head_dim)[new.slot_mapping[written]].double(),
-                                   ref_k, **TOLERANCES[dtype])
+        torch.testing.assert_close(
+            sb.k_cache.view(-1, num_kv_heads, head_dim)[new.slot_mapping[written]].double(),
+            ref_k,
+            **TOLERANCES[dtype],
+        )
         assert torch.all(prepare_decode_counters(out.device) == 0)

@@ -26,15 +26,26 @@ NUM_REQUESTS = 64
 
 def _requests():
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, 49000) for _ in range(rng.randrange(1, 120))] for _ in range(NUM_REQUESTS)]
+    prompts = [
+        [rng.randrange(1, 49000) for _ in range(rng.randrange(1, 120))] for _ in range(NUM_REQUESTS)
+    ]
     # Staggered lengths: the decode batch shrinks 64 -> 1 through every bucket and between buckets.
-    params = [SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 40, ignore_eos=True) for i in range(NUM_REQUESTS)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 40, ignore_eos=True)
+        for i in range(NUM_REQUESTS)
+    ]
     return prompts, params
 
 
 def _run(level: int, mode, enforce_eager: bool = False, params=None, **settings):
     cc = CompilationConfig(level=level, cudagraph_mode=mode, cuda_graph_sizes=[LADDER_TOP])
-    llm = LLM(**MODEL, enforce_eager=enforce_eager, compilation_config=cc, max_num_seqs=NUM_REQUESTS, **settings)
+    llm = LLM(
+        **MODEL,
+        enforce_eager=enforce_eager,
+        compilation_config=cc,
+        max_num_seqs=NUM_REQUESTS,
+        **settings,
+    )
     try:
         prompts, greedy = _requests()
         outs = llm.generate(prompts, params or greedy)
@@ -62,7 +73,7 @@ def describe_mismatches(tokens, eager_tokens, mismatched, eager_logprobs=None) -
     for i in mismatched[:8]:
         a, b = tokens[i], eager_tokens[i]
         pos = next((p for p, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        line = f"request {i}: first differs at token {pos} of {len(b)} ({a[pos:pos + 1]} vs eager {b[pos:pos + 1]})"
+        line = f"request {i}: first differs at token {pos} of {len(b)} ({a[pos : pos + 1]} vs eager {b[pos : pos + 1]})"
         if eager_logprobs is not None and pos < len(eager_logprobs[i]):
             top = sorted(eager_logprobs[i][pos].values(), reverse=True)
             if len(top) >= 2:
@@ -71,7 +82,9 @@ def describe_mismatches(tokens, eager_tokens, mismatched, eager_logprobs=None) -
     return "; ".join(lines)
 
 
-def check_matches_eager(tokens, info, mode: str, eager_tokens, label: str, eager_logprobs=None) -> None:
+def check_matches_eager(
+    tokens, info, mode: str, eager_tokens, label: str, eager_logprobs=None
+) -> None:
     """The mode captured the graphs it should (token graphs or request graphs) and every request's
     greedy tokens equal eager's. The TP=2 tier (test_tp_gpu.py) checks with it too."""
     m = CUDAGraphMode[mode]
@@ -95,7 +108,9 @@ def test_mode_matches_eager(eager_tokens, level, mode):
     check_matches_eager(tokens, info, mode, eager_tokens, f"{mode} level {level}")
 
 
-@pytest.mark.parametrize("level,mode", [(0, "NONE"), (0, "FULL"), (0, "TR_HYBRID"), (3, "FULL"), (3, "TR_HYBRID")])
+@pytest.mark.parametrize(
+    "level,mode", [(0, "NONE"), (0, "FULL"), (0, "TR_HYBRID"), (3, "FULL"), (3, "TR_HYBRID")]
+)
 def test_async_scheduling_matches_eager(eager_tokens, level, mode):
     """Step N+1 submitted before step N's tokens are back: decode rows read their pending token
     from the device (gathered inside the request graph under FULL)."""
@@ -108,14 +123,21 @@ def test_async_scheduling_with_seeds_penalties_and_logprobs_matches_sync():
     FULL graphs: async gives the synchronous run's tokens and logprobs."""
     kinds = [
         SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True, logprobs=3),
+        SamplingParams(
+            temperature=0.0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True, logprobs=3
+        ),
         SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
     ]
     params = [kinds[i % 3] for i in range(NUM_REQUESTS)]
     runs = []
     for async_scheduling in (False, True):
         cc = CompilationConfig(level=0, cudagraph_mode="FULL", cuda_graph_sizes=[LADDER_TOP])
-        llm = LLM(**MODEL, compilation_config=cc, max_num_seqs=NUM_REQUESTS, async_scheduling=async_scheduling)
+        llm = LLM(
+            **MODEL,
+            compilation_config=cc,
+            max_num_seqs=NUM_REQUESTS,
+            async_scheduling=async_scheduling,
+        )
         try:
             outs = llm.generate(_requests()[0], params)
             runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
@@ -139,7 +161,11 @@ def _bucket_inputs(runner, bs: int, seed: int):
     blocks_per_seq = -(-int(ctx.max()) // runner.shape.block_size)
     tables = (1 + np.arange(bs * blocks_per_seq, dtype=np.int32)).reshape(bs, blocks_per_seq)
     positions = (ctx - 1).astype(np.int64)
-    slots = tables[np.arange(bs), positions // runner.shape.block_size].astype(np.int64) * runner.shape.block_size + positions % runner.shape.block_size
+    slots = (
+        tables[np.arange(bs), positions // runner.shape.block_size].astype(np.int64)
+        * runner.shape.block_size
+        + positions % runner.shape.block_size
+    )
     cu = np.arange(bs + 1, dtype=np.int32)
     return StepInputs(
         seq_ids=np.arange(bs, dtype=np.int64),
@@ -167,35 +193,76 @@ def test_every_bucket_replays_like_eager_in_random_order(mode):
         for i, bs in enumerate(order):
             inputs = _bucket_inputs(runner, bs, seed=i)
             kind = ForwardKind.REQ_GRAPH if mode == "FULL" else ForwardKind.TOKEN_GRAPH
-            graph = ForwardDecision(kind=kind, running_bs=bs, running_tokens=bs, is_prefill=False,
-                                    req_key=(bs, 0) if mode == "FULL" else None, token_bucket=bs if mode != "FULL" else None)
-            eager = ForwardDecision(kind=ForwardKind.EAGER, running_bs=bs, running_tokens=bs, is_prefill=False)
+            graph = ForwardDecision(
+                kind=kind,
+                running_bs=bs,
+                running_tokens=bs,
+                is_prefill=False,
+                req_key=(bs, 0) if mode == "FULL" else None,
+                token_bucket=bs if mode != "FULL" else None,
+            )
+            eager = ForwardDecision(
+                kind=ForwardKind.EAGER, running_bs=bs, running_tokens=bs, is_prefill=False
+            )
             md, ctx = runner.buffers.prepare(inputs, eager)
             from atomrt.runtime.forward_context import set_forward_context
 
             rows = torch.from_numpy(inputs.sample_rows).cuda()
-            with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers, kv_cache_data=runner.kv_cache):
-                ref = runner.run_model(runner.buffers.forward_vars["input_ids"][:bs], eager, rows).logits
+            with set_forward_context(
+                md,
+                runner.config,
+                ctx,
+                no_compile_layers=runner.attn_layers,
+                kv_cache_data=runner.kv_cache,
+            ):
+                ref = runner.run_model(
+                    runner.buffers.forward_vars["input_ids"][:bs], eager, rows
+                ).logits
             ref = ref.clone()
             md, ctx = runner.buffers.prepare(inputs, graph)
-            with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers,
-                                     kv_cache_data=runner.kv_cache, tr_graph=graph.tr_graph):
-                got = runner.run_model(runner.buffers.forward_vars["input_ids"][:bs], graph, rows).logits
-            torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4, msg=f"{mode} bucket {bs} (replay #{i})")
+            with set_forward_context(
+                md,
+                runner.config,
+                ctx,
+                no_compile_layers=runner.attn_layers,
+                kv_cache_data=runner.kv_cache,
+                tr_graph=graph.tr_graph,
+            ):
+                got = runner.run_model(
+                    runner.buffers.forward_vars["input_ids"][:bs], graph, rows
+                ).logits
+            torch.testing.assert_close(
+                got, ref, atol=2e-4, rtol=1e-4, msg=f"{mode} bucket {bs} (replay #{i})"
+            )
             if mode == "FULL":  # every row samples (a slice): the logits are the graph's own output
                 md, ctx = runner.buffers.prepare(inputs, graph)
-                with set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers,
-                                         kv_cache_data=runner.kv_cache):
-                    out = runner.run_model(runner.buffers.forward_vars["input_ids"][:bs], graph, slice(0, bs))
+                with set_forward_context(
+                    md,
+                    runner.config,
+                    ctx,
+                    no_compile_layers=runner.attn_layers,
+                    kv_cache_data=runner.kv_cache,
+                ):
+                    out = runner.run_model(
+                        runner.buffers.forward_vars["input_ids"][:bs], graph, slice(0, bs)
+                    )
                 got = out.logits
-                torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4, msg=f"{mode} bucket {bs} in-graph logits")
+                torch.testing.assert_close(
+                    got, ref, atol=2e-4, rtol=1e-4, msg=f"{mode} bucket {bs} in-graph logits"
+                )
                 # ... and the argmax recorded after them is what the sampler computes from them
-                assert out.tokens[:bs].tolist() == got.argmax(-1).tolist(), f"bucket {bs} in-graph argmax"
+                assert out.tokens[:bs].tolist() == got.argmax(-1).tolist(), (
+                    f"bucket {bs} in-graph argmax"
+                )
         pool, largest = runner.graphs.pool_bytes, runner.graphs.largest_pool_bytes
         assert 0 < largest <= pool
         # Recordings share one pool: the ladder needs about what its largest bucket needs, not the sum.
-        assert pool <= 1.25 * largest + 8 * 2**20, f"pool {pool / 2**20:.1f} MiB vs largest {largest / 2**20:.1f} MiB"
-        print(f"{mode}: graph pool {pool / 2**20:.1f} MiB for {len(sizes)} buckets, capture {llm.engine.info.capture_seconds:.2f} s")
+        assert pool <= 1.25 * largest + 8 * 2**20, (
+            f"pool {pool / 2**20:.1f} MiB vs largest {largest / 2**20:.1f} MiB"
+        )
+        print(
+            f"{mode}: graph pool {pool / 2**20:.1f} MiB for {len(sizes)} buckets, capture {llm.engine.info.capture_seconds:.2f} s"
+        )
     finally:
         llm.shutdown()
 

@@ -16,7 +16,11 @@ import pytest
 import torch
 
 import test_kernels as cpu_tier
-from atomrt.workers.kernels.attention.paged_attention import rope_write_kv, unified_attention, write_kv_cache
+from atomrt.workers.kernels.attention.paged_attention import (
+    rope_write_kv,
+    unified_attention,
+    write_kv_cache,
+)
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from test_kernels import PagedBatch  # the batch layout the CPU tier uses too
 
@@ -31,10 +35,18 @@ make_batch = functools.partial(cpu_tier.make_batch, device="cuda")
 reference_attention = cpu_tier.reference_attention
 
 
-def run_attention(batch: PagedBatch, out: torch.Tensor, *, graph_safe: bool, max_seqlen_q: int) -> None:
+def run_attention(
+    batch: PagedBatch, out: torch.Tensor, *, graph_safe: bool, max_seqlen_q: int
+) -> None:
     unified_attention(
-        batch.q, batch.k_cache, batch.v_cache, out,
-        batch.cu_seqlens_q, batch.context_lens, batch.block_tables, batch.q.shape[2] ** -0.5,
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        out,
+        batch.cu_seqlens_q,
+        batch.context_lens,
+        batch.block_tables,
+        batch.q.shape[2] ** -0.5,
         num_seqs=batch.num_seqs,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max(batch.context_lens_cpu),
@@ -72,13 +84,25 @@ def scenario(name: str, seed: int) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize("name", ["decode64", "decode1_long", "mtp4", "mixed"])
 @pytest.mark.parametrize("group,head_dim", [(1, 128), (4, 128), (8, 64), (4, 64)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_attention_matches_float64(dtype: torch.dtype, group: int, head_dim: int, name: str, graph_safe: bool) -> None:
+def test_attention_matches_float64(
+    dtype: torch.dtype, group: int, head_dim: int, name: str, graph_safe: bool
+) -> None:
     lens_q, lens_k = scenario(name, seed=group + head_dim)
     block_size = 32 if head_dim == 64 else 16
     max_blocks = 4096 // block_size + 1
-    batch = make_batch(lens_q, lens_k, num_kv_heads=8 if group < 8 else 4, group=group, head_dim=head_dim,
-                       block_size=block_size, max_blocks=max_blocks, dtype=dtype,
-                       pad_seqs=3 if graph_safe else 0, pad_rows=5, seed=len(name))
+    batch = make_batch(
+        lens_q,
+        lens_k,
+        num_kv_heads=8 if group < 8 else 4,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        max_blocks=max_blocks,
+        dtype=dtype,
+        pad_seqs=3 if graph_safe else 0,
+        pad_rows=5,
+        seed=len(name),
+    )
     out = torch.full_like(batch.q, SENTINEL)
     run_attention(batch, out, graph_safe=graph_safe, max_seqlen_q=max(lens_q))
     check_output(batch, out)
@@ -90,13 +114,18 @@ def test_write_kv_cache(dtype: torch.dtype, block_size: int) -> None:
     num_tokens, num_kv_heads, head_dim, num_blocks = 300, 8, 128, 40
     k = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), SENTINEL, device="cuda", dtype=dtype)
+    k_cache = torch.full(
+        (num_blocks, block_size, num_kv_heads, head_dim), SENTINEL, device="cuda", dtype=dtype
+    )
     v_cache = torch.full_like(k_cache, -SENTINEL)
     slot_mapping = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
     slot_mapping[::7] = -1
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     written = slot_mapping >= 0
-    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat, v_flat = (
+        k_cache.view(-1, num_kv_heads, head_dim),
+        v_cache.view(-1, num_kv_heads, head_dim),
+    )
     assert torch.equal(k_flat[slot_mapping[written]], k[written])
     assert torch.equal(v_flat[slot_mapping[written]], v[written])
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device="cuda")
@@ -106,7 +135,9 @@ def test_write_kv_cache(dtype: torch.dtype, block_size: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (32, 8, 128)])
-def test_rope_write_kv(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+def test_rope_write_kv(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
     """The fused rotary + KV write at the model shapes against float64, q and k strided views of one
     qkv row; within one rounding of the unfused torch rotary (RotaryEmbedding) as well."""
     num_tokens, num_blocks, block_size = 300, 40, 16
@@ -118,15 +149,24 @@ def test_rope_write_kv(dtype: torch.dtype, num_heads: int, num_kv_heads: int, he
     positions = torch.randint(0, 4096, (num_tokens,), device="cuda")
     slot_mapping = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
     slot_mapping[::7] = -1
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), SENTINEL, device="cuda", dtype=dtype)
+    k_cache = torch.full(
+        (num_blocks, block_size, num_kv_heads, head_dim), SENTINEL, device="cuda", dtype=dtype
+    )
     v_cache = torch.full_like(k_cache, -SENTINEL)
-    q_rot = rope_write_kv(q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_cache, v_cache, slot_mapping)
+    q_rot = rope_write_kv(
+        q, k, v, positions, rotary.cos_cache, rotary.sin_cache, k_cache, v_cache, slot_mapping
+    )
     cos, sin = rotary.cos_cache[positions].to(dtype), rotary.sin_cache[positions].to(dtype)
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(q_rot.double(), cpu_tier._rotate_ref(q, cos, sin), **tol)
     written = slot_mapping >= 0
-    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-    torch.testing.assert_close(k_flat[slot_mapping[written]].double(), cpu_tier._rotate_ref(k, cos, sin)[written], **tol)
+    k_flat, v_flat = (
+        k_cache.view(-1, num_kv_heads, head_dim),
+        v_cache.view(-1, num_kv_heads, head_dim),
+    )
+    torch.testing.assert_close(
+        k_flat[slot_mapping[written]].double(), cpu_tier._rotate_ref(k, cos, sin)[written], **tol
+    )
     assert torch.equal(v_flat[slot_mapping[written]], v[written])
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device="cuda")
     untouched[slot_mapping[written]] = False
@@ -140,19 +180,34 @@ def test_cuda_graph_replay_with_new_metadata(max_seqlen_q: int) -> None:
     """FULL mode: capture unified_attention(graph_safe=True) for a bucket, then put other lengths,
     block tables and q into the same buffers, replay, and compare with eager and float64."""
     dtype, bucket_seqs, block_size, max_blocks = torch.bfloat16, 8, 16, 256  # KV capacity 4096
-    layout = dict(num_kv_heads=8, group=4, head_dim=128, block_size=block_size, max_blocks=max_blocks,
-                  dtype=dtype, num_blocks=bucket_seqs * max_blocks)
+    layout = dict(
+        num_kv_heads=8,
+        group=4,
+        head_dim=128,
+        block_size=block_size,
+        max_blocks=max_blocks,
+        dtype=dtype,
+        num_blocks=bucket_seqs * max_blocks,
+    )
     rows = bucket_seqs * max_seqlen_q
 
     def bucket_batch(lens_k: list[int], seed: int) -> PagedBatch:
         """Real sequences first, then padded ones (0 rows, 0 context), then padded rows up to the bucket."""
         lens_q = [min(max_seqlen_q, n) for n in lens_k]
-        return make_batch(lens_q, lens_k, pad_seqs=bucket_seqs - len(lens_k), pad_rows=rows - sum(lens_q),
-                          seed=seed, **layout)
+        return make_batch(
+            lens_q,
+            lens_k,
+            pad_seqs=bucket_seqs - len(lens_k),
+            pad_rows=rows - sum(lens_q),
+            seed=seed,
+            **layout,
+        )
 
     static = bucket_batch([100, 4096, 1, 37, 2000, 16], seed=1)
     out = torch.full_like(static.q, SENTINEL)
-    run_attention(static, out, graph_safe=True, max_seqlen_q=max_seqlen_q)  # compiles outside the capture
+    run_attention(
+        static, out, graph_safe=True, max_seqlen_q=max_seqlen_q
+    )  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -182,8 +237,16 @@ def test_decode_speed(batch_size: int, capsys: pytest.CaptureFixture[str]) -> No
     import triton.testing
 
     ctx, dtype = 1024, torch.bfloat16
-    batch = make_batch([1] * batch_size, [ctx] * batch_size, num_kv_heads=8, group=4, head_dim=128, block_size=16,
-                       max_blocks=ctx // 16, dtype=dtype)
+    batch = make_batch(
+        [1] * batch_size,
+        [ctx] * batch_size,
+        num_kv_heads=8,
+        group=4,
+        head_dim=128,
+        block_size=16,
+        max_blocks=ctx // 16,
+        dtype=dtype,
+    )
     out = torch.full_like(batch.q, SENTINEL)
     run_attention(batch, out, graph_safe=True, max_seqlen_q=1)
     torch.cuda.synchronize()
@@ -199,5 +262,7 @@ def test_decode_speed(batch_size: int, capsys: pytest.CaptureFixture[str]) -> No
     torch.cuda.synchronize()
     kv_bytes = 2 * batch_size * ctx * 8 * 128 * batch.k_cache.element_size()
     with capsys.disabled():
-        print(f"\ndecode bs={batch_size} ctx={ctx} bf16: GPU {gpu_ms * 1e3:.1f} us/call ({kv_bytes / gpu_ms / 1e6:.0f} GB/s "
-              f"of KV), host {host_us:.0f} us per eager call")
+        print(
+            f"\ndecode bs={batch_size} ctx={ctx} bf16: GPU {gpu_ms * 1e3:.1f} us/call ({kv_bytes / gpu_ms / 1e6:.0f} GB/s "
+            f"of KV), host {host_us:.0f} us per eager call"
+        )

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.gpu
 def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_hf_folders(tmp_path_factory)
 
+
 NUM_DECODE_STEPS = 6
 # float32: every product in full fp32 (no TF32) on both sides, only the summation order differs.
 # bfloat16: relative error of each step's logits vector (bf16 keeps 8 bits: ~0.4% per rounding; the
@@ -37,13 +38,19 @@ BF16_MAX_REL = 0.04
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "llama3_rope", "qwen2", "qwen3"])
-def test_tiny_model_on_cuda_matches_transformers(hf_folders: dict[str, Path], name: str, dtype: torch.dtype) -> None:
+def test_tiny_model_on_cuda_matches_transformers(
+    hf_folders: dict[str, Path], name: str, dtype: torch.dtype
+) -> None:
     from transformers import AutoModelForCausalLM
 
     folder = hf_folders[name]
     dtype_name = "float32" if dtype == torch.float32 else "bfloat16"
-    ours = load_model(Config(model=str(folder), model_config=ModelConfig(dtype=dtype_name)), "cuda", dtype).model
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    ours = load_model(
+        Config(model=str(folder), model_config=ModelConfig(dtype=dtype_name)), "cuda", dtype
+    ).model
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     # 3 sequences + 1 padded row: decode steps of 4 rows, the most the skinny GEMM takes
     result = run_prefill_and_decode(ours, PROMPTS, NUM_DECODE_STEPS, block_size=16, num_pad_rows=1)
     for s, prompt in enumerate(PROMPTS):
@@ -51,7 +58,9 @@ def test_tiny_model_on_cuda_matches_transformers(hf_folders: dict[str, Path], na
         got = torch.stack([step_logits[s] for step_logits in result.logits]).float().cpu()
         if dtype == torch.float32:
             worst = (got - want).abs().max().item()
-            assert worst <= FP32_MAX_ABS, f"{name} seq {s}: max |logits - transformers| = {worst:.3g}"
+            assert worst <= FP32_MAX_ABS, (
+                f"{name} seq {s}: max |logits - transformers| = {worst:.3g}"
+            )
         else:
             rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
             assert rel <= BF16_MAX_REL, f"{name} seq {s}: max relative logits error {rel:.3g}"

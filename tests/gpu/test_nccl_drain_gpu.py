@@ -62,8 +62,13 @@ def test_capture_after_eager_collective_with_drain():
     port = get_free_port()
     env = dict(os.environ, TORCH_NCCL_BLOCKING_WAIT="0", PYTHONUNBUFFERED="1")
     procs = [
-        subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(port), str(LOOPS)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(r), str(port), str(LOOPS)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(2)
     ]
     outs = []

@@ -84,8 +84,16 @@ def test_gemm_chain_in_a_graph_matches_serialized(monkeypatch, dtype) -> None:
     """60 dependent skinny GEMMs (SmolLM2-135M's projection shapes) captured with PDL, replayed over
     new inputs: bitwise the chain launched one kernel after another."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    shapes = [(576, 576), (3072, 576), (576, 3072), (960, 576), (576, 960)] * 12  # (N, K), each K the last N
-    weights = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * k**-0.5 for n, k in shapes]
+    shapes = [
+        (576, 576),
+        (3072, 576),
+        (576, 3072),
+        (960, 576),
+        (576, 960),
+    ] * 12  # (N, K), each K the last N
+    weights = [
+        torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * k**-0.5 for n, k in shapes
+    ]
     x = torch.randn(1, 576, device="cuda", dtype=dtype, generator=gen)
     set_pdl(monkeypatch, True)
     gemm_chain(x, weights)  # compiles the PDL variants outside the capture
@@ -93,7 +101,15 @@ def test_gemm_chain_in_a_graph_matches_serialized(monkeypatch, dtype) -> None:
     with torch.cuda.graph(graph):
         y = gemm_chain(x, weights)
     for seed in range(5):
-        x.copy_(torch.randn(1, 576, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(seed)))
+        x.copy_(
+            torch.randn(
+                1,
+                576,
+                device="cuda",
+                dtype=dtype,
+                generator=torch.Generator("cuda").manual_seed(seed),
+            )
+        )
         graph.replay()
         ref = serialized(monkeypatch, lambda: gemm_chain(x, weights))
         torch.cuda.synchronize()
@@ -103,12 +119,16 @@ def test_gemm_chain_in_a_graph_matches_serialized(monkeypatch, dtype) -> None:
 def test_decode_attention_chain_in_a_graph_matches_serialized(monkeypatch) -> None:
     """Decode attention after a skinny GEMM that writes its q (the model's order), 20 layers deep in
     one graph: bitwise the serialized launches, KV cache included."""
-    case = cpu_tier.make_decode_case([170, 3000, 45], group=3, head_dim=64, num_kv_heads=3,
-                                     dtype=torch.bfloat16, device="cuda")
+    case = cpu_tier.make_decode_case(
+        [170, 3000, 45], group=3, head_dim=64, num_kv_heads=3, dtype=torch.bfloat16, device="cuda"
+    )
     b, r = case.batch, case.rotary
     capacity = b.block_tables.shape[1] * b.k_cache.shape[1]
     q_flat = b.q.reshape(b.q.shape[0], -1)
-    w = torch.randn(q_flat.shape[1], q_flat.shape[1], device="cuda", dtype=torch.bfloat16) * q_flat.shape[1] ** -0.5
+    w = (
+        torch.randn(q_flat.shape[1], q_flat.shape[1], device="cuda", dtype=torch.bfloat16)
+        * q_flat.shape[1] ** -0.5
+    )
     out = torch.empty_like(b.q)
     k_cache0, v_cache0 = b.k_cache.clone(), b.v_cache.clone()
 
@@ -116,9 +136,24 @@ def test_decode_attention_chain_in_a_graph_matches_serialized(monkeypatch) -> No
         for _ in range(20):
             q = skinny_linear(out.reshape(q_flat.shape), w).reshape(b.q.shape)
             attention_step(
-                q, case.k, case.v, out, case.positions, r.cos_cache, r.sin_cache, b.k_cache, b.v_cache,
-                case.slot_mapping, b.cu_seqlens_q, b.context_lens, b.block_tables, b.q.shape[2] ** -0.5,
-                num_seqs=b.num_seqs, max_seqlen_q=1, max_seqlen_k=capacity, graph_safe=True,
+                q,
+                case.k,
+                case.v,
+                out,
+                case.positions,
+                r.cos_cache,
+                r.sin_cache,
+                b.k_cache,
+                b.v_cache,
+                case.slot_mapping,
+                b.cu_seqlens_q,
+                b.context_lens,
+                b.block_tables,
+                b.q.shape[2] ** -0.5,
+                num_seqs=b.num_seqs,
+                max_seqlen_q=1,
+                max_seqlen_k=capacity,
+                graph_safe=True,
             )
 
     def run_plain() -> tuple[torch.Tensor, ...]:
@@ -133,8 +168,13 @@ def test_decode_attention_chain_in_a_graph_matches_serialized(monkeypatch) -> No
     plain = run_plain()
     set_pdl(monkeypatch, True)
     ref = serialized(monkeypatch, run_plain)
-    print("elements where the PDL code differs from the plain code (information only):",
-          {name: int(differ_mask(a, b).sum()) for a, b, name in zip(ref, plain, ("out", "k_cache", "v_cache"))})
+    print(
+        "elements where the PDL code differs from the plain code (information only):",
+        {
+            name: int(differ_mask(a, b).sum())
+            for a, b, name in zip(ref, plain, ("out", "k_cache", "v_cache"))
+        },
+    )
     eager = run_plain()  # also compiles the PDL launches outside the capture
     for got, want, name in zip(eager, ref, ("out", "k_cache", "v_cache")):
         assert_same(got, want, f"eager {name}")
@@ -154,10 +194,20 @@ def test_decode_attention_chain_in_a_graph_matches_serialized(monkeypatch) -> No
 def _generate(level: int, mode: str, async_scheduling: bool) -> list[list[int]]:
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 49000) for _ in range(rng.randrange(1, 120))] for _ in range(24)]
-    params = [SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 40, ignore_eos=True) for i in range(24)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 40, ignore_eos=True)
+        for i in range(24)
+    ]
     cc = CompilationConfig(level=level, cudagraph_mode=mode, cuda_graph_sizes=[8])
-    llm = LLM(model="SmolLM2-135M", load_format="dummy", dtype="bfloat16", device="cuda", compilation_config=cc,
-              max_num_seqs=24, async_scheduling=async_scheduling)
+    llm = LLM(
+        model="SmolLM2-135M",
+        load_format="dummy",
+        dtype="bfloat16",
+        device="cuda",
+        compilation_config=cc,
+        max_num_seqs=24,
+        async_scheduling=async_scheduling,
+    )
     try:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     finally:

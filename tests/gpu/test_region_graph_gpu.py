@@ -101,10 +101,16 @@ class Runner:
         self.input_ids[num_tokens:num_padded].zero_()
         self.positions[:num_padded].copy_(torch.arange(num_padded) % 7)
         self.scale.fill_(rng.uniform(0.5, 2.0))
-        cuts = sorted(rng.sample(range(1, num_tokens), k=min(num_tokens - 1, rng.randrange(0, 4)))) if num_tokens > 1 else []
+        cuts = (
+            sorted(rng.sample(range(1, num_tokens), k=min(num_tokens - 1, rng.randrange(0, 4))))
+            if num_tokens > 1
+            else []
+        )
         return ToyMeta(cu_seqlens_cpu=[0, *cuts, num_tokens], scale_gpu=self.scale)
 
-    def forward(self, meta: ToyMeta, num_padded: int, tr_graph=None, is_prefill=False) -> torch.Tensor:
+    def forward(
+        self, meta: ToyMeta, num_padded: int, tr_graph=None, is_prefill=False
+    ) -> torch.Tensor:
         ctx = Context(is_prefill=is_prefill, running_tokens=num_padded)
         with set_forward_context(meta, None, ctx, tr_graph=tr_graph):
             return self.model(self.input_ids[:num_padded], self.positions[:num_padded])
@@ -127,12 +133,16 @@ def test_token_graph_replay_matches_eager_in_random_order():
     runner = Runner()
     pool_sizes = capture_token_graphs(runner, rng)
     graph = token_graph_of(runner.model)
-    assert graph.captured_sizes("decode") == sorted(BUCKETS) and graph.captured_sizes("prefill") == []
+    assert (
+        graph.captured_sizes("decode") == sorted(BUCKETS) and graph.captured_sizes("prefill") == []
+    )
     assert captured_token_sizes(runner.model, "decode") == sorted(BUCKETS)
     assert graph.num_segments(16, "decode") == 4  # three eager regions break the forward
 
     largest, total = pool_sizes[0], pool_sizes[-1]
-    print(f"pool after the largest recording: {largest / 2**20:.1f} MiB; after all: {total / 2**20:.1f} MiB")
+    print(
+        f"pool after the largest recording: {largest / 2**20:.1f} MiB; after all: {total / 2**20:.1f} MiB"
+    )
     # Without non-owning aliases the kept eager arguments alone would add ~ (8+4+2+1)/16 of the largest.
     assert total <= 1.2 * largest + (4 << 20), pool_sizes
 
@@ -143,7 +153,9 @@ def test_token_graph_replay_matches_eager_in_random_order():
         meta = runner.fill(real, n, rng)
         replayed = runner.forward(meta, n, tr_graph="replay").clone()
         eager = runner.forward(meta, n)
-        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4, msg=f"bucket {n}, {real} real rows")
+        torch.testing.assert_close(
+            replayed, eager, rtol=1e-4, atol=1e-4, msg=f"bucket {n}, {real} real rows"
+        )
 
 
 @torch.inference_mode()
@@ -159,12 +171,16 @@ def test_req_graph_replay_matches_eager_and_shares_the_pool():
         meta.graph_safe = True
         runner.forward(meta, bs)  # warm-up
         with set_forward_context(meta, None, Context(running_tokens=bs, running_bs=bs)):
-            req.record((bs, 0), lambda bs=bs: runner.model(runner.input_ids[:bs], runner.positions[:bs]))
+            req.record(
+                (bs, 0), lambda bs=bs: runner.model(runner.input_ids[:bs], runner.positions[:bs])
+            )
         torch.cuda.synchronize()
         pool_sizes.append(graph_pool_bytes())
     assert req.keys() == [(b, 0) for b in sorted(BUCKETS)] and (4, 0) in req and (3, 0) not in req
     largest, total = pool_sizes[0], pool_sizes[-1]
-    print(f"request graphs: pool after the largest {largest / 2**20:.1f} MiB, after all {total / 2**20:.1f} MiB")
+    print(
+        f"request graphs: pool after the largest {largest / 2**20:.1f} MiB, after all {total / 2**20:.1f} MiB"
+    )
     assert total <= 1.2 * largest + (4 << 20), pool_sizes
     assert graph_pool() == graph_pool()
 
@@ -176,7 +192,9 @@ def test_req_graph_replay_matches_eager_and_shares_the_pool():
         with set_forward_context(meta, None, Context(running_tokens=bs, running_bs=bs)):
             replayed = req.replay((bs, 0)).clone()
         eager = runner.forward(meta, bs)
-        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4, msg=f"request bucket {bs}")
+        torch.testing.assert_close(
+            replayed, eager, rtol=1e-4, atol=1e-4, msg=f"request bucket {bs}"
+        )
 
 
 @torch.inference_mode()
@@ -190,7 +208,9 @@ def test_token_and_request_graphs_interleaved_in_one_pool():
         meta = runner.fill(bs, bs, rng)
         meta.graph_safe = True
         with set_forward_context(meta, None, Context(running_tokens=bs, running_bs=bs)):
-            req.record((bs, 0), lambda bs=bs: runner.model(runner.input_ids[:bs], runner.positions[:bs]))
+            req.record(
+                (bs, 0), lambda bs=bs: runner.model(runner.input_ids[:bs], runner.positions[:bs])
+            )
     torch.cuda.synchronize()
 
     steps = [(kind, n) for kind in ("token", "req") for n in BUCKETS] * 2
@@ -204,7 +224,9 @@ def test_token_and_request_graphs_interleaved_in_one_pool():
             with set_forward_context(meta, None, Context(running_tokens=n, running_bs=n)):
                 replayed = req.replay((n, 0)).clone()
         eager = runner.forward(meta, n)
-        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4, msg=f"{kind} graph, bucket {n}")
+        torch.testing.assert_close(
+            replayed, eager, rtol=1e-4, atol=1e-4, msg=f"{kind} graph, bucket {n}"
+        )
 
 
 @token_graph(per_phase=True)
@@ -230,7 +252,9 @@ def test_per_phase_unit_replays_each_phase_recording():
             runner.forward(meta, n, is_prefill=is_prefill)
             runner.forward(meta, n, tr_graph="record", is_prefill=is_prefill)
     graph = token_graph_of(runner.model)
-    assert len(graph) == 4 and graph.captured_sizes("prefill") == [4, 8] == graph.captured_sizes("decode")
+    assert len(graph) == 4 and graph.captured_sizes("prefill") == [4, 8] == graph.captured_sizes(
+        "decode"
+    )
     assert graph.num_segments(8, "prefill") == 4 and graph.num_segments(8, "decode") == 3
 
     steps = [(p, n) for p in (False, True) for n in (8, 4)] * 2
@@ -239,4 +263,6 @@ def test_per_phase_unit_replays_each_phase_recording():
         meta = runner.fill(rng.randint(n // 2 + 1, n), n, rng)
         replayed = runner.forward(meta, n, tr_graph="replay", is_prefill=is_prefill).clone()
         eager = runner.forward(meta, n, is_prefill=is_prefill)
-        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4, msg=f"prefill={is_prefill}, bucket {n}")
+        torch.testing.assert_close(
+            replayed, eager, rtol=1e-4, atol=1e-4, msg=f"prefill={is_prefill}, bucket {n}"
+        )

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from atomrt.workers.kernels.rms_norm import add_rms_norm
-from atomrt.workers.kernels.gemm.skinny_configs import CONFIGS, SkinnyConfig, heuristic_config, pick_config
+from atomrt.workers.kernels.gemm.skinny_configs import (
+    CONFIGS,
+    SkinnyConfig,
+    heuristic_config,
+    pick_config,
+)
 from atomrt.workers.kernels.gemm.skinny_gemm import skinny_add_norm_linear, skinny_linear
 from atomrt.workers.layers.activation import silu_and_mul
 from atomrt.workers.layers.linear import add_norm_linear, linear, silu_mul_linear
@@ -48,13 +53,17 @@ def test_every_table_config_matches_float64(m: int, n: int, k: int) -> None:
     w = (torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * k**-0.5).to(dtype)
     config = CONFIGS[(m, n, k)]
     y = skinny_linear(x, w, config=config)
-    torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=tol, atol=4 * tol, msg=f"{config}")
+    torch.testing.assert_close(
+        y.double(), x.double() @ w.double().T, rtol=tol, atol=4 * tol, msg=f"{config}"
+    )
     if not config.use_dot:
         residual, update, norm_weight = norm_inputs(m, k, dtype, n + k)
         h, y = skinny_add_norm_linear(residual, update, norm_weight, 1e-5, w, config=config)
         assert torch.equal(h, residual + update)
         y_want = rms_norm(residual + update, norm_weight, 1e-5).double() @ w.double().T
-        torch.testing.assert_close(y.double(), y_want, rtol=tol, atol=4 * tol, msg=f"{config} with the norm")
+        torch.testing.assert_close(
+            y.double(), y_want, rtol=tol, atol=4 * tol, msg=f"{config} with the norm"
+        )
 
 
 def test_graph_replay_reads_new_inputs() -> None:
@@ -67,7 +76,15 @@ def test_graph_replay_reads_new_inputs() -> None:
     with torch.cuda.graph(graph):
         y = skinny_linear(x, w)
     for seed in range(3):
-        x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(seed)))
+        x.copy_(
+            torch.randn(
+                m,
+                k,
+                device="cuda",
+                dtype=torch.bfloat16,
+                generator=torch.Generator("cuda").manual_seed(seed),
+            )
+        )
         graph.replay()
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=2**-7, atol=2**-6)
 
@@ -78,7 +95,9 @@ def test_layer_linear_picks_by_row_count() -> None:
     w = torch.randn(960, 576, device="cuda", dtype=torch.bfloat16) * 576**-0.5
     for m in (1, 4, 5, 64, 512):
         x = torch.randn(m, 576, device="cuda", dtype=torch.bfloat16)
-        torch.testing.assert_close(linear(x, w), torch.nn.functional.linear(x, w), rtol=2**-7, atol=2**-6)
+        torch.testing.assert_close(
+            linear(x, w), torch.nn.functional.linear(x, w), rtol=2**-7, atol=2**-6
+        )
         gate_up = torch.randn(m, 2 * 576, device="cuda", dtype=torch.bfloat16)
         want = torch.nn.functional.linear(silu_and_mul(gate_up), w)
         torch.testing.assert_close(silu_mul_linear(gate_up, w), want, rtol=2**-6, atol=2**-5)
@@ -90,14 +109,18 @@ def test_gated_matches_float64(n: int, k: int, m: int) -> None:
     """The down projection with silu(gate) * up fused in, at the models' shapes, bf16."""
     gen = torch.Generator(device="cuda").manual_seed(n + m)
     x = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5).to(
+        torch.bfloat16
+    )
     gate, up = x[:, :k].double(), x[:, k:].double()
     act = (gate * torch.sigmoid(gate) * up).to(torch.bfloat16).double()
     y = skinny_linear(x, w, gated=True)
     torch.testing.assert_close(y.double(), act @ w.double().T, rtol=2**-7, atol=2**-5)
 
 
-def norm_inputs(m: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_inputs(
+    m: int, k: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     residual = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
     update = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
@@ -107,7 +130,9 @@ def norm_inputs(m: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Te
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m", [1, 3, 4])
-@pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (3072, 2048), (1024, 3000), (6144, 4096), (28672, 4096)])
+@pytest.mark.parametrize(
+    "n,k", [(960, 576), (3072, 576), (3072, 2048), (1024, 3000), (6144, 4096), (28672, 4096)]
+)
 def test_add_norm_matches_float64(n: int, k: int, m: int, dtype: torch.dtype) -> None:
     """Residual add + RMSNorm in the GEMM's prologue: h bit for bit as eager adds; y against float64
     from RMSNorm's eager output (the norm's statistics may differ from eager's in the last fp32 bit,
@@ -118,7 +143,10 @@ def test_add_norm_matches_float64(n: int, k: int, m: int, dtype: torch.dtype) ->
     w = (torch.randn(n, k, device="cuda", dtype=dtype) * k**-0.5).to(dtype)
     h_want = residual + update
     y_want = rms_norm(h_want, norm_weight, 1e-5).double() @ w.double().T
-    swept = {(6144, 4096): [SkinnyConfig(8, 256, False, 2, 4)], (28672, 4096): [SkinnyConfig(16, 128, False, 2, 3)]}
+    swept = {
+        (6144, 4096): [SkinnyConfig(8, 256, False, 2, 4)],
+        (28672, 4096): [SkinnyConfig(16, 128, False, 2, 3)],
+    }
     for config in {pick_config(m, n, k), heuristic_config(m, n, k), *swept.get((n, k), [])}:
         h, y = skinny_add_norm_linear(residual, update, norm_weight, 1e-5, w, config=config)
         assert torch.equal(h, h_want)
@@ -133,7 +161,9 @@ def test_add_rms_norm_kernel_matches_eager(m: int, k: int) -> None:
     residual, update, norm_weight = norm_inputs(m, k, torch.bfloat16, m + k)
     h, out = add_rms_norm(residual, update, norm_weight, 1e-6)
     assert torch.equal(h, residual + update)
-    torch.testing.assert_close(out, rms_norm(residual + update, norm_weight, 1e-6), rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(
+        out, rms_norm(residual + update, norm_weight, 1e-6), rtol=2**-7, atol=2**-7
+    )
 
 
 def test_layer_add_norm_linear_picks_by_row_count_and_replays() -> None:

@@ -27,7 +27,12 @@ from test_graph_modes_gpu import check_matches_eager  # noqa: E402
 pytestmark = pytest.mark.multigpu
 
 MODEL = dict(
-    model="Llama-3.2-1B", load_format="dummy", dtype="float32", device="cuda", tensor_parallel_size=2, max_model_len=1024
+    model="Llama-3.2-1B",
+    load_format="dummy",
+    dtype="float32",
+    device="cuda",
+    tensor_parallel_size=2,
+    max_model_len=1024,
 )
 LADDER_TOP = 32  # capture [1..8, 16, 32]
 NUM_REQUESTS = 32
@@ -35,10 +40,16 @@ NUM_REQUESTS = 32
 
 def _requests(logprobs=None) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, 49000) for _ in range(rng.randrange(1, 100))] for _ in range(NUM_REQUESTS)]
+    prompts = [
+        [rng.randrange(1, 49000) for _ in range(rng.randrange(1, 100))] for _ in range(NUM_REQUESTS)
+    ]
     # staggered lengths: the decode batch shrinks 32 -> 1 through every bucket and between buckets
-    params = [SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 30, ignore_eos=True, logprobs=logprobs)
-              for i in range(NUM_REQUESTS)]
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=1 + (i * 7) % 30, ignore_eos=True, logprobs=logprobs
+        )
+        for i in range(NUM_REQUESTS)
+    ]
     return prompts, params
 
 
@@ -56,8 +67,15 @@ def ray_session():
 
 def _run(executor: str, mode, enforce_eager: bool = False, logprobs=None, **settings):
     cc = CompilationConfig(level=0, cudagraph_mode=mode, cuda_graph_sizes=[LADDER_TOP])
-    llm = LLM(**MODEL, executor=executor, enforce_eager=enforce_eager, compilation_config=cc,
-              max_num_seqs=NUM_REQUESTS, gpu_memory_utilization=0.5, **settings)
+    llm = LLM(
+        **MODEL,
+        executor=executor,
+        enforce_eager=enforce_eager,
+        compilation_config=cc,
+        max_num_seqs=NUM_REQUESTS,
+        gpu_memory_utilization=0.5,
+        **settings,
+    )
     pids = dict(llm.engine.executor.worker_pids)
     try:
         prompts, params = _requests(logprobs)
@@ -67,7 +85,9 @@ def _run(executor: str, mode, enforce_eager: bool = False, logprobs=None, **sett
         return [o.outputs[0].token_ids for o in outs], llm.engine.info
     finally:
         llm.shutdown()
-        assert wait_gone(pids.values(), timeout_s=30) == [], "worker processes (and their GPU memory) left"
+        assert wait_gone(pids.values(), timeout_s=30) == [], (
+            "worker processes (and their GPU memory) left"
+        )
 
 
 @pytest.fixture(scope="module")

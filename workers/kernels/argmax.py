@@ -29,8 +29,18 @@ SPLIT_PARTS = 1 << 16  # (row, split) parts a split launch may have: the per-dev
 
 
 @triton.jit
-def argmax_rows_kernel(logits_ptr, out_ptr, part_max_ptr, part_idx_ptr, counter_ptr, vocab, stride_row,
-                       chunk, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+def argmax_rows_kernel(
+    logits_ptr,
+    out_ptr,
+    part_max_ptr,
+    part_idx_ptr,
+    counter_ptr,
+    vocab,
+    stride_row,
+    chunk,
+    BLOCK: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
     """out[row] = the first index of the row's maximum (torch.argmax's tie rule). Program (row, split)
     streams elements [split * chunk, (split + 1) * chunk) of the row. Each lane keeps its own maximum
     and the first index it was seen at (strictly greater replaces, so the earlier index stays on
@@ -63,7 +73,9 @@ def argmax_rows_kernel(logits_ptr, out_ptr, part_max_ptr, part_idx_ptr, counter_
         tl.debug_barrier()  # every thread's stores, then one release/acquire bump
         if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
             parts = row * SPLITS + tl.arange(0, SPLITS)
-            m = tl.load(part_max_ptr + parts, cache_modifier=".cg")  # ".cg": not L1, which may be stale
+            m = tl.load(
+                part_max_ptr + parts, cache_modifier=".cg"
+            )  # ".cg": not L1, which may be stale
             i = tl.load(part_idx_ptr + parts, cache_modifier=".cg")
             row_top = tl.max(m, axis=0)
             tl.store(out_ptr + row, tl.min(tl.where(m == row_top, i, vocab), axis=0).to(tl.int64))
@@ -88,10 +100,13 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.
     first use, outside any CUDA-graph capture. One device's split launches must not overlap in time
     (one stream): they share it."""
     return device_scratch(
-        "argmax_rows: the split workspace", device,
-        lambda d: (torch.empty(SPLIT_PARTS, dtype=torch.float32, device=d),
-                   torch.empty(SPLIT_PARTS, dtype=torch.int32, device=d),
-                   torch.zeros(SPLIT_ROWS, dtype=torch.int32, device=d)),
+        "argmax_rows: the split workspace",
+        device,
+        lambda d: (
+            torch.empty(SPLIT_PARTS, dtype=torch.float32, device=d),
+            torch.empty(SPLIT_PARTS, dtype=torch.int32, device=d),
+            torch.zeros(SPLIT_ROWS, dtype=torch.int32, device=d),
+        ),
         hint="call argmax_rows once before capturing",
     )
 
@@ -118,10 +133,23 @@ def argmax_rows(logits: torch.Tensor, num_splits: Optional[int] = None) -> torch
             splits = num_splits
             fits = splits == 1 or (rows <= SPLIT_ROWS and rows * splits <= SPLIT_PARTS)
             if splits < 1 or splits & (splits - 1) or not fits:
-                raise ValueError(f"argmax_rows: {splits} splits of {rows} rows: want a power of two within the "
-                                 f"workspace ({SPLIT_ROWS} rows, {SPLIT_PARTS} parts)")
+                raise ValueError(
+                    f"argmax_rows: {splits} splits of {rows} rows: want a power of two within the "
+                    f"workspace ({SPLIT_ROWS} rows, {SPLIT_PARTS} parts)"
+                )
         part_max, part_idx, counters = _workspace(logits.device)
         chunk = -(-vocab // (splits * BLOCK)) * BLOCK  # whole loop steps per split
-        argmax_rows_kernel[(rows, splits)](logits, out, part_max, part_idx, counters, vocab, logits.stride(0),
-                                           chunk, BLOCK=BLOCK, SPLITS=splits, num_warps=8)
+        argmax_rows_kernel[(rows, splits)](
+            logits,
+            out,
+            part_max,
+            part_idx,
+            counters,
+            vocab,
+            logits.stride(0),
+            chunk,
+            BLOCK=BLOCK,
+            SPLITS=splits,
+            num_warps=8,
+        )
     return out

@@ -15,7 +15,9 @@ import torch
 from atomrt.runtime import envs
 
 INTERPRETER_SMS = 4  # stands in for the SM count when the Triton interpreter runs on CPU
-H200_NUM_SMS = 132  # the planners' default SM count: the machine their tables and splits are tuned on
+H200_NUM_SMS = (
+    132  # the planners' default SM count: the machine their tables and splits are tuned on
+)
 
 
 @functools.cache
@@ -61,7 +63,9 @@ def _index(device: torch.device) -> int:
 _scratch: dict[tuple[str, torch.device], Any] = {}
 
 
-def device_scratch(name: str, device: torch.device, make: Callable[[torch.device], Any], hint: str) -> Any:
+def device_scratch(
+    name: str, device: torch.device, make: Callable[[torch.device], Any], hint: str
+) -> Any:
     """`make(device)`, made once per device and kept: buffers a kernel reuses between launches
     (self-resetting counters, split workspaces). They must be made before any CUDA-graph capture,
     since a recording cannot zero new memory: made during one, this raises naming `name` and `hint`

@@ -15,10 +15,17 @@ MAX_HIDDEN = 1 << 15  # a row is held in registers by one program
 
 @triton.jit
 def add_rms_norm_kernel(
-    x_ptr, u_ptr,  # [M, K]: the residual stream and the update added to it
+    x_ptr,
+    u_ptr,  # [M, K]: the residual stream and the update added to it
     w_ptr,  # [K]: the norm's weight
-    h_ptr, out_ptr,  # [M, K]: h = x + update, out = RMSNorm(h)
-    K, stride_x, stride_u, stride_h, stride_out, eps,
+    h_ptr,
+    out_ptr,  # [M, K]: h = x + update, out = RMSNorm(h)
+    K,
+    stride_x,
+    stride_u,
+    stride_h,
+    stride_out,
+    eps,
     BLOCK_K: tl.constexpr,
 ):
     """Row program_id(0): h = x + update rounded to x's dtype; out = weight * (h * rsqrt(mean(h^2) +
@@ -35,7 +42,11 @@ def add_rms_norm_kernel(
     h32 = h.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(h32 * h32, axis=0) / K + eps)
     normed = (h32 * inv_rms).to(x.dtype)
-    tl.store(out_ptr + row * stride_out + ks, (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+    tl.store(
+        out_ptr + row * stride_out + ks,
+        (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype),
+        mask=mask,
+    )
 
 
 def add_rms_norm(
@@ -47,7 +58,12 @@ def add_rms_norm(
             f"add_rms_norm: want x and update [M, K] and weight [K], got x {tuple(x.shape)}, "
             f"update {tuple(update.shape)}, weight {tuple(weight.shape)}"
         )
-    if update.dtype != x.dtype or weight.dtype != x.dtype or update.device != x.device or weight.device != x.device:
+    if (
+        update.dtype != x.dtype
+        or weight.dtype != x.dtype
+        or update.device != x.device
+        or weight.device != x.device
+    ):
         raise ValueError(
             f"add_rms_norm: x {x.dtype} on {x.device}, update {update.dtype} on {update.device} and weight "
             f"{weight.dtype} on {weight.device} must share a dtype and a device"
@@ -62,8 +78,17 @@ def add_rms_norm(
         return h, out
     block_k = triton.next_power_of_2(k)
     add_rms_norm_kernel[(m,)](
-        x, update, weight, h, out,
-        k, x.stride(0), update.stride(0), h.stride(0), out.stride(0), eps,
+        x,
+        update,
+        weight,
+        h,
+        out,
+        k,
+        x.stride(0),
+        update.stride(0),
+        h.stride(0),
+        out.stride(0),
+        eps,
         BLOCK_K=block_k,
         num_warps=max(1, min(16, block_k // 256)),
     )

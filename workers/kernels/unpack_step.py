@@ -12,14 +12,26 @@ import triton.language as tl
 
 @triton.jit
 def unpack_step_kernel(
-    packed64_ptr, packed32_ptr,  # the staged step as int64 and as int32 words (one buffer)
-    ids_ptr, positions_ptr, slot_mapping_ptr,  # int64 [rows]: input_ids and the row metadata
-    cu_seqlens_q_ptr, context_lens_ptr,  # int32 [seqs + 1], [seqs]
+    packed64_ptr,
+    packed32_ptr,  # the staged step as int64 and as int32 words (one buffer)
+    ids_ptr,
+    positions_ptr,
+    slot_mapping_ptr,  # int64 [rows]: input_ids and the row metadata
+    cu_seqlens_q_ptr,
+    context_lens_ptr,  # int32 [seqs + 1], [seqs]
     block_tables_ptr,  # int32 [seqs, stride_bt]: only each row's first `width` entries are written
     prev_tokens_ptr,  # ASYNC only: int64, the previous step's sampled tokens
-    rows, seqs, stride_bt,
-    ids_at, src_at, positions_at, slots_at,  # int64-word offsets of the row fields
-    width_at, cu_at, context_at, table_at,  # int32-word offsets; table_at starts [seqs, width]
+    rows,
+    seqs,
+    stride_bt,
+    ids_at,
+    src_at,
+    positions_at,
+    slots_at,  # int64-word offsets of the row fields
+    width_at,
+    cu_at,
+    context_at,
+    table_at,  # int32-word offsets; table_at starts [seqs, width]
     prev_token_base,  # ASYNC: token_src values >= this name prev_tokens[src - base]
     ASYNC: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -48,12 +60,24 @@ def unpack_step_kernel(
                 src = tl.load(packed64_ptr + src_at + r, mask=m, other=0)
                 staged = src < prev_token_base
                 own = tl.load(packed64_ptr + ids_at + src, mask=m & staged, other=0)
-                prev = tl.load(prev_tokens_ptr + (src - prev_token_base), mask=m & (src >= prev_token_base), other=0)
+                prev = tl.load(
+                    prev_tokens_ptr + (src - prev_token_base),
+                    mask=m & (src >= prev_token_base),
+                    other=0,
+                )
                 ids = tl.where(staged, own, prev)
             else:
                 ids = tl.load(packed64_ptr + ids_at + r, mask=m)
             tl.store(ids_ptr + r, ids, mask=m)
         for s0 in range(0, seqs + 1, BLOCK):
             s = s0 + offs
-            tl.store(cu_seqlens_q_ptr + s, tl.load(packed32_ptr + cu_at + s, mask=s <= seqs), mask=s <= seqs)
-            tl.store(context_lens_ptr + s, tl.load(packed32_ptr + context_at + s, mask=s < seqs), mask=s < seqs)
+            tl.store(
+                cu_seqlens_q_ptr + s,
+                tl.load(packed32_ptr + cu_at + s, mask=s <= seqs),
+                mask=s <= seqs,
+            )
+            tl.store(
+                context_lens_ptr + s,
+                tl.load(packed32_ptr + context_at + s, mask=s < seqs),
+                mask=s < seqs,
+            )

@@ -19,7 +19,11 @@ from torch import nn
 from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.graphs.region_graph import eager_region
 from atomrt.runtime.forward_context import get_forward_context
-from atomrt.workers.layers.attention_ref import causal_attention_no_cache, paged_attention_ref, write_kv_cache_ref
+from atomrt.workers.layers.attention_ref import (
+    causal_attention_no_cache,
+    paged_attention_ref,
+    write_kv_cache_ref,
+)
 from atomrt.workers.layers.rotary import RotaryEmbedding
 
 
@@ -32,7 +36,9 @@ def _layer_state(layer_idx: int) -> "tuple[Attention, object, object]":
     ctx = get_forward_context()
     layer = ctx.no_compile_layers.get(layer_idx)
     if layer is None:
-        raise RuntimeError(f"attention layer {layer_idx} is not in forward_context.no_compile_layers")
+        raise RuntimeError(
+            f"attention layer {layer_idx} is not in forward_context.no_compile_layers"
+        )
     md = ctx.attn_metadata
     if isinstance(md, dict):
         md = md[f"layers.{layer_idx}"]
@@ -78,7 +84,11 @@ def unified_attention_with_output(
 
 @eager_region
 def _attend_cuda(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, positions: Optional[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    output: torch.Tensor,
+    positions: Optional[torch.Tensor],
     layer_idx: int,
 ) -> None:
     """The Triton path: rotary, KV write and attention (one launch for a decode batch)."""
@@ -87,12 +97,26 @@ def _attend_cuda(
     layer, md, kv = _layer_state(layer_idx)
     rotary = layer.rotary if positions is not None else None
     attention_step(
-        q, k, v, output, positions,
-        rotary.cos_cache if rotary is not None else None, rotary.sin_cache if rotary is not None else None,
-        kv.k_cache, kv.v_cache, md.slot_mapping, md.cu_seqlens_q, md.context_lens, md.block_tables, layer.scale,
-        num_seqs=md.num_seqs, max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k,
+        q,
+        k,
+        v,
+        output,
+        positions,
+        rotary.cos_cache if rotary is not None else None,
+        rotary.sin_cache if rotary is not None else None,
+        kv.k_cache,
+        kv.v_cache,
+        md.slot_mapping,
+        md.cu_seqlens_q,
+        md.context_lens,
+        md.block_tables,
+        layer.scale,
+        num_seqs=md.num_seqs,
+        max_seqlen_q=md.max_seqlen_q,
+        max_seqlen_k=md.max_seqlen_k,
         graph_safe=md.graph_safe,
-        cu_seqlens_q_cpu=md.cu_seqlens_q_cpu, context_lens_cpu=md.context_lens_cpu,
+        cu_seqlens_q_cpu=md.cu_seqlens_q_cpu,
+        context_lens_cpu=md.context_lens_cpu,
     )
 
 
@@ -104,7 +128,15 @@ def _attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
     num_seqs = md.num_seqs or len(cu_cpu) - 1
     context_lens_cpu = _host_list(md.context_lens_cpu, md.context_lens)
     paged_attention_ref(
-        q, kv.k_cache, kv.v_cache, output, cu_cpu, context_lens_cpu, md.block_tables, layer.scale, num_seqs
+        q,
+        kv.k_cache,
+        kv.v_cache,
+        output,
+        cu_cpu,
+        context_lens_cpu,
+        md.block_tables,
+        layer.scale,
+        num_seqs,
     )
 
 
@@ -135,7 +167,12 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
         rotary: Optional[RotaryEmbedding] = None,
     ) -> None:
         super().__init__()
@@ -147,11 +184,17 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor] = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """q [num_tokens, num_heads(*head_dim)], k/v [num_tokens, num_kv_heads(*head_dim)] -> [num_tokens, num_heads * head_dim]."""
         if (positions is None) != (self.rotary is None):
-            raise ValueError(f"attention layer {self.layer_idx}: positions are needed exactly when it has a rotary embedding")
+            raise ValueError(
+                f"attention layer {self.layer_idx}: positions are needed exactly when it has a rotary embedding"
+            )
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)

@@ -16,18 +16,28 @@ import torch.nn.functional as F
 
 
 def write_kv_cache_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """Write k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping (rows with -1 are skipped)."""
     num_tokens = slot_mapping.shape[0]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     # [num_blocks, block_size, num_kv_heads, head_dim] -> [num_slots, num_kv_heads, head_dim]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[:num_tokens][valid].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[:num_tokens][valid].to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(
+        0, slots, k[:num_tokens][valid].to(k_cache.dtype)
+    )
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(
+        0, slots, v[:num_tokens][valid].to(v_cache.dtype)
+    )
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, first_pos: int) -> torch.Tensor:
+def causal_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, first_pos: int
+) -> torch.Tensor:
     """Attention of q [n_q, num_heads, head_dim] over k, v [n_k, num_kv_heads, head_dim].
 
     Query row j sits at position first_pos + j and sees keys 0..first_pos + j. Returns
@@ -64,7 +74,9 @@ def paged_attention_ref(
 ) -> None:
     """Causal attention of each sequence's query rows over its cached context, written into out."""
     if num_seqs > 0 and cu_seqlens_q_cpu[: num_seqs + 1] == list(range(num_seqs + 1)):
-        decode_attention_ref(q, k_cache, v_cache, out, context_lens_cpu[:num_seqs], block_tables, scale)
+        decode_attention_ref(
+            q, k_cache, v_cache, out, context_lens_cpu[:num_seqs], block_tables, scale
+        )
         return
     block_size = k_cache.shape[1]
     for s in range(num_seqs):
@@ -77,7 +89,7 @@ def paged_attention_ref(
         keys = k_cache[blocks].flatten(0, 1)[:context_len]  # [context_len, num_kv_heads, head_dim]
         values = v_cache[blocks].flatten(0, 1)[:context_len]
         out[q_start:q_end] = causal_sdpa(q[q_start:q_end], keys, values, scale, context_len - n_q)
-    out[cu_seqlens_q_cpu[num_seqs]:] = 0
+    out[cu_seqlens_q_cpu[num_seqs] :] = 0
 
 
 def decode_attention_ref(
@@ -96,15 +108,29 @@ def decode_attention_ref(
     num_blocks = -(-max(context_lens_cpu) // block_size)
     max_len = num_blocks * block_size
     # Table entries past a sequence's end (-1) read block 0: their keys are masked.
-    blocks = block_tables[:num_seqs, :num_blocks].long().clamp_min(0).flatten()  # [num_seqs * num_blocks]
+    blocks = (
+        block_tables[:num_seqs, :num_blocks].long().clamp_min(0).flatten()
+    )  # [num_seqs * num_blocks]
     # [num_blocks_total, block_size, num_kv_heads, head_dim] -> [num_seqs, num_kv_heads, max_len, head_dim]
-    keys = k_cache.index_select(0, blocks).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, blocks).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    keys = (
+        k_cache.index_select(0, blocks)
+        .view(num_seqs, max_len, num_kv_heads, head_dim)
+        .transpose(1, 2)
+    )
+    values = (
+        v_cache.index_select(0, blocks)
+        .view(num_seqs, max_len, num_kv_heads, head_dim)
+        .transpose(1, 2)
+    )
     context_lens = torch.tensor(context_lens_cpu, device=q.device)
     mask = torch.arange(max_len, device=q.device) < context_lens.unsqueeze(1)  # [num_seqs, max_len]
     queries = q[:num_seqs].unsqueeze(2)  # [num_seqs, num_heads, 1, head_dim]
     attn = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=mask.view(num_seqs, 1, 1, max_len), scale=scale,
+        queries,
+        keys,
+        values,
+        attn_mask=mask.view(num_seqs, 1, 1, max_len),
+        scale=scale,
         enable_gqa=queries.shape[1] != num_kv_heads,
     )
     out[:num_seqs] = attn.squeeze(2)
@@ -112,11 +138,16 @@ def decode_attention_ref(
 
 
 def causal_attention_no_cache(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cu_seqlens_q_cpu: list[int], scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    cu_seqlens_q_cpu: list[int],
+    scale: float,
 ) -> None:
     """Profiling/dummy runs: each sequence attends causally to its own rows only."""
     for s in range(len(cu_seqlens_q_cpu) - 1):
         start, end = cu_seqlens_q_cpu[s], cu_seqlens_q_cpu[s + 1]
         if end > start:
             out[start:end] = causal_sdpa(q[start:end], k[start:end], v[start:end], scale, 0)
-    out[cu_seqlens_q_cpu[-1]:] = 0
+    out[cu_seqlens_q_cpu[-1] :] = 0

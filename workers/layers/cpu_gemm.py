@@ -17,7 +17,9 @@ import torch
 # The batch size the blocked layout is chosen for; every batch size can use it (decode batches of
 # a few to a few dozen rows are the ones the reorder pays for).
 PACK_ROWS_HINT = 16
-_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_reorder_linear_weight"
+)
 
 
 class CPUPackedWeight:
@@ -30,8 +32,12 @@ class CPUPackedWeight:
     def get(self, weight: torch.Tensor, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The packed `weight` when `x @ weight^T` runs eagerly on CPU in float32, else None."""
         if (
-            torch.compiler.is_compiling() or not _HAS_ONEDNN or x.device.type != "cpu"
-            or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            torch.compiler.is_compiling()
+            or not _HAS_ONEDNN
+            or x.device.type != "cpu"
+            or x.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or weight.device.type != "cpu"
         ):
             return None
         key = (weight.data_ptr(), weight._version, tuple(weight.shape))
@@ -45,7 +51,9 @@ class CPUPackedWeight:
         self._key, self._packed = None, None
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
     """x [..., K] @ weight^T (+ bias) -> [..., N] with `packed` from `CPUPackedWeight.get`."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # [num_tokens, K]
     y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # [num_tokens, N]

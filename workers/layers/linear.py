@@ -44,7 +44,9 @@ from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, divide, 
 # that takes the skinny GEMM (0: never). An int, so that it is a constant of the traced op.
 
 
-def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], max_rows: int) -> torch.Tensor:
+def _linear_impl(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], max_rows: int
+) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
     if use_skinny(rows, weight, max_rows):
@@ -52,7 +54,9 @@ def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return F.linear(x, weight, bias)
 
 
-def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], max_rows: int) -> torch.Tensor:
+def _linear_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], max_rows: int
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -67,14 +71,25 @@ def _silu_mul_linear_impl(
 
 
 def _add_norm_linear_impl(
-    residual: torch.Tensor, update: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: Optional[torch.Tensor], max_rows: int, stats_values: int,
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    max_rows: int,
+    stats_values: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual, update [..., K] -> (h = residual + update [..., K], RMSNorm(h) @ weight^T (+ bias) [..., N])."""
-    rows, update_rows = residual.reshape(-1, residual.shape[-1]), update.reshape(-1, update.shape[-1])
+    rows, update_rows = (
+        residual.reshape(-1, residual.shape[-1]),
+        update.reshape(-1, update.shape[-1]),
+    )
     fusable = norm_weight.dtype == residual.dtype and update.dtype == residual.dtype
     if fusable and use_skinny(rows, weight, max_rows):  # a decode batch: one kernel
-        h, y = skinny_add_norm_linear(rows, update_rows, norm_weight, eps, weight, bias, stats_values=stats_values)
+        h, y = skinny_add_norm_linear(
+            rows, update_rows, norm_weight, eps, weight, bias, stats_values=stats_values
+        )
     elif fusable and rows.is_cuda:  # two: the add and norm in one, then the GEMM
         h, normed = add_rms_norm(rows, update_rows, norm_weight, eps)
         y = F.linear(normed, weight, bias)
@@ -85,10 +100,18 @@ def _add_norm_linear_impl(
 
 
 def _add_norm_linear_fake(
-    residual: torch.Tensor, update: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: Optional[torch.Tensor], max_rows: int, stats_values: int,
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    max_rows: int,
+    stats_values: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return residual.new_empty(residual.shape), residual.new_empty((*residual.shape[:-1], weight.shape[0]))
+    return residual.new_empty(residual.shape), residual.new_empty(
+        (*residual.shape[:-1], weight.shape[0])
+    )
 
 
 direct_register_custom_op("linear", _linear_impl, fake_impl=_linear_fake)
@@ -101,7 +124,10 @@ def _max_rows(weight: torch.Tensor, max_rows: Optional[int]) -> int:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch.Tensor]" = None, max_rows: Optional[int] = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: "Optional[torch.Tensor]" = None,
+    max_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """F.linear, or the skinny GEMM for a decode-sized CUDA batch (at most `max_rows` rows; None:
     the default policy's for this weight). Traced, it is one opaque op (Inductor cannot fold it into
@@ -113,7 +139,10 @@ def linear(
 
 
 def silu_mul_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: "Optional[torch.Tensor]" = None, max_rows: Optional[int] = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: "Optional[torch.Tensor]" = None,
+    max_rows: Optional[int] = None,
 ) -> torch.Tensor:
     """`linear(silu_and_mul(x), weight, bias)` with the activation computed inside the skinny GEMM
     for a decode-sized CUDA batch (one kernel instead of two). Call it only for a weight whose
@@ -145,12 +174,18 @@ def add_norm_linear(
         h = residual_add(residual, update)
         return h, linear(rms_norm(h, norm_weight, eps), weight, bias, max_rows)
     if torch.compiler.is_compiling():
-        return torch.ops.atomrt.add_norm_linear(residual, update, norm_weight, eps, weight, bias, max_rows, stats_values)
-    return _add_norm_linear_impl(residual, update, norm_weight, eps, weight, bias, max_rows, stats_values)
+        return torch.ops.atomrt.add_norm_linear(
+            residual, update, norm_weight, eps, weight, bias, max_rows, stats_values
+        )
+    return _add_norm_linear_impl(
+        residual, update, norm_weight, eps, weight, bias, max_rows, stats_values
+    )
 
 
 class _LinearBase(nn.Module):
-    def __init__(self, in_local: int, out_local: int, bias: bool, tp: TPInfo, skinny: SkinnyPolicy) -> None:
+    def __init__(
+        self, in_local: int, out_local: int, bias: bool, tp: TPInfo, skinny: SkinnyPolicy
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.skinny_max_rows = skinny.max_rows(in_local * out_local)  # see linear()
@@ -164,7 +199,9 @@ class _LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None
+    ) -> None:
         raise NotImplementedError
 
 
@@ -172,16 +209,29 @@ class ColumnParallelLinear(_LinearBase):
     """y = x W^T + b with W's rows (output features) split over ranks."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, tp: TPInfo = TPInfo(),
-        gather_output: bool = False, skinny: SkinnyPolicy = DEFAULT_SKINNY_POLICY,
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: TPInfo = TPInfo(),
+        gather_output: bool = False,
+        skinny: SkinnyPolicy = DEFAULT_SKINNY_POLICY,
     ) -> None:
-        self.output_size_per_rank = divide(output_size, tp.tp_size, "ColumnParallelLinear output_size")
+        self.output_size_per_rank = divide(
+            output_size, tp.tp_size, "ColumnParallelLinear output_size"
+        )
         super().__init__(input_size, self.output_size_per_rank, bias, tp, skinny)
         self.gather_output = gather_output
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None
+    ) -> None:
         start = self.tp.tp_rank * self.output_size_per_rank
-        copy_checked(param.data, read_narrow(loaded_weight, 0, start, self.output_size_per_rank), "column shard")
+        copy_checked(
+            param.data,
+            read_narrow(loaded_weight, 0, start, self.output_size_per_rank),
+            "column shard",
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.cpu_packed.get(self.weight, x)
@@ -201,7 +251,13 @@ class ColumnParallelLinear(_LinearBase):
             y = packed_linear(rms_norm(h, norm.weight, norm.eps), packed, self.bias)
         else:
             h, y = add_norm_linear(
-                residual, update, norm.weight, norm.eps, self.weight, self.bias, self.skinny_max_rows,
+                residual,
+                update,
+                norm.weight,
+                norm.eps,
+                self.weight,
+                self.bias,
+                self.skinny_max_rows,
                 self.norm_stats_values,
             )
         return h, tp_all_gather(y, self.tp) if self.gather_output else y
@@ -215,13 +271,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(
-        self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPInfo = TPInfo(),
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp: TPInfo = TPInfo(),
         skinny: SkinnyPolicy = DEFAULT_SKINNY_POLICY,
     ) -> None:
-        self.output_sizes_per_rank = [divide(s, tp.tp_size, "MergedColumnParallelLinear output") for s in output_sizes]
+        self.output_sizes_per_rank = [
+            divide(s, tp.tp_size, "MergedColumnParallelLinear output") for s in output_sizes
+        ]
         super().__init__(input_size, sum(output_sizes), bias, tp, skinny=skinny)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None
+    ) -> None:
         assert isinstance(shard_id, int), "merged linear needs the index of the projection"
         size = self.output_sizes_per_rank[shard_id]
         offset = sum(self.output_sizes_per_rank[:shard_id])
@@ -238,8 +302,14 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-        tp: TPInfo = TPInfo(), skinny: SkinnyPolicy = DEFAULT_SKINNY_POLICY,
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp: TPInfo = TPInfo(),
+        skinny: SkinnyPolicy = DEFAULT_SKINNY_POLICY,
     ) -> None:
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp.tp_size, "num_attention_heads")
@@ -255,8 +325,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         out_total = (self.q_size + 2 * self.kv_size) * tp.tp_size  # so that the base divides evenly
         super().__init__(hidden_size, out_total, bias, tp, skinny=skinny)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
-        assert shard_id in ("q", "k", "v"), f"qkv shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None
+    ) -> None:
+        assert shard_id in ("q", "k", "v"), (
+            f"qkv shard_id must be 'q', 'k' or 'v', got {shard_id!r}"
+        )
         if shard_id == "q":
             offset, size, src_start = 0, self.q_size, self.tp.tp_rank * self.q_size
         else:
@@ -270,20 +344,29 @@ class RowParallelLinear(_LinearBase):
     """y = x W^T + b with W's columns (input features) split; partial sums are all-reduced."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, tp: TPInfo = TPInfo(),
-        reduce_output: bool = True, skinny: SkinnyPolicy = DEFAULT_SKINNY_POLICY,
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: TPInfo = TPInfo(),
+        reduce_output: bool = True,
+        skinny: SkinnyPolicy = DEFAULT_SKINNY_POLICY,
     ) -> None:
         self.input_size_per_rank = divide(input_size, tp.tp_size, "RowParallelLinear input_size")
         super().__init__(self.input_size_per_rank, output_size, bias, tp, skinny)
         self.reduce_output = reduce_output
         self.fuses_gate = skinny.fuses_gate(self.input_size_per_rank * output_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None
+    ) -> None:
         if param.dim() == 1:  # the bias is replicated and added once, after the reduce
             copy_checked(param.data, read_narrow(loaded_weight, 0, 0, param.shape[0]), "row bias")
             return
         start = self.tp.tp_rank * self.input_size_per_rank
-        copy_checked(param.data, read_narrow(loaded_weight, 1, start, self.input_size_per_rank), "row shard")
+        copy_checked(
+            param.data, read_narrow(loaded_weight, 1, start, self.input_size_per_rank), "row shard"
+        )
 
     def forward(self, x: torch.Tensor, gated_input: bool = False) -> torch.Tensor:
         """x [..., in]; with `gated_input`, x is [..., 2 * in] (gate | up, a gated MLP's merged
@@ -294,7 +377,9 @@ class RowParallelLinear(_LinearBase):
         elif gated_input and self.fuses_gate:
             y = silu_mul_linear(x, self.weight, None, self.skinny_max_rows)
         else:
-            y = linear(silu_and_mul(x) if gated_input else x, self.weight, None, self.skinny_max_rows)
+            y = linear(
+                silu_and_mul(x) if gated_input else x, self.weight, None, self.skinny_max_rows
+            )
         if self.reduce_output:
             y = tp_all_reduce(y, self.tp)
         return y + self.bias if self.bias is not None else y

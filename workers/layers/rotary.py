@@ -34,7 +34,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(long_wave, inv_freq / factor, torch.where(short_wave, inv_freq, medium))
 
 
-def compute_inv_freq(rotary_dim: int, theta: float, rope_scaling: Optional[dict[str, Any]]) -> torch.Tensor:
+def compute_inv_freq(
+    rotary_dim: int, theta: float, rope_scaling: Optional[dict[str, Any]]
+) -> torch.Tensor:
     inv_freq = _base_inv_freq(rotary_dim, theta)
     rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
     if rope_type == "default":
@@ -43,12 +45,18 @@ def compute_inv_freq(rotary_dim: int, theta: float, rope_scaling: Optional[dict[
         return inv_freq / float(rope_scaling["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling)
-    raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported (default, linear, llama3)")
+    raise ValueError(
+        f"rope_scaling: rope type {rope_type!r} is not supported (default, linear, llama3)"
+    )
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(
-        self, head_dim: int, max_position: int, theta: float, rope_scaling: Optional[dict[str, Any]] = None
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        rope_scaling: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim

@@ -24,16 +24,26 @@ class VocabParallelEmbedding(nn.Module):
         self.num_rows_per_rank = -(-vocab_size // tp.tp_size)
         self.vocab_start = tp.tp_rank * self.num_rows_per_rank
         self.vocab_end = min(self.vocab_start + self.num_rows_per_rank, vocab_size)
-        self.weight = nn.Parameter(torch.empty(self.num_rows_per_rank, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.num_rows_per_rank, hidden_size), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None
+    ) -> None:
         if shape_of(loaded_weight)[0] != self.vocab_size:
-            raise ValueError(f"vocab weight: checkpoint has {shape_of(loaded_weight)[0]} rows, model {self.vocab_size}")
+            raise ValueError(
+                f"vocab weight: checkpoint has {shape_of(loaded_weight)[0]} rows, model {self.vocab_size}"
+            )
         num_rows = self.vocab_end - self.vocab_start
         with torch.no_grad():
             param.data[num_rows:].zero_()
-        copy_checked(param.data[:num_rows], read_narrow(loaded_weight, 0, self.vocab_start, num_rows), "vocab shard")
+        copy_checked(
+            param.data[:num_rows],
+            read_narrow(loaded_weight, 0, self.vocab_start, num_rows),
+            "vocab shard",
+        )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> [num_tokens, hidden]."""

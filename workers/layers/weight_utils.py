@@ -34,7 +34,9 @@ def read_all(weight: Sliceable) -> torch.Tensor:
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     """Copy a loaded tensor into a parameter (slice), converting dtype/device; shapes must match."""
     if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match the model's {tuple(dst.shape)}")
+        raise ValueError(
+            f"{what}: checkpoint shape {tuple(src.shape)} does not match the model's {tuple(dst.shape)}"
+        )
     with torch.no_grad():
         dst.copy_(src)
 
@@ -47,5 +49,7 @@ def default_weight_loader(param: torch.nn.Parameter, loaded_weight: Sliceable) -
 def divide(numerator: int, denominator: int, what: str) -> int:
     """Exact division for sharding over TP ranks, with an error that names what did not split evenly."""
     if numerator % denominator != 0:
-        raise ValueError(f"{what}: {numerator} is not divisible by tensor_parallel_size {denominator}")
+        raise ValueError(
+            f"{what}: {numerator} is not divisible by tensor_parallel_size {denominator}"
+        )
     return numerator // denominator

@@ -17,7 +17,11 @@ import torch
 from atomrt.workers.models.arch import ModelArch
 
 # general.architecture -> Hugging Face class; only llama.cpp's "llama" permutes q/k.
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -65,7 +69,9 @@ def arch_from_gguf(reader: Any, path: Path) -> ModelArch:
         )
     tensor_names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in tensor_names:
-        raise ValueError(f"{path}: GGUF per-frequency rope factors (rope_freqs.weight) are not supported")
+        raise ValueError(
+            f"{path}: GGUF per-frequency rope factors (rope_freqs.weight) are not supported"
+        )
 
     def meta(key: str, default: Any = None) -> Any:
         value = metadata_value(reader, f"{gguf_arch}.{key}", default)
@@ -130,7 +136,9 @@ def gguf_weights(reader: Any, arch: ModelArch, path: Path) -> Iterator[tuple[str
         except Exception as e:  # a bad block inside the file
             raise ValueError(f"{path}: cannot dequantize tensor {tensor.name!r} ({e})") from e
         array = np.ascontiguousarray(array, dtype=np.float32)
-        w = torch.from_numpy(array if array.flags.writeable else array.copy())  # F32 tensors are mmap views
+        w = torch.from_numpy(
+            array if array.flags.writeable else array.copy()
+        )  # F32 tensors are mmap views
         name = _hf_name(tensor.name)
         if unpermute and name.endswith("self_attn.q_proj.weight"):
             w = _unpermute_rows(w, arch.num_heads)

@@ -56,7 +56,9 @@ def embedded_gguf_path() -> Path:
         ) from None
     path = Path(str(dist.locate_file(EMBEDDED_GGUF)))
     if not path.is_file():
-        raise ValueError(f"model {DEFAULT_MODEL!r}: {path} is missing from package {EMBEDDED_PACKAGE}")
+        raise ValueError(
+            f"model {DEFAULT_MODEL!r}: {path} is missing from package {EMBEDDED_PACKAGE}"
+        )
     return path
 
 
@@ -70,7 +72,9 @@ def resolve_model(name_or_path: str) -> ResolvedModel:
         return ResolvedModel(name_or_path, "safetensors", path)
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"{path}: a model file must be .gguf (or give a folder with config.json)")
+            raise ValueError(
+                f"{path}: a model file must be .gguf (or give a folder with config.json)"
+            )
         return ResolvedModel(name_or_path, "gguf", path)
     preset = find_preset(name_or_path)
     if preset == DEFAULT_MODEL:
@@ -110,13 +114,17 @@ def safetensors_weights(folder: Path) -> Iterator[tuple[str, Any]]:
 def _arch_of(resolved: ResolvedModel, use_preset: bool) -> tuple[ModelArch, Any]:
     """The architecture, and the open GGUF reader when there is one."""
     if use_preset and resolved.preset is not None:
-        return arch_from_hf_config(preset_config(resolved.preset), f"preset {resolved.preset}"), None
+        return arch_from_hf_config(
+            preset_config(resolved.preset), f"preset {resolved.preset}"
+        ), None
     if resolved.kind == "safetensors":
         return arch_from_hf_config(read_hf_config(resolved.path), str(resolved.path)), None
     if resolved.kind == "gguf":
         reader = open_gguf(resolved.path)
         return arch_from_gguf(reader, resolved.path), reader
-    raise ValueError(f"{resolved.name}: a preset has no weights; use load_format='dummy' or give a model path")
+    raise ValueError(
+        f"{resolved.name}: a preset has no weights; use load_format='dummy' or give a model path"
+    )
 
 
 def read_arch(config: Any) -> ModelArch:
@@ -125,7 +133,9 @@ def read_arch(config: Any) -> ModelArch:
     resolved = resolve_model(config.model)
     load_format = config.model_config.load_format
     if resolved.kind == "preset" and load_format != "dummy":
-        raise ValueError(f"{resolved.name}: a preset has no weights; use load_format='dummy' or give a model path")
+        raise ValueError(
+            f"{resolved.name}: a preset has no weights; use load_format='dummy' or give a model path"
+        )
     return _arch_of(resolved, use_preset=load_format == "dummy")[0]
 
 
@@ -137,7 +147,9 @@ def check_parallel_layout(arch: ModelArch, tensor_parallel_size: int) -> None:
     try:
         build_model(arch, "meta", torch.float32, TPInfo(0, tensor_parallel_size))
     except ValueError as e:
-        raise ValueError(f"parallel_config.tensor_parallel_size={tensor_parallel_size} does not fit the model: {e}") from None
+        raise ValueError(
+            f"parallel_config.tensor_parallel_size={tensor_parallel_size} does not fit the model: {e}"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -192,7 +204,10 @@ def _torch_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
 
 
 def load_model(
-    config: Any, device: Union[str, torch.device], dtype: Union[str, torch.dtype], tp: Optional[TPInfo] = None
+    config: Any,
+    device: Union[str, torch.device],
+    dtype: Union[str, torch.dtype],
+    tp: Optional[TPInfo] = None,
 ) -> LoadedModel:
     """Resolve `config.model`, build the CausalLM on `device` and fill its weights."""
     tp = tp or TPInfo()
@@ -200,7 +215,9 @@ def load_model(
     load_format = config.model_config.load_format
     resolved = resolve_model(config.model)
     if load_format != "dummy" and load_format != "auto" and resolved.kind != load_format:
-        raise ValueError(f"{resolved.name}: load_format={load_format!r} but the model is {resolved.kind}")
+        raise ValueError(
+            f"{resolved.name}: load_format={load_format!r} but the model is {resolved.kind}"
+        )
     arch, reader = _arch_of(resolved, use_preset=load_format == "dummy")
     max_position = config.model_config.max_model_len or arch.max_position
     model = build_model(arch, device, dtype, tp, max_position, config=config)

@@ -30,12 +30,17 @@ class Tokenizer:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, tokenize: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
     ) -> Union[list[int], str]:
         """The prompt for `messages` as token ids (tokenize=True) or text."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -48,7 +53,11 @@ def _plain_rust_decode(hf: Any) -> Any:
     except ImportError:
         return None
     rust = getattr(hf, "_tokenizer", None)
-    if not isinstance(hf, PreTrainedTokenizerFast) or rust is None or hf.clean_up_tokenization_spaces:
+    if (
+        not isinstance(hf, PreTrainedTokenizerFast)
+        or rust is None
+        or hf.clean_up_tokenization_spaces
+    ):
         return None
     base = PreTrainedTokenizerFast
     if type(hf).decode is not base.decode or type(hf)._decode is not base._decode:
@@ -62,10 +71,14 @@ def load_tokenizer(resolved: ResolvedModel, tokenizer_path: Optional[str] = None
 
     source = Path(tokenizer_path).expanduser() if tokenizer_path else resolved.path
     if source is None:
-        raise ValueError(f"{resolved.name}: a preset has no tokenizer; set model_config.tokenizer to a folder")
+        raise ValueError(
+            f"{resolved.name}: a preset has no tokenizer; set model_config.tokenizer to a folder"
+        )
     try:
         if source.suffix == ".gguf":
-            hf = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name, local_files_only=True)
+            hf = AutoTokenizer.from_pretrained(
+                str(source.parent), gguf_file=source.name, local_files_only=True
+            )
             template = metadata_value(open_gguf(source), "tokenizer.chat_template")
             if template and not hf.chat_template:
                 hf.chat_template = template

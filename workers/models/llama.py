@@ -17,7 +17,11 @@ from atomrt.compile.decorators import support_torch_compile
 from atomrt.graphs.region_graph import token_graph
 from atomrt.workers.layers.attention import Attention
 from atomrt.workers.layers.cpu_gemm import reset_packed_weights
-from atomrt.workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from atomrt.workers.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from atomrt.workers.layers.norm import RMSNorm, residual_add
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.distributed.communication_op import TPInfo
@@ -30,20 +34,32 @@ class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, bias=arch.qkv_bias, tp=tp
+            arch.hidden_size,
+            arch.head_dim,
+            arch.num_heads,
+            arch.num_kv_heads,
+            bias=arch.qkv_bias,
+            tp=tp,
         )
         self.num_heads = self.qkv_proj.num_heads  # this rank's
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=False, tp=tp)
+        self.o_proj = RowParallelLinear(
+            arch.num_heads * arch.head_dim, arch.hidden_size, bias=False, tp=tp
+        )
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.qk_norm = arch.qk_norm
         rotary = RotaryEmbedding(arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling)
         self.attn = Attention(
-            layer_idx, self.num_heads, self.num_kv_heads, arch.head_dim, arch.head_dim**-0.5, rotary=rotary
+            layer_idx,
+            self.num_heads,
+            self.num_kv_heads,
+            arch.head_dim,
+            arch.head_dim**-0.5,
+            rotary=rotary,
         )
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
@@ -54,7 +70,9 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(q, k, v, positions)  # rotary embedding inside; [num_tokens, num_heads * head_dim]
+        out = self.attn(
+            q, k, v, positions
+        )  # rotary embedding inside; [num_tokens, num_heads * head_dim]
         return self.o_proj(out)
 
 
@@ -62,7 +80,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArch, tp: TPInfo) -> None:
         super().__init__()
         size = arch.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size], bias=False, tp=tp)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, [size, size], bias=False, tp=tp
+        )
         self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=False, tp=tp)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -89,9 +109,13 @@ class LlamaDecoderLayer(nn.Module):
         if update is None:
             qkv = self.self_attn.qkv_proj(self.input_layernorm(residual))
         else:
-            residual, qkv = self.self_attn.qkv_proj.forward_add_norm(residual, update, self.input_layernorm)
+            residual, qkv = self.self_attn.qkv_proj.forward_add_norm(
+                residual, update, self.input_layernorm
+            )
         update = self.self_attn(positions, qkv)
-        residual, gate_up = self.mlp.gate_up_proj.forward_add_norm(residual, update, self.post_attention_layernorm)
+        residual, gate_up = self.mlp.gate_up_proj.forward_add_norm(
+            residual, update, self.post_attention_layernorm
+        )
         return residual, self.mlp(gate_up)
 
 
@@ -108,7 +132,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         max_position = max_position or arch.max_position
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, tp, max_position) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, i, tp, max_position) for i in range(arch.num_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -131,7 +157,9 @@ _NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, tp: TPInfo = TPInfo(), max_position: int = 0, config: Any = None) -> None:
+    def __init__(
+        self, arch: ModelArch, tp: TPInfo = TPInfo(), max_position: int = 0, config: Any = None
+    ) -> None:
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch, tp, max_position, config=config)
@@ -146,12 +174,18 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden] -> [n, vocab_size] in the weight's dtype (vocab shards gathered)."""
         return self.lm_head.compute_logits(hidden_states)
 
-    def load_weights(self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint") -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
+    ) -> None:
         """Load (Hugging Face name, sliceable tensor) pairs; every parameter must be filled once."""
-        params = dict(self.named_parameters())  # tied lm_head.weight is listed once, as the embedding
+        params = dict(
+            self.named_parameters()
+        )  # tied lm_head.weight is listed once, as the embedding
         loaded: dict[str, int] = {}
         for name, weight in weights:
-            if "rotary_emb.inv_freq" in name or (self.arch.tie_word_embeddings and name == "lm_head.weight"):
+            if "rotary_emb.inv_freq" in name or (
+                self.arch.tie_word_embeddings and name == "lm_head.weight"
+            ):
                 continue
             shard_id: object = None
             for ours, theirs, sid in _STACKED_PARAMS:
@@ -160,7 +194,9 @@ class LlamaForCausalLM(nn.Module):
                     break
             param = params.get(name)
             if param is None:
-                raise ValueError(f"{where}: tensor {name!r} has no place in {self.arch.architecture}")
+                raise ValueError(
+                    f"{where}: tensor {name!r} has no place in {self.arch.architecture}"
+                )
             loader = getattr(param, "weight_loader", None)
             if loader is None:
                 default_weight_loader(param, weight)
@@ -168,8 +204,12 @@ class LlamaForCausalLM(nn.Module):
                 loader(param, weight, shard_id)
             loaded[name] = loaded.get(name, 0) + 1
         missing = [
-            n for n in params if loaded.get(n, 0) < next((c for k, c in _NUM_SHARDS.items() if f".{k}." in n), 1)
+            n
+            for n in params
+            if loaded.get(n, 0) < next((c for k, c in _NUM_SHARDS.items() if f".{k}." in n), 1)
         ]
         if missing:
-            raise ValueError(f"{where}: missing tensors for {len(missing)} parameters, e.g. {missing[:4]}")
+            raise ValueError(
+                f"{where}: missing tensors for {len(missing)} parameters, e.g. {missing[:4]}"
+            )
         reset_packed_weights(self)  # loading writes in place, which a packed copy cannot see

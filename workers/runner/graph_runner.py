@@ -48,7 +48,9 @@ class GraphRunner:
         self.req_graph = ReqGraph()
         self.capture_sizes: list[int] = []  # ascending, once captured
         self.pool_bytes = 0  # the shared pool after capture
-        self.largest_pool_bytes = 0  # the pool after the largest bucket: the whole ladder should need about this
+        self.largest_pool_bytes = (
+            0  # the pool after the largest bucket: the whole ladder should need about this
+        )
 
     @property
     def packed_bucket(self) -> int:
@@ -79,8 +81,11 @@ class GraphRunner:
         self.capture_sizes = sorted(sizes)
         logger.info(
             "captured %d %s graphs in %.2f s; graph pool %.1f MiB (%.1f MiB after the largest bucket)",
-            len(sizes), "token" if self.records_token_graphs else "request", elapsed,
-            self.pool_bytes / 2**20, self.largest_pool_bytes / 2**20,
+            len(sizes),
+            "token" if self.records_token_graphs else "request",
+            elapsed,
+            self.pool_bytes / 2**20,
+            self.largest_pool_bytes / 2**20,
         )
         return elapsed
 
@@ -88,7 +93,11 @@ class GraphRunner:
         rows = bs * max_q_len
         kind = ForwardKind.TOKEN_GRAPH if self.records_token_graphs else ForwardKind.REQ_GRAPH
         decision = ForwardDecision(
-            kind=kind, running_bs=bs, running_tokens=rows, is_prefill=False, req_key=request_bucket(bs, max_q_len)
+            kind=kind,
+            running_bs=bs,
+            running_tokens=rows,
+            is_prefill=False,
+            req_key=request_bucket(bs, max_q_len),
         )
         md, ctx = runner.buffers.prepare(dummy_decode_inputs(bs, max_q_len), decision)
         fv = runner.buffers.forward_vars
@@ -114,7 +123,13 @@ class GraphRunner:
                 self.req_graph.record(decision.req_key, forward)
         if self.records_token_graphs:
             for phase_ctx in (ctx, replace(ctx, is_prefill=True)):
-                with set_forward_context(replace(md, graph_safe=False), self.config, phase_ctx, tr_graph="record", **scope):
+                with set_forward_context(
+                    replace(md, graph_safe=False),
+                    self.config,
+                    phase_ctx,
+                    tr_graph="record",
+                    **scope,
+                ):
                     runner.model(ids, pos)
 
     def replay(self, decision: ForwardDecision) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,8 +53,12 @@ class BlockTables:
 
     def update(self, row: int, start: int, blocks: np.ndarray) -> None:
         """The row's entries from `start` on become `blocks` (the driver sends only what we lack)."""
-        if start > self.lengths[row]:  # a plan from the driver that skips entries: never silently leave a gap
-            raise RuntimeError(f"block-table update at {start} past the row's end {self.lengths[row]}")
+        if (
+            start > self.lengths[row]
+        ):  # a plan from the driver that skips entries: never silently leave a gap
+            raise RuntimeError(
+                f"block-table update at {start} past the row's end {self.lengths[row]}"
+            )
         end = start + blocks.shape[0]
         if end > self.table.shape[1]:
             self._grow(rows=self.table.shape[0], width=max(end, 2 * self.table.shape[1]))
@@ -129,8 +133,11 @@ class SeqMirrors:
             mirror = SeqMirror(r.sampling_params, r.token_ids.tolist(), r.output_token_ids.tolist())
             self.add(r.seq_id, mirror)
         new_block_ids, hi = batch.new_block_ids, 0
-        for seq_id, start, n in zip(batch.new_block_seq_ids.tolist(), batch.new_block_starts.tolist(),
-                                    batch.num_new_blocks.tolist()):
+        for seq_id, start, n in zip(
+            batch.new_block_seq_ids.tolist(),
+            batch.new_block_starts.tolist(),
+            batch.num_new_blocks.tolist(),
+        ):
             lo, hi = hi, hi + n
             self.block_tables.update(self.seqs[seq_id].block_table_row, start, new_block_ids[lo:hi])
 
@@ -157,12 +164,16 @@ class SeqMirrors:
         cu = np.zeros(bs + 1, dtype=np.int32)
         np.cumsum(q_lens, out=cu[1:])
         num_tokens = int(cu[-1])
-        if num_tokens == bs and (bs == 0 or int(q_lens.max()) == 1):  # one row each (decode): row i is sequence i
+        if num_tokens == bs and (
+            bs == 0 or int(q_lens.max()) == 1
+        ):  # one row each (decode): row i is sequence i
             seq_of_row, positions = np.arange(bs), computed
         else:
             seq_of_row = np.repeat(np.arange(bs), q_lens)
             positions = computed[seq_of_row] + (np.arange(num_tokens) - cu[:-1][seq_of_row])
-        table_rows = np.asarray([self.seqs[s].block_table_row for s in batch.seq_ids.tolist()], dtype=np.int64)
+        table_rows = np.asarray(
+            [self.seqs[s].block_table_row for s in batch.seq_ids.tolist()], dtype=np.int64
+        )
         block_tables = self.block_tables.gather(table_rows)
         blocks = block_tables[seq_of_row, positions // self.block_size].astype(np.int64)
         slot_mapping = blocks * self.block_size + positions % self.block_size
@@ -183,7 +194,11 @@ class SeqMirrors:
         )
 
     def _token_src(
-        self, batch: RankBatch, input_ids: np.ndarray, seq_of_row: np.ndarray, tokens: Optional["TokenPool"]
+        self,
+        batch: RankBatch,
+        input_ids: np.ndarray,
+        seq_of_row: np.ndarray,
+        tokens: Optional["TokenPool"],
     ) -> Optional[np.ndarray]:
         """Where each row's token is in the token pool (see StepInputs.token_src). A pending row's
         staged id becomes 0: padding rows of a graph bucket read staged slot 0, which must hold a
@@ -191,7 +206,9 @@ class SeqMirrors:
         pending = np.flatnonzero(input_ids == PENDING_TOKEN)
         if tokens is None:
             if pending.size:
-                raise RuntimeError("the plan has pending input tokens, but this worker runs without async scheduling")
+                raise RuntimeError(
+                    "the plan has pending input tokens, but this worker runs without async scheduling"
+                )
             return None
         token_src = np.arange(batch.num_tokens, dtype=np.int64)
         if pending.size:
@@ -200,7 +217,8 @@ class SeqMirrors:
             missing = [s for s in seq_ids if s not in prev_rows]
             if missing:
                 raise RuntimeError(
-                    f"sequences {missing[:5]} have a pending input token but sampled nothing in the previous step")
+                    f"sequences {missing[:5]} have a pending input token but sampled nothing in the previous step"
+                )
             token_src[pending] = [tokens.prev_base + prev_rows[s] for s in seq_ids]
             input_ids[pending] = 0
         return token_src
@@ -229,4 +247,3 @@ def dummy_decode_inputs(bs: int, max_q_len: int) -> StepInputs:
         sample_seq_idx=np.arange(bs, dtype=np.int64),
         sample_rows=cu[1:].astype(np.int64) - 1,
     )
-

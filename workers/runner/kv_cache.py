@@ -30,7 +30,11 @@ def kv_bytes_per_block(specs: list[KVLayerSpec], block_size: int, dtype: torch.d
 
 
 def allocate_kv_cache(
-    specs: list[KVLayerSpec], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    specs: list[KVLayerSpec],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> dict[str, KVCacheTensor]:
     """Allocate every layer's cache, keyed "layers.<i>" as the attention op looks it up (on CUDA with
     the decode kernel's split counters, which must exist before any CUDA-graph capture)."""

@@ -31,10 +31,21 @@ def _dummy_forward(runner: "ModelRunner", num_tokens: int, logits_rows: int = 1)
     seq_len = min(num_tokens, runner.shape.max_model_len)
     cu = list(range(0, num_tokens, seq_len)) + [num_tokens]
     ids = runner.buffers.forward_vars["input_ids"][:num_tokens]
-    pos = torch.from_numpy(np.concatenate([np.arange(b - a) for a, b in zip(cu, cu[1:])])).to(runner.device)
+    pos = torch.from_numpy(np.concatenate([np.arange(b - a) for a, b in zip(cu, cu[1:])])).to(
+        runner.device
+    )
     md = AttentionMetaData(cu_seqlens_q_cpu=cu, num_seqs=len(cu) - 1, num_tokens=num_tokens)
-    ctx = Context(positions=pos, is_prefill=True, batch_size=len(cu) - 1, running_bs=len(cu) - 1, running_tokens=num_tokens)
-    with torch.inference_mode(), set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers):
+    ctx = Context(
+        positions=pos,
+        is_prefill=True,
+        batch_size=len(cu) - 1,
+        running_bs=len(cu) - 1,
+        running_tokens=num_tokens,
+    )
+    with (
+        torch.inference_mode(),
+        set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers),
+    ):
         hidden = runner.model(ids, pos)
         runner.model.compute_logits(hidden[-logits_rows:])
 
@@ -42,12 +53,16 @@ def _dummy_forward(runner: "ModelRunner", num_tokens: int, logits_rows: int = 1)
 def determine_num_blocks(runner: "ModelRunner") -> KVCacheSizing:
     cc = runner.config.cache_config
     per_block = runner.kv_bytes_per_block()
-    cap = num_blocks_needed(runner.shape.max_num_seqs, runner.shape.max_model_len, runner.shape.block_size)
+    cap = num_blocks_needed(
+        runner.shape.max_num_seqs, runner.shape.max_model_len, runner.shape.block_size
+    )
     peak = pool_estimate = 0
     if cc.num_kv_blocks is not None:
         num_blocks = cc.num_kv_blocks
     elif runner.device.type != "cuda":
-        _dummy_forward(runner, min(runner.shape.max_num_tokens, 256))  # checks the model runs; CPU has no profile
+        _dummy_forward(
+            runner, min(runner.shape.max_num_tokens, 256)
+        )  # checks the model runs; CPU has no profile
         num_blocks = int(cc.cpu_kv_cache_gib * 2**30) // per_block
     else:
         torch.cuda.synchronize()
@@ -80,6 +95,10 @@ def determine_num_blocks(runner: "ModelRunner") -> KVCacheSizing:
         )
     logger.info(
         "KV cache: %d blocks x %d tokens (%.1f MiB); activation peak %.1f MiB; graph pool estimate %.1f MiB",
-        num_blocks, runner.shape.block_size, num_blocks * per_block / 2**20, peak / 2**20, pool_estimate / 2**20,
+        num_blocks,
+        runner.shape.block_size,
+        num_blocks * per_block / 2**20,
+        peak / 2**20,
+        pool_estimate / 2**20,
     )
     return KVCacheSizing(num_blocks, per_block, peak, pool_estimate)

@@ -19,7 +19,12 @@ from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.loading.loader import load_model
 from atomrt.workers.runner.graph_runner import GraphRunner
 from atomrt.workers.runner.input_batch import StepInputs
-from atomrt.workers.runner.kv_cache import KVCacheTensor, KVLayerSpec, allocate_kv_cache, kv_bytes_per_block
+from atomrt.workers.runner.kv_cache import (
+    KVCacheTensor,
+    KVLayerSpec,
+    allocate_kv_cache,
+    kv_bytes_per_block,
+)
 from atomrt.workers.runner.readback import Readback, Readbacks
 from atomrt.workers.runner.sampler import Sampler, SamplerOutput, SamplingTensors, greedy_argmax
 from atomrt.workers.runner.step_buffers import RunnerShape, StepBuffers
@@ -33,7 +38,9 @@ def resolve_device(config: Config, local_device: Optional[int] = None) -> torch.
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("device: 'cuda' was asked for but no CUDA device is visible")
-    return torch.device("cuda", local_device if local_device is not None else torch.cuda.current_device())
+    return torch.device(
+        "cuda", local_device if local_device is not None else torch.cuda.current_device()
+    )
 
 
 def resolve_dtype(config: Config, device: torch.device) -> torch.dtype:
@@ -50,7 +57,9 @@ class ModelOutput(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, config: Config, device: torch.device, tp: TPInfo = TPInfo(), rank: int = 0) -> None:
+    def __init__(
+        self, config: Config, device: torch.device, tp: TPInfo = TPInfo(), rank: int = 0
+    ) -> None:
         self.config = config
         self.device = device
         self.rank = rank
@@ -76,14 +85,21 @@ class ModelRunner:
         if sc.async_scheduling:
             self.tokens = TokenPool(self.shape.max_num_tokens, self.shape.max_num_seqs, device)
         self.buffers = StepBuffers(
-            self.shape, self.arch.hidden_size, self.dtype, device, self.tokens, self.graphs.packed_bucket
+            self.shape,
+            self.arch.hidden_size,
+            self.dtype,
+            device,
+            self.tokens,
+            self.graphs.packed_bucket,
         )
         self.readbacks = Readbacks(device, self.shape.max_num_seqs)
 
     # ---------------------------------------------------------------- KV cache
 
     def kv_layer_specs(self) -> list[KVLayerSpec]:
-        return [KVLayerSpec(i, a.num_kv_heads, a.head_dim) for i, a in sorted(self.attn_layers.items())]
+        return [
+            KVLayerSpec(i, a.num_kv_heads, a.head_dim) for i, a in sorted(self.attn_layers.items())
+        ]
 
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.kv_layer_specs(), self.shape.block_size, self.dtype)
@@ -95,20 +111,33 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- one step
 
-    def execute(self, inputs: StepInputs, decision: ForwardDecision, sampling: SamplingTensors) -> SamplerOutput:
+    def execute(
+        self, inputs: StepInputs, decision: ForwardDecision, sampling: SamplingTensors
+    ) -> SamplerOutput:
         """One step on this rank: stage, run the forward the decision names, sample."""
         md, context = self.buffers.prepare(inputs, decision)
-        dp = DPMetadata.make(list(decision.dp_num_tokens), decision.running_tokens) if decision.dp_num_tokens else None
+        dp = (
+            DPMetadata.make(list(decision.dp_num_tokens), decision.running_tokens)
+            if decision.dp_num_tokens
+            else None
+        )
         rows = context.running_tokens
         logits_indices = self.buffers.logits_indices(inputs)
         self.buffers.staged()
         if decision.kind is not ForwardKind.REQ_GRAPH:  # a request graph gathers them itself
             self.buffers.gather_input_ids(rows)
         with set_forward_context(
-            md, self.config, context, no_compile_layers=self.attn_layers, kv_cache_data=self.kv_cache,
-            dp_metadata=dp, tr_graph=decision.tr_graph,
+            md,
+            self.config,
+            context,
+            no_compile_layers=self.attn_layers,
+            kv_cache_data=self.kv_cache,
+            dp_metadata=dp,
+            tr_graph=decision.tr_graph,
         ):
-            out = self.run_model(self.buffers.forward_vars["input_ids"][:rows], decision, logits_indices)
+            out = self.run_model(
+                self.buffers.forward_vars["input_ids"][:rows], decision, logits_indices
+            )
         num_sampled = int(inputs.sample_rows.shape[0])
         if num_sampled == 0:  # an idle DP rank's dummy batch
             return SamplerOutput(out.logits.new_empty(0, dtype=torch.int64))
@@ -117,11 +146,18 @@ class ModelRunner:
             return SamplerOutput(out.tokens[:num_sampled])
         sampled = self.sampler(out.logits, sampling)
         if self.tokens is not None:
-            self.tokens.keep(sampled.sampled_token_ids, sampling.all_greedy and not sampling.do_penalties, self.tp)
+            self.tokens.keep(
+                sampled.sampled_token_ids,
+                sampling.all_greedy and not sampling.do_penalties,
+                self.tp,
+            )
         return sampled
 
     def run_model(
-        self, input_ids: torch.Tensor, decision: ForwardDecision, logits_indices: Union[torch.Tensor, slice]
+        self,
+        input_ids: torch.Tensor,
+        decision: ForwardDecision,
+        logits_indices: Union[torch.Tensor, slice],
     ) -> ModelOutput:
         """The forward the step's ForwardDecision names: eager, ReqGraph.replay, or the token graph.
 
@@ -134,13 +170,19 @@ class ModelRunner:
         num_rows = input_ids.shape[0]
         if decision.kind is ForwardKind.REQ_GRAPH:
             self.buffers.check_staged(decision, num_rows)
-            logits, tokens = self.graphs.replay(decision)  # every row's, valid until the next replay
+            logits, tokens = self.graphs.replay(
+                decision
+            )  # every row's, valid until the next replay
             hidden_states = self.buffers.forward_vars["outputs"][:num_rows]
-            if isinstance(logits_indices, slice):  # rows 0..n-1 sample: the graph computed their logits
+            if isinstance(
+                logits_indices, slice
+            ):  # rows 0..n-1 sample: the graph computed their logits
                 return ModelOutput(logits[logits_indices], hidden_states, tokens)
         else:
             hidden_states = self.model(input_ids, self.buffers.forward_vars["positions"][:num_rows])
-        return ModelOutput(self.model.compute_logits(hidden_states[logits_indices]), hidden_states, None)
+        return ModelOutput(
+            self.model.compute_logits(hidden_states[logits_indices]), hidden_states, None
+        )
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """The argmax of a request graph's logits [rows, vocab], recorded after them: a plain greedy

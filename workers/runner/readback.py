@@ -18,15 +18,19 @@ class DeviceTimeout(RuntimeError):
     """The device did not finish a step within the bound: a hung GPU or a runaway kernel."""
 
 
-def wait_event(event: "torch.cuda.Event", timeout_s: float, progress: Optional[Callable[[], None]], what: str) -> None:
+def wait_event(
+    event: "torch.cuda.Event", timeout_s: float, progress: Optional[Callable[[], None]], what: str
+) -> None:
     """Wait for `event` by polling it (never an unbounded synchronize): `progress()` is called while
     waiting, and DeviceTimeout is raised after `timeout_s`."""
     start = last = time.monotonic()
     while not event.query():
         now = time.monotonic()
         if now - start > timeout_s:
-            raise DeviceTimeout(f"{what}: the device did not finish within {timeout_s:.0f} s "
-                                "(parallel_config.heartbeat_timeout_s)")
+            raise DeviceTimeout(
+                f"{what}: the device did not finish within {timeout_s:.0f} s "
+                "(parallel_config.heartbeat_timeout_s)"
+            )
         if progress is not None and now - last > PROGRESS_PERIOD_S:
             progress()
             last = now
@@ -48,16 +52,26 @@ class Readback:
     for; on CPU the values are already there. The tokens land in `slot` when one is given (free,
     and large enough), else in a new pinned tensor."""
 
-    def __init__(self, out: SamplerOutput, device: torch.device, slot: Optional[ReadbackSlot] = None) -> None:
+    def __init__(
+        self, out: SamplerOutput, device: torch.device, slot: Optional[ReadbackSlot] = None
+    ) -> None:
         lp = out.logprobs
         tensors = [out.sampled_token_ids]
         if lp is not None:
-            tensors += [lp.sampled_logprobs.float(), lp.top_token_ids.to(torch.int32), lp.top_logprobs.float()]
+            tensors += [
+                lp.sampled_logprobs.float(),
+                lp.top_token_ids.to(torch.int32),
+                lp.top_logprobs.float(),
+            ]
         self.event: Optional[torch.cuda.Event] = None
         self.slot: Optional[ReadbackSlot] = None
         if device.type == "cuda":
             tokens = tensors[0]
-            fits = slot is not None and tokens.dtype == slot.tokens.dtype and tokens.shape[0] <= slot.tokens.shape[0]
+            fits = (
+                slot is not None
+                and tokens.dtype == slot.tokens.dtype
+                and tokens.shape[0] <= slot.tokens.shape[0]
+            )
             if fits and not slot.busy:
                 host = slot.tokens[: tokens.shape[0]]
                 host.copy_(tokens, non_blocking=True)
@@ -74,7 +88,10 @@ class Readback:
         return self.event is None or self.event.query()
 
     def wait(
-        self, timeout_s: float = float("inf"), progress: Optional[Callable[[], None]] = None, what: str = "readback"
+        self,
+        timeout_s: float = float("inf"),
+        progress: Optional[Callable[[], None]] = None,
+        what: str = "readback",
     ) -> tuple[list[int], Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
         """(token ids, (sampled logprobs, top ids, top logprobs) or None), once the copies landed
         (a bounded wait: see `wait_event`)."""
@@ -94,7 +111,9 @@ class Readbacks:
 
     def __init__(self, device: torch.device, max_num_seqs: int) -> None:
         self.device = device
-        self.slots = [ReadbackSlot(max_num_seqs) for _ in range(NUM_SLOTS)] if device.type == "cuda" else []
+        self.slots = (
+            [ReadbackSlot(max_num_seqs) for _ in range(NUM_SLOTS)] if device.type == "cuda" else []
+        )
 
     def start(self, out: SamplerOutput) -> Readback:
         slot = next((s for s in self.slots if not s.busy), None)

@@ -78,7 +78,8 @@ class SamplingTensors:
         ps = list(sampling_params)
         greedy = [p.temperature < 1e-5 for p in ps]
         do_penalties = any(
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in ps
+            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            for p in ps
         )
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
         if all(greedy) and not do_penalties and all(p.logprobs is None for p in ps):
@@ -107,8 +108,12 @@ class SamplingTensors:
             repetition_penalties=dev[3],
             presence_penalties=dev[4],
             frequency_penalties=dev[5],
-            prompt_token_ids=_pad_2d(prompt_token_ids if do_penalties else no_history, vocab_size, device),
-            output_token_ids=_pad_2d(output_token_ids if do_penalties else no_history, vocab_size, device),
+            prompt_token_ids=_pad_2d(
+                prompt_token_ids if do_penalties else no_history, vocab_size, device
+            ),
+            output_token_ids=_pad_2d(
+                output_token_ids if do_penalties else no_history, vocab_size, device
+            ),
             seeds=[p.seed for p in ps],
             num_output_tokens=[len(o) for o in output_token_ids],
             num_logprobs=[p.logprobs for p in ps],
@@ -122,7 +127,9 @@ class SamplingTensors:
     @property
     def is_plain_greedy(self) -> bool:
         """Every row greedy, no penalties, no logprobs: the tokens are the logits' argmax."""
-        return self.all_greedy and not self.do_penalties and all(k is None for k in self.num_logprobs)
+        return (
+            self.all_greedy and not self.do_penalties and all(k is None for k in self.num_logprobs)
+        )
 
     @classmethod
     def plain_greedy(cls, num_seqs: int, device: torch.device) -> "SamplingTensors":
@@ -131,15 +138,29 @@ class SamplingTensors:
         made once per device (a CUDA tensor costs the host microseconds every step)."""
         empty, empty_long, no_ids = _empty_tensors(torch.device(device))
         return cls(
-            temperatures=empty, top_ps=empty, top_ks=empty_long, min_ps=empty,
-            repetition_penalties=empty, presence_penalties=empty, frequency_penalties=empty,
-            prompt_token_ids=no_ids, output_token_ids=no_ids,
-            seeds=[None] * num_seqs, num_output_tokens=[0] * num_seqs, num_logprobs=[None] * num_seqs,
-            all_greedy=True, do_penalties=False, do_top_k=False, do_top_p=False, do_min_p=False,
+            temperatures=empty,
+            top_ps=empty,
+            top_ks=empty_long,
+            min_ps=empty,
+            repetition_penalties=empty,
+            presence_penalties=empty,
+            frequency_penalties=empty,
+            prompt_token_ids=no_ids,
+            output_token_ids=no_ids,
+            seeds=[None] * num_seqs,
+            num_output_tokens=[0] * num_seqs,
+            num_logprobs=[None] * num_seqs,
+            all_greedy=True,
+            do_penalties=False,
+            do_top_k=False,
+            do_top_p=False,
+            do_min_p=False,
         )
 
     @classmethod
-    def from_sequences(cls, seqs: Seq[Any], vocab_size: int, device: torch.device | str = "cpu") -> "SamplingTensors":
+    def from_sequences(
+        cls, seqs: Seq[Any], vocab_size: int, device: torch.device | str = "cpu"
+    ) -> "SamplingTensors":
         """Build from objects with .sampling_params, .prompt_token_ids, .output_token_ids
         (runtime.sequence.Sequence)."""
         return cls.from_params(
@@ -157,7 +178,9 @@ class LogprobsTensors:
     top_token_ids: torch.Tensor  # [num_seqs, max_num_logprobs] int64, best first
     top_logprobs: torch.Tensor  # [num_seqs, max_num_logprobs] float32
 
-    def to_dicts(self, num_logprobs: Seq[Optional[int]], sampled_token_ids: Seq[int]) -> list[Optional[dict[int, float]]]:
+    def to_dicts(
+        self, num_logprobs: Seq[Optional[int]], sampled_token_ids: Seq[int]
+    ) -> list[Optional[dict[int, float]]]:
         """Per row {token id: logprob}: the sampled token plus the row's top-`logprobs`
         alternatives; None for rows that asked for none. (One host copy.)"""
         sampled = self.sampled_logprobs.tolist()
@@ -185,7 +208,9 @@ def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     num_seqs, vocab = logits.shape
     # Token occurrence tables with one spare column for the padding id (vocab).
     out_counts = torch.zeros(num_seqs, vocab + 1, dtype=logits.dtype, device=logits.device)
-    out_counts.scatter_add_(1, t.output_token_ids, torch.ones_like(t.output_token_ids, dtype=logits.dtype))
+    out_counts.scatter_add_(
+        1, t.output_token_ids, torch.ones_like(t.output_token_ids, dtype=logits.dtype)
+    )
     out_counts = out_counts[:, :vocab]
     seen = torch.zeros(num_seqs, vocab + 1, dtype=torch.bool, device=logits.device)
     seen.scatter_(1, t.prompt_token_ids, True)
@@ -220,7 +245,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
     return logits
 
 
-def _exponential_noise(probs: torch.Tensor, t: SamplingTensors, generator: Optional[torch.Generator]) -> torch.Tensor:
+def _exponential_noise(
+    probs: torch.Tensor, t: SamplingTensors, generator: Optional[torch.Generator]
+) -> torch.Tensor:
     """q ~ Exp(1) of probs' shape; seeded rows from their own (seed, step) generator."""
     q = torch.empty_like(probs).exponential_(generator=generator)
     # One small generator per seeded row and step: seeded requests are rare, determinism is the point.
@@ -239,8 +266,11 @@ def _empty_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, to
     """(float32 [0], int64 [0], int64 [0, 0]) on `device`, shared: nothing ever writes them."""
     tensors = _EMPTY.get(device)
     if tensors is None:
-        tensors = (torch.empty(0, device=device), torch.empty(0, dtype=torch.int64, device=device),
-                   torch.empty(0, 0, dtype=torch.int64, device=device))
+        tensors = (
+            torch.empty(0, device=device),
+            torch.empty(0, dtype=torch.int64, device=device),
+            torch.empty(0, 0, dtype=torch.int64, device=device),
+        )
         _EMPTY[device] = tensors
     return tensors
 
@@ -263,7 +293,9 @@ class Sampler:
             logits = apply_penalties(logits, t)
         greedy_tokens = logits.argmax(dim=-1)
         greedy_rows = t.temperatures == 0
-        scaled = logits / torch.where(greedy_rows, torch.ones_like(t.temperatures), t.temperatures).unsqueeze(1)
+        scaled = logits / torch.where(
+            greedy_rows, torch.ones_like(t.temperatures), t.temperatures
+        ).unsqueeze(1)
         if t.all_greedy:
             tokens = greedy_tokens
         else:

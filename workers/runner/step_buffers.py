@@ -70,7 +70,11 @@ class _Layout:
 
 class PackedStep:
     def __init__(
-        self, max_seqs: int, max_rows: int, max_blocks: int, device: torch.device,
+        self,
+        max_seqs: int,
+        max_rows: int,
+        max_blocks: int,
+        device: torch.device,
         prev_token_base: Optional[int] = None,
     ) -> None:
         """`prev_token_base` (async scheduling): `token_src` values from it on name the previous
@@ -82,33 +86,47 @@ class PackedStep:
         nbytes = 8 * -(-(last.table_at + max_seqs * max_blocks) // 2)
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self._host64, self._host32 = self.host.numpy().view(np.int64), self.host.numpy().view(np.int32)
-        self._device64, self._device32 = self.device.view(torch.int64), self.device.view(torch.int32)
+        self._host64, self._host32 = (
+            self.host.numpy().view(np.int64),
+            self.host.numpy().view(np.int32),
+        )
+        self._device64, self._device32 = (
+            self.device.view(torch.int64),
+            self.device.view(torch.int32),
+        )
 
     def _layout(self, seqs: int, rows: int) -> _Layout:
         layout = self._layouts.get((seqs, rows))
         if layout is None:
             ids_at = 0
-            src_at = rows if self.prev_token_base is not None else ids_at  # token_src follows the ids
+            src_at = (
+                rows if self.prev_token_base is not None else ids_at
+            )  # token_src follows the ids
             positions_at = src_at + rows
             slots_at = positions_at + rows
             width_at = 2 * (slots_at + rows)  # the int32 words start where the int64 ones end
             cu_at = width_at + 1
             context_at = cu_at + seqs + 1
             table_at = context_at + seqs
-            layout = _Layout(ids_at, src_at, positions_at, slots_at, width_at, cu_at, context_at, table_at)
+            layout = _Layout(
+                ids_at, src_at, positions_at, slots_at, width_at, cu_at, context_at, table_at
+            )
             self._layouts[(seqs, rows)] = layout
         return layout
 
     def stage(self, inputs: Any, seqs: int, rows: int) -> None:
         """Write a step's `StepInputs`, padded to (seqs, rows), and start its one copy to the device."""
         if seqs > self.max_seqs or rows > self.max_rows:
-            raise ValueError(f"PackedStep: a step of {seqs} sequences x {rows} rows exceeds the buffer "
-                             f"({self.max_seqs} x {self.max_rows})")
+            raise ValueError(
+                f"PackedStep: a step of {seqs} sequences x {rows} rows exceeds the buffer "
+                f"({self.max_seqs} x {self.max_rows})"
+            )
         table = inputs.block_tables  # int32 [num_seqs, W]
         width = table.shape[1]
         if width > self.max_blocks:
-            raise ValueError(f"PackedStep: block tables of {width} blocks exceed max_blocks {self.max_blocks}")
+            raise ValueError(
+                f"PackedStep: block tables of {width} blocks exceed max_blocks {self.max_blocks}"
+            )
         lay, h64, h32, n = self._layout(seqs, rows), self._host64, self._host32, inputs.num_tokens
         write_padded(h64[lay.ids_at : lay.ids_at + rows], inputs.input_ids, rows, 0)
         if self.prev_token_base is not None:
@@ -118,7 +136,9 @@ class PackedStep:
         h32[lay.width_at] = width
         write_padded(h32[lay.cu_at : lay.cu_at + seqs + 1], inputs.cu_seqlens_q, seqs + 1, n)
         write_padded(h32[lay.context_at : lay.context_at + seqs], inputs.context_lens, seqs, 0)
-        write_padded(h32[lay.table_at : lay.table_at + seqs * width].reshape(seqs, width), table, seqs, -1)
+        write_padded(
+            h32[lay.table_at : lay.table_at + seqs * width].reshape(seqs, width), table, seqs, -1
+        )
         nbytes = 4 * (lay.table_at + seqs * width)
         self.device[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
 
@@ -129,14 +149,30 @@ class PackedStep:
         is_async = self.prev_token_base is not None
         tables = fv["block_tables"]
         unpack_step_kernel[(seqs + 1,)](
-            self._device64, self._device32,
-            fv["input_ids"], fv["positions"], fv["slot_mapping"], fv["cu_seqlens_q"], fv["context_lens"], tables,
+            self._device64,
+            self._device32,
+            fv["input_ids"],
+            fv["positions"],
+            fv["slot_mapping"],
+            fv["cu_seqlens_q"],
+            fv["context_lens"],
+            tables,
             fv["prev_tokens"] if is_async else fv["input_ids"],
-            rows, seqs, tables.stride(0),
-            lay.ids_at, lay.src_at, lay.positions_at, lay.slots_at,
-            lay.width_at, lay.cu_at, lay.context_at, lay.table_at,
+            rows,
+            seqs,
+            tables.stride(0),
+            lay.ids_at,
+            lay.src_at,
+            lay.positions_at,
+            lay.slots_at,
+            lay.width_at,
+            lay.cu_at,
+            lay.context_at,
+            lay.table_at,
             self.prev_token_base or 0,
-            ASYNC=is_async, BLOCK=UNPACK_BLOCK, num_warps=4,
+            ASYNC=is_async,
+            BLOCK=UNPACK_BLOCK,
+            num_warps=4,
         )
 
 
@@ -156,8 +192,13 @@ class RunnerShape:
 
 class StepBuffers:
     def __init__(
-        self, shape: RunnerShape, hidden_size: int, dtype: torch.dtype, device: torch.device,
-        tokens: Optional[TokenPool], packed_bucket: int,
+        self,
+        shape: RunnerShape,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tokens: Optional[TokenPool],
+        packed_bucket: int,
     ) -> None:
         """`tokens`: async scheduling's token pool (rows gather their ids from it); `packed_bucket`:
         the largest request-graph bucket that steps are staged packed for (0: none)."""
@@ -169,7 +210,9 @@ class StepBuffers:
             "slot_mapping": torch.full((n,), -1, dtype=torch.int64, device=device),
             "cu_seqlens_q": torch.zeros(s + 1, dtype=torch.int32, device=device),
             "context_lens": torch.zeros(s, dtype=torch.int32, device=device),
-            "block_tables": torch.full((s, shape.max_blocks_per_seq), -1, dtype=torch.int32, device=device),
+            "block_tables": torch.full(
+                (s, shape.max_blocks_per_seq), -1, dtype=torch.int32, device=device
+            ),
             "logits_indices": torch.zeros(s, dtype=torch.int64, device=device),
             "outputs": torch.zeros(n, hidden_size, dtype=dtype, device=device),
         }
@@ -179,17 +222,24 @@ class StepBuffers:
             self.forward_vars["token_src"] = torch.zeros(n, dtype=torch.int64, device=device)
         self._staging = {
             k: v.cpu().pin_memory() if device.type == "cuda" else v
-            for k, v in self.forward_vars.items() if k not in ("outputs", "prev_tokens")
+            for k, v in self.forward_vars.items()
+            if k not in ("outputs", "prev_tokens")
         }
         # The pinned staging buffers are rewritten every step. Under async scheduling the host may
         # stage step N+1 before step N's copies ran, so it first waits for this event (recorded once
         # a step's copies are queued). Synchronously it has already waited for step N's tokens.
-        self._staging_read = torch.cuda.Event() if device.type == "cuda" and tokens is not None else None
+        self._staging_read = (
+            torch.cuda.Event() if device.type == "cuda" and tokens is not None else None
+        )
         self.packed: Optional[PackedStep] = None
         if device.type == "cuda" and packed_bucket:
             prev_base = tokens.prev_base if tokens is not None else None
-            self.packed = PackedStep(packed_bucket, packed_bucket, shape.max_blocks_per_seq, device, prev_base)
-        self._staged: Optional[tuple[int, int]] = None  # (seqs, rows) of the step last staged packed
+            self.packed = PackedStep(
+                packed_bucket, packed_bucket, shape.max_blocks_per_seq, device, prev_base
+            )
+        self._staged: Optional[tuple[int, int]] = (
+            None  # (seqs, rows) of the step last staged packed
+        )
 
     def fill(self, name: str, values: np.ndarray, length: int, pad: Any) -> None:
         """forward_vars[name][:length] = values, then `pad` (rows of a 2-D buffer alike)."""
@@ -198,7 +248,9 @@ class StepBuffers:
         if staging is not self.forward_vars[name]:
             self.forward_vars[name][:length].copy_(staging[:length], non_blocking=True)
 
-    def prepare(self, inputs: StepInputs, decision: ForwardDecision) -> tuple[AttentionMetaData, Context]:
+    def prepare(
+        self, inputs: StepInputs, decision: ForwardDecision
+    ) -> tuple[AttentionMetaData, Context]:
         """Copy the step into the static buffers (padding rows zeroed, padded slots -1) and return
         its attention metadata and context, views of those buffers sized by the decision."""
         n, bs = inputs.num_tokens, inputs.num_seqs
@@ -227,14 +279,18 @@ class StepBuffers:
         self.fill("context_lens", inputs.context_lens, seqs, 0)
         self.fill("block_tables", inputs.block_tables, seqs, -1)
 
-    def _metadata(self, inputs: StepInputs, decision: ForwardDecision, seqs: int, rows: int) -> AttentionMetaData:
+    def _metadata(
+        self, inputs: StepInputs, decision: ForwardDecision, seqs: int, rows: int
+    ) -> AttentionMetaData:
         fv = self.forward_vars
         return AttentionMetaData(
             cu_seqlens_q=fv["cu_seqlens_q"][: seqs + 1],
             context_lens=fv["context_lens"][:seqs],
             block_tables=fv["block_tables"][:seqs],
             slot_mapping=fv["slot_mapping"][:rows],
-            max_seqlen_q=max(inputs.max_seqlen_q, 1 + decision.draft_num if not decision.is_prefill else 0),
+            max_seqlen_q=max(
+                inputs.max_seqlen_q, 1 + decision.draft_num if not decision.is_prefill else 0
+            ),
             max_seqlen_k=inputs.max_seqlen_k,
             num_seqs=seqs,
             num_tokens=inputs.num_tokens,
@@ -285,4 +341,6 @@ class StepBuffers:
         """input_ids[:rows] = token pool[token_src[:rows]] (async scheduling; else a no-op)."""
         if self.tokens is not None:
             fv = self.forward_vars
-            torch.index_select(self.tokens.pool, 0, fv["token_src"][:rows], out=fv["input_ids"][:rows])
+            torch.index_select(
+                self.tokens.pool, 0, fv["token_src"][:rows], out=fv["input_ids"][:rows]
+            )

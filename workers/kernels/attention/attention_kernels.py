@@ -20,13 +20,23 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 
 @triton.jit
 def write_kv_kernel(
-    k_ptr, v_ptr,  # [T, Hk, D]
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hk, D]
+    k_ptr,
+    v_ptr,  # [T, Hk, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hk, D]
     slot_mapping_ptr,  # [T] int64, -1 = padded row
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch,
-    stride_vcb, stride_vcs, stride_vch,
-    num_kv_heads, head_dim,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    num_kv_heads,
+    head_dim,
     BLOCK_SIZE: tl.constexpr,
     HEADS_PER_PROG: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
@@ -44,24 +54,50 @@ def write_kv_kernel(
     # [HEADS_PER_PROG, HEAD_DIM_P]
     k = tl.load(k_ptr + row * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + row * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + heads[:, None] * stride_kch + dims[None, :]
-    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads[:, None] * stride_vch + dims[None, :]
+    k_dst = (
+        k_cache_ptr
+        + block * stride_kcb
+        + offset * stride_kcs
+        + heads[:, None] * stride_kch
+        + dims[None, :]
+    )
+    v_dst = (
+        v_cache_ptr
+        + block * stride_vcb
+        + offset * stride_vcs
+        + heads[:, None] * stride_vch
+        + dims[None, :]
+    )
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def rope_write_kv_kernel(
-    q_ptr, k_ptr, v_ptr,  # q [T, H, D], k/v [T, Hk, D]
+    q_ptr,
+    k_ptr,
+    v_ptr,  # q [T, H, D], k/v [T, Hk, D]
     q_out_ptr,  # [T, H, D] contiguous: the rotated q
     positions_ptr,  # [T] int64
-    cos_ptr, sin_ptr,  # [max_position, D / 2] fp32, contiguous
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hk, D]
+    cos_ptr,
+    sin_ptr,  # [max_position, D / 2] fp32, contiguous
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hk, D]
     slot_mapping_ptr,  # [T] int64, -1 = padded row (rotated q only, nothing written to the cache)
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch,
-    stride_vcb, stride_vcs, stride_vch,
-    num_heads, num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    num_heads,
+    num_kv_heads,
     HALF: tl.constexpr,  # head_dim / 2
     BLOCK_SIZE: tl.constexpr,
     HEADS_P: tl.constexpr,  # next pow2 of num_heads
@@ -100,29 +136,54 @@ def rope_write_kv_kernel(
     k2 = tl.load(src + HALF, mask=kv_mask).to(tl.float32)
     cache_ty = k_cache_ptr.dtype.element_ty
     # Round to q's dtype (what the unfused rotary hands over), then to the cache's.
-    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + kv_heads[:, None] * stride_kch + half[None, :]
+    k_dst = (
+        k_cache_ptr
+        + block * stride_kcb
+        + offset * stride_kcs
+        + kv_heads[:, None] * stride_kch
+        + half[None, :]
+    )
     tl.store(k_dst, (k1 * cos - k2 * sin).to(dtype).to(cache_ty), mask=kv_mask)
     tl.store(k_dst + HALF, (k2 * cos + k1 * sin).to(dtype).to(cache_ty), mask=kv_mask)
     v_src = v_ptr + row * stride_vt + kv_heads[:, None] * stride_vh + half[None, :]
-    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + kv_heads[:, None] * stride_vch + half[None, :]
+    v_dst = (
+        v_cache_ptr
+        + block * stride_vcb
+        + offset * stride_vcs
+        + kv_heads[:, None] * stride_vch
+        + half[None, :]
+    )
     tl.store(v_dst, tl.load(v_src, mask=kv_mask).to(cache_ty), mask=kv_mask)
     tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask).to(cache_ty), mask=kv_mask)
 
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
     out_ptr,  # SPLIT: partial acc [T, H, S, D] fp32; else out [T, H, D]
-    m_ptr, l_ptr,  # SPLIT only: [T, H, S] fp32
-    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
+    m_ptr,
+    l_ptr,  # SPLIT only: [T, H, S] fp32
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
     scale_log2,  # softmax scale * log2(e)
     num_q_blocks,  # query tiles per sequence (grid dim 0 = num_seqs * num_q_blocks)
     num_splits,  # grid dim 2
-    stride_qt, stride_qh,
-    stride_ot, stride_oh, stride_os,  # stride_os: split stride of the partial acc (SPLIT only)
-    stride_mt, stride_mh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_os,  # stride_os: split stride of the partial acc (SPLIT only)
+    stride_mt,
+    stride_mh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
     head_dim,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -219,7 +280,9 @@ def paged_attention_kernel(
 
     store_mask = row_valid[:, None] & dim_valid[None, :]
     if SPLIT:
-        o_ptrs = out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os
+        o_ptrs = (
+            out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os
+        )
         tl.store(o_ptrs + dims[None, :], acc, mask=store_mask)
         ml_off = q_row * stride_mt + head * stride_mh + split
         tl.store(m_ptr + ml_off, m_i, mask=row_valid)
@@ -234,13 +297,19 @@ def paged_attention_kernel(
 @triton.jit
 def reduce_splits_kernel(
     acc_ptr,  # [T, H, S, D] fp32
-    m_ptr, l_ptr,  # [T, H, S] fp32
+    m_ptr,
+    l_ptr,  # [T, H, S] fp32
     out_ptr,  # [T, H, D]
     cu_seqlens_q_ptr,
-    num_seqs, num_splits,
-    stride_at, stride_ah, stride_as,
-    stride_mt, stride_mh,
-    stride_ot, stride_oh,
+    num_seqs,
+    num_splits,
+    stride_at,
+    stride_ah,
+    stride_as,
+    stride_mt,
+    stride_mh,
+    stride_ot,
+    stride_oh,
     head_dim,
     SPLITS_P: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
@@ -261,17 +330,41 @@ def reduce_splits_kernel(
     l_total = tl.sum(w * l, 0)
     dims = tl.arange(0, HEAD_DIM_P)
     dim_valid = dims < head_dim
-    a_ptrs = acc_ptr + row64 * stride_at + head * stride_ah + splits[:, None] * stride_as + dims[None, :]
-    acc = tl.load(a_ptrs, mask=split_valid[:, None] & dim_valid[None, :], other=0.0)  # [SPLITS_P, HEAD_DIM_P]
+    a_ptrs = (
+        acc_ptr + row64 * stride_at + head * stride_ah + splits[:, None] * stride_as + dims[None, :]
+    )
+    acc = tl.load(
+        a_ptrs, mask=split_valid[:, None] & dim_valid[None, :], other=0.0
+    )  # [SPLITS_P, HEAD_DIM_P]
     o = tl.sum(w[:, None] * acc, 0) / tl.where(l_total > 0.0, l_total, 1.0)
-    tl.store(out_ptr + row64 * stride_ot + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty), mask=dim_valid)
+    tl.store(
+        out_ptr + row64 * stride_ot + head * stride_oh + dims,
+        o.to(out_ptr.dtype.element_ty),
+        mask=dim_valid,
+    )
 
 
 @triton.jit
 def _decode_row(
-    row, num_rows, kvh, q_ptr, k_ptr, v_ptr, positions_ptr, slot_mapping_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    head, row_valid, dims, dim_valid, partner,
+    row,
+    num_rows,
+    kvh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    positions_ptr,
+    slot_mapping_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    head,
+    row_valid,
+    dims,
+    dim_valid,
+    partner,
     HAS_ROPE: tl.constexpr,
 ):
     """Loads what the decode kernel reads of query row `row` (row 0 in its place when `row` is past
@@ -281,7 +374,9 @@ def _decode_row(
     q_mask = row_valid[:, None] & dim_valid[None, :]
     q_src = q_ptr + row * stride_qt + head[:, None] * stride_qh
     k_src = k_ptr + row * stride_kt + kvh * stride_kh
-    q = tl.load(q_src + dims[None, :], mask=q_mask, other=0.0).to(tl.float32)  # [BLOCK_M, HEAD_DIM_P]
+    q = tl.load(q_src + dims[None, :], mask=q_mask, other=0.0).to(
+        tl.float32
+    )  # [BLOCK_M, HEAD_DIM_P]
     k_new = tl.load(k_src + dims, mask=dim_valid, other=0.0).to(tl.float32)  # [HEAD_DIM_P]
     v_new = tl.load(v_ptr + row * stride_vt + kvh * stride_vh + dims, mask=dim_valid, other=0.0)
     slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
@@ -298,25 +393,47 @@ def _decode_row(
 
 @triton.jit
 def decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr,  # this step's rows: q [T, H, D], k/v [T, Hk, D] (k not yet rotated)
+    q_ptr,
+    k_ptr,
+    v_ptr,  # this step's rows: q [T, H, D], k/v [T, Hk, D] (k not yet rotated)
     out_ptr,  # [T, H, D]
-    partial_ptr, m_ptr, l_ptr,  # SPLIT only: partial acc [T, H, S, D] fp32; m, l [T, H, S] fp32
+    partial_ptr,
+    m_ptr,
+    l_ptr,  # SPLIT only: partial acc [T, H, S, D] fp32; m, l [T, H, S] fp32
     counter_ptr,  # SPLIT only: [>= num_seqs * Hk] int32, zero between launches (the merging program resets it)
-    positions_ptr, cos_ptr, sin_ptr,  # HAS_ROPE only: positions [T] int64; cos/sin [max_position, D / 2] fp32
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hk, D]
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,  # HAS_ROPE only: positions [T] int64; cos/sin [max_position, D / 2] fp32
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hk, D]
     slot_mapping_ptr,  # [T] int64, -1 = nothing written
-    cu_seqlens_q_ptr, context_lens_ptr, block_tables_ptr,
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
     scale_log2,  # softmax scale * log2(e)
     num_splits,  # grid dim 2
     num_kv_heads,
     num_rows,  # T
     max_blocks,  # block_tables columns
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ot, stride_oh,
-    stride_pt, stride_ph, stride_ps,
-    stride_mt, stride_mh,
-    stride_kcb, stride_kcs, stride_kch,
-    stride_vcb, stride_vcs, stride_vch,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_mt,
+    stride_mh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
     stride_bt,
     head_dim,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -374,17 +491,51 @@ def decode_attention_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     q, q_partner, k_new, k_partner, v_new, slot, pos = _decode_row(
-        seq, num_rows, kvh, q_ptr, k_ptr, v_ptr, positions_ptr, slot_mapping_ptr,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        head, row_valid, dims, dim_valid, partner, HAS_ROPE,
+        seq,
+        num_rows,
+        kvh,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        positions_ptr,
+        slot_mapping_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        head,
+        row_valid,
+        dims,
+        dim_valid,
+        partner,
+        HAS_ROPE,
     )
     if q_end <= q_start:  # a padded sequence: no row
         return
     if q_start != seq:  # the guess was wrong (a sequence before this one has no row): reload
         q, q_partner, k_new, k_partner, v_new, slot, pos = _decode_row(
-            q_start, num_rows, kvh, q_ptr, k_ptr, v_ptr, positions_ptr, slot_mapping_ptr,
-            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-            head, row_valid, dims, dim_valid, partner, HAS_ROPE,
+            q_start,
+            num_rows,
+            kvh,
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            positions_ptr,
+            slot_mapping_ptr,
+            stride_qt,
+            stride_qh,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            head,
+            row_valid,
+            dims,
+            dim_valid,
+            partner,
+            HAS_ROPE,
         )
     row = q_start.to(tl.int64)
     num_old = context_len - 1  # keys already in the cache; the new one sits at position num_old
@@ -401,8 +552,12 @@ def decode_attention_kernel(
         # half x2 cos + x1 sin, in fp32 from cos/sin rounded to q's dtype, each value rounded once.
         freq = tl.where(first, dims, dims - HALF)
         sign = tl.where(first, -1.0, 1.0)
-        cos = tl.load(cos_ptr + pos * HALF + freq, mask=dim_valid, other=0.0).to(dtype).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * HALF + freq, mask=dim_valid, other=0.0).to(dtype).to(tl.float32)
+        cos = (
+            tl.load(cos_ptr + pos * HALF + freq, mask=dim_valid, other=0.0).to(dtype).to(tl.float32)
+        )
+        sin = (
+            tl.load(sin_ptr + pos * HALF + freq, mask=dim_valid, other=0.0).to(dtype).to(tl.float32)
+        )
         q = q * cos[None, :] + sign[None, :] * (q_partner * sin[None, :])
         k_new = k_new * cos + sign * (k_partner * sin)
     q = q.to(dtype)
@@ -412,10 +567,16 @@ def decode_attention_kernel(
     if (split == 0) & (slot >= 0):
         slot_block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
-        tl.store(k_cache_ptr + slot_block * stride_kcb + offset * stride_kcs + kvh * stride_kch + dims, k_new,
-                 mask=dim_valid)
-        tl.store(v_cache_ptr + slot_block * stride_vcb + offset * stride_vcs + kvh * stride_vch + dims, v_new,
-                 mask=dim_valid)
+        tl.store(
+            k_cache_ptr + slot_block * stride_kcb + offset * stride_kcs + kvh * stride_kch + dims,
+            k_new,
+            mask=dim_valid,
+        )
+        tl.store(
+            v_cache_ptr + slot_block * stride_vcb + offset * stride_vcs + kvh * stride_vch + dims,
+            v_new,
+            mask=dim_valid,
+        )
 
     # Split 0 starts from the new key (score s_new, weight 1); the others start empty.
     s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale_log2  # [BLOCK_M]
@@ -432,16 +593,22 @@ def decode_attention_kernel(
         in_block = keys % BLOCK_SIZE
         k_off = block * stride_kcb + in_block * stride_kcs + kvh * stride_kch
         v_off = block * stride_vcb + in_block * stride_vcs + kvh * stride_vch
-        k = tl.load(k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [TILE_N, HEAD_DIM_P]
+        k = tl.load(
+            k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        )  # [TILE_N, HEAD_DIM_P]
         v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         t += num_active
         next_keys = t * TILE_N + tile_keys
-        block = tl.load(table_row + next_keys // BLOCK_SIZE, mask=next_keys < num_old, other=0).to(tl.int64)
+        block = tl.load(table_row + next_keys // BLOCK_SIZE, mask=next_keys < num_old, other=0).to(
+            tl.int64
+        )
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(key_valid[None, :], s * scale_log2, float("-inf"))  # [BLOCK_M, TILE_N], log2 units
+        s = tl.where(
+            key_valid[None, :], s * scale_log2, float("-inf")
+        )  # [BLOCK_M, TILE_N], log2 units
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -471,12 +638,16 @@ def decode_attention_kernel(
                 chunk = tl.arange(0, SPLIT_CHUNK)
                 for c0 in range(0, num_active, SPLIT_CHUNK):
                     idx = c0 + chunk
-                    take = row_valid[:, None] & ((idx < num_active) & (idx != split))[None, :]  # [BLOCK_M, CHUNK]
+                    take = (
+                        row_valid[:, None] & ((idx < num_active) & (idx != split))[None, :]
+                    )  # [BLOCK_M, CHUNK]
                     ml_ptrs = ml_off[:, None] + idx[None, :]
                     m_s = tl.load(m_ptr + ml_ptrs, mask=take, other=_NEG_BIG, cache_modifier=".cg")
                     l_s = tl.load(l_ptr + ml_ptrs, mask=take, other=0.0, cache_modifier=".cg")
                     a_s = tl.load(
-                        p_base[:, None, None] + idx[None, :, None] * stride_ps + dims[None, None, :],
+                        p_base[:, None, None]
+                        + idx[None, :, None] * stride_ps
+                        + dims[None, None, :],
                         mask=take[:, :, None] & dim_valid[None, None, :],
                         other=0.0,
                         cache_modifier=".cg",

@@ -48,7 +48,9 @@ class DecodeLaunch:
 
 
 SPLIT_CHUNK = 4  # splits the merging program reads per step
-DECODE_COUNTERS = 4096  # split counters per device: a split launch has < num_sms (sequence, KV head) pairs
+DECODE_COUNTERS = (
+    4096  # split counters per device: a split launch has < num_sms (sequence, KV head) pairs
+)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -66,7 +68,9 @@ def plan_decode(
     num_splits = 1
     if num_programs < num_sms and num_programs <= DECODE_COUNTERS:
         partial_bytes = max(1, num_seqs * num_kv_heads * group * head_dim * 4)
-        max_splits = min(MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_PARTIAL_BYTES // partial_bytes)
+        max_splits = min(
+            MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_PARTIAL_BYTES // partial_bytes
+        )
         num_splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, num_programs)))
     return DecodeLaunch(
         block_m=max(16, triton.next_power_of_2(group)),
@@ -84,7 +88,8 @@ def prepare_decode_counters(device: torch.device) -> torch.Tensor:
     CUDA-graph capture (the KV-cache allocation does): a recording cannot zero new memory.
     One device's decode launches must not overlap in time (one stream): they share the counters."""
     return device_scratch(
-        "decode attention: split counters", device,
+        "decode attention: split counters",
+        device,
         lambda d: torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=d),
         hint="call decode_attention.prepare_decode_counters(device) before capturing (allocate_kv_cache does)",
     )
@@ -120,8 +125,15 @@ def decode_attention(
             f"and the caches' {num_kv_heads} KV heads"
         )
     has_rope = positions is not None
-    if has_rope and (cos_cache is None or sin_cache is None or cos_cache.shape[1:] != (head_dim // 2,) or head_dim % 2):
-        raise ValueError(f"decode_attention: rotary caches do not fit head_dim {head_dim} (want [max_position, {head_dim // 2}])")
+    if has_rope and (
+        cos_cache is None
+        or sin_cache is None
+        or cos_cache.shape[1:] != (head_dim // 2,)
+        or head_dim % 2
+    ):
+        raise ValueError(
+            f"decode_attention: rotary caches do not fit head_dim {head_dim} (want [max_position, {head_dim // 2}])"
+        )
     if num_seqs == 0 or num_tokens == 0:
         return
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
@@ -139,21 +151,59 @@ def decode_attention(
         rope_args = (slot_mapping, out, out)  # unused
     pdl = use_pdl(q.device)
     decode_attention_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
-        q, k, v, out, partial, m, l, counters, *rope_args,
-        k_cache, v_cache, slot_mapping, cu_seqlens_q, context_lens, block_tables,
-        scale * LOG2E, plan.num_splits, num_kv_heads, num_tokens, block_tables.shape[1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
-        *partial_strides, *ml_strides,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k,
+        v,
+        out,
+        partial,
+        m,
+        l,
+        counters,
+        *rope_args,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        cu_seqlens_q,
+        context_lens,
+        block_tables,
+        scale * LOG2E,
+        plan.num_splits,
+        num_kv_heads,
+        num_tokens,
+        block_tables.shape[1],
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *partial_strides,
+        *ml_strides,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
         head_dim,
-        GROUP=num_heads // num_kv_heads, BLOCK_M=plan.block_m, HALF=head_dim // 2, HEAD_DIM_P=plan.head_dim_p,
-        TILE_N=plan.tile_n, BLOCK_SIZE=k_cache.shape[1], HAS_ROPE=has_rope, SPLIT=split,
-        MIN_TILES_PER_SPLIT=plan.min_tiles_per_split, SPLIT_CHUNK=SPLIT_CHUNK,
-        IEEE_DOT=q.dtype == torch.float32, USE_PDL=pdl,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=pdl and device_info.PDL_ATTRIBUTE,
+        GROUP=num_heads // num_kv_heads,
+        BLOCK_M=plan.block_m,
+        HALF=head_dim // 2,
+        HEAD_DIM_P=plan.head_dim_p,
+        TILE_N=plan.tile_n,
+        BLOCK_SIZE=k_cache.shape[1],
+        HAS_ROPE=has_rope,
+        SPLIT=split,
+        MIN_TILES_PER_SPLIT=plan.min_tiles_per_split,
+        SPLIT_CHUNK=SPLIT_CHUNK,
+        IEEE_DOT=q.dtype == torch.float32,
+        USE_PDL=pdl,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+        launch_pdl=pdl and device_info.PDL_ATTRIBUTE,
     )
 
 
@@ -187,19 +237,44 @@ def attention_step(
     write_kv_cache) followed by unified_attention."""
     num_kv_heads, head_dim = check_attention_args(q, k_cache, v_cache, out, block_tables)
     lengths = plan_lengths(
-        q, block_tables, k_cache.shape[1], num_seqs, max_seqlen_q, max_seqlen_k, graph_safe,
-        cu_seqlens_q_cpu, context_lens_cpu,
+        q,
+        block_tables,
+        k_cache.shape[1],
+        num_seqs,
+        max_seqlen_q,
+        max_seqlen_k,
+        graph_safe,
+        cu_seqlens_q_cpu,
+        context_lens_cpu,
     )
     plan_q, plan_k, _ = lengths
     if plan_q == 1:
-        plan = plan_decode(num_seqs, plan_k, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, sm_count(q.device))
+        plan = plan_decode(
+            num_seqs, plan_k, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, sm_count(q.device)
+        )
         decode_attention(
-            q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
-            cu_seqlens_q, context_lens, block_tables, scale, plan, num_seqs=num_seqs,
+            q,
+            k,
+            v,
+            out,
+            positions,
+            cos_cache,
+            sin_cache,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            cu_seqlens_q,
+            context_lens,
+            block_tables,
+            scale,
+            plan,
+            num_seqs=num_seqs,
         )
         return
     if positions is not None:
         q = rope_write_kv(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
     else:
         write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-    attend_planned(q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale, num_seqs, lengths)
+    attend_planned(
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale, num_seqs, lengths
+    )

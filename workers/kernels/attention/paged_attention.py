@@ -77,7 +77,9 @@ def plan_attention(
     num_splits = 1
     if num_programs < num_sms:
         partial_bytes = max(1, num_seqs * max_seqlen_q * num_kv_heads * group * head_dim * 4)
-        max_splits = min(MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_PARTIAL_BYTES // partial_bytes)
+        max_splits = min(
+            MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_PARTIAL_BYTES // partial_bytes
+        )
         num_splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, num_programs)))
     num_warps = 8 if block_m * head_dim_p >= 128 * 128 else 4
     return AttentionLaunch(
@@ -103,13 +105,19 @@ def write_kv_cache(
 ) -> None:
     """Writes row i of k, v at slot `slot_mapping[i]` (= block * block_size + offset) of the caches."""
     num_tokens, num_kv_heads, head_dim = k.shape
-    if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape or v.shape != k.shape:
+    if (
+        k_cache.shape[2:] != (num_kv_heads, head_dim)
+        or v_cache.shape != k_cache.shape
+        or v.shape != k.shape
+    ):
         raise ValueError(
             f"write_kv_cache: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit caches "
             f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
         )
     if slot_mapping.shape[0] < num_tokens:
-        raise ValueError(f"write_kv_cache: slot_mapping has {slot_mapping.shape[0]} rows for {num_tokens} tokens")
+        raise ValueError(
+            f"write_kv_cache: slot_mapping has {slot_mapping.shape[0]} rows for {num_tokens} tokens"
+        )
     if num_tokens == 0:
         return
     k, v = unit_last_stride(k), unit_last_stride(v)
@@ -119,11 +127,23 @@ def write_kv_cache(
     heads_per_prog = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // head_dim_p))
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_prog))
     write_kv_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_kv_heads, head_dim,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        num_kv_heads,
+        head_dim,
         BLOCK_SIZE=k_cache.shape[1],
         HEADS_PER_PROG=heads_per_prog,
         HEAD_DIM_P=head_dim_p,
@@ -146,17 +166,29 @@ def rope_write_kv(
     rotated q too, and nothing in the cache."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if k_cache.shape[2:] != (num_kv_heads, head_dim) or v_cache.shape != k_cache.shape or v.shape != k.shape:
+    if (
+        k_cache.shape[2:] != (num_kv_heads, head_dim)
+        or v_cache.shape != k_cache.shape
+        or v.shape != k.shape
+    ):
         raise ValueError(
             f"rope_write_kv: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit caches "
             f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
         )
-    if head_dim % 2 or cos_cache.shape[1:] != (head_dim // 2,) or sin_cache.shape != cos_cache.shape:
+    if (
+        head_dim % 2
+        or cos_cache.shape[1:] != (head_dim // 2,)
+        or sin_cache.shape != cos_cache.shape
+    ):
         raise ValueError(
             f"rope_write_kv: cos/sin caches {tuple(cos_cache.shape)}, {tuple(sin_cache.shape)} "
             f"do not fit head_dim {head_dim} (want [max_position, {head_dim // 2}])"
         )
-    if slot_mapping.shape[0] < num_tokens or positions.shape[0] < num_tokens or k.shape[0] != num_tokens:
+    if (
+        slot_mapping.shape[0] < num_tokens
+        or positions.shape[0] < num_tokens
+        or k.shape[0] != num_tokens
+    ):
         raise ValueError(
             f"rope_write_kv: {num_tokens} query rows, {k.shape[0]} key rows, "
             f"{positions.shape[0]} positions, {slot_mapping.shape[0]} slots"
@@ -168,11 +200,30 @@ def rope_write_kv(
     _check_unit_last_stride(k_cache, "k_cache")
     _check_unit_last_stride(v_cache, "v_cache")
     rope_write_kv_kernel[(num_tokens,)](
-        q, k, v, q_out, positions, cos_cache.contiguous(), sin_cache.contiguous(), k_cache, v_cache, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_heads, num_kv_heads,
+        q,
+        k,
+        v,
+        q_out,
+        positions,
+        cos_cache.contiguous(),
+        sin_cache.contiguous(),
+        k_cache,
+        v_cache,
+        slot_mapping,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        num_heads,
+        num_kv_heads,
         HALF=head_dim // 2,
         BLOCK_SIZE=k_cache.shape[1],
         HEADS_P=triton.next_power_of_2(num_heads),
@@ -200,7 +251,11 @@ def plan_lengths(
         return max_seqlen_q, block_tables.shape[1] * block_size, q.shape[0]
     if cu_seqlens_q_cpu is not None and context_lens_cpu is not None:
         lens_q = [cu_seqlens_q_cpu[i + 1] - cu_seqlens_q_cpu[i] for i in range(num_seqs)]
-        return max(lens_q, default=0), max(context_lens_cpu[:num_seqs], default=0), cu_seqlens_q_cpu[num_seqs]
+        return (
+            max(lens_q, default=0),
+            max(context_lens_cpu[:num_seqs], default=0),
+            cu_seqlens_q_cpu[num_seqs],
+        )
     return max_seqlen_q, max_seqlen_k, q.shape[0]
 
 
@@ -225,10 +280,19 @@ def unified_attention(
     context_lens[s] - n_q + j and attends to keys 0..that position of its block table."""
     check_attention_args(q, k_cache, v_cache, out, block_tables)
     lengths = plan_lengths(
-        q, block_tables, k_cache.shape[1], num_seqs, max_seqlen_q, max_seqlen_k, graph_safe,
-        cu_seqlens_q_cpu, context_lens_cpu,
+        q,
+        block_tables,
+        k_cache.shape[1],
+        num_seqs,
+        max_seqlen_q,
+        max_seqlen_k,
+        graph_safe,
+        cu_seqlens_q_cpu,
+        context_lens_cpu,
     )
-    attend_planned(q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale, num_seqs, lengths)
+    attend_planned(
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale, num_seqs, lengths
+    )
 
 
 def attend_planned(
@@ -249,11 +313,26 @@ def attend_planned(
         return
     num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
     plan = plan_attention(
-        num_seqs, plan_q, plan_k, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, sm_count(q.device)
+        num_seqs,
+        plan_q,
+        plan_k,
+        num_kv_heads,
+        q.shape[1] // num_kv_heads,
+        head_dim,
+        sm_count(q.device),
     )
     launch_attention(
-        plan, q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale,
-        num_seqs=num_seqs, reduce_rows=reduce_rows,
+        plan,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_seqlens_q,
+        context_lens,
+        block_tables,
+        scale,
+        num_seqs=num_seqs,
+        reduce_rows=reduce_rows,
     )
 
 
@@ -265,10 +344,14 @@ def split_workspace(
     allocation (each costs host time on every eager call)."""
     num_partials = num_tokens * num_heads * num_splits
     ml_len = triton.cdiv(num_partials, 4) * 4  # keeps m and l 16-byte aligned
-    workspace = torch.empty(num_partials * head_dim + 2 * ml_len, device=device, dtype=torch.float32)
+    workspace = torch.empty(
+        num_partials * head_dim + 2 * ml_len, device=device, dtype=torch.float32
+    )
     partial = workspace[: num_partials * head_dim].view(num_tokens, num_heads, num_splits, head_dim)
     m = workspace[num_partials * head_dim :][:num_partials].view(num_tokens, num_heads, num_splits)
-    l = workspace[num_partials * head_dim + ml_len :][:num_partials].view(num_tokens, num_heads, num_splits)
+    l = workspace[num_partials * head_dim + ml_len :][:num_partials].view(
+        num_tokens, num_heads, num_splits
+    )
     return partial, m, l
 
 
@@ -299,29 +382,62 @@ def launch_attention(
     else:
         dst, stride_os, m_arg, l_arg, stride_mt, stride_mh = out, 0, out, out, 0, 0
     paged_attention_kernel[grid](
-        q, k_cache, v_cache, dst, m_arg, l_arg,
-        cu_seqlens_q, context_lens, block_tables,
-        scale * LOG2E, plan.num_q_blocks, plan.num_splits,
-        q.stride(0), q.stride(1),
-        dst.stride(0), dst.stride(1), stride_os,
-        stride_mt, stride_mh,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        dst,
+        m_arg,
+        l_arg,
+        cu_seqlens_q,
+        context_lens,
+        block_tables,
+        scale * LOG2E,
+        plan.num_q_blocks,
+        plan.num_splits,
+        q.stride(0),
+        q.stride(1),
+        dst.stride(0),
+        dst.stride(1),
+        stride_os,
+        stride_mt,
+        stride_mh,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
         head_dim,
-        GROUP=plan.group, GROUP_P=plan.group_p, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
-        HEAD_DIM_P=plan.head_dim_p, TILE_N=plan.tile_n, BLOCK_SIZE=k_cache.shape[1],
-        SPLIT=split, IEEE_DOT=q.dtype == torch.float32,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        GROUP=plan.group,
+        GROUP_P=plan.group_p,
+        BLOCK_Q=plan.block_q,
+        BLOCK_M=plan.block_m,
+        HEAD_DIM_P=plan.head_dim_p,
+        TILE_N=plan.tile_n,
+        BLOCK_SIZE=k_cache.shape[1],
+        SPLIT=split,
+        IEEE_DOT=q.dtype == torch.float32,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     if not split or reduce_rows == 0:
         return
     reduce_splits_kernel[(reduce_rows, num_heads)](
-        partial, m, l, out, cu_seqlens_q,
-        num_seqs, plan.num_splits,
-        partial.stride(0), partial.stride(1), partial.stride(2),
-        m.stride(0), m.stride(1),
-        out.stride(0), out.stride(1),
+        partial,
+        m,
+        l,
+        out,
+        cu_seqlens_q,
+        num_seqs,
+        plan.num_splits,
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        m.stride(0),
+        m.stride(1),
+        out.stride(0),
+        out.stride(1),
         head_dim,
         SPLITS_P=triton.next_power_of_2(plan.num_splits),
         HEAD_DIM_P=plan.head_dim_p,
@@ -330,7 +446,11 @@ def launch_attention(
 
 
 def check_attention_args(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
 ) -> tuple[int, int]:
     """Validates shapes and dtypes; returns (num_kv_heads, head_dim)."""
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -346,9 +466,13 @@ def check_attention_args(
             f"of dim {k_cache.shape[3]}; heads must be a multiple of KV heads and dims equal"
         )
     if out.shape != q.shape:
-        raise ValueError(f"unified_attention: out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+        raise ValueError(
+            f"unified_attention: out {tuple(out.shape)} must have q's shape {tuple(q.shape)}"
+        )
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"unified_attention: q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype")
+        raise ValueError(
+            f"unified_attention: q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype"
+        )
     if head_dim < 16:
         raise ValueError(f"unified_attention: head_dim {head_dim} < 16 is not supported")
     _check_unit_last_stride(out, "out")
@@ -361,7 +485,9 @@ def check_attention_args(
 
 def _check_unit_last_stride(t: torch.Tensor, name: str) -> None:
     if t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension, has stride {t.stride(-1)}")
+        raise ValueError(
+            f"{name} must be contiguous in its last (head_dim) dimension, has stride {t.stride(-1)}"
+        )
 
 
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:

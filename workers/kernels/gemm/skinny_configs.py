@@ -15,7 +15,9 @@ from atomrt.workers.kernels.device_info import H200_NUM_SMS
 BROADCAST_MAX_M = 4  # default heuristic: broadcast-sum up to this M, tl.dot above it
 _BROADCAST_ELEMS = 8192  # broadcast path: BLOCK_N * BLOCK_M * BLOCK_K fp32 products per K step
 _DOT_W_ELEMS = 16384  # dot path: W elements per K step (32 KB of bf16 per pipeline stage)
-_MAX_SMEM_BYTES = 160 << 10  # pipeline stages x (W + x tiles) must fit in shared memory (228 KB on H200)
+_MAX_SMEM_BYTES = (
+    160 << 10
+)  # pipeline stages x (W + x tiles) must fit in shared memory (228 KB on H200)
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,10 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int = H200_NUM_SMS) -> Ski
     if not use_dot:
         block_n = 8
         max_k = 1024 if k <= 1024 else 512
-        block_k = max(32, min(max_k, _BROADCAST_ELEMS // (block_n * block_m), triton.next_power_of_2(max(1, k))))
+        block_k = max(
+            32,
+            min(max_k, _BROADCAST_ELEMS // (block_n * block_m), triton.next_power_of_2(max(1, k))),
+        )
         num_stages = 2 if triton.cdiv(k, block_k) <= 2 else 3
         return SkinnyConfig(block_n, block_k, False, 4, num_stages)
     block_n = 16

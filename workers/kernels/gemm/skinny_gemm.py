@@ -40,7 +40,9 @@ from atomrt.workers.kernels.gemm.skinny_configs import (
 )
 
 SKINNY_MAX_M = 64  # the kernel keeps all M rows of x in registers: larger M belongs to cuBLAS
-NORM_STATS_VALUES = 4096  # NORM prologue: x values (over all M rows) per step of the statistics pass
+NORM_STATS_VALUES = (
+    4096  # NORM prologue: x values (over all M rows) per step of the statistics pass
+)
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,18 @@ def skinny_gemm_kernel(
     w_ptr,  # [N, K], K contiguous
     bias_ptr,  # [N]; unused unless HAS_BIAS
     y_ptr,  # [M, N]
-    u_ptr, nw_ptr, h_ptr,  # NORM only: update [M, K], the norm's weight [K], out: h = x + update [M, K]
-    M, N, K,
-    stride_xm, stride_wn, stride_bias, stride_ym, stride_um, stride_hm,
+    u_ptr,
+    nw_ptr,
+    h_ptr,  # NORM only: update [M, K], the norm's weight [K], out: h = x + update [M, K]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_bias,
+    stride_ym,
+    stride_um,
+    stride_hm,
     eps,  # NORM only: the RMSNorm's epsilon
     BLOCK_M: tl.constexpr,  # next power of two of M (at least 16 with USE_DOT)
     BLOCK_N: tl.constexpr,
@@ -104,12 +115,47 @@ def skinny_gemm_kernel(
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        acc = _dot_tile(x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols, rows,
-                        BLOCK_K, EVEN_K, IEEE_DOT, NUM_STAGES)
+        acc = _dot_tile(
+            x_ptr,
+            w_ptr,
+            M,
+            N,
+            K,
+            stride_xm,
+            stride_wn,
+            cols,
+            rows,
+            BLOCK_K,
+            EVEN_K,
+            IEEE_DOT,
+            NUM_STAGES,
+        )
     else:
-        acc = _broadcast_tile(x_ptr, w_ptr, u_ptr, nw_ptr, h_ptr, M, N, K, stride_xm, stride_wn, stride_um,
-                              stride_hm, eps, cols, rows, BLOCK_K, EVEN_K, GATED, NORM, ONE_STEP, STATS_BLOCK,
-                              NUM_STAGES, USE_PDL)
+        acc = _broadcast_tile(
+            x_ptr,
+            w_ptr,
+            u_ptr,
+            nw_ptr,
+            h_ptr,
+            M,
+            N,
+            K,
+            stride_xm,
+            stride_wn,
+            stride_um,
+            stride_hm,
+            eps,
+            cols,
+            rows,
+            BLOCK_K,
+            EVEN_K,
+            GATED,
+            NORM,
+            ONE_STEP,
+            STATS_BLOCK,
+            NUM_STAGES,
+            USE_PDL,
+        )
     col_valid = cols < N
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols * stride_bias, mask=col_valid, other=0.0)
@@ -120,8 +166,19 @@ def skinny_gemm_kernel(
 
 @triton.jit
 def _dot_tile(
-    x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, cols, rows,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    cols,
+    rows,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] = W tile [BLOCK_N, BLOCK_K] @ x tile^T [BLOCK_K, BLOCK_M], over K."""
     ks = tl.arange(0, BLOCK_K)
@@ -149,9 +206,29 @@ def _dot_tile(
 
 @triton.jit
 def _broadcast_tile(
-    x_ptr, w_ptr, u_ptr, nw_ptr, h_ptr, M, N, K, stride_xm, stride_wn, stride_um, stride_hm, eps, cols, rows,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-    ONE_STEP: tl.constexpr, STATS_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    u_ptr,
+    nw_ptr,
+    h_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_um,
+    stride_hm,
+    eps,
+    cols,
+    rows,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    ONE_STEP: tl.constexpr,
+    STATS_BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] = sum over K of W [BLOCK_N, 1, BLOCK_K] * x [1, BLOCK_M, BLOCK_K].
     The tiles are loaded 3-D, so the product keeps the loads' 16-byte-vector layout: expanding 2-D
@@ -178,12 +255,48 @@ def _broadcast_tile(
             tl.extra.cuda.gdc_launch_dependents()
         if NORM and not ONE_STEP:
             inv_rms = _inv_rms(x_ptr, u_ptr, M, K, stride_xm, stride_um, eps, m3, STATS_BLOCK)
-        acc = _broadcast_step(acc, w, x_ptrs, u_ptrs, nw_ptr, h_ptrs, store_h, inv_rms, eps, M, K, 0, m3, k3,
-                              EVEN_K, GATED, NORM, ONE_STEP)
+        acc = _broadcast_step(
+            acc,
+            w,
+            x_ptrs,
+            u_ptrs,
+            nw_ptr,
+            h_ptrs,
+            store_h,
+            inv_rms,
+            eps,
+            M,
+            K,
+            0,
+            m3,
+            k3,
+            EVEN_K,
+            GATED,
+            NORM,
+            ONE_STEP,
+        )
     for k0 in tl.range(BLOCK_K if USE_PDL or NORM else 0, K, BLOCK_K, num_stages=NUM_STAGES):
         w = _load_w_step(w_ptrs, N, K, k0, n3, k3, EVEN_K)
-        acc = _broadcast_step(acc, w, x_ptrs, u_ptrs, nw_ptr, h_ptrs, store_h, inv_rms, eps, M, K, k0, m3, k3,
-                              EVEN_K, GATED, NORM, ONE_STEP)
+        acc = _broadcast_step(
+            acc,
+            w,
+            x_ptrs,
+            u_ptrs,
+            nw_ptr,
+            h_ptrs,
+            store_h,
+            inv_rms,
+            eps,
+            M,
+            K,
+            k0,
+            m3,
+            k3,
+            EVEN_K,
+            GATED,
+            NORM,
+            ONE_STEP,
+        )
     return acc
 
 
@@ -219,8 +332,24 @@ def _inv_rms(x_ptr, u_ptr, M, K, stride_xm, stride_um, eps, m3, STATS_BLOCK: tl.
 
 @triton.jit
 def _broadcast_step(
-    acc, w, x_ptrs, u_ptrs, nw_ptr, h_ptrs, store_h, inv_rms, eps, M, K, k0, m3, k3,
-    EVEN_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, ONE_STEP: tl.constexpr,
+    acc,
+    w,
+    x_ptrs,
+    u_ptrs,
+    nw_ptr,
+    h_ptrs,
+    store_h,
+    inv_rms,
+    eps,
+    M,
+    K,
+    k0,
+    m3,
+    k3,
+    EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    ONE_STEP: tl.constexpr,
 ):
     """acc + the products of the K step at k0: w against x's tile.
     GATED: x = silu(gate) * up, from the halves of a [M, 2K] row, rounded to x's dtype as the unfused
@@ -234,7 +363,9 @@ def _broadcast_step(
         x_mask = (m3 < M) & (k0 + k3 < K)
     if NORM:
         h = _residual_sum(x_ptrs + k0, u_ptrs + k0, x_mask)
-        norm_w = tl.load(nw_ptr + k0 + k3, mask=k0 + k3 < K, other=0.0)  # before the branch: one round trip
+        norm_w = tl.load(
+            nw_ptr + k0 + k3, mask=k0 + k3 < K, other=0.0
+        )  # before the branch: one round trip
         if store_h:
             tl.store(h_ptrs + k0, h, mask=x_mask)
         if ONE_STEP:
@@ -251,7 +382,9 @@ def _broadcast_step(
     return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)
 
 
-def norm_stats_block(m: int, k: int, config: SkinnyConfig, stats_values: int = NORM_STATS_VALUES) -> int:
+def norm_stats_block(
+    m: int, k: int, config: SkinnyConfig, stats_values: int = NORM_STATS_VALUES
+) -> int:
     """K elements per step of the NORM prologue's statistics pass (when K > block_k): up to
     `stats_values` of x per step over all M rows, at least block_k, at most K's next power of two
     (the latter wins where they disagree: K <= block_k makes no pass).
@@ -304,7 +437,9 @@ def skinny_linear(
     config = config or pick_config(m, n, k, num_sms=sm_count(x.device))
     if gated and config.use_dot:
         if m > BROADCAST_MAX_M:
-            raise ValueError(f"skinny_linear: gated runs the broadcast path, M={m} > {BROADCAST_MAX_M}")
+            raise ValueError(
+                f"skinny_linear: gated runs the broadcast path, M={m} > {BROADCAST_MAX_M}"
+            )
         config = heuristic_config(m, n, k, sm_count(x.device))
     _launch(x, weight, bias, y, config, gated=gated)
     return y
@@ -325,18 +460,28 @@ def skinny_add_norm_linear(
     to the input dtype). A decoder layer's residual add, norm and next projection in one launch of
     the broadcast path: the norm runs in the GEMM's prologue, on every program."""
     m, n, k = _check_linear_args(residual, weight, bias)
-    if update.shape != residual.shape or update.dtype != residual.dtype or update.device != residual.device:
+    if (
+        update.shape != residual.shape
+        or update.dtype != residual.dtype
+        or update.device != residual.device
+    ):
         raise ValueError(
             f"skinny_add_norm_linear: update {tuple(update.shape)} {update.dtype} on {update.device} must match "
             f"residual {tuple(residual.shape)} {residual.dtype} on {residual.device}"
         )
-    if norm_weight.shape != (k,) or norm_weight.dtype != residual.dtype or norm_weight.device != residual.device:
+    if (
+        norm_weight.shape != (k,)
+        or norm_weight.dtype != residual.dtype
+        or norm_weight.device != residual.device
+    ):
         raise ValueError(
             f"skinny_add_norm_linear: norm_weight must be [{k}] {residual.dtype} on {residual.device}, got "
             f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}"
         )
     if m > BROADCAST_MAX_M:
-        raise ValueError(f"skinny_add_norm_linear: the norm runs on the broadcast path, M={m} > {BROADCAST_MAX_M}")
+        raise ValueError(
+            f"skinny_add_norm_linear: the norm runs on the broadcast path, M={m} > {BROADCAST_MAX_M}"
+        )
     residual, update, norm_weight = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (residual, update, norm_weight)
     )
@@ -347,7 +492,15 @@ def skinny_add_norm_linear(
     config = config or pick_config(m, n, k, num_sms=sm_count(residual.device))
     if config.use_dot:
         config = heuristic_config(m, n, k, sm_count(residual.device))
-    _launch(residual, weight, bias, y, config, norm=(update, norm_weight, h, eps), stats_values=stats_values)
+    _launch(
+        residual,
+        weight,
+        bias,
+        y,
+        config,
+        norm=(update, norm_weight, h, eps),
+        stats_values=stats_values,
+    )
     return h, y
 
 
@@ -359,30 +512,49 @@ def _launch(
     config: SkinnyConfig,
     *,
     gated: bool = False,
-    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,  # update, norm weight, h, eps
+    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]
+    | None = None,  # update, norm weight, h, eps
     stats_values: int = NORM_STATS_VALUES,
 ) -> None:
     """One skinny_gemm_kernel launch writing y (and h with `norm`); arguments already checked."""
     (m, n), k = y.shape, weight.shape[1]
-    update, norm_weight, h, eps = norm if norm is not None else (y, y, y, 0.0)  # unused without NORM
+    update, norm_weight, h, eps = (
+        norm if norm is not None else (y, y, y, 0.0)
+    )  # unused without NORM
     grid = (triton.cdiv(n, config.block_n),)
     one_step = k <= config.block_k
     pdl = use_pdl(x.device)
     skinny_gemm_kernel[grid](
-        x, weight, bias if bias is not None else y, y, update, norm_weight, h,
-        m, n, k,
-        x.stride(0), weight.stride(0), bias.stride(0) if bias is not None else 0, y.stride(0),
-        update.stride(0), h.stride(0), eps,
+        x,
+        weight,
+        bias if bias is not None else y,
+        y,
+        update,
+        norm_weight,
+        h,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        bias.stride(0) if bias is not None else 0,
+        y.stride(0),
+        update.stride(0),
+        h.stride(0),
+        eps,
         BLOCK_M=block_m_for(m, config.use_dot),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         USE_DOT=config.use_dot,
-        EVEN_K=k > 0 and k % config.block_k == 0,  # K = 0 takes the masked loads (a peeled first step)
+        EVEN_K=k > 0
+        and k % config.block_k == 0,  # K = 0 takes the masked loads (a peeled first step)
         HAS_BIAS=bias is not None,
         GATED=gated,
         NORM=norm is not None,
         ONE_STEP=one_step,
-        STATS_BLOCK=norm_stats_block(m, k, config, stats_values) if norm is not None and not one_step else config.block_k,
+        STATS_BLOCK=norm_stats_block(m, k, config, stats_values)
+        if norm is not None and not one_step
+        else config.block_k,
         IEEE_DOT=x.dtype == torch.float32,
         NUM_STAGES=config.num_stages,
         USE_PDL=pdl,
@@ -392,7 +564,9 @@ def _launch(
     )
 
 
-def _check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
+def _check_linear_args(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[int, int, int]:
     """Validates shapes, dtypes, devices and layouts; returns (M, N, K)."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(
@@ -404,7 +578,9 @@ def _check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             f"skinny_linear: x {tuple(x.shape)} has K={k} but weight {tuple(weight.shape)} has K={weight.shape[1]}"
         )
     if m > SKINNY_MAX_M:
-        raise ValueError(f"skinny_linear: x {tuple(x.shape)} has M={m} > SKINNY_MAX_M={SKINNY_MAX_M}; use F.linear")
+        raise ValueError(
+            f"skinny_linear: x {tuple(x.shape)} has M={m} > SKINNY_MAX_M={SKINNY_MAX_M}; use F.linear"
+        )
     if x.dtype not in _DTYPES or weight.dtype != x.dtype:
         raise ValueError(
             f"skinny_linear: x {x.dtype} and weight {weight.dtype} must share one of bf16, fp16, fp32"
@@ -415,7 +591,9 @@ def _check_linear_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         raise ValueError(
             f"skinny_linear: weight {tuple(weight.shape)} must be contiguous along K, has strides {weight.stride()}"
         )
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device):
+    if bias is not None and (
+        bias.shape != (n,) or bias.dtype != x.dtype or bias.device != x.device
+    ):
         raise ValueError(
             f"skinny_linear: bias must be [{n}] {x.dtype} on {x.device}, got {tuple(bias.shape)} "
             f"{bias.dtype} on {bias.device}"
