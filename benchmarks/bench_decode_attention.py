@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.testing
 
-from atomrt.workers.kernels.device_info import sm_count
 from atomrt.workers.kernels.attention.decode_attention import (
     attention_step,
     decode_attention,
@@ -27,6 +26,7 @@ from atomrt.workers.kernels.attention.decode_attention import (
     prepare_decode_counters,
 )
 from atomrt.workers.kernels.attention.paged_attention import rope_write_kv, unified_attention
+from atomrt.workers.kernels.device_info import sm_count
 from atomrt.workers.layers.rotary import RotaryEmbedding
 
 SHAPES = {  # name: (batch size, KV heads, group, head_dim)

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import triton
-from atomrt.workers.kernels.rms_norm import add_rms_norm
+
 from atomrt.workers.kernels.gemm.skinny_configs import (
     BROADCAST_MAX_M,
     SkinnyConfig,
@@ -52,6 +52,7 @@ from atomrt.workers.kernels.gemm.skinny_gemm import (
     skinny_add_norm_linear,
     skinny_linear,
 )
+from atomrt.workers.kernels.rms_norm import add_rms_norm
 
 SHAPES = {  # name: (N, K) per TP rank
     "SmolLM2-135M qkv": (960, 576),

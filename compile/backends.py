@@ -15,9 +15,10 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx
@@ -326,7 +327,7 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
         self,
         module: torch.fx.GraphModule,
         compile_submod_names: list[str],
-        backend: "PiecewiseCompileBackend",
+        backend: PiecewiseCompileBackend,
     ):
         super().__init__(module)
         from torch._guards import detect_fake_mode

@@ -29,10 +29,11 @@ import pprint
 import sys
 import sysconfig
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -213,7 +214,7 @@ class FileLock:
         self.poll_s = poll_s
         self._fd: Optional[int] = None
 
-    def __enter__(self) -> "FileLock":
+    def __enter__(self) -> FileLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + self.timeout_s

@@ -16,9 +16,10 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx

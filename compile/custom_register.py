@@ -7,7 +7,8 @@ tracing; ops that write into an output buffer list it in `mutates_args` and retu
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch.library import Library

@@ -31,8 +31,9 @@ import inspect
 import logging
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn

@@ -8,8 +8,9 @@ exact size (max_autotune, coordinate_descent_tuning) through the compiler manage
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.fx
@@ -42,7 +43,7 @@ class PiecewiseBackend:
         num_graphs: int,
         sym_shape_indices: list[int],
         compiled_graph_for_general_shape: Callable,
-        compiler_manager: "CompilerManager",
+        compiler_manager: CompilerManager,
     ):
         self.graph = graph
         self.inductor_config = inductor_config

@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

@@ -72,7 +72,7 @@ class TransportAddresses:
     ipc_dir: str = ""  # "" for tcp://; the driver removes it on cleanup()
 
     @classmethod
-    def make(cls, local: bool, host_ip: str = "", instance: str = "") -> "TransportAddresses":
+    def make(cls, local: bool, host_ip: str = "", instance: str = "") -> TransportAddresses:
         """ipc:// in a private temp dir when every rank is on this node, else tcp:// on its IP.
 
         tcp ports are picked free now and bound by the driver right after; `host_ip` defaults to
@@ -98,7 +98,7 @@ class TransportAddresses:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, str]) -> "TransportAddresses":
+    def from_dict(cls, d: dict[str, str]) -> TransportAddresses:
         return cls(**d)
 
     def cleanup(self) -> None:

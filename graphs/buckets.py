@@ -12,7 +12,8 @@ Pure functions over ints, no CUDA: the driver (`ForwardMode`) and the worker
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Iterable, NamedTuple, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, Optional
 
 
 class RequestBucket(NamedTuple):

@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Optional, Protocol
+from typing import Any, Literal, Optional, Protocol
 
 import torch
 
@@ -57,7 +58,7 @@ PHASES: tuple[Phase, Phase] = ("prefill", "decode")
 _pool: Any = None  # the process's graph pool handle, made on first use
 _pool_keeper: Any = None  # a tiny graph recorded into the pool, keeping its id valid
 _stream: Any = None  # the capture stream, made on first use
-_active: Optional["_Recording"] = None  # the recording being made (capture time only)
+_active: Optional[_Recording] = None  # the recording being made (capture time only)
 
 
 def graph_pool() -> Any:

@@ -55,13 +55,13 @@ class CUDAGraphMode(enum.Enum):
         """True for tuple modes: different strategies for decode and mixed batches."""
         return isinstance(self.value, tuple)
 
-    def decode_mode(self) -> "CUDAGraphMode":
+    def decode_mode(self) -> CUDAGraphMode:
         return CUDAGraphMode(self.value[0]) if self.separate_routine() else self
 
-    def mixed_mode(self) -> "CUDAGraphMode":
+    def mixed_mode(self) -> CUDAGraphMode:
         return CUDAGraphMode(self.value[1]) if self.separate_routine() else self
 
-    def max_cudagraph_mode(self) -> "CUDAGraphMode":
+    def max_cudagraph_mode(self) -> CUDAGraphMode:
         return CUDAGraphMode(max(self.value)) if self.separate_routine() else self
 
     def has_full_cudagraphs(self) -> bool:
@@ -75,7 +75,7 @@ class CUDAGraphMode(enum.Enum):
         return self.decode_mode() == CUDAGraphMode.FULL and not self.uses_tr_hybrid()
 
     @classmethod
-    def parse(cls, value: Union["CUDAGraphMode", str, int, list, tuple]) -> "CUDAGraphMode":
+    def parse(cls, value: Union[CUDAGraphMode, str, int, list, tuple]) -> CUDAGraphMode:
         """Accept a member, its name ("FULL_DECODE_ONLY"), or its value (2, [2, 0])."""
         if isinstance(value, cls):
             return value
@@ -419,7 +419,7 @@ class Config:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Config":
+    def from_dict(cls, data: dict[str, Any]) -> Config:
         return _build_dataclass(cls, data, "")
 
 

@@ -27,7 +27,7 @@ class BatchShape:
     is_prefill: bool  # any prompt rows (prefill or mixed)
 
     @classmethod
-    def idle(cls) -> "BatchShape":
+    def idle(cls) -> BatchShape:
         return cls(0, 0, 0, False)
 
 

@@ -63,7 +63,7 @@ class DPMetadata:
     max_tokens_across_dp: int = 0  # the padded row count every rank runs
 
     @classmethod
-    def make(cls, num_tokens_across_dp: list[int], padded_tokens: int) -> "DPMetadata":
+    def make(cls, num_tokens_across_dp: list[int], padded_tokens: int) -> DPMetadata:
         return cls(list(num_tokens_across_dp), padded_tokens)
 
 

@@ -4,8 +4,9 @@ tokenizer) and helpers to run it through `LLM` and to check that no engine proce
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 

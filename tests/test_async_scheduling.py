@@ -17,19 +17,18 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+from executor_harness import COMMON, GREEDY, PROMPTS, build_tiny_llama, greedy_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from atomrt.runtime import SamplingParams
-from atomrt.runtime.config import DEFAULT_MODEL
-from atomrt.runtime.entrypoints.llm import LLM
-from atomrt.runtime.driver.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
-from atomrt.runtime.driver.sequence import Sequence
-
-from executor_harness import COMMON, GREEDY, PROMPTS, build_tiny_llama, greedy_tokens
 from test_block_manager import check_invariants
 from test_engine import stream_beside_a_quiet_request
 from test_scheduler import fake_model, make
+
+from atomrt.runtime import SamplingParams
+from atomrt.runtime.config import DEFAULT_MODEL
+from atomrt.runtime.driver.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
+from atomrt.runtime.driver.sequence import Sequence
+from atomrt.runtime.entrypoints.llm import LLM
 
 EOS = 3
 
@@ -331,9 +330,10 @@ def test_abort_while_its_step_is_in_flight_leaves_the_others_exact(tiny_model: P
 def test_killed_worker_under_async_scheduling_errors_in_time_and_leaves_no_process(
     tiny_model: Path,
 ) -> None:
-    from atomrt.runtime.executors.base import WorkerError
     from executor_harness import wait_gone
     from test_worker_failure import ERROR_WITHIN_S, _kill_mid_generation
+
+    from atomrt.runtime.executors.base import WorkerError
 
     llm = LLM(
         str(tiny_model),

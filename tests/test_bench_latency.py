@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from executor_harness import build_tiny_llama
 
 from atomrt.runtime.bench.latency import Report, Row, _parse, compare_executors, main, mode_settings
 from atomrt.runtime.config import ConfigError, CUDAGraphMode
-from executor_harness import build_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,10 @@ import json
 from pathlib import Path
 
 import pytest
+from executor_harness import VOCAB, build_tiny_llama
 
 from atomrt.runtime.bench.throughput import CHAT_PROMPTS, _parse, build_prompts, main
 from atomrt.runtime.entrypoints.cli import build_parser
-from executor_harness import VOCAB, build_tiny_llama
 
 pytest.importorskip("transformers")
 
@@ -75,8 +75,8 @@ def test_compare_hf_writes_both_figures(
 
 
 def test_prompt_sources(tiny_folder: Path, tmp_path: Path) -> None:
-    from atomrt.runtime.entrypoints.llm import _load_tokenizer
     from atomrt.runtime.config import Config
+    from atomrt.runtime.entrypoints.llm import _load_tokenizer
 
     tokenizer = _load_tokenizer(Config(model=str(tiny_folder)))
     ids, source = build_prompts(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_compile_toys import make_config
 
 from atomrt.compile import (
     CompilerInterface,
@@ -25,7 +26,6 @@ from atomrt.compile.cache import (
     write_ready_marker,
 )
 from atomrt.runtime.config import CacheConfig, ParallelConfig, SchedulerConfig
-from test_compile_toys import make_config
 
 
 def _hash(config, files) -> str:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_compile_toys import make_config, make_models, max_diff
 
 from atomrt.compile import PiecewiseBackend, compilation_counter
 from atomrt.compile.cache import INDEX_FILE_NAME, read_index, verify_ready_marker
-from test_compile_toys import make_config, make_models, max_diff
 
 TOYS = Path(__file__).with_name("test_compile_toys.py")
 CHILD_TIMEOUT_S = 400

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_harness import run_prefill_and_decode
 
 from atomrt.compile import compilation_counter, compile_model
 from atomrt.runtime.config import CompilationConfig, Config
 from atomrt.workers.loading.loader import load_model
-from model_harness import run_prefill_and_decode
 
 TINY = dict(
     vocab_size=128,

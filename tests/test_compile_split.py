@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from test_compile_toys import ToyModelEager, inputs, make_config, make_models, max_diff
 
-from atomrt.compile.backends import CopyInputsToStaticBuffers
 from atomrt.compile import (
     PiecewiseBackend,
     SplitItem,
@@ -21,7 +21,7 @@ from atomrt.compile import (
     split_graph,
     support_torch_compile,
 )
-from test_compile_toys import ToyModelEager, inputs, make_config, make_models, max_diff
+from atomrt.compile.backends import CopyInputsToStaticBuffers
 
 
 @pytest.fixture(autouse=True)

@@ -9,9 +9,9 @@ from atomrt.runtime.config import (
     CompilationLevel,
     Config,
     ConfigError,
+    CUDAGraphMode,
     ParallelConfig,
     SchedulerConfig,
-    CUDAGraphMode,
     capture_size_ladder,
 )
 from atomrt.runtime.config_io import build_config, dump_yaml, load_yaml

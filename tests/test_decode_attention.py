@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_kernels import SENTINEL, PagedBatch, make_batch, reference_attention
 
 from atomrt.workers.kernels.attention.decode_attention import (
     DecodeLaunch,
@@ -21,7 +22,6 @@ from atomrt.workers.kernels.attention.decode_attention import (
 )
 from atomrt.workers.kernels.attention.paged_attention import rope_write_kv, unified_attention
 from atomrt.workers.layers.rotary import RotaryEmbedding
-from test_kernels import SENTINEL, PagedBatch, make_batch, reference_attention
 
 
 @dataclasses.dataclass

@@ -6,14 +6,14 @@ import os
 
 import pytest
 
-from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.config import CacheConfig, SchedulerConfig
+from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.driver.detokenizer import Detokenizer, held_back_len
 from atomrt.runtime.driver.outputs import make_request_output
-from atomrt.runtime.sampling_params import SamplingParams
 from atomrt.runtime.driver.scheduler import RequestRejectedError, Scheduler
 from atomrt.runtime.driver.sequence import Sequence
 from atomrt.runtime.driver.stop_checker import find_stop_string
+from atomrt.runtime.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello world, this is a test.",

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from executor_harness import PROMPTS, VOCAB, build_tiny_llama
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,8 +36,6 @@ from atomrt.runtime.driver.engine import EngineDeadError
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.executors.base import WorkerError
 from atomrt.runtime.sampling_params import SamplingParams
-
-from executor_harness import PROMPTS, VOCAB, build_tiny_llama
 
 BLOCK = 4
 MAX_NEW = 16

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from executor_harness import COMMON, GREEDY, PROMPTS, build_tiny_llama, greedy_tokens, wait_gone
 
 
@@ -84,9 +83,9 @@ def test_ray_two_nodes_places_ranks_on_both_and_steps_over_tcp(
 
 def test_mp_startup_failure_names_rank_and_phase_and_leaves_no_process(tiny_model: Path) -> None:
     """4 attention heads do not split over 3 TP ranks: every rank fails loading; nothing is left."""
+    from atomrt.runtime.entrypoints.llm import config_from_kwargs
     from atomrt.runtime.executors.base import WorkerError
     from atomrt.runtime.executors.mp_executor import MPExecutor
-    from atomrt.runtime.entrypoints.llm import config_from_kwargs
 
     executor = MPExecutor(
         config_from_kwargs(str(tiny_model), dict(COMMON, executor="mp", tensor_parallel_size=3))

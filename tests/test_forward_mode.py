@@ -2,13 +2,12 @@
 
 import dataclasses
 
-
 import pytest
 
-from atomrt.runtime.config import CompilationConfig, Config, CUDAGraphMode
-from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardDecision, ForwardKind
-from atomrt.runtime.driver.forward_mode import ForwardMode
 from atomrt.distributed.messages import StepPlan, decode, encode
+from atomrt.runtime.config import CompilationConfig, Config, CUDAGraphMode
+from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardKind
+from atomrt.runtime.driver.forward_mode import ForwardMode
 
 LADDER = (1, 2, 4, 8, 16)
 PREFILL_TOKEN_SIZES = (16, 64, 256)

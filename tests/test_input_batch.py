@@ -7,10 +7,10 @@ import random
 
 import numpy as np
 import pytest
+from test_messages import new_blocks
 
 from atomrt.distributed.messages import NewRequest, RankBatch, decode, encode
 from atomrt.workers.runner.input_batch import BlockTables, SeqMirrors
-from test_messages import new_blocks
 
 
 def _decode_batch(seq_ids: list[int], context_lens: list[int], **kw) -> RankBatch:

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from executor_harness import build_tiny_llama
+from model_harness import run_prefill_and_decode
 
-from atomrt.runtime.config import DEFAULT_MODEL, Config, ModelConfig
 from atomrt.distributed.communication_op import TPInfo
+from atomrt.runtime.config import DEFAULT_MODEL, Config, ModelConfig
 from atomrt.workers.loading.loader import build_model, embedded_gguf_path, load_model, resolve_model
 from atomrt.workers.loading.presets import preset_config
 from atomrt.workers.models.arch import arch_from_hf_config
-from executor_harness import build_tiny_llama
-from model_harness import run_prefill_and_decode
 
 
 def _load(model: str, load_format: str = "auto") -> None:

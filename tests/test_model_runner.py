@@ -4,12 +4,12 @@ padded sequences empty, and the metadata are views of the static buffers (what g
 import numpy as np
 import pytest
 import torch
+from executor_harness import build_tiny_llama
 
 from atomrt.runtime.config import Config, SchedulerConfig
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
-from executor_harness import build_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +139,10 @@ def test_token_graph_records_kv_write_inline_and_breaks_only_at_attention(
 ) -> None:
     """Recorded with a logging backend: one eager call per layer, each the attention (`_attend`);
     the KV write, whose launch the row count fixes, stays inside the segments."""
+    from test_region_graph_cpu import FakeBackend
+
     from atomrt.graphs.region_graph import token_graph_of
     from atomrt.runtime.forward_context import set_forward_context
-    from test_region_graph_cpu import FakeBackend
 
     unit = runner.model.model
     log: list = []

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_harness import run_prefill_and_decode
 
 from atomrt.runtime.config import DEFAULT_MODEL, Config, ModelConfig
 from atomrt.workers.loading.loader import load_model
-from model_harness import run_prefill_and_decode
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from atomrt.runtime.driver.outputs import make_request_output
-from atomrt.runtime.sampling_params import SamplingParams
 from atomrt.runtime.driver.sequence import Sequence
+from atomrt.runtime.sampling_params import SamplingParams
 
 
 def _finished_sequence() -> Sequence:

@@ -2,8 +2,9 @@
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).parent.parent
 

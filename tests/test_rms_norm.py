@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_skinny_gemm import traced_ops
 
 from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers import linear as linear_mod
 from atomrt.workers.layers.norm import rms_norm
-from test_skinny_gemm import traced_ops
 
 TOLERANCES = {
     torch.float32: {"rtol": 1e-6, "atol": 1e-6},

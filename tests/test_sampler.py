@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from atomrt.runtime.sampling_params import SamplingParams
 from atomrt.runtime.driver.sequence import Sequence
+from atomrt.runtime.sampling_params import SamplingParams
 from atomrt.workers.runner.sampler import (
     Sampler,
     SamplingTensors,

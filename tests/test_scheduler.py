@@ -4,14 +4,13 @@ property test that no KV block is ever leaked or owned twice."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_block_manager import check_invariants
 
-from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.config import CacheConfig, SchedulerConfig
-from atomrt.runtime.sampling_params import SamplingParams
+from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.driver.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence, SequenceStatus
-
-from test_block_manager import check_invariants
+from atomrt.runtime.sampling_params import SamplingParams
 
 VOCAB = 50
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
+
 from atomrt.workers.kernels.gemm.skinny_configs import (
     BROADCAST_MAX_M,
     CONFIGS,

@@ -12,12 +12,12 @@ import re
 import sys
 from pathlib import Path
 
+from executor_harness import build_tiny_llama
+
 from atomrt.runtime.driver.engine import LLMEngine
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import SamplingParams
 from atomrt.workers.layers import attention_ref
-
-from executor_harness import build_tiny_llama
 
 ROOT = Path(__file__).parent.parent
 PACKAGE_DIRS = [str(ROOT / d) for d in ("runtime", "workers", "compile", "graphs", "distributed")]

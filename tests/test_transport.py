@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from atomrt.distributed.messages import RankBatch, StepPlan, StepResult
-from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.distributed.transport import (
     PlanPublisher,
     PlanSubscriber,
@@ -23,6 +22,7 @@ from atomrt.distributed.transport import (
     TransportError,
     TransportTimeout,
 )
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
 
 
 @pytest.fixture(params=["ipc", "tcp"])

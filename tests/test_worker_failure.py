@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+from executor_harness import COMMON, PROMPTS, build_tiny_llama, wait_gone
 
 from atomrt.runtime import SamplingParams
-from atomrt.runtime.executors.base import WorkerError
 from atomrt.runtime.entrypoints.llm import LLM
-from executor_harness import COMMON, PROMPTS, build_tiny_llama, wait_gone
+from atomrt.runtime.executors.base import WorkerError
 
 LONG = SamplingParams(
     temperature=0.0, max_tokens=200, ignore_eos=True

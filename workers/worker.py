@@ -8,18 +8,19 @@ that feeds it plans lives in workers/process.py.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from atomrt.distributed.communication_op import TPInfo
 from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision
 from atomrt.workers.runner.input_batch import SeqMirrors, dummy_decode_inputs
 from atomrt.workers.runner.kv_sizing import determine_num_blocks
-from atomrt.distributed.communication_op import TPInfo
 from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
 from atomrt.workers.runner.readback import Readback
 from atomrt.workers.runner.sampler import SamplingTensors

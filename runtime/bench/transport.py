@@ -29,7 +29,6 @@ import numpy as np
 import zmq
 
 from atomrt.distributed.messages import RankBatch, StepPlan, StepResult, decode, encode
-from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.distributed.transport import (
     PlanPublisher,
     PlanSubscriber,
@@ -37,6 +36,7 @@ from atomrt.distributed.transport import (
     ResultPusher,
     TransportAddresses,
 )
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
 
 
 @dataclass

@@ -12,7 +12,8 @@ client never sees text that a later token turns into a stop (and is cut off).
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Any
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded as left context for the first output token (spacing rules need some).

@@ -24,8 +24,9 @@ Two-batch overlap (TBO) is not implemented: `ForwardDecision.ubatch_split_bs` is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Optional
 
 from atomrt.graphs.buckets import bucket_for
 from atomrt.runtime.config import Config, CUDAGraphMode

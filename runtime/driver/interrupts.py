@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 
 class _SigintHolder:

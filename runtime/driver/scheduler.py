@@ -29,8 +29,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.config import CacheConfig, SchedulerConfig
+from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.driver.detokenizer import Detokenizer
 from atomrt.runtime.driver.sequence import Sequence, SequenceStatus
 from atomrt.runtime.driver.stop_checker import check_stop

@@ -66,7 +66,7 @@ class Sequence:
     stop_reason: Optional[object] = None  # the stop token id or stop string that ended it
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
-    detokenizer: Optional["Detokenizer"] = None
+    detokenizer: Optional[Detokenizer] = None
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None

@@ -8,7 +8,8 @@ The token that completes a stop string stays in token_ids; only the text is cut.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Optional
 
 from atomrt.runtime.driver.sequence import FinishReason, Sequence
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
 from tqdm import tqdm
 
-from atomrt.runtime.config import Config, ConfigError, DEFAULT_MODEL, _SECTIONS
+from atomrt.runtime.config import _SECTIONS, DEFAULT_MODEL, Config, ConfigError
 from atomrt.runtime.driver.engine import LLMEngine, Prompt
 from atomrt.runtime.driver.outputs import RequestOutput
 from atomrt.runtime.sampling_params import SamplingParams
@@ -124,7 +125,7 @@ class LLM:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:

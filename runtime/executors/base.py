@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import logging
+
 from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.config import Config
 from atomrt.workers.worker import WorkerInfo

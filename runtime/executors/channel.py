@@ -12,7 +12,8 @@ from __future__ import annotations
 import abc
 import logging
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.distributed.transport import (

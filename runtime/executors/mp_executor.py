@@ -15,7 +15,8 @@ import multiprocessing
 import multiprocessing.connection
 import signal
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from atomrt.runtime.config import Config
 from atomrt.runtime.executors.base import WorkerError

@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 
 import pytest
+import test_decode_attention as cpu_tier
 import torch
 
-import test_decode_attention as cpu_tier
 from atomrt.workers.kernels.attention.decode_attention import (
     attention_step,
     prepare_decode_counters,

@@ -13,16 +13,16 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
-
 import test_kernels as cpu_tier
+import torch
+from test_kernels import PagedBatch  # the batch layout the CPU tier uses too
+
 from atomrt.workers.kernels.attention.paged_attention import (
     rope_write_kv,
     unified_attention,
     write_kv_cache,
 )
 from atomrt.workers.layers.rotary import RotaryEmbedding
-from test_kernels import PagedBatch  # the batch layout the CPU tier uses too
 
 pytestmark = pytest.mark.gpu
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_harness import run_prefill_and_decode
+from test_models_hf import PROMPTS, _hf_logits, build_hf_folders
 
 from atomrt.runtime.config import Config, ModelConfig
 from atomrt.workers.loading.loader import load_model
-from model_harness import run_prefill_and_decode
-from test_models_hf import PROMPTS, _hf_logits, build_hf_folders
 
 pytestmark = pytest.mark.gpu
 

@@ -16,9 +16,9 @@ import dataclasses
 import random
 
 import pytest
+import test_decode_attention as cpu_tier
 import torch
 
-import test_decode_attention as cpu_tier
 from atomrt.runtime import SamplingParams, envs
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.entrypoints.llm import LLM

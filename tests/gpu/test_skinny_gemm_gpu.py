@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.kernels.gemm.skinny_configs import (
     CONFIGS,
     SkinnyConfig,
@@ -18,6 +17,7 @@ from atomrt.workers.kernels.gemm.skinny_configs import (
     pick_config,
 )
 from atomrt.workers.kernels.gemm.skinny_gemm import skinny_add_norm_linear, skinny_linear
+from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers.activation import silu_and_mul
 from atomrt.workers.layers.linear import add_norm_linear, linear, silu_mul_linear
 from atomrt.workers.layers.norm import rms_norm

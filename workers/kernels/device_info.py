@@ -8,7 +8,8 @@ On CPU (Triton's interpreter) a small stand-in count keeps the planned grids sma
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -11,9 +11,9 @@ rotary + KV write and its unified attention.
 
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
 
-import torch
 from typing import Optional
 
+import torch
 from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op

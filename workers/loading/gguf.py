@@ -8,8 +8,9 @@ our rotary uses the Hugging Face half-split layout, so `_unpermute_rows` undoes 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch

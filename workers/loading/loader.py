@@ -11,16 +11,17 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
+from atomrt.distributed.communication_op import TPInfo
 from atomrt.runtime.config import DEFAULT_MODEL
 from atomrt.workers.loading.gguf import arch_from_gguf, gguf_weights, open_gguf
-from atomrt.distributed.communication_op import TPInfo
 from atomrt.workers.loading.presets import find_preset, preset_config
 from atomrt.workers.models.arch import ModelArch, arch_from_hf_config
 from atomrt.workers.models.registry import get_model_class

@@ -8,12 +8,14 @@ forward context.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from atomrt.compile.decorators import support_torch_compile
+from atomrt.distributed.communication_op import TPInfo
 from atomrt.graphs.region_graph import token_graph
 from atomrt.workers.layers.attention import Attention
 from atomrt.workers.layers.cpu_gemm import reset_packed_weights
@@ -24,7 +26,6 @@ from atomrt.workers.layers.linear import (
 )
 from atomrt.workers.layers.norm import RMSNorm, residual_add
 from atomrt.workers.layers.rotary import RotaryEmbedding
-from atomrt.distributed.communication_op import TPInfo
 from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from atomrt.workers.layers.weight_utils import Sliceable, default_weight_loader
 from atomrt.workers.models.arch import ModelArch

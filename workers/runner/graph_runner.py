@@ -59,7 +59,7 @@ class GraphRunner:
             return 0
         return max(self.config.capture_sizes)
 
-    def capture(self, runner: "ModelRunner") -> float:
+    def capture(self, runner: ModelRunner) -> float:
         """Record every capture size's graphs; returns the seconds it took."""
         if not self.enabled:
             return 0.0
@@ -89,7 +89,7 @@ class GraphRunner:
         )
         return elapsed
 
-    def _capture_one(self, runner: "ModelRunner", bs: int, max_q_len: int) -> None:
+    def _capture_one(self, runner: ModelRunner, bs: int, max_q_len: int) -> None:
         rows = bs * max_q_len
         kind = ForwardKind.TOKEN_GRAPH if self.records_token_graphs else ForwardKind.REQ_GRAPH
         decision = ForwardDecision(

@@ -155,7 +155,7 @@ class SeqMirrors:
         mirror.block_table_row = self.block_tables.add_row()
         self.seqs[seq_id] = mirror
 
-    def build(self, batch: RankBatch, tokens: Optional["TokenPool"] = None) -> StepInputs:
+    def build(self, batch: RankBatch, tokens: Optional[TokenPool] = None) -> StepInputs:
         """Positions, slots, cu_seqlens and block tables of the plan's rows (vectorised per step).
         `tokens` (async scheduling) says where pending rows find their token."""
         q_lens = batch.num_new_tokens.astype(np.int64)
@@ -198,7 +198,7 @@ class SeqMirrors:
         batch: RankBatch,
         input_ids: np.ndarray,
         seq_of_row: np.ndarray,
-        tokens: Optional["TokenPool"],
+        tokens: Optional[TokenPool],
     ) -> Optional[np.ndarray]:
         """Where each row's token is in the token pool (see StepInputs.token_src). A pending row's
         staged id becomes 0: padding rows of a graph bucket read staged slot 0, which must hold a

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _dummy_forward(runner: "ModelRunner", num_tokens: int, logits_rows: int = 1) -> None:
+def _dummy_forward(runner: ModelRunner, num_tokens: int, logits_rows: int = 1) -> None:
     """A prefill of `num_tokens` rows cut into sequences of at most max_model_len, without KV cache,
     and the logits of its last `logits_rows` rows."""
     seq_len = min(num_tokens, runner.shape.max_model_len)
@@ -50,7 +50,7 @@ def _dummy_forward(runner: "ModelRunner", num_tokens: int, logits_rows: int = 1)
         runner.model.compute_logits(hidden[-logits_rows:])
 
 
-def determine_num_blocks(runner: "ModelRunner") -> KVCacheSizing:
+def determine_num_blocks(runner: ModelRunner) -> KVCacheSizing:
     cc = runner.config.cache_config
     per_block = runner.kv_bytes_per_block()
     cap = num_blocks_needed(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ class DeviceTimeout(RuntimeError):
 
 
 def wait_event(
-    event: "torch.cuda.Event", timeout_s: float, progress: Optional[Callable[[], None]], what: str
+    event: torch.cuda.Event, timeout_s: float, progress: Optional[Callable[[], None]], what: str
 ) -> None:
     """Wait for `event` by polling it (never an unbounded synchronize): `progress()` is called while
     waiting, and DeviceTimeout is raised after `timeout_s`."""

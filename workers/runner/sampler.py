@@ -15,8 +15,9 @@ alternative keeps a finite logprob.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence as Seq
+from typing import Any, Optional
 
 import torch
 
@@ -72,7 +73,7 @@ class SamplingTensors:
         output_token_ids: Seq[Seq[int]],
         vocab_size: int,
         device: torch.device | str = "cpu",
-    ) -> "SamplingTensors":
+    ) -> SamplingTensors:
         """Build from per-row SamplingParams and token histories (plain lists)."""
         device = torch.device(device)
         ps = list(sampling_params)
@@ -132,7 +133,7 @@ class SamplingTensors:
         )
 
     @classmethod
-    def plain_greedy(cls, num_seqs: int, device: torch.device) -> "SamplingTensors":
+    def plain_greedy(cls, num_seqs: int, device: torch.device) -> SamplingTensors:
         """Every row greedy, no penalties, no logprobs: the sampler takes the argmax and reads no
         per-row tensor, so none is built or copied (the common decode step). The empty tensors are
         made once per device (a CUDA tensor costs the host microseconds every step)."""
@@ -160,7 +161,7 @@ class SamplingTensors:
     @classmethod
     def from_sequences(
         cls, seqs: Seq[Any], vocab_size: int, device: torch.device | str = "cpu"
-    ) -> "SamplingTensors":
+    ) -> SamplingTensors:
         """Build from objects with .sampling_params, .prompt_token_ids, .output_token_ids
         (runtime.sequence.Sequence)."""
         return cls.from_params(

@@ -38,7 +38,6 @@ from atomrt.workers.kernels.unpack_step import unpack_step_kernel
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.token_pool import TokenPool
 
-
 UNPACK_BLOCK = 1024  # entries a program moves per loop step
 
 

@@ -16,9 +16,8 @@ from typing import Optional
 import torch
 import triton
 
-from atomrt.workers.kernels.attention.attention_kernels import decode_attention_kernel
 from atomrt.workers.kernels import device_info
-from atomrt.workers.kernels.device_info import device_scratch, sm_count, use_pdl
+from atomrt.workers.kernels.attention.attention_kernels import decode_attention_kernel
 from atomrt.workers.kernels.attention.paged_attention import (
     LOG2E,
     MAX_PARTIAL_BYTES,
@@ -32,6 +31,7 @@ from atomrt.workers.kernels.attention.paged_attention import (
     unit_last_stride,
     write_kv_cache,
 )
+from atomrt.workers.kernels.device_info import device_scratch, sm_count, use_pdl
 
 
 @dataclass(frozen=True)
