@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_PIN ?= torch==2.13.0
 PROMPTS ?= --prompt "What is the capital of France?" --prompt "Write a haiku about GPUs." --prompt "Name three prime numbers."
 
-.PHONY: install run test test-gpu test-all clean
+.PHONY: install run test lint format test-gpu test-all clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,15 @@ run: install
 
 test: install
 	$(PY) -m pytest -q
+
+# ruff: lint and the formatter's check (`make format` rewrites)
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 test-gpu: install
 	$(PY) -m pytest -q -m "gpu or multigpu"
