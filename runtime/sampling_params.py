@@ -52,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # how many top alternatives to return per sampled token
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,7 +119,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise ValueError(f"{name}: must be None or an integer, got {value!r}")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
 

@@ -115,6 +115,15 @@ def test_stop_string_across_tokens_cuts_the_text(
     assert seq.block_table == []
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(tok) -> None:
+    seq, streamed = run_with_stop(
+        tok, "Hello world, goodbye world", [", good"], include_stop_str_in_output=True
+    )
+    assert seq.finish_reason == "stop" and seq.stop_reason == ", good"
+    assert seq.output_text == "Hello world, good"
+    assert "".join(streamed) == "Hello world, good"
+
+
 def test_stream_holds_back_a_possible_stop_start(tok) -> None:
     seq, streamed = run_with_stop(tok, "Hello world and more", ["world!"])
     assert seq.finish_reason is None and seq.output_text == "Hello world and more"

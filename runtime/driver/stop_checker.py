@@ -2,7 +2,7 @@
 
 Order: detokenize the token; before min_tokens output tokens nothing but the length limits stops
 a sequence; then EOS (unless ignore_eos), stop_token_ids, stop strings (the output text is cut
-before the stop string, which is not included), then max_tokens and max_model_len ("length").
+before the stop string unless include_stop_str_in_output), then max_tokens and max_model_len ("length").
 The token that completes a stop string stays in token_ids; only the text is cut.
 """
 
@@ -50,7 +50,9 @@ def check_stop(
         if params.stop and seq.detokenizer is not None:
             hit = find_stop_string(seq.detokenizer.output_text, len(new_chars), params.stop)
             if hit is not None:
-                seq.detokenizer.truncate(hit[0])
+                seq.detokenizer.truncate(
+                    hit[0] + (len(hit[1]) if params.include_stop_str_in_output else 0)
+                )
                 seq.stop_reason = hit[1]
                 return "stop"
     if num_output >= params.max_tokens:
