@@ -9,6 +9,7 @@ logits, multiply negative ones, over prompt + output); presence/frequency penalt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -17,6 +18,7 @@ from typing import Optional, Union
 _GREEDY_EPS = 1e-5
 MAX_SEED = 2**63 - 1  # seeds travel to the workers as int64
 MAX_INT32 = 2**31 - 1  # top_k and logprobs travel as int32-sized counts
+MAX_N = 128  # samples per request (each is a sequence of its own)
 
 
 def _is_int(v: object) -> bool:
@@ -61,8 +63,8 @@ class SamplingParams:
         """Check every field (the engine calls it again at add_request: fields may have been changed
         since construction); a ValueError names the field and the allowed range."""
         self._check_types()
-        if self.n != 1:
-            raise ValueError(f"n: only n=1 is supported for now, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: must be in [1, {MAX_N}], got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0 (0 means greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -140,6 +142,12 @@ class SamplingParams:
                 f"stop_token_ids: must be a list of token ids >= 0, got {self.stop_token_ids!r}"
             )
         self.stop_token_ids = list(ids)
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample `index` of n: one sample each, seeded `seed + index` when
+        seeded (reproducible and distinct)."""
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def is_greedy(self) -> bool:

@@ -5,7 +5,7 @@ import pytest
 from atomrt.runtime.sampling_params import SamplingParams
 
 BAD = [
-    ({"n": 2}, "n"),
+    ({"n": 129}, "n"),
     ({"n": 0}, "n"),
     ({"temperature": -0.1}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),

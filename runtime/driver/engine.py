@@ -12,15 +12,16 @@ import itertools
 import logging
 import numbers
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from atomrt.distributed.messages import StepResult
 from atomrt.runtime.config import Config
-from atomrt.runtime.decision import BatchShape, CapturedBuckets
+from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardDecision, ForwardKind
 from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.driver.forward_mode import ForwardMode
 from atomrt.runtime.driver.interrupts import InterruptGuard
-from atomrt.runtime.driver.outputs import RequestOutput, make_request_output
+from atomrt.runtime.driver.outputs import RequestOutput, make_request_output, merge_request_outputs
 from atomrt.runtime.driver.planner import RankPlanner, make_plan
 from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
@@ -33,6 +34,35 @@ from atomrt.workers.loading.loader import check_parallel_layout, read_arch
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int]]
+
+
+@dataclass
+class _Request:
+    """One request's sequences (its n samples) and how its outputs go out."""
+
+    dp_rank: int
+    seqs: list[Sequence]
+    prompt: Optional[str]  # the prompt text, when it came as text
+    stream: bool  # a delta output every step it produced a token, per sample
+
+    @property
+    def all_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def final_output(self) -> RequestOutput:
+        return merge_request_outputs([make_request_output(s, self.prompt) for s in self.seqs])
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (for metrics): steps by kind, and rows run beyond the real ones."""
+
+    steps: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in ForwardKind})
+    padded_tokens: int = 0
+
+    def count(self, decision: ForwardDecision) -> None:
+        self.steps[decision.kind.value] += 1
+        self.padded_tokens += sum(decision.dp_padded_tokens) - sum(decision.dp_num_tokens)
 
 
 class EngineDeadError(RuntimeError):
@@ -85,9 +115,8 @@ class LLMEngine:
         self.dead: Optional[str] = None  # why the engine stopped (a worker failed)
         self._guard = InterruptGuard()
         self._ids = itertools.count()
-        self._prompts: dict[str, Optional[str]] = {}
-        self._streamed: set[str] = set()  # requests that get a delta output every step
-        self._seqs: dict[str, tuple[int, Sequence]] = {}  # request_id -> (dp rank, sequence)
+        self._requests: dict[str, _Request] = {}  # running or waiting, by request id
+        self.stats = EngineStats()
         self._aborted: list[
             RequestOutput
         ] = []  # final outputs of aborted requests, for the next step
@@ -120,17 +149,32 @@ class LLMEngine:
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id: must be a string, got {request_id!r}")
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._seqs:
+        if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         token_ids = self._tokenize(prompt)
         check_request(token_ids, params, self.limits, self.max_model_len)
-        seq = Sequence(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
         dp_rank = min(range(len(self.schedulers)), key=lambda r: self.schedulers[r].num_unfinished)
-        self.schedulers[dp_rank].add(seq)  # raises on requests that can never fit
-        self._seqs[request_id] = (dp_rank, seq)
-        self._prompts[request_id] = prompt if isinstance(prompt, str) else None
-        if stream:
-            self._streamed.add(request_id)
+        scheduler = self.schedulers[dp_rank]
+        seqs: list[Sequence] = []
+        share = self.config.cache_config.enable_prefix_caching
+        for i in range(params.n):  # n samples: sequences of their own, the prompt's blocks shared
+            sample = params if params.n == 1 else params.for_sample(i)
+            seqs.append(
+                Sequence(
+                    request_id,
+                    token_ids,
+                    sample,
+                    eos_token_ids=self.eos_token_ids,
+                    index=i,
+                    parent=seqs[0] if i and share else None,
+                )
+            )
+        scheduler.check_fits(seqs[0])  # raises on requests that can never fit, before any is queued
+        for seq in seqs:
+            scheduler.add(seq)
+        self._requests[request_id] = _Request(
+            dp_rank, seqs, prompt if isinstance(prompt, str) else None, stream
+        )
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -140,19 +184,15 @@ class LLMEngine:
             self._abort(request_id)
 
     def _abort(self, request_id: str) -> None:
-        entry = self._seqs.pop(request_id, None)
-        if entry is None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
             return
-        dp_rank, _ = entry
-        aborted = self.schedulers[dp_rank].abort(request_id)
-        self.planners[dp_rank].forget([s.seq_id for s in aborted])
-        streamed = request_id in self._streamed
-        for seq in aborted:
-            self._aborted.append(
-                make_request_output(seq, self._prompts.get(request_id), delta=streamed)
-            )
-        self._streamed.discard(request_id)
-        self._prompts.pop(request_id, None)
+        aborted = self.schedulers[req.dp_rank].abort(request_id)
+        self.planners[req.dp_rank].forget([s.seq_id for s in aborted])
+        if req.stream:
+            self._aborted += [make_request_output(seq, req.prompt, delta=True) for seq in aborted]
+        else:
+            self._aborted.append(req.final_output())
 
     def has_unfinished(self) -> bool:
         """Whether `step()` has more to give: running or waiting requests, or aborted ones' final
@@ -192,6 +232,7 @@ class LLMEngine:
         plan = make_plan(self.step_no, decision, batches, pipelined=self.async_scheduling)
         self.executor.submit(plan)
         self.step_no += 1  # at once: the plan went out under this number
+        self.stats.count(decision)
         for scheduler, out in zip(self.schedulers, outs):
             scheduler.advance(out)
         self._inflight.append((plan.step, outs))
@@ -209,15 +250,17 @@ class LLMEngine:
                 if not row.token_applied:
                     continue
                 seq = row.seq
-                streamed = seq.request_id in self._streamed
-                if streamed or seq.is_finished:
-                    outputs.append(
-                        make_request_output(seq, self._prompts.get(seq.request_id), delta=streamed)
-                    )
+                req = self._requests.get(seq.request_id)
+                if req is None:
+                    continue
+                if req.stream:
+                    outputs.append(make_request_output(seq, req.prompt, delta=True))
+                elif seq.is_finished and req.all_finished:
+                    outputs.append(req.final_output())
             for seq in finished:
-                self._seqs.pop(seq.request_id, None)
-                self._prompts.pop(seq.request_id, None)
-                self._streamed.discard(seq.request_id)
+                req = self._requests.get(seq.request_id)
+                if req is not None and req.all_finished:
+                    del self._requests[seq.request_id]
         return outputs
 
     def _take_aborted(self) -> list[RequestOutput]:
@@ -254,8 +297,8 @@ class LLMEngine:
         """A worker failed: every request ends (aborted); later calls raise EngineDeadError."""
         self.dead = f"engine stopped: {reason}"
         self._inflight.clear()
-        logger.error("%s; aborting %d requests", self.dead, len(self._seqs))
-        for request_id in list(self._seqs):
+        logger.error("%s; aborting %d requests", self.dead, len(self._requests))
+        for request_id in list(self._requests):
             self.abort(request_id)
         self._aborted.clear()  # nobody can step a dead engine to receive them
         self.executor.shutdown()

@@ -68,7 +68,7 @@ def make_request_output(
         logprobs = list(seq.output_logprobs) if wants_logprobs else None
     cumulative_logprob = seq.cumulative_logprob if wants_logprobs else None
     completion = CompletionOutput(
-        index=0,
+        index=seq.index,
         text=text,
         token_ids=token_ids,
         finish_reason=seq.finish_reason,
@@ -90,4 +90,18 @@ def make_request_output(
         outputs=[completion],
         finished=finished,
         metrics=metrics,
+    )
+
+
+def merge_request_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """One request's final output from its samples' (one CompletionOutput each, by index)."""
+    first = outputs[0]
+    completions = sorted((c for o in outputs for c in o.outputs), key=lambda c: c.index)
+    return RequestOutput(
+        request_id=first.request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=completions,
+        finished=all(o.finished for o in outputs),
+        metrics=first.metrics,
     )

@@ -117,10 +117,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0  # since start
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self._check_fits(seq)
+        self.check_fits(seq)
         params = seq.sampling_params
         if seq.detokenizer is None and self.tokenizer is not None:
             seq.detokenizer = Detokenizer(
@@ -133,7 +134,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def _check_fits(self, seq: Sequence) -> None:
+    def check_fits(self, seq: Sequence) -> None:
         """Reject what could never finish: the KV it may need (prompt + max_tokens - 1 tokens;
         the last sampled token is never computed) beyond the whole cache or max_model_len."""
         params = seq.sampling_params
@@ -239,6 +240,7 @@ class Scheduler:
         self.waiting.appendleft(seq)  # older victims end up in front of newer ones
         if out is not None:
             out.preempted.append(seq)
+            self.num_preemptions += 1
 
     def requeue_running(self) -> None:
         """The steps in flight were discarded: every running sequence goes back to the front of the
@@ -257,6 +259,8 @@ class Scheduler:
         used = 0
         while self.waiting and used < budget and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.parent is not None and seq.parent.num_computed_tokens < seq.num_prompt_tokens:
+                break  # sample 2.. of n: admitted once the first has its prompt in the (prefix) cache
             remaining = seq.num_tokens - bm.num_cached_tokens(seq)
             num_new = min(remaining, budget - used)
             # Without chunked prefill a prompt runs whole; one longer than the full budget (only

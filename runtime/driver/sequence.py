@@ -72,6 +72,10 @@ class Sequence:
     finished_time: Optional[float] = None
     num_preemptions: int = 0
     num_streamed_tokens: int = 0  # output tokens already returned by a delta RequestOutput
+    index: int = 0  # which of its request's n samples this is
+    # Sample 0 of the request, for samples 1..n-1 when their prompt's KV can be shared through the
+    # prefix cache: they wait until it has computed the prompt. None otherwise.
+    parent: Optional[Sequence] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
