@@ -36,6 +36,7 @@ import msgpack
 import numpy as np
 
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
+from atomrt.runtime.sampling_params import SamplingParams
 
 
 class MessageError(ValueError):
@@ -195,7 +196,101 @@ class Ready:
     pid: int = 0
 
 
-Message = Union[NewRequest, RankBatch, StepPlan, StepResult, Hello, Ready, Flush]
+# ------------------------------------------------------------- the engine core (API <-> engine)
+
+
+@dataclass
+class CoreRequest:
+    """API -> engine core: run a request (its outputs stream back per step)."""
+
+    request_id: str
+    prompt_token_ids: np.ndarray = field(default_factory=_i32)  # int32 [n]
+    sampling_params: Optional[SamplingParams] = None
+
+
+@dataclass
+class CoreAbort:
+    """API -> engine core: end these requests now (a client went away)."""
+
+    request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CoreShutdown:
+    """API -> engine core: stop the engine and exit."""
+
+    step: int = -1
+
+
+@dataclass
+class CoreOutput:
+    """One sample's new tokens and text from a step (or the error that ended its request)."""
+
+    request_id: str
+    index: int = 0  # which of the request's n samples
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: Optional[list[dict[int, float]]] = None  # per new token: {token id: logprob}
+    finished: bool = False
+    finish_reason: Optional[str] = None  # stop | length | abort | error
+    stop_reason: Union[int, str, None] = None
+    num_prompt_tokens: int = 0
+    first_scheduled_time: Optional[float] = None  # time.monotonic() in the core (same host)
+    first_token_time: Optional[float] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class CoreStats:
+    """The engine's state after a step, for readiness and metrics."""
+
+    time: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # used / all KV blocks
+    num_preemptions: int = 0
+    steps_eager: int = 0
+    steps_req_graph: int = 0
+    steps_token_graph: int = 0
+    padded_tokens: int = 0
+
+
+@dataclass
+class CoreOutputs:
+    """Engine core -> API, once per step (and twice a second while idle)."""
+
+    outputs: list[CoreOutput] = field(default_factory=list)
+    stats: CoreStats = field(default_factory=CoreStats)
+    fatal: Optional[str] = None  # the engine died: every request ends
+
+
+@dataclass
+class CoreReady:
+    """Engine core -> API, once: the engine is up (or why it is not)."""
+
+    pid: int = 0
+    max_model_len: int = 0
+    vocab_size: int = 0
+    num_kv_blocks: int = 0
+    capture_seconds: float = 0.0
+    compile_seconds: float = 0.0
+    error: Optional[str] = None
+
+
+Message = Union[
+    NewRequest,
+    RankBatch,
+    StepPlan,
+    StepResult,
+    Hello,
+    Ready,
+    Flush,
+    CoreRequest,
+    CoreAbort,
+    CoreShutdown,
+    CoreOutputs,
+    CoreReady,
+]
 
 # The wire tag of each type; append only (a tag is never reused). ForwardDecision and
 # WorkerSamplingParams travel only nested, in a StepPlan and a NewRequest.
@@ -209,6 +304,14 @@ _TAGS: dict[type, int] = {
     Flush: 7,
     ForwardDecision: 8,
     WorkerSamplingParams: 9,
+    CoreRequest: 10,
+    CoreAbort: 11,
+    CoreShutdown: 12,
+    CoreOutput: 13,
+    CoreStats: 14,
+    CoreOutputs: 15,
+    CoreReady: 16,
+    SamplingParams: 17,
 }
 _TYPES: dict[int, type] = {tag: cls for cls, tag in _TAGS.items()}
 _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in _TAGS}
@@ -360,6 +463,12 @@ def _from_wire_obj(cls: type, items: list) -> Any:
             items[_DECISION_FIELD] = _nested(ForwardDecision, items[_DECISION_FIELD])
     elif cls is NewRequest:
         items[_SAMPLING_FIELD] = _nested(WorkerSamplingParams, items[_SAMPLING_FIELD])
+    elif cls is CoreRequest:
+        if items[2] is not None:
+            items[2] = _nested(SamplingParams, items[2])
+    elif cls is CoreOutputs:
+        items[0] = [_nested(CoreOutput, o) for o in items[0]]
+        items[1] = _nested(CoreStats, items[1])
     elif cls is ForwardDecision:
         items[0] = ForwardKind(items[0])
         for i in _DECISION_TUPLES:

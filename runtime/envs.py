@@ -20,6 +20,7 @@ class Env:
     # ATOMRT_ALLOW_LONG_MAX_MODEL_LEN: accept model_config.max_model_len above the model's context
     # (with a warning; positions past it were never trained). Default 0: an error.
     allow_long_max_model_len: bool
+    api_key: str  # ATOMRT_API_KEY: the key `atomrt serve` requires (as --api-key); "" = none
 
 
 def read_env() -> Env:
@@ -32,6 +33,7 @@ def read_env() -> Env:
         host_ip=os.environ.get("ATOMRT_HOST_IP", ""),
         pdl=os.environ.get("ATOMRT_PDL", "0") == "1",
         allow_long_max_model_len=os.environ.get("ATOMRT_ALLOW_LONG_MAX_MODEL_LEN", "0") == "1",
+        api_key=os.environ.get("ATOMRT_API_KEY", ""),
     )
 
 

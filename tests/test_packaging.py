@@ -19,6 +19,9 @@ def test_every_package_folder_is_listed():
             rel = init.parent.relative_to(ROOT / folder)
             found.add(".".join([pkg, *rel.parts]) if rel.parts else pkg)
     assert found == set(setup["packages"])
+    for folder in mapping.values():  # a folder of modules without __init__.py would not ship
+        for module in (ROOT / folder).rglob("*.py"):
+            assert (module.parent / "__init__.py").exists(), f"{module.parent} lacks __init__.py"
     assert set(mapping) == {
         f"atomrt.{k}" for k in ("runtime", "workers", "compile", "graphs", "distributed")
     }

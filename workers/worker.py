@@ -15,6 +15,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from atomrt.compile.backends import compilation_counter
 from atomrt.distributed.communication_op import TPInfo
 from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.config import Config
@@ -51,6 +52,7 @@ class WorkerInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     capture_seconds: float
+    compile_seconds: float  # torch.compile (Dynamo + Inductor, or a cache load) in this process
     capture_sizes: tuple[int, ...]
     req_keys: tuple[tuple[int, int], ...]
     prefill_token_sizes: tuple[int, ...]
@@ -97,6 +99,7 @@ class Worker:
             max_model_len=self.runner.shape.max_model_len,
             eos_token_ids=tuple(arch.eos_token_ids),
             capture_seconds=seconds,
+            compile_seconds=compilation_counter.compile_seconds,
             capture_sizes=tuple(graphs.capture_sizes),
             req_keys=captured.req_keys,
             prefill_token_sizes=captured.prefill_token_sizes,

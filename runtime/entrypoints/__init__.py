@@ -1,1 +1,1 @@
-"""What users call: the offline `LLM` and the `atomrt` command line."""
+"""What users call: the offline `LLM`, the `atomrt` command line, and the OpenAI server."""

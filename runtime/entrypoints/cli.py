@@ -1,6 +1,7 @@
-"""The `atomrt` command: `generate` and `bench`.
+"""The `atomrt` command: `generate`, `serve` and `bench`.
 
 atomrt generate [--model PATH] --prompt TEXT [--prompt TEXT ...] [--chat] [--config FILE] [--set KEY=VALUE ...]
+atomrt serve [--model PATH] [--host 127.0.0.1] [--port 8000] [engine flags ...]
 """
 
 from __future__ import annotations
@@ -46,6 +47,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from atomrt.runtime.entrypoints.llm import load_tokenizer_for
+    from atomrt.runtime.entrypoints.openai.api_server import ServerArgs, serve
+
+    config = config_from_args(args)
+    for name, value in (
+        ("--port", args.port),
+        ("--max-queued-requests", args.max_queued_requests),
+        ("--max-request-bytes", args.max_request_bytes),
+    ):
+        if value < 1 or (name == "--port" and value > 65535):
+            raise ValueError(f"{name}: out of range, got {value}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
+    server_args = ServerArgs(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or ENV.api_key or None,
+        max_queued_requests=args.max_queued_requests,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    return asyncio.run(serve(config, server_args, load_tokenizer_for(config)))
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.what == "startup":
         from atomrt.runtime.bench.startup import main as bench_main
@@ -70,6 +99,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    _add_config_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: --model)"
+    )
+    srv.add_argument("--api-key", default=None, help="require this key (or set ATOMRT_API_KEY)")
+    srv.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests in flight before new ones get 429",
+    )
+    srv.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger bodies get 413")
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
     bench = sub.add_parser(
         "bench",
         help="benchmarks: startup | latency | throughput | transport (their own flags follow)",
@@ -90,6 +140,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return cmd_bench(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "serve":
+            return cmd_serve(args)
         return cmd_generate(args)
     except (ConfigError, ValueError) as e:
         print(f"atomrt: error: {e}", file=sys.stderr)

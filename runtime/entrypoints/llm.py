@@ -52,7 +52,7 @@ class LLM:
         if config is not None and kwargs:
             raise ConfigError("LLM(): pass either config= or keyword settings, not both")
         self.config = config if config is not None else config_from_kwargs(model, kwargs)
-        tokenizer = _load_tokenizer(self.config)
+        tokenizer = load_tokenizer_for(self.config)
         self.tokenizer = tokenizer
         self.engine = LLMEngine(self.config, tokenizer)
 
@@ -145,7 +145,8 @@ def _per_prompt(
     return params
 
 
-def _load_tokenizer(config: Config):
+def load_tokenizer_for(config: Config):
+    """The tokenizer of `config.model` (or model_config.tokenizer); None for a preset without one."""
     from atomrt.workers.loading.loader import resolve_model
     from atomrt.workers.loading.tokenizer import load_tokenizer
 

@@ -1,0 +1,378 @@
+"""`atomrt serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of the engine core.
+
+The HTTP loop never waits on a step: the engine runs in its own process (engine_core.py), fed over
+ZeroMQ. Endpoints: /v1/completions, /v1/chat/completions (both with `stream: true` as server-sent
+events), /v1/models, /tokenize, /detokenize, /health (the process and the engine loop are alive),
+/ready (model loaded, graphs captured, the engine loop alive and not draining), /metrics, /version.
+
+Errors are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body
+(naming the field), 401 without the API key, 404 for another model, 413 for a body over
+--max-request-bytes, 429 with Retry-After when --max-queued-requests are in flight, 503 while
+starting, draining or after the engine died, 500 only for the server's own faults (logged, never
+a trace to the client). SIGTERM drains: new requests get 503, requests in flight get
+--shutdown-timeout to finish, the rest end with a final error chunk, the engine core stops, the
+process exits 0 (1 if the engine died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from atomrt.runtime.config import Config
+from atomrt.runtime.entrypoints.engine_client import EngineClient, EngineGone
+from atomrt.runtime.entrypoints.openai.metrics import ServerMetrics
+from atomrt.runtime.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestError,
+    TokenizeRequest,
+    parse,
+)
+from atomrt.runtime.entrypoints.openai.responses import ChatResponses, CompletionResponses, sse
+from atomrt.runtime.entrypoints.openai.serving import Job, Serving
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+LIVENESS_S = 10.0  # /health and /ready fail when the engine loop said nothing for this long
+_GUARDED = ("/v1/", "/tokenize", "/detokenize")  # paths behind the API key and the size limit
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    max_queued_requests: int = 1024
+    max_request_bytes: int = 1 << 20
+    shutdown_timeout: float = 30.0
+    start_timeout: float = 3600.0  # load + compile + capture of the engine core
+
+
+class ServerState:
+    def __init__(self, config: Config, args: ServerArgs, tokenizer: Any) -> None:
+        self.args = args
+        self.model_name = args.served_model_name or config.model
+        self.metrics = ServerMetrics(self.model_name)
+        self.client = EngineClient(config, args.start_timeout)
+        self.client.on_outputs = lambda msg: self.metrics.engine_stats(msg.stats)
+        self.serving = Serving(self.client, tokenizer, self.model_name, self.metrics)
+        self.draining = False
+        self.in_flight = 0  # API requests admitted and not yet answered in full
+        self.started = time.time()
+
+    def admit(self) -> None:
+        """Raise the RequestError (503 or 429) that refuses a new generation request, if any."""
+        unavailable = dict(status=503, kind="service_unavailable")
+        if self.draining:
+            raise RequestError("the server is shutting down", **unavailable)
+        if self.client.fatal is not None:
+            raise RequestError(f"the engine stopped: {self.client.fatal}", **unavailable)
+        if self.client.ready is None:
+            raise RequestError("the engine is starting", **unavailable)
+        if self.in_flight >= self.args.max_queued_requests:
+            raise RequestError(
+                f"{self.in_flight} requests are in flight (--max-queued-requests); retry later",
+                status=429,
+                kind="rate_limit_error",
+            )
+
+
+def error_response(e: RequestError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    body = {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": e.status}}
+    return JSONResponse(body, status_code=e.status, headers=headers)
+
+
+class Guard:
+    """ASGI middleware: the API key and the body-size limit, before any route reads the body."""
+
+    def __init__(self, app: Any, args: ServerArgs) -> None:
+        self.app = app
+        self.args = args
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_GUARDED):
+            refused = self._check(dict(scope["headers"]))
+            if refused is not None:
+                await error_response(refused)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, headers: dict[bytes, bytes]) -> Optional[RequestError]:
+        key = self.args.api_key
+        if key and headers.get(b"authorization") != f"Bearer {key}".encode():
+            return RequestError(
+                "a valid API key is required (Authorization: Bearer ...)",
+                status=401,
+                kind="authentication_error",
+            )
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.args.max_request_bytes:
+            return RequestError(
+                f"the request body is {int(length)} bytes; at most {self.args.max_request_bytes}",
+                status=413,
+            )
+        return None
+
+
+async def read_json(state: ServerState, request: Request) -> Any:
+    raw = await request.body()  # chunked bodies carry no content-length: checked here too
+    if len(raw) > state.args.max_request_bytes:
+        raise RequestError(
+            f"the request body is {len(raw)} bytes; at most {state.args.max_request_bytes}",
+            status=413,
+        )
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}") from None
+
+
+# ------------------------------------------------------------------------- generation requests
+
+
+async def generate(
+    state: ServerState, request: Request, responses: CompletionResponses
+) -> Response:
+    """Run an admitted job: stream it, or gather it whole while watching for the client leaving."""
+    job = responses.job
+    state.in_flight += 1
+    try:
+        state.serving.submit(job)
+    except BaseException:
+        state.in_flight -= 1
+        state.serving.abort(job)
+        raise
+    if responses.req.stream:
+        return StreamingResponse(stream(state, job, responses), media_type="text/event-stream")
+    try:
+        if not await gather(state, request, job):
+            return Response(status_code=499)  # the client is gone: nobody reads this
+    finally:
+        state.in_flight -= 1
+    return JSONResponse(responses.body())
+
+
+async def gather(state: ServerState, request: Request, job: Job) -> bool:
+    """Collect every output of `job`; False (and the job aborted) if the client disconnects."""
+
+    async def drain() -> None:
+        async for _ in state.serving.outputs(job):
+            pass
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    collect = asyncio.ensure_future(drain())
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
+        if collect.done():
+            collect.result()  # raises what ended the job early (engine stopped, rejected)
+            return True
+        return False
+    finally:
+        collect.cancel()
+        gone.cancel()
+        if not job.finished:
+            state.serving.abort(job)
+
+
+async def stream(
+    state: ServerState, job: Job, responses: CompletionResponses
+) -> AsyncIterator[str]:
+    """The job as server-sent events. A client that disconnects cancels this generator (Starlette),
+    which aborts the job in `finally`."""
+    try:
+        try:
+            async for chunk in responses.chunks(state.serving.outputs(job)):
+                yield chunk
+        except (EngineGone, RequestError) as e:
+            kind = "service_unavailable" if isinstance(e, EngineGone) else "invalid_request_error"
+            code = 503 if isinstance(e, EngineGone) else 400
+            yield sse({"error": {"message": str(e), "type": kind, "param": None, "code": code}})
+        yield sse("[DONE]")
+    finally:
+        state.in_flight -= 1
+        if not job.finished:
+            state.serving.abort(job)
+
+
+# ------------------------------------------------------------------------- the app
+
+
+def build_app(state: ServerState) -> Any:
+    app = FastAPI(title="atomrt", version=VERSION)
+    app.state.atomrt = state
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, e: RequestError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(EngineGone)
+    async def engine_gone(_: Request, e: EngineGone) -> JSONResponse:
+        return error_response(
+            RequestError(f"the engine stopped: {e}", status=503, kind="service_unavailable")
+        )
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception) -> JSONResponse:
+        logger.error("unhandled error serving %s", request.url.path, exc_info=e)
+        return error_response(
+            RequestError("internal server error", status=500, kind="internal_error")
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        state.admit()
+        req = parse(CompletionRequest, await read_json(state, request))
+        job = state.serving.completion_job(req)
+        return await generate(state, request, CompletionResponses(state.serving, req, job))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        state.admit()
+        req = parse(ChatCompletionRequest, await read_json(state, request))
+        job = state.serving.chat_job(req)
+        return await generate(state, request, ChatResponses(state.serving, req, job))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "atomrt",
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = parse(TokenizeRequest, await read_json(state, request))
+        tokens = state.serving.tokenize_request(req)
+        ready = state.client.ready
+        max_len = ready.max_model_len if ready else None
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": max_len})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = parse(DetokenizeRequest, await read_json(state, request))
+        return JSONResponse({"prompt": state.serving.detokenize_request(req)})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.client.ready is not None and not state.client.alive(LIVENESS_S):
+            why = state.client.fatal or f"no message for {LIVENESS_S:.0f} s"
+            raise RequestError(
+                f"the engine loop is not answering: {why}", status=503, kind="service_unavailable"
+            )
+        return JSONResponse({"status": "ok", "engine_pid": state.client.pid})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if state.client.ready is None or state.draining or not state.client.alive(LIVENESS_S):
+            raise RequestError("not ready", status=503, kind="service_unavailable")
+        return JSONResponse({"status": "ready", "model": state.model_name})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": VERSION})
+
+    return Guard(app, state.args)
+
+
+# ------------------------------------------------------------------------- the process
+
+
+async def serve(config: Config, args: ServerArgs, tokenizer: Any) -> int:
+    """Run the server until SIGTERM / SIGINT (drain) or the engine's death; the exit status."""
+    import uvicorn
+
+    state = ServerState(config, args, tokenizer)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(state),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)),
+        )
+    )
+    server.install_signal_handlers = lambda: None  # ours below drain first
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    http = asyncio.ensure_future(server.serve())  # answers 503 (and /health) while starting
+    print(f"atomrt: starting the engine for {state.model_name} ...", flush=True)
+    try:
+        ready = await _until(state.client.start(), stop)
+    except EngineGone as e:
+        print(f"atomrt: error: {e}", flush=True)
+        await _close(state, server, http)
+        return 1
+    if ready is None:  # a signal during start-up
+        await _close(state, server, http)
+        return 0
+    state.metrics.startup(ready.capture_seconds, ready.compile_seconds)
+    print(
+        f"atomrt: ready: http://{args.host}:{args.port}/v1 (model {state.model_name}, "
+        f"{ready.num_kv_blocks} KV blocks, compile {ready.compile_seconds:.1f} s, "
+        f"capture {ready.capture_seconds:.1f} s)",
+        flush=True,
+    )
+    died = asyncio.ensure_future(state.client.wait_dead())
+    signalled = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([signalled, died, http], return_when=asyncio.FIRST_COMPLETED)
+    code = 1 if state.client.fatal is not None else 0
+    if code:
+        print(f"atomrt: error: the engine stopped: {state.client.fatal}", flush=True)
+    state.draining = True
+    deadline = time.monotonic() + args.shutdown_timeout
+    while state.in_flight and time.monotonic() < deadline and state.client.fatal is None:
+        await asyncio.sleep(0.05)
+    if state.in_flight:
+        logger.warning(
+            "ending %d requests still in flight after --shutdown-timeout", state.in_flight
+        )
+    died.cancel()
+    signalled.cancel()
+    await _close(state, server, http)  # ends what is still in flight with a final error
+    return code
+
+
+async def _close(state: ServerState, server: Any, http: asyncio.Future) -> None:
+    await state.client.stop()
+    server.should_exit = True
+    await http
+    state.client.cleanup()
+
+
+async def _until(coro: Any, stop: asyncio.Event) -> Any:
+    """`coro`'s result, or None if `stop` is set first (then `coro` is cancelled)."""
+    task = asyncio.ensure_future(coro)
+    waiter = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    return None

@@ -1,0 +1,157 @@
+"""The server's Prometheus metrics: vLLM's names under an `atomrt:` prefix, and atomrt's own.
+
+Engine-wide figures (running / waiting requests, KV usage, preemptions, steps by kind, padded
+rows) come from the engine core's statistics, sent with every step; per-request latencies are
+measured here, in the API process, from the request's arrival and each output's arrival.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.model = model_name
+        self.num_running = Gauge(
+            "atomrt:num_requests_running", "Requests the engine runs", labels, registry=r
+        )
+        self.num_waiting = Gauge(
+            "atomrt:num_requests_waiting", "Requests waiting to run", labels, registry=r
+        )
+        self.kv_usage = Gauge(
+            "atomrt:kv_cache_usage_perc", "KV cache blocks in use (0-1)", labels, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "atomrt:prompt_tokens", "Prompt tokens received", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            "atomrt:generation_tokens", "Tokens generated", labels, registry=r
+        )
+        self.success = Counter(
+            "atomrt:request_success", "Requests finished", labels + ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "atomrt:time_to_first_token_seconds",
+            "Arrival to first token",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "atomrt:inter_token_latency_seconds",
+            "Time between output tokens",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "atomrt:e2e_request_latency_seconds",
+            "Arrival to last token",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "atomrt:request_queue_time_seconds",
+            "Arrival to first scheduled",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "atomrt:preemptions", "Sequences preempted (to recompute)", labels, registry=r
+        )
+        self.steps = Counter("atomrt:steps", "Engine steps by kind", labels + ["kind"], registry=r)
+        self.padded = Counter(
+            "atomrt:padded_tokens", "Rows run beyond the real ones", labels, registry=r
+        )
+        self.compile_seconds = Gauge(
+            "atomrt:compile_seconds", "Start-up compile time", labels, registry=r
+        )
+        self.capture_seconds = Gauge(
+            "atomrt:capture_seconds", "CUDA-graph capture time", labels, registry=r
+        )
+        self._last_token: dict[str, float] = {}
+        self._totals: dict[str, int] = {}  # the engine's running totals, last seen
+
+    def _advance(self, counter: Any, name: str, total: int, *labels: str) -> None:
+        """Move a counter to the engine's running `total` (sent whole with every step)."""
+        delta = total - self._totals.get(name, 0)
+        if delta > 0:
+            counter.labels(self.model, *labels).inc(delta)
+            self._totals[name] = total
+
+    def engine_stats(self, stats: Any) -> None:
+        m = self.model
+        self.num_running.labels(m).set(stats.num_running)
+        self.num_waiting.labels(m).set(stats.num_waiting)
+        self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        self._advance(self.preemptions, "preemptions", stats.num_preemptions)
+        self._advance(self.steps, "eager", stats.steps_eager, "eager")
+        self._advance(self.steps, "req_graph", stats.steps_req_graph, "req_graph")
+        self._advance(self.steps, "token_graph", stats.steps_token_graph, "token_graph")
+        self._advance(self.padded, "padded", stats.padded_tokens)
+
+    def request_in(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model).inc(num_prompt_tokens)
+
+    def first_token(self, arrival: float, out: Any) -> None:
+        now = time.monotonic()
+        self.ttft.labels(self.model).observe(now - arrival)
+        if out.first_scheduled_time is not None:
+            self.queue_time.labels(self.model).observe(max(0.0, out.first_scheduled_time - arrival))
+        self.generation_tokens.labels(self.model).inc(len(out.token_ids))
+        self._last_token[f"{out.request_id}/{out.index}"] = now
+
+    def next_tokens(self, out: Any) -> None:
+        """More tokens of a sample that already had its first: their inter-token latency."""
+        n = len(out.token_ids)
+        self.generation_tokens.labels(self.model).inc(n)
+        key = f"{out.request_id}/{out.index}"
+        now = time.monotonic()
+        last = self._last_token.get(key)
+        if last is not None:
+            for _ in range(n):
+                self.itl.labels(self.model).observe((now - last) / n)
+        self._last_token[key] = now
+
+    def request_done(self, arrival: float, out: Any, num_tokens: int) -> None:
+        self.e2e.labels(self.model).observe(time.monotonic() - arrival)
+        self.success.labels(self.model, out.finish_reason or "unknown").inc()
+        self._last_token.pop(f"{out.request_id}/{out.index}", None)
+
+    def startup(self, capture_seconds: float, compile_seconds: Optional[float] = None) -> None:
+        self.capture_seconds.labels(self.model).set(capture_seconds)
+        if compile_seconds is not None:
+            self.compile_seconds.labels(self.model).set(compile_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,131 @@
+"""OpenAI response bodies and server-sent-event chunks, built from a finished or running `Job`.
+
+One class per endpoint. `body()` is the non-streamed response; `chunks(outputs)` turns the job's
+outputs, as `Serving.outputs` yields them, into `data: {...}` events in OpenAI's chunk format, the
+usage chunk last when `stream_options.include_usage` asks for it. The caller adds `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Union
+
+from atomrt.distributed.messages import CoreOutput
+from atomrt.runtime.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from atomrt.runtime.entrypoints.openai.serving import Choice, Job, Serving
+
+
+def sse(data: Union[dict[str, Any], str]) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class CompletionResponses:
+    object_name = "text_completion"
+
+    def __init__(self, serving: Serving, req: CompletionRequest, job: Job) -> None:
+        self.serving = serving
+        self.req = req
+        self.job = job
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list[dict[str, Any]], obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.serving.model_name,
+            "choices": choices,
+        }
+
+    def _logprobs(self, choice: Choice, start: int, token_ids: list[int]) -> Any:
+        if self.req.logprobs is None:
+            return None
+        return self.serving.completion_logprobs(choice, start, token_ids)
+
+    def body(self) -> dict[str, Any]:
+        choices = [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": self._logprobs(c, 0, c.token_ids),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in self.job.choices
+        ]
+        return {**self._envelope(choices, self.object_name), "usage": self.job.usage()}
+
+    def delta(self, choice: Choice, out: CoreOutput, start: int) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "text": out.text,
+            "logprobs": self._logprobs(choice, start, out.token_ids),
+            "finish_reason": choice.finish_reason if out.finished else None,
+        }
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    async def chunks(self, outputs: AsyncIterator[tuple[Choice, CoreOutput]]) -> AsyncIterator[str]:
+        obj = self.object_name if self.object_name == "text_completion" else "chat.completion.chunk"
+        for first in self.opening():
+            yield sse(self._envelope([first], obj))
+        seen = {c.index: 0 for c in self.job.choices}  # tokens already sent, per choice
+        async for choice, out in outputs:
+            start, seen[choice.index] = seen[choice.index], len(choice.token_ids)
+            if out.text or out.token_ids or out.finished:
+                yield sse(self._envelope([self.delta(choice, out, start)], obj))
+        options = self.req.stream_options
+        if options is not None and options.include_usage:
+            yield sse({**self._envelope([], obj), "usage": self.job.usage()})
+
+
+class ChatResponses(CompletionResponses):
+    object_name = "chat.completion"
+
+    def __init__(self, serving: Serving, req: ChatCompletionRequest, job: Job) -> None:
+        super().__init__(serving, req, job)  # type: ignore[arg-type]
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.top = req.top_logprobs or 0
+
+    def _logprobs(self, choice: Choice, start: int, token_ids: list[int]) -> Any:
+        if not self.req.logprobs:
+            return None
+        return self.serving.chat_logprobs(choice, start, token_ids, self.top)
+
+    def body(self) -> dict[str, Any]:
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c, 0, c.token_ids),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in self.job.choices
+        ]
+        return {**self._envelope(choices, self.object_name), "usage": self.job.usage()}
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Each choice's first chunk names the role, as OpenAI's stream does."""
+        return [
+            {
+                "index": c.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for c in self.job.choices
+        ]
+
+    def delta(self, choice: Choice, out: CoreOutput, start: int) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "delta": {"content": out.text} if out.text else {},
+            "logprobs": self._logprobs(choice, start, out.token_ids),
+            "finish_reason": choice.finish_reason if out.finished else None,
+        }

@@ -1,0 +1,289 @@
+"""Turning OpenAI requests into engine requests and engine outputs into OpenAI responses.
+
+`Serving` holds the tokenizer and the engine client. A request becomes one engine request per
+prompt (n samples each); its outputs are gathered per choice (`index`) and returned whole, or
+streamed as server-sent events in OpenAI's chunk format. A client that goes away aborts its
+engine requests (their KV blocks are freed at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from atomrt.distributed.messages import CoreOutput
+from atomrt.runtime.entrypoints.engine_client import EngineClient, EngineGone, RequestStream
+from atomrt.runtime.entrypoints.openai.metrics import ServerMetrics
+from atomrt.runtime.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestError,
+    TokenizeRequest,
+)
+from atomrt.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class Choice:
+    """One sample of one prompt, as its outputs arrive."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+
+
+@dataclass
+class Job:
+    """The engine requests of one API request (one per prompt) and what they produced."""
+
+    prompts_token_ids: list[list[int]]
+    params: SamplingParams
+    streams: list[RequestStream] = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.choices) and all(c.finish_reason is not None for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+
+_ids = itertools.count()
+
+
+class Serving:
+    def __init__(
+        self, client: EngineClient, tokenizer: Any, model_name: str, metrics: ServerMetrics
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+
+    # ---------------------------------------------------------------- requests in
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(
+                f"model: {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                status=404,
+                kind="not_found_error",
+            )
+
+    def tokenize(self, prompt: Union[str, list[int]]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt: this model has no tokenizer, send token ids", "prompt")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def check_prompt(self, token_ids: list[int], max_tokens: int) -> None:
+        ready = self.client.ready
+        if not token_ids:
+            raise RequestError("prompt: is empty; send at least one token", "prompt")
+        if ready is not None:
+            if len(token_ids) >= ready.max_model_len:
+                raise RequestError(
+                    f"prompt: has {len(token_ids)} tokens; this model's context is "
+                    f"{ready.max_model_len} tokens, which must leave room to generate",
+                    "prompt",
+                )
+            bad = [t for t in token_ids if not 0 <= t < ready.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"prompt: token ids out of range [0, {ready.vocab_size}): {bad[:5]}", "prompt"
+                )
+
+    def max_tokens(self, asked: Optional[int], prompt_len: int) -> int:
+        limit = (
+            self.client.ready.max_model_len - prompt_len if self.client.ready is not None else 16
+        )
+        if asked is None:
+            return max(1, limit)
+        if asked < 1:
+            raise RequestError(f"max_tokens: must be >= 1, got {asked}", "max_tokens")
+        return asked
+
+    def completion_job(self, req: CompletionRequest) -> Job:
+        self.check_model(req.model)
+        if req.echo:
+            raise RequestError("echo: is not supported", "echo")
+        if req.suffix:
+            raise RequestError("suffix: is not supported", "suffix")
+        prompts = [self.tokenize(p) for p in req.prompts()]
+        max_tokens = self.max_tokens(req.max_tokens, max(len(p) for p in prompts))
+        for p in prompts:
+            self.check_prompt(p, max_tokens)
+        return Job(prompts, req.sampling_params(max_tokens, req.logprobs))
+
+    def chat_job(self, req: ChatCompletionRequest) -> Job:
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise RequestError("messages: this model has no tokenizer or chat template", "messages")
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                req.conversation(), add_generation_prompt=req.add_generation_prompt
+            )
+        except Exception as e:  # a template that cannot render these messages: the client's problem
+            raise RequestError(
+                f"messages: the chat template could not render them: {e}", "messages"
+            ) from None
+        tokens = self.tokenize(prompt)
+        asked = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        max_tokens = self.max_tokens(asked, len(tokens))
+        self.check_prompt(tokens, max_tokens)
+        return Job([tokens], req.sampling_params(max_tokens, req.num_logprobs()))
+
+    def tokenize_request(self, req: TokenizeRequest) -> list[int]:
+        """/tokenize: a prompt's ids, or a conversation's as the chat template renders it."""
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise RequestError("prompt: this model has no tokenizer", "prompt")
+        if req.messages is not None:
+            conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                return list(self.tokenizer.apply_chat_template(conversation))
+            except Exception as e:  # a template that cannot render these messages
+                raise RequestError(
+                    f"messages: the chat template could not render them: {e}", "messages"
+                ) from None
+        if req.prompt is None:
+            raise RequestError("prompt: give a prompt or messages", "prompt")
+        return self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+    def detokenize_request(self, req: DetokenizeRequest) -> str:
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise RequestError("tokens: this model has no tokenizer", "tokens")
+        vocab = self.client.ready.vocab_size if self.client.ready else None
+        if vocab is not None and any(not 0 <= t < vocab for t in req.tokens):
+            raise RequestError(f"tokens: token ids out of range [0, {vocab})", "tokens")
+        return self.tokenizer.decode(req.tokens)
+
+    def submit(self, job: Job) -> None:
+        n = job.params.n
+        job.choices = [Choice(i) for i in range(len(job.prompts_token_ids) * n)]
+        for prompt in job.prompts_token_ids:
+            rid = f"req-{next(_ids)}-{uuid.uuid4().hex[:8]}"
+            job.streams.append(self.client.submit(rid, prompt, job.params))
+            self.metrics.request_in(len(prompt))
+
+    def abort(self, job: Job) -> None:
+        """End the job's engine requests (its client went away); never waits."""
+        self.client.abort([s.request_id for s in job.streams])
+
+    # ---------------------------------------------------------------- outputs out
+
+    async def outputs(self, job: Job) -> AsyncIterator[tuple[Choice, CoreOutput]]:
+        """Every output of the job's engine requests, as (its choice, the output), in arrival order."""
+        n = job.params.n
+        getters = {i: asyncio.ensure_future(s.queue.get()) for i, s in enumerate(job.streams)}
+        try:
+            while getters:
+                done, _ = await asyncio.wait(getters.values(), return_when=asyncio.FIRST_COMPLETED)
+                for i, fut in list(getters.items()):
+                    if fut not in done:
+                        continue
+                    out = fut.result()
+                    if out is None:
+                        del getters[i]
+                        continue
+                    if out.error:
+                        raise (
+                            EngineGone(out.error)
+                            if out.finish_reason == "error"
+                            else RequestError(out.error)
+                        )
+                    choice = job.choices[i * n + out.index]
+                    self._apply(choice, out, job.streams[i])
+                    yield choice, out
+                    if out.finished:
+                        self.client.finished(job.streams[i], n)
+                        if job.streams[i].finished >= n:
+                            del getters[i]
+                            continue
+                    getters[i] = asyncio.ensure_future(job.streams[i].queue.get())
+        finally:
+            for fut in getters.values():
+                fut.cancel()
+
+    def _apply(self, choice: Choice, out: CoreOutput, stream: RequestStream) -> None:
+        if not choice.token_ids and out.token_ids:
+            self.metrics.first_token(stream.arrival_time, out)
+        elif out.token_ids:
+            self.metrics.next_tokens(out)
+        choice.text += out.text
+        choice.token_ids += out.token_ids
+        if out.logprobs:
+            choice.logprobs += out.logprobs
+        if out.finished:
+            choice.finish_reason = out.finish_reason
+            choice.stop_reason = out.stop_reason
+            self.metrics.request_done(stream.arrival_time, out, len(choice.token_ids))
+
+    # ---------------------------------------------------------------- logprobs
+
+    def completion_logprobs(
+        self, choice: Choice, start: int, token_ids: list[int]
+    ) -> Optional[dict[str, Any]]:
+        if not token_ids or not choice.logprobs:
+            return None
+        rows = choice.logprobs[start : start + len(token_ids)]
+        tokens = [self._token_text(t) for t in token_ids]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [row.get(t, float("-inf")) for t, row in zip(token_ids, rows)],
+            "top_logprobs": [{self._token_text(k): v for k, v in row.items()} for row in rows],
+            "text_offset": [],
+        }
+
+    def chat_logprobs(
+        self, choice: Choice, start: int, token_ids: list[int], top: int
+    ) -> Optional[dict[str, Any]]:
+        if not token_ids or not choice.logprobs:
+            return None
+        rows = choice.logprobs[start : start + len(token_ids)]
+        content = []
+        for t, row in zip(token_ids, rows):
+            best = sorted(row.items(), key=lambda kv: -kv[1])[:top]
+            content.append(
+                {
+                    "token": self._token_text(t),
+                    "logprob": row.get(t, float("-inf")),
+                    "bytes": None,
+                    "top_logprobs": [
+                        {"token": self._token_text(k), "logprob": v, "bytes": None} for k, v in best
+                    ],
+                }
+            )
+        return {"content": content}
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return str(token_id)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

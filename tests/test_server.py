@@ -1,0 +1,446 @@
+"""`atomrt serve` over real HTTP on 127.0.0.1, driven by the official `openai` client.
+
+One server runs the embedded SmolLM2-135M-Instruct (chat template, real text); others run the tiny
+test Llama (fast tokens) for load, cancellation, admission, auth, fuzz and shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import httpx
+import openai
+import pytest
+from executor_harness import build_tiny_llama, pid_alive, wait_gone
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from atomrt.distributed.net_utils import get_free_port
+
+CPU_FLAGS = ["--device", "cpu", "--enforce-eager", "--set", "cache_config.num_kv_blocks=256"]
+
+
+class Server:
+    def __init__(self, args: list[str], env: Optional[dict[str, str]] = None) -> None:
+        self.port = get_free_port("127.0.0.1")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "atomrt.runtime.entrypoints.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read() -> None:  # drain the output all along: a full pipe would block the server
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if "atomrt: ready:" in line:
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(240) or self.proc.poll() is not None:
+            raise AssertionError("the server did not get ready:\n" + "".join(self.lines))
+        assert any(self.url in line for line in self.lines if "atomrt: ready:" in line), self.lines
+        self.engine_pid = httpx.get(f"{self.url}/health").json()["engine_pid"]
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1",
+            api_key=kwargs.pop("api_key", "none"),
+            max_retries=0,
+            **kwargs,
+        )
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"no metric {name}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_server") / "model")
+
+
+@pytest.fixture(scope="module")
+def smol() -> Iterator[Server]:
+    server = Server([*CPU_FLAGS, "--served-model-name", "smol"])
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny) -> Iterator[Server]:
+    server = Server(
+        ["--model", str(tiny), *CPU_FLAGS, "--max-num-seqs", "64", "--served-model-name", "tiny"]
+    )
+    yield server
+    assert server.stop() == 0
+
+
+def test_completions_and_chat_through_the_openai_client(smol):
+    client = smol.client()
+    assert [m.id for m in client.models.list().data] == ["smol"]
+    kwargs = dict(model="smol", temperature=0, max_tokens=16)
+    whole = client.completions.create(prompt="The capital of France is", **kwargs)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(prompt="The capital of France is", stream=True, **kwargs)
+    )
+    assert whole.choices[0].text and streamed == whole.choices[0].text
+    prompt_tokens = httpx.post(
+        f"{smol.url}/tokenize", json={"prompt": "The capital of France is"}
+    ).json()["count"]
+    assert whole.usage.prompt_tokens == prompt_tokens and whole.usage.completion_tokens == 16
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(messages=messages, **kwargs)
+    assert (
+        "Paris" in chat.choices[0].message.content and chat.choices[0].message.role == "assistant"
+    )
+    chunks = list(
+        client.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == chat.choices[0].message.content
+    )
+    assert (
+        chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+        and not chunks[-1].choices
+    )
+    three = client.completions.create(
+        prompt="Once upon a time", model="smol", max_tokens=8, n=3, temperature=1.0, seed=5
+    )
+    assert sorted(c.index for c in three.choices) == [0, 1, 2]
+    assert len({c.text for c in three.choices}) > 1  # seeded, distinct samples
+    again = client.completions.create(
+        prompt="Once upon a time", model="smol", max_tokens=8, n=3, temperature=1.0, seed=5
+    )
+    assert [c.text for c in again.choices] == [c.text for c in three.choices]  # and reproducible
+
+
+def test_logprobs_and_errors_in_openai_json(smol):
+    client = smol.client()
+    out = client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="smol", prompt="x", temperature=-1)
+    assert "temperature" in str(err.value)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+    r = httpx.post(
+        f"{smol.url}/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{smol.url}/v1/completions", json={"prompt": "x", "max_tokens": "5"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(f"{smol.url}/v1/completions", json={"prompt": "x" * (2 << 20)})
+    assert r.status_code == 413
+    r = httpx.post(f"{smol.url}/v1/completions", json={"prompt": "hello " * 9000, "max_tokens": 2})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]  # past max_model_len
+    r = httpx.post(f"{smol.url}/v1/completions", json={"prompt": "hello " * 5000, "max_tokens": 2})
+    assert (
+        r.status_code == 400 and "KV" in r.json()["error"]["message"]
+    )  # more than the KV cache holds
+    assert httpx.post(f"{smol.url}/detokenize", json={"tokens": [1, 2, 3]}).status_code == 200
+    assert httpx.get(f"{smol.url}/version").json()["version"]
+
+
+async def _stream_one(client: openai.AsyncOpenAI, prompt: list[int], n: int) -> str:
+    text = []
+    async for chunk in await client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True
+    ):
+        text.append(chunk.choices[0].text)
+    return "".join(text)
+
+
+def test_200_concurrent_streams_lose_and_repeat_nothing(tiny_server):
+    prompts = [[5 + i % 50, 9, 11 + i % 7] for i in range(200)]
+    sync = tiny_server.client()
+    want = {
+        tuple(p): sync.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0)
+        .choices[0]
+        .text
+        for p in {tuple(p) for p in prompts}
+    }
+
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(
+            base_url=f"{tiny_server.url}/v1",
+            api_key="none",
+            max_retries=0,
+            http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=300)),
+        )
+        return await asyncio.gather(*[_stream_one(client, p, 6) for p in prompts])
+
+    got = asyncio.run(run())
+    assert got == [want[tuple(p)] for p in prompts]
+    assert tiny_server.metric("atomrt:num_requests_running") == 0
+
+
+def test_a_cancelled_stream_frees_its_kv_blocks(smol):
+    """The 135M model is slow enough on CPU that 400 tokens are still running when the client leaves."""
+    with httpx.stream(
+        "POST",
+        f"{smol.url}/v1/completions",
+        json={
+            "model": "smol",
+            "prompt": "Tell me a story",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0,
+        },
+    ) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break
+        assert smol.metric("atomrt:kv_cache_usage_perc") > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and smol.metric("atomrt:kv_cache_usage_perc") > 0:
+        time.sleep(0.2)
+    assert smol.metric("atomrt:kv_cache_usage_perc") == 0
+    assert smol.metric("atomrt:num_requests_running") == 0
+
+
+ODD = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+KEYS = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stop",
+    "logprobs",
+    "top_logprobs",
+    "seed",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "stop_token_ids",
+    "model",
+    "max_completion_tokens",
+]
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]),
+    body=st.dictionaries(st.sampled_from(KEYS), ODD, max_size=5),
+)
+def test_fuzzed_bodies_never_get_a_5xx(tiny_server, path, body):
+    body = {"max_tokens": 2, **body} if "max_tokens" not in body else body
+    try:
+        r = httpx.post(
+            f"{tiny_server.url}{path}",
+            content=json.dumps(body, allow_nan=True).encode(),
+            timeout=60,
+        )
+    except ValueError:
+        return
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_the_server_answers_after_the_fuzz(tiny_server):
+    out = tiny_server.client().completions.create(
+        model="tiny", prompt=[5, 6], max_tokens=3, temperature=0
+    )
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+
+
+def test_api_key_and_a_full_queue(tiny):
+    server = Server(
+        [
+            "--model",
+            str(tiny),
+            *CPU_FLAGS,
+            "--api-key",
+            "sesame",
+            "--max-queued-requests",
+            "2",
+            "--max-num-seqs",
+            "1",
+        ]
+    )
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            server.client(api_key="wrong").models.list()
+        client = server.client(api_key="sesame")
+        assert client.models.list().data
+        # one sequence at a time: while the first stream runs its 250 tokens the second waits in
+        # the engine, so two requests are in flight and a third is refused
+        body = {"model": str(tiny), "prompt": [5, 6], "max_tokens": 250, "ignore_eos": True}
+        headers = {"authorization": "Bearer sesame"}
+        url = f"{server.url}/v1/completions"
+        with (
+            httpx.stream("POST", url, json={**body, "stream": True}, headers=headers) as a,
+            httpx.stream("POST", url, json={**body, "stream": True}, headers=headers) as b,
+        ):
+            lines = a.iter_lines()
+            next(lines)
+            r = httpx.post(url, json=body, headers=headers)
+            assert r.status_code == 429 and r.headers["retry-after"], r.text
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            for stream in (lines, b.iter_lines()):
+                assert [x for x in stream if x][-1] == "data: [DONE]"
+        r = httpx.post(url, json={**body, "max_tokens": 3}, headers=headers)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        assert server.stop() == 0
+
+
+def test_sigterm_under_load_drains_and_leaves_no_process(tiny):
+    import psutil
+
+    server = Server(
+        ["--model", str(tiny), *CPU_FLAGS, "--executor", "mp", "--shutdown-timeout", "3"]
+    )
+    family = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
+    assert server.engine_pid in family and len(family) >= 2  # the engine core and its worker
+    endings: list[Any] = []
+
+    async def load() -> None:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+        async def one(i: int) -> None:
+            try:
+                last = None
+                async for chunk in await client.completions.create(
+                    model=str(tiny),
+                    prompt=[5, 6 + i % 50],
+                    max_tokens=20 if i % 2 else 2000,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                ):
+                    last = chunk
+                endings.append(
+                    (
+                        "done",
+                        last.choices[0].finish_reason
+                        if last is not None and last.choices
+                        else None,
+                    )
+                )
+            except Exception as e:  # noqa: BLE001 - every request must end one way or the other
+                endings.append(("error", type(e).__name__))
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(16)]
+        await asyncio.sleep(2.0)
+        server.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient() as h:
+            try:
+                r = await h.post(
+                    f"{server.url}/v1/completions", json={"prompt": [5], "max_tokens": 1}
+                )
+                assert r.status_code == 503
+            except httpx.TransportError:
+                pass  # already closed
+        await asyncio.gather(*tasks)
+
+    asyncio.run(load())
+    assert server.proc.wait(60) == 0
+    assert len(endings) == 16
+    assert any(kind == "done" for kind, _ in endings)
+    assert wait_gone(family) == []
+    assert not pid_alive(server.proc.pid)
+
+
+def test_an_engine_failure_ends_requests_clearly_and_exits_nonzero(tiny):
+    import psutil
+
+    server = Server(["--model", str(tiny), *CPU_FLAGS, "--executor", "mp"])
+    workers = psutil.Process(server.engine_pid).children(recursive=True)
+    family = [server.engine_pid] + [p.pid for p in workers]
+    body = {"prompt": [5, 6], "max_tokens": 250, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        for i, line in enumerate(r.iter_lines()):
+            if i == 2:
+                for p in workers:
+                    p.kill()  # the rank dies mid-request: the engine stops
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and "engine" in error["message"], error
+    assert server.proc.wait(60) == 1
+    time.sleep(0.5)  # the reader takes the last lines
+    assert any("the engine stopped" in line for line in server.lines), "".join(server.lines)
+    assert wait_gone(family) == []
+
+
+@pytest.mark.slow
+def test_the_ray_executor_serves(tiny):
+    server = Server(["--model", str(tiny), *CPU_FLAGS, "--executor", "ray"])
+    try:
+        out = server.client().completions.create(
+            model=str(tiny), prompt=[5, 6], max_tokens=4, temperature=0
+        )
+        assert out.usage.completion_tokens == 4
+        assert httpx.get(f"{server.url}/ready").status_code == 200
+    finally:
+        assert server.stop() == 0
