@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 
 from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.executors.base import Executor, WorkerError
 from atomrt.workers.runner.readback import DeviceTimeout
 from atomrt.workers.worker import Worker, WorkerInfo
+
+logger = logging.getLogger(__name__)
 
 
 class InProcExecutor(Executor):
@@ -18,9 +22,24 @@ class InProcExecutor(Executor):
                 "parallel_config.executor='inproc' runs one worker; use executor 'mp' or 'ray' for "
                 f"tensor_parallel_size={pc.tensor_parallel_size}, data_parallel_size={pc.data_parallel_size}"
             )
-        self.worker = Worker(self.config)
         self._submitted: deque = deque()  # PendingSteps not collected yet
-        return self.worker.initialize(self.worker.determine_num_blocks())
+        t0 = time.monotonic()
+        logger.info("inproc executor: loading the model")
+        self.worker = Worker(self.config)
+        t1 = time.monotonic()
+        logger.info(
+            "inproc executor: loaded in %.1f s; KV sizing (compiles at levels 1-3)", t1 - t0
+        )
+        num_blocks = self.worker.determine_num_blocks()
+        t2 = time.monotonic()
+        logger.info(
+            "inproc executor: %d KV blocks, sized in %.1f s; KV cache and CUDA-graph capture",
+            num_blocks,
+            t2 - t1,
+        )
+        info = self.worker.initialize(num_blocks)
+        logger.info("inproc executor: up in %.1f s", time.monotonic() - t0)
+        return info
 
     def submit(self, plan: StepPlan) -> None:
         self._submitted.append(self.worker.launch(plan))
