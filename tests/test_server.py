@@ -444,3 +444,42 @@ def test_the_ray_executor_serves(tiny):
         assert httpx.get(f"{server.url}/ready").status_code == 200
     finally:
         assert server.stop() == 0
+
+
+def test_bench_serve_against_a_running_server(tiny_server, tmp_path):
+    from atomrt.runtime.bench.serve import main as bench_serve
+
+    report, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    common = ["--url", tiny_server.url, "--no-progress", "--json", str(report)]
+    rc = bench_serve(
+        [
+            *common,
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "6",
+            "--output-len",
+            "5",
+            "--concurrency",
+            "1,4",
+            "--plot",
+            str(png),
+        ]
+    )
+    runs = json.loads(report.read_text())["runs"]
+    assert rc == 0 and [r["concurrency"] for r in runs] == [1, 4]
+    for r in runs:
+        assert r["failed"] == 0 and r["num_requests"] == 8
+        assert r["output_tokens_per_s"] > 0 and 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+        assert r["tpot_ms"]["p50"] > 0 and r["itl_ms"]["p50"] > 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+    sharegpt = tmp_path / "sharegpt.json"
+    turns = [{"from": "human", "value": "w5 w6 w7"}, {"from": "gpt", "value": "w8 w9 w10 w11"}]
+    sharegpt.write_text(json.dumps([{"conversations": turns}, {"conversations": turns[:1]}]))
+    rc = bench_serve(
+        [*common, "--num-prompts", "3", "--dataset", str(sharegpt), "--request-rate", "inf"]
+    )
+    (run,) = json.loads(report.read_text())["runs"]
+    assert rc == 0 and run["failed"] == 0 and run["request_rate"] == float("inf")
+    assert run["output_tokens_per_s"] > 0  # each request made its answer's 4 tokens

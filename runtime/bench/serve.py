@@ -1,0 +1,406 @@
+"""Serving benchmark (`atomrt bench serve`): latency and throughput of an OpenAI server under load.
+
+    atomrt bench serve [--url URL | engine flags as for `atomrt serve` (it starts one itself)]
+        [--num-prompts 256] [--input-len 32] [--output-len 128] [--dataset sharegpt.json]
+        [--concurrency 1,8,64 | --request-rate 2,8,inf] [--compare-offline]
+        [--json PATH] [--plot PATH.png]
+
+Every request is a streamed /v1/completions call, greedy, EOS ignored (a synthetic request makes
+exactly `--output-len` tokens; a ShareGPT one its answer's length). Synthetic prompts are
+`--input-len` token ids drawn from ids the server's tokenizer produces. One run per concurrency
+(that many requests in flight at once) or per request rate (Poisson arrivals, requests/s; `inf`
+sends all at once). Per run: requests/s, output tokens/s, and p50 / p90 / p99 of TTFT (time to the
+first token), TPOT (time per output token after the first) and ITL (time between streamed chunks).
+`--compare-offline` (when the bench starts the server) also runs the same prompts through the
+offline engine (`LLM.generate`, same flags) once the server is gone, and prints the server's output
+tokens/s as a fraction of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from atomrt.distributed.net_utils import get_free_port
+from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+
+_SEED_TEXT = (
+    "The quick brown fox jumps over the lazy dog while the sun sets over a quiet harbour; "
+    "engineers measure latency, throughput and memory on every machine they can find."
+)
+START_TIMEOUT_S = 1800.0  # a cold compile and capture on a large model
+
+
+@dataclass
+class Request:
+    prompt: Any  # token ids (synthetic) or text (a dataset)
+    output_len: int
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    ttft: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class RunResult:
+    concurrency: Optional[int]
+    request_rate: Optional[float]
+    num_requests: int
+    failed: int
+    seconds: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    offline_output_tokens_per_s: Optional[float] = None
+    server_vs_offline: Optional[float] = None
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="atomrt bench serve", description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=None, help="a running server (else the bench starts one)")
+    p.add_argument("--num-prompts", type=int, default=256, help="requests per run")
+    p.add_argument("--input-len", type=int, default=32, help="tokens per synthetic prompt")
+    p.add_argument("--output-len", type=int, default=128, help="tokens per synthetic request")
+    p.add_argument("--dataset", default=None, help="a ShareGPT-format JSON file of conversations")
+    p.add_argument("--concurrency", default=None, help="comma list of requests in flight")
+    p.add_argument("--request-rate", default=None, help="comma list of requests/s (inf: all)")
+    p.add_argument("--compare-offline", action="store_true", help="also time LLM.generate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="where to write the JSON report")
+    p.add_argument("--plot", default=None, help="where to write the latency/throughput PNG")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _parse(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
+    """The bench's own flags, and the engine flags (checked) for the server it starts."""
+    p = _bench_parser()
+    args, engine_argv = p.parse_known_args(argv)
+    engine = argparse.ArgumentParser(prog="atomrt bench serve (engine flags)")
+    _add_config_args(engine)
+    engine.parse_args(engine_argv)  # an unknown flag is an error here, not in the server
+    if args.url and engine_argv:
+        p.error(f"--url serves its own engine: drop {' '.join(engine_argv)}")
+    if args.compare_offline and args.url:
+        p.error("--compare-offline needs the engine flags: the bench starts the server itself")
+    if (args.concurrency is None) == (args.request_rate is None):
+        if args.request_rate is not None:
+            p.error("give --concurrency or --request-rate, not both")
+        args.concurrency = "1,8,64"
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args, engine_argv
+
+
+def _numbers(text: str, kind: type) -> list[Any]:
+    values = [kind(x) for x in text.split(",") if x.strip()]
+    if not values or any(not v > 0 for v in values):
+        raise ValueError(f"expected a comma list of positive numbers, got {text!r}")
+    return values
+
+
+# ------------------------------------------------------------------------- the server
+
+
+class LocalServer:
+    """`atomrt serve` in a subprocess on a free port; its output drained to stderr."""
+
+    def __init__(self, engine_argv: list[str]) -> None:
+        self.port = get_free_port("127.0.0.1")
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "atomrt.runtime.entrypoints.cli", "serve"]
+        self.proc = subprocess.Popen(
+            [*cmd, "--port", str(self.port), *engine_argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.ready = threading.Event()
+        threading.Thread(target=self._relay, daemon=True).start()
+        if not self.ready.wait(START_TIMEOUT_S) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError(f"atomrt serve did not get ready within {START_TIMEOUT_S:.0f} s")
+
+    def _relay(self) -> None:
+        for line in self.proc.stdout:
+            print(f"[serve] {line}", end="", file=sys.stderr)
+            if "atomrt: ready:" in line:
+                self.ready.set()
+        self.ready.set()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ------------------------------------------------------------------------- requests
+
+
+def build_requests(args: argparse.Namespace, client: httpx.Client) -> list[Request]:
+    rng = random.Random(args.seed)
+    if args.dataset:
+        with open(args.dataset) as f:
+            convs = json.load(f)
+        out = []
+        for conv in convs:
+            turns = conv.get("conversations", [])
+            if len(turns) < 2 or not turns[0].get("value") or not turns[1].get("value"):
+                continue
+            answer = client.post("/tokenize", json={"prompt": turns[1]["value"]}).json()
+            out.append(Request(turns[0]["value"], max(1, answer["count"])))
+        if not out:
+            raise ValueError(f"{args.dataset}: no conversation with a prompt and an answer")
+        rng.shuffle(out)
+        return [out[i % len(out)] for i in range(args.num_prompts)]
+    ids = client.post("/tokenize", json={"prompt": _SEED_TEXT}).json()["tokens"]
+    pool = sorted(set(ids)) or [0]
+    return [
+        Request([rng.choice(pool) for _ in range(args.input_len)], args.output_len)
+        for _ in range(args.num_prompts)
+    ]
+
+
+async def one_request(client: httpx.AsyncClient, model: str, req: Request) -> Outcome:
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = last = 0.0
+    out = Outcome(ok=False)
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return Outcome(ok=False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if "error" in chunk:
+                    return Outcome(ok=False, error=chunk["error"]["message"])
+                if chunk.get("usage"):
+                    out.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if first == 0.0:
+                        first = now
+                    else:
+                        out.itls.append(now - last)
+                    last = now
+    except httpx.HTTPError as e:
+        return Outcome(ok=False, error=f"{type(e).__name__}: {e}")
+    out.ok = first > 0.0
+    out.ttft = first - start
+    out.latency = time.perf_counter() - start
+    return out
+
+
+async def run_load(
+    url: str,
+    model: str,
+    requests: list[Request],
+    concurrency: Optional[int],
+    rate: Optional[float],
+    rng: random.Random,
+    progress: bool,
+) -> tuple[list[Outcome], float]:
+    limits = httpx.Limits(max_connections=max(concurrency or len(requests), 1) + 8)
+    timeout = httpx.Timeout(600.0, connect=30.0)
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
+    gate = asyncio.Semaphore(concurrency or len(requests))
+
+    async def gated(req: Request) -> Outcome:
+        async with gate:
+            result = await one_request(client, model, req)
+        bar.update(1)
+        return result
+
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        start = time.perf_counter()
+        tasks = []
+        for req in requests:
+            tasks.append(asyncio.ensure_future(gated(req)))
+            if rate is not None and not math.isinf(rate):
+                await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
+        outcomes = await asyncio.gather(*tasks)
+        seconds = time.perf_counter() - start
+    bar.close()
+    return list(outcomes), seconds
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    a = np.asarray(values) * 1000.0
+    return {f"p{q}": round(float(np.percentile(a, q)), 3) for q in (50, 90, 99)}
+
+
+def summarize(
+    outcomes: list[Outcome], seconds: float, concurrency: Optional[int], rate: Optional[float]
+) -> RunResult:
+    ok = [o for o in outcomes if o.ok]
+    tokens = sum(o.output_tokens for o in ok)
+    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    return RunResult(
+        concurrency=concurrency,
+        request_rate=rate,
+        num_requests=len(outcomes),
+        failed=len(outcomes) - len(ok),
+        seconds=round(seconds, 3),
+        requests_per_s=round(len(ok) / seconds, 3),
+        output_tokens_per_s=round(tokens / seconds, 2),
+        ttft_ms=_percentiles([o.ttft for o in ok]),
+        tpot_ms=_percentiles(tpots),
+        itl_ms=_percentiles([x for o in ok for x in o.itls]),
+    )
+
+
+def offline_tokens_per_s(engine_argv: list[str], requests: list[Request], progress: bool) -> float:
+    """Output tokens/s of `LLM.generate` on the same prompts and flags (after a warm-up)."""
+    from atomrt.runtime.entrypoints.llm import LLM
+    from atomrt.runtime.sampling_params import SamplingParams
+
+    engine = argparse.ArgumentParser()
+    _add_config_args(engine)
+    llm = LLM(config=config_from_args(engine.parse_args(engine_argv)))
+    try:
+        params = [
+            SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len)
+            for r in requests
+        ]
+        warm = SamplingParams(temperature=0, ignore_eos=True, max_tokens=2)
+        llm.generate([r.prompt for r in requests[:8]], warm, use_tqdm=False)
+        start = time.perf_counter()
+        outs = llm.generate([r.prompt for r in requests], params, use_tqdm=progress)
+        seconds = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+
+
+# ------------------------------------------------------------------------- report
+
+
+def _line(r: RunResult) -> str:
+    load = f"c={r.concurrency}" if r.concurrency is not None else f"rate={r.request_rate}"
+    text = (
+        f"{load:>10} {r.requests_per_s:8.2f} req/s {r.output_tokens_per_s:10.1f} tok/s  "
+        f"TTFT p50/p90/p99 {r.ttft_ms['p50']:.1f}/{r.ttft_ms['p90']:.1f}/{r.ttft_ms['p99']:.1f} ms  "
+        f"TPOT {r.tpot_ms['p50']:.2f}/{r.tpot_ms['p90']:.2f}/{r.tpot_ms['p99']:.2f} ms  "
+        f"ITL {r.itl_ms['p50']:.2f}/{r.itl_ms['p90']:.2f}/{r.itl_ms['p99']:.2f} ms"
+    )
+    if r.failed:
+        text += f"  ({r.failed} failed)"
+    if r.server_vs_offline is not None:
+        text += f"  server/offline {r.server_vs_offline:.3f}"
+    return text
+
+
+def plot(results: list[RunResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    x = [r.output_tokens_per_s for r in results]
+    for key, label in (("tpot_ms", "TPOT p50"), ("ttft_ms", "TTFT p50"), ("itl_ms", "ITL p99")):
+        q = "p99" if key == "itl_ms" else "p50"
+        ax.plot(x, [getattr(r, key)[q] for r in results], marker="o", label=label)
+    for r, xi in zip(results, x):
+        tag = f"c={r.concurrency}" if r.concurrency is not None else f"{r.request_rate}/s"
+        ax.annotate(tag, (xi, r.tpot_ms["p50"]), textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel("output tokens/s")
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.set_title("atomrt serve: latency against throughput")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args, engine_argv = _parse(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    try:
+        loads = (
+            [(c, None) for c in _numbers(args.concurrency, int)]
+            if args.concurrency
+            else [(None, r) for r in _numbers(args.request_rate, float)]
+        )
+    except ValueError as e:
+        print(f"atomrt bench serve: error: {e}", file=sys.stderr)
+        return 2
+    server = None if args.url else LocalServer(engine_argv)
+    url = args.url or server.url
+    results: list[RunResult] = []
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            requests = build_requests(args, client)
+        print(f"server {url}, model {model}, {len(requests)} requests per run")
+        rng = random.Random(args.seed)
+        asyncio.run(run_load(url, model, requests[:4], 4, None, rng, False))  # warm-up
+        for concurrency, rate in loads:
+            outcomes, seconds = asyncio.run(
+                run_load(url, model, requests, concurrency, rate, rng, not args.no_progress)
+            )
+            results.append(summarize(outcomes, seconds, concurrency, rate))
+            print(_line(results[-1]), flush=True)
+            for o in outcomes:
+                if not o.ok:
+                    print(f"  failed: {o.error}", file=sys.stderr)
+                    break
+    finally:
+        if server is not None:
+            server.stop()
+    if args.compare_offline:
+        offline = offline_tokens_per_s(engine_argv, requests, not args.no_progress)
+        print(f"offline engine: {offline:.1f} output tok/s on the same prompts")
+        for r in results:
+            r.offline_output_tokens_per_s = round(offline, 2)
+            r.server_vs_offline = round(r.output_tokens_per_s / offline, 4)
+            print(_line(r))
+    if args.json:
+        report = {"url": url, "model": model, "args": vars(args), "engine_flags": engine_argv}
+        report["runs"] = [asdict(r) for r in results]
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot and results:
+        plot(results, args.plot)
+    return 0 if all(r.failed == 0 for r in results) else 1
