@@ -16,7 +16,7 @@ def test_packed_linear_is_f_linear_and_rows_do_not_depend_on_the_batch() -> None
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
     x = torch.randn(40, 64, generator=gen)
-    packed = CPUPackedWeight().get(weight, x)
+    packed = CPUPackedWeight(min_weight_elems=0).get(weight, x)
     assert packed is not None
     for rows in (1, 3, 16, 40):
         y = packed_linear(x[:rows], packed, bias)
@@ -25,8 +25,10 @@ def test_packed_linear_is_f_linear_and_rows_do_not_depend_on_the_batch() -> None
     assert packed_linear(x.view(4, 10, 64), packed, None).shape == (4, 10, 96)
 
 
-def test_only_eager_float32_cpu_forwards_take_it() -> None:
-    cache, weight = CPUPackedWeight(), torch.randn(8, 4)
+def test_only_eager_float32_cpu_forwards_of_large_weights_take_it() -> None:
+    assert CPUPackedWeight().get(torch.randn(8, 4), torch.randn(2, 4)) is None  # small: F.linear
+    assert CPUPackedWeight().get(torch.randn(1024, 256), torch.randn(2, 256)) is not None
+    cache, weight = CPUPackedWeight(min_weight_elems=0), torch.randn(8, 4)
     assert cache.get(weight, torch.randn(2, 4, dtype=torch.bfloat16)) is None
     assert cache.get(weight.to(torch.bfloat16), torch.randn(2, 4)) is None
     assert cache.get(weight, torch.randn(2, 4)) is not None
@@ -34,6 +36,7 @@ def test_only_eager_float32_cpu_forwards_take_it() -> None:
 
 def test_a_changed_weight_is_packed_again() -> None:
     layer = ColumnParallelLinear(16, 8, bias=True)
+    layer.cpu_packed = CPUPackedWeight(min_weight_elems=0)
     with torch.no_grad():
         layer.weight.normal_()
         layer.bias.normal_()
@@ -55,6 +58,7 @@ def test_a_changed_weight_is_packed_again() -> None:
 
 def test_gated_row_parallel_layer() -> None:
     layer = RowParallelLinear(16, 8)
+    layer.cpu_packed = CPUPackedWeight(min_weight_elems=0)
     layer.weight.data.normal_()
     x = torch.randn(5, 32)
     want = F.linear(F.silu(x[:, :16]) * x[:, 16:], layer.weight)

@@ -5,7 +5,9 @@ that repacking is most of the work. `CPUPackedWeight` keeps a copy of a float32 
 blocked layout, made at the first eager CPU forward and remade when the weight's storage or version
 changes, and `packed_linear` multiplies by it: a row's result does not depend on the other rows
 of the batch. Traced (torch.compile) and non-float32 forwards keep their own path (`get` gives
-None), so does a torch without oneDNN.
+None), so do weights below `PACK_MIN_WEIGHT_ELEMS` (MKL handles those on one thread, while oneDNN
+spreads even a tiny GEMM over every OpenMP thread and waits for the slowest, which costs
+milliseconds when processes share the cores), and a torch without oneDNN.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 # The batch size the blocked layout is chosen for; every batch size can use it (decode batches of
 # a few to a few dozen rows are the ones the reorder pays for).
 PACK_ROWS_HINT = 16
+# Smaller weights stay on F.linear; every projection of SmolLM2-135M is above it.
+PACK_MIN_WEIGHT_ELEMS = 1 << 18
 _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_reorder_linear_weight"
 )
@@ -25,7 +29,8 @@ _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
 class CPUPackedWeight:
     """A float32 weight [N, K] in oneDNN's blocked layout, for one layer (its `cpu_packed`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_weight_elems: int = PACK_MIN_WEIGHT_ELEMS) -> None:
+        self.min_weight_elems = min_weight_elems
         self._key: Optional[tuple[int, int, tuple[int, ...]]] = None
         self._packed: Optional[torch.Tensor] = None
 
@@ -38,6 +43,7 @@ class CPUPackedWeight:
             or x.dtype != torch.float32
             or weight.dtype != torch.float32
             or weight.device.type != "cpu"
+            or weight.numel() < self.min_weight_elems
         ):
             return None
         key = (weight.data_ptr(), weight._version, tuple(weight.shape))
