@@ -353,58 +353,56 @@ def test_api_key_and_a_full_queue(tiny):
 
 
 def test_sigterm_under_load_drains_and_leaves_no_process(tiny):
+    """A short stream is running when SIGTERM comes, behind it 64 streams of 250 tokens that share
+    one sequence slot: far more steps than the 3 s drain can run at any CPU speed. The short one
+    finishes; the others end with a final error event; the server exits 0 with nothing left."""
     import psutil
 
-    server = Server(
-        ["--model", str(tiny), *CPU_FLAGS, "--executor", "mp", "--shutdown-timeout", "3"]
-    )
+    flags = ["--executor", "mp", "--shutdown-timeout", "3", "--max-num-seqs", "2"]
+    server = Server(["--model", str(tiny), *CPU_FLAGS, *flags])
     family = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
     assert server.engine_pid in family and len(family) >= 2  # the engine core and its worker
-    endings: list[Any] = []
+    endings: list[tuple[str, Any]] = []
 
     async def load() -> None:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        started = asyncio.Event()
 
-        async def one(i: int) -> None:
+        async def one(i: int, max_tokens: int) -> None:
+            last = None
             try:
-                last = None
                 async for chunk in await client.completions.create(
                     model=str(tiny),
                     prompt=[5, 6 + i % 50],
-                    max_tokens=20 if i % 2 else 2000,
+                    max_tokens=max_tokens,
                     stream=True,
                     extra_body={"ignore_eos": True},
                 ):
                     last = chunk
-                endings.append(
-                    (
-                        "done",
-                        last.choices[0].finish_reason
-                        if last is not None and last.choices
-                        else None,
-                    )
-                )
-            except Exception as e:  # noqa: BLE001 - every request must end one way or the other
-                endings.append(("error", type(e).__name__))
+                    started.set()
+                endings.append(("done", last.choices[0].finish_reason))
+            except openai.APIError as e:  # the final error event of a request cut by the drain
+                endings.append(("error", str(e)))
 
-        tasks = [asyncio.ensure_future(one(i)) for i in range(16)]
-        await asyncio.sleep(2.0)
+        short = asyncio.ensure_future(one(0, 30))
+        await started.wait()
+        tasks = [short] + [asyncio.ensure_future(one(i, 250)) for i in range(1, 65)]
+        await asyncio.sleep(0.2)
         server.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
-        async with httpx.AsyncClient() as h:
-            try:
-                r = await h.post(
-                    f"{server.url}/v1/completions", json={"prompt": [5], "max_tokens": 1}
-                )
-                assert r.status_code == 503
-            except httpx.TransportError:
-                pass  # already closed
+        async with httpx.AsyncClient() as h:  # draining for 3 s: refuses new work, still alive
+            r = await h.post(f"{server.url}/v1/completions", json={"prompt": [5], "max_tokens": 1})
+            assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+            assert (await h.get(f"{server.url}/ready")).status_code == 503
+            assert (await h.get(f"{server.url}/health")).status_code == 200
         await asyncio.gather(*tasks)
 
     asyncio.run(load())
     assert server.proc.wait(60) == 0
-    assert len(endings) == 16
-    assert any(kind == "done" for kind, _ in endings)
+    kinds = [kind for kind, _ in endings]
+    assert len(endings) == 65 and "done" in kinds and "error" in kinds, endings
+    assert all(reason == "length" for kind, reason in endings if kind == "done")
+    assert all("shutting down" in text for kind, text in endings if kind == "error"), endings
     assert wait_gone(family) == []
     assert not pid_alive(server.proc.pid)
 

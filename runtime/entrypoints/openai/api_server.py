@@ -17,6 +17,7 @@ process exits 0 (1 if the engine died).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -302,12 +304,21 @@ def build_app(state: ServerState) -> Any:
 # ------------------------------------------------------------------------- the process
 
 
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: `serve` drains on SIGTERM before it stops HTTP."""
+
+    def install_signal_handlers(self) -> None:  # uvicorn before 0.29
+        pass
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:  # uvicorn 0.29 and later
+        yield
+
+
 async def serve(config: Config, args: ServerArgs, tokenizer: Any) -> int:
     """Run the server until SIGTERM / SIGINT (drain) or the engine's death; the exit status."""
-    import uvicorn
-
     state = ServerState(config, args, tokenizer)
-    server = uvicorn.Server(
+    server = _Uvicorn(
         uvicorn.Config(
             build_app(state),
             host=args.host,
@@ -316,7 +327,6 @@ async def serve(config: Config, args: ServerArgs, tokenizer: Any) -> int:
             timeout_graceful_shutdown=max(1, int(args.shutdown_timeout)),
         )
     )
-    server.install_signal_handlers = lambda: None  # ours below drain first
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
