@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from atomrt.runtime.config import ConfigError
 from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
@@ -47,13 +47,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import asyncio
+def server_args_from(args: argparse.Namespace) -> Any:
+    """The HTTP settings of `atomrt serve` (a ValueError names a flag out of range)."""
+    from atomrt.runtime.entrypoints.openai.api_server import ServerArgs
 
-    from atomrt.runtime.entrypoints.llm import load_tokenizer_for
-    from atomrt.runtime.entrypoints.openai.api_server import ServerArgs, serve
-
-    config = config_from_args(args)
     for name, value in (
         ("--port", args.port),
         ("--max-queued-requests", args.max_queued_requests),
@@ -63,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"{name}: out of range, got {value}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
-    server_args = ServerArgs(
+    return ServerArgs(
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
@@ -72,7 +69,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
     )
-    return asyncio.run(serve(config, server_args, load_tokenizer_for(config)))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from atomrt.runtime.entrypoints.llm import load_tokenizer_for
+    from atomrt.runtime.entrypoints.openai.api_server import serve
+
+    config = config_from_args(args)
+    return asyncio.run(serve(config, server_args_from(args), load_tokenizer_for(config)))
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
