@@ -76,9 +76,9 @@ def test_compare_hf_writes_both_figures(
 
 def test_prompt_sources(tiny_folder: Path, tmp_path: Path) -> None:
     from atomrt.runtime.config import Config
-    from atomrt.runtime.entrypoints.llm import _load_tokenizer
+    from atomrt.runtime.entrypoints.llm import load_tokenizer_for
 
-    tokenizer = _load_tokenizer(Config(model=str(tiny_folder)))
+    tokenizer = load_tokenizer_for(Config(model=str(tiny_folder)))
     ids, source = build_prompts(
         _parse(["--num-prompts", "4", "--input-len", "7"]), tokenizer, VOCAB
     )
