@@ -1,0 +1,147 @@
+"""The fused-MoE Triton kernel against a float64 reference, on CPU through Triton's interpreter.
+
+Routings chosen to hit the layout's edges: ragged expert loads, experts that get no token, one
+expert taking every token, top-k 1, 2 and 8, widths that are not multiples of the blocks. The GPU
+tier (tests/gpu/test_fused_moe_gpu.py) repeats them at real shapes in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atomrt.workers.kernels.moe.align import max_padded_pairs, moe_align_block_size
+from atomrt.workers.kernels.moe.fused_moe import fused_experts
+from atomrt.workers.kernels.moe.moe_configs import (
+    CONFIGS,
+    MoEConfig,
+    bucket_tokens,
+    heuristic_config,
+    pick_config,
+)
+
+# Small blocks keep the interpreter fast; the widths below are not multiples of them.
+SMALL = MoEConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+HIDDEN, INTER = 48, 40
+
+
+def reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """float64: sum_j w_j * W2[e_j] @ (silu(W1[e_j] x) * W3[e_j] x), token by token."""
+    x, w13, w2, topk_weights = (t.double() for t in (x, w13, w2, topk_weights))
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            gate, up = w13[e, :inter] @ x[t], w13[e, inter:] @ x[t]
+            out[t] += topk_weights[t, j] * (w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+def make_experts(num_experts: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * INTER, HIDDEN, generator=g) * 0.2
+    w2 = torch.randn(num_experts, HIDDEN, INTER, generator=g) * 0.2
+    return w13, w2
+
+
+def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    return weights, ids
+
+
+def check(num_tokens: int, num_experts: int, topk_ids: torch.Tensor, topk_weights=None) -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(num_tokens, HIDDEN, generator=g)
+    w13, w2 = make_experts(num_experts)
+    if topk_weights is None:
+        topk_weights = torch.rand(topk_ids.shape, generator=g)
+    got = fused_experts(x, w13, w2, topk_weights, topk_ids, SMALL, SMALL)
+    expected = reference(x, w13, w2, topk_weights, topk_ids)
+    assert got.shape == (num_tokens, HIDDEN) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k",
+    [(1, 4, 1), (5, 8, 2), (33, 8, 2), (3, 8, 8), (17, 16, 8)],
+)
+def test_random_routing_matches_float64(num_tokens: int, num_experts: int, top_k: int) -> None:
+    weights, ids = random_routing(num_tokens, num_experts, top_k)
+    check(num_tokens, num_experts, ids, weights)
+
+
+def test_ragged_loads_and_experts_without_tokens() -> None:
+    """Expert 0 takes 19 pairs (two blocks of 16, the second mostly padding), expert 3 sixteen,
+    expert 2 two, expert 5 one; experts 1, 4, 6 and 7 none."""
+    ids = torch.zeros(19, 2, dtype=torch.int64)
+    ids[:, 1] = 3
+    ids[0, 1] = 5
+    ids[7, 1] = ids[14, 1] = 2
+    check(19, 8, ids)
+
+
+def test_every_token_to_one_expert() -> None:
+    check(37, 8, torch.full((37, 1), 6))
+
+
+def test_alignment_layout() -> None:
+    """Each block holds one expert's pairs, in order, then padding; empty experts take no block;
+    the used length is on the device and the layout's size is the host bound."""
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [1, 3]])
+    block_m, num_experts = 4, 6
+    al = moe_align_block_size(ids, block_m, num_experts)
+    num_pairs = ids.numel()
+    assert al.sorted_pair_ids.shape[0] == max_padded_pairs(num_pairs, num_experts, block_m)
+    used = int(al.num_padded_pairs[0])
+    # counts: e0 2, e1 2, e2 1, e3 5 -> padded 4 + 4 + 4 + 8
+    assert used == 20
+    flat = ids.reshape(-1)
+    for b in range(used // block_m):
+        rows = al.sorted_pair_ids[b * block_m : (b + 1) * block_m].tolist()
+        real = [p for p in rows if p < num_pairs]
+        assert all(int(flat[p]) == int(al.expert_ids[b]) for p in real)
+        assert real == sorted(real) and rows[: len(real)] == real  # pairs first, then padding
+    placed = sorted(p for p in al.sorted_pair_ids[:used].tolist() if p < num_pairs)
+    assert placed == list(range(num_pairs))
+    assert set(al.expert_ids[: used // block_m].tolist()) == {0, 1, 2, 3}  # 4, 5: no block
+
+
+def test_alignment_sizes_depend_on_shapes_only() -> None:
+    """Graph safety: two routings of one shape give tensors of the same sizes."""
+    a = moe_align_block_size(torch.zeros(9, 2, dtype=torch.int64), 16, 8)
+    b = moe_align_block_size(torch.arange(18).reshape(9, 2) % 8, 16, 8)
+    assert [t.shape for t in a] == [t.shape for t in b]
+
+
+def test_down_config_takes_the_gate_up_block_m() -> None:
+    weights, ids = random_routing(6, 4, 2)
+    x = torch.randn(6, HIDDEN)
+    w13, w2 = make_experts(4)
+    wide = MoEConfig(32, 32, 32, 1, 4, 1)
+    got = fused_experts(x, w13, w2, weights, ids, SMALL, wide)
+    torch.testing.assert_close(
+        got.double(), reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_config_lookup() -> None:
+    assert [bucket_tokens(n) for n in (0, 1, 3, 64, 65)] == [1, 1, 4, 64, 128]
+    decode = heuristic_config("gate_up", 8, 128, 8, 768, 2048)
+    prefill = heuristic_config("gate_up", 8192, 128, 8, 768, 2048)
+    assert decode.block_m == 16 and prefill.block_m == 64
+    key = ("down", 4, 48, 40)
+    swept = {16: MoEConfig(16, 32, 32, 1, 4, 2), 256: MoEConfig(64, 64, 32, 8, 8, 3)}
+    CONFIGS[key] = swept
+    try:
+        assert pick_config("down", 10, 4, 2, 48, 40) == swept[16]
+        assert pick_config("down", 17, 4, 2, 48, 40) == swept[256]
+        assert pick_config("down", 4096, 4, 2, 48, 40) == swept[256]
+    finally:
+        del CONFIGS[key]
+    assert pick_config("down", 10, 4, 2, 48, 40) == heuristic_config("down", 10, 4, 2, 48, 40)
+    with pytest.raises(ValueError, match="power of two"):
+        MoEConfig(24, 32, 32, 1, 4, 1)
