@@ -84,7 +84,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         arch = read_arch(config)  # errors a user can fix, found before anything is launched
-        check_parallel_layout(arch, config.parallel_config.tensor_parallel_size)
+        pc = config.parallel_config
+        check_parallel_layout(arch, pc.tensor_parallel_size, pc.data_parallel_size)
         check_max_model_len(config, arch)
         self.executor: Executor = make_executor(config)
         self.info = info = self.executor.start()

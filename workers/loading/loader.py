@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from atomrt.distributed.communication_op import TPInfo
+from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.runtime.config import DEFAULT_MODEL
 from atomrt.workers.loading.gguf import arch_from_gguf, gguf_weights, open_gguf
 from atomrt.workers.loading.presets import find_preset, preset_config
@@ -140,16 +140,26 @@ def read_arch(config: Any) -> ModelArch:
     return _arch_of(resolved, use_preset=load_format == "dummy")[0]
 
 
-def check_parallel_layout(arch: ModelArch, tensor_parallel_size: int) -> None:
+def check_parallel_layout(
+    arch: ModelArch, tensor_parallel_size: int, data_parallel_size: int = 1
+) -> None:
     """Raise the ValueError a rank would raise when building its shard, naming the model's size that
-    does not split over `tensor_parallel_size` (builds the model on the meta device: no memory)."""
-    if tensor_parallel_size == 1:
+    does not split over `tensor_parallel_size` (and, for a MoE model's experts, over
+    `data_parallel_size` x `tensor_parallel_size`); builds the model on the meta device: no memory."""
+    if tensor_parallel_size == 1 and (data_parallel_size == 1 or not arch.is_moe):
         return
     try:
-        build_model(arch, "meta", torch.float32, TPInfo(0, tensor_parallel_size))
+        build_model(
+            arch,
+            "meta",
+            torch.float32,
+            TPInfo(0, tensor_parallel_size),
+            dp=DPInfo(0, data_parallel_size),
+        )
     except ValueError as e:
         raise ValueError(
-            f"parallel_config.tensor_parallel_size={tensor_parallel_size} does not fit the model: {e}"
+            f"parallel_config.tensor_parallel_size={tensor_parallel_size}, "
+            f"data_parallel_size={data_parallel_size} does not fit the model: {e}"
         ) from None
 
 
@@ -170,14 +180,16 @@ def build_model(
     tp: TPInfo = TPInfo(),
     max_position: int = 0,
     config: Any = None,
+    dp: DPInfo = DPInfo(),
 ) -> nn.Module:
     """The model with uninitialized parameters, created directly on `device` in `dtype`.
 
     `config` (the engine's Config) reaches the `@support_torch_compile` unit: it picks the
-    compilation level. Without it the model runs eagerly."""
+    compilation level. Without it the model runs eagerly. `dp` reaches the layers that communicate
+    across DP ranks (a MoE model's experts)."""
     model_class = get_model_class(arch.architecture)
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(arch, tp, max_position, config=config)
+        model = model_class(arch, tp, max_position, config=config, dp=dp)
     return model.eval()
 
 
@@ -209,9 +221,11 @@ def load_model(
     device: Union[str, torch.device],
     dtype: Union[str, torch.dtype],
     tp: Optional[TPInfo] = None,
+    dp: Optional[DPInfo] = None,
 ) -> LoadedModel:
     """Resolve `config.model`, build the CausalLM on `device` and fill its weights."""
     tp = tp or TPInfo()
+    dp = dp or DPInfo()
     dtype = _torch_dtype(dtype)
     load_format = config.model_config.load_format
     resolved = resolve_model(config.model)
@@ -221,7 +235,7 @@ def load_model(
         )
     arch, reader = _arch_of(resolved, use_preset=load_format == "dummy")
     max_position = config.model_config.max_model_len or arch.max_position
-    model = build_model(arch, device, dtype, tp, max_position, config=config)
+    model = build_model(arch, device, dtype, tp, max_position, config=config, dp=dp)
     if load_format == "dummy":
         init_dummy_weights(model, config.model_config.seed)
     elif resolved.kind == "safetensors":

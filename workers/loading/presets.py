@@ -40,6 +40,77 @@ _LLAMA3_COMMON: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+_QWEN3_30B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+
+# OLMoE-1B-7B's shapes (64 experts, top-8, no top-k renormalization) in the Qwen3-MoE layout (OLMoE
+# itself normalizes q and k over all heads at once; the dummy weights do not care).
+_OLMOE_1B_7B_LIKE: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 50304,
+    "hidden_size": 2048,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 1024,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 128,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": False,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "eos_token_id": 50279,
+    "torch_dtype": "bfloat16",
+}
+
+# Small enough for CPU tests and `atomrt bench dp` on CPU: the Qwen3-MoE layout, 8 experts, top-2.
+_TINY_QWEN3_MOE: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 2048,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "eos_token_id": 1,
+    "torch_dtype": "float32",
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "SmolLM2-135M": _SMOLLM2_135M,
     "SmolLM2-135M-Instruct": {**_SMOLLM2_135M, "bos_token_id": 1, "eos_token_id": 2},
@@ -73,6 +144,9 @@ PRESETS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 8192,
         },
     },
+    "Qwen3-30B-A3B": _QWEN3_30B_A3B,
+    "OLMoE-1B-7B-like": _OLMOE_1B_7B_LIKE,
+    "tiny-qwen3-moe": _TINY_QWEN3_MOE,
 }
 
 

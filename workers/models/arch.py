@@ -10,12 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-# Architectures whose layout LlamaForCausalLM implements, with the per-family switches.
+# Supported architectures with the per-family switches of their attention (Llama's, for all).
 _FAMILY_FLAGS: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(_FAMILY_FLAGS)
 
 
@@ -39,6 +43,26 @@ class ModelArch:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: Optional[int] = None
     checkpoint_dtype: Optional[str] = None  # "bfloat16", ... as stored; None if unknown
+    # Mixture of experts (0 experts: a dense model). A layer is sparse when it is not in
+    # mlp_only_layers and (index + 1) % decoder_sparse_step == 0 (Qwen-MoE's rule).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights (Mixtral: always)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a sigmoid-gated dense expert beside
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
 
 def check_architecture(architecture: str, where: str) -> None:
@@ -84,8 +108,9 @@ def arch_from_hf_config(cfg: dict[str, Any], where: str) -> ModelArch:
         hidden_size = int(cfg["hidden_size"])
         theta, scaling = _rope(cfg)
         flags = dict(_FAMILY_FLAGS[architecture])
-        if architecture != "Qwen2ForCausalLM":
+        if architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             flags["qkv_bias"] = bool(cfg.get("attention_bias", False))
+        moe = _moe_fields(cfg, architecture, where)
         return ModelArch(
             architecture=architecture,
             vocab_size=int(cfg["vocab_size"]),
@@ -104,6 +129,33 @@ def arch_from_hf_config(cfg: dict[str, Any], where: str) -> ModelArch:
             bos_token_id=cfg.get("bos_token_id"),
             checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             **flags,
+            **moe,
         )
     except KeyError as e:
         raise ValueError(f"{where}: config.json lacks the field {e.args[0]!r}") from None
+
+
+def _moe_fields(cfg: dict[str, Any], architecture: str, where: str) -> dict[str, Any]:
+    """ModelArch's mixture-of-experts fields from a config.json dict ({} for a dense model)."""
+    if architecture not in MOE_ARCHITECTURES:
+        return {}
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window", architecture == "MixtralForCausalLM") and window:
+        if int(window) < int(cfg.get("max_position_embeddings", 4096)):
+            raise ValueError(
+                f"{where}: sliding-window attention ({window} tokens) is not supported"
+            )
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not num_experts:
+        raise ValueError(f"{where}: config.json lacks the field 'num_experts'")
+    mixtral = architecture == "MixtralForCausalLM"
+    return dict(
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        # Mixtral's experts are its intermediate_size wide; Qwen's have their own width
+        moe_intermediate_size=int(cfg["intermediate_size" if mixtral else "moe_intermediate_size"]),
+        norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+    )

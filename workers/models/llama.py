@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from atomrt.compile.decorators import support_torch_compile
-from atomrt.distributed.communication_op import TPInfo
+from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.graphs.region_graph import token_graph
 from atomrt.workers.layers.attention import Attention
 from atomrt.workers.layers.cpu_gemm import reset_packed_weights
@@ -159,8 +159,15 @@ _NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, arch: ModelArch, tp: TPInfo = TPInfo(), max_position: int = 0, config: Any = None
+        self,
+        arch: ModelArch,
+        tp: TPInfo = TPInfo(),
+        max_position: int = 0,
+        config: Any = None,
+        dp: DPInfo = DPInfo(),
     ) -> None:
+        """`dp` is every model's constructor argument; a dense model never communicates across DP
+        ranks, so Llama ignores it."""
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch, tp, max_position, config=config)

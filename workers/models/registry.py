@@ -6,12 +6,17 @@ from torch import nn
 
 from atomrt.workers.models.arch import check_architecture
 from atomrt.workers.models.llama import LlamaForCausalLM
+from atomrt.workers.models.mixtral import MixtralForCausalLM
+from atomrt.workers.models.qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 # Qwen2 (qkv bias) and Qwen3 (q/k norm) differ from Llama only by switches in ModelArch.
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -1,0 +1,230 @@
+"""Our mixture-of-experts models against Hugging Face transformers on the same weights (CPU, float32):
+Qwen3-MoE (q/k norm, top-k renormalized, a dense layer among sparse ones), Qwen2-MoE (qkv bias, a
+shared expert, decoder_sparse_step 2) and Mixtral, made by transformers and saved as safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from model_harness import run_prefill_and_decode
+
+from atomrt.runtime import SamplingParams
+from atomrt.runtime.config import Config, ModelConfig
+from atomrt.workers.loading.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4
+PROMPTS = [[3, 17, 42, 99, 5, 8, 61], [7, 1, 120], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+NUM_DECODE_STEPS = 3
+_BASE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+
+def tiny_moe_configs() -> dict[str, object]:
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    return {
+        "qwen3_moe": Qwen3MoeConfig(
+            **_BASE,
+            head_dim=32,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+        "qwen2_moe": Qwen2MoeConfig(
+            **_BASE,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=4,
+            decoder_sparse_step=2,
+        ),
+        "mixtral": MixtralConfig(
+            **_BASE, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2
+        ),
+    }
+
+
+def make_hf_model(cfg: object, seed: int = 0) -> torch.nn.Module:
+    """Random weights larger than the init's, so that routing and every layer matter."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def build_moe_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folders = {}
+    for name, cfg in tiny_moe_configs().items():
+        folder = tmp_path_factory.mktemp(name)
+        make_hf_model(cfg).save_pretrained(folder, safe_serialization=True)
+        folders[name] = folder
+    return folders
+
+
+@pytest.fixture(scope="module")
+def moe_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_moe_folders(tmp_path_factory)
+
+
+def _hf(folder: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def _worst(result, hf_model: torch.nn.Module, prompts: list[list[int]]) -> float:
+    """Largest |ours - transformers| over every step's logits (prefill, then each decode)."""
+    worst = 0.0
+    for s, prompt in enumerate(prompts):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([result.sequences[s][:-1]])).logits[0].float()
+        expected = logits[len(prompt) - 1 :]
+        got = torch.stack([step[s] for step in result.logits])
+        worst = max(worst, (got - expected).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_tiny_moe_matches_transformers(moe_folders: dict[str, Path], name: str) -> None:
+    folder = moe_folders[name]
+    loaded = load_model(
+        Config(model=str(folder), model_config=ModelConfig(dtype="float32")), "cpu", torch.float32
+    )
+    assert loaded.arch.is_moe
+    result = run_prefill_and_decode(
+        loaded.model, PROMPTS, NUM_DECODE_STEPS, block_size=4, num_pad_rows=2
+    )
+    worst = _worst(result, _hf(folder), PROMPTS)
+    assert worst <= TOLERANCE, f"{name}: max |logits - transformers| = {worst:.3g}"
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_engine_greedy_tokens_equal_transformers_generate(
+    moe_folders: dict[str, Path], name: str
+) -> None:
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    folder = moe_folders[name]
+    hf_model = _hf(folder)
+    expected = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None
+            )
+        expected.append(out[0, len(prompt) :].tolist())
+    llm = LLM(str(folder), device="cpu", enforce_eager=True, num_kv_blocks=64, max_num_seqs=8)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    finally:
+        llm.shutdown()
+    assert got == expected
+
+
+def test_fused_expert_checkpoint_layout_loads(tmp_path: Path) -> None:
+    """transformers' in-memory layout (experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]) saved as is loads to the same model as the per-expert tensors."""
+    from safetensors.torch import save_file
+
+    cfg = tiny_moe_configs()["qwen3_moe"]
+    hf_model = make_hf_model(cfg)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    hf_model.config.architectures = [type(hf_model).__name__]
+    hf_model.config.save_pretrained(tmp_path)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    loaded = load_model(Config(model=str(tmp_path)), "cpu", torch.float32)
+    result = run_prefill_and_decode(loaded.model, PROMPTS, 1)
+    assert _worst(result, hf_model, PROMPTS) <= TOLERANCE
+
+
+def test_missing_expert_names_the_parameter(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    cfg = tiny_moe_configs()["mixtral"]
+    make_hf_model(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["model.layers.2.block_sparse_moe.experts.3.w3.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensors .*layers\.2\.mlp\.experts\.w13_weight"):
+        load_model(Config(model=str(tmp_path)), "cpu", torch.float32)
+
+
+def test_dynamo_traces_moe_without_graph_breaks(moe_folders: dict[str, Path]) -> None:
+    """The decoder traces in one graph with a dynamic token dimension; the experts are one op."""
+    loaded = load_model(Config(model=str(moe_folders["qwen2_moe"])), "cpu", torch.float32)
+    eager = run_prefill_and_decode(loaded.model, PROMPTS, 1)
+    torch._dynamo.reset()
+    loaded.model.model = torch.compile(
+        loaded.model.model, backend="eager", fullgraph=True, dynamic=True
+    )
+    compiled = run_prefill_and_decode(loaded.model, PROMPTS, 1)
+    for a, b in zip(eager.logits, compiled.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def _tp_worker(rank: int, tp_size: int, folder: str, init_file: str, out_file: str) -> None:
+    import torch.distributed as dist
+
+    from atomrt.distributed.communication_op import TPInfo
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp_size
+    )
+    try:
+        loaded = load_model(
+            Config(model=folder), "cpu", torch.float32, TPInfo(rank, tp_size, dist.group.WORLD)
+        )
+        result = run_prefill_and_decode(loaded.model, PROMPTS, 2)
+        if rank == 0:
+            torch.save({"logits": result.logits, "sequences": result.sequences}, out_file)
+        dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)  # gloo's teardown can abort the process; what is checked is written
+
+
+def test_expert_tensor_parallel_on_gloo_matches_transformers(
+    moe_folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """TP=2 splits every expert's intermediate dimension and the shared expert (Qwen2-MoE); one
+    all-reduce per MoE block."""
+    import torch.multiprocessing as mp
+    from model_harness import HarnessResult
+
+    folder = moe_folders["qwen2_moe"]
+    out_file = tmp_path / "rank0.pt"
+    mp.spawn(_tp_worker, args=(2, str(folder), str(tmp_path / "init"), str(out_file)), nprocs=2)
+    saved = torch.load(out_file)
+    result = HarnessResult(saved["logits"], saved["sequences"])
+    worst = _worst(result, _hf(folder), PROMPTS)
+    assert worst <= TOLERANCE, f"TP=2: max |logits - transformers| = {worst:.3g}"

@@ -1,0 +1,244 @@
+"""The mixture-of-experts layer: a router, top-k selection, and experts sharded over the ranks.
+
+`FusedMoE(x)` for x [num_tokens, hidden] (this rank's rows, the same on every TP rank of its DP
+rank):
+
+1. DP > 1: gather every DP rank's rows (`dp_all_gather`; every rank runs the step's
+   `running_tokens` rows, so the gather is rectangular): [dp_size * num_tokens, hidden].
+2. Route: router logits (a replicated [num_experts, hidden] projection), softmax in float32, the
+   top k experts per token, renormalized to sum to one when the model says so (`norm_topk_prob`;
+   Mixtral always).
+3. Experts: every expert's intermediate dimension is split over the ranks that hold the gathered
+   rows, the TP group (DP = 1) or the whole DP x TP world (DP > 1); each rank computes its slice's
+   partial sum of every token's output (`fused_moe`: the Triton kernel on CUDA, a torch loop over
+   the experts elsewhere).
+4. Reduce: DP > 1 `dp_reduce_scatter` sums over DP ranks and hands each its own rows back; then
+   `tp_all_reduce` sums over the TP group.
+
+Weights: `w13_weight` [E, 2 * I_shard, hidden] (each expert's gate rows then its up rows) and
+`w2_weight` [E, hidden, I_shard]; loaders read one expert (checkpoint `experts.<e>.gate_proj` /
+`up_proj` / `down_proj`, or Mixtral's w1 / w3 / w2) or all experts at once (transformers' fused
+`experts.gate_up_proj` [E, 2I, hidden] / `experts.down_proj` [E, hidden, I]), only this rank's slice.
+"""
+
+# No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atomrt.compile.custom_register import direct_register_custom_op
+from atomrt.distributed.communication_op import (
+    DPInfo,
+    TPInfo,
+    dp_all_gather,
+    dp_reduce_scatter,
+    tp_all_reduce,
+)
+from atomrt.runtime.forward_context import get_forward_context
+from atomrt.workers.kernels.moe.fused_moe import fused_experts
+from atomrt.workers.layers.activation import silu_and_mul
+from atomrt.workers.layers.linear import linear
+from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, read_narrow
+
+# shard ids of the expert weight loaders: one expert's projection, or every expert's at once
+EXPERT_SHARDS = ("gate", "up", "down")
+FUSED_SHARDS = ("gate_up_all", "down_all")
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, E] logits -> (weights [n, top_k] float32, ids [n, top_k] int64): softmax in float32,
+    the top k, divided by their sum when `renormalize`."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The torch path (CPU): one GEMM pair per expert over the tokens routed to it."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros_like(x)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs (token * top_k + slot), expert by expert
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    weights = topk_weights.reshape(-1)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        start += count
+        tokens = pairs // top_k
+        h = silu_and_mul(F.linear(x[tokens], w13[expert]))  # [count, I]
+        y = F.linear(h, w2[expert]) * weights[pairs, None].to(x.dtype)  # [count, hidden]
+        out.index_add_(0, tokens, y)
+    return out
+
+
+def _fused_moe_impl(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    """x [n, hidden], router_logits [n, E] -> this rank's partial expert output [n, hidden]."""
+    topk_weights, topk_ids = select_experts(router_logits, top_k, renormalize)
+    if x.is_cuda:
+        return fused_experts(x, w13, w2, topk_weights, topk_ids)
+    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def _fused_moe_fake(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+# Opaque to Dynamo: the CPU loop has data-dependent shapes, and the kernel picks its launch per call.
+direct_register_custom_op("fused_moe", _fused_moe_impl, fake_impl=_fused_moe_fake)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return torch.ops.atomrt.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
+    return _fused_moe_impl(x, router_logits, w13, w2, top_k, renormalize)
+
+
+class Router(nn.Module):
+    """The replicated routing projection: hidden -> one logit per expert."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+def expert_shards(tp: TPInfo, dp: DPInfo) -> tuple[int, int]:
+    """(this rank's shard, number of shards) of every expert's intermediate dimension: the TP group
+    with DP = 1, the whole DP x TP world (rank = dp_rank * tp_size + tp_rank) with DP > 1."""
+    return dp.dp_rank * tp.tp_size + tp.tp_rank, dp.dp_size * tp.tp_size
+
+
+class FusedMoE(nn.Module):
+    """Router + top-k + sharded experts (see the module docstring).
+
+    `reduce_output=False` leaves the TP all-reduce to the caller (who adds a shared expert's
+    partial sum first and reduces once)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        tp: TPInfo = TPInfo(),
+        dp: DPInfo = DPInfo(),
+        reduce_output: bool = True,
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: {top_k} must be in 1..num_experts={num_experts}"
+            )
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.tp, self.dp, self.reduce_output = tp, dp, reduce_output
+        self.shard, num_shards = expert_shards(tp, dp)
+        if intermediate_size % num_shards:
+            raise ValueError(
+                f"moe_intermediate_size: {intermediate_size} is not divisible by data_parallel_size "
+                f"x tensor_parallel_size = {num_shards} (every expert is split over those ranks)"
+            )
+        self.intermediate_size = intermediate_size  # whole, as in the checkpoint
+        self.shard_size = inter = intermediate_size // num_shards
+        self.gate = Router(hidden_size, num_experts)
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, inter), requires_grad=False
+        )
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object
+    ) -> None:
+        """shard_id: ("gate" | "up" | "down", expert) for one expert's [I, hidden] / [hidden, I]
+        projection, or ("gate_up_all" | "down_all", None) for every expert's at once."""
+        kind, expert = shard_id
+        size, start = self.shard_size, self.shard * self.shard_size
+        whole = self.intermediate_size
+        if kind == "gate":
+            src = read_narrow(loaded_weight, 0, start, size)
+            copy_checked(param.data[expert, :size], src, f"expert {expert} gate_proj")
+        elif kind == "up":
+            src = read_narrow(loaded_weight, 0, start, size)
+            copy_checked(param.data[expert, size:], src, f"expert {expert} up_proj")
+        elif kind == "down":
+            src = read_narrow(loaded_weight, 1, start, size)
+            copy_checked(param.data[expert], src, f"expert {expert} down_proj")
+        elif kind == "gate_up_all":  # [E, 2I, hidden]: gate rows [0, I), up rows [I, 2I)
+            copy_checked(param.data[:, :size], read_narrow(loaded_weight, 1, start, size), "gate")
+            up = read_narrow(loaded_weight, 1, whole + start, size)
+            copy_checked(param.data[:, size:], up, "experts.gate_up_proj (up rows)")
+        elif kind == "down_all":  # [E, hidden, I]
+            copy_checked(
+                param.data, read_narrow(loaded_weight, 2, start, size), "experts.down_proj"
+            )
+        else:
+            raise ValueError(f"FusedMoE: unknown expert shard {shard_id!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden] -> [num_tokens, hidden] (TP-reduced unless `reduce_output=False`)."""
+        if self.dp.dp_size > 1:
+            _check_dp_rows(x, self.dp)
+            x = dp_all_gather(x, self.dp)  # [dp_size * num_tokens, hidden]
+        y = fused_moe(
+            x, self.gate(x), self.w13_weight, self.w2_weight, self.top_k, self.renormalize
+        )
+        if self.dp.dp_size > 1:
+            y = dp_reduce_scatter(y, self.dp)  # [num_tokens, hidden]
+        return tp_all_reduce(y, self.tp) if self.reduce_output else y
+
+
+def _check_dp_rows(x: torch.Tensor, dp: DPInfo) -> None:
+    """Every DP rank must bring the step's padded row count, or the gather would not line up (and
+    could wait forever on a peer): say so instead. Skipped while tracing (the shape is symbolic)."""
+    if torch.compiler.is_compiling():
+        return
+    md = get_forward_context().dp_metadata
+    expected: Optional[int] = md.max_tokens_across_dp if md is not None else None
+    if expected is not None and x.shape[0] != expected:
+        raise RuntimeError(
+            f"dp rank {dp.dp_rank}: MoE layer got {x.shape[0]} rows, but every DP rank runs "
+            f"{expected} this step (DPMetadata.max_tokens_across_dp)"
+        )

@@ -1,0 +1,267 @@
+"""Mixture-of-experts decoders: Qwen3-MoE (q/k norm), Qwen2-MoE (qkv bias, a shared expert) and,
+through workers/models/mixtral.py, Mixtral.
+
+Attention is Llama's (workers/models/llama.py), split over the TP ranks of this rank's DP rank. A
+layer's MLP is sparse (`FusedMoE`, workers/layers/moe.py) or dense (`LlamaMLP`) by
+`ModelArch.is_moe_layer`. With DP > 1 the sparse layers are where DP ranks meet: each gathers every
+DP rank's rows, which is why every rank runs the step's `running_tokens` rows.
+
+Hot path: traced by Dynamo with a dynamic token dimension and recorded into CUDA graphs (see
+llama.py); the experts are one opaque op.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from atomrt.compile.decorators import support_torch_compile
+from atomrt.distributed.communication_op import DPInfo, TPInfo, tp_all_reduce
+from atomrt.graphs.region_graph import token_graph
+from atomrt.workers.layers.cpu_gemm import reset_packed_weights
+from atomrt.workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear, linear
+from atomrt.workers.layers.moe import FusedMoE
+from atomrt.workers.layers.norm import RMSNorm, residual_add
+from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from atomrt.workers.layers.weight_utils import Sliceable, default_weight_loader
+from atomrt.workers.models.arch import ModelArch
+from atomrt.workers.models.llama import LlamaAttention, LlamaMLP
+
+
+class SparseMoeBlock(nn.Module):
+    """The experts, plus (Qwen2-MoE) a dense shared expert scaled by sigmoid(shared_expert_gate(x)).
+    The shared expert's TP partial sum joins the experts' before the one all-reduce."""
+
+    def __init__(self, arch: ModelArch, tp: TPInfo, dp: DPInfo) -> None:
+        super().__init__()
+        self.tp = tp
+        shared = arch.shared_expert_intermediate_size
+        self.experts = FusedMoE(
+            arch.num_experts,
+            arch.num_experts_per_tok,
+            arch.hidden_size,
+            arch.moe_intermediate_size,
+            arch.norm_topk_prob,
+            tp,
+            dp,
+            reduce_output=not shared,
+        )
+        self.shared_expert: Optional[nn.Module] = None
+        if shared:
+            self.shared_expert = _SharedExpert(arch.hidden_size, shared, tp)
+            self.shared_expert_gate = nn.Parameter(
+                torch.empty(1, arch.hidden_size), requires_grad=False
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden] (normed) -> [num_tokens, hidden]."""
+        y = self.experts(x)
+        if self.shared_expert is None:
+            return y
+        gate = torch.sigmoid(linear(x, self.shared_expert_gate))  # [num_tokens, 1]
+        return tp_all_reduce(y + gate * self.shared_expert(x), self.tp)
+
+
+class _SharedExpert(nn.Module):
+    """A gated MLP whose down projection is not reduced (the caller reduces once)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPInfo) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False, tp=tp
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=False, tp=tp, reduce_output=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x), gated_input=True)
+
+
+class MoEDecoderLayer(nn.Module):
+    def __init__(
+        self, arch: ModelArch, layer_idx: int, tp: TPInfo, dp: DPInfo, max_position: int
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, layer_idx, tp, max_position)
+        self.is_sparse = arch.is_moe_layer(layer_idx)
+        self.mlp: nn.Module = SparseMoeBlock(arch, tp, dp) if self.is_sparse else LlamaMLP(arch, tp)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, residual: torch.Tensor, update: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaDecoderLayer.forward: the residual stream comes in and goes out as residual +
+        update. A dense MLP takes its add and norm fused into its projection; the experts take the
+        normed rows."""
+        if update is None:
+            qkv = self.self_attn.qkv_proj(self.input_layernorm(residual))
+        else:
+            residual, qkv = self.self_attn.qkv_proj.forward_add_norm(
+                residual, update, self.input_layernorm
+            )
+        update = self.self_attn(positions, qkv)
+        if self.is_sparse:
+            residual = residual_add(residual, update)
+            return residual, self.mlp(self.post_attention_layernorm(residual))
+        residual, gate_up = self.mlp.gate_up_proj.forward_add_norm(
+            residual, update, self.post_attention_layernorm
+        )
+        return residual, self.mlp(gate_up)
+
+
+@token_graph
+@support_torch_compile
+class MoEModel(nn.Module):
+    """Embeddings + decoder layers + final norm: the unit that is compiled and graph-captured."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        tp: TPInfo = TPInfo(),
+        dp: DPInfo = DPInfo(),
+        max_position: int = 0,
+    ) -> None:
+        super().__init__()
+        max_position = max_position or arch.max_position
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            MoEDecoderLayer(arch, i, tp, dp, max_position) for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [num_tokens] int64 -> hidden_states [num_tokens, hidden]."""
+        residual, update = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            residual, update = layer(positions, residual, update)
+        return self.norm(residual if update is None else residual_add(residual, update))
+
+
+# (our fused parameter, checkpoint projection, shard id) of the attention and dense MLPs
+_STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
+# one expert's projection: mlp.experts.<e>.<proj>.weight
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# every expert's at once (transformers' fused layout): mlp.experts.gate_up_proj / down_proj
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
+_EXPERT_SHARD = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+class MoEForCausalLM(nn.Module):
+    """Qwen3-MoE and Qwen2-MoE (checkpoint names as in transformers); Mixtral subclasses it."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        tp: TPInfo = TPInfo(),
+        max_position: int = 0,
+        config: Any = None,
+        dp: DPInfo = DPInfo(),
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = MoEModel(arch, tp, dp, max_position, config=config)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab_size] in the weight's dtype (vocab shards gathered)."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name in this module's (Qwen) naming."""
+        return name.replace(".mlp.shared_expert_gate.weight", ".mlp.shared_expert_gate")
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
+    ) -> None:
+        """Load (Hugging Face name, sliceable tensor) pairs; every parameter must be filled once
+        (every expert's projections for the expert weights)."""
+        params = dict(self.named_parameters())
+        loaded: dict[str, set] = {}
+        for name, weight in weights:
+            if "rotary_emb.inv_freq" in name or (
+                self.arch.tie_word_embeddings and name == "lm_head.weight"
+            ):
+                continue
+            name, shard_id = self._place(self.checkpoint_name(name))
+            param = params.get(name)
+            if param is None:
+                raise ValueError(
+                    f"{where}: tensor {name!r} has no place in {self.arch.architecture}"
+                )
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                default_weight_loader(param, weight)
+            else:
+                loader(param, weight, shard_id)
+            loaded.setdefault(name, set()).update(_covered(shard_id, self.arch.num_experts))
+        missing = [n for n in params if len(loaded.get(n, ())) < self._needed(n)]
+        if missing:
+            raise ValueError(
+                f"{where}: missing tensors for {len(missing)} parameters, e.g. {missing[:4]}"
+            )
+        reset_packed_weights(self)  # loading writes in place, which a packed copy cannot see
+
+    def _place(self, name: str) -> tuple[str, object]:
+        """(our parameter, shard id) of a checkpoint tensor."""
+        m = _EXPERT.match(name)
+        if m:
+            kind = _EXPERT_SHARD[m.group(3)]
+            param = "w2_weight" if kind == "down" else "w13_weight"
+            return f"{m.group(1)}.experts.{param}", (kind, int(m.group(2)))
+        m = _FUSED_EXPERTS.match(name)
+        if m:
+            down = m.group(2) == "down_proj"
+            param = "w2_weight" if down else "w13_weight"
+            return f"{m.group(1)}.experts.{param}", ("down_all" if down else "gate_up_all", None)
+        if ".mlp.gate.weight" in name:  # the router
+            return name.replace(".mlp.gate.weight", ".mlp.experts.gate.weight"), None
+        for ours, theirs, sid in _STACKED_PARAMS:
+            if f".{theirs}." in name:
+                return name.replace(f".{theirs}.", f".{ours}."), sid
+        return name, None
+
+    def _needed(self, param: str) -> int:
+        """How many distinct shards fill a parameter."""
+        if param.endswith("w13_weight"):
+            return 2 * self.arch.num_experts
+        if param.endswith("w2_weight"):
+            return self.arch.num_experts
+        return next((c for k, c in _NUM_SHARDS.items() if f".{k}." in param), 1)
+
+
+def _covered(shard_id: object, num_experts: int) -> set:
+    """The shards a load filled: one expert's projection, or all experts' at once."""
+    if isinstance(shard_id, tuple):
+        kind, expert = shard_id
+        if kind == "gate_up_all":
+            return {(k, e) for k in ("gate", "up") for e in range(num_experts)}
+        if kind == "down_all":
+            return {("down", e) for e in range(num_experts)}
+        return {shard_id}
+    return {shard_id}
+
+
+class Qwen3MoeForCausalLM(MoEForCausalLM):
+    pass
+
+
+class Qwen2MoeForCausalLM(MoEForCausalLM):
+    pass
