@@ -57,14 +57,29 @@ class AttentionMetaData:
 
 @dataclass
 class DPMetadata:
-    """Token counts across data-parallel ranks for one step."""
+    """Row counts across data-parallel ranks for one step: each rank's real rows and the rows it
+    runs. Every rank runs the same padded count (`max_tokens_across_dp`, the step's
+    `running_tokens`): a MoE layer's gather across DP ranks is that many rows from each. At capture
+    every rank records the same bucket, `running_tokens_per_dp_rank = [running_tokens] * dp_size`."""
 
     num_tokens_across_dp: list[int] = field(default_factory=list)  # real rows per DP rank
     max_tokens_across_dp: int = 0  # the padded row count every rank runs
+    running_tokens_per_dp_rank: list[int] = field(default_factory=list)  # rows each rank runs
 
     @classmethod
     def make(cls, num_tokens_across_dp: list[int], padded_tokens: int) -> DPMetadata:
-        return cls(list(num_tokens_across_dp), padded_tokens)
+        real = list(num_tokens_across_dp)
+        return cls(real, padded_tokens, [padded_tokens] * len(real))
+
+    @classmethod
+    def for_capture(cls, dp_size: int, running_tokens: int) -> DPMetadata:
+        """A recording's: every rank runs (and records) `running_tokens` rows."""
+        return cls.make([running_tokens] * dp_size, running_tokens)
+
+    @property
+    def num_padded_tokens(self) -> int:
+        """Rows run beyond the real ones, over all DP ranks."""
+        return sum(self.running_tokens_per_dp_rank) - sum(self.num_tokens_across_dp)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_harness import run_prefill_and_decode
+from moe_harness import make_hf_model, tiny_moe_configs
 
 from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import Config, ModelConfig
@@ -22,58 +23,6 @@ transformers = pytest.importorskip("transformers")
 TOLERANCE = 1e-4
 PROMPTS = [[3, 17, 42, 99, 5, 8, 61], [7, 1, 120], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 NUM_DECODE_STEPS = 3
-_BASE = dict(
-    vocab_size=128,
-    hidden_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    bos_token_id=0,
-    eos_token_id=1,
-)
-
-
-def tiny_moe_configs() -> dict[str, object]:
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
-
-    return {
-        "qwen3_moe": Qwen3MoeConfig(
-            **_BASE,
-            head_dim=32,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            mlp_only_layers=[1],
-        ),
-        "qwen2_moe": Qwen2MoeConfig(
-            **_BASE,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            num_experts=8,
-            num_experts_per_tok=4,
-            decoder_sparse_step=2,
-        ),
-        "mixtral": MixtralConfig(
-            **_BASE, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2
-        ),
-    }
-
-
-def make_hf_model(cfg: object, seed: int = 0) -> torch.nn.Module:
-    """Random weights larger than the init's, so that routing and every layer matter."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
 
 
 def build_moe_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

@@ -157,7 +157,7 @@ class WorkerProcess:
             self._cpu_threads = max(1, (os.cpu_count() or 1) // self.spec.world_size)
             torch.set_num_threads(self._cpu_threads)
         s = self.spec
-        tp_group = None
+        tp_group = dp_group = None
         if s.world_size > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
             ps.init_distributed(
@@ -172,8 +172,15 @@ class WorkerProcess:
             )
             self._distributed = True
             tp_group = ps.get_tp_group().group
+            dp_group = ps.get_dp_group().group if s.dp_size > 1 else None
         self.worker = Worker(
-            self.config, s.dp_rank, s.tp_rank, self.local_device, tp_group, progress=self.progress
+            self.config,
+            s.dp_rank,
+            s.tp_rank,
+            self.local_device,
+            tp_group,
+            progress=self.progress,
+            dp_group=dp_group,
         )
 
     def determine_num_blocks(self) -> int:

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from atomrt.compile.backends import compilation_counter
-from atomrt.distributed.communication_op import TPInfo
+from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision
-from atomrt.workers.runner.input_batch import SeqMirrors, dummy_decode_inputs
+from atomrt.workers.runner.input_batch import SeqMirrors, dummy_idle_inputs
 from atomrt.workers.runner.kv_sizing import determine_num_blocks
 from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
 from atomrt.workers.runner.readback import Readback
@@ -68,15 +68,19 @@ class Worker:
         local_device: Optional[int] = None,
         tp_group: Any = None,
         progress: Optional[Callable[[], None]] = None,
+        dp_group: Any = None,
     ) -> None:
-        """`progress` is called while a step waits on the device (the process's heartbeat)."""
+        """`progress` is called while a step waits on the device (the process's heartbeat);
+        `dp_group` joins this rank to the same TP rank of every DP rank (MoE layers gather there)."""
         self.config = config
         self.progress = progress
         self.dp_rank, self.tp_rank = dp_rank, tp_rank
-        tp = TPInfo(tp_rank, config.parallel_config.tensor_parallel_size, tp_group)
+        pc = config.parallel_config
+        tp = TPInfo(tp_rank, pc.tensor_parallel_size, tp_group)
+        dp = DPInfo(dp_rank, pc.data_parallel_size, dp_group, timeout_s=pc.worker_timeout_s)
         device = resolve_device(config, local_device)
-        rank = dp_rank * config.parallel_config.tensor_parallel_size + tp_rank
-        self.runner = ModelRunner(config, device, tp, rank=rank)
+        rank = dp_rank * pc.tensor_parallel_size + tp_rank
+        self.runner = ModelRunner(config, device, tp, rank=rank, dp=dp)
         self.mirrors = SeqMirrors(config.cache_config.block_size)
         self.next_step = 0
         self._unfinished: Optional[PendingStep] = (
@@ -176,13 +180,11 @@ class Worker:
         """A DP rank with no work runs a dummy batch of the decision's shape, so collectives match."""
         if len(plan.ranks) > 1 and decision.running_tokens > 0:
             shape = decision.dummy_batch()
-            q = max(shape.max_seqlen_q, 1)
-            inputs = dummy_decode_inputs(max(shape.num_tokens // q, 1), q)
-            empty = SamplingTensors.from_params(
-                [], [], [], self.runner.arch.vocab_size, self.runner.device
+            vocab = self.runner.arch.vocab_size
+            inputs = dummy_idle_inputs(
+                shape.num_tokens, shape.max_seqlen_q, self.runner.shape.max_model_len, vocab
             )
-            inputs.sample_seq_idx = inputs.sample_seq_idx[:0]
-            inputs.sample_rows = inputs.sample_rows[:0]
+            empty = SamplingTensors.from_params([], [], [], vocab, self.runner.device)
             self.runner.execute(inputs, decision, empty)
         return None if self.tp_rank != 0 else StepResult(step=plan.step, dp_rank=self.dp_rank)
 

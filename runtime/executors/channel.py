@@ -88,7 +88,10 @@ class StepChannel:
             try:
                 res = self.collector.recv(LIVENESS_POLL_S)
             except TransportTimeout:
-                check_alive()
+                try:
+                    check_alive()
+                except WorkerError as e:  # say which step the ranks stopped in
+                    raise WorkerError(f"step {step}: {e}") from None
                 if time.monotonic() >= deadline:
                     missing = sorted(set(range(self.dp_size)) - set(got))
                     raise WorkerError(

@@ -26,7 +26,7 @@ from atomrt.graphs.buckets import capture_order, request_bucket
 from atomrt.graphs.region_graph import ReqGraph, captured_token_sizes, graph_pool_bytes
 from atomrt.runtime.config import Config, CUDAGraphMode
 from atomrt.runtime.decision import CapturedBuckets, ForwardDecision, ForwardKind
-from atomrt.runtime.forward_context import set_forward_context
+from atomrt.runtime.forward_context import DPMetadata, set_forward_context
 from atomrt.workers.runner.input_batch import dummy_decode_inputs
 
 if TYPE_CHECKING:
@@ -102,7 +102,14 @@ class GraphRunner:
         md, ctx = runner.buffers.prepare(dummy_decode_inputs(bs, max_q_len), decision)
         fv = runner.buffers.forward_vars
         ids, pos = fv["input_ids"][:rows], fv["positions"][:rows]
-        scope = dict(no_compile_layers=runner.attn_layers, kv_cache_data=runner.kv_cache)
+        scope = dict(
+            no_compile_layers=runner.attn_layers,
+            kv_cache_data=runner.kv_cache,
+            # symmetric: every DP rank records this bucket, running_tokens rows each
+            dp_metadata=DPMetadata.for_capture(runner.dp.dp_size, rows)
+            if runner.dp.dp_size > 1
+            else None,
+        )
         with set_forward_context(md, self.config, ctx, **scope):
             runner.buffers.unpack(bs, rows)
             hidden = runner.model(ids, pos)  # warm-up

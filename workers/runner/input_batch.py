@@ -247,3 +247,31 @@ def dummy_decode_inputs(bs: int, max_q_len: int) -> StepInputs:
         sample_seq_idx=np.arange(bs, dtype=np.int64),
         sample_rows=cu[1:].astype(np.int64) - 1,
     )
+
+
+def dummy_idle_inputs(
+    num_tokens: int, max_q_len: int, max_model_len: int, vocab_size: int
+) -> StepInputs:
+    """What an idle DP rank runs: `num_tokens` rows in sequences of `max_q_len` rows (a decode
+    bucket's shape), or, for a prefill step (`max_q_len == num_tokens`), sequences of at most
+    `max_model_len` rows (positions stay within the rotary tables). No KV writes. The tokens are
+    spread over the vocabulary, so a MoE layer does not route every dummy row to one expert."""
+    q = max(1, min(max_q_len, max_model_len))
+    lens = np.full(num_tokens // q, q, dtype=np.int64)
+    if num_tokens % q:
+        lens = np.append(lens, num_tokens % q)
+    bs = int(lens.shape[0])
+    cu = np.zeros(bs + 1, dtype=np.int32)
+    np.cumsum(lens, out=cu[1:])
+    positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1], lens)
+    return StepInputs(
+        seq_ids=np.arange(bs, dtype=np.int64),
+        input_ids=(np.arange(num_tokens, dtype=np.int64) * 7919) % vocab_size,
+        positions=positions,
+        slot_mapping=np.full(num_tokens, -1, dtype=np.int64),
+        cu_seqlens_q=cu,
+        context_lens=lens.astype(np.int32),
+        block_tables=np.zeros((bs, 1), dtype=np.int32),
+        sample_seq_idx=np.zeros(0, dtype=np.int64),
+        sample_rows=np.zeros(0, dtype=np.int64),
+    )

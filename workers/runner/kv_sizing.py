@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
+from atomrt.runtime.forward_context import (
+    AttentionMetaData,
+    Context,
+    DPMetadata,
+    set_forward_context,
+)
 from atomrt.workers.runner.kv_cache import KVCacheSizing, num_blocks_needed
 
 if TYPE_CHECKING:
@@ -35,6 +40,7 @@ def _dummy_forward(runner: ModelRunner, num_tokens: int, logits_rows: int = 1) -
         runner.device
     )
     md = AttentionMetaData(cu_seqlens_q_cpu=cu, num_seqs=len(cu) - 1, num_tokens=num_tokens)
+    dp_size = runner.dp.dp_size
     ctx = Context(
         positions=pos,
         is_prefill=True,
@@ -44,7 +50,14 @@ def _dummy_forward(runner: ModelRunner, num_tokens: int, logits_rows: int = 1) -
     )
     with (
         torch.inference_mode(),
-        set_forward_context(md, runner.config, ctx, no_compile_layers=runner.attn_layers),
+        set_forward_context(
+            md,
+            runner.config,
+            ctx,
+            no_compile_layers=runner.attn_layers,
+            # every DP rank profiles the same rows (a MoE layer gathers across them)
+            dp_metadata=DPMetadata.for_capture(dp_size, num_tokens) if dp_size > 1 else None,
+        ),
     ):
         hidden = runner.model(ids, pos)
         runner.model.compute_logits(hidden[-logits_rows:])

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from atomrt.compile.decorators import compile_model
-from atomrt.distributed.communication_op import TPInfo
+from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.forward_context import DPMetadata, set_forward_context
@@ -58,16 +58,21 @@ class ModelOutput(NamedTuple):
 
 class ModelRunner:
     def __init__(
-        self, config: Config, device: torch.device, tp: TPInfo = TPInfo(), rank: int = 0
+        self,
+        config: Config,
+        device: torch.device,
+        tp: TPInfo = TPInfo(),
+        rank: int = 0,
+        dp: DPInfo = DPInfo(),
     ) -> None:
         self.config = config
         self.device = device
         self.rank = rank
-        self.tp = tp
+        self.tp, self.dp = tp, dp
         self.dtype = resolve_dtype(config, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        loaded = load_model(config, device, self.dtype, tp)
+        loaded = load_model(config, device, self.dtype, tp, dp)
         self.model, self.arch = compile_model(loaded.model, config), loaded.arch
         sc = config.scheduler_config
         self.shape = RunnerShape(
