@@ -246,8 +246,17 @@ class SchedulerConfig:
     # Submit step N+1 before step N's tokens are back (its decode rows take them on the GPU), so
     # host work overlaps the GPU; a request that stops computes one wasted row. See runtime/driver/scheduler.py.
     async_scheduling: bool = False
+    # Data parallelism: hold a prompt waiting on one DP rank for up to this many steps while other
+    # ranks decode, so prefills of several ranks share one padded step (runtime/driver/dp_align.py).
+    # 0: off.
+    dp_prefill_align: int = 0
 
     def __post_init__(self) -> None:
+        if not _is_int(self.dp_prefill_align) or self.dp_prefill_align < 0:
+            raise ConfigError(
+                "scheduler_config.dp_prefill_align: must be an integer >= 0 (steps; 0 is off), "
+                f"got {self.dp_prefill_align!r}"
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if not _positive_int(getattr(self, name)):
                 raise ConfigError(

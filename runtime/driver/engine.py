@@ -19,6 +19,7 @@ from atomrt.distributed.messages import StepResult
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardDecision, ForwardKind
 from atomrt.runtime.driver.block_manager import BlockManager
+from atomrt.runtime.driver.dp_align import PrefillAligner
 from atomrt.runtime.driver.forward_mode import ForwardMode
 from atomrt.runtime.driver.interrupts import InterruptGuard
 from atomrt.runtime.driver.outputs import RequestOutput, make_request_output, merge_request_outputs
@@ -55,14 +56,30 @@ class _Request:
 
 @dataclass
 class EngineStats:
-    """Counters since start (for metrics): steps by kind, and rows run beyond the real ones."""
+    """Counters since start (for metrics): steps by kind, and rows run beyond the real ones
+    (padding to a graph bucket, and under data parallelism to the group's row count: an idle
+    DP rank's whole dummy batch counts as padding)."""
 
     steps: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in ForwardKind})
     padded_tokens: int = 0
+    real_tokens: int = 0  # rows of scheduled work, over every DP rank
+    dummy_batches: int = 0  # (step, DP rank) pairs that ran an idle rank's dummy batch
 
-    def count(self, decision: ForwardDecision) -> None:
+    def count(self, decision: ForwardDecision) -> int:
+        """Count one step; returns its padded rows."""
         self.steps[decision.kind.value] += 1
-        self.padded_tokens += sum(decision.dp_padded_tokens) - sum(decision.dp_num_tokens)
+        padded = sum(decision.dp_padded_tokens) - sum(decision.dp_num_tokens)
+        self.padded_tokens += padded
+        self.real_tokens += sum(decision.dp_num_tokens)
+        if len(decision.dp_num_tokens) > 1:
+            self.dummy_batches += sum(1 for n in decision.dp_num_tokens if n == 0)
+        return padded
+
+    @property
+    def pad_fraction(self) -> float:
+        """Padded rows over all rows run (0 when nothing ran)."""
+        total = self.padded_tokens + self.real_tokens
+        return self.padded_tokens / total if total else 0.0
 
 
 class EngineDeadError(RuntimeError):
@@ -106,6 +123,9 @@ class LLMEngine:
             for _ in range(config.parallel_config.data_parallel_size)
         ]
         self.planners = [RankPlanner() for _ in self.schedulers]
+        self.aligner = PrefillAligner(
+            config.scheduler_config.dp_prefill_align, len(self.schedulers)
+        )
         captured = CapturedBuckets(info.req_keys, info.prefill_token_sizes, info.decode_token_sizes)
         self.forward_mode = ForwardMode(config, captured)
         self.step_no = 0
@@ -225,7 +245,8 @@ class LLMEngine:
             raise
 
     def _schedule_and_submit(self) -> bool:
-        outs = [s.schedule() for s in self.schedulers]
+        admits = self.aligner.admits(self.schedulers)
+        outs = [s.schedule(admit) for s, admit in zip(self.schedulers, admits)]
         if all(o.is_empty for o in outs):
             return False
         decision = self.forward_mode.decide([_shape(o) for o in outs])
@@ -233,7 +254,15 @@ class LLMEngine:
         plan = make_plan(self.step_no, decision, batches, pipelined=self.async_scheduling)
         self.executor.submit(plan)
         self.step_no += 1  # at once: the plan went out under this number
-        self.stats.count(decision)
+        padded = self.stats.count(decision)
+        if padded and len(outs) > 1:
+            logger.debug(
+                "step %d: %d rows padded (real rows per DP rank %s, each runs %d)",
+                plan.step,
+                padded,
+                decision.dp_num_tokens,
+                decision.running_tokens,
+            )
         for scheduler, out in zip(self.schedulers, outs):
             scheduler.advance(out)
         self._inflight.append((plan.step, outs))
@@ -309,6 +338,17 @@ class LLMEngine:
             raise EngineDeadError(self.dead)
 
     def shutdown(self) -> None:
+        stats = self.stats
+        if len(self.schedulers) > 1 and stats.real_tokens:
+            logger.info(
+                "data parallel: %d rows run beyond %d real ones (%.1f%% padding), %d dummy "
+                "batches on idle ranks, %d prefill holds",
+                stats.padded_tokens,
+                stats.real_tokens,
+                100 * stats.pad_fraction,
+                stats.dummy_batches,
+                self.aligner.num_held_steps,
+            )
         self.executor.shutdown()
 
     def _tokenize(self, prompt: Prompt) -> list[int]:

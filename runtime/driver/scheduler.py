@@ -182,10 +182,11 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, admit: bool = True) -> SchedulerOutput:
+        """`admit=False` schedules running sequences only (runtime/driver/dp_align.py)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens - self._schedule_running(out)
-        if not out.preempted:
+        if not out.preempted and admit:
             budget -= self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.is_prefill = any(not s.is_decode for s in out.scheduled)
