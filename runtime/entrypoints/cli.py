@@ -90,6 +90,8 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         from atomrt.runtime.bench.throughput import main as bench_main
     elif args.what == "serve":
         from atomrt.runtime.bench.serve import main as bench_main
+    elif args.what == "dp":
+        from atomrt.runtime.bench.dp import main as bench_main
     else:
         from atomrt.runtime.bench.transport import main as bench_main
     return int(bench_main(rest) or 0)
@@ -130,10 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: startup | latency | throughput | serve | transport (their own flags follow)",
+        help="benchmarks: startup | latency | throughput | serve | transport | dp (their own flags follow)",
         add_help=False,
     )
-    bench.add_argument("what", choices=["startup", "latency", "throughput", "serve", "transport"])
+    bench.add_argument(
+        "what", choices=["startup", "latency", "throughput", "serve", "transport", "dp"]
+    )
     return parser
 
 

@@ -1,0 +1,322 @@
+"""Data-parallel benchmark (`atomrt bench dp`): output tokens/s and padding waste per parallel layout.
+
+    atomrt bench dp [--model tiny-qwen3-moe --load-format dummy] [--layouts 1x1,2x1,2x2]
+        [--num-requests 32 --input-len 64 --output-len 32 --imbalance 0.5]
+        [--arrival-interval 0] [--dp-prefill-align N] [--json PATH] [--plot PATH]
+        [engine flags as for `atomrt generate`]
+
+Each layout (`DPxTP`) is an engine of its own running the same synthetic requests: random token ids,
+greedy, EOS ignored, so every request makes exactly its output length. New requests go to the
+least-loaded DP rank, so requests added together alternate over the ranks; `--imbalance f` makes
+every other request (the odd ones: under DP=2, rank 1's) `f` shorter in prompt and output, so that
+rank runs out of work first and idles (runs dummy batches) while the other finishes. With
+`--arrival-interval K` one request arrives every K engine steps instead of all at once: prompts then
+land on one rank while the others decode, the case `--dp-prefill-align` is for.
+
+Per layout it reports output tokens/s, engine steps, the rows run beyond the real ones (padding to
+the group's row count and graph buckets; an idle rank's dummy batch counts whole) and their share,
+and the dummy batches; then each layout's tokens/s against the first's. Writes JSON, and a PNG plot
+(matplotlib) with `--plot`. Layouts with more than one rank run through the `mp` executor unless
+`--executor` says otherwise (`--executor ray` joins RAY_ADDRESS's cluster, or starts a local one: the
+same command works under `ray job submit`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from tqdm import tqdm
+
+from atomrt.runtime.config import Config, ConfigError
+from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+
+DEFAULT_MODEL = "tiny-qwen3-moe"
+WARMUP_REQUESTS, WARMUP_TOKENS = 2, 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+
+    @property
+    def name(self) -> str:
+        return f"DP={self.dp} TP={self.tp}"
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        try:
+            dp, tp = (int(x) for x in text.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--layouts: {text!r} is not DPxTP (e.g. 2x1)") from None
+        if dp < 1 or tp < 1:
+            raise ValueError(f"--layouts: {text!r}: sizes must be at least 1")
+        return cls(dp, tp)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class LayoutResult:
+    layout: str
+    dp: int
+    tp: int
+    executor: str
+    seconds: float
+    output_tokens: int
+    output_tokens_per_s: float
+    steps: int
+    real_tokens: int  # rows of scheduled work, every DP rank
+    padded_tokens: int  # rows run beyond the real ones
+    pad_fraction: float  # padded / (real + padded)
+    dummy_batches: int  # (step, rank) pairs an idle rank ran a dummy batch
+    prefill_holds: int  # (step, rank) pairs dp_prefill_align held a prompt back
+    speedup: Optional[float] = None  # output tokens/s against the first layout's
+
+
+@dataclass
+class Report:
+    model: str
+    device: str
+    torch_version: str
+    num_requests: int
+    input_len: int
+    output_len: int
+    imbalance: float
+    arrival_interval: int
+    dp_prefill_align: int
+    total_output_tokens: int
+    args: dict[str, Any]
+    results: list[LayoutResult] = field(default_factory=list)
+
+
+def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="atomrt bench dp", description=__doc__.splitlines()[0])
+    _add_config_args(p)
+    p.add_argument(
+        "--layouts", default="1x1,2x1", help="comma-separated DPxTP layouts (default 1x1,2x1)"
+    )
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens of a full request")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens of a full request")
+    p.add_argument(
+        "--imbalance",
+        type=float,
+        default=0.5,
+        help="how much shorter (prompt and output) every other request is, in [0, 1)",
+    )
+    p.add_argument(
+        "--arrival-interval",
+        type=int,
+        default=0,
+        help="engine steps between arrivals (0: every request at once)",
+    )
+    p.add_argument(
+        "--dp-prefill-align",
+        type=int,
+        default=None,
+        help="scheduler_config.dp_prefill_align for every layout (steps; 0: off)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds the synthetic token ids")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--json", default=None, help="where to write the JSON report")
+    p.add_argument("--plot", default=None, help="where to write a PNG plot (needs matplotlib)")
+    args = p.parse_args(argv)
+    for name in ("num_requests", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0.0 <= args.imbalance < 1.0:
+        p.error("--imbalance must be in [0, 1)")
+    if args.arrival_interval < 0:
+        p.error("--arrival-interval must be >= 0")
+    if args.model is None:
+        args.model = DEFAULT_MODEL
+        args.load_format = args.load_format or "dummy"
+    return args
+
+
+def make_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
+    """Full requests at even indices, shorter ones (by `--imbalance`) at odd indices."""
+    rng = random.Random(args.seed)
+    requests = []
+    for i in range(args.num_requests):
+        scale = 1.0 - args.imbalance if i % 2 else 1.0
+        n_in = max(1, round(args.input_len * scale))
+        n_out = max(1, round(args.output_len * scale))
+        requests.append(BenchRequest([rng.randrange(vocab_size) for _ in range(n_in)], n_out))
+    return requests
+
+
+def layout_config(base: Config, layout: Layout, executor: Optional[str], align: Optional[int]):
+    pc = base.parallel_config
+    if executor is None:
+        executor = "inproc" if layout.dp * layout.tp == 1 else "mp"
+    pc = replace(
+        pc, data_parallel_size=layout.dp, tensor_parallel_size=layout.tp, executor=executor
+    )
+    sc = base.scheduler_config
+    if align is not None:
+        sc = replace(sc, dp_prefill_align=align)
+    return replace(base, parallel_config=pc, scheduler_config=sc)
+
+
+def run_layout(
+    config: Config, layout: Layout, requests: list[BenchRequest], interval: int, progress: bool
+) -> LayoutResult:
+    from atomrt.runtime.entrypoints.llm import LLM
+    from atomrt.runtime.sampling_params import SamplingParams
+
+    llm = LLM(config=config)
+    try:
+        engine = llm.engine
+        warm = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+        llm.generate([r.prompt for r in requests[:WARMUP_REQUESTS]], warm, use_tqdm=False)
+        before = replace(engine.stats, steps=dict(engine.stats.steps))
+        holds_before = engine.aligner.num_held_steps
+        pending = list(requests)
+        bar = tqdm(total=len(requests), desc=layout.name, unit="req", disable=not progress)
+        steps = 0
+        start = time.perf_counter()
+        while pending or engine.has_unfinished():
+            if pending and (interval == 0 or steps % interval == 0):
+                batch, pending = (pending, []) if interval == 0 else (pending[:1], pending[1:])
+                for r in batch:
+                    params = SamplingParams(
+                        temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True
+                    )
+                    engine.add_request(r.prompt, params)
+            for out in engine.step():
+                if out.finished:
+                    bar.update(1)
+            steps += 1
+        seconds = time.perf_counter() - start
+        bar.close()
+        stats = engine.stats
+        holds = engine.aligner.num_held_steps - holds_before
+    finally:
+        llm.shutdown()
+    real = stats.real_tokens - before.real_tokens
+    padded = stats.padded_tokens - before.padded_tokens
+    output_tokens = sum(r.max_tokens for r in requests)
+    return LayoutResult(
+        layout=layout.name,
+        dp=layout.dp,
+        tp=layout.tp,
+        executor=config.parallel_config.executor,
+        seconds=round(seconds, 3),
+        output_tokens=output_tokens,
+        output_tokens_per_s=round(output_tokens / seconds, 2),
+        steps=steps,
+        real_tokens=real,
+        padded_tokens=padded,
+        pad_fraction=round(padded / (real + padded), 4) if real + padded else 0.0,
+        dummy_batches=stats.dummy_batches - before.dummy_batches,
+        prefill_holds=holds,
+    )
+
+
+def run_bench(args: argparse.Namespace) -> Report:
+    from atomrt.workers.loading.loader import read_arch
+
+    layouts = [Layout.parse(t) for t in args.layouts.split(",") if t.strip()]
+    if not layouts:
+        raise ValueError("--layouts: name at least one DPxTP layout")
+    base = config_from_args(args)
+    arch = read_arch(base)
+    longest = args.input_len + args.output_len
+    max_len = base.model_config.max_model_len or arch.max_position
+    if longest > max_len:
+        raise ValueError(f"--input-len + --output-len = {longest} exceeds max_model_len {max_len}")
+    requests = make_requests(args, arch.vocab_size)
+    align = args.dp_prefill_align
+    report = Report(
+        model=base.model,
+        device=base.device,
+        torch_version=torch.__version__,
+        num_requests=len(requests),
+        input_len=args.input_len,
+        output_len=args.output_len,
+        imbalance=args.imbalance,
+        arrival_interval=args.arrival_interval,
+        dp_prefill_align=align if align is not None else base.scheduler_config.dp_prefill_align,
+        total_output_tokens=sum(r.max_tokens for r in requests),
+        args=dict(vars(args)),
+    )
+    # None: inproc for one rank, mp for more; an executor the flags or the YAML name is kept
+    executor = args.executor or (
+        base.parallel_config.executor if base.parallel_config.executor != "inproc" else None
+    )
+    for layout in layouts:
+        config = layout_config(base, layout, executor, align)
+        result = run_layout(config, layout, requests, args.arrival_interval, not args.no_progress)
+        first = report.results[0] if report.results else result
+        result.speedup = round(result.output_tokens_per_s / first.output_tokens_per_s, 3)
+        report.results.append(result)
+        print(_line(result), flush=True)
+    return report
+
+
+def _line(r: LayoutResult) -> str:
+    return (
+        f"{r.layout} ({r.executor}): {r.output_tokens} output tokens in {r.seconds:.2f} s: "
+        f"{r.output_tokens_per_s:.1f} tokens/s ({r.speedup or 1.0:.2f}x), {r.steps} steps, "
+        f"{r.padded_tokens} padded rows over {r.real_tokens} real ({100 * r.pad_fraction:.1f}%), "
+        f"{r.dummy_batches} dummy batches"
+    )
+
+
+def write_plot(report: Report, path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.layout for r in report.results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.bar(names, [r.output_tokens_per_s for r in report.results], color="tab:blue")
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_title("throughput")
+    ax2.bar(names, [100 * r.pad_fraction for r in report.results], color="tab:orange")
+    ax2.set_ylabel("padded rows, % of rows run")
+    ax2.set_title("padding waste")
+    fig.suptitle(
+        f"{report.model}: {report.num_requests} requests, imbalance {report.imbalance}, "
+        f"arrival every {report.arrival_interval or 0} steps"
+    )
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parse(argv)
+    try:
+        report = run_bench(args)
+        if args.plot:
+            write_plot(report, args.plot)
+    except (ConfigError, ValueError) as e:
+        print(f"atomrt bench dp: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(asdict(report), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,76 @@
+"""`atomrt bench dp` on CPU: the tiny MoE preset (dummy weights), DP=1 against DP=2 through mp
+(and through Ray in the slow run), JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from atomrt.runtime.bench.dp import Layout, _parse, main, make_requests
+from atomrt.runtime.entrypoints.cli import build_parser
+
+SMALL = [
+    "--device",
+    "cpu",
+    "--enforce-eager",
+    "--set",
+    "cache_config.num_kv_blocks=32",
+    "--num-requests",
+    "6",
+    "--input-len",
+    "12",
+    "--output-len",
+    "6",
+    "--imbalance",
+    "0.5",
+    "--no-progress",
+]
+
+
+def _run(tmp_path: Path, *extra: str) -> dict:
+    out, plot = tmp_path / "dp.json", tmp_path / "dp.png"
+    assert main([*SMALL, *extra, "--json", str(out), "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads(out.read_text())
+
+
+def test_dp1_against_dp2_reports_throughput_and_padding(tmp_path: Path, capsys) -> None:
+    report = _run(tmp_path, "--layouts", "1x1,2x1", "--dp-prefill-align", "1")
+    one, two = report["results"]
+    assert (one["dp"], one["executor"], two["dp"], two["executor"]) == (1, "inproc", 2, "mp")
+    assert report["model"] == "tiny-qwen3-moe" and report["dp_prefill_align"] == 1
+    # 3 full requests of 6 tokens, 3 halved ones of 3
+    assert report["total_output_tokens"] == 27
+    for r in (one, two):
+        assert r["output_tokens"] == 27 and r["output_tokens_per_s"] > 0 and r["steps"] > 0
+    assert one["padded_tokens"] == 0 and one["dummy_batches"] == 0 and one["speedup"] == 1.0
+    # rank 1's requests are shorter: it idles (dummy batches) while rank 0 finishes
+    assert two["dummy_batches"] > 0 and two["padded_tokens"] > 0
+    assert 0 < two["pad_fraction"] < 1
+    assert two["real_tokens"] == one["real_tokens"]
+    printed = capsys.readouterr().out
+    assert "DP=1 TP=1 (inproc)" in printed and "DP=2 TP=1 (mp)" in printed
+
+
+@pytest.mark.slow
+def test_through_the_ray_executor(tmp_path: Path) -> None:
+    report = _run(tmp_path, "--layouts", "2x1,2x2", "--executor", "ray")
+    assert [(r["dp"], r["tp"], r["executor"]) for r in report["results"]] == [
+        (2, 1, "ray"),
+        (2, 2, "ray"),
+    ]
+
+
+def test_requests_and_flags() -> None:
+    args = _parse(["--num-requests", "4", "--input-len", "10", "--output-len", "8"])
+    assert args.model == "tiny-qwen3-moe" and args.load_format == "dummy"
+    requests = make_requests(args, vocab_size=100)
+    assert [(len(r.prompt), r.max_tokens) for r in requests] == [(10, 8), (5, 4)] * 2
+    assert Layout.parse("2x2") == Layout(2, 2)
+    with pytest.raises(ValueError, match="DPxTP"):
+        Layout.parse("2")
+    with pytest.raises(SystemExit):
+        _parse(["--imbalance", "1.0"])
+    assert build_parser().parse_known_args(["bench", "dp", "--layouts", "1x1"])[0].what == "dp"
