@@ -184,3 +184,27 @@ def test_prefill_aligner_off() -> None:
     assert PrefillAligner(5, 1).admits(ranks("w")) == [True]
     with pytest.raises(ConfigError, match="scheduler_config.dp_prefill_align"):
         Config.from_dict({"scheduler_config": {"dp_prefill_align": -1}})
+
+
+def test_scheduler_without_admission_runs_only_its_running_sequences() -> None:
+    """What the rule asks of a rank's scheduler: `schedule(admit=False)` leaves prompts waiting."""
+    from atomrt.runtime.config import CacheConfig, SchedulerConfig
+    from atomrt.runtime.driver.block_manager import BlockManager
+    from atomrt.runtime.driver.scheduler import Scheduler
+    from atomrt.runtime.driver.sequence import Sequence
+    from atomrt.runtime.sampling_params import SamplingParams
+
+    sched = Scheduler(SchedulerConfig(), CacheConfig(block_size=4), BlockManager(32, 4, True))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first, second = Sequence("a", [1, 2, 3], params), Sequence("b", [4, 5], params)
+    sched.add(first)
+    out = sched.schedule()
+    sched.advance(out)
+    sched.postprocess(out, {first.seq_id: 7})
+    sched.add(second)
+    held = sched.schedule(admit=False)
+    assert [r.seq.request_id for r in held.scheduled] == ["a"] and not held.is_prefill
+    assert list(sched.waiting) == [second]
+    sched.advance(held)
+    sched.postprocess(held, {first.seq_id: 8})
+    assert [r.seq.request_id for r in sched.schedule().scheduled] == ["a", "b"]

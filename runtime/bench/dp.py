@@ -184,7 +184,7 @@ def run_layout(
         warm = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
         llm.generate([r.prompt for r in requests[:WARMUP_REQUESTS]], warm, use_tqdm=False)
         before = replace(engine.stats, steps=dict(engine.stats.steps))
-        holds_before = engine.aligner.num_held_steps
+        holds_before = _holds(engine)
         pending = list(requests)
         bar = tqdm(total=len(requests), desc=layout.name, unit="req", disable=not progress)
         steps = 0
@@ -204,7 +204,7 @@ def run_layout(
         seconds = time.perf_counter() - start
         bar.close()
         stats = engine.stats
-        holds = engine.aligner.num_held_steps - holds_before
+        holds = _holds(engine) - holds_before
     finally:
         llm.shutdown()
     real = stats.real_tokens - before.real_tokens
@@ -225,6 +225,10 @@ def run_layout(
         dummy_batches=stats.dummy_batches - before.dummy_batches,
         prefill_holds=holds,
     )
+
+
+def _holds(engine: Any) -> int:
+    return engine.aligner.num_held_steps if engine.aligner is not None else 0
 
 
 def run_bench(args: argparse.Namespace) -> Report:

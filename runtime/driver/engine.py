@@ -123,8 +123,11 @@ class LLMEngine:
             for _ in range(config.parallel_config.data_parallel_size)
         ]
         self.planners = [RankPlanner() for _ in self.schedulers]
-        self.aligner = PrefillAligner(
-            config.scheduler_config.dp_prefill_align, len(self.schedulers)
+        align = config.scheduler_config.dp_prefill_align
+        self.aligner: Optional[PrefillAligner] = (
+            PrefillAligner(align, len(self.schedulers))
+            if align and len(self.schedulers) > 1
+            else None
         )
         captured = CapturedBuckets(info.req_keys, info.prefill_token_sizes, info.decode_token_sizes)
         self.forward_mode = ForwardMode(config, captured)
@@ -245,8 +248,11 @@ class LLMEngine:
             raise
 
     def _schedule_and_submit(self) -> bool:
-        admits = self.aligner.admits(self.schedulers)
-        outs = [s.schedule(admit) for s, admit in zip(self.schedulers, admits)]
+        if self.aligner is None:
+            outs = [s.schedule() for s in self.schedulers]
+        else:  # dp_prefill_align
+            admits = self.aligner.admits(self.schedulers)
+            outs = [s.schedule(admit) for s, admit in zip(self.schedulers, admits)]
         if all(o.is_empty for o in outs):
             return False
         decision = self.forward_mode.decide([_shape(o) for o in outs])
@@ -347,7 +353,7 @@ class LLMEngine:
                 stats.real_tokens,
                 100 * stats.pad_fraction,
                 stats.dummy_batches,
-                self.aligner.num_held_steps,
+                self.aligner.num_held_steps if self.aligner is not None else 0,
             )
         self.executor.shutdown()
 
