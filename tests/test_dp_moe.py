@@ -7,6 +7,7 @@ rows back. Every request must get the greedy tokens it gets with DP = 1, whichev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -44,15 +45,19 @@ def greedy(model: Path, **kwargs) -> tuple[list[list[int]], dict]:
 
 
 @pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_moe_folder(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, list[list[int]]]]:
+    """name -> (a tiny checkpoint of moe_harness's config `name`, its DP=1 greedy tokens)."""
+    made: dict[str, tuple[Path, list[list[int]]]] = {}
 
+    def get(name: str) -> tuple[Path, list[list[int]]]:
+        if name not in made:
+            folder = build_moe_folder(tmp_path_factory.mktemp(name), name)
+            tokens, _ = greedy(folder, executor="inproc")
+            assert [len(t) for t in tokens] == [p.max_tokens for p in PARAMS]
+            made[name] = folder, tokens
+        return made[name]
 
-@pytest.fixture(scope="module")
-def reference(tiny_moe: Path) -> list[list[int]]:
-    tokens, _ = greedy(tiny_moe, executor="inproc")
-    assert [len(t) for t in tokens] == [p.max_tokens for p in PARAMS]
-    return tokens
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -65,24 +70,41 @@ def local_ray():
     ray.shutdown()
 
 
-# The default run takes DP=2 x TP=1 through mp and DP=2 x TP=2 through Ray; the other two are `slow`.
-@pytest.mark.parametrize(
-    "tp", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["dp2xtp1", "dp2xtp2"]
-)
-def test_mp_dp2_moe_matches_dp1(tiny_moe: Path, reference: list[list[int]], tp: int) -> None:
-    tokens, pids = greedy(tiny_moe, executor="mp", data_parallel_size=2, tensor_parallel_size=tp)
-    assert tokens == reference
-    assert len(pids) == 2 * tp
-    assert wait_gone(pids.values(), timeout_s=5) == []
+# (executor, tp, model): the default run takes DP=2 x TP=1 through mp on Qwen3-MoE and DP=2 x TP=2
+# through Ray on Qwen2-MoE (its shared expert is TP-split inside each DP rank, its experts over all
+# four ranks); the rest are `slow`.
+LAYOUTS = [
+    pytest.param("mp", 1, "qwen3_moe", id="mp-dp2xtp1-qwen3_moe"),
+    pytest.param("ray", 2, "qwen2_moe", id="ray-dp2xtp2-qwen2_moe"),
+    pytest.param("mp", 2, "qwen3_moe", id="mp-dp2xtp2-qwen3_moe", marks=pytest.mark.slow),
+    pytest.param("ray", 1, "mixtral", id="ray-dp2xtp1-mixtral", marks=pytest.mark.slow),
+]
 
 
-@pytest.mark.parametrize(
-    "tp", [pytest.param(1, marks=pytest.mark.slow), 2], ids=["dp2xtp1", "dp2xtp2"]
-)
-def test_ray_dp2_moe_matches_dp1(
-    tiny_moe: Path, reference: list[list[int]], local_ray: None, tp: int
-) -> None:
-    tokens, pids = greedy(tiny_moe, executor="ray", data_parallel_size=2, tensor_parallel_size=tp)
+@pytest.mark.parametrize("executor,tp,model", LAYOUTS)
+def test_dp2_moe_matches_dp1(moe, request, executor: str, tp: int, model: str) -> None:
+    folder, reference = moe(model)
+    if executor == "ray":
+        request.getfixturevalue("local_ray")
+    tokens, pids = greedy(folder, executor=executor, data_parallel_size=2, tensor_parallel_size=tp)
     assert tokens == reference
     assert len(pids) == 2 * tp
-    assert wait_gone(pids.values()) == []
+    assert wait_gone(pids.values(), timeout_s=15) == []
+
+
+@pytest.mark.slow
+def test_mp_dp2_moe_compiled_level3_matches_dp1(moe) -> None:
+    """Level 3 traces the DP collectives and the experts' op into the piecewise graph (Inductor off
+    here, for time)."""
+    from atomrt.runtime.config import CompilationConfig
+
+    folder, reference = moe("qwen3_moe")
+    tokens, _ = greedy(
+        folder,
+        executor="mp",
+        data_parallel_size=2,
+        enforce_eager=False,
+        compilation_config=CompilationConfig(level=3, use_inductor=False),
+        heartbeat_timeout_s=120.0,
+    )
+    assert tokens == reference

@@ -51,7 +51,7 @@ def drive(llm: LLM, num_steps: int, seed: int) -> Load:
     while load.steps < num_steps or engine.has_unfinished():
         assert load.steps < num_steps + DRAIN_STEPS, "the engine did not drain"
         if load.steps < num_steps:
-            if load.steps % 40 == 0:
+            if load.steps % 20 == 0:
                 lone = rng.random() < 0.5  # half the phases keep one rank idle
             in_flight = [r for r in load.submitted if r not in load.finished]
             if lone:
@@ -95,7 +95,7 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     "num_steps,extra",
     [
-        (150, dict(dp_prefill_align=2)),
+        (80, dict(dp_prefill_align=2)),
         pytest.param(2000, {}, marks=pytest.mark.slow),
         pytest.param(2000, dict(async_scheduling=True), marks=pytest.mark.slow),
     ],

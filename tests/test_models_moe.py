@@ -162,6 +162,7 @@ def _tp_worker(rank: int, tp_size: int, folder: str, init_file: str, out_file: s
     os._exit(0)  # gloo's teardown can abort the process; what is checked is written
 
 
+@pytest.mark.slow  # the default run splits experts over TP ranks in tests/test_dp_moe.py
 def test_expert_tensor_parallel_on_gloo_matches_transformers(
     moe_folders: dict[str, Path], tmp_path: Path
 ) -> None:
