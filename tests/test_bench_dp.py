@@ -36,22 +36,31 @@ def _run(tmp_path: Path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_dp1_against_dp2_reports_throughput_and_padding(tmp_path: Path, capsys) -> None:
-    report = _run(tmp_path, "--layouts", "1x1,2x1", "--dp-prefill-align", "1")
-    one, two = report["results"]
-    assert (one["dp"], one["executor"], two["dp"], two["executor"]) == (1, "inproc", 2, "mp")
+def test_dp2_reports_throughput_and_padding(tmp_path: Path, capsys) -> None:
+    report = _run(tmp_path, "--layouts", "2x1", "--dp-prefill-align", "1")
+    (two,) = report["results"]
+    assert (two["dp"], two["tp"], two["executor"], two["speedup"]) == (2, 1, "mp", 1.0)
     assert report["model"] == "tiny-qwen3-moe" and report["dp_prefill_align"] == 1
     # 3 full requests of 6 tokens, 3 halved ones of 3
-    assert report["total_output_tokens"] == 27
-    for r in (one, two):
-        assert r["output_tokens"] == 27 and r["output_tokens_per_s"] > 0 and r["steps"] > 0
-    assert one["padded_tokens"] == 0 and one["dummy_batches"] == 0 and one["speedup"] == 1.0
+    assert report["total_output_tokens"] == two["output_tokens"] == 27
+    assert two["output_tokens_per_s"] > 0 and two["steps"] > 0
     # rank 1's requests are shorter: it idles (dummy batches) while rank 0 finishes
     assert two["dummy_batches"] > 0 and two["padded_tokens"] > 0
     assert 0 < two["pad_fraction"] < 1
-    assert two["real_tokens"] == one["real_tokens"]
-    printed = capsys.readouterr().out
-    assert "DP=1 TP=1 (inproc)" in printed and "DP=2 TP=1 (mp)" in printed
+    # every request's prompt and output rows, less the last output token (never computed)
+    assert two["real_tokens"] == 3 * (12 + 5) + 3 * (6 + 2)
+    assert "DP=2 TP=1 (mp" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_dp1_against_dp2(tmp_path: Path) -> None:
+    report = _run(tmp_path, "--layouts", "1x1,2x1")
+    one, two = report["results"]
+    assert (one["dp"], one["executor"], two["dp"], two["executor"]) == (1, "mp", 2, "mp")
+    assert one["cpu_threads_per_rank"] >= two["cpu_threads_per_rank"] >= 1
+    assert one["padded_tokens"] == one["dummy_batches"] == 0 and one["speedup"] == 1.0
+    assert two["real_tokens"] == one["real_tokens"] and two["padded_tokens"] > 0
+    assert two["speedup"] == round(two["output_tokens_per_s"] / one["output_tokens_per_s"], 3)
 
 
 @pytest.mark.slow

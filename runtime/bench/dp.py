@@ -16,15 +16,16 @@ land on one rank while the others decode, the case `--dp-prefill-align` is for.
 Per layout it reports output tokens/s, engine steps, the rows run beyond the real ones (padding to
 the group's row count and graph buckets; an idle rank's dummy batch counts whole) and their share,
 and the dummy batches; then each layout's tokens/s against the first's. Writes JSON, and a PNG plot
-(matplotlib) with `--plot`. Layouts with more than one rank run through the `mp` executor unless
+(matplotlib) with `--plot`. Every layout, DP=1 included, runs through the `mp` executor unless
 `--executor` says otherwise (`--executor ray` joins RAY_ADDRESS's cluster, or starts a local one: the
-same command works under `ray job submit`).
+same command works under `ray job submit`). On CPU each rank computes with cores / ranks threads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -74,6 +75,7 @@ class LayoutResult:
     dp: int
     tp: int
     executor: str
+    cpu_threads_per_rank: Optional[int]  # CPU: torch threads each rank computes with; GPU: None
     seconds: float
     output_tokens: int
     output_tokens_per_s: float
@@ -161,8 +163,7 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchReques
 
 def layout_config(base: Config, layout: Layout, executor: Optional[str], align: Optional[int]):
     pc = base.parallel_config
-    if executor is None:
-        executor = "inproc" if layout.dp * layout.tp == 1 else "mp"
+    executor = executor or "mp"  # DP=1 too: every layout pays the same process and step path
     pc = replace(
         pc, data_parallel_size=layout.dp, tensor_parallel_size=layout.tp, executor=executor
     )
@@ -215,6 +216,7 @@ def run_layout(
         dp=layout.dp,
         tp=layout.tp,
         executor=config.parallel_config.executor,
+        cpu_threads_per_rank=_cpu_threads(config, layout),
         seconds=round(seconds, 3),
         output_tokens=output_tokens,
         output_tokens_per_s=round(output_tokens / seconds, 2),
@@ -225,6 +227,17 @@ def run_layout(
         dummy_batches=stats.dummy_batches - before.dummy_batches,
         prefill_holds=holds,
     )
+
+
+def _cpu_threads(config: Config, layout: Layout) -> Optional[int]:
+    """What an mp or Ray rank on CPU sets (workers/process.py); None on GPU."""
+    from atomrt.workers.runner.model_runner import resolve_device
+
+    if resolve_device(config).type != "cpu":
+        return None
+    if config.parallel_config.executor == "inproc":
+        return torch.get_num_threads()
+    return max(1, (os.cpu_count() or 1) // (layout.dp * layout.tp))
 
 
 def _holds(engine: Any) -> int:
@@ -258,7 +271,7 @@ def run_bench(args: argparse.Namespace) -> Report:
         total_output_tokens=sum(r.max_tokens for r in requests),
         args=dict(vars(args)),
     )
-    # None: inproc for one rank, mp for more; an executor the flags or the YAML name is kept
+    # None: mp; an executor the flags or the YAML name is kept
     executor = args.executor or (
         base.parallel_config.executor if base.parallel_config.executor != "inproc" else None
     )
@@ -274,11 +287,15 @@ def run_bench(args: argparse.Namespace) -> Report:
 
 def _line(r: LayoutResult) -> str:
     return (
-        f"{r.layout} ({r.executor}): {r.output_tokens} output tokens in {r.seconds:.2f} s: "
+        f"{r.layout} ({r.executor}{_threads(r)}): {r.output_tokens} output tokens in {r.seconds:.2f} s: "
         f"{r.output_tokens_per_s:.1f} tokens/s ({r.speedup or 1.0:.2f}x), {r.steps} steps, "
         f"{r.padded_tokens} padded rows over {r.real_tokens} real ({100 * r.pad_fraction:.1f}%), "
         f"{r.dummy_batches} dummy batches"
     )
+
+
+def _threads(r: LayoutResult) -> str:
+    return f", {r.cpu_threads_per_rank} threads/rank" if r.cpu_threads_per_rank else ""
 
 
 def write_plot(report: Report, path: str) -> None:
