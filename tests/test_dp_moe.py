@@ -108,3 +108,30 @@ def test_mp_dp2_moe_compiled_level3_matches_dp1(moe) -> None:
         heartbeat_timeout_s=120.0,
     )
     assert tokens == reference
+
+
+def test_frozen_dp_peer_is_named_with_the_step(moe) -> None:
+    """SIGSTOP one DP rank of a MoE engine: the other blocks in the experts' gather waiting for it.
+    Nothing hangs: the driver names the stopped rank and the step within the heartbeat timeout."""
+    import os
+    import signal
+    import time
+
+    from atomrt.runtime.executors.base import WorkerError
+
+    folder, _ = moe("qwen3_moe")
+    hb = 2.0
+    llm = LLM(str(folder), executor="mp", data_parallel_size=2, heartbeat_timeout_s=hb, **COMMON)
+    pids = dict(llm.engine.executor.worker_pids)
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="heartbeat") as err:
+            llm.generate(PROMPTS, PARAMS)
+        seconds = time.monotonic() - start
+    finally:
+        llm.shutdown()
+    message = str(err.value)
+    assert "rank 1 (dp 1, tp 0)" in message and "step 0" in message, message
+    assert seconds < hb + 10.0, f"the error took {seconds:.1f} s"
+    assert wait_gone(pids.values()) == []
