@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from atomrt.workers.kernels.moe.fused_moe import fused_experts
 from atomrt.workers.kernels.moe.moe_configs import CONFIGS, heuristic_config, pick_config
@@ -145,5 +144,5 @@ def test_moe_layer_custom_op_on_cuda_matches_reference() -> None:
     got = _fused_moe_impl(x, logits, w13, w2, k, True)
     weights, ids = select_experts(logits, k, True)
     expected = fused_experts_ref(x, w13, w2, weights, ids)
-    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)  # tf32 dot inputs
-    assert F.cosine_similarity(got.flatten(), expected.flatten(), dim=0) > 0.9999
+    # float32 takes exact (ieee) dots: only the accumulation order differs
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

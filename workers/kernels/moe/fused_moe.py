@@ -61,6 +61,7 @@ def fused_moe_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """c[pair, n] for the program's pairs and columns. The pair's row of `a` is
     `pair // A_ROWS_PER_PAIR` (top_k for the token rows of x, 1 for the per-pair rows of the
@@ -154,6 +155,8 @@ def _launch(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
+        # float32 weights are asked for exactness (tests, references): no tf32 rounding
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
