@@ -8,8 +8,8 @@ can still use the process groups):
 - `transport`: `TransportAddresses`, `PlanPublisher`, `ResultCollector`, `PlanSubscriber`, `ResultPusher`
 - `parallel_state`: `init_distributed`, `get_world_group` / `get_tp_group` / `get_dp_group`
   (`GroupInfo`), `destroy_distributed`
-- `communication_op`: `TPInfo` and the collectives models call (`tp_all_reduce`, `tp_all_gather`,
-  `tp_broadcast`), graph-safe
+- `communication_op`: `TPInfo`, `DPInfo` and the collectives models call (`tp_all_reduce`,
+  `tp_all_gather`, `tp_broadcast`; `dp_all_gather`, `dp_reduce_scatter` for MoE layers), graph-safe
 - `nccl_watchdog`: `drain_nccl_works`, `graph_capture_kwargs`
 - `net_utils`: host IP, free ports, per-instance ipc directories
 """

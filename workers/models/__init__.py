@@ -1,4 +1,5 @@
-"""Model definitions (Llama family: Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3) and their registry."""
+"""Model definitions (Llama family: Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3; mixture of experts:
+Qwen3-MoE, Qwen2-MoE, Mixtral) and their registry."""
 
 from atomrt.workers.models.arch import ModelArch
 from atomrt.workers.models.registry import MODEL_REGISTRY, get_model_class
