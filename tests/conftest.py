@@ -3,11 +3,17 @@
 Triton kernels run on the CPU through Triton's interpreter: TRITON_INTERPRET=1 must be set before
 `triton` is first imported, so it is set here, before any test module imports atomrt, whenever no
 CUDA device is present.
+
+The CPU tests run several processes (mp and Ray ranks, servers) on few cores: OpenMP threads that
+spin while they wait for work take the cores their peers need (a rank's step ran 10-35x slower),
+so OMP_WAIT_POLICY=PASSIVE is set here, before torch is imported, for this process and its children.
 """
 
 import os
 
-import pytest
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 
 def _cuda_available() -> bool:
