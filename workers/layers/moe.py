@@ -222,12 +222,15 @@ class FusedMoE(nn.Module):
         if self.dp.dp_size > 1:
             _check_dp_rows(x, self.dp)
             x = dp_all_gather(x, self.dp)  # [dp_size * num_tokens, hidden]
-        y = fused_moe(
-            x, self.gate(x), self.w13_weight, self.w2_weight, self.top_k, self.renormalize
-        )
+        y = self._experts(x)
         if self.dp.dp_size > 1:
             y = dp_reduce_scatter(y, self.dp)  # [num_tokens, hidden]
         return tp_all_reduce(y, self.tp) if self.reduce_output else y
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_moe(
+            x, self.gate(x), self.w13_weight, self.w2_weight, self.top_k, self.renormalize
+        )
 
 
 def _check_dp_rows(x: torch.Tensor, dp: DPInfo) -> None:

@@ -59,7 +59,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] (normed) -> [num_tokens, hidden]."""
-        y = self.experts(x)
+        return self._add_shared(x, self.experts(x))
+
+    def _add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None:
             return y
         gate = torch.sigmoid(linear(x, self.shared_expert_gate))  # [num_tokens, 1]
@@ -99,13 +101,7 @@ class MoEDecoderLayer(nn.Module):
         """As LlamaDecoderLayer.forward: the residual stream comes in and goes out as residual +
         update. A dense MLP takes its add and norm fused into its projection; the experts take the
         normed rows."""
-        if update is None:
-            qkv = self.self_attn.qkv_proj(self.input_layernorm(residual))
-        else:
-            residual, qkv = self.self_attn.qkv_proj.forward_add_norm(
-                residual, update, self.input_layernorm
-            )
-        update = self.self_attn(positions, qkv)
+        residual, update = self._attention(positions, residual, update)
         if self.is_sparse:
             residual = residual_add(residual, update)
             return residual, self.mlp(self.post_attention_layernorm(residual))
@@ -113,6 +109,18 @@ class MoEDecoderLayer(nn.Module):
             residual, update, self.post_attention_layernorm
         )
         return residual, self.mlp(gate_up)
+
+    def _attention(
+        self, positions: torch.Tensor, residual: torch.Tensor, update: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norm, q/k/v and attention: (the residual stream so far, the attention's update)."""
+        if update is None:
+            qkv = self.self_attn.qkv_proj(self.input_layernorm(residual))
+        else:
+            residual, qkv = self.self_attn.qkv_proj.forward_add_norm(
+                residual, update, self.input_layernorm
+            )
+        return residual, self.self_attn(positions, qkv)
 
 
 @token_graph
