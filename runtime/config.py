@@ -31,6 +31,8 @@ AUTO_SPIN_US = 2000.0
 # Below this many usable cores "auto" does not spin: a spinning receiver would take a core the
 # compute needs (the CPU CI machines have 2).
 AUTO_SPIN_MIN_CPUS = 4
+# parallel_config.enable_tbo: which steps two-batch overlap splits into two microbatches.
+TBO_MODES = ("none", "prefill", "all", "auto")
 
 
 class ConfigError(ValueError):
@@ -290,6 +292,11 @@ class ParallelConfig:
     # no wake-up latency per message, a busy core per process while it waits. 0: always sleep.
     # auto: AUTO_SPIN_US on CUDA with at least AUTO_SPIN_MIN_CPUS cores, else 0 (`resolved_spin_s`).
     transport_spin_us: Union[float, str] = "auto"
+    # Two-batch overlap on MoE models: split a step into two microbatches so one exchanges rows
+    # with the other DP ranks while the other computes. none | prefill (prefill and mixed steps) |
+    # all (and decode buckets of more than 2 requests) | auto (decode buckets where a start-up
+    # measurement says the split wins). See docs/architecture.md, two-batch overlap.
+    enable_tbo: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -315,6 +322,7 @@ class ParallelConfig:
             ("auto", "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
         )
         _choice("parallel_config.transport", self.transport, ("auto", "ipc", "tcp"))
+        _choice("parallel_config.enable_tbo", self.enable_tbo, TBO_MODES)
         spin = self.transport_spin_us
         if spin != "auto" and (
             not isinstance(spin, (int, float)) or isinstance(spin, bool) or not 0 <= spin <= 1e6

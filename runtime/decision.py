@@ -37,26 +37,35 @@ class CapturedBuckets:
 
     `req_keys`: the ReqGraph keys `(running_bs, draft_num)`; `prefill_token_sizes` /
     `decode_token_sizes`: `captured_token_sizes(model, phase)` of the token-graph units.
+    Two-batch overlap: `tbo_req_keys` are the request buckets recorded as TBO graphs (split at
+    `decode_ubatch_request_ranges`); `tbo_timings` are `enable_tbo: auto`'s start-up measurements,
+    `(running_bs, seconds unsplit, seconds split)` per decode bucket, the slowest rank's.
     """
 
     req_keys: tuple[tuple[int, int], ...] = ()
     prefill_token_sizes: tuple[int, ...] = ()
     decode_token_sizes: tuple[int, ...] = ()
+    tbo_req_keys: tuple[tuple[int, int], ...] = ()
+    tbo_timings: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "req_keys", tuple(sorted((int(b), int(d)) for b, d in self.req_keys))
-        )
+        for name in ("req_keys", "tbo_req_keys"):
+            keys = tuple(sorted((int(b), int(d)) for b, d in getattr(self, name)))
+            object.__setattr__(self, name, keys)
         object.__setattr__(
             self, "prefill_token_sizes", tuple(sorted(set(self.prefill_token_sizes)))
         )
         object.__setattr__(self, "decode_token_sizes", tuple(sorted(set(self.decode_token_sizes))))
+        timings = tuple(sorted((int(b), float(a), float(s)) for b, a, s in self.tbo_timings))
+        object.__setattr__(self, "tbo_timings", timings)
 
     def token_sizes(self, is_prefill: bool) -> tuple[int, ...]:
         return self.prefill_token_sizes if is_prefill else self.decode_token_sizes
 
     def req_batch_sizes(self, draft_num: int) -> tuple[int, ...]:
-        return tuple(bs for bs, d in self.req_keys if d == draft_num)
+        """The request buckets recorded for `draft_num`, as a plain or a TBO graph."""
+        keys = set(self.req_keys) | set(self.tbo_req_keys)
+        return tuple(sorted(bs for bs, d in keys if d == draft_num))
 
 
 @dataclass(frozen=True)
@@ -68,8 +77,12 @@ class ForwardDecision:
     sequence count (a request bucket; a decode token bucket's rows / (1 + draft); else the group's
     largest sequence count). `dp_num_tokens` are the real rows per rank, `dp_padded_tokens` the rows
     each rank runs (`running_tokens` each, an idle rank's dummy batch included).
-    `ubatch_split_bs` (placeholder: always None, two-batch overlap is not implemented yet) will carry
-    `ForwardMode.ubatch_split_bs` to the workers.
+
+    Two-batch overlap: a split step runs two microbatches, `ubatch_split_tokens` rows then
+    `running_tokens - ubatch_split_tokens`, on every rank (`ubatch_rows`). A split decode step has
+    `ubatch_split_bs`, the requests of the first microbatch (`ForwardMode.ubatch_split_bs`: the
+    bucket's cut in a TBO graph; the largest rank's eagerly); a split prefill step cuts rows at the
+    midpoint and has no request count.
     """
 
     kind: ForwardKind
@@ -80,12 +93,20 @@ class ForwardDecision:
     req_key: Optional[tuple[int, int]] = None  # REQ_GRAPH only
     token_bucket: Optional[int] = None  # TOKEN_GRAPH only
     ubatch_split_bs: Optional[int] = None
+    ubatch_split_tokens: Optional[int] = None  # rows of the first microbatch; None: no split
     dp_num_tokens: tuple[int, ...] = field(default_factory=tuple)
     dp_padded_tokens: tuple[int, ...] = field(default_factory=tuple)
 
     @property
     def is_eager(self) -> bool:
         return self.kind is ForwardKind.EAGER
+
+    @property
+    def ubatch_rows(self) -> Optional[tuple[int, int]]:
+        """Rows of the two microbatches of a split step (the same on every rank), else None."""
+        if self.ubatch_split_tokens is None:
+            return None
+        return self.ubatch_split_tokens, self.running_tokens - self.ubatch_split_tokens
 
     @property
     def tr_graph(self) -> Optional[str]:

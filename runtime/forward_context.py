@@ -154,6 +154,14 @@ def get_forward_context() -> ForwardContext:
     return _forward_context
 
 
+def use_forward_context(context: ForwardContext) -> ForwardContext:
+    """Make `context` the current one and return the one it replaces. Two-batch overlap switches
+    between its microbatches' contexts with it, inside the step's `set_forward_context` scope."""
+    global _forward_context
+    previous, _forward_context = _forward_context, context
+    return previous
+
+
 def reset_forward_context() -> None:
     global _forward_context
     _forward_context = ForwardContext()

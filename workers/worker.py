@@ -57,6 +57,8 @@ class WorkerInfo:
     req_keys: tuple[tuple[int, int], ...]
     prefill_token_sizes: tuple[int, ...]
     decode_token_sizes: tuple[int, ...]
+    tbo_req_keys: tuple[tuple[int, int], ...] = ()  # request buckets recorded as TBO graphs
+    tbo_timings: tuple[tuple[int, float, float], ...] = ()  # enable_tbo: auto's measurements
 
 
 class Worker:

@@ -26,6 +26,7 @@ from atomrt.runtime.driver.outputs import RequestOutput, make_request_output, me
 from atomrt.runtime.driver.planner import RankPlanner, make_plan
 from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
+from atomrt.runtime.driver.ubatch_policy import check_tbo
 from atomrt.runtime.driver.validation import RequestLimits, check_max_model_len, check_request
 from atomrt.runtime.executors.base import Executor, WorkerError
 from atomrt.runtime.executors.factory import make_executor
@@ -64,10 +65,12 @@ class EngineStats:
     padded_tokens: int = 0
     real_tokens: int = 0  # rows of scheduled work, over every DP rank
     dummy_batches: int = 0  # (step, DP rank) pairs that ran an idle rank's dummy batch
+    split_steps: int = 0  # steps run as two microbatches (two-batch overlap)
 
     def count(self, decision: ForwardDecision) -> int:
         """Count one step; returns its padded rows."""
         self.steps[decision.kind.value] += 1
+        self.split_steps += decision.ubatch_rows is not None
         padded = sum(decision.dp_padded_tokens) - sum(decision.dp_num_tokens)
         self.padded_tokens += padded
         self.real_tokens += sum(decision.dp_num_tokens)
@@ -103,6 +106,7 @@ class LLMEngine:
         arch = read_arch(config)  # errors a user can fix, found before anything is launched
         pc = config.parallel_config
         check_parallel_layout(arch, pc.tensor_parallel_size, pc.data_parallel_size)
+        check_tbo(pc.enable_tbo, arch)
         check_max_model_len(config, arch)
         self.executor: Executor = make_executor(config)
         self.info = info = self.executor.start()
@@ -129,7 +133,13 @@ class LLMEngine:
             if align and len(self.schedulers) > 1
             else None
         )
-        captured = CapturedBuckets(info.req_keys, info.prefill_token_sizes, info.decode_token_sizes)
+        captured = CapturedBuckets(
+            info.req_keys,
+            info.prefill_token_sizes,
+            info.decode_token_sizes,
+            info.tbo_req_keys,
+            info.tbo_timings,
+        )
         self.forward_mode = ForwardMode(config, captured)
         self.step_no = 0
         self.async_scheduling = config.scheduler_config.async_scheduling

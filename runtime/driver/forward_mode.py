@@ -18,8 +18,8 @@ one frozen `ForwardDecision` that every rank follows, so the ranks' collectives 
   `num_tokens`; none holds it: eager.
 - If one rank must run eagerly, every rank does. Every rank gets the same bucket; a rank with no
   work (`num_seqs == 0`) runs a dummy batch of the decision's shape (`dummy_batch`).
-
-Two-batch overlap (TBO) is not implemented: `ForwardDecision.ubatch_split_bs` is always None.
+- Two-batch overlap (`parallel_config.enable_tbo`): `UbatchPolicy` (ubatch_policy.py) splits the
+  decision into two microbatches, the same split on every rank (`ubatch_split_bs`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Optional
 from atomrt.graphs.buckets import bucket_for
 from atomrt.runtime.config import Config, CUDAGraphMode
 from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardDecision, ForwardKind
+from atomrt.runtime.driver.ubatch_policy import UbatchPolicy
 
 
 class ForwardMode:
@@ -45,8 +46,7 @@ class ForwardMode:
         self.tr_hybrid = self.mode.uses_tr_hybrid()  # FULL_AND_TR_HYBRID runs as TR_HYBRID
         self.captured = captured
         self.draft_num = num_draft_tokens
-        # Placeholder (the guide's name): the TBO split, decided here once TBO exists; always None.
-        self.ubatch_split_bs: Optional[int] = None
+        self.ubatch = UbatchPolicy(config.parallel_config.enable_tbo, captured, num_draft_tokens)
         # The decision is a pure function of the shapes: a steady decode repeats the last one.
         self._last: tuple[tuple[BatchShape, ...], Optional[ForwardDecision]] = ((), None)
 
@@ -58,6 +58,12 @@ class ForwardMode:
         decision = self._decide(shapes)
         self._last = (shapes, decision)
         return decision
+
+    @property
+    def ubatch_split_bs(self) -> Optional[int]:
+        """The last decided step's TBO split: the requests of its first microbatch (decode)."""
+        decision = self._last[1]
+        return decision.ubatch_split_bs if decision is not None else None
 
     def _decide(self, batches: tuple[BatchShape, ...]) -> ForwardDecision:
         assert batches, "decide needs one BatchShape per DP rank"
@@ -76,6 +82,8 @@ class ForwardMode:
                 decision = self._pad_to_req_graph(max_seqs)
         if decision is None:
             decision = self._eager(len(batches), not is_decode and bool(busy), max_seqs, max_tokens)
+        if busy and self.ubatch.enabled:
+            decision = self.ubatch.apply(decision, busy, max_seqs, max_tokens)
         return _with_dp(decision, dp_num_tokens)
 
     def _is_decode(self, b: BatchShape) -> bool:

@@ -41,6 +41,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None)
     p.add_argument("--data-parallel-size", "--dp", type=int, default=None)
     p.add_argument("--executor", default=None, help="inproc | mp | ray")
+    p.add_argument(
+        "--enable-tbo",
+        default=None,
+        help="two-batch overlap on MoE models: none | prefill | all | auto",
+    )
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -60,6 +65,7 @@ def config_from_args(args: argparse.Namespace):
             "tensor_parallel_size": args.tensor_parallel_size,
             "data_parallel_size": args.data_parallel_size,
             "executor": args.executor,
+            "enable_tbo": getattr(args, "enable_tbo", None),
         },
         "scheduler_config": {"max_num_seqs": args.max_num_seqs},
     }

@@ -23,6 +23,7 @@ Weights: `w13_weight` [E, 2 * I_shard, hidden] (each expert's gate rows then its
 
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
 
+from collections.abc import Generator
 from typing import Optional
 
 import torch
@@ -225,6 +226,22 @@ class FusedMoE(nn.Module):
         y = self._experts(x)
         if self.dp.dp_size > 1:
             y = dp_reduce_scatter(y, self.dp)  # [num_tokens, hidden]
+        return tp_all_reduce(y, self.tp) if self.reduce_output else y
+
+    def forward_ubatch(self, x: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """`forward` as one microbatch of two-batch overlap (workers/runner/ubatch.py): a generator
+        that pauses before and after each exchange with the other DP ranks, so the other microbatch
+        computes while this one's rows travel. Returns what `forward` returns."""
+        if self.dp.dp_size > 1:
+            _check_dp_rows(x, self.dp)
+            yield
+            x = dp_all_gather(x, self.dp)  # [dp_size * num_tokens, hidden]
+            yield
+        y = self._experts(x)
+        if self.dp.dp_size > 1:
+            yield
+            y = dp_reduce_scatter(y, self.dp)  # [num_tokens, hidden]
+            yield
         return tp_all_reduce(y, self.tp) if self.reduce_output else y
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:

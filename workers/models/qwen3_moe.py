@@ -13,7 +13,7 @@ llama.py); the experts are one opaque op.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from typing import Any, Optional
 
 import torch
@@ -60,6 +60,11 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] (normed) -> [num_tokens, hidden]."""
         return self._add_shared(x, self.experts(x))
+
+    def forward_ubatch(self, x: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """`forward` as a microbatch of two-batch overlap: pauses where the experts exchange rows."""
+        y = yield from self.experts.forward_ubatch(x)
+        return self._add_shared(x, y)
 
     def _add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None:
@@ -110,6 +115,17 @@ class MoEDecoderLayer(nn.Module):
         )
         return residual, self.mlp(gate_up)
 
+    def forward_ubatch(
+        self, positions: torch.Tensor, residual: torch.Tensor, update: Optional[torch.Tensor]
+    ) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor]]:
+        """`forward` as a microbatch of two-batch overlap: a sparse layer pauses where its experts
+        exchange rows with the other DP ranks; a dense layer runs through."""
+        if not self.is_sparse:
+            return self.forward(positions, residual, update)
+        residual = residual_add(*self._attention(positions, residual, update))
+        update = yield from self.mlp.forward_ubatch(self.post_attention_layernorm(residual))
+        return residual, update
+
     def _attention(
         self, positions: torch.Tensor, residual: torch.Tensor, update: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +166,17 @@ class MoEModel(nn.Module):
             residual, update = layer(positions, residual, update)
         return self.norm(residual if update is None else residual_add(residual, update))
 
+    def forward_ubatch(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> Generator[None, None, torch.Tensor]:
+        """`forward` as one microbatch of two-batch overlap (workers/runner/ubatch.py): a generator
+        that pauses before and after every exchange of rows with the other DP ranks. Eager: the
+        compiled `forward` is not used, nor are token graphs."""
+        residual, update = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            residual, update = yield from layer.forward_ubatch(positions, residual, update)
+        return self.norm(residual if update is None else residual_add(residual, update))
+
 
 # (our fused parameter, checkpoint projection, shard id) of the attention and dense MLPs
 _STACKED_PARAMS = (
@@ -187,6 +214,12 @@ class MoEForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    def forward_ubatch(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> Generator[None, None, torch.Tensor]:
+        """The backbone as one microbatch of two-batch overlap (`MoEModel.forward_ubatch`)."""
+        return self.model.forward_ubatch(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab_size] in the weight's dtype (vocab shards gathered)."""

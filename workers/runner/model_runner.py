@@ -29,6 +29,7 @@ from atomrt.workers.runner.readback import Readback, Readbacks
 from atomrt.workers.runner.sampler import Sampler, SamplerOutput, SamplingTensors, greedy_argmax
 from atomrt.workers.runner.step_buffers import RunnerShape, StepBuffers
 from atomrt.workers.runner.token_pool import TokenPool
+from atomrt.workers.runner.ubatch import SplitStep, UbatchRunner
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,9 @@ class ModelRunner:
             self.graphs.packed_bucket,
         )
         self.readbacks = Readbacks(device, self.shape.max_num_seqs)
+        self.ubatch = UbatchRunner(
+            self.shape.max_num_seqs, self.shape.max_blocks_per_seq, device
+        )  # two-batch overlap (parallel_config.enable_tbo)
 
     # ---------------------------------------------------------------- KV cache
 
@@ -120,6 +124,10 @@ class ModelRunner:
         self, inputs: StepInputs, decision: ForwardDecision, sampling: SamplingTensors
     ) -> SamplerOutput:
         """One step on this rank: stage, run the forward the decision names, sample."""
+        split: Optional[SplitStep] = None
+        if decision.ubatch_rows is not None and decision.kind is not ForwardKind.REQ_GRAPH:
+            split = self.ubatch.split(inputs, decision)  # two-batch overlap, eager
+            inputs = split.inputs
         md, context = self.buffers.prepare(inputs, decision)
         dp = (
             DPMetadata.make(list(decision.dp_num_tokens), decision.running_tokens)
@@ -128,6 +136,8 @@ class ModelRunner:
         )
         rows = context.running_tokens
         logits_indices = self.buffers.logits_indices(inputs)
+        if split is not None:
+            self.ubatch.stage(split)
         self.buffers.staged()
         if decision.kind is not ForwardKind.REQ_GRAPH:  # a request graph gathers them itself
             self.buffers.gather_input_ids(rows)
@@ -141,7 +151,7 @@ class ModelRunner:
             tr_graph=decision.tr_graph,
         ):
             out = self.run_model(
-                self.buffers.forward_vars["input_ids"][:rows], decision, logits_indices
+                self.buffers.forward_vars["input_ids"][:rows], decision, logits_indices, split
             )
         num_sampled = int(inputs.sample_rows.shape[0])
         if num_sampled == 0:  # an idle DP rank's dummy batch
@@ -163,8 +173,10 @@ class ModelRunner:
         input_ids: torch.Tensor,
         decision: ForwardDecision,
         logits_indices: Union[torch.Tensor, slice],
+        split: Optional[SplitStep] = None,
     ) -> ModelOutput:
-        """The forward the step's ForwardDecision names: eager, ReqGraph.replay, or the token graph.
+        """The forward the step's ForwardDecision names: eager, ReqGraph.replay, or the token graph;
+        an eager step with a `split` runs its two microbatches (workers/runner/ubatch.py).
 
         Under TOKEN_GRAPH the forward context says tr_graph="replay" and the model's `@token_graph`
         unit replays its recording; under REQ_GRAPH the request bucket's graph replays (unpacking
@@ -183,6 +195,10 @@ class ModelRunner:
                 logits_indices, slice
             ):  # rows 0..n-1 sample: the graph computed their logits
                 return ModelOutput(logits[logits_indices], hidden_states, tokens)
+        elif split is not None:
+            hidden_states = self.ubatch.forward(
+                self.model, input_ids, split, self.buffers.forward_vars, decision
+            )
         else:
             hidden_states = self.model(input_ids, self.buffers.forward_vars["positions"][:num_rows])
         return ModelOutput(
