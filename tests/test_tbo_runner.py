@@ -169,3 +169,38 @@ def test_tbo_graph_forward_matches_the_model(runner: ModelRunner) -> None:
         hidden = runner.ubatch.forward_bucket(runner.model, fv["input_ids"][:8], fv, graph)
         split = runner.model.compute_logits(hidden[:5])
     assert (split - plain).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("tbo", ["all", "auto"])
+def test_full_capture_records_tbo_graphs(runner: ModelRunner, tbo: str) -> None:
+    """Under FULL a bucket of more than two requests is recorded as a TBO graph (`all`: only as
+    one; `auto`: beside its plain graph, for the measurement), and a split step replays it. The
+    recording's forward runs here on CPU with a logging segment backend."""
+    from test_region_graph_cpu import FakeBackend
+
+    from atomrt.graphs.region_graph import ReqGraph
+    from atomrt.runtime.config import CompilationConfig, ParallelConfig
+    from atomrt.workers.runner.graph_runner import GraphRunner
+
+    config = replace(
+        runner.config,
+        compilation_config=CompilationConfig(
+            cudagraph_mode="FULL", cudagraph_capture_sizes=[1, 2, 4]
+        ),
+        parallel_config=ParallelConfig(enable_tbo=tbo),
+    )
+    graphs = GraphRunner(config, enabled=True)
+    log: list = []
+    graphs.req_graph, graphs.tbo_graph = ReqGraph(FakeBackend(log)), ReqGraph(FakeBackend(log))
+    for bs in (4, 2, 1):
+        graphs._capture_one(runner, bs, max_q_len=1)
+    plain = [(1, 0), (2, 0)] + ([(4, 0)] if tbo == "auto" else [])
+    assert graphs.req_graph.keys() == plain and graphs.tbo_graph.keys() == [(4, 0)]
+    assert graphs.captured_buckets(runner.model).tbo_req_keys == ((4, 0),)
+    split = ForwardDecision(
+        ForwardKind.REQ_GRAPH, 4, 4, False, req_key=(4, 0), ubatch_split_bs=2, ubatch_split_tokens=2
+    )
+    segment = graphs.tbo_graph._recordings[(4, 0)].segments[0]
+    log.clear()
+    graphs.replay(split)
+    assert log == [("replay", segment)]

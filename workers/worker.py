@@ -110,6 +110,7 @@ class Worker:
             req_keys=captured.req_keys,
             prefill_token_sizes=captured.prefill_token_sizes,
             decode_token_sizes=captured.decode_token_sizes,
+            tbo_req_keys=captured.tbo_req_keys,
         )
 
     @torch.inference_mode()

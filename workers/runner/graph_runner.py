@@ -9,6 +9,11 @@ argmax); TR_HYBRID (and FULL_AND_TR_HYBRID, recorded exactly as TR_HYBRID) recor
 graphs, asked once for decode and once for prefill (the same recording serves both). GC is off
 during capture; a progress bar shows on rank 0. Every recording drains pending NCCL work first
 (graphs/region_graph.py).
+
+Two-batch overlap (`enable_tbo` all / auto) under FULL: a bucket that splits
+(`decode_bucket_splits`) is also recorded as a TBO graph, its two microbatches cut at
+`decode_ubatch_request_ranges(bs)` on every rank, both streams forked and joined inside the one
+capture (workers/runner/ubatch.py); under `all` its plain graph, which no step would replay, is not.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tqdm import tqdm
 
 from atomrt.graphs.buckets import capture_order, request_bucket
 from atomrt.graphs.region_graph import ReqGraph, captured_token_sizes, graph_pool_bytes
+from atomrt.graphs.ubatch import decode_bucket_splits, decode_ubatch_request_ranges, split_decision
 from atomrt.runtime.config import Config, CUDAGraphMode
 from atomrt.runtime.decision import CapturedBuckets, ForwardDecision, ForwardKind
 from atomrt.runtime.forward_context import DPMetadata, set_forward_context
@@ -46,6 +52,9 @@ class GraphRunner:
         self.records_token_graphs = mode.uses_tr_hybrid()
         self.records_request_graphs = mode.records_request_graphs()
         self.req_graph = ReqGraph()
+        self.tbo = config.parallel_config.enable_tbo
+        self.records_tbo = self.records_request_graphs and self.tbo in ("all", "auto")
+        self.tbo_graph = ReqGraph()  # the TBO recordings, by request bucket
         self.capture_sizes: list[int] = []  # ascending, once captured
         self.pool_bytes = 0  # the shared pool after capture
         self.largest_pool_bytes = (
@@ -65,7 +74,7 @@ class GraphRunner:
             return 0.0
         sizes = capture_order(self.config.capture_sizes)
         assert sizes[0] <= runner.shape.max_num_seqs, f"capture size {sizes[0]} > max_num_seqs"
-        self.req_graph = ReqGraph()
+        self.req_graph, self.tbo_graph = ReqGraph(), ReqGraph()
         start = time.perf_counter()
         gc.collect()
         gc.disable()
@@ -80,9 +89,11 @@ class GraphRunner:
         self.pool_bytes = graph_pool_bytes() or 0
         self.capture_sizes = sorted(sizes)
         logger.info(
-            "captured %d %s graphs in %.2f s; graph pool %.1f MiB (%.1f MiB after the largest bucket)",
+            "captured %d %s graphs (%d TBO) in %.2f s; graph pool %.1f MiB (%.1f MiB after the "
+            "largest bucket)",
             len(sizes),
             "token" if self.records_token_graphs else "request",
+            len(self.tbo_graph),
             elapsed,
             self.pool_bytes / 2**20,
             self.largest_pool_bytes / 2**20,
@@ -115,19 +126,32 @@ class GraphRunner:
             hidden = runner.model(ids, pos)  # warm-up
             if self.records_request_graphs:
                 runner.greedy_tokens(runner.model.compute_logits(hidden))
-        if self.records_request_graphs:
+        splits = self.records_tbo and decode_bucket_splits(bs)
+        if self.records_request_graphs and not (splits and self.tbo == "all"):
 
             def forward() -> tuple[torch.Tensor, torch.Tensor]:
                 """The request graph: unpack the staged step, run, keep the hidden states, and
                 return every row's logits (a decode step samples every row) and their argmax."""
                 runner.buffers.unpack(bs, rows)
-                hidden = runner.model(ids, pos)
-                fv["outputs"][:rows].copy_(hidden)
-                logits = runner.model.compute_logits(hidden)
-                return logits, runner.greedy_tokens(logits)
+                return self._outputs(runner, runner.model(ids, pos), rows)
 
             with set_forward_context(md, self.config, ctx, **scope):
                 self.req_graph.record(decision.req_key, forward)
+        if splits:
+            split = split_decision(
+                replace(decision, draft_num=max_q_len - 1),
+                len(decode_ubatch_request_ranges(bs).first),
+            )
+
+            def tbo_forward() -> tuple[torch.Tensor, torch.Tensor]:
+                """The TBO graph: as `forward`, the two microbatches overlapped."""
+                runner.buffers.unpack(bs, rows)
+                hidden = runner.ubatch.forward_bucket(runner.model, ids, fv, split)
+                return self._outputs(runner, hidden, rows)
+
+            with set_forward_context(md, self.config, ctx, **scope):
+                tbo_forward()  # warm-up
+                self.tbo_graph.record(decision.req_key, tbo_forward)
         if self.records_token_graphs:
             for phase_ctx in (ctx, replace(ctx, is_prefill=True)):
                 with set_forward_context(
@@ -139,10 +163,20 @@ class GraphRunner:
                 ):
                     runner.model(ids, pos)
 
+    @staticmethod
+    def _outputs(
+        runner: ModelRunner, hidden: torch.Tensor, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a request graph ends with: keep the hidden states, every row's logits, argmax."""
+        runner.buffers.forward_vars["outputs"][:rows].copy_(hidden)
+        logits = runner.model.compute_logits(hidden)
+        return logits, runner.greedy_tokens(logits)
+
     def replay(self, decision: ForwardDecision) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the request graph of the decision's bucket: (every row's logits, their argmax),
-        valid until the next replay."""
-        return self.req_graph.replay(decision.req_key)
+        """Replay the request graph of the decision's bucket (its TBO graph for a split step):
+        (every row's logits, their argmax), valid until the next replay."""
+        graph = self.req_graph if decision.ubatch_rows is None else self.tbo_graph
+        return graph.replay(decision.req_key)
 
     def captured_buckets(self, model: torch.nn.Module) -> CapturedBuckets:
         """What capture recorded, for the driver's ForwardMode."""
@@ -152,4 +186,5 @@ class GraphRunner:
             req_keys=tuple(self.req_graph.keys()),
             prefill_token_sizes=tuple(captured_token_sizes(model, "prefill")),
             decode_token_sizes=tuple(captured_token_sizes(model, "decode")),
+            tbo_req_keys=tuple(self.tbo_graph.keys()),
         )
