@@ -204,3 +204,48 @@ def test_full_capture_records_tbo_graphs(runner: ModelRunner, tbo: str) -> None:
     log.clear()
     graphs.replay(split)
     assert log == [("replay", segment)]
+
+
+def test_auto_measures_each_bucket_and_the_driver_follows(caplog) -> None:
+    """`enable_tbo: auto` on CPU: at start-up every capture size that splits is measured unsplit and
+    split (both eager here), the times and the verdicts are logged, and decode steps split exactly
+    in the buckets whose split was faster; the tokens are those without overlap."""
+    import logging
+
+    from atomrt.runtime import SamplingParams
+    from atomrt.runtime.config import CompilationConfig
+    from atomrt.runtime.decision import BatchShape
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    kwargs = dict(
+        load_format="dummy",
+        device="cpu",
+        enforce_eager=True,
+        max_num_seqs=8,
+        num_kv_blocks=32,
+        compilation_config=CompilationConfig(cudagraph_capture_sizes=[2, 4, 8]),
+    )
+    prompts = [[5 + i, 9, 17 + 2 * i] for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    tokens = {}
+    for tbo in ("none", "auto"):
+        with caplog.at_level(logging.INFO, logger="atomrt.runtime.driver.ubatch_policy"):
+            llm = LLM("tiny-qwen3-moe", enable_tbo=tbo, **kwargs)
+        try:
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
+            tokens[tbo] = [o.outputs[0].token_ids for o in outs]
+            policy = llm.engine.forward_mode.ubatch
+        finally:
+            llm.shutdown()
+    assert tokens["auto"] == tokens["none"]
+    verdicts = {v.running_bs: v for v in policy.verdicts}
+    assert sorted(verdicts) == [4, 8]
+    assert all(v.unsplit_ms > 0 and v.split_ms > 0 for v in verdicts.values())
+    logged = [
+        r.getMessage() for r in caplog.records if "two-batch overlap (auto)" in r.getMessage()
+    ]
+    assert logged == [f"two-batch overlap (auto): {line}" for line in policy.describe()]
+    assert f"{verdicts[4].unsplit_ms:.3f} ms unsplit" in logged[0]
+    for seqs, bucket in ((3, 4), (4, 4), (6, 8)):
+        decision = llm.engine.forward_mode.decide([BatchShape(seqs, seqs, 1, False)])
+        assert (decision.ubatch_rows is not None) == verdicts[bucket].splits

@@ -25,6 +25,7 @@ from atomrt.workers.runner.kv_sizing import determine_num_blocks
 from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
 from atomrt.workers.runner.readback import Readback
 from atomrt.workers.runner.sampler import SamplingTensors
+from atomrt.workers.runner.ubatch_auto import measure_tbo
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,9 @@ class Worker:
         seconds = self.runner.capture_cudagraph()
         graphs = self.runner.graphs
         captured = graphs.captured_buckets(self.runner.model)
+        timings = ()
+        if self.config.parallel_config.enable_tbo == "auto":
+            timings = measure_tbo(self.runner, captured)
         arch = self.runner.arch
         return WorkerInfo(
             num_kv_blocks=num_blocks,
@@ -111,6 +115,7 @@ class Worker:
             prefill_token_sizes=captured.prefill_token_sizes,
             decode_token_sizes=captured.decode_token_sizes,
             tbo_req_keys=captured.tbo_req_keys,
+            tbo_timings=timings,
         )
 
     @torch.inference_mode()

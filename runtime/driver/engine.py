@@ -141,6 +141,7 @@ class LLMEngine:
             info.tbo_timings,
         )
         self.forward_mode = ForwardMode(config, captured)
+        self.forward_mode.ubatch.log_verdicts()
         self.step_no = 0
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._inflight: deque[tuple[int, list[SchedulerOutput]]] = (
