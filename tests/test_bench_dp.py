@@ -42,7 +42,8 @@ def test_dp2_reports_throughput_and_padding(tmp_path: Path, capsys) -> None:
     assert (two["dp"], two["tp"], two["executor"], two["speedup"]) == (2, 1, "mp", 1.0)
     assert report["model"] == "tiny-qwen3-moe" and report["dp_prefill_align"] == 1
     # 3 full requests of 6 tokens, 3 halved ones of 3
-    assert report["total_output_tokens"] == two["output_tokens"] == 27
+    assert report["num_requests"] == [6] and two["num_requests"] == 6
+    assert two["output_tokens"] == 27
     assert two["output_tokens_per_s"] > 0 and two["steps"] > 0
     # rank 1's requests are shorter: it idles (dummy batches) while rank 0 finishes
     assert two["dummy_batches"] > 0 and two["padded_tokens"] > 0
@@ -75,11 +76,60 @@ def test_through_the_ray_executor(tmp_path: Path) -> None:
 def test_requests_and_flags() -> None:
     args = _parse(["--num-requests", "4", "--input-len", "10", "--output-len", "8"])
     assert args.model == "tiny-qwen3-moe" and args.load_format == "dummy"
-    requests = make_requests(args, vocab_size=100)
+    requests = make_requests(args, vocab_size=100, num_requests=args.num_requests[0])
     assert [(len(r.prompt), r.max_tokens) for r in requests] == [(10, 8), (5, 4)] * 2
     assert Layout.parse("2x2") == Layout(2, 2)
+    args = _parse(["--num-requests", "8,64", "--enable-tbo", "none,auto"])
+    assert args.num_requests == [8, 64] and args.tbo_modes == ["none", "auto"]
+    assert args.enable_tbo is None  # the list is the bench's; each engine gets one mode
+    with pytest.raises(SystemExit):
+        _parse(["--enable-tbo", "none,sometimes"])
     with pytest.raises(ValueError, match="DPxTP"):
         Layout.parse("2")
     with pytest.raises(SystemExit):
         _parse(["--imbalance", "1.0"])
     assert build_parser().parse_known_args(["bench", "dp", "--layouts", "1x1"])[0].what == "dp"
+
+
+def test_tbo_auto_reports_its_measurements(tmp_path: Path, capsys) -> None:
+    """`--enable-tbo auto` at DP=2 (mp): the start-up measurement of every capture size that
+    splits, the slowest rank's, is in the report and the printed line, beside the steps split and
+    the decode steps' milliseconds by batch size."""
+    report = _run(
+        tmp_path,
+        "--layouts",
+        "2x1",
+        "--enable-tbo",
+        "auto",
+        "--set",
+        "compilation_config.cudagraph_capture_sizes=[2,4,8]",
+    )
+    (auto,) = report["results"]
+    assert report["enable_tbo"] == ["auto"] and auto["enable_tbo"] == "auto"
+    assert [v["running_bs"] for v in auto["tbo_auto"]] == [4, 8]
+    for v in auto["tbo_auto"]:
+        assert v["unsplit_ms"] > 0 and v["split_ms"] > 0
+        assert v["splits"] == (v["split_ms"] < v["unsplit_ms"])
+    assert auto["decode_ms_by_bs"] and all(t > 0 for t in auto["decode_ms_by_bs"].values())
+    assert auto["tbo_speedup"] == 1.0 and auto["split_steps"] >= 0
+    out = capsys.readouterr().out
+    assert "tbo=auto" in out and "auto bucket 4: " in out and "decode ms/step by batch" in out
+
+
+@pytest.mark.slow
+def test_tbo_ab_every_mode_and_batch_size(tmp_path: Path) -> None:
+    modes = ["none", "prefill", "all", "auto"]
+    report = _run(
+        tmp_path, "--layouts", "2x1", "--enable-tbo", ",".join(modes), "--num-requests", "4,8"
+    )
+    results = report["results"]
+    assert [(r["num_requests"], r["enable_tbo"]) for r in results] == [
+        (n, m) for n in (4, 8) for m in modes
+    ]
+    for r in results:
+        base = next(b for b in results if b["num_requests"] == r["num_requests"])
+        assert r["tbo_speedup"] == round(r["output_tokens_per_s"] / base["output_tokens_per_s"], 3)
+        if r["enable_tbo"] == "none":
+            assert r["split_steps"] == 0
+        elif r["enable_tbo"] != "auto":
+            assert r["split_steps"] > 0

@@ -60,6 +60,11 @@ class ForwardMode:
         return decision
 
     @property
+    def last_decision(self) -> Optional[ForwardDecision]:
+        """The decision of the last step decided (None before the first)."""
+        return self._last[1]
+
+    @property
     def ubatch_split_bs(self) -> Optional[int]:
         """The last decided step's TBO split: the requests of its first microbatch (decode)."""
         decision = self._last[1]

@@ -7,6 +7,9 @@ one GPU per rank, NCCL).
   both DP ranks, rank 1 scheduling fewer requests into each bucket than rank 0.
 - End to end: FULL, TR_HYBRID (whose split steps run eagerly) and `auto` with TBO give the greedy
   tokens of DP=1 eager without it, through Ray and mp.
+- `atomrt bench dp --enable-tbo none,all,auto` on a Qwen3-30B-A3B-shaped model (dummy weights,
+  bf16): the A/B in one run; `auto` keeps TBO only where it measured a win, so it is not slower
+  than the better of none and all by more than the noise.
 
 float32 dummy weights for the token and logit checks. Run on the GPU machine:
 `MARK=multigpu tests/gpu/run_gpu_tier.sh tests/gpu/test_tbo_gpu.py`.
@@ -14,6 +17,7 @@ float32 dummy weights for the token and logit checks. Run on the GPU machine:
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -229,6 +233,7 @@ def dp1_eager(ray_session) -> list[list[int]]:
         ("ray", "FULL", "all"),
         ("ray", "TR_HYBRID", "all"),
         ("ray", "FULL", "prefill"),
+        ("mp", "FULL", "auto"),
     ],
 )
 def test_dp2_tbo_matches_dp1(dp1_eager, executor: str, mode: str, tbo: str) -> None:
@@ -236,3 +241,51 @@ def test_dp2_tbo_matches_dp1(dp1_eager, executor: str, mode: str, tbo: str) -> N
     assert tokens == dp1_eager
     if tbo != "auto":
         assert stats.split_steps > 0
+
+
+def test_bench_dp_tbo_ab(ray_session, tmp_path: Path) -> None:
+    """The A/B on a Qwen3-30B-A3B shape at DP=2 under FULL: every mode reports, auto is not worse
+    than the better of none and all beyond noise."""
+    from atomrt.runtime.bench.dp import main
+
+    out = tmp_path / "tbo.json"
+    rc = main(
+        [
+            "--model",
+            "Qwen3-30B-A3B",
+            "--load-format",
+            "dummy",
+            "--device",
+            "cuda",
+            "--max-model-len",
+            "2048",
+            "--max-num-seqs",
+            "128",
+            "--layouts",
+            "2x1",
+            "--executor",
+            "ray",
+            "--enable-tbo",
+            "none,all,auto",
+            "--num-requests",
+            "32,256",
+            "--input-len",
+            "256",
+            "--output-len",
+            "128",
+            "--imbalance",
+            "0",
+            "--set",
+            "compilation_config.cudagraph_mode=FULL",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    results = json.loads(out.read_text())["results"]
+    for n in (32, 256):
+        by_mode = {r["enable_tbo"]: r for r in results if r["num_requests"] == n}
+        assert set(by_mode) == {"none", "all", "auto"}
+        best = max(by_mode["none"]["output_tokens_per_s"], by_mode["all"]["output_tokens_per_s"])
+        assert by_mode["auto"]["output_tokens_per_s"] >= 0.9 * best, by_mode
+        assert by_mode["auto"]["tbo_auto"], "auto reports its per-bucket measurements"
