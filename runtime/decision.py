@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 
 class ForwardKind(str, enum.Enum):
@@ -31,6 +31,14 @@ class BatchShape:
         return cls(0, 0, 0, False)
 
 
+class TboTiming(NamedTuple):
+    """`enable_tbo: auto`'s start-up measurement of one decode bucket (the slowest rank's)."""
+
+    running_bs: int
+    unsplit_s: float  # seconds of the step unsplit
+    split_s: float  # seconds of the step as two microbatches
+
+
 @dataclass(frozen=True)
 class CapturedBuckets:
     """What capture actually recorded (filled by the runner after `capture_cudagraph`).
@@ -38,15 +46,15 @@ class CapturedBuckets:
     `req_keys`: the ReqGraph keys `(running_bs, draft_num)`; `prefill_token_sizes` /
     `decode_token_sizes`: `captured_token_sizes(model, phase)` of the token-graph units.
     Two-batch overlap: `tbo_req_keys` are the request buckets recorded as TBO graphs (split at
-    `decode_ubatch_request_ranges`); `tbo_timings` are `enable_tbo: auto`'s start-up measurements,
-    `(running_bs, seconds unsplit, seconds split)` per decode bucket, the slowest rank's.
+    `decode_ubatch_request_ranges`); `tbo_timings` are `enable_tbo: auto`'s start-up measurements
+    (`TboTiming`), one per decode bucket that splits.
     """
 
     req_keys: tuple[tuple[int, int], ...] = ()
     prefill_token_sizes: tuple[int, ...] = ()
     decode_token_sizes: tuple[int, ...] = ()
     tbo_req_keys: tuple[tuple[int, int], ...] = ()
-    tbo_timings: tuple[tuple[int, float, float], ...] = ()
+    tbo_timings: tuple[TboTiming, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("req_keys", "tbo_req_keys"):
@@ -56,7 +64,9 @@ class CapturedBuckets:
             self, "prefill_token_sizes", tuple(sorted(set(self.prefill_token_sizes)))
         )
         object.__setattr__(self, "decode_token_sizes", tuple(sorted(set(self.decode_token_sizes))))
-        timings = tuple(sorted((int(b), float(a), float(s)) for b, a, s in self.tbo_timings))
+        timings = tuple(
+            sorted(TboTiming(int(b), float(a), float(s)) for b, a, s in self.tbo_timings)
+        )
         object.__setattr__(self, "tbo_timings", timings)
 
     def token_sizes(self, is_prefill: bool) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from atomrt.compile.backends import compilation_counter
 from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.config import Config
-from atomrt.runtime.decision import ForwardDecision
+from atomrt.runtime.decision import ForwardDecision, TboTiming
 from atomrt.workers.runner.input_batch import SeqMirrors, dummy_idle_inputs
 from atomrt.workers.runner.kv_sizing import determine_num_blocks
 from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
@@ -59,7 +59,7 @@ class WorkerInfo:
     prefill_token_sizes: tuple[int, ...]
     decode_token_sizes: tuple[int, ...]
     tbo_req_keys: tuple[tuple[int, int], ...] = ()  # request buckets recorded as TBO graphs
-    tbo_timings: tuple[tuple[int, float, float], ...] = ()  # enable_tbo: auto's measurements
+    tbo_timings: tuple[TboTiming, ...] = ()  # enable_tbo: auto's start-up measurements
 
 
 class Worker:

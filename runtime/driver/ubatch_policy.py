@@ -68,8 +68,8 @@ class UbatchPolicy:
         self.plain_keys = frozenset(captured.req_keys)
         self.tbo_keys = frozenset(captured.tbo_req_keys)
         self.verdicts = tuple(
-            AutoVerdict(bs, 1e3 * plain_s, 1e3 * split_s)
-            for bs, plain_s, split_s in captured.tbo_timings
+            AutoVerdict(t.running_bs, 1e3 * t.unsplit_s, 1e3 * t.split_s)
+            for t in captured.tbo_timings
         )
         self._measured = tuple(v.running_bs for v in self.verdicts)
 

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from atomrt.distributed.messages import WorkerSamplingParams
 from atomrt.graphs.ubatch import decode_bucket_splits, uniform_decode_decisions
-from atomrt.runtime.decision import CapturedBuckets, ForwardDecision
+from atomrt.runtime.decision import CapturedBuckets, ForwardDecision, TboTiming
 from atomrt.workers.runner.input_batch import dummy_decode_inputs
 from atomrt.workers.runner.sampler import SamplingTensors
 
@@ -34,9 +34,9 @@ logger = logging.getLogger(__name__)
 
 def measure_tbo(
     runner: ModelRunner, captured: CapturedBuckets, repeats: int = 3
-) -> tuple[tuple[int, float, float], ...]:
-    """`(running_bs, seconds unsplit, seconds split)` per decode bucket that splits, the slowest
-    rank's (see the module docstring)."""
+) -> tuple[TboTiming, ...]:
+    """One `TboTiming` per decode bucket that splits, the slowest rank's (see the module
+    docstring)."""
     sizes = [bs for bs in sorted(runner.config.capture_sizes or ()) if decode_bucket_splits(bs)]
     if not sizes:
         return ()
@@ -48,7 +48,7 @@ def measure_tbo(
     for size, group in ((runner.dp.dp_size, runner.dp.group), (runner.tp.tp_size, runner.tp.group)):
         if size > 1:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-    return tuple((bs, a, b) for bs, (a, b) in zip(sizes, worst.tolist()))
+    return tuple(TboTiming(bs, a, b) for bs, (a, b) in zip(sizes, worst.tolist()))
 
 
 def _median_step(runner: ModelRunner, decision: ForwardDecision, repeats: int) -> float:
