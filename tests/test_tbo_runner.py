@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from atomrt.distributed.messages import WorkerSamplingParams
-from atomrt.runtime.config import Config, ModelConfig, SchedulerConfig
+from atomrt.runtime.config import Config, ModelConfig, ParallelConfig, SchedulerConfig
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.forward_context import (
     Context,
@@ -66,6 +66,7 @@ def runner() -> ModelRunner:
         device="cpu",
         model_config=ModelConfig(load_format="dummy", max_model_len=256),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        parallel_config=ParallelConfig(enable_tbo="all"),
     )
     r = ModelRunner(config, resolve_device(config))
     r.allocate_kv_cache(32)
@@ -179,7 +180,7 @@ def test_full_capture_records_tbo_graphs(runner: ModelRunner, tbo: str) -> None:
     from test_region_graph_cpu import FakeBackend
 
     from atomrt.graphs.region_graph import ReqGraph
-    from atomrt.runtime.config import CompilationConfig, ParallelConfig
+    from atomrt.runtime.config import CompilationConfig
     from atomrt.workers.runner.graph_runner import GraphRunner
 
     config = replace(

@@ -99,9 +99,11 @@ class ModelRunner:
             self.graphs.packed_bucket,
         )
         self.readbacks = Readbacks(device, self.shape.max_num_seqs)
-        self.ubatch = UbatchRunner(
-            self.shape.max_num_seqs, self.shape.max_blocks_per_seq, device
-        )  # two-batch overlap (parallel_config.enable_tbo)
+        self.ubatch: Optional[UbatchRunner] = None  # two-batch overlap
+        if config.parallel_config.enable_tbo != "none":
+            self.ubatch = UbatchRunner(
+                self.shape.max_num_seqs, self.shape.max_blocks_per_seq, device
+            )
 
     # ---------------------------------------------------------------- KV cache
 

@@ -163,14 +163,14 @@ class UbatchStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.side = torch.cuda.Stream(device)
+        self.main: Optional[torch.cuda.Stream] = None  # the stream current at `session`
         self._events: list[torch.cuda.Event] = []
         self._active: list[torch.cuda.Event] = []
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
         """Fork the side stream from the current one; join it back at the end."""
-        main = torch.cuda.current_stream()
-        self.main = main
+        self.main = main = torch.cuda.current_stream()
         self._active = [] if torch.cuda.is_current_stream_capturing() else self._events
         self.side.wait_stream(main)
         try:
