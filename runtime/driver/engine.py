@@ -25,6 +25,12 @@ from atomrt.runtime.driver.outputs import RequestOutput, make_request_output, me
 from atomrt.runtime.driver.planner import RankPlanner, make_plan
 from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
+from atomrt.runtime.driver.speculation import (
+    SpecDecodeStats,
+    check_draft_model,
+    make_speculation,
+    sampled_tokens,
+)
 from atomrt.runtime.driver.validation import RequestLimits, check_max_model_len, check_request
 from atomrt.runtime.executors.base import Executor, WorkerError
 from atomrt.runtime.executors.factory import make_executor
@@ -55,10 +61,12 @@ class _Request:
 
 @dataclass
 class EngineStats:
-    """Counters since start (for metrics): steps by kind, and rows run beyond the real ones."""
+    """Counters since start (for metrics): steps by kind, and rows run beyond the real ones;
+    with speculative decoding, drafts and acceptance (`spec_decode`)."""
 
     steps: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in ForwardKind})
     padded_tokens: int = 0
+    spec_decode: Optional[SpecDecodeStats] = None
 
     def count(self, decision: ForwardDecision) -> None:
         self.steps[decision.kind.value] += 1
@@ -86,6 +94,7 @@ class LLMEngine:
         arch = read_arch(config)  # errors a user can fix, found before anything is launched
         check_parallel_layout(arch, config.parallel_config.tensor_parallel_size)
         check_max_model_len(config, arch)
+        check_draft_model(config, arch)
         self.executor: Executor = make_executor(config)
         self.info = info = self.executor.start()
         self.max_model_len = info.max_model_len
@@ -94,6 +103,7 @@ class LLMEngine:
         )
         self.limits = RequestLimits(info.vocab_size, config.model_config.max_logprobs)
         cc = config.cache_config
+        self.speculation = make_speculation(config, info.req_keys)
         self.schedulers = [
             Scheduler(
                 config.scheduler_config,
@@ -101,12 +111,13 @@ class LLMEngine:
                 BlockManager(info.num_kv_blocks, cc.block_size, cc.enable_prefix_caching),
                 tokenizer=tokenizer,
                 max_model_len=self.max_model_len,
+                speculation=self.speculation,
             )
             for _ in range(config.parallel_config.data_parallel_size)
         ]
         self.planners = [RankPlanner() for _ in self.schedulers]
         captured = CapturedBuckets(info.req_keys, info.prefill_token_sizes, info.decode_token_sizes)
-        self.forward_mode = ForwardMode(config, captured)
+        self.forward_mode = ForwardMode(config, captured, config.max_q_len - 1)
         self.step_no = 0
         self.async_scheduling = config.scheduler_config.async_scheduling
         self._inflight: deque[tuple[int, list[SchedulerOutput]]] = (
@@ -117,6 +128,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}  # running or waiting, by request id
         self.stats = EngineStats()
+        if self.speculation is not None:
+            self.stats.spec_decode = self.speculation.stats
         self._aborted: list[
             RequestOutput
         ] = []  # final outputs of aborted requests, for the next step
@@ -243,7 +256,9 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for dp_rank, (out, res) in enumerate(zip(outs, results)):
-            sampled = dict(zip(res.seq_ids.tolist(), res.sampled_token_ids.tolist()))
+            sampled = sampled_tokens(res)
+            if self.speculation is not None:
+                self.speculation.observe(out, res)
             finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
             for row in out.scheduled:
