@@ -25,7 +25,7 @@ so draft `d_i` is judged by `p_i` and row `k` gives the bonus token.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -52,6 +52,30 @@ def rows_sampling(t: SamplingTensors, repeats: torch.Tensor) -> SamplingTensors:
         top_ps=rep(t.top_ps),
         top_ks=rep(t.top_ks),
         min_ps=rep(t.min_ps),
+    )
+
+
+def select_rows(t: SamplingTensors, idx: Any) -> SamplingTensors:
+    """Requests `idx` (an int array) of a step's sampling tensors. The batch's flags are kept: a
+    superset's are safe (a filter that removes nothing, a penalty of 0)."""
+    if t.is_plain_greedy:
+        return SamplingTensors.plain_greedy(len(idx), t.temperatures.device)
+    i = torch.as_tensor(idx, dtype=torch.int64, device=t.temperatures.device)
+    pick = lambda x: x[i] if x.numel() else x  # noqa: E731
+    return replace(
+        t,
+        temperatures=pick(t.temperatures),
+        top_ps=pick(t.top_ps),
+        top_ks=pick(t.top_ks),
+        min_ps=pick(t.min_ps),
+        repetition_penalties=pick(t.repetition_penalties),
+        presence_penalties=pick(t.presence_penalties),
+        frequency_penalties=pick(t.frequency_penalties),
+        prompt_token_ids=pick(t.prompt_token_ids),
+        output_token_ids=pick(t.output_token_ids),
+        seeds=[t.seeds[j] for j in idx],
+        num_output_tokens=[t.num_output_tokens[j] for j in idx],
+        num_logprobs=[t.num_logprobs[j] for j in idx],
     )
 
 
@@ -103,13 +127,15 @@ def rejection_sample(
     sampling: SamplingTensors,
     draft_probs: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
+    target_argmax: Optional[torch.Tensor] = None,
 ) -> VerifyOutput:
     """Verify a step's drafts (see the module docstring).
 
     target_logits: [sum(k_s + 1), vocab], request `s`'s `k_s + 1` rows in order, requests in
     `sampling`'s order; draft_token_ids: int64 [sum(k_s)]; num_draft_tokens: `k_s` per request
     (0: plain sampling of its one row); draft_probs: float [sum(k_s), vocab], the distribution each
-    draft was drawn from, or None for one-hot drafts.
+    draft was drawn from, or None for one-hot drafts; target_argmax: int64 [sum(k_s + 1)], the
+    logits' argmax when it is at hand (a request graph records it).
     """
     device = target_logits.device
     n = len(num_draft_tokens)
@@ -128,7 +154,9 @@ def rejection_sample(
     else:
         d_rows = torch.zeros(n, 0, dtype=torch.int64, device=device)
         drafts = d_rows
-    argmax = target_logits.argmax(dim=-1)[rows]  # [n, K + 1]
+    if target_argmax is None:
+        target_argmax = target_logits.argmax(dim=-1)
+    argmax = target_argmax[rows]  # [n, K + 1]
     accept = (argmax[:, :K] == drafts) & is_draft  # greedy
     emitted = argmax
     if not sampling.all_greedy:
