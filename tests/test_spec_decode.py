@@ -30,6 +30,7 @@ from atomrt.graphs.region_graph import TokenGraph
 from atomrt.runtime.config import Config
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import SamplingParams
+from atomrt.workers.runner.step_buffers import RunnerShape
 from atomrt.workers.spec_decode.draft_model import DraftModel
 
 REPETITIVE = [5, 6, 7, 8] * 5 + [5, 6]
@@ -210,7 +211,8 @@ def drafter(models) -> DraftModel:
         device="cpu",
         speculative_config={"model": str(models[1]), "num_speculative_tokens": 2},
     )
-    dm = DraftModel(config, torch.device("cpu"), torch.float32, 64, 8, 16, graphs_enabled=True)
+    shape = RunnerShape(max_model_len=256, block_size=16, max_num_seqs=8, max_num_tokens=64)
+    dm = DraftModel(config, torch.device("cpu"), torch.float32, shape, graphs_enabled=True)
     dm.allocate_kv_cache(16)
     return dm
 
@@ -248,3 +250,34 @@ def test_a_drafter_never_captured_counts_every_pass(drafter):
     assert not drafter._replays(_rows(drafter, 1))
     assert not drafter._replays(_rows(drafter, 64))
     assert drafter.num_eager_passes == 2
+
+
+def test_a_draft_model_must_share_the_vocabulary_and_cover_the_context(models, tmp_path):
+    import json
+
+    from atomrt.runtime.config import ConfigError
+    from atomrt.runtime.driver.speculation import check_draft_model
+    from atomrt.workers.loading.loader import read_arch
+
+    target = Config(model=str(models[0]), device="cpu")
+    arch = read_arch(target)
+
+    def draft_folder(**changes) -> str:
+        folder = tmp_path / "_".join(changes)
+        folder.mkdir()
+        hf = json.loads((models[1] / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**hf, **changes}))
+        (folder / "model.safetensors").write_bytes(b"")  # read_arch reads only the config
+        return str(folder)
+
+    def check(model: str, **kw) -> None:
+        spec = {"model": model, "num_speculative_tokens": 2}
+        check_draft_model(Config(model=str(models[0]), speculative_config=spec, **kw), arch)
+
+    check(str(models[1]))
+    with pytest.raises(ConfigError, match="speculative_config.model: the draft model's vocabulary"):
+        check(draft_folder(vocab_size=64))
+    with pytest.raises(ConfigError, match="model_config.max_model_len"):
+        check(draft_folder(max_position_embeddings=128))
+    with pytest.raises(ConfigError, match="speculative_config.model"):
+        check(str(tmp_path / "missing"))

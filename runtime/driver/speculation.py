@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from atomrt.distributed.messages import DRAFT_TOKEN, StepResult
 from atomrt.runtime.config import Config, ConfigError, SpeculativeConfig
 from atomrt.workers.loading.loader import read_arch
+from atomrt.workers.spec_decode.draft_model import draft_config
 from atomrt.workers.spec_decode.ngram import ngram_propose
 
 if TYPE_CHECKING:
@@ -137,7 +138,8 @@ def make_speculation(
 
 
 def check_draft_model(config: Config, arch: Any) -> None:
-    """The draft model must exist and share the target's vocabulary (checked before launch)."""
+    """The draft model must exist, share the target's vocabulary and cover its context (checked
+    before launch)."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return
@@ -150,20 +152,12 @@ def check_draft_model(config: Config, arch: Any) -> None:
             f"speculative_config.model: the draft model's vocabulary ({draft.vocab_size} tokens) "
             f"differs from the target's ({arch.vocab_size}); a draft model must share it"
         )
-
-
-def draft_config(config: Config) -> Config:
-    """The engine's config with the draft model in the target's place (its own compile cache key),
-    no speculation of its own, and the target's context length."""
-    spec = config.speculative_config
-    assert spec is not None and spec.model is not None
-    max_len = config.model_config.max_model_len
-    return replace(
-        config,
-        model=spec.model,
-        speculative_config=None,
-        model_config=replace(config.model_config, tokenizer=None, max_model_len=max_len),
-    )
+    max_len = config.model_config.max_model_len or arch.max_position
+    if draft.max_position < max_len:
+        raise ConfigError(
+            f"speculative_config.model: the draft model's context ({draft.max_position} tokens) "
+            f"is shorter than the engine's ({max_len}); lower model_config.max_model_len"
+        )
 
 
 def sampled_tokens(res: StepResult) -> dict[int, Union[int, list[int]]]:

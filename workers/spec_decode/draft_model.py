@@ -49,6 +49,7 @@ from atomrt.workers.runner.kv_cache import (
     kv_bytes_per_block,
 )
 from atomrt.workers.runner.sampler import SamplingTensors, greedy_argmax
+from atomrt.workers.runner.step_buffers import RunnerShape
 from atomrt.workers.spec_decode.rejection_sampler import (
     _DRAFT_STREAM,
     seeded_generators,
@@ -59,16 +60,17 @@ from atomrt.workers.spec_decode.rejection_sampler import (
 logger = logging.getLogger(__name__)
 
 
-def draft_config(config: Config) -> Config:
+def draft_config(config: Config, max_model_len: Optional[int] = None) -> Config:
     """The engine's config with the draft model in the target's place (so its own compile-cache
-    key), no speculation of its own, and the target's context length."""
+    key), no speculation of its own, and the engine's context length when given."""
     spec = config.speculative_config
     assert spec is not None and spec.model is not None
+    max_len = max_model_len or config.model_config.max_model_len
     return replace(
         config,
         model=spec.model,
         speculative_config=None,
-        model_config=replace(config.model_config, tokenizer=None),
+        model_config=replace(config.model_config, tokenizer=None, max_model_len=max_len),
     )
 
 
@@ -92,12 +94,12 @@ class DraftModel:
         config: Config,
         device: torch.device,
         dtype: torch.dtype,
-        max_num_tokens: int,
-        max_num_seqs: int,
-        max_blocks_per_seq: int,
+        shape: RunnerShape,
         graphs_enabled: bool,
     ) -> None:
-        self.config = dcfg = draft_config(config)
+        """`shape`: the target runner's sizes (the drafter runs the same steps)."""
+        # the engine's whole context (the driver checked that the drafter covers it)
+        self.config = dcfg = draft_config(config, shape.max_model_len)
         self.k = config.speculative_config.num_speculative_tokens
         self.device, self.dtype = device, dtype
         loaded = load_model(dcfg, device, dtype, TPInfo())
@@ -105,7 +107,11 @@ class DraftModel:
         self.attn_layers = collect_attention_layers(self.model)
         self.kv_cache: dict[str, KVCacheTensor] = {}
         self.block_size = config.cache_config.block_size
-        n, s = max_num_tokens, max_num_seqs
+        n, s, max_blocks_per_seq = (
+            shape.max_num_tokens,
+            shape.max_num_seqs,
+            shape.max_blocks_per_seq,
+        )
         self.buffers = {
             "input_ids": torch.zeros(n, dtype=torch.int64, device=device),
             "positions": torch.zeros(n, dtype=torch.int64, device=device),

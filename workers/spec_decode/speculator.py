@@ -24,6 +24,7 @@ from atomrt.runtime.config import Config
 from atomrt.runtime.forward_context import SpecDecodeMetadata
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingTensors
+from atomrt.workers.runner.step_buffers import RunnerShape
 from atomrt.workers.runner.token_pool import TokenPool
 from atomrt.workers.spec_decode.draft_model import DraftModel
 from atomrt.workers.spec_decode.rejection_sampler import rejection_sample, select_rows
@@ -36,7 +37,7 @@ class Speculator:
         device: torch.device,
         dtype: torch.dtype,
         tp: TPInfo,
-        shape: object,
+        shape: RunnerShape,
         graphs_enabled: bool,
     ) -> None:
         """`shape`: the runner's RunnerShape (buffer sizes); a drafter is built on TP rank 0."""
@@ -49,15 +50,7 @@ class Speculator:
         self.uses_draft_model = spec.method == "draft_model"
         self.drafter = None
         if self.uses_draft_model and tp.tp_rank == 0:
-            self.drafter = DraftModel(
-                config,
-                device,
-                dtype,
-                shape.max_num_tokens,
-                shape.max_num_seqs,
-                shape.max_blocks_per_seq,
-                graphs_enabled,
-            )
+            self.drafter = DraftModel(config, device, dtype, shape, graphs_enabled)
 
     # ---------------------------------------------------------------- set-up
 
