@@ -6,6 +6,7 @@
   and length limits, a penalised and a logprobs request that decode without drafts beside
   speculating ones, n > 1 samples) and under a KV pool small enough to preempt.
 - Seeded sampled requests reproduce: on a repeat, beside other requests, under async scheduling.
+- Sampled requests drafting with the target itself accept every draft (q is each draft's own).
 - On repetitive text the n-gram proposer takes fewer engine steps than tokens produced, and the
   acceptance figures reach EngineStats.
 - Through the mp executor: TP=2 (the drafter on rank 0, its drafts broadcast) and DP=2.
@@ -161,6 +162,18 @@ def test_seeded_sampling_reproduces(models, kind):
         models[0], [REPETITIVE], seeded, speculative_config=spec, async_scheduling=True
     )
     assert outs[0].outputs[0].token_ids == alone
+
+
+def test_sampled_drafts_of_the_target_itself_are_all_accepted(models):
+    """With the target as its own draft model, q equals p (up to rounding): rejection sampling
+    accepts every draft only if each draft's q is its own row's, in the rejection sampler's order."""
+    params = SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True)
+    outs, engine = _generate(
+        models[0], PROMPTS[:3], params, speculative_config=_spec("self_draft", models)
+    )
+    stats = engine.stats.spec_decode
+    assert stats.num_draft_tokens > 20
+    assert stats.num_accepted_tokens >= 0.99 * stats.num_draft_tokens
 
 
 def test_ngram_takes_fewer_steps_than_tokens_on_repetitive_text(models):
