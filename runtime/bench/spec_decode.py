@@ -3,7 +3,7 @@ with speculation against without, and the acceptance it reached, on a repetitive
 workload.
 
 Per (model, mode, batch size, workload) the same greedy requests run without speculation and with
-the given `speculative_config`: `bs` prompts of `--input-len` tokens (repetitive: a short random
+the given `speculative_config` (on CPU, one workload after the other on both engines): `bs` prompts of `--input-len` tokens (repetitive: a short random
 pattern repeated; random: uniform token ids), `--decode-steps` output tokens each. The prefill (up
 to every request's first token) is not timed; decode tokens/s counts the tokens after it. A draft
 pass that ran eagerly while CUDA graphs were on is an error (a drafter captured but not used).
@@ -152,10 +152,10 @@ def _snapshot(spec: Any) -> tuple:
 
 
 def run(args: argparse.Namespace, spec_config: dict[str, Any]) -> int:
-    """The benchmark's main: every model x mode x batch size x workload, off then on."""
-    from atomrt.runtime.bench.latency import mode_settings
+    """The benchmark's main: every model x mode x batch size x workload, without then with
+    speculation. On CPU both engines stay up and each workload runs on one then the other, so a
+    load that drifts (a shared machine) skews the two alike; a GPU holds one engine at a time."""
     from atomrt.runtime.config import SpeculativeConfig
-    from atomrt.runtime.entrypoints.llm import LLM
 
     spec = SpeculativeConfig.parse(spec_config)  # a ConfigError names a bad knob before any load
     label = f"{spec.method} k={spec.num_speculative_tokens}"
@@ -171,60 +171,76 @@ def run(args: argparse.Namespace, spec_config: dict[str, Any]) -> int:
         print("note: " + report.notes[-1], flush=True)
     print(f"device {report.device}, torch {report.torch_version}, speculative_config {spec_config}")
     print(HEADER, flush=True)
+    configs = [("off", None), (label, spec_config)]
+    groups = [configs] if not on_cuda else [[c] for c in configs]
     for model in args.models:
         for mode in args.modes:
             args.current_model, args.current_mode = model, mode
             base: dict[tuple[int, str], float] = {}
-            for speculative in (None, spec_config):
-                settings = dict(
-                    load_format=args.load_format,
-                    device=args.device,
-                    max_num_seqs=args.max_num_seqs or max(args.batch_sizes),
-                    cuda_graph_sizes=[args.cuda_graph_sizes or max(args.batch_sizes)],
-                    speculative_config=speculative,
-                    **mode_settings(mode, args.level, on_cuda),
-                )
-                if args.max_model_len is not None:
-                    settings["max_model_len"] = args.max_model_len
+            for group in groups:
                 try:
-                    llm = LLM(model, **settings)
+                    _run_group(args, report, group, base, on_cuda)
                 except Exception as e:  # recorded; the other models still run
                     report.errors.append(f"{model} {mode}: {e!r}\n{traceback.format_exc()}")
                     print(f"ERROR {model} {mode}: {e!r}", file=sys.stderr, flush=True)
-                    continue
-                graphs_on = not llm.engine.forward_mode.enforce_eager
-                try:
-                    _warm_up(llm, max(args.batch_sizes), args)
-                    for bs in args.batch_sizes:
-                        for workload in WORKLOADS:
-                            name = label if speculative else "off"
-                            row = time_workload(llm, workload, bs, args, name)
-                            if speculative is None:
-                                base[(bs, workload)] = row.tokens_per_s
-                            elif base.get((bs, workload)):
-                                row.speedup = round(row.tokens_per_s / base[(bs, workload)], 3)
-                            report.rows.append(row)
-                            print(_line(row), flush=True)
-                            if graphs_on and row.eager_draft_passes:
-                                report.errors.append(
-                                    f"{model} {mode} bs={bs} {workload}: {row.eager_draft_passes} "
-                                    "draft passes ran eagerly with CUDA graphs on (a drafter "
-                                    "captured but not replayed)"
-                                )
-                except Exception as e:
-                    report.errors.append(f"{model} {mode}: {e!r}\n{traceback.format_exc()}")
-                    print(f"ERROR {model} {mode}: {e!r}", file=sys.stderr, flush=True)
-                finally:
-                    llm.shutdown()
-                    del llm
-                    gc.collect()
-                    if on_cuda:
-                        torch.cuda.empty_cache()
                 _write(report, args.json)
     for e in report.errors:
         print(f"ERROR {e.splitlines()[0]}", file=sys.stderr)
     _write(report, args.json)
     return 1 if report.errors else 0
+
+
+def _run_group(
+    args: argparse.Namespace,
+    report: SpecReport,
+    group: list[tuple[str, Optional[dict[str, Any]]]],
+    base: dict[tuple[int, str], float],
+    on_cuda: bool,
+) -> None:
+    """Start an engine per (label, speculative_config) of `group`, run every batch size and
+    workload on each in turn, shut them down."""
+    from atomrt.runtime.bench.latency import mode_settings
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    model, mode = args.current_model, args.current_mode
+    llms: dict[str, Any] = {}
+    try:
+        for name, speculative in group:
+            settings = dict(
+                load_format=args.load_format,
+                device=args.device,
+                max_num_seqs=args.max_num_seqs or max(args.batch_sizes),
+                cuda_graph_sizes=[args.cuda_graph_sizes or max(args.batch_sizes)],
+                speculative_config=speculative,
+                **mode_settings(mode, args.level, on_cuda),
+            )
+            if args.max_model_len is not None:
+                settings["max_model_len"] = args.max_model_len
+            llms[name] = LLM(model, **settings)
+            _warm_up(llms[name], max(args.batch_sizes), args)
+        for bs in args.batch_sizes:
+            for workload in WORKLOADS:
+                for name, llm in llms.items():
+                    row = time_workload(llm, workload, bs, args, name)
+                    if name == "off":
+                        base[(bs, workload)] = row.tokens_per_s
+                    elif base.get((bs, workload)):
+                        row.speedup = round(row.tokens_per_s / base[(bs, workload)], 3)
+                    report.rows.append(row)
+                    print(_line(row), flush=True)
+                    if not llm.engine.forward_mode.enforce_eager and row.eager_draft_passes:
+                        report.errors.append(
+                            f"{model} {mode} bs={bs} {workload}: {row.eager_draft_passes} draft "
+                            "passes ran eagerly with CUDA graphs on (a drafter captured but not "
+                            "replayed)"
+                        )
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+        llms.clear()
+        gc.collect()
+        if on_cuda:
+            torch.cuda.empty_cache()
 
 
 HEADER = (
