@@ -23,7 +23,9 @@ whose pending tokens already reach its length limit is not scheduled again.
 
 Speculative decoding (runtime/driver/speculation.py): a decode row of a speculating sequence
 carries draft tokens as extra query rows; postprocess() rolls back the rows of rejected drafts
-(`num_computed_tokens`; their slots are rewritten later) and appends the accepted tokens.
+(`num_computed_tokens`; their slots are rewritten later) and appends the accepted tokens. Under
+async scheduling nothing is scheduled while a step's tokens are out: how many drafts it accepts
+decides where each sequence's next rows start (every step then holds every running sequence).
 """
 
 from __future__ import annotations
@@ -201,6 +203,8 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.speculation is not None and self._in_flight():
+            return out  # a verify step's accepted count decides where the next rows start
         budget = self.config.max_num_batched_tokens - self._schedule_running(out)
         if not out.preempted:
             budget -= self._schedule_waiting(out, budget)
@@ -222,7 +226,6 @@ class Scheduler:
                 num_new <= 0
                 or len(out.scheduled) >= self.config.max_num_seqs
                 or self._pending_at_limit(seq)
-                or (seq.num_pending and self.speculation is not None)
             ):
                 kept.append(seq)  # no budget left this step: stays running, unscheduled
                 continue
@@ -250,6 +253,10 @@ class Scheduler:
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - seq.num_tokens)
         return self.speculation.drafts(seq, room)
+
+    def _in_flight(self) -> bool:
+        """Whether a submitted step's tokens are still out (async scheduling)."""
+        return any(s.num_pending for s in self.running) or any(s.num_pending for s in self.waiting)
 
     def _pending_at_limit(self, seq: Sequence) -> bool:
         """Whether the tokens in flight already reach the sequence's length limit (async scheduling)."""

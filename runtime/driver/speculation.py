@@ -14,8 +14,8 @@ rules. `observe` counts drafts and acceptances per position (`SpecDecodeStats`, 
 - With request graphs recorded for verify steps (FULL), an n-gram proposal shorter than k is padded
   to k: a uniform batch replays its graph, where a ragged one would run eagerly; a padding token is
   verified like any draft (the target decides; correctness does not depend on what is proposed).
-- Under async scheduling a speculating sequence is scheduled only once its previous step's tokens
-  are back: how many its verify step accepts decides where its next rows start.
+- Under async scheduling the scheduler waits for the step in flight before it schedules the next:
+  how many drafts a verify step accepts decides where each sequence's next rows start.
 """
 
 from __future__ import annotations
