@@ -161,10 +161,14 @@ class Scheduler:
                 f"request {seq.request_id!r}: the prompt has {seq.num_prompt_tokens} tokens, "
                 f"max_model_len is {self.max_model_len}; shorten the prompt"
             )
-        drafts = self.speculation.k if self.speculation is not None else 0  # the last step's
+        # with speculative decoding the last step's draft rows reach k positions further, up to
+        # position max_model_len - 1
+        drafts = self.speculation.k if self.speculation is not None else 0
         max_kv_tokens = seq.num_prompt_tokens + params.max_tokens - 1 + drafts
         if self.max_model_len is not None:
-            max_kv_tokens = min(max_kv_tokens, self.max_model_len - (drafts == 0))
+            max_kv_tokens = min(
+                max_kv_tokens, self.max_model_len if drafts else self.max_model_len - 1
+            )
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and seq.num_prompt_tokens > budget:
             raise RequestRejectedError(
