@@ -21,7 +21,9 @@ the rejection sampler). A seeded request draws from its own generator.
 Graphs (`DraftGraph`, graphs/draft_graph.py): with CUDA graphs on, every pass replays a recording
 of the drafter's forward at its padded row count, in the shared `graph_pool()`, whichever mode the
 target runs in; capture records every capture size. A pass that fits the ladder but finds no
-recording runs eagerly and is counted (`num_eager_passes`): the engine reports it as an error.
+recording runs eagerly and is counted (`num_eager_passes`, which reaches
+`EngineStats.spec_decode.num_eager_draft_passes`; `atomrt bench latency --speculative-config`
+reports any as an error).
 """
 
 from __future__ import annotations
