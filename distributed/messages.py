@@ -46,6 +46,8 @@ class MessageError(ValueError):
 PENDING_TOKEN = (
     -1
 )  # RankBatch.input_ids: the sequence's token sampled in the previous step, still in flight
+# RankBatch.input_ids: a draft row whose token the worker's draft model proposes in this step
+DRAFT_TOKEN = -2
 
 
 def _i32(x: Any = ()) -> np.ndarray:
@@ -132,6 +134,9 @@ class RankBatch:
     # Drop every mirrored sequence (and pending token) before applying this batch: the driver
     # discarded a step, and re-sends what it runs as new requests.
     reset: bool = False
+    # Speculative decoding: int32 [bs], the draft tokens each sequence verifies (its last rows);
+    # empty when no row verifies drafts.
+    num_draft_tokens: np.ndarray = field(default_factory=_i32)
 
     @property
     def num_seqs(self) -> int:
@@ -167,6 +172,13 @@ class StepResult:
     top_logprob_ids: Optional[np.ndarray] = None  # int32 [n, k]
     top_logprobs: Optional[np.ndarray] = None  # float32 [n, k]
     error: Optional[str] = None
+    # Speculative decoding: int32 [n], the drafts each sequence accepted: it emitted
+    # `sampled_token_ids[i]` then `num_accepted[i]` more tokens, which `more_token_ids` holds
+    # (int32, every sequence's in turn). Both empty: one token each.
+    num_accepted: np.ndarray = field(default_factory=_i32)
+    more_token_ids: np.ndarray = field(default_factory=_i32)
+    # Draft-model passes this step ran eagerly although graphs are on (a missing DraftGraph bucket)
+    num_eager_draft_passes: int = 0
 
 
 @dataclass

@@ -1,11 +1,12 @@
-"""`DraftGraph`: a drafter's own recordings (MTP / EAGLE passes), in either graph mode.
+"""`DraftGraph`: a drafter's own recordings, in either graph mode.
 
-Placeholder (the guide's name): no drafter exists yet, so nothing records one.
-
-Drafters are not marked `@token_graph`; a drafter records each of its passes with
-`DraftGraph.record(num_tokens, phase, fn, *static_inputs)` and replays with
+Drafters are not marked `@token_graph`: the target's recording unit records the target, and a
+drafter (workers/spec_decode/draft_model.py) records each of its passes with
+`DraftGraph.record(num_tokens, phase, fn, *static_inputs)` and replays them with
 `DraftGraph.replay(num_tokens, phase)`, exactly as a TokenGraph: segments broken at eager regions,
-recorded into `graph_pool()`, outputs valid until the next replay of any recording.
+recorded into the shared `graph_pool()`, outputs valid until the next replay of any recording.
+Whether the target replays request graphs (FULL) or token graphs (TR_HYBRID), the drafter's passes
+replay DraftGraphs.
 """
 
 from atomrt.graphs.region_graph import TokenGraph

@@ -352,6 +352,87 @@ class ParallelConfig:
         return AUTO_SPIN_US / 1e6 if spins else 0.0
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM users write it: `{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 1}` or `{"method": "draft_model", "model": PATH,
+    "num_speculative_tokens": k}` (a smaller model with the target's vocabulary). `method` may be left
+    out when `model` is given. The ngram window defaults to 5..5, one bound to the other."""
+
+    num_speculative_tokens: int = 0  # k: draft tokens each request verifies per step (required)
+    method: Optional[str] = None  # ngram | draft_model
+    model: Optional[str] = None  # the draft model (draft_model)
+    prompt_lookup_max: Optional[int] = None  # the longest suffix n-gram ngram matches
+    prompt_lookup_min: Optional[int] = None  # the shortest
+    draft_tensor_parallel_size: Optional[int] = None  # the drafter runs whole: 1 (or unset)
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if not _positive_int(k):
+            raise ConfigError(
+                "speculative_config.num_speculative_tokens: required, the draft tokens each "
+                f"request verifies per step (a positive integer); got {k!r}"
+            )
+        method = self.method
+        if method is None:
+            if self.model is None:
+                raise ConfigError(
+                    "speculative_config.method: give 'ngram', or a draft model with "
+                    "speculative_config.model"
+                )
+            method = "draft_model"
+        _choice("speculative_config.method", method, SPEC_METHODS)
+        object.__setattr__(self, "method", method)
+        if method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ConfigError(
+                    "speculative_config.model: method 'draft_model' needs the draft model's path"
+                )
+            if self.draft_tensor_parallel_size not in (None, 1):
+                raise ConfigError(
+                    "speculative_config.draft_tensor_parallel_size: the drafter runs whole on each "
+                    f"rank's first GPU; must be 1, got {self.draft_tensor_parallel_size!r}"
+                )
+            return
+        if self.model is not None:
+            raise ConfigError(
+                "speculative_config.model: method 'ngram' proposes from the prompt and takes no model"
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi or lo)
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not _positive_int(value):
+                raise ConfigError(
+                    f"speculative_config.{name}: must be a positive integer, got {value!r}"
+                )
+        if lo > hi:
+            raise ConfigError(
+                f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+            )
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @property
+    def max_q_len(self) -> int:
+        """Query rows of a verify step per request: the decoded row and its drafts (`mtp_k + 1`)."""
+        return self.num_speculative_tokens + 1
+
+    @classmethod
+    def parse(cls, value: Any) -> Optional[SpeculativeConfig]:
+        """A SpeculativeConfig, a mapping of its fields (vLLM's dict form), or None (off)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"speculative_config: expected a mapping such as {{'method': 'ngram', "
+                f"'num_speculative_tokens': 3}}, got {value!r}"
+            )
+        return _build_dataclass(cls, value, "speculative_config.")
+
+
 @dataclass
 class Config:
     model: str = DEFAULT_MODEL
@@ -363,11 +444,14 @@ class Config:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: Optional[SpeculativeConfig] = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"model: must be a non-empty path or model name, got {self.model!r}")
         _choice("device", self.device, ("auto", "cpu", "cuda"))
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_speculation()
         # Derive into a copy: the caller's CompilationConfig stays as given (it may be reused).
         self.compilation_config = cc = copy.deepcopy(self.compilation_config)
         if self.enforce_eager:
@@ -389,21 +473,49 @@ class Config:
             self._set_cudagraph_sizes()
             cc.init_with_cudagraph_sizes(self.capture_sizes)
 
+    @property
+    def max_q_len(self) -> int:
+        """Query rows per request of a decode step: 1, or `num_speculative_tokens + 1`."""
+        return self.speculative_config.max_q_len if self.speculative_config else 1
+
+    def _check_speculation(self) -> None:
+        spec = self.speculative_config
+        budget = self.scheduler_config.max_num_batched_tokens
+        if spec is not None and spec.max_q_len > budget:
+            raise ConfigError(
+                f"speculative_config.num_speculative_tokens={spec.num_speculative_tokens}: a "
+                f"verify step of one request runs {spec.max_q_len} rows, more than "
+                f"scheduler_config.max_num_batched_tokens={budget}"
+            )
+        tbo = self.parallel_config.enable_tbo
+        if spec is not None and tbo != "none":
+            raise ConfigError(
+                f"speculative_config with parallel_config.enable_tbo={tbo!r}: two-batch overlap "
+                "does not split verify steps yet (use enable_tbo: none)"
+            )
+
     def _set_cudagraph_sizes(self) -> None:
         """Capture sizes: explicit list, else the ladder up to cuda_graph_sizes[0], else the list.
 
-        Sizes the scheduler can never produce (above max_num_seqs) are dropped from the ladder;
-        an explicit list that holds one is an error.
+        Sizes the scheduler can never produce are dropped from the ladder: above max_num_seqs, or,
+        with speculative decoding, above max_num_batched_tokens // (k + 1) (a verify step runs k + 1
+        rows per request); an explicit list that holds one is an error.
         """
         cc = self.compilation_config
         max_num_seqs = self.scheduler_config.max_num_seqs
+        if self.speculative_config is not None:
+            max_num_seqs = min(
+                max_num_seqs, self.scheduler_config.max_num_batched_tokens // self.max_q_len
+            )
         if cc.cudagraph_capture_sizes is not None:
             sizes = sorted(set(int(s) for s in cc.cudagraph_capture_sizes))
             too_big = [s for s in sizes if s > max_num_seqs]
             if too_big:
                 raise ConfigError(
                     f"compilation_config.cudagraph_capture_sizes: {too_big} exceed "
-                    f"scheduler_config.max_num_seqs={max_num_seqs}; raise max_num_seqs or drop them"
+                    f"{max_num_seqs} (scheduler_config.max_num_seqs, or with speculative decoding "
+                    "max_num_batched_tokens // (num_speculative_tokens + 1)); raise them or drop "
+                    "the sizes"
                 )
         elif len(cc.cuda_graph_sizes) == 1:
             sizes = [
@@ -446,6 +558,7 @@ _SECTIONS = {
     "cache_config": CacheConfig,
     "scheduler_config": SchedulerConfig,
     "parallel_config": ParallelConfig,
+    "speculative_config": SpeculativeConfig,
 }
 
 
@@ -458,7 +571,9 @@ def _build_dataclass(cls: type, data: Any, prefix: str) -> Any:
     for key, value in data.items():
         if key not in known:
             raise ConfigError(f"{prefix}{key}: unknown key; known keys are {sorted(known)}")
-        if cls is Config and key in _SECTIONS:
+        if cls is Config and key == "speculative_config":
+            kwargs[key] = SpeculativeConfig.parse(value)
+        elif cls is Config and key in _SECTIONS:
             kwargs[key] = _build_dataclass(_SECTIONS[key], value or {}, f"{key}.")
         elif cls is Config and key == "capture_sizes":
             continue  # derived in __post_init__

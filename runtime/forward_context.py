@@ -84,13 +84,16 @@ class DPMetadata:
 
 @dataclass
 class SpecDecodeMetadata:
-    """Speculative-decoding metadata: draft tokens to verify and where their logits are.
+    """Speculative-decoding metadata of a step whose rows verify drafts: the draft tokens and where
+    their logits are. Set by the worker's Speculator for the target's forward; its rejection
+    sampler reads it after."""
 
-    Placeholder (the guide's name): speculative decoding is not implemented yet, so no step sets it."""
-
-    draft_token_ids: Optional[torch.Tensor] = None  # [num_draft_tokens]
-    num_draft_tokens: list[int] = field(default_factory=list)  # per sequence
-    logits_indices: Optional[torch.Tensor] = None  # rows whose logits are sampled
+    draft_token_ids: Optional[torch.Tensor] = None  # int64 [sum(num_draft_tokens)], in order
+    num_draft_tokens: list[int] = field(default_factory=list)  # per sampled sequence
+    # the rows whose logits are sampled: each sampled sequence's drafts' rows and the row before
+    logits_indices: Any = None  # int64 tensor, or a slice when every row is sampled
+    draft_probs: Optional[torch.Tensor] = None  # [sum(num_draft_tokens), vocab]: the draft
+    # model's distributions the drafts were drawn from (None: greedy drafts, or one-hot n-gram)
 
 
 @dataclass

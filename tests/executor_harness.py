@@ -27,16 +27,19 @@ COMMON = dict(
 )
 
 
-def build_tiny_llama(folder: Path) -> Path:
-    """A 2-layer Llama (4 heads, 2 kv heads: TP=2 splits both) with weights large enough to matter."""
+def build_tiny_llama(
+    folder: Path, num_layers: int = 2, hidden_size: int = 64, seed: int = 0
+) -> Path:
+    """A 2-layer Llama (4 heads, 2 kv heads: TP=2 splits both) with weights large enough to matter.
+    Other sizes and seeds give other models with the same vocabulary (draft models)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
     cfg = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=64,
+        hidden_size=hidden_size,
         intermediate_size=96,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
@@ -44,7 +47,7 @@ def build_tiny_llama(folder: Path) -> Path:
         bos_token_id=0,
         eos_token_id=1,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     with torch.no_grad():
         for p in model.parameters():

@@ -8,6 +8,7 @@ import torch
 from executor_harness import build_tiny_llama
 
 from atomrt.runtime.bench.latency import Report, Row, _parse, compare_executors, main, mode_settings
+from atomrt.runtime.bench.spec_decode import prompts_for
 from atomrt.runtime.config import ConfigError, CUDAGraphMode
 
 
@@ -126,3 +127,47 @@ def test_transport_spin_us_flag_takes_auto_or_microseconds() -> None:
         _parse(["--transport-spin-us", "fast"])
     with pytest.raises(ConfigError, match=r"parallel_config\.transport_spin_us"):
         _parse(["--transport-spin-us", "2e6"])
+
+
+SPEC_NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
+
+
+def test_speculative_config_compares_decode_with_and_without(
+    tiny_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--speculative-config: each workload without and with n-gram speculation; tokens/s, the
+    speedup and the acceptance figures per row; a bad config is refused before any model loads."""
+    model = tiny_folder
+    out = tmp_path / "spec.json"
+    argv = ["--model", str(model), "--device", "cpu", "--modes", "eager", "--batch-sizes", "2"]
+    argv += ["--input-len", "16", "--decode-steps", "8", "--warmup-steps", "1"]
+    rc = main(argv + ["--speculative-config", SPEC_NGRAM, "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["errors"] == [] and report["speculative_config"]["method"] == "ngram"
+    rows = report["rows"]
+    assert [(r["workload"], r["speculative"]) for r in rows] == [  # interleaved on CPU
+        ("repetitive", "off"),
+        ("repetitive", "ngram k=3"),
+        ("random", "off"),
+        ("random", "ngram k=3"),
+    ]
+    for r in rows:
+        assert r["decode_tokens"] == 2 * 7 and r["tokens_per_s"] > 0
+    for r in rows[1::2]:
+        assert r["speedup"] > 0 and r["drafted_tokens"] >= r["accepted_tokens"]
+        if r["drafted_tokens"]:
+            assert r["mean_acceptance_length"] >= 1 and len(r["acceptance_per_position"]) == 3
+    printed = capsys.readouterr().out
+    assert "accept_len" in printed and "ngram k=3" in printed
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        main(argv + ["--speculative-config", '{"method": "ngram"}', "--json", str(out)])
+
+
+def test_speculative_workloads():
+    rep = prompts_for("repetitive", 2, 20, 100, seed=0)
+    assert all(len(p) == 20 for p in rep)
+    assert all(any(p[i:] == p[: len(p) - i] for i in range(3, 9)) for p in rep)  # periodic
+    rnd = prompts_for("random", 3, 20, 100, seed=0)
+    assert len(rnd) == 3 and all(0 <= t < 100 for p in rnd for t in p)
+    assert all(len(set(p)) > 8 for p in rnd)

@@ -190,3 +190,36 @@ def test_flat_updates_round_trip_and_apply_like_per_sequence_updates() -> None:
                 mirrors.block_tables.table[row, : mirrors.block_tables.lengths[row]].tolist()
                 == table
             ), s
+
+
+def test_draft_rows_read_the_token_pool_and_are_sampled() -> None:
+    """Speculative decoding: a verify row's drafts are its last rows; a draft model's (DRAFT_TOKEN)
+    read the token pool's draft part at their row; the logits rows are each sampled sequence's
+    drafts' rows and the row before."""
+    from atomrt.distributed.messages import DRAFT_TOKEN
+    from atomrt.workers.runner.token_pool import TokenPool
+
+    mirrors = SeqMirrors(block_size=4)
+    new = [NewRequest(s, np.arange(8, dtype=np.int32)) for s in (1, 2, 3)]
+    blocks = new_blocks({1: (0, [1, 2]), 2: (0, [3, 4, 5]), 3: (0, [6, 7])})
+    mirrors.apply(RankBatch(new_requests=new, **blocks))
+    pool = TokenPool(max_num_tokens=16, max_num_seqs=4, device="cpu", drafts=True)
+    d = DRAFT_TOKEN
+    batch = RankBatch(  # seq 1: a prompt chunk (4 rows); seq 2: t + 2 drafts; seq 3: one row
+        seq_ids=np.array([1, 2, 3], dtype=np.int64),
+        num_new_tokens=np.array([4, 3, 1], dtype=np.int32),
+        num_computed_tokens=np.array([0, 8, 7], dtype=np.int32),
+        input_ids=np.array([0, 1, 2, 3, 9, d, d, 5], dtype=np.int32),
+        sample_mask=np.array([False, True, True]),
+        num_draft_tokens=np.array([0, 2, 0], dtype=np.int32),
+    )
+    inputs = mirrors.build(batch, pool)
+    assert inputs.num_draft_tokens.tolist() == [0, 2, 0]
+    assert inputs.logits_rows.tolist() == [4, 5, 6, 7]
+    assert inputs.sample_rows.tolist() == [6, 7]
+    assert inputs.token_src.tolist() == [0, 1, 2, 3, 4, pool.draft_base + 5, pool.draft_base + 6, 7]
+    assert inputs.input_ids.tolist() == [0, 1, 2, 3, 9, 0, 0, 5]  # a draft row's staged id: 0
+    assert inputs.positions[4:7].tolist() == [8, 9, 10]
+    assert inputs.context_lens.tolist() == [4, 11, 8]
+    with pytest.raises(RuntimeError, match="no token pool"):
+        mirrors.build(batch)

@@ -125,6 +125,12 @@ def rank_batches(draw, max_bs=20):
         ),
         finished_seq_ids=draw(arrays(np.int64, i64, max_size=5)),
         reset=draw(st.booleans()),
+        num_draft_tokens=np.array(
+            draw(st.lists(st.integers(0, 8), min_size=bs, max_size=bs))
+            if draw(st.booleans())
+            else [],
+            dtype=np.int32,
+        ),
     )
 
 
@@ -142,6 +148,7 @@ def step_results(draw):
     n = draw(st.integers(0, 30))
     k = draw(st.integers(0, 5))
     with_lp = draw(st.booleans())
+    spec = draw(st.booleans())
     return StepResult(
         step=draw(st.integers(0, 2**62)),
         dp_rank=draw(st.integers(0, 63)),
@@ -151,6 +158,11 @@ def step_results(draw):
         top_logprob_ids=draw(arrays(np.int32, i32, shape=st.just((n, k)))) if with_lp else None,
         top_logprobs=draw(arrays(np.float32, f32, shape=st.just((n, k)))) if with_lp else None,
         error=draw(st.none() | st.text(max_size=50)),
+        num_accepted=np.array(draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)), np.int32)
+        if spec
+        else np.zeros(0, np.int32),
+        more_token_ids=draw(arrays(np.int32, i32, max_size=20)) if spec else np.zeros(0, np.int32),
+        num_eager_draft_passes=draw(st.integers(0, 100)),
     )
 
 
@@ -407,7 +419,7 @@ def test_bad_declared_array_bytes_raise_message_error():
     import msgpack
 
     wire = msgpack.packb(
-        [4, 0, 0, b"\x00" * 12, b"", None, None, None, None], use_bin_type=True
+        [4, 0, 0, b"\x00" * 12, b"", None, None, None, None, b"", b"", 0], use_bin_type=True
     )  # 12 B: not int64s
     with pytest.raises(MessageError, match="malformed StepResult"):
         decode(wire)

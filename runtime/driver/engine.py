@@ -26,6 +26,12 @@ from atomrt.runtime.driver.outputs import RequestOutput, make_request_output, me
 from atomrt.runtime.driver.planner import RankPlanner, make_plan
 from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
+from atomrt.runtime.driver.speculation import (
+    SpecDecodeStats,
+    check_draft_model,
+    make_speculation,
+    sampled_tokens,
+)
 from atomrt.runtime.driver.ubatch_policy import check_tbo
 from atomrt.runtime.driver.validation import RequestLimits, check_max_model_len, check_request
 from atomrt.runtime.executors.base import Executor, WorkerError
@@ -59,13 +65,15 @@ class _Request:
 class EngineStats:
     """Counters since start (for metrics): steps by kind, and rows run beyond the real ones
     (padding to a graph bucket, and under data parallelism to the group's row count: an idle
-    DP rank's whole dummy batch counts as padding)."""
+    DP rank's whole dummy batch counts as padding); with speculative decoding, drafts and
+    acceptance (`spec_decode`)."""
 
     steps: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in ForwardKind})
     padded_tokens: int = 0
     real_tokens: int = 0  # rows of scheduled work, over every DP rank
     dummy_batches: int = 0  # (step, DP rank) pairs that ran an idle rank's dummy batch
     split_steps: int = 0  # steps run as two microbatches (two-batch overlap)
+    spec_decode: Optional[SpecDecodeStats] = None
 
     def count(self, decision: ForwardDecision) -> int:
         """Count one step; returns its padded rows."""
@@ -108,6 +116,7 @@ class LLMEngine:
         check_parallel_layout(arch, pc.tensor_parallel_size, pc.data_parallel_size)
         check_tbo(pc.enable_tbo, arch)
         check_max_model_len(config, arch)
+        check_draft_model(config, arch)
         self.executor: Executor = make_executor(config)
         self.info = info = self.executor.start()
         self.max_model_len = info.max_model_len
@@ -116,6 +125,7 @@ class LLMEngine:
         )
         self.limits = RequestLimits(info.vocab_size, config.model_config.max_logprobs)
         cc = config.cache_config
+        self.speculation = make_speculation(config, info.req_keys)
         self.schedulers = [
             Scheduler(
                 config.scheduler_config,
@@ -123,6 +133,7 @@ class LLMEngine:
                 BlockManager(info.num_kv_blocks, cc.block_size, cc.enable_prefix_caching),
                 tokenizer=tokenizer,
                 max_model_len=self.max_model_len,
+                speculation=self.speculation,
             )
             for _ in range(config.parallel_config.data_parallel_size)
         ]
@@ -140,7 +151,7 @@ class LLMEngine:
             info.tbo_req_keys,
             info.tbo_timings,
         )
-        self.forward_mode = ForwardMode(config, captured)
+        self.forward_mode = ForwardMode(config, captured, config.max_q_len - 1)
         self.forward_mode.ubatch.log_verdicts()
         self.step_no = 0
         self.async_scheduling = config.scheduler_config.async_scheduling
@@ -152,6 +163,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._requests: dict[str, _Request] = {}  # running or waiting, by request id
         self.stats = EngineStats()
+        if self.speculation is not None:
+            self.stats.spec_decode = self.speculation.stats
         self._aborted: list[
             RequestOutput
         ] = []  # final outputs of aborted requests, for the next step
@@ -290,7 +303,9 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for dp_rank, (out, res) in enumerate(zip(outs, results)):
-            sampled = dict(zip(res.seq_ids.tolist(), res.sampled_token_ids.tolist()))
+            sampled = sampled_tokens(res)
+            if self.speculation is not None:
+                self.speculation.observe(out, res)
             finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
             for row in out.scheduled:

@@ -91,6 +91,7 @@ class RankPlanner:
         new_requests, input_ids = [], []
         new_block_seq_ids, new_block_starts, num_new_blocks, new_block_ids = [], [], [], []
         seq_ids, row_new_tokens, row_computed_tokens, sample_mask = [], [], [], []
+        num_draft_tokens = []
         for row in out.scheduled:
             seq = row.seq
             seq_id, block_table, token_ids = seq.seq_id, seq.block_table, seq.token_ids
@@ -107,15 +108,21 @@ class RankPlanner:
                 num_new_blocks.append(num_blocks - k.num_blocks)
                 new_block_ids.extend(block_table[k.num_blocks :])
             k.num_blocks = num_blocks
-            start, num_new = row.num_computed_tokens, row.num_new_tokens
-            end = start + num_new
+            start, num_new, drafts = (
+                row.num_computed_tokens,
+                row.num_new_tokens,
+                row.draft_token_ids,
+            )
+            end = start + num_new - len(drafts)
             input_ids.extend(token_ids[start:end])
             if end > len(token_ids):  # the last row's token is the previous step's, still in flight
                 input_ids.append(PENDING_TOKEN)
+            input_ids.extend(drafts)
             seq_ids.append(seq_id)
             row_new_tokens.append(num_new)
             row_computed_tokens.append(start)
             sample_mask.append(row.is_sampled)
+            num_draft_tokens.append(len(drafts))
         finished, self.pending_finished = self.pending_finished, []
         reset, self.pending_reset = self.pending_reset, False
         return RankBatch(
@@ -131,6 +138,9 @@ class RankPlanner:
             sample_mask=np.asarray(sample_mask, dtype=np.bool_),
             finished_seq_ids=np.asarray(finished, dtype=np.int64),
             reset=reset,
+            num_draft_tokens=np.asarray(
+                num_draft_tokens if any(num_draft_tokens) else (), np.int32
+            ),
         )
 
 

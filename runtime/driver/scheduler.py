@@ -20,6 +20,12 @@ and submits step N+1 before step N's results are back: a sequence sampled in ste
 step N+1 from its pending token (the workers take it from their own step-N sample), and one that
 turns out to have stopped at step N wastes its step-N+1 row, whose result is dropped. A sequence
 whose pending tokens already reach its length limit is not scheduled again.
+
+Speculative decoding (runtime/driver/speculation.py): a decode row of a speculating sequence
+carries draft tokens as extra query rows; postprocess() rolls back the rows of rejected drafts
+(`num_computed_tokens`; their slots are rewritten later) and appends the accepted tokens. Under
+async scheduling nothing is scheduled while a step's tokens are out: how many drafts it accepts
+decides where each sequence's next rows start (every step then holds every running sequence).
 """
 
 from __future__ import annotations
@@ -27,13 +33,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from atomrt.runtime.config import CacheConfig, SchedulerConfig
 from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.driver.detokenizer import Detokenizer
 from atomrt.runtime.driver.sequence import Sequence, SequenceStatus
 from atomrt.runtime.driver.stop_checker import check_stop
+
+if TYPE_CHECKING:
+    from atomrt.runtime.driver.speculation import Speculation
 
 
 class RequestRejectedError(ValueError):
@@ -43,7 +52,8 @@ class RequestRejectedError(ValueError):
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # query rows this step
+    num_new_tokens: int  # query rows this step (draft rows included)
+    draft_token_ids: list[int] = field(default_factory=list)  # the last rows' tokens: drafts
     # Captured when scheduled (postprocess moves the sequence on):
     num_computed_tokens: int = field(init=False)  # position of the first row
     num_tokens: int = field(
@@ -59,7 +69,7 @@ class ScheduledSeq:
     def __post_init__(self) -> None:
         self.num_computed_tokens = self.seq.num_computed_tokens
         self.num_tokens = self.seq.num_tokens + self.seq.num_pending
-        self.is_sampled = self.context_len == self.num_tokens
+        self.is_sampled = self.context_len - len(self.draft_token_ids) == self.num_tokens
 
     @property
     def context_len(self) -> int:
@@ -67,8 +77,16 @@ class ScheduledSeq:
         return self.num_computed_tokens + self.num_new_tokens
 
     @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+    @property
     def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.num_computed_tokens >= self.seq.num_prompt_tokens
+        """One row of the sequence's last token, plus its drafts."""
+        return (
+            self.num_new_tokens == 1 + len(self.draft_token_ids)
+            and self.num_computed_tokens >= self.seq.num_prompt_tokens
+        )
 
 
 @dataclass
@@ -88,9 +106,7 @@ class SchedulerOutput:
 
     @property
     def max_seqlen_q(self) -> int:
-        if not self.is_prefill:  # only single-token decode rows
-            return 1 if self.scheduled else 0
-        return max(s.num_new_tokens for s in self.scheduled)
+        return max((s.num_new_tokens for s in self.scheduled), default=0)
 
     @property
     def is_empty(self) -> bool:
@@ -109,8 +125,10 @@ class Scheduler:
         block_manager: BlockManager,
         tokenizer: Optional[Any] = None,
         max_model_len: Optional[int] = None,
+        speculation: Optional[Speculation] = None,
     ) -> None:
         self.config = scheduler_config
+        self.speculation = speculation  # speculative decoding: draft rows, else None
         self.cache_config = cache_config
         self.block_manager = block_manager
         self.tokenizer = tokenizer  # gives each sequence a Detokenizer (stop strings need text)
@@ -143,9 +161,14 @@ class Scheduler:
                 f"request {seq.request_id!r}: the prompt has {seq.num_prompt_tokens} tokens, "
                 f"max_model_len is {self.max_model_len}; shorten the prompt"
             )
-        max_kv_tokens = seq.num_prompt_tokens + params.max_tokens - 1
+        # with speculative decoding the last step's draft rows reach k positions further, up to
+        # position max_model_len - 1
+        drafts = self.speculation.k if self.speculation is not None else 0
+        max_kv_tokens = seq.num_prompt_tokens + params.max_tokens - 1 + drafts
         if self.max_model_len is not None:
-            max_kv_tokens = min(max_kv_tokens, self.max_model_len - 1)
+            max_kv_tokens = min(
+                max_kv_tokens, self.max_model_len if drafts else self.max_model_len - 1
+            )
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and seq.num_prompt_tokens > budget:
             raise RequestRejectedError(
@@ -185,6 +208,8 @@ class Scheduler:
     def schedule(self, admit: bool = True) -> SchedulerOutput:
         """`admit=False` schedules running sequences only (runtime/driver/dp_align.py)."""
         out = SchedulerOutput()
+        if self.speculation is not None and self._in_flight():
+            return out  # a verify step's accepted count decides where the next rows start
         budget = self.config.max_num_batched_tokens - self._schedule_running(out)
         if not out.preempted and admit:
             budget -= self._schedule_waiting(out, budget)
@@ -209,6 +234,8 @@ class Scheduler:
             ):
                 kept.append(seq)  # no budget left this step: stays running, unscheduled
                 continue
+            drafts = self._drafts(seq, num_new, budget) if self.speculation is not None else []
+            num_new += len(drafts)
             if bm.blocks_needed(seq, num_new):  # a decode mostly fits in its last block: no check
                 while not bm.can_append(seq, num_new) and queue:
                     self._preempt(queue.pop(), out)
@@ -216,11 +243,25 @@ class Scheduler:
                     self._preempt(seq, out)
                     break
                 bm.append_slots(seq, num_new)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.scheduled.append(ScheduledSeq(seq, num_new, drafts))
             budget -= num_new
             kept.append(seq)
         self.running = kept
         return self.config.max_num_batched_tokens - budget
+
+    def _drafts(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """Draft tokens a decode row verifies this step (speculative decoding): as many as the
+        budget and max_model_len leave room for."""
+        if num_new != 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return []  # a prompt chunk
+        room = budget - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens)
+        return self.speculation.drafts(seq, room)
+
+    def _in_flight(self) -> bool:
+        """Whether a submitted step's tokens are still out (async scheduling)."""
+        return any(s.num_pending for s in self.running) or any(s.num_pending for s in self.waiting)
 
     def _pending_at_limit(self, seq: Sequence) -> bool:
         """Whether the tokens in flight already reach the sequence's length limit (async scheduling)."""
@@ -297,11 +338,12 @@ class Scheduler:
     def postprocess(
         self,
         output: SchedulerOutput,
-        sampled: dict[int, int],
+        sampled: dict[int, Union[int, list[int]]],
         logprobs: Optional[dict[int, dict[int, float]]] = None,
     ) -> list[Sequence]:
         """Apply one advanced step's results: `sampled` maps seq_id -> token id for every sampled
-        row; `logprobs` (optional) maps seq_id -> {token id: logprob} (sampled token + top ones).
+        row (or, with speculative decoding, its tokens: the accepted drafts and the target's next
+        token); `logprobs` (optional) maps seq_id -> {token id: logprob} (sampled token + top ones).
         Returns the sequences that finished this step (their blocks are freed). Rows of sequences
         that finished before (aborted, or stopped at the previous step) are skipped."""
         bm = self.block_manager
@@ -310,21 +352,29 @@ class Scheduler:
             seq = row.seq
             if seq.is_finished:
                 continue
-            bm.cache_computed_blocks(seq)
-            if not row.is_sampled:
-                continue
-            if seq.seq_id not in sampled:
+            if row.is_sampled and seq.seq_id not in sampled:
                 raise KeyError(
                     f"postprocess: no sampled token for seq {seq.seq_id} (request {seq.request_id!r})"
                 )
-            token_id = int(sampled[seq.seq_id])
+            token_ids = sampled[seq.seq_id] if row.is_sampled else ()
+            if not isinstance(token_ids, (list, tuple)):
+                token_ids = (token_ids,)
+            if row.num_draft_tokens and seq.num_computed_tokens == row.context_len:
+                # rejected drafts: their KV is void (not if preempted meanwhile: it recomputes)
+                seq.num_computed_tokens -= row.num_draft_tokens - (len(token_ids) - 1)
+            bm.cache_computed_blocks(seq)
+            if not row.is_sampled:
+                continue
             seq.num_pending -= 1
-            seq.append_token(token_id, logprobs.get(seq.seq_id) if logprobs else None)
-            row.token_applied = True
-            reason = check_stop(seq, token_id, self.max_model_len)
-            if reason is not None:
-                seq.finish(reason)
-                finished.append(seq)
+            for i, token_id in enumerate(token_ids):
+                token_id = int(token_id)
+                seq.append_token(token_id, logprobs.get(seq.seq_id) if logprobs and not i else None)
+                row.token_applied = True
+                reason = check_stop(seq, token_id, self.max_model_len)
+                if reason is not None:
+                    seq.finish(reason)
+                    finished.append(seq)
+                    break
         if finished:
             done = {id(s) for s in finished}
             self.running = [s for s in self.running if id(s) not in done]

@@ -4,6 +4,7 @@ engine: `_add_config_args` adds them to a parser, `config_from_args` turns them 
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from atomrt.runtime.config import DEFAULT_MODEL
@@ -48,6 +49,25 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--speculative-config",
+        type=_json_mapping,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' or '
+        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\'',
+    )
+
+
+def _json_mapping(text: str) -> dict[str, Any]:
+    """--speculative-config: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def config_from_args(args: argparse.Namespace):
@@ -69,6 +89,8 @@ def config_from_args(args: argparse.Namespace):
         },
         "scheduler_config": {"max_num_seqs": args.max_num_seqs},
     }
+    if getattr(args, "speculative_config", None) is not None:
+        base["speculative_config"] = args.speculative_config
     for top in ("model", "enforce_eager", "device"):
         if getattr(args, top) is not None:
             base[top] = getattr(args, top)

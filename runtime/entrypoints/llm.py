@@ -22,7 +22,8 @@ Conversation = list[dict[str, str]]
 def config_from_kwargs(model: str, kwargs: dict[str, Any]) -> Config:
     """Config fields by name, and any section field by its bare name (max_num_seqs=8, level=...).
 
-    `tensor_parallel_size`, `block_size`, `dtype` ... go to the section that holds them.
+    `tensor_parallel_size`, `block_size`, `dtype` ... go to the section that holds them;
+    `speculative_config` is given whole, as a mapping (vLLM's form) or a SpeculativeConfig.
     """
     top = {f.name for f in dataclasses.fields(Config)}
     direct: dict[str, Any] = {"model": model}
@@ -34,7 +35,7 @@ def config_from_kwargs(model: str, kwargs: dict[str, Any]) -> Config:
         owners = [
             name
             for name, cls in _SECTIONS.items()
-            if key in {f.name for f in dataclasses.fields(cls)}
+            if name != "speculative_config" and key in {f.name for f in dataclasses.fields(cls)}
         ]
         if not owners:
             raise ConfigError(f"LLM(): unknown argument {key!r}")

@@ -80,9 +80,12 @@ class GraphRunner:
         gc.disable()
         try:
             for bs in tqdm(sizes, desc="Capturing CUDA graphs", disable=runner.rank != 0):
-                self._capture_one(runner, bs, max_q_len=1)  # no drafter: one decode row per request
+                # a decode row per request, and its drafts' rows with speculative decoding
+                self._capture_one(runner, bs, max_q_len=self.config.max_q_len)
                 torch.cuda.synchronize()
                 self.largest_pool_bytes = self.largest_pool_bytes or (graph_pool_bytes() or 0)
+            if runner.spec is not None:  # the draft model's DraftGraphs, in the same pool
+                runner.spec.capture(sizes)
         finally:
             gc.enable()
         elapsed = time.perf_counter() - start
@@ -108,9 +111,11 @@ class GraphRunner:
             running_bs=bs,
             running_tokens=rows,
             is_prefill=False,
+            draft_num=max_q_len - 1,
             req_key=request_bucket(bs, max_q_len),
         )
-        md, ctx = runner.buffers.prepare(dummy_decode_inputs(bs, max_q_len), decision)
+        inputs = dummy_decode_inputs(bs, max_q_len, runner.shape.block_size)
+        md, ctx = runner.buffers.prepare(inputs, decision)
         fv = runner.buffers.forward_vars
         ids, pos = fv["input_ids"][:rows], fv["positions"][:rows]
         scope = dict(

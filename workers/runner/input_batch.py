@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from atomrt.distributed.messages import PENDING_TOKEN, RankBatch, WorkerSamplingParams
+from atomrt.distributed.messages import (
+    DRAFT_TOKEN,
+    PENDING_TOKEN,
+    RankBatch,
+    WorkerSamplingParams,
+)
 
 if TYPE_CHECKING:
     from atomrt.workers.runner.token_pool import TokenPool
@@ -93,9 +98,14 @@ class StepInputs:
     block_tables: np.ndarray  # int32 [bs, max_blocks], -1 past each table's end
     sample_seq_idx: np.ndarray  # int64 [num_sampled]: which sequences sample this step
     sample_rows: np.ndarray  # int64 [num_sampled]: their last query row
-    # int64 [num_tokens] (async scheduling): where each row's token is in the runner's token pool:
-    # the row's own staged id (its index), or the previous step's sample (TokenPool.prev_base + its row)
+    # int64 [num_tokens] (with a token pool): where each row's token is in the runner's token pool:
+    # the row's own staged id (its index), the previous step's sample (TokenPool.prev_base + its
+    # row), or the draft model's proposal for a draft row (TokenPool.draft_base + the row)
     token_src: Optional[np.ndarray] = None
+    # Speculative decoding: int64 [bs], the drafts each sequence verifies (its last rows), and the
+    # rows whose logits the step samples: each sampled sequence's drafts' rows and the row before.
+    num_draft_tokens: Optional[np.ndarray] = None
+    logits_rows: Optional[np.ndarray] = None
 
     @property
     def num_seqs(self) -> int:
@@ -180,6 +190,13 @@ class SeqMirrors:
         sample_seq_idx = np.flatnonzero(batch.sample_mask).astype(np.int64, copy=False)
         input_ids = batch.input_ids.astype(np.int64)
         token_src = self._token_src(batch, input_ids, seq_of_row, tokens)
+        num_drafts = logits_rows = None
+        if batch.num_draft_tokens.size:  # speculative decoding: each sampled row's drafts too
+            num_drafts = batch.num_draft_tokens.astype(np.int64)
+            ends, counts = cu[1:][sample_seq_idx], num_drafts[sample_seq_idx] + 1
+            logits_rows = np.repeat(ends - counts, counts) + (
+                np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            )
         return StepInputs(
             seq_ids=batch.seq_ids.astype(np.int64, copy=False),
             input_ids=input_ids,
@@ -191,6 +208,8 @@ class SeqMirrors:
             sample_seq_idx=sample_seq_idx,
             sample_rows=cu[1:][sample_seq_idx].astype(np.int64) - 1,
             token_src=token_src,
+            num_draft_tokens=num_drafts,
+            logits_rows=logits_rows,
         )
 
     def _token_src(
@@ -200,17 +219,22 @@ class SeqMirrors:
         seq_of_row: np.ndarray,
         tokens: Optional[TokenPool],
     ) -> Optional[np.ndarray]:
-        """Where each row's token is in the token pool (see StepInputs.token_src). A pending row's
-        staged id becomes 0: padding rows of a graph bucket read staged slot 0, which must hold a
-        valid token id."""
+        """Where each row's token is in the token pool (see StepInputs.token_src). A pending or
+        draft row's staged id becomes 0: padding rows of a graph bucket read staged slot 0, which
+        must hold a valid token id."""
         pending = np.flatnonzero(input_ids == PENDING_TOKEN)
+        drafts = np.flatnonzero(input_ids == DRAFT_TOKEN)
         if tokens is None:
-            if pending.size:
+            if pending.size or drafts.size:
                 raise RuntimeError(
-                    "the plan has pending input tokens, but this worker runs without async scheduling"
+                    "the plan has pending or draft input tokens, but this worker has no token pool "
+                    "(async scheduling or a draft model)"
                 )
             return None
         token_src = np.arange(batch.num_tokens, dtype=np.int64)
+        if drafts.size:
+            token_src[drafts] = tokens.draft_base + drafts
+            input_ids[drafts] = 0
         if pending.size:
             seq_ids = batch.seq_ids[seq_of_row[pending]].tolist()
             prev_rows = tokens.prev_rows
@@ -223,18 +247,24 @@ class SeqMirrors:
             input_ids[pending] = 0
         return token_src
 
-    def record_sampled(self, seq_ids: list[int], token_ids: list[int]) -> None:
-        """Append each sequence's sampled token (one freed since its step was launched is skipped)."""
+    def record_sampled(self, seq_ids: list[int], token_ids: list) -> None:
+        """Append each sequence's sampled token, or its tokens (a list: speculative decoding); one
+        freed since its step was launched is skipped."""
         for s, t in zip(seq_ids, token_ids):
             mirror = self.seqs.get(s)
             if mirror is not None:
-                mirror.output_token_ids.append(t)
+                if isinstance(t, list):
+                    mirror.output_token_ids.extend(t)
+                else:
+                    mirror.output_token_ids.append(t)
 
 
-def dummy_decode_inputs(bs: int, max_q_len: int) -> StepInputs:
-    """`bs` sequences of `max_q_len` rows at position 0.. with one cache block (0) and no KV writes:
-    what capture records, and what an idle DP rank runs."""
+def dummy_decode_inputs(bs: int, max_q_len: int, block_size: int = 0) -> StepInputs:
+    """`bs` sequences of `max_q_len` rows at position 0.. reading cache block 0 (in as many table
+    entries as `max_q_len` rows span with `block_size`; default: one) and writing no KV: what
+    capture records, and what an idle DP rank runs."""
     n = bs * max_q_len
+    num_blocks = -(-max_q_len // block_size) if block_size else 1
     cu = np.arange(0, n + 1, max_q_len, dtype=np.int32)
     return StepInputs(
         seq_ids=np.arange(bs, dtype=np.int64),
@@ -243,7 +273,7 @@ def dummy_decode_inputs(bs: int, max_q_len: int) -> StepInputs:
         slot_mapping=np.full(n, -1, dtype=np.int64),
         cu_seqlens_q=cu,
         context_lens=np.full(bs, max_q_len, dtype=np.int32),
-        block_tables=np.zeros((bs, 1), dtype=np.int32),
+        block_tables=np.zeros((bs, num_blocks), dtype=np.int32),
         sample_seq_idx=np.arange(bs, dtype=np.int64),
         sample_rows=cu[1:].astype(np.int64) - 1,
     )

@@ -88,7 +88,8 @@ def determine_num_blocks(runner: ModelRunner) -> KVCacheSizing:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         if runner.graphs.enabled:
-            largest_bucket = max(runner.config.capture_sizes)
+            # the largest recording's rows: with speculative decoding each request verifies k drafts
+            largest_bucket = max(runner.config.capture_sizes) * runner.config.max_q_len
             # A request graph records its bucket's LM head (every row's logits); a token graph does not.
             logits_rows = largest_bucket if runner.graphs.records_request_graphs else 1
             torch.cuda.reset_peak_memory_stats()

@@ -1,6 +1,7 @@
 # Hot path (worker, once per step): prepare inputs -> run_model -> sample. What may live here: the
 # eager / graph-replay dispatch that the step's ForwardDecision names, and sampling. The static
-# buffers are step_buffers.py's, capture and replay graph_runner.py's, KV sizing kv_sizing.py's.
+# buffers are step_buffers.py's, capture and replay graph_runner.py's, KV sizing kv_sizing.py's;
+# speculative decoding hides behind `self.spec` (workers/spec_decode/speculator.py).
 """`ModelRunner`: one rank's model, its KV cache, static buffers and graphs, and its step."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from atomrt.workers.runner.sampler import Sampler, SamplerOutput, SamplingTensor
 from atomrt.workers.runner.step_buffers import RunnerShape, StepBuffers
 from atomrt.workers.runner.token_pool import TokenPool
 from atomrt.workers.runner.ubatch import SplitStep, UbatchRunner
+from atomrt.workers.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +89,15 @@ class ModelRunner:
         self.sampler = Sampler()
         self.enforce_eager = config.enforce_eager or device.type != "cuda"
         self.graphs = GraphRunner(config, enabled=not self.enforce_eager)
-        self.tokens: Optional[TokenPool] = None  # async scheduling's token state
-        if sc.async_scheduling:
-            self.tokens = TokenPool(self.shape.max_num_tokens, self.shape.max_num_seqs, device)
+        spec = config.speculative_config
+        self.spec: Optional[Speculator] = None  # speculative decoding
+        if spec is not None:
+            self.spec = Speculator(config, device, self.dtype, tp, self.shape, self.graphs.enabled)
+        self.tokens: Optional[TokenPool] = None  # async scheduling's and a drafter's token state
+        if sc.async_scheduling or (spec is not None and spec.method == "draft_model"):
+            self.tokens = TokenPool(
+                self.shape.max_num_tokens, self.shape.max_num_seqs, device, spec is not None
+            )
         self.buffers = StepBuffers(
             self.shape,
             self.arch.hidden_size,
@@ -97,8 +105,10 @@ class ModelRunner:
             device,
             self.tokens,
             self.graphs.packed_bucket,
+            config.max_q_len,
         )
-        self.readbacks = Readbacks(device, self.shape.max_num_seqs)
+        width = self.spec.width if self.spec is not None else 1  # tokens read back per request
+        self.readbacks = Readbacks(device, self.shape.max_num_seqs * width)
         self.ubatch: Optional[UbatchRunner] = None  # two-batch overlap
         if config.parallel_config.enable_tbo != "none":
             self.ubatch = UbatchRunner(
@@ -113,12 +123,16 @@ class ModelRunner:
         ]
 
     def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.kv_layer_specs(), self.shape.block_size, self.dtype)
+        """A block's bytes over every layer (a draft model's layers too: it shares the blocks)."""
+        draft = self.spec.kv_bytes_per_block() if self.spec is not None else 0
+        return kv_bytes_per_block(self.kv_layer_specs(), self.shape.block_size, self.dtype) + draft
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = allocate_kv_cache(
             self.kv_layer_specs(), num_blocks, self.shape.block_size, self.dtype, self.device
         )
+        if self.spec is not None:
+            self.spec.allocate_kv_cache(num_blocks)
 
     # ---------------------------------------------------------------- one step
 
@@ -140,6 +154,9 @@ class ModelRunner:
         logits_indices = self.buffers.logits_indices(inputs)
         if split is not None:
             self.ubatch.stage(split)
+        spec = None  # speculative decoding: draft (a draft model) and describe the drafts
+        if self.spec is not None:
+            spec = self.spec.prepare(inputs, sampling, self.tokens, logits_indices)
         self.buffers.staged()
         if decision.kind is not ForwardKind.REQ_GRAPH:  # a request graph gathers them itself
             self.buffers.gather_input_ids(rows)
@@ -150,6 +167,7 @@ class ModelRunner:
             no_compile_layers=self.attn_layers,
             kv_cache_data=self.kv_cache,
             dp_metadata=dp,
+            spec_decode_metadata=spec,
             tr_graph=decision.tr_graph,
         ):
             out = self.run_model(
@@ -158,6 +176,9 @@ class ModelRunner:
         num_sampled = int(inputs.sample_rows.shape[0])
         if num_sampled == 0:  # an idle DP rank's dummy batch
             return SamplerOutput(out.logits.new_empty(0, dtype=torch.int64))
+        if self.spec is not None:  # verify the drafts; no pending rows follow a speculative step
+            argmax = out.tokens[: out.logits.shape[0]] if out.tokens is not None else None
+            return self.spec.sample(out.logits, argmax, sampling, self.sampler, spec)
         if out.tokens is not None and sampling.is_plain_greedy:
             # The request graph's argmax (which also fed the next step's pending rows).
             return SamplerOutput(out.tokens[:num_sampled])

@@ -198,9 +198,11 @@ class StepBuffers:
         device: torch.device,
         tokens: Optional[TokenPool],
         packed_bucket: int,
+        max_q_len: int = 1,
     ) -> None:
-        """`tokens`: async scheduling's token pool (rows gather their ids from it); `packed_bucket`:
-        the largest request-graph bucket that steps are staged packed for (0: none)."""
+        """`tokens`: the token pool (async scheduling, a draft model: rows gather their ids from
+        it); `packed_bucket`: the largest request-graph bucket that steps are staged packed for (0:
+        none), each sequence running `max_q_len` rows."""
         n, s = shape.max_num_tokens, shape.max_num_seqs
         self.tokens = tokens
         self.forward_vars: dict[str, torch.Tensor] = {
@@ -212,7 +214,7 @@ class StepBuffers:
             "block_tables": torch.full(
                 (s, shape.max_blocks_per_seq), -1, dtype=torch.int32, device=device
             ),
-            "logits_indices": torch.zeros(s, dtype=torch.int64, device=device),
+            "logits_indices": torch.zeros(n, dtype=torch.int64, device=device),
             "outputs": torch.zeros(n, hidden_size, dtype=dtype, device=device),
         }
         if tokens is not None:
@@ -234,7 +236,11 @@ class StepBuffers:
         if device.type == "cuda" and packed_bucket:
             prev_base = tokens.prev_base if tokens is not None else None
             self.packed = PackedStep(
-                packed_bucket, packed_bucket, shape.max_blocks_per_seq, device, prev_base
+                packed_bucket,
+                packed_bucket * max_q_len,
+                shape.max_blocks_per_seq,
+                device,
+                prev_base,
             )
         self._staged: Optional[tuple[int, int]] = (
             None  # (seqs, rows) of the step last staged packed
@@ -308,11 +314,13 @@ class StepBuffers:
         )
 
     def logits_indices(self, inputs: StepInputs) -> Union[torch.Tensor, slice]:
-        """The rows whose logits the step samples: a slice when every row samples (decode)."""
-        num_sampled = int(inputs.sample_rows.shape[0])
+        """The rows whose logits the step samples (with drafts: their rows too): a slice when every
+        row samples (decode)."""
+        rows = inputs.sample_rows if inputs.logits_rows is None else inputs.logits_rows
+        num_sampled = int(rows.shape[0])
         if num_sampled == inputs.num_tokens:
             return slice(0, num_sampled)
-        self.fill("logits_indices", inputs.sample_rows, num_sampled, 0)
+        self.fill("logits_indices", rows, num_sampled, 0)
         return self.forward_vars["logits_indices"][:num_sampled]
 
     def staged(self) -> None:

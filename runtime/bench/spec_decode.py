@@ -1,0 +1,265 @@
+"""Speculative-decoding benchmark (`atomrt bench latency --speculative-config JSON`): decode tokens/s
+with speculation against without, and the acceptance it reached, on a repetitive and a random
+workload.
+
+Per (model, mode, batch size, workload) the same greedy requests run without speculation and with
+the given `speculative_config` (on CPU, one workload after the other on both engines): `bs` prompts of `--input-len` tokens (repetitive: a short random
+pattern repeated; random: uniform token ids), `--decode-steps` output tokens each. The prefill (up
+to every request's first token) is not timed; decode tokens/s counts the tokens after it. A draft
+pass that ran eagerly while CUDA graphs were on is an error (a drafter captured but not used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+WORKLOADS = ("repetitive", "random")
+
+
+@dataclass
+class SpecRow:
+    model: str
+    mode: str
+    batch_size: int
+    workload: str
+    speculative: str  # "off", or the method and k
+    decode_tokens: int
+    decode_s: float
+    tokens_per_s: float
+    engine_steps: int  # decode steps (after the prefill)
+    mean_acceptance_length: Optional[float]  # tokens per verify step per request
+    acceptance_per_position: Optional[list[float]]
+    drafted_tokens: int
+    accepted_tokens: int
+    eager_draft_passes: int
+    speedup: Optional[float] = None  # tokens/s over the same workload without speculation
+
+
+@dataclass
+class SpecReport:
+    device: str
+    torch_version: str
+    speculative_config: dict[str, Any]
+    args: dict[str, Any]
+    rows: list[SpecRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def prompts_for(workload: str, bs: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """`bs` prompts of `input_len` tokens: a random pattern of 3-8 tokens repeated, or uniform ids."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(bs):
+        if workload == "repetitive":
+            pattern = [rng.randrange(vocab) for _ in range(rng.randrange(3, 9))]
+            out.append((pattern * (input_len // len(pattern) + 1))[:input_len])
+        else:
+            out.append([rng.randrange(vocab) for _ in range(input_len)])
+    return out
+
+
+def time_workload(
+    llm: Any, workload: str, bs: int, args: argparse.Namespace, label: str
+) -> SpecRow:
+    """Run `bs` greedy requests to `args.decode_steps` tokens; time the steps after the prefill."""
+    from atomrt.runtime.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps)
+    prompts = prompts_for(workload, bs, args.input_len, engine.info.vocab_size, seed=bs)
+    ids = [engine.add_request(p, params, stream=True) for p in prompts]
+    mine, started, done = set(ids), set(), set()
+    num_tokens = 0
+    while len(started) < bs:  # the prefill, up to every request's first token
+        for o in engine.step():
+            if o.request_id in mine:
+                started.add(o.request_id)
+                num_tokens += len(o.outputs[0].token_ids)
+                if o.finished:
+                    done.add(o.request_id)
+    before = _snapshot(engine.stats.spec_decode)
+    steps_before = sum(engine.stats.steps.values())
+    first_tokens = num_tokens
+    t0 = time.perf_counter()
+    while len(done) < bs:
+        if not engine.has_unfinished():
+            raise RuntimeError(f"{label}: the engine stopped with requests unfinished")
+        for o in engine.step():
+            if o.request_id in mine:
+                num_tokens += len(o.outputs[0].token_ids)
+                if o.finished:
+                    done.add(o.request_id)
+    seconds = time.perf_counter() - t0
+    after = _snapshot(engine.stats.spec_decode)
+    drafts, drafted, accepted, eager = (a - b for a, b in zip(after[:4], before[:4]))
+    per_pos = None
+    if drafts:
+        per_pos = [round((a - b) / drafts, 3) for a, b in zip(after[4], before[4])]
+    decode_tokens = num_tokens - first_tokens
+    return SpecRow(
+        model=args.current_model,
+        mode=args.current_mode,
+        batch_size=bs,
+        workload=workload,
+        speculative=label,
+        decode_tokens=decode_tokens,
+        decode_s=round(seconds, 4),
+        tokens_per_s=round(decode_tokens / max(seconds, 1e-9), 1),
+        engine_steps=sum(engine.stats.steps.values()) - steps_before,
+        mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else None,
+        acceptance_per_position=per_pos,
+        drafted_tokens=drafted,
+        accepted_tokens=accepted,
+        eager_draft_passes=eager,
+    )
+
+
+def _warm_up(llm: Any, bs: int, args: argparse.Namespace) -> None:
+    """A short untimed run at the largest batch: first-call costs (weight packing, allocator
+    growth) stay out of the figures."""
+    from atomrt.runtime.sampling_params import SamplingParams
+
+    if args.warmup_steps <= 0:
+        return
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.warmup_steps)
+    prompts = prompts_for("repetitive", bs, args.input_len, llm.engine.info.vocab_size, seed=-1)
+    llm.generate(prompts, params, use_tqdm=False)
+
+
+def _snapshot(spec: Any) -> tuple:
+    """(drafts, drafted tokens, accepted tokens, eager draft passes, accepted per position)."""
+    if spec is None:
+        return (0, 0, 0, 0, [])
+    return (
+        spec.num_drafts,
+        spec.num_draft_tokens,
+        spec.num_accepted_tokens,
+        spec.num_eager_draft_passes,
+        list(spec.accepted_per_position),
+    )
+
+
+def run(args: argparse.Namespace, spec_config: dict[str, Any]) -> int:
+    """The benchmark's main: every model x mode x batch size x workload, without then with
+    speculation. On CPU both engines stay up and each workload runs on one then the other, so a
+    load that drifts (a shared machine) skews the two alike; a GPU holds one engine at a time."""
+    from atomrt.runtime.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(spec_config)  # a ConfigError names a bad knob before any load
+    label = f"{spec.method} k={spec.num_speculative_tokens}"
+    on_cuda = args.device != "cpu" and torch.cuda.is_available()
+    report = SpecReport(
+        device=torch.cuda.get_device_name() if on_cuda else "cpu",
+        torch_version=torch.__version__,
+        speculative_config=spec_config,
+        args={k: v for k, v in vars(args).items() if k != "speculative_config"},
+    )
+    if not on_cuda and any(m != "eager" for m in args.modes):
+        report.notes.append("no CUDA device: graph modes run eagerly (enforce_eager=True)")
+        print("note: " + report.notes[-1], flush=True)
+    print(f"device {report.device}, torch {report.torch_version}, speculative_config {spec_config}")
+    print(HEADER, flush=True)
+    configs = [("off", None), (label, spec_config)]
+    groups = [configs] if not on_cuda else [[c] for c in configs]
+    for model in args.models:
+        for mode in args.modes:
+            args.current_model, args.current_mode = model, mode
+            base: dict[tuple[int, str], float] = {}
+            for group in groups:
+                try:
+                    _run_group(args, report, group, base, on_cuda)
+                except Exception as e:  # recorded; the other models still run
+                    report.errors.append(f"{model} {mode}: {e!r}\n{traceback.format_exc()}")
+                    print(f"ERROR {model} {mode}: {e!r}", file=sys.stderr, flush=True)
+                _write(report, args.json)
+    for e in report.errors:
+        print(f"ERROR {e.splitlines()[0]}", file=sys.stderr)
+    _write(report, args.json)
+    return 1 if report.errors else 0
+
+
+def _run_group(
+    args: argparse.Namespace,
+    report: SpecReport,
+    group: list[tuple[str, Optional[dict[str, Any]]]],
+    base: dict[tuple[int, str], float],
+    on_cuda: bool,
+) -> None:
+    """Start an engine per (label, speculative_config) of `group`, run every batch size and
+    workload on each in turn, shut them down."""
+    from atomrt.runtime.bench.modes import mode_settings
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    model, mode = args.current_model, args.current_mode
+    llms: dict[str, Any] = {}
+    try:
+        for name, speculative in group:
+            settings = dict(
+                load_format=args.load_format,
+                device=args.device,
+                max_num_seqs=args.max_num_seqs or max(args.batch_sizes),
+                cuda_graph_sizes=[args.cuda_graph_sizes or max(args.batch_sizes)],
+                speculative_config=speculative,
+                **mode_settings(mode, args.level, on_cuda),
+            )
+            if args.max_model_len is not None:
+                settings["max_model_len"] = args.max_model_len
+            llms[name] = LLM(model, **settings)
+            _warm_up(llms[name], max(args.batch_sizes), args)
+        for bs in args.batch_sizes:
+            for workload in WORKLOADS:
+                for name, llm in llms.items():
+                    row = time_workload(llm, workload, bs, args, name)
+                    if name == "off":
+                        base[(bs, workload)] = row.tokens_per_s
+                    elif base.get((bs, workload)):
+                        row.speedup = round(row.tokens_per_s / base[(bs, workload)], 3)
+                    report.rows.append(row)
+                    print(_line(row), flush=True)
+                    if not llm.engine.forward_mode.enforce_eager and row.eager_draft_passes:
+                        report.errors.append(
+                            f"{model} {mode} bs={bs} {workload}: {row.eager_draft_passes} draft "
+                            "passes ran eagerly with CUDA graphs on (a drafter captured but not "
+                            "replayed)"
+                        )
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+        llms.clear()
+        gc.collect()
+        if on_cuda:
+            torch.cuda.empty_cache()
+
+
+HEADER = (
+    f"{'model':<24} {'mode':<10} {'bs':>3} {'workload':<10} {'speculative':<16} {'tok/s':>9} "
+    f"{'speedup':>7} {'accept_len':>10} {'steps':>6}  per-position acceptance"
+)
+
+
+def _line(r: SpecRow) -> str:
+    speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
+    accept = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
+    per_pos = " ".join(f"{x:.2f}" for x in r.acceptance_per_position or [])
+    return (
+        f"{r.model[-24:]:<24} {r.mode:<10} {r.batch_size:>3} {r.workload:<10} "
+        f"{r.speculative:<16} {r.tokens_per_s:>9.1f} {speedup:>7} {accept:>10} "
+        f"{r.engine_steps:>6}  {per_pos}"
+    )
+
+
+def _write(report: SpecReport, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(asdict(report), indent=1) + "\n")

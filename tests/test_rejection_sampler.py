@@ -1,0 +1,171 @@
+"""The rejection sampler (workers/spec_decode/rejection_sampler.py) and the n-gram proposer.
+
+- Exact cases: a perfect match accepts every draft and adds the bonus token; an early mismatch and
+  several mismatches stop at the first one, emitting the target's token there; certain and
+  impossible drafts under sampling.
+- Seeded requests draw the same tokens on every repeat, wherever they sit in the batch.
+- Statistics: over many draws with a 5-token vocabulary, the emitted tokens follow the target's
+  distribution (a chi-square test that emitting the drafts unverified fails by a wide margin), for
+  draft-model drafts (drawn from q) and for one-hot (n-gram) drafts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atomrt.runtime.sampling_params import SamplingParams
+from atomrt.workers.runner.sampler import SamplingTensors
+from atomrt.workers.spec_decode.ngram import ngram_propose
+from atomrt.workers.spec_decode.rejection_sampler import rejection_sample
+
+V = 5
+CHI2_4_DOF_P9999 = 23.51  # the 0.9999 quantile of chi-square with 4 degrees of freedom
+
+
+def _tensors(params: list[SamplingParams], outputs=None) -> SamplingTensors:
+    outputs = outputs or [[] for _ in params]
+    return SamplingTensors.from_params(params, [[1]] * len(params), outputs, V)
+
+
+def _one_hot_logits(token_rows: list[int]) -> torch.Tensor:
+    logits = torch.full((len(token_rows), V), -10.0)
+    logits[torch.arange(len(token_rows)), torch.tensor(token_rows)] = 10.0
+    return logits
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_greedy_perfect_match_accepts_all_and_adds_the_bonus():
+    # target argmax per row: 2, 3, 4, 1 (the last row is the bonus row)
+    out = rejection_sample(
+        _one_hot_logits([2, 3, 4, 1]), torch.tensor([2, 3, 4]), [3], _tensors([GREEDY])
+    )
+    assert out.num_accepted.tolist() == [3]
+    assert out.tokens.tolist() == [[2, 3, 4, 1]]
+
+
+def test_greedy_early_and_multiple_mismatches():
+    logits = _one_hot_logits([2, 3, 4, 1] * 3)
+    drafts = torch.tensor([0, 3, 4] + [2, 0, 0] + [2, 3, 0])  # mismatch at 0 / at 1 and 2 / at 2
+    out = rejection_sample(logits, drafts, [3, 3, 3], _tensors([GREEDY] * 3))
+    assert out.num_accepted.tolist() == [0, 1, 2]
+    assert out.tokens.tolist() == [[2, -1, -1, -1], [2, 3, -1, -1], [2, 3, 4, -1]]
+
+
+def test_ragged_requests_and_plain_rows():
+    # request 0 verifies 2 drafts, request 1 none (one plain row), request 2 one draft
+    logits = _one_hot_logits([1, 2, 3] + [4] + [0, 1])
+    out = rejection_sample(logits, torch.tensor([1, 2, 3]), [2, 0, 1], _tensors([GREEDY] * 3))
+    assert out.num_accepted.tolist() == [2, 0, 0]
+    assert out.tokens.tolist() == [[1, 2, 3], [4, -1, -1], [0, -1, -1]]
+
+
+def test_sampled_certain_and_impossible_drafts():
+    hot = SamplingParams(temperature=1.0)
+    # a target certain of its tokens accepts matching drafts whatever q says
+    out = rejection_sample(
+        _one_hot_logits([2, 3, 4]),
+        torch.tensor([2, 3]),
+        [2],
+        _tensors([hot]),
+        draft_probs=torch.full((2, V), 1.0 / V),
+    )
+    assert out.num_accepted.tolist() == [2] and out.tokens.tolist() == [[2, 3, 4]]
+    # a draft the target gives probability ~0 is rejected, and the residual never emits it
+    for seed in range(20):
+        out = rejection_sample(
+            _one_hot_logits([2, 3, 4]),
+            torch.tensor([0, 3]),
+            [2],
+            _tensors([SamplingParams(temperature=1.0, seed=seed)]),
+        )
+        assert out.num_accepted.tolist() == [0] and out.tokens[0, 0].item() == 2
+
+
+def test_seeded_requests_reproduce_wherever_they_sit():
+    torch.manual_seed(0)
+    logits = torch.randn(4, V)
+    drafts = torch.tensor([1, 2, 3])
+    seeded = SamplingParams(temperature=0.8, seed=42)
+    other = SamplingParams(temperature=1.0)
+    first = rejection_sample(logits, drafts, [3], _tensors([seeded], [[7, 7]]))
+    for _ in range(5):
+        again = rejection_sample(logits, drafts, [3], _tensors([seeded], [[7, 7]]))
+        assert torch.equal(again.tokens, first.tokens)
+    # beside an unseeded request, in second place
+    both = rejection_sample(
+        torch.cat([torch.randn(2, V), logits]),
+        torch.cat([torch.tensor([0]), drafts]),
+        [1, 3],
+        _tensors([other, seeded], [[], [7, 7]]),
+    )
+    assert torch.equal(both.tokens[1], first.tokens[0])
+    # another output length draws anew
+    draws = {
+        tuple(
+            rejection_sample(logits, drafts, [3], _tensors([seeded], [[7] * i])).tokens[0].tolist()
+        )
+        for i in range(8)
+    }
+    assert len(draws) > 1
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "ngram"])
+def test_emitted_tokens_follow_the_target_distribution(proposer):
+    n = 40_000
+    g = torch.Generator().manual_seed(1234)
+    p0 = torch.tensor([0.40, 0.25, 0.20, 0.10, 0.05])
+    p1 = torch.tensor([0.05, 0.15, 0.30, 0.20, 0.30])
+    bonus = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2])
+    q0 = torch.tensor([0.10, 0.10, 0.20, 0.30, 0.30])  # a poor drafter: far from p0
+    q1 = torch.tensor([0.30, 0.30, 0.20, 0.10, 0.10])
+    if proposer == "draft_model":
+        d0 = torch.multinomial(q0, n, replacement=True, generator=g)
+        d1 = torch.multinomial(q1, n, replacement=True, generator=g)
+        draft_probs = torch.stack([q0, q1]).repeat(n, 1)  # [2n, V]
+    else:  # n-gram drafts: one fixed guess each, no distribution
+        d0, d1 = torch.full((n,), 3), torch.full((n,), 2)
+        draft_probs = None
+    logits = torch.stack([p0.log(), p1.log(), bonus.log()]).repeat(n, 1)  # [3n, V]
+    drafts = torch.stack([d0, d1], dim=1).flatten()
+    out = rejection_sample(
+        logits,
+        drafts,
+        [2] * n,
+        _tensors([SamplingParams(temperature=1.0)] * n),
+        draft_probs=draft_probs,
+        generator=g,
+    )
+    first = torch.bincount(out.tokens[:, 0], minlength=V).float()
+    assert _chi2(first, p0) < CHI2_4_DOF_P9999, first
+    accepted = out.num_accepted >= 1  # the first token was d0: the second follows p1
+    second = torch.bincount(out.tokens[accepted, 1], minlength=V).float()
+    assert second.sum() > 3000
+    assert _chi2(second, p1) < CHI2_4_DOF_P9999, second
+    # the test has power: emitting the drafts unverified fails it by far, and so does the common
+    # bug of drawing a rejected position's token from p instead of the residual max(0, p - q)
+    assert _chi2(torch.bincount(d0, minlength=V).float(), p0) > 100 * CHI2_4_DOF_P9999
+    from_p = torch.multinomial(p0, n, replacement=True, generator=g)
+    biased = torch.where(accepted, d0, from_p)
+    assert _chi2(torch.bincount(biased, minlength=V).float(), p0) > 10 * CHI2_4_DOF_P9999
+
+
+def test_ngram_proposer():
+    # the suffix [7, 8] recurs: the most recent earlier occurrence's continuation is proposed
+    assert ngram_propose([7, 8, 1, 2, 7, 8, 3, 4, 5, 7, 8], k=3, min_n=1, max_n=4) == [3, 4, 5]
+    # the longest recurring suffix wins over a shorter, more recent one
+    assert ngram_propose([1, 2, 3, 9, 9, 5, 3, 6, 2, 3], k=2, min_n=1, max_n=3) == [9, 9]
+    # fewer than k tokens follow the match; no recurrence gives nothing
+    assert ngram_propose([4, 5, 6, 4, 5], k=4, min_n=2, max_n=2) == [6, 4, 5]
+    assert ngram_propose([1, 2, 3, 4], k=3, min_n=1, max_n=4) == []
+    assert ngram_propose([5], k=3, min_n=1, max_n=4) == []
+    # min_n bounds the match: a single repeated token is not enough for min_n=2
+    assert ngram_propose([1, 2, 3, 1], k=2, min_n=2, max_n=4) == []
+    assert ngram_propose([1, 2, 3, 1], k=2, min_n=1, max_n=4) == [2, 3]

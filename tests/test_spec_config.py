@@ -1,0 +1,146 @@
+"""`speculative_config` as vLLM users write it: a mapping to LLM(...), a YAML section, and
+`--speculative-config JSON` on the command line; bad values raise errors naming the knob; the capture
+ladder keeps only the batch sizes a verify step can reach."""
+
+import argparse
+
+import pytest
+
+from atomrt.runtime.config import (
+    CompilationConfig,
+    Config,
+    ConfigError,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from atomrt.runtime.config_io import build_config, dump_yaml
+from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+from atomrt.runtime.entrypoints.llm import config_from_kwargs
+
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1,
+}
+
+
+def test_vllm_forms():
+    ngram = Config(speculative_config=NGRAM).speculative_config
+    assert isinstance(ngram, SpeculativeConfig) and ngram.method == "ngram"
+    assert (ngram.num_speculative_tokens, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (
+        3,
+        1,
+        4,
+    )
+    assert ngram.max_q_len == 4
+    draft = SpeculativeConfig.parse({"model": "/m", "num_speculative_tokens": 2})
+    assert draft.method == "draft_model" and draft.model == "/m"  # method inferred, as in vLLM
+    # one bound of the n-gram window gives the other; neither gives vLLM's 5..5
+    assert SpeculativeConfig(2, "ngram", prompt_lookup_max=3).prompt_lookup_min == 3
+    assert SpeculativeConfig(2, "ngram", prompt_lookup_min=2).prompt_lookup_max == 2
+    assert SpeculativeConfig(2, "ngram").prompt_lookup_min == 5
+    assert Config().speculative_config is None and Config().max_q_len == 1
+
+
+@pytest.mark.parametrize(
+    "bad, knob",
+    [
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": -1}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
+        ({"num_speculative_tokens": 2}, "speculative_config.method"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+        (
+            {"method": "ngram", "model": "/m", "num_speculative_tokens": 2},
+            "speculative_config.model",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+            "prompt_lookup_min",
+        ),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_min",
+        ),
+        (
+            {"model": "/m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+            "draft_tensor_parallel_size",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1},
+            "speculative_config.lookahead",
+        ),
+        ("ngram", "speculative_config"),
+    ],
+)
+def test_bad_values_name_the_knob(bad, knob):
+    with pytest.raises(ConfigError, match=knob):
+        Config(speculative_config=bad)
+
+
+def test_two_batch_overlap_does_not_split_verify_steps():
+    with pytest.raises(ConfigError, match="enable_tbo"):
+        Config(speculative_config=NGRAM, parallel_config=ParallelConfig(enable_tbo="all"))
+
+
+def test_verify_rows_must_fit_the_token_budget():
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        Config(
+            speculative_config={"method": "ngram", "num_speculative_tokens": 8},
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=8),
+        )
+
+
+def test_capture_sizes_filtered_to_what_a_verify_step_reaches():
+    # min(max_num_seqs, max_num_batched_tokens // (k + 1)) = min(64, 100 // 4) = 25
+    cfg = Config(
+        speculative_config=NGRAM,
+        scheduler_config=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=100),
+    )
+    assert cfg.capture_sizes == [1, 2, 3, 4, 5, 6, 7, 8, 16]
+    plain = Config(scheduler_config=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=100))
+    assert plain.capture_sizes[-1] == 64
+    with pytest.raises(ConfigError, match="cudagraph_capture_sizes"):
+        Config(
+            speculative_config=NGRAM,
+            scheduler_config=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=100),
+            compilation_config=CompilationConfig(cudagraph_capture_sizes=[8, 32]),
+        )
+
+
+def test_yaml_cli_and_llm_kwargs(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        "speculative_config: {method: draft_model, model: /drafts/tiny, num_speculative_tokens: 2}\n"
+    )
+    from_yaml = build_config(str(path)).speculative_config
+    assert (from_yaml.method, from_yaml.model, from_yaml.num_speculative_tokens) == (
+        "draft_model",
+        "/drafts/tiny",
+        2,
+    )
+    cfg = Config(speculative_config=NGRAM)
+    assert Config.from_dict(cfg.to_dict()).speculative_config == cfg.speculative_config
+    assert "speculative_config" in dump_yaml(cfg)
+    assert Config.from_dict(Config().to_dict()).speculative_config is None
+
+    parser = argparse.ArgumentParser()
+    _add_config_args(parser)
+    args = parser.parse_args(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+    )
+    assert config_from_args(args).speculative_config == SpeculativeConfig(2, "ngram")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "{not json"])
+
+    assert config_from_kwargs("m", {"speculative_config": NGRAM}).speculative_config.max_q_len == 4
+    with pytest.raises(ConfigError, match="unknown argument 'num_speculative_tokens'"):
+        config_from_kwargs("m", {"num_speculative_tokens": 2})

@@ -1,0 +1,296 @@
+"""Speculative decoding through the engine, on CPU with tiny random Llamas (same vocabulary).
+
+- Greedy output with speculation is token-for-token the output without it, for n-gram drafts, a
+  draft model that is a different (weaker) model, and one that is the target itself (every draft
+  accepted), synchronously and with async scheduling, in a mixed batch (prompt lengths, EOS stops
+  and length limits, a penalised and a logprobs request that decode without drafts beside
+  speculating ones, n > 1 samples) and under a KV pool small enough to preempt.
+- Seeded sampled requests reproduce: on a repeat, beside other requests, under async scheduling.
+- Sampled requests drafting with the target itself accept every draft (q is each draft's own).
+- On repetitive text the n-gram proposer takes fewer engine steps than tokens produced, and the
+  acceptance figures reach EngineStats.
+- Through the mp executor: TP=2 (the drafter on rank 0, its drafts broadcast) and DP=2.
+- The draft model's DraftGraphs: capture records every capture size, largest first, broken at the
+  attention eager regions; a pass replays its padded bucket; a pass the ladder holds that finds no
+  recording (or a drafter never captured while graphs are on) runs eagerly and is counted; a pass
+  beyond the ladder runs eagerly as the target's steps do, uncounted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from executor_harness import COMMON, PROMPTS, build_tiny_llama
+from test_region_graph_cpu import FakeBackend
+
+from atomrt.graphs.draft_graph import DraftGraph
+from atomrt.graphs.region_graph import TokenGraph
+from atomrt.runtime.config import Config
+from atomrt.runtime.entrypoints.llm import LLM
+from atomrt.runtime.sampling_params import SamplingParams
+from atomrt.workers.runner.step_buffers import RunnerShape
+from atomrt.workers.spec_decode.draft_model import DraftModel
+
+REPETITIVE = [5, 6, 7, 8] * 5 + [5, 6]
+MIXED_PROMPTS = PROMPTS + [REPETITIVE, [9, 9, 9]]
+
+
+def _mixed_params() -> list[SamplingParams]:
+    greedy = dict(temperature=0.0)
+    return [
+        SamplingParams(**greedy, max_tokens=20, ignore_eos=True),
+        SamplingParams(**greedy, max_tokens=7, ignore_eos=True),
+        SamplingParams(**greedy, max_tokens=24),  # may stop at EOS
+        SamplingParams(**greedy, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(**greedy, max_tokens=24, ignore_eos=True, n=2),
+        SamplingParams(**greedy, max_tokens=10, ignore_eos=True, logprobs=2),
+    ]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("spec_decode")
+    target = build_tiny_llama(root / "target")
+    draft = build_tiny_llama(root / "draft", num_layers=1, hidden_size=32, seed=1)
+    return target, draft
+
+
+def _spec(kind: str, models: tuple[Path, Path], k: int = 3) -> dict:
+    if kind == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        }
+    model = models[1] if kind == "draft" else models[0]
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+
+
+def _generate(model: Path, prompts, params, **kwargs):
+    llm = LLM(str(model), **{**COMMON, **kwargs})
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return outs, llm.engine
+    finally:
+        llm.shutdown()
+
+
+def _tokens(outs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    outs, _ = _generate(models[0], MIXED_PROMPTS, _mixed_params())
+    return outs
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "kind, async_scheduling",
+    [
+        ("ngram", False),
+        ("ngram", True),
+        ("draft", False),
+        pytest.param("draft", True, marks=SLOW),
+        pytest.param("self_draft", False, marks=SLOW),
+        ("self_draft", True),
+    ],
+)
+def test_greedy_with_speculation_is_greedy_without(models, reference, kind, async_scheduling):
+    outs, engine = _generate(
+        models[0],
+        MIXED_PROMPTS,
+        _mixed_params(),
+        speculative_config=_spec(kind, models),
+        async_scheduling=async_scheduling,
+    )
+    assert _tokens(outs) == _tokens(reference)
+    assert [[c.finish_reason for c in o.outputs] for o in outs] == [
+        [c.finish_reason for c in o.outputs] for o in reference
+    ]
+    for got, want in zip(outs[-1].outputs[0].logprobs, reference[-1].outputs[0].logprobs):
+        assert got.keys() == want.keys()
+        assert all(abs(got[t] - want[t]) < 1e-4 for t in got)
+    stats = engine.stats.spec_decode
+    assert stats.num_drafts > 0 and stats.num_eager_draft_passes == 0
+    if kind == "self_draft":  # the target drafting for itself: every draft is accepted
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert stats.mean_acceptance_length == 4.0
+
+
+@pytest.mark.parametrize("kind", [pytest.param("ngram", marks=SLOW), "self_draft"])
+def test_greedy_identity_under_preemption(models, reference, kind):
+    prompts, params = MIXED_PROMPTS[:5], _mixed_params()[:5]
+    outs, engine = _generate(
+        models[0],
+        prompts,
+        params,
+        speculative_config=_spec(kind, models),
+        async_scheduling=True,
+        num_kv_blocks=12,
+        block_size=4,
+        enable_prefix_caching=False,
+    )
+    assert engine.schedulers[0].num_preemptions > 0
+    assert _tokens(outs) == _tokens(reference[:5])
+
+
+@pytest.mark.parametrize("kind", [pytest.param("ngram", marks=SLOW), "draft"])
+def test_seeded_sampling_reproduces(models, kind):
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    spec = _spec(kind, models)
+    llm = LLM(str(models[0]), **COMMON, speculative_config=spec)
+    try:
+        alone = llm.generate([REPETITIVE], seeded, use_tqdm=False)[0].outputs[0].token_ids
+        again = llm.generate([REPETITIVE], seeded, use_tqdm=False)[0].outputs[0].token_ids
+        crowd = llm.generate(
+            [PROMPTS[0], REPETITIVE, PROMPTS[1]], [other, seeded, other], use_tqdm=False
+        )
+        assert llm.engine.stats.spec_decode.num_drafts > 0
+    finally:
+        llm.shutdown()
+    assert alone == again == crowd[1].outputs[0].token_ids
+    outs, _ = _generate(
+        models[0], [REPETITIVE], seeded, speculative_config=spec, async_scheduling=True
+    )
+    assert outs[0].outputs[0].token_ids == alone
+
+
+def test_sampled_drafts_of_the_target_itself_are_all_accepted(models):
+    """With the target as its own draft model, q equals p (up to rounding): rejection sampling
+    accepts every draft only if each draft's q is its own row's, in the rejection sampler's order."""
+    params = SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True)
+    outs, engine = _generate(
+        models[0], PROMPTS[:3], params, speculative_config=_spec("self_draft", models)
+    )
+    stats = engine.stats.spec_decode
+    assert stats.num_draft_tokens > 20
+    assert stats.num_accepted_tokens >= 0.99 * stats.num_draft_tokens
+
+
+def test_ngram_takes_fewer_steps_than_tokens_on_repetitive_text(models):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs, engine = _generate(
+        models[0], [REPETITIVE], params, speculative_config=_spec("ngram", models, k=4)
+    )
+    num_steps = sum(engine.stats.steps.values())
+    assert len(outs[0].outputs[0].token_ids) == 40
+    assert num_steps < 40, num_steps
+    stats = engine.stats.spec_decode
+    assert stats.mean_acceptance_length > 1.5
+    assert len(stats.acceptance_rate_per_position) == 4
+    assert stats.acceptance_rate_per_position[0] >= stats.acceptance_rate_per_position[-1]
+
+
+@pytest.mark.parametrize(
+    "layout, kind",
+    [
+        (dict(tensor_parallel_size=2), "self_draft"),
+        pytest.param(dict(data_parallel_size=2), "ngram", marks=SLOW),
+    ],
+    ids=["mp-tp2-draft", "mp-dp2-ngram"],
+)
+def test_mp_executor_layouts(models, reference, layout, kind):
+    outs, engine = _generate(
+        models[0],
+        MIXED_PROMPTS[3:],
+        _mixed_params()[3:],
+        executor="mp",
+        async_scheduling=True,
+        speculative_config=_spec(kind, models),
+        **layout,
+    )
+    assert _tokens(outs) == _tokens(reference[3:])
+    assert engine.stats.spec_decode.num_accepted_tokens > 0
+
+
+# ------------------------------------------------------------------ the draft model's DraftGraphs
+# Bookkept on CPU with the logging fake segment backend of tests/test_region_graph_cpu.py (real
+# recordings: tests/gpu/test_spec_decode_gpu.py).
+
+
+@pytest.fixture(scope="module")
+def drafter(models) -> DraftModel:
+    config = Config(
+        model=str(models[0]),
+        device="cpu",
+        speculative_config={"model": str(models[1]), "num_speculative_tokens": 2},
+    )
+    shape = RunnerShape(max_model_len=256, block_size=16, max_num_seqs=8, max_num_tokens=64)
+    dm = DraftModel(config, torch.device("cpu"), torch.float32, shape, graphs_enabled=True)
+    dm.allocate_kv_cache(16)
+    return dm
+
+
+def _rows(dm: DraftModel, n: int):
+    z = np.zeros(n, np.int64)
+    return dm._padded(z, z, z - 1, np.arange(n + 1, dtype=np.int32), np.ones(n, np.int32), z)
+
+
+def test_capture_records_each_size_largest_first_and_replay_dispatch(drafter):
+    log: list = []
+    drafter.graph = DraftGraph(backend=FakeBackend(log))
+    assert isinstance(drafter.graph, TokenGraph)
+    drafter.capture([1, 2, 4])
+    assert drafter.capture_sizes == [1, 2, 4]
+    assert log.count("session") == 3
+    num_layers = len(drafter.attn_layers)
+    for bs in (1, 2, 4):  # one segment per layer's attention break, plus one
+        assert drafter.graph.num_segments(bs, "decode") == num_layers + 1
+    p = _rows(drafter, 3)
+    assert p.rows == 4 and p.slot_mapping[3] == -1  # padded to the bucket, the padding writes no KV
+    assert drafter._replays(p) and drafter.num_eager_passes == 0
+    beyond = _rows(drafter, 5)
+    assert beyond.rows == 5 and not drafter._replays(beyond) and drafter.num_eager_passes == 0
+    del drafter.graph._recordings[(4, None)]  # a bucket lost: its pass runs eagerly, counted
+    assert not drafter._replays(p) and drafter.num_eager_passes == 1
+
+
+def test_a_drafter_never_captured_counts_every_pass(drafter):
+    drafter.graph, drafter.capture_sizes, drafter.num_eager_passes = (
+        DraftGraph(FakeBackend([])),
+        [],
+        0,
+    )
+    assert not drafter._replays(_rows(drafter, 1))
+    assert not drafter._replays(_rows(drafter, 64))
+    assert drafter.num_eager_passes == 2
+
+
+def test_a_draft_model_must_share_the_vocabulary_and_cover_the_context(models, tmp_path):
+    import json
+
+    from atomrt.runtime.config import ConfigError
+    from atomrt.runtime.driver.speculation import check_draft_model
+    from atomrt.workers.loading.loader import read_arch
+
+    target = Config(model=str(models[0]), device="cpu")
+    arch = read_arch(target)
+
+    def draft_folder(**changes) -> str:
+        folder = tmp_path / "_".join(changes)
+        folder.mkdir()
+        hf = json.loads((models[1] / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**hf, **changes}))
+        (folder / "model.safetensors").write_bytes(b"")  # read_arch reads only the config
+        return str(folder)
+
+    def check(model: str, **kw) -> None:
+        spec = {"model": model, "num_speculative_tokens": 2}
+        check_draft_model(Config(model=str(models[0]), speculative_config=spec, **kw), arch)
+
+    check(str(models[1]))
+    with pytest.raises(ConfigError, match="speculative_config.model: the draft model's vocabulary"):
+        check(draft_folder(vocab_size=64))
+    with pytest.raises(ConfigError, match="model_config.max_model_len"):
+        check(draft_folder(max_position_embeddings=128))
+    with pytest.raises(ConfigError, match="speculative_config.model"):
+        check(str(tmp_path / "missing"))

@@ -1,0 +1,174 @@
+# Hot path (worker, once per step with speculative decoding): the two calls the model runner makes,
+# `prepare` before the target's forward and `sample` after it. What may live here: routing a step's
+# rows to the draft model, the sampler and the rejection sampler, and packing what they emit.
+"""`Speculator`: one rank's side of speculative decoding (`speculative_config`).
+
+- `prepare`: with a draft model, the drafter runs (every step: its KV cache follows the target's
+  tokens) and fills the step's draft rows in the runner's token pool, on each DP rank's TP rank 0,
+  which holds the drafter; the other TP ranks receive the drafts by broadcast, since every rank
+  feeds the target the same rows. N-gram drafts come in the plan. Returns the step's
+  `SpecDecodeMetadata` (None when no row verifies drafts), which the target's forward context holds.
+- `sample`: requests without drafts sample their row with the sampler (penalties, logprobs and
+  all); requests with drafts are verified by the rejection sampler against the target's logits of
+  their rows. The step's tokens leave packed, `width = k + 2` int64 per sampled request:
+  `[drafts accepted m, token 0, ..., token m, -1 ...]`; `unpack` turns them into token lists.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from atomrt.distributed.communication_op import TPInfo, tp_broadcast
+from atomrt.runtime.config import Config
+from atomrt.runtime.forward_context import SpecDecodeMetadata
+from atomrt.workers.runner.input_batch import StepInputs
+from atomrt.workers.runner.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingTensors
+from atomrt.workers.runner.step_buffers import RunnerShape
+from atomrt.workers.runner.token_pool import TokenPool
+from atomrt.workers.spec_decode.draft_model import DraftModel
+from atomrt.workers.spec_decode.rejection_sampler import rejection_sample, select_rows
+
+
+class Speculator:
+    def __init__(
+        self,
+        config: Config,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TPInfo,
+        shape: RunnerShape,
+        graphs_enabled: bool,
+    ) -> None:
+        """`shape`: the runner's RunnerShape (buffer sizes); a drafter is built on TP rank 0."""
+        spec = config.speculative_config
+        assert spec is not None
+        self.k = spec.num_speculative_tokens
+        self.width = self.k + 2
+        self.device = device
+        self.tp = tp
+        self.uses_draft_model = spec.method == "draft_model"
+        self.drafter = None
+        if self.uses_draft_model and tp.tp_rank == 0:
+            self.drafter = DraftModel(config, device, dtype, shape, graphs_enabled)
+
+    # ---------------------------------------------------------------- set-up
+
+    def kv_bytes_per_block(self) -> int:
+        return self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
+
+    def capture(self, sizes: list[int]) -> None:
+        if self.drafter is not None:
+            self.drafter.capture(sizes)
+
+    def take_eager_passes(self) -> int:
+        """Draft passes that ran eagerly with graphs on since the last call."""
+        if self.drafter is None:
+            return 0
+        n, self.drafter.num_eager_passes = self.drafter.num_eager_passes, 0
+        return n
+
+    # ---------------------------------------------------------------- one step
+
+    def prepare(
+        self,
+        inputs: StepInputs,
+        sampling: SamplingTensors,
+        tokens: TokenPool | None,
+        logits_indices: object,
+    ) -> SpecDecodeMetadata | None:
+        """Draft (a draft model fills the draft rows, which read `tokens.draft_tokens` at their
+        row) and describe the step's drafts; None when no row verifies any."""
+        draft_probs = None
+        if self.uses_draft_model:
+            if self.drafter is not None:  # every step: the drafter's KV follows the target's
+                draft_probs = self.drafter.propose(inputs, sampling, tokens.draft_tokens)
+            if inputs.num_draft_tokens is not None:
+                tp_broadcast(tokens.draft_tokens[: inputs.num_tokens], self.tp)
+        if inputs.num_draft_tokens is None:
+            return None
+        k_s = inputs.num_draft_tokens[inputs.sample_seq_idx]
+        ends = inputs.cu_seqlens_q[1:][inputs.sample_seq_idx].astype(np.int64)
+        draft_rows = np.repeat(ends - k_s, k_s) + (
+            np.arange(int(k_s.sum())) - np.repeat(np.cumsum(k_s) - k_s, k_s)
+        )
+        if self.uses_draft_model:
+            draft_token_ids = tokens.draft_tokens[self._index(draft_rows)]
+        else:
+            draft_token_ids = self._index(inputs.input_ids[draft_rows])
+        return SpecDecodeMetadata(
+            draft_token_ids=draft_token_ids,
+            num_draft_tokens=k_s.tolist(),
+            logits_indices=logits_indices,
+            draft_probs=draft_probs,
+        )
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        argmax: torch.Tensor | None,
+        sampling: SamplingTensors,
+        sampler: Sampler,
+        spec: SpecDecodeMetadata | None,
+    ) -> SamplerOutput:
+        """The step's tokens, packed (see the module docstring). `logits`: the sampled rows (each
+        sampled request's drafts' rows and the row before: `spec.logits_indices`), `argmax` their
+        argmax when a request graph recorded it; `spec`: `prepare`'s metadata."""
+        n = len(sampling.seeds)
+        packed = torch.full((n, self.width), -1, dtype=torch.int64, device=logits.device)
+        packed[:, 0] = 0
+        k_s = np.asarray(spec.num_draft_tokens if spec else [0] * n, dtype=np.int64)
+        counts = k_s + 1
+        starts = np.cumsum(counts) - counts  # each request's first logits row
+        plain, verify = np.flatnonzero(k_s == 0), np.flatnonzero(k_s > 0)
+        logprobs = None
+        if plain.size:
+            sub = sampling if plain.size == n else select_rows(sampling, plain)
+            rows = logits if plain.size == logits.shape[0] else logits[self._index(starts[plain])]
+            out = sampler(rows, sub)
+            packed[self._index(plain), 1] = out.sampled_token_ids
+            if out.logprobs is not None:
+                logprobs = _spread(out.logprobs, plain, n, self.device)
+        if verify.size:
+            rows = np.concatenate(
+                [np.arange(s, s + c) for s, c in zip(starts[verify], counts[verify])]
+            )
+            idx = self._index(rows)
+            res = rejection_sample(
+                logits[idx],
+                spec.draft_token_ids,
+                k_s[verify].tolist(),
+                select_rows(sampling, verify) if verify.size < n else sampling,
+                draft_probs=spec.draft_probs,
+                target_argmax=argmax[idx] if argmax is not None else None,
+            )
+            v = self._index(verify)
+            packed[v, 0] = res.num_accepted
+            packed[v, 1 : res.tokens.shape[1] + 1] = res.tokens
+        return SamplerOutput(packed.flatten(), logprobs)
+
+    def unpack(self, flat: list[int]) -> list[list[int]]:
+        """Per sampled request, the tokens it emitted (from `sample`'s packing)."""
+        w = self.width
+        return [flat[i + 1 : i + 2 + flat[i]] for i in range(0, len(flat), w)]
+
+    def _index(self, a: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(a, dtype=torch.int64, device=self.device)
+
+
+def _spread(lp: LogprobsTensors, rows: np.ndarray, n: int, device: torch.device) -> LogprobsTensors:
+    """Logprobs of some requests, placed at their rows of the step's `n` (zeros elsewhere)."""
+    at = torch.as_tensor(rows, dtype=torch.int64, device=device)
+
+    def place(x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        out[at] = x
+        return out
+
+    return LogprobsTensors(
+        place(lp.sampled_logprobs), place(lp.top_token_ids), place(lp.top_logprobs)
+    )
