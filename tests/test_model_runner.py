@@ -362,3 +362,11 @@ def test_plain_greedy_request_graph_step_takes_the_replayed_argmax(runner: Model
         assert runner.execute(inputs, eager, greedy).sampled_token_ids.tolist() != [40, 41, 42]
     finally:
         runner.graphs = saved
+
+
+def test_runner_state_has_owners(runner) -> None:
+    """The runner holds at most 16 attributes: step state lives in its owners (buffers, graphs,
+    token pool, readbacks, speculator, microbatch runner), not on the runner."""
+    names = sorted(vars(runner))
+    assert len(names) <= 16, " ".join(names)
+    assert runner.rank == 0

@@ -82,8 +82,7 @@ class Worker:
         tp = TPInfo(tp_rank, pc.tensor_parallel_size, tp_group)
         dp = DPInfo(dp_rank, pc.data_parallel_size, dp_group, timeout_s=pc.worker_timeout_s)
         device = resolve_device(config, local_device)
-        rank = dp_rank * pc.tensor_parallel_size + tp_rank
-        self.runner = ModelRunner(config, device, tp, rank=rank, dp=dp)
+        self.runner = ModelRunner(config, device, tp, dp)
         self.mirrors = SeqMirrors(config.cache_config.block_size)
         self.next_step = 0
         self._unfinished: Optional[PendingStep] = (

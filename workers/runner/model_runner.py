@@ -65,17 +65,15 @@ class ModelRunner:
         config: Config,
         device: torch.device,
         tp: TPInfo = TPInfo(),
-        rank: int = 0,
         dp: DPInfo = DPInfo(),
     ) -> None:
         self.config = config
         self.device = device
-        self.rank = rank
         self.tp, self.dp = tp, dp
-        self.dtype = resolve_dtype(config, device)
+        dtype = resolve_dtype(config, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        loaded = load_model(config, device, self.dtype, tp, dp)
+        loaded = load_model(config, device, dtype, tp, dp)
         self.model, self.arch = compile_model(loaded.model, config), loaded.arch
         sc = config.scheduler_config
         self.shape = RunnerShape(
@@ -87,12 +85,12 @@ class ModelRunner:
         self.attn_layers = collect_attention_layers(self.model)
         self.kv_cache: dict[str, KVCacheTensor] = {}
         self.sampler = Sampler()
-        self.enforce_eager = config.enforce_eager or device.type != "cuda"
-        self.graphs = GraphRunner(config, enabled=not self.enforce_eager)
+        enforce_eager = config.enforce_eager or device.type != "cuda"
+        self.graphs = GraphRunner(config, enabled=not enforce_eager)
         spec = config.speculative_config
         self.spec: Optional[Speculator] = None  # speculative decoding
         if spec is not None:
-            self.spec = Speculator(config, device, self.dtype, tp, self.shape, self.graphs.enabled)
+            self.spec = Speculator(config, device, dtype, tp, self.shape, self.graphs.enabled)
         self.tokens: Optional[TokenPool] = None  # async scheduling's and a drafter's token state
         if sc.async_scheduling or (spec is not None and spec.method == "draft_model"):
             self.tokens = TokenPool(
@@ -101,7 +99,7 @@ class ModelRunner:
         self.buffers = StepBuffers(
             self.shape,
             self.arch.hidden_size,
-            self.dtype,
+            dtype,
             device,
             self.tokens,
             self.graphs.packed_bucket,
@@ -114,6 +112,16 @@ class ModelRunner:
             self.ubatch = UbatchRunner(
                 self.shape.max_num_seqs, self.shape.max_blocks_per_seq, device
             )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' (and KV cache's) dtype."""
+        return self.buffers.forward_vars["outputs"].dtype
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the world: DP-major, TP-minor."""
+        return self.dp.dp_rank * self.tp.tp_size + self.tp.tp_rank
 
     # ---------------------------------------------------------------- KV cache
 
