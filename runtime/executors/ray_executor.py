@@ -8,7 +8,9 @@
 - Control calls (node info, rendezvous + load, KV sizing, capture) are `ray.get`s bounded by
   `parallel_config.worker_timeout_s`; an error names the rank and the phase.
 - Steps never touch Ray: the plan goes out on ZeroMQ (ipc:// when every rank is on the driver's
-  node, tcp:// otherwise) and results come back on the PULL (runtime/executors/channel.py). Only when
+  node, tcp:// otherwise, authenticated with CURVE keys made for this engine and handed to the
+  actors through Ray: distributed/transport.py) and results come back on the PULL
+  (runtime/executors/channel.py). Only when
   no result arrived for 0.5 s does the driver look at Ray, without blocking: has a rank's plan
   loop call ended (actor died, loop raised), or has its pending `ping` gone unanswered for
   `heartbeat_timeout_s`?
