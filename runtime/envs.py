@@ -20,6 +20,10 @@ class Env:
     # ATOMRT_ALLOW_LONG_MAX_MODEL_LEN: accept model_config.max_model_len above the model's context
     # (with a warning; positions past it were never trained). Default 0: an error.
     allow_long_max_model_len: bool
+    # ATOMRT_COMPILE_CACHE_READ_ONLY: load compiled pieces from the cache, never write to it (serving
+    # pods on a cache a prewarm job filled). A cache directory that is not writable is read-only
+    # anyway. Default 0.
+    compile_cache_read_only: bool
 
 
 def read_env() -> Env:
@@ -32,6 +36,7 @@ def read_env() -> Env:
         host_ip=os.environ.get("ATOMRT_HOST_IP", ""),
         pdl=os.environ.get("ATOMRT_PDL", "0") == "1",
         allow_long_max_model_len=os.environ.get("ATOMRT_ALLOW_LONG_MAX_MODEL_LEN", "0") == "1",
+        compile_cache_read_only=os.environ.get("ATOMRT_COMPILE_CACHE_READ_ONLY", "0") == "1",
     )
 
 
