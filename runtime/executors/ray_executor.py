@@ -25,7 +25,7 @@ from typing import Any
 from atomrt.runtime.config import Config
 from atomrt.runtime.envs import ENV
 from atomrt.runtime.executors.base import WorkerError
-from atomrt.runtime.executors.channel import PHASES, ChannelExecutor, StepChannel
+from atomrt.runtime.executors.channel import PHASES, ChannelExecutor, StepChannel, gather_infos
 from atomrt.workers.process import DESTROY_TIMEOUT_S, NodeInfo, RankSpec, WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class RayExecutor(ChannelExecutor):
             "ipc" if local else "tcp",
             num_blocks,
         )
-        return infos[0]
+        return gather_infos(infos)
 
     def _connect(self) -> None:
         import ray
