@@ -1,6 +1,7 @@
-"""The `atomrt` command: `generate` and `bench`.
+"""The `atomrt` command: `generate`, `prewarm` and `bench`.
 
 atomrt generate [--model PATH] --prompt TEXT [--prompt TEXT ...] [--chat] [--config FILE] [--set KEY=VALUE ...]
+atomrt prewarm [--model PATH] [--config FILE] [--set KEY=VALUE ...]   (runtime/entrypoints/prewarm.py)
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prewarm(args: argparse.Namespace) -> int:
+    from atomrt.runtime.entrypoints.prewarm import cmd_prewarm as prewarm
+
+    return prewarm(config_from_args(args))
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.what == "startup":
         from atomrt.runtime.bench.startup import main as bench_main
@@ -70,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    prewarm = sub.add_parser(
+        "prewarm",
+        help="compile every piece of a config into the compile cache, record what it holds, exit",
+    )
+    _add_config_args(prewarm)
     bench = sub.add_parser(
         "bench",
         help="benchmarks: startup | latency | throughput | transport (their own flags follow)",
@@ -90,6 +102,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return cmd_bench(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "prewarm":
+            return cmd_prewarm(args)
         return cmd_generate(args)
     except (ConfigError, ValueError) as e:
         print(f"atomrt: error: {e}", file=sys.stderr)
