@@ -174,7 +174,10 @@ class RayExecutor(ChannelExecutor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cls = ray.remote(WorkerProcess)
+        # The driver's ATOMRT_* settings hold for its ranks too (runtime/envs.py).
+        env = {"env_vars": dict(ENV.forwarded)} if ENV.forwarded else None
         return cls.options(
+            runtime_env=env,
             num_cpus=ACTOR_CPUS,
             num_gpus=1 if use_gpu else 0,
             max_concurrency=2,  # the plan loop and a ping
