@@ -10,10 +10,10 @@
 - Steps never touch Ray: the plan goes out on ZeroMQ (ipc:// when every rank is on the driver's
   node, tcp:// otherwise, authenticated with CURVE keys made for this engine and handed to the
   actors through Ray: distributed/transport.py) and results come back on the PULL
-  (runtime/executors/channel.py). Only when
-  no result arrived for 0.5 s does the driver look at Ray, without blocking: has a rank's plan
-  loop call ended (actor died, loop raised), or has its pending `ping` gone unanswered for
-  `heartbeat_timeout_s`?
+  (runtime/executors/channel.py). Only when no result arrived for 0.5 s does the driver look at
+  Ray, without blocking: has a rank's plan loop call ended (actor died, loop raised), or has its
+  pending `ping` gone unanswered for `heartbeat_timeout_s`?
+- The actors get the driver's ATOMRT_* settings (runtime/envs.py, FORWARDED_TO_WORKERS).
 """
 
 from __future__ import annotations
