@@ -25,10 +25,11 @@ run: install
 test: install
 	$(PY) -m pytest -q
 
-# ruff: lint and the formatter's check (`make format` rewrites)
+# ruff: lint and the formatter's check (`make format` rewrites); hadolint: the image's Dockerfile
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint deploy/Dockerfile
 
 format: install
 	$(VENV)/bin/ruff check --fix .

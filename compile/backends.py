@@ -87,6 +87,7 @@ class CompilerManager:
         self.cache: dict[tuple, dict] = {}
         self.cache_dir: Optional[Path] = None
         self.disable_cache = True  # until initialize_cache
+        self.read_only = False  # load from the cache, never write it (compile/cache.py)
         self.compile_seconds = 0.0
 
     def compute_hash(self, device: torch.device) -> str:
@@ -97,8 +98,13 @@ class CompilerManager:
     ) -> None:
         self.cache_dir = cache_dir
         self.disable_cache = disable_cache or isinstance(self.compiler, EagerAdaptor)
-        cache_dir.mkdir(parents=True, exist_ok=True)
         self.compiler.initialize_cache(str(cache_dir), self.disable_cache, prefix)
+        # A read-only cache's compiler saves nothing: what it compiles lives in memory only.
+        self.read_only = self.compiler.read_only
+        if self.read_only:
+            logger.info("compile cache %s is read-only: pieces are only loaded from it", cache_dir)
+        else:
+            cache_dir.mkdir(parents=True, exist_ok=True)
         self.cache = self._read_index()
 
     @property
@@ -190,6 +196,26 @@ class CompilerManager:
                 runtime_shape,
             )
         assert self.cache_dir is not None
+        if self.read_only:  # no writer can race us through this view: no lock
+            compiled = self.load(graph, example_inputs, graph_index, runtime_shape)
+            if compiled is not None:
+                return compiled
+            compilation_counter.num_cache_misses += 1
+            logger.warning(
+                "compile cache %s is read-only and lacks piece %d for %s: compiling it in memory, "
+                "unsaved (fill the cache with `atomrt prewarm` and this config)",
+                self.cache_dir,
+                graph_index,
+                "the general shape" if runtime_shape is None else f"shape {runtime_shape}",
+            )
+            return self._compile(
+                graph,
+                example_inputs,
+                additional_inductor_config,
+                graph_index,
+                num_graphs,
+                runtime_shape,
+            )
         with FileLock(self.cache_dir / LOCK_FILE_NAME):
             self.cache = self._read_index()  # another process may have added entries
             compiled = self.load(graph, example_inputs, graph_index, runtime_shape)
@@ -229,7 +255,7 @@ class CompilerManager:
                 shape,
                 elapsed,
             )
-        if handle is not None and not self.disable_cache:
+        if handle is not None and not self.disable_cache and not self.read_only:
             self.cache[key] = {
                 "handle": handle,
                 "graph_hash": graph_fingerprint(graph, example_inputs),
@@ -509,7 +535,8 @@ class PiecewiseCompileBackend:
         """computation_graph.py into the cache directory; with debug_dump_path, the traced graph too."""
         stitching = split_gm.print_readable(print_output=False)
         assert self.cache_dir is not None
-        _write_atomic(self.cache_dir / "computation_graph.py", stitching)
+        if not self.compiler_manager.read_only:
+            _write_atomic(self.cache_dir / "computation_graph.py", stitching)
         dump = self.config.compilation_config.debug_dump_path
         if dump:
             rank_dir = Path(dump) / f"rank_{current_rank()}"

@@ -13,6 +13,10 @@ Layout (the guide's, under our name):
 `Config.compute_hash()` (graph-affecting config), the contents of the source files Dynamo traced,
 torch / triton / Python versions, device type and capability. Never ports, ranks or placement.
 
+A read-only cache (ATOMRT_COMPILE_CACHE_READ_ONLY=1, or a directory this process cannot write, such
+as a volume mounted read-only into serving pods) is only loaded from: no lock, no index update, and a
+piece it lacks is compiled in memory and not saved.
+
 An artifact is valid only once its READY manifest (file sizes and sha256) is written; a missing
 or mismatching manifest is a corrupt entry that the caller logs and recompiles.
 """
@@ -68,6 +72,17 @@ def cache_root(cache_dir: str = "") -> Path:
 
 def cache_dir_for(root: Path, hash_str: str, rank: int, prefix: str) -> Path:
     return root / hash_str / f"rank_{rank}" / prefix
+
+
+def is_read_only(path: Path) -> bool:
+    """Whether the cache at `path` must not be written: ATOMRT_COMPILE_CACHE_READ_ONLY, or neither
+    `path` nor (when it does not exist yet) its nearest existing parent is writable."""
+    if ENV.compile_cache_read_only:
+        return True
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return not os.access(existing, os.W_OK)
 
 
 def device_factors(device: torch.device) -> dict[str, Any]:

@@ -11,11 +11,13 @@ A handle is what `compile()` returns for the index and `load()` takes back; it m
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -28,6 +30,7 @@ from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 from atomrt.compile.cache import (
     CorruptCacheEntry,
     compiler_factors,
+    is_read_only,
     verify_ready_marker,
     write_ready_marker,
 )
@@ -58,9 +61,11 @@ class CompilerInterface:
     def initialize_cache(
         self, cache_dir: str, disable_cache: bool = False, prefix: str = ""
     ) -> None:
-        """Where artifacts go; `disable_cache` means compile every time and save nothing."""
+        """Where artifacts go; `disable_cache` means compile every time and save nothing. A
+        read-only cache (`compile/cache.py`) is loaded from and never written."""
         self.cache_dir = Path(cache_dir)
         self.disable_cache = disable_cache
+        self.read_only = not disable_cache and is_read_only(self.cache_dir)
         self.prefix = prefix
 
     def compute_hash(self, device: torch.device) -> str:
@@ -119,7 +124,7 @@ class InductorStandaloneAdaptor(CompilerInterface):
         dynamic_shapes = (
             "from_example_inputs" if isinstance(runtime_shape, int) else "from_tracing_context"
         )
-        caching = not self.disable_cache and key is not None
+        caching = not self.disable_cache and not self.read_only and key is not None
         # Compile inside a private Inductor cache directory, so the native objects built for this
         # piece can be saved beside it (see _copy_native_objects).
         staging = self.cache_dir / f".staging_{key}_{os.getpid()}" if caching else None
@@ -154,6 +159,9 @@ class InductorStandaloneAdaptor(CompilerInterface):
 
         (key,) = handle
         path = self.cache_dir / key
+        if self.read_only:
+            # Loading takes file locks beside the native objects: load a private copy.
+            path = _scratch_copy(path, f"{self.prefix}_{os.path.basename(self.cache_dir)}_{key}")
         verify_ready_marker(path)
         try:
             artifact = CompiledArtifact.load(path=str(path), format="unpacked")
@@ -165,6 +173,26 @@ class InductorStandaloneAdaptor(CompilerInterface):
             return artifact
         # A loaded artifact always returns the flat output list; the traced piece returned one value.
         return lambda *args: artifact(*args)[0]
+
+
+_scratch_root: Optional[str] = None
+
+
+def _scratch_copy(artifact_dir: Path, name: str) -> Path:
+    """A copy of a read-only cache's artifact in this process's scratch directory (removed at
+    exit): Inductor's loader writes lock files next to the native objects it loads."""
+    global _scratch_root
+    if _scratch_root is None:
+        _scratch_root = tempfile.mkdtemp(prefix="atomrt-compile-scratch-")
+        atexit.register(shutil.rmtree, _scratch_root, True)
+    copy = Path(_scratch_root) / name
+    if not copy.exists():
+        try:
+            shutil.copytree(artifact_dir, copy)
+        except OSError as e:
+            shutil.rmtree(copy, ignore_errors=True)
+            raise CorruptCacheEntry(f"artifact {artifact_dir} could not be read: {e}") from e
+    return copy
 
 
 def _copy_native_objects(built_root: Path, artifact_dir: Path) -> None:

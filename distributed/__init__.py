@@ -5,7 +5,8 @@ Modules (import them directly; this package imports nothing heavy, so a GPU mach
 can still use the process groups):
 
 - `messages`: `StepPlan`, `RankBatch`, `NewRequest`, `StepResult`, `Hello`, `Ready`, `encode`, `decode`
-- `transport`: `TransportAddresses`, `PlanPublisher`, `ResultCollector`, `PlanSubscriber`, `ResultPusher`
+- `transport`: `TransportAddresses`, `CurveKeys` (tcp:// authentication), `PlanPublisher`,
+  `ResultCollector`, `PlanSubscriber`, `ResultPusher`
 - `parallel_state`: `init_distributed`, `get_world_group` / `get_tp_group` / `get_dp_group`
   (`GroupInfo`), `destroy_distributed`
 - `communication_op`: `TPInfo`, `DPInfo` and the collectives models call (`tp_all_reduce`,

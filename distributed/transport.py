@@ -8,6 +8,13 @@ Hot path: `PlanPublisher.publish`, `PlanSubscriber.recv`, `ResultPusher.push`,
     PULL  ready   ◀──────── Ready ───────     PUSH  (handshake only)
     PULL  result  ◀────── StepResult ────     PUSH  (TP rank 0 of each DP rank)
 
+Across nodes (tcp://) every socket speaks ZeroMQ CURVE: the driver's are servers holding a key pair
+made for this engine instance, every worker's are clients holding the instance's one client key pair
+(handed to them with the addresses, through Ray), and the driver's ZAP handler admits only that
+client key. A peer without the keys completes no handshake, so it can neither read a plan (plans
+carry prompt token ids) nor push a result. On one node (ipc://) the sockets live in a private
+directory (mode 0700) and skip CURVE: nothing else can reach them, and the hot path pays nothing.
+
 ZeroMQ PUB drops what it sends before a subscriber's connection is up ("slow joiner"). So before
 step 0 the driver publishes `Hello` probes until every expected worker has answered `Ready` over
 the ready channel; only then is a plan published. PUB/SUB high-water marks are unlimited, so a
@@ -26,11 +33,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
-from dataclasses import asdict, dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from atomrt.distributed.messages import Flush, Hello, Ready, StepPlan, StepResult, decode, encode
 from atomrt.distributed.net_utils import (
@@ -47,6 +56,7 @@ logger = logging.getLogger(__name__)
 _HELLO_PERIOD_S = 0.01  # how often the driver re-publishes the probe during the handshake
 _LINGER_MS = 100  # what close() waits for unsent messages
 _MAX_RCVTIMEO_MS = 2**31 - 1  # ZMQ_RCVTIMEO is an int; a longer wait is "forever"
+ZAP_DOMAIN = "atomrt-step-channel"  # the ZAP domain of the driver's CURVE sockets
 
 
 class TransportError(RuntimeError):
@@ -62,18 +72,61 @@ class StepGapError(TransportError):
 
 
 @dataclass(frozen=True)
+class CurveKeys:
+    """The CURVE keys of one engine instance's tcp:// step channel (z85 text), made by its driver.
+
+    `server_secret` never leaves the driver; workers get the rest (`for_workers`)."""
+
+    server_public: str
+    client_public: str
+    client_secret: str = field(repr=False)
+    server_secret: str = field(default="", repr=False)
+
+    @classmethod
+    def make(cls) -> CurveKeys:
+        if not zmq.has("curve"):
+            raise TransportError(
+                f"the tcp:// step channel needs ZeroMQ CURVE, and this libzmq ({zmq.zmq_version()}) "
+                "was built without it: install pyzmq's wheel from PyPI (it bundles a libzmq with "
+                "CURVE), or keep every rank on the driver's node (parallel_config.transport=ipc)"
+            )
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(
+            server_public.decode(),
+            client_public.decode(),
+            client_secret.decode(),
+            server_secret.decode(),
+        )
+
+    def for_workers(self) -> dict[str, str]:
+        return {
+            "server_public": self.server_public,
+            "client_public": self.client_public,
+            "client_secret": self.client_secret,
+        }
+
+
+@dataclass(frozen=True)
 class TransportAddresses:
-    """Where one engine instance's sockets live; plain strings, safe to hand to any process."""
+    """Where one engine instance's sockets live, and (tcp://) the CURVE keys that guard them.
+
+    `to_dict()` is what the driver hands to its workers: plain strings, but on tcp:// it carries
+    the instance's client secret key, so it goes to the engine's own workers only (over Ray or the
+    mp pipe), never to a log.
+    """
 
     plan: str  # driver PUB / worker SUB
     ready: str  # worker PUSH / driver PULL (handshake)
     result: str  # worker PUSH / driver PULL
     instance: str
     ipc_dir: str = ""  # "" for tcp://; the driver removes it on cleanup()
+    curve: Optional[CurveKeys] = None  # tcp:// only
 
     @classmethod
     def make(cls, local: bool, host_ip: str = "", instance: str = "") -> TransportAddresses:
-        """ipc:// in a private temp dir when every rank is on this node, else tcp:// on its IP.
+        """ipc:// in a private temp dir when every rank is on this node, else tcp:// on its IP,
+        with fresh CURVE keys.
 
         tcp ports are picked free now and bound by the driver right after; `host_ip` defaults to
         this node's detected address (pass ENV.host_ip to override).
@@ -88,23 +141,90 @@ class TransportAddresses:
                 instance,
                 d,
             )
+        keys = CurveKeys.make()
         ip = get_host_ip(host_ip)
         ports = [get_free_port(ip) for _ in range(3)]
         while len(set(ports)) < 3:  # the OS may hand back a just-released port
             ports = [get_free_port(ip) for _ in range(3)]
-        return cls(*(tcp_address(ip, p) for p in ports), instance=instance)
+        return cls(*(tcp_address(ip, p) for p in ports), instance=instance, curve=keys)
 
-    def to_dict(self) -> dict[str, str]:
-        return asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan,
+            "ready": self.ready,
+            "result": self.result,
+            "instance": self.instance,
+            "ipc_dir": self.ipc_dir,
+            "curve": self.curve.for_workers() if self.curve is not None else None,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict[str, str]) -> TransportAddresses:
-        return cls(**d)
+    def from_dict(cls, d: dict[str, Any]) -> TransportAddresses:
+        curve = d.get("curve")
+        return cls(**{**d, "curve": CurveKeys(**curve) if curve else None})
 
     def cleanup(self) -> None:
         """Remove the ipc socket directory (driver side, after its sockets are closed)."""
         if self.ipc_dir and os.path.isdir(self.ipc_dir):
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class _Admission:
+    """The driver process's ZAP handler: a CURVE client is admitted while its public key belongs to
+    a channel this process has open. One per process, because ZAP is per ZeroMQ context and every
+    socket here shares `zmq.Context.instance()`; its thread runs while a key is admitted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: dict[bytes, int] = {}  # client public key (z85) -> sockets using it
+        self._auth: Optional[ThreadAuthenticator] = None
+        self.refused = 0  # CURVE handshakes refused, for logs and tests
+
+    def admit(self, client_public: str) -> None:
+        with self._lock:
+            if self._auth is None:
+                auth = ThreadAuthenticator(zmq.Context.instance())
+                auth.start()
+                auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self)
+                self._auth = auth
+            key = client_public.encode()
+            self._keys[key] = self._keys.get(key, 0) + 1
+
+    def revoke(self, client_public: str) -> None:
+        with self._lock:
+            key = client_public.encode()
+            left = self._keys.get(key, 0) - 1
+            if left > 0:
+                self._keys[key] = left
+            else:
+                self._keys.pop(key, None)
+            if not self._keys and self._auth is not None:
+                self._auth.stop()
+                self._auth = None
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP asks (from its thread) whether the client key `key` (z85) may connect."""
+        with self._lock:
+            if key in self._keys:
+                return True
+            self.refused += 1
+            refused = self.refused
+        if refused == 1 or refused % 1000 == 0:
+            logger.warning(
+                "step channel: refused a CURVE handshake from a peer without this engine's "
+                "client key (%d refused so far)",
+                refused,
+            )
+        return False
+
+
+ADMISSION = _Admission()
+
+
+def _release(curve: Optional[CurveKeys]) -> None:
+    """A driver socket set closed: its client key no longer admits (returns None to clear it)."""
+    if curve is not None:
+        ADMISSION.revoke(curve.client_public)
 
 
 def _socket(kind: int) -> zmq.Socket:
@@ -113,12 +233,32 @@ def _socket(kind: int) -> zmq.Socket:
     return sock
 
 
-def _bind(sock: zmq.Socket, address: str, what: str) -> None:
+def _bind(sock: zmq.Socket, address: str, what: str, curve: Optional[CurveKeys]) -> None:
+    """Bind a driver socket; with `curve`, as a CURVE server whose clients ZAP checks."""
+    if curve is not None:
+        if not curve.server_secret:
+            sock.close(0)
+            raise TransportError(
+                f"driver: the {what} socket needs the CURVE server secret key, which only the "
+                "driver's TransportAddresses.make() holds (a worker's copy has none)"
+            )
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.server_secret.encode())
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
     try:
         sock.bind(address)
     except zmq.ZMQError as e:
         sock.close(0)
         raise TransportError(f"driver: cannot bind the {what} socket to {address}: {e}") from e
+
+
+def _connect(sock: zmq.Socket, address: str, curve: Optional[CurveKeys]) -> None:
+    """Connect a worker socket; with `curve`, as a CURVE client of the driver."""
+    if curve is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public.encode())
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.client_public.encode())
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.client_secret.encode())
+    sock.connect(address)
 
 
 def _deadline(timeout: Optional[float]) -> float:
@@ -183,11 +323,18 @@ class PlanPublisher:
             raise ValueError(f"num_subscribers: need at least 1, got {num_subscribers}")
         self.addresses = addresses
         self.num_subscribers = num_subscribers
+        self._curve = addresses.curve
+        if self._curve is not None:  # ZAP answers before the first client can connect
+            ADMISSION.admit(self._curve.client_public)
         self._pub = _socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, 0)  # never drop a plan for a slow subscriber
-        _bind(self._pub, addresses.plan, "plan PUB")
         self._ready = _socket(zmq.PULL)
-        _bind(self._ready, addresses.ready, "ready PULL")
+        try:
+            _bind(self._pub, addresses.plan, "plan PUB", self._curve)
+            _bind(self._ready, addresses.ready, "ready PULL", self._curve)
+        except TransportError:
+            self.close()
+            raise
         self.ready_ranks: dict[int, int] = {}  # rank -> pid
         self.next_step = 0
         self._nonce = int.from_bytes(os.urandom(4), "little")
@@ -240,6 +387,7 @@ class PlanPublisher:
     def close(self) -> None:
         self._pub.close()
         self._ready.close()
+        self._curve = _release(self._curve)
 
 
 class ResultCollector:
@@ -247,8 +395,15 @@ class ResultCollector:
 
     def __init__(self, addresses: TransportAddresses, spin_s: float = 0.0) -> None:
         self.addresses = addresses
+        self._curve = addresses.curve
+        if self._curve is not None:
+            ADMISSION.admit(self._curve.client_public)
         pull = _socket(zmq.PULL)
-        _bind(pull, addresses.result, "result PULL")
+        try:
+            _bind(pull, addresses.result, "result PULL", self._curve)
+        except TransportError:
+            self._curve = _release(self._curve)
+            raise
         self._pull = _Inbox(pull, spin_s)
 
     def recv(self, timeout: Optional[float]) -> StepResult:
@@ -288,6 +443,7 @@ class ResultCollector:
 
     def close(self) -> None:
         self._pull.close()
+        self._curve = _release(self._curve)
 
 
 # ------------------------------------------------------------------------------------------- worker
@@ -305,10 +461,10 @@ class PlanSubscriber:
         sub = _socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(addresses.plan)
+        _connect(sub, addresses.plan, addresses.curve)
         self._sub = _Inbox(sub, spin_s)
         self._ready = _socket(zmq.PUSH)
-        self._ready.connect(addresses.ready)
+        _connect(self._ready, addresses.ready, addresses.curve)
         self._answered: set[int] = set()
 
     def recv(self, timeout: Optional[float]) -> Union[StepPlan, Flush]:
@@ -362,7 +518,7 @@ class ResultPusher:
         self.dp_rank = dp_rank
         self._push = _socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.connect(addresses.result)
+        _connect(self._push, addresses.result, addresses.curve)
 
     def push(self, result: StepResult) -> None:
         self._push.send(encode(result), copy=False)

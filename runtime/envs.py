@@ -9,6 +9,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+# What a driver hands on to its Ray actors when it is set (an mp child inherits the environment
+# anyway; a Ray actor gets the job's, not the driver's). ATOMRT_HOST_IP names one node: it stays.
+FORWARDED_TO_WORKERS = (
+    "ATOMRT_CACHE_ROOT",
+    "ATOMRT_LOG_LEVEL",
+    "ATOMRT_PDL",
+    "ATOMRT_ALLOW_LONG_MAX_MODEL_LEN",
+    "ATOMRT_COMPILE_CACHE_READ_ONLY",
+)
+
 
 @dataclass(frozen=True)
 class Env:
@@ -21,6 +31,12 @@ class Env:
     # (with a warning; positions past it were never trained). Default 0: an error.
     allow_long_max_model_len: bool
     api_key: str  # ATOMRT_API_KEY: the key `atomrt serve` requires (as --api-key); "" = none
+    # ATOMRT_COMPILE_CACHE_READ_ONLY: load compiled pieces from the cache, never write to it (serving
+    # pods on a cache a prewarm job filled). A cache directory that is not writable is read-only
+    # anyway. Default 0.
+    compile_cache_read_only: bool
+    # The variables of FORWARDED_TO_WORKERS set in this process, as (name, value) pairs.
+    forwarded: tuple[tuple[str, str], ...] = ()
 
 
 def read_env() -> Env:
@@ -34,6 +50,8 @@ def read_env() -> Env:
         pdl=os.environ.get("ATOMRT_PDL", "0") == "1",
         allow_long_max_model_len=os.environ.get("ATOMRT_ALLOW_LONG_MAX_MODEL_LEN", "0") == "1",
         api_key=os.environ.get("ATOMRT_API_KEY", ""),
+        compile_cache_read_only=os.environ.get("ATOMRT_COMPILE_CACHE_READ_ONLY", "0") == "1",
+        forwarded=tuple((k, os.environ[k]) for k in FORWARDED_TO_WORKERS if k in os.environ),
     )
 
 

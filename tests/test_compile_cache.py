@@ -141,6 +141,8 @@ class _FileCompiler(CompilerInterface):
     name = "file_test"
 
     def compile(self, graph, example_inputs, compiler_config, runtime_shape=None, key=None):
+        if self.disable_cache or self.read_only:
+            return graph, None
         path = self.cache_dir / key
         path.mkdir(parents=True, exist_ok=True)
         (path / "artifact.txt").write_text(graph.code)
@@ -196,3 +198,60 @@ def test_cache_root_prefers_config_then_env():
 
     assert cache_root("/explicit/dir") == Path("/explicit/dir")
     assert cache_root("") == ENV.cache_root / "torch_compile_cache"
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `root`: relative path -> (size, mtime in ns)."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_read_only_cache_loads_and_never_writes(tmp_path, caplog, monkeypatch):
+    import atomrt.compile.cache as cache_module
+    from atomrt.runtime.envs import ENV
+
+    graph = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    args = [torch.randn(2, 4)]
+    _manager(tmp_path).compile(graph, args, {}, graph_index=0, runtime_shape=None)
+    before = _tree(tmp_path)
+    monkeypatch.setattr(cache_module, "ENV", dataclasses.replace(ENV, compile_cache_read_only=True))
+    compilation_counter.reset()
+    manager = _manager(tmp_path)
+    assert manager.read_only and manager.compiler.read_only
+    manager.compile(graph, args, {}, graph_index=0, runtime_shape=None)  # a hit
+    with caplog.at_level(logging.WARNING, logger="atomrt.compile"):
+        manager.compile(graph, args, {}, graph_index=0, runtime_shape=4)  # a miss
+    assert compilation_counter.num_cache_loads == 1
+    assert (
+        compilation_counter.num_inductor_compiles == 1 and compilation_counter.num_cache_misses == 1
+    )
+    assert any("read-only and lacks piece 0 for shape 4" in r.getMessage() for r in caplog.records)
+    assert _tree(tmp_path) == before  # no lock, no index entry, no artifact
+    assert (4, 0, "file_test") not in read_index(tmp_path / "atomrt_compile_cache.py")
+
+
+def test_unwritable_directory_is_read_only(tmp_path):
+    import os
+    import subprocess
+
+    from atomrt.compile.cache import is_read_only
+
+    target = tmp_path / "cache"
+    target.mkdir()
+    assert not is_read_only(target) and not is_read_only(target / "not" / "there")
+    view = tmp_path / "view"
+    view.mkdir()
+    if os.geteuid() != 0:
+        target.chmod(0o555)
+        view = target
+    elif subprocess.run(["mount", "--bind", "-o", "ro", str(target), str(view)]).returncode != 0:
+        pytest.skip("running as root without the right to mount: no read-only directory here")
+    try:
+        assert is_read_only(view) and is_read_only(view / "rank_0" / "backbone")
+    finally:
+        if view != target:
+            subprocess.run(["umount", str(view)], check=True)
+        target.chmod(0o755)

@@ -127,3 +127,32 @@ def test_concurrent_compiles_of_one_key(tmp_path):
     prefix = _prefix_dir(tmp_path)
     assert list(read_index(prefix / INDEX_FILE_NAME)) == [(None, 0, "inductor_standalone")]
     verify_ready_marker(prefix / "artifact_shape_None_subgraph_0")
+
+
+@pytest.mark.slow
+def test_read_only_mount_loads_every_artifact_and_writes_nothing(level3_cache, tmp_path):
+    """Serving pods mount the cache a prewarm job filled read-only: Inductor's loader must not
+    need to write beside the artifacts (it takes file locks there)."""
+    import os
+
+    root = tmp_path / "cache"
+    shutil.copytree(level3_cache[0], root)
+    files = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+    view = tmp_path / "view"
+    view.mkdir()
+    if os.geteuid() != 0:
+        for p in [root, *root.rglob("*")]:
+            p.chmod(0o555 if p.is_dir() else 0o444)
+        view = root
+    elif subprocess.run(["mount", "--bind", "-o", "ro", str(root), str(view)]).returncode != 0:
+        pytest.skip("running as root without the right to mount: no read-only directory here")
+    try:
+        result, stderr = run_child(view, level=3, two_ops=True)
+    finally:
+        if view != root:
+            subprocess.run(["umount", str(view)], check=True)
+    assert result["max_diff"] <= TOLERANCE
+    assert result["counter"]["num_inductor_compiles"] == 0, stderr[-3000:]
+    assert result["counter"]["num_cache_loads"] == 6
+    after = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+    assert after == files

@@ -15,11 +15,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from atomrt.compile.backends import compilation_counter
+from atomrt.compile import compilation_counter
 from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.distributed.messages import StepPlan, StepResult
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision, TboTiming
+from atomrt.workers.runner.compile_warmup import CompileReport, compile_all_sizes, compile_report
 from atomrt.workers.runner.input_batch import SeqMirrors, dummy_idle_inputs
 from atomrt.workers.runner.kv_sizing import determine_num_blocks
 from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
@@ -60,6 +61,9 @@ class WorkerInfo:
     decode_token_sizes: tuple[int, ...]
     tbo_req_keys: tuple[tuple[int, int], ...] = ()  # request buckets recorded as TBO graphs
     tbo_timings: tuple[TboTiming, ...] = ()  # enable_tbo: auto's start-up measurements
+    # What each rank compiled and loaded at start-up, in rank order: a worker reports its own, the
+    # mp and ray executors gather every rank's.
+    compile_reports: tuple[CompileReport, ...] = ()
 
 
 class Worker:
@@ -82,6 +86,7 @@ class Worker:
         tp = TPInfo(tp_rank, pc.tensor_parallel_size, tp_group)
         dp = DPInfo(dp_rank, pc.data_parallel_size, dp_group, timeout_s=pc.worker_timeout_s)
         device = resolve_device(config, local_device)
+        self._compile_counts = compilation_counter.snapshot()  # this start's work is the difference
         self.runner = ModelRunner(config, device, tp, dp)
         self.mirrors = SeqMirrors(config.cache_config.block_size)
         self.next_step = 0
@@ -93,8 +98,10 @@ class Worker:
         return determine_num_blocks(self.runner).num_blocks
 
     def initialize(self, num_blocks: int) -> WorkerInfo:
-        """Allocate the KV cache (the group agreed on `num_blocks`) and capture graphs."""
+        """Allocate the KV cache (the group agreed on `num_blocks`), compile every piece at every
+        compile size (levels 2-3), and capture graphs."""
         self.runner.allocate_kv_cache(num_blocks)
+        sizes, skipped = compile_all_sizes(self.runner)
         seconds = self.runner.capture_cudagraph()
         graphs = self.runner.graphs
         captured = graphs.captured_buckets(self.runner.model)
@@ -115,6 +122,7 @@ class Worker:
             decode_token_sizes=captured.decode_token_sizes,
             tbo_req_keys=captured.tbo_req_keys,
             tbo_timings=timings,
+            compile_reports=(compile_report(self.runner, self._compile_counts, sizes, skipped),),
         )
 
     @torch.inference_mode()

@@ -1,7 +1,8 @@
-"""The `atomrt` command: `generate`, `serve` and `bench`.
+"""The `atomrt` command: `generate`, `serve`, `prewarm` and `bench`.
 
 atomrt generate [--model PATH] --prompt TEXT [--prompt TEXT ...] [--chat] [--config FILE] [--set KEY=VALUE ...]
 atomrt serve [--model PATH] [--host 127.0.0.1] [--port 8000] [engine flags ...]
+atomrt prewarm [--model PATH] [--config FILE] [--set KEY=VALUE ...]   (runtime/entrypoints/prewarm.py)
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(config, server_args_from(args), load_tokenizer_for(config)))
 
 
+def cmd_prewarm(args: argparse.Namespace) -> int:
+    from atomrt.runtime.entrypoints.prewarm import cmd_prewarm as prewarm
+
+    return prewarm(config_from_args(args))
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.what == "startup":
         from atomrt.runtime.bench.startup import main as bench_main
@@ -130,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM",
     )
+    prewarm = sub.add_parser(
+        "prewarm",
+        help="compile every piece of a config into the compile cache, record what it holds, exit",
+    )
+    _add_config_args(prewarm)
     bench = sub.add_parser(
         "bench",
         help="benchmarks: startup | latency | throughput | serve | transport | dp (their own flags follow)",
@@ -154,6 +166,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "prewarm":
+            return cmd_prewarm(args)
         return cmd_generate(args)
     except (ConfigError, ValueError) as e:
         print(f"atomrt: error: {e}", file=sys.stderr)

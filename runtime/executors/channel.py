@@ -10,6 +10,7 @@ Ray call per step).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from atomrt.distributed.transport import (
 from atomrt.runtime.config import Config
 from atomrt.runtime.executors.base import Executor, WorkerError
 from atomrt.workers.process import RankSpec
+from atomrt.workers.worker import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,13 @@ PHASES = {
     "determine_num_blocks": ("KV sizing (compiles at levels 1-3)", "compile_timeout_s"),
     "initialize": ("KV cache and CUDA-graph capture", "capture_timeout_s"),
 }
+
+
+def gather_infos(infos: list[WorkerInfo]) -> WorkerInfo:
+    """Rank 0's start-up answer, carrying every rank's compile report (ranks in order)."""
+    return dataclasses.replace(
+        infos[0], compile_reports=tuple(r for info in infos for r in info.compile_reports)
+    )
 
 
 class StepChannel:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from atomrt.runtime.config import Config
 from atomrt.runtime.executors.base import WorkerError
-from atomrt.runtime.executors.channel import PHASES, ChannelExecutor, StepChannel
+from atomrt.runtime.executors.channel import PHASES, ChannelExecutor, StepChannel, gather_infos
 from atomrt.workers.process import DESTROY_TIMEOUT_S, ControlCall, ControlReply, mp_main
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class MPExecutor(ChannelExecutor):
         )
         self.channel.handshake(pc.worker_timeout_s, self._check_alive)
         logger.info("mp executor: %d ranks up, %d KV blocks each", len(self.specs), num_blocks)
-        return infos[0]
+        return gather_infos(infos)
 
     def _local_devices(self) -> list[Optional[int]]:
         import torch

@@ -8,10 +8,12 @@
 - Control calls (node info, rendezvous + load, KV sizing, capture) are `ray.get`s bounded by
   `parallel_config.worker_timeout_s`; an error names the rank and the phase.
 - Steps never touch Ray: the plan goes out on ZeroMQ (ipc:// when every rank is on the driver's
-  node, tcp:// otherwise) and results come back on the PULL (runtime/executors/channel.py). Only when
-  no result arrived for 0.5 s does the driver look at Ray, without blocking: has a rank's plan
-  loop call ended (actor died, loop raised), or has its pending `ping` gone unanswered for
-  `heartbeat_timeout_s`?
+  node, tcp:// otherwise, authenticated with CURVE keys made for this engine and handed to the
+  actors through Ray: distributed/transport.py) and results come back on the PULL
+  (runtime/executors/channel.py). Only when no result arrived for 0.5 s does the driver look at
+  Ray, without blocking: has a rank's plan loop call ended (actor died, loop raised), or has its
+  pending `ping` gone unanswered for `heartbeat_timeout_s`?
+- The actors get the driver's ATOMRT_* settings (runtime/envs.py, FORWARDED_TO_WORKERS).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 from atomrt.runtime.config import Config
 from atomrt.runtime.envs import ENV
 from atomrt.runtime.executors.base import WorkerError
-from atomrt.runtime.executors.channel import PHASES, ChannelExecutor, StepChannel
+from atomrt.runtime.executors.channel import PHASES, ChannelExecutor, StepChannel, gather_infos
 from atomrt.workers.process import DESTROY_TIMEOUT_S, NodeInfo, RankSpec, WorkerProcess
 
 logger = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ class RayExecutor(ChannelExecutor):
             "ipc" if local else "tcp",
             num_blocks,
         )
-        return infos[0]
+        return gather_infos(infos)
 
     def _connect(self) -> None:
         import ray
@@ -172,7 +174,10 @@ class RayExecutor(ChannelExecutor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cls = ray.remote(WorkerProcess)
+        # The driver's ATOMRT_* settings hold for its ranks too (runtime/envs.py).
+        env = {"env_vars": dict(ENV.forwarded)} if ENV.forwarded else None
         return cls.options(
+            runtime_env=env,
             num_cpus=ACTOR_CPUS,
             num_gpus=1 if use_gpu else 0,
             max_concurrency=2,  # the plan loop and a ping

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _dummy_forward(runner: ModelRunner, num_tokens: int, logits_rows: int = 1) -> None:
+def dummy_forward(runner: ModelRunner, num_tokens: int, logits_rows: int = 1) -> None:
     """A prefill of `num_tokens` rows cut into sequences of at most max_model_len, without KV cache,
     and the logits of its last `logits_rows` rows."""
     seq_len = min(num_tokens, runner.shape.max_model_len)
@@ -73,7 +73,7 @@ def determine_num_blocks(runner: ModelRunner) -> KVCacheSizing:
     if cc.num_kv_blocks is not None:
         num_blocks = cc.num_kv_blocks
     elif runner.device.type != "cuda":
-        _dummy_forward(
+        dummy_forward(
             runner, min(runner.shape.max_num_tokens, 256)
         )  # checks the model runs; CPU has no profile
         num_blocks = int(cc.cpu_kv_cache_gib * 2**30) // per_block
@@ -84,7 +84,7 @@ def determine_num_blocks(runner: ModelRunner) -> KVCacheSizing:
         # The largest forward first: at levels 2-3 the first call compiles, and it must have >= 2 rows
         # (the largest capture bucket may be 1).
         torch.cuda.reset_peak_memory_stats()
-        _dummy_forward(runner, runner.shape.max_num_tokens)
+        dummy_forward(runner, runner.shape.max_num_tokens)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         if runner.graphs.enabled:
@@ -93,7 +93,7 @@ def determine_num_blocks(runner: ModelRunner) -> KVCacheSizing:
             # A request graph records its bucket's LM head (every row's logits); a token graph does not.
             logits_rows = largest_bucket if runner.graphs.records_request_graphs else 1
             torch.cuda.reset_peak_memory_stats()
-            _dummy_forward(runner, largest_bucket, logits_rows=logits_rows)
+            dummy_forward(runner, largest_bucket, logits_rows=logits_rows)
             pool_estimate = torch.cuda.max_memory_allocated() - base
         free, total = torch.cuda.mem_get_info()
         others = total - free - torch.cuda.memory_reserved()  # other processes on this device
