@@ -97,12 +97,12 @@ def fused_moe_kernel(
         k_mask = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if GATED:
             b_up = tl.load(
                 b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0
             )
-            acc_up = tl.dot(a, b_up, acc_up)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if GATED:
