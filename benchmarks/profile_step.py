@@ -12,7 +12,7 @@ Prints (dummy weights of --model):
 - the forward's GPU time alone (CUDA events around run_model);
 - the replay alone of the step's request graph: host us per launch and GPU us per replay;
 - the GPU kernels of one step (torch.profiler: count and total kernel time, the top kernels);
-- the top functions by cumulative host time (cProfile).
+- the top functions by cumulative and by own host time (cProfile).
 """
 
 import argparse
@@ -189,6 +189,7 @@ def main() -> None:
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)  # where the host time is
     text = [
         f"{a.model} {a.mode}{' async' if a.async_scheduling else ''} level {a.level} bs {a.bs}: "
         f"{ms:.3f} ms/step (unprofiled)",
