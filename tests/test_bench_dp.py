@@ -133,3 +133,22 @@ def test_tbo_ab_every_mode_and_batch_size(tmp_path: Path) -> None:
             assert r["split_steps"] == 0
         elif r["enable_tbo"] != "auto":
             assert r["split_steps"] > 0
+
+
+def test_two_simulated_nodes_take_a_rank_each(tmp_path: Path) -> None:
+    """`atomrt bench dp --executor ray` joined to a two-node cluster (ray.cluster_utils, one CPU
+    per node): the two DP ranks run on different nodes, over tcp, and the run finishes."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, logging_level="WARNING")
+        report = _run(tmp_path, "--layouts", "2x1", "--executor", "ray")
+        (two,) = report["results"]
+        assert (two["dp"], two["executor"], two["num_nodes"]) == (2, "ray", 2)
+        assert two["output_tokens"] == 27 and two["steps"] > 0
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -347,11 +347,19 @@ def test_generate_and_prewarm_command_lines_parse_and_prewarm_compiles():
 
 
 def test_bench_dp_command_lines_parse():
+    """The benchmark's own flags too: a flag `atomrt bench dp` does not take fails here."""
+    from atomrt.runtime.bench.dp import _parse as parse_bench_dp
+
     argv = [a for _, a in commands() if a[1] == "bench"]
     assert argv
     for a in argv:
         args, rest = build_parser().parse_known_args(a[1:])
         assert args.what == "dp"
+        try:
+            bench = parse_bench_dp(rest)
+        except SystemExit:
+            pytest.fail(f"atomrt bench dp refuses {shlex.join(a)}")
+        assert bench.executor == "ray" and bench.layouts  # the ranks go over the cluster
 
 
 def _serve_commands() -> list[tuple[str, list[str]]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -201,6 +202,11 @@ def test_recipes_are_in_the_doc():
     for name, command in found.items():
         assert command.startswith("ray job submit ") and f"--runtime-env {RUNTIME_ENV}" in command
         assert "<" not in command and "TODO" not in command, f"{name}: a placeholder"
+    bench = shlex.split(found["ray-bench-dp"].split(" -- ", 1)[1])
+    assert bench[:3] == ["atomrt", "bench", "dp"]
+    from atomrt.runtime.bench.dp import _parse as parse_bench_dp
+
+    assert parse_bench_dp(bench[3:]).executor == "ray"  # exits on a flag the bench does not take
 
 
 def prewarm_then_check(head: RayHead, tmp_path: Path, extra_flags: str, pieces: int) -> None:

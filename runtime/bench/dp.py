@@ -101,6 +101,7 @@ class LayoutResult:
     tbo_auto: list[dict[str, Any]] = field(default_factory=list)  # auto: each bucket's measurement
     speedup: Optional[float] = None  # output tokens/s against the first layout's
     tbo_speedup: Optional[float] = None  # output tokens/s against the layout's first TBO mode
+    num_nodes: int = 1  # distinct nodes the ranks ran on (Ray places them; mp: this node)
 
 
 @dataclass
@@ -254,6 +255,8 @@ def run_layout(
         stats = engine.stats
         holds = _holds(engine) - holds_before
         tbo_auto = [{**asdict(v), "splits": v.splits} for v in engine.forward_mode.ubatch.verdicts]
+        nodes = getattr(engine.executor, "node_ids", None)
+        num_nodes = len(set(nodes.values())) if nodes else 1
     finally:
         llm.shutdown()
     real = stats.real_tokens - before.real_tokens
@@ -281,6 +284,7 @@ def run_layout(
             bs: round(1e3 * statistics.median(s), 3) for bs, s in sorted(decode_s.items())
         },
         tbo_auto=tbo_auto,
+        num_nodes=num_nodes,
     )
 
 
@@ -363,9 +367,13 @@ def _ratio(r: LayoutResult, base: LayoutResult) -> float:
     return round(r.output_tokens_per_s / base.output_tokens_per_s, 3)
 
 
+def _nodes(r: LayoutResult) -> str:
+    return f", {r.num_nodes} nodes" if r.num_nodes > 1 else ""
+
+
 def _line(r: LayoutResult) -> str:
     line = (
-        f"{r.layout} ({r.executor}{_threads(r)}), {r.num_requests} requests, "
+        f"{r.layout} ({r.executor}{_threads(r)}{_nodes(r)}), {r.num_requests} requests, "
         f"tbo={r.enable_tbo}: {r.output_tokens} output tokens in {r.seconds:.2f} s: "
         f"{r.output_tokens_per_s:.1f} tokens/s ({r.speedup or 1.0:.2f}x, "
         f"{r.tbo_speedup or 1.0:.2f}x the layout's first mode), {r.steps} steps "
