@@ -2,9 +2,38 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
+
+# The GPU data-parallel tests' model: a real MoE shape with dummy weights, in float32 so that
+# layouts and graph modes can be compared token for token.
+GPU_DP_MODEL = dict(
+    model="OLMoE-1B-7B-like",
+    load_format="dummy",
+    dtype="float32",
+    device="cuda",
+    max_model_len=1024,
+)
+
+
+def staggered_requests(num_requests: int, seed: int) -> tuple[list[list[int]], list]:
+    """Random prompts of 1-199 tokens, greedy, with 1-30 output tokens in a fixed pattern: the
+    decode batch walks down the bucket ladder and one DP rank runs out of work first (it replays
+    dummy batches)."""
+    from atomrt.runtime.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randrange(1, 50000) for _ in range(rng.randrange(1, 200))] for _ in range(num_requests)
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 30, ignore_eos=True)
+        for i in range(num_requests)
+    ]
+    return prompts, params
+
 
 _BASE = dict(
     vocab_size=128,

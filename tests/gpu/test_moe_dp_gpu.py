@@ -13,7 +13,6 @@ Run on the GPU machine: `MARK=multigpu tests/gpu/run_gpu_tier.sh tests/gpu/test_
 
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
@@ -26,16 +25,11 @@ from atomrt.runtime.entrypoints.llm import LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared harnesses
 from executor_harness import wait_gone  # noqa: E402
+from moe_harness import GPU_DP_MODEL, staggered_requests  # noqa: E402
 
 pytestmark = pytest.mark.multigpu
 
-MODEL = dict(
-    model="OLMoE-1B-7B-like",
-    load_format="dummy",
-    dtype="float32",
-    device="cuda",
-    max_model_len=1024,
-)
+MODEL = GPU_DP_MODEL
 NUM_REQUESTS = 24
 
 
@@ -51,16 +45,7 @@ def ray_session():
 
 
 def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
-    rng = random.Random(0)
-    prompts = [
-        [rng.randrange(1, 50000) for _ in range(rng.randrange(1, 200))] for _ in range(NUM_REQUESTS)
-    ]
-    # staggered lengths: one rank runs out of work first and replays dummy batches
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 30, ignore_eos=True)
-        for i in range(NUM_REQUESTS)
-    ]
-    return prompts, params
+    return staggered_requests(NUM_REQUESTS, seed=0)
 
 
 def _run(executor: str, dp: int, mode, enforce_eager: bool = False) -> list[list[int]]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ from atomrt.runtime.entrypoints.llm import LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared harnesses
 from executor_harness import wait_gone  # noqa: E402
+from moe_harness import GPU_DP_MODEL, staggered_requests  # noqa: E402
 
 pytestmark = pytest.mark.multigpu
 
@@ -165,13 +165,7 @@ def test_tbo_graph_per_bucket_matches_eager_on_dp2() -> None:
         assert p.returncode == 0 and "TBO buckets match eager" in out, f"rank {r} failed:\n{out}"
 
 
-MODEL = dict(
-    model="OLMoE-1B-7B-like",
-    load_format="dummy",
-    dtype="float32",
-    device="cuda",
-    max_model_len=1024,
-)
+MODEL = GPU_DP_MODEL
 NUM_REQUESTS = 32
 
 
@@ -187,16 +181,7 @@ def ray_session():
 
 
 def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
-    rng = random.Random(1)
-    prompts = [
-        [rng.randrange(1, 50000) for _ in range(rng.randrange(1, 200))] for _ in range(NUM_REQUESTS)
-    ]
-    # staggered lengths: the decode batch walks down the ladder; one rank idles at the end
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 30, ignore_eos=True)
-        for i in range(NUM_REQUESTS)
-    ]
-    return prompts, params
+    return staggered_requests(NUM_REQUESTS, seed=1)
 
 
 def _run(executor: str, dp: int, mode, tbo: str, enforce_eager: bool = False):
