@@ -481,3 +481,29 @@ def test_bench_serve_against_a_running_server(tiny_server, tmp_path):
     (run,) = json.loads(report.read_text())["runs"]
     assert rc == 0 and run["failed"] == 0 and run["request_rate"] == float("inf")
     assert run["output_tokens_per_s"] > 0  # each request made its answer's 4 tokens
+
+
+def test_offline_comparison_runs_at_each_concurrency(tiny, monkeypatch):
+    """`--compare-offline`'s engine keeps at most the run's concurrency of requests in flight
+    (a finished one replaced by the next), as the server's clients do; None: all at once."""
+    from atomrt.runtime.bench import serve as bench
+    from atomrt.runtime.driver.engine import LLMEngine
+
+    requests = [bench.Request([5 + i, 6, 7, 8], 3 + i % 3) for i in range(10)]
+    in_flight: list[int] = []  # requests the engine holds at each step
+    step = LLMEngine.step
+
+    def counting_step(self):
+        in_flight.append(len(self._requests))
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", counting_step)
+    rates = bench.offline_tokens_per_s(
+        ["--model", str(tiny), *CPU_FLAGS], requests, [2, 2, None], progress=False
+    )
+    assert list(rates) == [2, None] and all(v > 0 for v in rates.values())
+    # the warm-up's 8 requests, then the run at 2, then the 10 at once
+    warm_end = len(in_flight) - in_flight[::-1].index(8)
+    at_two = in_flight[warm_end : in_flight.index(10)]
+    assert at_two and max(at_two) == 2
+    assert max(in_flight) == 10

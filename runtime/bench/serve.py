@@ -12,8 +12,9 @@ exactly `--output-len` tokens; a ShareGPT one its answer's length). Synthetic pr
 sends all at once). Per run: requests/s, output tokens/s, and p50 / p90 / p99 of TTFT (time to the
 first token), TPOT (time per output token after the first) and ITL (time between streamed chunks).
 `--compare-offline` (when the bench starts the server) also runs the same prompts through the
-offline engine (`LLM.generate`, same flags) once the server is gone, and prints the server's output
-tokens/s as a fraction of it.
+offline engine (same flags) once the server is gone, at each run's concurrency (that many requests
+in flight, a finished one replaced by the next; a request-rate run: all at once), and prints the
+server's output tokens/s as a fraction of the offline engine's.
 """
 
 from __future__ import annotations
@@ -289,27 +290,54 @@ def summarize(
     )
 
 
-def offline_tokens_per_s(engine_argv: list[str], requests: list[Request], progress: bool) -> float:
-    """Output tokens/s of `LLM.generate` on the same prompts and flags (after a warm-up)."""
+def offline_tokens_per_s(
+    engine_argv: list[str],
+    requests: list[Request],
+    concurrencies: list[Optional[int]],
+    progress: bool,
+) -> dict[Optional[int], float]:
+    """Output tokens/s of the offline engine (same flags, after a warm-up) on the same prompts, per
+    concurrency: at most that many requests in flight, a finished one replaced by the next, as the
+    server's clients do (None: all at once)."""
     from atomrt.runtime.entrypoints.llm import LLM
     from atomrt.runtime.sampling_params import SamplingParams
 
-    engine = argparse.ArgumentParser()
-    _add_config_args(engine)
-    llm = LLM(config=config_from_args(engine.parse_args(engine_argv)))
+    engine_args = argparse.ArgumentParser()
+    _add_config_args(engine_args)
+    llm = LLM(config=config_from_args(engine_args.parse_args(engine_argv)))
+    out: dict[Optional[int], float] = {}
     try:
-        params = [
-            SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len)
-            for r in requests
-        ]
         warm = SamplingParams(temperature=0, ignore_eos=True, max_tokens=2)
         llm.generate([r.prompt for r in requests[:8]], warm, use_tqdm=False)
-        start = time.perf_counter()
-        outs = llm.generate([r.prompt for r in requests], params, use_tqdm=progress)
-        seconds = time.perf_counter() - start
+        for concurrency in dict.fromkeys(concurrencies):
+            out[concurrency] = _closed_loop(llm.engine, requests, concurrency, progress)
     finally:
         llm.shutdown()
-    return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+    return out
+
+
+def _closed_loop(engine: Any, requests: list[Request], concurrency: Optional[int], progress: bool):
+    from atomrt.runtime.sampling_params import SamplingParams
+
+    pending = list(requests)
+    in_flight = tokens = 0
+    bar = tqdm(total=len(requests), desc=f"offline c={concurrency}", disable=not progress)
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and (concurrency is None or in_flight < concurrency):
+            r = pending.pop(0)
+            engine.add_request(
+                r.prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len)
+            )
+            in_flight += 1
+        for o in engine.step():
+            if o.finished:
+                in_flight -= 1
+                tokens += len(o.outputs[0].token_ids)
+                bar.update(1)
+    seconds = time.perf_counter() - start
+    bar.close()
+    return tokens / seconds
 
 
 # ------------------------------------------------------------------------- report
@@ -390,11 +418,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if server is not None:
             server.stop()
     if args.compare_offline:
-        offline = offline_tokens_per_s(engine_argv, requests, not args.no_progress)
-        print(f"offline engine: {offline:.1f} output tok/s on the same prompts")
+        offline = offline_tokens_per_s(
+            engine_argv, requests, [r.concurrency for r in results], not args.no_progress
+        )
         for r in results:
-            r.offline_output_tokens_per_s = round(offline, 2)
-            r.server_vs_offline = round(r.output_tokens_per_s / offline, 4)
+            r.offline_output_tokens_per_s = round(offline[r.concurrency], 2)
+            r.server_vs_offline = round(r.output_tokens_per_s / offline[r.concurrency], 4)
             print(_line(r))
     if args.json:
         report = {"url": url, "model": model, "args": vars(args), "engine_flags": engine_argv}
