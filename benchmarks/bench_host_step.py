@@ -53,7 +53,7 @@ def main() -> None:
     runner = eng.executor.worker.runner
     logits = torch.randn(max(a.bs, 8) * 8, VOCAB)
 
-    def fixed_logits(input_ids, decision, logits_indices) -> ModelOutput:
+    def fixed_logits(input_ids, decision, logits_indices, split=None) -> ModelOutput:
         n = input_ids.shape[0]
         return ModelOutput(logits[:n][logits_indices], logits[:n], None)
 

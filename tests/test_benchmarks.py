@@ -53,3 +53,17 @@ def test_scripts_answer_help():
         if proc.returncode != 0 or "usage:" not in out:
             failed[name] = f"rc={proc.returncode}: {err.strip().splitlines()[-1:] or out[:200]}"
     assert not failed, failed
+
+
+def test_host_step_bench_runs():
+    """bench_host_step.py stands in for the model's forward: a change to the runner's forward
+    signature must keep it running (it is the host-step figure of docs/perf.md)."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_host_step.py"), "--bs", "2", "--steps", "5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"bs=2 async: host [\d.]+ us/step", proc.stdout), proc.stdout
