@@ -169,6 +169,28 @@ class TransportAddresses:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
+ZAP_REBIND_TIMEOUT_S = 5.0
+
+
+def _start_authenticator() -> ThreadAuthenticator:
+    """Start the process's ZAP handler. The endpoint it binds is the context's one ZAP address,
+    which a handler stopped just before still holds until ZeroMQ has closed its socket, a moment
+    after `stop()` returns: the bind is retried until that is done (a bounded wait)."""
+    deadline = time.monotonic() + ZAP_REBIND_TIMEOUT_S
+    while True:
+        auth = ThreadAuthenticator(zmq.Context.instance())
+        try:
+            auth.start()
+            return auth
+        except zmq.ZMQError as e:
+            auth.stop()
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"step channel: cannot start the CURVE authenticator (ZAP handler): {e}"
+                ) from e
+            time.sleep(0.01)
+
+
 class _Admission:
     """The driver process's ZAP handler: a CURVE client is admitted while its public key belongs to
     a channel this process has open. One per process, because ZAP is per ZeroMQ context and every
@@ -183,8 +205,7 @@ class _Admission:
     def admit(self, client_public: str) -> None:
         with self._lock:
             if self._auth is None:
-                auth = ThreadAuthenticator(zmq.Context.instance())
-                auth.start()
+                auth = _start_authenticator()
                 auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self)
                 self._auth = auth
             key = client_public.encode()

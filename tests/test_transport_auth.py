@@ -240,3 +240,11 @@ def test_engine_over_tcp_refuses_rogues_and_carries_on(tiny_model: Path) -> None
     assert first == reference and second == reference[:2]
     assert outcome["received"] == {i: 0 for i in range(len(rogues))}
     assert all(seen and zmq.EVENT_HANDSHAKE_SUCCEEDED not in seen for seen in events), events
+
+
+def test_the_authenticator_starts_again_right_after_it_stopped():
+    """The last channel of the process closing stops the ZAP handler; a channel opened right after
+    starts a new one, whose bind must wait until the old one's endpoint is released."""
+    for i in range(30):
+        ADMISSION.admit(f"client-key-{i}")
+        ADMISSION.revoke(f"client-key-{i}")
