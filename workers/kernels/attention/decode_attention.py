@@ -4,7 +4,9 @@
 #                       program of each (sequence, KV head) merges, through per-device counters)
 #   attention_step    - what the attention op runs on CUDA: decode_attention for a decode batch, else
 #                       paged_attention's rope_write_kv / write_kv_cache then unified attention
-# Launch paths as in paged_attention.py: graph-safe (bucket values only) or host-planned.
+# Launch paths as in paged_attention.py: graph-safe (bucket values only) or host-planned. Launches
+# go through a LaunchMemo (kernels/launch.py): past the first of each specialization they skip
+# Triton's dispatch, and eager split launches reuse a kept workspace.
 # Importing this module needs no GPU.
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from atomrt.workers.kernels.attention.paged_attention import (
     MIN_KEYS_PER_SPLIT,
     attend_planned,
     check_attention_args,
+    kept_split_workspace,
     plan_lengths,
     rope_write_kv,
-    split_workspace,
     unit_last_stride,
     write_kv_cache,
 )
 from atomrt.workers.kernels.device_info import device_scratch, sm_count, use_pdl
+from atomrt.workers.kernels.launch import LaunchMemo
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,9 @@ def decode_attention(
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     split = plan.num_splits > 1
     if split:
-        partial, m, l = split_workspace(num_tokens, num_heads, plan.num_splits, head_dim, q.device)
+        partial, m, l = kept_split_workspace(
+            num_tokens, num_heads, plan.num_splits, head_dim, q.device
+        )
         counters = prepare_decode_counters(q.device)
         partial_strides, ml_strides = partial.stride()[:3], m.stride()[:2]
     else:
@@ -149,23 +154,9 @@ def decode_attention(
         rope_args = (positions, cos_cache.contiguous(), sin_cache.contiguous())
     else:
         rope_args = (slot_mapping, out, out)  # unused
-    pdl = use_pdl(q.device)
-    decode_attention_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
-        q,
-        k,
-        v,
-        out,
-        partial,
-        m,
-        l,
-        counters,
-        *rope_args,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        cu_seqlens_q,
-        context_lens,
-        block_tables,
+    tensors = (q, k, v, out, partial, m, l, counters, *rope_args, k_cache, v_cache, slot_mapping)
+    tensors += (cu_seqlens_q, context_lens, block_tables)
+    scalars = (
         scale * LOG2E,
         plan.num_splits,
         num_kv_heads,
@@ -181,29 +172,55 @@ def decode_attention(
         out.stride(1),
         *partial_strides,
         *ml_strides,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
         block_tables.stride(0),
         head_dim,
-        GROUP=num_heads // num_kv_heads,
-        BLOCK_M=plan.block_m,
-        HALF=head_dim // 2,
-        HEAD_DIM_P=plan.head_dim_p,
-        TILE_N=plan.tile_n,
-        BLOCK_SIZE=k_cache.shape[1],
-        HAS_ROPE=has_rope,
-        SPLIT=split,
-        MIN_TILES_PER_SPLIT=plan.min_tiles_per_split,
-        SPLIT_CHUNK=SPLIT_CHUNK,
-        IEEE_DOT=q.dtype == torch.float32,
-        USE_PDL=pdl,
-        num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
-        launch_pdl=pdl and device_info.PDL_ATTRIBUTE,
+    )
+    constexprs = _decode_constexprs(
+        plan,
+        num_heads // num_kv_heads,
+        head_dim,
+        k_cache.shape[1],
+        has_rope,
+        q.dtype == torch.float32,
+        use_pdl(q.device),
+    )
+    _DECODE_LAUNCHES((num_seqs, num_kv_heads, plan.num_splits), tensors, scalars, constexprs)
+
+
+# every decode launch outside a CUDA-graph recording repeats the last one's specialization: launch
+# them past Triton's dispatch (a TR_HYBRID step makes one per layer)
+_DECODE_LAUNCHES = LaunchMemo(decode_attention_kernel)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_constexprs(
+    plan: DecodeLaunch,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    has_rope: bool,
+    ieee_dot: bool,
+    pdl: bool,
+) -> tuple[tuple[str, object], ...]:
+    """decode_attention_kernel's constexprs and launch options, in its signature's order."""
+    return (
+        ("GROUP", group),
+        ("BLOCK_M", plan.block_m),
+        ("HALF", head_dim // 2),
+        ("HEAD_DIM_P", plan.head_dim_p),
+        ("TILE_N", plan.tile_n),
+        ("BLOCK_SIZE", block_size),
+        ("HAS_ROPE", has_rope),
+        ("SPLIT", plan.num_splits > 1),
+        ("MIN_TILES_PER_SPLIT", plan.min_tiles_per_split),
+        ("SPLIT_CHUNK", SPLIT_CHUNK),
+        ("IEEE_DOT", ieee_dot),
+        ("USE_PDL", pdl),
+        ("num_warps", plan.num_warps),
+        ("num_stages", plan.num_stages),
+        ("launch_pdl", pdl and device_info.PDL_ATTRIBUTE),
     )
 
 

@@ -1,0 +1,89 @@
+"""LaunchMemo's keying on CPU tensors: a launch with what Triton specializes on unchanged (dtypes,
+16-byte alignment, scalar values, constexprs) reuses the kept compiled kernel and passes tensor
+addresses; any change goes through the kernel's own dispatch again. The kernel here is a stand-in
+that records calls (the real launcher needs CUDA: tests/gpu/test_decode_attention_gpu.py runs the
+decode kernel's memo on a GPU against float64)."""
+
+from __future__ import annotations
+
+import torch
+
+from atomrt.workers.kernels import launch
+
+
+class Compiled:
+    packed_metadata = "packed"
+    function = "fn"
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def run(self, *args):
+        self.log.append(("run", args))
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+
+class Kernel:
+    arg_names = ["x_ptr", "y_ptr", "n", "BLOCK", "FLAG"]
+
+    class _Param:
+        def __init__(self, default):
+            self.default = default
+
+    signature = type("Sig", (), {"parameters": {"FLAG": _Param(True)}})()
+
+    def __init__(self):
+        self.log: list = []
+
+    def __getitem__(self, grid):
+        def dispatch(*args, **kwargs):
+            self.log.append(("dispatch", grid, args, kwargs))
+            return Compiled(self.log)
+
+        return dispatch
+
+
+def test_the_memo_keys_on_what_triton_specializes(monkeypatch) -> None:
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: 7)
+    kernel = Kernel()
+    memo = launch.LaunchMemo(kernel)
+    x, y = torch.zeros(64), torch.zeros(64)
+    consts = (("BLOCK", 32), ("num_warps", 4))
+    memo((2, 1, 1), (x, y), (64,), consts)
+    assert kernel.log[-1][0] == "dispatch" and (memo.hits, memo.misses) == (0, 1)
+
+    x2, y2 = torch.ones(64), torch.ones(64)  # new tensors, same specialization
+    memo((3, 1, 1), (x2, y2), (64,), consts)
+    kind, args = kernel.log[-1]
+    assert kind == "run" and (memo.hits, memo.misses) == (1, 1)
+    assert args[:7] == (3, 1, 1, 7, "fn", "packed", None)
+    # hooks, then addresses, scalars and constexprs (defaults filled), in signature order
+    assert args[9:] == (x2.data_ptr(), y2.data_ptr(), 64, 32, True)
+
+    for tensors, scalars, c in [
+        ((x[1:], y), (64,), consts),  # a 4-byte-aligned pointer
+        ((x.double(), y), (64,), consts),  # another dtype
+        ((x, y), (65,), consts),  # another scalar value
+        ((x, y), (64,), (("BLOCK", 64), ("num_warps", 4))),  # another constexpr
+    ]:
+        misses = memo.misses
+        memo((1, 1, 1), tensors, scalars, c)
+        assert memo.misses == misses + 1 and kernel.log[-1][0] == "dispatch"
+
+
+def test_the_interpreter_launches_through_the_kernel_every_time(monkeypatch) -> None:
+    class Interpreted(Kernel):
+        def __getitem__(self, grid):
+            def dispatch(*args, **kwargs):
+                self.log.append(("dispatch", grid, args, kwargs))
+
+            return dispatch
+
+    kernel = Interpreted()
+    memo = launch.LaunchMemo(kernel)
+    x = torch.zeros(8)
+    for _ in range(3):
+        memo((1, 1, 1), (x, x), (8,), (("BLOCK", 8),))
+    assert [e[0] for e in kernel.log] == ["dispatch"] * 3 and memo.hits == 0

@@ -1,0 +1,105 @@
+# Launches of a Triton kernel past its Python dispatch, for launches repeated every step outside a
+# CUDA graph (the eager regions of TR_HYBRID, eager mode):
+#   LaunchMemo - the first launch of each specialization goes through `kernel[grid](...)`; the
+#                compiled kernel it returns is kept under a key of what Triton specializes on
+#                (dtypes, 16-byte alignment of every pointer, the scalars' values, the constexprs
+#                and launch options), and later launches with that key call its launcher directly
+# Triton's dispatch binds and specializes every argument on every call (tens of microseconds for a
+# kernel of fifty arguments); a kept launch reads each tensor's address and launches.
+# Importing this module needs no GPU.
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MAX_KEPT = (
+    1024  # launches kept per kernel; past it the memo starts again (a key per bucket is usual)
+)
+
+
+def _launch_hooks() -> tuple[Any, Any]:
+    """Triton's launch hooks (profilers set them), as its own dispatch passes them on."""
+    from triton import knobs
+
+    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+
+
+def _raw_stream(device_index: int) -> int:
+    """The current CUDA stream's handle, read as Triton's own dispatch reads it."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+class LaunchMemo:
+    """Launches of one Triton kernel whose arguments are `tensors`, then `scalars`, then the
+    constexprs, in the kernel's signature order. `constexprs` holds the constexpr arguments and
+    the launch options (num_warps, num_stages, launch_pdl) as a tuple of (name, value) pairs.
+
+    Under the Triton interpreter (or any launch that returns no compiled kernel) every call goes
+    through the kernel's own dispatch. `hits` and `misses` count the two paths."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+        self._kept: dict[tuple, tuple[Any, tuple]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __call__(
+        self,
+        grid: tuple[int, int, int],
+        tensors: tuple[torch.Tensor, ...],
+        scalars: tuple,
+        constexprs: tuple[tuple[str, Any], ...],
+    ) -> None:
+        addresses = [t.data_ptr() for t in tensors]
+        key = (
+            tensors[0].get_device(),
+            tuple([t.dtype for t in tensors]),
+            tuple([a & 15 for a in addresses]),
+            scalars,
+            constexprs,
+        )
+        kept = self._kept.get(key)
+        if kept is None:
+            self._launch_first(key, grid, tensors, scalars, constexprs)
+            return
+        compiled, constexpr_values = kept
+        stream = _raw_stream(key[0])
+        enter_hook, exit_hook = _launch_hooks()
+        metadata = (
+            None
+            if enter_hook is None
+            else compiled.launch_metadata(grid, stream, *addresses, *scalars, *constexpr_values)
+        )
+        compiled.run(
+            grid[0],
+            grid[1],
+            grid[2],
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            metadata,
+            enter_hook,
+            exit_hook,
+            *addresses,
+            *scalars,
+            *constexpr_values,
+        )
+        self.hits += 1
+
+    def _launch_first(self, key: tuple, grid, tensors, scalars, constexprs) -> None:
+        self.misses += 1
+        compiled = self.kernel[grid](*tensors, *scalars, **dict(constexprs))
+        if compiled is None or not hasattr(compiled, "packed_metadata"):
+            return  # the interpreter: nothing to keep
+        names = self.kernel.arg_names
+        named = dict(constexprs)
+        defaults = self.kernel.signature.parameters
+        first_constexpr = len(tensors) + len(scalars)
+        constexpr_values = tuple(
+            named[n] if n in named else defaults[n].default for n in names[first_constexpr:]
+        )
+        if len(self._kept) >= MAX_KEPT:
+            self._kept.clear()
+        self._kept[key] = (compiled, constexpr_values)
