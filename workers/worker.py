@@ -8,6 +8,7 @@ that feeds it plans lives in workers/process.py.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -64,6 +65,8 @@ class WorkerInfo:
     # What each rank compiled and loaded at start-up, in rank order: a worker reports its own, the
     # mp and ray executors gather every rank's.
     compile_reports: tuple[CompileReport, ...] = ()
+    # This worker's start-up, phase by phase in order: (name, seconds); see Worker.phase
+    startup_phases: tuple[tuple[str, float], ...] = ()
 
 
 class Worker:
@@ -87,27 +90,44 @@ class Worker:
         dp = DPInfo(dp_rank, pc.data_parallel_size, dp_group, timeout_s=pc.worker_timeout_s)
         device = resolve_device(config, local_device)
         self._compile_counts = compilation_counter.snapshot()  # this start's work is the difference
+        self._phases: list[tuple[str, float]] = []
+        start = time.perf_counter()
         self.runner = ModelRunner(config, device, tp, dp)
+        self._phase("model and weights", start)
         self.mirrors = SeqMirrors(config.cache_config.block_size)
         self.next_step = 0
         self._unfinished: Optional[PendingStep] = (
             None  # TP rank 0: the last launched step, until finished
         )
 
+    def _phase(self, name: str, start: float) -> float:
+        """Record that start-up phase `name` ran from `start` (perf_counter) until now."""
+        now = time.perf_counter()
+        self._phases.append((name, now - start))
+        return now
+
     def determine_num_blocks(self) -> int:
-        return determine_num_blocks(self.runner).num_blocks
+        start = time.perf_counter()
+        num_blocks = determine_num_blocks(self.runner).num_blocks
+        self._phase("KV sizing (its profile run compiles the general shape)", start)
+        return num_blocks
 
     def initialize(self, num_blocks: int) -> WorkerInfo:
         """Allocate the KV cache (the group agreed on `num_blocks`), compile every piece at every
         compile size (levels 2-3), and capture graphs."""
+        start = time.perf_counter()
         self.runner.allocate_kv_cache(num_blocks)
+        start = self._phase("KV cache allocation", start)
         sizes, skipped = compile_all_sizes(self.runner)
+        start = self._phase("compile sizes", start)
         seconds = self.runner.capture_cudagraph()
+        start = self._phase("graph capture", start)
         graphs = self.runner.graphs
         captured = graphs.captured_buckets(self.runner.model)
         timings = ()
         if self.config.parallel_config.enable_tbo == "auto":
             timings = measure_tbo(self.runner, captured)
+            self._phase("TBO measurement", start)
         arch = self.runner.arch
         return WorkerInfo(
             num_kv_blocks=num_blocks,
@@ -123,6 +143,7 @@ class Worker:
             tbo_req_keys=captured.tbo_req_keys,
             tbo_timings=timings,
             compile_reports=(compile_report(self.runner, self._compile_counts, sizes, skipped),),
+            startup_phases=tuple(self._phases),
         )
 
     @torch.inference_mode()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -97,6 +98,18 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (a worker failed); the message says why. Every later call raises it."""
 
 
+def log_startup(seconds: float, phases: tuple[tuple[str, float], ...]) -> None:
+    """One line: the executor's start-up and, phase by phase, rank 0's share of it (the rest is
+    processes, actors and the groups coming up)."""
+    parts = ", ".join(f"{name} {s:.2f} s" for name, s in phases)
+    logger.info(
+        "workers up in %.2f s; rank 0: %s; other (processes, groups) %.2f s",
+        seconds,
+        parts or "no phases reported",
+        seconds - sum(s for _, s in phases),
+    )
+
+
 class LLMEngine:
     """The driver. Single-threaded by contract: `add_request`, `abort`, `step`, `has_unfinished` and
     `shutdown` are called from one thread (a server puts a thread-safe front on it).
@@ -118,7 +131,9 @@ class LLMEngine:
         check_max_model_len(config, arch)
         check_draft_model(config, arch)
         self.executor: Executor = make_executor(config)
+        start = time.perf_counter()
         self.info = info = self.executor.start()
+        log_startup(time.perf_counter() - start, info.startup_phases)
         self.max_model_len = info.max_model_len
         self.eos_token_ids = frozenset(info.eos_token_ids) | frozenset(
             tokenizer.eos_token_ids if tokenizer is not None else ()
