@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +38,8 @@ TARGET_RATIO = 0.25
 class ChildResult:
     seconds: float  # model construction + first forward(s): the compile or the cache load
     counter: dict
+    # LLM children: process start to first token, phase by phase, (name, seconds) in order
+    phases: list = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +53,8 @@ class StartupBench:
     cold_inductor_compiles: int
     warm_inductor_compiles: int
     warm_cache_loads: int
+    cold_phases: list = field(default_factory=list)  # see ChildResult.phases
+    warm_phases: list = field(default_factory=list)
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -59,8 +63,11 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument(
         "--toy", action="store_true", help="compile a toy model instead of constructing LLM"
     )
+    p.add_argument("--load-format", default="auto", help="auto | dummy (random weights)")
+    p.add_argument("--cudagraph-mode", default=None, help="CUDA-graph mode (default: level 3's)")
     p.add_argument("--out", default="bench_startup.json", help="where to write the JSON result")
     p.add_argument("--child", metavar="CACHE_DIR", help=argparse.SUPPRESS)
+    p.add_argument("--spawned-at", type=float, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -104,24 +111,40 @@ def _toy_startup(cache_dir: str) -> None:
             model(torch.randn(n, 64))
 
 
-def _llm_startup(cache_dir: str, model: str) -> None:
+def _llm_startup(args: argparse.Namespace) -> list:
+    """Build the LLM and stream one request's first token; the phases from the process's start
+    (`--spawned-at`, wall clock) to that token."""
     from atomrt.runtime.config import CompilationConfig
     from atomrt.runtime.entrypoints.llm import LLM
     from atomrt.runtime.sampling_params import SamplingParams
 
-    llm = LLM(model=model, compilation_config=CompilationConfig(level=3, cache_dir=cache_dir))
-    llm.generate(["Hello"], SamplingParams(max_tokens=2))
+    phases = [["import (interpreter, torch, atomrt)", time.time() - args.spawned_at]]
+    start = time.time()
+    mode = {"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode else {}
+    cc = CompilationConfig(level=3, cache_dir=args.child, **mode)
+    llm = LLM(model=args.model, load_format=args.load_format, compilation_config=cc)
+    built = time.time()
+    worker = llm.engine.info.startup_phases
+    phases += [[name, seconds] for name, seconds in worker]
+    phases.append(["processes, groups, engine", built - start - sum(s for _, s in worker)])
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1), use_tqdm=False)
+    first = time.time()
+    phases.append(["first token (one request's prefill)", first - built])
+    phases.append(["total: process start to first token", first - args.spawned_at])
+    llm.shutdown()
+    return phases
 
 
 def _child(args: argparse.Namespace) -> None:
     from atomrt.compile import compilation_counter
 
     start = time.perf_counter()
+    phases = []
     if args.toy:
         _toy_startup(args.child)
     else:
-        _llm_startup(args.child, args.model)
-    result = ChildResult(time.perf_counter() - start, compilation_counter.snapshot())
+        phases = _llm_startup(args)
+    result = ChildResult(time.perf_counter() - start, compilation_counter.snapshot(), phases)
     print("CHILD " + json.dumps(asdict(result)), flush=True)
 
 
@@ -137,7 +160,13 @@ def _run_child(args: argparse.Namespace, cache_dir: Path, inductor_dir: Path) ->
         str(cache_dir),
         "--model",
         args.model,
+        "--load-format",
+        args.load_format,
+        "--spawned-at",
+        str(time.time()),
     ]
+    if args.cudagraph_mode:
+        cmd += ["--cudagraph-mode", args.cudagraph_mode]
     if args.toy:
         cmd.append("--toy")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir))
@@ -174,6 +203,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         cold_inductor_compiles=cold.counter["num_inductor_compiles"],
         warm_inductor_compiles=warm.counter["num_inductor_compiles"],
         warm_cache_loads=warm.counter["num_cache_loads"],
+        cold_phases=cold.phases,
+        warm_phases=warm.phases,
     )
     print(
         f"startup {bench.model} level 3: compile cold {bench.cold_compile_s:.2f} s, warm {bench.warm_compile_s:.2f} s, "
@@ -181,6 +212,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"warm {bench.warm_startup_s:.2f} s; Inductor compiles cold {bench.cold_inductor_compiles} / warm "
         f"{bench.warm_inductor_compiles}, warm loads {bench.warm_cache_loads}"
     )
+    for (name, c), (_, w) in zip(bench.cold_phases, bench.warm_phases):
+        print(f"  {name:<58} cold {c:8.2f} s   warm {w:8.2f} s")
     Path(args.out).write_text(json.dumps(asdict(bench), indent=1) + "\n")
     return 0
 
