@@ -48,6 +48,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         help="two-batch overlap on MoE models: none | prefill | all | auto",
     )
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        default=None,
+        help="plan step N+1 while step N runs on the device",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--speculative-config",
@@ -87,7 +93,10 @@ def config_from_args(args: argparse.Namespace):
             "executor": args.executor,
             "enable_tbo": getattr(args, "enable_tbo", None),
         },
-        "scheduler_config": {"max_num_seqs": args.max_num_seqs},
+        "scheduler_config": {
+            "max_num_seqs": args.max_num_seqs,
+            "async_scheduling": getattr(args, "async_scheduling", None),
+        },
     }
     if getattr(args, "speculative_config", None) is not None:
         base["speculative_config"] = args.speculative_config

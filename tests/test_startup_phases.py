@@ -1,0 +1,48 @@
+"""A worker reports its start-up phase by phase, and the engine logs them in one line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from atomrt.runtime.entrypoints.llm import LLM
+
+
+def test_startup_phases_are_reported_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="atomrt.runtime.driver.engine"):
+        llm = LLM(
+            "tiny-qwen3-moe",
+            load_format="dummy",
+            device="cpu",
+            enforce_eager=True,
+            max_num_seqs=4,
+            num_kv_blocks=16,
+        )
+    try:
+        phases = llm.engine.info.startup_phases
+    finally:
+        llm.shutdown()
+    names = [name for name, _ in phases]
+    assert names == [
+        "model and weights",
+        "KV sizing (its profile run compiles the general shape)",
+        "KV cache allocation",
+        "compile sizes",
+        "graph capture",
+    ]
+    assert all(seconds >= 0 for _, seconds in phases)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("workers up"))
+    assert "rank 0: model and weights" in line and "graph capture" in line
+
+
+def test_async_scheduling_flag() -> None:
+    """`--async-scheduling` (vLLM's name) turns on scheduler_config.async_scheduling; off without it."""
+    from atomrt.runtime.entrypoints.cli import build_parser
+    from atomrt.runtime.entrypoints.config_args import config_from_args
+
+    parser = build_parser()
+    on = parser.parse_args(["serve", "--async-scheduling"])
+    off = parser.parse_args(["serve"])
+    assert config_from_args(on).scheduler_config.async_scheduling is True
+    assert config_from_args(off).scheduler_config.async_scheduling is False
