@@ -507,3 +507,19 @@ def test_offline_comparison_runs_at_each_concurrency(tiny, monkeypatch):
     at_two = in_flight[warm_end : in_flight.index(10)]
     assert at_two and max(at_two) == 2
     assert max(in_flight) == 10
+
+
+def test_bench_serve_on_a_model_without_a_tokenizer(tmp_path):
+    """Dummy weights of a preset have no tokenizer: the bench starts the server itself, sends
+    prompts of token ids, and counts each streamed chunk (text-less) as a token."""
+    from atomrt.runtime.bench.serve import main as bench_serve
+
+    report = tmp_path / "serve.json"
+    engine = ["--model", "tiny-qwen3-moe", "--load-format", "dummy", "--device", "cpu"]
+    rc = bench_serve(
+        [*engine, "--enforce-eager", "--no-progress", "--json", str(report), "--num-prompts", "4"]
+        + ["--input-len", "5", "--output-len", "4", "--concurrency", "2"]
+    )
+    (run,) = json.loads(report.read_text())["runs"]
+    assert rc == 0 and run["failed"] == 0 and run["num_requests"] == 4
+    assert run["output_tokens_per_s"] > 0 and run["itl_ms"]["p50"] > 0

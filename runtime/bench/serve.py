@@ -186,8 +186,8 @@ def build_requests(args: argparse.Namespace, client: httpx.Client) -> list[Reque
     if r.status_code == 200:
         pool = sorted(set(r.json()["tokens"])) or [0]
     else:  # a model without a tokenizer (dummy weights of a preset): ids every vocabulary has
-        print(f"bench serve: /tokenize answered {r.status_code}; prompts of token ids 1000-9999")
-        pool = list(range(1000, 10000))
+        print(f"bench serve: /tokenize answered {r.status_code}; prompts of token ids 10-499")
+        pool = list(range(10, 500))
     return [
         Request([rng.choice(pool) for _ in range(args.input_len)], args.output_len)
         for _ in range(args.num_prompts)
@@ -220,7 +220,12 @@ async def one_request(client: httpx.AsyncClient, model: str, req: Request) -> Ou
                     return Outcome(ok=False, error=chunk["error"]["message"])
                 if chunk.get("usage"):
                     out.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                # a token's chunk: text, or none yet (a partial character, or a model served
+                # without a tokenizer); a closing chunk carries only its finish_reason
+                choice = (chunk.get("choices") or [None])[0]
+                if choice is not None and (
+                    choice.get("text") or choice.get("finish_reason") is None
+                ):
                     if first == 0.0:
                         first = now
                     else:
@@ -229,6 +234,8 @@ async def one_request(client: httpx.AsyncClient, model: str, req: Request) -> Ou
     except httpx.HTTPError as e:
         return Outcome(ok=False, error=f"{type(e).__name__}: {e}")
     out.ok = first > 0.0
+    if not out.ok:
+        out.error = "the stream ended without a token"
     out.ttft = first - start
     out.latency = time.perf_counter() - start
     return out
