@@ -87,3 +87,20 @@ def test_the_interpreter_launches_through_the_kernel_every_time(monkeypatch) -> 
     for _ in range(3):
         memo((1, 1, 1), (x, x), (8,), (("BLOCK", 8),))
     assert [e[0] for e in kernel.log] == ["dispatch"] * 3 and memo.hits == 0
+
+
+def test_a_bound_launch_repeats_the_kept_one_on_the_given_stream(monkeypatch) -> None:
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: 7)
+    kernel = Kernel()
+    memo = launch.LaunchMemo(kernel)
+    x, y = torch.zeros(16), torch.zeros(16)
+    args = ((4, 2, 1), (x, y), (16,), (("BLOCK", 8),))
+    assert memo.bound(*args) is None  # nothing kept before the first launch
+    memo(*args)
+    bound = memo.bound(*args)
+    bound(stream=99)
+    kind, run_args = kernel.log[-1]
+    assert kind == "run" and memo.hits == 1
+    assert run_args[:4] == (4, 2, 1, 99)
+    assert run_args[9:] == (x.data_ptr(), y.data_ptr(), 16, 8, True)
+    assert bound.tensors == (x, y)  # kept alive with the launch

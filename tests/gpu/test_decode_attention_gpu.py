@@ -177,3 +177,56 @@ def test_repeated_launches_come_from_the_memo_and_stay_exact() -> None:
             step(case, out, graph_safe=False)
             check(case, out)
     assert memo.hits - hits == 3 * len(scenarios), (memo.hits, memo.misses)
+
+
+def test_bound_launches_follow_new_data_in_the_same_tensors(monkeypatch) -> None:
+    """An eager region passes the same tensors at every step: after the first launch of each plan
+    the whole launch is bound and repeated. New q/k/v, caches and lengths written into the same
+    tensors -- contexts that need one, a few and all splits -- each match float64, and the bound
+    launches are what ran (memo hits, no new dispatch)."""
+    dtype, head_dim, group, num_kv_heads, seqs = torch.bfloat16, 128, 4, 8, 3
+
+    def case_for(lens_k: list[int], seed: int) -> cpu_tier.DecodeCase:
+        return make_case(
+            lens_k,
+            num_kv_heads=num_kv_heads,
+            group=group,
+            head_dim=head_dim,
+            dtype=dtype,
+            seed=seed,
+            max_blocks=257,
+            num_blocks=seqs * 257 + 3,
+        )
+
+    static = case_for([170, 5, 9], seed=1)
+    out = torch.full_like(static.batch.q, cpu_tier.SENTINEL)
+    planned = []  # calls of the unbound path
+    unbound = decode_module._decode_launch
+    monkeypatch.setattr(
+        decode_module, "_decode_launch", lambda *a, **kw: planned.append(1) or unbound(*a, **kw)
+    )
+    lens_list = [[170, 5, 9], [4000, 3000, 2], [1, 300, 4000], [170, 5, 9], [4000, 3000, 2]]
+    for seed, lens_k in enumerate(lens_list, start=2):
+        new = case_for(lens_k, seed)
+        sb, nb = static.batch, new.batch
+        for name in ("q", "k_cache", "v_cache", "cu_seqlens_q", "context_lens", "block_tables"):
+            getattr(sb, name).copy_(getattr(nb, name))
+        for name in ("k", "v", "positions", "slot_mapping"):
+            getattr(static, name).copy_(getattr(new, name))
+        out.fill_(cpu_tier.SENTINEL)
+        calls = len(planned)
+        attention_step(
+            sb.q, static.k, static.v, out, static.positions,
+            static.rotary.cos_cache, static.rotary.sin_cache, sb.k_cache, sb.v_cache,
+            static.slot_mapping, sb.cu_seqlens_q, sb.context_lens, sb.block_tables,
+            head_dim**-0.5, num_seqs=seqs, max_seqlen_q=1, max_seqlen_k=max(lens_k),
+            graph_safe=False, cu_seqlens_q_cpu=nb.cu_seqlens_q_cpu, context_lens_cpu=nb.context_lens_cpu,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        ref_out, _, _ = cpu_tier.expected(new)
+        n = nb.num_real_rows
+        torch.testing.assert_close(out[:n].double(), ref_out, **TOLERANCES[dtype])
+        assert torch.all(prepare_decode_counters(out.device) == 0)
+        if seed >= 5:  # the plans of the first three steps are bound: the launch was repeated
+            assert len(planned) == calls
+    assert any(len(plans) >= 2 for _, plans in decode_module._BOUND.values())

@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
@@ -19,11 +21,17 @@ MAX_KEPT = (
 )
 
 
-def _launch_hooks() -> tuple[Any, Any]:
-    """Triton's launch hooks (profilers set them), as its own dispatch passes them on."""
+@functools.cache
+def _runtime_knobs() -> Any:
     from triton import knobs
 
-    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return knobs.runtime
+
+
+def _launch_hooks() -> tuple[Any, Any]:
+    """Triton's launch hooks (profilers set them), as its own dispatch passes them on."""
+    runtime = _runtime_knobs()
+    return runtime.launch_enter_hook, runtime.launch_exit_hook
 
 
 def _raw_stream(device_index: int) -> int:
@@ -45,6 +53,16 @@ class LaunchMemo:
         self.hits = 0
         self.misses = 0
 
+    @staticmethod
+    def _key(tensors: tuple, addresses: list[int], scalars: tuple, constexprs: tuple) -> tuple:
+        return (
+            tensors[0].get_device(),
+            tuple([t.dtype for t in tensors]),
+            tuple([a & 15 for a in addresses]),
+            scalars,
+            constexprs,
+        )
+
     def __call__(
         self,
         grid: tuple[int, int, int],
@@ -53,13 +71,7 @@ class LaunchMemo:
         constexprs: tuple[tuple[str, Any], ...],
     ) -> None:
         addresses = [t.data_ptr() for t in tensors]
-        key = (
-            tensors[0].get_device(),
-            tuple([t.dtype for t in tensors]),
-            tuple([a & 15 for a in addresses]),
-            scalars,
-            constexprs,
-        )
+        key = self._key(tensors, addresses, scalars, constexprs)
         kept = self._kept.get(key)
         if kept is None:
             self._launch_first(key, grid, tensors, scalars, constexprs)
@@ -87,6 +99,34 @@ class LaunchMemo:
             *constexpr_values,
         )
         self.hits += 1
+
+    def bound(
+        self,
+        grid: tuple[int, int, int],
+        tensors: tuple[torch.Tensor, ...],
+        scalars: tuple,
+        constexprs: tuple[tuple[str, Any], ...],
+    ) -> Optional[Callable[[int], None]]:
+        """The launch `self(grid, tensors, scalars, constexprs)` made once already, as a callable
+        of the stream that repeats it with every argument fixed (the tensors by address, kept
+        alive by the callable); None while no compiled kernel is kept for it (the interpreter)."""
+        addresses = [t.data_ptr() for t in tensors]
+        kept = self._kept.get(self._key(tensors, addresses, scalars, constexprs))
+        if kept is None:
+            return None
+        compiled, constexpr_values = kept
+        args = (*addresses, *scalars, *constexpr_values)
+        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+        g0, g1, g2 = grid
+
+        def launch(stream: int) -> None:
+            enter_hook, exit_hook = _launch_hooks()
+            metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *args)
+            run(g0, g1, g2, stream, function, packed, metadata, enter_hook, exit_hook, *args)
+            self.hits += 1
+
+        launch.tensors = tensors  # type: ignore[attr-defined]  # alive while the launch is kept
+        return launch
 
     def _launch_first(self, key: tuple, grid, tensors, scalars, constexprs) -> None:
         self.misses += 1

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -120,6 +121,35 @@ def decode_attention(
     """A decode step in one launch: the rotary embedding of q and k, k and v into the cache at
     `slot_mapping`, and attention of each sequence's row over its context including the new key.
     The caller guarantees at most one row per sequence (the kernel reads nothing past it)."""
+    launch = _decode_launch(
+        q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
+        cu_seqlens_q, context_lens, block_tables, scale, plan, num_seqs=num_seqs,
+    )  # fmt: skip
+    if launch is not None:
+        _DECODE_LAUNCHES(*launch)
+
+
+def _decode_launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    cos_cache: Optional[torch.Tensor],
+    sin_cache: Optional[torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    plan: DecodeLaunch,
+    *,
+    num_seqs: int,
+) -> Optional[tuple]:
+    """decode_attention's checks, then its launch as (grid, tensors, scalars, constexprs) for
+    _DECODE_LAUNCHES; None when there is nothing to launch."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
@@ -138,7 +168,7 @@ def decode_attention(
             f"decode_attention: rotary caches do not fit head_dim {head_dim} (want [max_position, {head_dim // 2}])"
         )
     if num_seqs == 0 or num_tokens == 0:
-        return
+        return None
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     split = plan.num_splits > 1
     if split:
@@ -186,12 +216,50 @@ def decode_attention(
         q.dtype == torch.float32,
         use_pdl(q.device),
     )
-    _DECODE_LAUNCHES((num_seqs, num_kv_heads, plan.num_splits), tensors, scalars, constexprs)
+    return (num_seqs, num_kv_heads, plan.num_splits), tensors, scalars, constexprs
 
 
 # every decode launch outside a CUDA-graph recording repeats the last one's specialization: launch
 # them past Triton's dispatch (a TR_HYBRID step makes one per layer)
 _DECODE_LAUNCHES = LaunchMemo(decode_attention_kernel)
+
+
+# Whole decode launches bound once and repeated, for eager steps that pass the same tensors again: a
+# TR_HYBRID eager region gets the same static buffers at every step of its bucket. Keyed by every
+# argument's address, shape and stride, the sequence count and the stream (_bound_key); each entry
+# holds the plan's inputs and, per plan (the split count follows the live context), the launch.
+_BOUND: dict[
+    tuple, tuple[tuple[int, int, int, int], dict[DecodeLaunch, Callable[[int], None]]]
+] = {}
+MAX_BOUND = 512
+
+
+def _bound_key(
+    q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, cu_seqlens_q,
+    context_lens, block_tables, scale, num_seqs, stream,
+) -> tuple:  # fmt: skip
+    return (
+        stream, num_seqs, scale, q.dtype, k_cache.dtype,
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+        None if positions is None else positions.data_ptr(),
+        None if cos_cache is None else cos_cache.data_ptr(),
+        None if sin_cache is None else sin_cache.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+        cu_seqlens_q.data_ptr(), context_lens.data_ptr(), block_tables.data_ptr(),
+        q.shape, k.shape, v.shape, out.shape, k_cache.shape, block_tables.shape,
+        q.stride(), k.stride(), v.stride(), out.stride(), k_cache.stride(), v_cache.stride(),
+        block_tables.stride(),
+    )  # fmt: skip
+
+
+def _binds_its_arguments(q, k, v, cos_cache, sin_cache) -> bool:
+    """Whether the launch just made passed these tensors themselves (no contiguous copy, whose
+    address would outlive its data) and runs outside a CUDA-graph capture."""
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return False
+    if cos_cache is not None and not (cos_cache.is_contiguous() and sin_cache.is_contiguous()):
+        return False
+    return not torch.cuda.is_current_stream_capturing()
 
 
 @functools.lru_cache(maxsize=256)
@@ -252,7 +320,6 @@ def attention_step(
     A batch of at most one row per sequence -- by the bucket on the graph-safe path, by the live
     lengths otherwise -- is one decode_attention launch; any other batch is rope_write_kv (or
     write_kv_cache) followed by unified_attention."""
-    num_kv_heads, head_dim = check_attention_args(q, k_cache, v_cache, out, block_tables)
     lengths = plan_lengths(
         q,
         block_tables,
@@ -265,28 +332,37 @@ def attention_step(
         context_lens_cpu,
     )
     plan_q, plan_k, _ = lengths
+    key = None
+    if plan_q == 1 and not graph_safe and q.is_cuda:  # an eager decode step: bound launches
+        index = q.get_device()
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        key = _bound_key(
+            q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
+            cu_seqlens_q, context_lens, block_tables, scale, num_seqs, stream,
+        )  # fmt: skip
+        entry = _BOUND.get(key)
+        if entry is not None:
+            launch = entry[1].get(plan_decode(num_seqs, plan_k, *entry[0]))
+            if launch is not None:
+                launch(stream)
+                return
+    num_kv_heads, head_dim = check_attention_args(q, k_cache, v_cache, out, block_tables)
     if plan_q == 1:
-        plan = plan_decode(
-            num_seqs, plan_k, num_kv_heads, q.shape[1] // num_kv_heads, head_dim, sm_count(q.device)
-        )
-        decode_attention(
-            q,
-            k,
-            v,
-            out,
-            positions,
-            cos_cache,
-            sin_cache,
-            k_cache,
-            v_cache,
-            slot_mapping,
-            cu_seqlens_q,
-            context_lens,
-            block_tables,
-            scale,
-            plan,
-            num_seqs=num_seqs,
-        )
+        dims = (num_kv_heads, q.shape[1] // num_kv_heads, head_dim, sm_count(q.device))
+        plan = plan_decode(num_seqs, plan_k, *dims)
+        launch = _decode_launch(
+            q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
+            cu_seqlens_q, context_lens, block_tables, scale, plan, num_seqs=num_seqs,
+        )  # fmt: skip
+        if launch is None:
+            return
+        _DECODE_LAUNCHES(*launch)
+        if key is not None and _binds_its_arguments(q, k, v, cos_cache, sin_cache):
+            bound = _DECODE_LAUNCHES.bound(*launch)
+            if bound is not None:
+                if len(_BOUND) >= MAX_BOUND:
+                    _BOUND.clear()
+                _BOUND.setdefault(key, (dims, {}))[1][plan] = bound
         return
     if positions is not None:
         q = rope_write_kv(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
