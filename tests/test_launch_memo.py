@@ -26,7 +26,9 @@ class Compiled:
 
 
 class Kernel:
+    __name__ = "stand_in_kernel"
     arg_names = ["x_ptr", "y_ptr", "n", "BLOCK", "FLAG"]
+    constexprs = [3, 4]
 
     class _Param:
         def __init__(self, default):
@@ -104,3 +106,17 @@ def test_a_bound_launch_repeats_the_kept_one_on_the_given_stream(monkeypatch) ->
     assert run_args[:4] == (4, 2, 1, 99)
     assert run_args[9:] == (x.data_ptr(), y.data_ptr(), 16, 8, True)
     assert bound.tensors == (x, y)  # kept alive with the launch
+
+
+def test_a_kernel_whose_constexprs_are_not_last_is_refused(monkeypatch) -> None:
+    """The memo passes tensors, scalars, then constexpr values: a kernel laid out otherwise would
+    get its arguments shifted, so its first launch says so."""
+    import pytest
+
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: 7)
+    kernel = Kernel()
+    kernel.constexprs = [2, 4]  # a constexpr among the scalars
+    memo = launch.LaunchMemo(kernel)
+    x = torch.zeros(8)
+    with pytest.raises(RuntimeError, match="then constexprs only"):
+        memo((1, 1, 1), (x, x), (8,), (("BLOCK", 8),))

@@ -137,6 +137,16 @@ class LaunchMemo:
         named = dict(constexprs)
         defaults = self.kernel.signature.parameters
         first_constexpr = len(tensors) + len(scalars)
+        constexpr_at = getattr(
+            self.kernel, "constexprs", None
+        )  # their indices, where Triton has it
+        if constexpr_at is not None and list(constexpr_at) != list(
+            range(first_constexpr, len(names))
+        ):
+            raise RuntimeError(
+                f"LaunchMemo: {self.kernel.__name__} takes {len(tensors)} tensors and "
+                f"{len(scalars)} scalars, then constexprs only: its signature {names} does not"
+            )
         constexpr_values = tuple(
             named[n] if n in named else defaults[n].default for n in names[first_constexpr:]
         )
