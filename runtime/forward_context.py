@@ -53,6 +53,9 @@ class AttentionMetaData:
     # True when the step replays (or records) a FULL request graph: the attention launch must then
     # depend only on the bucket and read every length from the device buffers above.
     graph_safe: bool = False
+    # Two-batch overlap: the microbatch (0 or 1) this metadata belongs to. The two microbatches'
+    # attention launches may run at once, on two streams, so each has its own split counters.
+    ubatch: int = 0
 
 
 @dataclass

@@ -110,7 +110,7 @@ def expected(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return reference_attention(ref_batch, d**-0.5), k[written], case.v.double()[written]
 
 
-def run_decode(case: DecodeCase, plan: DecodeLaunch) -> torch.Tensor:
+def run_decode(case: DecodeCase, plan: DecodeLaunch, ubatch: int = 0) -> torch.Tensor:
     b = case.batch
     out = torch.full_like(b.q, SENTINEL)
     rot = case.rotary
@@ -131,6 +131,7 @@ def run_decode(case: DecodeCase, plan: DecodeLaunch) -> torch.Tensor:
         b.q.shape[2] ** -0.5,
         plan,
         num_seqs=b.num_seqs,
+        ubatch=ubatch,
     )
     return out
 
@@ -190,6 +191,23 @@ def test_decode_matches_reference(group: int, head_dim: int, num_splits: int, ro
     )
     check(case, run_decode(case, forced_plan(group, head_dim, num_splits)))
     assert torch.all(prepare_decode_counters(torch.device("cpu")) == 0), "split counters not reset"
+
+
+def test_each_microbatch_merges_through_its_own_counters() -> None:
+    """Two-batch overlap's microbatches may run decode launches at once: microbatch 1's split
+    launch counts in its own region. With microbatch 0's region held nonzero (as if its launch
+    were in flight), microbatch 1's result is still exact and region 0 is left as it was."""
+    from atomrt.workers.kernels.attention.decode_attention import DECODE_COUNTERS
+
+    counters = prepare_decode_counters(torch.device("cpu"))
+    case = make_decode_case(LENS, num_kv_heads=2, group=4, head_dim=32, pad_seqs=1, seed=3)
+    counters[:DECODE_COUNTERS] = 7
+    try:
+        check(case, run_decode(case, forced_plan(4, 32, num_splits=4), ubatch=1))
+        assert torch.all(counters[:DECODE_COUNTERS] == 7)
+        assert torch.all(counters[DECODE_COUNTERS:] == 0), "microbatch 1's counters not reset"
+    finally:
+        counters.zero_()
 
 
 def test_splits_merge_only_past_the_minimum_tiles() -> None:

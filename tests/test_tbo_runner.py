@@ -150,6 +150,29 @@ def test_split_steps_match_the_unsplit_step(runner: ModelRunner) -> None:
     assert (split - plain).abs().max().item() < 1e-4
 
 
+def test_microbatches_carry_their_index_to_attention(runner: ModelRunner, monkeypatch) -> None:
+    """Each microbatch's attention metadata names it (0, 1): on CUDA its split decode launches use
+    that microbatch's counters, since the two microbatches' launches may overlap."""
+    from atomrt.workers.layers import attention
+
+    seen: list[int] = []
+    layer_state = attention._layer_state
+
+    def spy(layer_idx: int):
+        layer, md, kv = layer_state(layer_idx)
+        seen.append(md.ubatch)
+        return layer, md, kv
+
+    monkeypatch.setattr(attention, "_layer_state", spy)
+    decode = _inputs([1, 1, 1], [3, 9, 0], seed=2)
+    eager = ForwardDecision(ForwardKind.EAGER, 5, 5, False)
+    _logits(runner, decode, _split(eager, 2, 2))
+    assert sorted(set(seen)) == [0, 1]
+    seen.clear()
+    _logits(runner, decode, eager)
+    assert set(seen) == {0}
+
+
 def test_tbo_graph_forward_matches_the_model(runner: ModelRunner) -> None:
     """What a TBO graph records, run eagerly: the bucket of 8 cut at 4 requests, this rank's 5
     requests staged into it (microbatch 1 has one real request and three padded ones)."""

@@ -117,6 +117,7 @@ def _attend_cuda(
         graph_safe=md.graph_safe,
         cu_seqlens_q_cpu=md.cu_seqlens_q_cpu,
         context_lens_cpu=md.context_lens_cpu,
+        ubatch=md.ubatch,
     )
 
 

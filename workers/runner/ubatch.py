@@ -343,7 +343,7 @@ def _contexts(
     dp = outer.dp_metadata
     r0, r1 = rows
     out = []
-    for md, (a, b) in zip(mds, ((0, r0), (r0, r0 + r1))):
+    for i, (md, (a, b)) in enumerate(zip(mds, ((0, r0), (r0, r0 + r1)))):
         context = Context(
             positions=forward_vars["positions"][a:b],
             is_prefill=is_prefill,
@@ -356,5 +356,6 @@ def _contexts(
             if dp is not None
             else None
         )
+        md = replace(md, ubatch=i)
         out.append(replace(outer, attn_metadata=md, context=context, dp_metadata=md_dp))
     return out[0], out[1]

@@ -1,7 +1,7 @@
 # Paged attention for a decode batch (at most one query row per sequence), on CUDA:
 #   decode_attention  - one launch of decode_attention_kernel: the rotary embedding of q and the new
 #                       k, the KV write, split-KV attention, and the merge of the splits (the last
-#                       program of each (sequence, KV head) merges, through per-device counters)
+#                       program of each (sequence, KV head) merges, through per-microbatch counters)
 #   attention_step    - what the attention op runs on CUDA: decode_attention for a decode batch, else
 #                       paged_attention's rope_write_kv / write_kv_cache then unified attention
 # Launch paths as in paged_attention.py: graph-safe (bucket values only) or host-planned. Launches
@@ -52,9 +52,8 @@ class DecodeLaunch:
 
 
 SPLIT_CHUNK = 4  # splits the merging program reads per step
-DECODE_COUNTERS = (
-    4096  # split counters per device: a split launch has < num_sms (sequence, KV head) pairs
-)
+DECODE_COUNTERS = 4096  # split counters per microbatch: a split launch has < num_sms (seq, KV head)
+UBATCHES = 2  # two-batch overlap's microbatches, whose launches may overlap: a counter region each
 
 
 @functools.lru_cache(maxsize=4096)
@@ -88,13 +87,14 @@ def plan_decode(
 
 
 def prepare_decode_counters(device: torch.device) -> torch.Tensor:
-    """The device's split counters (zeroed int32), allocated on first use. Allocate them before any
-    CUDA-graph capture (the KV-cache allocation does): a recording cannot zero new memory.
-    One device's decode launches must not overlap in time (one stream): they share the counters."""
+    """The device's split counters (zeroed int32, UBATCHES regions of DECODE_COUNTERS), allocated on
+    first use. Allocate them before any CUDA-graph capture (the KV-cache allocation does): a
+    recording cannot zero new memory. Launches of one region must not overlap in time: a step's run
+    in order on one stream; two-batch overlap's microbatches each use their own region."""
     return device_scratch(
         "decode attention: split counters",
         device,
-        lambda d: torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=d),
+        lambda d: torch.zeros(UBATCHES * DECODE_COUNTERS, dtype=torch.int32, device=d),
         hint="call decode_attention.prepare_decode_counters(device) before capturing (allocate_kv_cache does)",
     )
 
@@ -117,13 +117,14 @@ def decode_attention(
     plan: DecodeLaunch,
     *,
     num_seqs: int,
+    ubatch: int = 0,
 ) -> None:
     """A decode step in one launch: the rotary embedding of q and k, k and v into the cache at
     `slot_mapping`, and attention of each sequence's row over its context including the new key.
     The caller guarantees at most one row per sequence (the kernel reads nothing past it)."""
     launch = _decode_launch(
         q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
-        cu_seqlens_q, context_lens, block_tables, scale, plan, num_seqs=num_seqs,
+        cu_seqlens_q, context_lens, block_tables, scale, plan, num_seqs=num_seqs, ubatch=ubatch,
     )  # fmt: skip
     if launch is not None:
         _DECODE_LAUNCHES(*launch)
@@ -147,6 +148,7 @@ def _decode_launch(
     plan: DecodeLaunch,
     *,
     num_seqs: int,
+    ubatch: int = 0,
 ) -> Optional[tuple]:
     """decode_attention's checks, then its launch as (grid, tensors, scalars, constexprs) for
     _DECODE_LAUNCHES; None when there is nothing to launch."""
@@ -175,7 +177,7 @@ def _decode_launch(
         partial, m, l = kept_split_workspace(
             num_tokens, num_heads, plan.num_splits, head_dim, q.device
         )
-        counters = prepare_decode_counters(q.device)
+        counters = prepare_decode_counters(q.device)[ubatch * DECODE_COUNTERS :]
         partial_strides, ml_strides = partial.stride()[:3], m.stride()[:2]
     else:
         partial = m = l = counters = out  # unused
@@ -236,10 +238,10 @@ MAX_BOUND = 512
 
 def _bound_key(
     q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, cu_seqlens_q,
-    context_lens, block_tables, scale, num_seqs, stream,
+    context_lens, block_tables, scale, num_seqs, stream, ubatch,
 ) -> tuple:  # fmt: skip
     return (
-        stream, num_seqs, scale, q.dtype, k_cache.dtype,
+        stream, ubatch, num_seqs, scale, q.dtype, k_cache.dtype,
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
         None if positions is None else positions.data_ptr(),
         None if cos_cache is None else cos_cache.data_ptr(),
@@ -314,6 +316,7 @@ def attention_step(
     graph_safe: bool,
     cu_seqlens_q_cpu: Optional[list[int]] = None,
     context_lens_cpu: Optional[list[int]] = None,
+    ubatch: int = 0,
 ) -> None:
     """The attention op's CUDA work: rotary (with `positions`), the KV write, attention into `out`.
 
@@ -338,7 +341,7 @@ def attention_step(
         stream = torch._C._cuda_getCurrentRawStream(index)
         key = _bound_key(
             q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
-            cu_seqlens_q, context_lens, block_tables, scale, num_seqs, stream,
+            cu_seqlens_q, context_lens, block_tables, scale, num_seqs, stream, ubatch,
         )  # fmt: skip
         entry = _BOUND.get(key)
         if entry is not None:
@@ -352,7 +355,7 @@ def attention_step(
         plan = plan_decode(num_seqs, plan_k, *dims)
         launch = _decode_launch(
             q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
-            cu_seqlens_q, context_lens, block_tables, scale, plan, num_seqs=num_seqs,
+            cu_seqlens_q, context_lens, block_tables, scale, plan, num_seqs=num_seqs, ubatch=ubatch,
         )  # fmt: skip
         if launch is None:
             return
