@@ -105,7 +105,9 @@ def test_a_bound_launch_repeats_the_kept_one_on_the_given_stream(monkeypatch) ->
     assert kind == "run" and memo.hits == 1
     assert run_args[:4] == (4, 2, 1, 99)
     assert run_args[9:] == (x.data_ptr(), y.data_ptr(), 16, 8, True)
-    assert bound.tensors == (x, y)  # kept alive with the launch
+    assert bound.keep == ()  # the caller's tensors are not held
+    kept = memo.bound(*args, keep=(y,))
+    assert kept.keep == (y,)
 
 
 def test_a_kernel_whose_constexprs_are_not_last_is_refused(monkeypatch) -> None:

@@ -106,10 +106,13 @@ class LaunchMemo:
         tensors: tuple[torch.Tensor, ...],
         scalars: tuple,
         constexprs: tuple[tuple[str, Any], ...],
+        keep: tuple[torch.Tensor, ...] = (),
     ) -> Optional[Callable[[int], None]]:
         """The launch `self(grid, tensors, scalars, constexprs)` made once already, as a callable
-        of the stream that repeats it with every argument fixed (the tensors by address, kept
-        alive by the callable); None while no compiled kernel is kept for it (the interpreter)."""
+        of the stream that repeats it with every argument fixed, the tensors by address; None
+        while no compiled kernel is kept for it (the interpreter). The caller repeats it only for
+        tensors at those same addresses; `keep` are tensors of its own (workspaces) that the
+        callable keeps alive."""
         addresses = [t.data_ptr() for t in tensors]
         kept = self._kept.get(self._key(tensors, addresses, scalars, constexprs))
         if kept is None:
@@ -125,7 +128,7 @@ class LaunchMemo:
             run(g0, g1, g2, stream, function, packed, metadata, enter_hook, exit_hook, *args)
             self.hits += 1
 
-        launch.tensors = tensors  # type: ignore[attr-defined]  # alive while the launch is kept
+        launch.keep = keep  # type: ignore[attr-defined]  # alive while the launch is kept
         return launch
 
     def _launch_first(self, key: tuple, grid, tensors, scalars, constexprs) -> None:

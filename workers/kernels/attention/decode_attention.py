@@ -361,7 +361,9 @@ def attention_step(
             return
         _DECODE_LAUNCHES(*launch)
         if key is not None and _binds_its_arguments(q, k, v, cos_cache, sin_cache):
-            bound = _DECODE_LAUNCHES.bound(*launch)
+            # the caller's tensors are at the key's addresses whenever it hits; only the split
+            # workspace (tensors 4-6, kept per stream and regrown) must outlive this call
+            bound = _DECODE_LAUNCHES.bound(*launch, keep=launch[1][4:7])
             if bound is not None:
                 if len(_BOUND) >= MAX_BOUND:
                     _BOUND.clear()
