@@ -509,9 +509,10 @@ def test_offline_comparison_runs_at_each_concurrency(tiny, monkeypatch):
     assert max(in_flight) == 10
 
 
-def test_bench_serve_on_a_model_without_a_tokenizer(tmp_path):
+def test_bench_serve_on_a_model_without_a_tokenizer(tmp_path, capsys):
     """Dummy weights of a preset have no tokenizer: the bench starts the server itself, sends
-    prompts of token ids, and counts each streamed chunk (text-less) as a token."""
+    prompts of token ids, and counts each streamed chunk (text-less) as a token. Four requests at
+    concurrency 2 are two waves: the bench says that the ramp weighs on the figure."""
     from atomrt.runtime.bench.serve import main as bench_serve
 
     report = tmp_path / "serve.json"
@@ -523,3 +524,4 @@ def test_bench_serve_on_a_model_without_a_tokenizer(tmp_path):
     (run,) = json.loads(report.read_text())["runs"]
     assert rc == 0 and run["failed"] == 0 and run["num_requests"] == 4
     assert run["output_tokens_per_s"] > 0 and run["itl_ms"]["p50"] > 0
+    assert "under four waves" in capsys.readouterr().err

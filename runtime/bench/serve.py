@@ -405,6 +405,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         print(f"atomrt bench serve: error: {e}", file=sys.stderr)
         return 2
+    waves = [c for c, _ in loads if c is not None and args.num_prompts < 4 * c]
+    if waves:
+        print(
+            f"bench serve: {args.num_prompts} requests at concurrency {max(waves)} are under four "
+            "waves: the ramp up and down weighs on tokens/s (use --num-prompts >= 4x concurrency "
+            "for the steady state)",
+            file=sys.stderr,
+        )
     server = None if args.url else LocalServer(engine_argv)
     url = args.url or server.url
     results: list[RunResult] = []
