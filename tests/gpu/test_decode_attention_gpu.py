@@ -57,6 +57,14 @@ def check(case: cpu_tier.DecodeCase, out: torch.Tensor) -> None:
     assert torch.all(prepare_decode_counters(out.device) == 0), "split counters not reset"
 
 
+def copy_case(static: cpu_tier.DecodeCase, new: cpu_tier.DecodeCase) -> None:
+    """Write `new`'s inputs, caches and metadata into `static`'s tensors (same shapes)."""
+    for name in ("q", "k_cache", "v_cache", "cu_seqlens_q", "context_lens", "block_tables"):
+        getattr(static.batch, name).copy_(getattr(new.batch, name))
+    for name in ("k", "v", "positions", "slot_mapping"):
+        getattr(static, name).copy_(getattr(new, name))
+
+
 SCENARIOS = {
     "bs1_short": [170],  # the latency benchmark's context
     "bs1_long": [4000],  # split over the SMs
@@ -129,10 +137,7 @@ def test_graph_replay_with_new_lengths(bucket_seqs: int) -> None:
     for seed, lens_k in enumerate(lens_list, start=2):
         new = case_for(lens_k, seed)
         sb, nb = static.batch, new.batch
-        for name in ("q", "k_cache", "v_cache", "cu_seqlens_q", "context_lens", "block_tables"):
-            getattr(sb, name).copy_(getattr(nb, name))
-        for name in ("k", "v", "positions", "slot_mapping"):
-            getattr(static, name).copy_(getattr(new, name))
+        copy_case(static, new)
         out.fill_(cpu_tier.SENTINEL)
         graph.replay()
         torch.cuda.synchronize()
@@ -209,10 +214,7 @@ def test_bound_launches_follow_new_data_in_the_same_tensors(monkeypatch) -> None
     for seed, lens_k in enumerate(lens_list, start=2):
         new = case_for(lens_k, seed)
         sb, nb = static.batch, new.batch
-        for name in ("q", "k_cache", "v_cache", "cu_seqlens_q", "context_lens", "block_tables"):
-            getattr(sb, name).copy_(getattr(nb, name))
-        for name in ("k", "v", "positions", "slot_mapping"):
-            getattr(static, name).copy_(getattr(new, name))
+        copy_case(static, new)
         out.fill_(cpu_tier.SENTINEL)
         calls = len(planned)
         attention_step(

@@ -28,12 +28,12 @@ from atomrt.workers.kernels.attention.paged_attention import (
     MIN_KEYS_PER_SPLIT,
     attend_planned,
     check_attention_args,
-    kept_split_workspace,
     plan_lengths,
     rope_write_kv,
     unit_last_stride,
     write_kv_cache,
 )
+from atomrt.workers.kernels.attention.workspace import kept_split_workspace
 from atomrt.workers.kernels.device_info import device_scratch, sm_count, use_pdl
 from atomrt.workers.kernels.launch import LaunchMemo
 
