@@ -18,6 +18,7 @@ import _thread
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -216,6 +217,18 @@ def test_preemption_in_a_step_that_schedules_nothing_reaches_the_workers(tiny, a
 # ------------------------------------------------------------------------------------ interrupts
 
 
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test, as an interactive run has it: a shell starts a
+    background job (CI scripts, `cmd &`) with SIGINT ignored, where the engine rightly leaves the
+    signal alone and has nothing to hold back."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _interrupt_trials(
     llm: LLM, prompts: list[list[int]], params: SamplingParams, trials: int, span_s: float
 ) -> int:
@@ -240,7 +253,7 @@ def _interrupt_trials(
     return interrupted
 
 
-def test_keyboard_interrupt_in_process_then_generate_again(tiny):
+def test_keyboard_interrupt_in_process_then_generate_again(tiny, default_sigint):
     llm = LLM(str(tiny), **CPU, num_kv_blocks=64, max_num_seqs=4, async_scheduling=True)
     try:
         start = time.monotonic()
@@ -252,7 +265,7 @@ def test_keyboard_interrupt_in_process_then_generate_again(tiny):
 
 
 @pytest.mark.parametrize("executor", ["mp", "ray"])
-def test_keyboard_interrupt_through_workers_then_generate_again(tiny, executor):
+def test_keyboard_interrupt_through_workers_then_generate_again(tiny, executor, default_sigint):
     llm = LLM(
         str(tiny),
         **CPU,
