@@ -362,8 +362,10 @@ def attention_step(
         _DECODE_LAUNCHES(*launch)
         if key is not None and _binds_its_arguments(q, k, v, cos_cache, sin_cache):
             # the caller's tensors are at the key's addresses whenever it hits; only the split
-            # workspace (tensors 4-6, kept per stream and regrown) must outlive this call
-            bound = _DECODE_LAUNCHES.bound(*launch, keep=launch[1][4:7])
+            # workspace (tensors 4-6, kept per stream and regrown; `out` without splits) must
+            # outlive this call
+            keep = launch[1][4:7] if plan.num_splits > 1 else ()
+            bound = _DECODE_LAUNCHES.bound(*launch, keep=keep)
             if bound is not None:
                 if len(_BOUND) >= MAX_BOUND:
                     _BOUND.clear()
