@@ -39,6 +39,24 @@ def _raw_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+def _run(compiled: Any, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
+    """Launch a compiled kernel as Triton's own dispatch does, with its launch hooks."""
+    enter_hook, exit_hook = _launch_hooks()
+    metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *args)
+    compiled.run(
+        grid[0],
+        grid[1],
+        grid[2],
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        metadata,
+        enter_hook,
+        exit_hook,
+        *args,
+    )
+
+
 class LaunchMemo:
     """Launches of one Triton kernel whose arguments are `tensors`, then `scalars`, then the
     constexprs, in the kernel's signature order. `constexprs` holds the constexpr arguments and
@@ -77,27 +95,7 @@ class LaunchMemo:
             self._launch_first(key, grid, tensors, scalars, constexprs)
             return
         compiled, constexpr_values = kept
-        stream = _raw_stream(key[0])
-        enter_hook, exit_hook = _launch_hooks()
-        metadata = (
-            None
-            if enter_hook is None
-            else compiled.launch_metadata(grid, stream, *addresses, *scalars, *constexpr_values)
-        )
-        compiled.run(
-            grid[0],
-            grid[1],
-            grid[2],
-            stream,
-            compiled.function,
-            compiled.packed_metadata,
-            metadata,
-            enter_hook,
-            exit_hook,
-            *addresses,
-            *scalars,
-            *constexpr_values,
-        )
+        _run(compiled, grid, _raw_stream(key[0]), (*addresses, *scalars, *constexpr_values))
         self.hits += 1
 
     def bound(
@@ -119,13 +117,9 @@ class LaunchMemo:
             return None
         compiled, constexpr_values = kept
         args = (*addresses, *scalars, *constexpr_values)
-        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
-        g0, g1, g2 = grid
 
         def launch(stream: int) -> None:
-            enter_hook, exit_hook = _launch_hooks()
-            metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *args)
-            run(g0, g1, g2, stream, function, packed, metadata, enter_hook, exit_hook, *args)
+            _run(compiled, grid, stream, args)
             self.hits += 1
 
         launch.keep = keep  # type: ignore[attr-defined]  # alive while the launch is kept
