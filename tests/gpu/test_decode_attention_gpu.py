@@ -65,6 +65,23 @@ def copy_case(static: cpu_tier.DecodeCase, new: cpu_tier.DecodeCase) -> None:
         getattr(static, name).copy_(getattr(new, name))
 
 
+def bucket_case(lens_k: list[int], seed: int, bucket_seqs: int) -> cpu_tier.DecodeCase:
+    """A Llama-8B-shaped bf16 decode case padded to `bucket_seqs` sequences, 257 blocks each (a
+    KV capacity of 4112 keys): cases of one bucket fit the same tensors (copy_case)."""
+    return make_case(
+        lens_k,
+        num_kv_heads=8,
+        group=4,
+        head_dim=128,
+        pad_seqs=bucket_seqs - len(lens_k),
+        pad_rows=bucket_seqs - len(lens_k),
+        dtype=torch.bfloat16,
+        seed=seed,
+        max_blocks=257,
+        num_blocks=bucket_seqs * 257 + 3,
+    )
+
+
 SCENARIOS = {
     "bs1_short": [170],  # the latency benchmark's context
     "bs1_long": [4000],  # split over the SMs
@@ -106,23 +123,9 @@ def test_decode_matches_float64(
 def test_graph_replay_with_new_lengths(bucket_seqs: int) -> None:
     """Capture a decode bucket once (split: the capacity is 4096 keys), then replay it with contexts
     that need 1, a few and all of its splits, each against float64, and the counters at zero."""
-    dtype, head_dim, group, num_kv_heads = torch.bfloat16, 128, 4, 8
+    dtype, head_dim, num_kv_heads = torch.bfloat16, 128, 8  # bucket_case's
 
-    def case_for(lens_k: list[int], seed: int) -> cpu_tier.DecodeCase:
-        return make_case(
-            lens_k,
-            num_kv_heads=num_kv_heads,
-            group=group,
-            head_dim=head_dim,
-            pad_seqs=bucket_seqs - len(lens_k),
-            pad_rows=bucket_seqs - len(lens_k),
-            dtype=dtype,
-            seed=seed,
-            max_blocks=257,
-            num_blocks=bucket_seqs * 257 + 3,
-        )
-
-    static = case_for([4096] * bucket_seqs, seed=1)
+    static = bucket_case([4096] * bucket_seqs, 1, bucket_seqs)
     out = torch.full_like(static.batch.q, cpu_tier.SENTINEL)
     step(static, out, graph_safe=True)  # compiles outside the capture
     torch.cuda.synchronize()
@@ -135,7 +138,7 @@ def test_graph_replay_with_new_lengths(bucket_seqs: int) -> None:
         else [[1, 4096, 700], [170] * 4, [3000, 2]]
     )
     for seed, lens_k in enumerate(lens_list, start=2):
-        new = case_for(lens_k, seed)
+        new = bucket_case(lens_k, seed, bucket_seqs)
         sb, nb = static.batch, new.batch
         copy_case(static, new)
         out.fill_(cpu_tier.SENTINEL)
@@ -189,21 +192,9 @@ def test_bound_launches_follow_new_data_in_the_same_tensors(monkeypatch) -> None
     the whole launch is bound and repeated. New q/k/v, caches and lengths written into the same
     tensors -- contexts that need one, a few and all splits -- each match float64, and the bound
     launches are what ran (memo hits, no new dispatch)."""
-    dtype, head_dim, group, num_kv_heads, seqs = torch.bfloat16, 128, 4, 8, 3
+    dtype, head_dim, seqs = torch.bfloat16, 128, 3
 
-    def case_for(lens_k: list[int], seed: int) -> cpu_tier.DecodeCase:
-        return make_case(
-            lens_k,
-            num_kv_heads=num_kv_heads,
-            group=group,
-            head_dim=head_dim,
-            dtype=dtype,
-            seed=seed,
-            max_blocks=257,
-            num_blocks=seqs * 257 + 3,
-        )
-
-    static = case_for([170, 5, 9], seed=1)
+    static = bucket_case([170, 5, 9], 1, seqs)
     out = torch.full_like(static.batch.q, cpu_tier.SENTINEL)
     planned = []  # calls of the unbound path
     unbound = decode_module._decode_launch
@@ -212,7 +203,7 @@ def test_bound_launches_follow_new_data_in_the_same_tensors(monkeypatch) -> None
     )
     lens_list = [[170, 5, 9], [4000, 3000, 2], [1, 300, 4000], [170, 5, 9], [4000, 3000, 2]]
     for seed, lens_k in enumerate(lens_list, start=2):
-        new = case_for(lens_k, seed)
+        new = bucket_case(lens_k, seed, seqs)
         sb, nb = static.batch, new.batch
         copy_case(static, new)
         out.fill_(cpu_tier.SENTINEL)
