@@ -8,7 +8,7 @@ import torch
 from executor_harness import build_tiny_llama
 
 from atomrt.runtime.bench.latency import Report, Row, _parse, compare_executors, main, mode_settings
-from atomrt.runtime.bench.spec_decode import prompts_for
+from atomrt.runtime.bench.spec_decode import SpecRow, compare_tokens, prompts_for
 from atomrt.runtime.config import ConfigError, CUDAGraphMode
 
 
@@ -157,10 +157,22 @@ def test_speculative_config_compares_decode_with_and_without(
         assert r["speedup"] > 0 and r["drafted_tokens"] >= r["accepted_tokens"]
         if r["drafted_tokens"]:
             assert r["mean_acceptance_length"] >= 1 and len(r["acceptance_per_position"]) == 3
+        assert r["same_tokens"] == 2 and r["first_difference"] is None  # greedy: no change
+        assert "tokens" not in r
     printed = capsys.readouterr().out
     assert "accept_len" in printed and "ngram k=3" in printed
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         main(argv + ["--speculative-config", '{"method": "ngram"}', "--json", str(out)])
+
+
+def test_compare_tokens_names_the_first_difference() -> None:
+    row = SpecRow("m", "eager", 2, "random", "ngram k=3", 0, 1.0, 0.0, 0, None, None, 0, 0, 0)
+    row.tokens = [[1, 2, 3], [4, 5, 6]]
+    compare_tokens(row, [[1, 2, 3], [4, 9, 6]])
+    assert row.same_tokens == 1 and row.first_difference == "request 1, token 1: 5 != 9"
+    row.tokens = [[1, 2], [4, 5, 6]]
+    compare_tokens(row, [[1, 2, 3], [4, 5, 6]])
+    assert row.same_tokens == 1 and row.first_difference == "request 0, token 2: end != 3"
 
 
 def test_speculative_workloads():

@@ -123,6 +123,12 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        help="model dtype (auto: bf16 on a GPU, float32 on CPU)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=None,
@@ -277,6 +283,8 @@ def bench_one(
     for name in ("max_model_len", "max_num_batched_tokens", "transport_spin_us"):
         if getattr(args, name) is not None:  # an explicit 0 (no spinning) is a setting too
             settings[name] = getattr(args, name)
+    if args.dtype != "auto":
+        settings["dtype"] = args.dtype
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

@@ -7,6 +7,9 @@ the given `speculative_config` (on CPU, one workload after the other on both eng
 pattern repeated; random: uniform token ids), `--decode-steps` output tokens each. The prefill (up
 to every request's first token) is not timed; decode tokens/s counts the tokens after it. A draft
 pass that ran eagerly while CUDA graphs were on is an error (a drafter captured but not used).
+Greedy speculation must not change a token: every row records how many requests produced the same
+tokens as without speculation; a difference is an error in float32 (in half precision a verify
+pass's batch shape can round a near-tie the other way, so it is reported, not failed).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class SpecRow:
     accepted_tokens: int
     eager_draft_passes: int
     speedup: Optional[float] = None  # tokens/s over the same workload without speculation
+    same_tokens: Optional[int] = None  # requests whose tokens equal those without speculation
+    first_difference: Optional[str] = None  # "request i, token t: a != b"
+    tokens: Optional[list[list[int]]] = field(default=None, repr=False)
 
 
 @dataclass
@@ -81,12 +87,14 @@ def time_workload(
     prompts = prompts_for(workload, bs, args.input_len, engine.info.vocab_size, seed=bs)
     ids = [engine.add_request(p, params, stream=True) for p in prompts]
     mine, started, done = set(ids), set(), set()
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
     num_tokens = 0
     while len(started) < bs:  # the prefill, up to every request's first token
         for o in engine.step():
             if o.request_id in mine:
                 started.add(o.request_id)
                 num_tokens += len(o.outputs[0].token_ids)
+                tokens[o.request_id] += o.outputs[0].token_ids
                 if o.finished:
                     done.add(o.request_id)
     before = _snapshot(engine.stats.spec_decode)
@@ -99,6 +107,7 @@ def time_workload(
         for o in engine.step():
             if o.request_id in mine:
                 num_tokens += len(o.outputs[0].token_ids)
+                tokens[o.request_id] += o.outputs[0].token_ids
                 if o.finished:
                     done.add(o.request_id)
     seconds = time.perf_counter() - t0
@@ -123,7 +132,23 @@ def time_workload(
         drafted_tokens=drafted,
         accepted_tokens=accepted,
         eager_draft_passes=eager,
+        tokens=[tokens[i] for i in ids],
     )
+
+
+def compare_tokens(row: SpecRow, base: list[list[int]]) -> None:
+    """Fill `row.same_tokens` / `row.first_difference` against the tokens without speculation."""
+    assert row.tokens is not None
+    row.same_tokens = sum(a == b for a, b in zip(row.tokens, base))
+    for r, (a, b) in enumerate(zip(row.tokens, base)):
+        t = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if t is None and len(a) != len(b):
+            t = min(len(a), len(b))
+        if t is not None:
+            got = a[t] if t < len(a) else "end"
+            want = b[t] if t < len(b) else "end"
+            row.first_difference = f"request {r}, token {t}: {got} != {want}"
+            return
 
 
 def _warm_up(llm: Any, bs: int, args: argparse.Namespace) -> None:
@@ -176,7 +201,7 @@ def run(args: argparse.Namespace, spec_config: dict[str, Any]) -> int:
     for model in args.models:
         for mode in args.modes:
             args.current_model, args.current_mode = model, mode
-            base: dict[tuple[int, str], float] = {}
+            base: dict[tuple[int, str], SpecRow] = {}
             for group in groups:
                 try:
                     _run_group(args, report, group, base, on_cuda)
@@ -194,7 +219,7 @@ def _run_group(
     args: argparse.Namespace,
     report: SpecReport,
     group: list[tuple[str, Optional[dict[str, Any]]]],
-    base: dict[tuple[int, str], float],
+    base: dict[tuple[int, str], SpecRow],
     on_cuda: bool,
 ) -> None:
     """Start an engine per (label, speculative_config) of `group`, run every batch size and
@@ -216,18 +241,27 @@ def _run_group(
             )
             if args.max_model_len is not None:
                 settings["max_model_len"] = args.max_model_len
+            if args.dtype != "auto":
+                settings["dtype"] = args.dtype
             llms[name] = LLM(model, **settings)
             _warm_up(llms[name], max(args.batch_sizes), args)
         for bs in args.batch_sizes:
             for workload in WORKLOADS:
                 for name, llm in llms.items():
                     row = time_workload(llm, workload, bs, args, name)
+                    off = base.get((bs, workload))
                     if name == "off":
-                        base[(bs, workload)] = row.tokens_per_s
-                    elif base.get((bs, workload)):
-                        row.speedup = round(row.tokens_per_s / base[(bs, workload)], 3)
+                        base[(bs, workload)] = row
+                    elif off is not None:
+                        row.speedup = round(row.tokens_per_s / max(off.tokens_per_s, 1e-9), 3)
+                        compare_tokens(row, off.tokens or [])
                     report.rows.append(row)
                     print(_line(row), flush=True)
+                    if row.first_difference and _float32(args, on_cuda):
+                        report.errors.append(
+                            f"{model} {mode} bs={bs} {workload}: greedy tokens changed with "
+                            f"speculation ({row.first_difference})"
+                        )
                     if not llm.engine.forward_mode.enforce_eager and row.eager_draft_passes:
                         report.errors.append(
                             f"{model} {mode} bs={bs} {workload}: {row.eager_draft_passes} draft "
@@ -243,9 +277,14 @@ def _run_group(
             torch.cuda.empty_cache()
 
 
+def _float32(args: argparse.Namespace, on_cuda: bool) -> bool:
+    """The engines run in float32 (`auto` is bf16 on a GPU, float32 on CPU)."""
+    return args.dtype == "float32" or (args.dtype == "auto" and not on_cuda)
+
+
 HEADER = (
     f"{'model':<24} {'mode':<10} {'bs':>3} {'workload':<10} {'speculative':<16} {'tok/s':>9} "
-    f"{'speedup':>7} {'accept_len':>10} {'steps':>6}  per-position acceptance"
+    f"{'speedup':>7} {'accept_len':>10} {'steps':>6} {'same':>5}  per-position acceptance"
 )
 
 
@@ -253,13 +292,17 @@ def _line(r: SpecRow) -> str:
     speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
     accept = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
     per_pos = " ".join(f"{x:.2f}" for x in r.acceptance_per_position or [])
+    same = "-" if r.same_tokens is None else f"{r.same_tokens}/{r.batch_size}"
     return (
         f"{r.model[-24:]:<24} {r.mode:<10} {r.batch_size:>3} {r.workload:<10} "
         f"{r.speculative:<16} {r.tokens_per_s:>9.1f} {speedup:>7} {accept:>10} "
-        f"{r.engine_steps:>6}  {per_pos}"
+        f"{r.engine_steps:>6} {same:>5}  {per_pos}"
     )
 
 
 def _write(report: SpecReport, path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(asdict(report), indent=1) + "\n")
+    doc = asdict(report)
+    for row in doc["rows"]:
+        row.pop("tokens", None)  # compared in the run; the figures are what the file keeps
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
