@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
@@ -169,3 +172,30 @@ def test_ngram_proposer():
     # min_n bounds the match: a single repeated token is not enough for min_n=2
     assert ngram_propose([1, 2, 3, 1], k=2, min_n=2, max_n=4) == []
     assert ngram_propose([1, 2, 3, 1], k=2, min_n=1, max_n=4) == [2, 3]
+
+
+def _ngram_reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup by its definition, in plain Python: for n from the longest down, the most
+    recent earlier window equal to the last n tokens, and what followed it."""
+    num = len(tokens)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        suffix = tokens[num - n :]
+        for start in range(num - 1 - n, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_proposer_matches_its_definition_on_random_histories():
+    rng = random.Random(7)
+    for trial in range(3000):
+        vocab = rng.choice([2, 3, 5, 50])  # small vocabularies repeat, large ones rarely do
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        if trial % 4 == 0:  # a periodic tail, as generation loops make
+            period = tokens[-rng.randrange(1, 6) :]
+            tokens += period * rng.randrange(1, 4)
+        k, lo = rng.randrange(1, 6), rng.randrange(1, 4)
+        hi = lo + rng.randrange(0, 4)
+        want = _ngram_reference(tokens, k, lo, hi)
+        assert ngram_propose(tokens, k, lo, hi) == want, (tokens, k, lo, hi)
+        assert ngram_propose(np.asarray(tokens), k, lo, hi) == want

@@ -2,7 +2,8 @@
 and propose the tokens that followed them there.
 
 Pure numpy over one sequence's token ids; the driver calls it once per speculating sequence per
-step, so it must stay cheap: one vectorised window comparison per n-gram length.
+step, so it must stay cheap: one vectorised comparison over the history, then work on the places
+the last token occurred before.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def ngram_propose(
@@ -18,15 +18,29 @@ def ngram_propose(
 ) -> list[int]:
     """Up to `k` draft tokens for `token_ids` (prompt + output): the longest suffix of `min_n` to
     `max_n` tokens that also occurs earlier, at its most recent earlier occurrence, and the tokens
-    that followed it there. An empty list when no suffix recurs."""
+    that followed it there. An empty list when no suffix recurs.
+
+    One comparison over the history finds where the last token occurred before (each such place
+    ends a candidate match); the match lengths then grow backwards over the candidates only."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     num_tokens = tokens.shape[0]
-    for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
-        suffix = tokens[num_tokens - n :]
-        # Windows starting before the suffix's own start, each followed by at least one token.
-        windows = sliding_window_view(tokens[: num_tokens - 1], n)  # [num_tokens - n, n]
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    longest = min(max_n, num_tokens - 1)
+    if longest < max(min_n, 1):
+        return []
+    ends = np.flatnonzero(tokens[: num_tokens - 1] == tokens[num_tokens - 1])
+    if not ends.size:
+        return []
+    length = np.ones(ends.shape[0], dtype=np.int64)  # each candidate's match so far
+    alive = np.ones(ends.shape[0], dtype=bool)
+    for j in range(1, longest):  # does the match ending at `end` reach back j more tokens?
+        at = ends - j
+        alive &= at >= 0
+        alive[alive] = tokens[at[alive]] == tokens[num_tokens - 1 - j]
+        if not alive.any():
+            break
+        length += alive
+    best = int(length.max())
+    if best < min_n:
+        return []
+    start = int(ends[np.flatnonzero(length == best)[-1]]) + 1
+    return tokens[start : start + k].tolist()
