@@ -150,6 +150,7 @@ def rejection_sample(
         d_rows = d_starts.unsqueeze(1) + torch.minimum(
             pos[:K].unsqueeze(0), (k - 1).clamp_min(0).unsqueeze(1)
         )
+        d_rows = d_rows.clamp_max(draft_token_ids.shape[0] - 1)  # a last request without drafts
         drafts = torch.where(is_draft, draft_token_ids[d_rows], -1)  # [n, K]
     else:
         d_rows = torch.zeros(n, 0, dtype=torch.int64, device=device)
