@@ -97,6 +97,11 @@ class SpecDecodeMetadata:
     logits_indices: Any = None  # int64 tensor, or a slice when every row is sampled
     draft_probs: Optional[torch.Tensor] = None  # [sum(num_draft_tokens), vocab]: the draft
     # model's distributions the drafts were drawn from (None: greedy drafts, or one-hot n-gram)
+    # A plain greedy step's verify layout, staged before the forward so that verifying needs no
+    # host data after it: per sampled sequence, the logits row of each of its k + 1 positions
+    # (the last one repeated past its drafts), and its drafts, -1 past them ([n, k + 1], [n, k]).
+    greedy_rows: Optional[torch.Tensor] = None
+    greedy_drafts: Optional[torch.Tensor] = None
 
 
 @dataclass

@@ -199,3 +199,55 @@ def test_ngram_proposer_matches_its_definition_on_random_histories():
         want = _ngram_reference(tokens, k, lo, hi)
         assert ngram_propose(tokens, k, lo, hi) == want, (tokens, k, lo, hi)
         assert ngram_propose(np.asarray(tokens), k, lo, hi) == want
+
+
+def test_greedy_verify_layout_matches_the_rejection_sampler():
+    """A plain greedy step verifies on the layout staged before the forward (Speculator's fast
+    path); the tokens and accepted counts must be the rejection sampler's, ragged drafts included
+    (sequences with none, with fewer than k, a prompt chunk's rows that sample nothing)."""
+    from types import SimpleNamespace
+
+    from atomrt.workers.spec_decode.speculator import Speculator
+
+    rng = np.random.default_rng(3)
+    k, vocab = 4, 11
+    spec = Speculator.__new__(Speculator)
+    spec.k, spec.width, spec.device, spec.uses_draft_model = k, k + 2, torch.device("cpu"), False
+    for _ in range(200):
+        n = int(rng.integers(1, 7))
+        k_seq = rng.integers(0, k + 1, size=n + 1)  # one extra sequence samples nothing
+        q_lens = k_seq + 1
+        q_lens[-1] = int(rng.integers(2, 6))
+        cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        input_ids = rng.integers(0, vocab, size=int(cu[-1]))
+        sample_idx = np.arange(n)
+        inputs = SimpleNamespace(
+            num_draft_tokens=np.where(np.arange(n + 1) < n, k_seq, 0),
+            sample_seq_idx=sample_idx,
+            cu_seqlens_q=cu,
+            input_ids=input_ids,
+        )
+        sampling = SamplingTensors.plain_greedy(n, torch.device("cpu"))
+        md = spec.prepare(inputs, sampling, None, None)
+        k_s = k_seq[:n]
+        if not k_s.any():
+            assert md is None or md.greedy_rows is not None
+        num_rows = int((k_s + 1).sum())
+        logits = torch.randn(num_rows, vocab)
+        # make drafts agree with the target often, so acceptances of every length occur
+        draft_at = np.concatenate([np.arange(c - ks, c) for c, ks in zip(cu[1 : n + 1], k_s)])
+        starts = np.cumsum(k_s + 1) - (k_s + 1)
+        rows_of_drafts = np.concatenate([np.arange(s, s + ks) for s, ks in zip(starts, k_s)])
+        for at, row in zip(draft_at.astype(int), rows_of_drafts.astype(int)):
+            if rng.random() < 0.7:
+                input_ids[at] = int(logits[row].argmax())
+        md = spec.prepare(inputs, sampling, None, None)
+        if md is None:
+            continue
+        got = spec.unpack(spec.sample(logits, None, sampling, None, md).sampled_token_ids.tolist())
+        drafts = torch.as_tensor(input_ids[draft_at.astype(int)], dtype=torch.int64)
+        ref = rejection_sample(logits, drafts, k_s.tolist(), sampling)
+        want = [
+            ref.tokens[s, : int(ref.num_accepted[s]) + 1].tolist() for s in range(n)
+        ]
+        assert got == want

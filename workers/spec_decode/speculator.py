@@ -12,6 +12,8 @@
   all); requests with drafts are verified by the rejection sampler against the target's logits of
   their rows. The step's tokens leave packed, `width = k + 2` int64 per sampled request:
   `[drafts accepted m, token 0, ..., token m, -1 ...]`; `unpack` turns them into token lists.
+  A plain greedy step (every request greedy, no penalties, no logprobs) verifies on a layout
+  staged before the forward: a handful of kernels and no wait on the host after it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from atomrt.distributed.communication_op import TPInfo, tp_broadcast
 from atomrt.runtime.config import Config
 from atomrt.runtime.forward_context import SpecDecodeMetadata
 from atomrt.workers.runner.input_batch import StepInputs
-from atomrt.workers.runner.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingTensors
+from atomrt.workers.runner.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplerOutput,
+    SamplingTensors,
+    greedy_argmax,
+)
 from atomrt.workers.runner.step_buffers import RunnerShape
 from atomrt.workers.runner.token_pool import TokenPool
 from atomrt.workers.spec_decode.draft_model import DraftModel
@@ -96,6 +104,8 @@ class Speculator:
         draft_rows = np.repeat(ends - k_s, k_s) + (
             np.arange(int(k_s.sum())) - np.repeat(np.cumsum(k_s) - k_s, k_s)
         )
+        if sampling.is_plain_greedy:
+            return self._greedy_layout(inputs, tokens, k_s, draft_rows, logits_indices)
         if self.uses_draft_model:
             draft_token_ids = tokens.draft_tokens[self._index(draft_rows)]
         else:
@@ -106,6 +116,55 @@ class Speculator:
             logits_indices=logits_indices,
             draft_probs=draft_probs,
         )
+
+    def _greedy_layout(
+        self,
+        inputs: StepInputs,
+        tokens: TokenPool | None,
+        k_s: np.ndarray,
+        draft_rows: np.ndarray,
+        logits_indices: object,
+    ) -> SpecDecodeMetadata:
+        """A plain greedy step's metadata: the verify layout (`SpecDecodeMetadata.greedy_rows`,
+        `greedy_drafts`) built here and copied once, so `sample` launches a few kernels on
+        device tensors and waits for nothing. Draft-model drafts are read on the device."""
+        n, k = k_s.shape[0], self.k
+        pos = np.arange(k + 1)
+        starts = np.cumsum(k_s + 1) - (k_s + 1)  # each sequence's first logits row
+        layout = np.empty((n, 2 * k + 1), dtype=np.int64)
+        layout[:, : k + 1] = starts[:, None] + np.minimum(pos[None, :], k_s[:, None])
+        has = pos[None, :k] < k_s[:, None]  # [n, k]: position i holds a draft
+        drafts = layout[:, k + 1 :]
+        drafts.fill(-1)
+        # a draft's row in the step, or (n-gram) the draft token itself
+        drafts[has] = draft_rows if self.uses_draft_model else inputs.input_ids[draft_rows]
+        staged = torch.from_numpy(layout).to(self.device, non_blocking=True)
+        rows, drafts_t = staged[:, : k + 1], staged[:, k + 1 :]
+        if self.uses_draft_model:
+            at = drafts_t.clamp_min(0)
+            drafts_t = torch.where(drafts_t >= 0, tokens.draft_tokens[at], -1)
+        return SpecDecodeMetadata(
+            num_draft_tokens=k_s.tolist(),
+            logits_indices=logits_indices,
+            greedy_rows=rows,
+            greedy_drafts=drafts_t,
+        )
+
+    def _sample_greedy(
+        self, logits: torch.Tensor, argmax: torch.Tensor | None, spec: SpecDecodeMetadata
+    ) -> SamplerOutput:
+        """Greedy verification on the staged layout: a sequence accepts its drafts up to the
+        first that differs from the target's argmax and emits the argmax of every row up to it
+        (the accepted drafts, then the correction or the bonus token): the tokens greedy decoding
+        without drafts gives."""
+        k = self.k
+        target = argmax if argmax is not None else greedy_argmax(logits)
+        am = target[spec.greedy_rows]  # [n, k + 1]
+        matched = (am[:, :k] == spec.greedy_drafts).to(torch.int64)  # a -1 never matches
+        m = matched.cumprod(dim=1).sum(dim=1, keepdim=True)  # [n, 1]: drafts accepted
+        pos = torch.arange(k + 1, device=am.device)
+        emitted = torch.where(pos <= m, am, -1)
+        return SamplerOutput(torch.cat([m, emitted], dim=1).flatten(), None)
 
     def sample(
         self,
@@ -118,6 +177,8 @@ class Speculator:
         """The step's tokens, packed (see the module docstring). `logits`: the sampled rows (each
         sampled request's drafts' rows and the row before: `spec.logits_indices`), `argmax` their
         argmax when a request graph recorded it; `spec`: `prepare`'s metadata."""
+        if spec is not None and spec.greedy_rows is not None:
+            return self._sample_greedy(logits, argmax, spec)
         n = len(sampling.seeds)
         packed = torch.full((n, self.width), -1, dtype=torch.int64, device=logits.device)
         packed[:, 0] = 0
