@@ -247,7 +247,5 @@ def test_greedy_verify_layout_matches_the_rejection_sampler():
         got = spec.unpack(spec.sample(logits, None, sampling, None, md).sampled_token_ids.tolist())
         drafts = torch.as_tensor(input_ids[draft_at.astype(int)], dtype=torch.int64)
         ref = rejection_sample(logits, drafts, k_s.tolist(), sampling)
-        want = [
-            ref.tokens[s, : int(ref.num_accepted[s]) + 1].tolist() for s in range(n)
-        ]
+        want = [ref.tokens[s, : int(ref.num_accepted[s]) + 1].tolist() for s in range(n)]
         assert got == want
