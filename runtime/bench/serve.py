@@ -15,12 +15,16 @@ first token), TPOT (time per output token after the first) and ITL (time between
 offline engine (same flags) once the server is gone, at each run's concurrency (that many requests
 in flight, a finished one replaced by the next; a request-rate run: all at once), and prints the
 server's output tokens/s as a fraction of the offline engine's.
+
+The streams are read by a lean asyncio client (runtime/bench/sse_client.py): at tens of thousands
+of events a second a general-purpose client's cost per event would be what the bench measures.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -38,6 +42,7 @@ import numpy as np
 from tqdm import tqdm
 
 from atomrt.distributed.net_utils import get_free_port
+from atomrt.runtime.bench.sse_client import SSEClient, StreamError
 from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
 
 _SEED_TEXT = (
@@ -45,6 +50,7 @@ _SEED_TEXT = (
     "engineers measure latency, throughput and memory on every machine they can find."
 )
 START_TIMEOUT_S = 1800.0  # a cold compile and capture on a large model
+REQUEST_TIMEOUT_S = 600.0  # one streamed request, first byte to last
 
 
 @dataclass
@@ -194,7 +200,7 @@ def build_requests(args: argparse.Namespace, client: httpx.Client) -> list[Reque
     ]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, req: Request) -> Outcome:
+async def one_request(client: SSEClient, model: str, req: Request) -> Outcome:
     body = {
         "model": model,
         "prompt": req.prompt,
@@ -208,14 +214,12 @@ async def one_request(client: httpx.AsyncClient, model: str, req: Request) -> Ou
     first = last = 0.0
     out = Outcome(ok=False)
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return Outcome(ok=False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+        async with contextlib.aclosing(client.events("/v1/completions", body)) as events:
+            async for data in events:
+                if data == b"[DONE]":
                     continue
-                chunk = json.loads(line[6:])
                 now = time.perf_counter()
+                chunk = json.loads(data)
                 if "error" in chunk:
                     return Outcome(ok=False, error=chunk["error"]["message"])
                 if chunk.get("usage"):
@@ -231,8 +235,10 @@ async def one_request(client: httpx.AsyncClient, model: str, req: Request) -> Ou
                     else:
                         out.itls.append(now - last)
                     last = now
-    except httpx.HTTPError as e:
+    except (StreamError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
         return Outcome(ok=False, error=f"{type(e).__name__}: {e}")
+    except ValueError as e:  # an event that is not JSON
+        return Outcome(ok=False, error=f"a streamed event is not JSON: {e}")
     out.ok = first > 0.0
     if not out.ok:
         out.error = "the stream ended without a token"
@@ -250,18 +256,19 @@ async def run_load(
     rng: random.Random,
     progress: bool,
 ) -> tuple[list[Outcome], float]:
-    limits = httpx.Limits(max_connections=max(concurrency or len(requests), 1) + 8)
-    timeout = httpx.Timeout(600.0, connect=30.0)
     bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress)
     gate = asyncio.Semaphore(concurrency or len(requests))
 
     async def gated(req: Request) -> Outcome:
         async with gate:
-            result = await one_request(client, model, req)
+            try:
+                result = await asyncio.wait_for(one_request(client, model, req), REQUEST_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                result = Outcome(ok=False, error=f"no answer within {REQUEST_TIMEOUT_S:.0f} s")
         bar.update(1)
         return result
 
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+    async with SSEClient(url) as client:
         start = time.perf_counter()
         tasks = []
         for req in requests:
