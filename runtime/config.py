@@ -368,6 +368,9 @@ class SpeculativeConfig:
     prompt_lookup_max: Optional[int] = None  # the longest suffix n-gram ngram matches
     prompt_lookup_min: Optional[int] = None  # the shortest
     draft_tensor_parallel_size: Optional[int] = None  # the drafter runs whole: 1 (or unset)
+    # ngram under async scheduling: speculate only while it emits more tokens per second than
+    # plain decoding, measured in alternating phases (runtime/driver/speculation.py, SpecPolicy)
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -386,6 +389,8 @@ class SpeculativeConfig:
             method = "draft_model"
         _choice("speculative_config.method", method, SPEC_METHODS)
         object.__setattr__(self, "method", method)
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative_config.adaptive: true or false, got {self.adaptive!r}")
         if method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise ConfigError(

@@ -28,7 +28,8 @@ from test_region_graph_cpu import FakeBackend
 
 from atomrt.graphs.draft_graph import DraftGraph
 from atomrt.graphs.region_graph import TokenGraph
-from atomrt.runtime.config import Config
+from atomrt.runtime.config import Config, ConfigError, SpeculativeConfig
+from atomrt.runtime.driver.speculation import SpecPolicy
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import SamplingParams
 from atomrt.workers.runner.step_buffers import RunnerShape
@@ -210,6 +211,87 @@ def test_mp_executor_layouts(models, reference, layout, kind):
     )
     assert _tokens(outs) == _tokens(reference[3:])
     assert engine.stats.spec_decode.num_accepted_tokens > 0
+
+
+# ------------------------------------------------------------------ adaptive speculation
+
+
+def test_spec_policy_backs_off_while_speculation_loses_and_keeps_it_while_it_wins():
+    with pytest.raises(ConfigError, match="adaptive"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "adaptive": 1})
+    p = SpecPolicy()
+    now = 0.0
+
+    def run(steps: int, tokens: int, seconds: float) -> None:
+        nonlocal now
+        for _ in range(steps):
+            now += seconds
+            p.step_done(tokens, now)
+
+    assert p.speculating and p.left == SpecPolicy.PROBE
+    # speculation: 2 tokens per 4 ms step (500/s); plain: 1 token per 1 ms step (1000/s)
+    plain_lens = []
+    for _ in range(7):
+        assert p.speculating
+        run(p.left, 2, 0.004)
+        assert not p.speculating
+        plain_lens.append(p.left)
+        run(p.left, 1, 0.001)
+    assert p.spec_rate == pytest.approx(500) and p.plain_rate == pytest.approx(1000)
+    assert plain_lens == [8, 16, 32, 64, 128, 256, 256]  # doubling to MAX_PLAIN
+    assert p.spec_len == SpecPolicy.PROBE
+    # speculation now wins (5 tokens per 2 ms): long speculating phases, short plain probes
+    run(p.left, 5, 0.002)
+    run(p.left, 1, 0.001)
+    assert p.speculating and p.left == SpecPolicy.LONG and p.plain_len == SpecPolicy.PROBE
+    # an idle gap between results is not counted as a step's time (that result's interval drops)
+    run(p.left - 1, 5, 0.002)
+    now += 30.0
+    run(1, 5, 0.002)
+    assert not p.speculating and p.spec_rate == pytest.approx(64 * 5 / (63 * 0.002))
+
+
+def test_toggled_speculation_keeps_greedy_tokens_and_runs_plain_steps_ahead(
+    models, reference, monkeypatch
+):
+    """The policy switched at random after every step result: greedy tokens stay those without
+    speculation (mixed batch: penalties, logprobs, n=2, EOS), a seeded sampled request reproduces
+    its always-speculating run, and steps without drafts go out while another is in flight."""
+    rng = np.random.default_rng(11)
+
+    def toggle(self, num_tokens, now):
+        self.speculating = bool(rng.random() < 0.5)
+
+    monkeypatch.setattr(SpecPolicy, "step_done", toggle)
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    prompts, params = MIXED_PROMPTS + [REPETITIVE], _mixed_params() + [seeded]
+    llm = LLM(
+        str(models[0]), **COMMON, speculative_config=_spec("ngram", models), async_scheduling=True
+    )
+    ahead = []
+    submit = llm.engine.executor.submit
+
+    def counting_submit(plan):
+        ahead.append(len(llm.engine._inflight))
+        return submit(plan)
+
+    llm.engine.executor.submit = counting_submit
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.speculation.policy is not None
+        assert llm.engine.stats.spec_decode.num_drafts > 0
+    finally:
+        llm.shutdown()
+    assert _tokens(outs[:-1]) == _tokens(reference)
+    assert max(ahead) == 1  # a step went out with another in flight
+    always, _ = _generate(
+        models[0],
+        [REPETITIVE],
+        seeded,
+        speculative_config={**_spec("ngram", models), "adaptive": False},
+        async_scheduling=True,
+    )
+    assert outs[-1].outputs[0].token_ids == always[0].outputs[0].token_ids
 
 
 # ------------------------------------------------------------------ the draft model's DraftGraphs

@@ -24,8 +24,10 @@ whose pending tokens already reach its length limit is not scheduled again.
 Speculative decoding (runtime/driver/speculation.py): a decode row of a speculating sequence
 carries draft tokens as extra query rows; postprocess() rolls back the rows of rejected drafts
 (`num_computed_tokens`; their slots are rewritten later) and appends the accepted tokens. Under
-async scheduling nothing is scheduled while a step's tokens are out: how many drafts it accepts
-decides where each sequence's next rows start (every step then holds every running sequence).
+async scheduling no step with drafts is scheduled while a step's tokens are out: how many drafts it
+accepts decides where each sequence's next rows start (every step then holds every running
+sequence). While `Speculation.wants_drafts` says no (its policy paused n-gram speculation), steps
+run ahead as plain async steps.
 """
 
 from __future__ import annotations
@@ -208,18 +210,20 @@ class Scheduler:
     def schedule(self, admit: bool = True) -> SchedulerOutput:
         """`admit=False` schedules running sequences only (runtime/driver/dp_align.py)."""
         out = SchedulerOutput()
-        if self.speculation is not None and self._in_flight():
+        drafts = self.speculation is not None and self.speculation.wants_drafts(self.running)
+        if drafts and self._in_flight():
             return out  # a verify step's accepted count decides where the next rows start
-        budget = self.config.max_num_batched_tokens - self._schedule_running(out)
+        budget = self.config.max_num_batched_tokens - self._schedule_running(out, drafts)
         if not out.preempted and admit:
             budget -= self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         out.is_prefill = any(not s.is_decode for s in out.scheduled)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput) -> int:
-        """Schedule running sequences oldest first, preempting the newest when blocks run out.
-        Returns the tokens scheduled."""
+    def _schedule_running(self, out: SchedulerOutput, drafts: bool = False) -> int:
+        """Schedule running sequences oldest first, preempting the newest when blocks run out;
+        `drafts`: decode rows verify draft tokens (speculative decoding). Returns the tokens
+        scheduled."""
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         queue = deque(self.running)
@@ -234,8 +238,8 @@ class Scheduler:
             ):
                 kept.append(seq)  # no budget left this step: stays running, unscheduled
                 continue
-            drafts = self._drafts(seq, num_new, budget) if self.speculation is not None else []
-            num_new += len(drafts)
+            proposal = self._drafts(seq, num_new, budget) if drafts else []
+            num_new += len(proposal)
             if bm.blocks_needed(seq, num_new):  # a decode mostly fits in its last block: no check
                 while not bm.can_append(seq, num_new) and queue:
                     self._preempt(queue.pop(), out)
@@ -243,7 +247,7 @@ class Scheduler:
                     self._preempt(seq, out)
                     break
                 bm.append_slots(seq, num_new)
-            out.scheduled.append(ScheduledSeq(seq, num_new, drafts))
+            out.scheduled.append(ScheduledSeq(seq, num_new, proposal))
             budget -= num_new
             kept.append(seq)
         self.running = kept

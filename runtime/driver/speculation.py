@@ -15,13 +15,18 @@ rules. `observe` counts drafts and acceptances per position (`SpecDecodeStats`, 
   to k: a uniform batch replays its graph, where a ragged one would run eagerly; a padding token is
   verified like any draft (the target decides; correctness does not depend on what is proposed).
 - Under async scheduling the scheduler waits for the step in flight before it schedules the next:
-  how many drafts a verify step accepts decides where each sequence's next rows start.
+  how many drafts a verify step accepts decides where each sequence's next rows start. A verify
+  step therefore costs a synchronous step, which can outweigh the tokens it gains (a small model,
+  a workload whose drafts are seldom accepted). With n-gram drafts `SpecPolicy` measures both and
+  speculates only while it pays: between phases of speculation, steps without drafts run ahead as
+  plain async steps.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -72,6 +77,67 @@ class SpecDecodeStats:
         )
 
 
+class SpecPolicy:
+    """When to speculate under async scheduling: phases of speculating steps and of plain (async)
+    steps alternate, and each phase's output tokens per second (counted from the step results
+    that arrive in it, over the wall time between them) decide the next two lengths. While
+    speculation emits more per second, its phases are long and the plain ones short probes;
+    while it emits less, speculation is a short probe and the plain phases double, to
+    `MAX_PLAIN` steps. Starts with a speculating phase. Every result counts in the phase it
+    arrives in, so the cost of switching (a plain step still in flight when speculation resumes)
+    is part of the figures."""
+
+    PROBE = 8  # steps in a probing phase
+    LONG = 64  # steps in a winning phase
+    MAX_PLAIN = 256
+    IDLE_S = 1.0  # a longer gap between two results is the engine idling, not a step
+
+    def __init__(self) -> None:
+        self.speculating = True
+        self.spec_len, self.plain_len = self.PROBE, self.PROBE
+        self.left = self.spec_len  # results left in this phase
+        self.tokens, self.seconds = 0, 0.0  # this phase's so far
+        self.last: Optional[float] = None  # the previous result's time
+        self.spec_rate: Optional[float] = None  # tokens/s of the last phase of each kind
+        self.plain_rate: Optional[float] = None
+        self.num_switches = 0
+
+    def step_done(self, num_tokens: int, now: float) -> None:
+        """A step's results arrived at `now` (perf_counter seconds), emitting `num_tokens`."""
+        if self.last is not None and now - self.last < self.IDLE_S:
+            self.seconds += now - self.last
+        self.last = now
+        self.tokens += num_tokens
+        self.left -= 1
+        if self.left > 0:
+            return
+        rate = self.tokens / self.seconds if self.seconds > 0 else None
+        if self.speculating:
+            self.spec_rate = rate
+        else:
+            self.plain_rate = rate
+            self._decide()
+        self.speculating = not self.speculating
+        self.left = self.spec_len if self.speculating else self.plain_len
+        self.tokens, self.seconds = 0, 0.0
+        self.num_switches += 1
+
+    def _decide(self) -> None:
+        """After a cycle (a speculating phase, then a plain one): the next cycle's lengths."""
+        if self.spec_rate is None or self.plain_rate is None:
+            return
+        if self.spec_rate > self.plain_rate:
+            self.spec_len, self.plain_len = self.LONG, self.PROBE
+        else:
+            self.spec_len = self.PROBE
+            self.plain_len = min(2 * self.plain_len, self.MAX_PLAIN)
+
+
+def _seeded_sampling(seq: Sequence) -> bool:
+    p = seq.sampling_params
+    return p.seed is not None and p.temperature > 0
+
+
 def speculates(seq: Sequence) -> bool:
     """Whether a sequence's rows may verify drafts (penalties and logprobs keep it one row a step)."""
     p = seq.sampling_params
@@ -79,20 +145,51 @@ def speculates(seq: Sequence) -> bool:
 
 
 class Speculation:
-    def __init__(self, config: SpeculativeConfig, pad: bool = False) -> None:
-        """`pad`: pad n-gram proposals to k (request graphs serve only uniform verify steps)."""
+    def __init__(
+        self, config: SpeculativeConfig, pad: bool = False, async_scheduling: bool = False
+    ) -> None:
+        """`pad`: pad n-gram proposals to k (request graphs serve only uniform verify steps);
+        `async_scheduling`: with n-gram drafts and `config.adaptive`, a SpecPolicy decides which
+        steps speculate."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.is_ngram = config.method == "ngram"
         self.pad = pad
+        self.policy: Optional[SpecPolicy] = None
+        if self.is_ngram and config.adaptive and async_scheduling:
+            self.policy = SpecPolicy()
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k)
         self._last_log = time.monotonic()
 
+    def wants_drafts(self, running: Iterable[Sequence]) -> bool:
+        """Whether the next step proposes drafts: always without a policy, else when the policy
+        says so or a seeded sampled sequence runs (its tokens depend on whether its steps verify
+        drafts, and must not depend on timing). While it does not, the scheduler may run steps
+        ahead as async scheduling does."""
+        if self.policy is None or self.policy.speculating:
+            return True
+        return any(_seeded_sampling(s) for s in running)
+
+    def step_done(self, num_tokens: int) -> None:
+        """One step's results are in (every DP rank's): `num_tokens` tokens were emitted."""
+        if self.policy is not None:
+            was = self.policy.speculating
+            self.policy.step_done(num_tokens, time.perf_counter())
+            if was != self.policy.speculating and logger.isEnabledFor(logging.DEBUG):
+                p = self.policy
+                logger.debug(
+                    "speculative decoding %s (tokens/s speculating %s, plain %s)",
+                    "resumes" if p.speculating else "pauses",
+                    f"{p.spec_rate:.1f}" if p.spec_rate else "-",
+                    f"{p.plain_rate:.1f}" if p.plain_rate else "-",
+                )
+
     def drafts(self, seq: Sequence, room: int) -> list[int]:
-        """The draft tokens `seq` verifies this step, at most `min(k, room)`; [] when it does not
-        speculate. `room`: how many rows past its last token fit (budget, max_model_len)."""
+        """The draft tokens `seq` verifies this step (one that `wants_drafts`), at most
+        `min(k, room)`; [] when it does not speculate. `room`: how many rows past its last token
+        fit (budget, max_model_len)."""
         n = min(self.k, room)
-        if n <= 0 or not speculates(seq):
+        if n <= 0 or not speculates(seq) or seq.num_pending:
             return []
         if not self.is_ngram:
             return [DRAFT_TOKEN] * n
@@ -134,7 +231,7 @@ def make_speculation(
     if spec is None:
         return None
     pad = any(d == spec.num_speculative_tokens for _, d in req_keys)
-    return Speculation(spec, pad=pad)
+    return Speculation(spec, pad=pad, async_scheduling=config.scheduler_config.async_scheduling)
 
 
 def check_draft_model(config: Config, arch: Any) -> None:

@@ -186,7 +186,14 @@ class ModelRunner:
             return SamplerOutput(out.logits.new_empty(0, dtype=torch.int64))
         if self.spec is not None:  # verify the drafts; no pending rows follow a speculative step
             argmax = out.tokens[: out.logits.shape[0]] if out.tokens is not None else None
-            return self.spec.sample(out.logits, argmax, sampling, self.sampler, spec)
+            sampled = self.spec.sample(out.logits, argmax, sampling, self.sampler, spec)
+            if spec is None and self.tokens is not None:  # no drafts: the next step may run ahead
+                self.tokens.keep(
+                    sampled.sampled_token_ids.view(-1, self.spec.width)[:, 1].contiguous(),
+                    sampling.all_greedy and not sampling.do_penalties,
+                    self.tp,
+                )
+            return sampled
         if out.tokens is not None and sampling.is_plain_greedy:
             # The request graph's argmax (which also fed the next step's pending rows).
             return SamplerOutput(out.tokens[:num_sampled])
