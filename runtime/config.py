@@ -483,6 +483,21 @@ class Config:
         """Query rows per request of a decode step: 1, or `num_speculative_tokens + 1`."""
         return self.speculative_config.max_q_len if self.speculative_config else 1
 
+    @property
+    def capture_q_lens(self) -> tuple[int, ...]:
+        """Query rows per request of the decode buckets capture records: `max_q_len`, and 1 too
+        where speculation also runs steps without drafts (n-gram speculation that its policy
+        pauses under async scheduling)."""
+        spec = self.speculative_config
+        if (
+            spec is not None
+            and spec.method == "ngram"
+            and spec.adaptive
+            and self.scheduler_config.async_scheduling
+        ):
+            return (spec.max_q_len, 1)
+        return (self.max_q_len,)
+
     def _check_speculation(self) -> None:
         spec = self.speculative_config
         budget = self.scheduler_config.max_num_batched_tokens

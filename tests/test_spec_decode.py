@@ -28,7 +28,7 @@ from test_region_graph_cpu import FakeBackend
 
 from atomrt.graphs.draft_graph import DraftGraph
 from atomrt.graphs.region_graph import TokenGraph
-from atomrt.runtime.config import Config, ConfigError, SpeculativeConfig
+from atomrt.runtime.config import Config, ConfigError, SchedulerConfig, SpeculativeConfig
 from atomrt.runtime.driver.speculation import SpecPolicy
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import SamplingParams
@@ -219,6 +219,14 @@ def test_mp_executor_layouts(models, reference, layout, kind):
 def test_spec_policy_backs_off_while_speculation_loses_and_keeps_it_while_it_wins():
     with pytest.raises(ConfigError, match="adaptive"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "adaptive": 1})
+    # capture records plain decode buckets too where the policy may pause speculation
+    ngram = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
+    fixed = SpeculativeConfig.parse({**vars(ngram), "adaptive": False})
+    on = SchedulerConfig(async_scheduling=True)
+    assert Config(speculative_config=ngram, scheduler_config=on).capture_q_lens == (4, 1)
+    assert Config(speculative_config=ngram).capture_q_lens == (4,)  # synchronous: always drafts
+    assert Config(speculative_config=fixed, scheduler_config=on).capture_q_lens == (4,)
+    assert Config().capture_q_lens == (1,)
     p = SpecPolicy()
     now = 0.0
 

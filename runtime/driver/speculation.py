@@ -155,7 +155,7 @@ class Speculation:
         self.k = config.num_speculative_tokens
         self.is_ngram = config.method == "ngram"
         self.pad = pad
-        self.policy: Optional[SpecPolicy] = None
+        self.policy: Optional[SpecPolicy] = None  # capture records plain buckets for it too
         if self.is_ngram and config.adaptive and async_scheduling:
             self.policy = SpecPolicy()
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k)

@@ -92,7 +92,10 @@ def test_speculation_under_graphs_gives_eager_tokens(eager_tokens, method, mode,
     assert stats.spec_decode.num_drafts > 0
     assert stats.spec_decode.num_eager_draft_passes == 0, "a draft pass ran eagerly"
     if mode is CUDAGraphMode.FULL:
-        assert (1, K) in engine.info.req_keys and all(d == K for _, d in engine.info.req_keys)
+        # verify buckets, and plain ones where adaptive n-gram speculation pauses (async)
+        plain = method == "ngram" and async_scheduling
+        assert {d for _, d in engine.info.req_keys} == ({0, K} if plain else {K})
+        assert (1, K) in engine.info.req_keys
         assert stats.steps["req_graph"] > 0
     else:
         assert (K + 1) in engine.info.decode_token_sizes

@@ -81,7 +81,8 @@ class GraphRunner:
         try:
             for bs in tqdm(sizes, desc="Capturing CUDA graphs", disable=runner.rank != 0):
                 # a decode row per request, and its drafts' rows with speculative decoding
-                self._capture_one(runner, bs, max_q_len=self.config.max_q_len)
+                for q in self.config.capture_q_lens:
+                    self._capture_one(runner, bs, max_q_len=q)
                 torch.cuda.synchronize()
                 self.largest_pool_bytes = self.largest_pool_bytes or (graph_pool_bytes() or 0)
             if runner.spec is not None:  # the draft model's DraftGraphs, in the same pool
