@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from executor_harness import build_tiny_llama
@@ -163,7 +165,8 @@ def test_tokenizer_decode_is_transformers_decode(
             assert tokenizer.decode(ids, skip) == tokenizer.hf.decode(
                 ids, skip_special_tokens=skip
             ), (ids, skip)
-    tokenizer.hf.clean_up_tokenization_spaces = True
+    # the loaded tokenizer is shared by the engines of this process: change it for this test only
+    monkeypatch.setattr(tokenizer.hf, "clean_up_tokenization_spaces", True)
     assert Tokenizer(tokenizer.hf, (2,))._rust_decode is None
 
 
@@ -181,3 +184,29 @@ def test_embedded_tokenizer_round_trip_and_chat_template(
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert ids == tokenizer.encode(prompt, add_special_tokens=False) and ids[0] == 1  # <|im_start|>
+
+
+def test_a_gguf_file_is_parsed_once_while_it_is_unchanged(tmp_path: Path) -> None:
+    """The architecture check, the weights and the tokenizer share one parse of a GGUF file; a
+    file that changed (size or mtime) is parsed again."""
+    import gguf
+
+    from atomrt.workers.loading.gguf import open_gguf
+
+    def write(path: Path, value: int) -> None:
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_uint32("test.value", value)
+        w.add_tensor("t", np.arange(4, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    path = tmp_path / "tiny.gguf"
+    write(path, 1)
+    first = open_gguf(path)
+    assert open_gguf(path) is first
+    write(path, 2)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    second = open_gguf(path)
+    assert second is not first and second.fields["test.value"].contents() == 2

@@ -8,6 +8,7 @@ our rotary uses the Hugging Face half-split layout, so `_unpermute_rows` undoes 
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,15 +46,32 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
+# Readers already parsed in this process, by (path, size, mtime): parsing the metadata of a model
+# with a large vocabulary takes seconds, and the architecture check, the weights and the tokenizer
+# each open the file. A reader only reads (its arrays map the file read-only), so one is shared.
+_READERS: OrderedDict[tuple[str, int, int], Any] = OrderedDict()
+MAX_READERS = 2
+
+
 def open_gguf(path: Path) -> Any:
-    """A GGUFReader over `path`; a file that does not parse is a ValueError naming it."""
+    """A GGUFReader over `path` (the one this process parsed already, while the file is
+    unchanged); a file that does not parse is a ValueError naming it."""
     import gguf
 
     try:
+        st = Path(path).stat()
+        key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+        reader = _READERS.get(key)
+        if reader is not None:
+            _READERS.move_to_end(key)
+            return reader
         reader = gguf.GGUFReader(str(path))
         _ = [t.data.shape for t in reader.tensors]  # offsets past the end show up here
     except Exception as e:  # any parse failure of a third-party format means a corrupt file
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    _READERS[key] = reader
+    while len(_READERS) > MAX_READERS:
+        _READERS.popitem(last=False)
     return reader
 
 

@@ -76,12 +76,7 @@ def load_tokenizer(resolved: ResolvedModel, tokenizer_path: Optional[str] = None
         )
     try:
         if source.suffix == ".gguf":
-            hf = AutoTokenizer.from_pretrained(
-                str(source.parent), gguf_file=source.name, local_files_only=True
-            )
-            template = metadata_value(open_gguf(source), "tokenizer.chat_template")
-            if template and not hf.chat_template:
-                hf.chat_template = template
+            hf = _gguf_tokenizer(source)
         else:
             hf = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     except (OSError, ValueError) as e:
@@ -94,3 +89,26 @@ def load_tokenizer(resolved: ResolvedModel, tokenizer_path: Optional[str] = None
         value = json.loads(gen_config.read_text()).get("eos_token_id")
         eos += value if isinstance(value, list) else [value] if value is not None else []
     return Tokenizer(hf, tuple(dict.fromkeys(int(e) for e in eos)))
+
+
+# Tokenizers built from a GGUF file in this process, by (path, size, mtime): transformers parses
+# the file's metadata again (seconds for a large vocabulary) for every engine it starts. The engines
+# of a process share one, which nothing may change.
+_GGUF_TOKENIZERS: dict[tuple[str, int, int], Any] = {}
+
+
+def _gguf_tokenizer(source: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    st = source.stat()
+    key = (str(source.resolve()), st.st_size, st.st_mtime_ns)
+    hf = _GGUF_TOKENIZERS.get(key)
+    if hf is None:
+        hf = AutoTokenizer.from_pretrained(
+            str(source.parent), gguf_file=source.name, local_files_only=True
+        )
+        template = metadata_value(open_gguf(source), "tokenizer.chat_template")
+        if template and not hf.chat_template:
+            hf.chat_template = template
+        _GGUF_TOKENIZERS[key] = hf
+    return hf
