@@ -210,3 +210,57 @@ def test_a_gguf_file_is_parsed_once_while_it_is_unchanged(tmp_path: Path) -> Non
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     second = open_gguf(path)
     assert second is not first and second.fields["test.value"].contents() == 2
+
+
+def test_a_gguf_tokenizer_saved_for_other_processes_is_the_same_tokenizer(
+    gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tokenizer built from the GGUF file is saved under the cache root; another process loads
+    that copy, which must encode, decode and apply the chat template as the GGUF-built one does
+    (transformers' own conversion is the reference); a damaged copy is rebuilt."""
+    import dataclasses
+    import random
+
+    from atomrt.runtime import envs
+    from atomrt.workers.loading import tokenizer as tok
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, cache_root=tmp_path))
+    monkeypatch.setattr(tok, "_GGUF_TOKENIZERS", {})
+    built = tok.load_tokenizer(resolve_model(DEFAULT_MODEL))
+    [saved] = (tmp_path / "tokenizers").iterdir()
+    assert (saved / "tokenizer.json").is_file()
+    monkeypatch.setattr(tok, "_GGUF_TOKENIZERS", {})  # a new process: the saved copy
+    loaded = tok.load_tokenizer(resolve_model(DEFAULT_MODEL))
+    assert loaded.hf is not built.hf and type(loaded.hf) is type(built.hf)
+    assert (loaded.vocab_size, loaded.eos_token_ids, loaded.bos_token_id) == (
+        built.vocab_size,
+        built.eos_token_ids,
+        built.bos_token_id,
+    )
+    assert (loaded._rust_decode is None) == (built._rust_decode is None)
+    texts = [
+        "Hello, world!",
+        "  leading and trailing spaces  ",
+        "naïve café — 東京 🚀 ñ",
+        "<|im_start|>user\nhi<|im_end|>",
+        "def f(x):\n\treturn x ** 2\n",
+        "",
+    ]
+    for text in texts:
+        for special in (True, False):
+            assert loaded.encode(text, special) == built.encode(text, special), text
+    rng = random.Random(1)
+    for _ in range(200):
+        ids = [rng.randrange(built.vocab_size) for _ in range(rng.randrange(0, 12))]
+        for skip in (True, False):
+            assert loaded.decode(ids, skip) == built.decode(ids, skip)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert loaded.hf.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    ) == built.hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    (saved / "tokenizer.json").write_text("{not json")  # damaged: rebuilt from the GGUF file
+    monkeypatch.setattr(tok, "_GGUF_TOKENIZERS", {})
+    again = tok.load_tokenizer(resolve_model(DEFAULT_MODEL))
+    assert again.encode("Hello, world!") == built.encode("Hello, world!")
+    assert tok._load_saved(saved) is not None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -93,22 +97,62 @@ def load_tokenizer(resolved: ResolvedModel, tokenizer_path: Optional[str] = None
 
 # Tokenizers built from a GGUF file in this process, by (path, size, mtime): transformers parses
 # the file's metadata again (seconds for a large vocabulary) for every engine it starts. The engines
-# of a process share one, which nothing may change.
+# of a process share one, which nothing may change. Other processes (an engine core, the API
+# server, the next start) load it from the copy saved under the cache root, in a fraction of that.
 _GGUF_TOKENIZERS: dict[tuple[str, int, int], Any] = {}
 
 
 def _gguf_tokenizer(source: Path) -> Any:
-    from transformers import AutoTokenizer
-
     st = source.stat()
     key = (str(source.resolve()), st.st_size, st.st_mtime_ns)
     hf = _GGUF_TOKENIZERS.get(key)
     if hf is None:
-        hf = AutoTokenizer.from_pretrained(
-            str(source.parent), gguf_file=source.name, local_files_only=True
-        )
-        template = metadata_value(open_gguf(source), "tokenizer.chat_template")
-        if template and not hf.chat_template:
-            hf.chat_template = template
+        saved = _saved_tokenizer_dir(key)
+        hf = _load_saved(saved) or _from_gguf(source, saved)
         _GGUF_TOKENIZERS[key] = hf
+    return hf
+
+
+def _saved_tokenizer_dir(key: tuple[str, int, int]) -> Path:
+    from atomrt.runtime.envs import ENV
+
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:20]
+    return ENV.cache_root / "tokenizers" / f"{Path(key[0]).stem}-{digest}"
+
+
+def _load_saved(folder: Path) -> Any:
+    """The tokenizer saved in `folder`, or None (not saved, or unreadable: built again)."""
+    from transformers import AutoTokenizer
+
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception:  # noqa: BLE001 - a damaged copy is rebuilt from the GGUF file
+        return None
+
+
+def _from_gguf(source: Path, saved: Path) -> Any:
+    """Build the tokenizer from the GGUF file's metadata and save a copy for other processes (a
+    cache root that cannot be written is skipped)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(
+        str(source.parent), gguf_file=source.name, local_files_only=True
+    )
+    template = metadata_value(open_gguf(source), "tokenizer.chat_template")
+    if template and not hf.chat_template:
+        hf.chat_template = template
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=saved.name + ".", dir=saved.parent))
+        hf.save_pretrained(str(tmp))
+        if saved.exists():  # a damaged copy (it did not load)
+            shutil.rmtree(saved, ignore_errors=True)
+        try:
+            os.replace(tmp, saved)  # whole or not at all; a copy saved meanwhile stays
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass
     return hf
