@@ -100,7 +100,6 @@ class SpecPolicy:
         self.last: Optional[float] = None  # the previous result's time
         self.spec_rate: Optional[float] = None  # tokens/s of the last phase of each kind
         self.plain_rate: Optional[float] = None
-        self.num_switches = 0
 
     def step_done(self, num_tokens: int, now: float) -> None:
         """A step's results arrived at `now` (perf_counter seconds), emitting `num_tokens`."""
@@ -120,7 +119,6 @@ class SpecPolicy:
         self.speculating = not self.speculating
         self.left = self.spec_len if self.speculating else self.plain_len
         self.tokens, self.seconds = 0, 0.0
-        self.num_switches += 1
 
     def _decide(self) -> None:
         """After a cycle (a speculating phase, then a plain one): the next cycle's lengths."""
