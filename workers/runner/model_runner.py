@@ -184,7 +184,9 @@ class ModelRunner:
         num_sampled = int(inputs.sample_rows.shape[0])
         if num_sampled == 0:  # an idle DP rank's dummy batch
             return SamplerOutput(out.logits.new_empty(0, dtype=torch.int64))
-        if self.spec is not None:  # verify the drafts; only a step without drafts feeds pending rows
+        if (
+            self.spec is not None
+        ):  # verify the drafts; only a step without drafts feeds pending rows
             argmax = out.tokens[: out.logits.shape[0]] if out.tokens is not None else None
             sampled = self.spec.sample(out.logits, argmax, sampling, self.sampler, spec)
             if spec is None and self.tokens is not None:  # no drafts: the next step may run ahead
