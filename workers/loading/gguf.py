@@ -53,14 +53,19 @@ _READERS: OrderedDict[tuple[str, int, int], Any] = OrderedDict()
 MAX_READERS = 2
 
 
+def file_key(path: Path) -> tuple[str, int, int]:
+    """(resolved path, size, mtime): what a cache of a file's parse is keyed by."""
+    st = Path(path).stat()
+    return (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
 def open_gguf(path: Path) -> Any:
     """A GGUFReader over `path` (the one this process parsed already, while the file is
     unchanged); a file that does not parse is a ValueError naming it."""
     import gguf
 
     try:
-        st = Path(path).stat()
-        key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+        key = file_key(path)
         reader = _READERS.get(key)
         if reader is not None:
             _READERS.move_to_end(key)

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from atomrt.workers.loading.gguf import metadata_value, open_gguf
+from atomrt.workers.loading.gguf import file_key, metadata_value, open_gguf
 from atomrt.workers.loading.loader import ResolvedModel
 
 
@@ -103,8 +103,7 @@ _GGUF_TOKENIZERS: dict[tuple[str, int, int], Any] = {}
 
 
 def _gguf_tokenizer(source: Path) -> Any:
-    st = source.stat()
-    key = (str(source.resolve()), st.st_size, st.st_mtime_ns)
+    key = file_key(source)
     hf = _GGUF_TOKENIZERS.get(key)
     if hf is None:
         saved = _saved_tokenizer_dir(key)
