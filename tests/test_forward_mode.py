@@ -5,7 +5,13 @@ import dataclasses
 import pytest
 
 from atomrt.distributed.messages import StepPlan, decode, encode
-from atomrt.runtime.config import CompilationConfig, Config, CUDAGraphMode
+from atomrt.runtime.config import (
+    CompilationConfig,
+    Config,
+    CUDAGraphMode,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardKind
 from atomrt.runtime.driver.forward_mode import ForwardMode
 
@@ -182,6 +188,46 @@ def test_draft_decode_keys_by_draft_num():
     )
     d = tr.decide([BatchShape(3, 3 * q, q, False)])
     assert d.kind is TOKEN and d.token_bucket == 12 and d.running_bs == 4
+
+
+def _spec_mode(mode: CUDAGraphMode, async_scheduling: bool, captured) -> ForwardMode:
+    config = Config(
+        compilation_config=CompilationConfig(cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2]),
+        scheduler_config=SchedulerConfig(async_scheduling=async_scheduling),
+        speculative_config=SpeculativeConfig.parse(
+            {"method": "ngram", "num_speculative_tokens": 2}
+        ),
+    )
+    return ForwardMode(config, captured, num_draft_tokens=config.max_q_len - 1)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_steps_without_drafts_replay_the_plain_buckets_capture_records(async_scheduling):
+    # adaptive n-gram speculation under async scheduling also runs steps without drafts, and
+    # capture records plain decode buckets for them beside the verify ones
+    plain = async_scheduling
+    keys = [(b, d) for b in (1, 2) for d in ((2, 0) if plain else (2,))]
+    full = _spec_mode(M.FULL, async_scheduling, CapturedBuckets(req_keys=keys))
+    verify = full.decide([BatchShape(2, 6, 3, False)])
+    assert verify.kind is REQ and verify.req_key == (2, 2) and verify.running_tokens == 6
+    d = full.decide([BatchShape(2, 2, 1, False), BatchShape.idle()])
+    if plain:
+        assert d.kind is REQ and d.req_key == (2, 0) and d.draft_num == 0
+        assert d.running_tokens == 2 and d.dummy_batch() == BatchShape(2, 2, 1, False)
+    else:  # synchronous speculation pads every decode step to its drafts: no plain buckets
+        assert d.kind is EAGER
+    assert full.decide([BatchShape(2, 5, 4, True)]).kind is EAGER  # a prefill step
+
+    sizes = [b * q for b in (1, 2) for q in ((3, 1) if plain else (3,))]
+    tr = _spec_mode(M.TR_HYBRID, async_scheduling, CapturedBuckets(decode_token_sizes=sizes))
+    d = tr.decide([BatchShape(2, 2, 1, False)])
+    if plain:
+        assert d.kind is TOKEN and not d.is_prefill
+        assert d.token_bucket == 2 and d.running_bs == 2 and d.draft_num == 0
+    else:
+        assert d.kind is EAGER
+    d = tr.decide([BatchShape(1, 3, 3, False)])
+    assert d.kind is TOKEN and d.token_bucket == 3 and d.running_bs == 1 and d.draft_num == 2
 
 
 def test_repeated_shapes_reuse_the_decision_and_new_shapes_get_their_own():

@@ -8,7 +8,9 @@ one frozen `ForwardDecision` that every rank follows, so the ranks' collectives 
 - `enforce_eager`, or mode NONE: eager.
 - A step is *decode* when every rank with work is pure decode, each sequence running
   `1 + draft` query rows (`max_seqlen_q == 1 + draft`, `num_tokens == num_seqs * (1 + draft)`);
-  otherwise it is a *prefill* step (prefill or mixed on any rank).
+  otherwise it is a *prefill* step (prefill or mixed on any rank). `draft` is the speculative
+  width, or 0 for a step without drafts where capture records plain decode buckets beside the
+  verify ones (`config.capture_q_lens`: adaptive n-gram speculation under async scheduling).
 - FULL: a decode step replays the request graph at the smallest recorded bucket
   `(running_bs, draft)` with `running_bs >=` the group's largest `num_seqs`; prefill and mixed steps,
   and decode steps beyond the recorded ladder, run eagerly.
@@ -46,7 +48,9 @@ class ForwardMode:
         self.tr_hybrid = self.mode.uses_tr_hybrid()  # FULL_AND_TR_HYBRID runs as TR_HYBRID
         self.captured = captured
         self.draft_num = num_draft_tokens
-        self.ubatch = UbatchPolicy(config.parallel_config.enable_tbo, captured, num_draft_tokens)
+        # a step without drafts is a plain decode step where capture records plain buckets too
+        self.plain_decode = num_draft_tokens > 0 and 1 in config.capture_q_lens
+        self.ubatch = UbatchPolicy(config.parallel_config.enable_tbo, captured)
         # The decision is a pure function of the shapes: a steady decode repeats the last one.
         self._last: tuple[tuple[BatchShape, ...], Optional[ForwardDecision]] = ((), None)
 
@@ -78,63 +82,65 @@ class ForwardMode:
         dp_num_tokens = tuple(b.num_tokens for b in batches)
         max_seqs = max((b.num_seqs for b in busy), default=0)
         max_tokens = max(dp_num_tokens)
-        is_decode = bool(busy) and all(self._is_decode(b) for b in busy)
+        draft = self.draft_num
+        if self.plain_decode and busy and all(b.max_seqlen_q == 1 for b in busy):
+            draft = 0
+        is_decode = bool(busy) and all(self._is_decode(b, draft) for b in busy)
         decision = None
         if busy and not self.enforce_eager:
             if self.tr_hybrid:
-                decision = self._pad_to_token_graph(is_decode, max_seqs, max_tokens)
+                decision = self._pad_to_token_graph(is_decode, max_seqs, max_tokens, draft)
             elif is_decode and self.mode.decode_mode() == CUDAGraphMode.FULL:
-                decision = self._pad_to_req_graph(max_seqs)
+                decision = self._pad_to_req_graph(max_seqs, draft)
         if decision is None:
-            decision = self._eager(len(batches), not is_decode and bool(busy), max_seqs, max_tokens)
+            is_prefill = not is_decode and bool(busy)
+            decision = self._eager(is_prefill, max_seqs, max_tokens, draft)
         if busy and self.ubatch.enabled:
             decision = self.ubatch.apply(decision, busy, max_seqs, max_tokens)
         return _with_dp(decision, dp_num_tokens)
 
-    def _is_decode(self, b: BatchShape) -> bool:
-        q = 1 + self.draft_num
+    @staticmethod
+    def _is_decode(b: BatchShape, draft: int) -> bool:
+        q = 1 + draft
         return not b.is_prefill and b.max_seqlen_q == q and b.num_tokens == b.num_seqs * q
 
-    def _pad_to_req_graph(self, max_seqs: int) -> Optional[ForwardDecision]:
-        bs = bucket_for(max_seqs, self.captured.req_batch_sizes(self.draft_num))
+    def _pad_to_req_graph(self, max_seqs: int, draft: int) -> Optional[ForwardDecision]:
+        bs = bucket_for(max_seqs, self.captured.req_batch_sizes(draft))
         if bs is None:
             return None
-        q = 1 + self.draft_num
         return ForwardDecision(
             kind=ForwardKind.REQ_GRAPH,
             running_bs=bs,
-            running_tokens=bs * q,
+            running_tokens=bs * (1 + draft),
             is_prefill=False,
-            draft_num=self.draft_num,
-            req_key=(bs, self.draft_num),
+            draft_num=draft,
+            req_key=(bs, draft),
         )
 
     def _pad_to_token_graph(
-        self, is_decode: bool, max_seqs: int, max_tokens: int
+        self, is_decode: bool, max_seqs: int, max_tokens: int, draft: int
     ) -> Optional[ForwardDecision]:
         bucket = bucket_for(max_tokens, self.captured.token_sizes(not is_decode))
         if bucket is None:
             return None
-        q = 1 + self.draft_num
         return ForwardDecision(
             kind=ForwardKind.TOKEN_GRAPH,
-            running_bs=bucket // q if is_decode else max_seqs,
+            running_bs=bucket // (1 + draft) if is_decode else max_seqs,
             running_tokens=bucket,
             is_prefill=not is_decode,
-            draft_num=self.draft_num,
+            draft_num=draft,
             token_bucket=bucket,
         )
 
-    def _eager(
-        self, dp_size: int, is_prefill: bool, max_seqs: int, max_tokens: int
-    ) -> ForwardDecision:
+    @staticmethod
+    def _eager(is_prefill: bool, max_seqs: int, max_tokens: int, draft: int) -> ForwardDecision:
         # One rank runs its real rows; DP ranks step in lockstep, padded to the group's largest count.
         return ForwardDecision(
             kind=ForwardKind.EAGER,
             running_bs=max_seqs,
             running_tokens=max_tokens,
             is_prefill=is_prefill,
-            draft_num=self.draft_num,
+            draft_num=draft,
         )
 
 

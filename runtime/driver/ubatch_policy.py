@@ -62,9 +62,8 @@ def check_tbo(mode: str, arch: Any) -> None:
 
 
 class UbatchPolicy:
-    def __init__(self, mode: str, captured: CapturedBuckets, draft_num: int = 0) -> None:
+    def __init__(self, mode: str, captured: CapturedBuckets) -> None:
         self.mode = mode
-        self.draft_num = draft_num
         self.plain_keys = frozenset(captured.req_keys)
         self.tbo_keys = frozenset(captured.tbo_req_keys)
         self.verdicts = tuple(
@@ -105,7 +104,7 @@ class UbatchPolicy:
         else:
             wanted = self.splits_decode(max_seqs)
             ubatch_split_bs = len(decode_ubatch_request_ranges(max_seqs).first)
-        q = 1 + self.draft_num
+        q = 1 + d.draft_num
         if not wanted or not all(rank_can_split(b, q) for b in busy):
             return d
         return split_decision(self._eager(d, max_seqs, max_tokens), ubatch_split_bs)

@@ -97,6 +97,9 @@ def test_speculation_under_graphs_gives_eager_tokens(eager_tokens, method, mode,
         assert {d for _, d in engine.info.req_keys} == ({0, K} if plain else {K})
         assert (1, K) in engine.info.req_keys
         assert stats.steps["req_graph"] > 0
+        # only steps with prompt rows run eagerly (each prefills a request): every decode step,
+        # with drafts or without, replays a request graph
+        assert stats.steps["eager"] <= NUM_REQUESTS, stats.steps
     else:
         assert (K + 1) in engine.info.decode_token_sizes
         assert stats.steps["token_graph"] > 0
