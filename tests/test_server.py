@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -25,7 +26,9 @@ from executor_harness import build_tiny_llama, pid_alive, wait_gone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from atomrt.distributed.messages import CoreOutput
 from atomrt.distributed.net_utils import get_free_port
+from atomrt.runtime.entrypoints.engine_client import _NOTHING, RequestStream
 
 CPU_FLAGS = ["--device", "cpu", "--enforce-eager", "--set", "cache_config.num_kv_blocks=256"]
 
@@ -223,6 +226,46 @@ def test_200_concurrent_streams_lose_and_repeat_nothing(tiny_server):
     got = asyncio.run(run())
     assert got == [want[tuple(p)] for p in prompts]
     assert tiny_server.metric("atomrt:num_requests_running") == 0
+
+
+def test_a_stream_behind_the_engine_merges_what_queued_and_keeps_every_token():
+    """`RequestStream.next` merges the outputs of a sample that queued up behind the one it reads
+    (one SSE chunk for several steps); randomized interleavings of deliveries and reads, against
+    the outputs concatenated by hand."""
+    rng = random.Random(0)
+
+    async def one_run() -> bool:
+        stream = RequestStream("r")
+        outs = [
+            CoreOutput("r", token_ids=[i], text=f"<{i}>", logprobs=[{i: -float(i)}])
+            for i in range(rng.randrange(1, 40))
+        ]
+        outs[-1].finished, outs[-1].finish_reason = True, "length"
+        # a second sample's outputs and the end behind the first's: never merged into it
+        tail = [CoreOutput("r", index=1, token_ids=[99], finished=True, finish_reason="stop"), None]
+        pending, got, ended = outs + tail, [], False
+        while not ended:
+            for _ in range(rng.randrange(0, 4)):  # the reader delivers 0-3 outputs
+                if pending:
+                    stream.queue.put_nowait(pending.pop(0))
+            if stream.queue.qsize() or stream._held is not _NOTHING:
+                out = await stream.next()
+                ended = out is None
+                got += [] if ended else [out]
+        first = [o for o in got if o.index == 0]
+        assert [t for o in first for t in o.token_ids] == list(range(len(outs)))
+        assert "".join(o.text for o in first) == "".join(f"<{i}>" for i in range(len(outs)))
+        assert [lp for o in first for lp in o.logprobs] == [
+            {i: -float(i)} for i in range(len(outs))
+        ]
+        assert [o.finished for o in first] == [False] * (len(first) - 1) + [True]
+        assert first[-1].finish_reason == "length"
+        assert [(o.index, o.token_ids, o.finish_reason) for o in got[len(first) :]] == [
+            (1, [99], "stop")
+        ]
+        return len(first) < len(outs)  # some outputs were merged
+
+    assert sum(asyncio.run(one_run()) for _ in range(200)) > 100
 
 
 def test_a_cancelled_stream_frees_its_kv_blocks(smol):

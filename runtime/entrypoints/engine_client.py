@@ -42,6 +42,9 @@ class EngineGone(RuntimeError):
     """The engine core stopped; the message says why."""
 
 
+_NOTHING: Any = object()
+
+
 @dataclass
 class RequestStream:
     """One request's outputs as the reader delivers them (`None` ends the stream)."""
@@ -50,6 +53,35 @@ class RequestStream:
     queue: asyncio.Queue[Optional[CoreOutput]] = field(default_factory=asyncio.Queue)
     arrival_time: float = field(default_factory=time.monotonic)
     finished: int = 0  # how many of its n samples have finished
+    _held: Any = _NOTHING  # read from the queue, not merged into the last output
+
+    async def next(self) -> Optional[CoreOutput]:
+        """The next output, with the outputs of the same sample already queued behind it merged in:
+        a reader that fell behind the engine sends one chunk for several steps, not one each."""
+        out, self._held = self._held, _NOTHING
+        if out is _NOTHING:
+            out = await self.queue.get()
+        while out is not None and not out.finished and out.error is None and self.queue.qsize():
+            nxt = self.queue.get_nowait()
+            if nxt is None or nxt.index != out.index or nxt.error is not None:
+                self._held = nxt
+                break
+            merge_into(out, nxt)
+        return out
+
+
+def merge_into(out: CoreOutput, later: CoreOutput) -> None:
+    """`out` followed by `later`, the same sample's next output, in place."""
+    out.token_ids += later.token_ids
+    out.text += later.text
+    if later.logprobs:
+        out.logprobs = (out.logprobs or []) + later.logprobs
+    out.finished, out.finish_reason = later.finished, later.finish_reason
+    out.stop_reason = later.stop_reason
+    if out.first_token_time is None:
+        out.first_token_time = later.first_token_time
+    if out.first_scheduled_time is None:
+        out.first_scheduled_time = later.first_scheduled_time
 
 
 class EngineClient:

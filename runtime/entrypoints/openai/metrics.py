@@ -99,6 +99,9 @@ class ServerMetrics:
         self.capture_seconds = Gauge(
             "atomrt:capture_seconds", "CUDA-graph capture time", labels, registry=r
         )
+        # the children the per-token path observes, bound once
+        self._generated = self.generation_tokens.labels(model_name)
+        self._itl = self.itl.labels(model_name)
         self._last_token: dict[str, float] = {}
         self._totals: dict[str, int] = {}  # the engine's running totals, last seen
 
@@ -128,19 +131,19 @@ class ServerMetrics:
         self.ttft.labels(self.model).observe(now - arrival)
         if out.first_scheduled_time is not None:
             self.queue_time.labels(self.model).observe(max(0.0, out.first_scheduled_time - arrival))
-        self.generation_tokens.labels(self.model).inc(len(out.token_ids))
+        self._generated.inc(len(out.token_ids))
         self._last_token[f"{out.request_id}/{out.index}"] = now
 
     def next_tokens(self, out: Any) -> None:
         """More tokens of a sample that already had its first: their inter-token latency."""
         n = len(out.token_ids)
-        self.generation_tokens.labels(self.model).inc(n)
+        self._generated.inc(n)
         key = f"{out.request_id}/{out.index}"
         now = time.monotonic()
         last = self._last_token.get(key)
         if last is not None:
             for _ in range(n):
-                self.itl.labels(self.model).observe((now - last) / n)
+                self._itl.observe((now - last) / n)
         self._last_token[key] = now
 
     def request_done(self, arrival: float, out: Any, num_tokens: int) -> None:

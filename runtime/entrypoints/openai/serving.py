@@ -199,10 +199,14 @@ class Serving:
 
     # ---------------------------------------------------------------- outputs out
 
-    async def outputs(self, job: Job) -> AsyncIterator[tuple[Choice, CoreOutput]]:
-        """Every output of the job's engine requests, as (its choice, the output), in arrival order."""
+    def outputs(self, job: Job) -> AsyncIterator[tuple[Choice, CoreOutput]]:
+        """Every output of the job's engine requests, as (its choice, the output), in arrival order;
+        outputs of a sample that queued up while the stream was behind arrive as one."""
+        return self._one_stream(job) if len(job.streams) == 1 else self._streams(job)
+
+    async def _streams(self, job: Job) -> AsyncIterator[tuple[Choice, CoreOutput]]:
         n = job.params.n
-        getters = {i: asyncio.ensure_future(s.queue.get()) for i, s in enumerate(job.streams)}
+        getters = {i: asyncio.ensure_future(s.next()) for i, s in enumerate(job.streams)}
         try:
             while getters:
                 done, _ = await asyncio.wait(getters.values(), return_when=asyncio.FIRST_COMPLETED)
@@ -227,10 +231,31 @@ class Serving:
                         if job.streams[i].finished >= n:
                             del getters[i]
                             continue
-                    getters[i] = asyncio.ensure_future(job.streams[i].queue.get())
+                    getters[i] = asyncio.ensure_future(job.streams[i].next())
         finally:
             for fut in getters.values():
                 fut.cancel()
+
+    async def _one_stream(self, job: Job) -> AsyncIterator[tuple[Choice, CoreOutput]]:
+        """`outputs` of a job with one engine request (one prompt): no task per output."""
+        stream, n = job.streams[0], job.params.n
+        while True:
+            out = await stream.next()
+            if out is None:
+                return
+            if out.error:
+                raise (
+                    EngineGone(out.error)
+                    if out.finish_reason == "error"
+                    else RequestError(out.error)
+                )
+            choice = job.choices[out.index]
+            self._apply(choice, out, stream)
+            yield choice, out
+            if out.finished:
+                self.client.finished(stream, n)
+                if stream.finished >= n:
+                    return
 
     def _apply(self, choice: Choice, out: CoreOutput, stream: RequestStream) -> None:
         if not choice.token_ids and out.token_ids:
