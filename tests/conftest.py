@@ -38,3 +38,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") or item.get_closest_marker("multigpu"):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU: run on the GPU machine"))
+
+
+@pytest.fixture(scope="session")
+def embedded_hf():
+    """transformers' own model of the embedded GGUF (float32, eager attention), loaded once: the
+    reference several test modules compare the engine with (its dequantizing load is slow on CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from atomrt.workers.loading.loader import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()

