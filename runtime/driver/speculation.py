@@ -83,30 +83,35 @@ class SpecPolicy:
     that arrive in it, over the wall time between them) decide the next two lengths. While
     speculation emits more per second, its phases are long and the plain ones short probes;
     while it emits less, speculation is a short probe and the plain phases double, to
-    `MAX_PLAIN` steps. Starts with a speculating phase. Every result counts in the phase it
-    arrives in, so the cost of switching (a plain step still in flight when speculation resumes)
-    is part of the figures."""
+    `MAX_PLAIN` steps. Starts with a speculating phase. The first `SWITCH` results of a phase
+    carry the switch (a plain phase starts with no step in flight, a speculating one waits for
+    the plain step in flight) and are left out of its rate: a short probe would otherwise bear a
+    cost that the winning mode pays once per long phase, and lose to it for that alone."""
 
     PROBE = 8  # steps in a probing phase
     LONG = 64  # steps in a winning phase
     MAX_PLAIN = 256
+    SWITCH = 2  # results at the start of a phase that its rate leaves out
     IDLE_S = 1.0  # a longer gap between two results is the engine idling, not a step
 
     def __init__(self) -> None:
         self.speculating = True
         self.spec_len, self.plain_len = self.PROBE, self.PROBE
         self.left = self.spec_len  # results left in this phase
-        self.tokens, self.seconds = 0, 0.0  # this phase's so far
+        self.seen = 0  # results of this phase so far
+        self.tokens, self.seconds = 0, 0.0  # this phase's counted ones
         self.last: Optional[float] = None  # the previous result's time
         self.spec_rate: Optional[float] = None  # tokens/s of the last phase of each kind
         self.plain_rate: Optional[float] = None
 
     def step_done(self, num_tokens: int, now: float) -> None:
         """A step's results arrived at `now` (perf_counter seconds), emitting `num_tokens`."""
-        if self.last is not None and now - self.last < self.IDLE_S:
-            self.seconds += now - self.last
+        self.seen += 1
+        if self.seen > self.SWITCH:
+            self.tokens += num_tokens
+            if self.last is not None and now - self.last < self.IDLE_S:
+                self.seconds += now - self.last
         self.last = now
-        self.tokens += num_tokens
         self.left -= 1
         if self.left > 0:
             return
@@ -118,7 +123,7 @@ class SpecPolicy:
             self._decide()
         self.speculating = not self.speculating
         self.left = self.spec_len if self.speculating else self.plain_len
-        self.tokens, self.seconds = 0, 0.0
+        self.seen, self.tokens, self.seconds = 0, 0, 0.0
 
     def _decide(self) -> None:
         """After a cycle (a speculating phase, then a plain one): the next cycle's lengths."""
