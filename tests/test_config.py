@@ -3,6 +3,7 @@
 import pytest
 
 from atomrt.runtime import config as config_module
+from atomrt.runtime import config_sections
 from atomrt.runtime.config import (
     AUTO_SPIN_US,
     CompilationConfig,
@@ -231,12 +232,14 @@ def test_transport_spin_us_auto_is_the_default_and_follows_the_device(monkeypatc
     pc = ParallelConfig()
     assert pc.transport_spin_us == "auto" and Config().parallel_config.transport_spin_us == "auto"
     assert config_module.usable_cpu_count() >= 1
-    monkeypatch.setattr(config_module, "usable_cpu_count", lambda: 32)
+    monkeypatch.setattr(config_sections, "usable_cpu_count", lambda: 32)
     assert pc.resolved_spin_s("cuda") == AUTO_SPIN_US / 1e6 == 0.002
     assert pc.resolved_spin_s("cpu") == 0.0  # a CPU engine's cores run the model
-    monkeypatch.setattr(config_module, "usable_cpu_count", lambda: 2)  # the CPU CI machines
+    monkeypatch.setattr(config_sections, "usable_cpu_count", lambda: 2)  # the CPU CI machines
     assert pc.resolved_spin_s("cuda") == 0.0
-    monkeypatch.setattr(config_module, "usable_cpu_count", lambda: config_module.AUTO_SPIN_MIN_CPUS)
+    monkeypatch.setattr(
+        config_sections, "usable_cpu_count", lambda: config_module.AUTO_SPIN_MIN_CPUS
+    )
     assert pc.resolved_spin_s("cuda") == 0.002
 
 
@@ -244,7 +247,7 @@ def test_transport_spin_us_auto_is_the_default_and_follows_the_device(monkeypatc
     "spin_us, spin_s", [(0, 0.0), (0.0, 0.0), (500, 0.0005), (2000.0, 0.002), (1e6, 1.0)]
 )
 def test_explicit_transport_spin_us_passes_through_on_any_device(monkeypatch, spin_us, spin_s):
-    monkeypatch.setattr(config_module, "usable_cpu_count", lambda: 1)
+    monkeypatch.setattr(config_sections, "usable_cpu_count", lambda: 1)
     pc = ParallelConfig(transport_spin_us=spin_us)
     assert pc.resolved_spin_s("cpu") == pc.resolved_spin_s("cuda") == pytest.approx(spin_s)
 

@@ -1,6 +1,6 @@
 """The package's import graph points one way, lazy imports included.
 
-Layers, lowest first: the runtime leaves (config, config_io, envs, forward_context,
+Layers, lowest first: the runtime leaves (config, config_sections, config_io, envs, forward_context,
 sampling_params, decision) <- compile, graphs, distributed <- workers <- runtime.executors <-
 runtime.driver <- runtime.entrypoints and runtime.bench (and the `atomrt.runtime` package, which
 re-exports `LLM`). A module may import its own layer or a lower one, and the module graph has no
@@ -25,7 +25,15 @@ FOLDERS = {
 }
 LEAVES = {
     f"atomrt.runtime.{m}"
-    for m in ("config", "config_io", "envs", "forward_context", "sampling_params", "decision")
+    for m in (
+        "config",
+        "config_sections",
+        "config_io",
+        "envs",
+        "forward_context",
+        "sampling_params",
+        "decision",
+    )
 }
 LAYERS = [  # (prefix, layer); the longest matching prefix wins
     ("atomrt.compile", 1),
