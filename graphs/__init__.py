@@ -25,17 +25,19 @@ Replay, per step, following the driver's `ForwardDecision`:
 """
 
 from atomrt.graphs.buckets import RequestBucket, bucket_for, capture_order, request_bucket
+from atomrt.graphs.markers import (
+    captured_token_sizes,
+    eager_region,
+    token_graph,
+    token_graph_of,
+    token_graph_units,
+)
 from atomrt.graphs.region_graph import (
     CudaGraphBackend,
     ReqGraph,
     TokenGraph,
-    captured_token_sizes,
-    eager_region,
     graph_pool,
     graph_pool_bytes,
-    token_graph,
-    token_graph_of,
-    token_graph_units,
 )
 
 __all__ = [

@@ -141,7 +141,7 @@ def test_token_graph_records_kv_write_inline_and_breaks_only_at_attention(
     the KV write, whose launch the row count fixes, stays inside the segments."""
     from test_region_graph_cpu import FakeBackend
 
-    from atomrt.graphs.region_graph import token_graph_of
+    from atomrt.graphs.markers import token_graph_of
     from atomrt.runtime.forward_context import set_forward_context
 
     unit = runner.model.model

@@ -14,16 +14,14 @@ import pytest
 import torch
 
 from atomrt.graphs import region_graph as rg
-from atomrt.graphs.region_graph import (
-    ReqGraph,
-    TokenGraph,
+from atomrt.graphs.markers import (
     captured_token_sizes,
     eager_region,
-    non_owning_alias,
     token_graph,
     token_graph_of,
     token_graph_units,
 )
+from atomrt.graphs.region_graph import ReqGraph, TokenGraph, non_owning_alias
 from atomrt.runtime.forward_context import Context, set_forward_context
 
 

@@ -12,15 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from atomrt.graphs.region_graph import (
-    ReqGraph,
-    captured_token_sizes,
-    eager_region,
-    graph_pool,
-    graph_pool_bytes,
-    token_graph,
-    token_graph_of,
-)
+from atomrt.graphs.markers import captured_token_sizes, eager_region, token_graph, token_graph_of
+from atomrt.graphs.region_graph import ReqGraph, graph_pool, graph_pool_bytes
 from atomrt.runtime.forward_context import Context, get_forward_context, set_forward_context
 
 pytestmark = pytest.mark.gpu

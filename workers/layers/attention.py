@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op
-from atomrt.graphs.region_graph import eager_region
+from atomrt.graphs.markers import eager_region
 from atomrt.runtime.forward_context import get_forward_context
 from atomrt.workers.layers.attention_ref import (
     causal_attention_no_cache,

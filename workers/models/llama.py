@@ -16,7 +16,7 @@ from torch import nn
 
 from atomrt.compile.decorators import support_torch_compile
 from atomrt.distributed.communication_op import DPInfo, TPInfo
-from atomrt.graphs.region_graph import token_graph
+from atomrt.graphs.markers import token_graph
 from atomrt.workers.layers.attention import Attention
 from atomrt.workers.layers.cpu_gemm import reset_packed_weights
 from atomrt.workers.layers.linear import (

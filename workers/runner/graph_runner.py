@@ -28,7 +28,8 @@ import torch
 from tqdm import tqdm
 
 from atomrt.graphs.buckets import capture_order, request_bucket
-from atomrt.graphs.region_graph import ReqGraph, captured_token_sizes, graph_pool_bytes
+from atomrt.graphs.markers import captured_token_sizes
+from atomrt.graphs.region_graph import ReqGraph, graph_pool_bytes
 from atomrt.graphs.ubatch import decode_bucket_splits, decode_ubatch_request_ranges, split_decision
 from atomrt.runtime.config import Config, CUDAGraphMode
 from atomrt.runtime.decision import CapturedBuckets, ForwardDecision, ForwardKind
