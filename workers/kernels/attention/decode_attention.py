@@ -20,7 +20,7 @@ import torch
 import triton
 
 from atomrt.workers.kernels import device_info
-from atomrt.workers.kernels.attention.attention_kernels import decode_attention_kernel
+from atomrt.workers.kernels.attention.decode_kernels import decode_attention_kernel
 from atomrt.workers.kernels.attention.paged_attention import (
     LOG2E,
     MAX_PARTIAL_BYTES,

@@ -1,0 +1,331 @@
+# The Triton kernel of a decode step's attention, and nothing else: rotary, the KV write and attention
+# of one query row per sequence in one launch, a long context split over the KV with the splits merged
+# in the same launch (the program that finishes last merges). The launch side is in
+# decode_attention.py; the prefill / mixed kernels, and the separate split merge those use, are in
+# attention_kernels.py, whose shape conventions this follows.
+
+import triton
+import triton.language as tl
+
+from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG
+
+
+@triton.jit
+def _decode_row(
+    row,
+    num_rows,
+    kvh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    positions_ptr,
+    slot_mapping_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    head,
+    row_valid,
+    dims,
+    dim_valid,
+    partner,
+    HAS_ROPE: tl.constexpr,
+):
+    """Loads what the decode kernel reads of query row `row` (row 0 in its place when `row` is past
+    the `num_rows` rows, for a guess the caller discards): q of the group's heads, the new key and
+    value of KV head `kvh` (with their rotary partners), its position and cache slot."""
+    row = tl.where(row < num_rows, row, 0).to(tl.int64)
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q_src = q_ptr + row * stride_qt + head[:, None] * stride_qh
+    k_src = k_ptr + row * stride_kt + kvh * stride_kh
+    q = tl.load(q_src + dims[None, :], mask=q_mask, other=0.0).to(
+        tl.float32
+    )  # [BLOCK_M, HEAD_DIM_P]
+    k_new = tl.load(k_src + dims, mask=dim_valid, other=0.0).to(tl.float32)  # [HEAD_DIM_P]
+    v_new = tl.load(v_ptr + row * stride_vt + kvh * stride_vh + dims, mask=dim_valid, other=0.0)
+    slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
+    if HAS_ROPE:
+        q_partner = tl.load(q_src + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        k_partner = tl.load(k_src + partner, mask=dim_valid, other=0.0).to(tl.float32)
+        pos = tl.load(positions_ptr + row).to(tl.int64)
+    else:
+        q_partner = q
+        k_partner = k_new
+        pos = row
+    return q, q_partner, k_new, k_partner, v_new, slot, pos
+
+
+@triton.jit
+def decode_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,  # this step's rows: q [T, H, D], k/v [T, Hk, D] (k not yet rotated)
+    out_ptr,  # [T, H, D]
+    partial_ptr,
+    m_ptr,
+    l_ptr,  # SPLIT only: partial acc [T, H, S, D] fp32; m, l [T, H, S] fp32
+    counter_ptr,  # SPLIT only: [>= num_seqs * Hk] int32, zero between launches (the merging program resets it)
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,  # HAS_ROPE only: positions [T] int64; cos/sin [max_position, D / 2] fp32
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hk, D]
+    slot_mapping_ptr,  # [T] int64, -1 = nothing written
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
+    scale_log2,  # softmax scale * log2(e)
+    num_splits,  # grid dim 2
+    num_kv_heads,
+    num_rows,  # T
+    max_blocks,  # block_tables columns
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_mt,
+    stride_mh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_bt,
+    head_dim,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_M: tl.constexpr,  # tile rows (>= GROUP, >= 16): one per query head of the group
+    HALF: tl.constexpr,  # head_dim / 2 (the rotary's half-split)
+    HEAD_DIM_P: tl.constexpr,
+    TILE_N: tl.constexpr,  # keys per inner iteration
+    BLOCK_SIZE: tl.constexpr,  # cache block size
+    HAS_ROPE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MIN_TILES_PER_SPLIT: tl.constexpr,  # a working split takes at least this many tiles
+    SPLIT_CHUNK: tl.constexpr,  # splits merged per step of the merge loop
+    IEEE_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (device_info.use_pdl)
+):
+    """A decode step of one sequence (at most one query row) over one KV head, for one KV split: the
+    rotary embedding of q and of the new key, the new key and value into the cache, and attention over
+    the context, in one launch.
+
+    The new key is not read back from the cache: the keys before it come from the cache and split 0
+    adds the new one from registers, so no program waits on the write. Working splits take the
+    context's key tiles round-robin (split s: tiles s, s + A, s + 2A, ... for A working splits).
+    With SPLIT and more than one working split, each leaves its partial result in the workspace and
+    bumps the (sequence, KV head) counter; the one that bumps it last merges every split into `out`
+    and resets the counter to zero.
+
+    A small decode step is latency-bound, so the loads are ordered to keep the chain of dependent
+    memory round trips short: the sequence's row is guessed to be `seq` (true for a decode batch;
+    reloaded otherwise), so its q, k, v, position and slot load together with the metadata and the
+    first tile's block-table entries; each tile's K/V load goes out with the next tile's entries.
+    """
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    row_valid = rows < GROUP
+    head = kvh * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM_P)
+    dim_valid = dims < head_dim
+    first = dims < HALF
+    partner = tl.where(first, dims + HALF, dims - HALF)
+    tile_keys = tl.arange(0, TILE_N)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    # Round trip 1: metadata, the block-table entries of this split's first tile, and the guessed row.
+    # With USE_PDL the metadata loads before the wait on the previous kernel (which computes q, k, v):
+    # the step's metadata is written before its forward starts, by copies or by kernels that finished
+    # before the previous one started (device_info.use_pdl).
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
+    context_len = tl.load(context_lens_ptr + seq)
+    cols = (split * TILE_N + tile_keys) // BLOCK_SIZE
+    block = tl.load(table_row + cols, mask=cols < max_blocks, other=0).to(tl.int64)
+    if USE_PDL:  # before any return: a kernel may not finish before the one it waits on
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    q, q_partner, k_new, k_partner, v_new, slot, pos = _decode_row(
+        seq,
+        num_rows,
+        kvh,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        positions_ptr,
+        slot_mapping_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        head,
+        row_valid,
+        dims,
+        dim_valid,
+        partner,
+        HAS_ROPE,
+    )
+    if q_end <= q_start:  # a padded sequence: no row
+        return
+    if q_start != seq:  # the guess was wrong (a sequence before this one has no row): reload
+        q, q_partner, k_new, k_partner, v_new, slot, pos = _decode_row(
+            q_start,
+            num_rows,
+            kvh,
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            positions_ptr,
+            slot_mapping_ptr,
+            stride_qt,
+            stride_qh,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            head,
+            row_valid,
+            dims,
+            dim_valid,
+            partner,
+            HAS_ROPE,
+        )
+    row = q_start.to(tl.int64)
+    num_old = context_len - 1  # keys already in the cache; the new one sits at position num_old
+    num_tiles = tl.cdiv(num_old, TILE_N)
+    # The live context decides how many of the launch's splits work (each at least
+    # MIN_TILES_PER_SPLIT tiles); the rest return at once, so a short context is one program.
+    num_active = tl.maximum(tl.minimum(num_splits, tl.cdiv(num_tiles, MIN_TILES_PER_SPLIT)), 1)
+    if split >= num_active:
+        return
+
+    dtype = q_ptr.dtype.element_ty
+    if HAS_ROPE:
+        # Half-split rotary, as rope_write_kv_kernel computes it: first half x1 cos - x2 sin, second
+        # half x2 cos + x1 sin, in fp32 from cos/sin rounded to q's dtype, each value rounded once.
+        freq = tl.where(first, dims, dims - HALF)
+        sign = tl.where(first, -1.0, 1.0)
+        cos = (
+            tl.load(cos_ptr + pos * HALF + freq, mask=dim_valid, other=0.0).to(dtype).to(tl.float32)
+        )
+        sin = (
+            tl.load(sin_ptr + pos * HALF + freq, mask=dim_valid, other=0.0).to(dtype).to(tl.float32)
+        )
+        q = q * cos[None, :] + sign[None, :] * (q_partner * sin[None, :])
+        k_new = k_new * cos + sign * (k_partner * sin)
+    q = q.to(dtype)
+    cache_ty = k_cache_ptr.dtype.element_ty
+    k_new = k_new.to(dtype).to(cache_ty)
+    v_new = v_new.to(cache_ty)
+    if (split == 0) & (slot >= 0):
+        slot_block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        tl.store(
+            k_cache_ptr + slot_block * stride_kcb + offset * stride_kcs + kvh * stride_kch + dims,
+            k_new,
+            mask=dim_valid,
+        )
+        tl.store(
+            v_cache_ptr + slot_block * stride_vcb + offset * stride_vcs + kvh * stride_vch + dims,
+            v_new,
+            mask=dim_valid,
+        )
+
+    # Split 0 starts from the new key (score s_new, weight 1); the others start empty.
+    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale_log2  # [BLOCK_M]
+    owns_new = row_valid & (split == 0)
+    m_i = tl.where(owns_new, s_new, _NEG_BIG)
+    l_i = tl.where(owns_new, 1.0, 0.0)
+    acc = tl.where(owns_new[:, None], v_new.to(tl.float32)[None, :], 0.0)  # [BLOCK_M, HEAD_DIM_P]
+
+    t = split
+    for _ in range(0, tl.cdiv(num_tiles - split, num_active)):
+        keys = t * TILE_N + tile_keys
+        key_valid = keys < num_old
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        in_block = keys % BLOCK_SIZE
+        k_off = block * stride_kcb + in_block * stride_kcs + kvh * stride_kch
+        v_off = block * stride_vcb + in_block * stride_vcs + kvh * stride_vch
+        k = tl.load(
+            k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        )  # [TILE_N, HEAD_DIM_P]
+        v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        t += num_active
+        next_keys = t * TILE_N + tile_keys
+        block = tl.load(table_row + next_keys // BLOCK_SIZE, mask=next_keys < num_old, other=0).to(
+            tl.int64
+        )
+        if IEEE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(
+            key_valid[None, :], s * scale_log2, float("-inf")
+        )  # [BLOCK_M, TILE_N], log2 units
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    finish = num_active == 1  # this program holds the whole result
+    if SPLIT:
+        if num_active > 1:
+            p_base = partial_ptr + row * stride_pt + head * stride_ph  # [BLOCK_M]
+            ml_off = row * stride_mt + head * stride_mh  # [BLOCK_M]
+            tl.store(p_base[:, None] + split * stride_ps + dims[None, :], acc, mask=q_mask)
+            tl.store(m_ptr + ml_off + split, m_i, mask=row_valid)
+            tl.store(l_ptr + ml_off + split, l_i, mask=row_valid)
+            # Every thread's stores, then one release/acquire bump (the last-block pattern).
+            tl.debug_barrier()
+            counter = counter_ptr + seq * num_kv_heads + kvh
+            finish = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_active - 1
+            if finish:
+                # The last program of this (sequence, KV head) merges the others' splits into its
+                # own state, SPLIT_CHUNK at a time. ".cg" loads skip L1, which may hold stale lines.
+                chunk = tl.arange(0, SPLIT_CHUNK)
+                for c0 in range(0, num_active, SPLIT_CHUNK):
+                    idx = c0 + chunk
+                    take = (
+                        row_valid[:, None] & ((idx < num_active) & (idx != split))[None, :]
+                    )  # [BLOCK_M, CHUNK]
+                    ml_ptrs = ml_off[:, None] + idx[None, :]
+                    m_s = tl.load(m_ptr + ml_ptrs, mask=take, other=_NEG_BIG, cache_modifier=".cg")
+                    l_s = tl.load(l_ptr + ml_ptrs, mask=take, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(
+                        p_base[:, None, None]
+                        + idx[None, :, None] * stride_ps
+                        + dims[None, None, :],
+                        mask=take[:, :, None] & dim_valid[None, None, :],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )  # [BLOCK_M, CHUNK, HEAD_DIM_P]
+                    m_new = tl.maximum(m_i, tl.max(m_s, 1))
+                    alpha = tl.exp2(m_i - m_new)
+                    beta = tl.exp2(m_s - m_new[:, None])  # [BLOCK_M, CHUNK]
+                    l_i = l_i * alpha + tl.sum(l_s * beta, 1)
+                    acc = acc * alpha[:, None] + tl.sum(a_s * beta[:, :, None], 1)
+                    m_i = m_new
+                tl.store(counter, 0)
+    if finish:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o_ptrs = out_ptr + row * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
