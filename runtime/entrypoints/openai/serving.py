@@ -205,7 +205,6 @@ class Serving:
         return self._one_stream(job) if len(job.streams) == 1 else self._streams(job)
 
     async def _streams(self, job: Job) -> AsyncIterator[tuple[Choice, CoreOutput]]:
-        n = job.params.n
         getters = {i: asyncio.ensure_future(s.next()) for i, s in enumerate(job.streams)}
         try:
             while getters:
@@ -217,20 +216,10 @@ class Serving:
                     if out is None:
                         del getters[i]
                         continue
-                    if out.error:
-                        raise (
-                            EngineGone(out.error)
-                            if out.finish_reason == "error"
-                            else RequestError(out.error)
-                        )
-                    choice = job.choices[i * n + out.index]
-                    self._apply(choice, out, job.streams[i])
-                    yield choice, out
-                    if out.finished:
-                        self.client.finished(job.streams[i], n)
-                        if job.streams[i].finished >= n:
-                            del getters[i]
-                            continue
+                    yield self._accept(job, i, out), out
+                    if self._ended(job, i, out):
+                        del getters[i]
+                        continue
                     getters[i] = asyncio.ensure_future(job.streams[i].next())
         finally:
             for fut in getters.values():
@@ -238,24 +227,28 @@ class Serving:
 
     async def _one_stream(self, job: Job) -> AsyncIterator[tuple[Choice, CoreOutput]]:
         """`outputs` of a job with one engine request (one prompt): no task per output."""
-        stream, n = job.streams[0], job.params.n
-        while True:
-            out = await stream.next()
-            if out is None:
+        stream = job.streams[0]
+        while (out := await stream.next()) is not None:
+            yield self._accept(job, 0, out), out
+            if self._ended(job, 0, out):
                 return
-            if out.error:
-                raise (
-                    EngineGone(out.error)
-                    if out.finish_reason == "error"
-                    else RequestError(out.error)
-                )
-            choice = job.choices[out.index]
-            self._apply(choice, out, stream)
-            yield choice, out
-            if out.finished:
-                self.client.finished(stream, n)
-                if stream.finished >= n:
-                    return
+
+    def _accept(self, job: Job, i: int, out: CoreOutput) -> Choice:
+        """The choice `out` (an output of the job's i-th engine request) belongs to, with `out`
+        applied; an output that carries an error raises it."""
+        if out.error:
+            raise EngineGone(out.error) if out.finish_reason == "error" else RequestError(out.error)
+        choice = job.choices[i * job.params.n + out.index]
+        self._apply(choice, out, job.streams[i])
+        return choice
+
+    def _ended(self, job: Job, i: int, out: CoreOutput) -> bool:
+        """Whether the job's i-th engine request ended with `out` (its last sample finished)."""
+        if not out.finished:
+            return False
+        stream = job.streams[i]
+        self.client.finished(stream, job.params.n)
+        return stream.finished >= job.params.n
 
     def _apply(self, choice: Choice, out: CoreOutput, stream: RequestStream) -> None:
         if not choice.token_ids and out.token_ids:
