@@ -228,6 +228,23 @@ def test_200_concurrent_streams_lose_and_repeat_nothing(tiny_server):
     assert tiny_server.metric("atomrt:num_requests_running") == 0
 
 
+def test_a_request_of_several_prompts_answers_each_as_if_alone(tiny_server):
+    """A completions request with a list of prompts (one engine request each), n=2, whole and
+    streamed: choice i * n + j is prompt i's sample j, with the text that prompt gets alone."""
+    client = tiny_server.client()
+    prompts = [[5, 6, 7], [9, 11, 13, 15], [20]]
+    greedy = dict(model="tiny", max_tokens=6, temperature=0)
+    alone = [client.completions.create(prompt=p, **greedy).choices[0].text for p in prompts]
+    whole = client.completions.create(prompt=prompts, n=2, **greedy)
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == [t for t in alone for _ in range(2)]
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=prompts, n=2, stream=True, **greedy):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(6)] == [t for t in alone for _ in range(2)]
+
+
 def test_a_stream_behind_the_engine_merges_what_queued_and_keeps_every_token():
     """`RequestStream.next` merges the outputs of a sample that queued up behind the one it reads
     (one SSE chunk for several steps); randomized interleavings of deliveries and reads, against
