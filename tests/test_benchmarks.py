@@ -1,5 +1,6 @@
 """benchmarks/: every script is indexed in its README, compiles, and answers --help on CPU."""
 
+import json
 import py_compile
 import re
 import subprocess
@@ -34,24 +35,38 @@ def test_scripts_compile(tmp_path):
         py_compile.compile(str(BENCH / name), cfile=str(tmp_path / f"{name}c"), doraise=True)
 
 
+# Runs every script's --help in one interpreter (torch imported once): a script's argparse exits
+# before any work; stdout and the exit of each are reported back as JSON.
+_HELP_RUNNER = """
+import contextlib, io, json, runpy, sys
+failed = {}
+for path in sys.argv[1:]:
+    out = io.StringIO()
+    sys.argv = [path, "--help"]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+        failed[path] = "ran past --help"
+    except SystemExit as e:
+        if e.code not in (0, None) or "usage:" not in out.getvalue():
+            failed[path] = f"exit {e.code}: {out.getvalue()[:200]}"
+    except BaseException as e:
+        failed[path] = repr(e)
+print(json.dumps(failed))
+"""
+
+
 def test_scripts_answer_help():
-    # No script touches CUDA before parsing its arguments, so all answer --help here; they run
-    # side by side because each spends seconds importing torch.
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, str(BENCH / name), "--help"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name in SCRIPTS
-    }
-    failed = {}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        if proc.returncode != 0 or "usage:" not in out:
-            failed[name] = f"rc={proc.returncode}: {err.strip().splitlines()[-1:] or out[:200]}"
+    # No script touches CUDA before parsing its arguments, so all answer --help here.
+    proc = subprocess.run(
+        [sys.executable, "-c", _HELP_RUNNER, *(str(BENCH / name) for name in SCRIPTS)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    failed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not failed, failed
 
 
