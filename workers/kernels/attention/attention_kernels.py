@@ -158,7 +158,9 @@ def rope_write_kv_kernel(
     tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask).to(cache_ty), mask=kv_mask)
 
 
-@triton.jit
+# The lengths a step changes are not specialized on (Triton would compile a kernel per "== 1" and
+# "% 16 == 0" class of each): only the constexprs pick a compiled variant, which start-up warms.
+@triton.jit(do_not_specialize=["num_q_blocks", "num_splits"])
 def paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -295,7 +297,7 @@ def paged_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def reduce_splits_kernel(
     acc_ptr,  # [T, H, S, D] fp32
     m_ptr,

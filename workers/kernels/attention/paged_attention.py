@@ -421,7 +421,7 @@ def launch_attention(
         out.stride(0),
         out.stride(1),
         head_dim,
-        SPLITS_P=triton.next_power_of_2(plan.num_splits),
+        SPLITS_P=triton.next_power_of_2(MAX_SPLITS),  # one variant for every split count
         HEAD_DIM_P=plan.head_dim_p,
         num_warps=4,
     )
