@@ -23,6 +23,7 @@ from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision, TboTiming
 from atomrt.workers.runner.compile_warmup import CompileReport, compile_all_sizes, compile_report
 from atomrt.workers.runner.input_batch import SeqMirrors, dummy_idle_inputs
+from atomrt.workers.runner.kernel_warmup import warm_eager_kernels
 from atomrt.workers.runner.kv_sizing import determine_num_blocks
 from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
 from atomrt.workers.runner.readback import Readback
@@ -114,12 +115,15 @@ class Worker:
 
     def initialize(self, num_blocks: int) -> WorkerInfo:
         """Allocate the KV cache (the group agreed on `num_blocks`), compile every piece at every
-        compile size (levels 2-3), and capture graphs."""
+        compile size (levels 2-3), compile the eager attention kernels' variants, and capture
+        graphs."""
         start = time.perf_counter()
         self.runner.allocate_kv_cache(num_blocks)
         start = self._phase("KV cache allocation", start)
         sizes, skipped = compile_all_sizes(self.runner)
         start = self._phase("compile sizes", start)
+        warm_eager_kernels(self.runner)
+        start = self._phase("eager attention kernels", start)
         seconds = self.runner.capture_cudagraph()
         start = self._phase("graph capture", start)
         graphs = self.runner.graphs

@@ -1,0 +1,76 @@
+# The compiled variants of the host-planned attention launches, and the one-sequence batches that
+# launch each of them once:
+#   launch_variants  - what Triton compiles a launch planned for (sequences, rows, keys) as
+#   warmup_lengths   - (rows per sequence, keys per sequence) of batches covering every variant a
+#                      step of the given limits can plan
+# A Triton kernel compiles once per variant (its constexprs and launch options: the lengths a step
+# changes are not specialized on), the first time a launch needs it. Mid-serving that stalls a step,
+# and every rank in step with it, for a second or more; start-up runs the warm-up batches instead
+# (workers/runner/kernel_warmup.py). Importing this module needs no GPU.
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from atomrt.workers.kernels.attention.decode_attention import plan_decode
+from atomrt.workers.kernels.attention.paged_attention import plan_attention
+
+
+def launch_variants(
+    num_seqs: int,
+    rows: int,
+    keys: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    num_sms: int,
+) -> frozenset[Hashable]:
+    """The kernel variants an eager launch of `num_seqs` sequences of at most `rows` query rows
+    over at most `keys` keys compiles: the decode kernel's for one row per sequence, otherwise the
+    paged attention kernel's and, when it splits the keys, the split merge's."""
+    if rows == 1:
+        plan = plan_decode(num_seqs, keys, num_kv_heads, group, head_dim, num_sms)
+        return frozenset({("decode", plan.block_m, plan.tile_n, plan.num_splits > 1)})
+    plan = plan_attention(num_seqs, rows, keys, num_kv_heads, group, head_dim, num_sms)
+    paged = ("paged", plan.block_q, plan.block_m, plan.num_splits > 1)
+    paged += (plan.num_warps, plan.num_stages)
+    if plan.num_splits == 1:
+        return frozenset({paged})
+    return frozenset({paged, ("reduce",)})  # one merge variant for every split count
+
+
+def _powers_of_two(low: int, high: int) -> list[int]:
+    out, p = [], 1
+    while p <= high:
+        if p >= low:
+            out.append(p)
+        p *= 2
+    return out
+
+
+def warmup_lengths(
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    num_sms: int,
+    max_rows: int,
+    max_model_len: int,
+) -> list[tuple[int, int]]:
+    """(rows, keys) of one-sequence batches that between them launch every variant a step of at
+    most `max_rows` query rows over contexts of at most `max_model_len` keys can plan: the tile
+    sizes change where the rows cross a power of two, a split where the keys reach
+    MIN_KEYS_PER_SPLIT twice over, and one sequence splits its keys the most. Cheapest first; each batch adds a variant."""
+    top = min(max_rows, max_model_len)
+    rows_at = sorted(
+        {r for p in _powers_of_two(1, top) for r in (p, p + 1, p - 1)} & set(range(1, top + 1))
+    )
+    seen: set[Hashable] = set()
+    chosen = []
+    for rows in rows_at:
+        keys_at = sorted({rows, max_model_len} | set(_powers_of_two(rows, max_model_len)))
+        for keys in keys_at:
+            new = launch_variants(1, rows, keys, num_kv_heads, group, head_dim, num_sms) - seen
+            if new:
+                seen |= new
+                chosen.append((rows, keys))
+    return chosen

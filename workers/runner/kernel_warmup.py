@@ -1,0 +1,105 @@
+"""Compile the host-planned attention kernels' variants at start-up (CUDA).
+
+An eager step (a prefill, a mixed batch, a decode step no graph covers, a TR_HYBRID eager region)
+plans its attention launch from the step's lengths; a plan whose variant Triton has not compiled
+yet compiles it on the spot, a second or more in which that step and every rank in step with it
+stall. The first prompts of a fresh server hit exactly that (their time to first token took the
+compile). Start-up runs one-sequence eager batches that between them plan every variant a step can
+(kernels/attention/variants.py), after the KV cache exists and before capture. The batches read KV
+block 0 and write no KV (slot -1) and sample nothing, like an idle DP rank's dummy batch; every rank
+runs the same batches in the same order, so collectives match.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from atomrt.runtime.decision import ForwardDecision, ForwardKind
+from atomrt.workers.kernels.attention.variants import warmup_lengths
+from atomrt.workers.kernels.device_info import sm_count
+from atomrt.workers.runner.input_batch import StepInputs
+from atomrt.workers.runner.sampler import SamplingTensors
+
+if TYPE_CHECKING:
+    from atomrt.workers.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def warmup_inputs(rows: int, keys: int, block_size: int) -> StepInputs:
+    """One sequence of `rows` query rows at the end of a `keys`-key context whose blocks are all
+    block 0; no KV written, nothing sampled."""
+    num_blocks = -(-keys // block_size)
+    return StepInputs(
+        seq_ids=np.zeros(1, dtype=np.int64),
+        input_ids=np.zeros(rows, dtype=np.int64),
+        positions=np.arange(keys - rows, keys, dtype=np.int64),
+        slot_mapping=np.full(rows, -1, dtype=np.int64),
+        cu_seqlens_q=np.array([0, rows], dtype=np.int32),
+        context_lens=np.array([keys], dtype=np.int32),
+        block_tables=np.zeros((1, num_blocks), dtype=np.int32),
+        sample_seq_idx=np.zeros(0, dtype=np.int64),
+        sample_rows=np.zeros(0, dtype=np.int64),
+    )
+
+
+def warmup_batches(runner: ModelRunner) -> list[tuple[int, int]]:
+    """(rows, keys) of the warm-up batches for every attention layer shape of the model."""
+    shape = runner.shape
+    heads = {
+        (a.num_kv_heads, a.num_heads // a.num_kv_heads, a.head_dim)
+        for a in runner.attn_layers.values()
+    }
+    batches: set[tuple[int, int]] = set()
+    for num_kv_heads, group, head_dim in sorted(heads):
+        batches.update(
+            warmup_lengths(
+                num_kv_heads,
+                group,
+                head_dim,
+                sm_count(runner.device),
+                shape.max_num_tokens,
+                shape.max_model_len,
+            )
+        )
+    return sorted(batches)
+
+
+def run_batches(runner: ModelRunner, batches: list[tuple[int, int]]) -> None:
+    """Run one eager step per (rows, keys) batch, on every DP rank alike."""
+    nothing = SamplingTensors.from_params([], [], [], runner.arch.vocab_size, runner.device)
+    dp_size = runner.dp.dp_size
+    with torch.inference_mode():
+        for rows, keys in batches:
+            decision = ForwardDecision(
+                kind=ForwardKind.EAGER, running_bs=1, running_tokens=rows, is_prefill=rows > 1
+            )
+            if dp_size > 1:  # every DP rank runs this batch
+                decision = replace(
+                    decision, dp_num_tokens=(rows,) * dp_size, dp_padded_tokens=(rows,) * dp_size
+                )
+            runner.execute(warmup_inputs(rows, keys, runner.shape.block_size), decision, nothing)
+
+
+def warm_eager_kernels(runner: ModelRunner) -> int:
+    """Run the warm-up batches on a CUDA runner; returns how many ran (none off CUDA, where
+    attention is the torch reference)."""
+    if runner.device.type != "cuda" or not runner.attn_layers:
+        return 0
+    start = time.perf_counter()
+    batches = warmup_batches(runner)
+    run_batches(runner, batches)
+    torch.cuda.synchronize(runner.device)
+    logger.info(
+        "rank %d: eager attention kernels warmed by %d batches in %.2f s",
+        runner.rank,
+        len(batches),
+        time.perf_counter() - start,
+    )
+    return len(batches)
