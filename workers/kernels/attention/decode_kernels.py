@@ -57,7 +57,9 @@ def _decode_row(
     return q, q_partner, k_new, k_partner, v_new, slot, pos
 
 
-@triton.jit
+# The lengths a step changes are not specialized on: only the constexprs pick a compiled variant
+# (kernels/attention/variants.py), which start-up warms.
+@triton.jit(do_not_specialize=["num_splits", "num_rows"])
 def decode_attention_kernel(
     q_ptr,
     k_ptr,
