@@ -16,26 +16,39 @@ from atomrt.graphs.region_graph import Phase, SegmentBackend, TokenGraph, _tenso
 from atomrt.runtime.forward_context import get_forward_context
 
 
-def eager_region(fn: Callable[..., Any]) -> Callable[..., Any]:
+def eager_region(
+    fn: Optional[Callable[..., Any]] = None,
+    *,
+    bind: Optional[Callable[..., Callable[[], None]]] = None,
+) -> Any:
     """Mark a function whose launch depends on host data; it breaks a TokenGraph recording.
+    `@eager_region` or `@eager_region(bind=binder)`.
 
     Outside a recording it just calls `fn`. While a TokenGraph records (the unit's `__call__` under
     `tr_graph == "record"`, or a drafter's `TokenGraph.record`), the call ends the current segment,
     runs eagerly, is kept for replay (tensor arguments by address, other arguments as given -- so
-    they must not change between steps), and the next segment begins. `fn` reads the step's metadata from the forward context, writes its result into
-    an output argument and returns None (or that argument). Under a ReqGraph recording
-    (FULL, `tr_graph` None) it is recorded inline: its graph-safe launch must not read host data.
+    they must not change between steps), and the next segment begins. `fn` reads the step's
+    metadata from the forward context, writes its result into an output argument and returns None
+    (or that argument). Under a ReqGraph recording (FULL, `tr_graph` None) it is recorded inline:
+    its graph-safe launch must not read host data.
+
+    `bind(*args, **kwargs)`, given the kept arguments once, returns a callable of no arguments
+    that every replay runs instead of `fn(*args, **kwargs)`, doing exactly what that call would: a
+    region may keep there what its arguments fix (its launches past their planning).
     """
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        active = region_graph._active
-        if active is None or not active.breaks:
-            return fn(*args, **kwargs)
-        return region_graph._break_at(fn, args, kwargs)
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            active = region_graph._active
+            if active is None or not active.breaks:
+                return fn(*args, **kwargs)
+            return region_graph._break_at(fn, args, kwargs, bind)
 
-    wrapper.__atomrt_eager_region__ = True  # type: ignore[attr-defined]
-    return wrapper
+        wrapper.__atomrt_eager_region__ = True  # type: ignore[attr-defined]
+        return wrapper
+
+    return mark if fn is None else mark(fn)
 
 
 _UNIT_GRAPH = "_atomrt_token_graph"  # instance attribute holding a unit's TokenGraph

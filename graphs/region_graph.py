@@ -216,14 +216,20 @@ class CudaGraphBackend:
 
 @dataclass
 class _EagerCall:
-    """One eager region of a recording: the function and its arguments, tensors as non-owning aliases."""
+    """One eager region of a recording: the function and its arguments, tensors as non-owning
+    aliases; `bound`, what the region's binder (`eager_region(bind=...)`) made of them, runs in
+    its place."""
 
     fn: Callable[..., Any]
     args: tuple
     kwargs: dict
+    bound: Optional[Callable[[], None]] = None
 
     def run(self) -> None:
-        self.fn(*self.args, **self.kwargs)
+        if self.bound is not None:
+            self.bound()
+        else:
+            self.fn(*self.args, **self.kwargs)
 
 
 @dataclass
@@ -267,8 +273,14 @@ def _record(
     return rec
 
 
-def _break_at(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Inside a TokenGraph recording: end the segment, run `fn` eagerly, keep the call, begin the next."""
+def _break_at(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    bind: Optional[Callable[..., Callable[[], None]]] = None,
+) -> Any:
+    """Inside a TokenGraph recording: end the segment, run `fn` eagerly, keep the call (bound by
+    `bind` when given), begin the next."""
     rec = _active
     assert rec is not None
     rec.segments.append(rec.backend.end())
@@ -281,13 +293,14 @@ def _break_at(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
             f"eager region {fn.__qualname__} returned a new value; an eager region must write its result "
             "into an output argument allocated by the caller and return None (or that argument)"
         )
-    rec.eager_calls.append(
-        _EagerCall(
-            fn=fn,
-            args=_map_tensors(args, non_owning_alias),
-            kwargs=_map_tensors(kwargs, non_owning_alias),
-        )
+    call = _EagerCall(
+        fn=fn,
+        args=_map_tensors(args, non_owning_alias),
+        kwargs=_map_tensors(kwargs, non_owning_alias),
     )
+    if bind is not None:
+        call.bound = bind(*call.args, **call.kwargs)
+    rec.eager_calls.append(call)
     rec.backend.begin()
     return result
 

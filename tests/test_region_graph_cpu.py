@@ -417,3 +417,40 @@ def test_eager_region_as_a_custom_op_impl_breaks_even_under_torch_compile():
         graph.replay(4, "decode", x)
         assert LOG == [("replay", 0), ("op", 3), ("replay", 1)]
     del lib
+
+
+def test_a_bound_eager_region_runs_its_binding_at_replay():
+    """`eager_region(bind=...)`: the binder gets the kept arguments once, at the recording; every
+    replay runs what it returned, between the same segments, and never the region itself."""
+    log: list = []
+    bound_with: list = []
+
+    def binder(q: torch.Tensor, out: torch.Tensor, scale: float):
+        bound_with.append((q.data_ptr(), out.data_ptr(), scale))
+
+        def run() -> None:
+            out.copy_(q * scale)
+            log.append("bound")
+
+        return run
+
+    @eager_region(bind=binder)
+    def scaled(q: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        out.copy_(q * scale)
+        log.append("region")
+
+    graph = TokenGraph(backend=FakeBackend(log))
+    x, out = torch.arange(2.0), torch.zeros(2)
+
+    def forward(x):
+        scaled(x, out, 3.0)
+        return out
+
+    graph.record(2, "decode", forward, x)
+    assert bound_with == [(x.data_ptr(), out.data_ptr(), 3.0)] and "region" in log
+    log.clear()
+    x.copy_(torch.tensor([5.0, 7.0]))
+    graph.replay(2, "decode")
+    assert log == [("replay", 0), "bound", ("replay", 1)]
+    assert out.tolist() == [15.0, 21.0]
+    assert scaled(x, out, 1.0) is None and log[-1] == "region"  # outside a recording: the region
