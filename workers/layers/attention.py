@@ -11,7 +11,8 @@ rotary + KV write and its unified attention.
 
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
 
-from typing import Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -19,6 +20,7 @@ from torch import nn
 from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.graphs.markers import eager_region
 from atomrt.runtime.forward_context import get_forward_context
+from atomrt.workers.kernels import launch as launch_module
 from atomrt.workers.layers.attention_ref import (
     causal_attention_no_cache,
     paged_attention_ref,
@@ -82,21 +84,21 @@ def unified_attention_with_output(
     _attend(q, output, layer_idx)
 
 
-@eager_region
-def _attend_cuda(
+def _attention_step(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     output: torch.Tensor,
     positions: Optional[torch.Tensor],
-    layer_idx: int,
-) -> None:
-    """The Triton path: rotary, KV write and attention (one launch for a decode batch)."""
+    layer: "Attention",
+    md: Any,
+    kv: Any,
+) -> Optional[Callable[[int], None]]:
+    """decode_attention.attention_step with the layer's, the metadata's and the cache's arguments."""
     from atomrt.workers.kernels.attention.decode_attention import attention_step
 
-    layer, md, kv = _layer_state(layer_idx)
     rotary = layer.rotary if positions is not None else None
-    attention_step(
+    return attention_step(
         q,
         k,
         v,
@@ -119,6 +121,115 @@ def _attend_cuda(
         context_lens_cpu=md.context_lens_cpu,
         ubatch=md.ubatch,
     )
+
+
+class _DecodePlans:
+    """The step plan every attention layer of one host-planned decode step shares, worked out by
+    the first layer that asks: an id per (decode plan, microbatch, metadata tensors), or None for
+    a step that is not one row per sequence (a new id never repeats an old one's meaning)."""
+
+    def __init__(self) -> None:
+        self.md: Any = None  # the step whose plans `per_dims` holds (kept: its id is not reused)
+        self.per_dims: dict[tuple, Optional[int]] = {}
+        self.ids: dict[tuple, int] = {}
+        self.next_id = 0
+
+    def plan_id(self, md: Any, q: torch.Tensor, kv: Any) -> Optional[int]:
+        if md is not self.md:
+            self.md, self.per_dims = md, {}
+        dims = (kv.k_cache.shape[2], q.shape[1], q.shape[2], kv.k_cache.shape[1])
+        found = self.per_dims.get(dims, -1)
+        if found == -1:
+            found = self.per_dims[dims] = self._plan_id(md, q, dims)
+        return found
+
+    def _plan_id(self, md: Any, q: torch.Tensor, dims: tuple) -> Optional[int]:
+        from atomrt.workers.kernels.attention.decode_attention import plan_decode
+        from atomrt.workers.kernels.attention.paged_attention import plan_lengths
+        from atomrt.workers.kernels.device_info import sm_count
+
+        if md.graph_safe:
+            return None
+        num_kv_heads, num_heads, head_dim, block_size = dims
+        plan_q, plan_k, _ = plan_lengths(
+            q,
+            md.block_tables,
+            block_size,
+            md.num_seqs,
+            md.max_seqlen_q,
+            md.max_seqlen_k,
+            False,
+            md.cu_seqlens_q_cpu,
+            md.context_lens_cpu,
+        )
+        if plan_q != 1:
+            return None
+        group = num_heads // num_kv_heads
+        plan = plan_decode(md.num_seqs, plan_k, num_kv_heads, group, head_dim, sm_count(q.device))
+        tensors = (md.slot_mapping, md.cu_seqlens_q, md.context_lens, md.block_tables)
+        key = (plan, md.ubatch, md.num_seqs, dims)
+        key += tuple((t.data_ptr(), t.shape, t.stride()) for t in tensors)
+        found = self.ids.get(key)
+        if found is None:
+            if len(self.ids) >= 4096:
+                self.ids.clear()  # ids are never reused: launches kept under old ones go unused
+            found = self.ids[key] = self.next_id
+            self.next_id += 1
+        return found
+
+
+_DECODE_PLANS = _DecodePlans()
+
+
+class _BoundAttend:
+    """`_attend_cuda` for one eager region of a TokenGraph recording, which passes the same tensors
+    at every replay: the host-planned decode launch that attention_step binds for them is kept per
+    step plan, stream and KV cache, so a later step of the same plan repeats it with a lookup.
+    Every other step takes attention_step's general path."""
+
+    def __init__(self, q, k, v, output, positions, layer_idx: int) -> None:
+        self.args = (q, k, v, output, positions)
+        self.layer_idx = layer_idx
+        self.name = f"layers.{layer_idx}"
+        self.device_index = q.get_device()
+        self.launches: dict[tuple, Callable[[int], None]] = {}
+
+    def __call__(self) -> None:
+        ctx = get_forward_context()
+        md = ctx.attn_metadata
+        if isinstance(md, dict):
+            md = md[self.name]
+        kv = ctx.kv_cache_data[self.name]
+        q = self.args[0]
+        plan = _DECODE_PLANS.plan_id(md, q, kv)
+        if plan is None:
+            _attention_step(*self.args, ctx.no_compile_layers[self.layer_idx], md, kv)
+            return
+        stream = launch_module._raw_stream(self.device_index)
+        key = (plan, stream, kv.k_cache.data_ptr(), kv.v_cache.data_ptr())
+        launch = self.launches.get(key)
+        if launch is not None:
+            launch(stream)
+            return
+        launch = _attention_step(*self.args, ctx.no_compile_layers[self.layer_idx], md, kv)
+        if launch is not None:
+            if len(self.launches) >= 64:
+                self.launches.clear()
+            self.launches[key] = launch
+
+
+@eager_region(bind=_BoundAttend)
+def _attend_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    output: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    layer_idx: int,
+) -> None:
+    """The Triton path: rotary, KV write and attention (one launch for a decode batch)."""
+    layer, md, kv = _layer_state(layer_idx)
+    _attention_step(q, k, v, output, positions, layer, md, kv)
 
 
 @eager_region

@@ -317,12 +317,13 @@ def attention_step(
     cu_seqlens_q_cpu: Optional[list[int]] = None,
     context_lens_cpu: Optional[list[int]] = None,
     ubatch: int = 0,
-) -> None:
+) -> Optional[Callable[[int], None]]:
     """The attention op's CUDA work: rotary (with `positions`), the KV write, attention into `out`.
 
     A batch of at most one row per sequence -- by the bucket on the graph-safe path, by the live
     lengths otherwise -- is one decode_attention launch; any other batch is rope_write_kv (or
-    write_kv_cache) followed by unified_attention."""
+    write_kv_cache) followed by unified_attention. Returns the bound launch (a callable of the
+    stream) that repeats a host-planned decode launch with these very arguments, when it keeps one."""
     lengths = plan_lengths(
         q,
         block_tables,
@@ -348,7 +349,7 @@ def attention_step(
             launch = entry[1].get(plan_decode(num_seqs, plan_k, *entry[0]))
             if launch is not None:
                 launch(stream)
-                return
+                return launch
     num_kv_heads, head_dim = check_attention_args(q, k_cache, v_cache, out, block_tables)
     if plan_q == 1:
         dims = (num_kv_heads, q.shape[1] // num_kv_heads, head_dim, sm_count(q.device))
@@ -358,7 +359,7 @@ def attention_step(
             cu_seqlens_q, context_lens, block_tables, scale, plan, num_seqs=num_seqs, ubatch=ubatch,
         )  # fmt: skip
         if launch is None:
-            return
+            return None
         _DECODE_LAUNCHES(*launch)
         if key is not None and _binds_its_arguments(q, k, v, cos_cache, sin_cache):
             # the caller's tensors are at the key's addresses whenever it hits; only the split
@@ -370,7 +371,8 @@ def attention_step(
                 if len(_BOUND) >= MAX_BOUND:
                     _BOUND.clear()
                 _BOUND.setdefault(key, (dims, {}))[1][plan] = bound
-        return
+                return bound
+        return None
     if positions is not None:
         q = rope_write_kv(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
     else:
@@ -378,3 +380,4 @@ def attention_step(
     attend_planned(
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale, num_seqs, lengths
     )
+    return None
