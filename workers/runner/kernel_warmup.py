@@ -85,6 +85,8 @@ def run_batches(runner: ModelRunner, batches: list[tuple[int, int]]) -> None:
                     decision, dp_num_tokens=(rows,) * dp_size, dp_padded_tokens=(rows,) * dp_size
                 )
             runner.execute(warmup_inputs(rows, keys, runner.shape.block_size), decision, nothing)
+    if runner.spec is not None:
+        runner.spec.take_eager_passes()  # a drafter's passes here are start-up's, not serving's
 
 
 def warm_eager_kernels(runner: ModelRunner) -> int:
