@@ -202,17 +202,16 @@ class _BoundAttend:
         kv = ctx.kv_cache_data[self.name]
         q = self.args[0]
         plan = _DECODE_PLANS.plan_id(md, q, kv)
-        if plan is None:
-            _attention_step(*self.args, ctx.no_compile_layers[self.layer_idx], md, kv)
-            return
-        stream = launch_module._raw_stream(self.device_index)
-        key = (plan, stream, kv.k_cache.data_ptr(), kv.v_cache.data_ptr())
-        launch = self.launches.get(key)
-        if launch is not None:
-            launch(stream)
-            return
+        key = None
+        if plan is not None:
+            stream = launch_module._raw_stream(self.device_index)
+            key = (plan, stream, kv.k_cache.data_ptr(), kv.v_cache.data_ptr())
+            launch = self.launches.get(key)
+            if launch is not None:
+                launch(stream)
+                return
         launch = _attention_step(*self.args, ctx.no_compile_layers[self.layer_idx], md, kv)
-        if launch is not None:
+        if key is not None and launch is not None:
             if len(self.launches) >= 64:
                 self.launches.clear()
             self.launches[key] = launch
