@@ -20,6 +20,8 @@ Replay, per step, following the driver's `ForwardDecision`:
   and `tr_graph=decision.tr_graph`, then
   * REQ_GRAPH: `out = req_graph.replay(decision.req_key)`;
   * TOKEN_GRAPH: `out = model(ids[:rows], pos[:rows])` -- the unit replays (same static slices);
+    with `tr_req_key=decision.req_key` (a decode step at a bucket whose regions were recorded for
+    its request bucket) as one launch;
   * EAGER: `out = model(ids[:n], pos[:n])`.
   A replay's output lives in the shared pool: consume it before the next replay.
 """

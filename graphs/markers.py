@@ -12,7 +12,13 @@ from typing import Any, Optional
 import torch
 
 from atomrt.graphs import region_graph
-from atomrt.graphs.region_graph import Phase, SegmentBackend, TokenGraph, _tensors
+from atomrt.graphs.region_graph import (
+    Phase,
+    RegionRequest,
+    SegmentBackend,
+    TokenGraph,
+    _tensors,
+)
 from atomrt.runtime.forward_context import get_forward_context
 
 
@@ -20,6 +26,7 @@ def eager_region(
     fn: Optional[Callable[..., Any]] = None,
     *,
     bind: Optional[Callable[..., Callable[[], None]]] = None,
+    request_fixed: bool = False,
 ) -> Any:
     """Mark a function whose launch depends on host data; it breaks a TokenGraph recording.
     `@eager_region` or `@eager_region(bind=binder)`.
@@ -35,6 +42,12 @@ def eager_region(
     `bind(*args, **kwargs)`, given the kept arguments once, returns a callable of no arguments
     that every replay runs instead of `fn(*args, **kwargs)`, doing exactly what that call would: a
     region may keep there what its arguments fix (its launches past their planning).
+
+    `request_fixed`: under graph-safe attention metadata (a request bucket's, as FULL records it)
+    the region's launch depends on no host data. A recording of a decode bucket then records that
+    launch too, as a graph of its own, and a decode step of the bucket replays the recording as
+    one launch (graphs/region_graph.py, `RegionRequest`). A recording with one region not so marked
+    replays segment by segment.
     """
 
     def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -43,7 +56,7 @@ def eager_region(
             active = region_graph._active
             if active is None or not active.breaks:
                 return fn(*args, **kwargs)
-            return region_graph._break_at(fn, args, kwargs, bind)
+            return region_graph._break_at(fn, args, kwargs, bind, request_fixed)
 
         wrapper.__atomrt_eager_region__ = True  # type: ignore[attr-defined]
         return wrapper
@@ -81,14 +94,24 @@ def token_graph(cls: Optional[type] = None, *, per_phase: bool = False) -> Any:
             phase: Phase = "prefill" if ctx.context.is_prefill else "decode"
             graph = token_graph_of(self)
             if ctx.tr_graph == "replay":
-                return graph.replay(ctx.context.running_tokens, phase, *args, **kwargs)
+                return graph.replay(
+                    ctx.context.running_tokens, phase, *args, req_key=ctx.tr_req_key, **kwargs
+                )
             if ctx.tr_graph == "record":
                 num_tokens = _num_rows(args, kwargs)
                 assert ctx.context.running_tokens in (0, num_tokens), (
                     f"context.running_tokens={ctx.context.running_tokens} but the unit was called with {num_tokens} rows"
                 )
+                request = None
+                if ctx.tr_req_key is not None and phase == "decode":
+                    request = RegionRequest(ctx.tr_req_key, ctx.tr_req_metadata)
                 return graph.record(
-                    num_tokens, phase, functools.partial(inner_call, self), *args, **kwargs
+                    num_tokens,
+                    phase,
+                    functools.partial(inner_call, self),
+                    *args,
+                    request=request,
+                    **kwargs,
                 )
             raise ValueError(
                 f"ForwardContext.tr_graph must be None, 'record' or 'replay', got {ctx.tr_graph!r}"
@@ -136,6 +159,17 @@ def captured_token_sizes(model: torch.nn.Module, phase: Phase) -> list[int]:
     for graph in graphs[1:]:
         sizes &= set(graph.captured_sizes(phase))
     return sorted(sizes)
+
+
+def captured_token_req_keys(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """Request buckets every unit of `model` replays as one launch (`TokenGraph.req_keys`)."""
+    graphs = [unit.__dict__.get(_UNIT_GRAPH) for unit in token_graph_units(model)]
+    if not graphs or any(g is None for g in graphs):
+        return []
+    keys = set(graphs[0].req_keys())
+    for graph in graphs[1:]:
+        keys &= set(graph.req_keys())
+    return sorted(keys)
 
 
 def _num_rows(args: tuple, kwargs: dict) -> int:

@@ -10,6 +10,10 @@
   depends on host data, e.g. attention planned from the step's sequence lengths). At replay the
   eager call runs with the live step's forward context and writes its result into its `output`
   argument, at the address the next segment was recorded reading.
+- Request graphs inside a token graph: a decode bucket's recording may also record each eager
+  region's launch for its request bucket (`RegionRequest`, regions marked `request_fixed`), each
+  as a graph of its own; segments and region graphs are then joined into one executable graph
+  (graphs/composite.py) that a decode step of that request bucket replays in one launch.
 - The markers a model's code carries live in graphs/markers.py: `@token_graph` (the recording
   unit, whose `__call__` records a TokenGraph when `ForwardContext.tr_graph == "record"`, replays
   it when it is "replay", and runs its forward otherwise) and `@eager_region`.
@@ -43,11 +47,16 @@ tests can drive the segment / eager sequencing with a fake backend that only log
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional, Protocol
 
 import torch
+
+from atomrt.runtime.forward_context import get_forward_context, use_forward_context
+
+logger = logging.getLogger(__name__)
 
 Phase = Literal["prefill", "decode"]
 PHASES: tuple[Phase, Phase] = ("prefill", "decode")
@@ -146,13 +155,17 @@ def _addresses(args: tuple, kwargs: dict) -> tuple[tuple[int, tuple[int, ...]], 
 
 
 class SegmentBackend(Protocol):
-    """Captures and replays graph segments. One recording: `session()` around `begin`/`end` pairs."""
+    """Captures and replays graph segments. One recording: `session()` around `begin`/`end` pairs.
+    `begin(keep=True)`: the segment may later be joined with others by `compose` (a handle that
+    `launch` runs as one, the parts in order); `part=True`: it runs only as part of such a join."""
 
     def session(self) -> Any: ...  # context manager around one whole recording
-    def begin(self) -> None: ...
+    def begin(self, keep: bool = False, part: bool = False) -> None: ...
     def end(self) -> Any: ...  # returns the segment handle given to `replay`
     def abort(self) -> None: ...  # end an open capture after an error, discarding it
     def replay(self, segment: Any) -> None: ...
+    def compose(self, segments: list[Any]) -> Any: ...
+    def launch(self, composite: Any) -> None: ...
 
 
 class CudaGraphBackend:
@@ -173,6 +186,7 @@ class CudaGraphBackend:
             capture_error_mode = graph_capture_kwargs()["capture_error_mode"]
         self.capture_error_mode = capture_error_mode
         self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._instantiate = False
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -191,16 +205,21 @@ class CudaGraphBackend:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def begin(self) -> None:
+    def begin(self, keep: bool = False, part: bool = False) -> None:
+        """`keep`: keep the captured graph for `compose`; `part`: it is only ever run as part of
+        a composite, never replayed alone (so it is not instantiated)."""
         assert self._graph is None, "a segment is already being captured"
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=keep)
         graph.capture_begin(pool=graph_pool(), capture_error_mode=self.capture_error_mode)
         self._graph = graph  # only once capturing: abort() ends what is open
+        self._instantiate = keep and not part
 
     def end(self) -> torch.cuda.CUDAGraph:
         graph, self._graph = self._graph, None
         assert graph is not None, "no segment is being captured"
         graph.capture_end()
+        if self._instantiate:
+            graph.instantiate()  # capture_end does not instantiate a kept graph
         return graph
 
     def abort(self) -> None:
@@ -209,6 +228,18 @@ class CudaGraphBackend:
 
     def replay(self, segment: torch.cuda.CUDAGraph) -> None:
         segment.replay()
+
+    def compose(self, segments: list[torch.cuda.CUDAGraph]) -> tuple[Any, int]:
+        """The kept segments as one `CompositeGraph` (graphs/composite.py), on this device."""
+        from atomrt.graphs.composite import CompositeGraph
+
+        device = torch.cuda.current_device()
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        return CompositeGraph([g.raw_cuda_graph() for g in segments], stream), device
+
+    def launch(self, composite: tuple[Any, int]) -> None:
+        graph, device = composite
+        graph.launch(torch._C._cuda_getCurrentRawStream(device))
 
 
 # --------------------------------------------------------------------------- recordings
@@ -233,8 +264,21 @@ class _EagerCall:
 
 
 @dataclass
+class RegionRequest:
+    """What a TokenGraph recording of a decode bucket also records: its eager regions' launches
+    for request bucket `key`, each as a graph of its own, recorded with `attn_metadata` (graph-safe:
+    the bucket fixes the launch) in the forward context. Joined with the segments, they replay a
+    decode step of that bucket as one launch (`_Recording.composites`)."""
+
+    key: tuple[int, int]
+    attn_metadata: Any
+
+
+@dataclass
 class _Recording:
-    """Segments with one eager call between each two, the recorded output, the input addresses."""
+    """Segments with one eager call between each two, the recorded output, the input addresses.
+    With a `RegionRequest`: the eager regions' graphs for its bucket too, and the composite of
+    segments and region graphs by request bucket."""
 
     backend: SegmentBackend
     breaks: bool  # may eager regions break it (TokenGraph) or are they recorded inline (ReqGraph)
@@ -242,26 +286,63 @@ class _Recording:
     eager_calls: list[_EagerCall] = field(default_factory=list)
     inputs: tuple = ()
     output: Any = None
+    request: Optional[RegionRequest] = None  # capture time: the region graphs being recorded
+    region_graphs: list[Any] = field(default_factory=list)
+    composites: dict[tuple[int, int], Any] = field(default_factory=dict)
 
-    def replay(self) -> Any:
+    def replay(self, req_key: Optional[tuple[int, int]] = None) -> Any:
+        if req_key is not None:
+            composite = self.composites.get(req_key)
+            if composite is not None:
+                self.backend.launch(composite)
+                return self.output
         for i, segment in enumerate(self.segments):
             self.backend.replay(segment)
             if i < len(self.eager_calls):
                 self.eager_calls[i].run()
         return self.output
 
+    def compose(self) -> None:
+        """After the recording: join segments and region graphs, if every region has one."""
+        request, self.request = self.request, None
+        if request is None or not self.eager_calls:
+            return
+        if len(self.region_graphs) != len(self.eager_calls):
+            self.region_graphs = []  # a region whose launch no request bucket fixes
+            return
+        parts: list[Any] = []
+        for i, segment in enumerate(self.segments):
+            parts.append(segment)
+            if i < len(self.region_graphs):
+                parts.append(self.region_graphs[i])
+        try:
+            self.composites[request.key] = self.backend.compose(parts)
+        except Exception as e:  # the recording still replays segment by segment
+            logger.warning(
+                "request bucket %s: its segments and region graphs could not be joined into one "
+                "graph (%s); its decode steps replay them one by one",
+                request.key,
+                e,
+            )
+
 
 def _record(
-    backend: SegmentBackend, breaks: bool, fn: Callable[..., Any], args: tuple, kwargs: dict
+    backend: SegmentBackend,
+    breaks: bool,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    request: Optional[RegionRequest] = None,
 ) -> _Recording:
     """Record `fn(*args, **kwargs)`; the output is kept as non-owning aliases (see the module docstring)."""
     global _active
     assert _active is None, "recordings do not nest"
     rec = _Recording(backend=backend, breaks=breaks, inputs=_addresses(args, kwargs))
+    rec.request = request if breaks else None
     with backend.session():
         _active = rec
         try:
-            backend.begin()
+            _begin(backend, rec.request is not None)
             out = fn(*args, **kwargs)
             rec.segments.append(backend.end())
         except BaseException:
@@ -270,6 +351,7 @@ def _record(
         finally:
             _active = None
     rec.output = _map_tensors(out, non_owning_alias)
+    rec.compose()
     return rec
 
 
@@ -278,9 +360,11 @@ def _break_at(
     args: tuple,
     kwargs: dict,
     bind: Optional[Callable[..., Callable[[], None]]] = None,
+    request_fixed: bool = False,
 ) -> Any:
     """Inside a TokenGraph recording: end the segment, run `fn` eagerly, keep the call (bound by
-    `bind` when given), begin the next."""
+    `bind` when given), record its request-bucket launch when the recording asks for one and the
+    region has it (`request_fixed`), begin the next."""
     rec = _active
     assert rec is not None
     rec.segments.append(rec.backend.end())
@@ -301,8 +385,32 @@ def _break_at(
     if bind is not None:
         call.bound = bind(*call.args, **call.kwargs)
     rec.eager_calls.append(call)
-    rec.backend.begin()
+    if rec.request is not None and request_fixed:
+        rec.region_graphs.append(_record_region(rec, fn, args, kwargs))
+    _begin(rec.backend, rec.request is not None)
     return result
+
+
+def _begin(backend: SegmentBackend, keep: bool) -> None:
+    if keep:
+        backend.begin(keep=True)
+    else:
+        backend.begin()  # a backend that composes nothing may take no argument
+
+
+def _record_region(rec: _Recording, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Record one eager region's launch for the recording's request bucket, as a graph of its own:
+    `fn` runs under the request's (graph-safe) attention metadata, reading and writing the
+    addresses the segments around it were recorded with."""
+    assert rec.request is not None
+    ctx = get_forward_context()
+    previous = use_forward_context(replace(ctx, attn_metadata=rec.request.attn_metadata))
+    try:
+        rec.backend.begin(keep=True, part=True)
+        fn(*args, **kwargs)
+        return rec.backend.end()
+    finally:
+        use_forward_context(previous)
 
 
 # --------------------------------------------------------------------------- token and request graphs
@@ -327,26 +435,44 @@ class TokenGraph:
         return (int(num_tokens), phase if self.per_phase else None)
 
     def record(
-        self, num_tokens: int, phase: Phase, fn: Callable[..., Any], *args: Any, **kwargs: Any
+        self,
+        num_tokens: int,
+        phase: Phase,
+        fn: Callable[..., Any],
+        *args: Any,
+        request: Optional[RegionRequest] = None,
+        **kwargs: Any,
     ) -> Any:
         """Record `fn(*args, **kwargs)` for `num_tokens` rows; returns its output (non-owning aliases).
 
         The tensor arguments must be the runner's static buffers (sliced to `num_tokens` rows): a
         replay reads them at these addresses. A bucket already recorded for the other phase is not
-        recorded again: it is replayed, and now also counts as this phase's bucket.
+        recorded again: it is replayed, and now also counts as this phase's bucket. With `request`
+        (a decode bucket), the eager regions' launches for that request bucket are recorded too
+        (`RegionRequest`), and a replay given its key runs the recording as one launch.
         """
         key = self._key(num_tokens, phase)
         self._asked[phase].add(int(num_tokens))
         if key in self._recordings:
             return self.replay(num_tokens, phase, *args, **kwargs)
-        rec = _record(self.backend, True, fn, args, kwargs)
+        rec = _record(self.backend, True, fn, args, kwargs, request)
         self._recordings[key] = rec
         return rec.output
 
-    def replay(self, num_tokens: int, phase: Phase, *args: Any, **kwargs: Any) -> Any:
+    def replay(
+        self,
+        num_tokens: int,
+        phase: Phase,
+        *args: Any,
+        req_key: Optional[tuple[int, int]] = None,
+        **kwargs: Any,
+    ) -> Any:
         """Replay the recording for `num_tokens` rows; the forward context holds the live step's metadata.
 
         Arguments, if given, are only checked: they must be the static buffers the recording read.
+        With `req_key`, a request bucket whose region graphs the recording holds, the segments and
+        those graphs run as one launch (the step's metadata staged as that bucket's, graph-safe);
+        otherwise segment by segment, the eager regions between them.
         The output is valid until the next replay of any recording (they share one pool).
         """
         rec = self._recordings.get(self._key(num_tokens, phase))
@@ -360,7 +486,11 @@ class TokenGraph:
                 "a token graph replays only on the static input buffers it was recorded with "
                 f"(recorded {rec.inputs}, got {_addresses(args, kwargs)})"
             )
-        return rec.replay()
+        return rec.replay(req_key)
+
+    def req_keys(self) -> list[tuple[int, int]]:
+        """Request buckets whose decode steps replay a recording as one launch (`RegionRequest`)."""
+        return sorted({k for rec in self._recordings.values() for k in rec.composites})
 
     def captured_sizes(self, phase: Phase) -> list[int]:
         """Token buckets a step of `phase` may replay, ascending."""

@@ -45,6 +45,8 @@ class CapturedBuckets:
 
     `req_keys`: the ReqGraph keys `(running_bs, draft_num)`; `prefill_token_sizes` /
     `decode_token_sizes`: `captured_token_sizes(model, phase)` of the token-graph units.
+    `token_req_keys` (TR_HYBRID): the request buckets whose decode steps replay their token bucket's
+    recording as one launch, its eager regions recorded for the bucket (`TokenGraph.req_keys`).
     Two-batch overlap: `tbo_req_keys` are the request buckets recorded as TBO graphs (split at
     `decode_ubatch_request_ranges`); `tbo_timings` are `enable_tbo: auto`'s start-up measurements
     (`TboTiming`), one per decode bucket that splits.
@@ -55,9 +57,10 @@ class CapturedBuckets:
     decode_token_sizes: tuple[int, ...] = ()
     tbo_req_keys: tuple[tuple[int, int], ...] = ()
     tbo_timings: tuple[TboTiming, ...] = ()
+    token_req_keys: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("req_keys", "tbo_req_keys"):
+        for name in ("req_keys", "tbo_req_keys", "token_req_keys"):
             keys = tuple(sorted((int(b), int(d)) for b, d in getattr(self, name)))
             object.__setattr__(self, name, keys)
         object.__setattr__(
@@ -100,7 +103,10 @@ class ForwardDecision:
     running_tokens: int
     is_prefill: bool
     draft_num: int = 0
-    req_key: Optional[tuple[int, int]] = None  # REQ_GRAPH only
+    # REQ_GRAPH: the request graph. TOKEN_GRAPH: a decode step whose token bucket replays as one
+    # launch with its eager regions' request graphs (CapturedBuckets.token_req_keys). Either way
+    # the step is staged as that request bucket's, attention metadata graph-safe.
+    req_key: Optional[tuple[int, int]] = None
     token_bucket: Optional[int] = None  # TOKEN_GRAPH only
     ubatch_split_bs: Optional[int] = None
     ubatch_split_tokens: Optional[int] = None  # rows of the first microbatch; None: no split
@@ -122,6 +128,11 @@ class ForwardDecision:
     def tr_graph(self) -> Optional[str]:
         """What `set_forward_context(..., tr_graph=...)` takes for this step."""
         return "replay" if self.kind is ForwardKind.TOKEN_GRAPH else None
+
+    @property
+    def tr_req_key(self) -> Optional[tuple[int, int]]:
+        """What `set_forward_context(..., tr_req_key=...)` takes for this step."""
+        return self.req_key if self.kind is ForwardKind.TOKEN_GRAPH else None
 
     def dummy_batch(self) -> BatchShape:
         """The batch an idle rank runs so its collectives match the others'."""

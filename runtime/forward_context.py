@@ -114,6 +114,11 @@ class ForwardContext:
     spec_decode_metadata: Optional[SpecDecodeMetadata] = None
     config: Any = None  # the engine's Config
     tr_graph: TrGraphPhase = None  # "record" at capture, "replay" on a recorded token bucket
+    # TR_HYBRID decode at a request bucket (running_bs, draft_num): "record" also records the eager
+    # regions' launches for it, under `tr_req_metadata` (graph-safe); "replay" runs the recording
+    # with them, as one launch (graphs/region_graph.py, RegionRequest)
+    tr_req_key: Optional[tuple[int, int]] = None
+    tr_req_metadata: Any = None
 
 
 _forward_context: ForwardContext = ForwardContext()
@@ -144,6 +149,8 @@ def set_forward_context(
     dp_metadata: Optional[DPMetadata] = None,
     spec_decode_metadata: Optional[SpecDecodeMetadata] = None,
     tr_graph: TrGraphPhase = None,
+    tr_req_key: Optional[tuple[int, int]] = None,
+    tr_req_metadata: Any = None,
 ) -> _ForwardContextScope:
     """Set the forward context for one forward pass; `with` it to reset in `finally`."""
     global _forward_context
@@ -157,6 +164,8 @@ def set_forward_context(
         spec_decode_metadata=spec_decode_metadata,
         config=config,
         tr_graph=tr_graph,
+        tr_req_key=tr_req_key,
+        tr_req_metadata=tr_req_metadata,
     )
     return _ForwardContextScope(previous)
 

@@ -269,3 +269,24 @@ def test_mode_helpers_the_decision_relies_on():
     assert M.FULL_AND_TR_HYBRID.uses_tr_hybrid() and M.TR_HYBRID.uses_tr_hybrid()
     assert not M.FULL_DECODE_ONLY.uses_tr_hybrid()
     assert M.FULL_DECODE_ONLY.decode_mode() == M.FULL and M.FULL_DECODE_ONLY.mixed_mode() == M.NONE
+
+
+def test_tr_hybrid_decode_at_a_bucket_with_region_graphs_gets_its_request_key():
+    """Decode steps whose token bucket holds region graphs for its request bucket carry that
+    `req_key` (staged graph-safe, replayed as one launch); prefill steps, buckets without them and
+    other draft widths do not."""
+    captured = CapturedBuckets(
+        decode_token_sizes=LADDER,
+        prefill_token_sizes=PREFILL_TOKEN_SIZES,
+        token_req_keys=[(b, 0) for b in LADDER if b != 8],
+    )
+    mode = make_mode(M.TR_HYBRID, captured=captured)
+    d = mode.decide([BatchShape(3, 3, 1, False)])
+    assert d.kind is TOKEN and d.token_bucket == 4 and d.req_key == (4, 0) == d.tr_req_key
+    d = mode.decide([BatchShape(5, 5, 1, False)])
+    assert d.kind is TOKEN and d.token_bucket == 8 and d.req_key is None
+    d = mode.decide([BatchShape(2, 16, 10, True)])
+    assert d.kind is TOKEN and d.is_prefill and d.req_key is None
+    d = mode.decide([BatchShape(3, 3, 1, False), BatchShape.idle()])  # the same on every rank
+    assert d.req_key == (4, 0) and d.dummy_batch() == BatchShape(4, 4, 1, False)
+    assert decode(encode(StepPlan(step=1, decision=d))).decision == d

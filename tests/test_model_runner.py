@@ -370,3 +370,25 @@ def test_runner_state_has_owners(runner) -> None:
     names = sorted(vars(runner))
     assert len(names) <= 16, " ".join(names)
     assert runner.rank == 0
+
+
+def test_token_bucket_with_region_graphs_stages_the_request_bucket(runner: ModelRunner) -> None:
+    """A TR_HYBRID decode step whose bucket replays with its region graphs (`req_key` on a
+    TOKEN_GRAPH decision) is staged as that request bucket's: sequences padded, graph-safe."""
+    inputs = _inputs([1, 1, 1], [5, 7, 3], runner.shape.block_size)
+    decision = ForwardDecision(
+        ForwardKind.TOKEN_GRAPH,
+        running_bs=8,
+        running_tokens=8,
+        is_prefill=False,
+        req_key=(8, 0),
+        token_bucket=8,
+    )
+    md, ctx = runner.buffers.prepare(inputs, decision)
+    fv = runner.buffers.forward_vars
+    assert md.graph_safe and md.num_seqs == 8 and md.num_tokens == 3
+    assert md.cu_seqlens_q.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]
+    assert fv["context_lens"][:8].tolist() == [6, 8, 4, 0, 0, 0, 0, 0]
+    assert (fv["block_tables"][3:8] == -1).all() and md.slot_mapping[3:].tolist() == [-1] * 5
+    assert decision.tr_graph == "replay" and decision.tr_req_key == (8, 0)
+    assert ctx.running_bs == 8 and ctx.running_tokens == 8

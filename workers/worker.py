@@ -63,6 +63,8 @@ class WorkerInfo:
     decode_token_sizes: tuple[int, ...]
     tbo_req_keys: tuple[tuple[int, int], ...] = ()  # request buckets recorded as TBO graphs
     tbo_timings: tuple[TboTiming, ...] = ()  # enable_tbo: auto's start-up measurements
+    # TR_HYBRID: request buckets whose decode steps replay their token graph as one launch
+    token_req_keys: tuple[tuple[int, int], ...] = ()
     # What each rank compiled and loaded at start-up, in rank order: a worker reports its own, the
     # mp and ray executors gather every rank's.
     compile_reports: tuple[CompileReport, ...] = ()
@@ -146,6 +148,7 @@ class Worker:
             decode_token_sizes=captured.decode_token_sizes,
             tbo_req_keys=captured.tbo_req_keys,
             tbo_timings=timings,
+            token_req_keys=captured.token_req_keys,
             compile_reports=(compile_report(self.runner, self._compile_counts, sizes, skipped),),
             startup_phases=tuple(self._phases),
         )

@@ -165,6 +165,7 @@ class LLMEngine:
             info.decode_token_sizes,
             info.tbo_req_keys,
             info.tbo_timings,
+            info.token_req_keys,
         )
         self.forward_mode = ForwardMode(config, captured, config.max_q_len - 1)
         self.forward_mode.ubatch.log_verdicts()

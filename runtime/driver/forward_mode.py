@@ -17,7 +17,9 @@ one frozen `ForwardDecision` that every rank follows, so the ranks' collectives 
 - FULL_DECODE_ONLY: FULL for decode, eager for prefill / mixed.
 - TR_HYBRID, and FULL_AND_TR_HYBRID (recorded and run exactly as TR_HYBRID): the step replays the
   token graph at the smallest token bucket recorded for its phase that holds the group's largest
-  `num_tokens`; none holds it: eager.
+  `num_tokens`; none holds it: eager. A decode step whose bucket is a request bucket the recording
+  holds region graphs for (`captured.token_req_keys`) also gets that `req_key`: it is staged as
+  the request bucket's (graph-safe metadata) and replays the recording as one launch.
 - If one rank must run eagerly, every rank does. Every rank gets the same bucket; a rank with no
   work (`num_seqs == 0`) runs a dummy batch of the decision's shape (`dummy_batch`).
 - Two-batch overlap (`parallel_config.enable_tbo`): `UbatchPolicy` (ubatch_policy.py) splits the
@@ -47,6 +49,7 @@ class ForwardMode:
         self.enforce_eager = bool(config.enforce_eager) or self.mode == CUDAGraphMode.NONE
         self.tr_hybrid = self.mode.uses_tr_hybrid()  # FULL_AND_TR_HYBRID runs as TR_HYBRID
         self.captured = captured
+        self._token_req_keys = frozenset(captured.token_req_keys)
         self.draft_num = num_draft_tokens
         # a step without drafts is a plain decode step where capture records plain buckets too
         self.plain_decode = num_draft_tokens > 0 and 1 in config.capture_q_lens
@@ -123,12 +126,17 @@ class ForwardMode:
         bucket = bucket_for(max_tokens, self.captured.token_sizes(not is_decode))
         if bucket is None:
             return None
+        req_key = None
+        if is_decode and bucket % (1 + draft) == 0:
+            key = (bucket // (1 + draft), draft)
+            req_key = key if key in self._token_req_keys else None
         return ForwardDecision(
             kind=ForwardKind.TOKEN_GRAPH,
             running_bs=bucket // (1 + draft) if is_decode else max_seqs,
             running_tokens=bucket,
             is_prefill=not is_decode,
             draft_num=draft,
+            req_key=req_key,
             token_bucket=bucket,
         )
 

@@ -106,6 +106,9 @@ def check_matches_eager(
 def test_mode_matches_eager(eager_tokens, level, mode):
     tokens, info = _run(level, mode)
     check_matches_eager(tokens, info, mode, eager_tokens, f"{mode} level {level}")
+    if CUDAGraphMode[mode].uses_tr_hybrid():
+        # every decode bucket replays as one launch, its attention regions' request graphs joined
+        assert set(info.token_req_keys) == {(b, 0) for b in info.capture_sizes}
 
 
 @pytest.mark.parametrize(
@@ -180,8 +183,12 @@ def _bucket_inputs(runner, bs: int, seed: int):
     )
 
 
-@pytest.mark.parametrize("mode", ["FULL", "TR_HYBRID"])
+@pytest.mark.parametrize("mode", ["FULL", "TR_HYBRID", "TR_HYBRID+joined"])
 def test_every_bucket_replays_like_eager_in_random_order(mode):
+    """TR_HYBRID: segment by segment with eager attention between; TR_HYBRID+joined: the same
+    recordings replayed as one launch with the attention regions' request graphs."""
+    joined = mode == "TR_HYBRID+joined"
+    mode = mode.split("+")[0]
     cc = CompilationConfig(level=0, cudagraph_mode=mode, cuda_graph_sizes=[LADDER_TOP])
     llm = LLM(**MODEL, compilation_config=cc, max_num_seqs=NUM_REQUESTS)
     try:
@@ -198,7 +205,7 @@ def test_every_bucket_replays_like_eager_in_random_order(mode):
                 running_bs=bs,
                 running_tokens=bs,
                 is_prefill=False,
-                req_key=(bs, 0) if mode == "FULL" else None,
+                req_key=(bs, 0) if mode == "FULL" or joined else None,
                 token_bucket=bs if mode != "FULL" else None,
             )
             eager = ForwardDecision(
@@ -227,12 +234,17 @@ def test_every_bucket_replays_like_eager_in_random_order(mode):
                 no_compile_layers=runner.attn_layers,
                 kv_cache_data=runner.kv_cache,
                 tr_graph=graph.tr_graph,
+                tr_req_key=graph.tr_req_key,
             ):
                 got = runner.run_model(
                     runner.buffers.forward_vars["input_ids"][:bs], graph, rows
                 ).logits
             torch.testing.assert_close(
-                got, ref, atol=2e-4, rtol=1e-4, msg=f"{mode} bucket {bs} (replay #{i})"
+                got,
+                ref,
+                atol=2e-4,
+                rtol=1e-4,
+                msg=f"{mode} {'joined ' if joined else ''}bucket {bs} (replay #{i})",
             )
             if mode == "FULL":  # every row samples (a slice): the logits are the graph's own output
                 md, ctx = runner.buffers.prepare(inputs, graph)

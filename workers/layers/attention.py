@@ -61,7 +61,8 @@ def unified_attention_with_output(
     On CUDA all of it -- rotary, KV write, attention -- is one `@eager_region`, `_attend_cuda`:
     under TR_HYBRID it breaks the token-graph recording and runs eagerly at replay with the live
     step's metadata (host-planned launches; a decode step is one fused launch); under FULL it is
-    recorded inline with the graph-safe launch (`attn_metadata.graph_safe`). On CPU the rotary and
+    recorded inline with the graph-safe launch (`attn_metadata.graph_safe`), which TR_HYBRID also
+    records per decode bucket as the region's request graph. On CPU the rotary and
     the KV write run in the recording and `_attend`, the eager region, runs the torch reference."""
     layer, md, kv = _layer_state(layer_idx)
     rotary = layer.rotary if positions is not None else None  # Attention.forward pairs them
@@ -217,7 +218,7 @@ class _BoundAttend:
             self.launches[key] = launch
 
 
-@eager_region(bind=_BoundAttend)
+@eager_region(bind=_BoundAttend, request_fixed=True)
 def _attend_cuda(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from atomrt.graphs.buckets import capture_order, request_bucket
-from atomrt.graphs.markers import captured_token_sizes
+from atomrt.graphs.markers import captured_token_req_keys, captured_token_sizes
 from atomrt.graphs.region_graph import ReqGraph, graph_pool_bytes
 from atomrt.graphs.ubatch import decode_bucket_splits, decode_ubatch_request_ranges, split_decision
 from atomrt.runtime.config import Config, CUDAGraphMode
@@ -160,12 +160,16 @@ class GraphRunner:
                 tbo_forward()  # warm-up
                 self.tbo_graph.record(decision.req_key, tbo_forward)
         if self.records_token_graphs:
+            # The decode pass records the eager regions' launches for this request bucket too
+            # (graph-safe `md`, as a request graph would): its decode steps then replay as one launch.
             for phase_ctx in (ctx, replace(ctx, is_prefill=True)):
                 with set_forward_context(
                     replace(md, graph_safe=False),
                     self.config,
                     phase_ctx,
                     tr_graph="record",
+                    tr_req_key=None if phase_ctx.is_prefill else decision.req_key,
+                    tr_req_metadata=None if phase_ctx.is_prefill else md,
                     **scope,
                 ):
                     runner.model(ids, pos)
@@ -194,4 +198,5 @@ class GraphRunner:
             prefill_token_sizes=tuple(captured_token_sizes(model, "prefill")),
             decode_token_sizes=tuple(captured_token_sizes(model, "decode")),
             tbo_req_keys=tuple(self.tbo_graph.keys()),
+            token_req_keys=tuple(captured_token_req_keys(model)),
         )

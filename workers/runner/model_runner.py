@@ -177,6 +177,7 @@ class ModelRunner:
             dp_metadata=dp,
             spec_decode_metadata=spec,
             tr_graph=decision.tr_graph,
+            tr_req_key=decision.tr_req_key,
         ):
             out = self.run_model(
                 self.buffers.forward_vars["input_ids"][:rows], decision, logits_indices, split

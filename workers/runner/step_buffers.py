@@ -260,7 +260,9 @@ class StepBuffers:
         its attention metadata and context, views of those buffers sized by the decision."""
         n, bs = inputs.num_tokens, inputs.num_seqs
         rows = max(decision.running_tokens, n)
-        seqs = decision.running_bs if decision.kind is ForwardKind.REQ_GRAPH else bs
+        # a request bucket (a request graph, or a token graph replaying its region graphs): the
+        # bucket's sequences, graph-safe; else the step's own
+        seqs = decision.running_bs if decision.req_key is not None else bs
         if self.tokens is not None and inputs.token_src is None:  # every row's token is staged
             inputs.token_src = self.tokens.own_rows[:n]
         if self._staging_read is not None:
@@ -301,7 +303,7 @@ class StepBuffers:
             num_tokens=inputs.num_tokens,
             cu_seqlens_q_cpu=inputs.cu_seqlens_q.tolist(),
             context_lens_cpu=inputs.context_lens.tolist(),
-            graph_safe=decision.kind is ForwardKind.REQ_GRAPH,
+            graph_safe=decision.req_key is not None,
         )
 
     def _context(self, decision: ForwardDecision, bs: int, rows: int) -> Context:
