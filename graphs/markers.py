@@ -14,7 +14,6 @@ import torch
 from atomrt.graphs import region_graph
 from atomrt.graphs.region_graph import (
     Phase,
-    RegionRequest,
     SegmentBackend,
     TokenGraph,
     _tensors,
@@ -102,9 +101,7 @@ def token_graph(cls: Optional[type] = None, *, per_phase: bool = False) -> Any:
                 assert ctx.context.running_tokens in (0, num_tokens), (
                     f"context.running_tokens={ctx.context.running_tokens} but the unit was called with {num_tokens} rows"
                 )
-                request = None
-                if ctx.tr_req_key is not None and phase == "decode":
-                    request = RegionRequest(ctx.tr_req_key, ctx.tr_req_metadata)
+                request = ctx.tr_request if phase == "decode" else None
                 return graph.record(
                     num_tokens,
                     phase,
@@ -159,17 +156,6 @@ def captured_token_sizes(model: torch.nn.Module, phase: Phase) -> list[int]:
     for graph in graphs[1:]:
         sizes &= set(graph.captured_sizes(phase))
     return sorted(sizes)
-
-
-def captured_token_req_keys(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """Request buckets every unit of `model` replays as one launch (`TokenGraph.req_keys`)."""
-    graphs = [unit.__dict__.get(_UNIT_GRAPH) for unit in token_graph_units(model)]
-    if not graphs or any(g is None for g in graphs):
-        return []
-    keys = set(graphs[0].req_keys())
-    for graph in graphs[1:]:
-        keys &= set(graph.req_keys())
-    return sorted(keys)
 
 
 def _num_rows(args: tuple, kwargs: dict) -> int:

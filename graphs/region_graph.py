@@ -268,17 +268,28 @@ class RegionRequest:
     """What a TokenGraph recording of a decode bucket also records: its eager regions' launches
     for request bucket `key`, each as a graph of its own, recorded with `attn_metadata` (graph-safe:
     the bucket fixes the launch) in the forward context. Joined with the segments, they replay a
-    decode step of that bucket as one launch (`_Recording.composites`)."""
+    decode step of that bucket as one launch (`TokenGraph.replay(..., req_key=key)`).
+
+    With `before` and / or `after`, the join is the whole step instead: `before()` recorded ahead
+    of the first segment (e.g. unpacking the staged step), `after(output)` behind the last (e.g.
+    the LM head and argmax of the recorded output, which it returns); `TokenGraph.launch_step`
+    runs it and returns what `after` returned (non-owning aliases)."""
 
     key: tuple[int, int]
     attn_metadata: Any
+    before: Optional[Callable[[], None]] = None
+    after: Optional[Callable[[Any], Any]] = None
+
+    @property
+    def whole_step(self) -> bool:
+        return self.before is not None or self.after is not None
 
 
 @dataclass
 class _Recording:
     """Segments with one eager call between each two, the recorded output, the input addresses.
-    With a `RegionRequest`: the eager regions' graphs for its bucket too, and the composite of
-    segments and region graphs by request bucket."""
+    With a `RegionRequest`: the eager regions' graphs for its bucket too, and the join of segments
+    and region graphs by request bucket (`composites`; `steps`: a whole-step join's outputs)."""
 
     backend: SegmentBackend
     breaks: bool  # may eager regions break it (TokenGraph) or are they recorded inline (ReqGraph)
@@ -288,10 +299,12 @@ class _Recording:
     output: Any = None
     request: Optional[RegionRequest] = None  # capture time: the region graphs being recorded
     region_graphs: list[Any] = field(default_factory=list)
+    before_after: tuple[Any, Any] = (None, None)  # a whole-step request's parts
     composites: dict[tuple[int, int], Any] = field(default_factory=dict)
+    steps: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     def replay(self, req_key: Optional[tuple[int, int]] = None) -> Any:
-        if req_key is not None:
+        if req_key is not None and req_key not in self.steps:
             composite = self.composites.get(req_key)
             if composite is not None:
                 self.backend.launch(composite)
@@ -302,19 +315,26 @@ class _Recording:
                 self.eager_calls[i].run()
         return self.output
 
-    def compose(self) -> None:
+    def launch_step(self, req_key: tuple[int, int]) -> Any:
+        self.backend.launch(self.composites[req_key])
+        return self.steps[req_key]
+
+    def compose(self, after_output: Any) -> None:
         """After the recording: join segments and region graphs, if every region has one."""
         request, self.request = self.request, None
-        if request is None or not self.eager_calls:
+        if request is None or not (self.eager_calls or request.whole_step):
             return
         if len(self.region_graphs) != len(self.eager_calls):
             self.region_graphs = []  # a region whose launch no request bucket fixes
             return
-        parts: list[Any] = []
+        before, after = self.before_after
+        parts: list[Any] = [before] if before is not None else []
         for i, segment in enumerate(self.segments):
             parts.append(segment)
             if i < len(self.region_graphs):
                 parts.append(self.region_graphs[i])
+        if after is not None:
+            parts.append(after)
         try:
             self.composites[request.key] = self.backend.compose(parts)
         except Exception as e:  # the recording still replays segment by segment
@@ -324,6 +344,9 @@ class _Recording:
                 request.key,
                 e,
             )
+            return
+        if request.whole_step:
+            self.steps[request.key] = _map_tensors(after_output, non_owning_alias)
 
 
 def _record(
@@ -339,20 +362,38 @@ def _record(
     assert _active is None, "recordings do not nest"
     rec = _Recording(backend=backend, breaks=breaks, inputs=_addresses(args, kwargs))
     rec.request = request if breaks else None
+    keep = rec.request is not None
+    after_output = None
     with backend.session():
-        _active = rec
         try:
-            _begin(backend, rec.request is not None)
-            out = fn(*args, **kwargs)
-            rec.segments.append(backend.end())
+            before = _record_part(backend, rec.request.before) if keep else None
+            _active = rec
+            try:
+                _begin(backend, keep)
+                out = fn(*args, **kwargs)
+                rec.segments.append(backend.end())
+            finally:
+                _active = None
+            after = None
+            if keep and rec.request.after is not None:
+                # `out` still owns its memory here: what `after` allocates cannot overlap it
+                after, after_output = _record_part(backend, lambda: rec.request.after(out))
+            rec.before_after = (before[0] if before else None, after)
         except BaseException:
             backend.abort()
             raise
-        finally:
-            _active = None
     rec.output = _map_tensors(out, non_owning_alias)
-    rec.compose()
+    rec.compose(after_output)
     return rec
+
+
+def _record_part(backend: SegmentBackend, fn: Optional[Callable[[], Any]]) -> Optional[tuple]:
+    """(graph, result) of `fn()` recorded as a part of a join (never replayed alone); None without `fn`."""
+    if fn is None:
+        return None
+    backend.begin(keep=True, part=True)
+    result = fn()
+    return backend.end(), result
 
 
 def _break_at(
@@ -490,7 +531,29 @@ class TokenGraph:
 
     def req_keys(self) -> list[tuple[int, int]]:
         """Request buckets whose decode steps replay a recording as one launch (`RegionRequest`)."""
-        return sorted({k for rec in self._recordings.values() for k in rec.composites})
+        return sorted(
+            {k for rec in self._recordings.values() for k in rec.composites if k not in rec.steps}
+        )
+
+    def step_keys(self) -> list[tuple[int, int]]:
+        """Request buckets whose whole decode step is one launch (`launch_step`)."""
+        return sorted({k for rec in self._recordings.values() for k in rec.steps})
+
+    def launch_step(self, num_tokens: int, phase: Phase, req_key: tuple[int, int]) -> Any:
+        """Run the whole-step join recorded for `req_key` at `num_tokens` rows (a RegionRequest
+        with `before` / `after`); returns what `after` returned, valid until the next replay."""
+        rec = self._recordings.get(self._key(num_tokens, phase))
+        if rec is None or req_key not in rec.steps:
+            raise KeyError(
+                f"no whole-step join recorded for request bucket {req_key} at {num_tokens} rows "
+                f"({phase})"
+            )
+        return rec.launch_step(req_key)
+
+    def recording_io(self, num_tokens: int, phase: Phase) -> tuple[tuple, Any]:
+        """(input addresses, output) of the recording for `num_tokens` rows."""
+        rec = self._recordings[self._key(num_tokens, phase)]
+        return rec.inputs, rec.output
 
     def captured_sizes(self, phase: Phase) -> list[int]:
         """Token buckets a step of `phase` may replay, ascending."""

@@ -45,8 +45,9 @@ class CapturedBuckets:
 
     `req_keys`: the ReqGraph keys `(running_bs, draft_num)`; `prefill_token_sizes` /
     `decode_token_sizes`: `captured_token_sizes(model, phase)` of the token-graph units.
-    `token_req_keys` (TR_HYBRID): the request buckets whose decode steps replay their token bucket's
-    recording as one launch, its eager regions recorded for the bucket (`TokenGraph.req_keys`).
+    `token_req_keys` (TR_HYBRID): the request buckets whose decode steps run as one launch: the token
+    bucket's recording joined with the step's unpack, its eager regions recorded for the bucket and
+    the LM head (`GraphRunner.step_keys`).
     Two-batch overlap: `tbo_req_keys` are the request buckets recorded as TBO graphs (split at
     `decode_ubatch_request_ranges`); `tbo_timings` are `enable_tbo: auto`'s start-up measurements
     (`TboTiming`), one per decode bucket that splits.
@@ -103,9 +104,10 @@ class ForwardDecision:
     running_tokens: int
     is_prefill: bool
     draft_num: int = 0
-    # REQ_GRAPH: the request graph. TOKEN_GRAPH: a decode step whose token bucket replays as one
-    # launch with its eager regions' request graphs (CapturedBuckets.token_req_keys). Either way
-    # the step is staged as that request bucket's, attention metadata graph-safe.
+    # REQ_GRAPH: the request graph. TOKEN_GRAPH: a decode step whose token bucket's recording runs
+    # as the whole step in one launch, joined with the unpack, its eager regions' request graphs
+    # and the LM head (CapturedBuckets.token_req_keys). Either way the step is staged packed as
+    # that request bucket's, attention metadata graph-safe, and the graph returns its logits.
     req_key: Optional[tuple[int, int]] = None
     token_bucket: Optional[int] = None  # TOKEN_GRAPH only
     ubatch_split_bs: Optional[int] = None

@@ -114,11 +114,12 @@ class ForwardContext:
     spec_decode_metadata: Optional[SpecDecodeMetadata] = None
     config: Any = None  # the engine's Config
     tr_graph: TrGraphPhase = None  # "record" at capture, "replay" on a recorded token bucket
-    # TR_HYBRID decode at a request bucket (running_bs, draft_num): "record" also records the eager
-    # regions' launches for it, under `tr_req_metadata` (graph-safe); "replay" runs the recording
-    # with them, as one launch (graphs/region_graph.py, RegionRequest)
+    # TR_HYBRID decode at a request bucket: "record" (decode pass) also records what `tr_request`
+    # (a RegionRequest, graphs/region_graph.py) asks for, the eager regions' launches for its
+    # bucket among them; "replay" with `tr_req_key` (running_bs, draft_num) runs the recording
+    # with them, as one launch
     tr_req_key: Optional[tuple[int, int]] = None
-    tr_req_metadata: Any = None
+    tr_request: Any = None
 
 
 _forward_context: ForwardContext = ForwardContext()
@@ -150,7 +151,7 @@ def set_forward_context(
     spec_decode_metadata: Optional[SpecDecodeMetadata] = None,
     tr_graph: TrGraphPhase = None,
     tr_req_key: Optional[tuple[int, int]] = None,
-    tr_req_metadata: Any = None,
+    tr_request: Any = None,
 ) -> _ForwardContextScope:
     """Set the forward context for one forward pass; `with` it to reset in `finally`."""
     global _forward_context
@@ -165,7 +166,7 @@ def set_forward_context(
         config=config,
         tr_graph=tr_graph,
         tr_req_key=tr_req_key,
-        tr_req_metadata=tr_req_metadata,
+        tr_request=tr_request,
     )
     return _ForwardContextScope(previous)
 

@@ -15,7 +15,6 @@ import torch
 
 from atomrt.graphs import region_graph as rg
 from atomrt.graphs.markers import (
-    captured_token_req_keys,
     captured_token_sizes,
     eager_region,
     token_graph,
@@ -553,8 +552,8 @@ def test_a_region_no_request_bucket_fixes_leaves_the_recording_segmented():
 
 
 def test_the_unit_records_region_graphs_for_the_decode_pass_only():
-    """`@token_graph` passes the forward context's tr_req_key / tr_req_metadata to the decode
-    recording (the prefill pass of the same bucket records nothing new) and the key to a replay."""
+    """`@token_graph` passes the forward context's tr_request to the decode recording (the prefill
+    pass of the same bucket records nothing new) and its tr_req_key to a replay."""
 
     class FixedLayer(Layer):
         def forward(self, h):
@@ -575,18 +574,68 @@ def test_the_unit_records_region_graphs_for_the_decode_pass_only():
     ids, pos = static_buffers()
     decode, prefill = Context(running_tokens=4), Context(running_tokens=4, is_prefill=True)
     with torch.inference_mode():
-        with set_forward_context("m", None, prefill, tr_graph="record", tr_req_key=(4, 0)):
+        request = rg.RegionRequest((4, 0), "safe")
+        with set_forward_context("m", None, prefill, tr_graph="record", tr_request=request):
             model(ids[:4], pos[:4])  # a prefill pass: no region graphs, even with a key
-        assert captured_token_req_keys(model) == []
+        assert token_graph_of(model).req_keys() == []
         model2 = FixedModel()
         token_graph_of(model2, backend=ComposingBackend(log))
-        with set_forward_context(
-            "m", None, decode, tr_graph="record", tr_req_key=(4, 0), tr_req_metadata="safe"
-        ):
+        with set_forward_context("m", None, decode, tr_graph="record", tr_request=request):
             out = model2(ids[:4], pos[:4])
-        assert captured_token_req_keys(model2) == [(4, 0)]
+        assert token_graph_of(model2).req_keys() == [(4, 0)]
         assert ("eager", 0, "safe") in LOG and ("eager", 1, "safe") in LOG
         log.clear()
         with set_forward_context("live", None, decode, tr_graph="replay", tr_req_key=(4, 0)):
             again = model2(ids[:4], pos[:4])
         assert [e[0] for e in log] == ["launch"] and again.data_ptr() == out.data_ptr()
+
+
+def test_a_whole_step_request_joins_its_before_and_after_parts():
+    """`before` is recorded ahead of the first segment and `after(output)` behind the last, while
+    the output still owns its memory; `launch_step` runs the join and returns `after`'s result.
+    A replay of the unit alone never runs that join (it would unpack and sample again)."""
+    graph = TokenGraph(backend=ComposingBackend(LOG))
+    x, out = torch.arange(4.0), torch.zeros(4)
+    seen = []
+
+    def forward(x):
+        fixed_attention(x, out, 0)
+        return out * 2
+
+    def after(hidden):
+        seen.append(hidden._base is None and hidden.data_ptr())
+        LOG.append("after")
+        return hidden + 1
+
+    request = rg.RegionRequest((4, 0), "safe", before=lambda: LOG.append("before"), after=after)
+    with set_forward_context("m", None, Context(running_tokens=4)):
+        rec_out = graph.record(4, "decode", forward, x, request=request)
+    assert [e if e[0] != "eager" else e[:3] for e in LOG] == [
+        "session",
+        ("begin", 0, "part"),
+        "before",
+        ("end", 0),
+        ("begin", 1, "keep"),
+        ("end", 1),
+        ("eager", 0, "m"),
+        ("begin", 2, "part"),
+        ("eager", 0, "safe"),
+        ("end", 2),
+        ("begin", 3, "keep"),
+        ("end", 3),
+        ("begin", 4, "part"),
+        "after",
+        ("end", 4),
+        "/session",
+        ("compose", (0, 1, 2, 3, 4)),
+    ]
+    assert seen == [rec_out.data_ptr()]
+    assert graph.step_keys() == [(4, 0)] and graph.req_keys() == []
+    LOG.clear()
+    result = graph.launch_step(4, "decode", (4, 0))
+    assert LOG == [("launch", (0, 1, 2, 3, 4))] and result.shape == (4,)
+    LOG.clear()
+    graph.replay(4, "decode", req_key=(4, 0))
+    assert [e[0] for e in LOG] == ["replay", "eager", "replay"]
+    with pytest.raises(KeyError, match="no whole-step join"):
+        graph.launch_step(4, "decode", (2, 1))

@@ -17,9 +17,9 @@ one frozen `ForwardDecision` that every rank follows, so the ranks' collectives 
 - FULL_DECODE_ONLY: FULL for decode, eager for prefill / mixed.
 - TR_HYBRID, and FULL_AND_TR_HYBRID (recorded and run exactly as TR_HYBRID): the step replays the
   token graph at the smallest token bucket recorded for its phase that holds the group's largest
-  `num_tokens`; none holds it: eager. A decode step whose bucket is a request bucket the recording
-  holds region graphs for (`captured.token_req_keys`) also gets that `req_key`: it is staged as
-  the request bucket's (graph-safe metadata) and replays the recording as one launch.
+  `num_tokens`; none holds it: eager. A decode step whose bucket is a request bucket joined as a
+  whole step (`captured.token_req_keys`) also gets that `req_key`: it is staged as the request
+  bucket's (graph-safe metadata) and runs as one launch, as a request graph does.
 - If one rank must run eagerly, every rank does. Every rank gets the same bucket; a rank with no
   work (`num_seqs == 0`) runs a dummy batch of the decision's shape (`dummy_batch`).
 - Two-batch overlap (`parallel_config.enable_tbo`): `UbatchPolicy` (ubatch_policy.py) splits the

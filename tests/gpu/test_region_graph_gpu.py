@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from atomrt.graphs.markers import captured_token_sizes, eager_region, token_graph, token_graph_of
-from atomrt.graphs.region_graph import ReqGraph, graph_pool, graph_pool_bytes
+from atomrt.graphs.region_graph import RegionRequest, ReqGraph, graph_pool, graph_pool_bytes
 from atomrt.runtime.forward_context import Context, get_forward_context, set_forward_context
 
 pytestmark = pytest.mark.gpu
@@ -331,8 +331,7 @@ def test_joined_token_graph_replays_like_eager_in_random_order():
                 None,
                 Context(running_tokens=n),
                 tr_graph="record",
-                tr_req_key=(n, 0),
-                tr_req_metadata=safe,
+                tr_request=RegionRequest((n, 0), safe),
             ):
                 model(static[:n])
         assert graph.req_keys() == [(n, 0) for n in sorted(BUCKETS)]

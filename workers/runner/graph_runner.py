@@ -22,14 +22,14 @@ import gc
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from tqdm import tqdm
 
 from atomrt.graphs.buckets import capture_order, request_bucket
-from atomrt.graphs.markers import captured_token_req_keys, captured_token_sizes
-from atomrt.graphs.region_graph import ReqGraph, graph_pool_bytes
+from atomrt.graphs.markers import captured_token_sizes, token_graph_of, token_graph_units
+from atomrt.graphs.region_graph import RegionRequest, ReqGraph, TokenGraph, graph_pool_bytes
 from atomrt.graphs.ubatch import decode_bucket_splits, decode_ubatch_request_ranges, split_decision
 from atomrt.runtime.config import Config, CUDAGraphMode
 from atomrt.runtime.decision import CapturedBuckets, ForwardDecision, ForwardKind
@@ -56,6 +56,10 @@ class GraphRunner:
         self.tbo = config.parallel_config.enable_tbo
         self.records_tbo = self.records_request_graphs and self.tbo in ("all", "auto")
         self.tbo_graph = ReqGraph()  # the TBO recordings, by request bucket
+        # TR_HYBRID: the recording unit's TokenGraph and the request buckets whose decode step it
+        # runs whole, as one launch (TokenGraph.launch_step)
+        self.unit_graph: Optional[TokenGraph] = None
+        self.step_keys: set[tuple[int, int]] = set()
         self.capture_sizes: list[int] = []  # ascending, once captured
         self.pool_bytes = 0  # the shared pool after capture
         self.largest_pool_bytes = (
@@ -64,10 +68,17 @@ class GraphRunner:
 
     @property
     def packed_bucket(self) -> int:
-        """The largest request-graph bucket (steps are staged packed for them), 0 without any."""
-        if not (self.enabled and self.records_request_graphs):
+        """The largest request bucket (steps replaying a whole-step graph are staged packed for
+        them: request graphs, TR_HYBRID's joined decode steps), 0 without any."""
+        if not (self.enabled and self.records_logits):
             return 0
         return max(self.config.capture_sizes)
+
+    @property
+    def records_logits(self) -> bool:
+        """Whether recordings hold an LM head (every row's logits): request graphs, and TR_HYBRID's
+        whole decode steps."""
+        return self.records_request_graphs or self.records_token_graphs
 
     def capture(self, runner: ModelRunner) -> float:
         """Record every capture size's graphs; returns the seconds it took."""
@@ -76,6 +87,10 @@ class GraphRunner:
         sizes = capture_order(self.config.capture_sizes)
         assert sizes[0] <= runner.shape.max_num_seqs, f"capture size {sizes[0]} > max_num_seqs"
         self.req_graph, self.tbo_graph = ReqGraph(), ReqGraph()
+        self.step_keys = set()
+        units = token_graph_units(runner.model) if self.records_token_graphs else []
+        # a whole decode step joins around the one unit; a model of several runs its units' joins
+        self.unit_graph = token_graph_of(units[0]) if len(units) == 1 else None
         start = time.perf_counter()
         gc.collect()
         gc.disable()
@@ -161,18 +176,51 @@ class GraphRunner:
                 self.tbo_graph.record(decision.req_key, tbo_forward)
         if self.records_token_graphs:
             # The decode pass records the eager regions' launches for this request bucket too
-            # (graph-safe `md`, as a request graph would): its decode steps then replay as one launch.
+            # (graph-safe `md`, as a request graph would), and with one unit the step's unpack
+            # ahead of it and the request graph's outputs behind it: a decode step of the bucket
+            # is then one launch, as under FULL.
+            request = RegionRequest(decision.req_key, md)
+            if self.unit_graph is not None:
+                request.before = lambda: runner.buffers.unpack(bs, rows)
+                request.after = lambda hidden: self._outputs(runner, hidden, rows)
             for phase_ctx in (ctx, replace(ctx, is_prefill=True)):
                 with set_forward_context(
                     replace(md, graph_safe=False),
                     self.config,
                     phase_ctx,
                     tr_graph="record",
-                    tr_req_key=None if phase_ctx.is_prefill else decision.req_key,
-                    tr_req_metadata=None if phase_ctx.is_prefill else md,
+                    tr_request=None if phase_ctx.is_prefill else request,
                     **scope,
                 ):
-                    runner.model(ids, pos)
+                    hidden = runner.model(ids, pos)
+                if not phase_ctx.is_prefill:
+                    self._check_step(decision.req_key, rows, (ids, pos), hidden)
+
+    def _check_step(
+        self, key: tuple[int, int], rows: int, inputs: tuple, hidden: torch.Tensor
+    ) -> None:
+        """Count `key` as a whole-step bucket only if the unit's recording is the model's forward:
+        fed the static buffers themselves, its output what the model returned."""
+        graph = self.unit_graph
+        if graph is None or key not in graph.step_keys():
+            return
+        recorded_inputs, output = graph.recording_io(rows, "decode")
+        fed = recorded_inputs == tuple((t.data_ptr(), tuple(t.shape)) for t in inputs)
+        same = (
+            isinstance(output, torch.Tensor)
+            and output.data_ptr() == hidden.data_ptr()
+            and output.shape == hidden.shape
+        )
+        if fed and same:
+            self.step_keys.add(key)
+        else:
+            logger.warning(
+                "request bucket %s: the recording unit is not the whole forward (inputs %s, "
+                "output %s); its decode steps replay the token graph, then the LM head",
+                key,
+                "static" if fed else "other",
+                "returned" if same else "transformed",
+            )
 
     @staticmethod
     def _outputs(
@@ -184,8 +232,12 @@ class GraphRunner:
         return logits, runner.greedy_tokens(logits)
 
     def replay(self, decision: ForwardDecision) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the request graph of the decision's bucket (its TBO graph for a split step):
-        (every row's logits, their argmax), valid until the next replay."""
+        """Replay the request graph of the decision's bucket (its TBO graph for a split step; a
+        TR_HYBRID decode step's whole-step join): (every row's logits, their argmax), valid until
+        the next replay."""
+        if decision.kind is ForwardKind.TOKEN_GRAPH:
+            assert self.unit_graph is not None and decision.req_key in self.step_keys
+            return self.unit_graph.launch_step(decision.running_tokens, "decode", decision.req_key)
         graph = self.req_graph if decision.ubatch_rows is None else self.tbo_graph
         return graph.replay(decision.req_key)
 
@@ -198,5 +250,5 @@ class GraphRunner:
             prefill_token_sizes=tuple(captured_token_sizes(model, "prefill")),
             decode_token_sizes=tuple(captured_token_sizes(model, "decode")),
             tbo_req_keys=tuple(self.tbo_graph.keys()),
-            token_req_keys=tuple(captured_token_req_keys(model)),
+            token_req_keys=tuple(sorted(self.step_keys)),
         )

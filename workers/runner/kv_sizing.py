@@ -90,8 +90,9 @@ def determine_num_blocks(runner: ModelRunner) -> KVCacheSizing:
         if runner.graphs.enabled:
             # the largest recording's rows: with speculative decoding each request verifies k drafts
             largest_bucket = max(runner.config.capture_sizes) * runner.config.max_q_len
-            # A request graph records its bucket's LM head (every row's logits); a token graph does not.
-            logits_rows = largest_bucket if runner.graphs.records_request_graphs else 1
+            # A request graph records its bucket's LM head (every row's logits), and so does the
+            # whole decode step TR_HYBRID joins around a token graph.
+            logits_rows = largest_bucket if runner.graphs.records_logits else 1
             torch.cuda.reset_peak_memory_stats()
             dummy_forward(runner, largest_bucket, logits_rows=logits_rows)
             pool_estimate = torch.cuda.max_memory_allocated() - base

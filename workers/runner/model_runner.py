@@ -166,7 +166,7 @@ class ModelRunner:
         if self.spec is not None:
             spec = self.spec.prepare(inputs, sampling, self.tokens, logits_indices)
         self.buffers.staged()
-        if decision.kind is not ForwardKind.REQ_GRAPH:  # a request graph gathers them itself
+        if decision.req_key is None:  # a whole-step graph gathers them itself
             self.buffers.gather_input_ids(rows)
         with set_forward_context(
             md,
@@ -221,12 +221,14 @@ class ModelRunner:
 
         Under TOKEN_GRAPH the forward context says tr_graph="replay" and the model's `@token_graph`
         unit replays its recording; under REQ_GRAPH the request bucket's graph replays (unpacking
-        the staged step first): its hidden states land in `forward_vars["outputs"]`, and its output
-        is every row's logits, which a `slice` of `logits_indices` (the rows a decode step samples)
-        takes as they are. Otherwise logits are computed for `logits_indices` rows only.
+        the staged step first), and so does a TOKEN_GRAPH decode step with a `req_key`, its token
+        graph joined with the unpack, the attention regions' request graphs and the request graph's
+        outputs: its hidden states land in `forward_vars["outputs"]`, and its output is every
+        row's logits, which a `slice` of `logits_indices` (the rows a decode step samples) takes as
+        they are. Otherwise logits are computed for `logits_indices` rows only.
         """
         num_rows = input_ids.shape[0]
-        if decision.kind is ForwardKind.REQ_GRAPH:
+        if decision.req_key is not None:  # a request graph, or TR_HYBRID's whole decode step
             self.buffers.check_staged(decision, num_rows)
             logits, tokens = self.graphs.replay(
                 decision

@@ -32,7 +32,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from atomrt.runtime.decision import ForwardDecision, ForwardKind
+from atomrt.runtime.decision import ForwardDecision
 from atomrt.runtime.forward_context import AttentionMetaData, Context
 from atomrt.workers.kernels.unpack_step import unpack_step_kernel
 from atomrt.workers.runner.input_batch import StepInputs
@@ -267,7 +267,7 @@ class StepBuffers:
             inputs.token_src = self.tokens.own_rows[:n]
         if self._staging_read is not None:
             self._staging_read.synchronize()
-        if self.packed is not None and decision.kind is ForwardKind.REQ_GRAPH:
+        if self.packed is not None and decision.req_key is not None:
             self.packed.stage(inputs, seqs, rows)
             self._staged = (seqs, rows)
         else:
