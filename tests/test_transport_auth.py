@@ -19,7 +19,6 @@ from test_transport import _plan
 
 from atomrt.distributed.messages import StepResult, encode
 from atomrt.distributed.transport import (
-    ADMISSION,
     PlanPublisher,
     PlanSubscriber,
     ResultCollector,
@@ -28,6 +27,7 @@ from atomrt.distributed.transport import (
     TransportError,
     TransportTimeout,
 )
+from atomrt.distributed.zap import ADMISSION
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 
