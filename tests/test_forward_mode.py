@@ -290,3 +290,36 @@ def test_tr_hybrid_decode_at_a_bucket_with_region_graphs_gets_its_request_key():
     d = mode.decide([BatchShape(3, 3, 1, False), BatchShape.idle()])  # the same on every rank
     assert d.req_key == (4, 0) and d.dummy_batch() == BatchShape(4, 4, 1, False)
     assert decode(encode(StepPlan(step=1, decision=d))).decision == d
+
+
+def test_the_engine_gets_only_the_whole_step_buckets_every_rank_joined():
+    """Every rank follows one decision: a bucket one rank could not join as a whole step is not
+    offered to ForwardMode (the executors' gather_infos keeps what every rank joined)."""
+    from atomrt.runtime.executors.channel import gather_infos
+    from atomrt.workers.worker import WorkerInfo
+
+    def info(keys, report):
+        return WorkerInfo(
+            num_kv_blocks=8,
+            vocab_size=32,
+            max_model_len=64,
+            eos_token_ids=(0,),
+            capture_seconds=0.0,
+            compile_seconds=0.0,
+            capture_sizes=(1, 2, 4),
+            req_keys=(),
+            prefill_token_sizes=(1, 2, 4),
+            decode_token_sizes=(1, 2, 4),
+            token_req_keys=keys,
+            compile_reports=(report,),
+        )
+
+    gathered = gather_infos([info(((1, 0), (2, 0), (4, 0)), "r0"), info(((1, 0), (4, 0)), "r1")])
+    assert gathered.token_req_keys == ((1, 0), (4, 0))
+    assert gathered.compile_reports == ("r0", "r1")
+    captured = CapturedBuckets(
+        decode_token_sizes=gathered.decode_token_sizes, token_req_keys=gathered.token_req_keys
+    )
+    mode = make_mode(M.TR_HYBRID, captured=captured)
+    assert mode.decide([BatchShape(2, 2, 1, False)]).req_key is None
+    assert mode.decide([BatchShape(3, 3, 1, False)]).req_key == (4, 0)

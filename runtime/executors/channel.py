@@ -41,9 +41,15 @@ PHASES = {
 
 
 def gather_infos(infos: list[WorkerInfo]) -> WorkerInfo:
-    """Rank 0's start-up answer, carrying every rank's compile report (ranks in order)."""
+    """Rank 0's start-up answer, carrying every rank's compile report (ranks in order), and only
+    the whole-step TR_HYBRID buckets every rank joined (a step's decision is every rank's)."""
+    joined = set(infos[0].token_req_keys)
+    for info in infos[1:]:
+        joined &= set(info.token_req_keys)
     return dataclasses.replace(
-        infos[0], compile_reports=tuple(r for info in infos for r in info.compile_reports)
+        infos[0],
+        compile_reports=tuple(r for info in infos for r in info.compile_reports),
+        token_req_keys=tuple(sorted(joined)),
     )
 
 
