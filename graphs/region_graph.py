@@ -235,19 +235,20 @@ def _record(
     after_output = None
     with backend.session():
         try:
-            before = _record_part(backend, rec.request.before) if keep else None
+            before = after = None
+            if keep and rec.request.before is not None:
+                before, _ = _record_part(backend, rec.request.before)
             _active = rec
             try:
-                _begin(backend, keep)
+                backend.begin(keep=keep)
                 out = fn(*args, **kwargs)
                 rec.segments.append(backend.end())
             finally:
                 _active = None
-            after = None
             if keep and rec.request.after is not None:
                 # `out` still owns its memory here: what `after` allocates cannot overlap it
                 after, after_output = _record_part(backend, lambda: rec.request.after(out))
-            rec.before_after = (before[0] if before else None, after)
+            rec.before_after = (before, after)
         except BaseException:
             backend.abort()
             raise
@@ -256,10 +257,8 @@ def _record(
     return rec
 
 
-def _record_part(backend: SegmentBackend, fn: Optional[Callable[[], Any]]) -> Optional[tuple]:
-    """(graph, result) of `fn()` recorded as a part of a join (never replayed alone); None without `fn`."""
-    if fn is None:
-        return None
+def _record_part(backend: SegmentBackend, fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """(graph, result) of `fn()` recorded as a part of a join (never replayed alone)."""
     backend.begin(keep=True, part=True)
     result = fn()
     return backend.end(), result
@@ -297,15 +296,8 @@ def _break_at(
     rec.eager_calls.append(call)
     if rec.request is not None and request_fixed:
         rec.region_graphs.append(_record_region(rec, fn, args, kwargs))
-    _begin(rec.backend, rec.request is not None)
+    rec.backend.begin(keep=rec.request is not None)
     return result
-
-
-def _begin(backend: SegmentBackend, keep: bool) -> None:
-    if keep:
-        backend.begin(keep=True)
-    else:
-        backend.begin()  # a backend that composes nothing may take no argument
 
 
 def _record_region(rec: _Recording, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -316,9 +308,7 @@ def _record_region(rec: _Recording, fn: Callable[..., Any], args: tuple, kwargs:
     ctx = get_forward_context()
     previous = use_forward_context(replace(ctx, attn_metadata=rec.request.attn_metadata))
     try:
-        rec.backend.begin(keep=True, part=True)
-        fn(*args, **kwargs)
-        return rec.backend.end()
+        return _record_part(rec.backend, lambda: fn(*args, **kwargs))[0]
     finally:
         use_forward_context(previous)
 

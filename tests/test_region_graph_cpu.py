@@ -39,7 +39,7 @@ class FakeBackend:
         yield
         self.log.append("/session")
 
-    def begin(self):
+    def begin(self, keep=False, part=False):
         assert self.open is None
         self.open = self.next_id
         self.next_id += 1
