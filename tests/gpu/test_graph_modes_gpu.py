@@ -7,6 +7,8 @@ Run on the GPU machine: `pytest -m gpu tests/gpu/test_graph_modes_gpu.py`.
 """
 
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -339,3 +341,30 @@ def test_pool_estimate_counts_logits_where_recordings_hold_an_lm_head():
     assert estimates["NONE"] == 0, estimates
     assert estimates["TR_HYBRID"] >= logits, estimates
     assert estimates["FULL"] >= logits, estimates
+
+
+_FRESH_START = """
+import sys
+from atomrt.runtime import SamplingParams
+from atomrt.runtime.config import CompilationConfig
+from atomrt.runtime.entrypoints.llm import LLM
+cc = CompilationConfig(level=3, cudagraph_mode=sys.argv[1], cuda_graph_sizes=[8])
+llm = LLM(model="SmolLM2-135M", load_format="dummy", device="cuda", compilation_config=cc,
+          max_num_seqs=8, async_scheduling=True)
+out = llm.generate([[5, 17, 99, 3]] * 3, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+print("tokens", [len(o.outputs[0].token_ids) for o in out])
+llm.shutdown()
+"""
+
+
+@pytest.mark.parametrize("mode", ["FULL", "TR_HYBRID", "FULL_AND_TR_HYBRID"])
+def test_each_mode_starts_in_a_fresh_process(mode):
+    """A process's first capture is its first GPU work beyond KV sizing: whatever a recording
+    ends with (the LM head, the argmax and its split workspace) must have run eagerly before, or
+    start-up fails. Earlier tests in one pytest process would hide that, so each mode starts in a
+    process of its own."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FRESH_START, mode], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    assert "tokens [6, 6, 6]" in proc.stdout

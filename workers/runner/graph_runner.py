@@ -146,7 +146,9 @@ class GraphRunner:
         with set_forward_context(md, self.config, ctx, **scope):
             runner.buffers.unpack(bs, rows)
             hidden = runner.model(ids, pos)  # warm-up
-            if self.records_request_graphs:
+            # whatever a recording ends with runs once first: kernels' scratch buffers (the
+            # argmax's split workspace) cannot be allocated inside a capture
+            if self.records_request_graphs or self.unit_graph is not None:
                 runner.greedy_tokens(runner.model.compute_logits(hidden))
         splits = self.records_tbo and decode_bucket_splits(bs)
         if self.records_request_graphs and not (splits and self.tbo == "all"):
