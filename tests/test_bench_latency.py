@@ -159,6 +159,7 @@ def test_speculative_config_compares_decode_with_and_without(
             assert r["mean_acceptance_length"] >= 1 and len(r["acceptance_per_position"]) == 3
         assert r["same_tokens"] == 2 and r["first_difference"] is None  # greedy: no change
         assert "tokens" not in r
+        assert r["policy"] is None  # synchronous steps always speculate: no adaptive policy
     printed = capsys.readouterr().out
     assert "accept_len" in printed and "ngram k=3" in printed
     with pytest.raises(ConfigError, match="num_speculative_tokens"):

@@ -261,6 +261,33 @@ def test_spec_policy_backs_off_while_speculation_loses_and_keeps_it_while_it_win
     assert not p.speculating and p.spec_rate == pytest.approx(counted * 5 / ((counted - 1) * 0.002))
 
 
+def test_spec_policy_totals_are_what_its_rates_counted():
+    """Each kind's totals sum its finished phases: every result, and the tokens and seconds the
+    rates counted (the switch's results left out); the bench reports their difference over a run."""
+    from atomrt.runtime.bench.spec_decode import _policy_delta, _policy_totals
+
+    p, now = SpecPolicy(), 0.0
+    before = _policy_totals(p)
+    for tokens, seconds in ((2, 0.004), (1, 0.001)):  # one speculating phase, one plain
+        for _ in range(SpecPolicy.PROBE):
+            now += seconds
+            p.step_done(tokens, now)
+    counted = SpecPolicy.PROBE - SpecPolicy.SWITCH
+    spec, plain = p.totals[True], p.totals[False]
+    assert (spec.phases, spec.results, spec.tokens) == (1, SpecPolicy.PROBE, 2 * counted)
+    assert spec.seconds == pytest.approx(counted * 0.004)
+    assert (plain.phases, plain.results, plain.tokens) == (1, SpecPolicy.PROBE, counted)
+    assert spec.tokens / spec.seconds == pytest.approx(p.spec_rate)
+    assert plain.tokens / plain.seconds == pytest.approx(p.plain_rate)
+    delta = _policy_delta(before, _policy_totals(p))
+    assert delta == {
+        "speculating": {"phases": 1, "results": 8, "tokens_per_s": 500.0},
+        "plain": {"phases": 1, "results": 8, "tokens_per_s": 1000.0},
+    }
+    assert _policy_delta(_policy_totals(p), _policy_totals(p))["plain"]["tokens_per_s"] is None
+    assert _policy_totals(None) is None and _policy_delta(None, None) is None
+
+
 @pytest.mark.parametrize("accepted, speculates", [(1.06, False), (2.5, True)])
 def test_spec_policy_leaves_the_switch_out_of_a_probe(accepted, speculates):
     """Steps as an H200 ran them for a 135M model at bs=1: plain async steps 0.65 ms a token, but

@@ -49,6 +49,9 @@ class SpecRow:
     speedup: Optional[float] = None  # tokens/s over the same workload without speculation
     same_tokens: Optional[int] = None  # requests whose tokens equal those without speculation
     first_difference: Optional[str] = None  # "request i, token t: a != b"
+    # with an adaptive policy: the phases that ended during the run, per kind ("speculating",
+    # "plain"): phases, results, and the tokens/s the policy counted (its switch left out)
+    policy: Optional[dict[str, dict[str, Any]]] = None
     tokens: Optional[list[list[int]]] = field(default=None, repr=False)
 
 
@@ -98,6 +101,8 @@ def time_workload(
                 if o.finished:
                     done.add(o.request_id)
     before = _snapshot(engine.stats.spec_decode)
+    policy = engine.speculation.policy if engine.speculation is not None else None
+    phases_before = _policy_totals(policy)
     steps_before = sum(engine.stats.steps.values())
     first_tokens = num_tokens
     t0 = time.perf_counter()
@@ -133,7 +138,32 @@ def time_workload(
         accepted_tokens=accepted,
         eager_draft_passes=eager,
         tokens=[tokens[i] for i in ids],
+        policy=_policy_delta(phases_before, _policy_totals(policy)),
     )
+
+
+def _policy_totals(policy: Any) -> Optional[dict[str, tuple]]:
+    """The adaptive policy's (phases, results, tokens, seconds) per kind, or None without one."""
+    if policy is None:
+        return None
+    return {
+        name: (t.phases, t.results, t.tokens, t.seconds)
+        for name, t in (("speculating", policy.totals[True]), ("plain", policy.totals[False]))
+    }
+
+
+def _policy_delta(
+    before: Optional[dict[str, tuple]], after: Optional[dict[str, tuple]]
+) -> Optional[dict[str, dict[str, Any]]]:
+    """What the policy's phases that ended between two snapshots counted, per kind."""
+    if before is None or after is None:
+        return None
+    out = {}
+    for name in after:
+        phases, results, tokens, seconds = (a - b for a, b in zip(after[name], before[name]))
+        rate = round(tokens / seconds, 1) if seconds > 0 else None
+        out[name] = {"phases": phases, "results": results, "tokens_per_s": rate}
+    return out
 
 
 def compare_tokens(row: SpecRow, base: list[list[int]]) -> None:
@@ -257,6 +287,8 @@ def _run_group(
                         compare_tokens(row, off.tokens or [])
                     report.rows.append(row)
                     print(_line(row), flush=True)
+                    if row.policy is not None:
+                        print(_policy_line(row.policy), flush=True)
                     if row.first_difference and _float32(args, on_cuda):
                         report.errors.append(
                             f"{model} {mode} bs={bs} {workload}: greedy tokens changed with "
@@ -298,6 +330,14 @@ def _line(r: SpecRow) -> str:
         f"{r.speculative:<16} {r.tokens_per_s:>9.1f} {speedup:>7} {accept:>10} "
         f"{r.engine_steps:>6} {same:>5}  {per_pos}"
     )
+
+
+def _policy_line(policy: dict[str, dict[str, Any]]) -> str:
+    parts = []
+    for name, p in policy.items():
+        rate = "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:.1f} tok/s"
+        parts.append(f"{name} {p['phases']} phases, {p['results']} steps, {rate}")
+    return "    policy: " + "; ".join(parts)
 
 
 def _write(report: SpecReport, path: str) -> None:

@@ -77,6 +77,23 @@ class SpecDecodeStats:
         )
 
 
+@dataclass
+class PhaseTotals:
+    """SpecPolicy's finished phases of one kind: their results (the switch's included), and the
+    tokens and seconds their rates counted."""
+
+    phases: int = 0
+    results: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, results: int, tokens: int, seconds: float) -> None:
+        self.phases += 1
+        self.results += results
+        self.tokens += tokens
+        self.seconds += seconds
+
+
 class SpecPolicy:
     """When to speculate under async scheduling: phases of speculating steps and of plain (async)
     steps alternate, and each phase's output tokens per second (counted from the step results
@@ -103,6 +120,9 @@ class SpecPolicy:
         self.last: Optional[float] = None  # the previous result's time
         self.spec_rate: Optional[float] = None  # tokens/s of the last phase of each kind
         self.plain_rate: Optional[float] = None
+        # every finished phase's counted figures, per kind (True: speculating): what the rates
+        # were made of, for benchmarks to read
+        self.totals = {kind: PhaseTotals() for kind in (True, False)}
 
     def step_done(self, num_tokens: int, now: float) -> None:
         """A step's results arrived at `now` (perf_counter seconds), emitting `num_tokens`."""
@@ -116,6 +136,7 @@ class SpecPolicy:
         if self.left > 0:
             return
         rate = self.tokens / self.seconds if self.seconds > 0 else None
+        self.totals[self.speculating].add(self.seen, self.tokens, self.seconds)
         if self.speculating:
             self.spec_rate = rate
         else:
