@@ -249,3 +249,34 @@ def test_greedy_verify_layout_matches_the_rejection_sampler():
         ref = rejection_sample(logits, drafts, k_s.tolist(), sampling)
         want = [ref.tokens[s, : int(ref.num_accepted[s]) + 1].tolist() for s in range(n)]
         assert got == want
+
+
+def test_a_step_without_drafts_samples_as_without_speculation_and_copies_nothing_in():
+    """A step without drafts (the adaptive policy's plain steps) samples each request's row as a
+    step without speculation does, packed with no draft accepted, and builds no index tensor from
+    host arrays: on a GPU that copy waits for the forward, and the next step could not be launched
+    while this one runs."""
+    from atomrt.workers.runner.sampler import Sampler
+    from atomrt.workers.spec_decode.speculator import Speculator
+
+    def no_host_index(a):
+        raise AssertionError(f"an index tensor copied in from the host: {a}")
+
+    k, vocab = 3, 13
+    spec = Speculator.__new__(Speculator)
+    spec.k, spec.width, spec.device, spec.uses_draft_model = k, k + 2, torch.device("cpu"), False
+    spec._index = no_host_index
+    gen = torch.Generator().manual_seed(5)
+    for n in (1, 4):
+        logits = torch.randn(n + 2, vocab, generator=gen)  # a bucket's padding rows after n
+        want = logits[:n].argmax(dim=-1).tolist()
+        greedy = SamplingTensors.plain_greedy(n, torch.device("cpu"))
+        in_graph = logits.argmax(dim=-1)  # a request graph's argmax of every row
+        for argmax in (in_graph, None):
+            out = spec.sample(logits, argmax, greedy, Sampler(), None)
+            assert spec.unpack(out.sampled_token_ids.tolist()) == [[t] for t in want]
+        params = [SamplingParams(temperature=0.0, logprobs=2)] * n  # not plain: the sampler's path
+        sampling = SamplingTensors.from_params(params, [[1]] * n, [[]] * n, vocab)
+        out = spec.sample(logits, in_graph, sampling, Sampler(), None)
+        assert spec.unpack(out.sampled_token_ids.tolist()) == [[t] for t in want]
+        assert out.logprobs is not None

@@ -177,12 +177,14 @@ class Speculator:
         """The step's tokens, packed (see the module docstring). `logits`: the sampled rows (each
         sampled request's drafts' rows and the row before: `spec.logits_indices`), `argmax` their
         argmax when a request graph recorded it; `spec`: `prepare`'s metadata."""
-        if spec is not None and spec.greedy_rows is not None:
+        if spec is None:
+            return self._sample_plain(logits, argmax, sampling, sampler)
+        if spec.greedy_rows is not None:
             return self._sample_greedy(logits, argmax, spec)
         n = len(sampling.seeds)
         packed = torch.full((n, self.width), -1, dtype=torch.int64, device=logits.device)
         packed[:, 0] = 0
-        k_s = np.asarray(spec.num_draft_tokens if spec else [0] * n, dtype=np.int64)
+        k_s = np.asarray(spec.num_draft_tokens, dtype=np.int64)
         counts = k_s + 1
         starts = np.cumsum(counts) - counts  # each request's first logits row
         plain, verify = np.flatnonzero(k_s == 0), np.flatnonzero(k_s > 0)
@@ -211,6 +213,27 @@ class Speculator:
             packed[v, 0] = res.num_accepted
             packed[v, 1 : res.tokens.shape[1] + 1] = res.tokens
         return SamplerOutput(packed.flatten(), logprobs)
+
+    def _sample_plain(
+        self,
+        logits: torch.Tensor,
+        argmax: torch.Tensor | None,
+        sampling: SamplingTensors,
+        sampler: Sampler,
+    ) -> SamplerOutput:
+        """A step without drafts: each request's one row sampled as without speculation (the
+        request graph's argmax for a plain greedy step), packed with 0 drafts accepted. No index
+        tensor is copied from the host, which would wait for the forward: the next step may be
+        launched while this one runs, as async scheduling does without speculation."""
+        n = len(sampling.seeds)
+        if argmax is not None and sampling.is_plain_greedy:
+            out = SamplerOutput(argmax[:n])
+        else:
+            out = sampler(logits[:n], sampling)
+        packed = torch.full((n, self.width), -1, dtype=torch.int64, device=logits.device)
+        packed[:, 0] = 0
+        packed[:, 1] = out.sampled_token_ids
+        return SamplerOutput(packed.flatten(), out.logprobs)
 
     def unpack(self, flat: list[int]) -> list[list[int]]:
         """Per sampled request, the tokens it emitted (from `sample`'s packing)."""
