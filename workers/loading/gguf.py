@@ -11,12 +11,15 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from atomrt.workers.models.arch import ModelArch
+
+if TYPE_CHECKING:
+    from atomrt.workers.loading.gguf_file import GGUFFile
 
 # general.architecture -> Hugging Face class; only llama.cpp's "llama" permutes q/k.
 _GGUF_ARCHITECTURES = {
@@ -46,9 +49,9 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-# Readers already parsed in this process, by (path, size, mtime): parsing the metadata of a model
-# with a large vocabulary takes seconds, and the architecture check, the weights and the tokenizer
-# each open the file. A reader only reads (its arrays map the file read-only), so one is shared.
+# Files already opened in this process, by (path, size, mtime): the architecture check, the weights
+# and the tokenizer each open the file. A GGUFFile only reads (its arrays map the file read-only),
+# so one is shared.
 _READERS: OrderedDict[tuple[str, int, int], Any] = OrderedDict()
 MAX_READERS = 2
 
@@ -59,10 +62,10 @@ def file_key(path: Path) -> tuple[str, int, int]:
     return (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
-def open_gguf(path: Path) -> Any:
-    """A GGUFReader over `path` (the one this process parsed already, while the file is
+def open_gguf(path: Path) -> GGUFFile:
+    """A GGUFFile over `path` (the one this process parsed already, while the file is
     unchanged); a file that does not parse is a ValueError naming it."""
-    import gguf
+    from atomrt.workers.loading.gguf_file import GGUFFile  # gguf's constants: imported on use
 
     try:
         key = file_key(path)
@@ -70,8 +73,7 @@ def open_gguf(path: Path) -> Any:
         if reader is not None:
             _READERS.move_to_end(key)
             return reader
-        reader = gguf.GGUFReader(str(path))
-        _ = [t.data.shape for t in reader.tensors]  # offsets past the end show up here
+        reader = GGUFFile(path)  # checks that every tensor lies inside the file
     except Exception as e:  # any parse failure of a third-party format means a corrupt file
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     _READERS[key] = reader
@@ -80,12 +82,12 @@ def open_gguf(path: Path) -> Any:
     return reader
 
 
-def metadata_value(reader: Any, key: str, default: Any = None) -> Any:
+def metadata_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
 
-def arch_from_gguf(reader: Any, path: Path) -> ModelArch:
+def arch_from_gguf(reader: GGUFFile, path: Path) -> ModelArch:
     gguf_arch = metadata_value(reader, "general.architecture")
     if gguf_arch not in _GGUF_ARCHITECTURES:
         raise ValueError(
@@ -104,8 +106,8 @@ def arch_from_gguf(reader: Any, path: Path) -> ModelArch:
         return value
 
     hidden_size, num_heads = int(meta("embedding_length")), int(meta("attention.head_count"))
-    tokens = metadata_value(reader, "tokenizer.ggml.tokens")
-    vocab_size = int(meta("vocab_size", len(tokens) if tokens is not None else None))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")  # its length, not its strings
+    vocab_size = int(meta("vocab_size", getattr(tokens, "count", None)))
     eos = metadata_value(reader, "tokenizer.ggml.eos_token_id")
     scaling = None
     if metadata_value(reader, f"{gguf_arch}.rope.scaling.type") == "linear":
@@ -149,7 +151,9 @@ def _unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_weights(reader: Any, arch: ModelArch, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(
+    reader: GGUFFile, arch: ModelArch, path: Path
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor [out, in]) for every tensor in the file."""
     from gguf.quants import dequantize
 
