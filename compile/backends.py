@@ -270,14 +270,19 @@ class PiecewiseCompileBackend:
         compilation_counter.num_piecewise_graphs_seen += len(items)
         compilation_counter.num_piecewise_capturable_graphs_seen += len(names)
         self._dump(graph, split_gm)
-        loads_before = compilation_counter.num_cache_loads
+        before = compilation_counter.snapshot()
         PiecewiseCompileInterpreter(split_gm, names, self).run(*example_inputs)
+        done = compilation_counter.snapshot()
+        loads = done["num_cache_loads"] - before["num_cache_loads"]
+        shared = done["num_shared_pieces"] - before["num_shared_pieces"]
         logger.info(
-            "%s: %d pieces (%d compiled, %d loaded from cache) in %.2f s, Inductor %.2f s",
+            "%s: %d pieces (%d compiled, %d loaded from cache, %d sharing an earlier piece's "
+            "code) in %.2f s, Inductor %.2f s",
             self.prefix,
             len(names),
-            len(names) - (compilation_counter.num_cache_loads - loads_before),
-            compilation_counter.num_cache_loads - loads_before,
+            len(names) - loads - shared,
+            loads,
+            shared,
             time.perf_counter() - start,
             self.compiler_manager.compile_seconds,
         )

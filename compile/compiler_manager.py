@@ -29,6 +29,7 @@ from atomrt.compile.compiler_interface import (
     EagerAdaptor,
     graph_fingerprint,
     make_compiler,
+    piece_signature,
 )
 
 # its log lines keep the name of the module the guide places it in
@@ -44,6 +45,7 @@ class CompilationCounter:
     num_piecewise_capturable_graphs_seen: int = 0  # pieces compiled (non-splitting)
     num_inductor_compiles: int = 0  # compilations actually performed by Inductor
     num_cache_loads: int = 0  # artifacts loaded from the on-disk cache
+    num_shared_pieces: int = 0  # pieces served by another piece's compiled callable (same code)
     num_cache_misses: int = 0  # lookups that found nothing usable
     num_corrupt_entries: int = 0  # entries found damaged, logged and recompiled
     # Wall time of compile work: each decorated model's first call (Dynamo, compiles, loads)
@@ -75,6 +77,9 @@ class CompilerManager:
         self.disable_cache = True  # until initialize_cache
         self.read_only = False  # load from the cache, never write it (compile/cache.py)
         self.compile_seconds = 0.0
+        # compiled callables by (runtime shape, piece_signature): a piece computing what an
+        # earlier one computes (a decoder's middle layers) reuses its callable
+        self._shared: dict[tuple[Optional[int], str], Callable] = {}
 
     def compute_hash(self, device: torch.device) -> str:
         return self.compiler.compute_hash(device)
@@ -148,10 +153,17 @@ class CompilerManager:
         num_graphs: int = 1,
         runtime_shape: Optional[int] = None,
     ) -> Callable:
-        """Load the piece from the cache, or compile it and record it (under the directory lock)."""
+        """The callable of a piece with the same signature compiled or loaded before in this
+        process; else load the piece from the cache, or compile it and record it (under the
+        directory lock)."""
         start = time.perf_counter()
+        signature = piece_signature(graph, example_inputs)
         try:
-            return self._compile_or_load(
+            shared = self._shared.get((runtime_shape, signature)) if signature else None
+            if shared is not None:
+                compilation_counter.num_shared_pieces += 1
+                return shared
+            compiled = self._compile_or_load(
                 graph,
                 example_inputs,
                 additional_inductor_config,
@@ -159,6 +171,9 @@ class CompilerManager:
                 num_graphs,
                 runtime_shape,
             )
+            if signature is not None:
+                self._shared[(runtime_shape, signature)] = compiled
+            return compiled
         finally:
             if runtime_shape is not None:  # lazy, after the first call (which the decorator times)
                 compilation_counter.compile_seconds += time.perf_counter() - start

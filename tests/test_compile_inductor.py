@@ -26,9 +26,16 @@ CHILD_TIMEOUT_S = 400
 TOLERANCE = 1e-4
 
 
-def run_child(cache_dir: Path, level: int, two_ops: bool) -> tuple[dict, str]:
+def run_child(cache_dir: Path, level: int, two_ops: bool, num_layers: int = 2) -> tuple[dict, str]:
     proc = subprocess.run(
-        [sys.executable, str(TOYS), str(cache_dir), str(level), "1" if two_ops else "0"],
+        [
+            sys.executable,
+            str(TOYS),
+            str(cache_dir),
+            str(level),
+            "1" if two_ops else "0",
+            str(num_layers),
+        ],
         capture_output=True,
         text=True,
         timeout=CHILD_TIMEOUT_S,
@@ -156,3 +163,37 @@ def test_read_only_mount_loads_every_artifact_and_writes_nothing(level3_cache, t
     assert result["counter"]["num_cache_loads"] == 6
     after = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
     assert after == files
+
+
+def test_pieces_that_compute_the_same_share_one_compile_and_one_load(tmp_path):
+    """Five layers: the pieces between the splitting calls of layers 1..4 are the same code on
+    other weights (inputs), so the first of them is compiled (general shape and size 4) and the
+    other three reuse it; the model still matches eager. A second process loads the three
+    distinct pieces and shares the rest, compiling nothing."""
+    torch._dynamo.reset()
+    compilation_counter.reset()
+    torch.manual_seed(0)
+    model, eager = make_models(make_config(3, str(tmp_path)), num_layers=5)
+    assert max_diff(model, eager) <= TOLERANCE
+    pieces = [
+        v
+        for v in model.compile_backend.split_gm.__dict__.values()
+        if isinstance(v, PiecewiseBackend)
+    ]
+    assert len(pieces) == 6
+    middle = pieces[1:-1]
+    assert all(
+        p.compiled_graph_for_general_shape is middle[0].compiled_graph_for_general_shape
+        for p in middle
+    )
+    assert (
+        pieces[0].compiled_graph_for_general_shape is not middle[0].compiled_graph_for_general_shape
+    )
+    counter = compilation_counter.snapshot()
+    assert counter["num_inductor_compiles"] == 2 * 3  # (first, middle, last) x (general, size 4)
+    assert counter["num_shared_pieces"] == 2 * 3
+    result, _ = run_child(tmp_path, level=3, two_ops=False, num_layers=5)
+    assert result["max_diff"] <= TOLERANCE
+    warm = result["counter"]
+    assert (warm["num_inductor_compiles"], warm["num_cache_loads"]) == (0, 2 * 3)
+    assert warm["num_shared_pieces"] == 2 * 3

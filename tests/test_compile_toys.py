@@ -4,7 +4,7 @@ Two custom ops stand in for attention: `atomrt.test_attn` (writes its output buf
 real attention op) and `atomrt.test_mix` (returns a new tensor). `ToyModel` calls `test_attn`
 in every layer, or alternates the two with `two_ops=True`.
 
-Run as a script (`python tests/test_compile_toys.py CACHE_DIR LEVEL [TWO_OPS]`) it compiles the
+Run as a script (`python tests/test_compile_toys.py CACHE_DIR LEVEL [TWO_OPS [LAYERS]]`) it compiles the
 toy model at LEVEL with the test config, runs the test token counts, and prints one line
 `RESULT {json}` with the compilation counter and the largest difference from eager.
 """
@@ -99,10 +99,12 @@ def make_config(level: int, cache_dir: str = "", **overrides: Any) -> Config:
     return Config(model="toy-compile-test", compilation_config=CompilationConfig(**cc))
 
 
-def make_models(config: Config, two_ops: bool = False) -> tuple[nn.Module, nn.Module]:
+def make_models(
+    config: Config, two_ops: bool = False, num_layers: int = 2
+) -> tuple[nn.Module, nn.Module]:
     """(the decorated model built with `config`, an eager twin with the same weights)."""
-    model = ToyModel(two_ops=two_ops, config=config)
-    eager = ToyModelEager(two_ops=two_ops)
+    model = ToyModel(num_layers=num_layers, two_ops=two_ops, config=config)
+    eager = ToyModelEager(num_layers=num_layers, two_ops=two_ops)
     eager.load_state_dict(model.state_dict())
     return model.eval(), eager.eval()
 
@@ -125,8 +127,11 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     cache_dir, level = argv[0], int(argv[1])
     two_ops = len(argv) > 2 and argv[2] == "1"
+    num_layers = int(argv[3]) if len(argv) > 3 else 2
     torch.manual_seed(0)
-    model, eager = make_models(make_config(level, cache_dir), two_ops=two_ops)
+    model, eager = make_models(
+        make_config(level, cache_dir), two_ops=two_ops, num_layers=num_layers
+    )
     diff = max_diff(model, eager)
     print(
         "RESULT " + json.dumps({"counter": compilation_counter.snapshot(), "max_diff": diff}),
