@@ -299,7 +299,8 @@ def graph_fingerprint(graph: torch.fx.GraphModule, example_inputs: list[Any]) ->
 
 def piece_signature(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Optional[str]:
     """What a piece computes, up to the names of its inputs: its nodes in order (op, target, and
-    arguments as node positions or literals) and its inputs' dtypes, devices, sizes and strides.
+    arguments as node positions or literals) and its inputs' dtypes, devices, sizes and strides
+    (a symbolic size by its expression).
     Two pieces of one model with the same signature compute the same function of their inputs (a
     decoder's middle layers, whose weights are inputs), so one compiled callable serves both.
     None for a piece that reads module attributes (`get_attr`, `call_module`): their values are
@@ -315,13 +316,15 @@ def piece_signature(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> O
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: f"%{position[n]}")
         lines.append(f"{node.op}|{target}|{args!r}|{kwargs!r}")
 
-    def dims(xs: Any) -> list:
-        return [d if isinstance(d, int) else "s" for d in xs]
+    def dims(xs: Any) -> list:  # a symbolic dim by its expression: equal dims stay equal
+        return [d if isinstance(d, int) else str(d) for d in xs]
 
     def describe(x: Any) -> Union[str, list]:
         if isinstance(x, torch.Tensor):
             return [str(x.dtype), str(x.device), dims(x.shape), dims(x.stride())]
-        return "int" if isinstance(x, (int, torch.SymInt)) else type(x).__name__
+        if isinstance(x, torch.SymInt):
+            return f"symint {x}"
+        return "int" if isinstance(x, int) else type(x).__name__
 
     blob = "\n".join(lines) + json.dumps([describe(x) for x in example_inputs])
     return hashlib.sha256(blob.encode()).hexdigest()
