@@ -64,8 +64,7 @@ class GGUFField:
         if self._decoded:
             self._value, _ = _read_value(buf, vtype, offset)
         else:
-            self.item_type = GGUFValueType(struct.unpack_from("<I", buf, offset)[0])
-            self.count = struct.unpack_from("<Q", buf, offset + 4)[0]
+            self.item_type, self.count, _ = _array_header(buf, offset)
 
     def contents(self) -> Any:
         """The value: a Python scalar or str, or a list (an array of arrays flattened, as
@@ -159,6 +158,12 @@ def _read_str(buf: Any, offs: int) -> tuple[str, int]:
     return bytes(buf[offs + 8 : end]).decode("utf-8"), end
 
 
+def _array_header(buf: Any, offs: int) -> tuple[GGUFValueType, int, int]:
+    """An array value's (item type, item count, offset of its first item)."""
+    raw_type, count = struct.unpack_from("<IQ", buf, offs)
+    return GGUFValueType(raw_type), count, offs + 12
+
+
 def _skip_value(buf: Any, vtype: GGUFValueType, offs: int) -> int:
     """The offset just past a value of type `vtype` at `offs`, decoding none of it."""
     if vtype == GGUFValueType.STRING:
@@ -168,9 +173,7 @@ def _skip_value(buf: Any, vtype: GGUFValueType, offs: int) -> int:
         return offs + struct.calcsize(scalar[0])
     if vtype != GGUFValueType.ARRAY:
         raise ValueError(f"unknown GGUF value type {vtype}")
-    item_type = GGUFValueType(struct.unpack_from("<I", buf, offs)[0])
-    (count,) = struct.unpack_from("<Q", buf, offs + 4)
-    offs += 12
+    item_type, count, offs = _array_header(buf, offs)
     scalar = _SCALARS.get(item_type)
     if scalar is not None:
         return offs + count * struct.calcsize(scalar[0])
@@ -193,9 +196,7 @@ def _read_value(buf: Any, vtype: GGUFValueType, offs: int) -> tuple[Any, int]:
         return struct.unpack_from(scalar[0], buf, offs)[0], offs + struct.calcsize(scalar[0])
     if vtype != GGUFValueType.ARRAY:
         raise ValueError(f"unknown GGUF value type {vtype}")
-    item_type = GGUFValueType(struct.unpack_from("<I", buf, offs)[0])
-    (count,) = struct.unpack_from("<Q", buf, offs + 4)
-    offs += 12
+    item_type, count, offs = _array_header(buf, offs)
     scalar = _SCALARS.get(item_type)
     if scalar is not None:
         values = np.frombuffer(buf, dtype=scalar[1], count=count, offset=offs)
