@@ -251,6 +251,21 @@ def test_host_path_without_host_lists() -> None:
     )
 
 
+def test_compile_ahead_launches_as_usual_under_the_interpreter() -> None:
+    """The interpreter compiles nothing: `compile_ahead` says it does not apply, and launches
+    inside it run (start-up then skips its compile-only pass)."""
+    from atomrt.workers.kernels.launch import compile_ahead
+
+    lens_q, lens_k = CASES["prefill"]
+    batch = make_batch(
+        lens_q, lens_k, num_kv_heads=1, group=4, head_dim=32, block_size=16, max_blocks=3
+    )
+    with compile_ahead() as ahead:
+        assert not ahead
+        out = run_attention(batch, graph_safe=False, max_seqlen_q=max(lens_q))
+    check_output(batch, out)
+
+
 def test_block_size_32() -> None:
     batch = make_batch(
         [4, 1, 2], [37, 64, 2], num_kv_heads=2, group=2, head_dim=32, block_size=32, max_blocks=2

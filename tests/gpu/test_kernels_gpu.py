@@ -108,6 +108,59 @@ def test_attention_matches_float64(
     check_output(batch, out)
 
 
+def test_compile_ahead_compiles_each_variant_once_and_launches_nothing() -> None:
+    """Under `compile_ahead` the attention launches compile their variants on threads and launch
+    nothing; after it, the same launches compile nothing more and match float64. A head size
+    and block size no other test uses, so the variants are new to this process."""
+    from atomrt.workers.kernels.attention.attention_kernels import (
+        paged_attention_kernel,
+        reduce_splits_kernel,
+    )
+    from atomrt.workers.kernels.launch import compile_ahead
+
+    def cached() -> int:  # kernels in Triton's in-process caches for this device
+        device = torch.cuda.current_device()
+        return sum(
+            len(k.device_caches[device][0]) for k in (paged_attention_kernel, reduce_splits_kernel)
+        )
+
+    batches = [
+        make_batch(
+            lens_q,
+            lens_k,
+            num_kv_heads=2,
+            group=3,
+            head_dim=80,
+            block_size=8,
+            max_blocks=4096 // 8 + 1,
+            dtype=torch.float16,
+            seed=i,
+        )
+        for i, (lens_q, lens_k) in enumerate(
+            [([1], [4000]), ([700, 1, 33], [3000, 2500, 1200]), ([5] * 16, [64] * 16)]
+        )
+    ]
+
+    def rows(batch: PagedBatch) -> int:
+        cu = batch.cu_seqlens_q_cpu
+        return max(b - a for a, b in zip(cu, cu[1:]))
+
+    before = cached()
+    outs = [torch.full_like(b.q, SENTINEL) for b in batches]
+    with compile_ahead() as ahead:
+        assert ahead
+        for batch, out in zip(batches, outs):
+            run_attention(batch, out, graph_safe=False, max_seqlen_q=rows(batch))
+    torch.cuda.synchronize()
+    ahead_compiled = cached() - before
+    assert ahead_compiled >= 2, ahead_compiled  # tile variants (the split merge may be cached)
+    assert all(torch.all(out == SENTINEL) for out in outs), "a launch ran under compile_ahead"
+    for batch, out in zip(batches, outs):
+        run_attention(batch, out, graph_safe=False, max_seqlen_q=rows(batch))
+        check_output(batch, out)
+    assert cached() - before == ahead_compiled, "a variant compiled after compile_ahead"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_write_kv_cache(dtype: torch.dtype, block_size: int) -> None:

@@ -4,6 +4,10 @@
 #                compiled kernel it returns is kept under a key of what Triton specializes on
 #                (dtypes, 16-byte alignment of every pointer, the scalars' values, the constexprs
 #                and launch options), and later launches with that key call its launcher directly
+#   launch       - `kernel[grid](...)`, for the attention family's plain launches
+#   compile_ahead - a context in which those launches (and a LaunchMemo's first ones) compile their
+#                kernel in a pool of threads and launch nothing: start-up plans every variant once
+#                this way, so that Triton compiles them side by side, not one after the other
 # Triton's dispatch binds and specializes every argument on every call (tens of microseconds for a
 # kernel of fifty arguments); a kept launch reads each tensor's address and launches.
 # Importing this module needs no GPU.
@@ -11,7 +15,11 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Optional
 
 import torch
@@ -19,6 +27,59 @@ import torch
 MAX_KEPT = (
     1024  # launches kept per kernel; past it the memo starts again (a key per bucket is usual)
 )
+
+
+# set inside `compile_ahead`: the launches asked for so far, so that each compiles once
+_AHEAD: ContextVar[Optional[set]] = ContextVar("atomrt_compile_ahead", default=None)
+
+
+@contextmanager
+def compile_ahead(threads: Optional[int] = None) -> Iterator[bool]:
+    """Within it, `launch` and LaunchMemo compile the kernel a launch needs on one of `threads`
+    threads (default: up to 8, one per core) and launch nothing; leaving it waits for every
+    compile (a failed one raises there). Yields whether it does so: not under the Triton
+    interpreter, nor with a Triton that lacks `AsyncCompileMode` (launches then run as usual, and
+    the caller skips its compile-only pass). Triton releases the GIL through most of a compile
+    (LLVM, ptxas), so the threads overlap."""
+    import triton
+
+    mode = getattr(triton, "AsyncCompileMode", None)
+    if mode is None or os.environ.get("TRITON_INTERPRET") == "1":
+        yield False
+        return
+    threads = threads or max(1, min(8, len(os.sched_getaffinity(0))))
+    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, mode(pool):
+        token = _AHEAD.set(set())
+        try:
+            yield True
+        finally:
+            _AHEAD.reset(token)
+
+
+def _compile_only(kernel: Any, key: Hashable, grid: Any, args: tuple, kwargs: dict) -> None:
+    """Under `compile_ahead`: submit the compile of `kernel` for these arguments once per key."""
+    asked = _AHEAD.get()
+    if (kernel, key) in asked:
+        return
+    asked.add((kernel, key))
+    kernel.warmup(*args, grid=grid, **kwargs)
+
+
+def _arg_key(args: tuple, kwargs: dict) -> tuple:
+    """What Triton may specialize a launch on, or more: tensors by dtype and 16-byte alignment,
+    everything else by value."""
+    return tuple(
+        (a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else a
+        for a in (*args, *sorted(kwargs.items()))
+    )
+
+
+def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
+    """`kernel[grid](*args, **kwargs)`; under `compile_ahead`, the kernel's compile only."""
+    if _AHEAD.get() is not None:
+        _compile_only(kernel, _arg_key(args, kwargs), grid, args, kwargs)
+        return
+    kernel[grid](*args, **kwargs)
 
 
 @functools.cache
@@ -91,6 +152,10 @@ class LaunchMemo:
         addresses = [t.data_ptr() for t in tensors]
         key = self._key(tensors, addresses, scalars, constexprs)
         kept = self._kept.get(key)
+        if _AHEAD.get() is not None:
+            if kept is None:
+                _compile_only(self.kernel, key, grid, (*tensors, *scalars), dict(constexprs))
+            return
         if kept is None:
             self._launch_first(key, grid, tensors, scalars, constexprs)
             return

@@ -28,6 +28,7 @@ from atomrt.workers.kernels.attention.attention_kernels import (
 )
 from atomrt.workers.kernels.attention.workspace import split_workspace
 from atomrt.workers.kernels.device_info import sm_count
+from atomrt.workers.kernels.launch import launch
 
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 256  # a KV split shorter than this costs more in the reduce than it saves
@@ -127,7 +128,9 @@ def write_kv_cache(
     head_dim_p = triton.next_power_of_2(head_dim)
     heads_per_prog = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // head_dim_p))
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_prog))
-    write_kv_kernel[grid](
+    launch(
+        write_kv_kernel,
+        grid,
         k,
         v,
         k_cache,
@@ -200,7 +203,9 @@ def rope_write_kv(
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     _check_unit_last_stride(k_cache, "k_cache")
     _check_unit_last_stride(v_cache, "v_cache")
-    rope_write_kv_kernel[(num_tokens,)](
+    launch(
+        rope_write_kv_kernel,
+        (num_tokens,),
         q,
         k,
         v,
@@ -363,7 +368,9 @@ def launch_attention(
         stride_mt, stride_mh = m.stride(0), m.stride(1)
     else:
         dst, stride_os, m_arg, l_arg, stride_mt, stride_mh = out, 0, out, out, 0, 0
-    paged_attention_kernel[grid](
+    launch(
+        paged_attention_kernel,
+        grid,
         q,
         k_cache,
         v_cache,
@@ -405,7 +412,9 @@ def launch_attention(
     )
     if not split or reduce_rows == 0:
         return
-    reduce_splits_kernel[(reduce_rows, num_heads)](
+    launch(
+        reduce_splits_kernel,
+        (reduce_rows, num_heads),
         partial,
         m,
         l,
