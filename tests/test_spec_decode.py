@@ -288,6 +288,30 @@ def test_spec_policy_totals_are_what_its_rates_counted():
     assert _policy_totals(None) is None and _policy_delta(None, None) is None
 
 
+def test_spec_policy_leaves_a_long_phase_when_the_workload_stops_matching():
+    """Speculation wins (long phases), then its drafts stop being accepted: the long phase ends
+    after `PROBE` counted results, not `LONG`, and the next cycle backs off."""
+    p, now = SpecPolicy(), 0.0
+
+    def run(steps: int, tokens: int, seconds: float) -> None:
+        nonlocal now
+        for _ in range(steps):
+            now += seconds
+            p.step_done(tokens, now)
+
+    run(p.left, 5, 0.002)  # speculating probe: 2500 tokens/s
+    run(p.left, 1, 0.001)  # plain probe: 1000 tokens/s
+    assert p.speculating and p.left == SpecPolicy.LONG
+    steps = 0
+    while p.speculating:  # the workload changes: 1 token per 2 ms step (500/s)
+        run(1, 1, 0.002)
+        steps += 1
+    assert steps == SpecPolicy.SWITCH + SpecPolicy.PROBE
+    assert p.spec_rate == pytest.approx(500)
+    run(p.left, 1, 0.001)  # the plain phase after it: speculation now loses
+    assert p.speculating and p.left == SpecPolicy.PROBE and p.plain_len == 2 * SpecPolicy.PROBE
+
+
 @pytest.mark.parametrize("accepted, speculates", [(1.06, False), (2.5, True)])
 def test_spec_policy_leaves_the_switch_out_of_a_probe(accepted, speculates):
     """Steps as an H200 ran them for a 135M model at bs=1: plain async steps 0.65 ms a token, but

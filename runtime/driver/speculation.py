@@ -100,7 +100,9 @@ class SpecPolicy:
     that arrive in it, over the wall time between them) decide the next two lengths. While
     speculation emits more per second, its phases are long and the plain ones short probes;
     while it emits less, speculation is a short probe and the plain phases double, to
-    `MAX_PLAIN` steps. Starts with a speculating phase. The first `SWITCH` results of a phase
+    `MAX_PLAIN` steps. A long speculating phase ends early once `PROBE` counted results of it
+    emit less per second than the last plain phase did (the workload changed under it). Starts
+    with a speculating phase. The first `SWITCH` results of a phase
     carry the switch (a plain phase starts with no step in flight, a speculating one waits for
     the plain step in flight) and are left out of its rate: a short probe would otherwise bear a
     cost that the winning mode pays once per long phase, and lose to it for that alone."""
@@ -133,7 +135,7 @@ class SpecPolicy:
                 self.seconds += now - self.last
         self.last = now
         self.left -= 1
-        if self.left > 0:
+        if self.left > 0 and not self._losing_long_phase():
             return
         rate = self.tokens / self.seconds if self.seconds > 0 else None
         self.totals[self.speculating].add(self.seen, self.tokens, self.seconds)
@@ -145,6 +147,14 @@ class SpecPolicy:
         self.speculating = not self.speculating
         self.left = self.spec_len if self.speculating else self.plain_len
         self.seen, self.tokens, self.seconds = 0, 0, 0.0
+
+    def _losing_long_phase(self) -> bool:
+        """A long speculating phase whose counted results so far run slower than plain steps."""
+        if not self.speculating or self.spec_len <= self.PROBE or self.plain_rate is None:
+            return False
+        if self.seen < self.SWITCH + self.PROBE or self.seconds <= 0:
+            return False
+        return self.tokens / self.seconds < self.plain_rate
 
     def _decide(self) -> None:
         """After a cycle (a speculating phase, then a plain one): the next cycle's lengths."""
