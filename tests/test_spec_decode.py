@@ -281,10 +281,12 @@ def test_spec_policy_totals_are_what_its_rates_counted():
     assert plain.tokens / plain.seconds == pytest.approx(p.plain_rate)
     delta = _policy_delta(before, _policy_totals(p))
     assert delta == {
-        "speculating": {"phases": 1, "results": 8, "tokens_per_s": 500.0},
-        "plain": {"phases": 1, "results": 8, "tokens_per_s": 1000.0},
+        "speculating": {"phases": 1, "results": 8, "tokens_per_s_per_seq": 500.0},
+        "plain": {"phases": 1, "results": 8, "tokens_per_s_per_seq": 1000.0},
     }
-    assert _policy_delta(_policy_totals(p), _policy_totals(p))["plain"]["tokens_per_s"] is None
+    assert (
+        _policy_delta(_policy_totals(p), _policy_totals(p))["plain"]["tokens_per_s_per_seq"] is None
+    )
     assert _policy_totals(None) is None and _policy_delta(None, None) is None
 
 
@@ -310,6 +312,20 @@ def test_spec_policy_leaves_a_long_phase_when_the_workload_stops_matching():
     assert p.spec_rate == pytest.approx(500)
     run(p.left, 1, 0.001)  # the plain phase after it: speculation now loses
     assert p.speculating and p.left == SpecPolicy.PROBE and p.plain_len == 2 * SpecPolicy.PROBE
+
+
+def test_the_policy_weighs_tokens_per_sequence():
+    """The engine reports a step's tokens and the sequences that emitted them; the policy counts
+    tokens per sequence, so a phase in which requests finish (8 running, then 1) is not read as
+    slower for emitting fewer tokens in all."""
+    from atomrt.runtime.driver.speculation import Speculation
+
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
+    spec = Speculation(config, async_scheduling=True)
+    p = spec.policy
+    for num_tokens, num_seqs in [(16, 8)] * SpecPolicy.SWITCH + [(16, 8), (2, 1), (0, 0)]:
+        spec.step_done(num_tokens, num_seqs)
+    assert p.seen == SpecPolicy.SWITCH + 3 and p.tokens == pytest.approx(2 + 2 + 0)
 
 
 @pytest.mark.parametrize("accepted, speculates", [(1.06, False), (2.5, True)])

@@ -50,7 +50,8 @@ class SpecRow:
     same_tokens: Optional[int] = None  # requests whose tokens equal those without speculation
     first_difference: Optional[str] = None  # "request i, token t: a != b"
     # with an adaptive policy: the phases that ended during the run, per kind ("speculating",
-    # "plain"): phases, results, and the tokens/s the policy counted (its switch left out)
+    # "plain"): phases, results, and the tokens/s per sequence the policy counted (its switch
+    # left out)
     policy: Optional[dict[str, dict[str, Any]]] = None
     tokens: Optional[list[list[int]]] = field(default=None, repr=False)
 
@@ -162,7 +163,7 @@ def _policy_delta(
     for name in after:
         phases, results, tokens, seconds = (a - b for a, b in zip(after[name], before[name]))
         rate = round(tokens / seconds, 1) if seconds > 0 else None
-        out[name] = {"phases": phases, "results": results, "tokens_per_s": rate}
+        out[name] = {"phases": phases, "results": results, "tokens_per_s_per_seq": rate}
     return out
 
 
@@ -335,7 +336,8 @@ def _line(r: SpecRow) -> str:
 def _policy_line(policy: dict[str, dict[str, Any]]) -> str:
     parts = []
     for name, p in policy.items():
-        rate = "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:.1f} tok/s"
+        rate = p["tokens_per_s_per_seq"]
+        rate = "-" if rate is None else f"{rate:.1f} tok/s per sequence"
         parts.append(f"{name} {p['phases']} phases, {p['results']} steps, {rate}")
     return "    policy: " + "; ".join(parts)
 

@@ -318,12 +318,13 @@ class LLMEngine:
         self, outs: list[SchedulerOutput], results: list[StepResult]
     ) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        num_tokens = 0
+        num_tokens = num_seqs = 0
         for dp_rank, (out, res) in enumerate(zip(outs, results)):
             sampled = sampled_tokens(res)
             if self.speculation is not None:
                 self.speculation.observe(out, res)
                 num_tokens += sum(len(t) if isinstance(t, list) else 1 for t in sampled.values())
+                num_seqs += len(sampled)
             finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
             for row in out.scheduled:
@@ -342,7 +343,7 @@ class LLMEngine:
                 if req is not None and req.all_finished:
                     del self._requests[seq.request_id]
         if self.speculation is not None:
-            self.speculation.step_done(num_tokens)
+            self.speculation.step_done(num_tokens, num_seqs)
         return outputs
 
     def _take_aborted(self) -> list[RequestOutput]:

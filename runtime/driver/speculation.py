@@ -80,14 +80,14 @@ class SpecDecodeStats:
 @dataclass
 class PhaseTotals:
     """SpecPolicy's finished phases of one kind: their results (the switch's included), and the
-    tokens and seconds their rates counted."""
+    tokens (per sequence) and seconds their rates counted."""
 
     phases: int = 0
     results: int = 0
-    tokens: int = 0
+    tokens: float = 0.0
     seconds: float = 0.0
 
-    def add(self, results: int, tokens: int, seconds: float) -> None:
+    def add(self, results: int, tokens: float, seconds: float) -> None:
         self.phases += 1
         self.results += results
         self.tokens += tokens
@@ -96,8 +96,10 @@ class PhaseTotals:
 
 class SpecPolicy:
     """When to speculate under async scheduling: phases of speculating steps and of plain (async)
-    steps alternate, and each phase's output tokens per second (counted from the step results
-    that arrive in it, over the wall time between them) decide the next two lengths. While
+    steps alternate, and each phase's output tokens per second per sequence (each step result's
+    tokens over the sequences that emitted them, summed over the results that arrive in the phase,
+    over the wall time between them) decide the next two lengths: a phase that runs while
+    requests finish or join is weighed by what each sequence gained, not by how many ran. While
     speculation emits more per second, its phases are long and the plain ones short probes;
     while it emits less, speculation is a short probe and the plain phases double, to
     `MAX_PLAIN` steps. A long speculating phase ends early once `PROBE` counted results of it
@@ -118,16 +120,17 @@ class SpecPolicy:
         self.spec_len, self.plain_len = self.PROBE, self.PROBE
         self.left = self.spec_len  # results left in this phase
         self.seen = 0  # results of this phase so far
-        self.tokens, self.seconds = 0, 0.0  # this phase's counted ones
+        self.tokens, self.seconds = 0.0, 0.0  # this phase's counted ones (tokens per sequence)
         self.last: Optional[float] = None  # the previous result's time
-        self.spec_rate: Optional[float] = None  # tokens/s of the last phase of each kind
+        self.spec_rate: Optional[float] = None  # tokens/s per sequence, last phase of each kind
         self.plain_rate: Optional[float] = None
         # every finished phase's counted figures, per kind (True: speculating): what the rates
         # were made of, for benchmarks to read
         self.totals = {kind: PhaseTotals() for kind in (True, False)}
 
-    def step_done(self, num_tokens: int, now: float) -> None:
-        """A step's results arrived at `now` (perf_counter seconds), emitting `num_tokens`."""
+    def step_done(self, num_tokens: float, now: float) -> None:
+        """A step's results arrived at `now` (perf_counter seconds), emitting `num_tokens` per
+        sequence."""
         self.seen += 1
         if self.seen > self.SWITCH:
             self.tokens += num_tokens
@@ -146,7 +149,7 @@ class SpecPolicy:
             self._decide()
         self.speculating = not self.speculating
         self.left = self.spec_len if self.speculating else self.plain_len
-        self.seen, self.tokens, self.seconds = 0, 0, 0.0
+        self.seen, self.tokens, self.seconds = 0, 0.0, 0.0
 
     def _losing_long_phase(self) -> bool:
         """A long speculating phase whose counted results so far run slower than plain steps."""
@@ -204,15 +207,17 @@ class Speculation:
             return True
         return any(_seeded_sampling(s) for s in running)
 
-    def step_done(self, num_tokens: int) -> None:
-        """One step's results are in (every DP rank's): `num_tokens` tokens were emitted."""
+    def step_done(self, num_tokens: int, num_seqs: int) -> None:
+        """One step's results are in (every DP rank's): `num_seqs` sequences emitted
+        `num_tokens` tokens."""
         if self.policy is not None:
             was = self.policy.speculating
-            self.policy.step_done(num_tokens, time.perf_counter())
+            per_seq = num_tokens / num_seqs if num_seqs else 0.0
+            self.policy.step_done(per_seq, time.perf_counter())
             if was != self.policy.speculating and logger.isEnabledFor(logging.DEBUG):
                 p = self.policy
                 logger.debug(
-                    "speculative decoding %s (tokens/s speculating %s, plain %s)",
+                    "speculative decoding %s (tokens/s per sequence speculating %s, plain %s)",
                     "resumes" if p.speculating else "pauses",
                     f"{p.spec_rate:.1f}" if p.spec_rate else "-",
                     f"{p.plain_rate:.1f}" if p.plain_rate else "-",
