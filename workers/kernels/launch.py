@@ -47,7 +47,9 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[bool]:
     if mode is None or os.environ.get("TRITON_INTERPRET") == "1":
         yield False
         return
-    threads = threads or max(1, min(8, len(os.sched_getaffinity(0))))
+    if threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        threads = max(1, min(8, cores or 1))
     with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, mode(pool):
         token = _AHEAD.set(set())
         try:
