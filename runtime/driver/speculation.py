@@ -104,10 +104,10 @@ class SpecPolicy:
     while it emits less, speculation is a short probe and the plain phases double, to
     `MAX_PLAIN` steps. A long speculating phase ends early once `PROBE` counted results of it
     emit less per second than the last plain phase did (the workload changed under it). Starts
-    with a speculating phase. The first `SWITCH` results of a phase
-    carry the switch (a plain phase starts with no step in flight, a speculating one waits for
-    the plain step in flight) and are left out of its rate: a short probe would otherwise bear a
-    cost that the winning mode pays once per long phase, and lose to it for that alone."""
+    with a speculating phase. The first `SWITCH` results of a phase carry the switch (a plain
+    phase starts with no step in flight, a speculating one waits for the plain step in flight)
+    and are left out of its rate: a short probe would otherwise bear a cost that the winning mode
+    pays once per long phase, and lose to it for that alone."""
 
     PROBE = 8  # steps in a probing phase
     LONG = 64  # steps in a winning phase

@@ -39,8 +39,8 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[bool]:
     threads (default: up to 8, one per core) and launch nothing; leaving it waits for every
     compile (a failed one raises there). Yields whether it does so: not under the Triton
     interpreter, nor with a Triton that lacks `AsyncCompileMode` (launches then run as usual, and
-    the caller skips its compile-only pass). Triton releases the GIL through most of a compile
-    (LLVM, ptxas), so the threads overlap."""
+    the caller skips its compile-only pass). Triton releases the GIL through parts of a compile
+    (LLVM's code generation, ptxas), so the threads overlap those parts."""
     import triton
 
     mode = getattr(triton, "AsyncCompileMode", None)
