@@ -12,6 +12,14 @@ from atomrt.distributed.wire_arrays import _i32
 from atomrt.runtime.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class CoreAddresses:
+    """Where the API process and the engine core meet (ZeroMQ endpoints the API binds)."""
+
+    requests: str  # API -> core (PULL in the core)
+    outputs: str  # core -> API (PUSH in the core)
+
+
 @dataclass
 class CoreRequest:
     """API -> engine core: run a request (its outputs stream back per step)."""

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from atomrt.distributed.core_messages import CoreAddresses
 from atomrt.distributed.messages import (
     CoreAbort,
     CoreOutput,
@@ -32,7 +33,6 @@ from atomrt.distributed.messages import (
     encode,
 )
 from atomrt.runtime.config import Config
-from atomrt.runtime.entrypoints.engine_core import CoreAddresses, core_main
 from atomrt.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,14 @@ def merge_into(out: CoreOutput, later: CoreOutput) -> None:
         out.first_scheduled_time = later.first_scheduled_time
 
 
+def _core_process(config: Config, addresses: CoreAddresses, log_level: str, api_pid: int) -> None:
+    """The engine-core process's target, named here so that the API process, which pickles it by
+    name, need not import the engine (torch, the models, the compiler) to start one."""
+    from atomrt.runtime.entrypoints.engine_core import core_main
+
+    core_main(config, addresses, log_level, api_pid)
+
+
 class EngineClient:
     def __init__(self, config: Config, start_timeout_s: float, log_level: str = "INFO") -> None:
         self.config = config
@@ -119,7 +127,7 @@ class EngineClient:
         self._pull.bind(addresses.outputs)
         mp = multiprocessing.get_context("spawn")
         self._proc = mp.Process(
-            target=core_main,
+            target=_core_process,
             args=(self.config, addresses, self.log_level, os.getpid()),
             name="atomrt-engine-core",
             daemon=False,

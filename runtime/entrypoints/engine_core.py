@@ -18,9 +18,9 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Optional
 
+from atomrt.distributed.core_messages import CoreAddresses
 from atomrt.distributed.messages import (
     CoreAbort,
     CoreOutput,
@@ -41,12 +41,6 @@ logger = logging.getLogger(__name__)
 
 STATS_PERIOD_S = 0.5  # an idle engine core says it is alive this often
 POLL_S = 0.05  # how long an idle loop waits for a request before looking again
-
-
-@dataclass(frozen=True)
-class CoreAddresses:
-    requests: str  # API -> core (PULL here)
-    outputs: str  # core -> API (PUSH here)
 
 
 def core_main(config: Config, addresses: CoreAddresses, log_level: str, api_pid: int) -> None:
