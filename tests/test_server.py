@@ -491,6 +491,76 @@ def test_an_engine_failure_ends_requests_clearly_and_exits_nonzero(tiny):
     assert wait_gone(family) == []
 
 
+def test_the_api_process_starts_its_engine_core_before_importing_torch():
+    """`atomrt serve` spawns the engine core from modules that import no torch, transformers or
+    engine code: those imports (the tokenizer's) run while the core starts, not before it."""
+    code = (
+        "import sys\n"
+        "import atomrt.runtime.entrypoints.cli\n"
+        "import atomrt.runtime.entrypoints.openai.api_server\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'atomrt.runtime.driver.engine') "
+        "if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_requests_wait_for_the_tokenizer_as_for_the_engine(tiny):
+    """A state whose tokenizer is still loading refuses generation, tokenization and /ready as
+    starting (503), even with the engine core up."""
+    from atomrt.runtime.config import Config
+    from atomrt.runtime.entrypoints.openai.api_server import (
+        PENDING,
+        RequestError,
+        ServerArgs,
+        ServerState,
+        _need_tokenizer,
+    )
+
+    state = ServerState(Config(model=str(tiny), device="cpu"), ServerArgs())
+    state.client.ready = object()  # as if the core had said it is up
+    assert state.serving.tokenizer is PENDING and state.starting
+    for refuse in (state.admit, lambda: _need_tokenizer(state)):
+        with pytest.raises(RequestError, match="starting") as e:
+            refuse()
+        assert e.value.status == 503
+    state.serving.tokenizer = None  # a model without one: loaded, nothing to load
+    assert not state.starting
+    state.admit()
+    state.client.cleanup()
+
+
+def test_a_tokenizer_that_does_not_load_ends_serve_clearly(tiny, tmp_path):
+    """The tokenizer loads while the engine core starts; when it fails, `atomrt serve` says why
+    (no traceback), exits 1 and leaves no engine core behind."""
+    import psutil
+
+    empty = tmp_path / "no_tokenizer"
+    empty.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "atomrt.runtime.entrypoints.cli", "serve",
+         "--port", str(get_free_port("127.0.0.1")), "--model", str(tiny),
+         "--set", f"model_config.tokenizer={empty}", *CPU_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    children: set[int] = set()
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            children.update(p.pid for p in psutil.Process(proc.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+    out = proc.communicate()[0]
+    assert proc.returncode == 1, out
+    assert "atomrt: error:" in out and "tokenizer" in out and "Traceback" not in out, out
+    assert children, "no engine core was started"
+    assert wait_gone(sorted(children)) == []
+
+
 @pytest.mark.slow
 def test_the_ray_executor_serves(tiny):
     server = Server(["--model", str(tiny), *CPU_FLAGS, "--executor", "ray"])

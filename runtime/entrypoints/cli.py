@@ -75,11 +75,10 @@ def server_args_from(args: argparse.Namespace) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from atomrt.runtime.entrypoints.llm import load_tokenizer_for
     from atomrt.runtime.entrypoints.openai.api_server import serve
 
     config = config_from_args(args)
-    return asyncio.run(serve(config, server_args_from(args), load_tokenizer_for(config)))
+    return asyncio.run(serve(config, server_args_from(args)))  # the tokenizer loads meanwhile
 
 
 def cmd_prewarm(args: argparse.Namespace) -> int:

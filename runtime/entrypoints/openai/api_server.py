@@ -30,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from atomrt.distributed.core_messages import CoreReady
 from atomrt.runtime.config import Config
 from atomrt.runtime.entrypoints.engine_client import EngineClient, EngineGone
 from atomrt.runtime.entrypoints.openai.metrics import ServerMetrics
@@ -63,8 +64,12 @@ class ServerArgs:
     start_timeout: float = 3600.0  # load + compile + capture of the engine core
 
 
+# ServerState's tokenizer while `start_engine` loads it beside the engine core's start
+PENDING: Any = object()
+
+
 class ServerState:
-    def __init__(self, config: Config, args: ServerArgs, tokenizer: Any) -> None:
+    def __init__(self, config: Config, args: ServerArgs, tokenizer: Any = PENDING) -> None:
         self.args = args
         self.model_name = args.served_model_name or config.model
         self.metrics = ServerMetrics(self.model_name)
@@ -75,6 +80,11 @@ class ServerState:
         self.in_flight = 0  # API requests admitted and not yet answered in full
         self.started = time.time()
 
+    @property
+    def starting(self) -> bool:
+        """The engine core or the tokenizer is not in yet."""
+        return self.client.ready is None or self.serving.tokenizer is PENDING
+
     def admit(self) -> None:
         """Raise the RequestError (503 or 429) that refuses a new generation request, if any."""
         unavailable = dict(status=503, kind="service_unavailable")
@@ -82,7 +92,7 @@ class ServerState:
             raise RequestError("the server is shutting down", **unavailable)
         if self.client.fatal is not None:
             raise RequestError(f"the engine stopped: {self.client.fatal}", **unavailable)
-        if self.client.ready is None:
+        if self.starting:
             raise RequestError("the engine is starting", **unavailable)
         if self.in_flight >= self.args.max_queued_requests:
             raise RequestError(
@@ -217,6 +227,11 @@ async def stream(
 # ------------------------------------------------------------------------- the app
 
 
+def _need_tokenizer(state: ServerState) -> None:
+    if state.serving.tokenizer is PENDING:
+        raise RequestError("the engine is starting", status=503, kind="service_unavailable")
+
+
 def build_app(state: ServerState) -> Any:
     app = FastAPI(title="atomrt", version=VERSION)
     app.state.atomrt = state
@@ -265,6 +280,7 @@ def build_app(state: ServerState) -> Any:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         req = parse(TokenizeRequest, await read_json(state, request))
+        _need_tokenizer(state)
         tokens = state.serving.tokenize_request(req)
         ready = state.client.ready
         max_len = ready.max_model_len if ready else None
@@ -273,6 +289,7 @@ def build_app(state: ServerState) -> Any:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         req = parse(DetokenizeRequest, await read_json(state, request))
+        _need_tokenizer(state)
         return JSONResponse({"prompt": state.serving.detokenize_request(req)})
 
     @app.get("/health")
@@ -286,7 +303,7 @@ def build_app(state: ServerState) -> Any:
 
     @app.get("/ready")
     async def ready() -> Response:
-        if state.client.ready is None or state.draining or not state.client.alive(LIVENESS_S):
+        if state.starting or state.draining or not state.client.alive(LIVENESS_S):
             raise RequestError("not ready", status=503, kind="service_unavailable")
         return JSONResponse({"status": "ready", "model": state.model_name})
 
@@ -315,8 +332,33 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-async def serve(config: Config, args: ServerArgs, tokenizer: Any) -> int:
-    """Run the server until SIGTERM / SIGINT (drain) or the engine's death; the exit status."""
+def _load_tokenizer(config: Config) -> Any:
+    """`config`'s tokenizer; its imports (transformers, and torch with it) happen here too."""
+    from atomrt.runtime.entrypoints.llm import load_tokenizer_for
+
+    return load_tokenizer_for(config)
+
+
+async def start_engine(state: ServerState, config: Config) -> CoreReady:
+    """Spawn the engine core, then, while it starts, load the tokenizer in a thread (unless the
+    state has one): the API process's tokenizer costs the start-up nothing. The core's CoreReady,
+    once both are in; a tokenizer that does not load is a ValueError (the core is left to stop)."""
+    start = asyncio.ensure_future(state.client.start())
+    try:
+        await asyncio.sleep(0)  # the core process is spawned before the tokenizer's imports
+        if state.serving.tokenizer is PENDING:
+            state.serving.tokenizer = await asyncio.to_thread(_load_tokenizer, config)
+        return await start
+    finally:
+        if not start.done():
+            start.cancel()
+        elif not start.cancelled():
+            start.exception()  # retrieved: when the tokenizer failed, its error is the one told
+
+
+async def serve(config: Config, args: ServerArgs, tokenizer: Any = PENDING) -> int:
+    """Run the server until SIGTERM / SIGINT (drain) or the engine's death; the exit status.
+    Without `tokenizer`, it loads while the engine core starts."""
     state = ServerState(config, args, tokenizer)
     server = _Uvicorn(
         uvicorn.Config(
@@ -334,8 +376,8 @@ async def serve(config: Config, args: ServerArgs, tokenizer: Any) -> int:
     http = asyncio.ensure_future(server.serve())  # answers 503 (and /health) while starting
     print(f"atomrt: starting the engine for {state.model_name} ...", flush=True)
     try:
-        ready = await _until(state.client.start(), stop)
-    except EngineGone as e:
+        ready = await _until(start_engine(state, config), stop)
+    except (EngineGone, ValueError) as e:
         print(f"atomrt: error: {e}", flush=True)
         await _close(state, server, http)
         return 1
