@@ -29,11 +29,11 @@ from typing import Any, Optional
 from ray import serve
 
 from atomrt.runtime.entrypoints.config_args import config_from_args
-from atomrt.runtime.entrypoints.llm import load_tokenizer_for
 from atomrt.runtime.entrypoints.openai.api_server import (
     LIVENESS_S,
     ServerState,
     build_app,
+    start_engine,
 )
 
 _SERVE_KEYS = (
@@ -56,8 +56,13 @@ class OpenAIServer:
 
         args = build_parser().parse_args(["serve", *serve_argv])
         config = config_from_args(args)
-        self.state = ServerState(config, server_args_from(args), load_tokenizer_for(config))
-        ready = await self.state.client.start()
+        self.state = ServerState(config, server_args_from(args))
+        try:
+            ready = await start_engine(self.state, config)  # the tokenizer loads meanwhile
+        except BaseException:
+            await self.state.client.stop()  # a core already spawned does not outlive the replica
+            self.state.client.cleanup()
+            raise
         self.state.metrics.startup(ready.capture_seconds, ready.compile_seconds)
 
     def __serve_build_asgi_app__(self) -> Any:
