@@ -22,7 +22,7 @@ import gc
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 from tqdm import tqdm
@@ -33,13 +33,31 @@ from atomrt.graphs.region_graph import RegionRequest, ReqGraph, TokenGraph, grap
 from atomrt.graphs.ubatch import decode_bucket_splits, decode_ubatch_request_ranges, split_decision
 from atomrt.runtime.config import Config, CUDAGraphMode
 from atomrt.runtime.decision import CapturedBuckets, ForwardDecision, ForwardKind
-from atomrt.runtime.forward_context import DPMetadata, set_forward_context
+from atomrt.runtime.forward_context import (
+    AttentionMetaData,
+    Context,
+    DPMetadata,
+    set_forward_context,
+)
 from atomrt.workers.runner.input_batch import dummy_decode_inputs
 
 if TYPE_CHECKING:
     from atomrt.workers.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+class _Bucket(NamedTuple):
+    """A capture size's staged dummy batch: what its warm-up and its recordings run."""
+
+    bs: int
+    rows: int
+    decision: ForwardDecision
+    md: AttentionMetaData
+    ctx: Context
+    scope: dict
+    ids: torch.Tensor
+    pos: torch.Tensor
 
 
 class GraphRunner:
@@ -120,7 +138,8 @@ class GraphRunner:
         )
         return elapsed
 
-    def _capture_one(self, runner: ModelRunner, bs: int, max_q_len: int) -> None:
+    def _bucket(self, runner: ModelRunner, bs: int, max_q_len: int) -> _Bucket:
+        """Stage the dummy decode batch of a capture size: `bs` sequences x `max_q_len` rows."""
         rows = bs * max_q_len
         kind = ForwardKind.TOKEN_GRAPH if self.records_token_graphs else ForwardKind.REQ_GRAPH
         decision = ForwardDecision(
@@ -134,7 +153,6 @@ class GraphRunner:
         inputs = dummy_decode_inputs(bs, max_q_len, runner.shape.block_size)
         md, ctx = runner.buffers.prepare(inputs, decision)
         fv = runner.buffers.forward_vars
-        ids, pos = fv["input_ids"][:rows], fv["positions"][:rows]
         scope = dict(
             no_compile_layers=runner.attn_layers,
             kv_cache_data=runner.kv_cache,
@@ -143,13 +161,25 @@ class GraphRunner:
             if runner.dp.dp_size > 1
             else None,
         )
-        with set_forward_context(md, self.config, ctx, **scope):
-            runner.buffers.unpack(bs, rows)
-            hidden = runner.model(ids, pos)  # warm-up
+        return _Bucket(
+            bs, rows, decision, md, ctx, scope, fv["input_ids"][:rows], fv["positions"][:rows]
+        )
+
+    def _warm_up(self, runner: ModelRunner, b: _Bucket) -> None:
+        """The bucket's forward once, outside any recording."""
+        with set_forward_context(b.md, self.config, b.ctx, **b.scope):
+            runner.buffers.unpack(b.bs, b.rows)
+            hidden = runner.model(b.ids, b.pos)
             # whatever a recording ends with runs once first: kernels' scratch buffers (the
             # argmax's split workspace) cannot be allocated inside a capture
             if self.records_request_graphs or self.unit_graph is not None:
                 runner.greedy_tokens(runner.model.compute_logits(hidden))
+
+    def _capture_one(self, runner: ModelRunner, bs: int, max_q_len: int) -> None:
+        b = self._bucket(runner, bs, max_q_len)
+        self._warm_up(runner, b)
+        _, rows, decision, md, ctx, scope, ids, pos = b
+        fv = runner.buffers.forward_vars
         splits = self.records_tbo and decode_bucket_splits(bs)
         if self.records_request_graphs and not (splits and self.tbo == "all"):
 
