@@ -161,6 +161,47 @@ def test_compile_ahead_compiles_each_variant_once_and_launches_nothing() -> None
     assert cached() - before == ahead_compiled, "a variant compiled after compile_ahead"
 
 
+def _compiled(kernel) -> list:
+    """The compiled kernels in Triton's in-process cache for this device."""
+    return list(kernel.device_caches[torch.cuda.current_device()][0].values())
+
+
+def test_compile_ahead_loads_what_it_compiled_and_covers_gemm_and_argmax() -> None:
+    """The skinny GEMM and the argmax launch through `launch` too: under `compile_ahead` they
+    compile and launch nothing; every kernel compiled there is loaded onto the device there (its
+    module is in, so the first launch loads nothing); after it the launches compile nothing more
+    and match torch. Shapes no other test uses, so the variants are new to this process."""
+    from atomrt.workers.kernels.argmax import argmax_rows, argmax_rows_kernel
+    from atomrt.workers.kernels.gemm.skinny_gemm import skinny_linear
+    from atomrt.workers.kernels.gemm.skinny_kernels import skinny_gemm_kernel
+    from atomrt.workers.kernels.launch import compile_ahead
+
+    torch.manual_seed(0)
+    xs = [torch.randn(m, 328, device="cuda", dtype=torch.bfloat16) for m in (1, 3, 7)]
+    weight = torch.randn(200, 328, device="cuda", dtype=torch.bfloat16) / 16
+    logits = torch.randn(5, 50_021, device="cuda", dtype=torch.float32)
+    kernels = (skinny_gemm_kernel, argmax_rows_kernel)
+    before = {k: len(_compiled(k)) for k in kernels}
+    with compile_ahead() as ahead:
+        assert ahead
+        ys = [skinny_linear(x, weight) for x in xs]
+        argmax_rows(logits)
+    torch.cuda.synchronize()
+    new = {k: _compiled(k)[before[k] :] for k in kernels}
+    assert new[skinny_gemm_kernel] and new[argmax_rows_kernel], "nothing compiled ahead"
+    for k, compiled in new.items():
+        for c in compiled:
+            assert getattr(c, "module", None) is not None, f"{k.__name__} compiled, not loaded"
+    counts = {k: len(_compiled(k)) for k in kernels}
+    ys = [skinny_linear(x, weight) for x in xs]
+    tokens = argmax_rows(logits)
+    for x, y in zip(xs, ys):
+        ref = (x.double() @ weight.double().T).to(torch.bfloat16)
+        torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert {k: len(_compiled(k)) for k in kernels} == counts, "compiled after compile_ahead"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_write_kv_cache(dtype: torch.dtype, block_size: int) -> None:

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from atomrt.workers.kernels.device_info import H200_NUM_SMS, device_scratch, sm_count
+from atomrt.workers.kernels.launch import launch
 
 BLOCK = 2048  # elements per loop step (8 per thread at 8 warps)
 MIN_SPLIT_STEPS = 2  # a split streams at least this many loop steps of its row
@@ -139,7 +140,9 @@ def argmax_rows(logits: torch.Tensor, num_splits: Optional[int] = None) -> torch
                 )
         part_max, part_idx, counters = _workspace(logits.device)
         chunk = -(-vocab // (splits * BLOCK)) * BLOCK  # whole loop steps per split
-        argmax_rows_kernel[(rows, splits)](
+        launch(
+            argmax_rows_kernel,
+            (rows, splits),
             logits,
             out,
             part_max,

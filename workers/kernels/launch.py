@@ -7,7 +7,9 @@
 #   launch       - `kernel[grid](...)`, for the attention family's plain launches
 #   compile_ahead - a context in which those launches (and a LaunchMemo's first ones) compile their
 #                kernel in a pool of threads and launch nothing: start-up plans every variant once
-#                this way, so that Triton compiles them side by side, not one after the other
+#                this way, so that Triton compiles them side by side, not one after the other, and
+#                loads each onto the device there too (its module and launcher, which Triton
+#                otherwise builds at the first launch, on the launching thread)
 # Triton's dispatch binds and specializes every argument on every call (tens of microseconds for a
 # kernel of fifty arguments); a kept launch reads each tensor's address and launches.
 # Importing this module needs no GPU.
@@ -15,22 +17,35 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 MAX_KEPT = (
     1024  # launches kept per kernel; past it the memo starts again (a key per bucket is usual)
 )
 
 
-# set inside `compile_ahead`: the launches asked for so far, so that each compiles once
-_AHEAD: ContextVar[Optional[set]] = ContextVar("atomrt_compile_ahead", default=None)
+@dataclass
+class _Ahead:
+    """The state of one `compile_ahead`: its pool, and the launches asked for so far (each
+    compiles once)."""
+
+    pool: ThreadPoolExecutor
+    asked: set = field(default_factory=set)
+    loads: list = field(default_factory=list)  # futures of the loads onto the device
+
+
+_AHEAD: ContextVar[Optional[_Ahead]] = ContextVar("atomrt_compile_ahead", default=None)
 
 
 @contextmanager
@@ -50,21 +65,45 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[bool]:
     if threads is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         threads = max(1, min(8, cores or 1))
-    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, mode(pool):
-        token = _AHEAD.set(set())
-        try:
-            yield True
-        finally:
-            _AHEAD.reset(token)
+    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
+        state = _Ahead(pool)
+        with mode(pool):
+            token = _AHEAD.set(state)
+            try:
+                yield True
+            finally:
+                _AHEAD.reset(token)
+        for load in state.loads:  # the pool runs them in order after their compiles
+            load.result()
 
 
 def _compile_only(kernel: Any, key: Hashable, grid: Any, args: tuple, kwargs: dict) -> None:
-    """Under `compile_ahead`: submit the compile of `kernel` for these arguments once per key."""
-    asked = _AHEAD.get()
-    if (kernel, key) in asked:
+    """Under `compile_ahead`: submit the compile of `kernel` for these arguments once per key,
+    then its load onto the arguments' device."""
+    state = _AHEAD.get()
+    if (kernel, key) in state.asked:
         return
-    asked.add((kernel, key))
-    kernel.warmup(*args, grid=grid, **kwargs)
+    state.asked.add((kernel, key))
+    pending = kernel.warmup(*args, grid=grid, **kwargs)
+    future = getattr(pending, "future", None)  # Triton's FutureKernel while it compiles
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if future is not None and device is not None and device.type == "cuda":
+        # queued after its compile, so a thread that takes it finds the compile started
+        state.loads.append(state.pool.submit(_load, future, device))
+
+
+def _load(compiled: Any, device: torch.device) -> None:
+    """Load a compiled kernel onto `device` (Triton's `_init_handles`: the module and the launcher)
+    on this thread, which the first launch would do on the launching one. A failure is left to
+    that launch, which raises it as it would have (out of resources, say)."""
+    try:
+        kernel = compiled.result()
+        init = getattr(kernel, "_init_handles", None)
+        if init is not None:
+            with torch.cuda.device(device):
+                init()
+    except Exception as e:  # noqa: BLE001 - the launch repeats it and raises there
+        logger.debug("compile_ahead: loading a kernel failed here (%s); its launch will", e)
 
 
 def _arg_key(args: tuple, kwargs: dict) -> tuple:

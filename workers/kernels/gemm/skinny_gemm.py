@@ -39,6 +39,7 @@ from atomrt.workers.kernels.gemm.skinny_configs import (
     pick_config,
 )
 from atomrt.workers.kernels.gemm.skinny_kernels import skinny_gemm_kernel
+from atomrt.workers.kernels.launch import launch
 
 SKINNY_MAX_M = 64  # the kernel keeps all M rows of x in registers: larger M belongs to cuBLAS
 NORM_STATS_VALUES = (
@@ -217,7 +218,9 @@ def _launch(
     grid = (triton.cdiv(n, config.block_n),)
     one_step = k <= config.block_k
     pdl = use_pdl(x.device)
-    skinny_gemm_kernel[grid](
+    launch(
+        skinny_gemm_kernel,
+        grid,
         x,
         weight,
         bias if bias is not None else y,
