@@ -72,3 +72,66 @@ def test_requests_after_start_up_compile_no_attention_kernel(mode: str) -> None:
         llm.shutdown()
     print("kernels compiled after start-up:", compiled)
     assert not [name for name in compiled if name.endswith(ATTENTION)], compiled
+
+
+# A fresh process with an empty Triton cache: every kernel capture launches is new to it. Prints
+# the JIT kernels compiled while capture records (after its compile-ahead pass), then those of the
+# pass itself, as two JSON lists.
+_CAPTURE_AHEAD = """
+import json, sys
+from triton import knobs
+from atomrt.runtime.config import CompilationConfig, CUDAGraphMode
+from atomrt.runtime.entrypoints.llm import LLM
+from atomrt.workers.runner import graph_runner
+
+phase = ["start"]
+compiled = {"start": [], "ahead": [], "capture": []}
+knobs.runtime.jit_post_compile_hook = lambda **kw: compiled[phase[0]].append(
+    kw["repr"].split("[", 1)[0])
+ahead, capture = graph_runner.GraphRunner._compile_ahead, graph_runner.GraphRunner.capture
+
+def ahead_then_capture(self, runner, sizes):
+    phase[0] = "ahead"
+    ahead(self, runner, sizes)
+    phase[0] = "capture"
+
+def capture_then_stop(self, runner):
+    try:
+        return capture(self, runner)
+    finally:
+        phase[0] = "start"
+
+graph_runner.GraphRunner._compile_ahead = ahead_then_capture
+graph_runner.GraphRunner.capture = capture_then_stop
+llm = LLM(model="SmolLM2-135M", load_format="dummy", device="cuda", max_num_seqs=64,
+          compilation_config=CompilationConfig(level=3, cudagraph_mode=CUDAGraphMode[sys.argv[1]]))
+llm.shutdown()
+print("CAPTURE " + json.dumps(compiled["capture"]))
+print("AHEAD " + json.dumps(compiled["ahead"]))
+"""
+
+
+def test_capture_compiles_nothing_after_its_compile_ahead_pass(tmp_path) -> None:
+    """Capture's first pass (every bucket's warm-up under `compile_ahead`) compiles the Triton
+    kernels its recordings launch: with an empty Triton cache, nothing compiles while capture
+    records, and the pass compiled something (it was not a warm cache's no-op)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CAPTURE_AHEAD, "FULL"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    lines = {line.split(" ", 1)[0]: line for line in proc.stdout.splitlines()}
+    during = json.loads(lines["CAPTURE"].split(" ", 1)[1])
+    ahead = json.loads(lines["AHEAD"].split(" ", 1)[1])
+    print("compiled by the pass:", ahead, "during capture:", during)
+    assert ahead, "the compile-ahead pass compiled nothing with an empty Triton cache"
+    assert not during, f"compiled while capture recorded: {during}"

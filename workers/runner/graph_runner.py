@@ -3,7 +3,9 @@
 Capture follows the guide's flow. Sizes descending (largest first, so smaller recordings reuse the
 shared pool's blocks); per size a dummy decode batch of `bs` sequences x `max_q_len` rows, the
 forward context with `running_tokens` the same on every rank (capture is symmetric), a warm-up
-run, the recording, `torch.cuda.synchronize()`. FULL (and FULL_DECODE_ONLY) record `ReqGraph`s,
+run, the recording, `torch.cuda.synchronize()`. Before the first size, every size's warm-up runs
+once under `compile_ahead` (workers/kernels/launch.py), its Triton launches turned into compiles
+on threads, so that the kernels capture needs compile side by side. FULL (and FULL_DECODE_ONLY) record `ReqGraph`s,
 the LM head and the greedy argmax included (a recording's outputs are every row's logits and their
 argmax); TR_HYBRID (and FULL_AND_TR_HYBRID, recorded exactly as TR_HYBRID) record the model's token
 graphs, asked once for decode and once for prefill (the same recording serves both). GC is off
@@ -39,6 +41,7 @@ from atomrt.runtime.forward_context import (
     DPMetadata,
     set_forward_context,
 )
+from atomrt.workers.kernels.launch import compile_ahead
 from atomrt.workers.runner.input_batch import dummy_decode_inputs
 
 if TYPE_CHECKING:
@@ -113,6 +116,7 @@ class GraphRunner:
         gc.collect()
         gc.disable()
         try:
+            self._compile_ahead(runner, sizes)
             for bs in tqdm(sizes, desc="Capturing CUDA graphs", disable=runner.rank != 0):
                 # a decode row per request, and its drafts' rows with speculative decoding
                 for q in self.config.capture_q_lens:
@@ -137,6 +141,25 @@ class GraphRunner:
             self.largest_pool_bytes / 2**20,
         )
         return elapsed
+
+    def _compile_ahead(self, runner: ModelRunner, sizes: list[int]) -> None:
+        """Every bucket's warm-up once under `compile_ahead`: the Triton kernels that capture
+        launches for the first time (a GEMM tile or an attention plan per batch size) compile and
+        load side by side on threads, not one after another inside capture. With Triton's cache
+        warm it costs one forward per bucket, its kernel launches skipped."""
+        start = time.perf_counter()
+        with compile_ahead() as ahead:
+            if not ahead:
+                return
+            for bs in sizes:
+                for q in self.config.capture_q_lens:
+                    self._warm_up(runner, self._bucket(runner, bs, q))
+        torch.cuda.synchronize()
+        logger.info(
+            "rank %d: capture's kernels compiled ahead in %.2f s",
+            runner.rank,
+            time.perf_counter() - start,
+        )
 
     def _bucket(self, runner: ModelRunner, bs: int, max_q_len: int) -> _Bucket:
         """Stage the dummy decode batch of a capture size: `bs` sequences x `max_q_len` rows."""
