@@ -25,7 +25,6 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.fx
-from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from atomrt.compile.cache import (
     CorruptCacheEntry,
@@ -115,6 +114,7 @@ class InductorStandaloneAdaptor(CompilerInterface):
 
     def compile(self, graph, example_inputs, compiler_config, runtime_shape=None, key=None):
         from torch._inductor import standalone_compile
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
         patches = dict(compiler_config)
         if isinstance(runtime_shape, int):
