@@ -50,7 +50,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def server_args_from(args: argparse.Namespace) -> Any:
     """The HTTP settings of `atomrt serve` (a ValueError names a flag out of range)."""
-    from atomrt.runtime.entrypoints.openai.api_server import ServerArgs
+    from atomrt.runtime.entrypoints.openai.server_args import ServerArgs
 
     for name, value in (
         ("--port", args.port),

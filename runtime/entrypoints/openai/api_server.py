@@ -23,7 +23,6 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import uvicorn
@@ -43,6 +42,7 @@ from atomrt.runtime.entrypoints.openai.protocol import (
     parse,
 )
 from atomrt.runtime.entrypoints.openai.responses import ChatResponses, CompletionResponses, sse
+from atomrt.runtime.entrypoints.openai.server_args import ServerArgs
 from atomrt.runtime.entrypoints.openai.serving import Job, Serving
 
 logger = logging.getLogger(__name__)
@@ -50,18 +50,6 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 LIVENESS_S = 10.0  # /health and /ready fail when the engine loop said nothing for this long
 _GUARDED = ("/v1/", "/tokenize", "/detokenize")  # paths behind the API key and the size limit
-
-
-@dataclass(frozen=True)
-class ServerArgs:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: Optional[str] = None
-    api_key: Optional[str] = None
-    max_queued_requests: int = 1024
-    max_request_bytes: int = 1 << 20
-    shutdown_timeout: float = 30.0
-    start_timeout: float = 3600.0  # load + compile + capture of the engine core
 
 
 # ServerState's tokenizer while `start_engine` loads it beside the engine core's start

@@ -1,0 +1,19 @@
+"""The HTTP settings of `atomrt serve`, in a module of their own: the command reads them, and
+starts the engine core, before the API process imports the HTTP stack (FastAPI, uvicorn)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    max_queued_requests: int = 1024
+    max_request_bytes: int = 1 << 20
+    shutdown_timeout: float = 30.0
+    start_timeout: float = 3600.0  # load + compile + capture of the engine core
