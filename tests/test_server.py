@@ -506,6 +506,25 @@ def test_the_api_process_starts_its_engine_core_before_importing_torch():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_serve_spawns_the_engine_core_before_importing_the_http_stack(tiny):
+    """`atomrt serve` starts the engine core before it imports FastAPI and uvicorn, so that the
+    core's import of torch runs beside them: the spawn, intercepted, sees neither loaded."""
+    port = get_free_port("127.0.0.1")
+    code = (
+        "import sys, multiprocessing.process as p\n"
+        "def start(self):\n"
+        "    seen = sorted(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules)\n"
+        "    print('SPAWNED', self.name, seen, flush=True)\n"
+        "    raise SystemExit(3)\n"
+        "p.BaseProcess.start = start\n"
+        "from atomrt.runtime.entrypoints.cli import main\n"
+        f"main(['serve', '--model', {str(tiny)!r}, '--port', '{port}', *{CPU_FLAGS!r}])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "SPAWNED atomrt-engine-core []" in out.stdout, out.stdout + out.stderr
+
+
 def test_requests_wait_for_the_tokenizer_as_for_the_engine(tiny):
     """A state whose tokenizer is still loading refuses generation, tokenization and /ready as
     starting (503), even with the engine core up."""

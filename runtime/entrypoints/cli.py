@@ -75,10 +75,24 @@ def server_args_from(args: argparse.Namespace) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from atomrt.runtime.entrypoints.openai.api_server import serve
-
     config = config_from_args(args)
-    return asyncio.run(serve(config, server_args_from(args)))  # the tokenizer loads meanwhile
+    return asyncio.run(_serve(config, server_args_from(args)))
+
+
+async def _serve(config: Any, server_args: Any) -> int:
+    """Spawn the engine core first, then import the HTTP stack and serve: the core's imports
+    (torch) run beside the API process's own, and the tokenizer loads while the core starts."""
+    from atomrt.runtime.entrypoints.engine_client import EngineClient
+
+    client = EngineClient(config, server_args.start_timeout)
+    client.spawn()
+    try:
+        from atomrt.runtime.entrypoints.openai.api_server import serve
+    except BaseException:
+        await client.stop()
+        client.cleanup()
+        raise
+    return await serve(config, server_args, client=client)
 
 
 def cmd_prewarm(args: argparse.Namespace) -> int:

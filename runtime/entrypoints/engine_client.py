@@ -112,8 +112,11 @@ class EngineClient:
 
     # ---------------------------------------------------------------- life cycle
 
-    async def start(self) -> CoreReady:
-        """Start the engine-core process and wait (bounded) until its engine is up."""
+    def spawn(self) -> None:
+        """Start the engine-core process without waiting for it (once; `start` waits). A caller
+        that spawns before its own imports lets the core's import of torch run beside them."""
+        if self._proc is not None:
+            return
         import zmq
         import zmq.asyncio
 
@@ -133,6 +136,11 @@ class EngineClient:
             daemon=False,
         )
         self._proc.start()
+
+    async def start(self) -> CoreReady:
+        """Start the engine-core process (unless `spawn` did) and wait (bounded) until its engine
+        is up."""
+        self.spawn()
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if not self._proc.is_alive():

@@ -57,11 +57,17 @@ PENDING: Any = object()
 
 
 class ServerState:
-    def __init__(self, config: Config, args: ServerArgs, tokenizer: Any = PENDING) -> None:
+    def __init__(
+        self,
+        config: Config,
+        args: ServerArgs,
+        tokenizer: Any = PENDING,
+        client: Optional[EngineClient] = None,
+    ) -> None:
         self.args = args
         self.model_name = args.served_model_name or config.model
         self.metrics = ServerMetrics(self.model_name)
-        self.client = EngineClient(config, args.start_timeout)
+        self.client = client or EngineClient(config, args.start_timeout)
         self.client.on_outputs = lambda msg: self.metrics.engine_stats(msg.stats)
         self.serving = Serving(self.client, tokenizer, self.model_name, self.metrics)
         self.draining = False
@@ -344,10 +350,16 @@ async def start_engine(state: ServerState, config: Config) -> CoreReady:
             start.exception()  # retrieved: when the tokenizer failed, its error is the one told
 
 
-async def serve(config: Config, args: ServerArgs, tokenizer: Any = PENDING) -> int:
+async def serve(
+    config: Config,
+    args: ServerArgs,
+    tokenizer: Any = PENDING,
+    client: Optional[EngineClient] = None,
+) -> int:
     """Run the server until SIGTERM / SIGINT (drain) or the engine's death; the exit status.
-    Without `tokenizer`, it loads while the engine core starts."""
-    state = ServerState(config, args, tokenizer)
+    Without `tokenizer`, it loads while the engine core starts; `client`, if given, is the
+    engine core's, possibly spawned already."""
+    state = ServerState(config, args, tokenizer, client)
     server = _Uvicorn(
         uvicorn.Config(
             build_app(state),
