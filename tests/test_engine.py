@@ -107,6 +107,8 @@ def test_batch_invariance_chunked_prefill_and_preemption(llm):
         ("hello", dict(top_p=0.0), "top_p"),
         ("hello", dict(top_p=1.5), "top_p"),
         ([10**9], None, "out of range"),
+        ([True, 5], None, "token ids"),
+        ([1.5, 5], None, "token ids"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_engine_stays_usable(llm, prompt, params, match):
@@ -114,6 +116,16 @@ def test_bad_input_is_a_clear_error_and_engine_stays_usable(llm, prompt, params,
         llm.generate([prompt], SamplingParams(**params) if params else None)
     ok = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2))
     assert len(ok[0].outputs[0].token_ids) == 2
+
+
+def test_token_ids_of_any_integer_type_are_the_same_prompt(llm):
+    import numpy as np
+
+    params = SamplingParams(temperature=0, max_tokens=3)
+    ids = [1, 9690, 198, 2683]
+    plain = llm.generate([ids], params)[0].outputs[0].token_ids
+    as_numpy = llm.generate([[np.int64(t) for t in ids]], params)[0].outputs[0].token_ids
+    assert list(as_numpy) == list(plain)
 
 
 def test_bad_prompt_in_a_batch_runs_nothing(llm):

@@ -409,9 +409,11 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer, send token ids")
             return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt
-        ):
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError("prompt: must be a string or a list of token ids")
+        if all(type(t) is int for t in prompt):  # the common case, without an ABC check a token
+            return list(prompt)
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt: must be a string or a list of token ids")
         return [int(t) for t in prompt]
 
