@@ -54,7 +54,9 @@ class BenchResult:
 
 # The legs of one round trip, in order: (name, index of the stamp it starts at, index it ends at) in
 # the stamps [driver before encode, driver after send, worker recv returned, worker decoded, worker
-# pushed, driver recv returned, driver decoded].
+# pushed, driver recv returned, driver decoded]. The two legs between processes start at a stamp
+# taken after the send returned: a receiver woken on the sender's core can stamp first, so on a
+# crowded machine their medians can read a little below zero.
 LEGS = (
     ("driver encode+send", 0, 1),
     ("to worker", 1, 2),
