@@ -619,6 +619,10 @@ def test_bench_serve_against_a_running_server(tiny_server, tmp_path):
         assert r["failed"] == 0 and r["num_requests"] == 8
         assert r["output_tokens_per_s"] > 0 and 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
         assert r["tpot_ms"]["p50"] > 0 and r["itl_ms"]["p50"] > 0
+        # the server's side of the run, from its /metrics before and after: 8 requests of 5
+        # tokens take at least 5 steps (at most 8 x 5: a prefill step makes the first token)
+        assert 0 <= r["server_queue_ms_mean"] <= r["server_ttft_ms_mean"]
+        assert 5 <= r["server_steps"] <= 40
     assert png.read_bytes()[:4] == b"\x89PNG"
 
     sharegpt = tmp_path / "sharegpt.json"
@@ -650,7 +654,8 @@ def test_offline_comparison_runs_at_each_concurrency(tiny, monkeypatch):
     rates = bench.offline_tokens_per_s(
         ["--model", str(tiny), *CPU_FLAGS], requests, [2, 2, None], progress=False
     )
-    assert list(rates) == [2, None] and all(v > 0 for v in rates.values())
+    assert list(rates) == [2, None]
+    assert all(rate > 0 and steps > 0 for rate, steps in rates.values())
     # the warm-up's 8 requests, then the run at 2, then the 10 at once
     warm_end = len(in_flight) - in_flight[::-1].index(8)
     at_two = in_flight[warm_end : in_flight.index(10)]

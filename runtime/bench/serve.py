@@ -14,7 +14,12 @@ first token), TPOT (time per output token after the first) and ITL (time between
 `--compare-offline` (when the bench starts the server) also runs the same prompts through the
 offline engine (same flags) once the server is gone, at each run's concurrency (that many requests
 in flight, a finished one replaced by the next; a request-rate run: all at once), and prints the
-server's output tokens/s as a fraction of the offline engine's.
+server's output tokens/s as a fraction of the offline engine's, and the steps each took.
+
+The server's own view of each run comes from its /metrics, read before and after: its mean TTFT
+(the request's arrival in the API process to its first token there), the part of it spent queued
+(arrival to first scheduled), and the engine steps the run took. Client TTFT less the server's is
+the HTTP path; the server's less its queue time is the prefill step and the way back.
 
 The streams are read by a lean asyncio client (runtime/bench/sse_client.py): at tens of thousands
 of events a second a general-purpose client's cost per event would be what the bench measures.
@@ -81,7 +86,11 @@ class RunResult:
     ttft_ms: dict[str, float]
     tpot_ms: dict[str, float]
     itl_ms: dict[str, float]
+    server_ttft_ms_mean: Optional[float] = None  # the server's /metrics, over this run
+    server_queue_ms_mean: Optional[float] = None
+    server_steps: Optional[int] = None
     offline_output_tokens_per_s: Optional[float] = None
+    offline_steps: Optional[int] = None
     server_vs_offline: Optional[float] = None
 
 
@@ -313,17 +322,17 @@ def offline_tokens_per_s(
     requests: list[Request],
     concurrencies: list[Optional[int]],
     progress: bool,
-) -> dict[Optional[int], float]:
-    """Output tokens/s of the offline engine (same flags, after a warm-up) on the same prompts, per
-    concurrency: at most that many requests in flight, a finished one replaced by the next, as the
-    server's clients do (None: all at once)."""
+) -> dict[Optional[int], tuple[float, int]]:
+    """Output tokens/s of the offline engine (same flags, after a warm-up) on the same prompts, and
+    the steps it took, per concurrency: at most that many requests in flight, a finished one
+    replaced by the next, as the server's clients do (None: all at once)."""
     from atomrt.runtime.entrypoints.llm import LLM
     from atomrt.runtime.sampling_params import SamplingParams
 
     engine_args = argparse.ArgumentParser()
     _add_config_args(engine_args)
     llm = LLM(config=config_from_args(engine_args.parse_args(engine_argv)))
-    out: dict[Optional[int], float] = {}
+    out: dict[Optional[int], tuple[float, int]] = {}
     try:
         warm = SamplingParams(temperature=0, ignore_eos=True, max_tokens=2)
         llm.generate([r.prompt for r in requests[:8]], warm, use_tqdm=False)
@@ -334,11 +343,13 @@ def offline_tokens_per_s(
     return out
 
 
-def _closed_loop(engine: Any, requests: list[Request], concurrency: Optional[int], progress: bool):
+def _closed_loop(
+    engine: Any, requests: list[Request], concurrency: Optional[int], progress: bool
+) -> tuple[float, int]:
     from atomrt.runtime.sampling_params import SamplingParams
 
     pending = list(requests)
-    in_flight = tokens = 0
+    in_flight = tokens = steps = 0
     bar = tqdm(total=len(requests), desc=f"offline c={concurrency}", disable=not progress)
     start = time.perf_counter()
     while pending or engine.has_unfinished():
@@ -348,6 +359,7 @@ def _closed_loop(engine: Any, requests: list[Request], concurrency: Optional[int
                 r.prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len)
             )
             in_flight += 1
+        steps += 1
         for o in engine.step():
             if o.finished:
                 in_flight -= 1
@@ -355,7 +367,54 @@ def _closed_loop(engine: Any, requests: list[Request], concurrency: Optional[int
                 bar.update(1)
     seconds = time.perf_counter() - start
     bar.close()
-    return tokens / seconds
+    return tokens / seconds, steps
+
+
+# ------------------------------------------------------------------------- the server's view
+
+_SCRAPED = (
+    "atomrt:time_to_first_token_seconds_sum",
+    "atomrt:time_to_first_token_seconds_count",
+    "atomrt:request_queue_time_seconds_sum",
+    "atomrt:request_queue_time_seconds_count",
+    "atomrt:steps_total",
+)
+
+
+def scrape(client: httpx.Client) -> Optional[dict[str, float]]:
+    """The server's running totals that the bench reads its side of a run from (summed over
+    labels), or None when /metrics is not there or not atomrt's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = client.get("/metrics")
+        if r.status_code != 200:
+            return None
+        totals = dict.fromkeys(_SCRAPED, 0.0)
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+    except (httpx.HTTPError, ValueError):
+        return None
+    return totals if totals["atomrt:time_to_first_token_seconds_count"] else None
+
+
+def add_server_view(r: RunResult, before: Optional[dict], after: Optional[dict]) -> None:
+    if before is None or after is None:
+        return
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    firsts = d["atomrt:time_to_first_token_seconds_count"]
+    queued = d["atomrt:request_queue_time_seconds_count"]
+    if firsts > 0:
+        r.server_ttft_ms_mean = round(
+            1000 * d["atomrt:time_to_first_token_seconds_sum"] / firsts, 3
+        )
+    if queued > 0:
+        r.server_queue_ms_mean = round(
+            1000 * d["atomrt:request_queue_time_seconds_sum"] / queued, 3
+        )
+    r.server_steps = int(d["atomrt:steps_total"])
 
 
 # ------------------------------------------------------------------------- report
@@ -371,8 +430,14 @@ def _line(r: RunResult) -> str:
     )
     if r.failed:
         text += f"  ({r.failed} failed)"
+    if r.server_ttft_ms_mean is not None:
+        text += (
+            f"\n{'':>10} server: TTFT mean {r.server_ttft_ms_mean:.1f} ms, queued "
+            f"{r.server_queue_ms_mean if r.server_queue_ms_mean is not None else float('nan'):.1f} "
+            f"ms; {r.server_steps} engine steps"
+        )
     if r.server_vs_offline is not None:
-        text += f"  server/offline {r.server_vs_offline:.3f}"
+        text += f"  server/offline {r.server_vs_offline:.3f} (offline {r.offline_steps} steps)"
     return text
 
 
@@ -423,24 +488,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     server = None if args.url else LocalServer(engine_argv)
     url = args.url or server.url
     results: list[RunResult] = []
+    api: Optional[httpx.Client] = None
     try:
-        with httpx.Client(base_url=url, timeout=60) as client:
-            model = client.get("/v1/models").json()["data"][0]["id"]
-            requests = build_requests(args, client)
+        api = httpx.Client(base_url=url, timeout=60)
+        model = api.get("/v1/models").json()["data"][0]["id"]
+        requests = build_requests(args, api)
         print(f"server {url}, model {model}, {len(requests)} requests per run")
         rng = random.Random(args.seed)
         asyncio.run(run_load(url, model, requests[:4], 4, None, rng, False))  # warm-up
         for concurrency, rate in loads:
+            before = scrape(api)
             outcomes, seconds = asyncio.run(
                 run_load(url, model, requests, concurrency, rate, rng, not args.no_progress)
             )
             results.append(summarize(outcomes, seconds, concurrency, rate))
+            add_server_view(results[-1], before, scrape(api))
             print(_line(results[-1]), flush=True)
             for o in outcomes:
                 if not o.ok:
                     print(f"  failed: {o.error}", file=sys.stderr)
                     break
     finally:
+        if api is not None:
+            api.close()
         if server is not None:
             server.stop()
     if args.compare_offline:
@@ -448,8 +518,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             engine_argv, requests, [r.concurrency for r in results], not args.no_progress
         )
         for r in results:
-            r.offline_output_tokens_per_s = round(offline[r.concurrency], 2)
-            r.server_vs_offline = round(r.output_tokens_per_s / offline[r.concurrency], 4)
+            rate, r.offline_steps = offline[r.concurrency]
+            r.offline_output_tokens_per_s = round(rate, 2)
+            r.server_vs_offline = round(r.output_tokens_per_s / rate, 4)
             print(_line(r))
     if args.json:
         report = {"url": url, "model": model, "args": vars(args), "engine_flags": engine_argv}
