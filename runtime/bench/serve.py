@@ -67,6 +67,7 @@ class Request:
 @dataclass
 class Outcome:
     ok: bool
+    start: float = 0.0  # time.perf_counter() when it was sent
     ttft: float = 0.0
     latency: float = 0.0
     output_tokens: int = 0
@@ -86,6 +87,9 @@ class RunResult:
     ttft_ms: dict[str, float]
     tpot_ms: dict[str, float]
     itl_ms: dict[str, float]
+    # each request: [sent (ms after the run's start), TTFT ms, latency ms]; failed ones left out
+    requests: list[list[float]] = field(default_factory=list)
+    started_monotonic: float = 0.0  # time.monotonic() at the run's start (to line up server logs)
     server_ttft_ms_mean: Optional[float] = None  # the server's /metrics, over this run
     server_queue_ms_mean: Optional[float] = None
     server_steps: Optional[int] = None
@@ -251,6 +255,7 @@ async def one_request(client: SSEClient, model: str, req: Request) -> Outcome:
     out.ok = first > 0.0
     if not out.ok:
         out.error = "the stream ended without a token"
+    out.start = start
     out.ttft = first - start
     out.latency = time.perf_counter() - start
     return out
@@ -287,7 +292,7 @@ async def run_load(
         outcomes = await asyncio.gather(*tasks)
         seconds = time.perf_counter() - start
     bar.close()
-    return list(outcomes), seconds
+    return list(outcomes), start, seconds
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -298,8 +303,13 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 def summarize(
-    outcomes: list[Outcome], seconds: float, concurrency: Optional[int], rate: Optional[float]
+    outcomes: list[Outcome],
+    start: float,
+    seconds: float,
+    concurrency: Optional[int],
+    rate: Optional[float],
 ) -> RunResult:
+    """The run's figures; `start` is its time.perf_counter() at the first request."""
     ok = [o for o in outcomes if o.ok]
     tokens = sum(o.output_tokens for o in ok)
     tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
@@ -314,6 +324,11 @@ def summarize(
         ttft_ms=_percentiles([o.ttft for o in ok]),
         tpot_ms=_percentiles(tpots),
         itl_ms=_percentiles([x for o in ok for x in o.itls]),
+        requests=[
+            [round(1e3 * (o.start - start), 3), round(1e3 * o.ttft, 3), round(1e3 * o.latency, 3)]
+            for o in ok
+        ],
+        started_monotonic=time.monotonic() - (time.perf_counter() - start),
     )
 
 
@@ -498,10 +513,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         asyncio.run(run_load(url, model, requests[:4], 4, None, rng, False))  # warm-up
         for concurrency, rate in loads:
             before = scrape(api)
-            outcomes, seconds = asyncio.run(
+            outcomes, start, seconds = asyncio.run(
                 run_load(url, model, requests, concurrency, rate, rng, not args.no_progress)
             )
-            results.append(summarize(outcomes, seconds, concurrency, rate))
+            results.append(summarize(outcomes, start, seconds, concurrency, rate))
             add_server_view(results[-1], before, scrape(api))
             print(_line(results[-1]), flush=True)
             for o in outcomes:
