@@ -122,3 +122,42 @@ def test_a_kernel_whose_constexprs_are_not_last_is_refused(monkeypatch) -> None:
     x = torch.zeros(8)
     with pytest.raises(RuntimeError, match="then constexprs only"):
         memo((1, 1, 1), (x, x), (8,), (("BLOCK", 8),))
+
+
+def test_launch_keeps_a_fitting_call_in_the_kernels_memo(monkeypatch) -> None:
+    """`launch` sends a call of tensors, then scalars, then named constexprs through a LaunchMemo
+    per kernel (its grid padded to three), so a repeat with new tensors runs the kept kernel."""
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(launch, "_MEMOS", {})
+    kernel = Kernel()
+    x, y = torch.zeros(32), torch.zeros(32)
+    launch.launch(kernel, (5,), x, y, 32, BLOCK=16, num_warps=2)
+    assert kernel.log[-1][:2] == ("dispatch", (5, 1, 1))
+    x2, y2 = torch.ones(32), torch.ones(32)
+    launch.launch(kernel, (6,), x2, y2, 32, BLOCK=16, num_warps=2)
+    kind, args = kernel.log[-1]
+    assert kind == "run" and args[:4] == (6, 1, 1, 7)
+    assert args[9:] == (x2.data_ptr(), y2.data_ptr(), 32, 16, True)
+    assert launch._MEMOS[kernel].hits == 1
+
+
+def test_launch_dispatches_a_call_no_memo_fits(monkeypatch) -> None:
+    """A None argument (Triton specializes on it), a tensor after a scalar, a grid that is not a
+    tuple of ints, or a kernel with a constexpr among its positional parameters: every such launch
+    goes through the kernel's own dispatch, and none raises."""
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(launch, "_MEMOS", {})
+    monkeypatch.setattr(launch, "_FITS", {})
+    x = torch.zeros(8)
+    shifted = Kernel()
+    shifted.constexprs = [2, 4]
+    calls = [
+        (Kernel(), (1,), (x, None, 8)),
+        (Kernel(), (1,), (x, 8, x)),
+        (Kernel(), lambda meta: (1,), (x, x, 8)),
+        (shifted, (1,), (x, x, 8)),
+    ]
+    for kernel, grid, args in calls:
+        for _ in range(2):
+            launch.launch(kernel, grid, *args, BLOCK=8)
+        assert [e[0] for e in kernel.log] == ["dispatch", "dispatch"]

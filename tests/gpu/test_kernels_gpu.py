@@ -360,3 +360,28 @@ def test_decode_speed(batch_size: int, capsys: pytest.CaptureFixture[str]) -> No
             f"\ndecode bs={batch_size} ctx={ctx} bf16: GPU {gpu_ms * 1e3:.1f} us/call ({kv_bytes / gpu_ms / 1e6:.0f} GB/s "
             f"of KV), host {host_us:.0f} us per eager call"
         )
+
+
+def test_plain_launches_repeat_through_the_kernels_memo() -> None:
+    """`launch` keeps each fitting call's compiled kernel: the norm and the rotary + KV write
+    launched again on new tensors (new addresses, the same specialization) run the kept kernel,
+    not Triton's dispatch, and still match their float64 references."""
+    from atomrt.workers.kernels import launch as launch_mod
+    from atomrt.workers.kernels.attention.paged_attention import rope_write_kv_kernel
+    from atomrt.workers.kernels.rms_norm import add_rms_norm, add_rms_norm_kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for m in (7, 300, 7):  # the grid is not part of the key
+        x, update = (torch.randn(m, 2048, device="cuda", generator=gen).half() for _ in range(2))
+        weight = (1 + 0.1 * torch.randn(2048, device="cuda", generator=gen)).half()
+        h, out = add_rms_norm(x, update, weight, 1e-5)
+        h64 = (x + update).double()
+        want = weight.double() * (h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5))
+        assert torch.equal(h, x + update)
+        torch.testing.assert_close(out.double(), want, **TOLERANCES[torch.float16])
+    assert launch_mod._MEMOS[add_rms_norm_kernel].hits >= 2
+
+    test_rope_write_kv(torch.bfloat16, 32, 8, 128)  # its references, through a kept launch now
+    hits = launch_mod._MEMOS[rope_write_kv_kernel].hits
+    test_rope_write_kv(torch.bfloat16, 32, 8, 128)
+    assert launch_mod._MEMOS[rope_write_kv_kernel].hits == hits + 1

@@ -4,7 +4,8 @@
 #                compiled kernel it returns is kept under a key of what Triton specializes on
 #                (dtypes, 16-byte alignment of every pointer, the scalars' values, the constexprs
 #                and launch options), and later launches with that key call its launcher directly
-#   launch       - `kernel[grid](...)`, for the attention family's plain launches
+#   launch       - `kernel[grid](...)`, for plain launches (attention, rotary and KV write, norms,
+#                skinny GEMM, argmax), kept by a LaunchMemo per kernel where the call fits one
 #   compile_ahead - a context in which those launches (and a LaunchMemo's first ones) compile their
 #                kernel in a pool of threads and launch nothing: start-up plans every variant once
 #                this way, so that Triton compiles them side by side, not one after the other, and
@@ -116,11 +117,56 @@ def _arg_key(args: tuple, kwargs: dict) -> tuple:
 
 
 def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
-    """`kernel[grid](*args, **kwargs)`; under `compile_ahead`, the kernel's compile only."""
+    """`kernel[grid](*args, **kwargs)`, through the kernel's LaunchMemo where its call fits one
+    (`_memo_split`); under `compile_ahead`, the kernel's compile only."""
     if _AHEAD.get() is not None:
         _compile_only(kernel, _arg_key(args, kwargs), grid, args, kwargs)
         return
-    kernel[grid](*args, **kwargs)
+    split = _memo_split(kernel, grid, args)
+    if split is None:
+        kernel[grid](*args, **kwargs)
+        return
+    memo = _MEMOS.get(kernel)
+    if memo is None:
+        memo = _MEMOS[kernel] = LaunchMemo(kernel)
+    memo(
+        (grid[0], grid[1], grid[2]) if len(grid) == 3 else (*grid, *(1,) * (3 - len(grid))),
+        args[:split],
+        args[split:],
+        tuple(kwargs.items()),
+    )
+
+
+_MEMOS: dict[Any, LaunchMemo] = {}  # `launch`'s, by kernel
+_FITS: dict[tuple[Any, int], bool] = {}  # (kernel, positional arguments): its signature fits
+
+
+def _memo_split(kernel: Any, grid: Any, args: tuple) -> Optional[int]:
+    """How many of `args` are tensors (the rest scalars) when this launch can go through a
+    LaunchMemo, else None: a grid of one to three ints, every tensor before every scalar, no None
+    (Triton specializes on it), and a kernel whose constexprs are exactly the parameters after the
+    positional ones (passed by name or left at their defaults)."""
+    if type(grid) is not tuple or not 1 <= len(grid) <= 3:
+        return None
+    split = 0
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            break
+        split += 1
+    for a in args[split:]:
+        if a is None or isinstance(a, torch.Tensor):
+            return None
+    if split == 0:
+        return None
+    fits = _FITS.get((kernel, len(args)))
+    if fits is None:
+        names = getattr(kernel, "arg_names", None)
+        at = getattr(kernel, "constexprs", None)
+        fits = (
+            names is not None and at is not None and list(at) == list(range(len(args), len(names)))
+        )
+        _FITS[(kernel, len(args))] = fits
+    return split if fits else None
 
 
 @functools.cache

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atomrt.workers.kernels.launch import launch
+
 MAX_HIDDEN = 1 << 15  # a row is held in registers by one program
 
 
@@ -77,7 +79,9 @@ def add_rms_norm(
     if m == 0 or k == 0:
         return h, out
     block_k = triton.next_power_of_2(k)
-    add_rms_norm_kernel[(m,)](
+    launch(
+        add_rms_norm_kernel,
+        (m,),
         x,
         update,
         weight,
