@@ -161,3 +161,33 @@ def test_launch_dispatches_a_call_no_memo_fits(monkeypatch) -> None:
         for _ in range(2):
             launch.launch(kernel, grid, *args, BLOCK=8)
         assert [e[0] for e in kernel.log] == ["dispatch", "dispatch"]
+
+
+def test_a_kept_launch_builds_metadata_only_for_a_hook_that_listens(monkeypatch) -> None:
+    """Triton's default launch hooks are empty chains: a kept launch then passes no hooks and
+    builds no launch metadata; once a profiler adds an enter hook, the launch passes that chain and
+    the metadata, as Triton's own dispatch does (the exit chain, still empty, stays off)."""
+    from triton.knobs import HookChain
+
+    monkeypatch.setattr(launch, "_raw_stream", lambda index: 7)
+    enter, exit_ = HookChain(), HookChain()
+    knobs = type("Runtime", (), {"launch_enter_hook": enter, "launch_exit_hook": exit_})()
+    monkeypatch.setattr(launch, "_runtime_knobs", lambda: knobs)
+    asked: list = []
+
+    class Described(Compiled):
+        def launch_metadata(self, grid, stream, *args):
+            asked.append(grid)
+            return "meta"
+
+    kernel = Kernel()
+    memo = launch.LaunchMemo(kernel)
+    x = torch.zeros(8)
+    key = memo._key((x, x), [x.data_ptr(), x.data_ptr()], (8,), (("BLOCK", 8),))
+    memo._kept[key] = (Described(kernel.log), (8, True))
+    memo((1, 1, 1), (x, x), (8,), (("BLOCK", 8),))
+    assert kernel.log[-1][1][6:9] == (None, None, None) and asked == []
+    seen: list = []
+    enter.add(seen.append)
+    memo((2, 1, 1), (x, x), (8,), (("BLOCK", 8),))
+    assert kernel.log[-1][1][6:9] == ("meta", enter, None) and asked == [(2, 1, 1)]

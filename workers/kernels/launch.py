@@ -177,9 +177,15 @@ def _runtime_knobs() -> Any:
 
 
 def _launch_hooks() -> tuple[Any, Any]:
-    """Triton's launch hooks (profilers set them), as its own dispatch passes them on."""
+    """Triton's launch hooks (profilers set them), as its own dispatch passes them on; None for a
+    hook chain with nothing in it (Triton's default), so that a launch builds no metadata for it."""
     runtime = _runtime_knobs()
-    return runtime.launch_enter_hook, runtime.launch_exit_hook
+    return _live(runtime.launch_enter_hook), _live(runtime.launch_exit_hook)
+
+
+def _live(hook: Any) -> Any:
+    calls = getattr(hook, "calls", None)  # a triton.knobs.HookChain
+    return None if calls is not None and not calls else hook
 
 
 def _raw_stream(device_index: int) -> int:
