@@ -166,6 +166,34 @@ def test_speculative_config_compares_decode_with_and_without(
         main(argv + ["--speculative-config", '{"method": "ngram"}', "--json", str(out)])
 
 
+def test_a_refilled_run_keeps_the_batch_full_and_times_every_token(
+    tiny_folder: Path, tmp_path: Path
+) -> None:
+    """--num-requests: 5 requests with 2 in flight, their lengths spread around --decode-steps;
+    every output token counts, and speculation changes none of them."""
+    from atomrt.runtime.bench.spec_decode import refill_lengths
+
+    out = tmp_path / "refill.json"
+    argv = ["--model", str(tiny_folder), "--device", "cpu", "--modes", "eager"]
+    argv += ["--batch-sizes", "2", "--input-len", "16", "--decode-steps", "6"]
+    argv += ["--warmup-steps", "1", "--num-requests", "5", "--json", str(out)]
+    assert main(argv + ["--speculative-config", SPEC_NGRAM]) == 0
+    report = json.loads(out.read_text())
+    assert report["errors"] == [] and len(report["rows"]) == 4
+    lengths = refill_lengths(5, 6, seed=2)
+    assert min(lengths) >= 3 and max(lengths) <= 9
+    for r in report["rows"]:
+        assert r["num_requests"] == 5 and r["batch_size"] == 2
+        assert r["decode_tokens"] == sum(lengths) and r["tokens_per_s"] > 0
+        assert 0 < r["engine_steps"] <= sum(lengths)  # two in flight: no step idles
+    for r in report["rows"][0::2]:  # without speculation a request makes a token a step
+        assert max(lengths) <= r["engine_steps"]
+    for r in report["rows"][1::2]:
+        assert r["same_tokens"] == 5 and r["first_difference"] is None
+    with pytest.raises(SystemExit):  # without --speculative-config it means nothing
+        main(argv)
+
+
 def test_compare_tokens_names_the_first_difference() -> None:
     row = SpecRow("m", "eager", 2, "random", "ngram k=3", 0, 1.0, 0.0, 0, None, None, 0, 0, 0)
     row.tokens = [[1, 2, 3], [4, 5, 6]]

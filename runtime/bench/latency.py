@@ -7,7 +7,8 @@ copy bandwidth measured in the same run (read + write bytes counted): every weig
 bs contexts at the median measured step. `--compare-executors` (or
 `main_tp_overhead`) times bs=1 through the Ray executor (TP=1) against in-process.
 `--speculative-config JSON` instead compares decode tokens/s with and without speculative decoding
-on a repetitive and a random workload (runtime/bench/spec_decode.py).
+on a repetitive and a random workload, one batch to its end or, with `--num-requests`, a batch that
+refills as requests finish (runtime/bench/spec_decode.py).
 """
 
 from __future__ import annotations
@@ -148,8 +149,17 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
         help="compare decode tokens/s with this speculative_config against none, on a repetitive "
         "and a random workload (--decode-steps output tokens per request)",
     )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="with --speculative-config: this many requests per row, the batch size of them in "
+        "flight (a finished one replaced by the next), instead of one batch to its end",
+    )
     p.add_argument("--json", default="bench_latency.json", help="where to write the JSON report")
     args = p.parse_args(argv)
+    if args.num_requests is not None and (args.num_requests < 1 or args.speculative_config is None):
+        p.error("--num-requests takes a positive count, with --speculative-config")
     args.models, args.modes = _csv(args.model), _csv(args.modes)
     args.batch_sizes = sorted(int(b) for b in _csv(args.batch_sizes))
     args.executors = _csv(args.executor)

@@ -7,6 +7,12 @@ the given `speculative_config` (on CPU, one workload after the other on both eng
 pattern repeated; random: uniform token ids), `--decode-steps` output tokens each. The prefill (up
 to every request's first token) is not timed; decode tokens/s counts the tokens after it. A draft
 pass that ran eagerly while CUDA graphs were on is an error (a drafter captured but not used).
+With `--num-requests N` a row instead runs N requests with `bs` of them in flight, a finished one
+replaced by the next as a served batch refills, their output lengths spread over 0.5-1.5x
+`--decode-steps` (a fixed seed) so that they finish apart; every output token from the first
+request's arrival to the last one's end is timed, prefills included (the same work for both
+engines). A fixed batch's figure is set by its slowest request and its tail; a refilled batch's is
+the steady state a server sees.
 Greedy speculation must not change a token: every row records how many requests produced the same
 tokens as without speculation; a difference is an error in float32 (in half precision a verify
 pass's batch shape can round a near-tie the other way, so it is reported, not failed).
@@ -47,6 +53,7 @@ class SpecRow:
     accepted_tokens: int
     eager_draft_passes: int
     speedup: Optional[float] = None  # tokens/s over the same workload without speculation
+    num_requests: Optional[int] = None  # a refilled run's requests (bs of them in flight)
     same_tokens: Optional[int] = None  # requests whose tokens equal those without speculation
     first_difference: Optional[str] = None  # "request i, token t: a != b"
     # with an adaptive policy: the phases that ended during the run, per kind ("speculating",
@@ -83,8 +90,12 @@ def prompts_for(workload: str, bs: int, input_len: int, vocab: int, seed: int) -
 def time_workload(
     llm: Any, workload: str, bs: int, args: argparse.Namespace, label: str
 ) -> SpecRow:
-    """Run `bs` greedy requests to `args.decode_steps` tokens; time the steps after the prefill."""
+    """Run `bs` greedy requests to `args.decode_steps` tokens; time the steps after the prefill
+    (with `args.num_requests`: `time_refilled`)."""
     from atomrt.runtime.sampling_params import SamplingParams
+
+    if getattr(args, "num_requests", None):
+        return time_refilled(llm, workload, bs, args, label)
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.decode_steps)
@@ -139,6 +150,72 @@ def time_workload(
         accepted_tokens=accepted,
         eager_draft_passes=eager,
         tokens=[tokens[i] for i in ids],
+        policy=_policy_delta(phases_before, _policy_totals(policy)),
+    )
+
+
+def refill_lengths(n: int, decode_steps: int, seed: int) -> list[int]:
+    """Output lengths of a refilled run: uniform over 0.5-1.5x `decode_steps`."""
+    rng = random.Random(seed)
+    lo = max(1, decode_steps // 2)
+    return [rng.randint(lo, max(lo, decode_steps * 3 // 2)) for _ in range(n)]
+
+
+def time_refilled(
+    llm: Any, workload: str, bs: int, args: argparse.Namespace, label: str
+) -> SpecRow:
+    """`args.num_requests` greedy requests, at most `bs` in flight (a finished one replaced by
+    the next); every output token timed from the first arrival to the last request's end."""
+    from atomrt.runtime.sampling_params import SamplingParams
+
+    engine = llm.engine
+    n = args.num_requests
+    prompts = prompts_for(workload, n, args.input_len, engine.info.vocab_size, seed=bs)
+    lengths = refill_lengths(n, args.decode_steps, seed=bs)
+    before = _snapshot(engine.stats.spec_decode)
+    policy = engine.speculation.policy if engine.speculation is not None else None
+    phases_before = _policy_totals(policy)
+    steps_before = sum(engine.stats.steps.values())
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    which: dict[str, int] = {}
+    added = done = 0
+    t0 = time.perf_counter()
+    while done < n:
+        while added < n and added - done < bs:
+            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=lengths[added])
+            which[engine.add_request(prompts[added], params, stream=True)] = added
+            added += 1
+        if not engine.has_unfinished():
+            raise RuntimeError(f"{label}: the engine stopped with requests unfinished")
+        for o in engine.step():
+            i = which.get(o.request_id)
+            if i is not None:
+                tokens[i] += o.outputs[0].token_ids
+                done += o.finished
+    seconds = time.perf_counter() - t0
+    after = _snapshot(engine.stats.spec_decode)
+    drafts, drafted, accepted, eager = (a - b for a, b in zip(after[:4], before[:4]))
+    per_pos = None
+    if drafts:
+        per_pos = [round((a - b) / drafts, 3) for a, b in zip(after[4], before[4])]
+    num_tokens = sum(len(t) for t in tokens)
+    return SpecRow(
+        model=args.current_model,
+        mode=args.current_mode,
+        batch_size=bs,
+        workload=workload,
+        speculative=label,
+        decode_tokens=num_tokens,
+        decode_s=round(seconds, 4),
+        tokens_per_s=round(num_tokens / max(seconds, 1e-9), 1),
+        engine_steps=sum(engine.stats.steps.values()) - steps_before,
+        mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else None,
+        acceptance_per_position=per_pos,
+        drafted_tokens=drafted,
+        accepted_tokens=accepted,
+        eager_draft_passes=eager,
+        num_requests=n,
+        tokens=tokens,
         policy=_policy_delta(phases_before, _policy_totals(policy)),
     )
 
@@ -325,7 +402,7 @@ def _line(r: SpecRow) -> str:
     speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
     accept = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
     per_pos = " ".join(f"{x:.2f}" for x in r.acceptance_per_position or [])
-    same = "-" if r.same_tokens is None else f"{r.same_tokens}/{r.batch_size}"
+    same = "-" if r.same_tokens is None else f"{r.same_tokens}/{r.num_requests or r.batch_size}"
     return (
         f"{r.model[-24:]:<24} {r.mode:<10} {r.batch_size:>3} {r.workload:<10} "
         f"{r.speculative:<16} {r.tokens_per_s:>9.1f} {speedup:>7} {accept:>10} "
