@@ -7,7 +7,15 @@ import pytest
 import torch
 from executor_harness import build_tiny_llama
 
-from atomrt.runtime.bench.latency import Report, Row, _parse, compare_executors, main, mode_settings
+from atomrt.runtime.bench.latency import (
+    Report,
+    Row,
+    _parse,
+    check_targets,
+    compare_executors,
+    main,
+    mode_settings,
+)
 from atomrt.runtime.bench.spec_decode import SpecRow, compare_tokens, prompts_for
 from atomrt.runtime.config import ConfigError, CUDAGraphMode
 
@@ -91,6 +99,33 @@ def test_mode_settings() -> None:
         "enforce_eager": True,
         "async_scheduling": True,
     }
+
+
+def test_targets_judge_graph_steps_only() -> None:
+    """The decode-step targets are about graph replays: a row whose steps ran eagerly gets no
+    verdict; a graph row of a target's (model, batch size) gets PASS or FAIL."""
+    report = Report("H200", torch.__version__, 4000.0, {})
+    for mode, kind, ms in (("eager", "eager", 13.9), ("FULL+async", "req_graph", 0.45)):
+        report.rows.append(
+            Row(
+                "SmolLM2-135M",
+                mode,
+                "inproc",
+                1,
+                kind,
+                ms,
+                ms,
+                1e3 / ms,
+                0.06,
+                ms / 0.06,
+                0,
+                0,
+                None,
+            )
+        )
+    assert check_targets(report) == [
+        "target SmolLM2-135M FULL+async bs=1: 0.450 ms <= 0.5 ms: PASS"
+    ]
 
 
 def test_compare_executors_slowdown() -> None:
