@@ -112,10 +112,7 @@ def time_workload(
                 tokens[o.request_id] += o.outputs[0].token_ids
                 if o.finished:
                     done.add(o.request_id)
-    before = _snapshot(engine.stats.spec_decode)
-    policy = engine.speculation.policy if engine.speculation is not None else None
-    phases_before = _policy_totals(policy)
-    steps_before = sum(engine.stats.steps.values())
+    start = _Counters(engine)
     first_tokens = num_tokens
     t0 = time.perf_counter()
     while len(done) < bs:
@@ -128,30 +125,9 @@ def time_workload(
                 if o.finished:
                     done.add(o.request_id)
     seconds = time.perf_counter() - t0
-    after = _snapshot(engine.stats.spec_decode)
-    drafts, drafted, accepted, eager = (a - b for a, b in zip(after[:4], before[:4]))
-    per_pos = None
-    if drafts:
-        per_pos = [round((a - b) / drafts, 3) for a, b in zip(after[4], before[4])]
-    decode_tokens = num_tokens - first_tokens
-    return SpecRow(
-        model=args.current_model,
-        mode=args.current_mode,
-        batch_size=bs,
-        workload=workload,
-        speculative=label,
-        decode_tokens=decode_tokens,
-        decode_s=round(seconds, 4),
-        tokens_per_s=round(decode_tokens / max(seconds, 1e-9), 1),
-        engine_steps=sum(engine.stats.steps.values()) - steps_before,
-        mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else None,
-        acceptance_per_position=per_pos,
-        drafted_tokens=drafted,
-        accepted_tokens=accepted,
-        eager_draft_passes=eager,
-        tokens=[tokens[i] for i in ids],
-        policy=_policy_delta(phases_before, _policy_totals(policy)),
-    )
+    row = start.row(args, bs, workload, label, num_tokens - first_tokens, seconds)
+    row.tokens = [tokens[i] for i in ids]
+    return row
 
 
 def refill_lengths(n: int, decode_steps: int, seed: int) -> list[int]:
@@ -172,10 +148,7 @@ def time_refilled(
     n = args.num_requests
     prompts = prompts_for(workload, n, args.input_len, engine.info.vocab_size, seed=bs)
     lengths = refill_lengths(n, args.decode_steps, seed=bs)
-    before = _snapshot(engine.stats.spec_decode)
-    policy = engine.speculation.policy if engine.speculation is not None else None
-    phases_before = _policy_totals(policy)
-    steps_before = sum(engine.stats.steps.values())
+    start = _Counters(engine)
     tokens: list[list[int]] = [[] for _ in range(n)]
     which: dict[str, int] = {}
     added = done = 0
@@ -193,31 +166,54 @@ def time_refilled(
                 tokens[i] += o.outputs[0].token_ids
                 done += o.finished
     seconds = time.perf_counter() - t0
-    after = _snapshot(engine.stats.spec_decode)
-    drafts, drafted, accepted, eager = (a - b for a, b in zip(after[:4], before[:4]))
-    per_pos = None
-    if drafts:
-        per_pos = [round((a - b) / drafts, 3) for a, b in zip(after[4], before[4])]
-    num_tokens = sum(len(t) for t in tokens)
-    return SpecRow(
-        model=args.current_model,
-        mode=args.current_mode,
-        batch_size=bs,
-        workload=workload,
-        speculative=label,
-        decode_tokens=num_tokens,
-        decode_s=round(seconds, 4),
-        tokens_per_s=round(num_tokens / max(seconds, 1e-9), 1),
-        engine_steps=sum(engine.stats.steps.values()) - steps_before,
-        mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else None,
-        acceptance_per_position=per_pos,
-        drafted_tokens=drafted,
-        accepted_tokens=accepted,
-        eager_draft_passes=eager,
-        num_requests=n,
-        tokens=tokens,
-        policy=_policy_delta(phases_before, _policy_totals(policy)),
-    )
+    row = start.row(args, bs, workload, label, sum(len(t) for t in tokens), seconds)
+    row.num_requests, row.tokens = n, tokens
+    return row
+
+
+class _Counters:
+    """The engine's speculation, policy and step counters when a timed run starts; `row` makes
+    the run's SpecRow from what they moved by."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.spec = _snapshot(engine.stats.spec_decode)
+        self.policy = engine.speculation.policy if engine.speculation is not None else None
+        self.phases = _policy_totals(self.policy)
+        self.steps = sum(engine.stats.steps.values())
+
+    def row(
+        self,
+        args: argparse.Namespace,
+        bs: int,
+        workload: str,
+        label: str,
+        num_tokens: int,
+        seconds: float,
+    ) -> SpecRow:
+        stats = self.engine.stats
+        after = _snapshot(stats.spec_decode)
+        drafts, drafted, accepted, eager = (a - b for a, b in zip(after[:4], self.spec[:4]))
+        per_pos = None
+        if drafts:
+            per_pos = [round((a - b) / drafts, 3) for a, b in zip(after[4], self.spec[4])]
+        return SpecRow(
+            model=args.current_model,
+            mode=args.current_mode,
+            batch_size=bs,
+            workload=workload,
+            speculative=label,
+            decode_tokens=num_tokens,
+            decode_s=round(seconds, 4),
+            tokens_per_s=round(num_tokens / max(seconds, 1e-9), 1),
+            engine_steps=sum(stats.steps.values()) - self.steps,
+            mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else None,
+            acceptance_per_position=per_pos,
+            drafted_tokens=drafted,
+            accepted_tokens=accepted,
+            eager_draft_passes=eager,
+            policy=_policy_delta(self.phases, _policy_totals(self.policy)),
+        )
 
 
 def _policy_totals(policy: Any) -> Optional[dict[str, tuple]]:
