@@ -641,6 +641,7 @@ def test_offline_comparison_runs_at_each_concurrency(tiny, monkeypatch):
     """`--compare-offline`'s engine keeps at most the run's concurrency of requests in flight
     (a finished one replaced by the next), as the server's clients do; None: all at once."""
     from atomrt.runtime.bench import serve as bench
+    from atomrt.runtime.bench.serve_views import offline_tokens_per_s
     from atomrt.runtime.driver.engine import LLMEngine
 
     requests = [bench.Request([5 + i, 6, 7, 8], 3 + i % 3) for i in range(10)]
@@ -652,7 +653,7 @@ def test_offline_comparison_runs_at_each_concurrency(tiny, monkeypatch):
         return step(self)
 
     monkeypatch.setattr(LLMEngine, "step", counting_step)
-    rates = bench.offline_tokens_per_s(
+    rates = offline_tokens_per_s(
         ["--model", str(tiny), *CPU_FLAGS], requests, [2, 2, None], progress=False
     )
     assert list(rates) == [2, None]
