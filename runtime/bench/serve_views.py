@@ -52,7 +52,8 @@ def _closed_loop(
     from atomrt.runtime.sampling_params import SamplingParams
 
     pending = list(requests)
-    in_flight = tokens = steps = 0
+    in_flight = tokens = 0
+    steps = sum(engine.stats.steps.values())  # the counter the server's /metrics reports
     bar = tqdm(total=len(requests), desc=f"offline c={concurrency}", disable=not progress)
     start = time.perf_counter()
     while pending or engine.has_unfinished():
@@ -62,7 +63,6 @@ def _closed_loop(
                 r.prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=r.output_len)
             )
             in_flight += 1
-        steps += 1
         for o in engine.step():
             if o.finished:
                 in_flight -= 1
@@ -70,7 +70,7 @@ def _closed_loop(
                 bar.update(1)
     seconds = time.perf_counter() - start
     bar.close()
-    return tokens / seconds, steps
+    return tokens / seconds, sum(engine.stats.steps.values()) - steps
 
 
 _SCRAPED = (
