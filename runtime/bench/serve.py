@@ -347,10 +347,10 @@ def _line(r: RunResult) -> str:
     if r.failed:
         text += f"  ({r.failed} failed)"
     if r.server_ttft_ms_mean is not None:
+        queued = "-" if r.server_queue_ms_mean is None else f"{r.server_queue_ms_mean:.1f}"
         text += (
-            f"\n{'':>10} server: TTFT mean {r.server_ttft_ms_mean:.1f} ms, queued "
-            f"{r.server_queue_ms_mean if r.server_queue_ms_mean is not None else float('nan'):.1f} "
-            f"ms; {r.server_steps} engine steps"
+            f"\n{'':>10} server: TTFT mean {r.server_ttft_ms_mean:.1f} ms, queued {queued} ms; "
+            f"{r.server_steps} engine steps"
         )
     if r.server_vs_offline is not None:
         text += f"  server/offline {r.server_vs_offline:.3f} (offline {r.offline_steps} steps)"

@@ -94,7 +94,7 @@ def time_workload(
     (with `args.num_requests`: `time_refilled`)."""
     from atomrt.runtime.sampling_params import SamplingParams
 
-    if getattr(args, "num_requests", None):
+    if args.num_requests:
         return time_refilled(llm, workload, bs, args, label)
 
     engine = llm.engine

@@ -130,7 +130,7 @@ def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> None:
     if memo is None:
         memo = _MEMOS[kernel] = LaunchMemo(kernel)
     memo(
-        (grid[0], grid[1], grid[2]) if len(grid) == 3 else (*grid, *(1,) * (3 - len(grid))),
+        (*grid, 1, 1)[:3],
         args[:split],
         args[split:],
         tuple(kwargs.items()),
