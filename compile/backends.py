@@ -259,11 +259,21 @@ class PiecewiseCompileBackend:
         self.piecewise_graphs: list[SplitItem] = []
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        start = time.perf_counter()
+        """Dynamo's call: the graph it traced and the call's inputs (tensors and sizes)."""
         if self.compile_start is not None:
-            logger.info("Dynamo traced %s in %.2f s", self.prefix, start - self.compile_start)
+            logger.info(
+                "Dynamo traced %s in %.2f s", self.prefix, time.perf_counter() - self.compile_start
+            )
+        files = model_source_files(torch._dynamo.utils.get_traced_code() or [])
+        return self.build(graph, example_inputs, files)
+
+    def build(
+        self, graph: torch.fx.GraphModule, example_inputs: list[Any], source_files: list[str]
+    ) -> Callable:
+        """Split, compile or load each piece, stitch. `source_files`: the model files traced."""
+        start = time.perf_counter()
         compilation_counter.num_graphs_seen += 1
-        self._init_cache(example_inputs)
+        self._init_cache(example_inputs, source_files)
         split_gm, items = split_graph(graph, self.splitting_ops)
         self.split_gm, self.piecewise_graphs = split_gm, items
         names = [item.submod_name for item in items if not item.is_splitting_graph]
@@ -298,12 +308,10 @@ class PiecewiseCompileBackend:
             )
         return self.compiled_callable
 
-    def _init_cache(self, example_inputs: list[Any]) -> None:
+    def _init_cache(self, example_inputs: list[Any], files: list[str]) -> None:
         device = next(
             (x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu")
         )
-        traced = torch._dynamo.utils.get_traced_code() or []
-        files = model_source_files(traced)
         self.cache_hash = compute_cache_hash(
             self.config.compute_hash(), files, self.compiler_manager.compute_hash(device)
         )
