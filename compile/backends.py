@@ -257,6 +257,7 @@ class PiecewiseCompileBackend:
         self.cache_dir: Optional[Path] = None
         self.split_gm: Optional[torch.fx.GraphModule] = None
         self.piecewise_graphs: list[SplitItem] = []
+        self.traced: Optional[tuple] = None  # Dynamo's (graph, example inputs, source files)
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         """Dynamo's call: the graph it traced and the call's inputs (tensors and sizes)."""
@@ -265,12 +266,28 @@ class PiecewiseCompileBackend:
                 "Dynamo traced %s in %.2f s", self.prefix, time.perf_counter() - self.compile_start
             )
         files = model_source_files(torch._dynamo.utils.get_traced_code() or [])
+        self.traced = (graph, example_inputs, files)  # for the trace cache; dropped once kept
         return self.build(graph, example_inputs, files)
 
     def build(
+        self,
+        graph: torch.fx.GraphModule,
+        example_inputs: list[Any],
+        source_files: list[str],
+        loads_only: bool = False,
+    ) -> Callable:
+        """Split, compile or load each piece, stitch: after Dynamo's trace or from the trace
+        cache's rebuilt graph (compile/trace_cache.py). `source_files`: the model files traced;
+        `loads_only`: raise PieceNotCached rather than compile a piece."""
+        self.compiler_manager.loads_only = loads_only
+        try:
+            return self._build(graph, example_inputs, source_files)
+        finally:
+            self.compiler_manager.loads_only = False
+
+    def _build(
         self, graph: torch.fx.GraphModule, example_inputs: list[Any], source_files: list[str]
     ) -> Callable:
-        """Split, compile or load each piece, stitch. `source_files`: the model files traced."""
         start = time.perf_counter()
         compilation_counter.num_graphs_seen += 1
         self._init_cache(example_inputs, source_files)

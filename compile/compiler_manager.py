@@ -45,6 +45,7 @@ class CompilationCounter:
     num_piecewise_capturable_graphs_seen: int = 0  # pieces compiled (non-splitting)
     num_inductor_compiles: int = 0  # compilations actually performed by Inductor
     num_cache_loads: int = 0  # artifacts loaded from the on-disk cache
+    num_trace_loads: int = 0  # models built from a kept Dynamo trace (compile/trace_cache.py)
     num_shared_pieces: int = 0  # pieces served by another piece's compiled callable (same code)
     num_cache_misses: int = 0  # lookups that found nothing usable
     num_corrupt_entries: int = 0  # entries found damaged, logged and recompiled
@@ -63,6 +64,10 @@ class CompilationCounter:
 compilation_counter = CompilationCounter()
 
 
+class PieceNotCached(RuntimeError):
+    """A piece the compile cache lacks while the manager may only load (`loads_only`)."""
+
+
 # ---- compile-or-load ------------------------------------------------------------------------
 
 
@@ -77,6 +82,10 @@ class CompilerManager:
         self.disable_cache = True  # until initialize_cache
         self.read_only = False  # load from the cache, never write it (compile/cache.py)
         self.compile_seconds = 0.0
+        # Load or share pieces, never compile them: set while a model is built from a kept trace
+        # (compile/trace_cache.py), whose fake inputs are not Dynamo's and would compile pieces the
+        # cache cannot save; its caller traces instead.
+        self.loads_only = False
         # compiled callables by (runtime shape, piece_signature): a piece computing what an
         # earlier one computes (a decoder's middle layers) reuses its callable
         self._shared: dict[tuple[Optional[int], str], Callable] = {}
@@ -127,6 +136,8 @@ class CompilerManager:
         if entry is None:
             return None
         if entry.get("graph_hash") != graph_fingerprint(graph, example_inputs):
+            if self.loads_only:  # the caller traces and meets this entry again: logged there
+                raise PieceNotCached(f"piece {graph_index} was compiled for a different graph")
             logger.warning(
                 "compile cache: entry %s was compiled for a different graph; recompiling", key
             )
@@ -136,6 +147,8 @@ class CompilerManager:
                 entry["handle"], graph, example_inputs, graph_index, runtime_shape
             )
         except CorruptCacheEntry as e:
+            if self.loads_only:  # the caller traces and meets this entry again: counted there
+                raise PieceNotCached(f"piece {graph_index}: {e}") from e
             compilation_counter.num_corrupt_entries += 1
             logger.warning("compile cache: %s; recompiling", e)
             del self.cache[key]
@@ -236,6 +249,10 @@ class CompilerManager:
         self, graph, example_inputs, config, graph_index, num_graphs, runtime_shape
     ) -> Callable:
         key = (runtime_shape, graph_index, self.compiler.name)
+        if self.loads_only and not isinstance(self.compiler, EagerAdaptor):
+            raise PieceNotCached(
+                f"the compile cache has no piece {graph_index} for {runtime_shape}"
+            )
         start = time.perf_counter()
         compiled, handle = self.compiler.compile(
             graph,

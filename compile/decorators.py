@@ -38,8 +38,11 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
+from atomrt.compile import trace_cache
 from atomrt.compile.backends import PiecewiseCompileBackend, compilation_counter, current_rank
+from atomrt.compile.cache import cache_root, is_read_only
 from atomrt.runtime.config import CompilationLevel, Config
+from atomrt.runtime.envs import ENV
 
 logger = logging.getLogger("atomrt.compile.decorators")
 
@@ -60,6 +63,7 @@ class TorchCompileWrapperWithCustomDispatcher:
     _init_takes_config = False
 
     def __init__(self, *args: Any, config: Optional[Config] = None, **kwargs: Any):
+        self._init_text = trace_cache.describe_init(args, kwargs)
         if self._init_takes_config:
             kwargs["config"] = config
         super().__init__(*args, **kwargs)
@@ -107,18 +111,118 @@ class TorchCompileWrapperWithCustomDispatcher:
 
     def _compile_and_call(self, args: tuple, kwargs: dict) -> Any:
         start = start_monitoring_torch_compile(self.atomrt_config)
-        self.compile_backend.compile_start = start
         self._mark_dynamic(args, kwargs)
-        hook = torch._dynamo.convert_frame.register_bytecode_hook(self.bytecode_hook)
-        try:
-            output = self.compiled_callable(*args, **kwargs)
-        finally:
-            hook.remove()
-        self._install_dispatcher()
+        entry = self._trace_entry(args, kwargs)
+        state = trace_cache.module_state(self) if entry is not None else ""
+        traced = trace_cache.load(entry, state) if entry is not None else None
+        output = None
+        if traced is not None:
+            output = self._call_traced(traced, entry, args, kwargs)
+        if self._compiled_forward is None:
+            self.compile_backend.compile_start = start
+            hook = torch._dynamo.convert_frame.register_bytecode_hook(self.bytecode_hook)
+            try:
+                output = self.compiled_callable(*args, **kwargs)
+            finally:
+                hook.remove()
+            self._install_dispatcher()
+            self._keep_trace(entry, state, output)
         elapsed = time.perf_counter() - start
         compilation_counter.compile_seconds += elapsed
         logger.info("torch.compile of %s took %.2f s in total", type(self).__name__, elapsed)
         return output
+
+    def _trace_entry(self, args: tuple, kwargs: dict) -> Optional[Path]:
+        """Where this model's trace is kept (compile/trace_cache.py), or None where it is not."""
+        cc = self.atomrt_config.compilation_config
+        if not ENV.trace_cache or self._init_text is None:
+            return None
+        device = next(
+            (x.device for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)),
+            torch.device("cpu"),
+        )
+        key = trace_cache.trace_key(
+            self.atomrt_config.compute_hash(),
+            type(self),
+            self._init_text,
+            self._compile_prefix,
+            device,
+        )
+        return trace_cache.entry_path(
+            cache_root(cc.cache_dir), key, current_rank(), self._compile_prefix
+        )
+
+    def _call_traced(self, traced: Any, entry: Path, args: tuple, kwargs: dict) -> Any:
+        """Build the compiled model from a kept trace and call it; None (and a fresh backend for
+        Dynamo) where the trace does not fit this model or call."""
+        forward = type(self).forward
+        bound = inspect.signature(forward).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        start = time.perf_counter()
+        try:
+            graph = trace_cache.rebuild_graph(traced)
+            inputs, fakes, fake_mode = trace_cache.example_inputs(traced, bound.arguments)
+            trace_cache.propagate(graph, fakes, fake_mode)
+            rebuilt = time.perf_counter() - start
+            with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+                compiled = self.compile_backend.build(
+                    graph, inputs, traced.source_files, loads_only=True
+                )
+            self._compiled_forward = trace_cache.forward_calling(compiled, traced, forward)
+            output = self._compiled_forward(self, *args, **kwargs)
+        except Exception as e:  # a kept trace never stops a start: trace as if it were not there
+            logger.warning(
+                "%s: the trace kept at %s does not fit (%s: %s); tracing",
+                type(self).__name__,
+                entry,
+                type(e).__name__,
+                e,
+            )
+            self._compiled_forward = None
+            self.compile_backend = PiecewiseCompileBackend(
+                self.atomrt_config, prefix=self._compile_prefix
+            )
+            self.compiled_callable = torch.compile(
+                self.forward, backend=self.compile_backend, fullgraph=True, dynamic=False
+            )
+            return None
+        compilation_counter.num_trace_loads += 1
+        logger.info(
+            "%s: built from Dynamo's trace kept at %s (graph rebuilt in %.2f s), no Dynamo",
+            type(self).__name__,
+            entry,
+            rebuilt,
+        )
+        return output
+
+    def _keep_trace(self, entry: Optional[Path], state: str, output: Any) -> None:
+        """After Dynamo's trace: call through the generated forward from now on and write the
+        trace where `entry` says, if the trace can be kept."""
+        traced_by_backend, self.compile_backend.traced = self.compile_backend.traced, None
+        if entry is None or traced_by_backend is None or not self.compiled_codes:
+            return
+        original = type(self).forward.__code__
+        if (
+            not self.use_custom_dispatcher
+            or self.compiled_codes[0].co_freevars != original.co_freevars
+        ):
+            return
+        graph, inputs, files = traced_by_backend
+        try:
+            traced = trace_cache.capture(
+                graph, inputs, self.compiled_codes[0], output, files, state
+            )
+            compiled = self.compile_backend.compiled_callable
+            self._compiled_forward = trace_cache.forward_calling(
+                compiled, traced, type(self).forward
+            )
+        except trace_cache.Ineligible as e:
+            logger.info("%s: Dynamo's trace is not kept: %s", type(self).__name__, e)
+            return
+        if ENV.compile_cache_read_only or is_read_only(entry.parent):
+            return
+        trace_cache.save(entry, traced)
+        logger.info("%s: Dynamo's trace kept at %s", type(self).__name__, entry)
 
     def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:
         bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)

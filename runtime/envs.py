@@ -17,6 +17,7 @@ FORWARDED_TO_WORKERS = (
     "ATOMRT_PDL",
     "ATOMRT_ALLOW_LONG_MAX_MODEL_LEN",
     "ATOMRT_COMPILE_CACHE_READ_ONLY",
+    "ATOMRT_TRACE_CACHE",
 )
 
 
@@ -35,6 +36,9 @@ class Env:
     # pods on a cache a prewarm job filled). A cache directory that is not writable is read-only
     # anyway. Default 0.
     compile_cache_read_only: bool
+    # ATOMRT_TRACE_CACHE: keep Dynamo's trace of a model beside the compile cache and build the
+    # model from it in later processes instead of tracing again (compile/trace_cache.py). Default 1.
+    trace_cache: bool = True
     # The variables of FORWARDED_TO_WORKERS set in this process, as (name, value) pairs.
     forwarded: tuple[tuple[str, str], ...] = ()
 
@@ -51,6 +55,7 @@ def read_env() -> Env:
         allow_long_max_model_len=os.environ.get("ATOMRT_ALLOW_LONG_MAX_MODEL_LEN", "0") == "1",
         api_key=os.environ.get("ATOMRT_API_KEY", ""),
         compile_cache_read_only=os.environ.get("ATOMRT_COMPILE_CACHE_READ_ONLY", "0") == "1",
+        trace_cache=os.environ.get("ATOMRT_TRACE_CACHE", "1") == "1",
         forwarded=tuple((k, os.environ[k]) for k in FORWARDED_TO_WORKERS if k in os.environ),
     )
 

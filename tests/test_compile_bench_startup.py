@@ -20,6 +20,7 @@ def test_bench_startup_toy(tmp_path, capsys):
     # size 4), shared by both
     assert result["cold_inductor_compiles"] == 2
     assert result["warm_inductor_compiles"] == 0 and result["warm_cache_loads"] == 2
+    assert result["warm_trace_loads"] == 1  # the warm child ran no Dynamo
     assert result["warm_compile_s"] < result["cold_compile_s"]
     assert result["ratio"] == pytest.approx(
         result["warm_compile_s"] / result["cold_compile_s"], abs=0.01

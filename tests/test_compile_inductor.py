@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_compile_toys import make_config, make_models, max_diff
 
-from atomrt.compile import PiecewiseBackend, compilation_counter
+from atomrt.compile import PiecewiseBackend, compilation_counter, trace_cache
 from atomrt.compile.cache import INDEX_FILE_NAME, read_index, verify_ready_marker
 
 TOYS = Path(__file__).with_name("test_compile_toys.py")
@@ -27,10 +27,17 @@ TOLERANCE = 1e-4
 
 
 def run_child(cache_dir: Path, level: int, two_ops: bool, num_layers: int = 2) -> tuple[dict, str]:
+    # The child imports the toys as this process does (not as __main__), so its model class has
+    # the same qualified name, which the trace cache's key holds.
+    run_toys = (
+        f"import sys; sys.path.insert(0, {str(TOYS.parent)!r}); import test_compile_toys; "
+        "test_compile_toys.main(sys.argv[1:])"
+    )
     proc = subprocess.run(
         [
             sys.executable,
-            str(TOYS),
+            "-c",
+            run_toys,
             str(cache_dir),
             str(level),
             "1" if two_ops else "0",
@@ -51,7 +58,7 @@ def _result(stdout: str) -> dict:
 
 
 def _prefix_dir(cache_root: Path) -> Path:
-    (hash_dir,) = [p for p in cache_root.iterdir() if p.is_dir()]
+    (hash_dir,) = [p for p in cache_root.iterdir() if p.is_dir() and p.name != trace_cache.DIR_NAME]
     return hash_dir / "rank_0" / "backbone"
 
 
@@ -98,6 +105,7 @@ def test_second_process_loads_every_artifact(level3_cache):
     assert result["max_diff"] <= TOLERANCE
     assert result["counter"]["num_inductor_compiles"] == 0
     assert result["counter"]["num_cache_loads"] == 6
+    assert result["counter"]["num_trace_loads"] == 1  # built from the trace kept here: no Dynamo
 
 
 def test_truncated_artifact_is_recompiled_with_a_warning(level3_cache, tmp_path):
@@ -113,7 +121,10 @@ def test_truncated_artifact_is_recompiled_with_a_warning(level3_cache, tmp_path)
     assert result["max_diff"] <= TOLERANCE
     assert result["counter"]["num_corrupt_entries"] == 1
     assert result["counter"]["num_inductor_compiles"] == 1
-    assert result["counter"]["num_cache_loads"] == 5
+    # 5 after tracing, and the first piece once before: the build from the kept trace stops at
+    # the damaged piece and the child traces instead
+    assert result["counter"]["num_cache_loads"] == 6
+    assert result["counter"]["num_trace_loads"] == 0
     assert "WARNING" in stderr and "truncated" in stderr
     verify_ready_marker(artifact)  # rewritten whole
 

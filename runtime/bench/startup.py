@@ -53,6 +53,7 @@ class StartupBench:
     cold_inductor_compiles: int
     warm_inductor_compiles: int
     warm_cache_loads: int
+    warm_trace_loads: int  # models the warm child built from Dynamo's kept trace (no Dynamo)
     cold_phases: list = field(default_factory=list)  # see ChildResult.phases
     warm_phases: list = field(default_factory=list)
 
@@ -203,6 +204,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cold_inductor_compiles=cold.counter["num_inductor_compiles"],
         warm_inductor_compiles=warm.counter["num_inductor_compiles"],
         warm_cache_loads=warm.counter["num_cache_loads"],
+        warm_trace_loads=warm.counter["num_trace_loads"],
         cold_phases=cold.phases,
         warm_phases=warm.phases,
     )
@@ -210,7 +212,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"startup {bench.model} level 3: compile cold {bench.cold_compile_s:.2f} s, warm {bench.warm_compile_s:.2f} s, "
         f"warm/cold {bench.ratio:.2f} (target <= {TARGET_RATIO}); start-up cold {bench.cold_startup_s:.2f} s, "
         f"warm {bench.warm_startup_s:.2f} s; Inductor compiles cold {bench.cold_inductor_compiles} / warm "
-        f"{bench.warm_inductor_compiles}, warm loads {bench.warm_cache_loads}"
+        f"{bench.warm_inductor_compiles}, warm loads {bench.warm_cache_loads}, warm models built "
+        f"from the kept trace {bench.warm_trace_loads}"
     )
     for (name, c), (_, w) in zip(bench.cold_phases, bench.warm_phases):
         print(f"  {name:<58} cold {c:8.2f} s   warm {w:8.2f} s")

@@ -1,0 +1,479 @@
+"""Dynamo's trace kept beside the compile cache: a warm start calls the model without tracing it.
+
+At levels 2 and 3 a decorated model's first call runs Dynamo, which turns `forward` into an FX
+graph and bytecode that gathers the graph's inputs (the call's tensors, their sizes, the module's
+parameters and buffers) and calls the compiled graph. The compile cache keeps the compiled pieces,
+but every process used to trace again: seconds of Python before the first piece loads.
+
+When Dynamo's bytecode does nothing but gather inputs and return the graph's one output,
+`capture()` records the graph (each node's op, name, target and arguments) and each input's source
+(`L['self']._modules['norm']._parameters['weight']`, `L['input_ids'].size()[0]`), written at
+
+    <root>/forward/<key>/rank_<i>/<prefix>.pkl
+
+`<key>` covers what the trace depends on and is known before tracing: `Config.compute_hash()`, the
+decorated class and its constructor arguments, torch / triton / Python versions and the device.
+The entry also names the source files Dynamo traced and their hash, checked again on load (an
+edited layer file means a new trace). A later process with the same key rebuilds the graph, makes
+fake inputs of the traced kinds (dim 0 of each dynamic argument symbolic), hands both to the backend,
+which loads its pieces as after a trace, and calls the result through `forward_calling()`, a
+function generated from the sources. The tracing process calls through the same generated function,
+so a traced start and a warm one run the same code. Anything the entry cannot express (a graph
+attribute or submodule, an unknown target or argument kind, bytecode with side effects, more than
+one output) keeps Dynamo's bytecode and writes no entry.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import dis
+import hashlib
+import importlib
+import inspect
+import json
+import logging
+import math
+import operator
+import os
+import pickle
+import re
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.fx
+
+from atomrt.compile.cache import compiler_factors, source_hash
+
+logger = logging.getLogger("atomrt.compile.trace_cache")
+
+FORMAT = 1
+DIR_NAME = "forward"
+
+# What Dynamo's bytecode may read besides the attribute paths of the inputs' sources: the compiled
+# graph (a global `__compiled_fn_*`) and these utilities. Anything else (a store, another global,
+# another attribute) may be a side effect the generated forward would not replay.
+_DYNAMO_UTILS = {"call_size", "record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"}
+_GLOBALS = ("__compiled_fn", "__import_torch_dot__dynamo_dot_utils")
+_STORES = {
+    "STORE_ATTR",
+    "STORE_GLOBAL",
+    "STORE_SUBSCR",
+    "STORE_DEREF",
+    "DELETE_ATTR",
+    "DELETE_GLOBAL",
+    "DELETE_SUBSCR",
+    "IMPORT_NAME",
+}
+_LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
+_FUNCTION_HOMES = (torch, torch.nn.functional, torch._C._nn, operator, math, builtins)
+
+
+class Ineligible(ValueError):
+    """Why a trace cannot be kept (logged; the model keeps Dynamo's bytecode)."""
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A graph node named in another node's arguments."""
+
+    name: str
+
+
+@dataclass
+class TracedForward:
+    """One decorated model's trace: enough to rebuild the graph and call it without Dynamo."""
+
+    # (op, name, target reference, args, kwargs, type, stack trace), in graph order; the type
+    # (an input's annotation) and the stack trace (the source line the generated code names) make
+    # the pieces' code, the compile cache's fingerprint, come out as after a trace
+    nodes: list
+    # per graph input, in order: (source expression, dtype or None for a SymInt, static dims with
+    # None where the dim is symbolic)
+    inputs: list
+    source_files: list  # the model files Dynamo traced (absolute paths)
+    source_hash: str  # their hash when traced (compile/cache.py's source_hash)
+    state: str  # module_state() of the model when traced
+    format: int = FORMAT
+
+
+# ---- keys and paths ---------------------------------------------------------------------------
+
+
+def describe_init(args: tuple, kwargs: dict) -> Optional[str]:
+    """The decorated class's constructor arguments as text, or None where the text would name an
+    object by address (no two processes would share the key). A process group (a tensor-parallel
+    model's) counts by its kind: the ranks and sizes beside it say what the trace depends on."""
+    text = repr((args, sorted(kwargs.items())))
+    text = re.sub(r"<[\w.]*ProcessGroup object at 0x[0-9a-f]+>", "<ProcessGroup>", text)
+    return None if re.search(r" at 0x[0-9a-f]+", text) else text
+
+
+def trace_key(
+    config_hash: str, model_cls: type, init_text: str, prefix: str, device: torch.device
+) -> str:
+    blob = json.dumps(
+        {
+            "format": FORMAT,
+            "config": config_hash,
+            "class": f"{model_cls.__module__}.{model_cls.__qualname__}",
+            "init": init_text,
+            "prefix": prefix,
+            "compiler": compiler_factors(device),
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def entry_path(root: Path, key: str, rank: int, prefix: str) -> Path:
+    return root / DIR_NAME / key / f"rank_{rank}" / f"{prefix}.pkl"
+
+
+def _plain_value(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_plain_value(v) for v in value)
+    return isinstance(value, _LITERALS)
+
+
+def module_state(model: torch.nn.Module) -> str:
+    """A hash of what Dynamo reads besides the key and may guard on: every plain attribute (a
+    number, string, flag, dtype or device, or a tuple of them) of every submodule, each other
+    attribute's type, the parameters' and buffers' names, and the grad and inference modes. A flag
+    set on the model after it was built, which the key cannot see, changes it."""
+    parts = [
+        f"grad={torch.is_grad_enabled()} inference={torch.is_inference_mode_enabled()}",
+        f"default_dtype={torch.get_default_dtype()}",
+    ]
+    for name, module in model.named_modules():
+        parts.append(f"module {name} {type(module).__qualname__}")
+        for key, value in sorted(vars(module).items()):
+            if key in ("_parameters", "_buffers"):
+                parts.append(f"{key} {sorted(value)}")
+            elif not key.startswith("_"):
+                parts.append(f"{key}={value!r}" if _plain_value(value) else f"{key}: {type(value)}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+# ---- capture ----------------------------------------------------------------------------------
+
+
+def _target_ref(target: Any) -> tuple:
+    if isinstance(target, str):
+        return ("str", target)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return ("op", target._qualified_op_name)
+    if isinstance(target, torch._ops.OpOverload):
+        return ("op", target._schema.name, target._overloadname)
+    name = getattr(target, "__name__", None)
+    module = getattr(target, "__module__", None)
+    if module and name and _resolve(("fn", module, name)) is target:
+        return ("fn", module, name)
+    for home in _FUNCTION_HOMES:
+        if name and getattr(home, name, None) is target:
+            return ("fn", home.__name__, name)
+    raise Ineligible(f"graph target {target!r} has no importable name")
+
+
+def _type_ref(cls: Any) -> tuple:
+    if isinstance(cls, type) and _resolve(("type", cls.__module__, cls.__qualname__)) is cls:
+        return ("type", cls.__module__, cls.__qualname__)
+    raise Ineligible(f"graph input type {cls!r} has no importable name")
+
+
+def _resolve(ref: tuple) -> Any:
+    kind = ref[0]
+    if kind == "str":
+        return ref[1]
+    if kind == "op":
+        namespace, name = ref[1].split("::")
+        packet = getattr(getattr(torch.ops, namespace), name)
+        return getattr(packet, ref[2]) if len(ref) == 3 else packet
+    try:
+        value = importlib.import_module(ref[1])
+        for part in ref[2].split("."):
+            value = getattr(value, part)
+        return value
+    except (ImportError, AttributeError):
+        return None
+
+
+def _plain(value: Any) -> Any:
+    """A node argument with nodes as `_Ref`s and containers as plain ones; Ineligible for a value
+    the entry could not rebuild."""
+    if isinstance(value, torch.fx.Node):
+        return _Ref(value.name)
+    if isinstance(value, _LITERALS) or value is Ellipsis or isinstance(value, torch.memory_format):
+        return value
+    if isinstance(value, slice):
+        return slice(_plain(value.start), _plain(value.stop), _plain(value.step))
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    raise Ineligible(f"graph argument {value!r} ({type(value).__name__}) cannot be kept")
+
+
+def _check_bytecode(code: types.CodeType, sources: list[str]) -> None:
+    """Dynamo's bytecode must only read: the compiled graph and its utilities module (globals),
+    the attribute paths of the inputs' sources and the utilities it calls (attributes)."""
+    attributes = set(_DYNAMO_UTILS)
+    for source in sources:
+        attributes.update(re.findall(r"\w+", source))
+    for instruction in dis.get_instructions(code):
+        name = instruction.opname
+        if name in _STORES:
+            raise Ineligible(f"Dynamo's bytecode has {name} {instruction.argval}")
+        if name in ("LOAD_GLOBAL", "LOAD_NAME"):
+            if not str(instruction.argval).startswith(_GLOBALS):
+                raise Ineligible(f"Dynamo's bytecode reads the global {instruction.argval!r}")
+        elif name in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval not in attributes:
+            raise Ineligible(f"Dynamo's bytecode reads the attribute {instruction.argval!r}")
+
+
+def capture(
+    graph: torch.fx.GraphModule,
+    example_inputs: list,
+    code: types.CodeType,
+    output: Any,
+    source_files: list[str],
+    state: str,
+) -> TracedForward:
+    """The trace of one model; Ineligible where it cannot be kept."""
+    nodes = []
+    inputs = []
+    for node, example in zip(
+        (n for n in graph.graph.nodes if n.op == "placeholder"), example_inputs
+    ):
+        source = getattr(node, "_dynamo_source", None)
+        if source is None:
+            raise Ineligible(f"graph input {node.name} has no Dynamo source")
+        expression = source.name() if callable(source.name) else source.name
+        if isinstance(example, torch.SymInt):
+            inputs.append((expression, None, None))
+        elif isinstance(example, torch.Tensor):
+            value = node.meta.get("example_value")
+            dims = [d if isinstance(d, int) else None for d in value.shape]
+            inputs.append((expression, example.dtype, dims))
+        else:
+            raise Ineligible(f"graph input {node.name} is a {type(example).__name__}")
+    expressions = [expression for expression, _, _ in inputs]
+    for expression in expressions:
+        _python_expression(expression)
+    _check_bytecode(code, expressions)
+    for node in graph.graph.nodes:
+        if node.op in ("get_attr", "call_module"):
+            raise Ineligible(f"the graph reads module state ({node.op} {node.target})")
+        nodes.append(
+            (
+                node.op,
+                node.name,
+                _target_ref(node.target),
+                _plain(tuple(node.args)),
+                _plain(dict(node.kwargs)),
+                None if node.type is None else _type_ref(node.type),
+                node.meta.get("stack_trace"),
+            )
+        )
+    returned = nodes[-1][3][0]
+    if not (
+        isinstance(output, torch.Tensor) and isinstance(returned, tuple) and len(returned) == 1
+    ):
+        raise Ineligible("forward does not return the graph's one output")
+    return TracedForward(nodes, inputs, sorted(source_files), source_hash(source_files), state)
+
+
+# ---- save and load ----------------------------------------------------------------------------
+
+
+def save(path: Path, traced: TracedForward) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(pickle.dumps(traced))
+    os.replace(tmp, path)
+
+
+def load(path: Path, state: str) -> Optional[TracedForward]:
+    """The entry at `path` if it is there, readable and still matches its source files and the
+    model's `module_state()`."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        traced = pickle.loads(data)
+        assert isinstance(traced, TracedForward) and traced.format == FORMAT
+    except Exception as e:  # a truncated or foreign file: trace again (and overwrite it)
+        logger.warning("trace cache: %s is unreadable (%s: %s); tracing", path, type(e).__name__, e)
+        return None
+    try:
+        current = source_hash(traced.source_files)
+    except OSError:
+        current = None
+    if current != traced.source_hash:
+        logger.info("trace cache: the model's source files changed since %s; tracing", path)
+        return None
+    if state != traced.state:
+        logger.info("trace cache: the model's attributes differ from %s's; tracing", path)
+        return None
+    return traced
+
+
+# ---- rebuild and call -------------------------------------------------------------------------
+
+
+def rebuild_graph(traced: TracedForward) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    by_name: dict[str, torch.fx.Node] = {}
+
+    def real(value: Any) -> Any:
+        if isinstance(value, _Ref):
+            return by_name[value.name]
+        if isinstance(value, slice):
+            return slice(real(value.start), real(value.stop), real(value.step))
+        if isinstance(value, tuple):
+            return tuple(real(v) for v in value)
+        if isinstance(value, list):
+            return [real(v) for v in value]
+        if isinstance(value, dict):
+            return {k: real(v) for k, v in value.items()}
+        return value
+
+    for op, name, target, args, kwargs, type_ref, stack_trace in traced.nodes:
+        resolved = _resolve(target)
+        type_expr = None if type_ref is None else _resolve(type_ref)
+        if resolved is None or (type_ref is not None and type_expr is None):
+            raise Ineligible(f"graph target {target} or type {type_ref} no longer exists")
+        node = graph.create_node(
+            op, resolved, real(args), real(kwargs), name=name, type_expr=type_expr
+        )
+        if stack_trace is not None:
+            node.meta["stack_trace"] = stack_trace
+        if node.name != name:
+            raise Ineligible(f"graph node {name} came back as {node.name}")
+        by_name[name] = node
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _python_expression(source: str) -> str:
+    """A source expression with `L['name']` as the local `name`; Ineligible unless what is left
+    reads attributes, subscripts with constants and `.size()`."""
+    text = re.sub(r"L\['(\w+)'\]", r"\1", source)
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as e:
+        raise Ineligible(f"source {source!r} is not an expression") from e
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            if not (
+                isinstance(node.func, ast.Attribute)
+                and node.func.attr == "size"
+                and not node.args
+                and not node.keywords
+            ):
+                raise Ineligible(f"source {source!r} calls something")
+        elif not isinstance(
+            node, (ast.Expression, ast.Attribute, ast.Subscript, ast.Constant, ast.Name, ast.Load)
+        ):
+            raise Ineligible(f"source {source!r} has a {type(node).__name__}")
+    return text
+
+
+def forward_calling(compiled: Callable, traced: TracedForward, forward: Callable) -> Callable:
+    """A function with `forward`'s parameters that reads the graph's inputs from them (each
+    source as Dynamo's bytecode reads it, on every call) and returns the compiled graph's output."""
+    signature = inspect.signature(forward)
+    params = []
+    defaults: dict[str, Any] = {}
+    for param in signature.parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise Ineligible(f"forward takes *{param.name}")
+        text = param.name
+        if param.default is not param.empty:
+            defaults[f"__default_{param.name}"] = param.default
+            text += f"=__default_{param.name}"
+        if param.kind == param.KEYWORD_ONLY and "*" not in params:
+            params.append("*")
+        params.append(text)
+    arguments = ", ".join(_python_expression(source) for source, _, _ in traced.inputs)
+    source = (
+        f"def {forward.__name__}({', '.join(params)}):\n    return __compiled({arguments})[0]\n"
+    )
+    namespace: dict[str, Any] = {"__compiled": compiled, **defaults}
+    exec(compile(source, f"<atomrt traced {forward.__qualname__}>", "exec"), namespace)
+    return namespace[forward.__name__]
+
+
+def example_inputs(
+    traced: TracedForward, bound_arguments: dict[str, Any]
+) -> tuple[list, list, Any]:
+    """The backend's example inputs for a rebuilt graph: the real tensors and parameters of this
+    call (checked against the traced dtypes and static dims) and each size input as a SymInt; with
+    them, each input's fake (dim 0 of a dynamic argument symbolic, every other dim static) and the
+    fake mode that made them. The caller holds the fakes while the backend runs: the fake mode
+    finds a real tensor's fake only while the fake is alive. Ineligible where this call does not
+    match the trace."""
+    from torch._dynamo.source import LocalSource
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False))
+    fake_scope: dict[str, Any] = {}
+    values: list = []
+    fakes: list = []
+    for source, dtype, dims in traced.inputs:
+        if dtype is None:  # a size: below, once the tensors it measures have fakes
+            values.append(None)
+            fakes.append(None)
+            continue
+        value = eval(_python_expression(source), {}, dict(bound_arguments))
+        if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+            raise Ineligible(f"{source} is no longer a {dtype} tensor")
+        if value.dim() != len(dims) or any(
+            d is not None and d != s for d, s in zip(dims, value.shape)
+        ):
+            raise Ineligible(f"{source} has shape {tuple(value.shape)}, traced {dims}")
+        name = re.fullmatch(r"L\['(\w+)'\]", source)
+        if None in dims and name is None:
+            raise Ineligible(f"{source} has a symbolic dim but is not an argument")
+        context = StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.DYNAMIC if d is None else DimDynamic.STATIC for d in dims]
+        )
+        fake = fake_mode.from_tensor(
+            value, symbolic_context=context, source=LocalSource(name.group(1) if name else source)
+        )
+        if name is not None:
+            fake_scope[name.group(1)] = fake
+        values.append(value)
+        fakes.append(fake)
+    for i, (source, dtype, _) in enumerate(traced.inputs):
+        if dtype is None:
+            size = eval(_python_expression(source), {}, fake_scope)
+            if not isinstance(size, torch.SymInt):
+                raise Ineligible(f"{source} is not a size of a dynamic argument")
+            values[i] = fakes[i] = size
+    return values, fakes, fake_mode
+
+
+def propagate(graph: torch.fx.GraphModule, fakes: list, fake_mode: Any) -> None:
+    """Give every node of a rebuilt graph the `example_value` Dynamo's would have: what splitting
+    reads to pass sizes on to the pieces that use them."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    FakeTensorProp(graph, fake_mode).propagate_dont_convert_inputs(*fakes)
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    for node, fake in zip(placeholders, fakes):
+        node.meta["example_value"] = fake
+    for node in graph.graph.nodes:
+        if node.op != "placeholder" and "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]

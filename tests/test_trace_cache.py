@@ -1,0 +1,202 @@
+"""Dynamo's trace kept beside the compile cache (compile/trace_cache.py).
+
+The real model classes (tiny random Llama and Qwen3 checkpoints) at level 3 on CPU: the first
+build traces and keeps the trace, a second build in a fresh model object loads it and runs no
+Dynamo, with the same logits bit for bit (and eager's within 1e-4). A changed source file, a changed
+model attribute, a damaged entry and a compile cache without the pieces each fall back to tracing.
+A forward with a side effect keeps Dynamo's bytecode. The cross-process case is in
+tests/test_compile_inductor.py (a child process builds from the kept trace).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from model_harness import run_prefill_and_decode
+from test_compile_models import PROMPTS_3, folder  # noqa: F401 (the fixture)
+from test_compile_toys import inputs, make_config
+
+from atomrt.compile import compilation_counter, support_torch_compile, trace_cache
+from atomrt.runtime.config import CompilationConfig, Config
+from atomrt.workers.loading.loader import load_model
+
+
+def _build(model_dir: Path, cache_dir: Path, level: int = 3):
+    cc = CompilationConfig(level=level, compile_sizes=[3], cache_dir=str(cache_dir))
+    config = Config(model=str(model_dir), device="cpu", compilation_config=cc)
+    torch._dynamo.reset()
+    return load_model(config, "cpu", torch.float32).model
+
+
+def _run(model) -> list[torch.Tensor]:
+    return run_prefill_and_decode(model, PROMPTS_3, 3).logits
+
+
+def _entries(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / trace_cache.DIR_NAME).glob("*/rank_0/*.pkl"))
+
+
+def _compiled(model):
+    (unit,) = [m for m in model.modules() if hasattr(m, "compiled_codes")]
+    return unit
+
+
+def test_a_kept_trace_builds_the_model_without_dynamo(folder: Path, tmp_path: Path) -> None:  # noqa: F811
+    eager = _run(_build(folder, tmp_path, level=0))
+    traced_model = _build(folder, tmp_path)
+    before = compilation_counter.snapshot()
+    traced = _run(traced_model)
+    assert len(_entries(tmp_path)) == 1
+    assert len(_compiled(traced_model).compiled_codes) == 1  # Dynamo ran
+    assert compilation_counter.num_trace_loads == before["num_trace_loads"]
+
+    loaded_model = _build(folder, tmp_path)
+    before = compilation_counter.snapshot()
+    loaded = _run(loaded_model)
+    after = compilation_counter.snapshot()
+    assert after["num_trace_loads"] == before["num_trace_loads"] + 1
+    assert _compiled(loaded_model).compiled_codes == []  # no Dynamo
+    assert after["num_inductor_compiles"] == before["num_inductor_compiles"]
+    assert after["num_cache_loads"] > before["num_cache_loads"]
+    for a, b, e in zip(traced, loaded, eager):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(b, e, atol=1e-4, rtol=1e-4)
+
+
+def _rewrite(entry: Path, **changes) -> None:
+    traced = pickle.loads(entry.read_bytes())
+    for key, value in changes.items():
+        setattr(traced, key, value)
+    entry.write_bytes(pickle.dumps(traced))
+
+
+def test_an_edited_source_file_means_a_new_trace(folder: Path, tmp_path: Path) -> None:  # noqa: F811
+    _run(_build(folder, tmp_path))
+    (entry,) = _entries(tmp_path)
+    real_hash = pickle.loads(entry.read_bytes()).source_hash
+    _rewrite(entry, source_hash="0" * 64)  # as if llama.py had changed since
+    model = _build(folder, tmp_path)
+    before = compilation_counter.snapshot()
+    _run(model)
+    assert compilation_counter.num_trace_loads == before["num_trace_loads"]
+    assert len(_compiled(model).compiled_codes) == 1
+    assert pickle.loads(entry.read_bytes()).source_hash == real_hash  # written again
+
+
+def test_a_changed_model_attribute_means_a_new_trace(folder: Path, tmp_path: Path) -> None:  # noqa: F811
+    _run(_build(folder, tmp_path))
+    model = _build(folder, tmp_path)
+    unit = _compiled(model)
+    unit.layers[0].self_attn.some_flag = True  # set after construction: not in the key
+    before = compilation_counter.snapshot()
+    _run(model)
+    assert compilation_counter.num_trace_loads == before["num_trace_loads"]
+    assert len(unit.compiled_codes) == 1
+
+
+def test_a_damaged_entry_is_traced_over(folder: Path, tmp_path: Path, caplog) -> None:  # noqa: F811
+    _run(_build(folder, tmp_path))
+    (entry,) = _entries(tmp_path)
+    entry.write_bytes(entry.read_bytes()[:100])
+    model = _build(folder, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="atomrt.compile.trace_cache"):
+        _run(model)
+    assert "unreadable" in caplog.text
+    assert len(_compiled(model).compiled_codes) == 1
+    assert isinstance(pickle.loads(entry.read_bytes()), trace_cache.TracedForward)
+
+
+def test_pieces_missing_from_the_compile_cache_are_traced_again(
+    folder: Path,  # noqa: F811
+    tmp_path: Path,
+    caplog,
+) -> None:
+    eager = _run(_build(folder, tmp_path, level=0))
+    _run(_build(folder, tmp_path))
+    for hash_dir in tmp_path.iterdir():
+        if hash_dir.name != trace_cache.DIR_NAME:
+            shutil.rmtree(hash_dir)
+    model = _build(folder, tmp_path)
+    before = compilation_counter.snapshot()
+    with caplog.at_level(logging.WARNING, logger="atomrt.compile.decorators"):
+        logits = _run(model)
+    assert "PieceNotCached" in caplog.text
+    assert compilation_counter.num_trace_loads == before["num_trace_loads"]
+    assert compilation_counter.num_inductor_compiles > before["num_inductor_compiles"]
+    assert len(_compiled(model).compiled_codes) == 1
+    for a, e in zip(logits, eager):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+
+
+class _CountingToy(torch.nn.Module):
+    """A forward with a side effect Dynamo's bytecode replays (it sets an attribute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.relu(self.proj(x))
+
+
+CountingToy = support_torch_compile(_CountingToy)
+
+
+def test_a_forward_with_side_effects_keeps_dynamos_bytecode(tmp_path: Path, caplog) -> None:
+    torch._dynamo.reset()
+    model = CountingToy(config=make_config(3, str(tmp_path), splitting_ops=[], compile_sizes=[]))
+    with caplog.at_level(logging.INFO, logger="atomrt.compile.decorators"):
+        with torch.no_grad():
+            first = model(torch.ones(3, 4))
+            second = model(torch.ones(2, 4))
+    assert "Dynamo's trace is not kept" in caplog.text
+    assert _entries(tmp_path) == []
+    assert model._compiled_forward.__code__ is model.compiled_codes[0]  # Dynamo's bytecode
+    torch.testing.assert_close(first[:2], second)
+
+
+def test_keys_and_constructor_text() -> None:
+    assert trace_cache.describe_init((1, "a"), {"b": 2.0}) == "((1, 'a'), [('b', 2.0)])"
+    assert trace_cache.describe_init((object(),), {}) is None
+    group = "<torch.distributed.distributed_c10d.ProcessGroup object at 0x7f00deadbeef>"
+
+    class FakeGroupHolder:
+        def __repr__(self) -> str:
+            return f"TPInfo(tp_rank=1, tp_size=2, group={group})"
+
+    text = trace_cache.describe_init((FakeGroupHolder(),), {})
+    assert text == "((TPInfo(tp_rank=1, tp_size=2, group=<ProcessGroup>),), [])"
+    cpu = torch.device("cpu")
+    key = trace_cache.trace_key("h", CountingToy, "a", "backbone", cpu)
+    assert key == trace_cache.trace_key("h", CountingToy, "a", "backbone", cpu)
+    assert key != trace_cache.trace_key("h", CountingToy, "b", "backbone", cpu)
+    assert key != trace_cache.trace_key("g", CountingToy, "a", "backbone", cpu)
+    assert key != trace_cache.trace_key("h", CountingToy, "a", "draft", cpu)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "L['self']._modules['x'].__class__.mro()",
+        "G['torch'].ones(2)",
+        "L['x'] + 1",
+        "[L['x']][0]",
+    ],
+)
+def test_sources_other_than_attribute_paths_and_sizes_are_refused(source: str) -> None:
+    with pytest.raises(trace_cache.Ineligible):
+        trace_cache._python_expression(source)
+
+
+def test_a_size_source_reads_as_python() -> None:
+    text = trace_cache._python_expression("L['input_ids'].size()[0]")
+    assert text == "input_ids.size()[0]"
+    ids, _ = inputs(5)
+    assert eval(text, {}, {"input_ids": ids}) == 5
