@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import dataclasses
 import dis
 import hashlib
 import importlib
@@ -308,7 +309,12 @@ def load(path: Path, state: str) -> Optional[TracedForward]:
         return None
     try:
         traced = pickle.loads(data)
-        assert isinstance(traced, TracedForward) and traced.format == FORMAT
+        if not (
+            isinstance(traced, TracedForward)
+            and all(hasattr(traced, f.name) for f in dataclasses.fields(TracedForward))
+            and traced.format == FORMAT
+        ):
+            raise ValueError(f"not a trace of format {FORMAT}")
     except Exception as e:  # a truncated or foreign file: trace again (and overwrite it)
         logger.warning("trace cache: %s is unreadable (%s: %s); tracing", path, type(e).__name__, e)
         return None

@@ -111,6 +111,17 @@ def test_a_damaged_entry_is_traced_over(folder: Path, tmp_path: Path, caplog) ->
     assert isinstance(pickle.loads(entry.read_bytes()), trace_cache.TracedForward)
 
 
+def test_an_entry_of_another_layout_is_traced_over(tmp_path: Path, caplog) -> None:
+    entry = tmp_path / "backbone.pkl"
+    old = trace_cache.TracedForward([], [], [], "", "")
+    del old.state  # an entry written before a field was added
+    entry.write_bytes(pickle.dumps(old))
+    with caplog.at_level(logging.WARNING, logger="atomrt.compile.trace_cache"):
+        assert trace_cache.load(entry, "") is None
+    assert "unreadable" in caplog.text
+    assert trace_cache.load(tmp_path / "missing.pkl", "") is None
+
+
 def test_pieces_missing_from_the_compile_cache_are_traced_again(
     folder: Path,  # noqa: F811
     tmp_path: Path,
