@@ -112,6 +112,7 @@ class TorchCompileWrapperWithCustomDispatcher:
     def _compile_and_call(self, args: tuple, kwargs: dict) -> Any:
         start = start_monitoring_torch_compile(self.atomrt_config)
         self._mark_dynamic(args, kwargs)
+        attributes = trace_cache.plain_attributes(self)
         entry = self._trace_entry(args, kwargs)
         state = trace_cache.module_state(self) if entry is not None else ""
         traced = trace_cache.load(entry, state) if entry is not None else None
@@ -127,10 +128,26 @@ class TorchCompileWrapperWithCustomDispatcher:
                 hook.remove()
             self._install_dispatcher()
             self._keep_trace(entry, state, output)
+        self._warn_of_changed_attributes(attributes)
         elapsed = time.perf_counter() - start
         compilation_counter.compile_seconds += elapsed
         logger.info("torch.compile of %s took %.2f s in total", type(self).__name__, elapsed)
         return output
+
+    def _warn_of_changed_attributes(self, before: dict[str, Any]) -> None:
+        """A forward that sets a plain attribute (a counter, a flag) of the model: Dynamo's bytecode
+        stores the value it traced, and calls skip its guards, so every later call stores that same
+        value. Say so: the model's state would silently stop changing."""
+        after = trace_cache.plain_attributes(self)
+        changed = [name for name, value in after.items() if before.get(name, value) != value]
+        if changed:
+            logger.warning(
+                "%s.forward changed %s on its first call; compiled calls bypass Dynamo's guards and "
+                "store the value traced then on every call. Keep such state outside the compiled "
+                "forward.",
+                type(self).__name__,
+                ", ".join(f"{n} ({before[n]!r} -> {after[n]!r})" for n in changed),
+            )
 
     def _trace_entry(self, args: tuple, kwargs: dict) -> Optional[Path]:
         """Where this model's trace is kept (compile/trace_cache.py), or None where it is not."""

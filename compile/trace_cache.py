@@ -160,6 +160,16 @@ def module_state(model: torch.nn.Module) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+def plain_attributes(model: torch.nn.Module) -> dict[str, Any]:
+    """Every plain attribute of `model` and its submodules, by dotted name (`layers.0.calls`)."""
+    found = {}
+    for name, module in model.named_modules():
+        for key, value in vars(module).items():
+            if not key.startswith("_") and _plain_value(value):
+                found[f"{name}.{key}" if name else key] = value
+    return found
+
+
 # ---- capture ----------------------------------------------------------------------------------
 
 

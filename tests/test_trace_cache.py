@@ -160,10 +160,12 @@ class _CountingToy(torch.nn.Module):
 CountingToy = support_torch_compile(_CountingToy)
 
 
-def test_a_forward_with_side_effects_keeps_dynamos_bytecode(tmp_path: Path, caplog) -> None:
+def test_a_forward_with_side_effects_keeps_dynamos_bytecode_and_is_warned_of(
+    tmp_path: Path, caplog
+) -> None:
     torch._dynamo.reset()
     model = CountingToy(config=make_config(3, str(tmp_path), splitting_ops=[], compile_sizes=[]))
-    with caplog.at_level(logging.INFO, logger="atomrt.compile.decorators"):
+    with caplog.at_level(logging.INFO, logger="atomrt.compile.decorators"):  # (and WARNING)
         with torch.no_grad():
             first = model(torch.ones(3, 4))
             second = model(torch.ones(2, 4))
@@ -171,6 +173,9 @@ def test_a_forward_with_side_effects_keeps_dynamos_bytecode(tmp_path: Path, capl
     assert _entries(tmp_path) == []
     assert model._compiled_forward.__code__ is model.compiled_codes[0]  # Dynamo's bytecode
     torch.testing.assert_close(first[:2], second)
+    # Dynamo stored the value it traced: the counter stopped; the first call says so
+    assert model.calls == 1
+    assert "changed calls (0 -> 1)" in caplog.text
 
 
 def test_keys_and_constructor_text() -> None:
