@@ -214,7 +214,7 @@ class CompilerManager:
             compiled = self.load(graph, example_inputs, graph_index, runtime_shape)
             if compiled is not None:
                 return compiled
-            compilation_counter.num_cache_misses += 1
+            self._count_miss(graph_index, runtime_shape)
             logger.warning(
                 "compile cache %s is read-only and lacks piece %d for %s: compiling it in memory, "
                 "unsaved (fill the cache with `atomrt prewarm` and this config)",
@@ -235,7 +235,7 @@ class CompilerManager:
             compiled = self.load(graph, example_inputs, graph_index, runtime_shape)
             if compiled is not None:
                 return compiled
-            compilation_counter.num_cache_misses += 1
+            self._count_miss(graph_index, runtime_shape)
             return self._compile(
                 graph,
                 example_inputs,
@@ -244,6 +244,13 @@ class CompilerManager:
                 num_graphs,
                 runtime_shape,
             )
+
+    def _count_miss(self, graph_index: int, runtime_shape: Optional[int]) -> None:
+        if self.loads_only:  # the caller traces and meets this miss again: counted there
+            raise PieceNotCached(
+                f"the compile cache has no piece {graph_index} for {runtime_shape or 'general'}"
+            )
+        compilation_counter.num_cache_misses += 1
 
     def _compile(
         self, graph, example_inputs, config, graph_index, num_graphs, runtime_shape

@@ -86,6 +86,8 @@ def test_fill_then_check_read_only(tmp_path: Path):
     check = _prewarm(model, cache, "[3]", read_only=True)
     assert check.returncode == 0, check.stderr[-3000:]
     assert "0 Inductor compiles and 6 cache loads" in check.stdout
+    assert "built from the kept trace" in check.stdout  # the fill kept Dynamo's trace
+    assert "0 loaded, traced" in cold.stdout
     assert "holds every piece" in check.stdout
     other = _prewarm(model, cache, "[3, 5]", read_only=True)  # another config: another hash
     assert other.returncode == 1 and "lacks 9 piece(s)" in other.stdout

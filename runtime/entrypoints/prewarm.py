@@ -132,6 +132,7 @@ def summary(record: PrewarmRecord) -> str:
     for r in record.ranks:
         lines.append(
             f"  rank {r['rank']}: {r['inductor_compiles']} compiled, {r['cache_loads']} loaded, "
+            f"{'built from the kept trace' if r['trace_loads'] else 'traced'}, "
             f"{r['compile_seconds']:.1f} s; {', '.join(r['cache_dirs'])}"
         )
     lines.append(

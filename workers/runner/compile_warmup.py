@@ -42,6 +42,7 @@ class CompileReport:
     cache_loads: int
     cache_misses: int
     compile_seconds: float
+    trace_loads: int = 0  # models built from Dynamo's kept trace (compile/trace_cache.py)
 
 
 def compile_all_sizes(runner: ModelRunner) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -108,4 +109,5 @@ def compile_report(
         cache_loads=now["num_cache_loads"] - counts_at_start["num_cache_loads"],
         cache_misses=now["num_cache_misses"] - counts_at_start["num_cache_misses"],
         compile_seconds=round(now["compile_seconds"] - counts_at_start["compile_seconds"], 3),
+        trace_loads=now["num_trace_loads"] - counts_at_start["num_trace_loads"],
     )
