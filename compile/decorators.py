@@ -79,7 +79,14 @@ class TorchCompileWrapperWithCustomDispatcher:
         self._compiled_forward: Optional[Callable] = None
         if self.do_not_compile:
             return
-        self.compile_backend = PiecewiseCompileBackend(config, prefix=self._compile_prefix)
+        self._new_backend()
+
+    def _new_backend(self) -> None:
+        """A fresh backend and Dynamo entry point (at construction, and after a kept trace that
+        did not fit, which may have left the first backend half built)."""
+        self.compile_backend = PiecewiseCompileBackend(
+            self.atomrt_config, prefix=self._compile_prefix
+        )
         self.compiled_callable = torch.compile(
             self.forward, backend=self.compile_backend, fullgraph=True, dynamic=False
         )
@@ -196,12 +203,7 @@ class TorchCompileWrapperWithCustomDispatcher:
                 e,
             )
             self._compiled_forward = None
-            self.compile_backend = PiecewiseCompileBackend(
-                self.atomrt_config, prefix=self._compile_prefix
-            )
-            self.compiled_callable = torch.compile(
-                self.forward, backend=self.compile_backend, fullgraph=True, dynamic=False
-            )
+            self._new_backend()
             return None
         compilation_counter.num_trace_loads += 1
         logger.info(
