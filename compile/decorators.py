@@ -240,7 +240,13 @@ class TorchCompileWrapperWithCustomDispatcher:
             return
         if ENV.compile_cache_read_only or is_read_only(entry.parent):
             return
-        trace_cache.save(entry, traced)
+        try:
+            trace_cache.save(entry, traced)
+        except OSError as e:  # a full or failing disk: the next start traces again
+            logger.warning(
+                "%s: Dynamo's trace not written to %s: %s", type(self).__name__, entry, e
+            )
+            return
         logger.info("%s: Dynamo's trace kept at %s", type(self).__name__, entry)
 
     def _mark_dynamic(self, args: tuple, kwargs: dict) -> None:

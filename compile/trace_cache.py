@@ -317,6 +317,9 @@ def load(path: Path, state: str) -> Optional[TracedForward]:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as e:  # e.g. a file where a directory of the path should be
+        logger.warning("trace cache: %s cannot be read (%s); tracing", path, e)
+        return None
     try:
         traced = pickle.loads(data)
         if not (

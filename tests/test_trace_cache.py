@@ -111,6 +111,16 @@ def test_a_damaged_entry_is_traced_over(folder: Path, tmp_path: Path, caplog) ->
     assert isinstance(pickle.loads(entry.read_bytes()), trace_cache.TracedForward)
 
 
+def test_a_trace_that_cannot_be_written_is_warned_of(folder: Path, tmp_path: Path, caplog) -> None:  # noqa: F811
+    (tmp_path / trace_cache.DIR_NAME).write_text("not a directory")
+    eager = _run(_build(folder, tmp_path, level=0))
+    with caplog.at_level(logging.WARNING, logger="atomrt.compile.decorators"):
+        logits = _run(_build(folder, tmp_path))
+    assert "trace not written" in caplog.text
+    for a, e in zip(logits, eager):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+
+
 def test_an_entry_of_another_layout_is_traced_over(tmp_path: Path, caplog) -> None:
     entry = tmp_path / "backbone.pkl"
     old = trace_cache.TracedForward([], [], [], "", "")
