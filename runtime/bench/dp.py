@@ -311,7 +311,8 @@ def _cpu_threads(config: Config, layout: Layout) -> Optional[int]:
 
 
 def _holds(engine: Any) -> int:
-    return engine.aligner.num_held_steps if engine.aligner is not None else 0
+    aligner = engine.admission.aligner
+    return aligner.num_held_steps if aligner is not None else 0
 
 
 def run_bench(args: argparse.Namespace) -> Report:

@@ -19,8 +19,8 @@ from typing import Optional, Union
 from atomrt.distributed.messages import StepResult
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardDecision, ForwardKind
+from atomrt.runtime.driver.admission import Admission
 from atomrt.runtime.driver.block_manager import BlockManager
-from atomrt.runtime.driver.dp_align import PrefillAligner
 from atomrt.runtime.driver.forward_mode import ForwardMode
 from atomrt.runtime.driver.interrupts import InterruptGuard
 from atomrt.runtime.driver.outputs import RequestOutput, make_request_output, merge_request_outputs
@@ -153,12 +153,8 @@ class LLMEngine:
             for _ in range(config.parallel_config.data_parallel_size)
         ]
         self.planners = [RankPlanner() for _ in self.schedulers]
-        align = config.scheduler_config.dp_prefill_align
-        self.aligner: Optional[PrefillAligner] = (
-            PrefillAligner(align, len(self.schedulers))
-            if align and len(self.schedulers) > 1
-            else None
-        )
+        sc = config.scheduler_config
+        self.admission = Admission(sc.dp_prefill_align, len(self.schedulers))
         captured = CapturedBuckets(
             info.req_keys,
             info.prefill_token_sizes,
@@ -288,11 +284,9 @@ class LLMEngine:
             raise
 
     def _schedule_and_submit(self) -> bool:
-        if self.aligner is None:
-            outs = [s.schedule() for s in self.schedulers]
-        else:  # dp_prefill_align
-            admits = self.aligner.admits(self.schedulers)
-            outs = [s.schedule(admit) for s, admit in zip(self.schedulers, admits)]
+        admits = self.admission.admits(self.schedulers)  # dp_prefill_align
+        outs = [s.schedule(admit) for s, admit in zip(self.schedulers, admits)]
+        self.admission.observe(outs)
         if all(o.is_empty for o in outs):
             return False
         decision = self.forward_mode.decide([_shape(o) for o in outs])
@@ -400,7 +394,7 @@ class LLMEngine:
                 stats.real_tokens,
                 100 * stats.pad_fraction,
                 stats.dummy_batches,
-                self.aligner.num_held_steps if self.aligner is not None else 0,
+                self.admission.aligner.num_held_steps if self.admission.aligner else 0,
             )
         self.executor.shutdown()
 
