@@ -246,12 +246,25 @@ class SchedulerConfig:
     # ranks decode, so prefills of several ranks share one padded step (runtime/driver/dp_align.py).
     # 0: off.
     dp_prefill_align: int = 0
+    # Hold new prompts while sequences run until the oldest has waited delay_factor times the
+    # latency of the last step that ran prompts, so a burst prefills in one step
+    # (runtime/driver/admission.py; vLLM's --scheduler-delay-factor). 0: off.
+    delay_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.dp_prefill_align) or self.dp_prefill_align < 0:
             raise ConfigError(
                 "scheduler_config.dp_prefill_align: must be an integer >= 0 (steps; 0 is off), "
                 f"got {self.dp_prefill_align!r}"
+            )
+        if (
+            isinstance(self.delay_factor, bool)
+            or not isinstance(self.delay_factor, (int, float))
+            or not 0 <= self.delay_factor < float("inf")
+        ):
+            raise ConfigError(
+                "scheduler_config.delay_factor: must be a number >= 0 (0 is off), "
+                f"got {self.delay_factor!r}"
             )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if not _positive_int(getattr(self, name)):

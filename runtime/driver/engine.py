@@ -154,7 +154,7 @@ class LLMEngine:
         ]
         self.planners = [RankPlanner() for _ in self.schedulers]
         sc = config.scheduler_config
-        self.admission = Admission(sc.dp_prefill_align, len(self.schedulers))
+        self.admission = Admission(sc.dp_prefill_align, sc.delay_factor, len(self.schedulers))
         captured = CapturedBuckets(
             info.req_keys,
             info.prefill_token_sizes,
@@ -284,7 +284,7 @@ class LLMEngine:
             raise
 
     def _schedule_and_submit(self) -> bool:
-        admits = self.admission.admits(self.schedulers)  # dp_prefill_align
+        admits = self.admission.admits(self.schedulers)  # dp_prefill_align, delay_factor
         outs = [s.schedule(admit) for s, admit in zip(self.schedulers, admits)]
         self.admission.observe(outs)
         if all(o.is_empty for o in outs):
@@ -395,6 +395,11 @@ class LLMEngine:
                 100 * stats.pad_fraction,
                 stats.dummy_batches,
                 self.admission.aligner.num_held_steps if self.admission.aligner else 0,
+            )
+        if self.admission.delay is not None:
+            logger.info(
+                "scheduler_config.delay_factor held new prompts back in %d (step, rank) pairs",
+                self.admission.delay.num_held_steps,
             )
         self.executor.shutdown()
 

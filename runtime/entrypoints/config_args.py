@@ -54,6 +54,13 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="plan step N+1 while step N runs on the device",
     )
+    p.add_argument(
+        "--scheduler-delay-factor",
+        type=float,
+        default=None,
+        help="hold new prompts while others run until the oldest has waited this many times the "
+        "last prompt step's latency, so bursts prefill together (0: off)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--speculative-config",
@@ -96,6 +103,7 @@ def config_from_args(args: argparse.Namespace):
         "scheduler_config": {
             "max_num_seqs": args.max_num_seqs,
             "async_scheduling": getattr(args, "async_scheduling", None),
+            "delay_factor": getattr(args, "scheduler_delay_factor", None),
         },
     }
     if getattr(args, "speculative_config", None) is not None:
