@@ -45,7 +45,7 @@ def test_each_rank_is_held_on_its_own_and_both_rules_must_admit() -> None:
     ranks = [_rank(waiting=[0.045], running=["x"]), _rank(waiting=[0.045])]
     assert adm.admits(ranks) == [False, True]
     off = Admission(dp_prefill_align=0, delay_factor=0.0, dp_size=1)
-    assert off.aligner is None and off.delay is None
+    assert off.aligner is None and off.delay is None and not off.active
     assert off.admits([_rank(waiting=[0.0], running=["x"])]) == [True]
     both = Admission(dp_prefill_align=2, delay_factor=1.0, dp_size=2)
     lone = [_rank(waiting=[0.0]), _rank(running=["x"])]

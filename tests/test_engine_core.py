@@ -186,8 +186,8 @@ def test_preemption_in_a_step_that_schedules_nothing_reaches_the_workers(tiny, a
     seen = []
     original = Scheduler.schedule
 
-    def schedule(self, admit=True):
-        out = original(self, admit)
+    def schedule(self):
+        out = original(self)
         if out.is_empty and out.preempted:
             seen.append(out.preempted[0].seq_id)
         return out

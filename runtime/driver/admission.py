@@ -67,6 +67,8 @@ class Admission:
         self.delay: Optional[PrefillDelay] = (
             PrefillDelay(delay_factor) if delay_factor > 0 else None
         )
+        # whether any rule is on: the engine's step skips this object otherwise
+        self.active = self.aligner is not None or self.delay is not None
 
     @property
     def num_held_steps(self) -> int:

@@ -284,9 +284,12 @@ class LLMEngine:
             raise
 
     def _schedule_and_submit(self) -> bool:
-        admits = self.admission.admits(self.schedulers)  # dp_prefill_align, delay_factor
-        outs = [s.schedule(admit) for s, admit in zip(self.schedulers, admits)]
-        self.admission.observe(outs)
+        if self.admission.active:  # dp_prefill_align, delay_factor: off by default
+            admits = self.admission.admits(self.schedulers)
+            outs = [s.schedule(admit) for s, admit in zip(self.schedulers, admits)]
+            self.admission.observe(outs)
+        else:
+            outs = [s.schedule() for s in self.schedulers]
         if all(o.is_empty for o in outs):
             return False
         decision = self.forward_mode.decide([_shape(o) for o in outs])
