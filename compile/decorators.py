@@ -238,6 +238,11 @@ class TorchCompileWrapperWithCustomDispatcher:
         except trace_cache.Ineligible as e:
             logger.info("%s: Dynamo's trace is not kept: %s", type(self).__name__, e)
             return
+        except Exception as e:  # noqa: BLE001 - keeping the trace never stops a start
+            logger.warning(
+                "%s: Dynamo's trace is not kept (%s: %s)", type(self).__name__, type(e).__name__, e
+            )
+            return
         if ENV.compile_cache_read_only or is_read_only(entry.parent):
             return
         try:

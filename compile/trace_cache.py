@@ -270,6 +270,8 @@ def capture(
             inputs.append((expression, None, None))
         elif isinstance(example, torch.Tensor):
             value = node.meta.get("example_value")
+            if not isinstance(value, torch.Tensor):
+                raise Ineligible(f"graph input {node.name} has no example value")
             dims = [d if isinstance(d, int) else None for d in value.shape]
             inputs.append((expression, example.dtype, dims))
         else:

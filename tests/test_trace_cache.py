@@ -191,6 +191,34 @@ def test_a_forward_with_side_effects_keeps_dynamos_bytecode_and_is_warned_of(
     assert "changed calls (0 -> 1)" in caplog.text
 
 
+class _PlainToy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.proj(x))
+
+
+PlainToy = support_torch_compile(_PlainToy)
+
+
+def test_a_failure_to_keep_the_trace_never_stops_a_start(tmp_path: Path, caplog, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("something unforeseen")
+
+    monkeypatch.setattr(trace_cache, "capture", broken)
+    torch._dynamo.reset()
+    model = PlainToy(config=make_config(3, str(tmp_path), splitting_ops=[], compile_sizes=[]))
+    with caplog.at_level(logging.WARNING, logger="atomrt.compile.decorators"):
+        with torch.no_grad():
+            out = model(torch.ones(3, 4))
+    assert "trace is not kept (RuntimeError: something unforeseen)" in caplog.text
+    assert model._compiled_forward.__code__ is model.compiled_codes[0]  # Dynamo's bytecode
+    torch.testing.assert_close(out, torch.relu(model.proj(torch.ones(3, 4))).detach())
+    assert _entries(tmp_path) == []
+
+
 def test_keys_and_constructor_text() -> None:
     assert trace_cache.describe_init((1, "a"), {"b": 2.0}) == "((1, 'a'), [('b', 2.0)])"
     assert trace_cache.describe_init((object(),), {}) is None
