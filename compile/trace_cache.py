@@ -213,22 +213,31 @@ def _resolve(ref: tuple) -> Any:
         return None
 
 
-def _plain(value: Any) -> Any:
-    """A node argument with nodes as `_Ref`s and containers as plain ones; Ineligible for a value
-    the entry could not rebuild."""
+def _map_nested(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """`value` with every leaf inside its slices, tuples, lists and dicts replaced by `leaf(it)`."""
+    if isinstance(value, slice):
+        return slice(*(_map_nested(v, leaf) for v in (value.start, value.stop, value.step)))
+    if isinstance(value, tuple):
+        return tuple(_map_nested(v, leaf) for v in value)
+    if isinstance(value, list):  # FX's immutable lists come out as plain ones
+        return [_map_nested(v, leaf) for v in value]
+    if isinstance(value, dict):
+        return {k: _map_nested(v, leaf) for k, v in value.items()}
+    return leaf(value)
+
+
+def _plain_leaf(value: Any) -> Any:
     if isinstance(value, torch.fx.Node):
         return _Ref(value.name)
     if isinstance(value, _LITERALS) or value is Ellipsis or isinstance(value, torch.memory_format):
         return value
-    if isinstance(value, slice):
-        return slice(_plain(value.start), _plain(value.stop), _plain(value.step))
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
     raise Ineligible(f"graph argument {value!r} ({type(value).__name__}) cannot be kept")
+
+
+def _plain(value: Any) -> Any:
+    """A node argument with nodes as `_Ref`s and containers as plain ones; Ineligible for a value
+    the entry could not rebuild."""
+    return _map_nested(value, _plain_leaf)
 
 
 def _check_bytecode(code: types.CodeType, sources: list[str]) -> None:
@@ -354,17 +363,7 @@ def rebuild_graph(traced: TracedForward) -> torch.fx.GraphModule:
     by_name: dict[str, torch.fx.Node] = {}
 
     def real(value: Any) -> Any:
-        if isinstance(value, _Ref):
-            return by_name[value.name]
-        if isinstance(value, slice):
-            return slice(real(value.start), real(value.stop), real(value.step))
-        if isinstance(value, tuple):
-            return tuple(real(v) for v in value)
-        if isinstance(value, list):
-            return [real(v) for v in value]
-        if isinstance(value, dict):
-            return {k: real(v) for k, v in value.items()}
-        return value
+        return _map_nested(value, lambda v: by_name[v.name] if isinstance(v, _Ref) else v)
 
     for op, name, target, args, kwargs, type_ref, stack_trace in traced.nodes:
         resolved = _resolve(target)
