@@ -22,6 +22,9 @@ Without `config` the model runs eagerly.
   PiecewiseCompileBackend, fullgraph=True, dynamic=False)`. A Dynamo bytecode hook records the
   compiled code object; later calls run it directly with `forward`'s globals, so Dynamo's guards
   are never evaluated again (the runner is responsible for keeping inputs of the traced kind).
+  Where Dynamo's code only gathers the graph's inputs, the trace is kept beside the compile cache
+  and calls go through a function generated from it instead; a later process with the same key
+  builds the model from the kept trace without Dynamo (compile/trace_cache.py).
 """
 
 from __future__ import annotations
