@@ -19,6 +19,15 @@ FORWARDED_TO_WORKERS = (
     "ATOMRT_COMPILE_CACHE_READ_ONLY",
     "ATOMRT_TRACE_CACHE",
 )
+# What a bench record's command line names when it is set: the variables that change what a run
+# measures (runtime/bench/records.py).
+RECORDED_BY_BENCHES = (
+    "ATOMRT_PDL",
+    "ATOMRT_TRACE_CACHE",
+    "ATOMRT_COMPILE_CACHE_READ_ONLY",
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,11 @@ class Env:
     trace_cache: bool = True
     # The variables of FORWARDED_TO_WORKERS set in this process, as (name, value) pairs.
     forwarded: tuple[tuple[str, str], ...] = ()
+    # ATOMRT_BENCH_COMMIT: the commit a bench record names when the measured tree has no git (a
+    # copy of a checkout); "" = ask git.
+    bench_commit: str = ""
+    # The variables of RECORDED_BY_BENCHES set in this process, as (name, value) pairs.
+    recorded_by_benches: tuple[tuple[str, str], ...] = ()
 
 
 def read_env() -> Env:
@@ -57,6 +71,10 @@ def read_env() -> Env:
         compile_cache_read_only=os.environ.get("ATOMRT_COMPILE_CACHE_READ_ONLY", "0") == "1",
         trace_cache=os.environ.get("ATOMRT_TRACE_CACHE", "1") == "1",
         forwarded=tuple((k, os.environ[k]) for k in FORWARDED_TO_WORKERS if k in os.environ),
+        bench_commit=os.environ.get("ATOMRT_BENCH_COMMIT", "").strip(),
+        recorded_by_benches=tuple(
+            (k, os.environ[k]) for k in RECORDED_BY_BENCHES if k in os.environ
+        ),
     )
 
 

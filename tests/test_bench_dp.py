@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from records_harness import check_records
 
 from atomrt.runtime.bench.dp import Layout, _parse, main, make_requests
+from atomrt.runtime.bench.targets import env_variant
 from atomrt.runtime.entrypoints.cli import build_parser
 
 SMALL = [
@@ -31,7 +33,8 @@ SMALL = [
 
 def _run(tmp_path: Path, *extra: str) -> dict:
     out, plot = tmp_path / "dp.json", tmp_path / "dp.png"
-    assert main([*SMALL, *extra, "--json", str(out), "--plot", str(plot)]) == 0
+    record = ["--record", str(tmp_path / "records")]
+    assert main([*SMALL, *extra, "--json", str(out), "--plot", str(plot), *record]) == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return json.loads(out.read_text())
 
@@ -51,6 +54,14 @@ def test_dp2_reports_throughput_and_padding(tmp_path: Path, capsys) -> None:
     # every request's prompt and output rows, less the last output token (never computed)
     assert two["real_tokens"] == 3 * (12 + 5) + 3 * (6 + 2)
     assert "DP=2 TP=1 (mp" in capsys.readouterr().out
+    ((f,),) = [r.figures for r in check_records(tmp_path / "records", "dp")]
+    case = ", ".join(["tiny-qwen3-moe DP=2 TP=1, mp, tbo=none, 6 requests", "dp_prefill_align 1"])
+    assert (f.target, f.case) == ("data-parallel", ", ".join([case, *env_variant()]))
+    assert (f.value, f.anchor, f.extra["padded"].value) == (
+        two["output_tokens_per_s"],
+        None,  # the first layout is its own baseline
+        round(100 * two["pad_fraction"], 1),
+    )
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from executor_harness import build_tiny_llama
+from records_harness import check_records
 
 from atomrt.runtime.bench.latency import (
     Report,
@@ -17,6 +18,7 @@ from atomrt.runtime.bench.latency import (
     mode_settings,
 )
 from atomrt.runtime.bench.spec_decode import SpecRow, compare_tokens, prompts_for
+from atomrt.runtime.bench.targets import env_variant
 from atomrt.runtime.config import ConfigError, CUDAGraphMode
 
 
@@ -49,6 +51,8 @@ def test_cpu_smoke_writes_rows_and_json(
             str(out),
             "--max-num-batched-tokens",
             "8",  # bs=2 prefills in two chunks: the first request runs ahead
+            "--record",
+            str(tmp_path / "records"),
         ]
     )
     assert rc == 0
@@ -74,6 +78,25 @@ def test_cpu_smoke_writes_rows_and_json(
         line for line in capsys.readouterr().out.splitlines() if line.startswith(str(tiny_folder))
     ]
     assert len(lines) == 4  # one printed line per (model, mode, bs)
+    # the record: one decode-step figure per row, no verdict on CPU (the targets are a GPU's)
+    (record,) = check_records(tmp_path / "records", "latency")
+    assert "atomrt bench latency --model " in record.command and "--record" in record.command
+    variant = ", ".join(["level 0, 8-token prompts, --max-num-batched-tokens 8", *env_variant()])
+    assert [(f.target, f.case) for f in record.figures] == [
+        ("decode-step", f"{tiny_folder.name} bs={bs} {mode}, {variant}")
+        for mode in ("eager", "FULL+async")
+        for bs in (1, 2)
+    ]
+    for f, r in zip(record.figures, rows):
+        assert (f.value, f.unit, f.anchor, f.extra["p90"].value) == (
+            r["ms_median"],
+            "ms",
+            r["floor_ms"],
+            r["ms_p90"],
+        )
+        assert f.ratio == pytest.approx(r["ratio_to_floor"], rel=1e-3) and f.threshold is None
+    assert record.machine.kind.endswith("-core CPU") and record.machine.gpu_count == 0
+    assert any("graph modes run eagerly" in n for n in record.notes)
 
 
 def test_mode_settings() -> None:
@@ -175,7 +198,10 @@ def test_speculative_config_compares_decode_with_and_without(
     out = tmp_path / "spec.json"
     argv = ["--model", str(model), "--device", "cpu", "--modes", "eager", "--batch-sizes", "2"]
     argv += ["--input-len", "16", "--decode-steps", "8", "--warmup-steps", "1"]
-    rc = main(argv + ["--speculative-config", SPEC_NGRAM, "--json", str(out)])
+    records = tmp_path / "records"
+    rc = main(
+        argv + ["--speculative-config", SPEC_NGRAM, "--json", str(out), "--record", str(records)]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["errors"] == [] and report["speculative_config"]["method"] == "ngram"
@@ -197,6 +223,19 @@ def test_speculative_config_compares_decode_with_and_without(
         assert r["policy"] is None  # synchronous steps always speculate: no adaptive policy
     printed = capsys.readouterr().out
     assert "accept_len" in printed and "ngram k=3" in printed
+    # the record: a figure per row that speculated, against the same workload without
+    (record,) = check_records(records, "latency")
+    variant = ", ".join(["level 0, 16-token prompts", *env_variant(), "8 tokens"])
+    assert [f.case for f in record.figures] == [
+        f"{model.name} eager bs=2 {w}, ngram k=3, {variant}" for w in ("repetitive", "random")
+    ]
+    for f, on, off in zip(record.figures, rows[1::2], rows[0::2]):
+        assert (f.target, f.value, f.anchor) == (
+            "speculative-decoding",
+            on["tokens_per_s"],
+            off["tokens_per_s"],
+        )
+        assert f.ratio == pytest.approx(on["speedup"], rel=1e-2) and f.threshold is None
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         main(argv + ["--speculative-config", '{"method": "ngram"}', "--json", str(out)])
 

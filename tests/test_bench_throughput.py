@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 from executor_harness import VOCAB, build_tiny_llama
+from records_harness import check_records
 
+from atomrt.runtime.bench.targets import env_variant
 from atomrt.runtime.bench.throughput import CHAT_PROMPTS, _parse, build_prompts, main
 from atomrt.runtime.entrypoints.cli import build_parser
 
@@ -42,6 +44,8 @@ def test_compare_hf_writes_both_figures(
             "--no-progress",
             "--json",
             str(out),
+            "--record",
+            str(tmp_path / "records"),
         ]
     )
     assert rc == 0
@@ -72,6 +76,17 @@ def test_compare_hf_writes_both_figures(
     )
     assert any(line.startswith("transformers: 3 prompts x 6 tokens") for line in lines)
     assert any(line.startswith("atomrt / transformers:") for line in lines)
+    ((f,),) = [r.figures for r in check_records(tmp_path / "records", "throughput")]
+    case = ", ".join(
+        [f"{tiny_folder.name}, 3 synthetic prompts × 6 tokens, float32", *env_variant()]
+    )
+    assert (f.target, f.case, f.unit) == ("offline-throughput", case, "tokens/s")
+    assert (f.value, f.anchor, f.anchor_name) == (
+        report["atomrt"]["output_tokens_per_s"],
+        report["transformers"]["output_tokens_per_s"],
+        "transformers generate",
+    )
+    assert f.ratio == pytest.approx(report["ratio"], rel=1e-2)
 
 
 def test_prompt_sources(tiny_folder: Path, tmp_path: Path) -> None:

@@ -5,16 +5,19 @@ from __future__ import annotations
 import json
 
 import pytest
+from records_harness import check_records
 
 from atomrt.runtime.bench.startup import main
+from atomrt.runtime.bench.targets import env_variant
 
 
 @pytest.mark.slow
 def test_bench_startup_toy(tmp_path, capsys):
     out = tmp_path / "startup.json"
-    assert main(["--toy", "--out", str(out)]) == 0
-    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert main(["--toy", "--out", str(out), "--record", str(tmp_path / "records")]) == 0
+    *_, line, saved = capsys.readouterr().out.strip().splitlines()
     assert line.startswith("startup toy level 3: compile cold") and "warm/cold" in line
+    assert saved.startswith("record: ")
     result = json.loads(out.read_text())
     # 2 pieces of one code (a linear, relu and residual each): one compile per shape (general,
     # size 4), shared by both
@@ -25,3 +28,18 @@ def test_bench_startup_toy(tmp_path, capsys):
     assert result["ratio"] == pytest.approx(
         result["warm_compile_s"] / result["cold_compile_s"], abs=0.01
     )
+    # the record: the compile ratio against its target, and each child's seconds
+    (record,) = check_records(tmp_path / "records", "startup")
+    ratio, cold, warm = record.figures
+    assert (ratio.target, ratio.case, ratio.value) == (
+        "startup-compile",
+        ", ".join(["toy, level 3", *env_variant()]),
+        result["ratio"],
+    )
+    assert ratio.threshold.value == 0.25 and ratio.met == (result["ratio"] <= 0.25)
+    assert ratio.extra["cold"].value == result["cold_compile_s"]
+    assert [(f.target, f.value) for f in (cold, warm)] == [
+        ("startup-time", result["cold_startup_s"]),
+        ("startup-time", result["warm_startup_s"]),
+    ]
+    assert record.machine.gpu_count == 0  # the toy compiles on the CPU

@@ -25,9 +25,11 @@ import pytest
 from executor_harness import build_tiny_llama, pid_alive, wait_gone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from records_harness import check_records
 
 from atomrt.distributed.messages import CoreOutput
 from atomrt.distributed.net_utils import get_free_port
+from atomrt.runtime.bench.targets import env_variant
 from atomrt.runtime.entrypoints.engine_client import _NOTHING, RequestStream
 
 CPU_FLAGS = ["--device", "cpu", "--enforce-eager", "--set", "cache_config.num_kv_blocks=256"]
@@ -611,6 +613,8 @@ def test_bench_serve_against_a_running_server(tiny_server, tmp_path):
             "1,4",
             "--plot",
             str(png),
+            "--record",
+            str(tmp_path / "records"),
         ]
     )
     runs = json.loads(report.read_text())["runs"]
@@ -625,6 +629,18 @@ def test_bench_serve_against_a_running_server(tiny_server, tmp_path):
         assert 5 <= r["server_steps"] <= 40
         assert len(r["requests"]) == 8 and all(0 < ttft <= lat for _, ttft, lat in r["requests"])
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # the record: tokens/s (no offline run against a server it did not start) and the mean
+    # request latency of each concurrency
+    (record,) = check_records(tmp_path / "records", "serve")
+    cases = [", ".join([f"tiny c={c}, 6 → 5 tokens", *env_variant()]) for c in (1, 4)]
+    assert [(f.target, f.case) for f in record.figures] == [
+        (t, case) for case in cases for t in ("serving", "serving-latency")
+    ]
+    for r, (rate, latency) in zip(runs, zip(record.figures[0::2], record.figures[1::2])):
+        assert (rate.value, rate.anchor, rate.threshold) == (r["output_tokens_per_s"], None, None)
+        assert rate.extra["TTFT p50"].value == r["ttft_ms"]["p50"]
+        mean = sum(lat for _, _, lat in r["requests"]) / len(r["requests"])
+        assert latency.value == pytest.approx(mean, abs=0.1) and latency.unit == "ms"
 
     sharegpt = tmp_path / "sharegpt.json"
     turns = [{"from": "human", "value": "w5 w6 w7"}, {"from": "gpt", "value": "w8 w9 w10 w11"}]
@@ -676,8 +692,17 @@ def test_bench_serve_on_a_model_without_a_tokenizer(tmp_path, capsys):
     rc = bench_serve(
         [*engine, "--enforce-eager", "--no-progress", "--json", str(report), "--num-prompts", "4"]
         + ["--input-len", "5", "--output-len", "4", "--concurrency", "2"]
+        + ["--record", str(tmp_path / "records")]
     )
     (run,) = json.loads(report.read_text())["runs"]
     assert rc == 0 and run["failed"] == 0 and run["num_requests"] == 4
     assert run["output_tokens_per_s"] > 0 and run["itl_ms"]["p50"] > 0
     assert "under four waves" in capsys.readouterr().err
+    # the server's engine flags, --model aside, name the case: another config, another row
+    (record,) = check_records(tmp_path / "records", "serve")
+    flags = "--load-format dummy --device cpu --enforce-eager"
+    case = ", ".join(["tiny-qwen3-moe c=2, 5 → 4 tokens", flags, *env_variant()])
+    assert [(f.target, f.case) for f in record.figures] == [
+        ("serving", case),
+        ("serving-latency", case),
+    ]

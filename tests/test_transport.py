@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from records_harness import check_records
 
 from atomrt.distributed.messages import RankBatch, StepPlan, StepResult
 from atomrt.distributed.transport import (
@@ -22,6 +23,7 @@ from atomrt.distributed.transport import (
     TransportError,
     TransportTimeout,
 )
+from atomrt.runtime.bench.targets import env_variant
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 
 
@@ -257,8 +259,8 @@ def test_each_wait_follows_its_own_timeout(addresses, spin_s):
         push.close()
 
 
-def test_transport_bench_runs():
-    from atomrt.runtime.bench.transport import run_bench
+def test_transport_bench_runs(tmp_path):
+    from atomrt.runtime.bench.transport import main, run_bench
 
     r = run_bench(steps=50, bs=8, warmup=5)
     assert r.steps == 50 and 0 < r.bare_median_us and 0 < r.median_us <= r.p99_us
@@ -275,5 +277,16 @@ def test_transport_bench_runs():
         low = -r.p99_us if name in across else 0
         assert low <= v < r.p99_us, (name, r.legs_us, r.p99_us)
     assert r.legs_us["driver encode+send"] > 0 and r.legs_us["worker decode"] > 0
-    spun = run_bench(steps=50, bs=8, warmup=5, spin_us=500)
-    assert spun.spin_us == 500 and 0 < spun.median_us <= spun.p99_us
+    # `atomrt bench transport` spinning, its result as JSON and as a record
+    out, records = tmp_path / "transport.json", tmp_path / "records"
+    main(
+        ["--steps", "50", "--bs", "8", "--spin-us", "500", "--json", str(out)]
+        + ["--record", str(records)]
+    )
+    spun = json.loads(out.read_text())
+    assert spun["spin_us"] == 500 and 0 < spun["median_us"] <= spun["p99_us"]
+    ((f,),) = [r.figures for r in check_records(records, "transport")]
+    case = ", ".join(["bs=8 ipc, spin 500 µs", *env_variant()])
+    assert (f.target, f.case, f.unit) == ("transport", case, "µs")
+    assert (f.value, f.anchor) == (round(spun["median_us"], 1), round(spun["bare_median_us"], 1))
+    assert f.threshold.value == 100 and f.met == (f.value <= 100)

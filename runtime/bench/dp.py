@@ -45,6 +45,8 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
+from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
+from atomrt.runtime.bench.targets import dp_figures
 from atomrt.runtime.config import TBO_MODES, Config, ConfigError
 from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
 
@@ -155,7 +157,9 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", default=None, help="where to write the JSON report")
     p.add_argument("--plot", default=None, help="where to write a PNG plot (needs matplotlib)")
+    add_record_flag(p)
     args = p.parse_args(argv)
+    resolve_record_flag(args, p)
     try:
         args.num_requests = [int(n) for n in args.num_requests.split(",") if n.strip()]
     except ValueError:
@@ -436,6 +440,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(asdict(report), indent=1) + "\n")
+    if args.record is not None:
+        on_gpu = report.device != "cpu" and torch.cuda.is_available()
+        argv = sys.argv[1:] if argv is None else argv
+        save(args.record, "dp", argv, dp_figures(report, args, on_gpu), on_gpu=on_gpu)
     return 0
 
 

@@ -29,6 +29,8 @@ import torch
 import torch._dynamo
 
 from atomrt.runtime.bench.modes import mode_settings, split_mode
+from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
+from atomrt.runtime.bench.targets import latency_figures, notes_of
 from atomrt.runtime.config import CUDAGraphMode, ParallelConfig
 from atomrt.runtime.entrypoints.config_args import _json_mapping
 
@@ -157,7 +159,9 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
         "flight (a finished one replaced by the next), instead of one batch to its end",
     )
     p.add_argument("--json", default="bench_latency.json", help="where to write the JSON report")
+    add_record_flag(p)
     args = p.parse_args(argv)
+    resolve_record_flag(args, p)
     if args.num_requests is not None and (args.num_requests < 1 or args.speculative_config is None):
         p.error("--num-requests takes a positive count, with --speculative-config")
     args.models, args.modes = _csv(args.model), _csv(args.modes)
@@ -406,6 +410,7 @@ def compare_executors(report: Report) -> list[dict[str, Any]]:
 
 def main(argv: Optional[list[str]] = None, compare: bool = False) -> int:
     args = _parse(argv, compare=compare or "--compare-executors" in (argv or []))
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the record's command line
     if args.speculative_config is not None:
         from atomrt.runtime.bench.spec_decode import run as run_speculative
 
@@ -452,6 +457,10 @@ def main(argv: Optional[list[str]] = None, compare: bool = False) -> int:
     for line in check_targets(report) if on_cuda else []:
         print(line)
     _write(report, args.json)
+    if args.record and report.rows:
+        figures = latency_figures(report, args, on_cuda)
+        notes = notes_of(report.notes, report.errors)
+        save(args.record, "latency", args.argv, figures, on_gpu=on_cuda, notes=notes)
     return 1 if report.errors else 0
 
 

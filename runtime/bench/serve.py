@@ -47,8 +47,10 @@ import numpy as np
 from tqdm import tqdm
 
 from atomrt.distributed.net_utils import get_free_port
+from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
 from atomrt.runtime.bench.serve_views import add_server_view, offline_tokens_per_s, scrape
 from atomrt.runtime.bench.sse_client import SSEClient, StreamError
+from atomrt.runtime.bench.targets import serve_figures
 from atomrt.runtime.entrypoints.config_args import _add_config_args
 
 _SEED_TEXT = (
@@ -113,6 +115,7 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="where to write the JSON report")
     p.add_argument("--plot", default=None, help="where to write the latency/throughput PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_record_flag(p)
     return p
 
 
@@ -122,7 +125,8 @@ def _parse(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
     args, engine_argv = p.parse_known_args(argv)
     engine = argparse.ArgumentParser(prog="atomrt bench serve (engine flags)")
     _add_config_args(engine)
-    engine.parse_args(engine_argv)  # an unknown flag is an error here, not in the server
+    args.device = engine.parse_args(engine_argv).device  # an unknown flag is an error here
+    resolve_record_flag(args, p)
     if args.url and engine_argv:
         p.error(f"--url serves its own engine: drop {' '.join(engine_argv)}")
     if args.compare_offline and args.url:
@@ -445,4 +449,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             json.dump(report, f, indent=2)
     if args.plot and results:
         plot(results, args.plot)
+    if args.record is not None and results:
+        import torch
+
+        on_gpu = args.device != "cpu" and torch.cuda.is_available()
+        figures = serve_figures(results, model, args, engine_argv, on_gpu)
+        argv = sys.argv[1:] if argv is None else argv
+        save(args.record, "serve", argv, figures, on_gpu=on_gpu)
     return 0 if all(r.failed == 0 for r in results) else 1

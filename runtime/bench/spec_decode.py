@@ -33,6 +33,9 @@ from typing import Any, Optional
 
 import torch
 
+from atomrt.runtime.bench.records import save
+from atomrt.runtime.bench.targets import notes_of, speculative_figures
+
 WORKLOADS = ("repetitive", "random")
 
 
@@ -316,6 +319,10 @@ def run(args: argparse.Namespace, spec_config: dict[str, Any]) -> int:
     for e in report.errors:
         print(f"ERROR {e.splitlines()[0]}", file=sys.stderr)
     _write(report, args.json)
+    figures = speculative_figures(report, args, on_cuda)
+    if args.record and figures:
+        notes = notes_of(report.notes, report.errors)
+        save(args.record, "latency", args.argv, figures, on_gpu=on_cuda, notes=notes)
     return 1 if report.errors else 0
 
 

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
+from atomrt.runtime.bench.targets import startup_figures
 from atomrt.runtime.config import DEFAULT_MODEL
 
 CHILD_TIMEOUT_S = 1800.0
@@ -69,7 +71,10 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--out", default="bench_startup.json", help="where to write the JSON result")
     p.add_argument("--child", metavar="CACHE_DIR", help=argparse.SUPPRESS)
     p.add_argument("--spawned-at", type=float, default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    add_record_flag(p)
+    args = p.parse_args(argv)
+    resolve_record_flag(args, p)
+    return args
 
 
 # ---- the child ------------------------------------------------------------------------------
@@ -218,6 +223,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     for (name, c), (_, w) in zip(bench.cold_phases, bench.warm_phases):
         print(f"  {name:<58} cold {c:8.2f} s   warm {w:8.2f} s")
     Path(args.out).write_text(json.dumps(asdict(bench), indent=1) + "\n")
+    if args.record is not None:
+        on_gpu = not args.toy and torch.cuda.is_available()  # where the children built the model
+        phases = {"cold_phases": bench.cold_phases, "warm_phases": bench.warm_phases}
+        argv = sys.argv[1:] if argv is None else argv
+        figures = startup_figures(bench, args, on_gpu)
+        save(args.record, "startup", argv, figures, on_gpu=on_gpu, details=phases)
     return 0
 
 

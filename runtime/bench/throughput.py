@@ -30,6 +30,8 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
+from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
+from atomrt.runtime.bench.targets import throughput_figures
 from atomrt.runtime.config import Config, ConfigError
 from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
 
@@ -106,7 +108,9 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--seed", type=int, default=0, help="seeds the synthetic token ids")
     p.add_argument("--json", default=None, help="where to write the JSON report")
+    add_record_flag(p)
     args = p.parse_args(argv)
+    resolve_record_flag(args, p)
     for name in ("input_len", "output_len", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -349,6 +353,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(asdict(report), indent=1) + "\n")
+    if args.record is not None:
+        argv = sys.argv[1:] if argv is None else argv
+        on_gpu = report.device != "cpu"
+        save(args.record, "throughput", argv, throughput_figures(report), on_gpu=on_gpu)
     return 0
 
 

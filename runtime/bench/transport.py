@@ -36,6 +36,8 @@ from atomrt.distributed.transport import (
     ResultPusher,
     TransportAddresses,
 )
+from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
+from atomrt.runtime.bench.targets import transport_figures
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 
 
@@ -262,7 +264,7 @@ def bare_round_trip_us(
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="atomrt bench transport", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--bs", type=int, default=256)
     ap.add_argument("--tcp", action="store_true", help="tcp:// on 127.0.0.1 instead of ipc://")
@@ -270,7 +272,9 @@ def main(argv: list[str] | None = None) -> None:
         "--spin-us", type=float, default=0.0, help="receivers poll this long before sleeping"
     )
     ap.add_argument("--json", default="", help="also write the result here")
+    add_record_flag(ap)
     args = ap.parse_args(argv)
+    resolve_record_flag(args, ap)
     r = run_bench(args.steps, args.bs, local=not args.tcp, spin_us=args.spin_us)
     print(
         f"transport round trip ({'tcp' if args.tcp else 'ipc'}, spin {r.spin_us:g} us, bs={r.bs}, "
@@ -281,6 +285,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r.__dict__, f)
+    if args.record is not None:  # the host's figure: its GPUs name the machine, if it has any
+        argv = sys.argv[1:] if argv is None else argv
+        save(args.record, "transport", argv, transport_figures(r, args.tcp), on_gpu=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,390 @@
+"""The targets: what each `atomrt bench` subcommand records (runtime/bench/records.py) and the goals
+its figures are judged against.
+
+A figure's target names its table in docs/perf.md, its case names the row: the axes the run swept
+(model, batch size, mode, ...) and, after a comma, whatever the run set apart from the standard
+settings the tables assume (level 3, dummy weights, the default dtype, 128-token prompts, no
+non-default ATOMRT_* variable), so that a variant run gets a row of its own instead of replacing the
+standard one. The thresholds are the project's goals on one H200 unless said; a figure carries one
+only where its goal applies (on a GPU, standard settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from atomrt.runtime.bench.modes import split_mode
+from atomrt.runtime.bench.records import Figure, Quantity, Threshold, figure
+from atomrt.runtime.envs import ENV
+
+if TYPE_CHECKING:
+    from atomrt.runtime.bench.latency import Report as LatencyReport
+    from atomrt.runtime.bench.spec_decode import SpecReport
+
+# decode-step: ms per decode step, or a multiple of the true floor (model, batch size)
+DECODE_MS = {("SmolLM2-135M", 1): 0.5, ("Llama-3.2-1B", 1): 0.7, ("Llama-3.2-1B", 32): 1.0}
+DECODE_FLOOR_RATIO = {("Llama-3.1-8B", 1): 1.10}
+# tr-hybrid-vs-full: a TR_HYBRID decode step over FULL's, same run (model, batch size)
+TR_HYBRID_OVER_FULL = {
+    ("SmolLM2-135M", 1): 1.25,
+    ("Llama-3.2-1B", 32): 1.05,
+    ("Llama-3.1-8B", 1): 1.05,
+}
+CAPTURE_S = {("SmolLM2-135M", 512): 10.0}  # graph-capture: the ladder 1..512 (model, ladder top)
+RAY_OVER_INPROC = 1.05  # ray-vs-inproc: the Ray executor's decode step over in-process
+SPEC_SPEEDUP = {"repetitive": 1.6, "random": 0.95}  # speculative-decoding: bs=1, async scheduling
+STARTUP_COMPILE_RATIO = 0.25  # startup-compile: warm compile over cold, level 3
+STARTUP_S = {
+    "SmolLM2-135M": (30.0, 10.0)
+}  # startup-time: process start to first token (cold, warm)
+TRANSPORT_US = 100.0  # transport: median driver -> worker -> driver round trip, one node
+SERVE_OVER_OFFLINE = 0.95  # serving: the server's output tokens/s over the offline engine's
+SERVE_REQUEST_MS = {("Llama-3.1-8B", 8, 32, 128): 500.0}  # serving-latency: (model, c, in, out)
+DP_SPEEDUP = 1.8  # data-parallel: DP=2 over DP=1 on Qwen3-30B-A3B, 64 requests per rank
+# The ATOMRT_* variables a record's command line names, at their defaults (not a variant).
+ENV_DEFAULTS = {"ATOMRT_PDL": "0", "ATOMRT_TRACE_CACHE": "1", "ATOMRT_COMPILE_CACHE_READ_ONLY": "0"}
+
+
+def model_name(model: str) -> str:
+    """A model's name in a case: a preset as given, a folder or file by its last part."""
+    return Path(model).name if "/" in model else model
+
+
+def _goal_key(model: str) -> str:
+    return model_name(model).replace("-Instruct", "")
+
+
+def env_variant() -> list[str]:
+    return [f"{k}={v}" for k, v in ENV.recorded_by_benches if ENV_DEFAULTS.get(k) != v]
+
+
+def engine_variant(args: argparse.Namespace, *, ladder: bool = True) -> list[str]:
+    """What a latency run set apart from the standard settings (module docstring)."""
+    out = [] if args.level == 3 else [f"level {args.level}"]
+    if args.load_format != "dummy":
+        out.append(f"{args.load_format} weights")
+    if args.dtype != "auto":
+        out.append(args.dtype)
+    if args.input_len != 128:
+        out.append(f"{args.input_len}-token prompts")
+    names = ["max_model_len", "max_num_batched_tokens", "transport_spin_us"]
+    names += ["max_num_seqs", "cuda_graph_sizes"] if ladder else []
+    for name in names:
+        if getattr(args, name, None) is not None:
+            out.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    return out + env_variant()
+
+
+def _case(axes: str, variant: list[str]) -> str:
+    return ", ".join([axes, *variant])
+
+
+# ------------------------------------------------------------------ atomrt bench latency
+
+
+def decode_threshold(model: str, bs: int) -> Optional[Threshold]:
+    key = (_goal_key(model), bs)
+    if key in DECODE_MS:
+        return Threshold("<=", DECODE_MS[key])
+    if key in DECODE_FLOOR_RATIO:
+        return Threshold("<=", DECODE_FLOOR_RATIO[key], "ratio")
+    return None
+
+
+def latency_figures(report: LatencyReport, args: argparse.Namespace, on_cuda: bool) -> list[Figure]:
+    """decode-step per row; tr-hybrid-vs-full per (model, bs) with both modes' graph rows;
+    graph-capture per (model, graph mode); ray-vs-inproc per executor comparison."""
+    variant = engine_variant(args)
+    standard = on_cuda and not variant
+    out = []
+    graph_rows = {}
+    for r in report.rows:
+        where = "" if r.executor == "inproc" else f"@{r.executor}"
+        graph = r.forward_kind != "eager"
+        judged = standard and graph and r.executor == "inproc"
+        out.append(
+            figure(
+                "decode-step",
+                _case(f"{model_name(r.model)} bs={r.batch_size} {r.mode}{where}", variant),
+                r.ms_median,
+                "ms",
+                anchor=r.floor_ms,
+                anchor_name="true floor",
+                threshold=decode_threshold(r.model, r.batch_size) if judged else None,
+                extra={"p90": Quantity(r.ms_p90, "ms")},
+            )
+        )
+        if on_cuda and graph:
+            graph_rows[(r.model, r.mode, r.executor, r.batch_size)] = r
+    for (model, mode, executor, bs), tr in graph_rows.items():
+        base, async_ = split_mode(mode)
+        full_mode = "FULL+async" if async_ else "FULL"
+        full = graph_rows.get((model, full_mode, executor, bs))
+        if base != "TR_HYBRID" or full is None or executor != "inproc":
+            continue
+        limit = TR_HYBRID_OVER_FULL.get((_goal_key(model), bs)) if not variant else None
+        out.append(
+            figure(
+                "tr-hybrid-vs-full",
+                _case(f"{model_name(model)} bs={bs} {mode}", variant),
+                tr.ms_median,
+                "ms",
+                anchor=full.ms_median,
+                anchor_name=full_mode,
+                threshold=Threshold("<=", limit, "ratio") if limit else None,
+            )
+        )
+    out += _capture_figures(graph_rows, args)
+    for c in report.tp_overhead:
+        out.append(
+            figure(
+                "ray-vs-inproc",
+                _case(f"{model_name(c['model'])} bs={c['batch_size']} {c['mode']}", variant),
+                c["ray_ms"],
+                "ms",
+                anchor=c["inproc_ms"],
+                anchor_name="in-process",
+                threshold=Threshold("<=", RAY_OVER_INPROC, "ratio") if on_cuda else None,
+            )
+        )
+    return out
+
+
+def _capture_figures(graph_rows: dict, args: argparse.Namespace) -> list[Figure]:
+    out, seen = [], set()
+    top = args.cuda_graph_sizes or max(args.batch_sizes)
+    variant = engine_variant(args, ladder=False)
+    for (model, mode, executor, _), r in graph_rows.items():
+        if (model, mode, executor) in seen or r.capture_s <= 0 or executor != "inproc":
+            continue
+        seen.add((model, mode, executor))
+        limit = CAPTURE_S.get((_goal_key(model), top)) if not variant else None
+        out.append(
+            figure(
+                "graph-capture",
+                _case(f"{model_name(model)} {mode}, ladder 1..{top}", variant),
+                r.capture_s,
+                "s",
+                threshold=Threshold("<=", limit) if limit else None,
+            )
+        )
+    return out
+
+
+def speculative_figures(
+    report: SpecReport, args: argparse.Namespace, on_cuda: bool
+) -> list[Figure]:
+    """speculative-decoding: tokens/s with speculation against without, per row that speculated."""
+    variant = engine_variant(args) + [f"{args.decode_steps} tokens"]
+    plain = {
+        (r.model, r.mode, r.batch_size, r.workload, r.num_requests): r
+        for r in report.rows
+        if r.speculative == "off"
+    }
+    out = []
+    for r in report.rows:
+        off = plain.get((r.model, r.mode, r.batch_size, r.workload, r.num_requests))
+        if r.speculative == "off" or off is None:
+            continue
+        axes = f"{model_name(r.model)} {r.mode} bs={r.batch_size} {r.workload}, {r.speculative}"
+        if r.num_requests:
+            axes += f", {r.num_requests} requests"
+        judged = on_cuda and r.batch_size == 1 and not r.num_requests and split_mode(r.mode)[1]
+        limit = SPEC_SPEEDUP.get(r.workload) if judged else None
+        extra = {}
+        if r.mean_acceptance_length is not None:
+            extra["acceptance length"] = Quantity(r.mean_acceptance_length, "tokens")
+        out.append(
+            figure(
+                "speculative-decoding",
+                _case(axes, variant),
+                r.tokens_per_s,
+                "tokens/s",
+                anchor=off.tokens_per_s,
+                anchor_name="without speculation",
+                threshold=Threshold(">=", limit, "ratio") if limit else None,
+                extra=extra,
+            )
+        )
+    return out
+
+
+def notes_of(notes: list[str], errors: list[str]) -> list[str]:
+    """A run's notes for its record, and the first line of each error it survived."""
+    return [*notes, *(f"error: {e.splitlines()[0]}" for e in errors)]
+
+
+# ------------------------------------------------------------------ the other subcommands
+
+
+def startup_figures(bench: Any, args: argparse.Namespace, on_gpu: bool) -> list[Figure]:
+    """startup-compile: warm compile over cold; startup-time: process start to first token, cold
+    and warm (a toy run: the child's construction and first forwards)."""
+    axes = model_name(bench.model)
+    axes += f" {args.cudagraph_mode}" if args.cudagraph_mode else ""
+    variant = [] if args.toy or args.load_format == "dummy" else [f"{args.load_format} weights"]
+    variant += env_variant()
+    extra = {
+        "cold": Quantity(bench.cold_compile_s, "s"),
+        "warm": Quantity(bench.warm_compile_s, "s"),
+    }
+    out = [
+        figure(
+            "startup-compile",
+            _case(f"{axes}, level 3", variant),
+            bench.ratio,
+            "×",
+            threshold=Threshold("<=", STARTUP_COMPILE_RATIO),
+            extra=extra,
+        )
+    ]
+    goals = STARTUP_S.get(_goal_key(bench.model)) if on_gpu and not variant else None
+    for i, (name, phases, seconds) in enumerate(
+        (
+            ("cold", bench.cold_phases, bench.cold_startup_s),
+            ("warm", bench.warm_phases, bench.warm_startup_s),
+        )
+    ):
+        total = phases[-1][1] if phases else seconds  # the LLM child's last phase is the total
+        out.append(
+            figure(
+                "startup-time",
+                _case(f"{axes} {name}", variant),
+                round(total, 2),
+                "s",
+                threshold=Threshold("<=", goals[i]) if goals else None,
+            )
+        )
+    return out
+
+
+def transport_figures(r: Any, tcp: bool) -> list[Figure]:
+    axes = f"bs={r.bs} {'tcp' if tcp else 'ipc'}, spin {r.spin_us:g} µs"
+    return [
+        figure(
+            "transport",
+            _case(axes, env_variant()),
+            round(r.median_us, 1),
+            "µs",
+            anchor=round(r.bare_median_us, 1),
+            anchor_name="bare pyzmq round trip",
+            threshold=Threshold("<=", TRANSPORT_US),
+            extra={"p99": Quantity(round(r.p99_us, 1), "µs")},
+        )
+    ]
+
+
+def throughput_figures(report: Any) -> list[Figure]:
+    axes = (
+        f"{model_name(report.model)}, {report.num_prompts} {report.prompt_source} prompts × "
+        f"{report.output_len} tokens, {report.dtype}"
+    )
+    hf = report.transformers
+    return [
+        figure(
+            "offline-throughput",
+            _case(axes, env_variant()),
+            report.atomrt.output_tokens_per_s,
+            "tokens/s",
+            anchor=hf.output_tokens_per_s if hf else None,
+            anchor_name="transformers generate",
+        )
+    ]
+
+
+def serve_figures(
+    runs: list[Any], model: str, args: argparse.Namespace, engine_argv: list[str], on_gpu: bool
+) -> list[Figure]:
+    """serving: output tokens/s against the offline engine's; serving-latency: the mean request
+    latency of a concurrency run."""
+    flags = _without_model(engine_argv)
+    shape = (
+        f"dataset {Path(args.dataset).name}"
+        if args.dataset
+        else f"{args.input_len} → {args.output_len} tokens"
+    )
+    variant = [" ".join(flags)] if flags else []
+    out = []
+    for r in runs:
+        load = (
+            f"c={r.concurrency}" if r.concurrency is not None else f"{r.request_rate:g} requests/s"
+        )
+        case = _case(f"{model_name(model)} {load}, {shape}", variant + env_variant())
+        extra = {
+            "TTFT p50": Quantity(r.ttft_ms["p50"], "ms"),
+            "TPOT p50": Quantity(r.tpot_ms["p50"], "ms"),
+        }
+        out.append(
+            figure(
+                "serving",
+                case,
+                r.output_tokens_per_s,
+                "tokens/s",
+                anchor=r.offline_output_tokens_per_s,
+                anchor_name="offline engine",
+                threshold=Threshold(">=", SERVE_OVER_OFFLINE, "ratio")
+                if on_gpu and r.offline_output_tokens_per_s
+                else None,
+                extra=extra,
+            )
+        )
+        if r.concurrency is None or not r.requests:
+            continue
+        key = (_goal_key(model), r.concurrency, args.input_len, args.output_len)
+        limit = SERVE_REQUEST_MS.get(key) if on_gpu and not args.dataset else None
+        mean_ms = sum(latency for _, _, latency in r.requests) / len(r.requests)
+        out.append(
+            figure(
+                "serving-latency",
+                case,
+                round(mean_ms, 1),
+                "ms",
+                threshold=Threshold("<=", limit) if limit else None,
+            )
+        )
+    return out
+
+
+def _without_model(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if not skip and a != "--model" and not a.startswith("--model="):
+            out.append(a)
+        skip = a == "--model"
+    return out
+
+
+def dp_figures(report: Any, args: argparse.Namespace, on_gpu: bool) -> list[Figure]:
+    """data-parallel: each layout's output tokens/s against the first layout's, same requests."""
+    variant = [] if args.imbalance == 0.5 else [f"imbalance {args.imbalance}"]
+    if args.arrival_interval:
+        variant.append(f"an arrival every {args.arrival_interval} steps")
+    if args.dp_prefill_align is not None:
+        variant.append(f"dp_prefill_align {args.dp_prefill_align}")
+    variant += env_variant()
+    out = []
+    for r in report.results:
+        first = next(x for x in report.results if x.num_requests == r.num_requests)
+        axes = f"{model_name(report.model)} {r.layout}, {r.executor}, tbo={r.enable_tbo}"
+        axes += f", {r.num_requests} requests"
+        judged = (
+            on_gpu
+            and "Qwen3-30B-A3B" in report.model
+            and (r.dp, r.tp, first.dp, first.tp) == (2, 1, 1, 1)
+            and r.num_requests == 64 * r.dp
+        )
+        out.append(
+            figure(
+                "data-parallel",
+                _case(axes, variant),
+                r.output_tokens_per_s,
+                "tokens/s",
+                anchor=first.output_tokens_per_s if first is not r else None,
+                anchor_name=first.layout if first is not r else None,
+                threshold=Threshold(">=", DP_SPEEDUP, "ratio") if judged else None,
+                extra={"padded": Quantity(round(100 * r.pad_fraction, 1), "%")},
+            )
+        )
+    return out
