@@ -112,6 +112,8 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         from atomrt.runtime.bench.serve import main as bench_main
     elif args.what == "dp":
         from atomrt.runtime.bench.dp import main as bench_main
+    elif args.what == "report":
+        from atomrt.runtime.bench.report import main as bench_main
     else:
         from atomrt.runtime.bench.transport import main as bench_main
     return int(bench_main(rest) or 0)
@@ -157,11 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(prewarm)
     bench = sub.add_parser(
         "bench",
-        help="benchmarks: startup | latency | throughput | serve | transport | dp (their own flags follow)",
+        help="benchmarks: startup | latency | throughput | serve | transport | dp (their own flags "
+        "follow); report renders docs/perf.md from their records",
         add_help=False,
     )
     bench.add_argument(
-        "what", choices=["startup", "latency", "throughput", "serve", "transport", "dp"]
+        "what", choices=["startup", "latency", "throughput", "serve", "transport", "dp", "report"]
     )
     return parser
 
