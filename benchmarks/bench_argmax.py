@@ -9,10 +9,19 @@ CUDA graph, so launch gaps do not count) and host us per eager call (the sampler
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
 
+from atomrt.runtime.bench.records import (
+    Figure,
+    Quantity,
+    add_record_flag,
+    figure,
+    resolve_record_flag,
+    save,
+)
 from atomrt.workers.kernels.argmax import argmax_rows, plan_splits
 from atomrt.workers.kernels.device_info import sm_count
 
@@ -49,7 +58,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.parse_args()
+    add_record_flag(parser)
+    args = parser.parse_args()
+    resolve_record_flag(args, parser)
+    measured = []
     torch_argmax = lambda x: x.argmax(dim=-1)  # noqa: E731
     print("us per call:")
     print(
@@ -67,6 +79,37 @@ def main() -> None:
             f"{rows:5d} {vocab:7d} {splits:6d}  {gpu[0]:9.1f} {gpu[1]:8.1f} {gpu[2]:11.1f}  "
             f"{host[0]:10.1f} {host[1]:9.1f}"
         )
+        measured.append((rows, vocab, splits, gpu, host))
+    if args.record is not None:
+        program = "python benchmarks/bench_argmax.py"
+        save(
+            args.record,
+            "bench_argmax",
+            sys.argv[1:],
+            figures(measured),
+            on_gpu=True,
+            program=program,
+        )
+
+
+def figures(measured: list[tuple]) -> list[Figure]:
+    """argmax: the kernel's GPU µs per call against torch.argmax's, per (rows, vocab)."""
+    return [
+        figure(
+            "argmax",
+            f"{n} × {vocab}, {splits} splits",
+            round(gpu[1], 1),
+            "µs",
+            anchor=round(gpu[0], 1),
+            anchor_name="torch.argmax",
+            extra={
+                "one program per row": Quantity(round(gpu[2], 1), "µs"),
+                "host": Quantity(round(host[1], 1), "µs"),
+                "torch's host": Quantity(round(host[0], 1), "µs"),
+            },
+        )
+        for n, vocab, splits, gpu, host in measured
+    ]
 
 
 if __name__ == "__main__":

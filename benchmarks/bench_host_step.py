@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from atomrt.runtime import SamplingParams
+from atomrt.runtime.bench.records import add_record_flag, figure, resolve_record_flag, save
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.workers.runner.model_runner import ModelOutput
 
@@ -39,7 +40,9 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="synchronous scheduling (default: async)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", default="", help="cProfile one more run, sorted by this key")
+    add_record_flag(ap)
     a = ap.parse_args()
+    resolve_record_flag(a, ap)
     folder = build_tiny_llama(Path(tempfile.mkdtemp()) / "model")
     llm = LLM(
         str(folder),
@@ -83,6 +86,11 @@ def main() -> None:
         f"bs={a.bs} {'sync' if a.sync else 'async'}: host {min(runs):.1f} us/step "
         f"(runs {', '.join(f'{r:.1f}' for r in runs)}; {steps} steps each)"
     )
+    if a.record is not None:
+        case = f"bs={a.bs} {'sync' if a.sync else 'async'}"
+        fig = figure("host-step", case, round(min(runs), 1), "µs")
+        program = "python benchmarks/bench_host_step.py"
+        save(a.record, "bench_host_step", sys.argv[1:], [fig], on_gpu=False, program=program)
     if a.profile:
         prof = cProfile.Profile()
         prof.enable()

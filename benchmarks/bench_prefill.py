@@ -20,11 +20,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
 
 from atomrt.runtime import SamplingParams
+from atomrt.runtime.bench.records import (
+    Figure,
+    Quantity,
+    Threshold,
+    add_record_flag,
+    figure,
+    resolve_record_flag,
+    save,
+)
+from atomrt.runtime.bench.targets import PREFILL_OF_CEILING, model_name
 from atomrt.runtime.entrypoints.llm import LLM
 
 LADDER_TOP = 512  # the default capture ladder's largest size (cuda_graph_sizes)
@@ -111,7 +122,9 @@ def main() -> None:
     ap.add_argument("--modes", default="FULL", help="eager or CUDA-graph modes, comma-separated")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default=None, help="where to write the rows as JSON")
+    add_record_flag(ap)
     args = ap.parse_args()
+    resolve_record_flag(args, ap)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     ceiling = gemm_ceiling_tflops()
     print(f"bf16 GEMM ceiling (8192^3 torch.matmul): {ceiling:.1f} TFLOP/s", flush=True)
@@ -130,6 +143,39 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(ceiling_tflops=round(ceiling, 1), rows=rows), f, indent=1)
+    if args.record is not None:
+        program = "python benchmarks/bench_prefill.py"
+        save(
+            args.record,
+            "bench_prefill",
+            sys.argv[1:],
+            figures(rows, ceiling),
+            on_gpu=True,
+            program=program,
+        )
+
+
+def figures(rows: list[dict], ceiling: float) -> list[Figure]:
+    """prefill: TFLOP/s against the GEMM ceiling of the same run, per model, shape and mode."""
+    out = []
+    for row in rows:
+        limit = PREFILL_OF_CEILING.get((model_name(row["model"]), row["shape"]))
+        out.append(
+            figure(
+                "prefill",
+                f"{model_name(row['model'])} {row['shape']} {row['mode']}",
+                row["tflops"],
+                "TFLOP/s",
+                anchor=round(ceiling, 1),
+                anchor_name="bf16 GEMM ceiling",
+                threshold=Threshold(">=", limit, "ratio") if limit else None,
+                extra={
+                    "time": Quantity(row["ms"], "ms"),
+                    "prompts": Quantity(row["tokens_s"], "tokens/s"),
+                },
+            )
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import itertools
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -41,6 +42,14 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from atomrt.runtime.bench.records import (
+    Figure,
+    Quantity,
+    add_record_flag,
+    figure,
+    resolve_record_flag,
+    save,
+)
 from atomrt.workers.kernels.gemm.skinny_configs import (
     BROADCAST_MAX_M,
     SkinnyConfig,
@@ -389,7 +398,9 @@ def main() -> None:
         help="with --norm: the statistics pass's values per step (default NORM_STATS_VALUES; "
         "0: one K tile per step)",
     )
+    add_record_flag(ap)
     args = ap.parse_args()
+    resolve_record_flag(args, ap)
     if not torch.cuda.is_available():
         raise SystemExit("sweep_gemm.py needs a CUDA GPU")
     props = torch.cuda.get_device_properties(0)
@@ -447,6 +458,33 @@ def main() -> None:
                 f,
                 indent=1,
             )
+    if args.record is not None:
+        figs = figures(summaries, args.norm)
+        program = "python benchmarks/sweep_gemm.py"
+        save(args.record, "sweep_gemm", sys.argv[1:], figs, on_gpu=True, program=program)
+
+
+def figures(summaries: list[Summary], norm: bool) -> list[Figure]:
+    """skinny-gemm: the best swept config's GPU µs (the default's where none was swept) against
+    cuBLAS, per (shape, M)."""
+    out = []
+    for s in summaries:
+        best = s.best_us if s.best_us is not None else s.default_us
+        if best is None:  # every config was skipped
+            continue
+        extra = {} if s.default_us is None else {"default config": Quantity(s.default_us, "µs")}
+        out.append(
+            figure(
+                "skinny-gemm",
+                f"{s.shape} M={s.m}" + (", with the norm" if norm else ""),
+                round(best, 2),
+                "µs",
+                anchor=round(s.cublas_us, 2),
+                anchor_name="cuBLAS",
+                extra={k: Quantity(round(q.value, 2), q.unit) for k, q in extra.items()},
+            )
+        )
+    return out
 
 
 if __name__ == "__main__":

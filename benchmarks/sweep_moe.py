@@ -26,11 +26,22 @@ import argparse
 import dataclasses
 import itertools
 import json
+import sys
 import time
 
 import torch
 import triton
 
+from atomrt.runtime.bench.records import (
+    Figure,
+    Quantity,
+    Threshold,
+    add_record_flag,
+    figure,
+    resolve_record_flag,
+    save,
+)
+from atomrt.runtime.bench.targets import MOE_DECODE_TOKENS, MOE_OVER_FLOOR
 from atomrt.workers.kernels.moe.align import moe_align_block_size
 from atomrt.workers.kernels.moe.fused_moe import _launch
 from atomrt.workers.kernels.moe.moe_configs import MoEConfig, bucket_tokens, pick_config
@@ -200,7 +211,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer token counts and candidates")
     p.add_argument("--budget-s", type=float, default=1800.0, help="stop sweeping past this")
     p.add_argument("--json", default=None)
+    add_record_flag(p)
     args = p.parse_args()
+    resolve_record_flag(args, p)
     if not torch.cuda.is_available():
         raise SystemExit("sweep_moe.py needs a CUDA GPU")
     tokens = (
@@ -226,6 +239,30 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dataclasses.asdict(o) for o in outcomes], f, indent=1)
+    if args.record is not None:
+        program = "python benchmarks/sweep_moe.py"
+        save(
+            args.record, "sweep_moe", sys.argv[1:], figures(outcomes), on_gpu=True, program=program
+        )
+
+
+def figures(outcomes: list[Outcome]) -> list[Figure]:
+    """fused-moe: the best config's GPU time against the weight-read floor, per shape and tokens."""
+    return [
+        figure(
+            "fused-moe",
+            f"{o.shape} M={o.tokens}",
+            round(o.best_us, 2),
+            "µs",
+            anchor=o.floor_us,
+            anchor_name=f"weight-read floor at {COPY_BANDWIDTH_GBS} GB/s",
+            threshold=Threshold("<=", MOE_OVER_FLOOR, "ratio")
+            if o.tokens <= MOE_DECODE_TOKENS
+            else None,
+            extra={"default config": Quantity(round(o.default_us, 2), "µs")},
+        )
+        for o in outcomes
+    ]
 
 
 if __name__ == "__main__":

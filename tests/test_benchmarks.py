@@ -1,11 +1,16 @@
 """benchmarks/: every script is indexed in its README, compiles, and answers --help on CPU."""
 
+import importlib.util
 import json
 import py_compile
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from records_harness import check_records
+
+from atomrt.runtime.bench.records import Threshold
 
 ROOT = Path(__file__).parent.parent
 BENCH = ROOT / "benchmarks"
@@ -70,15 +75,96 @@ def test_scripts_answer_help():
     assert not failed, failed
 
 
-def test_host_step_bench_runs():
+def test_host_step_bench_runs(tmp_path):
     """bench_host_step.py stands in for the model's forward: a change to the runner's forward
     signature must keep it running (it is the host-step figure of docs/perf.md)."""
+    argv = [str(BENCH / "bench_host_step.py"), "--bs", "2", "--steps", "5"]
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_host_step.py"), "--bs", "2", "--steps", "5"],
+        [sys.executable, *argv, "--record", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert re.search(r"bs=2 async: host [\d.]+ us/step", proc.stdout), proc.stdout
+    m = re.search(r"bs=2 async: host ([\d.]+) us/step", proc.stdout)
+    assert m, proc.stdout
+    ((f,),) = [r.figures for r in check_records(tmp_path, "bench_host_step")]
+    assert (f.target, f.case, f.value, f.unit) == ("host-step", "bs=2 async", float(m[1]), "µs")
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_scripts_record_their_figures():
+    """What the GPU scripts' --record keeps, from rows as they measure them: each figure against
+    the anchor of the same run, and the scripts' targets where they apply."""
+    prefill = _script("bench_prefill").figures(
+        [
+            dict(
+                model="Llama-3.1-8B",
+                mode="FULL",
+                shape="8x2048",
+                ms=424.95,
+                tokens_s=38556,
+                tflops=558.9,
+            ),
+            dict(
+                model="Llama-3.2-1B",
+                mode="FULL",
+                shape="32x512",
+                ms=85.17,
+                tokens_s=192374,
+                tflops=380.8,
+            ),
+        ],
+        ceiling=782.94,
+    )
+    assert [(f.case, f.anchor, f.threshold, f.met) for f in prefill] == [
+        ("Llama-3.1-8B 8x2048 FULL", 782.9, Threshold(">=", 0.55, "ratio"), True),
+        ("Llama-3.2-1B 32x512 FULL", 782.9, None, None),
+    ]
+    assert prefill[0].ratio == round(558.9 / 782.9, 4) and prefill[0].extra["time"].value == 424.95
+
+    moe = _script("sweep_moe")
+    outcomes = [
+        moe.Outcome("Qwen3-30B-A3B", m, {}, 30.0, {}, us, 20.0, 9, 0)
+        for m, us in ((8, 24.0), (512, 90.0))
+    ]
+    small, large = moe.figures(outcomes)
+    assert (small.case, small.ratio, small.met) == ("Qwen3-30B-A3B M=8", 1.2, True)
+    assert large.threshold is None  # not a decode size
+
+    (argmax,) = _script("bench_argmax").figures([(1, 128256, 16, [26.4, 3.2, 10.3], [13.3, 30.6])])
+    assert (argmax.case, argmax.value, argmax.anchor, argmax.anchor_name) == (
+        "1 × 128256, 16 splits",
+        3.2,
+        26.4,
+        "torch.argmax",
+    )
+
+    gemm = _script("sweep_gemm")
+    summary = dict(
+        n=960, k=576, default={}, best={}, best_gbs=None, num_timed=1, num_skipped=0, searched=True
+    )
+    summaries = [
+        gemm.Summary("SmolLM2-135M qkv", 1, cublas_us=3.7, default_us=2.5, best_us=2.23, **summary),
+        gemm.Summary("SmolLM2-135M o", 1, cublas_us=3.14, default_us=None, best_us=None, **summary),
+    ]
+    (f,) = gemm.figures(summaries, norm=True)  # every config of the second was skipped
+    assert (f.case, f.value, f.anchor, f.extra["default config"].value) == (
+        "SmolLM2-135M qkv M=1, with the norm",
+        2.23,
+        3.7,
+        2.5,
+    )
+
+
+def test_scripts_with_figures_take_record():
+    for name in ("bench_argmax", "bench_host_step", "bench_prefill", "sweep_gemm", "sweep_moe"):
+        assert "add_record_flag" in (BENCH / f"{name}.py").read_text(), name

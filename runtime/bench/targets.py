@@ -43,6 +43,11 @@ TRANSPORT_US = 100.0  # transport: median driver -> worker -> driver round trip,
 SERVE_OVER_OFFLINE = 0.95  # serving: the server's output tokens/s over the offline engine's
 SERVE_REQUEST_MS = {("Llama-3.1-8B", 8, 32, 128): 500.0}  # serving-latency: (model, c, in, out)
 DP_SPEEDUP = 1.8  # data-parallel: DP=2 over DP=1 on Qwen3-30B-A3B, 64 requests per rank
+# prefill (benchmarks/bench_prefill.py): TFLOP/s over the bf16 GEMM ceiling (model, NxL shape)
+PREFILL_OF_CEILING = {("Llama-3.1-8B", "8x2048"): 0.55}
+# fused-moe (benchmarks/sweep_moe.py): the best config's µs over the weight-read floor, at decode
+# sizes (at most MOE_DECODE_TOKENS tokens)
+MOE_OVER_FLOOR, MOE_DECODE_TOKENS = 1.3, 64
 # The ATOMRT_* variables a record's command line names, at their defaults (not a variant).
 ENV_DEFAULTS = {"ATOMRT_PDL": "0", "ATOMRT_TRACE_CACHE": "1", "ATOMRT_COMPILE_CACHE_READ_ONLY": "0"}
 
