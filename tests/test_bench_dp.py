@@ -55,7 +55,10 @@ def test_dp2_reports_throughput_and_padding(tmp_path: Path, capsys) -> None:
     assert two["real_tokens"] == 3 * (12 + 5) + 3 * (6 + 2)
     assert "DP=2 TP=1 (mp" in capsys.readouterr().out
     ((f,),) = [r.figures for r in check_records(tmp_path / "records", "dp")]
-    case = ", ".join(["tiny-qwen3-moe DP=2 TP=1, mp, tbo=none, 6 requests", "dp_prefill_align 1"])
+    flags = "--set cache_config.num_kv_blocks=32 --enforce-eager --load-format dummy --device cpu"
+    case = ", ".join(
+        ["tiny-qwen3-moe DP=2 TP=1, mp, tbo=none, 6 requests", "dp_prefill_align 1", flags]
+    )
     assert (f.target, f.case) == ("data-parallel", ", ".join([case, *env_variant()]))
     assert (f.value, f.anchor, f.extra["padded"].value) == (
         two["output_tokens_per_s"],

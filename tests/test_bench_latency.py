@@ -225,7 +225,7 @@ def test_speculative_config_compares_decode_with_and_without(
     assert "accept_len" in printed and "ngram k=3" in printed
     # the record: a figure per row that speculated, against the same workload without
     (record,) = check_records(records, "latency")
-    variant = ", ".join(["level 0, 16-token prompts", *env_variant(), "8 tokens"])
+    variant = ", ".join(["16-token prompts", *env_variant(), "8 tokens"])  # eager: no level
     assert [f.case for f in record.figures] == [
         f"{model.name} eager bs=2 {w}, ngram k=3, {variant}" for w in ("repetitive", "random")
     ]

@@ -77,8 +77,9 @@ def test_compare_hf_writes_both_figures(
     assert any(line.startswith("transformers: 3 prompts x 6 tokens") for line in lines)
     assert any(line.startswith("atomrt / transformers:") for line in lines)
     ((f,),) = [r.figures for r in check_records(tmp_path / "records", "throughput")]
+    flags = "--set cache_config.num_kv_blocks=64 --enforce-eager --device cpu"
     case = ", ".join(
-        [f"{tiny_folder.name}, 3 synthetic prompts × 6 tokens, float32", *env_variant()]
+        [f"{tiny_folder.name}, 3 synthetic prompts × 6 tokens, float32", flags, *env_variant()]
     )
     assert (f.target, f.case, f.unit) == ("offline-throughput", case, "tokens/s")
     assert (f.value, f.anchor, f.anchor_name) == (

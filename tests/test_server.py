@@ -700,7 +700,7 @@ def test_bench_serve_on_a_model_without_a_tokenizer(tmp_path, capsys):
     assert "under four waves" in capsys.readouterr().err
     # the server's engine flags, --model aside, name the case: another config, another row
     (record,) = check_records(tmp_path / "records", "serve")
-    flags = "--load-format dummy --device cpu --enforce-eager"
+    flags = "--enforce-eager --load-format dummy --device cpu"  # one order, whatever was typed
     case = ", ".join(["tiny-qwen3-moe c=2, 5 → 4 tokens", flags, *env_variant()])
     assert [(f.target, f.case) for f in record.figures] == [
         ("serving", case),

@@ -12,11 +12,13 @@ only where its goal applies (on a GPU, standard settings).
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from atomrt.runtime.bench.modes import split_mode
 from atomrt.runtime.bench.records import Figure, Quantity, Threshold, figure
+from atomrt.runtime.entrypoints.config_args import _add_config_args
 from atomrt.runtime.envs import ENV
 
 if TYPE_CHECKING:
@@ -65,11 +67,22 @@ def env_variant() -> list[str]:
     return [f"{k}={v}" for k, v in ENV.recorded_by_benches if ENV_DEFAULTS.get(k) != v]
 
 
+def _g(value: Any) -> str:
+    return format(value, "g") if isinstance(value, float) else str(value)
+
+
+def _weights(load_format: Optional[str]) -> list[str]:
+    if load_format in (None, "dummy"):
+        return []
+    return ["real weights" if load_format == "auto" else f"{load_format} weights"]
+
+
 def engine_variant(args: argparse.Namespace, *, ladder: bool = True) -> list[str]:
-    """What a latency run set apart from the standard settings (module docstring)."""
-    out = [] if args.level == 3 else [f"level {args.level}"]
-    if args.load_format != "dummy":
-        out.append(f"{args.load_format} weights")
+    """What a latency run set apart from the standard settings (module docstring); the level
+    only where a mode compiles."""
+    graphs = any(split_mode(m)[0] != "eager" for m in args.modes)
+    out = [] if args.level == 3 or not graphs else [f"level {args.level}"]
+    out += _weights(args.load_format)
     if args.dtype != "auto":
         out.append(args.dtype)
     if args.input_len != 128:
@@ -78,8 +91,30 @@ def engine_variant(args: argparse.Namespace, *, ladder: bool = True) -> list[str
     names += ["max_num_seqs", "cuda_graph_sizes"] if ladder else []
     for name in names:
         if getattr(args, name, None) is not None:
-            out.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+            out.append(f"--{name.replace('_', '-')} {_g(getattr(args, name))}")
     return out + env_variant()
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags (those of `atomrt generate`) a run set, --model aside, in one order and
+    spelling: what tells one engine configuration's case from another's."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_config_args(parser)
+    out = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest == "model" or value is None or value is False or value == []:
+            continue
+        flag = action.option_strings[0]
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list):
+            out += [f"{flag} {v}" for v in value]
+        elif isinstance(value, dict):
+            out.append(f"{flag} {json.dumps(value, separators=(',', ':'))}")
+        else:
+            out.append(f"{flag} {_g(value)}")
+    return out
 
 
 def _case(axes: str, variant: list[str]) -> str:
@@ -151,7 +186,7 @@ def latency_figures(report: LatencyReport, args: argparse.Namespace, on_cuda: bo
                 "ms",
                 anchor=c["inproc_ms"],
                 anchor_name="in-process",
-                threshold=Threshold("<=", RAY_OVER_INPROC, "ratio") if on_cuda else None,
+                threshold=Threshold("<=", RAY_OVER_INPROC, "ratio") if standard else None,
             )
         )
     return out
@@ -229,8 +264,7 @@ def startup_figures(bench: Any, args: argparse.Namespace, on_gpu: bool) -> list[
     and warm (a toy run: the child's construction and first forwards)."""
     axes = model_name(bench.model)
     axes += f" {args.cudagraph_mode}" if args.cudagraph_mode else ""
-    variant = [] if args.toy or args.load_format == "dummy" else [f"{args.load_format} weights"]
-    variant += env_variant()
+    variant = ([] if args.toy else _weights(args.load_format)) + env_variant()
     extra = {
         "cold": Quantity(bench.cold_compile_s, "s"),
         "warm": Quantity(bench.warm_compile_s, "s"),
@@ -281,16 +315,17 @@ def transport_figures(r: Any, tcp: bool) -> list[Figure]:
     ]
 
 
-def throughput_figures(report: Any) -> list[Figure]:
+def throughput_figures(report: Any, args: argparse.Namespace) -> list[Figure]:
     axes = (
         f"{model_name(report.model)}, {report.num_prompts} {report.prompt_source} prompts × "
         f"{report.output_len} tokens, {report.dtype}"
     )
     hf = report.transformers
+    flags = engine_flags(args)
     return [
         figure(
             "offline-throughput",
-            _case(axes, env_variant()),
+            _case(axes, [" ".join(flags)] * bool(flags) + env_variant()),
             report.atomrt.output_tokens_per_s,
             "tokens/s",
             anchor=hf.output_tokens_per_s if hf else None,
@@ -304,7 +339,9 @@ def serve_figures(
 ) -> list[Figure]:
     """serving: output tokens/s against the offline engine's; serving-latency: the mean request
     latency of a concurrency run."""
-    flags = _without_model(engine_argv)
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_config_args(parser)
+    flags = engine_flags(parser.parse_args(engine_argv))
     shape = (
         f"dataset {Path(args.dataset).name}"
         if args.dataset
@@ -352,15 +389,6 @@ def serve_figures(
     return out
 
 
-def _without_model(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if not skip and a != "--model" and not a.startswith("--model="):
-            out.append(a)
-        skip = a == "--model"
-    return out
-
-
 def dp_figures(report: Any, args: argparse.Namespace, on_gpu: bool) -> list[Figure]:
     """data-parallel: each layout's output tokens/s against the first layout's, same requests."""
     variant = [] if args.imbalance == 0.5 else [f"imbalance {args.imbalance}"]
@@ -368,7 +396,8 @@ def dp_figures(report: Any, args: argparse.Namespace, on_gpu: bool) -> list[Figu
         variant.append(f"an arrival every {args.arrival_interval} steps")
     if args.dp_prefill_align is not None:
         variant.append(f"dp_prefill_align {args.dp_prefill_align}")
-    variant += env_variant()
+    flags = engine_flags(args)
+    variant += [" ".join(flags)] * bool(flags) + env_variant()
     out = []
     for r in report.results:
         first = next(x for x in report.results if x.num_requests == r.num_requests)

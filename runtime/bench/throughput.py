@@ -356,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.record is not None:
         argv = sys.argv[1:] if argv is None else argv
         on_gpu = report.device != "cpu"
-        save(args.record, "throughput", argv, throughput_figures(report), on_gpu=on_gpu)
+        save(args.record, "throughput", argv, throughput_figures(report, args), on_gpu=on_gpu)
     return 0
 
 
