@@ -116,6 +116,18 @@ def test_runs_group_their_rows(tmp_path: Path) -> None:
     assert "`matrix`" in rows[0] and all(r.endswith("〃 | 〃 | 〃 | 〃 |") for r in rows[1:])
 
 
+def test_a_ratio_stated_without_its_anchor_keeps_the_anchor_column(tmp_path: Path) -> None:
+    """A record moved from prose may know the ratio and not the anchor's value."""
+    folder = tmp_path / "r"
+    f = figure("serving", "c=8", 1623.3, "tokens/s", anchor_name="offline engine")
+    f.ratio = 0.933
+    _save(folder, "2026-12-04", H200, "serve", f)
+    (folder / TEMPLATE).write_text("{{table serving}}\n")
+    header, _, row = render(folder, folder / TEMPLATE, tmp_path / "perf.md").splitlines()
+    assert header.startswith("| case | figure | offline engine | ratio |")
+    assert row.startswith("| c=8 | 1623.3 tokens/s | — | 0.933× |")
+
+
 def test_report_writes_checks_and_shows_history(results: Path, tmp_path: Path, capsys) -> None:
     page = tmp_path / "perf.md"
     common = ["--results", str(results), "--out", str(page)]

@@ -110,7 +110,7 @@ def _command_cell(path: Path, r: Record, link_from: Path) -> str:
 def table(entries: Sequence[Entry], link_from: Path) -> list[str]:
     """One target's table: rows grouped by run, newest run first, cases in natural order."""
     figs = [f for _, _, f in entries]
-    anchors = {f.anchor_name for f in figs if f.anchor is not None}
+    anchors = {f.anchor_name for f in figs if f.anchor is not None or f.ratio is not None}
     cols = ["case", "figure"]
     if anchors:
         cols.append(next(iter(anchors)) if len(anchors) == 1 and None not in anchors else "anchor")
