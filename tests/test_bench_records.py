@@ -233,3 +233,29 @@ def test_latency_figures_on_a_gpu(monkeypatch) -> None:
         f.threshold is None
         for f in targets.latency_figures(report, _parse(["--level", "3"]), on_cuda=False)
     )
+
+
+def test_a_dp_case_names_each_setting_once(monkeypatch) -> None:
+    """The executor is a dp case's axis, not also an engine flag; numbers are written plainly."""
+    from atomrt.runtime.bench.dp import LayoutResult, Report, _parse
+
+    monkeypatch.setattr(targets, "ENV", dataclasses.replace(targets.ENV, recorded_by_benches=()))
+    args = _parse(["--executor", "ray", "--imbalance", "0", "--layouts", "1x1,2x1"])
+    report = Report("tiny-qwen3-moe", "cpu", "", [32], 64, 32, 0.0, 0, 0, ["none"], {})
+    for dp, rate in ((1, 1182.8), (2, 699.0)):
+        report.results.append(
+            LayoutResult(
+                f"DP={dp} TP=1", dp, 1, "ray", None, 0, 0, rate, 0, 0, 0, 0.25, 0, 0, "none", 32
+            )
+        )
+    one, two = targets.dp_figures(report, args, on_gpu=False)
+    assert (
+        two.case
+        == "tiny-qwen3-moe DP=2 TP=1, ray, tbo=none, 32 requests, imbalance 0, --load-format dummy"
+    )
+    assert (one.anchor, two.anchor, two.anchor_name, two.ratio) == (
+        None,
+        1182.8,
+        "DP=1 TP=1",
+        round(699.0 / 1182.8, 4),
+    )

@@ -391,12 +391,12 @@ def serve_figures(
 
 def dp_figures(report: Any, args: argparse.Namespace, on_gpu: bool) -> list[Figure]:
     """data-parallel: each layout's output tokens/s against the first layout's, same requests."""
-    variant = [] if args.imbalance == 0.5 else [f"imbalance {args.imbalance}"]
+    variant = [] if args.imbalance == 0.5 else [f"imbalance {_g(args.imbalance)}"]
     if args.arrival_interval:
         variant.append(f"an arrival every {args.arrival_interval} steps")
     if args.dp_prefill_align is not None:
         variant.append(f"dp_prefill_align {args.dp_prefill_align}")
-    flags = engine_flags(args)
+    flags = [f for f in engine_flags(args) if not f.startswith("--executor ")]  # an axis here
     variant += [" ".join(flags)] * bool(flags) + env_variant()
     out = []
     for r in report.results:
