@@ -4,15 +4,20 @@ machine kind); `--history` and `--plot` show a target over time."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import jsonschema
 import pytest
+from records_harness import SCHEMA
 
 from atomrt.runtime.bench.records import (
+    RESULTS,
     Machine,
     Record,
     Threshold,
     figure,
+    load_records,
     write_record,
 )
 from atomrt.runtime.bench.report import TEMPLATE, main, render
@@ -22,6 +27,24 @@ ROOT = Path(__file__).parent.parent
 PAGE = ROOT / "docs" / "perf.md"
 H200 = Machine("H200", "NVIDIA H200", 1, None, 16, "2.11", "3.6", "13.0", "3.12")
 CPU = Machine("2-core CPU", None, 0, None, 2, "2.13.0", "3.9.0", None, "3.11")
+
+
+def test_docs_perf_md_is_what_the_records_render() -> None:
+    rendered = render(ROOT / RESULTS, ROOT / RESULTS / TEMPLATE, PAGE)
+    assert rendered == PAGE.read_text(), (
+        "docs/perf.md differs from what benchmarks/results/ renders: run `atomrt bench report` "
+        "(and edit benchmarks/results/perf-template.md, not docs/perf.md)"
+    )
+    assert rendered.count("\n") <= 200, (
+        "docs/perf.md is past 200 lines: leave superseded cases to the history, shorten notes"
+    )
+
+
+def test_every_committed_record_validates() -> None:
+    paths = sorted((ROOT / RESULTS).glob("*.json"))
+    for path in paths:
+        jsonschema.validate(json.loads(path.read_text()), SCHEMA)
+    assert len(load_records(ROOT / RESULTS)) == len(paths) > 0
 
 
 def _save(folder: Path, date: str, machine: Machine, command: str, *figures) -> Path:
