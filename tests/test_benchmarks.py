@@ -77,7 +77,7 @@ def test_scripts_answer_help():
 
 def test_host_step_bench_runs(tmp_path):
     """bench_host_step.py stands in for the model's forward: a change to the runner's forward
-    signature must keep it running (it is the host-step figure of docs/perf.md)."""
+    signature must keep it running; its --record keeps the figure as a record."""
     argv = [str(BENCH / "bench_host_step.py"), "--bs", "2", "--steps", "5"]
     proc = subprocess.run(
         [sys.executable, *argv, "--record", str(tmp_path)],

@@ -37,7 +37,8 @@ class MoEConfig:
 
 
 # (gemm, num_experts, N, K) -> {token bucket: config}. Filled from benchmarks/sweep_moe.py runs on
-# the GPU machine (docs/perf.md has the figures); a shape missing here takes heuristic_config.
+# the GPU machine (their figures: `--record`, docs/perf.md); a shape missing here takes
+# heuristic_config.
 CONFIGS: dict[tuple[str, int, int, int], dict[int, MoEConfig]] = {}
 
 
