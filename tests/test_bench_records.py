@@ -259,3 +259,8 @@ def test_a_dp_case_names_each_setting_once(monkeypatch) -> None:
         "DP=1 TP=1",
         round(699.0 / 1182.8, 4),
     )
+
+
+def test_a_run_without_figures_writes_no_record(tmp_path: Path, capsys) -> None:
+    assert records.save(tmp_path, "latency", [], [], on_gpu=False) is None
+    assert list(tmp_path.iterdir()) == [] and "nothing written" in capsys.readouterr().out

@@ -249,8 +249,13 @@ def save(
     program: Optional[str] = None,
     notes: Iterable[str] = (),
     details: Optional[dict[str, Any]] = None,
-) -> Path:
-    """Write the record of a run that measured `figures`, and say where."""
+) -> Optional[Path]:
+    """Write the record of a run that measured `figures`, and say where; a run that measured
+    nothing (every model failed) says so and writes none."""
+    figures = list(figures)
+    if not figures:
+        print("record: the run measured no figure; nothing written", flush=True)
+        return None
     commit, dirty = source_commit()
     record = Record(
         bench=bench,
@@ -259,7 +264,7 @@ def save(
         commit=commit,
         dirty=dirty,
         machine=this_machine(on_gpu),
-        figures=list(figures),
+        figures=figures,
         notes=list(notes),
         details=dict(details or {}),
     )
