@@ -104,7 +104,12 @@ def _command_cell(path: Path, r: Record, link_from: Path) -> str:
     text = f"`{r.command}` · [record]({link})"
     if r.notes:
         text += " · " + "; ".join(r.notes)
-    return text.replace("|", "\\|")
+    return text
+
+
+def _row(cells: list[str]) -> str:
+    """A table row; a `|` in a cell (a command's shell pipe) is escaped, not a column."""
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
 def table(entries: Sequence[Entry], link_from: Path) -> list[str]:
@@ -141,7 +146,7 @@ def table(entries: Sequence[Entry], link_from: Path) -> list[str]:
                 row.append(_command_cell(path, r, link_from))
             else:
                 row += [DITTO] * 4
-            lines.append("| " + " | ".join(row) + " |")
+            lines.append(_row(row))
     return lines
 
 
@@ -170,7 +175,9 @@ def render(results: Path, template: Path, page: Path) -> str:
 # ------------------------------------------------------------------ history
 
 
-def history(records: Sequence[tuple[Path, Record]], target: str, case: str, machine: str):
+def history(
+    records: Sequence[tuple[Path, Record]], target: str, case: str, machine: str
+) -> list[Entry]:
     """Every figure of `target` (case and machine kind containing the given text), by case,
     machine kind and date."""
     rows = [
@@ -189,7 +196,7 @@ def history_table(entries: Sequence[Entry]) -> list[str]:
         anchor = "—" if f.anchor is None else _quantity(f.anchor, f.unit)
         row = [f.case, r.machine.kind, r.date, _commit_cell(r), _figure_cell(f), anchor]
         row.append(_ratio(f.ratio))
-        lines.append("| " + " | ".join([*row, _target_cell(f)]) + " |")
+        lines.append(_row([*row, _target_cell(f)]))
     return lines
 
 
