@@ -38,9 +38,8 @@ CAPTURE_S = {("SmolLM2-135M", 512): 10.0}  # graph-capture: the ladder 1..512 (m
 RAY_OVER_INPROC = 1.05  # ray-vs-inproc: the Ray executor's decode step over in-process
 SPEC_SPEEDUP = {"repetitive": 1.6, "random": 0.95}  # speculative-decoding: bs=1, async scheduling
 STARTUP_COMPILE_RATIO = 0.25  # startup-compile: warm compile over cold, level 3
-STARTUP_S = {
-    "SmolLM2-135M": (30.0, 10.0)
-}  # startup-time: process start to first token (cold, warm)
+# startup-time: process start to first token, (cold, warm) seconds
+STARTUP_S = {"SmolLM2-135M": (30.0, 10.0)}
 TRANSPORT_US = 100.0  # transport: median driver -> worker -> driver round trip, one node
 SERVE_OVER_OFFLINE = 0.95  # serving: the server's output tokens/s over the offline engine's
 SERVE_REQUEST_MS = {("Llama-3.1-8B", 8, 32, 128): 500.0}  # serving-latency: (model, c, in, out)
