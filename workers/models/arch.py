@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from atomrt.workers.models.deepseek_arch import deepseek_fields
+
 # Supported architectures with the per-family switches of their attention (Llama's, for all).
 _FAMILY_FLAGS: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
@@ -18,8 +20,13 @@ _FAMILY_FLAGS: dict[str, dict[str, bool]] = {
     "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False},
     "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
     "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Glm4MoeLiteForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# Multi-head latent attention and DeepSeekMoE (workers/models/deepseek_arch.py reads their fields)
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(_FAMILY_FLAGS)
 
 
@@ -52,10 +59,31 @@ class ModelArch:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a sigmoid-gated dense expert beside
+    # Multi-head latent attention (DeepSeek family; kv_lora_rank 0: not MLA). head_dim is then the
+    # query/key head size, qk_nope_head_dim + qk_rope_head_dim.
+    q_lora_rank: Optional[int] = None  # None: a plain q projection
+    kv_lora_rank: int = 0  # the latent's width (the cache row holds it and the rotary key part)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary over the pairs (x0, x1), (x2, x3), ...
+    # DeepSeekMoE: ungated shared experts (n_shared_experts * moe_intermediate_size wide) beside
+    # the routed ones, and its routing (workers/layers/deepseek_moe.py)
+    n_shared_experts: int = 0
+    topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
+    scoring_func: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers stored after the decoder's
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (
@@ -110,8 +138,7 @@ def arch_from_hf_config(cfg: dict[str, Any], where: str) -> ModelArch:
         flags = dict(_FAMILY_FLAGS[architecture])
         if architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             flags["qkv_bias"] = bool(cfg.get("attention_bias", False))
-        moe = _moe_fields(cfg, architecture, where)
-        return ModelArch(
+        fields: dict[str, Any] = dict(
             architecture=architecture,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden_size,
@@ -129,8 +156,12 @@ def arch_from_hf_config(cfg: dict[str, Any], where: str) -> ModelArch:
             bos_token_id=cfg.get("bos_token_id"),
             checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             **flags,
-            **moe,
         )
+        if architecture in MLA_ARCHITECTURES:
+            fields.update(deepseek_fields(cfg, architecture, where))
+        else:
+            fields.update(_moe_fields(cfg, architecture, where))
+        return ModelArch(**fields)
     except KeyError as e:
         raise ValueError(f"{where}: config.json lacks the field {e.args[0]!r}") from None
 
