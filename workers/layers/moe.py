@@ -88,6 +88,30 @@ def fused_experts_ref(
     return out
 
 
+def _routed_experts_impl(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """x [n, hidden] routed by (topk_weights, topk_ids) [n, top_k] -> this rank's partial expert
+    output [n, hidden]: the Triton kernel on CUDA, the torch loop elsewhere."""
+    if x.is_cuda:
+        return fused_experts(x, w13, w2, topk_weights, topk_ids)
+    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def _routed_experts_fake(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def _fused_moe_impl(
     x: torch.Tensor,
     router_logits: torch.Tensor,
@@ -98,9 +122,7 @@ def _fused_moe_impl(
 ) -> torch.Tensor:
     """x [n, hidden], router_logits [n, E] -> this rank's partial expert output [n, hidden]."""
     topk_weights, topk_ids = select_experts(router_logits, top_k, renormalize)
-    if x.is_cuda:
-        return fused_experts(x, w13, w2, topk_weights, topk_ids)
-    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
+    return _routed_experts_impl(x, topk_weights, topk_ids, w13, w2)
 
 
 def _fused_moe_fake(
@@ -116,6 +138,8 @@ def _fused_moe_fake(
 
 # Opaque to Dynamo: the CPU loop has data-dependent shapes, and the kernel picks its launch per call.
 direct_register_custom_op("fused_moe", _fused_moe_impl, fake_impl=_fused_moe_fake)
+# The experts alone, for a routing computed outside the op (DeepSeekMoE's grouped top-k).
+direct_register_custom_op("routed_experts", _routed_experts_impl, fake_impl=_routed_experts_fake)
 
 
 def fused_moe(
@@ -129,6 +153,18 @@ def fused_moe(
     if torch.compiler.is_compiling():
         return torch.ops.atomrt.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
     return _fused_moe_impl(x, router_logits, w13, w2, top_k, renormalize)
+
+
+def routed_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return torch.ops.atomrt.routed_experts(x, topk_weights, topk_ids, w13, w2)
+    return _routed_experts_impl(x, topk_weights, topk_ids, w13, w2)
 
 
 class Router(nn.Module):

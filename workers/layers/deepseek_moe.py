@@ -1,0 +1,125 @@
+"""DeepSeekMoE's routing: `GroupedTopkMoE` is `FusedMoE` (workers/layers/moe.py: the DP gather,
+the experts sharded over the ranks, the reduce) with DeepSeek's router in front of the experts.
+
+Routing, in float32 (`GroupedRouting.select`), for router logits [n, E] (a float32 projection):
+
+1. scores: softmax over the experts (`scoring_func: softmax`) or a sigmoid each (`sigmoid`);
+2. choice scores: the scores, plus `e_score_correction_bias` under `noaux_tc` (the bias steers
+   which experts are picked, never how much they weigh);
+3. groups (`group_limited_greedy` and `noaux_tc` with n_group > 1): the experts fall into
+   `n_group` equal groups, each scored by its best choice score (`group_limited_greedy`) or the sum
+   of its two best (`noaux_tc`); only the `topk_group` best groups stay eligible;
+4. the top k eligible experts by choice score; their weights are their scores, divided by their sum
+   when `norm_topk_prob`, times `routed_scaling_factor`.
+
+`greedy` is steps 1 and 4 alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atomrt.distributed.communication_op import DPInfo, TPInfo
+from atomrt.workers.layers.moe import FusedMoE, routed_experts
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """How DeepSeekMoE picks and weighs a token's experts (the model's config fields)."""
+
+    num_experts: int
+    top_k: int
+    topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
+    scoring_func: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    renormalize: bool = False  # norm_topk_prob
+    routed_scaling_factor: float = 1.0
+
+    def select(
+        self, router_logits: torch.Tensor, correction_bias: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, E] float32 logits -> (weights [n, top_k] float32, ids [n, top_k] int64)."""
+        if self.scoring_func == "softmax":
+            scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        else:
+            scores = router_logits.float().sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias
+        if self.topk_method != "greedy" and self.n_group > 1:
+            choice = self._mask_groups(choice)
+        ids = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Choice scores [n, E] with every expert outside the token's `topk_group` best groups at
+        -inf."""
+        num_tokens, num_experts = choice.shape
+        grouped = choice.view(num_tokens, self.n_group, num_experts // self.n_group)
+        if self.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [n, n_group]
+        else:
+            group_scores = grouped.max(dim=-1).values
+        kept = torch.topk(group_scores, self.topk_group, dim=-1).indices  # [n, topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+        return choice.masked_fill(~expert_mask, float("-inf"))
+
+
+class GroupedRouter(nn.Module):
+    """The replicated float32 router of DeepSeekMoE (and, under `noaux_tc`, its correction bias)."""
+
+    def __init__(self, routing: GroupedRouting, hidden_size: int) -> None:
+        super().__init__()
+        self.routing = routing
+        e = routing.num_experts
+        self.weight = nn.Parameter(
+            torch.empty(e, hidden_size, dtype=torch.float32), requires_grad=False
+        )
+        self.e_score_correction_bias: Optional[nn.Parameter] = None
+        if routing.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(e, dtype=torch.float32), requires_grad=False
+            )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, hidden] -> (weights [n, top_k] float32, ids [n, top_k])."""
+        logits = F.linear(x.float(), self.weight)  # [n, E] float32
+        return self.routing.select(logits, self.e_score_correction_bias)
+
+
+class GroupedTopkMoE(FusedMoE):
+    """`FusedMoE` routed by DeepSeekMoE's router: the routing is traced with the model (plain
+    tensor arithmetic), the experts are the opaque `routed_experts` op."""
+
+    def __init__(
+        self,
+        routing: GroupedRouting,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TPInfo = TPInfo(),
+        dp: DPInfo = DPInfo(),
+        reduce_output: bool = True,
+    ) -> None:
+        super().__init__(
+            routing.num_experts,
+            routing.top_k,
+            hidden_size,
+            intermediate_size,
+            routing.renormalize,
+            tp,
+            dp,
+            reduce_output=reduce_output,
+        )
+        self.gate = GroupedRouter(routing, hidden_size)
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        return routed_experts(x, weights, ids, self.w13_weight, self.w2_weight)
