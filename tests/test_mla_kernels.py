@@ -1,0 +1,348 @@
+"""The MLA kernels (latent cache write, paged decode over the latent cache) against float64
+references written here from the formula, on CPU through Triton's interpreter. Small dims (latent
+32-64, rotary 8-32, non-powers of two among them) keep the interpreter fast; the GPU tier
+(tests/gpu/test_mla_gpu.py) repeats the checks at real shapes.
+
+Every cache slot no request owns holds NaN, and every output row starts as NaN: a kernel that reads
+a foreign slot, or leaves a row unwritten, fails the test. Decode runs in fp32 and fp16 here (the
+interpreter's bf16 tl.dot is wrong, triton-lang/triton#11584); the cache write in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from atomrt.workers.kernels.attention.mla_decode import (
+    MLADecodeLaunch,
+    launch_mla_decode,
+    mla_decode_attention,
+    mla_write_kv_cache,
+    plan_mla_decode,
+)
+
+NAN = float("nan")
+
+
+@dataclass
+class MLABatch:
+    """Requests' absorbed query rows over a paged latent cache, and their metadata."""
+
+    q: torch.Tensor  # [R, H, L + P]; rows past the requests' hold NaN
+    kv_cache: torch.Tensor  # [num_blocks, block_size, L + P]; unowned slots hold NaN
+    block_table: torch.Tensor  # [B, max_blocks] int32, -1 past each request's blocks
+    seq_lens: torch.Tensor  # [B] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    kv_lora_rank: int
+    scale: float
+
+    def out(self) -> torch.Tensor:
+        return torch.full(
+            (*self.q.shape[:2], self.kv_lora_rank), NAN, dtype=self.q.dtype, device=self.q.device
+        )
+
+
+def make_mla_batch(
+    lens_q: list[int],
+    lens_k: list[int],
+    *,
+    num_heads: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    block_size: int = 16,
+    extra_rows: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    max_blocks: int | None = None,
+    table_pad: int = 0,
+    seed: int = 0,
+) -> MLABatch:
+    """Random rows and cache, physical blocks shuffled across requests. A request of seq_len 0 is a
+    padded one (its block-table row stays -1); `extra_rows` rows belong to no request;
+    `table_pad` > 0 makes the block table a column slice of a wider one (row stride > max_blocks)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    width = kv_lora_rank + rope_dim
+    blocks_per_req = [math.ceil(n / block_size) for n in lens_k]
+    max_blocks = max_blocks or max(blocks_per_req + [1])
+    num_blocks = sum(blocks_per_req) + 3
+    physical = torch.randperm(num_blocks, generator=gen, device=device)
+    wide = torch.full((len(lens_k), max_blocks + table_pad), -1, dtype=torch.int32, device=device)
+    owned = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
+    used = 0
+    for b, (n, nb) in enumerate(zip(lens_k, blocks_per_req)):
+        blocks = physical[used : used + nb]
+        used += nb
+        wide[b, :nb] = blocks.to(torch.int32)
+        slots = blocks[:, None] * block_size + torch.arange(block_size, device=device)
+        owned[slots.view(-1)[:n]] = True
+    cache = torch.randn(num_blocks * block_size, width, generator=gen, device=device)
+    cache[~owned] = NAN
+    cu = [0]
+    for n in lens_q:
+        cu.append(cu[-1] + n)
+    q = torch.full((cu[-1] + extra_rows, num_heads, width), NAN, device=device)
+    q[: cu[-1]] = torch.randn(cu[-1], num_heads, width, generator=gen, device=device)
+    return MLABatch(
+        q=q.to(dtype),
+        kv_cache=cache.view(num_blocks, block_size, width).to(dtype),
+        block_table=wide[:, :max_blocks],
+        seq_lens=torch.tensor(lens_k, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        kv_lora_rank=kv_lora_rank,
+        scale=width**-0.5 * 1.3,  # not 1/sqrt(width): the model's scale carries YaRN's mscale
+    )
+
+
+def reference_mla(batch: MLABatch) -> torch.Tensor:
+    """float64 out [R, H, L]: for row j of a request with n rows and seq_len s, the softmax over keys
+    0..s - n + j of scale * q . K (K the whole cache row) times V (the row's first L columns); zero
+    for a row that sees no key and for rows of no request."""
+    q, cache, lora = batch.q.double(), batch.kv_cache.double(), batch.kv_lora_rank
+    block_size = cache.shape[1]
+    out = torch.zeros(*q.shape[:2], lora, dtype=torch.float64, device=q.device)
+    cu = batch.cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(batch.seq_lens.tolist()):
+        num_q = cu[b + 1] - cu[b]
+        pos = torch.arange(seq_len, device=q.device)
+        keys = cache[batch.block_table[b, pos // block_size].long(), pos % block_size]
+        for j in range(num_q):
+            visible = seq_len - num_q + j + 1
+            if visible <= 0:
+                continue
+            k = keys[:visible]  # [visible, L + P]
+            p = torch.softmax(batch.scale * q[cu[b] + j] @ k.T, dim=-1)  # [H, visible]
+            out[cu[b] + j] = p @ k[:, :lora]
+    return out
+
+
+def run_mla(
+    batch: MLABatch, num_kv_splits: int | None = None, plan: MLADecodeLaunch | None = None
+) -> torch.Tensor:
+    out = batch.out()
+    args = (batch.q, batch.kv_cache, batch.block_table, batch.seq_lens, batch.cu_seqlens_q)
+    if plan is None:
+        assert mla_decode_attention(*args, batch.scale, out, num_kv_splits) is out
+    else:
+        launch_mla_decode(plan, *args, batch.scale, out)
+    return out
+
+
+def check_mla(batch: MLABatch, out: torch.Tensor, atol: float = 2e-5, rtol: float = 2e-5) -> None:
+    assert not torch.isnan(out).any(), (
+        "NaN in the output: a row left unwritten or a foreign slot read"
+    )
+    torch.testing.assert_close(out.double(), reference_mla(batch), atol=atol, rtol=rtol)
+
+
+def forced_plan(
+    num_heads: int, kv_lora_rank: int, rope_dim: int, *, num_splits: int, block_q: int = 1,
+    block_n: int = 16,
+) -> MLADecodeLaunch:  # fmt: skip
+    """A plan with small key tiles (several per short context) and the given splits."""
+    heads_p = 1 << (num_heads - 1).bit_length()
+    block_m = max(16, block_q * heads_p)
+    return MLADecodeLaunch(
+        heads_p=heads_p,
+        block_q=block_m // heads_p,
+        block_m=block_m,
+        block_n=block_n,
+        lora_p=max(16, 1 << (kv_lora_rank - 1).bit_length()),
+        rope_p=max(16, 1 << (rope_dim - 1).bit_length()),
+        num_splits=num_splits,
+        num_warps=4,
+        num_stages=2,
+    )
+
+
+@pytest.mark.parametrize(
+    "src,dst",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+    ids=["fp32", "bf16", "fp32-to-bf16"],
+)  # fmt: skip
+def test_write_kv_cache(src: torch.dtype, dst: torch.dtype) -> None:
+    """Row t lands at slot_mapping[t] (latent, then k_pe, in the cache's dtype) from views of one
+    projection output, as the model splits it; slots < 0 and past the cache write nothing.
+    Rounding to a narrower cache is exact on CUDA (round to nearest even, tests/gpu/test_mla_gpu.py);
+    the interpreter's fp32 -> bf16 truncates, hence one bf16 step of tolerance for it here."""
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, block_size, lora, rope = 3, 16, 40, 8
+    kv_a = torch.randn(6, lora + rope, generator=gen).to(src)  # [T, L + P]: rows L + P apart
+    kv_c, k_pe = kv_a[:, :lora], kv_a[:, lora:]
+    slots = torch.tensor([5, -1, 47, 16, num_blocks * block_size, 0], dtype=torch.int64)
+    cache = torch.full((num_blocks, block_size, lora + rope), NAN, dtype=dst)
+    mla_write_kv_cache(kv_c, k_pe, cache, slots)
+    flat = cache.view(-1, lora + rope)
+    written = torch.tensor([0, 2, 3, 5])
+    expected = kv_a[written].to(dst)
+    if src == dst:
+        assert torch.equal(flat[slots[written]], expected)
+    else:
+        torch.testing.assert_close(flat[slots[written]], expected, atol=0, rtol=2**-7)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[written]] = False
+    assert torch.isnan(flat[untouched].float()).all(), "a skipped row was written"
+
+
+LENS_K = [1, 17, 40, 70]  # a first token (no earlier key), a block boundary, several key tiles
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+@pytest.mark.parametrize(
+    "num_heads,lora,rope", [(4, 32, 16), (3, 64, 32), (5, 40, 8)], ids=["h4-32+16", "h3-64+32", "h5-40+8"]
+)  # fmt: skip
+def test_decode_matches_reference(num_heads: int, lora: int, rope: int, num_splits: int) -> None:
+    """One row per request, with a padded request (seq_len 0: zeros) and rows of no request
+    (zeros), every split count, dims that are not powers of two."""
+    batch = make_mla_batch(
+        [1] * 5, LENS_K + [0], num_heads=num_heads, kv_lora_rank=lora, rope_dim=rope,
+        extra_rows=2, seed=num_heads + num_splits,
+    )  # fmt: skip
+    check_mla(batch, run_mla(batch, plan=forced_plan(num_heads, lora, rope, num_splits=num_splits)))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_verify_rows_are_causal(num_splits: int) -> None:
+    """Several query rows per request (a verify step; ragged, one request of a single row): row j
+    sees keys up to seq_len - n + j. Sixteen heads leave room for two rows per tile, so a request
+    of three or four rows takes two query tiles in turn."""
+    batch = make_mla_batch(
+        [3, 1, 4, 2], [5, 33, 50, 2], num_heads=16, kv_lora_rank=32, rope_dim=16, seed=11
+    )
+    plan = forced_plan(16, 32, 16, num_splits=num_splits, block_q=2)
+    assert plan.block_q == 2
+    check_mla(batch, run_mla(batch, plan=plan))
+
+
+def test_padded_requests_leave_the_real_ones_exact() -> None:
+    """Padded requests (seq_len 0, one row each) and a request of no rows among real ones: the real
+    rows come out bit for bit as without them, the padded ones zero."""
+    lens_q, lens_k = [1, 2, 1], [30, 45, 9]
+    alone = make_mla_batch(lens_q, lens_k, num_heads=4, kv_lora_rank=32, rope_dim=16, seed=5)
+    mixed = make_mla_batch(
+        [1, 1, 2, 0, 1, 1], [0, 30, 45, 12, 0, 9], num_heads=4, kv_lora_rank=32, rope_dim=16
+    )
+    # the same rows and keys: request b of `alone` is request keep[b] of `mixed`
+    keep, rows = [1, 2, 5], {0: [1], 1: [2, 3], 2: [5]}
+    mixed.q[[1, 2, 3, 5]] = alone.q
+    for b, m in enumerate(keep):
+        mixed.kv_cache.view(-1, 48)[_slots(mixed, m)] = alone.kv_cache.view(-1, 48)[
+            _slots(alone, b)
+        ]
+    plan = forced_plan(4, 32, 16, num_splits=2)
+    out_alone, out_mixed = run_mla(alone, plan=plan), run_mla(mixed, plan=plan)
+    check_mla(mixed, out_mixed)
+    for b in range(len(keep)):
+        a0, a1 = alone.cu_seqlens_q[b], alone.cu_seqlens_q[b + 1]
+        assert torch.equal(out_mixed[rows[b]], out_alone[a0:a1])
+    assert torch.all(out_mixed[[0, 4]] == 0)
+
+
+def _slots(batch: MLABatch, b: int) -> torch.Tensor:
+    """The cache slots of request b's keys, in order."""
+    pos = torch.arange(int(batch.seq_lens[b]))
+    return batch.block_table[b, pos // batch.kv_cache.shape[1]].long() * batch.kv_cache.shape[1] + (
+        pos % batch.kv_cache.shape[1]
+    )
+
+
+def test_fp16_cache() -> None:
+    """fp16 q and cache (the products on tensor cores, fp32 accumulation) against float64 of the
+    same rounded inputs. bf16 decode runs on the GPU tier only: the interpreter multiplies bf16
+    tl.dot operands as raw bit patterns (triton-lang/triton#11584)."""
+    batch = make_mla_batch(
+        [1, 2, 1], [9, 40, 66], num_heads=4, kv_lora_rank=64, rope_dim=32, dtype=torch.float16
+    )
+    check_mla(batch, run_mla(batch, num_kv_splits=2), atol=1e-2, rtol=1e-2)
+
+
+def test_block_size_32_and_a_strided_block_table() -> None:
+    """Cache blocks of 32 (a key tile of 16 inside one block) and a block table that is a column
+    slice of a wider one: its row stride, not max_blocks, steps between requests."""
+    batch = make_mla_batch(
+        [1, 1, 1], [31, 33, 64], num_heads=2, kv_lora_rank=32, rope_dim=16, block_size=32,
+        table_pad=3, seed=4,
+    )  # fmt: skip
+    assert not batch.block_table.is_contiguous()
+    check_mla(batch, run_mla(batch, plan=forced_plan(2, 32, 16, num_splits=2)))
+
+
+def test_keys_past_the_block_table_are_never_read() -> None:
+    """A seq_len past the block table's capacity attends to the keys the table holds and reads no
+    column past it (the wider table's next columns name an unowned block, all NaN)."""
+    batch = make_mla_batch([1, 1], [32, 20], num_heads=4, kv_lora_rank=32, rope_dim=16, table_pad=2)
+    unowned = batch.kv_cache.shape[0] - 1
+    assert torch.isnan(batch.kv_cache[unowned]).all()
+    batch.block_table.as_strided((2, 4), (batch.block_table.stride(0), 1))[:, 2:] = unowned
+    out = run_mla(batch, plan=forced_plan(4, 32, 16, num_splits=2))
+    batch.seq_lens[0] = 40  # 8 keys past the table's 2 blocks of 16
+    assert torch.equal(run_mla(batch, plan=forced_plan(4, 32, 16, num_splits=2)), out)
+    batch.seq_lens[0] = 32
+    check_mla(batch, out)
+
+
+def test_planned_launch_replays_with_new_lengths() -> None:
+    """What a CUDA-graph replay does: one launch (its grid and plan fixed) repeated with new lengths
+    and rows written into the same tensors: fewer keys, a request turned padded."""
+    batch = make_mla_batch(
+        [1, 1, 1], [60, 64, 20], num_heads=4, kv_lora_rank=32, rope_dim=16, max_blocks=4, seed=8
+    )
+    forced = forced_plan(4, 32, 16, num_splits=3)
+    check_mla(batch, run_mla(batch, plan=forced))
+    batch.seq_lens.copy_(torch.tensor([7, 0, 20], dtype=torch.int32))
+    batch.q[1].normal_()
+    check_mla(batch, run_mla(batch, plan=forced))
+    assert torch.all(run_mla(batch, plan=forced)[1] == 0)
+
+
+def test_default_plan_matches_reference() -> None:
+    """num_kv_splits=None: the wrapper plans from shapes (the interpreter's stand-in SM count
+    splits a small batch)."""
+    batch = make_mla_batch(
+        [1, 1], [100, 260], num_heads=4, kv_lora_rank=32, rope_dim=16, max_blocks=20, seed=9
+    )
+    check_mla(batch, run_mla(batch))
+
+
+def test_plan_at_model_shapes() -> None:
+    """The planner at real shapes (H200: 132 SMs; latent 512 + rotary 64)."""
+    v2_lite = plan_mla_decode(1, 1, 8192, 16, 512, 64, 132)
+    assert (v2_lite.heads_p, v2_lite.block_m, v2_lite.block_q) == (16, 16, 1)
+    assert v2_lite.num_splits > 1 and (v2_lite.lora_p, v2_lite.rope_p) == (512, 64)
+    assert plan_mla_decode(128, 128, 8192, 16, 512, 64, 132).num_splits == 3  # 2 programs per SM
+    assert plan_mla_decode(256, 256, 8192, 16, 512, 64, 132).num_splits == 1  # SMs all busy
+    glm = plan_mla_decode(8, 8, 8192, 20, 512, 64, 132)
+    assert (glm.heads_p, glm.block_m) == (32, 32) and glm.num_splits > 1
+    v3 = plan_mla_decode(8, 8, 8192, 128, 512, 64, 132)
+    assert v3.heads_p == 32 and v3.block_m == 32
+    verify = plan_mla_decode(8, 32, 8192, 16, 512, 64, 132)  # four rows per request
+    assert (verify.block_q, verify.block_m) == (2, 32)
+    short = plan_mla_decode(1, 1, 64, 16, 512, 64, 132)
+    assert short.num_splits == 1
+
+
+def test_rejects_bad_arguments() -> None:
+    batch = make_mla_batch([1], [5], num_heads=2, kv_lora_rank=32, rope_dim=16)
+    args = (batch.q, batch.kv_cache, batch.block_table, batch.seq_lens, batch.cu_seqlens_q)
+    out = batch.out()
+    with pytest.raises(ValueError, match="do not fit"):
+        mla_decode_attention(batch.q[:, :, :40], *args[1:], 1.0, out)
+    with pytest.raises(ValueError, match="do not fit"):
+        mla_decode_attention(*args, 1.0, out[:, :1])
+    with pytest.raises(ValueError, match="describe B requests"):
+        mla_decode_attention(*args[:4], batch.cu_seqlens_q[:1], 1.0, out)
+    with pytest.raises(ValueError, match="must hold integers"):
+        mla_decode_attention(*args[:3], batch.seq_lens.float(), *args[4:], 1.0, out)
+    for bad in (0, 33, True, 2.0):
+        with pytest.raises(ValueError, match="num_kv_splits"):
+            mla_decode_attention(*args, 1.0, out, bad)
+    with pytest.raises(ValueError, match="do not fit cache rows"):
+        mla_write_kv_cache(
+            torch.zeros(1, 32), torch.zeros(1, 8), batch.kv_cache, torch.zeros(1).long()
+        )
+    with pytest.raises(ValueError, match="slot_mapping"):
+        mla_write_kv_cache(
+            torch.zeros(2, 32), torch.zeros(2, 16), batch.kv_cache, torch.zeros(1).long()
+        )

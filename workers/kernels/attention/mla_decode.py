@@ -1,0 +1,360 @@
+# Multi-head latent attention (DeepSeek's MLA) over a paged latent KV cache, on CUDA:
+#   mla_write_kv_cache   - scatter this step's cache rows (normalised latent, then rotated k_pe) into
+#                          the cache at slot_mapping
+#   mla_decode_attention - attention of absorbed query rows (one per request for decode, k + 1 for a
+#                          verify step) over their paged latent context: the query heads grouped over
+#                          the one latent head, split-KV, the splits merged by unified attention's merge
+#   plan_mla_decode      - tiles and split count, from host-known shapes only
+# Every launch reads its lengths on the device and is planned from shapes (rows, requests, heads, the
+# block table's KV capacity), never from live lengths: graph-safe, with no host synchronisation.
+# Launches go through a LaunchMemo (kernels/launch.py); eager split launches reuse a kept workspace.
+# The kernels are in mla_kernels.py. Importing this module needs no GPU.
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from atomrt.workers.kernels.attention.attention_kernels import reduce_splits_kernel
+from atomrt.workers.kernels.attention.mla_kernels import mla_decode_kernel, mla_write_kv_kernel
+from atomrt.workers.kernels.attention.paged_attention import (
+    LOG2E,
+    MAX_PARTIAL_BYTES,
+    MAX_SPLITS,
+    unit_last_stride,
+)
+from atomrt.workers.kernels.attention.workspace import kept_split_workspace
+from atomrt.workers.kernels.device_info import sm_count
+from atomrt.workers.kernels.launch import LaunchMemo, launch
+
+MAX_TILE_M = 32  # query rows x heads per program: its fp32 accumulator is MAX_TILE_M x kv_lora_rank
+MIN_KEYS_PER_SPLIT = 64  # and at least 4 per query head: a split's partials (H x L fp32) stay small
+
+
+@dataclass(frozen=True)
+class MLADecodeLaunch:
+    """One launch of the MLA decode kernel: tiles, KV splits, warps."""
+
+    heads_p: int  # query heads per tile, a power of two; grid dim 0 = cdiv(heads, heads_p)
+    block_q: int  # query rows per tile
+    block_m: int  # tile rows = max(16, block_q * heads_p)
+    block_n: int  # keys per inner iteration
+    lora_p: int  # kv_lora_rank rounded up to a power of two (>= 16)
+    rope_p: int  # the rotary dim, likewise
+    num_splits: int  # grid dim 2; > 1 adds the merge launch
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_mla_decode(
+    num_reqs: int,
+    num_rows: int,
+    max_seqlen_k: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    num_sms: int,
+) -> MLADecodeLaunch:
+    """Tiles and split count for `num_reqs` requests holding `num_rows` query rows over contexts of
+    at most `max_seqlen_k` keys (the block table's capacity). A tile holds up to MAX_TILE_M
+    (row, head) pairs: all heads of a model of up to 32 (one cache read per request and split), and
+    the rows of a verify step where heads leave room. The keys are split only when the programs
+    leave SMs idle: about two programs per SM, each split over MIN_KEYS_PER_SPLIT keys or more."""
+    heads_p = min(MAX_TILE_M, triton.next_power_of_2(max(1, num_heads)))
+    rows_per_req = triton.cdiv(max(1, num_rows), max(1, num_reqs))  # a hint: any layout is served
+    block_q = max(1, min(triton.next_power_of_2(rows_per_req), MAX_TILE_M // heads_p))
+    block_m = max(16, block_q * heads_p)
+    block_q = block_m // heads_p  # rows a padded tile has room for anyway
+    lora_p = max(16, triton.next_power_of_2(kv_lora_rank))
+    rope_p = max(16, triton.next_power_of_2(max(1, rope_dim)))
+    num_programs = max(1, num_reqs * triton.cdiv(num_heads, heads_p))
+    num_splits = 1
+    if num_programs < num_sms:
+        partial_bytes = max(1, num_rows * num_heads * kv_lora_rank * 4)
+        min_keys = max(MIN_KEYS_PER_SPLIT, 4 * num_heads)
+        max_splits = min(MAX_SPLITS, max_seqlen_k // min_keys, MAX_PARTIAL_BYTES // partial_bytes)
+        num_splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, num_programs)))
+    return MLADecodeLaunch(
+        heads_p=heads_p,
+        block_q=block_q,
+        block_m=block_m,
+        block_n=32 if lora_p >= 256 else 64,
+        lora_p=lora_p,
+        rope_p=rope_p,
+        num_splits=num_splits,
+        num_warps=4 if block_m <= 16 else 8,
+        num_stages=2,
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _with_splits(plan: MLADecodeLaunch, num_splits: int) -> MLADecodeLaunch:
+    return dataclasses.replace(plan, num_splits=num_splits)
+
+
+def mla_write_kv_cache(
+    kv_c_normed: torch.Tensor,  # [T, kv_lora_rank]
+    k_pe: torch.Tensor,  # [T, rope_dim], already rotated
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
+    slot_mapping: torch.Tensor,  # [T] int64 (or longer), < 0 = padded row (skipped)
+) -> None:
+    """Writes row t (the latent, then k_pe, in the cache's dtype) at slot `slot_mapping[t]`
+    (= block * block_size + offset) of the cache. A negative slot skips its row; so does one past
+    the cache's end, which no block table can name."""
+    if kv_c_normed.dim() != 2 or k_pe.dim() != 2 or kv_cache.dim() != 3:
+        raise ValueError(
+            f"mla_write_kv_cache: want kv_c_normed [T, kv_lora_rank], k_pe [T, rope_dim] and "
+            f"kv_cache [num_blocks, block_size, kv_lora_rank + rope_dim], got "
+            f"{tuple(kv_c_normed.shape)}, {tuple(k_pe.shape)}, {tuple(kv_cache.shape)}"
+        )
+    num_tokens, kv_lora_rank = kv_c_normed.shape
+    rope_dim = k_pe.shape[1]
+    if k_pe.shape[0] != num_tokens or kv_cache.shape[2] != kv_lora_rank + rope_dim:
+        raise ValueError(
+            f"mla_write_kv_cache: kv_c_normed {tuple(kv_c_normed.shape)} and k_pe "
+            f"{tuple(k_pe.shape)} do not fit cache rows of {kv_cache.shape[2]}"
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
+        raise ValueError(
+            f"mla_write_kv_cache: slot_mapping {tuple(slot_mapping.shape)} for {num_tokens} rows"
+        )
+    _checkunit_last_stride(kv_cache, "kv_cache")
+    if num_tokens == 0:
+        return
+    kv_c_normed, k_pe = unit_last_stride(kv_c_normed), unit_last_stride(k_pe)
+    num_blocks, block_size, _ = kv_cache.shape
+    launch(
+        mla_write_kv_kernel,
+        (num_tokens,),
+        kv_c_normed,
+        k_pe,
+        kv_cache,
+        slot_mapping,
+        kv_c_normed.stride(0),
+        k_pe.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        num_blocks * block_size,
+        kv_lora_rank,
+        rope_dim,
+        BLOCK_SIZE=block_size,
+        LORA_P=triton.next_power_of_2(kv_lora_rank),
+        ROPE_P=triton.next_power_of_2(max(1, rope_dim)),
+        num_warps=4 if kv_lora_rank >= 256 else 1,
+    )
+
+
+def mla_decode_attention(
+    q: torch.Tensor,  # [R, H, kv_lora_rank + rope_dim], absorbed
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, keys of each request including this step's rows
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32: request b owns rows cu[b]..cu[b + 1]
+    scale: float,
+    out: torch.Tensor,  # [R, H, kv_lora_rank]
+    num_kv_splits: Optional[int] = None,
+) -> torch.Tensor:
+    """out = softmax(scale * q K^T) V per request and head, where K is the full cache row and V its
+    first kv_lora_rank columns; row j of a request with n rows sees keys 0..seq_len - n + j. A row
+    that sees no key (a padded request of seq_len 0) and a row of no request (past
+    cu_seqlens_q[B]) get zeros. q is rounded to the cache's dtype for the products.
+
+    The launch is planned from shapes only (None: the split count from the block table's KV
+    capacity; an int: exactly that many splits, at most MAX_SPLITS), so it may be captured in a
+    CUDA graph and replayed with new lengths. Returns `out`."""
+    kv_lora_rank = _check_decode_args(
+        q, kv_cache, block_table, seq_lens, cu_seqlens_q, out, num_kv_splits
+    )
+    num_rows, num_heads, _ = q.shape
+    num_reqs = seq_lens.shape[0]
+    if num_rows == 0:
+        return out
+    if num_reqs == 0:
+        return out.zero_()
+    plan = plan_mla_decode(
+        num_reqs,
+        num_rows,
+        block_table.shape[1] * kv_cache.shape[1],
+        num_heads,
+        kv_lora_rank,
+        q.shape[2] - kv_lora_rank,
+        sm_count(q.device),
+    )
+    if num_kv_splits is not None and num_kv_splits != plan.num_splits:
+        plan = _with_splits(plan, num_kv_splits)
+    launch_mla_decode(plan, q, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, out)
+    return out
+
+
+# every decode launch outside a CUDA-graph recording repeats an earlier one's specialization: launch
+# them past Triton's dispatch (a TR_HYBRID step makes one per layer)
+_DECODE_LAUNCHES = LaunchMemo(mla_decode_kernel)
+
+
+def launch_mla_decode(
+    plan: MLADecodeLaunch,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Runs one planned launch, and the merge when it splits (after mla_decode_attention's checks;
+    tests and the benchmark call it directly to force a plan)."""
+    num_rows, num_heads, _ = q.shape
+    kv_lora_rank = out.shape[2]
+    num_reqs = seq_lens.shape[0]
+    q = unit_last_stride(q)
+    split = plan.num_splits > 1
+    if split:
+        partial, m, l = kept_split_workspace(
+            num_rows, num_heads, plan.num_splits, kv_lora_rank, q.device
+        )
+        partial_strides, ml_strides = partial.stride()[:3], m.stride()[:2]
+    else:
+        partial = m = l = out  # unused
+        partial_strides, ml_strides = (0, 0, 0), (0, 0)
+    grid = (triton.cdiv(num_heads, plan.heads_p), num_reqs, plan.num_splits)
+    tensors = (q, kv_cache, out, partial, m, l, block_table, seq_lens, cu_seqlens_q)
+    scalars = (
+        scale * LOG2E,
+        num_reqs,
+        num_rows,
+        plan.num_splits,
+        num_heads,
+        kv_lora_rank,
+        q.shape[2] - kv_lora_rank,
+        block_table.shape[1],
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *partial_strides,
+        *ml_strides,
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+    )
+    _DECODE_LAUNCHES(
+        grid, tensors, scalars, _decode_constexprs(plan, kv_cache.shape[1], kv_cache.dtype)
+    )
+    if not split:
+        return
+    launch(
+        reduce_splits_kernel,
+        (num_rows, num_heads),
+        partial,
+        m,
+        l,
+        out,
+        cu_seqlens_q,
+        num_reqs,
+        plan.num_splits,
+        *partial_strides,
+        *ml_strides,
+        out.stride(0),
+        out.stride(1),
+        kv_lora_rank,
+        SPLITS_P=triton.next_power_of_2(MAX_SPLITS),  # one variant for every split count
+        HEAD_DIM_P=plan.lora_p,
+        num_warps=8 if plan.lora_p >= 256 else 4,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_constexprs(
+    plan: MLADecodeLaunch, block_size: int, cache_dtype: torch.dtype
+) -> tuple[tuple[str, object], ...]:
+    """mla_decode_kernel's constexprs and launch options, in its signature's order."""
+    return (
+        ("HEADS_P", plan.heads_p),
+        ("BLOCK_Q", plan.block_q),
+        ("BLOCK_M", plan.block_m),
+        ("BLOCK_N", plan.block_n),
+        ("LORA_P", plan.lora_p),
+        ("ROPE_P", plan.rope_p),
+        ("BLOCK_SIZE", block_size),
+        ("SPLIT", plan.num_splits > 1),
+        ("IEEE_DOT", cache_dtype == torch.float32),
+        ("num_warps", plan.num_warps),
+        ("num_stages", plan.num_stages),
+    )
+
+
+def _check_decode_args(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    out: torch.Tensor,
+    num_kv_splits: Optional[int],
+) -> int:
+    """Validates mla_decode_attention's arguments (shapes, dtypes, layouts; nothing that needs the
+    device's values); returns kv_lora_rank."""
+    if q.dim() != 3 or kv_cache.dim() != 3 or out.dim() != 3:
+        raise ValueError(
+            f"mla_decode_attention: want q [R, H, L + P], kv_cache [num_blocks, block_size, L + P] "
+            f"and out [R, H, L], got {tuple(q.shape)}, {tuple(kv_cache.shape)}, {tuple(out.shape)}"
+        )
+    num_rows, num_heads, width = q.shape
+    kv_lora_rank = out.shape[2]
+    if kv_cache.shape[2] != width or out.shape[:2] != q.shape[:2] or not 0 < kv_lora_rank <= width:
+        raise ValueError(
+            f"mla_decode_attention: q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)} and out "
+            f"{tuple(out.shape)} do not fit: q and the cache rows share their width L + P, out is "
+            f"[R, H, L]"
+        )
+    num_reqs = seq_lens.shape[0]
+    if (
+        seq_lens.dim() != 1
+        or cu_seqlens_q.shape != (num_reqs + 1,)
+        or block_table.dim() != 2
+        or block_table.shape[0] < num_reqs
+    ):
+        raise ValueError(
+            f"mla_decode_attention: seq_lens {tuple(seq_lens.shape)}, cu_seqlens_q "
+            f"{tuple(cu_seqlens_q.shape)} and block_table {tuple(block_table.shape)} do not "
+            f"describe B requests (want [B], [B + 1], [>= B, max_blocks])"
+        )
+    metadata = {"block_table": block_table, "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q}
+    for name, t in metadata.items():
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"mla_decode_attention: {name} must hold integers, has {t.dtype}")
+    if not (q.dtype.is_floating_point and kv_cache.dtype.is_floating_point):
+        raise ValueError(
+            f"mla_decode_attention: q {q.dtype} and kv_cache {kv_cache.dtype} must be floating point"
+        )
+    devices = {t.device for t in (q, kv_cache, block_table, seq_lens, cu_seqlens_q, out)}
+    if len(devices) != 1:
+        raise ValueError(
+            f"mla_decode_attention: tensors on several devices {sorted(map(str, devices))}"
+        )
+    if num_kv_splits is not None and (
+        isinstance(num_kv_splits, bool)
+        or not isinstance(num_kv_splits, int)
+        or not 1 <= num_kv_splits <= MAX_SPLITS
+    ):
+        raise ValueError(
+            f"mla_decode_attention: num_kv_splits {num_kv_splits!r} must be an int in 1..{MAX_SPLITS}"
+        )
+    _checkunit_last_stride(kv_cache, "kv_cache")
+    _checkunit_last_stride(out, "out")
+    if block_table.stride(1) != 1:
+        raise ValueError("mla_decode_attention: block_table rows must be contiguous")
+    return kv_lora_rank
+
+
+def _checkunit_last_stride(t: torch.Tensor, name: str) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension, has stride {t.stride(-1)}"
+        )

@@ -1,0 +1,238 @@
+# The Triton kernels of multi-head latent attention (MLA), and nothing else: the latent KV cache
+# write and the paged decode over that cache. The launch side (plans, split counts, workspace) is in
+# mla_decode.py; the merge of KV splits is attention_kernels.reduce_splits_kernel, shared with
+# unified attention.
+#
+# Shapes (R = query rows incl. padding, H = query heads, L = kv_lora_rank, P = rotary dim, D = L + P,
+# S = KV splits, B = requests):
+#   q             [R, H, D]  absorbed query: columns :L meet the latent, columns L: the rotary key
+#   kv_cache      [num_blocks, block_size, D]  per token the normalised latent, then the rotated k_pe
+#   out           [R, H, L]
+#   partial acc   [R, H, S, L] fp32, unnormalised;  m, l [R, H, S] fp32 (m in log2 units)
+#   cu_seqlens_q  [B + 1],  seq_lens [B],  block_table [B, max_blocks]
+#
+# MLA decode is MQA over one latent head: K is the whole cache row and V its first L columns, so each
+# cache tile is loaded once and serves both products, for every query head of the tile at once.
+# Every length is read from device memory, so a launch fixed by a CUDA-graph bucket stays correct
+# when replayed with new metadata in the same buffers.
+
+import triton
+import triton.language as tl
+
+from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG
+
+
+@triton.jit
+def mla_write_kv_kernel(
+    kv_c_ptr,  # [T, L] normalised latent
+    k_pe_ptr,  # [T, P] rotated key part
+    kv_cache_ptr,  # [num_blocks, block_size, L + P]
+    slot_mapping_ptr,  # [T] int64, < 0 = padded row (skipped)
+    stride_ct,
+    stride_pt,
+    stride_cb,
+    stride_cs,
+    num_slots,  # num_blocks * block_size: a slot past the cache is skipped, never written
+    kv_lora_rank,
+    rope_dim,
+    BLOCK_SIZE: tl.constexpr,
+    LORA_P: tl.constexpr,
+    ROPE_P: tl.constexpr,
+):
+    """One program writes one token's cache row: the latent, then k_pe, in the cache's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
+    if (slot < 0) | (slot >= num_slots):
+        return
+    dst = kv_cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    cache_ty = kv_cache_ptr.dtype.element_ty
+    lora = tl.arange(0, LORA_P)
+    lora_valid = lora < kv_lora_rank
+    latent = tl.load(kv_c_ptr + row * stride_ct + lora, mask=lora_valid)
+    tl.store(dst + lora, latent.to(cache_ty), mask=lora_valid)
+    rope = tl.arange(0, ROPE_P)
+    rope_valid = rope < rope_dim
+    k_pe = tl.load(k_pe_ptr + row * stride_pt + rope, mask=rope_valid)
+    tl.store(dst + kv_lora_rank + rope, k_pe.to(cache_ty), mask=rope_valid)
+
+
+@triton.jit
+def _zero_unowned_rows(
+    out_ptr,
+    cu_seqlens_q_ptr,
+    req,
+    head_tile,
+    num_reqs,
+    num_rows,
+    num_heads,
+    kv_lora_rank,
+    stride_or,
+    stride_oh,
+    HEADS_P: tl.constexpr,
+    LORA_P: tl.constexpr,
+):
+    """Zeros this head tile of the rows past the last request's (rows of no request), every
+    num_reqs-th from the request's own index, so that the requests' programs share them out."""
+    heads = head_tile * HEADS_P + tl.arange(0, HEADS_P)
+    lora = tl.arange(0, LORA_P)
+    mask = (heads < num_heads)[:, None] & (lora < kv_lora_rank)[None, :]
+    zeros = tl.zeros([HEADS_P, LORA_P], dtype=out_ptr.dtype.element_ty)
+    first = (tl.load(cu_seqlens_q_ptr + num_reqs) + req).to(tl.int64)
+    for i in range(0, tl.cdiv(tl.maximum(num_rows - first, 0), num_reqs)):
+        row = first + i * num_reqs
+        dst = out_ptr + row * stride_or + heads[:, None] * stride_oh + lora[None, :]
+        tl.store(dst, zeros, mask=mask)
+
+
+# The lengths a step changes are not specialized on: only the constexprs pick a compiled variant.
+@triton.jit(do_not_specialize=["num_reqs", "num_rows", "num_splits"])
+def mla_decode_kernel(
+    q_ptr,  # [R, H, L + P]
+    kv_cache_ptr,  # [num_blocks, block_size, L + P]
+    out_ptr,  # [R, H, L]
+    partial_ptr,
+    m_ptr,
+    l_ptr,  # SPLIT only: partial acc [R, H, S, L] fp32; m, l [R, H, S] fp32
+    block_table_ptr,  # [B, max_blocks]
+    seq_lens_ptr,  # [B], keys of each request including this step's rows
+    cu_seqlens_q_ptr,  # [B + 1]
+    scale_log2,  # softmax scale * log2(e)
+    num_reqs,  # B (grid dim 1)
+    num_rows,  # R
+    num_splits,  # S (grid dim 2)
+    num_heads,
+    kv_lora_rank,
+    rope_dim,
+    max_blocks,  # block_table columns
+    stride_qr,
+    stride_qh,
+    stride_or,
+    stride_oh,
+    stride_pr,
+    stride_ph,
+    stride_ps,
+    stride_mr,
+    stride_mh,
+    stride_cb,
+    stride_cs,
+    stride_bt,
+    HEADS_P: tl.constexpr,  # query heads per tile (a power of two)
+    BLOCK_Q: tl.constexpr,  # query rows per tile
+    BLOCK_M: tl.constexpr,  # tile rows, >= 16 for tl.dot: row r is query row r // HEADS_P, head r % HEADS_P
+    BLOCK_N: tl.constexpr,  # keys per inner iteration (may span several cache blocks)
+    LORA_P: tl.constexpr,  # kv_lora_rank rounded up to a power of two
+    ROPE_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # cache block size
+    SPLIT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,  # fp32 cache: full-precision dots instead of tf32
+):
+    """Causal attention of one request's query rows, for one tile of heads, over one KV split.
+
+    Query row j of a request with n rows sits at position seq_len - n + j and sees keys 0..that
+    position. The split covers a contiguous run of the request's key tiles; each tile is loaded once
+    for all BLOCK_Q rows x HEADS_P heads of the program's query tile (more rows than BLOCK_Q take
+    more query tiles, in turn). With SPLIT the program leaves its unnormalised partial result, even
+    an empty one (m = -big, l = 0), for the merge; otherwise it writes `out`. A row that sees no key
+    (a padded request of seq_len 0) gets zeros, never 0/0.
+    """
+    head_tile = tl.program_id(0)
+    req = tl.program_id(1)
+    split = tl.program_id(2)
+    if split == 0:
+        _zero_unowned_rows(
+            out_ptr, cu_seqlens_q_ptr, req, head_tile, num_reqs, num_rows, num_heads,
+            kv_lora_rank, stride_or, stride_oh, HEADS_P, LORA_P,
+        )  # fmt: skip
+    q_start = tl.load(cu_seqlens_q_ptr + req)
+    num_q = tl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    seq_len = tl.maximum(tl.load(seq_lens_ptr + req), 0)
+
+    rows = tl.arange(0, BLOCK_M)
+    head = head_tile * HEADS_P + rows % HEADS_P
+    tile_row_valid = (rows // HEADS_P < BLOCK_Q) & (head < num_heads)
+    lora = tl.arange(0, LORA_P)
+    lora_valid = lora < kv_lora_rank
+    rope = tl.arange(0, ROPE_P)
+    rope_valid = rope < rope_dim
+    key_offsets = tl.arange(0, BLOCK_N)
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    cache_ty = kv_cache_ptr.dtype.element_ty
+
+    # This split's key tiles, out of those of the request's last row (the one that sees the most).
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    split_begin = split * tiles_per_split
+    split_end = tl.minimum(split_begin + tiles_per_split, num_tiles)
+
+    for q0 in range(0, num_q, BLOCK_Q):
+        tok = q0 + rows // HEADS_P  # query row within the request
+        row_valid = tile_row_valid & (tok < num_q)
+        q_pos = seq_len - num_q + tok  # sees keys 0..q_pos
+        q_row = (q_start + tok).to(tl.int64)
+        q_base = q_ptr + q_row * stride_qr + head * stride_qh  # [BLOCK_M]
+        q_nope = tl.load(
+            q_base[:, None] + lora[None, :],
+            mask=row_valid[:, None] & lora_valid[None, :],
+            other=0.0,
+        ).to(cache_ty)  # [BLOCK_M, LORA_P]
+        q_pe = tl.load(
+            q_base[:, None] + kv_lora_rank + rope[None, :],
+            mask=row_valid[:, None] & rope_valid[None, :],
+            other=0.0,
+        ).to(cache_ty)  # [BLOCK_M, ROPE_P]
+        # keys the tile's last row sees: later tiles of the split hold nothing for this query tile
+        kv_len = seq_len - num_q + tl.minimum(q0 + BLOCK_Q, num_q)
+        tile_end = tl.minimum(split_end, tl.cdiv(tl.maximum(kv_len, 0), BLOCK_N))
+
+        m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, LORA_P], tl.float32)
+        for t in range(split_begin, tile_end):
+            keys = t * BLOCK_N + key_offsets
+            cols = keys // BLOCK_SIZE
+            key_valid = (keys < kv_len) & (cols < max_blocks)
+            block = tl.load(table_row + cols, mask=key_valid, other=0).to(tl.int64)
+            row_ptr = kv_cache_ptr + block * stride_cb + (keys % BLOCK_SIZE) * stride_cs
+            kv = tl.load(
+                row_ptr[:, None] + lora[None, :],
+                mask=key_valid[:, None] & lora_valid[None, :],
+                other=0.0,
+            )  # [BLOCK_N, LORA_P]: the keys' latent part, and the values
+            k_pe = tl.load(
+                row_ptr[:, None] + kv_lora_rank + rope[None, :],
+                mask=key_valid[:, None] & rope_valid[None, :],
+                other=0.0,
+            )  # [BLOCK_N, ROPE_P]
+            if IEEE_DOT:
+                s = tl.dot(q_nope, tl.trans(kv), input_precision="ieee")
+                s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+            else:
+                s = tl.dot(q_nope, tl.trans(kv))
+                s += tl.dot(q_pe, tl.trans(k_pe))
+            visible = row_valid[:, None] & key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s * scale_log2, float("-inf"))  # [BLOCK_M, BLOCK_N], log2 units
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p.to(cache_ty), kv, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(cache_ty), kv)
+            m_i = m_new
+
+        store_mask = row_valid[:, None] & lora_valid[None, :]
+        if SPLIT:
+            p_ptrs = partial_ptr + q_row * stride_pr + head * stride_ph + split * stride_ps
+            tl.store(p_ptrs[:, None] + lora[None, :], acc, mask=store_mask)
+            ml_off = q_row * stride_mr + head * stride_mh + split
+            tl.store(m_ptr + ml_off, m_i, mask=row_valid)
+            tl.store(l_ptr + ml_off, l_i, mask=row_valid)
+        else:
+            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+            o_ptrs = out_ptr + q_row * stride_or + head * stride_oh
+            tl.store(
+                o_ptrs[:, None] + lora[None, :],
+                (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+                mask=store_mask,
+            )
