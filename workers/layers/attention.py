@@ -33,7 +33,7 @@ def _host_list(cpu: "list[int] | None", device_tensor: "torch.Tensor | None") ->
     return list(cpu) if cpu is not None else device_tensor.tolist()
 
 
-def _layer_state(layer_idx: int) -> "tuple[Attention, object, object]":
+def paged_layer_state(layer_idx: int) -> "tuple[PagedAttentionLayer, object, object]":
     """(layer, its attention metadata, its KV cache or None) from the forward context."""
     ctx = get_forward_context()
     layer = ctx.no_compile_layers.get(layer_idx)
@@ -64,7 +64,7 @@ def unified_attention_with_output(
     recorded inline with the graph-safe launch (`attn_metadata.graph_safe`), which TR_HYBRID also
     records per decode bucket as the region's request graph. On CPU the rotary and
     the KV write run in the recording and `_attend`, the eager region, runs the torch reference."""
-    layer, md, kv = _layer_state(layer_idx)
+    layer, md, kv = paged_layer_state(layer_idx)
     rotary = layer.rotary if positions is not None else None  # Attention.forward pairs them
     if kv is None or md is None:
         # Profiling / dummy run: no cache, each sequence attends to its own rows.
@@ -228,14 +228,14 @@ def _attend_cuda(
     layer_idx: int,
 ) -> None:
     """The Triton path: rotary, KV write and attention (one launch for a decode batch)."""
-    layer, md, kv = _layer_state(layer_idx)
+    layer, md, kv = paged_layer_state(layer_idx)
     _attention_step(q, k, v, output, positions, layer, md, kv)
 
 
 @eager_region
 def _attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
     """CPU: attention of the step's query rows over the paged cache (already holding this step's k/v)."""
-    layer, md, kv = _layer_state(layer_idx)
+    layer, md, kv = paged_layer_state(layer_idx)
     cu_cpu = _host_list(md.cu_seqlens_q_cpu, md.cu_seqlens_q)
     num_seqs = md.num_seqs or len(cu_cpu) - 1
     context_lens_cpu = _host_list(md.context_lens_cpu, md.context_lens)
@@ -271,7 +271,15 @@ direct_register_custom_op(
 )
 
 
-class Attention(nn.Module):
+class PagedAttentionLayer(nn.Module):
+    """A layer whose KV cache is the forward context's `kv_cache_data["layers.<layer_idx>"]` and
+    whose op finds it in `no_compile_layers[layer_idx]`: `Attention`, and multi-head latent
+    attention (workers/layers/mla.py). `collect_attention_layers` finds them."""
+
+    layer_idx: int
+
+
+class Attention(PagedAttentionLayer):
     """Attention over the paged KV cache, per rank: num_heads / num_kv_heads are this rank's heads.
 
     With `rotary`, the layer applies the rotary embedding to q and k itself (`forward` then needs
@@ -315,6 +323,7 @@ class Attention(nn.Module):
         return output.reshape(-1, self.num_heads * self.head_dim)
 
 
-def collect_attention_layers(model: nn.Module) -> "dict[int, Attention]":
-    """layer_idx -> Attention: what the runner puts in forward_context.no_compile_layers."""
-    return {m.layer_idx: m for m in model.modules() if isinstance(m, Attention)}
+def collect_attention_layers(model: nn.Module) -> "dict[int, PagedAttentionLayer]":
+    """layer_idx -> the layer's paged attention: what the runner puts in
+    forward_context.no_compile_layers, and what the KV cache is laid out for."""
+    return {m.layer_idx: m for m in model.modules() if isinstance(m, PagedAttentionLayer)}
