@@ -63,9 +63,18 @@ class LlamaAttention(nn.Module):
             rotary=rotary,
         )
 
+    def project(
+        self, residual: torch.Tensor, update: Optional[torch.Tensor], norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layer's residual add (update None: the embeddings alone) and input norm
+        with the q/k/v projection: (h = residual + update, qkv_proj(norm(h))); for decode batches
+        the add, the norm and the GEMM are one kernel (`forward_add_norm`)."""
+        if update is None:
+            return residual, self.qkv_proj(norm(residual))
+        return self.qkv_proj.forward_add_norm(residual, update, norm)
+
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv: `qkv_proj`'s output [num_tokens, q_size + 2 * kv_size], projected by the decoder layer
-        (which fuses the norm before it into the projection)."""
+        """qkv: `project`'s output [num_tokens, q_size + 2 * kv_size]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
@@ -107,12 +116,7 @@ class LlamaDecoderLayer(nn.Module):
         """The residual stream comes in, and goes out, as residual + update (update None: the
         embeddings alone). Each add is done by the projection after the norm that follows it
         (`forward_add_norm`: for decode batches the add, the norm and the GEMM are one kernel)."""
-        if update is None:
-            qkv = self.self_attn.qkv_proj(self.input_layernorm(residual))
-        else:
-            residual, qkv = self.self_attn.qkv_proj.forward_add_norm(
-                residual, update, self.input_layernorm
-            )
+        residual, qkv = self.self_attn.project(residual, update, self.input_layernorm)
         update = self.self_attn(positions, qkv)
         residual, gate_up = self.mlp.gate_up_proj.forward_add_norm(
             residual, update, self.post_attention_layernorm

@@ -52,7 +52,7 @@ class SparseMoeBlock(nn.Module):
         )
         self.shared_expert: Optional[nn.Module] = None
         if shared:
-            self.shared_expert = _SharedExpert(arch.hidden_size, shared, tp)
+            self.shared_expert = SharedExpert(arch.hidden_size, shared, tp)
             self.shared_expert_gate = nn.Parameter(
                 torch.empty(1, arch.hidden_size), requires_grad=False
             )
@@ -73,7 +73,7 @@ class SparseMoeBlock(nn.Module):
         return tp_all_reduce(y + gate * self.shared_expert(x), self.tp)
 
 
-class _SharedExpert(nn.Module):
+class SharedExpert(nn.Module):
     """A gated MLP whose down projection is not reduced (the caller reduces once)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, tp: TPInfo) -> None:
@@ -90,15 +90,28 @@ class _SharedExpert(nn.Module):
 
 
 class MoEDecoderLayer(nn.Module):
+    """Attention, then a sparse or a dense MLP. Subclasses change the attention and the sparse
+    block (`make_attention`, `make_experts`): an attention module has `project` (the input norm
+    and the projection that reads it) and `forward(positions, projected)`; an experts block has
+    `forward` and `forward_ubatch` on the normed rows."""
+
     def __init__(
         self, arch: ModelArch, layer_idx: int, tp: TPInfo, dp: DPInfo, max_position: int
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, layer_idx, tp, max_position)
+        self.self_attn = self.make_attention(arch, layer_idx, tp, max_position)
         self.is_sparse = arch.is_moe_layer(layer_idx)
-        self.mlp: nn.Module = SparseMoeBlock(arch, tp, dp) if self.is_sparse else LlamaMLP(arch, tp)
+        self.mlp = self.make_experts(arch, tp, dp) if self.is_sparse else LlamaMLP(arch, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    @staticmethod
+    def make_attention(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> nn.Module:
+        return LlamaAttention(arch, layer_idx, tp, max_position)
+
+    @staticmethod
+    def make_experts(arch: ModelArch, tp: TPInfo, dp: DPInfo) -> nn.Module:
+        return SparseMoeBlock(arch, tp, dp)
 
     def forward(
         self, positions: torch.Tensor, residual: torch.Tensor, update: Optional[torch.Tensor]
@@ -129,14 +142,9 @@ class MoEDecoderLayer(nn.Module):
     def _attention(
         self, positions: torch.Tensor, residual: torch.Tensor, update: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Norm, q/k/v and attention: (the residual stream so far, the attention's update)."""
-        if update is None:
-            qkv = self.self_attn.qkv_proj(self.input_layernorm(residual))
-        else:
-            residual, qkv = self.self_attn.qkv_proj.forward_add_norm(
-                residual, update, self.input_layernorm
-            )
-        return residual, self.self_attn(positions, qkv)
+        """Norm, projections and attention: (the residual stream so far, the attention's update)."""
+        residual, projected = self.self_attn.project(residual, update, self.input_layernorm)
+        return residual, self.self_attn(positions, projected)
 
 
 @token_graph
@@ -150,12 +158,13 @@ class MoEModel(nn.Module):
         tp: TPInfo = TPInfo(),
         dp: DPInfo = DPInfo(),
         max_position: int = 0,
+        layer_class: type[MoEDecoderLayer] = MoEDecoderLayer,
     ) -> None:
         super().__init__()
         max_position = max_position or arch.max_position
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         self.layers = nn.ModuleList(
-            MoEDecoderLayer(arch, i, tp, dp, max_position) for i in range(arch.num_layers)
+            layer_class(arch, i, tp, dp, max_position) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -195,7 +204,13 @@ _EXPERT_SHARD = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
 class MoEForCausalLM(nn.Module):
-    """Qwen3-MoE and Qwen2-MoE (checkpoint names as in transformers); Mixtral subclasses it."""
+    """Qwen3-MoE and Qwen2-MoE (checkpoint names as in transformers); Mixtral and the DeepSeek
+    family subclass it."""
+
+    layer_class: type[MoEDecoderLayer] = MoEDecoderLayer
+    # (our fused parameter, checkpoint projection, shard id), and how many shards fill each
+    stacked_params: tuple[tuple[str, str, object], ...] = _STACKED_PARAMS
+    num_shards: dict[str, int] = _NUM_SHARDS
 
     def __init__(
         self,
@@ -207,7 +222,9 @@ class MoEForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.arch = arch
-        self.model = MoEModel(arch, tp, dp, max_position, config=config)
+        self.model = MoEModel(
+            arch, tp, dp, max_position, config=config, layer_class=self.layer_class
+        )
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -229,6 +246,10 @@ class MoEForCausalLM(nn.Module):
         """A checkpoint tensor's name in this module's (Qwen) naming."""
         return name.replace(".mlp.shared_expert_gate.weight", ".mlp.shared_expert_gate")
 
+    def skip_weight(self, name: str) -> bool:
+        """Whether a checkpoint tensor is one this model does not run (none for Qwen)."""
+        return False
+
     def load_weights(
         self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
     ) -> None:
@@ -240,6 +261,8 @@ class MoEForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name or (
                 self.arch.tie_word_embeddings and name == "lm_head.weight"
             ):
+                continue
+            if self.skip_weight(name):
                 continue
             name, shard_id = self._place(self.checkpoint_name(name))
             param = params.get(name)
@@ -274,7 +297,7 @@ class MoEForCausalLM(nn.Module):
             return f"{m.group(1)}.experts.{param}", ("down_all" if down else "gate_up_all", None)
         if ".mlp.gate.weight" in name:  # the router
             return name.replace(".mlp.gate.weight", ".mlp.experts.gate.weight"), None
-        for ours, theirs, sid in _STACKED_PARAMS:
+        for ours, theirs, sid in self.stacked_params:
             if f".{theirs}." in name:
                 return name.replace(f".{theirs}.", f".{ours}."), sid
         return name, None
@@ -285,7 +308,7 @@ class MoEForCausalLM(nn.Module):
             return 2 * self.arch.num_experts
         if param.endswith("w2_weight"):
             return self.arch.num_experts
-        return next((c for k, c in _NUM_SHARDS.items() if f".{k}." in param), 1)
+        return next((c for k, c in self.num_shards.items() if f".{k}." in param), 1)
 
 
 def _covered(shard_id: object, num_experts: int) -> set:
