@@ -205,10 +205,9 @@ def mla_decode_kernel(
             )  # [BLOCK_N, ROPE_P]
             if IEEE_DOT:
                 s = tl.dot(q_nope, tl.trans(kv), input_precision="ieee")
-                s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+                s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
             else:
-                s = tl.dot(q_nope, tl.trans(kv))
-                s += tl.dot(q_pe, tl.trans(k_pe))
+                s = tl.dot(q_pe, tl.trans(k_pe), tl.dot(q_nope, tl.trans(kv)))
             visible = row_valid[:, None] & key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
             s = tl.where(visible, s * scale_log2, float("-inf"))  # [BLOCK_M, BLOCK_N], log2 units
             m_new = tl.maximum(m_i, tl.max(s, 1))
