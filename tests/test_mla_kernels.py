@@ -58,6 +58,7 @@ def make_mla_batch(
     device: str = "cpu",
     max_blocks: int | None = None,
     table_pad: int = 0,
+    num_blocks: int | None = None,
     seed: int = 0,
 ) -> MLABatch:
     """Random rows and cache, physical blocks shuffled across requests. A request of seq_len 0 is a
@@ -67,7 +68,7 @@ def make_mla_batch(
     width = kv_lora_rank + rope_dim
     blocks_per_req = [math.ceil(n / block_size) for n in lens_k]
     max_blocks = max_blocks or max(blocks_per_req + [1])
-    num_blocks = sum(blocks_per_req) + 3
+    num_blocks = num_blocks or sum(blocks_per_req) + 3
     physical = torch.randperm(num_blocks, generator=gen, device=device)
     wide = torch.full((len(lens_k), max_blocks + table_pad), -1, dtype=torch.int32, device=device)
     owned = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
