@@ -1,0 +1,229 @@
+"""MLA decode bandwidth (needs a CUDA GPU; --dry-run runs toy shapes on CPU through Triton's
+interpreter, to check the script, not to measure):
+
+    python benchmarks/bench_mla_decode.py [--heads 16,20,128] [--bs 1,8,32,128] [--ctx 1024,8192]
+                                          [--sweep] [--json PATH]
+    python benchmarks/bench_mla_decode.py --dry-run [--json PATH]
+
+For each (heads, batch size, context): GPU µs per call of mla_decode_attention (the graph-safe
+launch: plan from the 8k-key capacity, bf16 latent cache of 512 + 64, block size 16), replayed from
+a CUDA graph holding one call per layer, each layer over its own cache (Triton's timer clears the L2
+cache before each replay, so every layer reads from HBM). GB/s counts the bytes a call must move --
+the latent cache rows of the live context, q and out -- over that time, and `of_copy` is its share
+of a device-to-device copy's bandwidth (read + write) measured in the same run. Target: 70% of the
+copy at bs >= 8. `max_err` is the first layer's largest difference from a float32 torch reference
+over its first requests. `--sweep` adds other launch plans (key tile, warps, stages, heads per
+tile, splits) and the best of them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is first imported
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+from atomrt.workers.kernels.attention.mla_decode import (  # noqa: E402
+    MLADecodeLaunch,
+    launch_mla_decode,
+    mla_decode_attention,
+    plan_mla_decode,
+)
+from atomrt.workers.kernels.device_info import sm_count  # noqa: E402
+
+BLOCK_SIZE, LAYERS = 16, 8
+
+
+@dataclasses.dataclass
+class Shape:
+    num_heads: int
+    bs: int
+    ctx: int
+    lora: int
+    rope: int
+    capacity: int
+
+
+def setup(shape: Shape, device: str, dtype: torch.dtype) -> dict:
+    """Per-layer caches (blocks shuffled), one block table, q and out for `shape`."""
+    width = shape.lora + shape.rope
+    max_blocks = shape.capacity // BLOCK_SIZE
+    num_blocks = shape.bs * triton.cdiv(shape.ctx, BLOCK_SIZE)
+    caches = [
+        torch.randn(num_blocks, BLOCK_SIZE, width, device=device, dtype=dtype)
+        for _ in range(LAYERS)
+    ]
+    block_table = torch.zeros(shape.bs, max_blocks, device=device, dtype=torch.int32)
+    used = triton.cdiv(shape.ctx, BLOCK_SIZE)
+    block_table[:, :used] = torch.randperm(num_blocks, device=device).to(torch.int32).view(-1, used)
+    q = torch.randn(shape.bs, shape.num_heads, width, device=device, dtype=dtype)
+    return dict(
+        caches=caches,
+        block_table=block_table,
+        q=q,
+        out=torch.empty(shape.bs, shape.num_heads, shape.lora, device=device, dtype=dtype),
+        seq_lens=torch.full((shape.bs,), shape.ctx, device=device, dtype=torch.int32),
+        cu=torch.arange(shape.bs + 1, device=device, dtype=torch.int32),
+        scale=width**-0.5,
+    )
+
+
+def call(s: dict, layer: int, plan: MLADecodeLaunch | None = None) -> None:
+    args = (s["q"], s["caches"][layer], s["block_table"], s["seq_lens"], s["cu"])
+    if plan is None:
+        mla_decode_attention(*args, s["scale"], s["out"])
+    else:
+        launch_mla_decode(plan, *args, s["scale"], s["out"])
+
+
+def max_error(s: dict, shape: Shape, requests: int = 2) -> float:
+    """Layer 0's output against float32 torch over the first requests (the formula: softmax of
+    scale * q . K over the whole cache row, times the row's latent part)."""
+    call(s, 0)
+    worst = 0.0
+    cache = s["caches"][0]
+    for b in range(min(requests, shape.bs)):
+        pos = torch.arange(shape.ctx, device=cache.device)
+        keys = cache[s["block_table"][b, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE].float()
+        p = torch.softmax(s["scale"] * s["q"][b].float() @ keys.T, dim=-1)
+        ref = p @ keys[:, : shape.lora]
+        worst = max(worst, (s["out"][b].float() - ref).abs().max().item())
+    return worst
+
+
+def time_us(fn, dry_run: bool) -> float:
+    """µs per layer: a CUDA graph of LAYERS calls, timed by Triton (median); on the dry run, wall
+    time of the calls through the interpreter."""
+    if dry_run:
+        start = time.perf_counter()
+        for layer in range(LAYERS):
+            fn(layer)
+        return round((time.perf_counter() - start) * 1e6 / LAYERS, 1)
+    for layer in range(LAYERS):
+        fn(layer)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(LAYERS):
+            fn(layer)
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    return round(ms * 1e3 / LAYERS, 2)
+
+
+def copy_gbps(device: str, dry_run: bool) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second, of a buffer well past L2."""
+    numel = (1 << 20) if dry_run else (1 << 29)  # 1 GiB of bf16 on the GPU
+    src = torch.randn(numel, device=device).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    if dry_run:
+        start = time.perf_counter()
+        dst.copy_(src)
+        seconds = time.perf_counter() - start
+    else:
+        seconds = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e3
+    return round(2 * src.numel() * src.element_size() / seconds / 1e9, 1)
+
+
+def sweep(s: dict, base: MLADecodeLaunch, dry_run: bool) -> dict:
+    """Other plans at this shape: µs per call, or the error that stopped one."""
+    variants: dict[str, object] = {}
+    heads = sorted({base.heads_p, min(16, base.heads_p)})
+    for heads_p in heads:
+        for block_n in (16, 32, 64):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    block_m = max(16, base.block_q * heads_p)
+                    plan = dataclasses.replace(
+                        base, heads_p=heads_p, block_m=block_m, block_q=block_m // heads_p,
+                        block_n=block_n, num_warps=warps, num_stages=stages,
+                    )  # fmt: skip
+                    variants[f"h{heads_p}n{block_n}w{warps}s{stages}"] = _try(s, plan, dry_run)
+    for splits in sorted({1, 2, 4, 8, 16, 32} - {base.num_splits}):
+        plan = dataclasses.replace(base, num_splits=splits)
+        variants[f"splits{splits}"] = _try(s, plan, dry_run)
+    return variants
+
+
+def _try(s: dict, plan: MLADecodeLaunch, dry_run: bool) -> object:
+    try:
+        return time_us(lambda i: call(s, i, plan), dry_run)
+    except Exception as exc:  # noqa: BLE001 - out of resources for this plan: record, go on
+        return type(exc).__name__
+
+
+def bench_shape(
+    shape: Shape, device: str, dtype: torch.dtype, copy: float, with_sweep: bool, dry_run: bool
+) -> dict:
+    """One line of the table: time, bandwidth and its share of the copy's, error, plan."""
+    s = setup(shape, device, dtype)
+    base = plan_mla_decode(
+        shape.bs, shape.bs, shape.capacity, shape.num_heads, shape.lora, shape.rope,
+        sm_count(torch.device(device)),
+    )  # fmt: skip
+    us = time_us(lambda i: call(s, i), dry_run)
+    width = shape.lora + shape.rope
+    # the live cache rows, q, out
+    moved = shape.bs * (shape.ctx * width + shape.num_heads * (width + shape.lora))
+    gbps = round(moved * s["q"].element_size() / us / 1e3, 1)
+    row = dict(
+        heads=shape.num_heads, bs=shape.bs, ctx=shape.ctx, us=us, gbps=gbps,
+        of_copy=round(gbps / copy, 3), max_err=max_error(s, shape), plan=dataclasses.asdict(base),
+    )  # fmt: skip
+    if with_sweep:
+        variants = sweep(s, base, dry_run)
+        timed = [(v, k) for k, v in variants.items() if isinstance(v, float)]
+        row["best"] = min(timed) if timed else None
+        row["variants"] = variants
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--heads", default="16,20,128", help="query heads per shape, comma-separated")
+    ap.add_argument("--bs", default="1,8,32,128")
+    ap.add_argument("--ctx", default="1024,8192", help="keys per request")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="toy shapes on CPU, the interpreter")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    if args.dry_run:
+        device, dtype, lora, rope, capacity = "cpu", torch.float32, 32, 16, 128
+        heads, batch_sizes, contexts = [4], [1, 2], [40, 100]
+    else:
+        device, dtype, lora, rope, capacity = "cuda", torch.bfloat16, 512, 64, 8192
+        heads, batch_sizes, contexts = ints(args.heads), ints(args.bs), ints(args.ctx)
+    copy = copy_gbps(device, args.dry_run)
+    print(json.dumps({"copy_gbps": copy, "device": _device_name(device)}), flush=True)
+    rows = []
+    for num_heads in heads:
+        for bs in batch_sizes:
+            for ctx in contexts:
+                shape = Shape(num_heads, bs, ctx, lora, rope, max(capacity, ctx))
+                row = bench_shape(shape, device, dtype, copy, args.sweep, args.dry_run)
+                print(json.dumps({k: v for k, v in row.items() if k != "variants"}), flush=True)
+                rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_gbps=copy, device=_device_name(device), rows=rows), f, indent=1)
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
+
+
+if __name__ == "__main__":
+    main()
