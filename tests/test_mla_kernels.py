@@ -140,7 +140,7 @@ def check_mla(batch: MLABatch, out: torch.Tensor, atol: float = 2e-5, rtol: floa
 
 def forced_plan(
     num_heads: int, kv_lora_rank: int, rope_dim: int, *, num_splits: int, block_q: int = 1,
-    block_n: int = 16,
+    block_n: int = 16, num_row_blocks: int = 1,
 ) -> MLADecodeLaunch:  # fmt: skip
     """A plan with small key tiles (several per short context) and the given splits."""
     heads_p = 1 << (num_heads - 1).bit_length()
@@ -149,6 +149,7 @@ def forced_plan(
         heads_p=heads_p,
         block_q=block_m // heads_p,
         block_m=block_m,
+        num_row_blocks=num_row_blocks,
         block_n=block_n,
         lora_p=max(16, 1 << (kv_lora_rank - 1).bit_length()),
         rope_p=max(16, 1 << (rope_dim - 1).bit_length()),
@@ -204,17 +205,28 @@ def test_decode_matches_reference(num_heads: int, lora: int, rope: int, num_spli
     check_mla(batch, run_mla(batch, plan=forced_plan(num_heads, lora, rope, num_splits=num_splits)))
 
 
+@pytest.mark.parametrize("num_row_blocks", [1, 2])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_verify_rows_are_causal(num_splits: int) -> None:
+def test_verify_rows_are_causal(num_splits: int, num_row_blocks: int) -> None:
     """Several query rows per request (a verify step; ragged, one request of a single row): row j
     sees keys up to seq_len - n + j. Sixteen heads leave room for two rows per tile, so a request
-    of three or four rows takes two query tiles in turn."""
+    of three or four rows has two query tiles: one program takes both in turn, or two take one
+    each."""
     batch = make_mla_batch(
         [3, 1, 4, 2], [5, 33, 50, 2], num_heads=16, kv_lora_rank=32, rope_dim=16, seed=11
     )
-    plan = forced_plan(16, 32, 16, num_splits=num_splits, block_q=2)
+    plan = forced_plan(16, 32, 16, num_splits=num_splits, block_q=2, num_row_blocks=num_row_blocks)
     assert plan.block_q == 2
     check_mla(batch, run_mla(batch, plan=plan))
+
+
+def test_long_runs_of_rows_share_out_their_tiles() -> None:
+    """A request of many rows (as a prefill chunk has) beside one of a single row: the default plan
+    gives the long one's query tiles programs of their own, each taking every n-th."""
+    batch = make_mla_batch([37, 1], [60, 90], num_heads=4, kv_lora_rank=32, rope_dim=16, seed=12)
+    plan = plan_mla_decode(2, 38, 90, 4, 32, 16, num_sms=4)
+    assert (plan.block_q, plan.num_row_blocks) == (8, 3)  # 5 tiles: programs take 2, 2, 1
+    check_mla(batch, run_mla(batch))
 
 
 def test_padded_requests_leave_the_real_ones_exact() -> None:
@@ -319,7 +331,8 @@ def test_plan_at_model_shapes() -> None:
     v3 = plan_mla_decode(8, 8, 8192, 128, 512, 64, 132)
     assert v3.heads_p == 32 and v3.block_m == 32
     verify = plan_mla_decode(8, 32, 8192, 16, 512, 64, 132)  # four rows per request
-    assert (verify.block_q, verify.block_m) == (2, 32)
+    assert (verify.block_q, verify.block_m, verify.num_row_blocks) == (2, 32, 2)
+    assert v2_lite.num_row_blocks == 1 and glm.num_row_blocks == 1
     short = plan_mla_decode(1, 1, 64, 16, 512, 64, 132)
     assert short.num_splits == 1
 

@@ -33,6 +33,7 @@ from atomrt.workers.kernels.device_info import sm_count
 from atomrt.workers.kernels.launch import LaunchMemo, launch
 
 MAX_TILE_M = 32  # query rows x heads per program: its fp32 accumulator is MAX_TILE_M x kv_lora_rank
+MAX_ROW_BLOCKS = 256  # programs per request and head tile that share out its query tiles
 MIN_KEYS_PER_SPLIT = 64  # and at least 4 per query head: a split's partials (H x L fp32) stay small
 
 
@@ -43,6 +44,9 @@ class MLADecodeLaunch:
     heads_p: int  # query heads per tile, a power of two; grid dim 0 = cdiv(heads, heads_p)
     block_q: int  # query rows per tile
     block_m: int  # tile rows = max(16, block_q * heads_p)
+    num_row_blocks: (
+        int  # programs sharing out each request's query tiles; grid dim 0 = head tiles x this
+    )
     block_n: int  # keys per inner iteration
     lora_p: int  # kv_lora_rank rounded up to a power of two (>= 16)
     rope_p: int  # the rotary dim, likewise
@@ -64,16 +68,20 @@ def plan_mla_decode(
     """Tiles and split count for `num_reqs` requests holding `num_rows` query rows over contexts of
     at most `max_seqlen_k` keys (the block table's capacity). A tile holds up to MAX_TILE_M
     (row, head) pairs: all heads of a model of up to 32 (one cache read per request and split), and
-    the rows of a verify step where heads leave room. The keys are split only when the programs
-    leave SMs idle: about two programs per SM, each split over MIN_KEYS_PER_SPLIT keys or more."""
+    the rows of a verify step where heads leave room; a request's further query tiles go to
+    programs of their own (a long run of rows, as a prefill chunk has, runs side by side). The keys
+    are split only when the programs leave SMs idle: about two programs per SM, each split over
+    MIN_KEYS_PER_SPLIT keys or more (and 4 per head, so that a split's fp32 partials stay under
+    about half the cache bytes it reads)."""
     heads_p = min(MAX_TILE_M, triton.next_power_of_2(max(1, num_heads)))
     rows_per_req = triton.cdiv(max(1, num_rows), max(1, num_reqs))  # a hint: any layout is served
     block_q = max(1, min(triton.next_power_of_2(rows_per_req), MAX_TILE_M // heads_p))
     block_m = max(16, block_q * heads_p)
     block_q = block_m // heads_p  # rows a padded tile has room for anyway
+    num_row_blocks = min(MAX_ROW_BLOCKS, triton.cdiv(rows_per_req, block_q))
     lora_p = max(16, triton.next_power_of_2(kv_lora_rank))
     rope_p = max(16, triton.next_power_of_2(max(1, rope_dim)))
-    num_programs = max(1, num_reqs * triton.cdiv(num_heads, heads_p))
+    num_programs = max(1, num_reqs * triton.cdiv(num_heads, heads_p) * num_row_blocks)
     num_splits = 1
     if num_programs < num_sms:
         partial_bytes = max(1, num_rows * num_heads * kv_lora_rank * 4)
@@ -84,6 +92,7 @@ def plan_mla_decode(
         heads_p=heads_p,
         block_q=block_q,
         block_m=block_m,
+        num_row_blocks=num_row_blocks,
         block_n=32 if lora_p >= 256 else 64,
         lora_p=lora_p,
         rope_p=rope_p,
@@ -222,13 +231,14 @@ def launch_mla_decode(
     else:
         partial = m = l = out  # unused
         partial_strides, ml_strides = (0, 0, 0), (0, 0)
-    grid = (triton.cdiv(num_heads, plan.heads_p), num_reqs, plan.num_splits)
+    grid = (triton.cdiv(num_heads, plan.heads_p) * plan.num_row_blocks, num_reqs, plan.num_splits)
     tensors = (q, kv_cache, out, partial, m, l, block_table, seq_lens, cu_seqlens_q)
     scalars = (
         scale * LOG2E,
         num_reqs,
         num_rows,
         plan.num_splits,
+        plan.num_row_blocks,
         num_heads,
         kv_lora_rank,
         q.shape[2] - kv_lora_rank,

@@ -85,7 +85,7 @@ def _zero_unowned_rows(
 
 
 # The lengths a step changes are not specialized on: only the constexprs pick a compiled variant.
-@triton.jit(do_not_specialize=["num_reqs", "num_rows", "num_splits"])
+@triton.jit(do_not_specialize=["num_reqs", "num_rows", "num_splits", "num_row_blocks"])
 def mla_decode_kernel(
     q_ptr,  # [R, H, L + P]
     kv_cache_ptr,  # [num_blocks, block_size, L + P]
@@ -100,6 +100,7 @@ def mla_decode_kernel(
     num_reqs,  # B (grid dim 1)
     num_rows,  # R
     num_splits,  # S (grid dim 2)
+    num_row_blocks,  # programs per request and head tile that share its query tiles out
     num_heads,
     kv_lora_rank,
     rope_dim,
@@ -126,19 +127,22 @@ def mla_decode_kernel(
     SPLIT: tl.constexpr,
     IEEE_DOT: tl.constexpr,  # fp32 cache: full-precision dots instead of tf32
 ):
-    """Causal attention of one request's query rows, for one tile of heads, over one KV split.
+    """Causal attention of a request's query rows, for one tile of heads, over one KV split.
 
     Query row j of a request with n rows sits at position seq_len - n + j and sees keys 0..that
     position. The split covers a contiguous run of the request's key tiles; each tile is loaded once
-    for all BLOCK_Q rows x HEADS_P heads of the program's query tile (more rows than BLOCK_Q take
-    more query tiles, in turn). With SPLIT the program leaves its unnormalised partial result, even
-    an empty one (m = -big, l = 0), for the merge; otherwise it writes `out`. A row that sees no key
-    (a padded request of seq_len 0) gets zeros, never 0/0.
+    for all BLOCK_Q rows x HEADS_P heads of a query tile. A request's query tiles are shared out
+    round-robin among num_row_blocks programs (one for decode), each taking its tiles in turn. With
+    SPLIT the program leaves its unnormalised partial result, even an empty one (m = -big, l = 0),
+    for the merge; otherwise it writes `out`. A row that sees no key (a padded request of seq_len 0)
+    gets zeros, never 0/0.
     """
-    head_tile = tl.program_id(0)
+    num_head_tiles = tl.cdiv(num_heads, HEADS_P)
+    head_tile = tl.program_id(0) % num_head_tiles  # a row block's head tiles are neighbours
+    row_block = tl.program_id(0) // num_head_tiles
     req = tl.program_id(1)
     split = tl.program_id(2)
-    if split == 0:
+    if (split == 0) & (row_block == 0):
         _zero_unowned_rows(
             out_ptr, cu_seqlens_q_ptr, req, head_tile, num_reqs, num_rows, num_heads,
             kv_lora_rank, stride_or, stride_oh, HEADS_P, LORA_P,
@@ -164,7 +168,7 @@ def mla_decode_kernel(
     split_begin = split * tiles_per_split
     split_end = tl.minimum(split_begin + tiles_per_split, num_tiles)
 
-    for q0 in range(0, num_q, BLOCK_Q):
+    for q0 in range(row_block * BLOCK_Q, num_q, num_row_blocks * BLOCK_Q):
         tok = q0 + rows // HEADS_P  # query row within the request
         row_valid = tile_row_valid & (tok < num_q)
         q_pos = seq_len - num_q + tok  # sees keys 0..q_pos
