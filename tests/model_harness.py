@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import nn
@@ -16,12 +17,7 @@ from torch import nn
 from atomrt.runtime.config import Config
 from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
 from atomrt.workers.layers.attention import collect_attention_layers
-
-
-@dataclass
-class KVCache:
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor
+from atomrt.workers.runner.kv_cache import allocate_kv_cache, kv_layer_specs
 
 
 @dataclass
@@ -32,8 +28,15 @@ class HarnessResult:
 
 class PagedHarness:
     def __init__(
-        self, model: nn.Module, max_len: int, num_seqs: int, block_size: int = 4, seed: int = 0
+        self,
+        model: nn.Module,
+        max_len: int,
+        num_seqs: int,
+        block_size: int = 4,
+        seed: int = 0,
+        config: Optional[Config] = None,
     ) -> None:
+        """`config`: the forward context's (the default runs no speculation)."""
         self.model = model
         self.block_size = block_size
         self.layers = collect_attention_layers(model)
@@ -46,28 +49,11 @@ class PagedHarness:
             order[s * self.max_blocks_per_seq : (s + 1) * self.max_blocks_per_seq]
             for s in range(num_seqs)
         ]
-        self.kv_cache_data = {
-            f"layers.{i}": KVCache(
-                torch.zeros(
-                    num_blocks,
-                    block_size,
-                    a.num_kv_heads,
-                    a.head_dim,
-                    dtype=param.dtype,
-                    device=param.device,
-                ),
-                torch.zeros(
-                    num_blocks,
-                    block_size,
-                    a.num_kv_heads,
-                    a.head_dim,
-                    dtype=param.dtype,
-                    device=param.device,
-                ),
-            )
-            for i, a in self.layers.items()
-        }
-        self.config = Config(enforce_eager=True)
+        # every layer's kind of cache (k/v pairs, latent rows) as the runner lays it out
+        self.kv_cache_data = allocate_kv_cache(
+            kv_layer_specs(self.layers), num_blocks, block_size, param.dtype, param.device
+        )
+        self.config = config or Config(enforce_eager=True)
 
     def step(
         self, new_tokens: list[list[int]], num_computed: list[int], num_pad_rows: int = 0

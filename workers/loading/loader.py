@@ -242,4 +242,14 @@ def load_model(
         model.load_weights(safetensors_weights(resolved.path), where=str(resolved.path))
     else:
         model.load_weights(gguf_weights(reader, arch, resolved.path), where=str(resolved.path))
+    process_weights_after_loading(model)
     return LoadedModel(model, arch, resolved)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each layer derive what it keeps beside its loaded weights (an MLA layer's absorbed
+    W_UK / W_UV from kv_b_proj)."""
+    for module in model.modules():
+        derive = getattr(module, "process_weights_after_loading", None)
+        if derive is not None:
+            derive()

@@ -28,6 +28,7 @@ from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.workers.kernels.attention.variants import warmup_lengths
 from atomrt.workers.kernels.device_info import sm_count
 from atomrt.workers.kernels.launch import compile_ahead
+from atomrt.workers.layers.attention import Attention
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.sampler import SamplingTensors
 
@@ -60,6 +61,7 @@ def warmup_batches(runner: ModelRunner) -> list[tuple[int, int]]:
     heads = {
         (a.num_kv_heads, a.num_heads // a.num_kv_heads, a.head_dim)
         for a in runner.attn_layers.values()
+        if isinstance(a, Attention)  # latent attention plans its launches from shapes alone
     }
     batches: set[tuple[int, int]] = set()
     for num_kv_heads, group, head_dim in sorted(heads):

@@ -22,7 +22,7 @@ from atomrt.runtime.forward_context import (
     DPMetadata,
     set_forward_context,
 )
-from atomrt.workers.runner.kv_cache import KVCacheSizing, num_blocks_needed
+from atomrt.workers.runner.kv_cache import KVCacheSizing, kv_sizes_by_kind, num_blocks_needed
 
 if TYPE_CHECKING:
     from atomrt.workers.runner.model_runner import ModelRunner
@@ -108,12 +108,27 @@ def determine_num_blocks(runner: ModelRunner) -> KVCacheSizing:
             "scheduler_config.max_num_batched_tokens or model_config.max_model_len, or raise "
             "cache_config.gpu_memory_utilization / cpu_kv_cache_gib"
         )
+    by_kind = kv_sizes_by_kind(runner.kv_layer_specs(), runner.dtype)
     logger.info(
-        "KV cache: %d blocks x %d tokens (%.1f MiB); activation peak %.1f MiB; graph pool estimate %.1f MiB",
+        "KV cache: %d blocks x %d tokens (%.1f MiB); per token %s; activation peak %.1f MiB; "
+        "graph pool estimate %.1f MiB",
         num_blocks,
         runner.shape.block_size,
         num_blocks * per_block / 2**20,
+        describe_kv_sizes(by_kind, runner.tp.tp_size),
         peak / 2**20,
         pool_estimate / 2**20,
     )
-    return KVCacheSizing(num_blocks, per_block, peak, pool_estimate)
+    return KVCacheSizing(num_blocks, per_block, peak, pool_estimate, by_kind)
+
+
+def describe_kv_sizes(by_kind: tuple, tp_size: int) -> str:
+    """Per layer kind, "attention: 24 layers, 49152 B" (bytes per token on this rank); a latent
+    (mla) cache says it is whole on every TP rank, which do not split its one latent head."""
+    parts = []
+    for k in by_kind:
+        part = f"{k.kind}: {k.num_layers} layers, {k.bytes_per_token} B"
+        if k.kind == "mla" and tp_size > 1:
+            part += f" (replicated on each of {tp_size} TP ranks)"
+        parts.append(part)
+    return "; ".join(parts) or "nothing"

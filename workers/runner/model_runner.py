@@ -21,10 +21,11 @@ from atomrt.workers.loading.loader import load_model
 from atomrt.workers.runner.graph_runner import GraphRunner
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.kv_cache import (
-    KVCacheTensor,
-    KVLayerSpec,
+    CacheEntry,
+    LayerSpec,
     allocate_kv_cache,
     kv_bytes_per_block,
+    kv_layer_specs,
 )
 from atomrt.workers.runner.readback import Readback, Readbacks
 from atomrt.workers.runner.sampler import Sampler, SamplerOutput, SamplingTensors, greedy_argmax
@@ -83,7 +84,7 @@ class ModelRunner:
             max_num_tokens=max(sc.max_num_batched_tokens, max(config.capture_sizes or [0])),
         )
         self.attn_layers = collect_attention_layers(self.model)
-        self.kv_cache: dict[str, KVCacheTensor] = {}
+        self.kv_cache: dict[str, CacheEntry] = {}
         self.sampler = Sampler()
         enforce_eager = config.enforce_eager or device.type != "cuda"
         self.graphs = GraphRunner(config, enabled=not enforce_eager)
@@ -125,10 +126,8 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- KV cache
 
-    def kv_layer_specs(self) -> list[KVLayerSpec]:
-        return [
-            KVLayerSpec(i, a.num_kv_heads, a.head_dim) for i, a in sorted(self.attn_layers.items())
-        ]
+    def kv_layer_specs(self) -> list[LayerSpec]:
+        return kv_layer_specs(self.attn_layers)
 
     def kv_bytes_per_block(self) -> int:
         """A block's bytes over every layer (a draft model's layers too: it shares the blocks)."""

@@ -45,10 +45,11 @@ from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.loading.loader import load_model
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.kv_cache import (
-    KVCacheTensor,
-    KVLayerSpec,
+    CacheEntry,
+    LayerSpec,
     allocate_kv_cache,
     kv_bytes_per_block,
+    kv_layer_specs,
 )
 from atomrt.workers.runner.sampler import SamplingTensors, greedy_argmax
 from atomrt.workers.runner.step_buffers import RunnerShape
@@ -107,7 +108,7 @@ class DraftModel:
         loaded = load_model(dcfg, device, dtype, TPInfo())
         self.model, self.arch = compile_model(loaded.model, dcfg), loaded.arch
         self.attn_layers = collect_attention_layers(self.model)
-        self.kv_cache: dict[str, KVCacheTensor] = {}
+        self.kv_cache: dict[str, CacheEntry] = {}
         self.block_size = config.cache_config.block_size
         n, s, max_blocks_per_seq = (
             shape.max_num_tokens,
@@ -132,10 +133,8 @@ class DraftModel:
 
     # ---------------------------------------------------------------- set-up
 
-    def kv_layer_specs(self) -> list[KVLayerSpec]:
-        return [
-            KVLayerSpec(i, a.num_kv_heads, a.head_dim) for i, a in sorted(self.attn_layers.items())
-        ]
+    def kv_layer_specs(self) -> list[LayerSpec]:
+        return kv_layer_specs(self.attn_layers)
 
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.kv_layer_specs(), self.block_size, self.dtype)

@@ -1,0 +1,185 @@
+"""Multi-head latent attention on CPU: the absorbed decode path and the decompressed prefill path
+of the torch reference against a float64 reference written here from the formula (and so against
+each other), verify rows included; and the `mla_attention` op through an MLA layer: the latent
+cache rows it writes, padded rows, and the same output whichever path a sequence takes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from atomrt.runtime.config import Config
+from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
+from atomrt.workers.layers.mla import MLAAttention
+from atomrt.workers.layers.mla_ref import mla_decode_ref, mla_prefill_ref
+from atomrt.workers.layers.rotary import RotaryEmbedding
+from atomrt.workers.runner.kv_cache import allocate_kv_cache, kv_layer_specs
+
+H, NOPE, ROPE, V, L, HIDDEN = 4, 16, 8, 12, 32, 48
+BLOCK, NUM_BLOCKS = 4, 24
+SCALE = (NOPE + ROPE) ** -0.5
+
+
+def _layer(q_lora: int | None = 24, seed: int = 0) -> MLAAttention:
+    torch.manual_seed(seed)
+    layer = MLAAttention(
+        0,
+        HIDDEN,
+        H,
+        q_lora,
+        L,
+        NOPE,
+        ROPE,
+        V,
+        SCALE,
+        RotaryEmbedding(ROPE, 256, 10000.0, None, True),
+    )
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    layer.process_weights_after_loading()
+    return layer
+
+
+def _reference(
+    q: torch.Tensor, latent: list[torch.Tensor], seqs: list, kv_b: torch.Tensor
+) -> torch.Tensor:
+    """float64: row j of a sequence of n rows over context c attends keys 0..c - n + j, each head
+    h with key [kv_c W_k,h^T | k_pe] and value kv_c W_v,h^T, W_k,h / W_v,h its rows of kv_b."""
+    w = kv_b.double().view(H, NOPE + V, L)
+    out = torch.zeros(q.shape[0], H, V, dtype=torch.float64)
+    for (_, start, n, c), rows in zip(seqs, latent):
+        rows = rows.double()
+        kv_c, k_pe = rows[:, :L], rows[:, L:]
+        for j in range(n):
+            seen = c - n + j + 1
+            for h in range(H):
+                keys = torch.cat((kv_c[:seen] @ w[h, :NOPE].T, k_pe[:seen]), dim=-1)
+                values = kv_c[:seen] @ w[h, NOPE:].T
+                p = torch.softmax(keys @ q[start + j, h].double() * SCALE, dim=0)
+                out[start + j, h] = p @ values
+    return out
+
+
+def _cache_with_context(seqs: list, seed: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """A latent cache holding each sequence's context in shuffled blocks; its block tables (-1 past
+    the end) and each context's rows."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(NUM_BLOCKS, BLOCK, L + ROPE, generator=gen)
+    order = list(range(NUM_BLOCKS))
+    random.Random(seed).shuffle(order)
+    width = max(-(-c // BLOCK) for *_, c in seqs)
+    tables = torch.full((len(seqs), width), -1, dtype=torch.int32)
+    rows = []
+    for i, (*_, c) in enumerate(seqs):
+        blocks = [order.pop() for _ in range(-(-c // BLOCK))]
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        rows.append(cache[blocks].flatten(0, 1)[:c])
+    return cache, tables, rows
+
+
+# (sequence, first row, rows, context length): decode rows, a 3-row verify, a long-ish chunk
+SEQS = [(0, 0, 1, 9), (1, 1, 3, 7), (2, 4, 1, 1), (3, 5, 6, 14)]
+
+
+@pytest.mark.parametrize("path", ["absorbed", "decompressed"])
+def test_both_paths_equal_the_float64_formula(path: str) -> None:
+    layer = _layer()
+    cache, tables, rows = _cache_with_context(SEQS, seed=1)
+    q = torch.randn(11, H, NOPE + ROPE)
+    out = torch.full((11, H, V), float("nan"))
+    run = mla_decode_ref if path == "absorbed" else mla_prefill_ref
+    run(q, cache, out, SEQS, tables, layer.weights(), SCALE)
+    expected = _reference(q, rows, SEQS, layer.kv_b_proj.weight.detach())
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
+
+
+def _md(positions: list[list[int]], num_pad_rows: int, tables: torch.Tensor) -> AttentionMetaData:
+    cu = [0]
+    for p in positions:
+        cu.append(cu[-1] + len(p))
+    context = [p[-1] + 1 for p in positions]
+    slots = [
+        int(tables[s, pos // BLOCK]) * BLOCK + pos % BLOCK
+        for s, seq in enumerate(positions)
+        for pos in seq
+    ] + [-1] * num_pad_rows
+    return AttentionMetaData(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        context_lens=torch.tensor(context, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_seqlen_q=max(len(p) for p in positions),
+        max_seqlen_k=max(context),
+        num_seqs=len(positions),
+        num_tokens=cu[-1],
+        cu_seqlens_q_cpu=cu,
+        context_lens_cpu=context,
+    )
+
+
+def _run(layer, hidden, positions, md, cache, config) -> torch.Tensor:
+    pos = torch.tensor(
+        [p for seq in positions for p in seq] + [0] * (hidden.shape[0] - md.num_tokens)
+    )
+    ctx = Context(positions=pos, batch_size=md.num_seqs, running_tokens=hidden.shape[0])
+    with (
+        torch.inference_mode(),
+        set_forward_context(md, config, ctx, no_compile_layers={0: layer}, kv_cache_data=cache),
+    ):
+        _, a = layer.project(hidden, None, torch.nn.Identity())
+        return layer(pos, a)
+
+
+@pytest.mark.parametrize("q_lora", [24, None], ids=["q_lora", "q_proj"])
+def test_op_writes_latent_rows_and_zeroes_padded_rows(q_lora) -> None:
+    """The op writes [kv_a_layernorm(kv_c) | rotated k_pe] at each row's slot and nothing for a
+    padded row; attention rows past the step's sequences come out zero (their o_proj: zero)."""
+    layer = _layer(q_lora)
+    cache = allocate_kv_cache(kv_layer_specs({0: layer}), NUM_BLOCKS, BLOCK, torch.float32, "cpu")
+    latent = cache["layers.0"].kv_cache
+    latent.fill_(7.0)
+    tables = torch.tensor([[5, 9], [2, -1]], dtype=torch.int32)
+    positions = [[0, 1, 2, 3, 4], [0, 1]]
+    md = _md(positions, num_pad_rows=3, tables=tables)
+    hidden = torch.randn(10, HIDDEN)
+    out = _run(layer, hidden, positions, md, cache, Config(enforce_eager=True))
+    assert torch.isfinite(out).all() and torch.equal(out[7:], torch.zeros(3, HIDDEN))
+    # the rows the op wrote, recomputed from the layer's projections
+    with torch.no_grad():
+        a = layer.project(hidden, None, torch.nn.Identity())[1]
+        kv_a = layer.kv_a_proj_with_mqa(a) if q_lora is None else a[:, q_lora:]
+        kv_c, k_pe = kv_a[:7].split([L, ROPE], dim=-1)
+        pos = torch.tensor([p for seq in positions for p in seq])
+        _, k_rot = layer.rotary(pos, k_pe.unsqueeze(1), k_pe.unsqueeze(1))
+        expected = torch.cat((layer.kv_a_layernorm(kv_c), k_rot.squeeze(1)), dim=-1)
+    written = latent.view(-1, L + ROPE)[md.slot_mapping[:7]]
+    torch.testing.assert_close(written, expected, rtol=0, atol=1e-6)
+    untouched = torch.ones(NUM_BLOCKS * BLOCK, dtype=torch.bool)
+    untouched[md.slot_mapping[:7]] = False
+    assert (latent.view(-1, L + ROPE)[untouched] == 7.0).all()
+
+
+def test_a_verify_step_gives_the_same_output_by_either_path() -> None:
+    """Rows of a sequence with at most max_q_len rows take the absorbed path: a 3-row verify step
+    is decompressed with no speculation configured and absorbed with two draft tokens; the outputs
+    agree (and a prompt chunk in the same step is decompressed either way)."""
+    layer = _layer()
+    tables = torch.tensor([[3, 4, 11], [6, 8, 1]], dtype=torch.int32)
+    warm = [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3]]  # the context, written by a first step
+    step = [[6, 7, 8], [4, 5, 6, 7, 8, 9, 10]]  # a verify step of 3 rows, a chunk of 7
+    outputs = []
+    spec = Config(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    for config in (Config(enforce_eager=True), spec):
+        assert config.max_q_len in (1, 3)
+        cache = allocate_kv_cache(
+            kv_layer_specs({0: layer}), NUM_BLOCKS, BLOCK, torch.float32, "cpu"
+        )
+        torch.manual_seed(5)
+        _run(layer, torch.randn(10, HIDDEN), warm, _md(warm, 0, tables), cache, config)
+        outputs.append(
+            _run(layer, torch.randn(10, HIDDEN), step, _md(step, 0, tables), cache, config)
+        )
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=1e-5)

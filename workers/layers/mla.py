@@ -1,0 +1,257 @@
+"""Multi-head latent attention (MLA, the DeepSeek family's attention) and its one custom op,
+`torch.ops.atomrt.mla_attention`.
+
+The block: the query, through a low-rank `q_a_proj` -> `q_a_layernorm` -> `q_b_proj` (`q_lora_rank`)
+or a plain `q_proj`, per head [q_nope (qk_nope_head_dim) | q_pe (qk_rope_head_dim)]; one shared
+`kv_a_proj_with_mqa` row per token [kv_c (kv_lora_rank) | k_pe], kv_c normalised by
+`kv_a_layernorm`; `kv_b_proj` expands kv_c into each head's k_nope and value; `o_proj`. With a
+query LoRA, `q_a_proj` and `kv_a_proj_with_mqa` (both replicated over TP ranks, both reading the
+normed hidden state) are one GEMM, `fused_qkv_a_proj`, which takes the decoder layer's residual add
+and norm in its prologue as Llama's qkv projection does.
+
+The op (a splitting op at level 3; its attention an eager region in token graphs, recorded whole
+under FULL, as the attention op is) rotates q_pe and k_pe, writes the step's latent cache rows
+[kv_c | k_pe] at slot_mapping (latent KV cache: workers/runner/kv_cache.py), then attends:
+decode and verify rows (a sequence of at most `Config.max_q_len` rows) with absorbed weights
+(`w_uk`, `w_uv`, derived from kv_b_proj once its weights are in), prompt rows by decompressing
+their context through kv_b_proj. CPU: the torch reference (mla_ref.py) for both. CUDA: the Triton
+latent-cache write and paged MLA decode (workers/kernels/attention/mla_decode.py), which a request
+bucket records whole; prompt chunks take the reference.
+"""
+
+# No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
+
+from typing import Optional
+
+import torch
+
+from atomrt.compile.custom_register import direct_register_custom_op
+from atomrt.distributed.communication_op import TPInfo
+from atomrt.graphs.markers import eager_region
+from atomrt.runtime.forward_context import get_forward_context
+from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
+from atomrt.workers.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
+from atomrt.workers.layers.mla_ref import (
+    MLAWeights,
+    absorb_query,
+    mla_decode_ref,
+    mla_no_cache_ref,
+    mla_prefill_ref,
+    unabsorb_output,
+)
+from atomrt.workers.layers.norm import RMSNorm, residual_add
+from atomrt.workers.layers.rotary import RotaryEmbedding
+
+# transformers' DeepSeek attention normalises the latents with its RMSNorm default, whatever the
+# model's rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+def write_latent_ref(
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rows [kv_c | k_pe] at slot_mapping (rows with a negative slot are skipped)."""
+    num_tokens = kv_c_normed.shape[0]
+    valid = slot_mapping[:num_tokens] >= 0
+    rows = torch.cat((kv_c_normed, k_pe), dim=-1)[valid].to(kv_cache.dtype)
+    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping[:num_tokens][valid], rows)
+
+
+def mla_attention(
+    q: torch.Tensor,
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    output: torch.Tensor,
+    positions: torch.Tensor,
+    layer_idx: int,
+) -> None:
+    """q [num_tokens, num_heads, qk_nope + rope]; kv_c_normed [num_tokens, kv_lora_rank]; k_pe
+    [num_tokens, rope] (not rotated yet); output [num_tokens, num_heads, v_head_dim]; positions
+    [num_tokens] int64. The rotary embedding and the cache write run in the recording; `_mla_attend`
+    is the eager region."""
+    layer, md, kv = paged_layer_state(layer_idx)
+    nope = layer.qk_nope_head_dim
+    q_pe, k_pe = layer.rotary(positions, q[..., nope:], k_pe.unsqueeze(1))
+    q = torch.cat((q[..., :nope], q_pe), dim=-1)
+    k_pe = k_pe.squeeze(1)
+    if kv is None or md is None:
+        # Profiling / dummy run: no cache, each sequence attends to its own rows.
+        if md is None or (md.cu_seqlens_q_cpu is None and md.cu_seqlens_q is None):
+            cu = [0, q.shape[0]]
+        else:
+            cu = list(md.cu_seqlens_q_cpu or md.cu_seqlens_q.tolist())
+        latent = torch.cat((kv_c_normed, k_pe), dim=-1)
+        mla_no_cache_ref(q, latent, output, cu, layer.weights(), layer.scale)
+        return
+    if q.is_cuda:
+        from atomrt.workers.kernels.attention.mla_decode import mla_write_kv_cache
+
+        mla_write_kv_cache(kv_c_normed, k_pe, kv.kv_cache, md.slot_mapping)
+    else:
+        write_latent_ref(kv_c_normed, k_pe, kv.kv_cache, md.slot_mapping)
+    _mla_attend(q, output, layer_idx)
+
+
+def _split_sequences(md: object, decode_max_q: int) -> "tuple[list, list]":
+    """(decode, prefill) sequences of a host-planned step, each (index, first row, rows, context
+    length): decode ones run at most `decode_max_q` rows."""
+    cu = md.cu_seqlens_q_cpu if md.cu_seqlens_q_cpu is not None else md.cu_seqlens_q.tolist()
+    context_lens = md.context_lens_cpu
+    if context_lens is None:
+        context_lens = md.context_lens.tolist()
+    num_seqs = md.num_seqs or len(cu) - 1
+    decode, prefill = [], []
+    for s in range(num_seqs):
+        n = cu[s + 1] - cu[s]
+        if n:
+            (decode if n <= decode_max_q else prefill).append((s, cu[s], n, context_lens[s]))
+    return decode, prefill
+
+
+@eager_region(request_fixed=True)
+def _mla_attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
+    """Attention of the step's query rows (q_pe rotated) over the latent cache, which already holds
+    this step's rows. Rows past the step's sequences get zeros."""
+    layer, md, kv = paged_layer_state(layer_idx)
+    config = get_forward_context().config
+    decode_max_q = config.max_q_len if config is not None else 1
+    if q.is_cuda and (md.graph_safe or md.max_seqlen_q <= decode_max_q):
+        _mla_decode_cuda(q, output, layer, md, kv)
+        return
+    decode, prefill = _split_sequences(md, decode_max_q)
+    weights = layer.weights()
+    mla_decode_ref(q, kv.kv_cache, output, decode, md.block_tables, weights, layer.scale)
+    mla_prefill_ref(q, kv.kv_cache, output, prefill, md.block_tables, weights, layer.scale)
+    cu = md.cu_seqlens_q_cpu if md.cu_seqlens_q_cpu is not None else md.cu_seqlens_q.tolist()
+    output[cu[md.num_seqs or len(cu) - 1] :] = 0
+
+
+def _mla_decode_cuda(
+    q: torch.Tensor, output: torch.Tensor, layer: "MLAAttention", md: object, kv: object
+) -> None:
+    """Absorbed attention of every row through the paged MLA decode kernel: planned from shapes,
+    it reads every length on the device (graph-safe, what a request bucket records)."""
+    from atomrt.workers.kernels.attention.mla_decode import mla_decode_attention
+
+    q_absorbed = absorb_query(q, layer.w_uk, layer.qk_nope_head_dim)
+    latent_out = q.new_empty(q.shape[0], q.shape[1], layer.kv_lora_rank)
+    mla_decode_attention(
+        q_absorbed,
+        kv.kv_cache,
+        md.block_tables,
+        md.context_lens,
+        md.cu_seqlens_q,
+        layer.scale,
+        latent_out,
+    )
+    output.copy_(unabsorb_output(latent_out, layer.w_uv))
+
+
+def _mla_attention_fake(
+    q: torch.Tensor,
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    output: torch.Tensor,
+    positions: torch.Tensor,
+    layer_idx: int,
+) -> None:
+    return None
+
+
+direct_register_custom_op(
+    "mla_attention", mla_attention, mutates_args=["output"], fake_impl=_mla_attention_fake
+)
+
+
+class MLAAttention(PagedAttentionLayer):
+    """The MLA block of one decoder layer, per rank: the query heads and kv_b_proj are split over
+    TP ranks, the latent projection (and so the latent cache) is whole on every rank."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: Optional[int],
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        scale: float,
+        rotary: RotaryEmbedding,
+        tp: TPInfo = TPInfo(),
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.scale, self.rotary = scale, rotary
+        qk_head_dim, latent = qk_nope_head_dim + qk_rope_head_dim, kv_lora_rank + qk_rope_head_dim
+        if q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden_size, num_heads * qk_head_dim, tp=tp)
+            self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden_size, latent, bias)
+        else:
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(
+                hidden_size, [q_lora_rank, latent], bias
+            )
+            self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(q_lora_rank, num_heads * qk_head_dim, tp=tp)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(
+            kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), tp=tp
+        )
+        self.num_heads = self.kv_b_proj.output_size_per_rank // (qk_nope_head_dim + v_head_dim)
+        self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias, tp=tp)
+        # absorbed weights of this rank's heads, from kv_b_proj (process_weights_after_loading)
+        h = self.num_heads
+        self.register_buffer("w_uk", torch.empty(h, qk_nope_head_dim, kv_lora_rank), False)
+        self.register_buffer("w_uv", torch.empty(h, kv_lora_rank, v_head_dim), False)
+
+    def process_weights_after_loading(self) -> None:
+        """W_UK [heads, qk_nope, kv_lora_rank] and W_UV [heads, kv_lora_rank, v_head_dim] from
+        kv_b_proj's weight [heads * (qk_nope + v_head_dim), kv_lora_rank]."""
+        w = self.kv_b_proj.weight.detach().view(self.num_heads, -1, self.kv_lora_rank)
+        with torch.no_grad():
+            self.w_uk.copy_(w[:, : self.qk_nope_head_dim])
+            self.w_uv.copy_(w[:, self.qk_nope_head_dim :].transpose(1, 2))
+
+    def weights(self) -> MLAWeights:
+        return MLAWeights(self.kv_b_proj.weight, self.w_uk, self.w_uv)
+
+    def project(
+        self, residual: torch.Tensor, update: Optional[torch.Tensor], norm: RMSNorm
+    ) -> "tuple[torch.Tensor, torch.Tensor]":
+        """The decoder layer's residual add (update None: the embeddings alone) and input norm, and
+        the projection that reads the normed rows when it is one GEMM: (h, `forward`'s input).
+        With a query LoRA that input is fused_qkv_a_proj(norm(h)) [n, q_lora_rank + kv_lora_rank +
+        rope]; without one, norm(h)."""
+        if self.q_lora_rank is None:
+            h = residual if update is None else residual_add(residual, update)
+            return h, norm(h)
+        if update is None:
+            return residual, self.fused_qkv_a_proj(norm(residual))
+        return self.fused_qkv_a_proj.forward_add_norm(residual, update, norm)
+
+    def forward(self, positions: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """a: `project`'s output -> [num_tokens, hidden] (o_proj's output, TP-reduced)."""
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        if self.q_lora_rank is None:
+            q, kv_a = self.q_proj(a), self.kv_a_proj_with_mqa(a)
+        else:
+            q_c, kv_a = a.split([self.q_lora_rank, latent], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_c))
+        kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
+        q = q.view(-1, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        output = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
+        torch.ops.atomrt.mla_attention(q, kv_c, k_pe, output, positions, self.layer_idx)
+        return self.o_proj(output.view(-1, self.num_heads * self.v_head_dim))
