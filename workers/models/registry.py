@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from atomrt.workers.models.arch import check_architecture
+from atomrt.workers.models.deepseek import DeepseekForCausalLM
 from atomrt.workers.models.llama import LlamaForCausalLM
 from atomrt.workers.models.mixtral import MixtralForCausalLM
 from atomrt.workers.models.qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -17,6 +18,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    # multi-head latent attention and DeepSeekMoE; GLM-4.7-Flash differs only by its config
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
 }
 
 

@@ -1,0 +1,182 @@
+"""The DeepSeek family: DeepSeek-V2 / V2-Lite, DeepSeek-V3 and GLM-4.7-Flash (Glm4MoeLite), one
+model class under three architecture names.
+
+A decoder layer is multi-head latent attention (workers/layers/mla.py: the latent KV cache, the
+`mla_attention` op) and an MLP: dense in the first `first_k_dense_replace` layers (and those
+`moe_layer_freq` skips), else DeepSeekMoE, the routed experts (workers/layers/deepseek_moe.py:
+grouped top-k routing over `FusedMoE`) plus ungated shared experts. The backbone, the DP exchange
+of the MoE layers and two-batch overlap are the MoE family's (workers/models/qwen3_moe.py).
+
+Multi-token-prediction layers (`num_nextn_predict_layers`, stored as layers
+`num_hidden_layers + i`) are not part of this forward: the loader leaves their tensors
+(`is_mtp_weight`) to a drafter that runs them. `DeepseekDecoderLayer`, the embedding, the final
+norm and the LM head are built to be reused by one.
+
+Hot path: traced by Dynamo with a dynamic token dimension and recorded into CUDA graphs (see
+llama.py); the attention and the experts are opaque ops.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Generator, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from atomrt.distributed.communication_op import DPInfo, TPInfo, tp_all_reduce
+from atomrt.workers.layers.deepseek_moe import GroupedRouting, GroupedTopkMoE
+from atomrt.workers.layers.mla import MLAAttention
+from atomrt.workers.layers.rotary import RotaryEmbedding, yarn_softmax_scale
+from atomrt.workers.layers.weight_utils import Sliceable
+from atomrt.workers.models.arch import ModelArch
+from atomrt.workers.models.qwen3_moe import MoEDecoderLayer, MoEForCausalLM, SharedExpert
+
+logger = logging.getLogger(__name__)
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def is_mtp_weight(name: str, arch: ModelArch) -> bool:
+    """Whether a checkpoint tensor belongs to a multi-token-prediction layer (`model.layers.<i>.*`
+    with i >= num_hidden_layers)."""
+    m = _LAYER_INDEX.match(name)
+    return m is not None and int(m.group(1)) >= arch.num_layers
+
+
+def make_mla(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> MLAAttention:
+    """A layer's MLA block: softmax scale (qk_nope + qk_rope)^-0.5, times YaRN's mscale^2 under
+    a scaled rope."""
+    rotary = RotaryEmbedding(
+        arch.qk_rope_head_dim,
+        max_position,
+        arch.rope_theta,
+        arch.rope_scaling,
+        interleaved=arch.rope_interleave,
+    )
+    scale = arch.head_dim**-0.5 * yarn_softmax_scale(arch.rope_scaling)
+    return MLAAttention(
+        layer_idx,
+        arch.hidden_size,
+        arch.num_heads,
+        arch.q_lora_rank,
+        arch.kv_lora_rank,
+        arch.qk_nope_head_dim,
+        arch.qk_rope_head_dim,
+        arch.v_head_dim,
+        scale,
+        rotary,
+        tp,
+        bias=arch.qkv_bias,
+    )
+
+
+class DeepseekMoE(nn.Module):
+    """The routed experts and the shared ones (n_shared_experts * moe_intermediate_size wide, not
+    gated), added before the one TP all-reduce."""
+
+    def __init__(self, arch: ModelArch, tp: TPInfo, dp: DPInfo) -> None:
+        super().__init__()
+        self.tp = tp
+        routing = GroupedRouting(
+            arch.num_experts,
+            arch.num_experts_per_tok,
+            arch.topk_method,
+            arch.scoring_func,
+            arch.n_group,
+            arch.topk_group,
+            arch.norm_topk_prob,
+            arch.routed_scaling_factor,
+        )
+        shared = arch.n_shared_experts * arch.moe_intermediate_size
+        self.experts = GroupedTopkMoE(
+            routing, arch.hidden_size, arch.moe_intermediate_size, tp, dp, reduce_output=not shared
+        )
+        self.shared_experts = SharedExpert(arch.hidden_size, shared, tp) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden] (normed) -> [num_tokens, hidden]."""
+        return self._add_shared(x, self.experts(x))
+
+    def forward_ubatch(self, x: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """`forward` as a microbatch of two-batch overlap: pauses where the experts exchange rows."""
+        y = yield from self.experts.forward_ubatch(x)
+        return self._add_shared(x, y)
+
+    def _add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.shared_experts is None:
+            return y
+        return tp_all_reduce(y + self.shared_experts(x), self.tp)
+
+
+class DeepseekDecoderLayer(MoEDecoderLayer):
+    """MLA, then a dense MLP or DeepSeekMoE."""
+
+    @staticmethod
+    def make_attention(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> nn.Module:
+        return make_mla(arch, layer_idx, tp, max_position)
+
+    @staticmethod
+    def make_experts(arch: ModelArch, tp: TPInfo, dp: DPInfo) -> nn.Module:
+        return DeepseekMoE(arch, tp, dp)
+
+
+class DeepseekForCausalLM(MoEForCausalLM):
+    """DeepseekV2ForCausalLM, DeepseekV3ForCausalLM and Glm4MoeLiteForCausalLM (checkpoint names
+    as the published checkpoints and transformers write them)."""
+
+    layer_class = DeepseekDecoderLayer
+    num_shards = {"fused_qkv_a_proj": 2, "gate_up_proj": 2}
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        tp: TPInfo = TPInfo(),
+        max_position: int = 0,
+        config: Any = None,
+        dp: DPInfo = DPInfo(),
+    ) -> None:
+        # the query LoRA's down projection and the latent one are one GEMM; without a query LoRA
+        # the latent projection stands alone
+        fused = (
+            (("fused_qkv_a_proj", "q_a_proj", 0), ("fused_qkv_a_proj", "kv_a_proj_with_mqa", 1))
+            if arch.q_lora_rank is not None
+            else ()
+        )
+        self.stacked_params = fused + (
+            ("gate_up_proj", "gate_proj", 0),
+            ("gate_up_proj", "up_proj", 1),
+        )
+        super().__init__(arch, tp, max_position, config, dp)
+        self._skipped_mtp = 0
+
+    def checkpoint_name(self, name: str) -> str:
+        return name.replace(
+            ".mlp.gate.e_score_correction_bias", ".mlp.experts.gate.e_score_correction_bias"
+        )
+
+    def skip_weight(self, name: str) -> bool:
+        if is_mtp_weight(name, self.arch):
+            self._skipped_mtp += 1
+            return True
+        return False
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
+    ) -> None:
+        """As MoEForCausalLM's; the tensors of the multi-token-prediction layers are left out (the
+        target's forward does not run them), and said so."""
+        self._skipped_mtp = 0
+        super().load_weights(weights, where)
+        if self._skipped_mtp:
+            logger.info(
+                "%s: left out %d tensors of the multi-token-prediction layer(s) "
+                "model.layers.%d and after (num_nextn_predict_layers=%d): the target model does "
+                "not run them",
+                where,
+                self._skipped_mtp,
+                self.arch.num_layers,
+                self.arch.num_nextn_predict_layers,
+            )
