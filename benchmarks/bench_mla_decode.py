@@ -13,7 +13,7 @@ the latent cache rows of the live context, q and out -- over that time, and `of_
 of a device-to-device copy's bandwidth (read + write) measured in the same run. Target: 70% of the
 copy at bs >= 8. `max_err` is the first layer's largest difference from a float32 torch reference
 over its first requests. `--sweep` adds other launch plans (key tile, warps, stages, heads per
-tile, splits) and the best of them.
+tile, splits, keys per working split) and the best of them.
 """
 
 from __future__ import annotations
@@ -152,6 +152,9 @@ def sweep(s: dict, base: MLADecodeLaunch, dry_run: bool) -> dict:
     for splits in sorted({1, 2, 4, 8, 16, 32} - {base.num_splits}):
         plan = dataclasses.replace(base, num_splits=splits)
         variants[f"splits{splits}"] = _try(s, plan, dry_run)
+    for min_tiles in sorted({1, 2, 4, 8} - {base.min_tiles_per_split}):
+        plan = dataclasses.replace(base, min_tiles_per_split=min_tiles)
+        variants[f"min_tiles{min_tiles}"] = _try(s, plan, dry_run)
     return variants
 
 

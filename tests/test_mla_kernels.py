@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from atomrt.workers.kernels.attention import mla_decode
 from atomrt.workers.kernels.attention.mla_decode import (
     MLADecodeLaunch,
     launch_mla_decode,
@@ -23,6 +24,7 @@ from atomrt.workers.kernels.attention.mla_decode import (
     mla_write_kv_cache,
     plan_mla_decode,
 )
+from atomrt.workers.kernels.attention.workspace import split_workspace
 
 NAN = float("nan")
 
@@ -140,7 +142,7 @@ def check_mla(batch: MLABatch, out: torch.Tensor, atol: float = 2e-5, rtol: floa
 
 def forced_plan(
     num_heads: int, kv_lora_rank: int, rope_dim: int, *, num_splits: int, block_q: int = 1,
-    block_n: int = 16, num_row_blocks: int = 1,
+    block_n: int = 16, num_row_blocks: int = 1, min_tiles_per_split: int = 1,
 ) -> MLADecodeLaunch:  # fmt: skip
     """A plan with small key tiles (several per short context) and the given splits."""
     heads_p = 1 << (num_heads - 1).bit_length()
@@ -154,6 +156,7 @@ def forced_plan(
         lora_p=max(16, 1 << (kv_lora_rank - 1).bit_length()),
         rope_p=max(16, 1 << (rope_dim - 1).bit_length()),
         num_splits=num_splits,
+        min_tiles_per_split=min_tiles_per_split,
         num_warps=4,
         num_stages=2,
     )
@@ -280,6 +283,25 @@ def test_block_size_32_and_a_strided_block_table() -> None:
     )  # fmt: skip
     assert not batch.block_table.is_contiguous()
     check_mla(batch, run_mla(batch, plan=forced_plan(2, 32, 16, num_splits=2)))
+
+
+def test_the_live_context_decides_the_working_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four splits of at least two 16-key tiles: contexts of one or two tiles stay in one split,
+    longer ones spread over more. The split workspace starts as NaN: every m and l must be written
+    (idle splits leave l = 0), and the merge reads no partial output of a split that saw no key."""
+
+    def poisoned(*args):
+        partial, m, l = split_workspace(*args)
+        for t in (partial, m, l):
+            t.fill_(NAN)
+        return partial, m, l
+
+    monkeypatch.setattr(mla_decode, "kept_split_workspace", poisoned)
+    batch = make_mla_batch(
+        [1] * 6, [3, 30, 33, 100, 150, 0], num_heads=4, kv_lora_rank=32, rope_dim=16, seed=6
+    )
+    plan = forced_plan(4, 32, 16, num_splits=4, min_tiles_per_split=2)
+    check_mla(batch, run_mla(batch, plan=plan))
 
 
 def test_keys_past_the_block_table_are_never_read() -> None:

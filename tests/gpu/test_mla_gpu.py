@@ -75,7 +75,7 @@ def test_decode_matches_float64(dtype: torch.dtype, num_heads: int, name: str) -
 
 @pytest.mark.parametrize("num_kv_splits", [1, 7, 32])
 def test_forced_split_counts(num_kv_splits: int) -> None:
-    """num_kv_splits given: exactly that many splits, from one (no merge) to the most."""
+    """num_kv_splits given: a launch of that many splits, from one (no merge) to the most."""
     lens_k = [1, 64, 8192, 3000]
     batch = make_batch(
         [1] * 5, lens_k + [0], num_heads=16, dtype=torch.bfloat16, extra_rows=2, seed=num_kv_splits

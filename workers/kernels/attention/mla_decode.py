@@ -3,7 +3,8 @@
 #                          the cache at slot_mapping
 #   mla_decode_attention - attention of absorbed query rows (one per request for decode, k + 1 for a
 #                          verify step) over their paged latent context: the query heads grouped over
-#                          the one latent head, split-KV, the splits merged by unified attention's merge
+#                          the one latent head, split-KV (as many splits working as the live context
+#                          fills), then a merge of the splits that saw a key
 #   plan_mla_decode      - tiles and split count, from host-known shapes only
 # Every launch reads its lengths on the device and is planned from shapes (rows, requests, heads, the
 # block table's KV capacity), never from live lengths: graph-safe, with no host synchronisation.
@@ -20,8 +21,11 @@ from typing import Optional
 import torch
 import triton
 
-from atomrt.workers.kernels.attention.attention_kernels import reduce_splits_kernel
-from atomrt.workers.kernels.attention.mla_kernels import mla_decode_kernel, mla_write_kv_kernel
+from atomrt.workers.kernels.attention.mla_kernels import (
+    mla_decode_kernel,
+    mla_merge_kernel,
+    mla_write_kv_kernel,
+)
 from atomrt.workers.kernels.attention.paged_attention import (
     LOG2E,
     MAX_PARTIAL_BYTES,
@@ -41,16 +45,15 @@ MIN_KEYS_PER_SPLIT = 64  # and at least 4 per query head: a split's partials (H 
 class MLADecodeLaunch:
     """One launch of the MLA decode kernel: tiles, KV splits, warps."""
 
-    heads_p: int  # query heads per tile, a power of two; grid dim 0 = cdiv(heads, heads_p)
+    heads_p: int  # query heads per tile, a power of two
     block_q: int  # query rows per tile
     block_m: int  # tile rows = max(16, block_q * heads_p)
-    num_row_blocks: (
-        int  # programs sharing out each request's query tiles; grid dim 0 = head tiles x this
-    )
+    num_row_blocks: int  # programs sharing a request's query tiles (grid dim 0: x head tiles)
     block_n: int  # keys per inner iteration
     lora_p: int  # kv_lora_rank rounded up to a power of two (>= 16)
     rope_p: int  # the rotary dim, likewise
     num_splits: int  # grid dim 2; > 1 adds the merge launch
+    min_tiles_per_split: int  # key tiles a working split takes at least (the live context decides)
     num_warps: int
     num_stages: int
 
@@ -70,9 +73,10 @@ def plan_mla_decode(
     (row, head) pairs: all heads of a model of up to 32 (one cache read per request and split), and
     the rows of a verify step where heads leave room; a request's further query tiles go to
     programs of their own (a long run of rows, as a prefill chunk has, runs side by side). The keys
-    are split only when the programs leave SMs idle: about two programs per SM, each split over
-    MIN_KEYS_PER_SPLIT keys or more (and 4 per head, so that a split's fp32 partials stay under
-    about half the cache bytes it reads)."""
+    are split only when the programs leave SMs idle: about two programs per SM. Inside the kernel a
+    split works on MIN_KEYS_PER_SPLIT keys or more (and 4 per head, so that a split's fp32 partials
+    stay under about half the cache bytes it reads): a context shorter than the capacity works
+    fewer splits, and a short one a single split."""
     heads_p = min(MAX_TILE_M, triton.next_power_of_2(max(1, num_heads)))
     rows_per_req = triton.cdiv(max(1, num_rows), max(1, num_reqs))  # a hint: any layout is served
     block_q = max(1, min(triton.next_power_of_2(rows_per_req), MAX_TILE_M // heads_p))
@@ -81,11 +85,12 @@ def plan_mla_decode(
     num_row_blocks = min(MAX_ROW_BLOCKS, triton.cdiv(rows_per_req, block_q))
     lora_p = max(16, triton.next_power_of_2(kv_lora_rank))
     rope_p = max(16, triton.next_power_of_2(max(1, rope_dim)))
+    block_n = 32 if lora_p >= 256 else 64
+    min_keys = max(MIN_KEYS_PER_SPLIT, 4 * num_heads)
     num_programs = max(1, num_reqs * triton.cdiv(num_heads, heads_p) * num_row_blocks)
     num_splits = 1
     if num_programs < num_sms:
         partial_bytes = max(1, num_rows * num_heads * kv_lora_rank * 4)
-        min_keys = max(MIN_KEYS_PER_SPLIT, 4 * num_heads)
         max_splits = min(MAX_SPLITS, max_seqlen_k // min_keys, MAX_PARTIAL_BYTES // partial_bytes)
         num_splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, num_programs)))
     return MLADecodeLaunch(
@@ -93,10 +98,11 @@ def plan_mla_decode(
         block_q=block_q,
         block_m=block_m,
         num_row_blocks=num_row_blocks,
-        block_n=32 if lora_p >= 256 else 64,
+        block_n=block_n,
         lora_p=lora_p,
         rope_p=rope_p,
         num_splits=num_splits,
+        min_tiles_per_split=triton.cdiv(min_keys, block_n),
         num_warps=4 if block_m <= 16 else 8,
         num_stages=2,
     )
@@ -174,9 +180,10 @@ def mla_decode_attention(
     that sees no key (a padded request of seq_len 0) and a row of no request (past
     cu_seqlens_q[B]) get zeros. q is rounded to the cache's dtype for the products.
 
-    The launch is planned from shapes only (None: the split count from the block table's KV
-    capacity; an int: exactly that many splits, at most MAX_SPLITS), so it may be captured in a
-    CUDA graph and replayed with new lengths. Returns `out`."""
+    The launch is planned from shapes only, so it may be captured in a CUDA graph and replayed with
+    new lengths: num_kv_splits=None sizes the split grid from the block table's KV capacity, an int
+    (1..MAX_SPLITS) gives it that many; the live context decides how many of them work. Returns
+    `out`."""
     kv_lora_rank = _check_decode_args(
         q, kv_cache, block_table, seq_lens, cu_seqlens_q, out, num_kv_splits
     )
@@ -238,6 +245,7 @@ def launch_mla_decode(
         num_reqs,
         num_rows,
         plan.num_splits,
+        plan.min_tiles_per_split,
         plan.num_row_blocks,
         num_heads,
         kv_lora_rank,
@@ -259,7 +267,7 @@ def launch_mla_decode(
     if not split:
         return
     launch(
-        reduce_splits_kernel,
+        mla_merge_kernel,
         (num_rows, num_heads),
         partial,
         m,
@@ -268,14 +276,15 @@ def launch_mla_decode(
         cu_seqlens_q,
         num_reqs,
         plan.num_splits,
+        kv_lora_rank,
         *partial_strides,
         *ml_strides,
         out.stride(0),
         out.stride(1),
-        kv_lora_rank,
         SPLITS_P=triton.next_power_of_2(MAX_SPLITS),  # one variant for every split count
-        HEAD_DIM_P=plan.lora_p,
-        num_warps=8 if plan.lora_p >= 256 else 4,
+        DIM_CHUNK=min(plan.lora_p, 128),
+        LORA_P=plan.lora_p,
+        num_warps=4,
     )
 
 

@@ -1,7 +1,6 @@
 # The Triton kernels of multi-head latent attention (MLA), and nothing else: the latent KV cache
-# write and the paged decode over that cache. The launch side (plans, split counts, workspace) is in
-# mla_decode.py; the merge of KV splits is attention_kernels.reduce_splits_kernel, shared with
-# unified attention.
+# write, the paged decode over that cache, and the merge of its KV splits. The launch side (plans,
+# split counts, workspace) is in mla_decode.py.
 #
 # Shapes (R = query rows incl. padding, H = query heads, L = kv_lora_rank, P = rotary dim, D = L + P,
 # S = KV splits, B = requests):
@@ -99,7 +98,8 @@ def mla_decode_kernel(
     scale_log2,  # softmax scale * log2(e)
     num_reqs,  # B (grid dim 1)
     num_rows,  # R
-    num_splits,  # S (grid dim 2)
+    num_splits,  # S (grid dim 2); the live context decides how many of them work
+    min_tiles_per_split,  # a working split takes at least this many key tiles
     num_row_blocks,  # programs per request and head tile that share its query tiles out
     num_heads,
     kv_lora_rank,
@@ -130,12 +130,15 @@ def mla_decode_kernel(
     """Causal attention of a request's query rows, for one tile of heads, over one KV split.
 
     Query row j of a request with n rows sits at position seq_len - n + j and sees keys 0..that
-    position. The split covers a contiguous run of the request's key tiles; each tile is loaded once
-    for all BLOCK_Q rows x HEADS_P heads of a query tile. A request's query tiles are shared out
-    round-robin among num_row_blocks programs (one for decode), each taking its tiles in turn. With
-    SPLIT the program leaves its unnormalised partial result, even an empty one (m = -big, l = 0),
-    for the merge; otherwise it writes `out`. A row that sees no key (a padded request of seq_len 0)
-    gets zeros, never 0/0.
+    position. The request's key tiles go in contiguous runs to as many of the launch's splits as
+    its live context fills (min_tiles_per_split each, one at least); each tile is loaded once for
+    all BLOCK_Q rows x HEADS_P heads of a query tile. A request's query tiles are shared out
+    round-robin among num_row_blocks programs (one for decode), each taking its tiles in turn.
+
+    With SPLIT every split leaves m and l of each of its rows for mla_merge_kernel, and its
+    unnormalised output where it saw a key (l > 0: the only partials the merge reads); a split past
+    the working ones loads nothing and leaves m = -big, l = 0. Otherwise the program writes `out`.
+    A row that sees no key (a padded request of seq_len 0) gets zeros, never 0/0.
     """
     num_head_tiles = tl.cdiv(num_heads, HEADS_P)
     head_tile = tl.program_id(0) % num_head_tiles  # a row block's head tiles are neighbours
@@ -164,7 +167,9 @@ def mla_decode_kernel(
 
     # This split's key tiles, out of those of the request's last row (the one that sees the most).
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    num_active = tl.maximum(tl.minimum(num_splits, tl.cdiv(num_tiles, min_tiles_per_split)), 1)
+    num_q_active = tl.where(split < num_active, num_q, 0)  # an idle split loads no row
+    tiles_per_split = tl.cdiv(num_tiles, num_active)
     split_begin = split * tiles_per_split
     split_end = tl.minimum(split_begin + tiles_per_split, num_tiles)
 
@@ -174,14 +179,15 @@ def mla_decode_kernel(
         q_pos = seq_len - num_q + tok  # sees keys 0..q_pos
         q_row = (q_start + tok).to(tl.int64)
         q_base = q_ptr + q_row * stride_qr + head * stride_qh  # [BLOCK_M]
+        q_valid = tile_row_valid & (tok < num_q_active)
         q_nope = tl.load(
             q_base[:, None] + lora[None, :],
-            mask=row_valid[:, None] & lora_valid[None, :],
+            mask=q_valid[:, None] & lora_valid[None, :],
             other=0.0,
         ).to(cache_ty)  # [BLOCK_M, LORA_P]
         q_pe = tl.load(
             q_base[:, None] + kv_lora_rank + rope[None, :],
-            mask=row_valid[:, None] & rope_valid[None, :],
+            mask=q_valid[:, None] & rope_valid[None, :],
             other=0.0,
         ).to(cache_ty)  # [BLOCK_M, ROPE_P]
         # keys the tile's last row sees: later tiles of the split hold nothing for this query tile
@@ -227,7 +233,8 @@ def mla_decode_kernel(
         store_mask = row_valid[:, None] & lora_valid[None, :]
         if SPLIT:
             p_ptrs = partial_ptr + q_row * stride_pr + head * stride_ph + split * stride_ps
-            tl.store(p_ptrs[:, None] + lora[None, :], acc, mask=store_mask)
+            saw_key = store_mask & (l_i > 0.0)[:, None]
+            tl.store(p_ptrs[:, None] + lora[None, :], acc, mask=saw_key)
             ml_off = q_row * stride_mr + head * stride_mh + split
             tl.store(m_ptr + ml_off, m_i, mask=row_valid)
             tl.store(l_ptr + ml_off, l_i, mask=row_valid)
@@ -239,3 +246,53 @@ def mla_decode_kernel(
                 (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
                 mask=store_mask,
             )
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+def mla_merge_kernel(
+    partial_ptr,  # [R, H, S, L] fp32
+    m_ptr,
+    l_ptr,  # [R, H, S] fp32
+    out_ptr,  # [R, H, L]
+    cu_seqlens_q_ptr,
+    num_reqs,
+    num_splits,
+    kv_lora_rank,
+    stride_pr,
+    stride_ph,
+    stride_ps,
+    stride_mr,
+    stride_mh,
+    stride_or,
+    stride_oh,
+    SPLITS_P: tl.constexpr,
+    DIM_CHUNK: tl.constexpr,  # latent columns per step (the tile is SPLITS_P x DIM_CHUNK fp32)
+    LORA_P: tl.constexpr,
+):
+    """Merges the KV splits of one (row, head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
+    over the splits that saw a key (l_s > 0): the others' partial outputs are neither read nor
+    needed. A row that saw no key gets zeros; rows past the requests' are left to the decode kernel
+    (which zeros them)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    if row >= tl.load(cu_seqlens_q_ptr + num_reqs):
+        return
+    row64 = row.to(tl.int64)
+    splits = tl.arange(0, SPLITS_P)
+    ml_off = row64 * stride_mr + head * stride_mh + splits
+    m = tl.load(m_ptr + ml_off, mask=splits < num_splits, other=_NEG_BIG)
+    l = tl.load(l_ptr + ml_off, mask=splits < num_splits, other=0.0)
+    live = l > 0.0
+    w = tl.where(live, tl.exp2(m - tl.max(m, 0)), 0.0)  # [SPLITS_P]
+    l_total = tl.sum(w * l, 0)
+    inv = 1.0 / tl.where(l_total > 0.0, l_total, 1.0)
+    a_base = partial_ptr + row64 * stride_pr + head * stride_ph + splits[:, None] * stride_ps
+    o_base = out_ptr + row64 * stride_or + head * stride_oh
+    for d0 in tl.static_range(0, LORA_P, DIM_CHUNK):
+        dims = d0 + tl.arange(0, DIM_CHUNK)
+        dim_valid = dims < kv_lora_rank
+        acc = tl.load(
+            a_base + dims[None, :], mask=live[:, None] & dim_valid[None, :], other=0.0
+        )  # [SPLITS_P, DIM_CHUNK]
+        o = tl.sum(w[:, None] * acc, 0) * inv
+        tl.store(o_base + dims, o.to(out_ptr.dtype.element_ty), mask=dim_valid)
