@@ -139,7 +139,7 @@ def mla_write_kv_cache(
         raise ValueError(
             f"mla_write_kv_cache: slot_mapping {tuple(slot_mapping.shape)} for {num_tokens} rows"
         )
-    _checkunit_last_stride(kv_cache, "kv_cache")
+    _check_unit_last_stride(kv_cache, "kv_cache")
     if num_tokens == 0:
         return
     kv_c_normed, k_pe = unit_last_stride(kv_c_normed), unit_last_stride(k_pe)
@@ -365,14 +365,14 @@ def _check_decode_args(
         raise ValueError(
             f"mla_decode_attention: num_kv_splits {num_kv_splits!r} must be an int in 1..{MAX_SPLITS}"
         )
-    _checkunit_last_stride(kv_cache, "kv_cache")
-    _checkunit_last_stride(out, "out")
+    _check_unit_last_stride(kv_cache, "kv_cache")
+    _check_unit_last_stride(out, "out")
     if block_table.stride(1) != 1:
         raise ValueError("mla_decode_attention: block_table rows must be contiguous")
     return kv_lora_rank
 
 
-def _checkunit_last_stride(t: torch.Tensor, name: str) -> None:
+def _check_unit_last_stride(t: torch.Tensor, name: str) -> None:
     if t.stride(-1) != 1:
         raise ValueError(
             f"{name} must be contiguous in its last dimension, has stride {t.stride(-1)}"
