@@ -374,6 +374,13 @@ def test_rejects_bad_arguments() -> None:
     for bad in (0, 33, True, 2.0):
         with pytest.raises(ValueError, match="num_kv_splits"):
             mla_decode_attention(*args, 1.0, out, bad)
+    with pytest.raises(ValueError, match="out must be contiguous in its last dimension"):
+        mla_decode_attention(*args, 1.0, batch.out().transpose(0, 2).contiguous().transpose(0, 2))
+    with pytest.raises(ValueError, match="block_table rows must be contiguous"):
+        strided = torch.zeros(1, 2 * batch.block_table.shape[1], dtype=torch.int32)[:, ::2]
+        mla_decode_attention(*args[:2], strided, *args[3:], 1.0, out)
+    with pytest.raises(ValueError, match="slot_mapping must hold integers"):
+        mla_write_kv_cache(torch.zeros(1, 32), torch.zeros(1, 16), batch.kv_cache, torch.zeros(1))
     with pytest.raises(ValueError, match="do not fit cache rows"):
         mla_write_kv_cache(
             torch.zeros(1, 32), torch.zeros(1, 8), batch.kv_cache, torch.zeros(1).long()

@@ -139,6 +139,7 @@ def mla_write_kv_cache(
         raise ValueError(
             f"mla_write_kv_cache: slot_mapping {tuple(slot_mapping.shape)} for {num_tokens} rows"
         )
+    _check_integers("mla_write_kv_cache", slot_mapping=slot_mapping)
     _check_unit_last_stride(kv_cache, "kv_cache")
     if num_tokens == 0:
         return
@@ -344,10 +345,12 @@ def _check_decode_args(
             f"{tuple(cu_seqlens_q.shape)} and block_table {tuple(block_table.shape)} do not "
             f"describe B requests (want [B], [B + 1], [>= B, max_blocks])"
         )
-    metadata = {"block_table": block_table, "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q}
-    for name, t in metadata.items():
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise ValueError(f"mla_decode_attention: {name} must hold integers, has {t.dtype}")
+    _check_integers(
+        "mla_decode_attention",
+        block_table=block_table,
+        seq_lens=seq_lens,
+        cu_seqlens_q=cu_seqlens_q,
+    )
     if not (q.dtype.is_floating_point and kv_cache.dtype.is_floating_point):
         raise ValueError(
             f"mla_decode_attention: q {q.dtype} and kv_cache {kv_cache.dtype} must be floating point"
@@ -370,6 +373,12 @@ def _check_decode_args(
     if block_table.stride(1) != 1:
         raise ValueError("mla_decode_attention: block_table rows must be contiguous")
     return kv_lora_rank
+
+
+def _check_integers(fn: str, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{fn}: {name} must hold integers, has {t.dtype}")
 
 
 def _check_unit_last_stride(t: torch.Tensor, name: str) -> None:
