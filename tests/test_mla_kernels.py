@@ -341,6 +341,19 @@ def test_default_plan_matches_reference() -> None:
     check_mla(batch, run_mla(batch))
 
 
+@pytest.mark.parametrize("num_heads", [16, 20])
+def test_model_dims_through_the_interpreter(num_heads: int) -> None:
+    """The model's latent 512 + rotary 64 at DeepSeek-V2-Lite's and GLM-4.7-Flash's head counts,
+    decode and verify rows and a padded request, with the wrapper's own plan (fp32: the
+    interpreter's bf16 dot is wrong)."""
+    batch = make_mla_batch(
+        [1, 3, 1, 1], [70, 130, 0, 200], num_heads=num_heads, kv_lora_rank=512, rope_dim=64,
+        extra_rows=1, max_blocks=16, seed=num_heads,
+    )  # fmt: skip
+    check_mla(batch, run_mla(batch))
+    check_mla(batch, run_mla(batch, num_kv_splits=3))
+
+
 def test_plan_at_model_shapes() -> None:
     """The planner at real shapes (H200: 132 SMs; latent 512 + rotary 64)."""
     v2_lite = plan_mla_decode(1, 1, 8192, 16, 512, 64, 132)
