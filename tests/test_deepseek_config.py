@@ -84,11 +84,22 @@ def test_dense_layers_follow_first_k_dense_replace_moe_layer_freq_or_mlp_layer_t
         (dict(qk_rope_head_dim=15), "qk_rope_head_dim positive and even"),
         (dict(mlp_layer_types=["dense"]), "mlp_layer_types"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (dict(quantization_config={"quant_method": "fp8"}), r"quantized checkpoints .*fp8"),
     ],
 )
 def test_bad_fields_are_named(overrides: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         arch_from_hf_config(_tiny(**overrides), "folder")
+
+
+def test_tensor_parallel_size_must_split_whole_heads() -> None:
+    """4 heads of 24 + 24 values: widths that 3 ranks divide, heads they do not."""
+    from atomrt.workers.loading.loader import check_parallel_layout
+
+    arch = arch_from_hf_config(_tiny(qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24), "t")
+    with pytest.raises(ValueError, match="num_attention_heads: 4 is not divisible by.* 3"):
+        check_parallel_layout(arch, tensor_parallel_size=3)
+    check_parallel_layout(arch, tensor_parallel_size=2)
 
 
 def test_missing_mla_field_is_named() -> None:

@@ -45,6 +45,7 @@ from atomrt.workers.layers.mla_ref import (
 )
 from atomrt.workers.layers.norm import RMSNorm, residual_add
 from atomrt.workers.layers.rotary import RotaryEmbedding
+from atomrt.workers.layers.weight_utils import divide
 
 # transformers' DeepSeek attention normalises the latents with its RMSNorm default, whatever the
 # model's rms_norm_eps
@@ -190,6 +191,8 @@ class MLAAttention(PagedAttentionLayer):
         bias: bool = False,
     ) -> None:
         super().__init__()
+        # whole heads per rank (the projections' widths alone could split one)
+        self.num_heads = divide(num_heads, tp.tp_size, "num_attention_heads")
         self.layer_idx = layer_idx
         self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
@@ -209,7 +212,6 @@ class MLAAttention(PagedAttentionLayer):
         self.kv_b_proj = ColumnParallelLinear(
             kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), tp=tp
         )
-        self.num_heads = self.kv_b_proj.output_size_per_rank // (qk_nope_head_dim + v_head_dim)
         self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias, tp=tp)
         # absorbed weights of this rank's heads, from kv_b_proj (process_weights_after_loading)
         h = self.num_heads

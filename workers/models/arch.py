@@ -131,6 +131,13 @@ def arch_from_hf_config(cfg: dict[str, Any], where: str) -> ModelArch:
     check_architecture(architecture, where)
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias", False):
         raise ValueError(f"{where}: only silu MLPs without bias are supported")
+    quantization = cfg.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ValueError(
+            f"{where}: quantized checkpoints are not supported (quantization_config: {method}); "
+            "give one in bfloat16, float16 or float32"
+        )
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden_size = int(cfg["hidden_size"])
