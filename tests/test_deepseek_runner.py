@@ -26,7 +26,12 @@ from atomrt.workers.loading.presets import preset_config
 from atomrt.workers.models.arch import arch_from_hf_config
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.kv_cache import (
+    KVCacheTensor,
     KVKindSize,
+    KVLayerSpec,
+    MLAKVCacheTensor,
+    MLALayerSpec,
+    allocate_kv_cache,
     kv_bytes_per_block,
     kv_layer_specs,
     kv_sizes_by_kind,
@@ -39,7 +44,7 @@ HAND_COUNT = [("DeepSeek-V2-Lite", 27, 64), ("GLM-4.7-Flash", 47, 64), ("DeepSee
 
 
 @pytest.mark.parametrize("preset,num_layers,num_experts", HAND_COUNT)
-@pytest.mark.parametrize("tp_size", [1, 8])
+@pytest.mark.parametrize("tp_size", [1, 4])
 def test_preset_latent_cache_sizing_matches_a_hand_count(
     preset: str, num_layers: int, num_experts: int, tp_size: int
 ) -> None:
@@ -58,7 +63,23 @@ def test_preset_latent_cache_sizing_matches_a_hand_count(
     assert model.model.layers[-1].mlp.experts.w13_weight.shape[0] == num_experts
     text = describe_kv_sizes(kv_sizes_by_kind(specs, torch.bfloat16), tp_size)
     assert text.startswith(f"mla: {num_layers} layers, {per_token} B")
-    assert ("replicated on each of 8 TP ranks" in text) == (tp_size == 8)
+    assert ("replicated on each of 4 TP ranks" in text) == (tp_size == 4)
+
+
+def test_layer_kinds_mix_in_one_block_pool() -> None:
+    """A cache spec per layer: attention and latent layers side by side, each its own layout,
+    a block's bytes the sum of both kinds'."""
+    specs = [KVLayerSpec(0, 2, 32), MLALayerSpec(1, 64, 16), KVLayerSpec(2, 2, 32)]
+    assert kv_sizes_by_kind(specs, torch.float16) == (
+        KVKindSize("attention", 2, 2 * 2 * 2 * 32 * 2),
+        KVKindSize("mla", 1, 80 * 2),
+    )
+    assert kv_bytes_per_block(specs, 4, torch.float16) == 4 * (2 * 128 + 80) * 2
+    caches = allocate_kv_cache(specs, 3, 4, torch.float16, torch.device("cpu"))
+    assert isinstance(caches["layers.0"], KVCacheTensor)
+    assert caches["layers.0"].k_cache.shape == (3, 4, 2, 32)
+    assert isinstance(caches["layers.1"], MLAKVCacheTensor)
+    assert caches["layers.1"].kv_cache.shape == (3, 4, 80)
 
 
 def test_deepseek_v2_lite_has_the_parameters_transformers_builds() -> None:

@@ -1,5 +1,5 @@
 """Speculative decoding on an MLA target (tiny DeepSeek-V3, CPU): n-gram drafts and draft models
-(another tiny DeepSeek-family model, and the target itself, also at TP = 2), verified k + 1 query
+(another tiny DeepSeek-family model, a Llama, and the target itself, also at TP = 2), verified k + 1 query
 rows per request over the latent cache by the absorbed path. Greedy output is token for token the output without
 speculation; with the target as its own drafter every draft is accepted, so the verify rows attend
 exactly as the one-row decode steps that drafted them."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from deepseek_harness import build_deepseek_folder
 
 from atomrt.runtime.entrypoints.llm import LLM
@@ -20,11 +21,31 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m i
 COMMON = dict(device="cpu", enforce_eager=True, num_kv_blocks=64, max_num_seqs=8)
 
 
+def _llama_drafter(folder: Path) -> Path:
+    """A one-layer Llama with the targets' vocabulary: a drafter whose KV cache is per-head k/v,
+    beside the target's latent one in the same block pool."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(2)
+    cfg = LlamaConfig(
+        vocab_size=160,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "target": build_deepseek_folder(tmp_path_factory.mktemp("target"), "v3"),
         "draft": build_deepseek_folder(tmp_path_factory.mktemp("draft"), "v2_greedy", seed=1),
+        "llama_draft": _llama_drafter(tmp_path_factory.mktemp("llama_draft")),
     }
 
 
@@ -45,7 +66,7 @@ def reference(models) -> list[list[int]]:
 def _spec(kind: str, models: dict[str, Path], k: int = 3) -> dict:
     if kind == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
-    model = models["target" if kind == "self_draft" else "draft"]
+    model = models[{"self_draft": "target"}.get(kind, kind)]
     return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
 
 
@@ -55,6 +76,7 @@ def _spec(kind: str, models: dict[str, Path], k: int = 3) -> dict:
         ("ngram", False, {}),
         ("self_draft", True, {}),
         ("draft", False, {}),
+        ("llama_draft", True, {}),
         pytest.param("ngram", True, {}, marks=pytest.mark.slow),
         pytest.param(
             "self_draft",
