@@ -156,14 +156,14 @@ def test_microbatches_carry_their_index_to_attention(runner: ModelRunner, monkey
     from atomrt.workers.layers import attention
 
     seen: list[int] = []
-    layer_state = attention._layer_state
+    layer_state = attention.paged_layer_state
 
     def spy(layer_idx: int):
         layer, md, kv = layer_state(layer_idx)
         seen.append(md.ubatch)
         return layer, md, kv
 
-    monkeypatch.setattr(attention, "_layer_state", spy)
+    monkeypatch.setattr(attention, "paged_layer_state", spy)
     decode = _inputs([1, 1, 1], [3, 9, 0], seed=2)
     eager = ForwardDecision(ForwardKind.EAGER, 5, 5, False)
     _logits(runner, decode, _split(eager, 2, 2))
