@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Generator, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -32,7 +32,12 @@ from atomrt.workers.layers.mla import MLAAttention
 from atomrt.workers.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from atomrt.workers.layers.weight_utils import Sliceable
 from atomrt.workers.models.arch import ModelArch
-from atomrt.workers.models.qwen3_moe import MoEDecoderLayer, MoEForCausalLM, SharedExpert
+from atomrt.workers.models.qwen3_moe import (
+    MoEBlock,
+    MoEDecoderLayer,
+    MoEForCausalLM,
+    SharedExpert,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +78,7 @@ def make_mla(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> 
     )
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(MoEBlock):
     """The routed experts and the shared ones (n_shared_experts * moe_intermediate_size wide, not
     gated), added before the one TP all-reduce."""
 
@@ -95,15 +100,6 @@ class DeepseekMoE(nn.Module):
             routing, arch.hidden_size, arch.moe_intermediate_size, tp, dp, reduce_output=not shared
         )
         self.shared_experts = SharedExpert(arch.hidden_size, shared, tp) if shared else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, hidden] (normed) -> [num_tokens, hidden]."""
-        return self._add_shared(x, self.experts(x))
-
-    def forward_ubatch(self, x: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-        """`forward` as a microbatch of two-batch overlap: pauses where the experts exchange rows."""
-        y = yield from self.experts.forward_ubatch(x)
-        return self._add_shared(x, y)
 
     def _add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.shared_experts is None:

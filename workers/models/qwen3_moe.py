@@ -32,7 +32,26 @@ from atomrt.workers.models.arch import ModelArch
 from atomrt.workers.models.llama import LlamaAttention, LlamaMLP
 
 
-class SparseMoeBlock(nn.Module):
+class MoEBlock(nn.Module):
+    """A sparse MLP: `self.experts` (a FusedMoE) and whatever `_add_shared` adds beside them; the
+    same block runs whole (`forward`) or as a microbatch of two-batch overlap (`forward_ubatch`)."""
+
+    experts: FusedMoE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden] (normed) -> [num_tokens, hidden]."""
+        return self._add_shared(x, self.experts(x))
+
+    def forward_ubatch(self, x: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """`forward` as a microbatch of two-batch overlap: pauses where the experts exchange rows."""
+        y = yield from self.experts.forward_ubatch(x)
+        return self._add_shared(x, y)
+
+    def _add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+
+class SparseMoeBlock(MoEBlock):
     """The experts, plus (Qwen2-MoE) a dense shared expert scaled by sigmoid(shared_expert_gate(x)).
     The shared expert's TP partial sum joins the experts' before the one all-reduce."""
 
@@ -56,15 +75,6 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Parameter(
                 torch.empty(1, arch.hidden_size), requires_grad=False
             )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, hidden] (normed) -> [num_tokens, hidden]."""
-        return self._add_shared(x, self.experts(x))
-
-    def forward_ubatch(self, x: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-        """`forward` as a microbatch of two-batch overlap: pauses where the experts exchange rows."""
-        y = yield from self.experts.forward_ubatch(x)
-        return self._add_shared(x, y)
 
     def _add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None:
