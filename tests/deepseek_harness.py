@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from moe_harness import make_hf_model
 
 _MLA = dict(
     vocab_size=160,
@@ -97,15 +98,14 @@ def tiny_deepseek_configs() -> dict[str, object]:
 
 
 def make_hf_deepseek(cfg: object, seed: int = 0) -> torch.nn.Module:
-    """Random weights larger than the init's; under noaux_tc a correction bias large enough to
-    change which experts and groups win (transformers' init leaves it zero)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    """moe_harness's random weights, routers spread wider (so tokens disagree on experts), and
+    under noaux_tc a correction bias large enough to change which experts and groups win
+    (transformers' init leaves it zero)."""
+    model = make_hf_model(cfg, seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if name.endswith("gate.weight") else 0.05))
+            if name.endswith("mlp.gate.weight"):
+                p.add_(torch.randn_like(p) * 0.3)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)

@@ -143,3 +143,24 @@ def run_prefill_and_decode(
             seq.append(token)
         new_tokens = [[t] for t in next_tokens]
     return result
+
+
+def load_hf(folder) -> nn.Module:
+    """transformers' model of a saved folder, float32, eager attention: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def max_logit_diff(result: HarnessResult, hf_model: nn.Module, prompts: list[list[int]]) -> float:
+    """Largest |ours - transformers| over every step's logits (prefill, then each decode), with
+    transformers run over each whole sequence at once."""
+    worst = 0.0
+    for s, prompt in enumerate(prompts):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([result.sequences[s][:-1]])).logits[0].float()
+        got = torch.stack([step[s] for step in result.logits]).to(logits.device)
+        worst = max(worst, (got - logits[len(prompt) - 1 :]).abs().max().item())
+    return worst

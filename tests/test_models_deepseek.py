@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepseek_harness import NAMES, build_deepseek_folder
-from model_harness import run_prefill_and_decode
+from model_harness import load_hf, max_logit_diff, run_prefill_and_decode
 
 from atomrt.compile import compilation_counter
 from atomrt.runtime import SamplingParams
@@ -45,27 +45,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: build_deepseek_folder(tmp_path_factory.mktemp(name), name) for name in NAMES}
 
 
-def _hf(folder: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-
-
-def _worst(result, hf_model: torch.nn.Module, prompts: list[list[int]]) -> float:
-    """Largest |ours - transformers| over every step's logits (prefill, then each decode)."""
-    worst = 0.0
-    for s, prompt in enumerate(prompts):
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([result.sequences[s][:-1]])).logits[0].float()
-        got = torch.stack([step[s] for step in result.logits])
-        worst = max(worst, (got - logits[len(prompt) - 1 :]).abs().max().item())
-    return worst
-
-
 def hf_greedy(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    hf_model = _hf(folder)
+    hf_model = load_hf(folder)
     out = []
     for prompt in prompts:
         with torch.no_grad():
@@ -84,7 +65,7 @@ def test_tiny_deepseek_matches_transformers(folders: dict[str, Path], name: str)
     loaded = load_model(Config(model=str(folders[name])), "cpu", torch.float32)
     assert loaded.arch.is_mla and loaded.arch.is_moe
     result = run_prefill_and_decode(loaded.model, PROMPTS, 3, block_size=4, num_pad_rows=2)
-    worst = _worst(result, _hf(folders[name]), PROMPTS)
+    worst = max_logit_diff(result, load_hf(folders[name]), PROMPTS)
     assert worst <= TOLERANCE, f"{name}: max |logits - transformers| = {worst:.3g}"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_harness import run_prefill_and_decode
+from model_harness import load_hf, max_logit_diff, run_prefill_and_decode
 from moe_harness import make_hf_model, tiny_moe_configs
 
 from atomrt.runtime import SamplingParams
@@ -39,26 +39,6 @@ def moe_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_moe_folders(tmp_path_factory)
 
 
-def _hf(folder: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-
-
-def _worst(result, hf_model: torch.nn.Module, prompts: list[list[int]]) -> float:
-    """Largest |ours - transformers| over every step's logits (prefill, then each decode)."""
-    worst = 0.0
-    for s, prompt in enumerate(prompts):
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([result.sequences[s][:-1]])).logits[0].float()
-        expected = logits[len(prompt) - 1 :]
-        got = torch.stack([step[s] for step in result.logits])
-        worst = max(worst, (got - expected).abs().max().item())
-    return worst
-
-
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_tiny_moe_matches_transformers(moe_folders: dict[str, Path], name: str) -> None:
     folder = moe_folders[name]
@@ -69,7 +49,7 @@ def test_tiny_moe_matches_transformers(moe_folders: dict[str, Path], name: str) 
     result = run_prefill_and_decode(
         loaded.model, PROMPTS, NUM_DECODE_STEPS, block_size=4, num_pad_rows=2
     )
-    worst = _worst(result, _hf(folder), PROMPTS)
+    worst = max_logit_diff(result, load_hf(folder), PROMPTS)
     assert worst <= TOLERANCE, f"{name}: max |logits - transformers| = {worst:.3g}"
 
 
@@ -80,7 +60,7 @@ def test_engine_greedy_tokens_equal_transformers_generate(
     from atomrt.runtime.entrypoints.llm import LLM
 
     folder = moe_folders[name]
-    hf_model = _hf(folder)
+    hf_model = load_hf(folder)
     expected = []
     for prompt in PROMPTS:
         with torch.no_grad():
@@ -111,7 +91,7 @@ def test_fused_expert_checkpoint_layout_loads(tmp_path: Path) -> None:
     save_file(state, str(tmp_path / "model.safetensors"))
     loaded = load_model(Config(model=str(tmp_path)), "cpu", torch.float32)
     result = run_prefill_and_decode(loaded.model, PROMPTS, 1)
-    assert _worst(result, hf_model, PROMPTS) <= TOLERANCE
+    assert max_logit_diff(result, hf_model, PROMPTS) <= TOLERANCE
 
 
 def test_missing_expert_names_the_parameter(tmp_path: Path) -> None:
@@ -176,5 +156,5 @@ def test_expert_tensor_parallel_on_gloo_matches_transformers(
     mp.spawn(_tp_worker, args=(2, str(folder), str(tmp_path / "init"), str(out_file)), nprocs=2)
     saved = torch.load(out_file)
     result = HarnessResult(saved["logits"], saved["sequences"])
-    worst = _worst(result, _hf(folder), PROMPTS)
+    worst = max_logit_diff(result, load_hf(folder), PROMPTS)
     assert worst <= TOLERANCE, f"TP=2: max |logits - transformers| = {worst:.3g}"
