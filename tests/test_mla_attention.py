@@ -15,7 +15,7 @@ from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forwa
 from atomrt.workers.layers.mla import MLAAttention
 from atomrt.workers.layers.mla_ref import mla_decode_ref, mla_prefill_ref
 from atomrt.workers.layers.rotary import RotaryEmbedding
-from atomrt.workers.runner.kv_cache import allocate_kv_cache, kv_layer_specs
+from atomrt.workers.runner.kv_cache import MLAKVCacheTensor, allocate_kv_cache, kv_layer_specs
 
 H, NOPE, ROPE, V, L, HIDDEN = 4, 16, 8, 12, 32, 48
 BLOCK, NUM_BLOCKS = 4, 24
@@ -183,3 +183,33 @@ def test_a_verify_step_gives_the_same_output_by_either_path() -> None:
             _run(layer, torch.randn(10, HIDDEN), step, _md(step, 0, tables), cache, config)
         )
     torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=1e-5)
+
+
+def test_the_cuda_path_through_the_interpreter_equals_the_reference() -> None:
+    """The op's CUDA path on CPU tensors, its Triton kernels run by Triton's interpreter: the
+    latent write is the reference write, and the absorbed decode through the paged MLA kernel is
+    the reference's, with a padded request of no context (a graph bucket's) and a padding row past
+    every request both zero."""
+    from atomrt.workers.kernels.attention.mla_decode import mla_write_kv_cache
+    from atomrt.workers.layers.mla import absorbed_decode, write_latent_ref
+
+    layer = _layer()
+    seqs = SEQS[:3]
+    cache, tables, _ = _cache_with_context(seqs, seed=1)
+    md = AttentionMetaData(
+        cu_seqlens_q=torch.tensor([0, 1, 4, 5, 6], dtype=torch.int32),
+        context_lens=torch.tensor([9, 7, 1, 0], dtype=torch.int32),
+        block_tables=torch.cat((tables, torch.full((1, tables.shape[1]), -1, dtype=torch.int32))),
+    )
+    q = torch.randn(7, H, NOPE + ROPE)
+    out = torch.full((7, H, V), float("nan"))
+    absorbed_decode(q, out, layer, md, MLAKVCacheTensor(0, cache))
+    want = torch.zeros(7, H, V)
+    mla_decode_ref(q, cache, want, seqs, tables, layer.weights(), SCALE)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+    kv_c, k_pe = torch.randn(5, L), torch.randn(5, ROPE)
+    slots = torch.tensor([3, -1, 17, 40, 95])
+    by_kernel, by_reference = torch.zeros(24, 4, L + ROPE), torch.zeros(24, 4, L + ROPE)
+    mla_write_kv_cache(kv_c, k_pe, by_kernel, slots)
+    write_latent_ref(kv_c, k_pe, by_reference, slots)
+    assert torch.equal(by_kernel, by_reference)

@@ -124,7 +124,7 @@ def _mla_attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
     config = get_forward_context().config
     decode_max_q = config.max_q_len if config is not None else 1
     if q.is_cuda and (md.graph_safe or md.max_seqlen_q <= decode_max_q):
-        _mla_decode_cuda(q, output, layer, md, kv)
+        absorbed_decode(q, output, layer, md, kv)
         return
     decode, prefill = _split_sequences(md, decode_max_q)
     weights = layer.weights()
@@ -134,11 +134,12 @@ def _mla_attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
     output[cu[md.num_seqs or len(cu) - 1] :] = 0
 
 
-def _mla_decode_cuda(
+def absorbed_decode(
     q: torch.Tensor, output: torch.Tensor, layer: "MLAAttention", md: object, kv: object
 ) -> None:
-    """Absorbed attention of every row through the paged MLA decode kernel: planned from shapes,
-    it reads every length on the device (graph-safe, what a request bucket records)."""
+    """Absorbed attention of every row through the paged MLA decode kernel (the CUDA path; on CPU
+    tensors the kernels run under Triton's interpreter): planned from shapes, it reads every
+    length on the device (graph-safe, what a request bucket records)."""
     from atomrt.workers.kernels.attention.mla_decode import mla_decode_attention
 
     q_absorbed = absorb_query(q, layer.w_uk, layer.qk_nope_head_dim)
