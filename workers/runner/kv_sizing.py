@@ -22,7 +22,12 @@ from atomrt.runtime.forward_context import (
     DPMetadata,
     set_forward_context,
 )
-from atomrt.workers.runner.kv_cache import KVCacheSizing, kv_sizes_by_kind, num_blocks_needed
+from atomrt.workers.runner.kv_cache import (
+    KVCacheSizing,
+    KVKindSize,
+    kv_sizes_by_kind,
+    num_blocks_needed,
+)
 
 if TYPE_CHECKING:
     from atomrt.workers.runner.model_runner import ModelRunner
@@ -122,7 +127,7 @@ def determine_num_blocks(runner: ModelRunner) -> KVCacheSizing:
     return KVCacheSizing(num_blocks, per_block, peak, pool_estimate, by_kind)
 
 
-def describe_kv_sizes(by_kind: tuple, tp_size: int) -> str:
+def describe_kv_sizes(by_kind: tuple[KVKindSize, ...], tp_size: int) -> str:
     """Per layer kind, "attention: 24 layers, 49152 B" (bytes per token on this rank); a latent
     (mla) cache says it is whole on every TP rank, which do not split its one latent head."""
     parts = []
