@@ -79,16 +79,30 @@ class WorkerSamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: Optional[int] = None  # None: none; 0: the sampled token's; k: plus the top k
+    # None: none; k: each prompt token's logprob (and rank) plus the top k, from the prefill's rows
+    prompt_logprobs: Optional[int] = None
+    # Added to the logits before penalties (workers/runner/logit_additions.py):
+    logit_bias: Optional[dict[int, float]] = None  # token id -> value
+    allowed_token_ids: Optional[list[int]] = None  # every other token is masked
+    # token sequences never generated: the last token is masked where the output ends with the rest
+    bad_words_token_ids: Optional[list[list[int]]] = None
 
     @cached_property
     def needs_history(self) -> bool:
-        """Whether sampling reads the sequence's output so far (penalties; a seeded row's draw number)."""
+        """Whether sampling reads the sequence's output so far (penalties; a seeded row's draw
+        number; bad words of several tokens)."""
         return (
             self.seed is not None
             or self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
+            or any(len(w) > 1 for w in self.bad_words_token_ids or ())
         )
+
+    @cached_property
+    def changes_logits(self) -> bool:
+        """Whether sampling adds to the logits (logit_bias, allowed_token_ids, bad words)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
 
 @dataclass
@@ -159,6 +173,25 @@ class StepPlan:
     pipelined: bool = False
 
 
+def _f32(x: Any = ()) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32)
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt logprobs a step computed (in its `StepResult`): for each sequence that asked
+    (`WorkerSamplingParams.prompt_logprobs`) and ran prompt rows, one entry per row whose next
+    token is a prompt token, in row order. Row i of a sequence whose rows start at position p
+    scores prompt token p + i + 1."""
+
+    seq_ids: np.ndarray = field(default_factory=_i64)  # int64 [m]
+    num_positions: np.ndarray = field(default_factory=_i32)  # int32 [m]: entries of each
+    token_logprobs: np.ndarray = field(default_factory=_f32)  # float32 [rows]: the prompt token's
+    token_ranks: np.ndarray = field(default_factory=_i32)  # int32 [rows]: its rank, 1 = best
+    top_token_ids: np.ndarray = field(default_factory=_i32)  # int32 [rows, k], best first
+    top_logprobs: np.ndarray = field(default_factory=_f32)  # float32 [rows, k]
+
+
 @dataclass
 class StepResult:
     """TP-rank-0 of a DP rank -> driver: the tokens it sampled this step (or the error it hit)."""
@@ -178,6 +211,7 @@ class StepResult:
     more_token_ids: np.ndarray = field(default_factory=_i32)
     # Draft-model passes this step ran eagerly although graphs are on (a missing DraftGraph bucket)
     num_eager_draft_passes: int = 0
+    prompt_logprobs: Optional[PromptLogprobs] = None  # when a row asked and ran prompt rows
 
 
 @dataclass
@@ -222,8 +256,9 @@ Message = Union[
     CoreReady,
 ]
 
-# The wire tag of each type; append only (a tag is never reused). ForwardDecision and
-# WorkerSamplingParams travel only nested, in a StepPlan and a NewRequest.
+# The wire tag of each type; append only (a tag is never reused). ForwardDecision,
+# WorkerSamplingParams and PromptLogprobs travel only nested, in a StepPlan, a NewRequest and a
+# StepResult.
 _TAGS: dict[type, int] = {
     NewRequest: 1,
     RankBatch: 2,
@@ -242,6 +277,7 @@ _TAGS: dict[type, int] = {
     CoreOutputs: 15,
     CoreReady: 16,
     SamplingParams: 17,
+    PromptLogprobs: 18,
 }
 _TYPES: dict[int, type] = {tag: cls for cls, tag in _TAGS.items()}
 _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in _TAGS}
@@ -348,6 +384,7 @@ assert _FIELDS[RankBatch][_NEW_BLOCK_FIELDS] == (  # _check_new_blocks' argument
 _RANKS_FIELD = _FIELDS[StepPlan].index("ranks")
 _DECISION_FIELD = _FIELDS[StepPlan].index("decision")
 _SAMPLING_FIELD = _FIELDS[NewRequest].index("sampling_params")
+_PROMPT_LOGPROBS_FIELD = _FIELDS[StepResult].index("prompt_logprobs")
 _DECISION_TUPLES = tuple(
     _FIELDS[ForwardDecision].index(n) for n in ("req_key", "dp_num_tokens", "dp_padded_tokens")
 )
@@ -393,6 +430,9 @@ def _from_wire_obj(cls: type, items: list) -> Any:
             items[_DECISION_FIELD] = _nested(ForwardDecision, items[_DECISION_FIELD])
     elif cls is NewRequest:
         items[_SAMPLING_FIELD] = _nested(WorkerSamplingParams, items[_SAMPLING_FIELD])
+    elif cls is StepResult:
+        if items[_PROMPT_LOGPROBS_FIELD] is not None:
+            items[_PROMPT_LOGPROBS_FIELD] = _nested(PromptLogprobs, items[_PROMPT_LOGPROBS_FIELD])
     elif cls is CoreRequest:
         if items[2] is not None:
             items[2] = _nested(SamplingParams, items[2])

@@ -4,7 +4,9 @@ Validated once, in `__post_init__`; every error names the field and the allowed 
 Semantics follow the OpenAI / vLLM vocabulary: temperature 0 means greedy; top_k 0 or -1 and
 top_p 1 and min_p 0 disable their filter; repetition_penalty follows Hugging Face (divide positive
 logits, multiply negative ones, over prompt + output); presence/frequency penalties follow OpenAI
-(subtracted per output-token occurrence).
+(subtracted per output-token occurrence). `prompt_logprobs`, `logit_bias`, `allowed_token_ids` and
+`bad_words` are vLLM's fields of the same names; token ids are checked against the model's
+vocabulary when the engine takes the request (runtime/driver/validation.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _preview(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -55,6 +62,11 @@ class SamplingParams:
     logprobs: Optional[int] = None  # how many top alternatives to return per sampled token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
+    # per prompt position after the first: the prompt token's logprob plus the top k alternatives
+    prompt_logprobs: Optional[int] = None
+    logit_bias: Optional[dict[int, float]] = None  # token id -> value added to its logit
+    allowed_token_ids: Optional[list[int]] = None  # sample only among these
+    bad_words: Optional[list[str]] = None  # words never generated (tokenized by the engine)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,13 +103,16 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_INT32:
-            raise ValueError(f"logprobs: must be None or an integer >= 0, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_INT32:
+                raise ValueError(f"{name}: must be None or an integer >= 0, got {value}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise ValueError(
                 f"seed: must be None or an integer in [0, {MAX_SEED}], got {self.seed}"
             )
         self._normalize_stops()
+        self._normalize_logit_fields()
 
     def _check_types(self) -> None:
         ints = ("n", "top_k", "max_tokens", "min_tokens")
@@ -117,7 +132,7 @@ class SamplingParams:
             if not _is_number(value) or not _finite(value):
                 raise ValueError(f"{name}: must be a finite number, got {value!r}")
             setattr(self, name, float(value))
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise ValueError(f"{name}: must be None or an integer, got {value!r}")
@@ -143,6 +158,38 @@ class SamplingParams:
             )
         self.stop_token_ids = list(ids)
 
+    def _normalize_logit_fields(self) -> None:
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or not all(
+                _is_int(t) and t >= 0 and _is_number(v) and _finite(v) for t, v in bias.items()
+            ):
+                raise ValueError(
+                    f"logit_bias: must map token ids >= 0 to finite numbers, got {_preview(bias)}"
+                )
+            self.logit_bias = {int(t): float(v) for t, v in bias.items()} or None
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if (
+                not isinstance(allowed, (list, tuple))
+                or not allowed
+                or not all(_is_int(t) and t >= 0 for t in allowed)
+            ):
+                raise ValueError(
+                    "allowed_token_ids: must be a non-empty list of token ids >= 0, got "
+                    f"{_preview(allowed)}"
+                )
+            self.allowed_token_ids = list(allowed)
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in words
+            ):
+                raise ValueError(
+                    f"bad_words: must be a list of non-blank strings, got {_preview(words)}"
+                )
+            self.bad_words = list(words) or None
+
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of sample `index` of n: one sample each, seeded `seed + index` when
         seeded (reproducible and distinct)."""
@@ -152,6 +199,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether sampling adds to the logits before penalties (logit_bias, allowed_token_ids,
+        bad_words)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     @property
     def has_penalties(self) -> bool:

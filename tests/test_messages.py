@@ -15,6 +15,7 @@ from atomrt.distributed.messages import (
     Hello,
     MessageError,
     NewRequest,
+    PromptLogprobs,
     RankBatch,
     Ready,
     StepPlan,
@@ -74,6 +75,12 @@ worker_sampling_params = st.builds(
     presence_penalty=st.floats(-2, 2),
     frequency_penalty=st.floats(-2, 2),
     logprobs=st.none() | st.integers(0, 20),
+    prompt_logprobs=st.none() | st.integers(0, 20),
+    logit_bias=st.none()
+    | st.dictionaries(st.integers(0, 2**31 - 1), st.floats(-100, 100), min_size=1, max_size=5),
+    allowed_token_ids=st.none() | st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=5),
+    bad_words_token_ids=st.none()
+    | st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=3), min_size=1),
 )
 
 new_requests = st.builds(
@@ -144,6 +151,21 @@ step_plans = st.builds(
 
 
 @st.composite
+def prompt_logprobs(draw):
+    m = draw(st.integers(0, 4))
+    counts = draw(st.lists(st.integers(1, 6), min_size=m, max_size=m))
+    rows, k = sum(counts), draw(st.integers(0, 5))
+    return PromptLogprobs(
+        seq_ids=draw(arrays(np.int64, i64, shape=st.just((m,)))),
+        num_positions=np.asarray(counts, dtype=np.int32),
+        token_logprobs=draw(arrays(np.float32, f32, shape=st.just((rows,)))),
+        token_ranks=draw(arrays(np.int32, st.integers(1, 2**31 - 1), shape=st.just((rows,)))),
+        top_token_ids=draw(arrays(np.int32, i32, shape=st.just((rows, k)))),
+        top_logprobs=draw(arrays(np.float32, f32, shape=st.just((rows, k)))),
+    )
+
+
+@st.composite
 def step_results(draw):
     n = draw(st.integers(0, 30))
     k = draw(st.integers(0, 5))
@@ -163,6 +185,7 @@ def step_results(draw):
         else np.zeros(0, np.int32),
         more_token_ids=draw(arrays(np.int32, i32, max_size=20)) if spec else np.zeros(0, np.int32),
         num_eager_draft_passes=draw(st.integers(0, 100)),
+        prompt_logprobs=draw(st.none() | prompt_logprobs()),
     )
 
 
@@ -419,7 +442,8 @@ def test_bad_declared_array_bytes_raise_message_error():
     import msgpack
 
     wire = msgpack.packb(
-        [4, 0, 0, b"\x00" * 12, b"", None, None, None, None, b"", b"", 0], use_bin_type=True
+        [4, 0, 0, b"\x00" * 12, b"", None, None, None, None, b"", b"", 0, None],
+        use_bin_type=True,
     )  # 12 B: not int64s
     with pytest.raises(MessageError, match="malformed StepResult"):
         decode(wire)

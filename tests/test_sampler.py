@@ -208,6 +208,7 @@ def test_plain_greedy_batch_builds_no_row_tensors_and_takes_the_argmax():
             presence_penalty=0.0,
             frequency_penalty=0.0,
             logprobs=None,
+            changes_logits=False,
         )
         for _ in range(3)
     ]

@@ -18,11 +18,11 @@ import torch
 
 from atomrt.compile import compilation_counter
 from atomrt.distributed.communication_op import DPInfo, TPInfo
-from atomrt.distributed.messages import StepPlan, StepResult
+from atomrt.distributed.messages import PromptLogprobs, StepPlan, StepResult
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision, TboTiming
 from atomrt.workers.runner.compile_warmup import CompileReport, compile_all_sizes, compile_report
-from atomrt.workers.runner.input_batch import SeqMirrors, dummy_idle_inputs
+from atomrt.workers.runner.input_batch import PromptRows, SeqMirrors, dummy_idle_inputs
 from atomrt.workers.runner.kernel_warmup import warm_eager_kernels
 from atomrt.workers.runner.kv_sizing import determine_num_blocks
 from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
@@ -41,6 +41,7 @@ class PendingStep:
     seq_ids: list[int]
     readback: Optional[Readback] = None  # TP rank 0, until finished
     result: Optional[StepResult] = None
+    prompt_rows: Optional[PromptRows] = None  # the rows that computed prompt logprobs
 
     @property
     def done(self) -> bool:
@@ -191,7 +192,9 @@ class Worker:
             self.runner.tokens.record(seq_ids)
         if self.tp_rank != 0:
             return PendingStep(plan.step, seq_ids, result=None)
-        pending = PendingStep(plan.step, seq_ids, readback=self.runner.start_readback(out))
+        pending = PendingStep(
+            plan.step, seq_ids, self.runner.start_readback(out), prompt_rows=inputs.prompt_rows
+        )
         self._unfinished = pending
         return pending
 
@@ -207,15 +210,21 @@ class Worker:
         """Wait for a launched step's tokens; TP rank 0's StepResult (None on other TP ranks)."""
         if pending.done:
             return pending.result
-        tokens, logprobs = pending.readback.wait(  # the step's one host synchronisation
+        arrays = pending.readback.wait(  # the step's one host synchronisation
             self.config.parallel_config.heartbeat_timeout_s,
             self.progress,
             f"worker dp={self.dp_rank} tp={self.tp_rank}, step {pending.step}",
         )
+        tokens = arrays.tokens
         if self.runner.spec is not None:  # speculative decoding: each request's tokens
             tokens = self.runner.spec.unpack(tokens)
         self.mirrors.record_sampled(pending.seq_ids, tokens)
-        pending.result = self._result(pending.step, pending.seq_ids, tokens, logprobs)
+        pending.result = self._result(pending.step, pending.seq_ids, tokens, arrays.logprobs)
+        if arrays.prompt_logprobs is not None:
+            rows = pending.prompt_rows
+            pending.result.prompt_logprobs = PromptLogprobs(
+                rows.seq_ids, rows.num_positions, *arrays.prompt_logprobs
+            )
         pending.readback = None
         if self._unfinished is pending:
             self._unfinished = None

@@ -81,8 +81,9 @@ class BlockManager:
         return hashes
 
     def _lookup_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the cached full blocks that start seq.token_ids (leaving >= 1 token)."""
-        if not self.enable_prefix_caching:
+        """Block ids of the cached full blocks that start seq.token_ids (leaving >= 1 token). A
+        request that asks for prompt logprobs computes every position: it takes no hit."""
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         bs = self.block_size
         max_blocks = (len(seq.token_ids) - 1) // bs

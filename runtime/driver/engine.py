@@ -8,6 +8,7 @@ behind the GPU (see runtime/driver/scheduler.py for what that changes).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -25,6 +26,7 @@ from atomrt.runtime.driver.forward_mode import ForwardMode
 from atomrt.runtime.driver.interrupts import InterruptGuard
 from atomrt.runtime.driver.outputs import RequestOutput, make_request_output, merge_request_outputs
 from atomrt.runtime.driver.planner import RankPlanner, make_plan
+from atomrt.runtime.driver.prompt_logprobs import apply_prompt_logprobs
 from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
 from atomrt.runtime.driver.speculation import (
@@ -34,7 +36,12 @@ from atomrt.runtime.driver.speculation import (
     sampled_tokens,
 )
 from atomrt.runtime.driver.ubatch_policy import check_tbo
-from atomrt.runtime.driver.validation import RequestLimits, check_max_model_len, check_request
+from atomrt.runtime.driver.validation import (
+    RequestLimits,
+    check_max_model_len,
+    check_request,
+    tokenize_bad_words,
+)
 from atomrt.runtime.executors.base import Executor, WorkerError
 from atomrt.runtime.executors.factory import make_executor
 from atomrt.runtime.sampling_params import SamplingParams
@@ -213,12 +220,15 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running")
         token_ids = self._tokenize(prompt)
         check_request(token_ids, params, self.limits, self.max_model_len)
+        bad_words = tokenize_bad_words(params.bad_words, self.tokenizer)
         dp_rank = min(range(len(self.schedulers)), key=lambda r: self.schedulers[r].num_unfinished)
         scheduler = self.schedulers[dp_rank]
         seqs: list[Sequence] = []
         share = self.config.cache_config.enable_prefix_caching
         for i in range(params.n):  # n samples: sequences of their own, the prompt's blocks shared
             sample = params if params.n == 1 else params.for_sample(i)
+            if i and sample.prompt_logprobs is not None:  # sample 0 scores the prompt
+                sample = dataclasses.replace(sample, prompt_logprobs=None)
             seqs.append(
                 Sequence(
                     request_id,
@@ -227,6 +237,8 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                     index=i,
                     parent=seqs[0] if i and share else None,
+                    bad_words_token_ids=bad_words,
+                    prompt_logprobs=[None] if sample.prompt_logprobs is not None else None,
                 )
             )
         scheduler.check_fits(seqs[0])  # raises on requests that can never fit, before any is queued
@@ -322,6 +334,9 @@ class LLMEngine:
                 self.speculation.observe(out, res)
                 num_tokens += sum(len(t) if isinstance(t, list) else 1 for t in sampled.values())
                 num_seqs += len(sampled)
+            if res.prompt_logprobs is not None:
+                starts = {r.seq.seq_id: (r.seq, r.num_computed_tokens) for r in out.scheduled}
+                apply_prompt_logprobs(res.prompt_logprobs, starts, self.tokenizer)
             finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
             for row in out.scheduled:

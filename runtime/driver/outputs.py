@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from atomrt.runtime.driver.prompt_logprobs import PromptLogprobsList
 from atomrt.runtime.driver.sequence import Sequence
 
 # Per sampled token: {token id: logprob} holding the sampled token and the top alternatives.
@@ -44,6 +45,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: Optional[RequestMetrics] = None
+    # SamplingParams.prompt_logprobs: None, then {token id: Logprob} per prompt token (a streamed
+    # request's first output carries them)
+    prompt_logprobs: Optional[PromptLogprobsList] = None
 
 
 def make_request_output(
@@ -54,7 +58,10 @@ def make_request_output(
     holding back a text tail that could start a stop string while the sequence runs."""
     finished = seq.is_finished
     wants_logprobs = seq.sampling_params.logprobs is not None
+    prompt_logprobs = seq.prompt_logprobs
     if delta:
+        if seq.num_streamed_tokens:  # sent with the first output
+            prompt_logprobs = None
         text = seq.detokenizer.take_stream_delta(finished) if seq.detokenizer is not None else ""
         # Slice the new tokens straight from token_ids: copying the whole output first costs a
         # streamed row time that grows with its length, every step.
@@ -90,6 +97,7 @@ def make_request_output(
         outputs=[completion],
         finished=finished,
         metrics=metrics,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -104,4 +112,5 @@ def merge_request_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         outputs=completions,
         finished=all(o.finished for o in outputs),
         metrics=first.metrics,
+        prompt_logprobs=first.prompt_logprobs,  # sample 0's: the request's
     )

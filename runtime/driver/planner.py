@@ -8,6 +8,7 @@ step's sample of that sequence."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -24,8 +25,11 @@ from atomrt.runtime.driver.sequence import Sequence
 from atomrt.runtime.sampling_params import SamplingParams
 
 
-def worker_sampling_params(p: SamplingParams) -> WorkerSamplingParams:
-    """The fields of a request's SamplingParams that its workers sample with."""
+def worker_sampling_params(
+    p: SamplingParams, bad_words_token_ids: Optional[list[list[int]]] = None
+) -> WorkerSamplingParams:
+    """The fields of a request's SamplingParams that its workers sample with (its bad words as
+    the driver tokenized them)."""
     return WorkerSamplingParams(
         temperature=p.temperature,
         top_p=p.top_p,
@@ -36,6 +40,10 @@ def worker_sampling_params(p: SamplingParams) -> WorkerSamplingParams:
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
+        logit_bias=p.logit_bias,
+        allowed_token_ids=p.allowed_token_ids,
+        bad_words_token_ids=bad_words_token_ids or None,
     )
 
 
@@ -46,7 +54,7 @@ def new_request(seq: Sequence) -> NewRequest:
         seq_id=seq.seq_id,
         token_ids=np.asarray(seq.prompt_token_ids, dtype=np.int32),
         output_token_ids=np.asarray(seq.output_token_ids, dtype=np.int32),
-        sampling_params=worker_sampling_params(seq.sampling_params),
+        sampling_params=worker_sampling_params(seq.sampling_params, seq.bad_words_token_ids),
     )
 
 

@@ -76,6 +76,11 @@ class Sequence:
     # Sample 0 of the request, for samples 1..n-1 when their prompt's KV can be shared through the
     # prefix cache: they wait until it has computed the prompt. None otherwise.
     parent: Optional[Sequence] = field(default=None, repr=False)
+    # sampling_params.bad_words as token sequences (the engine tokenizes them)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # With sampling_params.prompt_logprobs: [None, then {token id: Logprob} per prompt token
+    # scored so far] (runtime/driver/prompt_logprobs.py); None otherwise.
+    prompt_logprobs: Optional[list] = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

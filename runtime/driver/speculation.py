@@ -10,7 +10,8 @@ slots are rewritten by the next step) and appends the accepted tokens one by one
 rules. `observe` counts drafts and acceptances per position (`SpecDecodeStats`, on `EngineStats`).
 
 - A sequence speculates unless its sampling reads its history or returns logprobs (penalties,
-  `logprobs`): those decode one row per step.
+  bad words of several tokens, `logprobs`): those decode one row per step. `logit_bias`,
+  `allowed_token_ids` and one-token bad words apply to every verify row.
 - With request graphs recorded for verify steps (FULL), an n-gram proposal shorter than k is padded
   to k: a uniform batch replays its graph, where a ragged one would run eagerly; a padding token is
   verified like any draft (the target decides; correctness does not depend on what is proposed).
@@ -176,9 +177,14 @@ def _seeded_sampling(seq: Sequence) -> bool:
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether a sequence's rows may verify drafts (penalties and logprobs keep it one row a step)."""
+    """Whether a sequence's rows may verify drafts (penalties, logprobs and bad words of several
+    tokens, which read the output before each row, keep it one row a step)."""
     p = seq.sampling_params
-    return p.logprobs is None and not p.has_penalties
+    return (
+        p.logprobs is None
+        and not p.has_penalties
+        and all(len(w) == 1 for w in seq.bad_words_token_ids)
+    )
 
 
 class Speculation:

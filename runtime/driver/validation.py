@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from atomrt.runtime.config import Config, ConfigError
 from atomrt.runtime.envs import ENV
@@ -40,11 +40,42 @@ def check_request(
     bad = [t for t in token_ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise ValueError(f"prompt: token ids out of range [0, {limits.vocab_size}): {bad[:5]}")
-    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limits.max_logprobs:
+            raise ValueError(
+                f"{name}: at most model_config.max_logprobs={limits.max_logprobs} top logprobs per "
+                f"token, got {value}"
+            )
+    for name, ids in (
+        ("logit_bias", params.logit_bias or ()),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+    ):
+        bad = [t for t in ids if t >= limits.vocab_size]
+        if bad:
+            raise ValueError(f"{name}: token ids out of range [0, {limits.vocab_size}): {bad[:5]}")
+
+
+def tokenize_bad_words(words: Optional[list[str]], tokenizer: Any) -> list[list[int]]:
+    """`SamplingParams.bad_words` as the token sequences the sampler masks: each word as written
+    (leading spaces dropped) and, where a leading space makes it other tokens of the same count,
+    as it reads mid-text (vLLM's rule)."""
+    if not words:
+        return []
+    if tokenizer is None:
         raise ValueError(
-            f"logprobs: at most model_config.max_logprobs={limits.max_logprobs} top logprobs per token, "
-            f"got {params.logprobs}"
+            "bad_words: this model has no tokenizer; send allowed_token_ids or logit_bias"
         )
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ValueError(f"bad_words: {word!r} is no tokens")
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
 
 
 def check_max_model_len(config: Config, arch: Any) -> None:

@@ -86,6 +86,18 @@ class BlockTables:
 
 
 @dataclass
+class PromptRows:
+    """The rows of a step whose logits score a prompt token, for the sequences that asked for
+    prompt logprobs: sequence i's `num_positions[i]` rows come in turn, in row order."""
+
+    seq_ids: np.ndarray  # int64 [m]
+    num_positions: np.ndarray  # int32 [m]
+    rows: np.ndarray  # int64 [sum(num_positions)]: the step rows
+    token_ids: np.ndarray  # int64 [sum(num_positions)]: the prompt token each row's logits score
+    k: int  # top alternatives returned per row: the largest prompt_logprobs asked
+
+
+@dataclass
 class StepInputs:
     """One DP rank's step as host arrays, rows in plan order."""
 
@@ -106,6 +118,7 @@ class StepInputs:
     # rows whose logits the step samples: each sampled sequence's drafts' rows and the row before.
     num_draft_tokens: Optional[np.ndarray] = None
     logits_rows: Optional[np.ndarray] = None
+    prompt_rows: Optional[PromptRows] = None  # rows that compute prompt logprobs
 
     @property
     def num_seqs(self) -> int:
@@ -131,6 +144,8 @@ class SeqMirrors:
         self.block_size = block_size
         self.seqs: dict[int, SeqMirror] = {}
         self.block_tables = BlockTables()
+        # sequences that asked for prompt logprobs and have prompt tokens left to score
+        self.prompt_logprob_seqs: set[int] = set()
 
     def apply(self, batch: RankBatch) -> None:
         if batch.reset:
@@ -139,9 +154,12 @@ class SeqMirrors:
             mirror = self.seqs.pop(seq_id, None)
             if mirror is not None:
                 self.block_tables.free_row(mirror.block_table_row)
+                self.prompt_logprob_seqs.discard(seq_id)
         for r in batch.new_requests:
             mirror = SeqMirror(r.sampling_params, r.token_ids.tolist(), r.output_token_ids.tolist())
             self.add(r.seq_id, mirror)
+            if r.sampling_params.prompt_logprobs is not None:
+                self.prompt_logprob_seqs.add(r.seq_id)
         new_block_ids, hi = batch.new_block_ids, 0
         for seq_id, start, n in zip(
             batch.new_block_seq_ids.tolist(),
@@ -156,6 +174,7 @@ class SeqMirrors:
         for mirror in self.seqs.values():
             self.block_tables.free_row(mirror.block_table_row)
         self.seqs.clear()
+        self.prompt_logprob_seqs.clear()
 
     def add(self, seq_id: int, mirror: SeqMirror) -> None:
         """Mirror a new sequence (a seq_id sent again replaces its mirror); its block table starts empty."""
@@ -197,6 +216,9 @@ class SeqMirrors:
             logits_rows = np.repeat(ends - counts, counts) + (
                 np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
             )
+        prompt_rows = None
+        if self.prompt_logprob_seqs:  # prompt logprobs: only sequences that asked
+            prompt_rows = self._prompt_rows(batch.seq_ids.tolist(), cu, computed, q_lens)
         return StepInputs(
             seq_ids=batch.seq_ids.astype(np.int64, copy=False),
             input_ids=input_ids,
@@ -210,6 +232,40 @@ class SeqMirrors:
             token_src=token_src,
             num_draft_tokens=num_drafts,
             logits_rows=logits_rows,
+            prompt_rows=prompt_rows,
+        )
+
+    def _prompt_rows(
+        self, seq_ids: list[int], cu: np.ndarray, computed: np.ndarray, q_lens: np.ndarray
+    ) -> Optional[PromptRows]:
+        """The rows at positions p < len(prompt) - 1 of the sequences that asked for prompt
+        logprobs: row p's logits score prompt token p + 1. A sequence whose rows reach its
+        prompt's last token is done (a preemption before that recomputes and scores again)."""
+        ids, counts, rows, tokens, k = [], [], [], [], 0
+        for i, seq_id in enumerate(seq_ids):
+            if seq_id not in self.prompt_logprob_seqs:
+                continue
+            mirror = self.seqs[seq_id]
+            prompt = mirror.prompt_token_ids
+            start, q = int(computed[i]), int(q_lens[i])
+            end = min(start + q, len(prompt) - 1)
+            if start + q >= len(prompt) - 1:
+                self.prompt_logprob_seqs.discard(seq_id)
+            if end <= start:
+                continue
+            ids.append(seq_id)
+            counts.append(end - start)
+            rows.append(np.arange(end - start, dtype=np.int64) + int(cu[i]))
+            tokens.append(np.asarray(prompt[start + 1 : end + 1], dtype=np.int64))
+            k = max(k, mirror.sampling_params.prompt_logprobs)
+        if not ids:
+            return None
+        return PromptRows(
+            seq_ids=np.asarray(ids, dtype=np.int64),
+            num_positions=np.asarray(counts, dtype=np.int32),
+            rows=np.concatenate(rows),
+            token_ids=np.concatenate(tokens),
+            k=k,
         )
 
     def _token_src(

@@ -15,7 +15,7 @@ from atomrt.compile.decorators import compile_model
 from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
-from atomrt.runtime.forward_context import DPMetadata, set_forward_context
+from atomrt.runtime.forward_context import DPMetadata, SpecDecodeMetadata, set_forward_context
 from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.loading.loader import load_model
 from atomrt.workers.runner.graph_runner import GraphRunner
@@ -27,6 +27,7 @@ from atomrt.workers.runner.kv_cache import (
     kv_bytes_per_block,
     kv_layer_specs,
 )
+from atomrt.workers.runner.prompt_logprobs import compute_prompt_logprobs
 from atomrt.workers.runner.readback import Readback, Readbacks
 from atomrt.workers.runner.sampler import Sampler, SamplerOutput, SamplingTensors, greedy_argmax
 from atomrt.workers.runner.step_buffers import RunnerShape, StepBuffers
@@ -181,8 +182,22 @@ class ModelRunner:
             out = self.run_model(
                 self.buffers.forward_vars["input_ids"][:rows], decision, logits_indices, split
             )
+        sampled = self._sample(out, inputs, sampling, spec)
+        if inputs.prompt_rows is not None:  # prompt logprobs: the rows of requests that asked
+            sampled.prompt_logprobs = compute_prompt_logprobs(
+                self.model, out.hidden_states, inputs.prompt_rows
+            )
+        return sampled
+
+    def _sample(
+        self,
+        out: ModelOutput,
+        inputs: StepInputs,
+        sampling: SamplingTensors,
+        spec: Optional[SpecDecodeMetadata],
+    ) -> SamplerOutput:
         num_sampled = int(inputs.sample_rows.shape[0])
-        if num_sampled == 0:  # an idle DP rank's dummy batch
+        if num_sampled == 0:  # an idle DP rank's dummy batch, or prompt chunks that sample nothing
             return SamplerOutput(out.logits.new_empty(0, dtype=torch.int64))
         if (
             self.spec is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -37,6 +37,14 @@ def wait_event(
             last = now
 
 
+class StepArrays(NamedTuple):
+    """A step's results on the host."""
+
+    tokens: list[int]
+    logprobs: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]  # sampled, top ids, top values
+    prompt_logprobs: Optional[list[np.ndarray]]  # PromptLogprobsTensors' arrays, in order
+
+
 class ReadbackSlot:
     """A pinned host buffer for a step's sampled tokens and the event that says their copy landed.
     `busy` from the copy's start until `Readback.wait`."""
@@ -64,6 +72,9 @@ class Readback:
                 lp.top_token_ids.to(torch.int32),
                 lp.top_logprobs.float(),
             ]
+        self.num_logprob_tensors = len(tensors) - 1
+        if out.prompt_logprobs is not None:
+            tensors += out.prompt_logprobs.tensors()
         self.event: Optional[torch.cuda.Event] = None
         self.slot: Optional[ReadbackSlot] = None
         if device.type == "cuda":
@@ -93,17 +104,17 @@ class Readback:
         timeout_s: float = float("inf"),
         progress: Optional[Callable[[], None]] = None,
         what: str = "readback",
-    ) -> tuple[list[int], Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
-        """(token ids, (sampled logprobs, top ids, top logprobs) or None), once the copies landed
-        (a bounded wait: see `wait_event`)."""
+    ) -> StepArrays:
+        """The step's results once the copies landed (a bounded wait: see `wait_event`)."""
         if self.event is not None:
             wait_event(self.event, timeout_s, progress, what)
         tokens = self.tensors[0].tolist()
         if self.slot is not None:  # the tokens are out of the slot: it may take the next step's
             self.slot.busy, self.slot = False, None
-        if len(self.tensors) == 1:
-            return tokens, None
-        return tokens, tuple(t.numpy() for t in self.tensors[1:])
+        end = 1 + self.num_logprob_tensors
+        logprobs = tuple(t.numpy() for t in self.tensors[1:end]) if end > 1 else None
+        prompt = [t.numpy() for t in self.tensors[end:]] if len(self.tensors) > end else None
+        return StepArrays(tokens, logprobs, prompt)
 
 
 class Readbacks:

@@ -1,6 +1,7 @@
 """`Sampler`: one batched pass from logits [num_seqs, vocab] float32 to sampled token ids.
 
-Hot path. Order per row: penalties (repetition over prompt + output, Hugging Face semantics;
+Hot path. Order per row: the row's logit additions (logit_bias, allowed_token_ids, bad words:
+logit_additions.py) -> penalties (repetition over prompt + output, Hugging Face semantics;
 presence/frequency over output, OpenAI semantics) -> temperature -> top-k -> top-p (on the
 top-k-renormalized distribution) -> min-p -> sample. Greedy rows (temperature 0) take the argmax of
 the penalized logits. Sampling is an exponential race, argmax(probs / q) with q ~ Exp(1), which
@@ -8,8 +9,8 @@ draws from probs exactly; a seeded row draws its q from its own torch.Generator 
 (seed, number of output tokens so far), so its tokens do not depend on the batch it is in and
 are the same on every TP rank.
 
-Logprobs (rows with `logprobs` set) are the log-softmax of the logits after penalties and
-temperature (temperature 1 for greedy rows), BEFORE top-k/top-p/min-p truncation: a filtered
+Logprobs (rows with `logprobs` set) are the log-softmax of the logits after additions, penalties
+and temperature (temperature 1 for greedy rows), BEFORE top-k/top-p/min-p truncation: a filtered
 alternative keeps a finite logprob.
 """
 
@@ -22,6 +23,8 @@ from typing import Any, Optional
 import torch
 
 from atomrt.workers.kernels.argmax import argmax_rows
+from atomrt.workers.runner.logit_additions import LogitAdditions
+from atomrt.workers.runner.prompt_logprobs import PromptLogprobsTensors
 
 _MASK64 = (1 << 64) - 1
 
@@ -64,6 +67,7 @@ class SamplingTensors:
     do_top_k: bool
     do_top_p: bool
     do_min_p: bool
+    additions: Optional[LogitAdditions] = None  # None: no row changes its logits
 
     @classmethod
     def from_params(
@@ -83,7 +87,13 @@ class SamplingTensors:
             for p in ps
         )
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
-        if all(greedy) and not do_penalties and all(p.logprobs is None for p in ps):
+        additions = LogitAdditions.build(ps, output_token_ids)
+        if (
+            all(greedy)
+            and not do_penalties
+            and additions is None
+            and all(p.logprobs is None for p in ps)
+        ):
             return cls.plain_greedy(len(ps), device)
 
         # One host tensor, one copy to the device: 6 float rows + top_k, viewed per parameter.
@@ -123,13 +133,18 @@ class SamplingTensors:
             do_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
             do_top_p=any(p.top_p < 1.0 for p, g in zip(ps, greedy) if not g),
             do_min_p=any(p.min_p > 0.0 for p, g in zip(ps, greedy) if not g),
+            additions=additions,
         )
 
     @property
     def is_plain_greedy(self) -> bool:
-        """Every row greedy, no penalties, no logprobs: the tokens are the logits' argmax."""
+        """Every row greedy, no penalties, no additions, no logprobs: the tokens are the logits'
+        argmax."""
         return (
-            self.all_greedy and not self.do_penalties and all(k is None for k in self.num_logprobs)
+            self.all_greedy
+            and not self.do_penalties
+            and self.additions is None
+            and all(k is None for k in self.num_logprobs)
         )
 
     @classmethod
@@ -202,6 +217,8 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [num_seqs] int64
     logprobs: Optional[LogprobsTensors] = None  # when any row asked for logprobs
+    # the step's prompt logprobs (prompt_logprobs.py), when a row with prompt rows asked for them
+    prompt_logprobs: Optional[PromptLogprobsTensors] = None
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -290,6 +307,8 @@ class Sampler:
         if t.is_plain_greedy:
             return SamplerOutput(sampled_token_ids=greedy_argmax(logits))  # the common greedy step
         logits = logits.to(torch.float32, copy=True)
+        if t.additions is not None:
+            t.additions.apply(logits)
         if t.do_penalties:
             logits = apply_penalties(logits, t)
         greedy_tokens = logits.argmax(dim=-1)

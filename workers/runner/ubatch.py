@@ -100,6 +100,9 @@ def split_step(inputs: StepInputs, decision: ForwardDecision) -> SplitStep:
         slot_mapping=_insert(inputs.slot_mapping, cut, pad, -1),
         sample_rows=inputs.sample_rows + pad * (inputs.sample_rows >= cut),
     )
+    if inputs.prompt_rows is not None:  # prompt logprobs' rows move like the sampled ones
+        pr = inputs.prompt_rows
+        moved["prompt_rows"] = replace(pr, rows=pr.rows + pad * (pr.rows >= cut))
     if inputs.token_src is not None:  # a row's own staged id moves with it; padding reads its own
         src, own = inputs.token_src, np.arange(n, dtype=np.int64)
         moved["token_src"] = np.concatenate(

@@ -362,7 +362,10 @@ class DraftModel:
         self, logits: torch.Tensor, t: SamplingTensors, gens: list, j: int
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Each proposing request's draft from its row's logits [num_verify, vocab]: the argmax for
-        greedy requests, else a draw from q (returned) with the request's own sampling settings."""
+        greedy requests, else a draw from q (returned) with the request's own sampling settings
+        (its logit additions too: a draft the target masks would only be rejected)."""
+        if t.additions is not None:
+            logits = t.additions.apply(logits.float())
         greedy = greedy_argmax(logits)
         if t.all_greedy:
             return greedy, None

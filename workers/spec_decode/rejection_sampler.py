@@ -16,8 +16,8 @@ so draft `d_i` is judged by `p_i` and row `k` gives the bonus token.
   `q` is the draft model's distribution, or one-hot at the draft for proposers that draw no
   distribution (n-gram): then a draft is accepted with probability `p_i(d_i)` and a rejection
   draws from `p_i` without `d_i`.
-- `p` is the request's own sampling distribution: temperature, then top-k / top-p / min-p, as the
-  sampler applies them (runner/sampler.py). Requests with penalties or logprobs do not speculate.
+- `p` is the request's own sampling distribution: its logit additions (applied to the rows by the
+  caller), temperature, then top-k / top-p / min-p, as the sampler applies them (runner/sampler.py). Requests with penalties or logprobs do not speculate.
 - A seeded request draws its uniforms and its exponential race from its own generator seeded with
   (seed, output tokens so far), so it reproduces whatever batch it runs in.
 """
@@ -76,6 +76,7 @@ def select_rows(t: SamplingTensors, idx: Any) -> SamplingTensors:
         seeds=[t.seeds[j] for j in idx],
         num_output_tokens=[t.num_output_tokens[j] for j in idx],
         num_logprobs=[t.num_logprobs[j] for j in idx],
+        additions=t.additions.select(idx) if t.additions is not None else None,
     )
 
 

@@ -201,13 +201,18 @@ class Speculator:
                 [np.arange(s, s + c) for s, c in zip(starts[verify], counts[verify])]
             )
             idx = self._index(rows)
+            sub = select_rows(sampling, verify) if verify.size < n else sampling
+            target, target_argmax = logits[idx], argmax[idx] if argmax is not None else None
+            if sub.additions is not None:  # logit_bias and kin: on every verify row too
+                target = sub.additions.repeat(counts[verify]).apply(target.float())
+                target_argmax = None
             res = rejection_sample(
-                logits[idx],
+                target,
                 spec.draft_token_ids,
                 k_s[verify].tolist(),
-                select_rows(sampling, verify) if verify.size < n else sampling,
+                sub,
                 draft_probs=spec.draft_probs,
-                target_argmax=argmax[idx] if argmax is not None else None,
+                target_argmax=target_argmax,
             )
             v = self._index(verify)
             packed[v, 0] = res.num_accepted

@@ -1,0 +1,118 @@
+# Hot path (worker, steps whose rows ask for it): sparse per-row changes to the logits before
+# penalties and temperature. What may live here: building them from the rows' sampling parameters
+# and applying them; nothing runs for a step whose rows ask for none.
+"""`LogitAdditions`: what a step's rows add to their logits before anything else in sampling.
+
+- `logit_bias` (OpenAI's and vLLM's): a value added to each listed token's logit.
+- `allowed_token_ids` (vLLM's): every token outside the list is masked (-inf).
+- bad words (vLLM's `bad_words`, tokenized by the driver): a word of one token is always masked; the
+  last token of a longer word is masked where the output so far ends with the word's other tokens.
+
+They are built on the host from each row's parameters (a bias and a ban are one sparse (row, token,
+value) list; the allowed lists a second one) and applied with one `index_put_` and, for rows with an
+allowed list, one masked fill of those rows alone. They are kept per row so that a subset of the
+step's rows (`select`), or each row repeated over its verify rows (`repeat`, speculative decoding),
+gets the same changes. A constrained row's grammar mask is one more addition of the same kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowAdditions:
+    """One row's changes: `values` added at `token_ids` (-inf masks), and an allowed list."""
+
+    token_ids: tuple[int, ...] = ()
+    values: tuple[float, ...] = ()
+    allowed: Optional[tuple[int, ...]] = None
+
+
+def row_additions(params: Any, output_token_ids: Seq[int]) -> Optional[RowAdditions]:
+    """The changes a row's `WorkerSamplingParams` ask for, given its output so far (bad words of
+    several tokens read its end); None when it asks for none."""
+    if not params.changes_logits:
+        return None
+    ids: list[int] = []
+    values: list[float] = []
+    for token_id, value in (params.logit_bias or {}).items():
+        ids.append(int(token_id))
+        values.append(float(value))
+    for word in params.bad_words_token_ids or ():
+        head = list(word[:-1])
+        if not head or list(output_token_ids[len(output_token_ids) - len(head) :]) == head:
+            ids.append(int(word[-1]))
+            values.append(float("-inf"))
+    allowed = params.allowed_token_ids
+    return RowAdditions(tuple(ids), tuple(values), tuple(allowed) if allowed else None)
+
+
+class LogitAdditions:
+    """A step's rows' changes (None for a row without any), applied by `apply`."""
+
+    def __init__(self, rows: list[Optional[RowAdditions]]) -> None:
+        self.rows = rows
+        self._tensors: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    @classmethod
+    def build(cls, params: Seq[Any], output_token_ids: Seq[Seq[int]]) -> Optional[LogitAdditions]:
+        """None when no row asks for any (the common step: nothing is built)."""
+        if not any(p.changes_logits for p in params):
+            return None
+        return cls([row_additions(p, out) for p, out in zip(params, output_token_ids)])
+
+    def select(self, idx: Seq[int]) -> LogitAdditions:
+        """Rows `idx` of the step, in that order."""
+        return LogitAdditions([self.rows[int(i)] for i in idx])
+
+    def repeat(self, counts: Seq[int]) -> LogitAdditions:
+        """Row i repeated counts[i] times (a request's verify rows share its changes)."""
+        return LogitAdditions([r for r, c in zip(self.rows, counts) for _ in range(int(c))])
+
+    def _device_tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        cached = self._tensors.get(device)
+        if cached is not None:
+            return cached
+        rows, ids, values = [], [], []
+        allowed_rows, allowed_at, allowed_ids = [], [], []
+        for i, r in enumerate(self.rows):
+            if r is None:
+                continue
+            rows += [i] * len(r.token_ids)
+            ids += r.token_ids
+            values += r.values
+            if r.allowed is not None:
+                allowed_at += [len(allowed_rows)] * len(r.allowed)
+                allowed_rows.append(i)
+                allowed_ids += r.allowed
+        long = dict(dtype=torch.int64, device=device)
+        tensors = (
+            torch.tensor(rows, **long),
+            torch.tensor(ids, **long),
+            torch.tensor(values, dtype=torch.float32, device=device),
+            torch.tensor(allowed_rows, **long),
+            torch.tensor(allowed_at, **long),
+            torch.tensor(allowed_ids, **long),
+        )
+        self._tensors[device] = tensors
+        return tensors
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """In place on float32 logits [len(rows), vocab]; returns them."""
+        rows, ids, values, allowed_rows, allowed_at, allowed_ids = self._device_tensors(
+            logits.device
+        )
+        if allowed_rows.numel():
+            keep = torch.zeros(
+                allowed_rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device
+            )
+            keep[allowed_at, allowed_ids] = True  # [rows with a list, vocab]
+            logits[allowed_rows] = logits[allowed_rows].masked_fill(~keep, float("-inf"))
+        if rows.numel():
+            logits.index_put_((rows, ids), values, accumulate=True)
+        return logits
