@@ -178,7 +178,8 @@ def test_stop_strings_and_logprobs(llm):
 
 
 def test_prefix_cache_hits_reuse_blocks_and_give_identical_output(llm):
-    """A prompt sharing 3+ full blocks with an earlier one computes only its tail, same tokens."""
+    """A prompt sharing 3+ full blocks with an earlier one computes only its tail, same tokens;
+    `RequestOutput.num_cached_tokens` counts the hits."""
     shared = "You are a helpful assistant. Answer briefly and precisely, in one sentence. " * 5
     prompts = [shared + "What is a GPU?", shared + "What is a CPU?"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -190,8 +191,11 @@ def test_prefix_cache_hits_reuse_blocks_and_give_identical_output(llm):
         without.shutdown()
     llm.generate([shared + "Hello"], params)  # fills the prefix cache
     hits_before = bm.num_prefix_hit_tokens
-    assert _tokens(llm.generate(prompts, params)) == reference
-    assert bm.num_prefix_hit_tokens - hits_before >= 2 * 3 * bm.block_size
+    outs = llm.generate(prompts, params)
+    assert _tokens(outs) == reference
+    hits = bm.num_prefix_hit_tokens - hits_before
+    assert hits >= 2 * 3 * bm.block_size
+    assert sum(o.num_cached_tokens for o in outs) == hits  # each request's hits, as vLLM's
 
 
 def test_each_request_gets_its_own_number_of_logprobs(llm):

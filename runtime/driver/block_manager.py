@@ -145,6 +145,8 @@ class BlockManager:
         seq.block_table = list(hits)
         seq.num_cached_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_cached_tokens < 0:  # the first allocation's hits (not a preemption's)
+            seq.num_cached_tokens = seq.num_computed_tokens
         self.num_prefix_hit_tokens += seq.num_computed_tokens
         self.num_prefix_query_tokens += len(seq.token_ids)
         self.append_slots(seq, num_new_tokens)

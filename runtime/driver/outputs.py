@@ -48,6 +48,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None, then {token id: Logprob} per prompt token (a streamed
     # request's first output carries them)
     prompt_logprobs: Optional[PromptLogprobsList] = None
+    num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache
 
 
 def make_request_output(
@@ -98,6 +99,7 @@ def make_request_output(
         finished=finished,
         metrics=metrics,
         prompt_logprobs=prompt_logprobs,
+        num_cached_tokens=seq.num_cached_tokens if seq.num_cached_tokens >= 0 else None,
     )
 
 
@@ -113,4 +115,5 @@ def merge_request_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         finished=all(o.finished for o in outputs),
         metrics=first.metrics,
         prompt_logprobs=first.prompt_logprobs,  # sample 0's: the request's
+        num_cached_tokens=first.num_cached_tokens,
     )

@@ -81,6 +81,7 @@ class Sequence:
     # With sampling_params.prompt_logprobs: [None, then {token id: Logprob} per prompt token
     # scored so far] (runtime/driver/prompt_logprobs.py); None otherwise.
     prompt_logprobs: Optional[list] = None
+    num_cached_tokens: int = -1  # prompt tokens its first allocation found in the prefix cache
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
