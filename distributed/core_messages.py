@@ -59,6 +59,10 @@ class CoreOutput:
     first_scheduled_time: Optional[float] = None  # time.monotonic() in the core (same host)
     first_token_time: Optional[float] = None
     error: Optional[str] = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # None, then per prompt token {token id: [logprob, rank]} (the prompt token and the top
+    # alternatives), in the request's first output when it asked for prompt logprobs
+    prompt_logprobs: Optional[list[Optional[dict[int, list]]]] = None
 
 
 @dataclass

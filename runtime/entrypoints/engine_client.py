@@ -82,6 +82,9 @@ def merge_into(out: CoreOutput, later: CoreOutput) -> None:
         out.first_token_time = later.first_token_time
     if out.first_scheduled_time is None:
         out.first_scheduled_time = later.first_scheduled_time
+    if out.prompt_logprobs is None:
+        out.prompt_logprobs = later.prompt_logprobs
+    out.num_cached_tokens = max(out.num_cached_tokens, later.num_cached_tokens)
 
 
 def _core_process(config: Config, addresses: CoreAddresses, log_level: str, api_pid: int) -> None:

@@ -198,4 +198,11 @@ def core_output(out: RequestOutput) -> CoreOutput:
         num_prompt_tokens=len(out.prompt_token_ids),
         first_scheduled_time=m.first_scheduled_time if m else None,
         first_token_time=m.first_token_time if m else None,
+        num_cached_tokens=out.num_cached_tokens or 0,
+        prompt_logprobs=[
+            None if row is None else {t: [lp.logprob, lp.rank] for t, lp in row.items()}
+            for row in out.prompt_logprobs
+        ]
+        if out.prompt_logprobs is not None
+        else None,
     )

@@ -309,7 +309,41 @@ def build_app(state: ServerState) -> Any:
     async def version() -> Response:
         return JSONResponse({"version": VERSION})
 
+    describe_bodies(
+        app,
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/tokenize": TokenizeRequest,
+            "/detokenize": DetokenizeRequest,
+        },
+    )
     return Guard(app, state.args)
+
+
+def describe_bodies(app: FastAPI, bodies: dict[str, type]) -> None:
+    """Put each POST route's request body (the pydantic model `parse` validates it with) in the
+    app's OpenAPI document: the handlers read the raw request (their own errors and size limit),
+    so FastAPI cannot see the models itself. Generated from the models: it cannot drift."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": ref}},
+                }
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------- the process

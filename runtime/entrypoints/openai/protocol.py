@@ -1,19 +1,27 @@
 """The OpenAI API's request bodies, as atomrt checks them, and their mapping to SamplingParams.
 
-Unknown fields are ignored (clients send extras); a field of the wrong type or out of range is a
-`RequestError` naming it, which the server answers with status 400 in OpenAI's error JSON. Numbers
-are strict: `"0.5"` is not a temperature, `true` is not a count.
+Every field of OpenAI's completions and chat-completions request bodies is declared here, and is
+either honoured or refused: a value atomrt cannot honour is a `RequestError` naming the field
+(status 400), never a plausible answer without it (`check_supported`). Fields nobody defines are
+ignored, with one log line per field name. A field of the wrong type or out of range is a
+`RequestError` naming it. Numbers are strict: `"0.5"` is not a temperature, `true` is not a count.
+The same models describe the request bodies in the server's OpenAPI document (/openapi.json).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from atomrt.runtime.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 Number = Union[int, float]
+Json = dict[str, Any]
+MAX_LOGIT_BIAS = 100.0  # OpenAI: each value in [-100, 100]
 
 
 class RequestError(ValueError):
@@ -32,12 +40,26 @@ class RequestError(ValueError):
         self.kind = kind
 
 
+def refused(field: str, why: str) -> RequestError:
+    """The 400 of a field this server does not honour."""
+    return RequestError(f"{field}: {why}", field)
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # extra fields are kept (and logged once per name by `parse`), not an error
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    def check_supported(self) -> None:
+        """Raise the RequestError of the first field set to something this server cannot honour."""
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: Optional[bool] = None
+
+    def check_supported(self) -> None:
+        if self.include_obfuscation:
+            raise refused("stream_options.include_obfuscation", "stream chunks are not obfuscated")
 
 
 class _SamplingFields(_Body):
@@ -51,10 +73,11 @@ class _SamplingFields(_Body):
     stop: Optional[Union[str, list[str]]] = None
     presence_penalty: Optional[Number] = None
     frequency_penalty: Optional[Number] = None
+    logit_bias: Optional[dict[str, Number]] = None  # token id (as a string) -> [-100, 100]
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
-    # extensions
+    user: Optional[str] = None  # an end-user id: nothing here depends on it
+    # extensions (vLLM's names)
     top_k: Optional[int] = None
     min_p: Optional[Number] = None
     repetition_penalty: Optional[Number] = None
@@ -63,8 +86,38 @@ class _SamplingFields(_Body):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    prompt_logprobs: Optional[int] = None
 
-    def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+    def check_supported(self) -> None:
+        if self.stream_options is not None:
+            if not self.stream:
+                raise refused("stream_options", "only with stream=true")
+            self.stream_options.check_supported()
+        if self.stream and self.prompt_logprobs is not None:
+            raise refused("prompt_logprobs", "is not returned when streaming; set stream=false")
+
+    def token_bias(self) -> Optional[dict[int, float]]:
+        """`logit_bias` with integer keys; a key that is not a token id, or a value outside
+        [-100, 100], is a RequestError."""
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdecimal():
+                raise RequestError(f"logit_bias: keys are token ids, got {key!r}", "logit_bias")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise RequestError(
+                    f"logit_bias: values must be in [-100, 100], got {value} for token {key}",
+                    "logit_bias",
+                )
+            out[int(key)] = float(value)
+        return out
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int] = None
+    ) -> SamplingParams:
         """The engine's SamplingParams; a bad value is a RequestError naming the field."""
         values: dict[str, Any] = dict(
             n=self.n,
@@ -73,7 +126,9 @@ class _SamplingFields(_Body):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.token_bias(),
         )
         for name in (
             "temperature",
@@ -84,14 +139,14 @@ class _SamplingFields(_Body):
             "top_k",
             "min_p",
             "repetition_penalty",
+            "stop",
+            "stop_token_ids",
+            "allowed_token_ids",
+            "bad_words",
         ):
             value = getattr(self, name)
             if value is not None:
                 values[name] = value
-        if self.stop is not None:
-            values["stop"] = self.stop
-        if self.stop_token_ids is not None:
-            values["stop_token_ids"] = self.stop_token_ids
         try:
             return SamplingParams(**values)
         except ValueError as e:
@@ -102,8 +157,18 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
-    echo: bool = False
+    echo: bool = False  # the prompt (and with logprobs its tokens' logprobs) before the output
     suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise refused("suffix", "insertion after a suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise refused(
+                "best_of", f"must equal n ({self.n}); ranking extra samples is not supported"
+            )
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompts to run, one choice group each (a string, or token ids)."""
@@ -141,7 +206,67 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = True  # extension
+    # Accepted, with no effect on the output by their definition: identifiers and labels
+    # (`metadata` is kept with stored completions, and nothing is stored), a cache key (the prefix
+    # cache needs none), tool-call parallelism (tools are refused).
+    metadata: Optional[dict[str, str]] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    parallel_tool_calls: Optional[bool] = None
+    # Refused unless absent or at the value that asks for nothing (check_supported)
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    modalities: Optional[list[str]] = None
+    audio: Optional[Json] = None
+    prediction: Optional[Json] = None
+    web_search_options: Optional[Json] = None
+    response_format: Optional[Json] = None
+    tools: Optional[list[Json]] = None
+    tool_choice: Optional[Union[str, Json]] = None
+    functions: Optional[list[Json]] = None
+    function_call: Optional[Union[str, Json]] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    moderation: Optional[Json] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[Json] = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name, why in (
+            ("audio", "audio output is not supported"),
+            ("prediction", "predicted outputs are not supported"),
+            ("web_search_options", "web search is not supported"),
+            ("moderation", "moderation is not supported"),
+            ("reasoning_effort", "this server runs no reasoning model"),
+            ("verbosity", "this server runs no model that takes a verbosity"),
+        ):
+            if getattr(self, name) is not None:
+                raise refused(name, why)
+        if self.tools:
+            raise refused("tools", "tool calling is not supported yet")
+        if self.functions:
+            raise refused("functions", "function calling is not supported yet")
+        if self.tool_choice not in (None, "none"):
+            raise refused("tool_choice", "tool calling is not supported yet; only 'none'")
+        if self.function_call not in (None, "none"):
+            raise refused("function_call", "function calling is not supported yet; only 'none'")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise refused("response_format", f"{kind!r} is not supported yet; only 'text'")
+        if self.store:
+            raise refused("store", "completions are not stored")
+        if self.service_tier not in (None, "auto", "default"):
+            raise refused("service_tier", f"{self.service_tier!r}: only 'auto' and 'default'")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise refused("modalities", "only ['text']")
+        if self.prompt_cache_retention not in (None, "in_memory"):
+            raise refused("prompt_cache_retention", "the KV cache is kept in memory only")
+        if self.prompt_cache_options not in (None, {"mode": "implicit"}):
+            raise refused(
+                "prompt_cache_options", "prefix caching is implicit; only mode 'implicit'"
+            )
 
     def conversation(self) -> list[dict[str, str]]:
         if not self.messages:
@@ -168,12 +293,37 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
+_LOGGED: set[str] = set()  # unknown field names already logged
+# Extensions other servers define that would change the output, refused by name rather than ignored
+UNSUPPORTED_EXTENSIONS = frozenset(
+    {
+        "echo",  # on chat completions
+        "use_beam_search",
+        "length_penalty",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "structured_outputs",
+        "chat_template",
+        "chat_template_kwargs",
+        "continue_final_message",
+        "truncate_prompt_tokens",
+        "logits_processors",
+        "return_tokens_as_token_ids",
+        "priority",
+    }
+)
+
+
 def parse(body_type: type[_Body], data: Any) -> Any:
-    """Build a request body from decoded JSON; the first validation error becomes a RequestError."""
+    """Build a request body from decoded JSON; the first validation error, or the first field
+    that cannot be honoured, becomes a RequestError. Unknown fields are logged once per name."""
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object", None)
     try:
-        return body_type.model_validate(data)
+        body = body_type.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         # drop the union-member names pydantic puts in the location (temperature.int, ...)
@@ -182,6 +332,19 @@ def parse(body_type: type[_Body], data: Any) -> Any:
         raise RequestError(
             f"{where or 'body'}: {first.get('msg', 'invalid value')}", loc[0] if loc else None
         ) from None
+    for name in body.model_extra or ():
+        if name in UNSUPPORTED_EXTENSIONS:
+            raise refused(name, "is not supported by this server")
+        key = f"{body_type.__name__}.{name}"
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            logger.warning(
+                "%s: ignoring the field %r, which this server does not know",
+                body_type.__name__,
+                name,
+            )
+    body.check_supported()
+    return body
 
 
 def _is_type_name(part: Any) -> bool:

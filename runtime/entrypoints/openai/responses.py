@@ -11,11 +11,11 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from atomrt.distributed.messages import CoreOutput
 from atomrt.runtime.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from atomrt.runtime.entrypoints.openai.serving import Choice, Job, Serving
+from atomrt.runtime.entrypoints.openai.serving import Choice, Job, Serving, finite
 
 
 def sse(data: Union[dict[str, Any], str]) -> str:
@@ -31,6 +31,7 @@ class CompletionResponses:
         self.job = job
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._sent_chars = {c: 0 for c in range(len(job.prompts_token_ids) * job.params.n)}
 
     def _envelope(self, choices: list[dict[str, Any]], obj: str) -> dict[str, Any]:
         return {
@@ -41,30 +42,66 @@ class CompletionResponses:
             "choices": choices,
         }
 
-    def _logprobs(self, choice: Choice, start: int, token_ids: list[int]) -> Any:
-        if self.req.logprobs is None:
+    def _prompt_logprobs(self, choice: Choice) -> Any:
+        """vLLM's `prompt_logprobs`: None, then {token id: {logprob, rank, decoded_token}}."""
+        if self.req.prompt_logprobs is None or choice.prompt_logprobs is None:
             return None
-        return self.serving.completion_logprobs(choice, start, token_ids)
+        text = self.serving.token_text
+        return [
+            None
+            if row is None
+            else {
+                str(t): {"logprob": finite(lp), "rank": rank, "decoded_token": text(t)}
+                for t, (lp, rank) in row.items()
+            }
+            for row in choice.prompt_logprobs
+        ]
+
+    def _completion(
+        self, choice: Choice, text: str, start: int, token_ids: list[int], first: bool
+    ) -> tuple[str, Any]:
+        """The choice's text and logprobs from output token `start` on (`token_ids`, `text`): with
+        `echo`, the first time (`first`), the prompt's text and entries go before them; with
+        `max_tokens: 0`, the prompt's alone."""
+        job, prefix = self.job, ""
+        echo = job.prompt_texts is not None and first
+        if echo:
+            prefix = job.prompt_texts[job.prompt_of(choice)]
+        if job.echo_only:
+            text, token_ids = "", []
+        logprobs = None
+        if self.req.logprobs is not None:
+            at = self._sent_chars[choice.index]
+            logprobs = self.serving.completion_logprobs(job, choice, start, token_ids, at, echo)
+        self._sent_chars[choice.index] += len(prefix) + len(text)
+        return prefix + text, logprobs
+
+    def _finish_reason(self, choice: Choice) -> Optional[str]:
+        return "length" if self.job.echo_only and choice.finish_reason else choice.finish_reason
 
     def body(self) -> dict[str, Any]:
-        choices = [
-            {
+        choices = []
+        for c in self.job.choices:
+            text, logprobs = self._completion(c, c.text, 0, c.token_ids, True)
+            choice = {
                 "index": c.index,
-                "text": c.text,
-                "logprobs": self._logprobs(c, 0, c.token_ids),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": self._finish_reason(c),
+                "stop_reason": None if self.job.echo_only else c.stop_reason,
             }
-            for c in self.job.choices
-        ]
+            if self.req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(c)
+            choices.append(choice)
         return {**self._envelope(choices, self.object_name), "usage": self.job.usage()}
 
     def delta(self, choice: Choice, out: CoreOutput, start: int) -> dict[str, Any]:
+        text, logprobs = self._completion(choice, out.text, start, out.token_ids, start == 0)
         return {
             "index": choice.index,
-            "text": out.text,
-            "logprobs": self._logprobs(choice, start, out.token_ids),
-            "finish_reason": choice.finish_reason if out.finished else None,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": self._finish_reason(choice) if out.finished else None,
         }
 
     def opening(self) -> list[dict[str, Any]]:
@@ -108,7 +145,10 @@ class ChatResponses(CompletionResponses):
             }
             for c in self.job.choices
         ]
-        return {**self._envelope(choices, self.object_name), "usage": self.job.usage()}
+        body = {**self._envelope(choices, self.object_name), "usage": self.job.usage()}
+        if self.req.prompt_logprobs is not None:  # vLLM's: the request's, beside the choices
+            body["prompt_logprobs"] = self._prompt_logprobs(self.job.choices[0])
+        return body
 
     def opening(self) -> list[dict[str, Any]]:
         """Each choice's first chunk names the role, as OpenAI's stream does."""

@@ -38,6 +38,9 @@ class Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Any = None
+    # None, then {token id: [logprob, rank]} per prompt token, when the request asked for them
+    prompt_logprobs: Optional[list] = None
+    num_cached_tokens: int = 0  # of its prompt, from the prefix cache
 
 
 @dataclass
@@ -48,6 +51,14 @@ class Job:
     params: SamplingParams
     streams: list[RequestStream] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)
+    # completions' `echo`: each prompt's text goes before its choices' text; with `max_tokens: 0`
+    # (`echo_only`) the prompt alone (the engine runs one token, which is dropped)
+    prompt_texts: Optional[list[str]] = None
+    echo_only: bool = False
+
+    def prompt_of(self, choice: Choice) -> int:
+        """The index of the prompt a choice answers."""
+        return choice.index // self.params.n
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -55,22 +66,26 @@ class Job:
 
     @property
     def num_completion_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices)
+        return 0 if self.echo_only else sum(len(c.token_ids) for c in self.choices)
 
     @property
     def finished(self) -> bool:
         return bool(self.choices) and all(c.finish_reason is not None for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
+        n = self.params.n
+        cached = sum(c.num_cached_tokens for c in self.choices if c.index % n == 0)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
 
 _ids = itertools.count()
+_PIECE_WINDOW = 6  # tokens of context that decide how a token reads (its leading space, bytes)
 
 
 class Serving:
@@ -117,6 +132,18 @@ class Serving:
                     f"prompt: token ids out of range [0, {ready.vocab_size}): {bad[:5]}", "prompt"
                 )
 
+    def check_token_fields(self, params: SamplingParams) -> None:
+        """Token ids of `logit_bias` and `allowed_token_ids` within the vocabulary."""
+        ready = self.client.ready
+        if ready is None:
+            return
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= ready.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"{name}: token ids out of range [0, {ready.vocab_size}): {bad[:5]}", name
+                )
+
     def max_tokens(self, asked: Optional[int], prompt_len: int) -> int:
         limit = (
             self.client.ready.max_model_len - prompt_len if self.client.ready is not None else 16
@@ -129,15 +156,27 @@ class Serving:
 
     def completion_job(self, req: CompletionRequest) -> Job:
         self.check_model(req.model)
-        if req.echo:
-            raise RequestError("echo: is not supported", "echo")
-        if req.suffix:
-            raise RequestError("suffix: is not supported", "suffix")
-        prompts = [self.tokenize(p) for p in req.prompts()]
-        max_tokens = self.max_tokens(req.max_tokens, max(len(p) for p in prompts))
+        given = req.prompts()
+        prompts = [self.tokenize(p) for p in given]
+        echo_only = req.echo and req.max_tokens == 0  # the prompt alone, as vLLM allows
+        asked = 1 if echo_only else req.max_tokens
+        max_tokens = self.max_tokens(asked, max(len(p) for p in prompts))
         for p in prompts:
             self.check_prompt(p, max_tokens)
-        return Job(prompts, req.sampling_params(max_tokens, req.logprobs))
+        prompt_logprobs = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:  # the prompt's entries come first
+            prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+        texts = None
+        if req.echo:
+            texts = [p if isinstance(p, str) else self._decode(p) for p in given]
+        params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs)
+        self.check_token_fields(params)
+        return Job(prompts, params, prompt_texts=texts, echo_only=echo_only)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         self.check_model(req.model)
@@ -157,7 +196,9 @@ class Serving:
         )
         max_tokens = self.max_tokens(asked, len(tokens))
         self.check_prompt(tokens, max_tokens)
-        return Job([tokens], req.sampling_params(max_tokens, req.num_logprobs()))
+        params = req.sampling_params(max_tokens, req.num_logprobs(), req.prompt_logprobs)
+        self.check_token_fields(params)
+        return Job([tokens], params)
 
     def tokenize_request(self, req: TokenizeRequest) -> list[int]:
         """/tokenize: a prompt's ids, or a conversation's as the chat template renders it."""
@@ -259,6 +300,9 @@ class Serving:
         choice.token_ids += out.token_ids
         if out.logprobs:
             choice.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
+        choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
         if out.finished:
             choice.finish_reason = out.finish_reason
             choice.stop_reason = out.stop_reason
@@ -267,18 +311,68 @@ class Serving:
     # ---------------------------------------------------------------- logprobs
 
     def completion_logprobs(
-        self, choice: Choice, start: int, token_ids: list[int]
+        self,
+        job: Job,
+        choice: Choice,
+        start: int,
+        token_ids: list[int],
+        text_start: int = 0,
+        echo: bool = False,
     ) -> Optional[dict[str, Any]]:
-        if not token_ids or not choice.logprobs:
+        """The legacy completions `logprobs` object of `token_ids` (the choice's output tokens
+        from `start`), preceded with `echo` by its prompt's entries (the first token's null).
+        `tokens` are each token's text as it reads in the choice's text (`token_pieces`), and
+        `text_offset` where it starts there, `text_start` being the first's."""
+        prompt = job.prompts_token_ids[job.prompt_of(choice)]
+        ids: list[int] = []
+        token_logprobs: list[Optional[float]] = []
+        top: list[Optional[dict[str, float]]] = []
+        pieces: list[str] = []
+        if echo:
+            rows = choice.prompt_logprobs or [None] * len(prompt)
+            for t, row in zip(prompt, rows):
+                ids.append(t)
+                token_logprobs.append(None if row is None else finite(row[t][0]))
+                top.append(
+                    None
+                    if row is None
+                    else {self.token_text(k): finite(v[0]) for k, v in row.items()}
+                )
+            pieces += self.token_pieces([], prompt)
+        if choice.logprobs and token_ids:
+            rows = choice.logprobs[start : start + len(token_ids)]
+            for t, row in zip(token_ids, rows):
+                ids.append(t)
+                token_logprobs.append(finite(row.get(t, float("-inf"))))
+                top.append({self.token_text(k): finite(v) for k, v in row.items()})
+            pieces += self.token_pieces(prompt + choice.token_ids[:start], token_ids)
+        if not ids:
             return None
-        rows = choice.logprobs[start : start + len(token_ids)]
-        tokens = [self._token_text(t) for t in token_ids]
+        offsets, at = [], text_start
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
         return {
-            "tokens": tokens,
-            "token_logprobs": [row.get(t, float("-inf")) for t, row in zip(token_ids, rows)],
-            "top_logprobs": [{self._token_text(k): v for k, v in row.items()} for row in rows],
-            "text_offset": [],
+            "tokens": [p or self.token_text(t) for p, t in zip(pieces, ids)],
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
         }
+
+    def token_pieces(self, context: list[int], token_ids: list[int]) -> list[str]:
+        """Each token's text as it reads after `context` in the decoded text (a leading space
+        included; special tokens, which the text skips, empty): what decoding it adds to the text
+        of the tokens before it (a short window of them)."""
+        if self.tokenizer is None:
+            return [str(t) for t in token_ids]
+        seq = list(context[-_PIECE_WINDOW:]) + list(token_ids)
+        out = []
+        for i in range(len(seq) - len(token_ids), len(seq)):
+            window = seq[max(0, i - _PIECE_WINDOW) : i]
+            before = self.tokenizer.decode(window)
+            after = self.tokenizer.decode(window + [seq[i]])
+            out.append(after[len(before) :] if after.startswith(before) else after)
+        return out
 
     def chat_logprobs(
         self, choice: Choice, start: int, token_ids: list[int], top: int
@@ -291,17 +385,23 @@ class Serving:
             best = sorted(row.items(), key=lambda kv: -kv[1])[:top]
             content.append(
                 {
-                    "token": self._token_text(t),
-                    "logprob": row.get(t, float("-inf")),
+                    "token": self.token_text(t),
+                    "logprob": finite(row.get(t, float("-inf"))),
                     "bytes": None,
                     "top_logprobs": [
-                        {"token": self._token_text(k), "logprob": v, "bytes": None} for k, v in best
+                        {"token": self.token_text(k), "logprob": finite(v), "bytes": None}
+                        for k, v in best
                     ],
                 }
             )
         return {"content": content}
 
-    def _token_text(self, token_id: int) -> str:
+    def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return str(token_id)
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -Infinity: a masked token's logprob reads as -9999 (vLLM's stand-in)."""
+    return max(logprob, -9999.0)
