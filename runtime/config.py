@@ -144,7 +144,8 @@ class Config:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"model: must be a non-empty path or model name, got {self.model!r}")
         _choice("device", self.device, ("auto", "cpu", "cuda"))
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        for name in _SECTIONS:  # vLLM's forms: a mapping of the fields, or a level
+            setattr(self, name, parse_section(name, getattr(self, name)))
         self._check_speculation()
         # Derive into a copy: the caller's CompilationConfig stays as given (it may be reused).
         self.compilation_config = cc = copy.deepcopy(self.compilation_config)
@@ -269,6 +270,26 @@ _SECTIONS = {
     "parallel_config": ParallelConfig,
     "speculative_config": SpeculativeConfig,
 }
+
+
+def parse_section(name: str, value: Any) -> Any:
+    """A section of `Config` as given: the section itself, a mapping of its fields (vLLM's
+    `compilation_config={"level": 3, "cudagraph_mode": "FULL"}`), or for `compilation_config`
+    a level alone (vLLM's `compilation_config=3`)."""
+    cls = _SECTIONS[name]
+    if name == "speculative_config":
+        return SpeculativeConfig.parse(value)
+    if isinstance(value, cls):
+        return value
+    if name == "compilation_config" and _is_int(value):
+        return CompilationConfig(level=value)
+    if isinstance(value, dict):
+        return _build_dataclass(cls, value, f"{name}.")
+    raise ConfigError(
+        f"{name}: expected a {cls.__name__} or a mapping of its fields"
+        + (" or a level (0-3)" if name == "compilation_config" else "")
+        + f", got {value!r}"
+    )
 
 
 def _build_dataclass(cls: type, data: Any, prefix: str) -> Any:

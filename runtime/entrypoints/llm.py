@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 
 from tqdm import tqdm
 
-from atomrt.runtime.config import _SECTIONS, DEFAULT_MODEL, Config, ConfigError
+from atomrt.runtime.config import _SECTIONS, DEFAULT_MODEL, Config, ConfigError, parse_section
 from atomrt.runtime.driver.engine import LLMEngine, Prompt
 from atomrt.runtime.driver.outputs import RequestOutput
 from atomrt.runtime.sampling_params import SamplingParams
@@ -19,18 +19,60 @@ logger = logging.getLogger(__name__)
 Conversation = list[dict[str, str]]
 
 
+# vLLM's LLM(...) keywords atomrt names otherwise: (atomrt's name, vLLM's value -> atomrt's)
+VLLM_RENAMED: dict[str, tuple[str, dict[Any, Any]]] = {
+    "distributed_executor_backend": (
+        "executor",
+        {None: "inproc", "uni": "inproc", "mp": "mp", "ray": "ray"},
+    ),
+}
+# vLLM's keywords for what atomrt does not do, accepted at the values that ask for nothing: vLLM's
+# default (and 0 swap space: atomrt recomputes preempted sequences, it swaps nothing)
+VLLM_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "trust_remote_code": (False,),
+    "tokenizer_mode": ("auto",),
+    "skip_tokenizer_init": (False,),
+    "revision": (None,),
+    "tokenizer_revision": (None,),
+    "quantization": (None,),
+    "kv_cache_dtype": ("auto",),
+    "pipeline_parallel_size": (1,),
+    "cpu_offload_gb": (0,),
+    "swap_space": (0, 4),
+    "hf_token": (None,),
+    "hf_overrides": (None,),
+    "disable_custom_all_reduce": (False,),
+    "enable_lora": (False,),
+}
+
+
 def config_from_kwargs(model: str, kwargs: dict[str, Any]) -> Config:
     """Config fields by name, and any section field by its bare name (max_num_seqs=8, level=...).
 
-    `tensor_parallel_size`, `block_size`, `dtype` ... go to the section that holds them;
-    `speculative_config` is given whole, as a mapping (vLLM's form) or a SpeculativeConfig.
+    `tensor_parallel_size`, `block_size`, `dtype` ... go to the section that holds them; a section
+    is given whole as itself or a mapping of its fields, `compilation_config` also as a level
+    (vLLM's forms). vLLM's other keywords map to atomrt's (`distributed_executor_backend`) or are
+    accepted at the value that asks for nothing; any other keyword is a ConfigError naming it.
     """
     top = {f.name for f in dataclasses.fields(Config)}
     direct: dict[str, Any] = {"model": model}
     sections: dict[str, dict[str, Any]] = {}
     for key, value in kwargs.items():
+        if key in VLLM_RENAMED:
+            name, values = VLLM_RENAMED[key]
+            if value not in values:
+                raise ConfigError(f"LLM(): {key}={value!r}: one of {sorted(map(str, values))}")
+            key, value = name, values[value]
+        elif key in VLLM_DEFAULT_ONLY:
+            accepted = VLLM_DEFAULT_ONLY[key]
+            if not any(value == a and type(value) is type(a) for a in accepted):
+                shown = " or ".join(repr(a) for a in accepted)
+                raise ConfigError(
+                    f"LLM(): {key}={value!r} is not supported by atomrt (only {shown})"
+                )
+            continue
         if key in top:
-            direct[key] = value
+            direct[key] = parse_section(key, value) if key in _SECTIONS else value
             continue
         owners = [
             name
@@ -42,7 +84,10 @@ def config_from_kwargs(model: str, kwargs: dict[str, Any]) -> Config:
         sections.setdefault(owners[0], {})[key] = value
     for name, values in sections.items():
         base = direct.get(name) or _SECTIONS[name]()
-        direct[name] = dataclasses.replace(base, **values)
+        try:
+            direct[name] = dataclasses.replace(base, **values)
+        except TypeError as e:  # a field given twice, in the section and by its bare name
+            raise ConfigError(f"LLM(): {e}") from None
     return Config(**direct)
 
 
