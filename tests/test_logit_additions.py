@@ -71,6 +71,28 @@ def test_a_batch_without_additions_builds_none() -> None:
     assert t.additions is None and t.is_plain_greedy
 
 
+def test_the_worker_looks_for_additions_only_while_a_sequence_has_some() -> None:
+    import numpy as np
+
+    from atomrt.distributed.messages import NewRequest, RankBatch
+    from atomrt.workers.runner.input_batch import SeqMirrors
+
+    mirrors = SeqMirrors(block_size=4)
+    biased = WorkerSamplingParams(logit_bias={3: 1.0})
+    new = [
+        NewRequest(1, sampling_params=biased),
+        NewRequest(2),
+        NewRequest(1, sampling_params=biased),
+    ]
+    mirrors.apply(RankBatch(new_requests=new))  # seq 1 sent again replaces its mirror
+    assert mirrors.num_changing_logits == 1
+    mirrors.apply(RankBatch(finished_seq_ids=np.asarray([1], np.int64)))
+    assert mirrors.num_changing_logits == 0
+    mirrors.apply(RankBatch(new_requests=[NewRequest(3, sampling_params=biased)]))
+    mirrors.clear()
+    assert mirrors.num_changing_logits == 0
+
+
 def test_sampling_params_check_the_fields() -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={"3": 1.0})

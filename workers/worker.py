@@ -186,6 +186,7 @@ class Worker:
             [m.output_token_ids for m in mirrors],
             self.runner.arch.vocab_size,
             self.runner.device,
+            may_change_logits=self.mirrors.num_changing_logits > 0,
         )
         out = self.runner.execute(inputs, decision, sampling)
         if self.runner.tokens is not None:  # async scheduling: the next step's pending rows

@@ -146,6 +146,9 @@ class SeqMirrors:
         self.block_tables = BlockTables()
         # sequences that asked for prompt logprobs and have prompt tokens left to score
         self.prompt_logprob_seqs: set[int] = set()
+        # mirrored sequences whose sampling changes their logits (logit_bias and kin): a step
+        # looks for additions only while there are some
+        self.num_changing_logits = 0
 
     def apply(self, batch: RankBatch) -> None:
         if batch.reset:
@@ -155,6 +158,7 @@ class SeqMirrors:
             if mirror is not None:
                 self.block_tables.free_row(mirror.block_table_row)
                 self.prompt_logprob_seqs.discard(seq_id)
+                self.num_changing_logits -= mirror.sampling_params.changes_logits
         for r in batch.new_requests:
             mirror = SeqMirror(r.sampling_params, r.token_ids.tolist(), r.output_token_ids.tolist())
             self.add(r.seq_id, mirror)
@@ -175,14 +179,17 @@ class SeqMirrors:
             self.block_tables.free_row(mirror.block_table_row)
         self.seqs.clear()
         self.prompt_logprob_seqs.clear()
+        self.num_changing_logits = 0
 
     def add(self, seq_id: int, mirror: SeqMirror) -> None:
         """Mirror a new sequence (a seq_id sent again replaces its mirror); its block table starts empty."""
         old = self.seqs.get(seq_id)
         if old is not None:
             self.block_tables.free_row(old.block_table_row)
+            self.num_changing_logits -= old.sampling_params.changes_logits
         mirror.block_table_row = self.block_tables.add_row()
         self.seqs[seq_id] = mirror
+        self.num_changing_logits += mirror.sampling_params.changes_logits
 
     def build(self, batch: RankBatch, tokens: Optional[TokenPool] = None) -> StepInputs:
         """Positions, slots, cu_seqlens and block tables of the plan's rows (vectorised per step).

@@ -77,8 +77,11 @@ class SamplingTensors:
         output_token_ids: Seq[Seq[int]],
         vocab_size: int,
         device: torch.device | str = "cpu",
+        may_change_logits: bool = True,
     ) -> SamplingTensors:
-        """Build from per-row SamplingParams and token histories (plain lists)."""
+        """Build from per-row SamplingParams and token histories (plain lists).
+        `may_change_logits=False`: no row has logit additions (the worker knows it without
+        looking at each row)."""
         device = torch.device(device)
         ps = list(sampling_params)
         greedy = [p.temperature < 1e-5 for p in ps]
@@ -87,7 +90,7 @@ class SamplingTensors:
             for p in ps
         )
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
-        additions = LogitAdditions.build(ps, output_token_ids)
+        additions = LogitAdditions.build(ps, output_token_ids) if may_change_logits else None
         if (
             all(greedy)
             and not do_penalties
