@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -58,6 +58,27 @@ def build_tiny_llama(
     PreTrainedTokenizerFast(
         tokenizer_object=words, bos_token="w0", eos_token="w1", unk_token="w2"
     ).save_pretrained(folder)
+    return folder
+
+
+WORDS = [a + b for a in "abcdefghijklmnop" for b in "abcdefgh"]  # VOCAB two-letter words
+
+
+def save_word_tokenizer(folder: Path, chat_template: Optional[str] = None) -> Path:
+    """Replace a tiny model's tokenizer with a word-level one whose words are WORDS (one token
+    each, whatever the text around them): tests that send text (bad words, echo, lm-eval) read
+    token ids back from it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token=WORDS[2]))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=words, bos_token=WORDS[0], eos_token=WORDS[1], unk_token=WORDS[2]
+    )
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    tok.save_pretrained(folder)
     return folder
 
 

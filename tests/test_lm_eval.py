@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from executor_harness import build_tiny_llama
+from executor_harness import WORDS, build_tiny_llama, save_word_tokenizer
 from test_server import CPU_FLAGS, Server
 
 pytest.importorskip("lm_eval")
 
-WORDS = [a + b for a in "abcdefghijklmnop" for b in "abcdefgh"]  # 128 words, one token each
 TASK = "atomrt_tiny_choice"
 NUM_DOCS = 12
 
@@ -70,17 +69,11 @@ def per_choice(results: dict) -> list[list[tuple[float, bool]]]:
 def test_local_completions_through_the_server_matches_hf(tmp_path: Path, monkeypatch) -> None:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    folder = build_tiny_llama(tmp_path / "model")
-    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token=WORDS[2]))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=words, bos_token=WORDS[0], eos_token=WORDS[1], unk_token=WORDS[2]
-    ).save_pretrained(folder)
+    folder = save_word_tokenizer(build_tiny_llama(tmp_path / "model"))
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     def greedy_word(question: str) -> str:

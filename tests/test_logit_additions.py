@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from executor_harness import COMMON, build_tiny_llama
+from executor_harness import COMMON, WORDS, build_tiny_llama, save_word_tokenizer
 
 from atomrt.distributed.messages import WorkerSamplingParams
 from atomrt.runtime import SamplingParams
@@ -113,22 +113,10 @@ OTHER = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
 MAX_TOKENS = 10
 
 
-WORDS = [a + b for a in "abcdefghijklmnop" for b in "abcdefgh"]  # 128 words, one token each
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a word-level tokenizer of two-letter words (bad words are text)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = build_tiny_llama(tmp_path_factory.mktemp("additions") / "model")
-    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token=WORDS[2]))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=words, bos_token=WORDS[0], eos_token=WORDS[1], unk_token=WORDS[2]
-    ).save_pretrained(folder)
-    return folder
+    return save_word_tokenizer(build_tiny_llama(tmp_path_factory.mktemp("additions") / "model"))
 
 
 def _greedy(**fields) -> SamplingParams:

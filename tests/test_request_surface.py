@@ -18,12 +18,11 @@ from typing import Any, Optional
 import httpx
 import openai
 import pytest
-from executor_harness import build_tiny_llama
+from executor_harness import WORDS, build_tiny_llama, save_word_tokenizer
 from test_server import CPU_FLAGS, Server
 
 from atomrt.runtime.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
-WORDS = [a + b for a in "abcdefghijklmnop" for b in "abcdefgh"]  # 128 words, one token each
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}assistant {% endif %}"
@@ -33,17 +32,8 @@ BLOCK = 16  # cache_config.block_size
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     folder = build_tiny_llama(tmp_path_factory.mktemp("surface") / "model")
-    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token=WORDS[2]))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=words, bos_token=WORDS[0], eos_token=WORDS[1], unk_token=WORDS[2]
-    )
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(folder)
+    save_word_tokenizer(folder, chat_template=TEMPLATE)
     s = Server(["--model", str(folder), *CPU_FLAGS, "--served-model-name", "tiny"])
     yield s
     assert s.stop() == 0
