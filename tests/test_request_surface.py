@@ -185,7 +185,7 @@ def test_unknown_fields_are_ignored_and_logged_once(server) -> None:
 
 @pytest.mark.parametrize(
     "prompts",
-    [[PROMPT, words(9, 10, 11)], [[3, 17, 42, 99, 5], [12, 13]]],
+    [[PROMPT, words(9, 10, 11)], [[0, 3, 17, 42, 99, 5], [12, 13]]],  # 0: BOS, not in the text
     ids=["strings", "token-ids"],
 )
 def test_echo_with_and_without_logprobs(server, prompts) -> None:
@@ -198,12 +198,13 @@ def test_echo_with_and_without_logprobs(server, prompts) -> None:
         server, "/v1/completions", {"prompt": prompts, "prompt_logprobs": 2, **kwargs}
     ).json()
     for i, prompt in enumerate(prompts):
-        prompt_text = prompt if isinstance(prompt, str) else words(*prompt)
+        prompt_words = prompt.split() if isinstance(prompt, str) else [WORDS[t] for t in prompt]
+        prompt_text = " ".join(w for w in prompt_words if w not in (WORDS[0], WORDS[1]))
         p, e, b = plain.choices[i], echoed.choices[i], bare.choices[i]
         assert e.text == prompt_text + p.text and b.text == e.text and b.logprobs is None
-        n = len(prompt_text.split())
+        n = len(prompt_words)
         lp = e.logprobs
-        assert [t.strip() for t in lp.tokens] == prompt_text.split() + [
+        assert [t.strip() for t in lp.tokens] == prompt_words + [
             t.strip() for t in p.logprobs.tokens
         ]
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None

@@ -174,9 +174,11 @@ class Serving:
         return Job(prompts, params, prompt_texts=texts, echo_only=echo_only)
 
     def _decode(self, token_ids: list[int]) -> str:
+        """A token-id prompt's text for `echo`: special tokens skipped, as in the output's text
+        (and in `token_pieces`, which `text_offset` counts)."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return self.tokenizer.decode(token_ids)
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         self.check_model(req.model)
