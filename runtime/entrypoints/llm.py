@@ -86,7 +86,7 @@ def config_from_kwargs(model: str, kwargs: dict[str, Any]) -> Config:
         base = direct.get(name) or _SECTIONS[name]()
         try:
             direct[name] = dataclasses.replace(base, **values)
-        except TypeError as e:  # a field given twice, in the section and by its bare name
+        except TypeError as e:  # a value its section cannot take (its checks assume the type)
             raise ConfigError(f"LLM(): {e}") from None
     return Config(**direct)
 
