@@ -41,7 +41,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from atomrt.compile import trace_cache
+from atomrt.compile import trace_cache, trace_store
 from atomrt.compile.backends import PiecewiseCompileBackend, compilation_counter, current_rank
 from atomrt.compile.cache import cache_root, is_read_only
 from atomrt.runtime.config import CompilationLevel, Config
@@ -66,7 +66,7 @@ class TorchCompileWrapperWithCustomDispatcher:
     _init_takes_config = False
 
     def __init__(self, *args: Any, config: Optional[Config] = None, **kwargs: Any):
-        self._init_text = trace_cache.describe_init(args, kwargs)
+        self._init_text = trace_store.describe_init(args, kwargs)
         if self._init_takes_config:
             kwargs["config"] = config
         super().__init__(*args, **kwargs)
@@ -125,7 +125,7 @@ class TorchCompileWrapperWithCustomDispatcher:
         attributes = trace_cache.plain_attributes(self)
         entry = self._trace_entry(args, kwargs)
         state = trace_cache.module_state(self) if entry is not None else ""
-        traced = trace_cache.load(entry, state) if entry is not None else None
+        traced = trace_store.load(entry, state) if entry is not None else None
         output = None
         if traced is not None:
             output = self._call_traced(traced, entry, args, kwargs)
@@ -168,14 +168,14 @@ class TorchCompileWrapperWithCustomDispatcher:
             (x.device for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)),
             torch.device("cpu"),
         )
-        key = trace_cache.trace_key(
+        key = trace_store.trace_key(
             self.atomrt_config.compute_hash(),
             type(self),
             self._init_text,
             self._compile_prefix,
             device,
         )
-        return trace_cache.entry_path(
+        return trace_store.entry_path(
             cache_root(cc.cache_dir), key, current_rank(), self._compile_prefix
         )
 
@@ -249,7 +249,7 @@ class TorchCompileWrapperWithCustomDispatcher:
         if ENV.compile_cache_read_only or is_read_only(entry.parent):
             return
         try:
-            trace_cache.save(entry, traced)
+            trace_store.save(entry, traced)
         except OSError as e:  # a full or failing disk: the next start traces again
             logger.warning(
                 "%s: Dynamo's trace not written to %s: %s", type(self).__name__, entry, e

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_compile_toys import make_config, make_models, max_diff
 
-from atomrt.compile import PiecewiseBackend, compilation_counter, trace_cache
+from atomrt.compile import PiecewiseBackend, compilation_counter, trace_store
 from atomrt.compile.cache import INDEX_FILE_NAME, read_index, verify_ready_marker
 
 TOYS = Path(__file__).with_name("test_compile_toys.py")
@@ -58,7 +58,7 @@ def _result(stdout: str) -> dict:
 
 
 def _prefix_dir(cache_root: Path) -> Path:
-    (hash_dir,) = [p for p in cache_root.iterdir() if p.is_dir() and p.name != trace_cache.DIR_NAME]
+    (hash_dir,) = [p for p in cache_root.iterdir() if p.is_dir() and p.name != trace_store.DIR_NAME]
     return hash_dir / "rank_0" / "backbone"
 
 

@@ -21,7 +21,7 @@ from model_harness import run_prefill_and_decode
 from test_compile_models import PROMPTS_3, folder  # noqa: F401 (the fixture)
 from test_compile_toys import inputs, make_config
 
-from atomrt.compile import compilation_counter, support_torch_compile, trace_cache
+from atomrt.compile import compilation_counter, support_torch_compile, trace_cache, trace_store
 from atomrt.runtime.config import CompilationConfig, Config
 from atomrt.workers.loading.loader import load_model
 
@@ -38,7 +38,7 @@ def _run(model) -> list[torch.Tensor]:
 
 
 def _entries(cache_dir: Path) -> list[Path]:
-    return sorted((cache_dir / trace_cache.DIR_NAME).glob("*/rank_0/*.pkl"))
+    return sorted((cache_dir / trace_store.DIR_NAME).glob("*/rank_0/*.pkl"))
 
 
 def _compiled(model):
@@ -112,7 +112,7 @@ def test_a_damaged_entry_is_traced_over(folder: Path, tmp_path: Path, caplog) ->
 
 
 def test_a_trace_that_cannot_be_written_is_warned_of(folder: Path, tmp_path: Path, caplog) -> None:  # noqa: F811
-    (tmp_path / trace_cache.DIR_NAME).write_text("not a directory")
+    (tmp_path / trace_store.DIR_NAME).write_text("not a directory")
     eager = _run(_build(folder, tmp_path, level=0))
     with caplog.at_level(logging.WARNING, logger="atomrt.compile.decorators"):
         logits = _run(_build(folder, tmp_path))
@@ -127,9 +127,9 @@ def test_an_entry_of_another_layout_is_traced_over(tmp_path: Path, caplog) -> No
     del old.state  # an entry written before a field was added
     entry.write_bytes(pickle.dumps(old))
     with caplog.at_level(logging.WARNING, logger="atomrt.compile.trace_cache"):
-        assert trace_cache.load(entry, "") is None
+        assert trace_store.load(entry, "") is None
     assert "unreadable" in caplog.text
-    assert trace_cache.load(tmp_path / "missing.pkl", "") is None
+    assert trace_store.load(tmp_path / "missing.pkl", "") is None
 
 
 def test_pieces_missing_from_the_compile_cache_are_traced_again(
@@ -140,7 +140,7 @@ def test_pieces_missing_from_the_compile_cache_are_traced_again(
     eager = _run(_build(folder, tmp_path, level=0))
     _run(_build(folder, tmp_path))
     for hash_dir in tmp_path.iterdir():
-        if hash_dir.name != trace_cache.DIR_NAME:
+        if hash_dir.name != trace_store.DIR_NAME:
             shutil.rmtree(hash_dir)
     model = _build(folder, tmp_path)
     before = compilation_counter.snapshot()
@@ -220,22 +220,22 @@ def test_a_failure_to_keep_the_trace_never_stops_a_start(tmp_path: Path, caplog,
 
 
 def test_keys_and_constructor_text() -> None:
-    assert trace_cache.describe_init((1, "a"), {"b": 2.0}) == "((1, 'a'), [('b', 2.0)])"
-    assert trace_cache.describe_init((object(),), {}) is None
+    assert trace_store.describe_init((1, "a"), {"b": 2.0}) == "((1, 'a'), [('b', 2.0)])"
+    assert trace_store.describe_init((object(),), {}) is None
     group = "<torch.distributed.distributed_c10d.ProcessGroup object at 0x7f00deadbeef>"
 
     class FakeGroupHolder:
         def __repr__(self) -> str:
             return f"TPInfo(tp_rank=1, tp_size=2, group={group})"
 
-    text = trace_cache.describe_init((FakeGroupHolder(),), {})
+    text = trace_store.describe_init((FakeGroupHolder(),), {})
     assert text == "((TPInfo(tp_rank=1, tp_size=2, group=<ProcessGroup>),), [])"
     cpu = torch.device("cpu")
-    key = trace_cache.trace_key("h", CountingToy, "a", "backbone", cpu)
-    assert key == trace_cache.trace_key("h", CountingToy, "a", "backbone", cpu)
-    assert key != trace_cache.trace_key("h", CountingToy, "b", "backbone", cpu)
-    assert key != trace_cache.trace_key("g", CountingToy, "a", "backbone", cpu)
-    assert key != trace_cache.trace_key("h", CountingToy, "a", "draft", cpu)
+    key = trace_store.trace_key("h", CountingToy, "a", "backbone", cpu)
+    assert key == trace_store.trace_key("h", CountingToy, "a", "backbone", cpu)
+    assert key != trace_store.trace_key("h", CountingToy, "b", "backbone", cpu)
+    assert key != trace_store.trace_key("g", CountingToy, "a", "backbone", cpu)
+    assert key != trace_store.trace_key("h", CountingToy, "a", "draft", cpu)
 
 
 @pytest.mark.parametrize(
