@@ -24,7 +24,7 @@ Without `config` the model runs eagerly.
   are never evaluated again (the runner is responsible for keeping inputs of the traced kind).
   Where Dynamo's code only gathers the graph's inputs, the trace is kept beside the compile cache
   and calls go through a function generated from it instead; a later process with the same key
-  builds the model from the kept trace without Dynamo (compile/trace_cache.py).
+  and model sources builds the model from the kept trace without Dynamo (compile/trace_cache.py).
 """
 
 from __future__ import annotations
@@ -94,6 +94,9 @@ class TorchCompileWrapperWithCustomDispatcher:
             self.forward, backend=self.compile_backend, fullgraph=True, dynamic=False
         )
 
+    def _keeps_traces(self) -> bool:
+        return ENV.trace_cache and self._init_text is not None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.do_not_compile:
             return super().__call__(*args, **kwargs)
@@ -123,12 +126,12 @@ class TorchCompileWrapperWithCustomDispatcher:
         start = start_monitoring_torch_compile(self.atomrt_config)
         self._mark_dynamic(args, kwargs)
         attributes = trace_cache.plain_attributes(self)
-        entry = self._trace_entry(args, kwargs)
-        state = trace_cache.module_state(self) if entry is not None else ""
-        traced = trace_store.load(entry, state) if entry is not None else None
+        directory = self._trace_dir(args, kwargs)
+        state = trace_cache.module_state(self) if directory is not None else ""
+        found = trace_store.find(directory) if directory is not None else None
         output = None
-        if traced is not None:
-            output = self._call_traced(traced, entry, args, kwargs)
+        if found is not None:
+            output = self._call_traced(*found, state, args, kwargs)
         if self._compiled_forward is None:
             self.compile_backend.compile_start = start
             hook = torch._dynamo.convert_frame.register_bytecode_hook(self.bytecode_hook)
@@ -137,7 +140,7 @@ class TorchCompileWrapperWithCustomDispatcher:
             finally:
                 hook.remove()
             self._install_dispatcher()
-            self._keep_trace(entry, state, output)
+            self._keep_trace(directory, output, state)
         self._warn_of_changed_attributes(attributes)
         elapsed = time.perf_counter() - start
         compilation_counter.compile_seconds += elapsed
@@ -159,10 +162,9 @@ class TorchCompileWrapperWithCustomDispatcher:
                 ", ".join(f"{n} ({before[n]!r} -> {after[n]!r})" for n in changed),
             )
 
-    def _trace_entry(self, args: tuple, kwargs: dict) -> Optional[Path]:
-        """Where this model's trace is kept (compile/trace_cache.py), or None where it is not."""
-        cc = self.atomrt_config.compilation_config
-        if not ENV.trace_cache or self._init_text is None:
+    def _trace_dir(self, args: tuple, kwargs: dict) -> Optional[Path]:
+        """Where this model's traces are kept (compile/trace_store.py), or None where they are not."""
+        if not self._keeps_traces():
             return None
         device = next(
             (x.device for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)),
@@ -175,13 +177,26 @@ class TorchCompileWrapperWithCustomDispatcher:
             self._compile_prefix,
             device,
         )
-        return trace_store.entry_path(
-            cache_root(cc.cache_dir), key, current_rank(), self._compile_prefix
-        )
+        root = cache_root(self.atomrt_config.compilation_config.cache_dir)
+        return trace_store.entry_dir(root, key, current_rank(), self._compile_prefix)
 
-    def _call_traced(self, traced: Any, entry: Path, args: tuple, kwargs: dict) -> Any:
+    def _call_traced(
+        self,
+        entry: Path,
+        sources: trace_cache.Sources,
+        state: str,
+        args: tuple,
+        kwargs: dict,
+    ) -> Any:
         """Build the compiled model from a kept trace and call it; None (and a fresh backend for
-        Dynamo) where the trace does not fit this model or call."""
+        Dynamo) where the trace does not fit this model, process or call."""
+        name = type(self).__name__
+        traced = trace_store.load(entry, sources)
+        if traced is None:
+            return None
+        if state != traced.state:
+            logger.info("%s: the model's attributes differ from %s's; tracing", name, entry)
+            return None
         forward = type(self).forward
         bound = inspect.signature(forward).bind(self, *args, **kwargs)
         bound.apply_defaults()
@@ -192,15 +207,13 @@ class TorchCompileWrapperWithCustomDispatcher:
             trace_cache.propagate(graph, fakes, fake_mode)
             rebuilt = time.perf_counter() - start
             with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-                compiled = self.compile_backend.build(
-                    graph, inputs, traced.source_files, loads_only=True
-                )
+                compiled = self.compile_backend.build(graph, inputs, sources.files, loads_only=True)
             self._compiled_forward = trace_cache.forward_calling(compiled, traced, forward)
             output = self._compiled_forward(self, *args, **kwargs)
         except Exception as e:  # a kept trace never stops a start: trace as if it were not there
             logger.warning(
                 "%s: the trace kept at %s does not fit (%s: %s); tracing",
-                type(self).__name__,
+                name,
                 entry,
                 type(e).__name__,
                 e,
@@ -211,33 +224,32 @@ class TorchCompileWrapperWithCustomDispatcher:
         compilation_counter.num_trace_loads += 1
         logger.info(
             "%s: built from Dynamo's trace kept at %s (graph rebuilt in %.2f s), no Dynamo",
-            type(self).__name__,
+            name,
             entry,
             rebuilt,
         )
         return output
 
-    def _keep_trace(self, entry: Optional[Path], state: str, output: Any) -> None:
+    def _keep_trace(self, directory: Optional[Path], output: Any, state: str) -> None:
         """After Dynamo's trace: call through the generated forward from now on and write the
-        trace where `entry` says, if the trace can be kept."""
+        trace in `directory`, if the trace can be kept."""
         traced_by_backend, self.compile_backend.traced = self.compile_backend.traced, None
-        if entry is None or traced_by_backend is None or not self.compiled_codes:
+        if directory is None or traced_by_backend is None or not self.compiled_codes:
             return
-        original = type(self).forward.__code__
+        forward = type(self).forward
         if (
             not self.use_custom_dispatcher
-            or self.compiled_codes[0].co_freevars != original.co_freevars
+            or self.compiled_codes[0].co_freevars != forward.__code__.co_freevars
         ):
             return
         graph, inputs, files = traced_by_backend
         try:
+            sources = trace_store.traced_sources(files)
             traced = trace_cache.capture(
-                graph, inputs, self.compiled_codes[0], output, files, state
+                graph, inputs, self.compiled_codes[0], output, sources, state
             )
             compiled = self.compile_backend.compiled_callable
-            self._compiled_forward = trace_cache.forward_calling(
-                compiled, traced, type(self).forward
-            )
+            self._compiled_forward = trace_cache.forward_calling(compiled, traced, forward)
         except trace_cache.Ineligible as e:
             logger.info("%s: Dynamo's trace is not kept: %s", type(self).__name__, e)
             return
@@ -246,13 +258,13 @@ class TorchCompileWrapperWithCustomDispatcher:
                 "%s: Dynamo's trace is not kept (%s: %s)", type(self).__name__, type(e).__name__, e
             )
             return
-        if ENV.compile_cache_read_only or is_read_only(entry.parent):
+        if ENV.compile_cache_read_only or is_read_only(directory):
             return
         try:
-            trace_store.save(entry, traced)
+            entry = trace_store.save(directory, traced, sources)
         except OSError as e:  # a full or failing disk: the next start traces again
             logger.warning(
-                "%s: Dynamo's trace not written to %s: %s", type(self).__name__, entry, e
+                "%s: Dynamo's trace not written to %s: %s", type(self).__name__, directory, e
             )
             return
         logger.info("%s: Dynamo's trace kept at %s", type(self).__name__, entry)

@@ -6,22 +6,16 @@ parameters and buffers) and calls the compiled graph. The compile cache keeps th
 but every process used to trace again: seconds of Python before the first piece loads.
 
 When Dynamo's bytecode does nothing but gather inputs and return the graph's one output,
-`capture()` records the graph (each node's op, name, target and arguments) and each input's source
-(`L['self']._modules['norm']._parameters['weight']`, `L['input_ids'].size()[0]`), kept where
-compile/trace_store.py says:
-
-    <root>/forward/<key>/rank_<i>/<prefix>.pkl
-
-`<key>` covers what the trace depends on and is known before tracing: `Config.compute_hash()`, the
-decorated class and its constructor arguments, torch / triton / Python versions and the device.
-The entry also names the source files Dynamo traced and their hash, checked again on load (an
-edited layer file means a new trace). A later process with the same key rebuilds the graph, makes
-fake inputs of the traced kinds (dim 0 of each dynamic argument symbolic), hands both to the backend,
-which loads its pieces as after a trace, and calls the result through `forward_calling()`, a
-function generated from the sources. The tracing process calls through the same generated function,
-so a traced start and a warm one run the same code. Anything the entry cannot express (a graph
-attribute or submodule, an unknown target or argument kind, bytecode with side effects, more than
-one output) keeps Dynamo's bytecode and writes no entry.
+`capture()` records the graph (each node's op, name, target and arguments), each input's source
+(`L['self']._modules['norm']._parameters['weight']`, `L['input_ids'].size()[0]`) and the modules
+whose code Dynamo traced; the entry is kept where compile/trace_store.py says, found only by a
+process that imports the same code. That process rebuilds the graph, makes fake inputs of the
+traced kinds (dim 0 of each dynamic argument symbolic), hands both to the backend, which loads its
+pieces as after a trace, and calls the result through `forward_calling()`, a function generated
+from the sources. The tracing process calls through the same generated function, so a traced
+start and a warm one run the same code. Anything the entry cannot express (a graph attribute or
+submodule, an unknown target or argument kind, bytecode with side effects, more than one output,
+a traced file no module is imported from) keeps Dynamo's bytecode and writes no entry.
 """
 
 from __future__ import annotations
@@ -44,11 +38,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from atomrt.compile.cache import source_hash
-
 logger = logging.getLogger("atomrt.compile.trace_cache")
 
-FORMAT = 1
+FORMAT = 2
 
 # What Dynamo's bytecode may read besides the attribute paths of the inputs' sources: the compiled
 # graph (a global `__compiled_fn_*`) and these utilities. Anything else (a store, another global,
@@ -91,10 +83,19 @@ class TracedForward:
     # per graph input, in order: (source expression, dtype or None for a SymInt, static dims with
     # None where the dim is symbolic)
     inputs: list
-    source_files: list  # the model files Dynamo traced (absolute paths)
-    source_hash: str  # their hash when traced (compile/cache.py's source_hash)
+    modules: list  # the modules whose code Dynamo traced, by name
+    source_hash: str  # their files' hash when traced (Sources.hash)
     state: str  # module_state() of the model when traced
     format: int = FORMAT
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The modules a trace covers, the files this process imports them from, and their hash."""
+
+    modules: list[str]
+    files: list[str]
+    hash: str
 
 
 # ---- what the trace depends on besides its key -------------------------------------------------
@@ -227,7 +228,7 @@ def capture(
     example_inputs: list,
     code: types.CodeType,
     output: Any,
-    source_files: list[str],
+    sources: Sources,
     state: str,
 ) -> TracedForward:
     """The trace of one model; Ineligible where it cannot be kept."""
@@ -273,7 +274,7 @@ def capture(
         isinstance(output, torch.Tensor) and isinstance(returned, tuple) and len(returned) == 1
     ):
         raise Ineligible("forward does not return the graph's one output")
-    return TracedForward(nodes, inputs, sorted(source_files), source_hash(source_files), state)
+    return TracedForward(nodes, inputs, sources.modules, sources.hash, state)
 
 
 # ---- rebuild and call -------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def _run(model) -> list[torch.Tensor]:
 
 
 def _entries(cache_dir: Path) -> list[Path]:
-    return sorted((cache_dir / trace_store.DIR_NAME).glob("*/rank_0/*.pkl"))
+    return sorted((cache_dir / trace_store.DIR_NAME).glob("*/rank_0/*/*.pkl"))
 
 
 def _compiled(model):
@@ -75,17 +75,49 @@ def _rewrite(entry: Path, **changes) -> None:
     entry.write_bytes(pickle.dumps(traced))
 
 
-def test_an_edited_source_file_means_a_new_trace(folder: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_an_entry_traced_from_other_sources_than_its_name_says_is_traced_over(
+    folder: Path,  # noqa: F811
+    tmp_path: Path,
+    caplog,
+) -> None:
     _run(_build(folder, tmp_path))
     (entry,) = _entries(tmp_path)
     real_hash = pickle.loads(entry.read_bytes()).source_hash
-    _rewrite(entry, source_hash="0" * 64)  # as if llama.py had changed since
+    _rewrite(entry, source_hash="0" * 64)  # as if written for the hash of other files
     model = _build(folder, tmp_path)
     before = compilation_counter.snapshot()
-    _run(model)
+    with caplog.at_level(logging.WARNING, logger="atomrt.compile.trace_cache"):
+        _run(model)
+    assert "other sources" in caplog.text
     assert compilation_counter.num_trace_loads == before["num_trace_loads"]
     assert len(_compiled(model).compiled_codes) == 1
     assert pickle.loads(entry.read_bytes()).source_hash == real_hash  # written again
+
+
+def test_an_entry_is_found_for_the_sources_this_process_imports(tmp_path: Path, monkeypatch):
+    """Module names are looked up through this process's imports: an edited module, or a copy of
+    it first on sys.path, has another entry (none yet), never the one traced from the original."""
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    original.mkdir()
+    copy.mkdir()
+    (original / "kept_trace_probe.py").write_text("SCALE = 1\n")
+    (copy / "kept_trace_probe.py").write_text("SCALE = 2\n")
+    monkeypatch.syspath_prepend(str(original))
+    sources = trace_store.sources(["kept_trace_probe"])
+    assert sources is not None and sources.files == [str(original / "kept_trace_probe.py")]
+    directory = tmp_path / "entries"
+    traced = trace_cache.TracedForward([], [], sources.modules, sources.hash, "")
+    entry = trace_store.save(directory, traced, sources)
+    assert trace_store.find(directory) == (entry, sources)
+    assert trace_store.load(entry, sources).modules == ["kept_trace_probe"]
+
+    monkeypatch.syspath_prepend(str(copy))
+    assert trace_store.find(directory) is None
+    monkeypatch.syspath_prepend(str(original))
+    assert trace_store.find(directory) == (entry, sources)
+    (original / "kept_trace_probe.py").write_text("SCALE = 3\n")
+    assert trace_store.find(directory) is None
+    assert trace_store.sources(["no_such_module_anywhere"]) is None
 
 
 def test_a_changed_model_attribute_means_a_new_trace(folder: Path, tmp_path: Path) -> None:  # noqa: F811
@@ -126,10 +158,11 @@ def test_an_entry_of_another_layout_is_traced_over(tmp_path: Path, caplog) -> No
     old = trace_cache.TracedForward([], [], [], "", "")
     del old.state  # an entry written before a field was added
     entry.write_bytes(pickle.dumps(old))
+    sources = trace_cache.Sources([], [], "")
     with caplog.at_level(logging.WARNING, logger="atomrt.compile.trace_cache"):
-        assert trace_store.load(entry, "") is None
+        assert trace_store.load(entry, sources) is None
+        assert trace_store.load(tmp_path / "missing.pkl", sources) is None
     assert "unreadable" in caplog.text
-    assert trace_store.load(tmp_path / "missing.pkl", "") is None
 
 
 def test_pieces_missing_from_the_compile_cache_are_traced_again(
