@@ -7,7 +7,7 @@ Layout (the guide's, under our name):
         artifact_shape_<s>_subgraph_<g>/  one Inductor artifact ("unpacked"), with READY inside
         computation_graph.py           the stitching graph, for humans
         .lock                          fcntl lock taken around each compile-or-load
-    <root>/forward/<key>/rank_<i>/<prefix>.pkl   Dynamo's trace of the model (compile/trace_store.py)
+    <root>/forward/<key>/rank_<i>/<prefix>/       Dynamo's traces of the model (compile/trace_store.py)
 
 `<root>` is `CompilationConfig.cache_dir` if set, else `<ATOMRT_CACHE_ROOT>/torch_compile_cache`
 (runtime/envs.py; default ~/.cache/atomrt/torch_compile_cache). `<hash>` covers exactly what changes the compiled code:
