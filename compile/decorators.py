@@ -23,8 +23,9 @@ Without `config` the model runs eagerly.
   compiled code object; later calls run it directly with `forward`'s globals, so Dynamo's guards
   are never evaluated again (the runner is responsible for keeping inputs of the traced kind).
   Where Dynamo's code only gathers the graph's inputs, the trace is kept beside the compile cache
-  and calls go through a function generated from it instead; a later process with the same key
-  and model sources builds the model from the kept trace without Dynamo (compile/trace_cache.py).
+  and calls go through a function generated from it instead, with Dynamo's guards on it; a later
+  process with the same key and model sources checks those guards and builds the model from the
+  kept trace without Dynamo (compile/trace_cache.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn as nn
 
-from atomrt.compile import trace_cache, trace_store
+from atomrt.compile import trace_cache, trace_guards, trace_store
 from atomrt.compile.backends import PiecewiseCompileBackend, compilation_counter, current_rank
 from atomrt.compile.cache import cache_root, is_read_only
 from atomrt.runtime.config import CompilationLevel, Config
@@ -80,6 +81,7 @@ class TorchCompileWrapperWithCustomDispatcher:
         self.use_custom_dispatcher = level >= CompilationLevel.DYNAMO_ONCE
         self.compiled_codes: list[types.CodeType] = []
         self._compiled_forward: Optional[Callable] = None
+        self._guard_entries: list = []  # Dynamo's guards on the first trace, while it is kept
         if self.do_not_compile:
             return
         self._new_backend()
@@ -90,12 +92,22 @@ class TorchCompileWrapperWithCustomDispatcher:
         self.compile_backend = PiecewiseCompileBackend(
             self.atomrt_config, prefix=self._compile_prefix
         )
+        # Dynamo shows each guard to this filter (keeping all): a kept trace records them
+        options = {"guard_filter_fn": self._see_guards} if self._keeps_traces() else None
         self.compiled_callable = torch.compile(
-            self.forward, backend=self.compile_backend, fullgraph=True, dynamic=False
+            self.forward,
+            backend=self.compile_backend,
+            fullgraph=True,
+            dynamic=False,
+            options=options,
         )
 
     def _keeps_traces(self) -> bool:
         return ENV.trace_cache and self._init_text is not None
+
+    def _see_guards(self, entries: list) -> list[bool]:
+        self._guard_entries = list(entries)
+        return [True] * len(entries)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.do_not_compile:
@@ -127,11 +139,12 @@ class TorchCompileWrapperWithCustomDispatcher:
         self._mark_dynamic(args, kwargs)
         attributes = trace_cache.plain_attributes(self)
         directory = self._trace_dir(args, kwargs)
-        state = trace_cache.module_state(self) if directory is not None else ""
+        arguments = self._arguments(args, kwargs)
+        state = trace_guards.global_state()
         found = trace_store.find(directory) if directory is not None else None
         output = None
         if found is not None:
-            output = self._call_traced(*found, state, args, kwargs)
+            output = self._call_traced(*found, arguments, args, kwargs)
         if self._compiled_forward is None:
             self.compile_backend.compile_start = start
             hook = torch._dynamo.convert_frame.register_bytecode_hook(self.bytecode_hook)
@@ -140,12 +153,19 @@ class TorchCompileWrapperWithCustomDispatcher:
             finally:
                 hook.remove()
             self._install_dispatcher()
-            self._keep_trace(directory, output, state)
+            self._keep_trace(directory, output, arguments, state)
         self._warn_of_changed_attributes(attributes)
         elapsed = time.perf_counter() - start
         compilation_counter.compile_seconds += elapsed
         logger.info("torch.compile of %s took %.2f s in total", type(self).__name__, elapsed)
         return output
+
+    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """`forward`'s arguments of this call by name, defaults included: what Dynamo's guards
+        call `L`."""
+        bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
 
     def _warn_of_changed_attributes(self, before: dict[str, Any]) -> None:
         """A forward that sets a plain attribute (a counter, a flag) of the model: Dynamo's bytecode
@@ -184,7 +204,7 @@ class TorchCompileWrapperWithCustomDispatcher:
         self,
         entry: Path,
         sources: trace_cache.Sources,
-        state: str,
+        arguments: dict[str, Any],
         args: tuple,
         kwargs: dict,
     ) -> Any:
@@ -194,16 +214,17 @@ class TorchCompileWrapperWithCustomDispatcher:
         traced = trace_store.load(entry, sources)
         if traced is None:
             return None
-        if state != traced.state:
-            logger.info("%s: the model's attributes differ from %s's; tracing", name, entry)
-            return None
-        forward = type(self).forward
-        bound = inspect.signature(forward).bind(self, *args, **kwargs)
-        bound.apply_defaults()
         start = time.perf_counter()
+        forward = type(self).forward
         try:
+            failed = trace_guards.check(traced.guards, arguments, forward.__globals__)
+            if failed is not None:
+                logger.info(
+                    "%s: the trace kept at %s does not hold (%s); tracing", name, entry, failed
+                )
+                return None
             graph = trace_cache.rebuild_graph(traced)
-            inputs, fakes, fake_mode = trace_cache.example_inputs(traced, bound.arguments)
+            inputs, fakes, fake_mode = trace_cache.example_inputs(traced, arguments)
             trace_cache.propagate(graph, fakes, fake_mode)
             rebuilt = time.perf_counter() - start
             with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
@@ -223,17 +244,21 @@ class TorchCompileWrapperWithCustomDispatcher:
             return None
         compilation_counter.num_trace_loads += 1
         logger.info(
-            "%s: built from Dynamo's trace kept at %s (graph rebuilt in %.2f s), no Dynamo",
+            "%s: built from Dynamo's trace kept at %s (guards checked, graph rebuilt in %.2f s), "
+            "no Dynamo",
             name,
             entry,
             rebuilt,
         )
         return output
 
-    def _keep_trace(self, directory: Optional[Path], output: Any, state: str) -> None:
+    def _keep_trace(
+        self, directory: Optional[Path], output: Any, arguments: dict[str, Any], state: dict
+    ) -> None:
         """After Dynamo's trace: call through the generated forward from now on and write the
         trace in `directory`, if the trace can be kept."""
         traced_by_backend, self.compile_backend.traced = self.compile_backend.traced, None
+        entries, self._guard_entries = self._guard_entries, []
         if directory is None or traced_by_backend is None or not self.compiled_codes:
             return
         forward = type(self).forward
@@ -245,8 +270,13 @@ class TorchCompileWrapperWithCustomDispatcher:
         graph, inputs, files = traced_by_backend
         try:
             sources = trace_store.traced_sources(files)
+            examples = trace_guards.graph_examples(graph)
+            guards = trace_guards.record(entries, examples, state)
+            failed = trace_guards.check(guards, arguments, forward.__globals__)
+            if failed is not None:  # what another process would check must hold here
+                raise trace_cache.Ineligible(f"its guards do not hold as recorded: {failed}")
             traced = trace_cache.capture(
-                graph, inputs, self.compiled_codes[0], output, sources, state
+                graph, inputs, self.compiled_codes[0], output, sources, guards
             )
             compiled = self.compile_backend.compiled_callable
             self._compiled_forward = trace_cache.forward_calling(compiled, traced, forward)

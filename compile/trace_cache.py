@@ -7,28 +7,26 @@ but every process used to trace again: seconds of Python before the first piece 
 
 When Dynamo's bytecode does nothing but gather inputs and return the graph's one output,
 `capture()` records the graph (each node's op, name, target and arguments), each input's source
-(`L['self']._modules['norm']._parameters['weight']`, `L['input_ids'].size()[0]`) and the modules
-whose code Dynamo traced; the entry is kept where compile/trace_store.py says, found only by a
-process that imports the same code. That process rebuilds the graph, makes fake inputs of the
-traced kinds (dim 0 of each dynamic argument symbolic), hands both to the backend, which loads its
-pieces as after a trace, and calls the result through `forward_calling()`, a function generated
-from the sources. The tracing process calls through the same generated function, so a traced
-start and a warm one run the same code. Anything the entry cannot express (a graph attribute or
-submodule, an unknown target or argument kind, bytecode with side effects, more than one output,
-a traced file no module is imported from) keeps Dynamo's bytecode and writes no entry.
+(`L['self']._modules['norm']._parameters['weight']`, `L['input_ids'].size()[0]`), the modules
+whose code Dynamo traced, and Dynamo's guards on the trace (compile/trace_guards.py); the entry is
+kept where compile/trace_store.py says, found only by a process that imports the same code.
+That process checks the guards against its first call (a global the forward reads, a class
+attribute, which parameters are one tensor, the grad mode, ...), rebuilds the graph, makes fake
+inputs of the traced kinds (dim 0 of each dynamic argument symbolic), hands both to the backend,
+which loads its pieces as after a trace, and calls the result through `forward_calling()`, a
+function generated from the sources. The tracing process calls through the same generated
+function, so a traced start and a warm one run the same code. Anything the entry cannot express
+(a graph attribute or submodule, an unknown target or argument kind, bytecode with side effects,
+more than one output, a guard that cannot be checked in another process) keeps Dynamo's bytecode
+and writes no entry.
 """
 
 from __future__ import annotations
 
 import ast
-import builtins
 import dis
-import hashlib
-import importlib
 import inspect
 import logging
-import math
-import operator
 import re
 import types
 from collections.abc import Callable
@@ -37,6 +35,8 @@ from typing import Any
 
 import torch
 import torch.fx
+
+from atomrt.compile.trace_guards import Guards, Ineligible, object_ref, plain_value, resolve
 
 logger = logging.getLogger("atomrt.compile.trace_cache")
 
@@ -58,11 +58,6 @@ _STORES = {
     "IMPORT_NAME",
 }
 _LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
-_FUNCTION_HOMES = (torch, torch.nn.functional, torch._C._nn, operator, math, builtins)
-
-
-class Ineligible(ValueError):
-    """Why a trace cannot be kept (logged; the model keeps Dynamo's bytecode)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +80,7 @@ class TracedForward:
     inputs: list
     modules: list  # the modules whose code Dynamo traced, by name
     source_hash: str  # their files' hash when traced (Sources.hash)
-    state: str  # module_state() of the model when traced
+    guards: Guards  # Dynamo's guards on the trace (compile/trace_guards.py)
     format: int = FORMAT
 
 
@@ -98,40 +93,12 @@ class Sources:
     hash: str
 
 
-# ---- what the trace depends on besides its key -------------------------------------------------
-
-
-def _plain_value(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):
-        return all(_plain_value(v) for v in value)
-    return isinstance(value, _LITERALS)
-
-
-def module_state(model: torch.nn.Module) -> str:
-    """A hash of what Dynamo reads besides the key and may guard on: every plain attribute (a
-    number, string, flag, dtype or device, or a tuple of them) of every submodule, each other
-    attribute's type, the parameters' and buffers' names, and the grad and inference modes. A flag
-    set on the model after it was built, which the key cannot see, changes it."""
-    parts = [
-        f"grad={torch.is_grad_enabled()} inference={torch.is_inference_mode_enabled()}",
-        f"default_dtype={torch.get_default_dtype()}",
-    ]
-    for name, module in model.named_modules():
-        parts.append(f"module {name} {type(module).__qualname__}")
-        for key, value in sorted(vars(module).items()):
-            if key in ("_parameters", "_buffers"):
-                parts.append(f"{key} {sorted(value)}")
-            elif not key.startswith("_"):
-                parts.append(f"{key}={value!r}" if _plain_value(value) else f"{key}: {type(value)}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
 def plain_attributes(model: torch.nn.Module) -> dict[str, Any]:
     """Every plain attribute of `model` and its submodules, by dotted name (`layers.0.calls`)."""
     found = {}
     for name, module in model.named_modules():
         for key, value in vars(module).items():
-            if not key.startswith("_") and _plain_value(value):
+            if not key.startswith("_") and plain_value(value):
                 found[f"{name}.{key}" if name else key] = value
     return found
 
@@ -142,41 +109,14 @@ def plain_attributes(model: torch.nn.Module) -> dict[str, Any]:
 def _target_ref(target: Any) -> tuple:
     if isinstance(target, str):
         return ("str", target)
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return ("op", target._qualified_op_name)
-    if isinstance(target, torch._ops.OpOverload):
-        return ("op", target._schema.name, target._overloadname)
-    name = getattr(target, "__name__", None)
-    module = getattr(target, "__module__", None)
-    if module and name and _resolve(("fn", module, name)) is target:
-        return ("fn", module, name)
-    for home in _FUNCTION_HOMES:
-        if name and getattr(home, name, None) is target:
-            return ("fn", home.__name__, name)
-    raise Ineligible(f"graph target {target!r} has no importable name")
-
-
-def _type_ref(cls: Any) -> tuple:
-    if isinstance(cls, type) and _resolve(("type", cls.__module__, cls.__qualname__)) is cls:
-        return ("type", cls.__module__, cls.__qualname__)
-    raise Ineligible(f"graph input type {cls!r} has no importable name")
+    try:
+        return object_ref(target)
+    except Ineligible:
+        raise Ineligible(f"graph target {target!r} has no importable name") from None
 
 
 def _resolve(ref: tuple) -> Any:
-    kind = ref[0]
-    if kind == "str":
-        return ref[1]
-    if kind == "op":
-        namespace, name = ref[1].split("::")
-        packet = getattr(getattr(torch.ops, namespace), name)
-        return getattr(packet, ref[2]) if len(ref) == 3 else packet
-    try:
-        value = importlib.import_module(ref[1])
-        for part in ref[2].split("."):
-            value = getattr(value, part)
-        return value
-    except (ImportError, AttributeError):
-        return None
+    return ref[1] if ref[0] == "str" else resolve(ref)
 
 
 def _map_nested(value: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -229,7 +169,7 @@ def capture(
     code: types.CodeType,
     output: Any,
     sources: Sources,
-    state: str,
+    guards: Guards,
 ) -> TracedForward:
     """The trace of one model; Ineligible where it cannot be kept."""
     nodes = []
@@ -265,7 +205,7 @@ def capture(
                 _target_ref(node.target),
                 _plain(tuple(node.args)),
                 _plain(dict(node.kwargs)),
-                None if node.type is None else _type_ref(node.type),
+                None if node.type is None else _target_ref(node.type),
                 node.meta.get("stack_trace"),
             )
         )
@@ -274,7 +214,7 @@ def capture(
         isinstance(output, torch.Tensor) and isinstance(returned, tuple) and len(returned) == 1
     ):
         raise Ineligible("forward does not return the graph's one output")
-    return TracedForward(nodes, inputs, sources.modules, sources.hash, state)
+    return TracedForward(nodes, inputs, sources.modules, sources.hash, guards)
 
 
 # ---- rebuild and call -------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 
 from atomrt.compile.cache import compiler_factors
-from atomrt.compile.trace_cache import FORMAT, Ineligible, Sources, TracedForward
+from atomrt.compile.trace_cache import FORMAT, Sources, TracedForward
+from atomrt.compile.trace_guards import Ineligible
 
 logger = logging.getLogger("atomrt.compile.trace_cache")
 

@@ -21,7 +21,13 @@ from model_harness import run_prefill_and_decode
 from test_compile_models import PROMPTS_3, folder  # noqa: F401 (the fixture)
 from test_compile_toys import inputs, make_config
 
-from atomrt.compile import compilation_counter, support_torch_compile, trace_cache, trace_store
+from atomrt.compile import (
+    compilation_counter,
+    support_torch_compile,
+    trace_cache,
+    trace_guards,
+    trace_store,
+)
 from atomrt.runtime.config import CompilationConfig, Config
 from atomrt.workers.loading.loader import load_model
 
@@ -106,7 +112,8 @@ def test_an_entry_is_found_for_the_sources_this_process_imports(tmp_path: Path, 
     sources = trace_store.sources(["kept_trace_probe"])
     assert sources is not None and sources.files == [str(original / "kept_trace_probe.py")]
     directory = tmp_path / "entries"
-    traced = trace_cache.TracedForward([], [], sources.modules, sources.hash, "")
+    empty = trace_guards.Guards([], [], {})
+    traced = trace_cache.TracedForward([], [], sources.modules, sources.hash, empty)
     entry = trace_store.save(directory, traced, sources)
     assert trace_store.find(directory) == (entry, sources)
     assert trace_store.load(entry, sources).modules == ["kept_trace_probe"]
@@ -120,15 +127,24 @@ def test_an_entry_is_found_for_the_sources_this_process_imports(tmp_path: Path, 
     assert trace_store.sources(["no_such_module_anywhere"]) is None
 
 
-def test_a_changed_model_attribute_means_a_new_trace(folder: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_a_changed_attribute_that_forward_reads_means_a_new_trace(folder: Path, tmp_path: Path):  # noqa: F811
+    eager = _run(_build(folder, tmp_path, level=0))
     _run(_build(folder, tmp_path))
     model = _build(folder, tmp_path)
-    unit = _compiled(model)
-    unit.layers[0].self_attn.some_flag = True  # set after construction: not in the key
+    _compiled(model).layers[0].self_attn.some_flag = True  # set after construction, never read
     before = compilation_counter.snapshot()
     _run(model)
+    assert compilation_counter.num_trace_loads == before["num_trace_loads"] + 1
+
+    model = _build(folder, tmp_path)
+    unit = _compiled(model)
+    unit.layers[0].mlp.gate_up_proj.skinny_max_rows = 0  # read by forward: Dynamo guards it
+    before = compilation_counter.snapshot()
+    logits = _run(model)
     assert compilation_counter.num_trace_loads == before["num_trace_loads"]
     assert len(unit.compiled_codes) == 1
+    for a, e in zip(logits, eager):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
 
 
 def test_a_damaged_entry_is_traced_over(folder: Path, tmp_path: Path, caplog) -> None:  # noqa: F811
@@ -155,8 +171,9 @@ def test_a_trace_that_cannot_be_written_is_warned_of(folder: Path, tmp_path: Pat
 
 def test_an_entry_of_another_layout_is_traced_over(tmp_path: Path, caplog) -> None:
     entry = tmp_path / "backbone.pkl"
-    old = trace_cache.TracedForward([], [], [], "", "")
-    del old.state  # an entry written before a field was added
+    empty = trace_guards.Guards([], [], {})
+    old = trace_cache.TracedForward([], [], [], "", empty)
+    del old.guards  # an entry written before a field was added
     entry.write_bytes(pickle.dumps(old))
     sources = trace_cache.Sources([], [], "")
     with caplog.at_level(logging.WARNING, logger="atomrt.compile.trace_cache"):

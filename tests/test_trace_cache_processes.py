@@ -2,12 +2,13 @@
 
 A cold process (tests/trace_child.py) fills one cache directory; warm processes share it. One warm
 process has the cold one's code and builds each model twice: first with the cold one's state (the
-control: it must build from the kept trace), then with one thing changed: other weights, other
-constructor arguments, or the entry damaged in between. Another warm process runs a copy of the
-package whose `LlamaModel.forward` scales the embeddings, first on `PYTHONPATH`. In every case each
-warm result equals a level-0 run of that process's own code and state; where the change matters,
-it also differs from the cold result, so a warm process that ran the cold process's graph would
-fail here.
+control: it must build from the kept trace), then with one thing changed: the value of a module
+global `forward` reads, of a class attribute it reads, two parameters tied after construction or
+not, other weights, other constructor arguments, or the entry damaged in between. Another warm
+process runs a copy of the package whose `LlamaModel.forward` scales the embeddings, first on
+`PYTHONPATH`. In every case each warm result equals a level-0 run of that process's own code and
+state; where the change matters, it also differs from the cold result, so a warm process that ran
+the cold process's graph would fail here.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ EDIT = (
 
 # name: (the cold process's model, the warm one's change, whether the warm one may use the trace)
 SCENARIOS = {
+    "module global": (dict(toy="global", tag="g", scale=2.0), dict(scale=3.0), False),
+    "class attribute": (dict(toy="class", tag="c", factor=2.0), dict(factor=3.0), False),
+    "tied, then untied": (dict(toy="pair", tag="t", tie=True), dict(tie=False), False),
+    "untied, then tied": (dict(toy="pair", tag="u", tie=False), dict(tie=True), False),
     "other weights": (dict(toy="global", tag="w", seed=0), dict(seed=1), True),
     "other constructor arguments": (dict(toy="class", tag="k"), dict(width=8), False),
     "damaged entry": (dict(toy="pair", tag="d"), {}, False),
