@@ -98,13 +98,12 @@ def object_ref(value: Any) -> tuple:
 def resolve(ref: tuple) -> Any:
     """The object `ref` names in this process, or None."""
     kind = ref[0]
-    if kind == "op":
-        if "::" not in ref[1]:
-            return getattr(torch.ops, ref[1])
-        namespace, name = ref[1].split("::")
-        packet = getattr(getattr(torch.ops, namespace), name)
-        return getattr(packet, ref[2]) if len(ref) == 3 else packet
     try:
+        if kind == "op":  # a namespace, an op or one of its overloads: registered at import
+            namespace, _, name = ref[1].partition("::")
+            value = getattr(torch.ops, namespace)
+            value = getattr(value, name) if name else value
+            return getattr(value, ref[2]) if len(ref) == 3 else value
         value = _import(ref[1])
         for part in ref[2].split(".") if kind != "module" else ():
             value = getattr(value, part)

@@ -152,6 +152,9 @@ def test_an_object_without_an_importable_name_is_refused() -> None:
         trace_guards.object_ref(local)
     with pytest.raises(trace_guards.Ineligible):
         trace_guards.object_ref(object())
+    # a name this process cannot resolve is no object: the identity guard fails, nothing raises
+    assert trace_guards.resolve(("op", "aten::no_such_op")) is None
+    assert trace_guards.resolve(("fn", "no_such_module_here", "f")) is None
 
 
 def test_a_guard_of_an_unknown_kind_is_refused() -> None:
