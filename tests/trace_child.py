@@ -118,7 +118,9 @@ def main(argv: list[str]) -> None:
             eager = _run_llama(spec["model"], 0, cache_dir, use_inductor)
         else:
             width = spec.get("width", 4)
-            compiled = _run_toy(_build_toy(spec, _config(level, cache_dir, use_inductor)), width)
+            # a model name per scenario: one compile cache per toy, as an engine has per model
+            config = _config(level, cache_dir, use_inductor, model=f"toy-{spec['tag']}")
+            compiled = _run_toy(_build_toy(spec, config), width)
             loaded = compilation_counter.num_trace_loads - before
             eager = _run_toy(_build_toy(spec, None), width)
         results[spec["name"]] = {
