@@ -102,6 +102,7 @@ def runs(request, tmp_path_factory) -> dict:
     cache = tmp / "cache"
     cold_plan = [dict(cold, name=name) for name, (cold, _, _) in SCENARIOS.items()]
     cold = _run(cache, 3, use_inductor, [*cold_plan, dict(llama, name="llama")])
+    assert cold["damaged entry"]["entries_written"]  # what the warm process must meet damaged
     for path in cold["damaged entry"]["entries_written"]:
         Path(path).write_bytes(Path(path).read_bytes()[:64])
     # the damaged entry's first warm build must meet the damage: no control before it
