@@ -50,8 +50,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class _Bucket(NamedTuple):
-    """A capture size's staged dummy batch: what its warm-up and its recordings run."""
+class StagedBucket(NamedTuple):
+    """A capture size's staged dummy batch: what its warm-up and its recordings run (a drafter
+    records its first pass on it too)."""
 
     bs: int
     rows: int
@@ -153,7 +154,7 @@ class GraphRunner:
                 return
             for bs in sizes:
                 for q in self.config.capture_q_lens:
-                    self._warm_up(runner, self._bucket(runner, bs, q))
+                    self._warm_up(runner, self.stage_bucket(runner, bs, q))
         torch.cuda.synchronize()
         logger.info(
             "rank %d: capture's kernels compiled ahead in %.2f s",
@@ -161,7 +162,7 @@ class GraphRunner:
             time.perf_counter() - start,
         )
 
-    def _bucket(self, runner: ModelRunner, bs: int, max_q_len: int) -> _Bucket:
+    def stage_bucket(self, runner: ModelRunner, bs: int, max_q_len: int) -> StagedBucket:
         """Stage the dummy decode batch of a capture size: `bs` sequences x `max_q_len` rows."""
         rows = bs * max_q_len
         kind = ForwardKind.TOKEN_GRAPH if self.records_token_graphs else ForwardKind.REQ_GRAPH
@@ -184,11 +185,11 @@ class GraphRunner:
             if runner.dp.dp_size > 1
             else None,
         )
-        return _Bucket(
+        return StagedBucket(
             bs, rows, decision, md, ctx, scope, fv["input_ids"][:rows], fv["positions"][:rows]
         )
 
-    def _warm_up(self, runner: ModelRunner, b: _Bucket) -> None:
+    def _warm_up(self, runner: ModelRunner, b: StagedBucket) -> None:
         """The bucket's forward once, outside any recording."""
         with set_forward_context(b.md, self.config, b.ctx, **b.scope):
             runner.buffers.unpack(b.bs, b.rows)
@@ -199,7 +200,7 @@ class GraphRunner:
                 runner.greedy_tokens(runner.model.compute_logits(hidden))
 
     def _capture_one(self, runner: ModelRunner, bs: int, max_q_len: int) -> None:
-        b = self._bucket(runner, bs, max_q_len)
+        b = self.stage_bucket(runner, bs, max_q_len)
         self._warm_up(runner, b)
         _, rows, decision, md, ctx, scope, ids, pos = b
         fv = runner.buffers.forward_vars
