@@ -162,20 +162,25 @@ class EngineCore:
         self.push.send(encode(CoreOutputs(outputs=outputs, stats=self.stats(), fatal=fatal)))
 
     def stats(self) -> CoreStats:
-        schedulers = self.engine.schedulers
-        blocks = sum(s.block_manager.num_blocks for s in schedulers)
-        used = sum(s.block_manager.num_used_blocks for s in schedulers)
-        return CoreStats(
-            time=time.time(),
-            num_running=sum(len(s.running) for s in schedulers),
-            num_waiting=sum(len(s.waiting) for s in schedulers),
-            kv_cache_usage=used / blocks if blocks else 0.0,
-            num_preemptions=sum(s.num_preemptions for s in schedulers),
-            steps_eager=self.engine.stats.steps["eager"],
-            steps_req_graph=self.engine.stats.steps["req_graph"],
-            steps_token_graph=self.engine.stats.steps["token_graph"],
-            padded_tokens=self.engine.stats.padded_tokens,
-        )
+        return core_stats(self.engine)
+
+
+def core_stats(engine: LLMEngine) -> CoreStats:
+    """The engine's state after a step, as /metrics and /health read it."""
+    schedulers = engine.schedulers
+    blocks = sum(s.block_manager.num_blocks for s in schedulers)
+    used = sum(s.block_manager.num_used_blocks for s in schedulers)
+    return CoreStats(
+        time=time.time(),
+        num_running=sum(len(s.running) for s in schedulers),
+        num_waiting=sum(len(s.waiting) for s in schedulers),
+        kv_cache_usage=used / blocks if blocks else 0.0,
+        num_preemptions=sum(s.num_preemptions for s in schedulers),
+        steps_eager=engine.stats.steps["eager"],
+        steps_req_graph=engine.stats.steps["req_graph"],
+        steps_token_graph=engine.stats.steps["token_graph"],
+        padded_tokens=engine.stats.padded_tokens,
+    )
 
 
 def core_output(out: RequestOutput) -> CoreOutput:
