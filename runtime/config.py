@@ -41,18 +41,22 @@ from atomrt.runtime.config_sections import (  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
+# other names vLLM accepts for a method
+SPEC_METHOD_ALIASES = {"deepseek_mtp": "mtp"}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, as vLLM users write it: `{"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 1}` or `{"method": "draft_model", "model": PATH,
-    "num_speculative_tokens": k}` (a smaller model with the target's vocabulary). `method` may be left
-    out when `model` is given. The ngram window defaults to 5..5, one bound to the other."""
+    "prompt_lookup_max": 4, "prompt_lookup_min": 1}`, `{"method": "draft_model", "model": PATH,
+    "num_speculative_tokens": k}` (a smaller model with the target's vocabulary) or `{"method":
+    "mtp", "num_speculative_tokens": k}` (the target's own multi-token-prediction layers;
+    `deepseek_mtp` is the same). `method` may be left out when `model` is given. The ngram window
+    defaults to 5..5, one bound to the other."""
 
     num_speculative_tokens: int = 0  # k: draft tokens each request verifies per step (required)
-    method: Optional[str] = None  # ngram | draft_model
+    method: Optional[str] = None  # ngram | draft_model | mtp
     model: Optional[str] = None  # the draft model (draft_model)
     prompt_lookup_max: Optional[int] = None  # the longest suffix n-gram ngram matches
     prompt_lookup_min: Optional[int] = None  # the shortest
@@ -76,10 +80,14 @@ class SpeculativeConfig:
                     "speculative_config.model"
                 )
             method = "draft_model"
+        method = SPEC_METHOD_ALIASES.get(method, method)
         _choice("speculative_config.method", method, SPEC_METHODS)
         object.__setattr__(self, "method", method)
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"speculative_config.adaptive: true or false, got {self.adaptive!r}")
+        if method == "mtp":
+            self._check_mtp()
+            return
         if method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise ConfigError(
@@ -109,10 +117,25 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
 
+    def _check_mtp(self) -> None:
+        """The MTP drafter is the target's own layers: no draft model, no n-gram window."""
+        for name in ("model", "prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                raise ConfigError(
+                    f"speculative_config.{name}: method 'mtp' drafts with the target's own "
+                    "multi-token-prediction layers and takes no such setting"
+                )
+
     @property
     def max_q_len(self) -> int:
         """Query rows of a verify step per request: the decoded row and its drafts (`mtp_k + 1`)."""
         return self.num_speculative_tokens + 1
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a drafter writes past a step's last row: an MTP drafter's passes 2..k run one
+        position further each, beyond the rows the target verified."""
+        return self.num_speculative_tokens - 1 if self.method == "mtp" else 0
 
     @classmethod
     def parse(cls, value: Any) -> Optional[SpeculativeConfig]:
@@ -196,6 +219,20 @@ class Config:
                 f"speculative_config.num_speculative_tokens={spec.num_speculative_tokens}: a "
                 f"verify step of one request runs {spec.max_q_len} rows, more than "
                 f"scheduler_config.max_num_batched_tokens={budget}"
+            )
+        tp = self.parallel_config.tensor_parallel_size
+        if (
+            spec is not None
+            and spec.method == "mtp"
+            and spec.draft_tensor_parallel_size
+            not in (
+                None,
+                tp,
+            )
+        ):
+            raise ConfigError(
+                "speculative_config.draft_tensor_parallel_size: the MTP layers run split as the "
+                f"target is (tensor_parallel_size={tp}); got {spec.draft_tensor_parallel_size!r}"
             )
         tbo = self.parallel_config.enable_tbo
         if spec is not None and tbo != "none":

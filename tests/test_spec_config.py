@@ -79,11 +79,39 @@ def test_vllm_forms():
             "speculative_config.lookahead",
         ),
         ("ngram", "speculative_config"),
+        ({"method": "mtp", "model": "/m", "num_speculative_tokens": 1}, "speculative_config.model"),
+        (
+            {"method": "mtp", "num_speculative_tokens": 1, "prompt_lookup_max": 3},
+            "speculative_config.prompt_lookup_max",
+        ),
+        (
+            {"method": "mtp", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 2},
+            "speculative_config.draft_tensor_parallel_size",
+        ),
     ],
 )
 def test_bad_values_name_the_knob(bad, knob):
     with pytest.raises(ConfigError, match=knob):
         Config(speculative_config=bad)
+
+
+def test_mtp_forms():
+    """vLLM's `mtp` (and its older `deepseek_mtp`): the target's own layers draft; their later
+    passes write KV k - 1 positions past a step's rows; they run split as the target."""
+    for method in ("mtp", "deepseek_mtp"):
+        spec = SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 3})
+        assert spec.method == "mtp" and spec.max_q_len == 4 and spec.num_lookahead_tokens == 2
+    assert SpeculativeConfig(1, "mtp").num_lookahead_tokens == 0
+    assert SpeculativeConfig(3, "ngram").num_lookahead_tokens == 0
+    tp2 = Config(
+        speculative_config={
+            "method": "mtp",
+            "num_speculative_tokens": 1,
+            "draft_tensor_parallel_size": 2,
+        },
+        parallel_config=ParallelConfig(tensor_parallel_size=2),
+    )
+    assert tp2.speculative_config.draft_tensor_parallel_size == 2
 
 
 def test_two_batch_overlap_does_not_split_verify_steps():

@@ -226,7 +226,8 @@ _GLM_4_7_FLASH: dict[str, Any] = {
 }
 
 # Small enough for CPU tests and `atomrt bench dp` on CPU: DeepSeek-V3's layout, 8 experts in 2
-# groups (the best group chosen per token), top-2.
+# groups (the best group chosen per token), top-2, one MTP layer (dummy weights include it when
+# speculation is MTP).
 _TINY_DEEPSEEK_V3: dict[str, Any] = {
     **_DEEPSEEK_V3,
     "vocab_size": 512,
@@ -248,7 +249,7 @@ _TINY_DEEPSEEK_V3: dict[str, Any] = {
     "topk_group": 1,
     "max_position_embeddings": 2048,
     "rope_scaling": None,
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": 1,
     "torch_dtype": "float32",
 }
 

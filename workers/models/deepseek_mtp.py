@@ -1,0 +1,136 @@
+"""Multi-token prediction (MTP): the DeepSeek family's own drafter layers.
+
+A checkpoint with `num_nextn_predict_layers = L` stores L MTP layers after its decoder layers, as
+`model.layers.<num_hidden_layers + i>.*`: `enorm` and `hnorm` (RMSNorms), `eh_proj` (hidden x
+2 * hidden), one decoder layer (MLA and an MLP: DeepSeekMoE where the target's layers are sparse)
+and `shared_head.norm`. Its `embed_tokens` and `shared_head.head` are copies of the target's
+embedding and LM head; the drafter shares the target's (the loader checks that they are equal).
+
+The formula (DeepSeek-V3 technical report, section 2.2), at position t:
+
+    h'_t = eh_proj([enorm(embed(x_{t+1})) ; hnorm(h_t)])
+    o_t  = block(h'_t)                    (causal attention over the layer's own KV cache)
+    p_t  = softmax(lm_head(shared_head.norm(o_t)))   predicts x_{t+2}
+
+where h_t is the target's final hidden state at t (after the target's `model.norm`) for a draft's
+first pass, and the previous pass's `o` (before `shared_head.norm`) for later ones.
+
+Hot path: a drafter's pass runs `forward` (eagerly, or recorded as a `DraftGraph`); the attention
+and the experts are the target's opaque ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atomrt.distributed.communication_op import DPInfo, TPInfo
+from atomrt.workers.layers.linear import ColumnParallelLinear
+from atomrt.workers.layers.norm import RMSNorm, residual_add
+from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from atomrt.workers.models.arch import ModelArch
+
+# Checkpoint tensors of an MTP layer that are its own (the rest is its decoder layer's)
+MTP_OWN_PREFIXES = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+# Checkpoint tensors of an MTP layer that copy the target's: checked, not loaded
+MTP_SHARED_COPIES = {
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "shared_head.head.weight": "lm_head.weight",
+}
+
+
+class SharedHead(nn.Module):
+    """The norm before the (shared) LM head."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+
+
+class MTPLayer(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArch,
+        layer_idx: int,
+        tp: TPInfo,
+        dp: DPInfo,
+        max_position: int,
+        block_class: type[nn.Module],
+    ) -> None:
+        super().__init__()
+        h, eps = arch.hidden_size, arch.rms_norm_eps
+        self.enorm = RMSNorm(h, eps)
+        self.hnorm = RMSNorm(h, eps)
+        self.eh_proj = ColumnParallelLinear(2 * h, h)  # whole on every TP rank
+        self.shared_head = SharedHead(h, eps)
+        self.mtp_block = block_class(arch, layer_idx, tp, dp, max_position)
+
+    def forward(
+        self, embeds: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
+        """embeds, hidden_states [n, hidden] -> the layer's output [n, hidden] (before
+        `shared_head.norm`)."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden_states)], dim=-1))
+        residual, update = self.mtp_block(positions, x, None)
+        return residual_add(residual, update)
+
+
+class DeepseekMTP(nn.Module):
+    """The checkpoint's MTP layers, sharing the target's embedding and LM head (held, not owned:
+    the target loads them). Layer i's attention is layer `num_hidden_layers + i` of the KV cache."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        tp: TPInfo,
+        dp: DPInfo,
+        max_position: int,
+        block_class: type[nn.Module],
+        embed_tokens: VocabParallelEmbedding,
+        lm_head: ParallelLMHead,
+    ) -> None:
+        super().__init__()
+        if arch.num_nextn_predict_layers < 1:
+            raise ValueError(
+                f"{arch.architecture}: the checkpoint has no multi-token-prediction layers "
+                "(num_nextn_predict_layers is 0)"
+            )
+        self.layers = nn.ModuleList(
+            MTPLayer(arch, arch.num_layers + i, tp, dp, max_position, block_class)
+            for i in range(arch.num_nextn_predict_layers)
+        )
+        self._shared = (embed_tokens, lm_head)  # a tuple: not registered as submodules
+
+    def layer_for(self, pass_idx: int) -> int:
+        """The layer a drafter's pass `pass_idx` (0-based) runs: layer i for pass i, the last one
+        again for passes beyond the layers present."""
+        return min(pass_idx, len(self.layers) - 1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        """input_ids, positions [n] int64 (each row's next token, and the row's position);
+        hidden_states [n, hidden] -> [n, hidden], layer `layer`'s output before its head norm."""
+        embeds = self._shared[0](input_ids)
+        return self.layers[layer](embeds, positions, hidden_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """[n, hidden] (a `forward` output) -> [n, vocab_size], through the shared LM head."""
+        return self._shared[1].compute_logits(self.layers[layer].shared_head.norm(hidden_states))
+
+
+def mtp_checkpoint_name(name: str, num_layers: int) -> tuple[int, str]:
+    """(MTP layer index, our name) of checkpoint tensor `model.layers.<num_layers + i>.<rest>`:
+    the layer's own tensors under `mtp.layers.<i>.`, its decoder layer's under
+    `mtp.layers.<i>.mtp_block.`; a shared copy keeps `<rest>` alone."""
+    rest = name.split(".", 3)[3]
+    i = int(name.split(".", 3)[2]) - num_layers
+    if rest in MTP_SHARED_COPIES:
+        return i, rest
+    if rest.startswith(MTP_OWN_PREFIXES):
+        return i, f"mtp.layers.{i}.{rest}"
+    return i, f"mtp.layers.{i}.mtp_block.{rest}"
