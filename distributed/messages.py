@@ -150,6 +150,10 @@ class RankBatch:
     # Speculative decoding: int32 [bs], the draft tokens each sequence verifies (its last rows);
     # empty when no row verifies drafts.
     num_draft_tokens: np.ndarray = field(default_factory=_i32)
+    # MTP drafting: int32 [bs], the token after a sequence's rows where the step samples none for
+    # it (a prompt chunk that is not the last; -1 where unknown or sampled): the MTP layer's input
+    # at its last row. Empty when every sequence samples.
+    next_token_ids: np.ndarray = field(default_factory=_i32)
 
     @property
     def num_seqs(self) -> int:
@@ -212,6 +216,8 @@ class StepResult:
     # Draft-model passes this step ran eagerly although graphs are on (a missing DraftGraph bucket)
     num_eager_draft_passes: int = 0
     prompt_logprobs: Optional[PromptLogprobs] = None  # when a row asked and ran prompt rows
+    # MTP drafting: int32 [n * k], each sampled sequence's k drafts for its next step, in turn
+    draft_token_ids: np.ndarray = field(default_factory=_i32)
 
 
 @dataclass

@@ -138,6 +138,12 @@ def rank_batches(draw, max_bs=20):
             else [],
             dtype=np.int32,
         ),
+        next_token_ids=np.array(
+            draw(st.lists(st.integers(-1, 2**31 - 1), min_size=bs, max_size=bs))
+            if draw(st.booleans())
+            else [],
+            dtype=np.int32,
+        ),
     )
 
 
@@ -186,6 +192,9 @@ def step_results(draw):
         more_token_ids=draw(arrays(np.int32, i32, max_size=20)) if spec else np.zeros(0, np.int32),
         num_eager_draft_passes=draw(st.integers(0, 100)),
         prompt_logprobs=draw(st.none() | prompt_logprobs()),
+        draft_token_ids=draw(arrays(np.int32, i32, shape=st.just((n * k,))))
+        if spec
+        else np.zeros(0, np.int32),
     )
 
 
@@ -442,7 +451,7 @@ def test_bad_declared_array_bytes_raise_message_error():
     import msgpack
 
     wire = msgpack.packb(
-        [4, 0, 0, b"\x00" * 12, b"", None, None, None, None, b"", b"", 0, None],
+        [4, 0, 0, b"\x00" * 12, b"", None, None, None, None, b"", b"", 0, None, b""],
         use_bin_type=True,
     )  # 12 B: not int64s
     with pytest.raises(MessageError, match="malformed StepResult"):

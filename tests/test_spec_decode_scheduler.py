@@ -2,8 +2,11 @@
 
 The "workers" here verify each row's drafts greedily against the fake model, exactly as the
 rejection sampler does for greedy requests, and a fake draft model proposes for DRAFT_TOKEN rows.
+An MTP drafter's proposals come back with a step's result (`StepResult.draft_token_ids`), made
+by the fake draft model from each sequence's tokens after the step; every sampled row's KV slots
+then reach `num_lookahead_tokens` past the step's rows (its later passes write there).
 Under random traffic (chunked prefill, prefix caching, preemption under a small KV pool, EOS and
-length stops, n-gram and draft-model drafts, synchronous and one-step-ahead scheduling) every
+length stops, n-gram, draft-model and MTP drafts, synchronous and one-step-ahead scheduling) every
 request gets exactly the tokens and finish reason it gets without speculation, no KV block leaks or
 is double-owned, rejected rows are rolled back, and a repetitive model needs fewer steps than
 tokens. The planner ships the drafts as the rows after each sequence's last token.
@@ -12,6 +15,7 @@ tokens. The planner ships the drafts as the rows after each sequence's last toke
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 import numpy as np
 from hypothesis import given, settings
@@ -19,7 +23,7 @@ from hypothesis import strategies as st
 from test_block_manager import check_invariants
 from test_scheduler import make
 
-from atomrt.distributed.messages import DRAFT_TOKEN
+from atomrt.distributed.messages import DRAFT_TOKEN, StepResult
 from atomrt.runtime.config import SpeculativeConfig
 from atomrt.runtime.driver.planner import RankPlanner
 from atomrt.runtime.driver.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
@@ -44,8 +48,11 @@ def fake_drafter(history: list[int]) -> int:
     return history[-3] % VOCAB if len(history) >= 3 else 0
 
 
-def _verify(out: SchedulerOutput, truth: dict[int, list[int]]) -> dict[int, object]:
-    """What the workers return for each sampled row: its token (no drafts) or its tokens."""
+def _verify(
+    out: SchedulerOutput, truth: dict[int, list[int]], proposals: Optional[dict] = None, k: int = 0
+) -> dict[int, object]:
+    """What the workers return for each sampled row: its token (no drafts) or its tokens; and in
+    `proposals` (MTP) its k drafts for the next step."""
     sampled: dict[int, object] = {}
     for row in out.scheduled:
         seq = row.seq
@@ -69,13 +76,35 @@ def _verify(out: SchedulerOutput, truth: dict[int, list[int]]) -> dict[int, obje
         if base == len(hist):
             hist.extend(tokens)
         sampled[seq.seq_id] = tokens if row.num_draft_tokens else tokens[0]
+        if proposals is not None:
+            proposals[seq.seq_id] = []
+            for _ in range(k):
+                proposals[seq.seq_id].append(fake_drafter(context + tokens + proposals[seq.seq_id]))
     return sampled
+
+
+def _mtp_result(out: SchedulerOutput, sampled: dict, proposals: dict) -> StepResult:
+    """The StepResult the workers send back for an MTP step (the tokens and the next drafts)."""
+    rows = [r for r in out.scheduled if r.is_sampled]
+    tokens = [sampled[r.seq.seq_id] for r in rows]
+    tokens = [t if isinstance(t, list) else [t] for t in tokens]
+    return StepResult(
+        0,
+        0,
+        np.array([r.seq.seq_id for r in rows], np.int64),
+        np.array([t[0] for t in tokens], np.int32),
+        num_accepted=np.array([len(t) - 1 for t in tokens], np.int32),
+        more_token_ids=np.array([x for t in tokens for x in t[1:]], np.int32),
+        draft_token_ids=np.array([d for r in rows for d in proposals[r.seq.seq_id]], np.int32),
+    )
 
 
 def _run(sched: Scheduler, seqs: list[Sequence], pipelined: bool) -> tuple[dict, int]:
     truth: dict[int, list[int]] = {}
-    inflight: deque[tuple[SchedulerOutput, dict]] = deque()
+    inflight: deque[tuple[SchedulerOutput, dict, dict]] = deque()
     planner = RankPlanner()
+    spec = sched.speculation
+    mtp = spec is not None and spec.is_mtp
     steps = 0
     for _ in range(5000):
         if not sched.has_unfinished() and not inflight:
@@ -95,13 +124,20 @@ def _run(sched: Scheduler, seqs: list[Sequence], pipelined: bool) -> tuple[dict,
                 [],
                 [r.num_draft_tokens for r in out.scheduled],
             )
-            sampled = _verify(out, truth)
+            proposals: dict = {}
+            sampled = _verify(out, truth, proposals if mtp else None, spec.k if mtp else 0)
+            for row in out.scheduled:  # an MTP drafter's later passes write past the rows
+                if mtp and row.is_sampled:
+                    need = row.context_len + sched.lookahead
+                    assert len(row.seq.block_table) * sched.block_manager.block_size >= need
             sched.advance(out)
-            inflight.append((out, sampled))
+            inflight.append((out, sampled, proposals))
         else:
             assert inflight, "nothing scheduled and nothing in flight, yet requests are unfinished"
         if inflight and (not pipelined or len(inflight) == 2 or out.is_empty):
-            done, sampled = inflight.popleft()
+            done, sampled, proposals = inflight.popleft()
+            if mtp:  # the drafts come back with the step, before its tokens are appended
+                spec.observe(done, _mtp_result(done, sampled, proposals))
             planner.forget([s.seq_id for s in sched.postprocess(done, sampled)])
         check_invariants(sched.block_manager, sched.running)
         for s in sched.running:  # rolled back: nothing past the known tokens counts as computed
@@ -130,7 +166,7 @@ def _schedule_all(requests, speculation, pipelined, num_blocks, block_size, budg
 @given(
     data=st.data(),
     k=st.integers(1, 4),
-    method=st.sampled_from(["ngram", "draft_model"]),
+    method=st.sampled_from(["ngram", "draft_model", "mtp"]),
     pipelined=st.booleans(),
     num_blocks=st.integers(10, 30),
     block_size=st.sampled_from([1, 2, 4]),
@@ -156,10 +192,13 @@ def test_speculation_gives_the_tokens_of_plain_decoding(
     plain, _ = _schedule_all(requests, None, False, *shape)
     if method == "ngram":
         config = SpeculativeConfig(k, method, prompt_lookup_min=1, prompt_lookup_max=3)
+    elif method == "mtp":
+        config = SpeculativeConfig(k, method)
     else:
         config = SpeculativeConfig(k, method, model="/draft")
     spec, _ = _schedule_all(requests, Speculation(config), pipelined, *shape)
-    # a request rejected for its size without drafts may be rejected with them (k more KV slots)
+    # a request rejected for its size without drafts may be rejected with them (k more KV slots,
+    # and MTP's k - 1 lookahead slots)
     assert {r: v for r, v in plain.items() if r in spec} == spec
 
 
@@ -176,8 +215,6 @@ def test_stats_count_drafts_and_acceptance_per_position():
     config = SpeculativeConfig(3, "ngram", prompt_lookup_min=1, prompt_lookup_max=3)
     speculation = Speculation(config)
     sched = make(64, 4, 32, 4, speculation=speculation)
-    from atomrt.distributed.messages import StepResult
-
     s = Sequence("a", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0, max_tokens=9))
     sched.add(s)
     truth: dict[int, list[int]] = {}

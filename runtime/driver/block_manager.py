@@ -39,8 +39,15 @@ class Block:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        recompute_last_hit: bool = False,
     ) -> None:
+        """`recompute_last_hit`: a prefix-cache hit leaves its last block to compute again. An MTP
+        drafter's KV at a position depends on the token after it, which a later sequence sharing
+        the block need not share; recomputed, the block's last row reads the sequence's own."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"BlockManager: num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}"
@@ -48,6 +55,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.recompute_last_hit = recompute_last_hit
         self.blocks = [Block(i) for i in range(num_blocks)]
         # LRU of free blocks: popped from the front. Value unused (an ordered set).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -95,7 +103,7 @@ class BlockManager:
             ):
                 break
             hits.append(block_id)
-        return hits
+        return hits[:-1] if self.recompute_last_hit else hits
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """How many leading tokens of a not-yet-allocated sequence the prefix cache already holds."""

@@ -32,6 +32,7 @@ from atomrt.runtime.driver.sequence import Sequence
 from atomrt.runtime.driver.speculation import (
     SpecDecodeStats,
     check_draft_model,
+    check_mtp,
     make_speculation,
     sampled_tokens,
 )
@@ -137,6 +138,7 @@ class LLMEngine:
         check_tbo(pc.enable_tbo, arch)
         check_max_model_len(config, arch)
         check_draft_model(config, arch)
+        check_mtp(config, arch)
         self.executor: Executor = make_executor(config)
         start = time.perf_counter()
         self.info = info = self.executor.start()
@@ -148,18 +150,24 @@ class LLMEngine:
         self.limits = RequestLimits(info.vocab_size, config.model_config.max_logprobs)
         cc = config.cache_config
         self.speculation = make_speculation(config, info.req_keys)
+        mtp = self.speculation is not None and self.speculation.is_mtp
         self.schedulers = [
             Scheduler(
                 config.scheduler_config,
                 cc,
-                BlockManager(info.num_kv_blocks, cc.block_size, cc.enable_prefix_caching),
+                BlockManager(
+                    info.num_kv_blocks,
+                    cc.block_size,
+                    cc.enable_prefix_caching,
+                    recompute_last_hit=mtp,
+                ),
                 tokenizer=tokenizer,
                 max_model_len=self.max_model_len,
                 speculation=self.speculation,
             )
             for _ in range(config.parallel_config.data_parallel_size)
         ]
-        self.planners = [RankPlanner() for _ in self.schedulers]
+        self.planners = [RankPlanner(next_tokens=mtp) for _ in self.schedulers]
         sc = config.scheduler_config
         self.admission = Admission(sc.dp_prefill_align, sc.delay_factor, len(self.schedulers))
         captured = CapturedBuckets(

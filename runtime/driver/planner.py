@@ -77,7 +77,10 @@ class RankPlanner:
     sequence and has the next plan clear the workers' state (after a step was discarded).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, next_tokens: bool = False) -> None:
+        """`next_tokens`: ship the token after each prompt chunk that samples nothing
+        (`RankBatch.next_token_ids`, which an MTP drafter reads)."""
+        self.next_tokens = next_tokens
         self.known: dict[int, _Known] = {}  # seq_id -> what the workers hold
         self.pending_finished: list[int] = []
         self.pending_reset = False
@@ -99,7 +102,7 @@ class RankPlanner:
         new_requests, input_ids = [], []
         new_block_seq_ids, new_block_starts, num_new_blocks, new_block_ids = [], [], [], []
         seq_ids, row_new_tokens, row_computed_tokens, sample_mask = [], [], [], []
-        num_draft_tokens = []
+        num_draft_tokens, next_token_ids = [], []
         for row in out.scheduled:
             seq = row.seq
             seq_id, block_table, token_ids = seq.seq_id, seq.block_table, seq.token_ids
@@ -131,6 +134,9 @@ class RankPlanner:
             row_computed_tokens.append(start)
             sample_mask.append(row.is_sampled)
             num_draft_tokens.append(len(drafts))
+            if self.next_tokens:
+                sampled = row.is_sampled or end >= len(token_ids)
+                next_token_ids.append(-1 if sampled else token_ids[end])
         finished, self.pending_finished = self.pending_finished, []
         reset, self.pending_reset = self.pending_reset, False
         return RankBatch(
@@ -148,6 +154,9 @@ class RankPlanner:
             reset=reset,
             num_draft_tokens=np.asarray(
                 num_draft_tokens if any(num_draft_tokens) else (), np.int32
+            ),
+            next_token_ids=np.asarray(
+                next_token_ids if any(t >= 0 for t in next_token_ids) else (), np.int32
             ),
         )
 

@@ -131,6 +131,10 @@ class Scheduler:
     ) -> None:
         self.config = scheduler_config
         self.speculation = speculation  # speculative decoding: draft rows, else None
+        # KV slots a drafter writes past a sampled row's step (MTP), allocated with the step's
+        self.lookahead = 0
+        if speculation is not None:
+            self.lookahead = speculation.config.num_lookahead_tokens
         self.cache_config = cache_config
         self.block_manager = block_manager
         self.tokenizer = tokenizer  # gives each sequence a Detokenizer (stop strings need text)
@@ -163,9 +167,9 @@ class Scheduler:
                 f"request {seq.request_id!r}: the prompt has {seq.num_prompt_tokens} tokens, "
                 f"max_model_len is {self.max_model_len}; shorten the prompt"
             )
-        # with speculative decoding the last step's draft rows reach k positions further, up to
-        # position max_model_len - 1
-        drafts = self.speculation.k if self.speculation is not None else 0
+        # with speculative decoding the last step's draft rows reach k positions further (and an
+        # MTP drafter's lookahead further still), up to position max_model_len - 1
+        drafts = self.speculation.k + self.lookahead if self.speculation is not None else 0
         max_kv_tokens = seq.num_prompt_tokens + params.max_tokens - 1 + drafts
         if self.max_model_len is not None:
             max_kv_tokens = min(
@@ -240,13 +244,14 @@ class Scheduler:
                 continue
             proposal = self._drafts(seq, num_new, budget) if drafts else []
             num_new += len(proposal)
-            if bm.blocks_needed(seq, num_new):  # a decode mostly fits in its last block: no check
-                while not bm.can_append(seq, num_new) and queue:
+            slots = num_new + self._lookahead(seq, num_new, len(proposal))
+            if bm.blocks_needed(seq, slots):  # a decode mostly fits in its last block: no check
+                while not bm.can_append(seq, slots) and queue:
                     self._preempt(queue.pop(), out)
-                if not bm.can_append(seq, num_new):
+                if not bm.can_append(seq, slots):
                     self._preempt(seq, out)
                     break
-                bm.append_slots(seq, num_new)
+                bm.append_slots(seq, slots)
             out.scheduled.append(ScheduledSeq(seq, num_new, proposal))
             budget -= num_new
             kept.append(seq)
@@ -262,6 +267,29 @@ class Scheduler:
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - seq.num_tokens)
         return self.speculation.drafts(seq, room)
+
+    def _lookahead(self, seq: Sequence, num_new: int, num_drafts: int) -> int:
+        """The KV slots past `num_new` rows that a drafter writes when the rows are sampled (an MTP
+        drafter's later passes), within max_model_len."""
+        if not self.lookahead:
+            return 0
+        end = seq.num_computed_tokens + num_new
+        if end - num_drafts < seq.num_tokens + seq.num_pending:
+            return 0  # a prompt chunk that samples nothing
+        return self._within_max_len(end)
+
+    def _lookahead_waiting(self, seq: Sequence, num_new: int, remaining: int) -> int:
+        """`_lookahead` for a sequence not yet allocated: `remaining` tokens left after its cache
+        hits, of which this step runs `num_new`."""
+        if not self.lookahead or num_new < remaining:
+            return 0
+        return self._within_max_len(seq.num_tokens)
+
+    def _within_max_len(self, end: int) -> int:
+        """The lookahead after a step whose rows end at `end`, short of max_model_len."""
+        if self.max_model_len is None:
+            return self.lookahead
+        return max(0, min(self.lookahead, self.max_model_len - end))
 
     def _in_flight(self) -> bool:
         """Whether a submitted step's tokens are still out (async scheduling)."""
@@ -314,10 +342,12 @@ class Scheduler:
             must_chunk = remaining > self.config.max_num_batched_tokens
             if num_new < remaining and not self.config.enable_chunked_prefill and not must_chunk:
                 break
-            if not bm.can_allocate(seq, num_new):
+            # num_new counts from the cached tokens; the lookahead, from where this chunk ends
+            slots = num_new + self._lookahead_waiting(seq, num_new, remaining)
+            if not bm.can_allocate(seq, slots):
                 break
             self.waiting.popleft()
-            bm.allocate(seq, num_new)
+            bm.allocate(seq, slots)
             seq.status = SequenceStatus.RUNNING
             if (
                 seq.first_scheduled_time is None

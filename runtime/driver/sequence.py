@@ -82,6 +82,10 @@ class Sequence:
     # scored so far] (runtime/driver/prompt_logprobs.py); None otherwise.
     prompt_logprobs: Optional[list] = None
     num_cached_tokens: int = -1  # prompt tokens its first allocation found in the prefix cache
+    # MTP drafting: the drafts the workers proposed for the step after token `proposed_at - 1`
+    # (valid while the sequence is that long)
+    proposed_drafts: list[int] = field(default_factory=list, repr=False)
+    proposed_at: int = -1
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

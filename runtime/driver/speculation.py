@@ -4,7 +4,9 @@ Each step, a running sequence that decodes and may speculate verifies up to
 `num_speculative_tokens` (k) draft tokens: the scheduler asks `drafts(seq, room)` for them and
 schedules them as extra query rows after the sequence's last token. The n-gram proposer runs here,
 on the sequence's own tokens; a draft model runs on the workers within the step, so its rows go out
-as `DRAFT_TOKEN` and the worker fills them in. The workers return how many drafts each sequence
+as `DRAFT_TOKEN` and the worker fills them in; the MTP layers run on the workers after a step's
+tokens are sampled, and the step's result brings each sequence's drafts for its next step
+(`StepResult.draft_token_ids`, kept on the sequence). The workers return how many drafts each sequence
 accepted (`StepResult.num_accepted`); the scheduler then rolls the rejected rows' KV back (their
 slots are rewritten by the next step) and appends the accepted tokens one by one under the stop
 rules. `observe` counts drafts and acceptances per position (`SpecDecodeStats`, on `EngineStats`).
@@ -55,7 +57,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
-    num_eager_draft_passes: int = 0  # draft-model passes that ran eagerly with graphs on
+    num_eager_draft_passes: int = 0  # drafter passes that ran eagerly with graphs on
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -197,6 +199,7 @@ class Speculation:
         self.config = config
         self.k = config.num_speculative_tokens
         self.is_ngram = config.method == "ngram"
+        self.is_mtp = config.method == "mtp"
         self.pad = pad
         self.policy: Optional[SpecPolicy] = None  # capture records plain buckets for it too
         if self.is_ngram and config.adaptive and async_scheduling:
@@ -236,6 +239,8 @@ class Speculation:
         n = min(self.k, room)
         if n <= 0 or not speculates(seq) or seq.num_pending:
             return []
+        if self.is_mtp:  # what the workers proposed after its last token, if it still ends there
+            return seq.proposed_drafts[:n] if seq.proposed_at == seq.num_tokens else []
         if not self.is_ngram:
             return [DRAFT_TOKEN] * n
         c = self.config
@@ -245,12 +250,16 @@ class Speculation:
         return proposal
 
     def observe(self, out: SchedulerOutput, res: StepResult) -> None:
-        """Count one step's drafts and acceptances (and log them every LOG_PERIOD_S)."""
+        """Count one step's drafts and acceptances (and log them every LOG_PERIOD_S); keep the MTP
+        drafts it proposed on their sequences (before `Scheduler.postprocess` appends the step's
+        tokens: the drafts follow them)."""
         stats = self.stats
         stats.num_eager_draft_passes += res.num_eager_draft_passes
         if not len(res.num_accepted):
             return
         accepted = dict(zip(res.seq_ids.tolist(), res.num_accepted.tolist()))
+        if len(res.draft_token_ids):
+            self._keep_drafts(out, res, accepted)
         for row in out.scheduled:
             k_s = row.num_draft_tokens
             if not k_s or row.seq.seq_id not in accepted:
@@ -265,6 +274,19 @@ class Speculation:
         if now - self._last_log >= LOG_PERIOD_S and stats.num_drafts:
             self._last_log = now
             logger.info("speculative decoding: %s", stats.summary())
+
+    def _keep_drafts(self, out: SchedulerOutput, res: StepResult, accepted: dict[int, int]) -> None:
+        """Each sampled sequence's k drafts, valid once its 1 + accepted tokens are appended."""
+        k = self.k
+        drafts = res.draft_token_ids.reshape(-1, k).tolist()
+        at = {s: i for i, s in enumerate(res.seq_ids.tolist())}
+        for row in out.scheduled:
+            i = at.get(row.seq.seq_id)
+            if i is None or not row.is_sampled:
+                continue
+            seq = row.seq
+            seq.proposed_drafts = drafts[i]
+            seq.proposed_at = seq.num_tokens + 1 + accepted[seq.seq_id]
 
 
 def make_speculation(
@@ -299,6 +321,20 @@ def check_draft_model(config: Config, arch: Any) -> None:
         raise ConfigError(
             f"speculative_config.model: the draft model's context ({draft.max_position} tokens) "
             f"is shorter than the engine's ({max_len}); lower model_config.max_model_len"
+        )
+
+
+def check_mtp(config: Config, arch: Any) -> None:
+    """MTP drafting needs a DeepSeek-family model whose checkpoint has MTP layers (checked before
+    launch)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "mtp":
+        return
+    if not arch.is_mla or arch.num_nextn_predict_layers < 1:
+        raise ConfigError(
+            f"speculative_config.method 'mtp': {config.model} has no multi-token-prediction "
+            f"layers (architecture {arch.architecture}, num_nextn_predict_layers "
+            f"{arch.num_nextn_predict_layers}); use 'ngram' or 'draft_model'"
         )
 
 
