@@ -2,8 +2,17 @@
 made by transformers with a multi-token-prediction layer added to its folder (mtp_harness.py), CPU:
 
 - the MTP layer's forward equals the formula written out in float64 (transformers' decoder layer
-  as its block); a checkpoint whose copy of the embedding is not the target's, or that has no MTP
-  tensors, is refused.
+  as its block); a checkpoint whose copy of the embedding is not the target's is refused;
+- every draft the engine proposes equals the formula's (float64, its k passes chained on the
+  sequence as it stands after the step), and the greedy tokens equal those without speculation:
+  k = 1 and 3, synchronous and async, chunked prefill, prefix caching over shared prefixes (the
+  last hit block recomputed), preemption; through the mp executor at TP = 2 and DP = 2;
+- a layer built to predict the target (`predicting_mtp`): position 0 accepted more than 80% of the
+  time and fewer engine steps than without speculation; the same layer with its hidden-state norm
+  100x too large: position 0 accepted under 30% of the time, which the per-position figures of
+  SpecDecodeStats show, and the same tokens;
+- capture: the drafter's first pass recorded at each request bucket's rows (bs x (k + 1)) and its
+  later passes at each capture size, for k = 1 and 3; replay, and eager passes counted.
 """
 
 from __future__ import annotations
@@ -19,13 +28,33 @@ from mtp_harness import (
     build_mtp_folder,
     reference_mtp_hidden,
     reference_mtp_logits,
+    save_mtp_layer,
     target_hidden,
 )
 
 from atomrt.runtime.config import Config
+from atomrt.runtime.driver.engine import LLMEngine
+from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
+from atomrt.runtime.sampling_params import SamplingParams
 from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.loading.loader import load_model
+
+SHARED = [5, 9, 14, 2, 77, 31, 8, 150, 66, 4, 12, 90]  # three blocks of 4: prefix-cache hits
+PROMPTS = [
+    [3, 17, 42, 99, 5, 8, 61],
+    SHARED + [7, 3],
+    [5, 6, 7, 8] * 4 + [5, 6],
+    SHARED + [101, 102, 103],
+    [7, 1, 120],
+]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 10, 16, 8, 6)
+]
+COMMON = dict(
+    device="cpu", enforce_eager=True, num_kv_blocks=64, max_num_seqs=8, worker_timeout_s=90.0
+)
+MIN_MARGIN = 1e-4  # the reference's drafts must not be near-ties (float32 could round them over)
 
 
 def _mtp(k: int) -> dict:
@@ -36,6 +65,20 @@ def _mtp(k: int) -> dict:
 def random_layer(tmp_path_factory) -> tuple[Path, MTPReference]:
     folder = tmp_path_factory.mktemp("mtp_random")
     return folder, build_mtp_folder(folder, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(random_layer) -> list[list[int]]:
+    return _generate(random_layer[0])[0]
+
+
+def _generate(folder: Path, prompts=PROMPTS, params=PARAMS, **kwargs):
+    llm = LLM(str(folder), **{**COMMON, **kwargs})
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.engine
+    finally:
+        llm.shutdown()
 
 
 # ------------------------------------------------------------------ the layer against the formula
@@ -77,12 +120,200 @@ def test_an_mtp_copy_of_the_embedding_must_be_the_targets(random_layer, tmp_path
         load_model(config, "cpu", torch.float32)
 
 
-def test_a_checkpoint_without_mtp_tensors_is_refused_with_a_reason(tmp_path):
-    """A checkpoint whose config promises an MTP layer but holds no tensors of it."""
+def test_a_model_without_mtp_layers_is_refused_with_reasons(tmp_path):
+    """A model with no MTP layers is refused before launch; a checkpoint whose config promises one
+    but holds no tensors of it, when its weights load."""
     from deepseek_harness import build_deepseek_folder
+    from executor_harness import build_tiny_llama
 
+    from atomrt.runtime.config import ConfigError
+
+    llama = build_tiny_llama(tmp_path / "llama")
+    with pytest.raises(ConfigError, match="has no multi-token-prediction layers"):
+        LLM(str(llama), **COMMON, speculative_config=_mtp(1))
     v3 = build_deepseek_folder(tmp_path / "v3", "v3")  # num_nextn_predict_layers: 1, no tensors
     assert json.loads((v3 / "config.json").read_text())["num_nextn_predict_layers"] == 1
     config = Config(model=str(v3), device="cpu", speculative_config=_mtp(1))
     with pytest.raises(ValueError, match="no tensors of the multi-token-prediction layer"):
         load_model(config, "cpu", torch.float32)
+
+
+# ------------------------------------------------------------------ the engine's drafts
+
+
+class _Drafts:
+    """The drafts each running sequence holds after each step, by its tokens then."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seen: dict[tuple[int, ...], list[int]] = {}
+        post = LLMEngine._postprocess
+
+        def recording(engine, outs, results):
+            out = post(engine, outs, results)
+            for scheduler in engine.schedulers:
+                for seq in scheduler.running:
+                    if seq.proposed_at == seq.num_tokens:
+                        self.seen[tuple(seq.token_ids)] = list(seq.proposed_drafts)
+            return out
+
+        monkeypatch.setattr(LLMEngine, "_postprocess", recording)
+
+
+def reference_drafts(ref: MTPReference, tokens: list[int], k: int) -> list[int]:
+    """The formula's k drafts after `tokens`: pass 0 over every position (h_t, x_{t+1}), its
+    output at the last one draft 0; pass j one row further on, with pass j-1's output and draft."""
+    hidden = target_hidden(ref, tokens)[:-1]
+    nxt, pos = torch.tensor(tokens[1:]), torch.arange(len(tokens) - 1)
+    drafts = []
+    for _ in range(k):
+        o = reference_mtp_hidden(ref, hidden, nxt, pos)
+        logits = reference_mtp_logits(ref, o[-1:])[0]
+        top = logits.topk(2).values
+        assert top[0] - top[1] > MIN_MARGIN, "a near-tie: the reference cannot decide"
+        drafts.append(int(logits.argmax()))
+        hidden = torch.cat([hidden, o[-1:]])
+        nxt = torch.cat([nxt, torch.tensor(drafts[-1:])])
+        pos = torch.cat([pos, pos[-1:] + 1])
+    return drafts
+
+
+@pytest.mark.parametrize(
+    "k, extra",
+    [
+        (1, {}),
+        (3, dict(async_scheduling=True)),
+        (3, dict(max_num_batched_tokens=8, block_size=4)),  # chunked prefill, cache hits
+        (3, dict(num_kv_blocks=14, block_size=4, enable_prefix_caching=False)),  # preemption
+        pytest.param(1, dict(executor="mp", tensor_parallel_size=2), id="mp-tp2"),
+        pytest.param(3, dict(executor="mp", data_parallel_size=2), id="mp-dp2"),
+    ],
+)
+def test_every_draft_is_the_formulas_and_tokens_do_not_change(
+    random_layer, reference_tokens, monkeypatch, k, extra
+):
+    folder, ref = random_layer
+    drafts = _Drafts(monkeypatch)
+    tokens, engine = _generate(folder, speculative_config=_mtp(k), **extra)
+    assert tokens == reference_tokens
+    stats = engine.stats.spec_decode
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= k * stats.num_drafts - 2 * k
+    assert len(stats.accepted_per_position) == k and stats.num_eager_draft_passes == 0
+    if extra.get("num_kv_blocks") == 14:
+        assert engine.schedulers[0].num_preemptions > 0
+    if extra.get("block_size") == 4 and "num_kv_blocks" not in extra:
+        assert engine.schedulers[0].block_manager.num_prefix_hit_tokens > 0
+    assert len(drafts.seen) >= 20
+    r64 = ref.double()
+    for seq_tokens, got in drafts.seen.items():
+        assert got == reference_drafts(r64, list(seq_tokens), k), len(seq_tokens)
+
+
+# ------------------------------------------------------------------ acceptance that means something
+
+RANDOM_PROMPTS = [[(37 * i + 11 * j) % 157 + 2 for j in range(8)] for i in range(8)]
+LONG = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def predicting(tmp_path_factory) -> dict[str, Path]:
+    """A layer built to predict the target, and the same layer with its hidden-state norm's
+    weights 100x too large (a wrongly normalised hidden state swamps its input)."""
+    good = tmp_path_factory.mktemp("mtp_predicting")
+    ref = build_mtp_folder(good, seed=1, predicting=True)
+    bad = tmp_path_factory.mktemp("mtp_bad_hnorm")
+    for f in good.iterdir():
+        shutil.copy(f, bad / f.name)
+    hidden_size = json.loads((good / "config.json").read_text())["hidden_size"]
+    save_mtp_layer(bad, ref, hnorm_scale=torch.full((hidden_size,), 100.0))
+    return {"good": good, "bad": bad}
+
+
+def _run(folder: Path, **kwargs):
+    return _generate(folder, RANDOM_PROMPTS, LONG, **kwargs)
+
+
+def test_a_layer_that_predicts_the_target_is_accepted_and_its_collapse_shows(predicting):
+    plain_tokens, plain = _run(predicting["good"])
+    tokens, engine = _run(predicting["good"], speculative_config=_mtp(3))
+    assert tokens == plain_tokens
+    stats = engine.stats.spec_decode
+    rates = stats.acceptance_rate_per_position
+    assert rates[0] > 0.8, stats.summary()  # seen: 0.94
+    steps, plain_steps = sum(engine.stats.steps.values()), sum(plain.stats.steps.values())
+    assert steps < 0.7 * plain_steps, (steps, plain_steps)  # seen: 16 against 32
+    bad_tokens, bad = _run(predicting["bad"], speculative_config=_mtp(3))
+    assert bad_tokens == plain_tokens  # the drafts never change a greedy token
+    bad_rates = bad.stats.spec_decode.acceptance_rate_per_position
+    assert bad_rates[0] < 0.3, bad.stats.spec_decode.summary()  # seen: 0.12
+    assert sum(bad.stats.steps.values()) > 0.9 * plain_steps
+
+
+# ------------------------------------------------------------------ graphs
+# Bookkept on CPU with the logging fake segment backend of tests/test_region_graph_cpu.py (real
+# recordings: tests/gpu/test_mtp_gpu.py).
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_capture_and_replay_keys_follow_the_guide(random_layer, k):
+    """`max_q_len = mtp_k + 1`: the target's request buckets are `request_bucket(bs, k + 1) ==
+    (bs, k)`; the drafter records its first pass at each of their row counts (bs * (k + 1)) and its
+    later passes at each capture size, largest first; a verify step of 3 requests replays bucket
+    (4, k) and both drafter recordings of its shape, on every DP rank alike; a missing recording
+    runs eagerly and is counted, a step the target ran eagerly is not."""
+    from test_region_graph_cpu import FakeBackend
+
+    from atomrt.graphs.buckets import request_bucket
+    from atomrt.graphs.draft_graph import DraftGraph
+    from atomrt.runtime.config import CompilationConfig
+    from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardKind
+    from atomrt.runtime.driver.forward_mode import ForwardMode
+    from atomrt.workers.runner.input_batch import dummy_decode_inputs
+    from atomrt.workers.runner.model_runner import ModelRunner
+
+    sizes = [1, 2, 4]
+    config = Config(
+        model=str(random_layer[0]),
+        device="cpu",
+        speculative_config=_mtp(k),
+        compilation_config=CompilationConfig(cudagraph_capture_sizes=sizes),
+    )
+    assert config.max_q_len == k + 1 and config.capture_q_lens == (k + 1,)
+    assert [request_bucket(bs, config.max_q_len) for bs in sizes] == [(bs, k) for bs in sizes]
+    runner = ModelRunner(config, torch.device("cpu"))
+    runner.allocate_kv_cache(16)
+    drafter = runner.spec.mtp
+    drafter.graphs_enabled = True
+    drafter.step_graph = DraftGraph(backend=FakeBackend([]))
+    drafter.row_graphs = {0: DraftGraph(backend=FakeBackend([]))} if k > 1 else {}
+    drafter.capture(runner, sizes)
+    step_rows = [bs * (k + 1) for bs in sizes]
+    assert drafter.step_graph.captured_sizes("decode") == step_rows
+    assert [n for n, _ in drafter.step_graph._recordings] == step_rows[::-1]  # largest first
+    assert drafter.step_graph.num_segments(step_rows[0], "decode") == 2  # broken at its attention
+    for graph in drafter.row_graphs.values():
+        assert graph.captured_sizes("decode") == sizes
+
+    captured = CapturedBuckets(req_keys=tuple((bs, k) for bs in sizes))
+    mode = ForwardMode(config, captured, k)
+    shapes = [BatchShape(3, 3 * (k + 1), k + 1, False), BatchShape(1, k + 1, k + 1, False)]
+    decision = mode.decide(shapes)  # two DP ranks: one decision
+    assert decision.kind is ForwardKind.REQ_GRAPH and decision.req_key == (4, k)
+    assert (decision.running_tokens, "decode") in drafter.step_graph
+    row_counts = set()
+    for shape in shapes:  # each DP rank stages its own batch: its later passes run the same rows
+        drafter.stage(dummy_decode_inputs(shape.num_seqs, k + 1), decision)
+        row_counts.add(drafter._step.row_bs)
+    assert row_counts == ({4} if k > 1 else {0})
+
+    rows = 3 * (k + 1)  # never recorded
+    assert drafter._replays_step(decision.running_tokens, decision)
+    assert drafter.num_eager_passes == 0
+    assert not drafter._replays_step(rows, decision) and drafter.num_eager_passes == 1
+    eager = type(decision)(ForwardKind.EAGER, 3, rows, False, k)
+    assert not drafter._replays_step(rows, eager)
+    assert drafter.num_eager_passes == 1  # the target ran eagerly too: not counted
+    for layer in drafter.row_graphs:
+        assert drafter._replays_rows(4, layer) and not drafter._replays_rows(8, layer)
+        assert drafter.num_eager_passes == 1  # 8 rows: beyond the ladder, eager as the target
+        del drafter.row_graphs[layer]._recordings[(4, None)]  # a bucket lost: counted
+        assert not drafter._replays_rows(4, layer) and drafter.num_eager_passes == 2

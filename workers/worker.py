@@ -217,10 +217,13 @@ class Worker:
             f"worker dp={self.dp_rank} tp={self.tp_rank}, step {pending.step}",
         )
         tokens = arrays.tokens
-        if self.runner.spec is not None:  # speculative decoding: each request's tokens
-            tokens = self.runner.spec.unpack(tokens)
+        drafts: list[int] = []
+        if self.runner.spec is not None:  # speculative decoding: each request's tokens (drafts)
+            tokens, drafts = self.runner.spec.unpack(tokens), self.runner.spec.unpack_drafts(tokens)
         self.mirrors.record_sampled(pending.seq_ids, tokens)
-        pending.result = self._result(pending.step, pending.seq_ids, tokens, arrays.logprobs)
+        pending.result = self._result(
+            pending.step, pending.seq_ids, tokens, arrays.logprobs, drafts
+        )
         if arrays.prompt_logprobs is not None:
             rows = pending.prompt_rows
             pending.result.prompt_logprobs = PromptLogprobs(
@@ -243,8 +246,11 @@ class Worker:
             self.runner.execute(inputs, decision, empty)
         return None if self.tp_rank != 0 else StepResult(step=plan.step, dp_rank=self.dp_rank)
 
-    def _result(self, step: int, seq_ids: list[int], tokens: list, logprobs: Any) -> StepResult:
-        """`tokens`: a token per request, or (speculative decoding) a list of tokens each."""
+    def _result(
+        self, step: int, seq_ids: list[int], tokens: list, logprobs: Any, drafts: list[int]
+    ) -> StepResult:
+        """`tokens`: a token per request, or (speculative decoding) a list of tokens each;
+        `drafts`: (MTP) each request's drafts for its next step, in turn."""
         spec = self.runner.spec
         res = StepResult(
             step=step,
@@ -256,6 +262,7 @@ class Worker:
             res.num_accepted = np.asarray([len(t) - 1 for t in tokens], dtype=np.int32)
             res.more_token_ids = np.asarray([x for t in tokens for x in t[1:]], dtype=np.int32)
             res.num_eager_draft_passes = spec.take_eager_passes()
+            res.draft_token_ids = np.asarray(drafts, dtype=np.int32)
         if logprobs is not None:
             res.logprobs, res.top_logprob_ids, res.top_logprobs = logprobs
         return res

@@ -124,8 +124,8 @@ class GraphRunner:
                     self._capture_one(runner, bs, max_q_len=q)
                 torch.cuda.synchronize()
                 self.largest_pool_bytes = self.largest_pool_bytes or (graph_pool_bytes() or 0)
-            if runner.spec is not None:  # the draft model's DraftGraphs, in the same pool
-                runner.spec.capture(sizes)
+            if runner.spec is not None:  # the drafter's DraftGraphs, in the same pool
+                runner.spec.capture(runner, sizes)
         finally:
             gc.enable()
         elapsed = time.perf_counter() - start

@@ -119,6 +119,9 @@ class StepInputs:
     num_draft_tokens: Optional[np.ndarray] = None
     logits_rows: Optional[np.ndarray] = None
     prompt_rows: Optional[PromptRows] = None  # rows that compute prompt logprobs
+    # MTP drafting: int64 [bs], the token after the rows of a sequence that samples nothing this
+    # step (a prompt chunk that is not the last), -1 elsewhere (RankBatch.next_token_ids)
+    next_token_ids: Optional[np.ndarray] = None
 
     @property
     def num_seqs(self) -> int:
@@ -240,6 +243,9 @@ class SeqMirrors:
             num_draft_tokens=num_drafts,
             logits_rows=logits_rows,
             prompt_rows=prompt_rows,
+            next_token_ids=batch.next_token_ids.astype(np.int64)
+            if batch.next_token_ids.size
+            else None,
         )
 
     def _prompt_rows(

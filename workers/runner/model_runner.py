@@ -33,6 +33,7 @@ from atomrt.workers.runner.sampler import Sampler, SamplerOutput, SamplingTensor
 from atomrt.workers.runner.step_buffers import RunnerShape, StepBuffers
 from atomrt.workers.runner.token_pool import TokenPool
 from atomrt.workers.runner.ubatch import SplitStep, UbatchRunner
+from atomrt.workers.spec_decode.mtp import TargetStep
 from atomrt.workers.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,9 @@ class ModelRunner:
         spec = config.speculative_config
         self.spec: Optional[Speculator] = None  # speculative decoding
         if spec is not None:
-            self.spec = Speculator(config, device, dtype, tp, self.shape, self.graphs.enabled)
+            self.spec = Speculator(
+                config, device, dtype, tp, self.shape, self.graphs.enabled, self.model, dp
+            )
         self.tokens: Optional[TokenPool] = None  # async scheduling's and a drafter's token state
         if sc.async_scheduling or (spec is not None and spec.method == "draft_model"):
             self.tokens = TokenPool(
@@ -107,7 +110,8 @@ class ModelRunner:
             self.graphs.packed_bucket,
             config.max_q_len,
         )
-        width = self.spec.width if self.spec is not None else 1  # tokens read back per request
+        # values read back per request: its token, or its tokens and drafts
+        width = self.spec.readback_width if self.spec is not None else 1
         self.readbacks = Readbacks(device, self.shape.max_num_seqs * width)
         self.ubatch: Optional[UbatchRunner] = None  # two-batch overlap
         if config.parallel_config.enable_tbo != "none":
@@ -164,7 +168,7 @@ class ModelRunner:
             self.ubatch.stage(split)
         spec = None  # speculative decoding: draft (a draft model) and describe the drafts
         if self.spec is not None:
-            spec = self.spec.prepare(inputs, sampling, self.tokens, logits_indices)
+            spec = self.spec.prepare(inputs, sampling, self.tokens, logits_indices, decision)
         self.buffers.staged()
         if decision.req_key is None:  # a whole-step graph gathers them itself
             self.buffers.gather_input_ids(rows)
@@ -182,11 +186,19 @@ class ModelRunner:
             out = self.run_model(
                 self.buffers.forward_vars["input_ids"][:rows], decision, logits_indices, split
             )
-        sampled = self._sample(out, inputs, sampling, spec)
-        if inputs.prompt_rows is not None:  # prompt logprobs: the rows of requests that asked
-            sampled.prompt_logprobs = compute_prompt_logprobs(
+        target = None  # what an MTP drafter drafts from, after the tokens are sampled
+        if self.spec is not None and self.spec.mtp is not None:
+            ids = self.buffers.forward_vars["input_ids"][:rows]
+            target = TargetStep(
+                decision, md, context, dp, ids, out.hidden_states, self.attn_layers, self.kv_cache
+            )
+        prompt_logprobs = None  # the rows of requests that asked, before drafts reuse buffers
+        if inputs.prompt_rows is not None:
+            prompt_logprobs = compute_prompt_logprobs(
                 self.model, out.hidden_states, inputs.prompt_rows
             )
+        sampled = self._sample(out, inputs, sampling, spec, target)
+        sampled.prompt_logprobs = prompt_logprobs
         return sampled
 
     def _sample(
@@ -195,18 +207,22 @@ class ModelRunner:
         inputs: StepInputs,
         sampling: SamplingTensors,
         spec: Optional[SpecDecodeMetadata],
+        target: Optional[TargetStep],
     ) -> SamplerOutput:
         num_sampled = int(inputs.sample_rows.shape[0])
         if num_sampled == 0:  # an idle DP rank's dummy batch, or prompt chunks that sample nothing
+            if self.spec is not None:  # an MTP drafter's passes run too
+                self.spec.draft_next(target, None, sampling)
             return SamplerOutput(out.logits.new_empty(0, dtype=torch.int64))
         if (
             self.spec is not None
         ):  # verify the drafts; only a step without drafts feeds pending rows
             argmax = out.tokens[: out.logits.shape[0]] if out.tokens is not None else None
             sampled = self.spec.sample(out.logits, argmax, sampling, self.sampler, spec)
+            sampled = self.spec.draft_next(target, sampled, sampling)
             if spec is None and self.tokens is not None:  # no drafts: the next step may run ahead
                 self.tokens.keep(
-                    sampled.sampled_token_ids.view(-1, self.spec.width)[:, 1].contiguous(),
+                    sampled.sampled_token_ids.view(-1, self.spec.readback_width)[:, 1].contiguous(),
                     sampling.all_greedy and not sampling.do_penalties,
                     self.tp,
                 )

@@ -6,22 +6,28 @@
 - `prepare`: with a draft model, the drafter runs (every step: its KV cache follows the target's
   tokens) and fills the step's draft rows in the runner's token pool, on each DP rank's TP rank 0,
   which holds the drafter; the other TP ranks receive the drafts by broadcast, since every rank
-  feeds the target the same rows. N-gram drafts come in the plan. Returns the step's
-  `SpecDecodeMetadata` (None when no row verifies drafts), which the target's forward context holds.
+  feeds the target the same rows. N-gram and MTP drafts come in the plan (an MTP drafter stages
+  what its passes need here). Returns the step's `SpecDecodeMetadata` (None when no row verifies
+  drafts), which the target's forward context holds.
 - `sample`: requests without drafts sample their row with the sampler (penalties, logprobs and
   all); requests with drafts are verified by the rejection sampler against the target's logits of
   their rows. The step's tokens leave packed, `width = k + 2` int64 per sampled request:
   `[drafts accepted m, token 0, ..., token m, -1 ...]`; `unpack` turns them into token lists.
   A plain greedy step (every request greedy, no penalties, no logprobs) verifies on a layout
   staged before the forward: a handful of kernels and no wait on the host after it.
+- `draft_next`: with MTP, the target's own MTP layers draft each sampled request's next k tokens
+  from the step's hidden states and tokens (workers/spec_decode/mtp.py), on every rank; the drafts
+  ride after the request's tokens (`readback_width = width + k`), and `unpack_drafts` takes them.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
-from atomrt.distributed.communication_op import TPInfo, tp_broadcast
+from atomrt.distributed.communication_op import DPInfo, TPInfo, tp_broadcast
 from atomrt.runtime.config import Config
 from atomrt.runtime.forward_context import SpecDecodeMetadata
 from atomrt.workers.runner.input_batch import StepInputs
@@ -35,10 +41,14 @@ from atomrt.workers.runner.sampler import (
 from atomrt.workers.runner.step_buffers import RunnerShape
 from atomrt.workers.runner.token_pool import TokenPool
 from atomrt.workers.spec_decode.draft_model import DraftModel
+from atomrt.workers.spec_decode.mtp import MTPDrafter, TargetStep
 from atomrt.workers.spec_decode.rejection_sampler import rejection_sample, select_rows
 
 
 class Speculator:
+    mtp: Optional[MTPDrafter] = None  # method "mtp": the target's MTP layers
+    mtp_width = 0  # MTP: the drafts each request's readback carries after its tokens
+
     def __init__(
         self,
         config: Config,
@@ -47,8 +57,11 @@ class Speculator:
         tp: TPInfo,
         shape: RunnerShape,
         graphs_enabled: bool,
+        model: Optional[torch.nn.Module] = None,
+        dp: DPInfo = DPInfo(),
     ) -> None:
-        """`shape`: the runner's RunnerShape (buffer sizes); a drafter is built on TP rank 0."""
+        """`shape`: the runner's RunnerShape (buffer sizes); a draft model is built on TP rank 0;
+        `model`: the target, whose MTP layers draft with method "mtp" (on every rank)."""
         spec = config.speculative_config
         assert spec is not None
         self.k = spec.num_speculative_tokens
@@ -59,6 +72,14 @@ class Speculator:
         self.drafter = None
         if self.uses_draft_model and tp.tp_rank == 0:
             self.drafter = DraftModel(config, device, dtype, shape, graphs_enabled)
+        if spec.method == "mtp":
+            self.mtp = MTPDrafter(model, config, device, shape, graphs_enabled, dp)
+            self.mtp_width = self.k
+
+    @property
+    def readback_width(self) -> int:
+        """int64 values a sampled request reads back: its packed tokens, then its MTP drafts."""
+        return self.width + self.mtp_width
 
     # ---------------------------------------------------------------- set-up
 
@@ -69,15 +90,20 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
 
-    def capture(self, sizes: list[int]) -> None:
+    def capture(self, runner: object, sizes: list[int]) -> None:
+        """Record the drafter's DraftGraphs (after the target's: `runner` stages an MTP drafter's
+        first pass as the target's steps)."""
         if self.drafter is not None:
             self.drafter.capture(sizes)
+        if self.mtp is not None:
+            self.mtp.capture(runner, sizes)
 
     def take_eager_passes(self) -> int:
         """Draft passes that ran eagerly with graphs on since the last call."""
-        if self.drafter is None:
+        drafter = self.drafter if self.drafter is not None else self.mtp
+        if drafter is None:
             return 0
-        n, self.drafter.num_eager_passes = self.drafter.num_eager_passes, 0
+        n, drafter.num_eager_passes = drafter.num_eager_passes, 0
         return n
 
     # ---------------------------------------------------------------- one step
@@ -88,10 +114,14 @@ class Speculator:
         sampling: SamplingTensors,
         tokens: TokenPool | None,
         logits_indices: object,
+        decision: object = None,
     ) -> SpecDecodeMetadata | None:
         """Draft (a draft model fills the draft rows, which read `tokens.draft_tokens` at their
-        row) and describe the step's drafts; None when no row verifies any."""
+        row; an MTP drafter stages its passes' host data) and describe the step's drafts; None
+        when no row verifies any. `decision`: the step's ForwardDecision (MTP)."""
         draft_probs = None
+        if self.mtp is not None:
+            self.mtp.stage(inputs, decision)
         if self.uses_draft_model:
             if self.drafter is not None:  # every step: the drafter's KV follows the target's
                 draft_probs = self.drafter.propose(inputs, sampling, tokens.draft_tokens)
@@ -240,10 +270,35 @@ class Speculator:
         packed[:, 1] = out.sampled_token_ids
         return SamplerOutput(packed.flatten(), out.logprobs)
 
+    def draft_next(
+        self, step: TargetStep, sampled: Optional[SamplerOutput], sampling: SamplingTensors
+    ) -> Optional[SamplerOutput]:
+        """MTP: draft each sampled request's next tokens, and append them to its packed tokens
+        (`readback_width` each). `sampled`: `sample`'s output (None on an idle DP rank, which runs
+        the passes all the same). Without MTP, `sampled` as it is."""
+        if self.mtp is None:
+            return sampled
+        packed = None
+        if sampled is not None:
+            packed = sampled.sampled_token_ids.view(-1, self.width)
+            if self.tp.tp_size > 1 and not (sampling.all_greedy and not sampling.do_penalties):
+                tp_broadcast(packed, self.tp)  # every rank drafts from TP rank 0's tokens
+        drafts = self.mtp.propose(step, packed)
+        if sampled is None:
+            return None
+        return SamplerOutput(torch.cat([packed, drafts], dim=1).flatten(), sampled.logprobs)
+
     def unpack(self, flat: list[int]) -> list[list[int]]:
         """Per sampled request, the tokens it emitted (from `sample`'s packing)."""
-        w = self.width
+        w = self.readback_width
         return [flat[i + 1 : i + 2 + flat[i]] for i in range(0, len(flat), w)]
+
+    def unpack_drafts(self, flat: list[int]) -> list[int]:
+        """MTP: every sampled request's drafts for its next step, in turn ([] without MTP)."""
+        w, k = self.readback_width, self.mtp_width
+        if not k:
+            return []
+        return [x for i in range(0, len(flat), w) for x in flat[i + self.width : i + w]]
 
     def _index(self, a: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(a, dtype=torch.int64, device=self.device)
