@@ -78,6 +78,12 @@ class CoreStats:
     steps_req_graph: int = 0
     steps_token_graph: int = 0
     padded_tokens: int = 0
+    # speculative decoding (running totals): verify steps per sequence, draft tokens verified,
+    # accepted, and accepted per draft position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass

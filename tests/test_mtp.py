@@ -10,7 +10,7 @@ made by transformers with a multi-token-prediction layer added to its folder (mt
 - a layer built to predict the target (`predicting_mtp`): position 0 accepted more than 80% of the
   time and fewer engine steps than without speculation; the same layer with its hidden-state norm
   100x too large: position 0 accepted under 30% of the time, which the per-position figures of
-  SpecDecodeStats show, and the same tokens;
+  SpecDecodeStats and /metrics show, and the same tokens;
 - capture: the drafter's first pass recorded at each request bucket's rows (bs x (k + 1)) and its
   later passes at each capture size, for k = 1 and 3; replay, and eager passes counted.
 """
@@ -32,9 +32,12 @@ from mtp_harness import (
     target_hidden,
 )
 
+from atomrt.distributed.messages import CoreOutputs, decode, encode
 from atomrt.runtime.config import Config
 from atomrt.runtime.driver.engine import LLMEngine
+from atomrt.runtime.entrypoints.engine_core import core_stats
 from atomrt.runtime.entrypoints.llm import LLM
+from atomrt.runtime.entrypoints.openai.metrics import ServerMetrics
 from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
 from atomrt.runtime.sampling_params import SamplingParams
 from atomrt.workers.layers.attention import collect_attention_layers
@@ -232,6 +235,25 @@ def _run(folder: Path, **kwargs):
     return _generate(folder, RANDOM_PROMPTS, LONG, **kwargs)
 
 
+def _per_position_metric(engine: LLMEngine) -> list[float]:
+    """Acceptance per draft position as /metrics exports it (the engine core's stats through the
+    wire codec, as they reach the API process): accepted at the position over drafts."""
+    stats = decode(encode(CoreOutputs(stats=core_stats(engine)))).stats
+    metrics = ServerMetrics("m")
+    metrics.engine_stats(stats)
+    text = metrics.render().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        values[name] = float(value)
+    drafts = values['atomrt:spec_decode_num_drafts_total{model_name="m"}']
+    k = engine.speculation.k
+    per_pos = 'atomrt:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="%d"}'
+    return [values[per_pos % i] / drafts for i in range(k)]
+
+
 def test_a_layer_that_predicts_the_target_is_accepted_and_its_collapse_shows(predicting):
     plain_tokens, plain = _run(predicting["good"])
     tokens, engine = _run(predicting["good"], speculative_config=_mtp(3))
@@ -241,10 +263,12 @@ def test_a_layer_that_predicts_the_target_is_accepted_and_its_collapse_shows(pre
     assert rates[0] > 0.8, stats.summary()  # seen: 0.94
     steps, plain_steps = sum(engine.stats.steps.values()), sum(plain.stats.steps.values())
     assert steps < 0.7 * plain_steps, (steps, plain_steps)  # seen: 16 against 32
+    assert _per_position_metric(engine) == pytest.approx(rates)
     bad_tokens, bad = _run(predicting["bad"], speculative_config=_mtp(3))
     assert bad_tokens == plain_tokens  # the drafts never change a greedy token
     bad_rates = bad.stats.spec_decode.acceptance_rate_per_position
     assert bad_rates[0] < 0.3, bad.stats.spec_decode.summary()  # seen: 0.12
+    assert _per_position_metric(bad) == pytest.approx(bad_rates)
     assert sum(bad.stats.steps.values()) > 0.9 * plain_steps
 
 
@@ -317,3 +341,37 @@ def test_capture_and_replay_keys_follow_the_guide(random_layer, k):
         assert drafter.num_eager_passes == 1  # 8 rows: beyond the ladder, eager as the target
         del drafter.row_graphs[layer]._recordings[(4, None)]  # a bucket lost: counted
         assert not drafter._replays_rows(4, layer) and drafter.num_eager_passes == 2
+
+
+@pytest.mark.slow
+def test_served_metrics_show_acceptance_per_position(predicting, tmp_path):
+    """`atomrt serve --speculative-config` with the predicting layer, over real HTTP with the
+    official client: /metrics carries vLLM's speculative-decoding counters, per position."""
+    from executor_harness import VOCAB, build_tiny_llama
+    from test_server import CPU_FLAGS, Server
+
+    words = build_tiny_llama(tmp_path / "words")  # its tokenizer: token i is the word "w<i>"
+    for f in words.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, predicting["good"] / f.name)
+    spec = json.dumps(_mtp(3))
+    model = ["--model", str(predicting["good"]), "--served-model-name", "mtp"]
+    server = Server([*model, *CPU_FLAGS, "--speculative-config", spec])
+    try:
+        client = server.client()
+        for prompt in RANDOM_PROMPTS:
+            out = client.completions.create(
+                model="mtp",
+                prompt=" ".join(f"w{t % VOCAB}" for t in prompt),
+                max_tokens=24,
+                temperature=0,
+            )
+            assert out.usage.completion_tokens > 0
+        drafts = server.metric("atomrt:spec_decode_num_drafts_total")
+        at = 'atomrt:spec_decode_num_accepted_tokens_per_pos_total{model_name="mtp",position="%d"}'
+        per_pos = [server.metric(at % i) / drafts for i in range(3)]
+        assert drafts > 0 and per_pos[0] > 0.8 and per_pos[0] >= per_pos[1] >= per_pos[2]
+        accepted = server.metric("atomrt:spec_decode_num_accepted_tokens_total")
+        assert accepted <= server.metric("atomrt:spec_decode_num_draft_tokens_total")
+    finally:
+        assert server.stop() == 0

@@ -170,7 +170,7 @@ def core_stats(engine: LLMEngine) -> CoreStats:
     schedulers = engine.schedulers
     blocks = sum(s.block_manager.num_blocks for s in schedulers)
     used = sum(s.block_manager.num_used_blocks for s in schedulers)
-    return CoreStats(
+    stats = CoreStats(
         time=time.time(),
         num_running=sum(len(s.running) for s in schedulers),
         num_waiting=sum(len(s.waiting) for s in schedulers),
@@ -181,6 +181,13 @@ def core_stats(engine: LLMEngine) -> CoreStats:
         steps_token_graph=engine.stats.steps["token_graph"],
         padded_tokens=engine.stats.padded_tokens,
     )
+    spec = engine.stats.spec_decode
+    if spec is not None:
+        stats.spec_num_drafts = spec.num_drafts
+        stats.spec_num_draft_tokens = spec.num_draft_tokens
+        stats.spec_num_accepted_tokens = spec.num_accepted_tokens
+        stats.spec_accepted_per_position = list(spec.accepted_per_position)
+    return stats
 
 
 def core_output(out: RequestOutput) -> CoreOutput:

@@ -99,6 +99,25 @@ class ServerMetrics:
         self.capture_seconds = Gauge(
             "atomrt:capture_seconds", "CUDA-graph capture time", labels, registry=r
         )
+        # speculative decoding, as vLLM names it
+        self.spec_drafts = Counter(
+            "atomrt:spec_decode_num_drafts",
+            "Verify steps of a sequence with drafts",
+            labels,
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "atomrt:spec_decode_num_draft_tokens", "Draft tokens verified", labels, registry=r
+        )
+        self.spec_accepted = Counter(
+            "atomrt:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels, registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "atomrt:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first)",
+            labels + ["position"],
+            registry=r,
+        )
         # the children the per-token path observes, bound once
         self._generated = self.generation_tokens.labels(model_name)
         self._itl = self.itl.labels(model_name)
@@ -122,6 +141,14 @@ class ServerMetrics:
         self._advance(self.steps, "req_graph", stats.steps_req_graph, "req_graph")
         self._advance(self.steps, "token_graph", stats.steps_token_graph, "token_graph")
         self._advance(self.padded, "padded", stats.padded_tokens)
+        if stats.spec_num_drafts:  # every position shows, a collapse to 0 too
+            self._advance(self.spec_drafts, "spec_drafts", stats.spec_num_drafts)
+            self._advance(self.spec_draft_tokens, "spec_draft_tokens", stats.spec_num_draft_tokens)
+            self.spec_accepted.labels(m)
+            self._advance(self.spec_accepted, "spec_accepted", stats.spec_num_accepted_tokens)
+            for pos, total in enumerate(stats.spec_accepted_per_position):
+                self.spec_accepted_per_pos.labels(m, str(pos))
+                self._advance(self.spec_accepted_per_pos, f"spec_pos{pos}", total, str(pos))
 
     def request_in(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model).inc(num_prompt_tokens)
