@@ -218,6 +218,8 @@ class StepResult:
     prompt_logprobs: Optional[PromptLogprobs] = None  # when a row asked and ran prompt rows
     # MTP drafting: int32 [n * k], each sampled sequence's k drafts for its next step, in turn
     draft_token_ids: np.ndarray = field(default_factory=_i32)
+    # Seconds the step's draft passes took (device time, measured on TP rank 0)
+    draft_seconds: float = 0.0
 
 
 @dataclass

@@ -18,7 +18,7 @@ from atomrt.runtime.bench.latency import (
     mode_settings,
 )
 from atomrt.runtime.bench.records import RATIO_TOLERANCE
-from atomrt.runtime.bench.spec_decode import SpecRow, compare_tokens, prompts_for
+from atomrt.runtime.bench.spec_decode import SpecRow, compare_tokens, prompts_for, step_costs
 from atomrt.runtime.bench.targets import env_variant
 from atomrt.runtime.config import ConfigError, CUDAGraphMode
 
@@ -269,6 +269,34 @@ def test_a_refilled_run_keeps_the_batch_full_and_times_every_token(
         assert r["same_tokens"] == 5 and r["first_difference"] is None
     with pytest.raises(SystemExit):  # without --speculative-config it means nothing
         main(argv)
+
+
+def test_an_mtp_run_reports_the_step_costs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--speculative-config with MTP on the tiny DeepSeek-V3 preset's dummy weights (its MTP layer
+    included): acceptance means nothing there, so each speculative row says what its step, its
+    draft passes and the verify step cost against the plain step of the same workload."""
+    out = tmp_path / "mtp.json"
+    argv = ["--model", "tiny-deepseek-v3", "--load-format", "dummy", "--device", "cpu"]
+    argv += ["--modes", "eager", "--batch-sizes", "2", "--input-len", "8", "--decode-steps", "6"]
+    argv += ["--warmup-steps", "1", "--json", str(out)]
+    spec = '{"method": "mtp", "num_speculative_tokens": 1}'
+    assert main(argv + ["--speculative-config", spec]) == 0
+    report = json.loads(out.read_text())
+    assert report["errors"] == []
+    off, on = report["rows"][0:2]
+    assert off["ms_per_step"] > 0 and off["draft_ms_per_step"] is None
+    assert on["speculative"] == "mtp k=1" and on["same_tokens"] == 2
+    assert 0 < on["draft_ms_per_step"] < on["ms_per_step"] and on["drafted_tokens"] > 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if "step costs:" in line]
+    assert len(printed) == 2  # one under each speculative row
+    costs = step_costs(SpecRow(**on), SpecRow(**off))
+    assert costs["draft_ms"] == on["draft_ms_per_step"]
+    assert costs["verify_ms"] == pytest.approx(
+        on["ms_per_step"] - on["draft_ms_per_step"], abs=1e-3
+    )
+    assert costs["break_even_tokens"] == pytest.approx(
+        on["ms_per_step"] / off["ms_per_step"], rel=1e-2
+    )
 
 
 def test_compare_tokens_names_the_first_difference() -> None:

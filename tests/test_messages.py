@@ -195,6 +195,7 @@ def step_results(draw):
         draft_token_ids=draw(arrays(np.int32, i32, shape=st.just((n * k,))))
         if spec
         else np.zeros(0, np.int32),
+        draft_seconds=draw(st.floats(0, 10, allow_nan=False)),
     )
 
 
@@ -451,7 +452,7 @@ def test_bad_declared_array_bytes_raise_message_error():
     import msgpack
 
     wire = msgpack.packb(
-        [4, 0, 0, b"\x00" * 12, b"", None, None, None, None, b"", b"", 0, None, b""],
+        [4, 0, 0, b"\x00" * 12, b"", None, None, None, None, b"", b"", 0, None, b"", 0.0],
         use_bin_type=True,
     )  # 12 B: not int64s
     with pytest.raises(MessageError, match="malformed StepResult"):

@@ -263,6 +263,7 @@ class Worker:
             res.more_token_ids = np.asarray([x for t in tokens for x in t[1:]], dtype=np.int32)
             res.num_eager_draft_passes = spec.take_eager_passes()
             res.draft_token_ids = np.asarray(drafts, dtype=np.int32)
+            res.draft_seconds = spec.take_draft_seconds()
         if logprobs is not None:
             res.logprobs, res.top_logprob_ids, res.top_logprobs = logprobs
         return res

@@ -16,6 +16,12 @@ the steady state a server sees.
 Greedy speculation must not change a token: every row records how many requests produced the same
 tokens as without speculation; a difference is an error in float32 (in half precision a verify
 pass's batch shape can round a near-tie the other way, so it is reported, not failed).
+
+Step costs: every row has its wall time per engine step; a speculative row also the device time of
+its draft passes per step (measured on TP rank 0). A line under it sets them against the plain
+step of the same workload: what a verify step and its drafting cost whatever the acceptance (with
+dummy weights the acceptance means nothing, the costs do): speculation gains when a step's tokens,
+1 + the mean accepted drafts, exceed (verify + draft) / plain.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ class SpecRow:
     drafted_tokens: int
     accepted_tokens: int
     eager_draft_passes: int
+    ms_per_step: float = 0.0  # wall time per engine step
+    draft_ms_per_step: Optional[float] = None  # the draft passes' device time per step
     speedup: Optional[float] = None  # tokens/s over the same workload without speculation
     num_requests: Optional[int] = None  # a refilled run's requests (bs of them in flight)
     same_tokens: Optional[int] = None  # requests whose tokens equal those without speculation
@@ -196,10 +204,13 @@ class _Counters:
     ) -> SpecRow:
         stats = self.engine.stats
         after = _snapshot(stats.spec_decode)
-        drafts, drafted, accepted, eager = (a - b for a, b in zip(after[:4], self.spec[:4]))
+        drafts, drafted, accepted, eager, draft_s = (
+            a - b for a, b in zip(after[:5], self.spec[:5])
+        )
         per_pos = None
         if drafts:
-            per_pos = [round((a - b) / drafts, 3) for a, b in zip(after[4], self.spec[4])]
+            per_pos = [round((a - b) / drafts, 3) for a, b in zip(after[5], self.spec[5])]
+        steps = sum(stats.steps.values()) - self.steps
         return SpecRow(
             model=args.current_model,
             mode=args.current_mode,
@@ -209,12 +220,16 @@ class _Counters:
             decode_tokens=num_tokens,
             decode_s=round(seconds, 4),
             tokens_per_s=round(num_tokens / max(seconds, 1e-9), 1),
-            engine_steps=sum(stats.steps.values()) - self.steps,
+            engine_steps=steps,
             mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else None,
             acceptance_per_position=per_pos,
             drafted_tokens=drafted,
             accepted_tokens=accepted,
             eager_draft_passes=eager,
+            ms_per_step=round(1000 * seconds / max(steps, 1), 4),
+            draft_ms_per_step=round(1000 * draft_s / max(steps, 1), 4)
+            if stats.spec_decode is not None
+            else None,
             policy=_policy_delta(self.phases, _policy_totals(self.policy)),
         )
 
@@ -271,14 +286,16 @@ def _warm_up(llm: Any, bs: int, args: argparse.Namespace) -> None:
 
 
 def _snapshot(spec: Any) -> tuple:
-    """(drafts, drafted tokens, accepted tokens, eager draft passes, accepted per position)."""
+    """(drafts, drafted tokens, accepted tokens, eager draft passes, draft seconds, accepted per
+    position)."""
     if spec is None:
-        return (0, 0, 0, 0, [])
+        return (0, 0, 0, 0, 0.0, [])
     return (
         spec.num_drafts,
         spec.num_draft_tokens,
         spec.num_accepted_tokens,
         spec.num_eager_draft_passes,
+        spec.draft_seconds,
         list(spec.accepted_per_position),
     )
 
@@ -368,6 +385,8 @@ def _run_group(
                         compare_tokens(row, off.tokens or [])
                     report.rows.append(row)
                     print(_line(row), flush=True)
+                    if name != "off" and off is not None:
+                        print(_cost_line(row, off), flush=True)
                     if row.policy is not None:
                         print(_policy_line(row.policy), flush=True)
                     if row.first_difference and _float32(args, on_cuda):
@@ -410,6 +429,39 @@ def _line(r: SpecRow) -> str:
         f"{r.model[-24:]:<24} {r.mode:<10} {r.batch_size:>3} {r.workload:<10} "
         f"{r.speculative:<16} {r.tokens_per_s:>9.1f} {speedup:>7} {accept:>10} "
         f"{r.engine_steps:>6} {same:>5}  {per_pos}"
+    )
+
+
+def step_costs(row: SpecRow, off: SpecRow) -> dict[str, Optional[float]]:
+    """A speculative row's step against the plain one of the same workload: ms of each, the
+    speculative step split into its draft passes and the rest (the verify step), and those over
+    the plain step."""
+    plain, spec = off.ms_per_step, row.ms_per_step
+    draft = row.draft_ms_per_step or 0.0
+    verify = max(spec - draft, 0.0)
+    ratio = (lambda x: round(x / plain, 3)) if plain > 0 else (lambda x: None)
+    return {
+        "plain_ms": plain,
+        "speculative_ms": spec,
+        "verify_ms": round(verify, 4),
+        "draft_ms": round(draft, 4),
+        "verify_over_plain": ratio(verify),
+        "draft_over_plain": ratio(draft),
+        "break_even_tokens": ratio(spec),
+    }
+
+
+def _cost_line(row: SpecRow, off: SpecRow) -> str:
+    c = step_costs(row, off)
+
+    def x(v: Optional[float]) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    return (
+        f"    step costs: plain {c['plain_ms']:.3f} ms; speculative {c['speculative_ms']:.3f} ms "
+        f"= verify {c['verify_ms']:.3f} ms ({x(c['verify_over_plain'])} plain) + draft "
+        f"{c['draft_ms']:.3f} ms ({x(c['draft_over_plain'])} plain); speculation gains above "
+        f"{x(c['break_even_tokens'])[:-1]} tokens per step"
     )
 
 

@@ -58,6 +58,7 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k]
     num_eager_draft_passes: int = 0  # drafter passes that ran eagerly with graphs on
+    draft_seconds: float = 0.0  # device time of the drafters' passes (TP rank 0 of each DP rank)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -255,6 +256,7 @@ class Speculation:
         tokens: the drafts follow them)."""
         stats = self.stats
         stats.num_eager_draft_passes += res.num_eager_draft_passes
+        stats.draft_seconds += res.draft_seconds
         if not len(res.num_accepted):
             return
         accepted = dict(zip(res.seq_ids.tolist(), res.num_accepted.tolist()))

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import numpy as np
@@ -43,6 +44,52 @@ from atomrt.workers.runner.token_pool import TokenPool
 from atomrt.workers.spec_decode.draft_model import DraftModel
 from atomrt.workers.spec_decode.mtp import MTPDrafter, TargetStep
 from atomrt.workers.spec_decode.rejection_sampler import rejection_sample, select_rows
+
+
+class DraftTimer:
+    """The device time of a step's draft passes: CUDA events around them, read once the step's
+    tokens are back (no wait of its own); on the CPU, where a pass has run when it returns, the
+    host clock."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        """`enabled`: on the rank that reports it (TP rank 0)."""
+        self.enabled = enabled
+        self.cuda = device.type == "cuda"
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.seconds = 0.0
+        self._start: object = None
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if not self.enabled:
+            return
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((self._start, end))
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        """Seconds of the passes that ended since the last call (a step launched ahead, whose
+        passes may still run, counts at the next)."""
+        seconds, self.seconds = self.seconds, 0.0
+        done = 0
+        for start, end in self.events:
+            if not end.query():
+                break
+            seconds += start.elapsed_time(end) / 1000
+            done += 1
+        del self.events[:done]
+        return seconds
 
 
 class Speculator:
@@ -75,6 +122,7 @@ class Speculator:
         if spec.method == "mtp":
             self.mtp = MTPDrafter(model, config, device, shape, graphs_enabled, dp)
             self.mtp_width = self.k
+        self.timer = DraftTimer(device, enabled=tp.tp_rank == 0)
 
     @property
     def readback_width(self) -> int:
@@ -106,6 +154,10 @@ class Speculator:
         n, drafter.num_eager_passes = drafter.num_eager_passes, 0
         return n
 
+    def take_draft_seconds(self) -> float:
+        """Seconds of draft passes since the last call (steps whose tokens are back)."""
+        return self.timer.take()
+
     # ---------------------------------------------------------------- one step
 
     def prepare(
@@ -124,7 +176,9 @@ class Speculator:
             self.mtp.stage(inputs, decision)
         if self.uses_draft_model:
             if self.drafter is not None:  # every step: the drafter's KV follows the target's
+                self.timer.start()
                 draft_probs = self.drafter.propose(inputs, sampling, tokens.draft_tokens)
+                self.timer.stop()
             if inputs.num_draft_tokens is not None:
                 tp_broadcast(tokens.draft_tokens[: inputs.num_tokens], self.tp)
         if inputs.num_draft_tokens is None:
@@ -283,7 +337,9 @@ class Speculator:
             packed = sampled.sampled_token_ids.view(-1, self.width)
             if self.tp.tp_size > 1 and not (sampling.all_greedy and not sampling.do_penalties):
                 tp_broadcast(packed, self.tp)  # every rank drafts from TP rank 0's tokens
+        self.timer.start()
         drafts = self.mtp.propose(step, packed)
+        self.timer.stop()
         if sampled is None:
             return None
         return SamplerOutput(torch.cat([packed, drafts], dim=1).flatten(), sampled.logprobs)
