@@ -24,7 +24,10 @@ of which the target accepted `m` (emitting the accepted drafts and one token `c`
 
 Drafts are greedy (the argmax of the shared LM head): the rejection sampler judges a sampled
 request's drafts as one-hot proposals, as n-gram ones. Pass j runs MTP layer j, the last one again
-for passes beyond the layers present.
+for passes beyond the layers present. With several MTP layers (none of the published DeepSeek-V3,
+R1 or GLM-4.7-Flash checkpoints has more than one), a layer j >= 1 holds KV only at the rows its
+own passes ran, where the formula would have it run every position: its drafts are then worse
+than they could be, never wrong tokens.
 
 Every rank runs the passes (the MTP layer is split over TP ranks as the target's layers are; its
 experts gather across DP ranks), each pass the same rows on every DP rank: pass 0 the target's
