@@ -2,7 +2,9 @@
 
 - Greedy: every sample equals the request run with n=1, with and without the prefix cache.
 - Seeded: sample i equals an n=1 request seeded `seed + i`; the samples differ; repeats agree.
-- With the prefix cache the n samples hold the prompt's full blocks once.
+- With the prefix cache the n samples hold the prompt's full blocks once, under async scheduling
+  too.
+- A parent sample that finishes while preempted (its token in flight) holds no sample back.
 - Streams carry each sample's deltas under its index; an abort ends every sample.
 - Under a small KV pool with preemption and async scheduling, every greedy sample is right.
 """
@@ -62,8 +64,20 @@ def test_seeded_samples_are_the_seeds_one_by_one(llm):
         assert llm.generate([prompt], single)[0].outputs[0].token_ids == tokens
 
 
-def test_samples_share_the_prompt_blocks(llm):
-    engine = llm.engine
+@pytest.fixture(scope="module")
+def async_llm(tiny):
+    engine = LLM(
+        str(tiny), **{**COMMON, "block_size": 4}, enable_prefix_caching=True, async_scheduling=True
+    )
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_samples_share_the_prompt_blocks(llm, async_llm, scheduling):
+    """Under async scheduling too: samples 1..n-1 are admitted once sample 0 has put the prompt's
+    blocks in the prefix cache (its step's results are back), not as soon as it was submitted."""
+    engine = (llm if scheduling == "sync" else async_llm).engine
     bm = engine.schedulers[0].block_manager
     prompt = list(range(3, 3 + 16))  # four full blocks of 4
     params = SamplingParams(n=4, temperature=0, max_tokens=4, ignore_eos=True)
@@ -78,6 +92,53 @@ def test_samples_share_the_prompt_blocks(llm):
     # alone, 4 samples of 16 + 3 tokens would hold 4 * 5 blocks; shared: 4 prompt blocks (the last
     # prompt block is recomputed by samples 1..3 once they append) + one block per sample
     assert 0 < used <= 4 + 4 + 3, used
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_parent_that_finishes_while_preempted_holds_no_sample_back(tiny):
+    """Async scheduling, a pool of 8 blocks: sample 0 of the first request is preempted while its
+    last token is in flight, and that token finishes it in the waiting queue. Its samples, queued
+    behind it for its prompt, must run anyway (they waited for ever, and every request behind
+    them with them, while `step()` returned nothing)."""
+    llm = LLM(
+        str(tiny),
+        **{**COMMON, "num_kv_blocks": 8, "max_num_seqs": 4},
+        block_size=4,
+        max_num_batched_tokens=16,
+        async_scheduling=True,
+        enable_prefix_caching=True,
+    )
+    engine = llm.engine
+    first = [89, 108, 103, 107, 96, 115]
+    second = [117, 114, 35, 56, 96]
+    try:
+        ids = [
+            engine.add_request(
+                first, SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True)
+            ),
+            engine.add_request(
+                second, SamplingParams(n=3, temperature=0, max_tokens=1, ignore_eos=True)
+            ),
+        ]
+        final = {}
+        for _ in range(200):
+            for out in engine.step():
+                assert out.finished and out.request_id not in final
+                final[out.request_id] = out
+            if not engine.has_unfinished():
+                break
+        else:
+            stuck = [(s.request_id, s.index) for s in engine.schedulers[0].waiting]
+            raise AssertionError(
+                f"not finished after 200 steps; waiting (request, sample): {stuck}"
+            )
+        preempted = engine.schedulers[0].num_preemptions
+    finally:
+        llm.shutdown()
+    assert preempted > 0
+    assert set(final) == set(ids)
+    assert [len(c.token_ids) for c in final[ids[0]].outputs] == [10] * 3
+    assert [len(c.token_ids) for c in final[ids[1]].outputs] == [1] * 3
 
 
 def test_streamed_samples_and_abort(llm):

@@ -333,8 +333,8 @@ class Scheduler:
         used = 0
         while self.waiting and used < budget and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.parent is not None and seq.parent.num_computed_tokens < seq.num_prompt_tokens:
-                break  # sample 2.. of n: admitted once the first has its prompt in the (prefix) cache
+            if self._waits_for_parent(seq):
+                break
             remaining = seq.num_tokens - bm.num_cached_tokens(seq)
             num_new = min(remaining, budget - used)
             # Without chunked prefill a prompt runs whole; one longer than the full budget (only
@@ -357,6 +357,17 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             used += num_new
         return used
+
+    def _waits_for_parent(self, seq: Sequence) -> bool:
+        """Sample 2.. of n waits while its parent runs and has yet to put the prompt's blocks in
+        the prefix cache, which it then shares. A parent that finished, or waits itself (preempted:
+        it may be behind this sample in the queue, and may finish there from a token in flight),
+        holds nothing up."""
+        parent = seq.parent
+        if parent is None or parent.status is not SequenceStatus.RUNNING:
+            return False
+        shareable = (seq.num_prompt_tokens - 1) // self.block_manager.block_size
+        return parent.num_cached_blocks < shareable
 
     def advance(self, output: SchedulerOutput) -> None:
         """The step was submitted: its rows count as computed, its sampled rows as pending tokens."""

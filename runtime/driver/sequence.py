@@ -74,7 +74,8 @@ class Sequence:
     num_streamed_tokens: int = 0  # output tokens already returned by a delta RequestOutput
     index: int = 0  # which of its request's n samples this is
     # Sample 0 of the request, for samples 1..n-1 when their prompt's KV can be shared through the
-    # prefix cache: they wait until it has computed the prompt. None otherwise.
+    # prefix cache: they wait while it runs and has yet to cache the prompt's blocks (never on a
+    # parent that waits or finished: see Scheduler._waits_for_parent). None otherwise.
     parent: Optional[Sequence] = field(default=None, repr=False)
     # sampling_params.bad_words as token sequences (the engine tokenizes them)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
