@@ -69,3 +69,26 @@ def test_outputs_share_one_prompt_list() -> None:
     second = make_request_output(seq, delta=True)
     assert first.prompt_token_ids is second.prompt_token_ids is seq.prompt_token_ids
     assert seq.prompt_token_ids == list(range(1, 2001)) and seq.token_ids[-1] == 7
+
+
+def test_the_engine_core_sends_one_output_per_sample_finished_by_its_own_end() -> None:
+    """A step's output of an n=2 request whose sample 1 ended while sample 0 runs: the request is
+    not finished, and the server, which counts finished samples to n, sees sample 1's end only."""
+    from atomrt.runtime.driver.outputs import merge_request_outputs
+    from atomrt.runtime.entrypoints.engine_core import core_outputs
+
+    running = Sequence("r", [1, 2], SamplingParams(max_tokens=5), index=0)
+    ended = Sequence("r", [1, 2], SamplingParams(max_tokens=5), index=1)
+    for seq, token in ((running, 3), (ended, 4)):
+        seq.append_token(token)
+    ended.finish("length")
+    out = merge_request_outputs(
+        [make_request_output(s, delta=True) for s in (ended, running)], finished=False
+    )
+    assert [c.index for c in out.outputs] == [0, 1] and not out.finished
+    sent = core_outputs(out)
+    assert [(c.index, c.token_ids, c.finished, c.finish_reason) for c in sent] == [
+        (0, [3], False, None),
+        (1, [4], True, "length"),
+    ]
+    assert all(c.request_id == "r" and c.num_prompt_tokens == 2 for c in sent)

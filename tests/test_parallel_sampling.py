@@ -5,7 +5,9 @@
 - With the prefix cache the n samples hold the prompt's full blocks once, under async scheduling
   too.
 - A parent sample that finishes while preempted (its token in flight) holds no sample back.
-- Streams carry each sample's deltas under its index; an abort ends every sample.
+- A request gets at most one output a step and exactly one `finished` output: streamed, its
+  samples' deltas under their indices, together; an abort ends every sample in one output; samples
+  that finish in the same step end their request once.
 - Under a small KV pool with preemption and async scheduling, every greedy sample is right.
 """
 
@@ -147,17 +149,54 @@ def test_streamed_samples_and_abort(llm):
     rid = engine.add_request(PROMPTS[1], params, stream=True)
     seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
     for _ in range(3):
-        for out in engine.step():
-            assert out.request_id == rid and len(out.outputs) == 1
-            seen[out.outputs[0].index] += out.outputs[0].token_ids
+        outs = engine.step()
+        assert len(outs) <= 1, "one output per request and step"
+        for out in outs:
+            assert out.request_id == rid and not out.finished
+            indices = [c.index for c in out.outputs]
+            assert indices == sorted(set(indices))
+            for c in out.outputs:
+                seen[c.index] += c.token_ids
     engine.abort(rid)
     finals = []
     while engine.has_unfinished():
         finals += engine.step()
-    assert sorted(o.outputs[0].index for o in finals) == [0, 1, 2]
-    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in finals)
+    assert len(finals) == 1 and finals[0].finished
+    assert [c.index for c in finals[0].outputs] == [0, 1, 2]
+    assert all(c.finish_reason == "abort" for c in finals[0].outputs)
     # samples 1..n-1 start once sample 0 has its prompt cached: they may be a step behind
     assert len(seen[0]) >= 1 and all(seen[0][: len(seen[i])] == seen[i] for i in (1, 2))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_samples_that_finish_together_end_their_request_once(tiny, stream):
+    """Without the prefix cache the samples run in lockstep and finish in one step: the request
+    still gets exactly one `finished` output (each finishing sample gave one), streamed or not."""
+    llm = LLM(str(tiny), **COMMON, enable_prefix_caching=False)
+    engine = llm.engine
+    try:
+        rid = engine.add_request(
+            PROMPTS[0],
+            SamplingParams(n=3, temperature=0, max_tokens=4, ignore_eos=True),
+            stream=stream,
+        )
+        outs = []
+        for _ in range(50):
+            step = engine.step()
+            assert len(step) <= 1, "one output per request and step"
+            outs += step
+            if not engine.has_unfinished():
+                break
+    finally:
+        llm.shutdown()
+    finals = [o for o in outs if o.finished]
+    assert len(finals) == 1 and finals[0] is outs[-1] and finals[0].request_id == rid
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for out in outs if stream else finals:
+        for c in out.outputs:
+            tokens[c.index] += c.token_ids
+    assert all(len(t) == 4 for t in tokens.values()) and tokens[0] == tokens[1] == tokens[2]
+    assert [c.finish_reason for c in finals[0].outputs] == ["length"] * 3
 
 
 def test_samples_under_preemption_and_async(tiny):

@@ -60,14 +60,24 @@ class _Request:
     dp_rank: int
     seqs: list[Sequence]
     prompt: Optional[str]  # the prompt text, when it came as text
-    stream: bool  # a delta output every step it produced a token, per sample
+    stream: bool  # a delta output (of the samples with new tokens) every step it produced one
 
     @property
     def all_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
     def final_output(self) -> RequestOutput:
-        return merge_request_outputs([make_request_output(s, self.prompt) for s in self.seqs])
+        """Every sample's whole output (a request that is not streamed, once all have finished)."""
+        outputs = [make_request_output(s, self.prompt) for s in self.seqs]
+        return merge_request_outputs(outputs, finished=True)
+
+    def delta_output(self, seqs: list[Sequence]) -> RequestOutput:
+        """The new tokens of `seqs` (samples of this request, by index) in one output, which is
+        `finished` once every sample is: a streamed request's output of one step."""
+        deltas = [make_request_output(s, self.prompt, delta=True) for s in seqs]
+        if len(self.seqs) == 1:
+            return deltas[0]
+        return merge_request_outputs(deltas, finished=self.all_finished)
 
 
 @dataclass
@@ -207,8 +217,9 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; a ValueError (naming the field) leaves the engine as it was.
 
-        `step()` returns the request's RequestOutput when it finishes; with `stream=True`, also a
-        delta output (new text, tokens and logprobs only) every step it produced a token."""
+        `step()` returns the request's RequestOutput (every sample) once, when it finishes; with
+        `stream=True` instead a delta output (new text, tokens and logprobs only, of the samples
+        that produced any) every step it produced a token, the last one `finished`."""
         self._check_alive()
         with self._guard.critical():
             return self._add(prompt, params, request_id, stream)
@@ -269,8 +280,8 @@ class LLMEngine:
             return
         aborted = self.schedulers[req.dp_rank].abort(request_id)
         self.planners[req.dp_rank].forget([s.seq_id for s in aborted])
-        if req.stream:
-            self._aborted += [make_request_output(seq, req.prompt, delta=True) for seq in aborted]
+        if req.stream:  # the samples still running end here; finished ones were streamed whole
+            self._aborted.append(req.delta_output(sorted(aborted, key=lambda s: s.index)))
         else:
             self._aborted.append(req.final_output())
 
@@ -334,7 +345,11 @@ class LLMEngine:
     def _postprocess(
         self, outs: list[SchedulerOutput], results: list[StepResult]
     ) -> list[RequestOutput]:
+        """Apply each DP rank's results; returns at most one output per request (a streamed
+        request's delta, or a request's final output), and exactly one `finished` output per
+        request over its life."""
         outputs: list[RequestOutput] = []
+        samples: dict[str, list[Sequence]] = {}  # n > 1: the samples of a request with new tokens
         num_tokens = num_seqs = 0
         for dp_rank, (out, res) in enumerate(zip(outs, results)):
             sampled = sampled_tokens(res)
@@ -354,14 +369,21 @@ class LLMEngine:
                 req = self._requests.get(seq.request_id)
                 if req is None:
                     continue
-                if req.stream:
+                if len(req.seqs) > 1:
+                    samples.setdefault(seq.request_id, []).append(seq)
+                elif req.stream:
                     outputs.append(make_request_output(seq, req.prompt, delta=True))
-                elif seq.is_finished and req.all_finished:
+                elif seq.is_finished:
                     outputs.append(req.final_output())
-            for seq in finished:
-                req = self._requests.get(seq.request_id)
-                if req is not None and req.all_finished:
-                    del self._requests[seq.request_id]
+        for request_id, seqs in samples.items():
+            req = self._requests[request_id]
+            if req.stream:
+                outputs.append(req.delta_output(sorted(seqs, key=lambda s: s.index)))
+            elif req.all_finished:
+                outputs.append(req.final_output())
+        for out in outputs:
+            if out.finished:
+                del self._requests[out.request_id]
         if self.speculation is not None:
             self.speculation.step_done(num_tokens, num_seqs)
         return outputs

@@ -43,6 +43,8 @@ class RequestOutput:
     prompt: Optional[str]
     prompt_token_ids: list[int]  # shared by every output of the request: read it, do not modify it
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # The request ended (every sample; each CompletionOutput's finish_reason says its own): one
+    # output per request has it, the last the engine returns for the request.
     finished: bool = False
     metrics: Optional[RequestMetrics] = None
     # SamplingParams.prompt_logprobs: None, then {token id: Logprob} per prompt token (a streamed
@@ -103,8 +105,9 @@ def make_request_output(
     )
 
 
-def merge_request_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """One request's final output from its samples' (one CompletionOutput each, by index)."""
+def merge_request_outputs(outputs: list[RequestOutput], finished: bool) -> RequestOutput:
+    """One output of a request from some of its samples' (one CompletionOutput each, by index);
+    `finished`: whether the request is (every sample, not only these)."""
     first = outputs[0]
     completions = sorted((c for o in outputs for c in o.outputs), key=lambda c: c.index)
     return RequestOutput(
@@ -112,7 +115,7 @@ def merge_request_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         prompt=first.prompt,
         prompt_token_ids=first.prompt_token_ids,
         outputs=completions,
-        finished=all(o.finished for o in outputs),
+        finished=finished,
         metrics=first.metrics,
         prompt_logprobs=first.prompt_logprobs,  # sample 0's: the request's
         num_cached_tokens=first.num_cached_tokens,

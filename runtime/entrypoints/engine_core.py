@@ -34,7 +34,7 @@ from atomrt.distributed.messages import (
 )
 from atomrt.runtime.config import Config
 from atomrt.runtime.driver.engine import LLMEngine
-from atomrt.runtime.driver.outputs import RequestOutput
+from atomrt.runtime.driver.outputs import CompletionOutput, RequestOutput
 from atomrt.runtime.entrypoints.llm import load_tokenizer_for
 
 logger = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class EngineCore:
             logger.error("%s\n%s", self.fatal, traceback.format_exc())
             self._send([], fatal=self.fatal)
             return False
-        self._send([core_output(o) for o in outputs])
+        self._send([c for o in outputs for c in core_outputs(o)])
         return True
 
     def _send(self, outputs: list[CoreOutput], fatal: Optional[str] = None) -> None:
@@ -190,9 +190,13 @@ def core_stats(engine: LLMEngine) -> CoreStats:
     return stats
 
 
-def core_output(out: RequestOutput) -> CoreOutput:
-    """One request's delta from a step (every request the core runs is streamed)."""
-    c = out.outputs[0]
+def core_outputs(out: RequestOutput) -> list[CoreOutput]:
+    """One request's delta from a step (every request the core runs is streamed), one CoreOutput
+    per sample in it, `finished` when that sample is."""
+    return [_core_output(out, c) for c in out.outputs]
+
+
+def _core_output(out: RequestOutput, c: CompletionOutput) -> CoreOutput:
     m = out.metrics
     return CoreOutput(
         request_id=out.request_id,
@@ -202,7 +206,7 @@ def core_output(out: RequestOutput) -> CoreOutput:
         logprobs=[{int(k): float(v) for k, v in row.items()} for row in c.logprobs]
         if c.logprobs
         else None,
-        finished=out.finished,
+        finished=c.finished,
         finish_reason=c.finish_reason,
         stop_reason=c.stop_reason
         if c.stop_reason is None or isinstance(c.stop_reason, (int, str))
