@@ -3,7 +3,9 @@
 - Exact cases: a perfect match accepts every draft and adds the bonus token; an early mismatch and
   several mismatches stop at the first one, emitting the target's token there; certain and
   impossible drafts under sampling.
-- Seeded requests draw the same tokens on every repeat, wherever they sit in the batch.
+- Seeded requests are verified by coupling: their tokens are the sampler's own for their seed and
+  output position, whatever their drafts, draft count and batch; they follow the target's
+  distribution, and a draft model's coupled drafts are accepted within the coupling's bounds.
 - Statistics: over many draws with a 5-token vocabulary, the emitted tokens follow the target's
   distribution (a chi-square test that emitting the drafts unverified fails by a wide margin), for
   draft-model drafts (drawn from q) and for one-hot (n-gram) drafts.
@@ -87,32 +89,66 @@ def test_sampled_certain_and_impossible_drafts():
         assert out.num_accepted.tolist() == [0] and out.tokens[0, 0].item() == 2
 
 
-def test_seeded_requests_reproduce_wherever_they_sit():
-    torch.manual_seed(0)
-    logits = torch.randn(4, V)
-    drafts = torch.tensor([1, 2, 3])
-    seeded = SamplingParams(temperature=0.8, seed=42)
-    other = SamplingParams(temperature=1.0)
-    first = rejection_sample(logits, drafts, [3], _tensors([seeded], [[7, 7]]))
-    for _ in range(5):
-        again = rejection_sample(logits, drafts, [3], _tensors([seeded], [[7, 7]]))
-        assert torch.equal(again.tokens, first.tokens)
-    # beside an unseeded request, in second place
-    both = rejection_sample(
-        torch.cat([torch.randn(2, V), logits]),
-        torch.cat([torch.tensor([0]), drafts]),
-        [1, 3],
-        _tensors([other, seeded], [[], [7, 7]]),
-    )
-    assert torch.equal(both.tokens[1], first.tokens[0])
-    # another output length draws anew
-    draws = {
-        tuple(
-            rejection_sample(logits, drafts, [3], _tensors([seeded], [[7] * i])).tokens[0].tolist()
+def _sampler_tokens(logits: torch.Tensor, params: SamplingParams, num_out: int) -> list[int]:
+    """What the sampler draws, without speculation, at each of `logits`' rows for a request with
+    `num_out` output tokens before the first row (one output token per row)."""
+    from atomrt.workers.runner.sampler import Sampler
+
+    return [
+        int(
+            Sampler()(
+                logits[i : i + 1], _tensors([params], [[7] * (num_out + i)])
+            ).sampled_token_ids
         )
-        for i in range(8)
-    }
-    assert len(draws) > 1
+        for i in range(logits.shape[0])
+    ]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_seeded_tokens_are_the_samplers_whatever_the_drafts_and_the_batch(proposer):
+    """A seeded request's tokens under verification are the tokens the sampler draws for it without
+    speculation, position by position: up to the first draft that differs from them, then that
+    position's own. So they depend on neither its draft count, nor its drafts, nor its place in
+    the batch, nor its neighbours' draft counts (the batch's largest K)."""
+    rng = random.Random(11)
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(60):
+        params = SamplingParams(
+            temperature=rng.choice([0.6, 1.0, 1.5]), top_k=rng.choice([-1, 3]), seed=trial
+        )
+        num_out, k_s = rng.randrange(0, 9), rng.randrange(1, 5)
+        logits = torch.randn(k_s + 1, V, generator=gen) * 2
+        want = _sampler_tokens(logits, params, num_out)
+        cut = rng.randrange(0, k_s + 1)  # drafts agree with the sampler's tokens before `cut`
+        drafts = want[:k_s]
+        if cut < k_s:
+            drafts[cut] = (drafts[cut] + rng.randrange(1, V)) % V
+        drafts = torch.tensor(drafts)
+        others = [rng.randrange(0, 6) for _ in range(rng.randrange(0, 3))]  # neighbours' k
+        place = rng.randrange(len(others) + 1)
+        ks = others[:place] + [k_s] + others[place:]
+        parts = [torch.randn(k + 1, V, generator=gen) for k in others]
+        parts.insert(place, logits)
+        other_drafts = [torch.randint(0, V, (k,), generator=gen) for k in others]
+        other_drafts.insert(place, drafts)
+        rows = [SamplingParams(temperature=1.0)] * len(others)
+        rows.insert(place, params)
+        outputs = [[] for _ in others]
+        outputs.insert(place, [7] * num_out)
+        draft_probs = None
+        if proposer == "draft_model":
+            draft_probs = torch.softmax(torch.randn(sum(ks), V, generator=gen), dim=-1)
+        out = rejection_sample(
+            torch.cat(parts),
+            torch.cat(other_drafts),
+            ks,
+            _tensors(rows, outputs),
+            draft_probs=draft_probs,
+            generator=gen,
+        )
+        m = int(out.num_accepted[place])
+        assert m == cut, (trial, m, cut)
+        assert out.tokens[place, : m + 1].tolist() == want[: m + 1], trial
 
 
 def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -158,6 +194,44 @@ def test_emitted_tokens_follow_the_target_distribution(proposer):
     from_p = torch.multinomial(p0, n, replacement=True, generator=g)
     biased = torch.where(accepted, d0, from_p)
     assert _chi2(torch.bincount(biased, minlength=V).float(), p0) > 10 * CHI2_4_DOF_P9999
+
+
+@pytest.mark.parametrize("proposer", ["draft_model", "ngram"])
+def test_seeded_tokens_follow_the_target_distribution(proposer):
+    """Coupled verification of seeded requests (one seed each): the emitted tokens follow p; a
+    draft model's drafts drawn with the same noise (`argmax(q / e)`) are accepted as often as the
+    Gumbel coupling promises, between (1 - TV) / (1 + TV) and the optimum 1 - TV (Daliri et al.,
+    "Coupling without communication and drafter-invariant speculative decoding", 2024); a one-hot
+    draft d with probability p(d), as rejection sampling accepts it."""
+    from atomrt.workers.runner.sampler import seeded_noise_
+
+    n = 10_000
+    p0 = torch.tensor([0.40, 0.25, 0.20, 0.10, 0.05])
+    p1 = torch.tensor([0.05, 0.15, 0.30, 0.20, 0.30])
+    q0 = torch.tensor([0.10, 0.10, 0.20, 0.30, 0.30])
+    q1 = torch.tensor([0.30, 0.30, 0.20, 0.10, 0.10])
+    params = [SamplingParams(temperature=1.0, seed=1000 + s) for s in range(n)]
+    if proposer == "draft_model":
+        drafts = torch.empty(n, 2, dtype=torch.int64)
+        for s in range(n):
+            for i, q in enumerate((q0, q1)):
+                drafts[s, i] = (q / seeded_noise_(torch.empty(V), 1000 + s, i)).argmax()
+        draft_probs = torch.stack([q0, q1]).repeat(n, 1)
+    else:
+        drafts, draft_probs = torch.tensor([[3, 2]]).repeat(n, 1), None
+    logits = torch.stack([p0.log(), p1.log(), torch.zeros(V)]).repeat(n, 1)
+    out = rejection_sample(logits, drafts.flatten(), [2] * n, _tensors(params), draft_probs)
+    first = torch.bincount(out.tokens[:, 0], minlength=V).float()
+    assert _chi2(first, p0) < CHI2_4_DOF_P9999, first
+    accepted = out.num_accepted >= 1
+    second = torch.bincount(out.tokens[accepted, 1], minlength=V).float()
+    assert _chi2(second, p1) < CHI2_4_DOF_P9999, second
+    rate = accepted.double().mean().item()
+    if proposer == "draft_model":
+        tv = 0.5 * (p0 - q0).abs().sum().item()
+        assert (1 - tv) / (1 + tv) - 0.02 < rate < 1 - tv + 0.02, rate
+    else:
+        assert abs(rate - p0[3].item()) < 0.02, rate
 
 
 def test_ngram_proposer():

@@ -5,7 +5,9 @@
   accepted), synchronously and with async scheduling, in a mixed batch (prompt lengths, EOS stops
   and length limits, a penalised and a logprobs request that decode without drafts beside
   speculating ones, n > 1 samples) and under a KV pool small enough to preempt.
-- Seeded sampled requests reproduce: on a repeat, beside other requests, under async scheduling.
+- Seeded sampled requests give the tokens they give without speculation, alone and beside other
+  requests, with n-gram drafts and a draft model, synchronously and with async scheduling; so do
+  the samples of a seeded n > 1 request (sample i is the request seeded `seed + i`).
 - Sampled requests drafting with the target itself accept every draft (q is each draft's own).
 - On repetitive text the n-gram proposer takes fewer engine steps than tokens produced, and the
   acceptance figures reach EngineStats.
@@ -144,26 +146,67 @@ def test_greedy_identity_under_preemption(models, reference, kind):
     assert _tokens(outs) == _tokens(reference[:5])
 
 
-@pytest.mark.parametrize("kind", [pytest.param("ngram", marks=SLOW), "draft"])
-def test_seeded_sampling_reproduces(models, kind):
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
-    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-    spec = _spec(kind, models)
-    llm = LLM(str(models[0]), **COMMON, speculative_config=spec)
+# Seeded sampled requests: a sharp one (n-gram drafts get accepted) and a loose one; n=3 samples
+# seeded 7 + i.
+SEEDED = [
+    SamplingParams(temperature=0.1, seed=7, max_tokens=16, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=8, max_tokens=16, ignore_eos=True),
+]
+SAMPLES = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def seeded_plain(models):
+    """Without speculation, each alone: the seeded requests on REPETITIVE, and n=1 requests seeded
+    like SAMPLES' samples on PROMPTS[1]."""
+    llm = LLM(str(models[0]), **COMMON)
     try:
-        alone = llm.generate([REPETITIVE], seeded, use_tqdm=False)[0].outputs[0].token_ids
-        again = llm.generate([REPETITIVE], seeded, use_tqdm=False)[0].outputs[0].token_ids
-        crowd = llm.generate(
-            [PROMPTS[0], REPETITIVE, PROMPTS[1]], [other, seeded, other], use_tqdm=False
-        )
-        assert llm.engine.stats.spec_decode.num_drafts > 0
+        run = lambda prompt, params: llm.generate([prompt], params, use_tqdm=False)[0]  # noqa: E731
+        seeded = [run(REPETITIVE, p).outputs[0].token_ids for p in SEEDED]
+        samples = [run(PROMPTS[1], SAMPLES.for_sample(i)).outputs[0].token_ids for i in range(3)]
     finally:
         llm.shutdown()
-    assert alone == again == crowd[1].outputs[0].token_ids
-    outs, _ = _generate(
-        models[0], [REPETITIVE], seeded, speculative_config=spec, async_scheduling=True
+    return seeded, samples
+
+
+@pytest.mark.parametrize(
+    "kind, async_scheduling",
+    [
+        ("ngram", False),
+        ("draft", True),
+        pytest.param("ngram", True, marks=SLOW),
+        pytest.param("draft", False, marks=SLOW),
+    ],
+)
+def test_seeded_sampling_is_sampling_without_speculation(
+    models, seeded_plain, kind, async_scheduling
+):
+    """A seeded request gives the tokens it gives without speculation, alone or in a batch; sample
+    i of an n=3 request seeded s gives an n=1 request's seeded s + i."""
+    want, want_samples = seeded_plain
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(
+        str(models[0]),
+        **COMMON,
+        speculative_config=_spec(kind, models),
+        async_scheduling=async_scheduling,
     )
-    assert outs[0].outputs[0].token_ids == alone
+    try:
+        alone = [
+            llm.generate([REPETITIVE], p, use_tqdm=False)[0].outputs[0].token_ids for p in SEEDED
+        ]
+        crowd = llm.generate(
+            [PROMPTS[0], REPETITIVE, PROMPTS[1], REPETITIVE, PROMPTS[2]],
+            [other, SEEDED[0], SAMPLES, SEEDED[1], other],
+            use_tqdm=False,
+        )
+        stats = llm.engine.stats.spec_decode
+    finally:
+        llm.shutdown()
+    assert alone == want
+    assert [crowd[1].outputs[0].token_ids, crowd[3].outputs[0].token_ids] == want
+    assert [c.token_ids for c in crowd[2].outputs] == want_samples
+    assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 def test_sampled_drafts_of_the_target_itself_are_all_accepted(models):

@@ -266,17 +266,25 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, t: SamplingTensors) -> torch.T
     return logits
 
 
+def seeded_noise_(out: torch.Tensor, seed: int, position: int) -> torch.Tensor:
+    """Fill `out` (one row, [vocab]) with the Exp(1) noise of a seeded request's output token at
+    `position` (output tokens before it), from a generator seeded with (seed, position) alone:
+    every place that draws that token (this sampler, the rejection sampler, a draft model) draws
+    the same noise, whatever the batch and whether the step verifies drafts."""
+    # One small generator per seeded row and token: seeded requests are rare, determinism is the point.
+    g = torch.Generator(device=out.device)
+    g.manual_seed(_mix_seed(seed, position))
+    return out.exponential_(generator=g)
+
+
 def _exponential_noise(
     probs: torch.Tensor, t: SamplingTensors, generator: Optional[torch.Generator]
 ) -> torch.Tensor:
-    """q ~ Exp(1) of probs' shape; seeded rows from their own (seed, step) generator."""
+    """q ~ Exp(1) of probs' shape; seeded rows from their own (seed, position) generator."""
     q = torch.empty_like(probs).exponential_(generator=generator)
-    # One small generator per seeded row and step: seeded requests are rare, determinism is the point.
     for i, seed in enumerate(t.seeds):
         if seed is not None:
-            g = torch.Generator(device=probs.device)
-            g.manual_seed(_mix_seed(seed, t.num_output_tokens[i]))
-            q[i].exponential_(generator=g)
+            seeded_noise_(q[i], seed, t.num_output_tokens[i])
     return q.clamp_min_(1e-30)  # a zero draw would turn a masked token's 0 / 0 into NaN
 
 

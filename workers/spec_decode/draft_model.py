@@ -16,7 +16,8 @@ drafter shares the target's block tables and slots and needs no blocks of its ow
 the target's block count. Rows of rejected drafts are rewritten by a later step, as the target's.
 Drafts are written into the runner's token pool, where the target's draft rows read them; greedy
 requests draft the argmax, others draw from the drafter's own sampling distribution `q` (kept for
-the rejection sampler). A seeded request draws from its own generator.
+the rejection sampler). A seeded request draws draft j with the noise the target's sampler uses for
+that output position (`seeded_noise_`): the rejection sampler couples the two draws.
 
 Graphs (`DraftGraph`, graphs/draft_graph.py): with CUDA graphs on, every pass replays a recording
 of the drafter's forward at its padded row count, in the shared `graph_pool()`, whichever mode the
@@ -51,14 +52,9 @@ from atomrt.workers.runner.kv_cache import (
     kv_bytes_per_block,
     kv_layer_specs,
 )
-from atomrt.workers.runner.sampler import SamplingTensors, greedy_argmax
+from atomrt.workers.runner.sampler import SamplingTensors, greedy_argmax, seeded_noise_
 from atomrt.workers.runner.step_buffers import RunnerShape
-from atomrt.workers.spec_decode.rejection_sampler import (
-    _DRAFT_STREAM,
-    seeded_generators,
-    select_rows,
-    target_probs,
-)
+from atomrt.workers.spec_decode.rejection_sampler import select_rows, target_probs
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +198,6 @@ class DraftModel:
         # Their place among the sampled requests (SamplingTensors order): every verifier samples.
         order = np.searchsorted(inputs.sample_seq_idx, verify)
         t = select_rows(sampling, order)
-        gens = seeded_generators(t, self.device, _DRAFT_STREAM) if not t.all_greedy else []
         ends = inputs.cu_seqlens_q[1:].astype(np.int64)
         draft_rows = torch.as_tensor(
             np.stack([ends[verify] - k_s + j for j in range(self.k)], axis=1), device=self.device
@@ -220,7 +215,7 @@ class DraftModel:
             logits = self.model.compute_logits(
                 hidden[torch.as_tensor(p.sample_rows, device=self.device)]
             )
-            tokens, q = self._draw(logits, t, gens, j)
+            tokens, q = self._draw(logits, t, j)
             live = j < k_s  # requests with a draft j
             rows = draft_rows[:, j][torch.as_tensor(live, device=self.device)]
             draft_tokens.index_copy_(0, rows, tokens[torch.as_tensor(live, device=self.device)])
@@ -359,11 +354,12 @@ class DraftModel:
         )
 
     def _draw(
-        self, logits: torch.Tensor, t: SamplingTensors, gens: list, j: int
+        self, logits: torch.Tensor, t: SamplingTensors, j: int
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Each proposing request's draft from its row's logits [num_verify, vocab]: the argmax for
-        greedy requests, else a draw from q (returned) with the request's own sampling settings
-        (its logit additions too: a draft the target masks would only be rejected)."""
+        """Each proposing request's draft j from its row's logits [num_verify, vocab]: the argmax
+        for greedy requests, else a draw from q (returned) with the request's own sampling
+        settings (its logit additions too: a draft the target masks would only be rejected); a
+        seeded request's with the noise of its output position j."""
         if t.additions is not None:
             logits = t.additions.apply(logits.float())
         greedy = greedy_argmax(logits)
@@ -371,9 +367,9 @@ class DraftModel:
             return greedy, None
         q = target_probs(logits, t)
         noise = torch.empty_like(q).exponential_()
-        for s, g in enumerate(gens):  # a seeded request's passes draw in turn from its generator
-            if g is not None:
-                noise[s].exponential_(generator=g)
+        for s, seed in enumerate(t.seeds):
+            if seed is not None:
+                seeded_noise_(noise[s], seed, t.num_output_tokens[s] + j)
         drawn = (q / noise.clamp_min_(1e-30)).argmax(dim=-1)
         return torch.where(t.temperatures == 0, greedy, drawn), q
 

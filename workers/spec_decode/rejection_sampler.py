@@ -17,9 +17,18 @@ so draft `d_i` is judged by `p_i` and row `k` gives the bonus token.
   distribution (n-gram): then a draft is accepted with probability `p_i(d_i)` and a rejection
   draws from `p_i` without `d_i`.
 - `p` is the request's own sampling distribution: its logit additions (applied to the rows by the
-  caller), temperature, then top-k / top-p / min-p, as the sampler applies them (runner/sampler.py). Requests with penalties or logprobs do not speculate.
-- A seeded request draws its uniforms and its exponential race from its own generator seeded with
-  (seed, output tokens so far), so it reproduces whatever batch it runs in.
+  caller), temperature, then top-k / top-p / min-p, as the sampler applies them
+  (runner/sampler.py). Requests with penalties or logprobs do not speculate.
+- A seeded sampled request is verified by coupling instead: its token at each position is the
+  target's own draw `argmax(p_i / e_i)`, with the noise `e_i` the sampler would use for that
+  output position (runner/sampler.py, `seeded_noise_`: seeded with (seed, position) alone), and
+  a draft is accepted iff it equals that draw; at the first that does not, the draw is emitted.
+  The tokens are distributed as `p` (a one-hot draft is accepted with probability `p_i(d_i)`, as
+  above) and are exactly those the request samples without speculation: they depend on neither
+  its batch, nor its own draft count, nor which of its steps verify drafts. A draft model draws
+  a seeded request's drafts from `q` with the same noise (`argmax(q_i / e_i)`): a draft is then
+  accepted with probability at least `(1 - TV) / (1 + TV)` (TV: the total variation distance of
+  p and q), where rejection sampling reaches `1 - TV`; always when `q == p`.
 """
 
 from __future__ import annotations
@@ -29,9 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from atomrt.workers.runner.sampler import SamplingTensors, _mix_seed, apply_top_k_top_p_min_p
-
-_DRAFT_STREAM = 0x5EC0DE  # mixed into a seeded request's seed for the draft model's own draws
+from atomrt.workers.runner.sampler import SamplingTensors, apply_top_k_top_p_min_p, seeded_noise_
 
 
 @dataclass
@@ -88,36 +95,22 @@ def target_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return apply_top_k_top_p_min_p(scaled, t).softmax(dim=-1)
 
 
-def seeded_generators(
-    t: SamplingTensors, device: torch.device, stream: int = 0
-) -> list[Optional[torch.Generator]]:
-    """Per request: its own generator when seeded, seeded with (seed, output tokens so far)."""
-    out: list[Optional[torch.Generator]] = []
-    for seed, num_out in zip(t.seeds, t.num_output_tokens):
-        if seed is None:
-            out.append(None)
-            continue
-        g = torch.Generator(device=device)
-        g.manual_seed(_mix_seed(seed ^ stream, num_out))
-        out.append(g)
-    return out
-
-
 def _draws(
     shape_u: tuple[int, int],
     shape_e: tuple[int, int, int],
-    gens: list[Optional[torch.Generator]],
+    sampling: SamplingTensors,
+    num_draft_tokens: list[int],
     generator: Optional[torch.Generator],
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniforms [n, K] and Exp(1) noise [n, K + 1, vocab]; seeded requests' rows from their own
-    generator, drawn in a fixed order (uniforms, then noise)."""
+    """Uniforms [n, K] and Exp(1) noise [n, K + 1, vocab] from `generator`; a seeded request's
+    noise at its `k_s + 1` positions is its own per output position (its uniforms go unused)."""
     u = torch.rand(shape_u, generator=generator, device=device)
     e = torch.empty(shape_e, device=device).exponential_(generator=generator)
-    for s, g in enumerate(gens):
-        if g is not None:
-            u[s] = torch.rand(shape_u[1], generator=g, device=device)
-            e[s].exponential_(generator=g)
+    for s, seed in enumerate(sampling.seeds):
+        if seed is not None:
+            for i in range(num_draft_tokens[s] + 1):
+                seeded_noise_(e[s, i], seed, sampling.num_output_tokens[s] + i)
     return u, e.clamp_min_(1e-30)
 
 
@@ -173,11 +166,7 @@ def rejection_sample(
         p_d = probs[:, :K].gather(-1, safe).squeeze(-1)
         q_d = q.gather(-1, safe).squeeze(-1)
         u, noise = _draws(
-            (n, K),
-            (n, K + 1, probs.shape[-1]),
-            seeded_generators(sampling, device),
-            generator,
-            device,
+            (n, K), (n, K + 1, probs.shape[-1]), sampling, num_draft_tokens, generator, device
         )
         accept_sampled = (u * q_d < p_d) & is_draft
         residual = (probs[:, :K] - q).clamp_min(0.0)
@@ -187,6 +176,12 @@ def rejection_sample(
         drawn = (dist / noise).argmax(
             dim=-1
         )  # [n, K + 1]: the residual's draw at each draft, then p_K's
+        seeded = [seed is not None for seed in sampling.seeds]
+        if any(seeded):  # coupled: the target's own draw at every position decides
+            coupled = torch.tensor(seeded, device=device).unsqueeze(1)
+            own = (probs / noise).argmax(dim=-1)  # [n, K + 1]
+            accept_sampled = torch.where(coupled, (own[:, :K] == drafts) & is_draft, accept_sampled)
+            drawn = torch.where(coupled, own, drawn)
         greedy = (sampling.temperatures == 0).unsqueeze(1)
         accept = torch.where(greedy, accept, accept_sampled)
         emitted = torch.where(greedy, argmax, drawn)
