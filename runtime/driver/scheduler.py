@@ -214,7 +214,7 @@ class Scheduler:
     def schedule(self, admit: bool = True) -> SchedulerOutput:
         """`admit=False` schedules running sequences only (runtime/driver/dp_align.py)."""
         out = SchedulerOutput()
-        drafts = self.speculation is not None and self.speculation.wants_drafts(self.running)
+        drafts = self.speculation is not None and self.speculation.wants_drafts()
         if drafts and self._in_flight():
             return out  # a verify step's accepted count decides where the next rows start
         budget = self.config.max_num_batched_tokens - self._schedule_running(out, drafts)

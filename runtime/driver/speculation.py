@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -174,11 +173,6 @@ class SpecPolicy:
             self.plain_len = min(2 * self.plain_len, self.MAX_PLAIN)
 
 
-def _seeded_sampling(seq: Sequence) -> bool:
-    p = seq.sampling_params
-    return p.seed is not None and p.temperature > 0
-
-
 def speculates(seq: Sequence) -> bool:
     """Whether a sequence's rows may verify drafts (penalties, logprobs and bad words of several
     tokens, which read the output before each row, keep it one row a step)."""
@@ -208,14 +202,12 @@ class Speculation:
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k)
         self._last_log = time.monotonic()
 
-    def wants_drafts(self, running: Iterable[Sequence]) -> bool:
+    def wants_drafts(self) -> bool:
         """Whether the next step proposes drafts: always without a policy, else when the policy
-        says so or a seeded sampled sequence runs (its tokens depend on whether its steps verify
-        drafts, and must not depend on timing). While it does not, the scheduler may run steps
-        ahead as async scheduling does."""
-        if self.policy is None or self.policy.speculating:
-            return True
-        return any(_seeded_sampling(s) for s in running)
+        says so. While it does not, the scheduler may run steps ahead as async scheduling does
+        (a seeded request's tokens do not depend on which of its steps verify drafts: see
+        workers/spec_decode/rejection_sampler.py)."""
+        return self.policy is None or self.policy.speculating
 
     def step_done(self, num_tokens: int, num_seqs: int) -> None:
         """One step's results are in (every DP rank's): `num_seqs` sequences emitted
