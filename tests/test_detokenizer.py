@@ -164,3 +164,19 @@ def test_deferred_tokens_decode_to_the_same_text(tok, text: str) -> None:
         if i % 3 == 2:  # read now and then, as a streamed output would
             assert eager.output_text.startswith(lazy.output_text)
     assert lazy.output_text == eager.output_text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_a_skipped_special_token_keeps_the_spacing_of_what_follows(tmp_path) -> None:
+    """A tokenizer whose decoder puts spaces between words (word-level; SentencePiece strips the
+    first word's too): a skipped EOS decoded on its own must not become the left context of the
+    next word, which would lose its space. Streamed pieces join to the whole decode."""
+    from executor_harness import build_tiny_llama
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(build_tiny_llama(tmp_path / "tiny")))
+    prompt = [5, 6, 7]
+    ids = [61, 61, tok.eos_token_id, 37, tok.eos_token_id, tok.eos_token_id, 115, 113]
+    whole = tok.decode(prompt + ids, skip_special_tokens=True)[len(tok.decode(prompt)) :]
+    detok = Detokenizer(tok, prompt)
+    pieces = [detok.add_token(t) for t in ids]
+    assert "".join(pieces) == detok.output_text == whole == " w61 w61 w37 w115 w113"

@@ -61,7 +61,8 @@ class Detokenizer:
             return ""  # an unfinished character: wait for the bytes that complete it
         # What the new tokens add past the context's text; text already emitted is never rewritten.
         new_text = full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
-        self.prefix_offset = self.read_offset
+        if new_text:  # tokens without text (skipped special ones) are no context for the next:
+            self.prefix_offset = self.read_offset  # spacing rules would see a start of text
         self.read_offset = len(self.token_ids)
         self._text += new_text
         return new_text
