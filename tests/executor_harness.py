@@ -82,6 +82,12 @@ def save_word_tokenizer(folder: Path, chat_template: Optional[str] = None) -> Pa
     return folder
 
 
+def build_target_and_draft(root: Path) -> tuple[Path, Path]:
+    """A tiny target and a smaller, weaker model of its vocabulary to draft for it."""
+    target = build_tiny_llama(root / "target")
+    return target, build_tiny_llama(root / "draft", num_layers=1, hidden_size=32, seed=1)
+
+
 def greedy_tokens(
     model: Path, prompts: list[list[int]] = PROMPTS, **kwargs: Any
 ) -> tuple[list[list[int]], dict[int, int]]:

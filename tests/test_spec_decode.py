@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from executor_harness import COMMON, PROMPTS, build_tiny_llama
+from executor_harness import COMMON, PROMPTS, build_target_and_draft
 from test_region_graph_cpu import FakeBackend
 
 from atomrt.graphs.draft_graph import DraftGraph
@@ -56,10 +56,7 @@ def _mixed_params() -> list[SamplingParams]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("spec_decode")
-    target = build_tiny_llama(root / "target")
-    draft = build_tiny_llama(root / "draft", num_layers=1, hidden_size=32, seed=1)
-    return target, draft
+    return build_target_and_draft(tmp_path_factory.mktemp("spec_decode"))
 
 
 def _spec(kind: str, models: tuple[Path, Path], k: int = 3) -> dict:
