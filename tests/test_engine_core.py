@@ -28,7 +28,7 @@ import pytest
 from executor_harness import PROMPTS, build_tiny_llama
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_engine_random import Alone
+from workload_harness import Alone
 
 from atomrt.runtime.config import CompilationConfig, Config, ConfigError
 from atomrt.runtime.driver.engine import EngineDeadError

@@ -1,161 +1,138 @@
-"""Randomized differential: tiny models, KV pools from just-fits to roomy, 1..8 sequences, small
-token budgets, async on and off, prefix caching on and off, chunked prefill, random arrivals, streams
-and aborts, in-process and mp: every finished request's greedy tokens equal the same request run
-alone (an aborted one's are a prefix of them).
+"""Randomized differential of the engine core (tests/workload_harness.py runs and checks it).
+
+Random engines: KV pools from just fitting the longest request to roomy, 1..8 sequences, small
+token budgets, chunked prefill, async scheduling on and off, prefix caching on and off, no
+speculation or n-gram or draft-model drafts (1..3), in-process and mp executors. Random workloads:
+arrivals at random steps and in bursts, n from 1 to 4, greedy, seeded sampled and unseeded sampled requests,
+EOS, stop token ids and stop strings, penalties and logprobs now and then, streams and aborts.
+
+Every greedy or seeded sample gives the tokens it gives alone (sample i of a seeded request: the
+request seeded `seed + i`), with or without speculation, sync or async; on every case, a request
+gets at most one output a step and exactly one `finished` one, the engine never idles while a
+request is unfinished, and once arrivals stop every request finishes within a bounded number of
+steps. Themed cases make sure tiny pools preempt parent and child samples and that seeded
+requests run beside others under each proposer.
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
 
 import pytest
-from executor_harness import VOCAB, build_tiny_llama
+from executor_harness import build_target_and_draft
+from workload_harness import (
+    BLOCK,
+    CPU,
+    FULL,
+    SMALL,
+    Alone,
+    Coverage,
+    Sizes,
+    random_config,
+    run_workload,
+)
 
 from atomrt.runtime.entrypoints.llm import LLM
-from atomrt.runtime.sampling_params import SamplingParams
-
-BLOCK = 4
-MAX_NEW = 16
-CPU = dict(device="cpu", enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny_random") / "model")
-
-
-class Alone:
-    """Each prompt's greedy tokens when it runs by itself: one sequence at a time, a roomy pool,
-    synchronous, no prefix cache. Computed once per prompt, for MAX_NEW tokens (a shorter request's
-    tokens are a prefix: greedy, ignore_eos)."""
-
-    def __init__(self, model: Path) -> None:
-        self.llm = LLM(
-            str(model),
-            **CPU,
-            num_kv_blocks=256,
-            block_size=BLOCK,
-            max_num_seqs=1,
-            enable_prefix_caching=False,
-        )
-        self.cache: dict[tuple[int, ...], list[int]] = {}
-
-    def tokens(self, prompt: list[int], n: int) -> list[int]:
-        key = tuple(prompt)
-        if key not in self.cache:
-            params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-            self.cache[key] = (
-                self.llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-            )
-        return self.cache[key][:n]
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    return build_target_and_draft(tmp_path_factory.mktemp("engine_random"))
 
 
 @pytest.fixture(scope="module")
-def alone(tiny) -> Alone:
-    a = Alone(tiny)
+def alone(models) -> Alone:
+    a = Alone(models[0])
     yield a
     a.llm.shutdown()
 
 
-def random_config(rng: random.Random) -> dict[str, Any]:
-    return dict(
-        num_kv_blocks=rng.choice([11, 12, 14, 16, 24, 64]),  # 11 just fits the longest request
-        block_size=BLOCK,
-        max_num_seqs=rng.randint(1, 8),
-        max_num_batched_tokens=rng.choice([8, 16, 32, 64]),
-        async_scheduling=rng.random() < 0.6,
-        enable_prefix_caching=rng.random() < 0.5,
-        enable_chunked_prefill=True,
-    )
-
-
-def run_workload(llm: LLM, rng: random.Random, alone: Alone) -> int:
-    """Random arrivals, streams and aborts on one engine; checks every request against `alone`.
-    Returns the number of requests checked."""
-    engine = llm.engine
-    shared = [rng.randrange(4, VOCAB) for _ in range(8)]
-    todo = []
-    for _ in range(rng.randint(3, 10)):
-        prefix = shared[: rng.randint(1, 8)] if rng.random() < 0.5 else []
-        prompt = prefix + [rng.randrange(4, VOCAB) for _ in range(rng.randint(1, 20))]
-        todo.append((prompt, rng.randint(1, MAX_NEW), rng.random() < 0.3))
-    prompts: dict[str, tuple[list[int], int]] = {}
-    streamed: dict[str, list[int]] = {}
-    final: dict[str, Any] = {}
-    aborted: set[str] = set()
-    for _ in range(3000):
-        if todo and rng.random() < 0.5:
-            prompt, n, stream = todo.pop(0)
-            rid = engine.add_request(
-                prompt,
-                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-                stream=stream,
-            )
-            prompts[rid] = (prompt, n)
-            if stream:
-                streamed[rid] = []
-        live = [r for r in prompts if r not in final and r not in aborted]
-        if live and rng.random() < 0.04:
-            victim = rng.choice(live)
-            engine.abort(victim)
-            aborted.add(victim)
-        for out in engine.step():
-            if out.request_id in streamed:
-                streamed[out.request_id].extend(out.outputs[0].token_ids)
-            if out.finished:
-                assert out.request_id not in final, f"request {out.request_id} finished twice"
-                final[out.request_id] = out
-        if not todo and not engine.has_unfinished():
-            break
-    else:
-        raise AssertionError("the workload did not finish")
-    assert set(final) == set(prompts), "a request never got its final output"
-    for rid, (prompt, n) in prompts.items():
-        completion = final[rid].outputs[0]
-        tokens = streamed[rid] if rid in streamed else completion.token_ids
-        want = alone.tokens(prompt, n)
-        if rid in aborted:
-            assert completion.finish_reason == "abort" and tokens == want[: len(tokens)], rid
-        else:
-            assert completion.finish_reason == "length" and tokens == want, (rid, prompt, n)
-    assert all(
-        s.block_manager.num_free_blocks == s.block_manager.num_blocks for s in engine.schedulers
-    )
-    return len(prompts)
-
-
 def _differential(
-    tiny: Path, alone: Alone, seed: int, workloads: int, executor: str = "inproc"
-) -> None:
+    models: tuple[Path, Path],
+    alone: Alone,
+    seed: int,
+    workloads: int,
+    executor: str = "inproc",
+    seeded_share: float = 0.3,
+    sizes: Sizes = FULL,
+    **forced,
+) -> Coverage:
+    """`workloads` random workloads on one engine of random_config(seed, **forced)."""
     rng = random.Random(seed)
-    config = random_config(rng)
-    llm = LLM(str(tiny), **CPU, executor=executor, worker_timeout_s=90.0, **config)
+    config = random_config(rng, models[1], sizes, **forced)
+    llm = LLM(str(models[0]), **CPU, executor=executor, worker_timeout_s=90.0, **config)
+    coverage = Coverage()
     try:
         for w in range(workloads):
-            run_workload(llm, random.Random(seed * 1000 + w), alone)
+            rng = random.Random(seed * 1000 + w)
+            coverage += run_workload(llm, rng, alone, seeded_share, sizes)
     finally:
         llm.shutdown()
+    return coverage
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_random_interleavings_give_each_request_its_alone_tokens(tiny, alone, seed):
-    _differential(tiny, alone, seed, workloads=10)
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workloads_give_each_sample_its_alone_tokens(models, alone, seed):
+    coverage = _differential(models, alone, seed, workloads=5)
+    assert coverage.compared_samples > 20
 
 
-@pytest.mark.parametrize("seed", [100, 101])
-def test_random_interleavings_through_mp(tiny, alone, seed):
-    _differential(tiny, alone, seed, workloads=6, executor="mp")
+# Seeds whose workloads, before samples stopped waiting on a parent that finished while preempted,
+# each left a request stuck for ever (the engine scheduled nothing while it was unfinished).
+def test_tiny_pools_preempt_parents_and_children(models, alone):
+    """Small requests (n up to 4, a quarter of them done within two tokens) arriving in bursts on
+    pools of a few blocks, async scheduling, prefix caching on: samples 1..n-1 wait for their
+    parent's prompt blocks while parents and children are preempted and finish in any order."""
+    coverage = Coverage()
+    for seed in (304, 310, 313):
+        coverage += _differential(
+            models,
+            alone,
+            seed,
+            workloads=4,
+            sizes=SMALL,
+            tiny_pool=True,
+            enable_prefix_caching=True,
+            async_scheduling=True,
+        )
+    assert coverage.preempted["parent"] and coverage.preempted["child"], coverage.preempted
+
+
+@pytest.mark.parametrize(
+    "spec, async_scheduling", [("ngram", False), ("ngram", True), ("draft", False), ("draft", True)]
+)
+def test_seeded_samples_alone_and_in_a_batch_under_speculation(
+    models, alone, spec, async_scheduling
+):
+    seed = {"ngram": 400, "draft": 410}[spec] + async_scheduling
+    coverage = _differential(
+        models,
+        alone,
+        seed,
+        workloads=3,
+        seeded_share=0.7,
+        spec=spec,
+        async_scheduling=async_scheduling,
+    )
+    assert coverage.seeded_samples > 10, coverage
+
+
+@pytest.mark.parametrize("seed, spec", [(100, "none"), (101, "ngram")])
+def test_random_workloads_through_mp(models, alone, seed, spec):
+    _differential(models, alone, seed, workloads=3, executor="mp", spec=spec)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(200, 260))
-def test_random_interleavings_long(tiny, alone, seed):
-    _differential(tiny, alone, seed, workloads=40, executor="mp" if seed % 10 == 0 else "inproc")
+@pytest.mark.parametrize("seed", range(200, 300))
+def test_random_workloads_long(models, alone, seed):
+    """Every tenth engine through mp; every fourth small requests on a tiny pool."""
+    executor = "mp" if seed % 10 == 0 else "inproc"
+    tiny = dict(sizes=SMALL, tiny_pool=True) if seed % 4 == 1 else {}
+    _differential(models, alone, seed, workloads=30, executor=executor, **tiny)
 
 
-def test_preemption_in_a_step_that_schedules_nothing_reaches_the_workers(tiny, alone):
+def test_preemption_in_a_step_that_schedules_nothing_reaches_the_workers(models, alone):
     """Async scheduling, a pool that just fits: a sequence preempted by a step that schedules
     nothing is rescheduled later with a new block table, which the workers must get whole."""
     from atomrt.runtime.driver.scheduler import Scheduler
@@ -163,14 +140,14 @@ def test_preemption_in_a_step_that_schedules_nothing_reaches_the_workers(tiny, a
     seen = []
     original = Scheduler.schedule
 
-    def schedule(self):
-        out = original(self)
+    def schedule(self, admit=True):
+        out = original(self, admit)
         if out.is_empty and out.preempted:
             seen.append(out.preempted[0].seq_id)
         return out
 
     llm = LLM(
-        str(tiny),
+        str(models[0]),
         **CPU,
         num_kv_blocks=11,
         block_size=BLOCK,
