@@ -323,7 +323,7 @@ def test_step_bytes_read_an_untied_embedding_by_its_rows() -> None:
     context's KV; an untied input embedding counts only by the rows looked up."""
     import torch.nn as nn
 
-    from atomrt.runtime.bench.latency import StepBytes, _inproc_step_bytes
+    from atomrt.runtime.bench.step_bytes import StepBytes, inproc_step_bytes
     from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
     class Model(nn.Module):
@@ -351,7 +351,7 @@ def test_step_bytes_read_an_untied_embedding_by_its_rows() -> None:
             (),
             {"engine": type("E", (), {"executor": type("X", (), {"worker": worker})()})()},
         )()
-        return _inproc_step_bytes(llm)
+        return inproc_step_bytes(llm)
 
     untied, tied = step_bytes(False), step_bytes(True)
     f32 = 4

@@ -30,6 +30,7 @@ import torch._dynamo
 
 from atomrt.runtime.bench.modes import mode_settings, split_mode
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
+from atomrt.runtime.bench.step_bytes import StepBytes, inproc_step_bytes, measure_copy_bandwidth
 from atomrt.runtime.bench.targets import decode_threshold, latency_figures, notes_of
 from atomrt.runtime.config import CUDAGraphMode, ParallelConfig
 from atomrt.runtime.entrypoints.config_args import _json_mapping
@@ -175,65 +176,6 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
     return args
 
 
-def measure_copy_bandwidth(device: torch.device) -> float:
-    """GB/s of a large tensor copy, counting bytes read plus bytes written (CUDA events on GPU)."""
-    on_cuda = device.type == "cuda"
-    nbytes, iters = (1 << 30, 20) if on_cuda else (64 << 20, 5)
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    if on_cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        for _ in range(iters):
-            dst.copy_(src)
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-    else:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dst.copy_(src)
-        seconds = time.perf_counter() - t0
-    return 2 * nbytes * iters / seconds / 1e9
-
-
-@dataclass(frozen=True)
-class StepBytes:
-    """What a decode step of a model reads, in bytes: `weights` once, then per sequence one input
-    embedding row (`row`, when the table is not also the LM head) and `kv_per_token` per token of
-    its context."""
-
-    weights: int
-    row: int
-    kv_per_token: int
-
-    def of(self, bs: int, ctx: int) -> int:
-        return self.weights + bs * self.row + bs * ctx * self.kv_per_token
-
-
-def _inproc_step_bytes(llm: Any) -> Optional[StepBytes]:
-    """StepBytes read from the in-process worker's model; None through other executors."""
-    from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-
-    worker = getattr(llm.engine.executor, "worker", None)
-    if worker is None:
-        return None
-    runner = worker.runner
-    modules = list(runner.model.modules())
-    heads = {m.weight.data_ptr() for m in modules if isinstance(m, ParallelLMHead)}
-    lookups = [
-        m.weight
-        for m in modules
-        if type(m) is VocabParallelEmbedding and m.weight.data_ptr() not in heads
-    ]  # a tied table is read whole by the LM head
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    weights -= sum(w.numel() * w.element_size() for w in lookups)
-    row = sum(w.shape[1] * w.element_size() for w in lookups)
-    return StepBytes(weights, row, runner.kv_bytes_per_block() // runner.shape.block_size)
-
-
 def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[float]:
     """Per-step seconds of `args.decode_steps` pure decode steps of `bs` rows (after prefill and warm-up)."""
     from atomrt.runtime.sampling_params import SamplingParams
@@ -302,7 +244,7 @@ def bench_one(
     llm = LLM(model, **settings)
     try:
         startup_s = time.perf_counter() - t0
-        step_bytes = _inproc_step_bytes(llm)
+        step_bytes = inproc_step_bytes(llm)
         if step_bytes is not None:
             report.weight_bytes[model] = step_bytes.weights
             _STEP_BYTES[model] = step_bytes
