@@ -291,6 +291,8 @@ class Config:
             "tp": self.parallel_config.tensor_parallel_size,
             "compilation": self.compilation_config.compute_hash(),
         }
+        if self.model_config.hf_overrides is not None:  # absent otherwise: earlier keys stay valid
+            factors["hf_overrides"] = self.model_config.hf_overrides
         blob = json.dumps(factors, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -192,9 +192,13 @@ class ModelConfig:
     max_logprobs: int = (
         20  # the most top logprobs a request may ask for (each row computes that many)
     )
+    # config.json (or preset) fields to replace before the model is built, vLLM's `hf_overrides`:
+    # {"num_hidden_layers": 4} builds the first 4 layers at the real per-layer shapes
+    hf_overrides: Optional[dict] = None
 
     def __post_init__(self) -> None:
         _choice("model_config.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
+        _check_hf_overrides(self.hf_overrides)
         _choice(
             "model_config.load_format", self.load_format, ("auto", "safetensors", "gguf", "dummy")
         )
@@ -206,6 +210,22 @@ class ModelConfig:
             raise ConfigError(
                 f"model_config.max_logprobs: must be an integer >= 0, got {self.max_logprobs!r}"
             )
+
+
+def _check_hf_overrides(overrides: Any) -> None:
+    """A mapping of config.json field names to JSON values (they are hashed into the compile
+    cache's key and travel to the workers)."""
+    if overrides is None:
+        return
+    if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
+        raise ConfigError(
+            "model_config.hf_overrides: expected a mapping of config.json fields to values, such "
+            f'as {{"num_hidden_layers": 4}}; got {overrides!r}'
+        )
+    try:
+        json.dumps(overrides)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model_config.hf_overrides: values must be JSON data ({e})") from None
 
 
 @dataclass(frozen=True)

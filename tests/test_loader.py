@@ -264,3 +264,70 @@ def test_a_gguf_tokenizer_saved_for_other_processes_is_the_same_tokenizer(
     again = tok.load_tokenizer(resolve_model(DEFAULT_MODEL))
     assert again.encode("Hello, world!") == built.encode("Hello, world!")
     assert tok._load_saved(saved) is not None
+
+
+# ------------------------------------------------------------------ hf_overrides
+
+
+def test_hf_overrides_build_fewer_layers_at_the_real_shapes() -> None:
+    """vLLM's `hf_overrides`: the preset's fields replaced before the model is built. Fewer layers
+    keep each layer's shapes (and which MLPs are dense); the config's hash changes with them."""
+    from atomrt.runtime.entrypoints.llm import config_from_kwargs
+    from atomrt.workers.loading.loader import read_arch
+
+    kwargs = dict(load_format="dummy", device="cpu")
+    whole = config_from_kwargs("tiny-deepseek-v3", kwargs)
+    cut = config_from_kwargs(
+        "tiny-deepseek-v3", {**kwargs, "hf_overrides": {"num_hidden_layers": 2}}
+    )
+    assert (read_arch(whole).num_layers, read_arch(cut).num_layers) == (4, 2)
+    assert read_arch(cut).mlp_only_layers == (0,)  # first_k_dense_replace=1: layer 0 stays dense
+    model = load_model(cut, "cpu", torch.float32).model
+    reference = load_model(whole, "cpu", torch.float32).model
+    assert len(model.model.layers) == 2
+    shapes = {n: p.shape for n, p in reference.named_parameters()}
+    for name, p in model.named_parameters():
+        assert p.shape == shapes[name], name
+    assert whole.compute_hash() != cut.compute_hash()
+    assert Config.from_dict(cut.to_dict()).model_config == cut.model_config  # YAML, workers
+
+
+def test_hf_overrides_errors_name_the_field(tiny_folder: Path, tmp_path: Path) -> None:
+    from atomrt.runtime.config import ConfigError
+    from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+
+    for bad in ([("num_hidden_layers", 2)], {1: 2}, {"x": object()}):
+        with pytest.raises(ConfigError, match=r"model_config\.hf_overrides"):
+            ModelConfig(hf_overrides=bad)
+    # a GGUF file's architecture is its metadata's: nothing to override
+    fake = tmp_path / "m.gguf"
+    fake.write_bytes(b"GGUF")
+    config = Config(model=str(fake), model_config=ModelConfig(hf_overrides={"vocab_size": 8}))
+    with pytest.raises(ValueError, match="hf_overrides"):
+        load_model(config, "cpu", torch.float32)
+    # a checkpoint's tensors must fit the overridden architecture
+    config = Config(
+        model=str(tiny_folder), model_config=ModelConfig(hf_overrides={"num_hidden_layers": 1})
+    )
+    with pytest.raises(ValueError, match=r"model\.layers\.1\..* has no place"):
+        load_model(config, "cpu", torch.float32)
+    # the command line's --hf-overrides
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    _add_config_args(parser)
+    args = parser.parse_args(["--model", "m", "--hf-overrides", '{"num_hidden_layers": 4}'])
+    assert config_from_args(args).model_config.hf_overrides == {"num_hidden_layers": 4}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hf-overrides", "[4]"])
+
+
+def test_a_draft_model_takes_none_of_the_targets_hf_overrides() -> None:
+    from atomrt.workers.spec_decode.draft_model import draft_config
+
+    config = Config(
+        model="tiny-deepseek-v3",
+        model_config=ModelConfig(load_format="dummy", hf_overrides={"num_hidden_layers": 2}),
+        speculative_config={"model": "tiny-qwen3-moe", "num_speculative_tokens": 2},
+    )
+    assert draft_config(config).model_config.hf_overrides is None

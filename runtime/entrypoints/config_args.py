@@ -63,6 +63,14 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--hf-overrides",
+        type=_json_mapping,
+        default=None,
+        metavar="JSON",
+        help='config.json fields to replace before the model is built, e.g. \'{"num_hidden_layers": '
+        "4}' (the first 4 layers at the real shapes)",
+    )
+    p.add_argument(
         "--speculative-config",
         type=_json_mapping,
         default=None,
@@ -93,6 +101,7 @@ def config_from_args(args: argparse.Namespace):
             "load_format": args.load_format,
             "dtype": args.dtype,
             "max_model_len": args.max_model_len,
+            "hf_overrides": getattr(args, "hf_overrides", None),
         },
         "parallel_config": {
             "tensor_parallel_size": args.tensor_parallel_size,

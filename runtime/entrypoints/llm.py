@@ -40,7 +40,6 @@ VLLM_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "cpu_offload_gb": (0,),
     "swap_space": (0, 4),
     "hf_token": (None,),
-    "hf_overrides": (None,),
     "disable_custom_all_reduce": (False,),
     "enable_lora": (False,),
 }

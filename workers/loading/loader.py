@@ -112,20 +112,33 @@ def safetensors_weights(folder: Path) -> Iterator[tuple[str, Any]]:
             raise ValueError(f"{file}: corrupt or truncated safetensors file ({e})") from None
 
 
-def _arch_of(resolved: ResolvedModel, use_preset: bool) -> tuple[ModelArch, Any]:
-    """The architecture, and the open GGUF reader when there is one."""
+def _arch_of(
+    resolved: ResolvedModel, use_preset: bool, hf_overrides: Optional[dict[str, Any]] = None
+) -> tuple[ModelArch, Any]:
+    """The architecture, and the open GGUF reader when there is one; `hf_overrides` replaces
+    fields of the config.json or preset first."""
     if use_preset and resolved.preset is not None:
-        return arch_from_hf_config(
-            preset_config(resolved.preset), f"preset {resolved.preset}"
-        ), None
+        cfg, where = preset_config(resolved.preset), f"preset {resolved.preset}"
+        return arch_from_hf_config(_overridden(cfg, hf_overrides), where), None
     if resolved.kind == "safetensors":
-        return arch_from_hf_config(read_hf_config(resolved.path), str(resolved.path)), None
+        cfg = _overridden(read_hf_config(resolved.path), hf_overrides)
+        return arch_from_hf_config(cfg, str(resolved.path)), None
     if resolved.kind == "gguf":
+        if hf_overrides:
+            raise ValueError(
+                f"{resolved.name}: model_config.hf_overrides replaces config.json fields; a GGUF "
+                "file's architecture comes from its metadata (give a folder or a preset)"
+            )
         reader = open_gguf(resolved.path)
         return arch_from_gguf(reader, resolved.path), reader
     raise ValueError(
         f"{resolved.name}: a preset has no weights; use load_format='dummy' or give a model path"
     )
+
+
+def _overridden(cfg: dict[str, Any], hf_overrides: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """config.json fields with `hf_overrides`' values in their place (each replaced whole)."""
+    return {**cfg, **hf_overrides} if hf_overrides else cfg
 
 
 def read_arch(config: Any) -> ModelArch:
@@ -137,7 +150,8 @@ def read_arch(config: Any) -> ModelArch:
         raise ValueError(
             f"{resolved.name}: a preset has no weights; use load_format='dummy' or give a model path"
         )
-    return _arch_of(resolved, use_preset=load_format == "dummy")[0]
+    hf_overrides = config.model_config.hf_overrides
+    return _arch_of(resolved, load_format == "dummy", hf_overrides)[0]
 
 
 def check_parallel_layout(
@@ -233,7 +247,7 @@ def load_model(
         raise ValueError(
             f"{resolved.name}: load_format={load_format!r} but the model is {resolved.kind}"
         )
-    arch, reader = _arch_of(resolved, use_preset=load_format == "dummy")
+    arch, reader = _arch_of(resolved, load_format == "dummy", config.model_config.hf_overrides)
     max_position = config.model_config.max_model_len or arch.max_position
     model = build_model(arch, device, dtype, tp, max_position, config=config, dp=dp)
     if load_format == "dummy":

@@ -61,7 +61,8 @@ logger = logging.getLogger(__name__)
 
 def draft_config(config: Config, max_model_len: Optional[int] = None) -> Config:
     """The engine's config with the draft model in the target's place (so its own compile-cache
-    key), no speculation of its own, and the engine's context length when given."""
+    key), no speculation of its own, none of the target's `hf_overrides`, and the engine's context
+    length when given."""
     spec = config.speculative_config
     assert spec is not None and spec.model is not None
     max_len = max_model_len or config.model_config.max_model_len
@@ -69,7 +70,9 @@ def draft_config(config: Config, max_model_len: Optional[int] = None) -> Config:
         config,
         model=spec.model,
         speculative_config=None,
-        model_config=replace(config.model_config, tokenizer=None, max_model_len=max_len),
+        model_config=replace(
+            config.model_config, tokenizer=None, max_model_len=max_len, hf_overrides=None
+        ),
     )
 
 
