@@ -28,7 +28,8 @@ one frozen `ForwardDecision` that every rank follows, so the ranks' collectives 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Optional
 
@@ -56,6 +57,17 @@ class ForwardMode:
         self.ubatch = UbatchPolicy(config.parallel_config.enable_tbo, captured)
         # The decision is a pure function of the shapes: a steady decode repeats the last one.
         self._last: tuple[tuple[BatchShape, ...], Optional[ForwardDecision]] = ((), None)
+        self._eager_steps = False  # `eager_steps()`
+
+    @contextmanager
+    def eager_steps(self) -> Iterator[None]:
+        """Every step decided inside runs eagerly, whatever capture recorded: a bench reads the
+        routing of such steps in Python (runtime/bench/latency.py, the experts a batch touches)."""
+        previous, self._eager_steps, self._last = self._eager_steps, True, ((), None)
+        try:
+            yield
+        finally:
+            self._eager_steps, self._last = previous, ((), None)
 
     def decide(self, batches: Sequence[BatchShape]) -> ForwardDecision:
         shapes = tuple(batches)
@@ -90,7 +102,7 @@ class ForwardMode:
             draft = 0
         is_decode = bool(busy) and all(self._is_decode(b, draft) for b in busy)
         decision = None
-        if busy and not self.enforce_eager:
+        if busy and not self.enforce_eager and not self._eager_steps:
             if self.tr_hybrid:
                 decision = self._pad_to_token_graph(is_decode, max_seqs, max_tokens, draft)
             elif is_decode and self.mode.decode_mode() == CUDAGraphMode.FULL:

@@ -97,6 +97,9 @@ def _routed_experts_impl(
 ) -> torch.Tensor:
     """x [n, hidden] routed by (topk_weights, topk_ids) [n, top_k] -> this rank's partial expert
     output [n, hidden]: the Triton kernel on CUDA, the torch loop elsewhere."""
+    tally = get_forward_context().expert_tally
+    if tally is not None:  # a bench counts the experts touched (eager steps only)
+        tally.record(w13, topk_ids)
     if x.is_cuda:
         return fused_experts(x, w13, w2, topk_weights, topk_ids)
     return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,69 @@
+"""`ExpertTally`: the routed experts each MoE layer's rows select, step by step.
+
+A decode step of a mixture-of-experts model reads the weights of the experts its rows were routed
+to, not all of them: at batch size 1 a layer of 64 experts with top-6 routing reads 6. What `atomrt
+bench latency` divides by the copy bandwidth for its floor (runtime/bench/step_bytes.py) counts
+them from a tally of real steps.
+
+The expert op (`routed_experts`, workers/layers/moe.py) reports each call's routing to the tally
+its forward context carries (`ForwardContext.expert_tally`, set by the model runner from its
+`expert_tally`). It does so in Python, which a CUDA-graph replay does not run: only eager steps
+are counted, and a step without a tally pays one attribute read per MoE layer. A layer is known by
+its expert weights, so a drafter's or another model's MoE layers are not counted.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from atomrt.workers.layers.moe import FusedMoE
+
+
+class RoutedLayer(NamedTuple):
+    """One MoE layer's routed experts on this rank: how many, and the bytes of one."""
+
+    num_experts: int
+    expert_bytes: int  # its w13 rows and w2 columns on this rank
+
+
+def routed_layers(model: nn.Module) -> list[FusedMoE]:
+    """The model's MoE layers in order (DeepSeekMoE's are FusedMoE too)."""
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+def routed_layer_bytes(layer: FusedMoE) -> RoutedLayer:
+    w13, w2 = layer.w13_weight, layer.w2_weight  # [E, 2I, hidden], [E, hidden, I]
+    per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    return RoutedLayer(w13.shape[0], per_expert)
+
+
+class ExpertTally:
+    """Per MoE layer of `model`, the number of distinct experts the rows of each counted step
+    selected."""
+
+    def __init__(self, model: nn.Module) -> None:
+        layers = routed_layers(model)
+        self._layer_of = {m.w13_weight.data_ptr(): i for i, m in enumerate(layers)}
+        self.layers = tuple(routed_layer_bytes(m) for m in layers)
+        self.distinct: list[list[int]] = [[] for _ in layers]  # per layer, per call
+
+    def record(self, w13: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """One call of a layer's experts over `topk_ids` [rows, top_k] (reads them back: eager
+        steps only)."""
+        layer = self._layer_of.get(w13.data_ptr())
+        if layer is not None:
+            self.distinct[layer].append(int(torch.unique(topk_ids).numel()))
+
+    @property
+    def num_steps(self) -> int:
+        """Calls of the layer counted least (a step calls every layer once)."""
+        return min((len(d) for d in self.distinct), default=0)
+
+    def mean_touched(self) -> tuple[float, ...]:
+        """Per layer, the mean number of distinct experts a counted call touched."""
+        if not self.num_steps:
+            raise ValueError("ExpertTally: no step was counted (only eager steps report)")
+        return tuple(sum(d) / len(d) for d in self.distinct)
