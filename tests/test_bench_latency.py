@@ -337,12 +337,16 @@ def test_step_bytes_read_an_untied_embedding_by_its_rows() -> None:
 
     class Runner:
         shape = type("Shape", (), {"block_size": 4})()
+        dtype = torch.float32
 
         def __init__(self, model: nn.Module) -> None:
             self.model = model
 
         def kv_bytes_per_block(self) -> int:
             return 4 * 64
+
+        def kv_layer_specs(self) -> list:
+            return []
 
     def step_bytes(tied: bool) -> StepBytes:
         worker = type("Worker", (), {"runner": Runner(Model(tied))})()

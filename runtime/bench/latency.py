@@ -2,9 +2,13 @@
 
 One LLM per (model, mode, executor); per batch size: prefill bs random prompts, then time warm-up and
 measured engine steps that each decode bs rows. The floor is the bytes a decode step reads over the
-copy bandwidth measured in the same run (read + write bytes counted): every weight the step reads
-(an untied input embedding only by its bs rows; every expert of a MoE layer), plus the KV cache of
-bs contexts at the median measured step. `--compare-executors` (or
+copy bandwidth measured in the same run (read + write bytes counted; runtime/bench/step_bytes.py):
+every weight the step reads whole (an untied input embedding only by its bs rows), of a MoE
+model's routed experts those the batch touches, plus the KV cache of bs contexts at the median
+measured step (an MLA layer's latent row per token). The experts touched are counted per MoE layer
+in `EXPERT_COUNT_STEPS` decode steps of the same batch that follow the timed ones, run eagerly so
+that the routing can be read (a graph replay runs no Python); the floor with every expert is kept
+beside it. `--compare-executors` (or
 `main_tp_overhead`) times bs=1 through the Ray executor (TP=1) against in-process.
 `--speculative-config JSON` instead compares decode tokens/s with and without speculative decoding
 on a repetitive and a random workload, one batch to its end or, with `--num-requests`, a batch that
@@ -22,7 +26,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -30,7 +34,12 @@ import torch._dynamo
 
 from atomrt.runtime.bench.modes import mode_settings, split_mode
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
-from atomrt.runtime.bench.step_bytes import StepBytes, inproc_step_bytes, measure_copy_bandwidth
+from atomrt.runtime.bench.step_bytes import (
+    StepBytes,
+    count_touched_experts,
+    inproc_step_bytes,
+    measure_copy_bandwidth,
+)
 from atomrt.runtime.bench.targets import decode_threshold, latency_figures, notes_of
 from atomrt.runtime.config import CUDAGraphMode, ParallelConfig
 from atomrt.runtime.entrypoints.config_args import _json_mapping
@@ -41,6 +50,9 @@ DEFAULT_MODELS = (
 
 
 _STEP_BYTES: dict[str, StepBytes] = {}  # by model, from its in-process run (others reuse it)
+# per MoE layer, the experts a step touched, by (model, batch size), from the in-process run
+_TOUCHED: dict[tuple[str, int], tuple[float, ...]] = {}
+EXPERT_COUNT_STEPS = 16  # eager decode steps that count the experts a batch touches
 
 
 @dataclass
@@ -60,6 +72,15 @@ class Row:
     capture_s: float
     startup_s: float
     peak_mem_gib: Optional[float]
+    # a MoE model's: distinct routed experts a step touched, the mean over its MoE layers, and
+    # the floor were every expert read
+    experts_touched: Optional[float] = None
+    floor_all_experts_ms: Optional[float] = None
+
+
+class Timing(NamedTuple):
+    seconds: list[float]  # per timed step
+    touched: Optional[tuple[float, ...]]  # per MoE layer, distinct experts a step touched
 
 
 @dataclass
@@ -68,7 +89,8 @@ class Report:
     torch_version: str
     copy_gbps: float
     args: dict[str, Any]
-    weight_bytes: dict[str, int] = field(default_factory=dict)  # read by a decode step
+    weight_bytes: dict[str, int] = field(default_factory=dict)  # read whole by a decode step
+    step_bytes: dict[str, dict[str, Any]] = field(default_factory=dict)  # StepBytes, by model
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -124,6 +146,14 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
     )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--hf-overrides",
+        type=_json_mapping,
+        default=None,
+        metavar="JSON",
+        help="model_config.hf_overrides, e.g. '{\"num_hidden_layers\": 4}': the first 4 layers "
+        "at the real shapes (the record's case says so)",
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=("auto", "float32", "float16", "bfloat16"),
@@ -176,15 +206,17 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
     return args
 
 
-def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[float]:
-    """Per-step seconds of `args.decode_steps` pure decode steps of `bs` rows (after prefill and warm-up)."""
+def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> Timing:
+    """Per-step seconds of `args.decode_steps` pure decode steps of `bs` rows (after prefill and
+    warm-up), and for a MoE model the experts the next steps of the batch touch."""
     from atomrt.runtime.sampling_params import SamplingParams
 
     engine = llm.engine
     rng = random.Random(seed)
     # Early requests of a chunked prefill decode while later ones prefill: one spare token per chunk.
     num_chunks = -(-bs * args.input_len // engine.config.scheduler_config.max_num_batched_tokens)
-    max_tokens = args.warmup_steps + args.decode_steps + 2 + num_chunks
+    count_steps = min(EXPERT_COUNT_STEPS, args.decode_steps)
+    max_tokens = args.warmup_steps + args.decode_steps + count_steps + 2 + num_chunks
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
     vocab = engine.info.vocab_size
     # Streamed, as a server would: every step returns one (delta) output per sampled row.
@@ -210,7 +242,7 @@ def time_decode(llm: Any, bs: int, args: argparse.Namespace, seed: int) -> list[
                 raise RuntimeError(
                     f"bs={bs}: decode step {i} sampled {len(outs)} rows, expected {bs}"
                 )
-        return times[args.warmup_steps :]
+        return Timing(times[args.warmup_steps :], count_touched_experts(llm, mine, count_steps))
     finally:
         for rid in ids:
             engine.abort(rid)
@@ -233,7 +265,7 @@ def bench_one(
         cuda_graph_sizes=[args.cuda_graph_sizes or max_bs],
         **mode_settings(mode, args.level, on_cuda),
     )
-    for name in ("max_model_len", "max_num_batched_tokens", "transport_spin_us"):
+    for name in ("max_model_len", "max_num_batched_tokens", "transport_spin_us", "hf_overrides"):
         if getattr(args, name) is not None:  # an explicit 0 (no spinning) is a setting too
             settings[name] = getattr(args, name)
     if args.dtype != "auto":
@@ -247,13 +279,21 @@ def bench_one(
         step_bytes = inproc_step_bytes(llm)
         if step_bytes is not None:
             report.weight_bytes[model] = step_bytes.weights
+            report.step_bytes[model] = asdict(step_bytes)
             _STEP_BYTES[model] = step_bytes
         step_bytes = _STEP_BYTES.get(model)
         for bs in args.batch_sizes:
-            secs = time_decode(llm, bs, args, seed=bs)
+            timing = time_decode(llm, bs, args, seed=bs)
+            if timing.touched is not None:
+                _TOUCHED[(model, bs)] = timing.touched
+            secs, touched = timing.seconds, _TOUCHED.get((model, bs))
             med, p90 = float(np.median(secs)) * 1e3, float(np.percentile(secs, 90)) * 1e3
             ctx = args.input_len + args.warmup_steps + args.decode_steps // 2
-            floor = step_bytes.of(bs, ctx) / report.copy_gbps / 1e6 if step_bytes else None
+            floor = all_experts = None
+            if step_bytes is not None and (touched is not None or not step_bytes.routed):
+                floor = step_bytes.of(bs, ctx, touched) / report.copy_gbps / 1e6
+            if step_bytes is not None and step_bytes.routed:
+                all_experts = step_bytes.of(bs, ctx) / report.copy_gbps / 1e6
             kind = llm.engine.forward_mode.decide([BatchShape(bs, bs, 1, False)]).kind.value
             peak = (
                 torch.cuda.max_memory_allocated() / 2**30
@@ -274,6 +314,8 @@ def bench_one(
                 round(llm.engine.info.capture_seconds, 2),
                 round(startup_s, 2),
                 _r(peak),
+                _r(sum(touched) / len(touched) if touched else None),
+                _r(all_experts),
             )
             report.rows.append(row)
             print(_line(row), flush=True)
@@ -294,14 +336,15 @@ def _fmt(x: Optional[float], spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-HEADER = f"{'model':<22} {'mode':<12} {'bs':>4} {'ms/step':>9} {'p90':>9} {'tok/s':>10} {'floor_ms':>9} {'ratio':>7} {'capture_s':>9}"
+HEADER = f"{'model':<22} {'mode':<12} {'bs':>4} {'ms/step':>9} {'p90':>9} {'tok/s':>10} {'floor_ms':>9} {'ratio':>7} {'capture_s':>9} {'experts':>7}"
 
 
 def _line(r: Row) -> str:
     mode = r.mode if r.executor == "inproc" else f"{r.mode}@{r.executor}"
     return (
         f"{r.model:<22} {mode:<12} {r.batch_size:>4} {r.ms_median:>9.3f} {r.ms_p90:>9.3f} {r.tokens_per_s:>10.1f} "
-        f"{_fmt(r.floor_ms, '9.3f')} {_fmt(r.ratio_to_floor, '7.2f')} {r.capture_s:>9.2f}"
+        f"{_fmt(r.floor_ms, '9.3f')} {_fmt(r.ratio_to_floor, '7.2f')} {r.capture_s:>9.2f} "
+        f"{_fmt(r.experts_touched, '7.1f')}"
     )
 
 

@@ -27,7 +27,11 @@ if TYPE_CHECKING:
 
 # decode-step: ms per decode step, or a multiple of the true floor (model, batch size)
 DECODE_MS = {("SmolLM2-135M", 1): 0.5, ("Llama-3.2-1B", 1): 0.7, ("Llama-3.2-1B", 32): 1.0}
-DECODE_FLOOR_RATIO = {("Llama-3.1-8B", 1): 1.10}
+DECODE_FLOOR_RATIO = {
+    ("Llama-3.1-8B", 1): 1.10,
+    ("DeepSeek-V2-Lite", 1): 1.5,  # the floor: the experts the batch touches (step_bytes.py)
+    ("GLM-4.7-Flash", 1): 1.5,
+}
 # tr-hybrid-vs-full: a TR_HYBRID decode step over FULL's, same run (model, batch size)
 TR_HYBRID_OVER_FULL = {
     ("SmolLM2-135M", 1): 1.25,
@@ -86,11 +90,14 @@ def engine_variant(args: argparse.Namespace, *, ladder: bool = True) -> list[str
         out.append(args.dtype)
     if args.input_len != 128:
         out.append(f"{args.input_len}-token prompts")
-    names = ["max_model_len", "max_num_batched_tokens", "transport_spin_us"]
+    names = ["max_model_len", "max_num_batched_tokens", "transport_spin_us", "hf_overrides"]
     names += ["max_num_seqs", "cuda_graph_sizes"] if ladder else []
     for name in names:
-        if getattr(args, name, None) is not None:
-            out.append(f"--{name.replace('_', '-')} {_g(getattr(args, name))}")
+        value = getattr(args, name, None)
+        if isinstance(value, dict):
+            out.append(f"--{name.replace('_', '-')} {json.dumps(value, separators=(',', ':'))}")
+        elif value is not None:
+            out.append(f"--{name.replace('_', '-')} {_g(value)}")
     return out + env_variant()
 
 
@@ -152,7 +159,7 @@ def latency_figures(report: LatencyReport, args: argparse.Namespace, on_cuda: bo
                 anchor=r.floor_ms,
                 anchor_name="true floor",
                 threshold=decode_threshold(r.model, r.batch_size) if judged else None,
-                extra={"p90": Quantity(r.ms_p90, "ms")},
+                extra=_decode_extra(r),
             )
         )
         if on_cuda and graph:
@@ -189,6 +196,17 @@ def latency_figures(report: LatencyReport, args: argparse.Namespace, on_cuda: bo
             )
         )
     return out
+
+
+def _decode_extra(r: Any) -> dict[str, Quantity]:
+    """Beside a decode step: its p90 and, for a MoE model, the experts a step touched (per MoE
+    layer) and the floor were every expert read."""
+    extra = {"p90": Quantity(r.ms_p90, "ms")}
+    if r.experts_touched is not None:
+        extra["experts touched"] = Quantity(r.experts_touched, "per MoE layer")
+    if r.floor_all_experts_ms is not None:
+        extra["all-experts floor"] = Quantity(r.floor_all_experts_ms, "ms")
+    return extra
 
 
 def _capture_figures(graph_rows: dict, args: argparse.Namespace) -> list[Figure]:
