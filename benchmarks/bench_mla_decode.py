@@ -2,7 +2,7 @@
 interpreter, to check the script, not to measure):
 
     python benchmarks/bench_mla_decode.py [--heads 16,20,128] [--bs 1,8,32,128] [--ctx 1024,8192]
-                                          [--sweep] [--json PATH]
+                                          [--sweep] [--json PATH] [--record [DIR]]
     python benchmarks/bench_mla_decode.py --dry-run [--json PATH]
 
 For each (heads, batch size, context): GPU µs per call of mla_decode_attention (the graph-safe
@@ -11,8 +11,9 @@ a CUDA graph holding one call per layer, each layer over its own cache (Triton's
 cache before each replay, so every layer reads from HBM). GB/s counts the bytes a call must move --
 the latent cache rows of the live context, q and out -- over that time, and `of_copy` is its share
 of a device-to-device copy's bandwidth (read + write) measured in the same run. Target: 70% of the
-copy at bs >= 8. `max_err` is the first layer's largest difference from a float32 torch reference
-over its first requests. `--sweep` adds other launch plans (key tile, warps, stages, heads per
+copy at bs >= 8 (runtime/bench/targets.py; `--record` keeps each row as an `mla-decode` figure).
+`max_err` is the first layer's largest difference from a float32 torch reference over its first
+requests. `--sweep` adds other launch plans (key tile, warps, stages, heads per
 tile, splits, keys per working split) and the best of them.
 """
 
@@ -34,6 +35,16 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
+from atomrt.runtime.bench.records import (  # noqa: E402
+    Figure,
+    Quantity,
+    Threshold,
+    add_record_flag,
+    figure,
+    resolve_record_flag,
+    save,
+)
+from atomrt.runtime.bench.targets import MLA_DECODE_MIN_BS, MLA_DECODE_OF_COPY  # noqa: E402
 from atomrt.workers.kernels.attention.mla_decode import (  # noqa: E402
     MLADecodeLaunch,
     launch_mla_decode,
@@ -201,7 +212,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--dry-run", action="store_true", help="toy shapes on CPU, the interpreter")
     ap.add_argument("--json", default="")
+    add_record_flag(ap)
     args = ap.parse_args()
+    resolve_record_flag(args, ap)
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     if args.dry_run:
         device, dtype, lora, rope, capacity = "cpu", torch.float32, 32, 16, 128
@@ -222,6 +235,46 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_gbps=copy, device=_device_name(device), rows=rows), f, indent=1)
+    if args.record is not None:
+        program = "python benchmarks/bench_mla_decode.py"
+        on_gpu = not args.dry_run
+        notes = (
+            [] if on_gpu else ["dry run: toy shapes through Triton's interpreter, not a measure"]
+        )
+        records = figures(rows, copy, on_gpu)
+        save(
+            args.record,
+            "bench_mla_decode",
+            sys.argv[1:],
+            records,
+            on_gpu=on_gpu,
+            program=program,
+            notes=notes,
+        )
+
+
+def figures(rows: list[dict], copy: float, on_gpu: bool) -> list[Figure]:
+    """mla-decode: GB/s against the device copy of the same run, per (heads, batch size, context);
+    the target at bs >= MLA_DECODE_MIN_BS, on a GPU."""
+    out = []
+    for row in rows:
+        judged = on_gpu and row["bs"] >= MLA_DECODE_MIN_BS
+        out.append(
+            figure(
+                "mla-decode",
+                f"{row['heads']} heads bs={row['bs']} ctx={row['ctx']}",
+                row["gbps"],
+                "GB/s",
+                anchor=copy,
+                anchor_name="device copy",
+                threshold=Threshold(">=", MLA_DECODE_OF_COPY, "ratio") if judged else None,
+                extra={
+                    "time": Quantity(row["us"], "µs"),
+                    "max error": Quantity(row["max_err"], "abs"),
+                },
+            )
+        )
+    return out
 
 
 def _device_name(device: str) -> str:

@@ -165,6 +165,40 @@ def test_gpu_scripts_record_their_figures():
     )
 
 
+def test_mla_decode_dry_run_keeps_its_rows_as_a_record(tmp_path):
+    """bench_mla_decode.py --dry-run (toy shapes, Triton's interpreter) with --record: a figure per
+    row against the copy of the same run, no verdict off the GPU; on a GPU, bs >= 8 is judged."""
+    out = tmp_path / "mla.json"
+    argv = [str(BENCH / "bench_mla_decode.py"), "--dry-run", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, *argv, "--record", str(tmp_path / "records")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    (record,) = check_records(tmp_path / "records", "bench_mla_decode")
+    assert "python benchmarks/bench_mla_decode.py --dry-run --json" in record.command
+    assert any("dry run" in n for n in record.notes)
+    assert [(f.target, f.case, f.value, f.threshold) for f in record.figures] == [
+        ("mla-decode", f"{r['heads']} heads bs={r['bs']} ctx={r['ctx']}", r["gbps"], None)
+        for r in rows
+    ]
+    on_gpu = _script("bench_mla_decode").figures(
+        [dict(r, bs=bs, gbps=gbps) for r, bs, gbps in ((rows[0], 1, 900.0), (rows[0], 8, 3100.0))],
+        copy=4200.0,
+        on_gpu=True,
+    )
+    assert [(f.threshold, f.met) for f in on_gpu] == [
+        (None, None),
+        (Threshold(">=", 0.7, "ratio"), True),
+    ]
+    assert on_gpu[1].ratio == round(3100 / 4200, 4) and on_gpu[1].extra["time"].unit == "µs"
+
+
 def test_scripts_with_figures_take_record():
-    for name in ("bench_argmax", "bench_host_step", "bench_prefill", "sweep_gemm", "sweep_moe"):
+    names = ("bench_argmax", "bench_host_step", "bench_mla_decode", "bench_prefill", "sweep_gemm")
+    for name in (*names, "sweep_moe"):
         assert "add_record_flag" in (BENCH / f"{name}.py").read_text(), name

@@ -50,6 +50,8 @@ SERVE_REQUEST_MS = {("Llama-3.1-8B", 8, 32, 128): 500.0}  # serving-latency: (mo
 DP_SPEEDUP = 1.8  # data-parallel: DP=2 over DP=1 on Qwen3-30B-A3B, 64 requests per rank
 # prefill (benchmarks/bench_prefill.py): TFLOP/s over the bf16 GEMM ceiling (model, NxL shape)
 PREFILL_OF_CEILING = {("Llama-3.1-8B", "8x2048"): 0.55}
+# mla-decode (benchmarks/bench_mla_decode.py): GB/s over the device copy's, at bs >= the minimum
+MLA_DECODE_OF_COPY, MLA_DECODE_MIN_BS = 0.70, 8
 # fused-moe (benchmarks/sweep_moe.py): the best config's µs over the weight-read floor, at decode
 # sizes (at most MOE_DECODE_TOKENS tokens)
 MOE_OVER_FLOOR, MOE_DECODE_TOKENS = 1.3, 64
