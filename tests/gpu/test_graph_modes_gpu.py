@@ -174,7 +174,7 @@ def _bucket_inputs(runner, bs: int, seed: int):
     cu = np.arange(bs + 1, dtype=np.int32)
     return StepInputs(
         seq_ids=np.arange(bs, dtype=np.int64),
-        input_ids=rng.integers(1, 49000, size=bs).astype(np.int64),
+        input_ids=rng.integers(1, runner.arch.vocab_size, size=bs).astype(np.int64),
         positions=positions,
         slot_mapping=slots,
         cu_seqlens_q=cu,
@@ -185,89 +185,77 @@ def _bucket_inputs(runner, bs: int, seed: int):
     )
 
 
+def _logits(runner, inputs, decision, rows, **scope):
+    """One forward of `inputs` as `decision` says (eager, or a graph's replay), its logits for
+    `rows` (a slice: every row, as a decode step samples them)."""
+    from atomrt.runtime.forward_context import set_forward_context
+
+    bs = decision.running_bs
+    md, ctx = runner.buffers.prepare(inputs, decision)
+    with set_forward_context(
+        md,
+        runner.config,
+        ctx,
+        no_compile_layers=runner.attn_layers,
+        kv_cache_data=runner.kv_cache,
+        **scope,
+    ):
+        return runner.run_model(runner.buffers.forward_vars["input_ids"][:bs], decision, rows)
+
+
+def replay_every_bucket_like_eager(llm, mode: str, joined: bool = False, atol: float = 2e-4):
+    """After capture, every recorded bucket, twice in a random order, replays to the logits of the
+    same batch run eagerly. TR_HYBRID: segment by segment with eager attention between; `joined`:
+    the same recordings replayed as one launch with the attention regions' request graphs. FULL
+    (and joined): the graph's own logits for every row and the argmax recorded after them too.
+    Returns the bucket sizes."""
+    runner = llm.engine.executor.worker.runner
+    sizes = list(runner.graphs.capture_sizes)
+    order = sizes * 2
+    random.Random(1).shuffle(order)
+    whole = mode == "FULL" or joined
+    for i, bs in enumerate(order):
+        inputs = _bucket_inputs(runner, bs, seed=i)
+        kind = ForwardKind.REQ_GRAPH if mode == "FULL" else ForwardKind.TOKEN_GRAPH
+        graph = ForwardDecision(
+            kind=kind,
+            running_bs=bs,
+            running_tokens=bs,
+            is_prefill=False,
+            req_key=(bs, 0) if whole else None,
+            token_bucket=bs if mode != "FULL" else None,
+        )
+        eager = ForwardDecision(
+            kind=ForwardKind.EAGER, running_bs=bs, running_tokens=bs, is_prefill=False
+        )
+        rows = torch.from_numpy(inputs.sample_rows).cuda()
+        ref = _logits(runner, inputs, eager, rows).logits.clone()
+        scope = dict(tr_graph=graph.tr_graph, tr_req_key=graph.tr_req_key)
+        got = _logits(runner, inputs, graph, rows, **scope).logits
+        label = f"{mode} {'joined ' if joined else ''}bucket {bs} (replay #{i})"
+        torch.testing.assert_close(got, ref, atol=atol, rtol=1e-4, msg=label)
+        if whole:  # every row samples (a slice): the graph's own logits
+            out = _logits(runner, inputs, graph, slice(0, bs))
+            torch.testing.assert_close(
+                out.logits, ref, atol=atol, rtol=1e-4, msg=f"{label}: in-graph logits"
+            )
+            # ... and the argmax recorded after them is what the sampler computes from them
+            assert out.tokens[:bs].tolist() == out.logits.argmax(-1).tolist(), (
+                f"{label}: in-graph argmax"
+            )
+    return sizes
+
+
 @pytest.mark.parametrize("mode", ["FULL", "TR_HYBRID", "TR_HYBRID+joined"])
 def test_every_bucket_replays_like_eager_in_random_order(mode):
-    """TR_HYBRID: segment by segment with eager attention between; TR_HYBRID+joined: the same
-    recordings replayed as one launch with the attention regions' request graphs."""
     joined = mode == "TR_HYBRID+joined"
     mode = mode.split("+")[0]
     cc = CompilationConfig(level=0, cudagraph_mode=mode, cuda_graph_sizes=[LADDER_TOP])
     llm = LLM(**MODEL, compilation_config=cc, max_num_seqs=NUM_REQUESTS)
     try:
-        runner = llm.engine.executor.worker.runner
-        sizes = list(runner.graphs.capture_sizes)
+        sizes = replay_every_bucket_like_eager(llm, mode, joined)
         assert sizes == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48, 64]
-        order = sizes * 2
-        random.Random(1).shuffle(order)
-        for i, bs in enumerate(order):
-            inputs = _bucket_inputs(runner, bs, seed=i)
-            kind = ForwardKind.REQ_GRAPH if mode == "FULL" else ForwardKind.TOKEN_GRAPH
-            graph = ForwardDecision(
-                kind=kind,
-                running_bs=bs,
-                running_tokens=bs,
-                is_prefill=False,
-                req_key=(bs, 0) if mode == "FULL" or joined else None,
-                token_bucket=bs if mode != "FULL" else None,
-            )
-            eager = ForwardDecision(
-                kind=ForwardKind.EAGER, running_bs=bs, running_tokens=bs, is_prefill=False
-            )
-            md, ctx = runner.buffers.prepare(inputs, eager)
-            from atomrt.runtime.forward_context import set_forward_context
-
-            rows = torch.from_numpy(inputs.sample_rows).cuda()
-            with set_forward_context(
-                md,
-                runner.config,
-                ctx,
-                no_compile_layers=runner.attn_layers,
-                kv_cache_data=runner.kv_cache,
-            ):
-                ref = runner.run_model(
-                    runner.buffers.forward_vars["input_ids"][:bs], eager, rows
-                ).logits
-            ref = ref.clone()
-            md, ctx = runner.buffers.prepare(inputs, graph)
-            with set_forward_context(
-                md,
-                runner.config,
-                ctx,
-                no_compile_layers=runner.attn_layers,
-                kv_cache_data=runner.kv_cache,
-                tr_graph=graph.tr_graph,
-                tr_req_key=graph.tr_req_key,
-            ):
-                got = runner.run_model(
-                    runner.buffers.forward_vars["input_ids"][:bs], graph, rows
-                ).logits
-            torch.testing.assert_close(
-                got,
-                ref,
-                atol=2e-4,
-                rtol=1e-4,
-                msg=f"{mode} {'joined ' if joined else ''}bucket {bs} (replay #{i})",
-            )
-            if mode == "FULL" or joined:  # every row samples (a slice): the graph's own logits
-                md, ctx = runner.buffers.prepare(inputs, graph)
-                with set_forward_context(
-                    md,
-                    runner.config,
-                    ctx,
-                    no_compile_layers=runner.attn_layers,
-                    kv_cache_data=runner.kv_cache,
-                ):
-                    out = runner.run_model(
-                        runner.buffers.forward_vars["input_ids"][:bs], graph, slice(0, bs)
-                    )
-                got = out.logits
-                torch.testing.assert_close(
-                    got, ref, atol=2e-4, rtol=1e-4, msg=f"{mode} bucket {bs} in-graph logits"
-                )
-                # ... and the argmax recorded after them is what the sampler computes from them
-                assert out.tokens[:bs].tolist() == got.argmax(-1).tolist(), (
-                    f"bucket {bs} in-graph argmax"
-                )
+        runner = llm.engine.executor.worker.runner
         pool, largest = runner.graphs.pool_bytes, runner.graphs.largest_pool_bytes
         assert 0 < largest <= pool
         # Recordings share one pool: the ladder needs about what its largest bucket needs, not the sum.
