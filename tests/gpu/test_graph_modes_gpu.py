@@ -185,6 +185,7 @@ def _bucket_inputs(runner, bs: int, seed: int):
     )
 
 
+@torch.inference_mode()  # as Worker.launch runs a step: eager regions write into recorded buffers
 def _logits(runner, inputs, decision, rows, **scope):
     """One forward of `inputs` as `decision` says (eager, or a graph's replay), its logits for
     `rows` (a slice: every row, as a decode step samples them)."""
