@@ -47,7 +47,7 @@ from atomrt.distributed.core_messages import (
 )
 from atomrt.distributed.wire_arrays import _bool, _i32, _i64
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
-from atomrt.runtime.sampling_params import SamplingParams
+from atomrt.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class MessageError(ValueError):
@@ -154,6 +154,10 @@ class RankBatch:
     # it (a prompt chunk that is not the last; -1 where unknown or sampled): the MTP layer's input
     # at its last row. Empty when every sequence samples.
     next_token_ids: np.ndarray = field(default_factory=_i32)
+    # Structured outputs: int32 [m], the rows of the step's logits (its sampled rows, each with its
+    # verify rows) that a grammar constrains, ascending; empty for a step with none. Their masks
+    # follow in a `GrammarBitmask` for this step, to this DP rank's sampling worker only.
+    grammar_rows: np.ndarray = field(default_factory=_i32)
 
     @property
     def num_seqs(self) -> int:
@@ -223,6 +227,19 @@ class StepResult:
 
 
 @dataclass
+class GrammarBitmask:
+    """Driver -> the sampling worker (TP rank 0) of DP rank `dp_rank`: the grammar masks of step
+    `step`'s `RankBatch.grammar_rows`, one packed row each (bit `t % 32` of word `t // 32` set:
+    token `t` allowed). Sent once the masks are known: right after the plan, or, under async
+    scheduling, once the previous step's tokens have advanced the grammars. `dp_rank` comes first:
+    a worker subscribes to its own rank's masks by the message's leading bytes."""
+
+    dp_rank: int
+    step: int
+    bitmask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [m, words]
+
+
+@dataclass
 class Flush:
     """Driver -> workers: "send me step `step`'s result now; no plan follows it for a while"
     (async scheduling, when the driver has nothing to submit after a pipelined plan)."""
@@ -257,6 +274,7 @@ Message = Union[
     Hello,
     Ready,
     Flush,
+    GrammarBitmask,
     CoreRequest,
     CoreAbort,
     CoreShutdown,
@@ -265,8 +283,8 @@ Message = Union[
 ]
 
 # The wire tag of each type; append only (a tag is never reused). ForwardDecision,
-# WorkerSamplingParams and PromptLogprobs travel only nested, in a StepPlan, a NewRequest and a
-# StepResult.
+# WorkerSamplingParams, PromptLogprobs and StructuredOutputsParams travel only nested, in a
+# StepPlan, a NewRequest, a StepResult and a SamplingParams.
 _TAGS: dict[type, int] = {
     NewRequest: 1,
     RankBatch: 2,
@@ -286,6 +304,8 @@ _TAGS: dict[type, int] = {
     CoreReady: 16,
     SamplingParams: 17,
     PromptLogprobs: 18,
+    StructuredOutputsParams: 19,
+    GrammarBitmask: 20,
 }
 _TYPES: dict[int, type] = {tag: cls for cls, tag in _TAGS.items()}
 _FIELDS: dict[type, tuple[str, ...]] = {cls: tuple(f.name for f in fields(cls)) for cls in _TAGS}
@@ -393,6 +413,7 @@ _RANKS_FIELD = _FIELDS[StepPlan].index("ranks")
 _DECISION_FIELD = _FIELDS[StepPlan].index("decision")
 _SAMPLING_FIELD = _FIELDS[NewRequest].index("sampling_params")
 _PROMPT_LOGPROBS_FIELD = _FIELDS[StepResult].index("prompt_logprobs")
+_STRUCTURED_FIELD = _FIELDS[SamplingParams].index("structured_outputs")
 _DECISION_TUPLES = tuple(
     _FIELDS[ForwardDecision].index(n) for n in ("req_key", "dp_num_tokens", "dp_padded_tokens")
 )
@@ -444,6 +465,9 @@ def _from_wire_obj(cls: type, items: list) -> Any:
     elif cls is CoreRequest:
         if items[2] is not None:
             items[2] = _nested(SamplingParams, items[2])
+    elif cls is SamplingParams:
+        if items[_STRUCTURED_FIELD] is not None:
+            items[_STRUCTURED_FIELD] = _nested(StructuredOutputsParams, items[_STRUCTURED_FIELD])
     elif cls is CoreOutputs:
         items[0] = [_nested(CoreOutput, o) for o in items[0]]
         items[1] = _nested(CoreStats, items[1])
@@ -485,6 +509,14 @@ def _nested(cls: type, item: Any) -> Any:
 _LOCAL = (
     threading.local()
 )  # one Packer per thread: `_default` runs Python, so threads may interleave
+
+
+def wire_prefix(cls: type, *leading: int) -> bytes:
+    """The bytes every encoding of a `cls` message starts with, its first fields being `leading`
+    (small non-negative ints): what a ZeroMQ subscriber filters messages by."""
+    num_items = 1 + len(_FIELDS[cls])
+    assert num_items <= 15 and all(0 <= v < 128 for v in leading), "fixarray, positive fixints"
+    return bytes([0x90 | num_items, _TAGS[cls], *leading])
 
 
 def encode(msg: Message) -> bytes:

@@ -5,6 +5,7 @@ Hot path: `PlanPublisher.publish`, `PlanSubscriber.recv`, `ResultPusher.push`,
 
     driver                                    every worker (dp, tp)
     PUB   plan    ── StepPlan / Flush / Hello ──▶  SUB   (checks steps are contiguous from 0)
+          plan    ── GrammarBitmask ────────────▶  SUB   (TP rank 0 of its DP rank only)
     PULL  ready   ◀──────── Ready ───────     PUSH  (handshake only)
     PULL  result  ◀────── StepResult ────     PUSH  (TP rank 0 of each DP rank)
 
@@ -39,7 +40,17 @@ from typing import Any, Optional, Union
 
 import zmq
 
-from atomrt.distributed.messages import Flush, Hello, Ready, StepPlan, StepResult, decode, encode
+from atomrt.distributed.messages import (
+    Flush,
+    GrammarBitmask,
+    Hello,
+    Ready,
+    StepPlan,
+    StepResult,
+    decode,
+    encode,
+    wire_prefix,
+)
 from atomrt.distributed.net_utils import (
     get_free_port,
     get_host_ip,
@@ -322,6 +333,15 @@ class PlanPublisher:
         self._pub.send(encode(plan), copy=False)
         self.next_step += 1
 
+    def publish_grammar(self, masks: GrammarBitmask) -> None:
+        """Send a published step's grammar masks; only its DP rank's sampling worker gets them."""
+        if not 0 <= masks.step < self.next_step:
+            raise TransportError(
+                f"driver: grammar masks of step {masks.step}, but only steps "
+                f"0..{self.next_step - 1} were published"
+            )
+        self._pub.send(encode(masks), copy=False)
+
     def publish_flush(self, step: int) -> None:
         """Ask for pipelined step `step`'s result now; takes no step number."""
         if not 0 <= step < self.next_step:
@@ -396,25 +416,38 @@ class ResultCollector:
 
 
 class PlanSubscriber:
-    """Worker side: SUB to plans; answers the driver's handshake; checks step numbers."""
+    """Worker side: SUB to plans; answers the driver's handshake; checks step numbers.
+
+    It subscribes by each message's leading bytes (`wire_prefix`): plans, flushes and probes, and,
+    on a DP rank's sampling worker (`grammar_dp_rank`), that rank's grammar masks; the PUB socket
+    sends no other rank's masks down this connection."""
 
     def __init__(
-        self, addresses: TransportAddresses, rank: int, first_step: int = 0, spin_s: float = 0.0
+        self,
+        addresses: TransportAddresses,
+        rank: int,
+        first_step: int = 0,
+        spin_s: float = 0.0,
+        grammar_dp_rank: Optional[int] = None,
     ) -> None:
         self.addresses = addresses
         self.rank = rank
         self.expected_step = first_step
         sub = _socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for cls in (StepPlan, Flush, Hello):
+            sub.setsockopt(zmq.SUBSCRIBE, wire_prefix(cls))
+        if grammar_dp_rank is not None:
+            sub.setsockopt(zmq.SUBSCRIBE, wire_prefix(GrammarBitmask, grammar_dp_rank))
         _connect(sub, addresses.plan, addresses.curve)
         self._sub = _Inbox(sub, spin_s)
         self._ready = _socket(zmq.PUSH)
         _connect(self._ready, addresses.ready, addresses.curve)
         self._answered: set[int] = set()
 
-    def recv(self, timeout: Optional[float]) -> Union[StepPlan, Flush]:
-        """The next plan (or flush). Answers handshake probes while waiting; a skipped step raises StepGapError."""
+    def recv(self, timeout: Optional[float]) -> Union[StepPlan, Flush, GrammarBitmask]:
+        """The next plan (or flush, or grammar masks). Answers handshake probes while waiting; a
+        skipped step raises StepGapError."""
         deadline = _deadline(timeout)
         wait_ms = _wait_ms(timeout)
         while True:
@@ -427,7 +460,7 @@ class PlanSubscriber:
             msg = decode(data)
             if isinstance(msg, StepPlan):
                 return self._check_step(msg)
-            if isinstance(msg, Flush):
+            if isinstance(msg, (Flush, GrammarBitmask)):
                 return msg
             if isinstance(msg, Hello):
                 self._answer(msg)

@@ -32,6 +32,7 @@ from atomrt.runtime.config_sections import (  # noqa: F401
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     _choice,
     _is_int,
     _positive_int,
@@ -162,6 +163,9 @@ class Config:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: Optional[SpeculativeConfig] = None  # None: no speculative decoding
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -308,6 +312,7 @@ _SECTIONS = {
     "scheduler_config": SchedulerConfig,
     "parallel_config": ParallelConfig,
     "speculative_config": SpeculativeConfig,
+    "structured_outputs_config": StructuredOutputsConfig,
 }
 
 

@@ -380,6 +380,33 @@ class ParallelConfig:
         return AUTO_SPIN_US / 1e6 if spins else 0.0
 
 
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """How the driver compiles requests' structured-output constraints (runtime/driver/
+    grammar_compiler.py): the backend, how long a request may wait for its grammar before it fails
+    (the others step on meanwhile), how many compiled grammars are kept, and the compile threads."""
+
+    backend: str = "xgrammar"
+    grammar_compile_timeout_s: float = 5.0
+    grammar_cache_size: int = 256  # compiled grammars kept, least recently used dropped first
+    grammar_compile_threads: int = 2
+
+    def __post_init__(self) -> None:
+        _choice("structured_outputs_config.backend", self.backend, ("xgrammar",))
+        t = self.grammar_compile_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ConfigError(
+                "structured_outputs_config.grammar_compile_timeout_s: must be a positive number "
+                f"of seconds, got {t!r}"
+            )
+        for name in ("grammar_cache_size", "grammar_compile_threads"):
+            if not _positive_int(getattr(self, name)):
+                raise ConfigError(
+                    f"structured_outputs_config.{name}: must be a positive integer, "
+                    f"got {getattr(self, name)!r}"
+                )
+
+
 def usable_cpu_count() -> int:
     """The cores this process may run on (its affinity mask where the OS has one)."""
     if hasattr(os, "sched_getaffinity"):

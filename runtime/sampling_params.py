@@ -6,12 +6,15 @@ top_p 1 and min_p 0 disable their filter; repetition_penalty follows Hugging Fac
 logits, multiply negative ones, over prompt + output); presence/frequency penalties follow OpenAI
 (subtracted per output-token occurrence). `prompt_logprobs`, `logit_bias`, `allowed_token_ids` and
 `bad_words` are vLLM's fields of the same names; token ids are checked against the model's
-vocabulary when the engine takes the request (runtime/driver/validation.py).
+vocabulary when the engine takes the request (runtime/driver/validation.py). `structured_outputs`
+(vLLM's `StructuredOutputsParams`) constrains the output to a JSON schema, a regex, a choice, a
+grammar or a structural tag; the engine compiles it (runtime/driver/grammar_compiler.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -43,6 +46,95 @@ def _preview(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# StructuredOutputsParams: the fields that name a constraint, exactly one of which is set
+CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+DEFAULT_MAX_WHITESPACE = 20  # whitespace characters between two JSON elements, unless asked
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one of `json` (a JSON schema, a dict or its text),
+    `json_object` (any JSON object), `regex`, `choice` (one of these strings), `grammar` (EBNF, as
+    llama.cpp and xgrammar read it) and `structural_tag` (xgrammar's structural tag, a dict or its
+    JSON text).
+
+    JSON whitespace: by default at most `max_whitespace` characters between two elements (a model
+    that pads with whitespace cannot run to max_tokens on it; None lifts the bound);
+    `disable_any_whitespace` allows none beyond the separators `", "` and `": "`. A schema's
+    objects hold only the properties it lists unless it allows others (`additionalProperties`)."""
+
+    json: Union[str, dict, None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Union[str, dict, None] = None
+    disable_any_whitespace: bool = False
+    max_whitespace: Optional[int] = DEFAULT_MAX_WHITESPACE
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """The one constraint field that is set."""
+        return next(name for name in CONSTRAINT_FIELDS if self._is_set(name))
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        return value is not None and value is not False
+
+    def validate(self) -> None:
+        """Shape checks (a ValueError names the field); whether a schema, regex or grammar means
+        anything is the compiler's check, at add_request."""
+        chosen = [name for name in CONSTRAINT_FIELDS if self._is_set(name)]
+        if len(chosen) != 1:
+            raise ValueError(
+                "structured_outputs: set exactly one of "
+                f"{', '.join(CONSTRAINT_FIELDS)}; got {', '.join(chosen) or 'none'}"
+            )
+        name = chosen[0]
+        value = getattr(self, name)
+        where = f"structured_outputs.{name}"
+        if name in ("json", "structural_tag") and not isinstance(value, (str, dict)):
+            raise ValueError(f"{where}: must be a JSON object or its text, got {_preview(value)}")
+        if name in ("json", "structural_tag") and isinstance(value, str):
+            try:
+                parsed = _json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"{where}: not valid JSON ({e})") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError(f"{where}: must be a JSON object, got {_preview(value)}")
+        if name in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"{where}: must be a non-empty string, got {_preview(value)}")
+        if name == "choice" and (
+            not isinstance(value, (list, tuple))
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise ValueError(f"{where}: must be a non-empty list of non-empty strings")
+        if name == "choice":
+            self.choice = list(value)
+        if name == "json_object" and value is not True:
+            raise ValueError(f"{where}: must be true, got {_preview(value)}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace: must be a bool")
+        ws = self.max_whitespace
+        if ws is not None and (not _is_int(ws) or ws < 1):
+            raise ValueError(
+                f"structured_outputs.max_whitespace: must be None or an integer >= 1, got {ws!r}"
+            )
+
+    def cache_key(self) -> str:
+        """What the compiled grammar depends on: one text per distinct constraint (property order
+        kept: it is the order a schema's output follows)."""
+        value = getattr(self, self.kind)
+        return _json.dumps(
+            [self.kind, value, self.disable_any_whitespace, self.max_whitespace],
+            separators=(",", ":"),
+        )
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -67,6 +159,8 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None  # token id -> value added to its logit
     allowed_token_ids: Optional[list[int]] = None  # sample only among these
     bad_words: Optional[list[str]] = None  # words never generated (tokenized by the engine)
+    # the output follows a JSON schema, regex, choice or grammar (a mapping is taken as its fields)
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,6 +207,7 @@ class SamplingParams:
             )
         self._normalize_stops()
         self._normalize_logit_fields()
+        self._normalize_structured_outputs()
 
     def _check_types(self) -> None:
         ints = ("n", "top_k", "max_tokens", "min_tokens")
@@ -189,6 +284,26 @@ class SamplingParams:
                     f"bad_words: must be a list of non-blank strings, got {_preview(words)}"
                 )
             self.bad_words = list(words) or None
+
+    def _normalize_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None or isinstance(so, StructuredOutputsParams):
+            if so is not None:
+                so.validate()
+            return
+        if not isinstance(so, dict):
+            raise ValueError(
+                "structured_outputs: must be a StructuredOutputsParams or a mapping of its fields, "
+                f"got {_preview(so)}"
+            )
+        known = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+        unknown = sorted(set(so) - known)
+        if unknown:
+            raise ValueError(
+                f"structured_outputs: unknown field {unknown[0]!r}; the fields are "
+                f"{', '.join(sorted(known))}"
+            )
+        self.structured_outputs = StructuredOutputsParams(**so)
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of sample `index` of n: one sample each, seeded `seed + index` when

@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from atomrt.distributed.messages import (
+    CoreRequest,
+    Flush,
+    GrammarBitmask,
     Hello,
     MessageError,
     NewRequest,
@@ -23,8 +26,10 @@ from atomrt.distributed.messages import (
     WorkerSamplingParams,
     decode,
     encode,
+    wire_prefix,
 )
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
+from atomrt.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 
 _SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 i32 = st.integers(-(2**31), 2**31 - 1)
@@ -143,6 +148,9 @@ def rank_batches(draw, max_bs=20):
             if draw(st.booleans())
             else [],
             dtype=np.int32,
+        ),
+        grammar_rows=np.array(
+            sorted(draw(st.sets(st.integers(0, 4 * bs), max_size=bs))), dtype=np.int32
         ),
     )
 
@@ -265,6 +273,53 @@ def test_hello_roundtrip(msg):
 )
 def test_ready_roundtrip(msg):
     roundtrip(msg)
+
+
+@_SETTINGS
+@given(
+    st.integers(0, 127),
+    st.integers(0, 2**62),
+    st.integers(0, 6),
+    st.integers(0, 50),
+    st.integers(-(2**31), 2**31 - 1),
+)
+def test_grammar_bitmask_roundtrip_and_its_subscription_prefix(dp_rank, step, rows, words, fill):
+    msg = GrammarBitmask(dp_rank, step, np.full((rows, words), fill, dtype=np.int32))
+    data = encode(msg)
+    assert data.startswith(wire_prefix(GrammarBitmask, dp_rank))
+    assert not data.startswith(wire_prefix(GrammarBitmask, (dp_rank + 1) % 128))
+    roundtrip(msg)
+
+
+def test_the_plan_channel_prefixes_tell_its_messages_apart():
+    plan, flush, hello = StepPlan(step=7), Flush(3), Hello()
+    for msg in (plan, flush, hello):
+        prefixes = [wire_prefix(c) for c in (StepPlan, Flush, Hello) if c is not type(msg)]
+        assert encode(msg).startswith(wire_prefix(type(msg)))
+        assert not any(encode(msg).startswith(p) for p in prefixes)
+
+
+@pytest.mark.parametrize(
+    "so",
+    [
+        {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        {"json": '{"type": "string"}', "max_whitespace": None},
+        {"regex": "[a-z]+", "disable_any_whitespace": True},
+        {"choice": ["yes", "no"]},
+        {"grammar": 'root ::= "a"'},
+        {"json_object": True},
+        {
+            "structural_tag": {
+                "type": "structural_tag",
+                "format": {"type": "const_string", "value": "x"},
+            }
+        },
+    ],
+)
+def test_a_request_with_structured_outputs_crosses_to_the_engine_core(so):
+    msg = CoreRequest("r", np.asarray([1, 2], np.int32), SamplingParams(structured_outputs=so))
+    out = roundtrip(msg)
+    assert isinstance(out.sampling_params.structured_outputs, StructuredOutputsParams)
 
 
 def test_empty_messages_roundtrip():

@@ -16,6 +16,8 @@ rank concurrently, so collectives match), then `run_plan_loop(addresses)`.
 Hot path: `run_plan_loop`. What may live there: receive a plan, run it, push the result. A
 pipelined plan (async scheduling) is launched and its result held until the next message: the
 next plan is launched first (so the device never waits for this host), or a `Flush` asks for it.
+A step with grammar-constrained rows samples on TP rank 0 once its `GrammarBitmask` arrives (after
+the previous step's result is handed back: the driver fills the masks from it).
 A rank whose step raises pushes a `StepResult` carrying the error (naming the rank) and leaves the loop.
 """
 
@@ -33,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from atomrt.distributed import parallel_state as ps
-from atomrt.distributed.messages import Flush, StepResult
+from atomrt.distributed.messages import Flush, GrammarBitmask, StepResult
 from atomrt.distributed.net_utils import get_free_port, get_host_ip
 from atomrt.distributed.transport import (
     PlanSubscriber,
@@ -228,7 +230,8 @@ class WorkerProcess:
         self._bind_device()
         addr = TransportAddresses.from_dict(addresses)
         spin_s = self.config.parallel_config.resolved_spin_s(self.worker.runner.device.type)
-        sub = PlanSubscriber(addr, self.spec.rank, spin_s=spin_s)
+        grammar_rank = self.spec.dp_rank if self.spec.tp_rank == 0 else None  # the sampling worker
+        sub = PlanSubscriber(addr, self.spec.rank, spin_s=spin_s, grammar_dp_rank=grammar_rank)
         pusher = ResultPusher(addr, self.spec.dp_rank)  # TP ranks != 0 push only their errors
         try:
             self._serve(sub, pusher, keep_going)
@@ -241,6 +244,7 @@ class WorkerProcess:
         self, sub: PlanSubscriber, pusher: ResultPusher, keep_going: Callable[[], bool]
     ) -> None:
         pending: Optional[PendingStep] = None  # a pipelined step launched and not handed back yet
+        held: Any = None  # a message that came while a step waited for its grammar masks
 
         def hand_back(launched: PendingStep) -> None:
             result = self.worker.finish(launched)
@@ -251,8 +255,10 @@ class WorkerProcess:
             self.progress()
             step = sub.expected_step
             try:
-                msg = sub.recv(timeout=IDLE_POLL_S)
+                msg, held = (held, None) if held is not None else (sub.recv(IDLE_POLL_S), None)
                 self.progress()  # a plan arrived: a rank then blocked on a stuck peer is not the first stopped
+                if isinstance(msg, GrammarBitmask):
+                    raise RuntimeError(f"grammar masks of step {msg.step}, but no step waits")
                 if isinstance(msg, Flush):
                     if pending is None or pending.step != msg.step:
                         raise RuntimeError(
@@ -268,6 +274,8 @@ class WorkerProcess:
                 if pending is not None:
                     hand_back(pending)
                     pending = None
+                if launched.awaits_grammar:
+                    held = self._await_grammar(sub, launched, keep_going)
                 if msg.pipelined:
                     pending = launched
                 else:
@@ -281,6 +289,29 @@ class WorkerProcess:
                 logger.error("%s\n%s", text, traceback.format_exc())
                 pusher.push(StepResult(step=step, dp_rank=self.spec.dp_rank, error=text))
                 raise
+
+    def _await_grammar(
+        self, sub: PlanSubscriber, launched: PendingStep, keep_going: Callable[[], bool]
+    ) -> Any:
+        """Receive the launched step's grammar masks and sample it. Another message first means the
+        driver discarded the step: it samples unconstrained (its result is dropped) and that
+        message is returned for the loop to handle."""
+        while True:
+            try:
+                msg = sub.recv(timeout=IDLE_POLL_S)
+            except TransportTimeout:
+                if not keep_going():
+                    raise RuntimeError(
+                        f"step {launched.step}: the driver went away while the step waited for "
+                        "its grammar masks"
+                    ) from None
+                self.progress()
+                continue
+            if isinstance(msg, GrammarBitmask) and msg.step == launched.step:
+                self.worker.apply_grammar(msg)
+                return None
+            self.worker.apply_grammar(None)
+            return msg
 
     def close(self, timeout_s: float = DESTROY_TIMEOUT_S) -> None:
         """Leave the process groups; never waits longer than `timeout_s` on destroy_process_group()."""

@@ -18,14 +18,14 @@ import torch
 
 from atomrt.compile import compilation_counter
 from atomrt.distributed.communication_op import DPInfo, TPInfo
-from atomrt.distributed.messages import PromptLogprobs, StepPlan, StepResult
+from atomrt.distributed.messages import GrammarBitmask, PromptLogprobs, StepPlan, StepResult
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision, TboTiming
 from atomrt.workers.runner.compile_warmup import CompileReport, compile_all_sizes, compile_report
 from atomrt.workers.runner.input_batch import PromptRows, SeqMirrors, dummy_idle_inputs
 from atomrt.workers.runner.kernel_warmup import warm_eager_kernels
 from atomrt.workers.runner.kv_sizing import determine_num_blocks
-from atomrt.workers.runner.model_runner import ModelRunner, resolve_device
+from atomrt.workers.runner.model_runner import ModelRunner, StepForward, resolve_device
 from atomrt.workers.runner.readback import Readback
 from atomrt.workers.runner.sampler import SamplingTensors
 from atomrt.workers.runner.ubatch_auto import measure_tbo
@@ -35,17 +35,25 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class PendingStep:
-    """A launched step: its sampled sequences and, until `Worker.finish`, the readback in flight."""
+    """A launched step: its sampled sequences and, until `Worker.finish`, the readback in flight.
+    A step with grammar-constrained rows waits on the sampling worker with its forward run and its
+    sampling not (`forward`), until its masks arrive (`Worker.apply_grammar`)."""
 
     step: int
     seq_ids: list[int]
     readback: Optional[Readback] = None  # TP rank 0, until finished
     result: Optional[StepResult] = None
     prompt_rows: Optional[PromptRows] = None  # the rows that computed prompt logprobs
+    forward: Optional[StepForward] = None  # structured outputs: sampling waits for the masks
+    grammar_rows: Optional[np.ndarray] = None  # the logits rows the masks constrain
 
     @property
     def done(self) -> bool:
-        return self.readback is None
+        return self.readback is None and self.forward is None
+
+    @property
+    def awaits_grammar(self) -> bool:
+        return self.forward is not None
 
 
 @dataclass(frozen=True)
@@ -188,6 +196,15 @@ class Worker:
             self.runner.device,
             may_change_logits=self.mirrors.num_changing_logits > 0,
         )
+        sampling.constrained = bool(batch.grammar_rows.size)
+        if sampling.constrained and self.tp_rank == 0:  # sampling waits for the grammar masks
+            forward = self.runner.forward(inputs, decision, sampling)
+            if self.runner.tokens is not None:
+                self.runner.tokens.record(seq_ids)
+            pending = PendingStep(plan.step, seq_ids, prompt_rows=inputs.prompt_rows)
+            pending.forward, pending.grammar_rows = forward, batch.grammar_rows
+            self._unfinished = pending
+            return pending
         out = self.runner.execute(inputs, decision, sampling)
         if self.runner.tokens is not None:  # async scheduling: the next step's pending rows
             self.runner.tokens.record(seq_ids)
@@ -198,6 +215,31 @@ class Worker:
         )
         self._unfinished = pending
         return pending
+
+    @torch.inference_mode()
+    def apply_grammar(self, masks: Optional[GrammarBitmask]) -> None:
+        """Sample the step that waits for its grammar masks (`masks`; None: the driver discarded
+        the step, which samples unconstrained so the TP ranks' collectives still match)."""
+        pending = self._unfinished
+        if pending is None or not pending.awaits_grammar:
+            raise RuntimeError(
+                f"worker dp={self.dp_rank} tp={self.tp_rank}: grammar masks of step "
+                f"{masks.step if masks else '?'}, but no step waits for them"
+            )
+        if masks is not None and (
+            masks.step != pending.step or masks.bitmask.shape[0] != pending.grammar_rows.shape[0]
+        ):
+            raise RuntimeError(
+                f"worker dp={self.dp_rank} tp={self.tp_rank}: grammar masks of step {masks.step} "
+                f"({masks.bitmask.shape[0]} rows), but step {pending.step} waits for "
+                f"{pending.grammar_rows.shape[0]} rows"
+            )
+        grammar = None
+        if masks is not None:
+            grammar = self.runner.grammar_mask(pending.grammar_rows, masks.bitmask)
+        out = self.runner.sample(pending.forward, grammar)
+        pending.forward = None
+        pending.readback = self.runner.start_readback(out)
 
     def reset(self) -> None:
         """The driver discarded the steps in flight: let the last one finish, then forget what it
@@ -211,6 +253,8 @@ class Worker:
         """Wait for a launched step's tokens; TP rank 0's StepResult (None on other TP ranks)."""
         if pending.done:
             return pending.result
+        if pending.awaits_grammar:  # its masks never came: the step was discarded
+            self.apply_grammar(None)
         arrays = pending.readback.wait(  # the step's one host synchronisation
             self.config.parallel_config.heartbeat_timeout_s,
             self.progress,

@@ -36,6 +36,7 @@ from atomrt.runtime.driver.speculation import (
     make_speculation,
     sampled_tokens,
 )
+from atomrt.runtime.driver.structured_outputs import StructuredOutputs
 from atomrt.runtime.driver.ubatch_policy import check_tbo
 from atomrt.runtime.driver.validation import (
     RequestLimits,
@@ -51,6 +52,7 @@ from atomrt.workers.loading.loader import check_parallel_layout, read_arch
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, list[int]]
+IDLE_GRAMMAR_WAIT_S = 0.02  # an engine with only grammars compiling waits this long per step
 
 
 @dataclass
@@ -149,6 +151,13 @@ class LLMEngine:
         check_max_model_len(config, arch)
         check_draft_model(config, arch)
         check_mtp(config, arch)
+        # structured outputs: the grammar compiler indexes the vocabulary while the workers start
+        self.grammars: Optional[StructuredOutputs] = None
+        if tokenizer is not None:
+            stop_ids = sorted(set(arch.eos_token_ids) | set(tokenizer.eos_token_ids))
+            self.grammars = StructuredOutputs(
+                tokenizer, arch.vocab_size, stop_ids, config.structured_outputs_config
+            )
         self.executor: Executor = make_executor(config)
         start = time.perf_counter()
         self.info = info = self.executor.start()
@@ -240,6 +249,11 @@ class LLMEngine:
         token_ids = self._tokenize(prompt)
         check_request(token_ids, params, self.limits, self.max_model_len)
         bad_words = tokenize_bad_words(params.bad_words, self.tokenizer)
+        grammar = None  # structured outputs: the grammar, compiling on a thread
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs: this model has no tokenizer to compile with")
+            grammar = self.grammars.prepare(params)
         dp_rank = min(range(len(self.schedulers)), key=lambda r: self.schedulers[r].num_unfinished)
         scheduler = self.schedulers[dp_rank]
         seqs: list[Sequence] = []
@@ -261,8 +275,14 @@ class LLMEngine:
                 )
             )
         scheduler.check_fits(seqs[0])  # raises on requests that can never fit, before any is queued
-        for seq in seqs:
-            scheduler.add(seq)
+        if grammar is not None and not (grammar.done() and grammar.exception() is None):
+            self.grammars.hold(request_id, seqs, grammar)  # scheduled once compiled
+        else:
+            if grammar is not None:
+                self.grammars.attach(seqs, grammar)
+                self.grammars.compiler.record(0.0, hit=True)
+            for seq in seqs:
+                scheduler.add(seq)
         self._requests[request_id] = _Request(
             dp_rank, seqs, prompt if isinstance(prompt, str) else None, stream
         )
@@ -279,6 +299,12 @@ class LLMEngine:
         if req is None:
             return
         aborted = self.schedulers[req.dp_rank].abort(request_id)
+        held = self.grammars.drop(request_id) if self.grammars is not None else None
+        for seq in held or ():  # its grammar was still compiling
+            seq.finish("abort")
+            aborted.append(seq)
+        if self.grammars is not None:
+            self.grammars.finished(aborted)
         self.planners[req.dp_rank].forget([s.seq_id for s in aborted])
         if req.stream:  # the samples still running end here; finished ones were streamed whole
             self._aborted.append(req.delta_output(sorted(aborted, key=lambda s: s.index)))
@@ -290,6 +316,8 @@ class LLMEngine:
         outputs (False once the engine is dead)."""
         if self.dead:
             return False
+        if self.grammars is not None and self.grammars.held:  # compiling their grammar
+            return True
         return bool(self._aborted) or any(s.has_unfinished() for s in self.schedulers)
 
     # ---------------------------------------------------------------- the step
@@ -304,17 +332,24 @@ class LLMEngine:
             if not self._inflight or (
                 submitted and self.async_scheduling and len(self._inflight) < 2
             ):
+                if not submitted and self.grammars is not None:
+                    self.grammars.wait(IDLE_GRAMMAR_WAIT_S)  # only grammars compiling: no spin
                 return self._take_aborted()
             step, outs = self._inflight[0]
             results = self.executor.collect(step, flush=not submitted)  # Ctrl-C may land here
             with self._guard.critical():
                 self._inflight.popleft()
-                return self._take_aborted() + self._postprocess(outs, results)
+                outputs = self._take_aborted() + self._postprocess(outs, results)
+                if self.grammars is not None and self.grammars.pending:
+                    self._send_masks(final=True)  # the next step's, now its tokens are known
+                return outputs
         except BaseException as e:
             self._recover(e)
             raise
 
     def _schedule_and_submit(self) -> bool:
+        if self.grammars is not None and self.grammars.held:
+            self._release_compiled()
         if self.admission.active:  # dp_prefill_align, delay_factor: off by default
             admits = self.admission.admits(self.schedulers)
             outs = [s.schedule(admit) for s, admit in zip(self.schedulers, admits)]
@@ -326,8 +361,12 @@ class LLMEngine:
         decision = self.forward_mode.decide([_shape(o) for o in outs])
         batches = [planner.batch(o) for planner, o in zip(self.planners, outs)]
         plan = make_plan(self.step_no, decision, batches, pipelined=self.async_scheduling)
+        if self.grammars is not None:
+            self.grammars.plan(plan.step, outs, batches)
         self.executor.submit(plan)
         self.step_no += 1  # at once: the plan went out under this number
+        if self.grammars is not None and self.grammars.pending:
+            self._send_masks(final=False)
         padded = self.stats.count(decision)
         if padded and len(outs) > 1:
             logger.debug(
@@ -362,6 +401,8 @@ class LLMEngine:
                 apply_prompt_logprobs(res.prompt_logprobs, starts, self.tokenizer)
             finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
+            if self.grammars is not None and finished:
+                self.grammars.finished(finished)
             for row in out.scheduled:
                 if not row.token_applied:
                     continue
@@ -388,6 +429,31 @@ class LLMEngine:
             self.speculation.step_done(num_tokens, num_seqs)
         return outputs
 
+    def _release_compiled(self) -> None:
+        """Requests whose grammar compiled join their scheduler; those whose grammar failed, or
+        took longer than the budget, end with the error (their output is the next step's)."""
+        ready, failed = self.grammars.release()
+        for held in ready:
+            req = self._requests[held.request_id]
+            for seq in held.seqs:
+                self.schedulers[req.dp_rank].add(seq)
+        for f in failed:
+            req = self._requests.pop(f.request_id)
+            logger.warning("request %r failed: %s", f.request_id, f.error)
+            for seq in f.seqs:
+                seq.finish("abort")
+            outs = [make_request_output(s, req.prompt, delta=req.stream) for s in f.seqs]
+            final = outs if req.stream else [merge_request_outputs(outs)]
+            for out in final:
+                out.error = f.error
+            self._aborted += final
+
+    def _send_masks(self, final: bool) -> None:
+        """Send the grammar masks of planned steps whose grammar states are known."""
+        masks = self.grammars.fill_ready(final)
+        if masks:
+            self.executor.send_grammar(masks)
+
     def _take_aborted(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         return outputs
@@ -405,6 +471,8 @@ class LLMEngine:
             num_discarded = len(self._inflight)
             self._inflight.clear()
             self.executor.discard_in_flight()
+            if self.grammars is not None:
+                self.grammars.forget_pending()
             for scheduler, planner in zip(self.schedulers, self.planners):
                 scheduler.requeue_running()
                 planner.reset()
@@ -450,6 +518,8 @@ class LLMEngine:
                 self.admission.delay.num_held_steps,
             )
         self.executor.shutdown()
+        if self.grammars is not None:
+            self.grammars.shutdown()
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -51,6 +51,9 @@ class RequestOutput:
     # request's first output carries them)
     prompt_logprobs: Optional[PromptLogprobsList] = None
     num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache
+    # why the request ended without running (finish_reason "abort"): its structured-output
+    # grammar did not compile, or not within structured_outputs_config.grammar_compile_timeout_s
+    error: Optional[str] = None
 
 
 def make_request_output(

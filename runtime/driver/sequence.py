@@ -13,7 +13,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from atomrt.runtime.sampling_params import SamplingParams
 
@@ -87,6 +87,9 @@ class Sequence:
     # (valid while the sequence is that long)
     proposed_drafts: list[int] = field(default_factory=list, repr=False)
     proposed_at: int = -1
+    # structured outputs: its matcher (runtime/driver/structured_outputs.py `SeqGrammar`), which
+    # the stop rules advance on every token it emits; None for an unconstrained sequence
+    grammar: Optional[Any] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

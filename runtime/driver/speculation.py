@@ -14,6 +14,10 @@ rules. `observe` counts drafts and acceptances per position (`SpecDecodeStats`, 
 - A sequence speculates unless its sampling reads its history or returns logprobs (penalties,
   bad words of several tokens, `logprobs`): those decode one row per step. `logit_bias`,
   `allowed_token_ids` and one-token bad words apply to every verify row.
+- A structured-output sequence's n-gram proposal is cut at its first token the grammar refuses
+  (padded, where verify steps must be uniform, with tokens it allows); each verify row gets the
+  mask of the grammar advanced through the drafts before it (runtime/driver/structured_outputs.py).
+  With a draft model it decodes without drafts: the driver cannot check drafts it never sees.
 - With request graphs recorded for verify steps (FULL), an n-gram proposal shorter than k is padded
   to k: a uniform batch replays its graph, where a ragged one would run eagerly; a padding token is
   verified like any draft (the target decides; correctness does not depend on what is proposed).
@@ -233,11 +237,16 @@ class Speculation:
         if n <= 0 or not speculates(seq) or seq.num_pending:
             return []
         if self.is_mtp:  # what the workers proposed after its last token, if it still ends there
-            return seq.proposed_drafts[:n] if seq.proposed_at == seq.num_tokens else []
-        if not self.is_ngram:
-            return [DRAFT_TOKEN] * n
+            proposal = seq.proposed_drafts[:n] if seq.proposed_at == seq.num_tokens else []
+            if seq.grammar is not None:  # cut at the first draft its grammar refuses
+                return seq.grammar.valid_drafts(proposal, pad_to=0)
+            return proposal
+        if not self.is_ngram:  # a constrained sequence's verify rows need its drafts' masks
+            return [DRAFT_TOKEN] * n if seq.grammar is None else []
         c = self.config
         proposal = ngram_propose(seq.token_ids, n, c.prompt_lookup_min, c.prompt_lookup_max)
+        if seq.grammar is not None:  # cut at the first draft its grammar refuses
+            return seq.grammar.valid_drafts(proposal, pad_to=n if self.pad else 0)
         if self.pad and len(proposal) < n:
             proposal += [proposal[-1] if proposal else seq.token_ids[-1]] * (n - len(proposal))
         return proposal

@@ -1,17 +1,21 @@
 """Stop rules, applied by the scheduler to a sequence right after a token is appended.
 
-Order: detokenize the token; before min_tokens output tokens nothing but the length limits stops
-a sequence; then EOS (unless ignore_eos), stop_token_ids, stop strings (the output text is cut
+Order: detokenize the token; a constrained sequence's grammar advances on it, and one that accepted
+its end stops the sequence ("stop"); before min_tokens output tokens nothing but the length limits
+stops a sequence; then EOS (unless ignore_eos), stop_token_ids, stop strings (the output text is cut
 before the stop string unless include_stop_str_in_output), then max_tokens and max_model_len ("length").
 The token that completes a stop string stays in token_ids; only the text is cut.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from typing import Optional
 
 from atomrt.runtime.driver.sequence import FinishReason, Sequence
+
+logger = logging.getLogger(__name__)
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: Seq[str]) -> Optional[tuple[int, str]]:
@@ -40,6 +44,15 @@ def check_stop(
             new_chars = seq.detokenizer.add_token(token_id)
         else:  # text is made when asked for (a finished or streamed output)
             seq.detokenizer.append_token(token_id)
+    grammar = seq.grammar
+    if grammar is not None:
+        if not grammar.accept(token_id):  # the mask allowed it: a worker broke the contract
+            logger.error(
+                "request %r: token %d is outside its grammar; ending it", seq.request_id, token_id
+            )
+            return "abort"
+        if grammar.is_terminated:
+            return "stop"
     num_output = seq.num_output_tokens
     if num_output >= params.min_tokens:
         if not params.ignore_eos and token_id in seq.eos_token_ids:

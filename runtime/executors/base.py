@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import logging
 
-from atomrt.distributed.messages import StepPlan, StepResult
+from atomrt.distributed.messages import GrammarBitmask, StepPlan, StepResult
 from atomrt.runtime.config import Config
 from atomrt.workers.worker import WorkerInfo
 
@@ -38,6 +38,12 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def submit(self, plan: StepPlan) -> None:
         """Start one step on every worker; its results come from `collect`."""
+
+    @abc.abstractmethod
+    def send_grammar(self, masks: list[GrammarBitmask]) -> None:
+        """The grammar masks of submitted steps' constrained rows (`RankBatch.grammar_rows`), one
+        message per DP rank, each for that rank's sampling worker; a step's masks are sent before
+        the next step is submitted."""
 
     @abc.abstractmethod
     def collect(self, step: int, flush: bool) -> list[StepResult]:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from atomrt.distributed.messages import StepPlan, StepResult
+from atomrt.distributed.messages import GrammarBitmask, StepPlan, StepResult
 from atomrt.distributed.transport import (
     PlanPublisher,
     ResultCollector,
@@ -88,6 +88,9 @@ class StepChannel:
 
     def publish(self, plan: StepPlan) -> None:
         self.publisher.publish(plan)
+
+    def publish_grammar(self, masks: GrammarBitmask) -> None:
+        self.publisher.publish_grammar(masks)
 
     def flush(self, step: int) -> None:
         """Ask for pipelined step `step`'s results now (no plan follows it yet)."""
@@ -183,6 +186,11 @@ class ChannelExecutor(Executor):
 
     def submit(self, plan: StepPlan) -> None:
         self._channel().publish(plan)
+
+    def send_grammar(self, masks: list[GrammarBitmask]) -> None:
+        channel = self._channel()
+        for m in masks:
+            channel.publish_grammar(m)
 
     def collect(self, step: int, flush: bool) -> list[StepResult]:
         channel = self._channel()

@@ -6,7 +6,7 @@ import logging
 import time
 from collections import deque
 
-from atomrt.distributed.messages import StepPlan, StepResult
+from atomrt.distributed.messages import GrammarBitmask, StepPlan, StepResult
 from atomrt.runtime.executors.base import Executor, WorkerError
 from atomrt.workers.runner.readback import DeviceTimeout
 from atomrt.workers.worker import Worker, WorkerInfo
@@ -43,6 +43,10 @@ class InProcExecutor(Executor):
 
     def submit(self, plan: StepPlan) -> None:
         self._submitted.append(self.worker.launch(plan))
+
+    def send_grammar(self, masks: list[GrammarBitmask]) -> None:
+        for m in masks:
+            self.worker.apply_grammar(m)
 
     def collect(self, step: int, flush: bool) -> list[StepResult]:
         pending = self._submitted.popleft()

@@ -12,7 +12,11 @@ They are built on the host from each row's parameters (a bias and a ban are one 
 value) list; the allowed lists a second one) and applied with one `index_put_` and, for rows with an
 allowed list, one masked fill of those rows alone. They are kept per row so that a subset of the
 step's rows (`select`), or each row repeated over its verify rows (`repeat`, speculative decoding),
-gets the same changes. A constrained row's grammar mask is one more addition of the same kind.
+gets the same changes.
+
+A structured-output row's grammar mask (`apply_grammar_bitmask`) is one more: packed int32 rows
+filled by the driver, applied on the sampling worker to the step's logits rows that a grammar
+constrains before anything else in sampling, outside the recorded graphs.
 """
 
 from __future__ import annotations
@@ -116,3 +120,20 @@ class LogitAdditions:
         if rows.numel():
             logits.index_put_((rows, ids), values, accumulate=True)
         return logits
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor:
+    """A float32 copy of logits [n, vocab] whose rows `rows` (int64 [m]) keep only the tokens their
+    packed mask allows: bitmask int32 [m, words], bit `t % 32` of word `t // 32` set for an allowed
+    token `t`; tokens past the mask's words are masked."""
+    out = logits.to(torch.float32, copy=True)
+    vocab = out.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [m, words, 32]
+    allowed = bits.reshape(bits.shape[0], -1)[:, :vocab].bool()  # [m, min(words * 32, vocab)]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+    return out

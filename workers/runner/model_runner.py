@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
@@ -28,6 +28,7 @@ from atomrt.workers.runner.kv_cache import (
     kv_bytes_per_block,
     kv_layer_specs,
 )
+from atomrt.workers.runner.logit_additions import apply_grammar_bitmask
 from atomrt.workers.runner.prompt_logprobs import compute_prompt_logprobs
 from atomrt.workers.runner.readback import Readback, Readbacks
 from atomrt.workers.runner.sampler import Sampler, SamplerOutput, SamplingTensors, greedy_argmax
@@ -61,6 +62,24 @@ class ModelOutput(NamedTuple):
     logits: torch.Tensor  # [len(logits_indices), vocab]
     hidden_states: torch.Tensor  # [rows, hidden]
     tokens: Optional[torch.Tensor]  # a request graph's recorded argmax of those logits, else None
+
+
+class StepForward(NamedTuple):
+    """A step whose forward ran and whose sampling has not: what `ModelRunner.sample` needs
+    (valid until the next step's forward)."""
+
+    out: ModelOutput
+    inputs: StepInputs
+    sampling: SamplingTensors
+    spec: Optional[SpecDecodeMetadata]
+    target: Optional[TargetStep]  # what an MTP drafter drafts from, after the tokens are sampled
+
+
+class GrammarMask(NamedTuple):
+    """Structured outputs: the step's logits rows a grammar constrains and their packed masks."""
+
+    rows: torch.Tensor  # int64 [m]
+    bitmask: torch.Tensor  # int32 [m, words]
 
 
 class ModelRunner:
@@ -155,6 +174,12 @@ class ModelRunner:
         self, inputs: StepInputs, decision: ForwardDecision, sampling: SamplingTensors
     ) -> SamplerOutput:
         """One step on this rank: stage, run the forward the decision names, sample."""
+        return self.sample(self.forward(inputs, decision, sampling))
+
+    def forward(
+        self, inputs: StepInputs, decision: ForwardDecision, sampling: SamplingTensors
+    ) -> StepForward:
+        """Stage the step and run the forward the decision names (a draft model drafts first)."""
         split: Optional[SplitStep] = None
         if decision.ubatch_rows is not None and decision.kind is not ForwardKind.REQ_GRAPH:
             split = self.ubatch.split(inputs, decision)  # two-batch overlap, eager
@@ -196,14 +221,30 @@ class ModelRunner:
             target = TargetStep(
                 decision, md, context, dp, ids, out.hidden_states, self.attn_layers, self.kv_cache
             )
+        return StepForward(out, inputs, sampling, spec, target)
+
+    def sample(self, step: StepForward, grammar: Optional[GrammarMask] = None) -> SamplerOutput:
+        """Sample a step whose forward ran; `grammar`: structured outputs' masks, applied to the
+        rows' logits first (a request graph's recorded argmax of the unmasked logits is not used)."""
+        out = step.out
+        if grammar is not None:
+            logits = apply_grammar_bitmask(out.logits, grammar.rows, grammar.bitmask)
+            out = ModelOutput(logits, out.hidden_states, None)
         prompt_logprobs = None  # the rows of requests that asked, before drafts reuse buffers
-        if inputs.prompt_rows is not None:
+        if step.inputs.prompt_rows is not None:
             prompt_logprobs = compute_prompt_logprobs(
-                self.model, out.hidden_states, inputs.prompt_rows
+                self.model, out.hidden_states, step.inputs.prompt_rows
             )
-        sampled = self._sample(out, inputs, sampling, spec, target)
+        sampled = self._sample(out, step.inputs, step.sampling, step.spec, step.target)
         sampled.prompt_logprobs = prompt_logprobs
         return sampled
+
+    def grammar_mask(self, rows: Any, bitmask: Any) -> GrammarMask:
+        """Host arrays (int rows, int32 [m, words] masks) as the device tensors `sample` takes."""
+        return GrammarMask(
+            torch.as_tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True),
+            torch.as_tensor(bitmask, dtype=torch.int32).to(self.device, non_blocking=True),
+        )
 
     def _sample(
         self,
@@ -227,7 +268,7 @@ class ModelRunner:
             if spec is None and self.tokens is not None:  # no drafts: the next step may run ahead
                 self.tokens.keep(
                     sampled.sampled_token_ids.view(-1, self.spec.readback_width)[:, 1].contiguous(),
-                    sampling.all_greedy and not sampling.do_penalties,
+                    sampling.same_on_every_rank,
                     self.tp,
                 )
             return sampled
@@ -236,11 +277,7 @@ class ModelRunner:
             return SamplerOutput(out.tokens[:num_sampled])
         sampled = self.sampler(out.logits, sampling)
         if self.tokens is not None:
-            self.tokens.keep(
-                sampled.sampled_token_ids,
-                sampling.all_greedy and not sampling.do_penalties,
-                self.tp,
-            )
+            self.tokens.keep(sampled.sampled_token_ids, sampling.same_on_every_rank, self.tp)
         return sampled
 
     def run_model(

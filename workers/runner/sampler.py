@@ -68,6 +68,9 @@ class SamplingTensors:
     do_top_p: bool
     do_min_p: bool
     additions: Optional[LogitAdditions] = None  # None: no row changes its logits
+    # structured outputs: a grammar constrains some rows, whose masks only the sampling worker
+    # applies (so the other TP ranks' tokens differ, and rank 0's are broadcast)
+    constrained: bool = False
 
     @classmethod
     def from_params(
@@ -138,6 +141,12 @@ class SamplingTensors:
             do_min_p=any(p.min_p > 0.0 for p, g in zip(ps, greedy) if not g),
             additions=additions,
         )
+
+    @property
+    def same_on_every_rank(self) -> bool:
+        """Whether every TP rank samples the same tokens from the same logits (plain greedy
+        arithmetic, no grammar mask): then no rank's tokens need to be broadcast."""
+        return self.all_greedy and not self.do_penalties and not self.constrained
 
     @property
     def is_plain_greedy(self) -> bool:

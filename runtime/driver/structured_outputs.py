@@ -1,0 +1,322 @@
+"""`StructuredOutputs`: the driver's grammar state for constrained requests
+(`SamplingParams.structured_outputs`). The workers only apply masks.
+
+- **add_request** (`prepare`): the constraint is parsed (a ValueError naming the field) and
+  compiled on a thread (runtime/driver/grammar_compiler.py). Until its grammar is compiled the
+  request's sequences wait here, not in a scheduler, so they hold up nobody; `release` hands them
+  to their scheduler with a matcher each (`Sequence.grammar`) once it is, and fails the request
+  (`Failed`) once it waited longer than `structured_outputs_config.grammar_compile_timeout_s`.
+- **each step** (`plan`): the logits rows a grammar constrains (each sampled constrained
+  sequence's row, and with speculative decoding its verify rows) go into the `RankBatch` as
+  `grammar_rows`; their masks (`GrammarBitmask`, to each DP rank's sampling worker) are filled in
+  one batch as soon as every row's grammar state is known: at once, or, under async scheduling
+  when a row's token is still in flight, right after the previous step's tokens have advanced the
+  grammars (`fill_deferred`).
+- **postprocess**: the stop rules advance a sequence's matcher on each token it emits
+  (runtime/driver/stop_checker.py); a grammar that has accepted its end finishes the request
+  ("stop").
+- **speculative decoding**: an n-gram proposal is cut at its first token the grammar refuses
+  (`SeqGrammar.valid_drafts`); each verify row gets the mask of the grammar advanced through the
+  drafts before it, which are then rolled back: the matcher moves on the accepted tokens only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from atomrt.distributed.messages import GrammarBitmask, RankBatch
+from atomrt.runtime.config import StructuredOutputsConfig
+from atomrt.runtime.driver.grammar_compiler import GrammarCompiler
+from atomrt.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from atomrt.runtime.driver.scheduler import SchedulerOutput
+    from atomrt.runtime.driver.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class SeqGrammar:
+    """One sequence's matcher: where its output stands in its grammar."""
+
+    def __init__(
+        self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int], vocab_size: int
+    ) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        self.vocab_size = vocab_size
+
+    def accept(self, token_id: int) -> bool:
+        """Advance on an emitted token; False if the grammar refuses it (the matcher stays)."""
+        return self.matcher.accept_token(int(token_id))
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar accepted its end (a stop token after a complete output)."""
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: Any, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def fill_verify(self, bitmask: Any, row: int, drafts: list[int]) -> None:
+        """Rows `row .. row + len(drafts)`: the mask before each draft and after the last, each
+        with the drafts before it accepted; the matcher is left where it was."""
+        self.fill(bitmask, row)
+        accepted = 0
+        for i, token in enumerate(drafts):
+            if not self.matcher.accept_token(int(token)):  # cannot happen: drafts were checked
+                bitmask[row + i + 1 :, :] = -1
+                break
+            accepted += 1
+            self.fill(bitmask, row + i + 1)
+        if accepted:
+            self.matcher.rollback(accepted)
+
+    def valid_drafts(self, proposal: list[int], pad_to: int = 0) -> list[int]:
+        """`proposal` cut before its first token the grammar refuses, then (with `pad_to`) padded to
+        that many with tokens it allows (the lowest id each mask allows): a verify step whose rows
+        all follow the grammar."""
+        drafts: list[int] = []
+        for token in proposal:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
+                break
+            drafts.append(int(token))
+        if len(drafts) < pad_to:
+            mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+            while len(drafts) < pad_to and not self.matcher.is_terminated():
+                self.fill(mask, 0)
+                allowed = np.flatnonzero(allowed_tokens(mask.numpy()[0]))
+                if not allowed.size or not self.matcher.accept_token(int(allowed[0])):
+                    break
+                drafts.append(int(allowed[0]))
+        if drafts:
+            self.matcher.rollback(len(drafts))
+        return drafts
+
+
+def allowed_tokens(packed: np.ndarray) -> np.ndarray:
+    """bool [words * 32]: which tokens one packed int32 mask row allows (bit t % 32 of word
+    t // 32)."""
+    return np.unpackbits(packed.astype("<i4").view(np.uint8), bitorder="little").astype(bool)
+
+
+@dataclass
+class _Entry:
+    seq: Sequence
+    row: int  # its first mask row (and logits row)
+    drafts: list[int]
+
+
+@dataclass
+class _RankMasks:
+    dp_rank: int
+    entries: list[_Entry]
+    num_rows: int
+
+
+@dataclass
+class StepMasks:
+    """One step's constrained rows, per DP rank, until their masks are filled."""
+
+    step: int
+    ranks: list[_RankMasks]
+    deferred: bool  # a row's token is still in flight: fill after the previous step's results
+
+
+@dataclass
+class Failed:
+    """A request that never ran: its grammar did not compile, or not within the budget."""
+
+    request_id: str
+    seqs: list[Sequence]
+    error: str
+
+
+@dataclass
+class _Held:
+    request_id: str
+    seqs: list[Sequence]
+    future: Future
+    since: float  # time.monotonic() at add_request
+    hit: bool  # compiled already when the request came
+
+
+@dataclass
+class MaskStats:
+    """Mask fills since start: rows filled and the seconds it took (the driver's host time)."""
+
+    rows: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class StructuredOutputs:
+    """The engine's structured-output state (module docstring). Its compiler is built on a thread
+    when the engine starts (the tokenizer's vocabulary takes a moment to index)."""
+
+    tokenizer: Any
+    vocab_size: int
+    stop_token_ids: list[int]
+    config: StructuredOutputsConfig
+    held: list[_Held] = field(default_factory=list)
+    pending: list[StepMasks] = field(default_factory=list)  # planned, not yet filled and sent
+    mask_stats: MaskStats = field(default_factory=MaskStats)
+
+    num_live: int = 0  # sequences with a matcher that have not finished
+
+    def __post_init__(self) -> None:
+        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomrt-grammar-init")
+        self._compiler: Future = self._starter.submit(
+            GrammarCompiler, self.tokenizer.hf, self.vocab_size, self.stop_token_ids, self.config
+        )
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._words = (self.vocab_size + 31) // 32
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        return self._compiler.result(timeout=self.config.grammar_compile_timeout_s + 60)
+
+    # ---------------------------------------------------------------- requests
+
+    def prepare(self, params: SamplingParams) -> Future:
+        """Parse and start compiling a request's constraint (a ValueError naming the field)."""
+        return self.compiler.compile(params.structured_outputs)
+
+    def hold(self, request_id: str, seqs: list[Sequence], future: Future) -> None:
+        """Keep a request's sequences until its grammar is compiled (`release`)."""
+        self.held.append(_Held(request_id, seqs, future, time.monotonic(), future.done()))
+
+    def attach(self, seqs: list[Sequence], future: Future) -> None:
+        """Give each sequence its matcher (the grammar is compiled: `future` is done)."""
+        compiled = future.result()
+        for seq in seqs:
+            seq.grammar = SeqGrammar(compiled, self.stop_token_ids, self.vocab_size)
+        self.num_live += len(seqs)
+
+    def finished(self, seqs: list[Sequence]) -> None:
+        """These sequences ended (finished or aborted)."""
+        self.num_live -= sum(1 for s in seqs if s.grammar is not None)
+
+    def release(self) -> tuple[list[_Held], list[Failed]]:
+        """The held requests whose grammar is now compiled (matchers attached), and those that
+        failed: a grammar that did not compile, or one still compiling after the budget."""
+        ready: list[_Held] = []
+        failed: list[Failed] = []
+        keep: list[_Held] = []
+        now = time.monotonic()
+        compiler = self.compiler
+        for h in self.held:
+            if h.future.done():
+                error = h.future.exception()
+                if error is not None:
+                    failed.append(Failed(h.request_id, h.seqs, f"structured_outputs: {error}"))
+                    continue
+                compiler.record(now - h.since, h.hit)
+                self.attach(h.seqs, h.future)
+                ready.append(h)
+            elif now - h.since > compiler.timeout_s:
+                compiler.stats.timeouts += 1
+                failed.append(
+                    Failed(
+                        h.request_id,
+                        h.seqs,
+                        "structured_outputs: the grammar did not compile within "
+                        f"{compiler.timeout_s:g} s (structured_outputs_config."
+                        "grammar_compile_timeout_s); simplify the schema or raise the budget",
+                    )
+                )
+            else:
+                keep.append(h)
+        self.held = keep
+        return ready, failed
+
+    def drop(self, request_id: str) -> Optional[list[Sequence]]:
+        """Forget a held request (aborted); its sequences, or None if it is not held."""
+        for i, h in enumerate(self.held):
+            if h.request_id == request_id:
+                del self.held[i]
+                return h.seqs
+        return None
+
+    def wait(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` for a held grammar to compile (an engine with nothing else to
+        run)."""
+        if self.held:
+            wait([h.future for h in self.held], timeout=timeout_s, return_when="FIRST_COMPLETED")
+
+    # ---------------------------------------------------------------- each step
+
+    def plan(self, step: int, outs: list[SchedulerOutput], batches: list[RankBatch]) -> None:
+        """Set each rank's `grammar_rows` and remember the step's masks to fill."""
+        if not self.num_live:  # no constrained sequence: the step pays nothing
+            return
+        ranks: list[_RankMasks] = []
+        deferred = False
+        for dp_rank, (out, batch) in enumerate(zip(outs, batches)):
+            entries: list[_Entry] = []
+            rows: list[int] = []
+            at = 0  # the step's logits rows: each sampled sequence's verify rows, then its own
+            for s in out.scheduled:
+                if not s.is_sampled:
+                    continue
+                n = 1 + s.num_draft_tokens
+                if s.seq.grammar is not None:
+                    entries.append(_Entry(s.seq, len(rows), s.draft_token_ids))
+                    rows.extend(range(at, at + n))
+                    deferred = deferred or s.seq.num_pending > 0
+                at += n
+            if entries:
+                batch.grammar_rows = np.asarray(rows, dtype=np.int32)
+                ranks.append(_RankMasks(dp_rank, entries, len(rows)))
+        if ranks:
+            self.pending.append(StepMasks(step, ranks, deferred))
+
+    def fill_ready(self, final: bool = False) -> list[GrammarBitmask]:
+        """The masks of planned steps whose grammar states are known: those planned without a
+        token in flight, or (`final`: the previous step's tokens are in) every one."""
+        out: list[GrammarBitmask] = []
+        keep: list[StepMasks] = []
+        for sm in self.pending:
+            if sm.deferred and not final:
+                keep.append(sm)
+                continue
+            out += [self._fill(sm.step, r) for r in sm.ranks]
+        self.pending = keep
+        return out
+
+    def _fill(self, step: int, rank: _RankMasks) -> GrammarBitmask:
+        start = time.perf_counter()
+        bitmask = np.full((rank.num_rows, self._words), -1, dtype=np.int32)
+        view = torch.from_numpy(bitmask)  # xgrammar fills through DLPack
+        plain, rows = [], []
+        for e in rank.entries:
+            seq = e.seq
+            if seq.is_finished or seq.grammar.is_terminated:  # a wasted row: any mask does
+                continue
+            if e.drafts:
+                seq.grammar.fill_verify(view, e.row, e.drafts)
+            else:
+                plain.append(seq.grammar.matcher)
+                rows.append(e.row)
+        if plain:
+            self._batch.batch_fill_next_token_bitmask(plain, view, rows)
+        stats = self.mask_stats
+        stats.rows += rank.num_rows
+        stats.seconds += time.perf_counter() - start
+        return GrammarBitmask(dp_rank=rank.dp_rank, step=step, bitmask=bitmask)
+
+    def forget_pending(self) -> None:
+        """The steps in flight were discarded: their masks are never sent."""
+        self.pending.clear()
+
+    def shutdown(self) -> None:
+        self._starter.shutdown(wait=False, cancel_futures=True)
+        if self._compiler.done() and self._compiler.exception() is None:
+            self._compiler.result().shutdown()

@@ -1,0 +1,273 @@
+"""Structured outputs in the engine: the grammar mask against its definition, requests checked at
+add_request, a grammar's end finishing its request, the compile budget, and greedy tokens that do
+not depend on the batch: unconstrained requests beside constrained ones keep their tokens, and a
+constrained request gives the tokens it gives alone, with async scheduling, n-gram speculation,
+preemption from a small KV pool and prefix caching, through mp (TP=2) and Ray (DP=2, a tiny MoE)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from grammar_harness import EOS, build_tiny_bpe
+
+from atomrt.runtime import SamplingParams
+from atomrt.runtime.driver.grammar_compiler import check_schema
+from atomrt.runtime.driver.structured_outputs import allowed_tokens
+from atomrt.runtime.entrypoints.llm import LLM
+from atomrt.runtime.sampling_params import StructuredOutputsParams
+from atomrt.workers.runner.logit_additions import apply_grammar_bitmask
+
+COMMON = dict(device="cpu", enforce_eager=True, num_kv_blocks=128, max_num_seqs=8)
+
+
+def test_the_mask_keeps_exactly_the_allowed_tokens_of_its_rows() -> None:
+    rng = np.random.default_rng(0)
+    vocab, words = 70, 3  # the last word's high bits lie past the vocabulary
+    logits = torch.from_numpy(rng.standard_normal((5, vocab))).to(torch.bfloat16)
+    bitmask = rng.integers(-(2**31), 2**31, size=(2, words), dtype=np.int64).astype(np.int32)
+    rows = [3, 1]
+    got = apply_grammar_bitmask(logits, torch.tensor(rows), torch.from_numpy(bitmask))
+    assert got.dtype == torch.float32
+    want = logits.double().clone()
+    for i, r in enumerate(rows):  # the definition: bit t % 32 of word t // 32
+        for t in range(vocab):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                want[r, t] = float("-inf")
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = ~torch.isinf(want)
+    assert torch.equal(got[finite].double(), want[finite])
+    assert allowed_tokens(bitmask[0])[:vocab].tolist() == (~torch.isinf(want[3])).tolist()
+
+
+def test_sampling_params_check_the_constraint() -> None:
+    with pytest.raises(ValueError, match="exactly one of .*got json, regex"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a")
+    with pytest.raises(ValueError, match="exactly one .* none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match=r"structured_outputs\.json: not valid JSON"):
+        StructuredOutputsParams(json="{nope")
+    with pytest.raises(ValueError, match=r"structured_outputs\.choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match=r"structured_outputs\.max_whitespace"):
+        StructuredOutputsParams(json_object=True, max_whitespace=0)
+    with pytest.raises(ValueError, match="unknown field 'guided_json'"):
+        SamplingParams(structured_outputs={"guided_json": {}})
+    so = SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs
+    assert isinstance(so, StructuredOutputsParams) and so.kind == "regex"
+
+
+def test_keywords_the_grammar_cannot_enforce_are_refused() -> None:
+    ok = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"enum": ["not"]}}}
+    check_schema(ok)  # property names and enum values are not keywords
+    for bad, word in (
+        ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+        ({"properties": {"a": {"not": {"type": "string"}}}}, "not"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
+        ({"$defs": {"x": {"if": {"type": "integer"}}}}, "if"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            check_schema(bad)
+
+
+# ------------------------------------------------------------------------------- the engine
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+}
+PROMPTS = [
+    [504, 1090, 4401, 28, 504, 1090, 4401, 28, 504, 1090, 4401, 28],
+    [9, 90, 900, 9000, 90, 900],
+    [1521, 1521, 1521, 33, 1521, 1521],
+    [7000, 7001, 7002, 7003],
+    [41, 42, 43, 44, 45, 46, 47, 48, 49, 50],
+]
+
+
+def _greedy(**fields) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, **fields)
+
+
+REQUESTS = [
+    _greedy(structured_outputs={"json": SCHEMA}),
+    _greedy(),
+    _greedy(structured_outputs={"regex": r"(ab|cd){1,4}[0-9]{2,4}"}),
+    _greedy(structured_outputs={"choice": ["alpha", "beta gamma", "delta"]}),
+    _greedy(),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_bpe(tmp_path_factory.mktemp("structured") / "model")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_bpe(tmp_path_factory.mktemp("structured-moe") / "model", moe=True)
+
+
+def _alone(model: Path) -> list[list[int]]:
+    """Each request run by itself."""
+    with LLM(str(model), **COMMON) as llm:
+        return [
+            llm.generate([p], [r], use_tqdm=False)[0].outputs[0].token_ids
+            for p, r in zip(PROMPTS, REQUESTS)
+        ]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny: Path) -> list[list[int]]:
+    return _alone(tiny)
+
+
+def _check_valid(texts: list[str]) -> None:
+    import re
+
+    import jsonschema
+
+    jsonschema.validate(json.loads(texts[0]), SCHEMA)
+    assert re.fullmatch(r"(ab|cd){1,4}[0-9]{2,4}", texts[2])
+    assert texts[3] in ("alpha", "beta gamma", "delta")
+
+
+def test_constrained_outputs_end_with_their_grammar_and_validate(tiny, alone) -> None:
+    with LLM(str(tiny), **COMMON) as llm:
+        outs = llm.generate(PROMPTS, REQUESTS, use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    _check_valid(texts)
+    for i in (0, 2, 3):  # ignore_eos: the grammar's end finishes them
+        c = outs[i].outputs[0]
+        assert c.finish_reason == "stop" and c.token_ids[-1] == EOS, (i, c)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+
+
+SETTINGS = {
+    "inproc-async-ngram-preempt-prefix": dict(
+        async_scheduling=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+        num_kv_blocks=24,
+        block_size=4,
+        enable_prefix_caching=True,
+    ),
+    "mp-tp2-async": dict(executor="mp", tensor_parallel_size=2, async_scheduling=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_a_batch_gives_each_request_its_tokens_alone(tiny, alone, name) -> None:
+    with LLM(str(tiny), **{**COMMON, **SETTINGS[name]}) as llm:
+        outs = llm.generate(PROMPTS * 2, REQUESTS * 2, use_tqdm=False)  # a second copy: cached
+        engine = llm.engine
+        spec = engine.stats.spec_decode
+        preemptions = sum(s.num_preemptions for s in engine.schedulers)
+    assert [o.outputs[0].token_ids for o in outs] == alone * 2
+    if spec is not None:
+        assert spec.num_drafts > 0 and preemptions > 0
+
+
+@pytest.mark.slow
+def test_ray_dp2_on_a_tiny_moe_gives_each_request_its_tokens_alone(tiny_moe) -> None:
+    want = _alone(tiny_moe)
+    settings = dict(
+        executor="ray",
+        data_parallel_size=2,
+        async_scheduling=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+    )
+    with LLM(str(tiny_moe), **{**COMMON, **settings}) as llm:
+        outs = llm.generate(PROMPTS * 2, REQUESTS * 2, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want * 2
+
+
+def test_a_bad_constraint_is_refused_at_add_request_naming_the_field(tiny) -> None:
+    with LLM(str(tiny), **COMMON) as llm:
+        for so, field in (
+            ({"json": {"type": "objekt"}}, "structured_outputs.json"),
+            ({"regex": "a(b"}, "structured_outputs.regex"),
+            ({"grammar": "root ::= missing"}, "structured_outputs.grammar"),
+            ({"json": {"type": "array", "uniqueItems": True}}, "structured_outputs.json"),
+        ):
+            with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+                llm.engine.add_request([5, 6], SamplingParams(structured_outputs=so))
+        assert not llm.engine.has_unfinished()
+
+
+def _slow_schema(n: int) -> dict:
+    """A schema whose compile takes a while: many properties, each a different pattern."""
+    props = {
+        f"p{i}": {
+            "type": "string",
+            "pattern": f"^[a-{chr(98 + i % 24)}]{{{i % 7 + 1},{i % 7 + 9}}}$",
+        }
+        for i in range(n)
+    }
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def test_a_grammar_over_the_compile_budget_fails_its_request_while_others_stream(tiny) -> None:
+    budget = 0.05
+    with LLM(str(tiny), **COMMON, grammar_compile_timeout_s=budget) as llm:
+        engine = llm.engine
+        plain = engine.add_request(PROMPTS[1], _greedy(), stream=True)
+        streamed = sum(len(o.outputs[0].token_ids) for _ in range(3) for o in engine.step())
+        slow = engine.add_request(  # compiles for about half a second
+            PROMPTS[0], _greedy(structured_outputs={"json": _slow_schema(120)}), stream=True
+        )
+        failed, while_compiling = None, 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == slow:
+                    failed = out
+                elif out.request_id == plain:
+                    streamed += len(out.outputs[0].token_ids)
+                    while_compiling += failed is None and len(out.outputs[0].token_ids)
+        stats = engine.grammars.compiler.stats
+    assert failed is not None and failed.finished and failed.outputs[0].token_ids == []
+    assert (
+        "grammar_compile_timeout_s" in failed.error and failed.outputs[0].finish_reason == "abort"
+    )
+    assert streamed == 48 and while_compiling > 0 and stats.timeouts == 1
+
+
+def test_drafts_are_cut_at_the_grammar_and_each_verify_row_gets_its_position_mask() -> None:
+    import xgrammar as xgr
+    from grammar_harness import bpe_tokenizer
+
+    from atomrt.runtime.config import StructuredOutputsConfig
+    from atomrt.runtime.driver.grammar_compiler import GrammarCompiler
+    from atomrt.runtime.driver.structured_outputs import SeqGrammar
+
+    tok = bpe_tokenizer()
+    compiler = GrammarCompiler(tok.hf, 49152, [EOS], StructuredOutputsConfig())
+    so = StructuredOutputsParams(regex="(hello|help) world [0-9]{2}")
+    compiled = compiler.compile(so).result()
+    good = tok.encode("hello world 42", add_special_tokens=False)
+    bad = tok.encode("hello there", add_special_tokens=False)
+    g = SeqGrammar(compiled, [EOS], 49152)
+    assert g.valid_drafts(good) == good  # every token allowed: kept, and the matcher is back
+    cut = g.valid_drafts(bad)
+    assert cut == bad[: len(cut)] and len(cut) < len(bad)
+    padded = g.valid_drafts(bad, pad_to=len(bad) + 2)
+    assert len(padded) == len(bad) + 2 and padded[: len(cut)] == cut
+    bitmask = np.zeros((len(good) + 1, 1536), dtype=np.int32)
+    g.fill_verify(torch.from_numpy(bitmask), 0, good)
+    for i in range(len(good) + 1):  # a fresh matcher advanced through the drafts before row i
+        m = xgr.GrammarMatcher(compiled, override_stop_tokens=[EOS])
+        for t in good[:i]:
+            assert m.accept_token(t)
+        want = xgr.allocate_token_bitmask(1, 49152)
+        m.fill_next_token_bitmask(want, 0)
+        assert np.array_equal(bitmask[i], want.numpy()[0]), i
+    for t in padded:  # the matcher did not move: the whole padded proposal is still allowed
+        assert g.accept(t)
+    compiler.shutdown()
