@@ -107,9 +107,17 @@ CHAT_FIELDS = {
     "audio": [({"voice": "alloy", "format": "wav"}, REFUSED, None)],
     "prediction": [({"type": "content", "content": "aa"}, REFUSED, None)],
     "web_search_options": [({}, REFUSED, None)],
-    "response_format": [({"type": "text"}, OK, None), ({"type": "json_object"}, REFUSED, None)],
-    "tools": [([{"type": "function", "function": {"name": "f"}}], REFUSED, None)],
-    "tool_choice": [("none", OK, None), ("required", REFUSED, None)],
+    # constraints that the word vocabulary can meet are honoured (tests/test_structured_server.py)
+    "response_format": [
+        ({"type": "text"}, OK, None),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "x"}}},
+            REFUSED,
+            None,
+        ),
+    ],
+    "tools": [([{"type": "function"}], REFUSED, None)],
+    "tool_choice": [("none", OK, None), ("required", REFUSED, None)],  # required: without tools
     "functions": [([{"name": "f"}], REFUSED, None)],
     "function_call": [("none", OK, None), ("auto", REFUSED, None)],
     "reasoning_effort": [("low", REFUSED, None)],

@@ -61,6 +61,13 @@ def server_args_from(args: argparse.Namespace) -> Any:
             raise ValueError(f"{name}: out of range, got {value}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
+    parsers = ("hermes", "llama3_json", "mistral")  # runtime/entrypoints/openai/tool_parsers.py
+    if args.tool_call_parser is not None and args.tool_call_parser not in parsers:
+        raise ValueError(
+            f"--tool-call-parser: one of {', '.join(parsers)}, got {args.tool_call_parser!r}"
+        )
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser NAME")
     return ServerArgs(
         host=args.host,
         port=args.port,
@@ -69,6 +76,8 @@ def server_args_from(args: argparse.Namespace) -> Any:
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
@@ -151,6 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='answer tool_choice "auto" (the default with tools) with the model\'s own calls, '
+        "read by --tool-call-parser",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3) | llama3_json | mistral",
     )
     prewarm = sub.add_parser(
         "prewarm",

@@ -7,7 +7,8 @@ ZeroMQ PUSH/PULL over ipc://, msgpack-encoded (distributed/messages.py).
 
 The loop: take what arrived (waiting for it only when the engine is idle), add and abort, step,
 send the step's outputs. An idle engine sends its statistics every `STATS_PERIOD_S` so the API
-knows the loop is alive. A request the engine rejects comes back as an output with `error` set (finish_reason "rejected").
+knows the loop is alive. A request the engine rejects comes back as an output with `error` set (finish_reason "rejected"),
+at add_request or later (a structured-output grammar that did not compile within its budget).
 If the engine dies, a last `CoreOutputs` carries `fatal` and the process exits with status 1.
 """
 
@@ -206,8 +207,9 @@ def _core_output(out: RequestOutput, c: CompletionOutput) -> CoreOutput:
         logprobs=[{int(k): float(v) for k, v in row.items()} for row in c.logprobs]
         if c.logprobs
         else None,
-        finished=c.finished,
-        finish_reason=c.finish_reason,
+        finished=c.finished or out.error is not None,
+        finish_reason="rejected" if out.error else c.finish_reason,
+        error=out.error,
         stop_reason=c.stop_reason
         if c.stop_reason is None or isinstance(c.stop_reason, (int, str))
         else str(c.stop_reason),

@@ -16,7 +16,7 @@ from atomrt.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
 
 
 # vLLM's LLM(...) keywords atomrt names otherwise: (atomrt's name, vLLM's value -> atomrt's)
@@ -131,13 +131,17 @@ class LLM:
         conversations: Union[Conversation, Sequence[Conversation]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
+        tools: Optional[list[dict[str, Any]]] = None,
     ) -> list[RequestOutput]:
+        """`tools` (OpenAI's form) go to the chat template, as the server's do; to make the model
+        call one, constrain the output (SamplingParams.structured_outputs, the function's
+        parameters schema)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
         prompts = [
-            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True)
+            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tools=tools)
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -35,15 +35,17 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        tools: Optional[list[dict[str, Any]]] = None,
     ) -> Union[list[int], str]:
-        """The prompt for `messages` as token ids (tokenize=True) or text."""
+        """The prompt for `messages` (and the `tools` they may call, OpenAI's form) as token ids
+        (tokenize=True) or text."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
         text = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

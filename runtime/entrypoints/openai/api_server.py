@@ -69,7 +69,8 @@ class ServerState:
         self.metrics = ServerMetrics(self.model_name)
         self.client = client or EngineClient(config, args.start_timeout)
         self.client.on_outputs = lambda msg: self.metrics.engine_stats(msg.stats)
-        self.serving = Serving(self.client, tokenizer, self.model_name, self.metrics)
+        parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+        self.serving = Serving(self.client, tokenizer, self.model_name, self.metrics, parser)
         self.draining = False
         self.in_flight = 0  # API requests admitted and not yet answered in full
         self.started = time.time()

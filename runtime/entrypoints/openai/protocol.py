@@ -10,6 +10,7 @@ The same models describe the request bodies in the server's OpenAPI document (/o
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal, Optional, Union
 
@@ -89,6 +90,7 @@ class _SamplingFields(_Body):
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     prompt_logprobs: Optional[int] = None
+    structured_outputs: Optional[Json] = None  # vLLM's: {json | regex | choice | grammar | ...}
 
     def check_supported(self) -> None:
         if self.stream_options is not None:
@@ -115,6 +117,15 @@ class _SamplingFields(_Body):
             out[int(key)] = float(value)
         return out
 
+    def constraint(self) -> Optional[Json]:
+        """The structured-output constraint this body asks for (the chat endpoint adds
+        `response_format` and `tool_choice`)."""
+        return self.structured_outputs
+
+    def constraint_source(self) -> str:
+        """The field that set `constraint()`, for errors."""
+        return "structured_outputs"
+
     def sampling_params(
         self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int] = None
     ) -> SamplingParams:
@@ -129,6 +140,7 @@ class _SamplingFields(_Body):
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.token_bias(),
+            structured_outputs=self.constraint(),
         )
         for name in (
             "temperature",
@@ -150,7 +162,11 @@ class _SamplingFields(_Body):
         try:
             return SamplingParams(**values)
         except ValueError as e:
-            raise RequestError(str(e), param=str(e).split(":", 1)[0]) from None
+            param, text = str(e).split(":", 1)[0], str(e)
+            if param.startswith("structured_outputs"):  # set by this field
+                param = self.constraint_source()
+                text = text if param == "structured_outputs" else f"{param}: {text}"
+            raise RequestError(text, param=param) from None
 
 
 class CompletionRequest(_SamplingFields):
@@ -191,6 +207,29 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[Json]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool's answer to that call
+
+    def rendered(self) -> dict[str, Any]:
+        """The message as chat templates read it: a call's arguments as a mapping."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for call in self.tool_calls:
+                function = dict(call.get("function") or {})
+                args = function.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        function["arguments"] = json.loads(args)
+                    except ValueError:
+                        pass
+                calls.append({**call, "function": function})
+            out["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -209,11 +248,11 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True  # extension
     # Accepted, with no effect on the output by their definition: identifiers and labels
     # (`metadata` is kept with stored completions, and nothing is stored), a cache key (the prefix
-    # cache needs none), tool-call parallelism (tools are refused).
+    # cache needs none).
     metadata: Optional[dict[str, str]] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[bool] = None  # false: at most one call
     # Refused unless absent or at the value that asks for nothing (check_supported)
     store: Optional[bool] = None
     service_tier: Optional[str] = None
@@ -244,17 +283,23 @@ class ChatCompletionRequest(_SamplingFields):
         ):
             if getattr(self, name) is not None:
                 raise refused(name, why)
-        if self.tools:
-            raise refused("tools", "tool calling is not supported yet")
         if self.functions:
-            raise refused("functions", "function calling is not supported yet")
-        if self.tool_choice not in (None, "none"):
-            raise refused("tool_choice", "tool calling is not supported yet; only 'none'")
+            raise refused("functions", "deprecated by OpenAI; send tools")
         if self.function_call not in (None, "none"):
-            raise refused("function_call", "function calling is not supported yet; only 'none'")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise refused("response_format", f"{kind!r} is not supported yet; only 'text'")
+            raise refused("function_call", "deprecated by OpenAI; send tool_choice")
+        check_tools(self.tools, self.tool_choice)
+        check_response_format(self.response_format)
+        asked = [
+            name
+            for name, on in (
+                ("response_format", self.response_format_constraint() is not None),
+                ("structured_outputs", self.structured_outputs is not None),
+                ("tool_choice", self.tool_mode() in ("required", "named")),
+            )
+            if on
+        ]
+        if len(asked) > 1:
+            raise refused(asked[1], f"one constraint per request; {asked[0]} already sets one")
         if self.store:
             raise refused("store", "completions are not stored")
         if self.service_tier not in (None, "auto", "default"):
@@ -268,10 +313,46 @@ class ChatCompletionRequest(_SamplingFields):
                 "prompt_cache_options", "prefix caching is implicit; only mode 'implicit'"
             )
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise RequestError("messages: must hold at least one message", "messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.rendered() for m in self.messages]
+
+    def tool_mode(self) -> Optional[str]:
+        """None (no tools, or tool_choice "none"), "auto", "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if self.tool_choice in (None, "auto"):
+            return "auto"
+        return "required" if self.tool_choice == "required" else "named"
+
+    def named_function(self) -> dict[str, Any]:
+        """tool_choice's function, as `tools` declares it."""
+        name = self.tool_choice["function"]["name"]  # type: ignore[index]
+        return next(t["function"] for t in self.tools if t["function"]["name"] == name)
+
+    def response_format_constraint(self) -> Optional[Json]:
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            return {"json_object": True}
+        if kind == "json_schema":
+            return {"json": self.response_format["json_schema"].get("schema", {})}
+        return None
+
+    def constraint(self) -> Optional[Json]:
+        """`structured_outputs`, `response_format`, or what tool_choice "required" or a named
+        function asks for: a JSON array of calls, or the function's arguments."""
+        mode = self.tool_mode()
+        if mode == "named":
+            return {"json": self.named_function().get("parameters") or {"type": "object"}}
+        if mode == "required":
+            return {"json": required_calls_schema(self.tools, self.parallel_tool_calls)}
+        return self.response_format_constraint() or self.structured_outputs
+
+    def constraint_source(self) -> str:
+        if self.tool_mode() in ("named", "required"):
+            return "tool_choice"
+        return "response_format" if self.response_format_constraint() else "structured_outputs"
 
     def num_logprobs(self) -> Optional[int]:
         if not self.logprobs:
@@ -279,6 +360,74 @@ class ChatCompletionRequest(_SamplingFields):
                 raise RequestError("top_logprobs: needs logprobs=true", "top_logprobs")
             return None
         return self.top_logprobs or 0
+
+
+def check_tools(tools: Optional[list[Json]], tool_choice: Any) -> None:
+    """`tools` as OpenAI defines them (functions with names), and a `tool_choice` they allow."""
+    names = []
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise RequestError(
+                f'tools[{i}]: must be {{"type": "function", "function": {{...}}}}', "tools"
+            )
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"tools[{i}].function.name: must be a non-empty string", "tools")
+        params = function.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise RequestError(f"tools[{i}].function.parameters: must be a JSON schema", "tools")
+        names.append(name)
+    if tool_choice in (None, "none", "auto", "required"):
+        if tool_choice == "required" and not names:
+            raise RequestError("tool_choice: 'required' needs tools", "tool_choice")
+        return
+    if isinstance(tool_choice, str):
+        raise RequestError(
+            f"tool_choice: 'none', 'auto', 'required' or a function, got {tool_choice!r}",
+            "tool_choice",
+        )
+    function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    if not isinstance(function, dict) or function.get("name") not in names:
+        raise RequestError(
+            f"tool_choice: names no function of tools ({', '.join(names) or 'none given'})",
+            "tool_choice",
+        )
+
+
+def check_response_format(fmt: Optional[Json]) -> None:
+    kind = (fmt or {}).get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise RequestError(
+            f"response_format.type: 'text', 'json_object' or 'json_schema', got {kind!r}",
+            "response_format",
+        )
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise RequestError(
+                "response_format.json_schema: must be {name, schema, strict}", "response_format"
+            )
+
+
+def required_calls_schema(tools: list[Json], parallel: Optional[bool]) -> Json:
+    """What tool_choice "required" constrains the output to: a JSON array of at least one call
+    (at most one without parallel_tool_calls), each `{"name": ..., "parameters": ...}` of a tool."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "parameters": t["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    schema: Json = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    return schema
 
 
 class TokenizeRequest(_Body):
@@ -305,7 +454,6 @@ UNSUPPORTED_EXTENSIONS = frozenset(
         "guided_choice",
         "guided_grammar",
         "guided_decoding_backend",
-        "structured_outputs",
         "chat_template",
         "chat_template_kwargs",
         "continue_final_message",

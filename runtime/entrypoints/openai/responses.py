@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 from atomrt.distributed.messages import CoreOutput
 from atomrt.runtime.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from atomrt.runtime.entrypoints.openai.serving import Choice, Job, Serving, finite
+from atomrt.runtime.entrypoints.openai.tool_parsers import ToolCallStream, tool_calls
 
 
 def sse(data: Union[dict[str, Any], str]) -> str:
@@ -128,6 +129,22 @@ class ChatResponses(CompletionResponses):
         super().__init__(serving, req, job)  # type: ignore[arg-type]
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.top = req.top_logprobs or 0
+        self.streams: dict[int, ToolCallStream] = {}  # tools: each choice's calls as deltas
+
+    def _message(self, c: Choice) -> tuple[dict[str, Any], Optional[str]]:
+        """A choice's message, its tool calls parsed out, and its finish reason."""
+        if self.job.tool_parser is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        parsed = self.job.tool_parser.parse(c.text, final=True)
+        calls = [call for call in parsed.calls if call.name is not None]
+        if not calls:
+            return {"role": "assistant", "content": parsed.content}, c.finish_reason
+        message = {
+            "role": "assistant",
+            "content": parsed.content or None,
+            "tool_calls": tool_calls(calls),
+        }
+        return message, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
 
     def _logprobs(self, choice: Choice, start: int, token_ids: list[int]) -> Any:
         if not self.req.logprobs:
@@ -135,16 +152,18 @@ class ChatResponses(CompletionResponses):
         return self.serving.chat_logprobs(choice, start, token_ids, self.top)
 
     def body(self) -> dict[str, Any]:
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c, 0, c.token_ids),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in self.job.choices
-        ]
+        choices = []
+        for c in self.job.choices:
+            message, finish_reason = self._message(c)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(c, 0, c.token_ids),
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         body = {**self._envelope(choices, self.object_name), "usage": self.job.usage()}
         if self.req.prompt_logprobs is not None:  # vLLM's: the request's, beside the choices
             body["prompt_logprobs"] = self._prompt_logprobs(self.job.choices[0])
@@ -163,9 +182,22 @@ class ChatResponses(CompletionResponses):
         ]
 
     def delta(self, choice: Choice, out: CoreOutput, start: int) -> dict[str, Any]:
+        finish_reason = choice.finish_reason if out.finished else None
+        parser = self.job.tool_parser
+        stream = (
+            None
+            if parser is None
+            else self.streams.setdefault(choice.index, ToolCallStream(parser))
+        )
+        if stream is None:
+            delta = {"content": out.text} if out.text else {}
+        else:  # the content and the calls the text so far holds, as deltas of what was sent
+            delta = stream.delta(choice.text, out.finished)
+            if stream.called and finish_reason == "stop":
+                finish_reason = "tool_calls"
         return {
             "index": choice.index,
-            "delta": {"content": out.text} if out.text else {},
+            "delta": delta,
             "logprobs": self._logprobs(choice, start, out.token_ids),
-            "finish_reason": choice.finish_reason if out.finished else None,
+            "finish_reason": finish_reason,
         }

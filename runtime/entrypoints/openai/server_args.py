@@ -17,3 +17,8 @@ class ServerArgs:
     max_request_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0
     start_timeout: float = 3600.0  # load + compile + capture of the engine core
+    # tool_choice "auto": the model's own tool calls, read from its text by this parser
+    # (runtime/entrypoints/openai/tool_parsers.py; vLLM's --enable-auto-tool-choice and
+    # --tool-call-parser)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None

@@ -25,6 +25,12 @@ from atomrt.runtime.entrypoints.openai.protocol import (
     RequestError,
     TokenizeRequest,
 )
+from atomrt.runtime.entrypoints.openai.tool_parsers import (
+    JsonCallsParser,
+    NamedParser,
+    ToolParser,
+    make_parser,
+)
 from atomrt.runtime.sampling_params import SamplingParams
 
 
@@ -55,6 +61,7 @@ class Job:
     # (`echo_only`) the prompt alone (the engine runs one token, which is dropped)
     prompt_texts: Optional[list[str]] = None
     echo_only: bool = False
+    tool_parser: Optional[ToolParser] = None  # chat with tools: where the calls are in the text
 
     def prompt_of(self, choice: Choice) -> int:
         """The index of the prompt a choice answers."""
@@ -90,12 +97,20 @@ _PIECE_WINDOW = 6  # tokens of context that decide how a token reads (its leadin
 
 class Serving:
     def __init__(
-        self, client: EngineClient, tokenizer: Any, model_name: str, metrics: ServerMetrics
+        self,
+        client: EngineClient,
+        tokenizer: Any,
+        model_name: str,
+        metrics: ServerMetrics,
+        tool_call_parser: Optional[str] = None,
     ) -> None:
+        """`tool_call_parser`: answer tool_choice "auto" with the model's calls, read by this
+        parser (None: "auto" is refused)."""
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
+        self.tool_call_parser = tool_call_parser
 
     # ---------------------------------------------------------------- requests in
 
@@ -171,6 +186,7 @@ class Serving:
             texts = [p if isinstance(p, str) else self._decode(p) for p in given]
         params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs)
         self.check_token_fields(params)
+        check_constraint(params, "structured_outputs")
         return Job(prompts, params, prompt_texts=texts, echo_only=echo_only)
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -184,9 +200,10 @@ class Serving:
         self.check_model(req.model)
         if self.tokenizer is None:
             raise RequestError("messages: this model has no tokenizer or chat template", "messages")
+        parser = self.tool_parser(req)
         try:
             prompt = self.tokenizer.apply_chat_template(
-                req.conversation(), add_generation_prompt=req.add_generation_prompt
+                req.conversation(), add_generation_prompt=req.add_generation_prompt, tools=req.tools
             )
         except Exception as e:  # a template that cannot render these messages: the client's problem
             raise RequestError(
@@ -199,8 +216,29 @@ class Serving:
         max_tokens = self.max_tokens(asked, len(tokens))
         self.check_prompt(tokens, max_tokens)
         params = req.sampling_params(max_tokens, req.num_logprobs(), req.prompt_logprobs)
+        if parser is not None and parser.name == "mistral":  # its [TOOL_CALLS] is special
+            params.skip_special_tokens = False
         self.check_token_fields(params)
-        return Job([tokens], params)
+        check_constraint(params, req.constraint_source())
+        return Job([tokens], params, tool_parser=parser)
+
+    def tool_parser(self, req: ChatCompletionRequest) -> Optional[ToolParser]:
+        """Where a chat request's tool calls will be in its output, by its tool_choice."""
+        mode = req.tool_mode()
+        if mode == "named":
+            return NamedParser(req.named_function()["name"])
+        if mode == "required":
+            return JsonCallsParser()
+        if mode == "auto":
+            if self.tool_call_parser is None:
+                raise RequestError(
+                    'tool_choice: "auto" (the default with tools) needs the server started with '
+                    '--enable-auto-tool-choice --tool-call-parser NAME; or send "required", "none" '
+                    "or a function",
+                    "tool_choice",
+                )
+            return make_parser(self.tool_call_parser)
+        return None
 
     def tokenize_request(self, req: TokenizeRequest) -> list[int]:
         """/tokenize: a prompt's ids, or a conversation's as the chat template renders it."""
@@ -402,6 +440,20 @@ class Serving:
         if self.tokenizer is None:
             return str(token_id)
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def check_constraint(params: SamplingParams, source: str) -> None:
+    """A structured-output constraint that does not parse is the client's 400, naming the field
+    that set it (the engine would refuse it the same way)."""
+    if params.structured_outputs is None:
+        return
+    from atomrt.runtime.driver.grammar_compiler import parse  # xgrammar: only when asked for
+
+    try:
+        parse(params.structured_outputs)
+    except ValueError as e:
+        text = str(e) if source == "structured_outputs" else f"{source}: {e}"
+        raise RequestError(text, source) from None
 
 
 def finite(logprob: float) -> float:

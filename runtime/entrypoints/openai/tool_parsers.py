@@ -1,0 +1,262 @@
+"""Tool calls from a model's text: the parsers `--tool-call-parser` names (vLLM's names), and the
+streamed deltas of OpenAI's chunk format.
+
+A parser reads the whole text so far (`parse(text, final)`) and returns the content a client may be
+shown and the calls it holds, each possibly unfinished. A call's `arguments` are the model's own
+text of the arguments object, so the fragments streamed add up to exactly the arguments a
+non-streamed response carries. `ToolCallStream` turns successive parses into deltas: a call's first
+delta has its id, type and name, the next ones argument fragments.
+
+- `hermes` (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  any number, content around them.
+- `llama3_json` (Llama 3.1-3.3): the output is one call `{"name": ..., "parameters": {...}}` or
+  several separated by `;`, optionally after `<|python_tag|>`; any other output is content.
+- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`; the server
+  keeps special tokens in the text for it.
+- `json_calls` (not a flag: what `tool_choice: "required"` makes the model write): a JSON array
+  of `{"name": ..., "parameters": {...}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+@dataclass
+class Call:
+    name: Optional[str]  # None until the name's string is complete
+    arguments: str  # the arguments' text so far
+    done: bool  # the call's object is complete
+
+
+@dataclass
+class Parsed:
+    content: str  # what may be shown as content (a possible tag's start held back until final)
+    calls: list[Call] = field(default_factory=list)
+
+
+def _objects(text: str, arg_keys: tuple[str, ...]) -> list[Call]:
+    """The JSON objects at the top level of `text` (one after another, or in an array: a leading
+    `[` is skipped), each as a Call: its complete `"name"` string and the raw text of the object
+    or array that its first `arg_keys` key holds."""
+    body = text.lstrip()
+    offset = len(text) - len(body)
+    if body[:1] == "[":
+        offset += 1
+    calls: list[Call] = []
+    depth, in_str, esc, str_start = 0, False, False, 0
+    start: Optional[int] = None  # the open object's first character
+    name: Optional[str] = None
+    key: Optional[str] = None  # the key whose value comes next, at depth 1
+    args: Optional[list] = None  # [first, end or None] of the arguments' text
+    for i in range(offset, len(text)):
+        ch = text[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+                if depth == 1 and start is not None:
+                    word = json.loads(text[str_start : i + 1])
+                    if text[i + 1 :].lstrip()[:1] == ":":
+                        key = word
+                    elif key == "name" and name is None:
+                        name = word
+            continue
+        if ch == '"':
+            in_str, str_start = True, i
+        elif ch in "{[":
+            depth += 1
+            if depth == 1 and ch == "{":
+                start, name, key, args = i, None, None, None
+            elif depth == 2 and key in arg_keys and args is None:
+                args = [i, None]
+        elif ch in "}]":
+            depth -= 1
+            if depth == 1 and args is not None and args[1] is None:
+                args[1] = i + 1
+            elif depth == 0 and start is not None:
+                calls.append(_call(text, name, args, done=True))
+                start = None
+            if depth < 0:  # the array's end
+                break
+        elif ch == "," and depth == 1:
+            key = None
+    if start is not None:
+        calls.append(_call(text, name, args, done=False))
+    return calls
+
+
+def _call(text: str, name: Optional[str], args: Optional[tuple], done: bool) -> Call:
+    if args is None:
+        return Call(name, "", done)
+    lo, hi = args
+    return Call(name, text[lo:hi] if hi is not None else text[lo:].rstrip(), done)
+
+
+def _content(text: str, tag: str, final: bool) -> str:
+    """Text without a call yet, as content: all of it when final; else without a tail that could
+    start `tag`, nor the whitespace before it (content before a call ends without it)."""
+    if final:
+        return text
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            text = text[:-n]
+            break
+    return text.rstrip()
+
+
+class ToolParser:
+    """Base: every parser answers `parse(text, final)`."""
+
+    name = ""
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        raise NotImplementedError
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        first = text.find(self.OPEN)
+        if first < 0:
+            return Parsed(_content(text, self.OPEN, final))
+        calls: list[Call] = []
+        for part in text[first:].split(self.OPEN)[1:]:
+            calls += _objects(part.partition(self.CLOSE)[0], ("arguments", "parameters"))
+        return Parsed(text[:first].rstrip(), calls)
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        if not final and self.TAG.startswith(text):  # the tag may be coming
+            return Parsed("")
+        body = text[len(self.TAG) :] if text.startswith(self.TAG) else text
+        stripped = body.lstrip()
+        if not stripped:
+            return Parsed("")
+        if not stripped.startswith("{"):
+            return Parsed(text)
+        return Parsed("", _objects(body, ("parameters", "arguments")))
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    TAG = "[TOOL_CALLS]"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        at = text.find(self.TAG)
+        if at < 0:
+            return Parsed(_content(text, self.TAG, final))
+        return Parsed(text[:at].rstrip(), _objects(text[at + len(self.TAG) :], ("arguments",)))
+
+
+class JsonCallsParser(ToolParser):
+    """`tool_choice: "required"`: the grammar made the output a JSON array of calls."""
+
+    name = "json_calls"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        return Parsed("", _objects(text, ("parameters",)))
+
+
+class NamedParser(ToolParser):
+    """A named function: the grammar made the whole output its arguments."""
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        return Parsed("", [Call(self.function, text if final else text.rstrip(), final)])
+
+
+_BY_NAME = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+
+
+def make_parser(name: str) -> ToolParser:
+    if name not in _BY_NAME:
+        raise ValueError(f"--tool-call-parser: one of {', '.join(PARSERS)}, got {name!r}")
+    return _BY_NAME[name]()
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_calls(calls: list[Call], ids: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """The `tool_calls` of a non-streamed message (named, complete calls)."""
+    out = []
+    for i, c in enumerate(c for c in calls if c.name is not None):
+        out.append(
+            {
+                "id": ids[i] if ids and i < len(ids) else call_id(),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+        )
+    return out
+
+
+class ToolCallStream:
+    """One choice's streamed deltas: feed the text so far, get the delta fields to send."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.content_sent = 0
+        self.ids: list[str] = []  # one per call whose header was sent
+        self.args_sent: list[int] = []
+
+    def delta(self, text: str, final: bool) -> dict[str, Any]:
+        parsed = self.parser.parse(text, final)
+        out: dict[str, Any] = {}
+        if len(parsed.content) > self.content_sent:
+            out["content"] = parsed.content[self.content_sent :]
+            self.content_sent = len(parsed.content)
+        calls = []
+        for i, call in enumerate(parsed.calls):
+            if call.name is None:
+                break  # later calls wait for this one's name
+            if i == len(self.ids):
+                self.ids.append(call_id())
+                self.args_sent.append(0)
+                calls.append(
+                    {
+                        "index": i,
+                        "id": self.ids[i],
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
+            new = call.arguments[self.args_sent[i] :]
+            if new and (call.done or final or not _may_shrink(call.arguments)):
+                calls.append({"index": i, "function": {"arguments": new}})
+                self.args_sent[i] = len(call.arguments)
+        if calls:
+            out["tool_calls"] = calls
+        return out
+
+    @property
+    def called(self) -> bool:
+        return bool(self.ids)
+
+
+_TRAILING_SPACE = re.compile(r"\s$")
+
+
+def _may_shrink(arguments: str) -> bool:
+    """An unfinished arguments text ending in whitespace may lose it when the value closes (its
+    text then ends at the closing brace): hold such a fragment back."""
+    return bool(_TRAILING_SPACE.search(arguments))

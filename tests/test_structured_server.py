@@ -1,0 +1,206 @@
+"""Structured outputs and tool calling through `atomrt serve` with the official `openai` client, on a
+tiny random model with a real BPE vocabulary (its own text is noise: what validates is the grammar's
+doing).
+
+- `response_format` json_schema (strict) and json_object, vLLM's `structured_outputs`, streamed and
+  not, validate; a constraint that does not parse is a 400 naming the field that set it.
+- `tool_choice` "required" and a named function return `tool_calls` whose arguments validate
+  against the tool's parameters, streamed and not, the streamed deltas in OpenAI's form (a call's
+  first delta with id, type and name, then argument fragments; finish_reason "tool_calls") and
+  joined equal to the non-streamed calls.
+- `tool_choice` "auto" with the server's parser (`--enable-auto-tool-choice --tool-call-parser`):
+  the model's text (here forced to a recorded Qwen-style output) becomes the calls.
+- A schema whose grammar takes longer than the compile budget fails that request with a 400 while
+  another streams on.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from grammar_harness import build_tiny_bpe
+from test_server import CPU_FLAGS, Server
+from test_structured_outputs import _slow_schema
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+        },
+    },
+}
+TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# A Qwen2.5-style answer that calls both tools (hermes format), as the model writes it
+HERMES_OUTPUT = (
+    "Let me check.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    folder: Path = build_tiny_bpe(tmp_path_factory.mktemp("so-server") / "model")
+    args = ["--model", str(folder), *CPU_FLAGS, "--served-model-name", "tiny"]
+    args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    args += ["--set", "structured_outputs_config.grammar_compile_timeout_s=1.0"]
+    s = Server(args)
+    yield s
+    assert s.stop() == 0
+
+
+def _chat(server: Server, stream: bool = False, **kwargs: Any) -> Any:
+    body = dict(model="tiny", messages=MESSAGES, max_tokens=200, temperature=0.0, seed=0)
+    return server.client().chat.completions.create(**{**body, **kwargs}, stream=stream)
+
+
+def _joined(chunks: Any) -> tuple[str, dict[int, dict[str, Any]], list[str]]:
+    """A stream's content, its calls joined by index, and its finish reasons."""
+    content, calls, reasons = "", {}, []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            d = choice.delta
+            content += d.content or ""
+            for tc in d.tool_calls or ():
+                call = calls.setdefault(tc.index, {"arguments": ""})
+                if tc.id is not None:  # the call's first delta
+                    assert "id" not in call and tc.type == "function" and tc.function.name
+                    call.update(id=tc.id, name=tc.function.name)
+                call["arguments"] += tc.function.arguments or ""
+            if choice.finish_reason:
+                reasons.append(choice.finish_reason)
+    return content, calls, reasons
+
+
+def test_response_format_json_schema_validates(server) -> None:
+    schema = SCHEMAS["get_weather"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}}
+    out = _chat(server, response_format=fmt, temperature=1.0)
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    assert out.choices[0].finish_reason == "stop"
+    content, _, reasons = _joined(_chat(server, True, response_format=fmt, temperature=1.0))
+    jsonschema.validate(json.loads(content), schema)
+    obj = _chat(server, response_format={"type": "json_object"}, temperature=1.0, max_tokens=400)
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = _chat(server, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].message.content in ("yes", "no")
+
+
+def test_tool_choice_required_and_named_return_valid_calls_streamed_and_not(server) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in ("required", named):
+        out = _chat(server, tools=TOOLS, tool_choice=tool_choice)
+        msg = out.choices[0].message
+        assert out.choices[0].finish_reason == "tool_calls" and msg.tool_calls
+        for call in msg.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        content, calls, reasons = _joined(_chat(server, True, tools=TOOLS, tool_choice=tool_choice))
+        assert reasons == ["tool_calls"] and not content
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            (c.function.name, c.function.arguments) for c in msg.tool_calls
+        ]
+    one = _chat(server, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert len(one.choices[0].message.tool_calls) == 1
+
+
+def test_tool_choice_auto_reads_the_calls_from_the_model_text(server) -> None:
+    forced = {"structured_outputs": {"choice": [HERMES_OUTPUT]}}  # the model "writes" it
+    out = _chat(server, tools=TOOLS, extra_body=forced)
+    msg = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls" and msg.content == "Let me check."
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]
+    assert got == [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "CET"})]
+    content, calls, reasons = _joined(_chat(server, True, tools=TOOLS, extra_body=forced))
+    assert reasons == ["tool_calls"] and content == "Let me check."
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in msg.tool_calls
+    ]
+
+
+def test_bad_constraints_are_400s_naming_their_field(server) -> None:
+    cases = [
+        (
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+                }
+            ),
+            "response_format",
+        ),
+        (dict(extra_body={"structured_outputs": {"regex": "a(b"}}), "structured_outputs"),
+        (
+            dict(
+                tools=[
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "array", "uniqueItems": True},
+                        },
+                    }
+                ],
+                tool_choice="required",
+            ),
+            "tool_choice",
+        ),
+        (
+            dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+            "tool_choice",
+        ),
+        (
+            dict(
+                response_format={"type": "json_object"},
+                extra_body={"structured_outputs": {"regex": "a"}},
+            ),
+            "structured_outputs",
+        ),
+    ]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(server, **kwargs)
+        assert e.value.body["param"] == param, (kwargs, e.value.body)
+
+
+def test_a_schema_over_the_compile_budget_is_a_400_while_another_streams(server) -> None:
+    streamed: list[str] = []
+
+    def stream() -> None:
+        for chunk in _chat(server, True, max_tokens=120, extra_body={"ignore_eos": True}):
+            streamed.extend(c.delta.content or "" for c in chunk.choices)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    fmt = {"type": "json_schema", "json_schema": {"name": "slow", "schema": _slow_schema(600)}}
+    with pytest.raises(openai.BadRequestError, match="grammar_compile_timeout_s"):
+        _chat(server, response_format=fmt)
+    t.join(120)
+    assert not t.is_alive() and len("".join(streamed)) > 0
