@@ -48,7 +48,7 @@ def _preview(value: object) -> str:
 
 # StructuredOutputsParams: the fields that name a constraint, exactly one of which is set
 CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-DEFAULT_MAX_WHITESPACE = 20  # whitespace characters between two JSON elements, unless asked
+DEFAULT_MAX_WHITESPACE = 4  # whitespace characters between two JSON elements, unless asked
 
 
 @dataclass

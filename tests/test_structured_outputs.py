@@ -7,6 +7,7 @@ preemption from a small KV pool and prefix caching, through mp (TP=2) and Ray (D
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -131,8 +132,6 @@ def alone(tiny: Path) -> list[list[int]]:
 
 
 def _check_valid(texts: list[str]) -> None:
-    import re
-
     import jsonschema
 
     jsonschema.validate(json.loads(texts[0]), SCHEMA)
@@ -145,6 +144,7 @@ def test_constrained_outputs_end_with_their_grammar_and_validate(tiny, alone) ->
         outs = llm.generate(PROMPTS, REQUESTS, use_tqdm=False)
     texts = [o.outputs[0].text for o in outs]
     _check_valid(texts)
+    assert max(len(ws) for ws in re.findall(r"\s+", texts[0])) <= 4  # the default bound
     for i in (0, 2, 3):  # ignore_eos: the grammar's end finishes them
         c = outs[i].outputs[0]
         assert c.finish_reason == "stop" and c.token_ids[-1] == EOS, (i, c)
@@ -154,7 +154,12 @@ def test_constrained_outputs_end_with_their_grammar_and_validate(tiny, alone) ->
 SETTINGS = {
     "inproc-async-ngram-preempt-prefix": dict(
         async_scheduling=True,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 2,
+            "adaptive": False,  # every decode step verifies drafts
+        },
         num_kv_blocks=24,
         block_size=4,
         enable_prefix_caching=True,
