@@ -84,6 +84,14 @@ class CoreStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # structured outputs: requests whose grammar was compiled for them / found compiled, the
+    # seconds they waited for it, and the mask rows filled and the seconds that took
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_cache_hits: int = 0
+    grammar_cache_hit_seconds: float = 0.0
+    grammar_mask_rows: int = 0
+    grammar_mask_seconds: float = 0.0
 
 
 @dataclass

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -164,6 +165,18 @@ def _reason(e: Exception) -> str:
     return text
 
 
+COMPILE_NICENESS = 10  # how much lower than the step loop's a compile thread's CPU priority is
+
+
+def _below_the_step_loop() -> None:
+    """A compile thread yields the CPU to the step loop (and the workers' threads) where both
+    want it: its scheduling priority, per thread on Linux, goes down by COMPILE_NICENESS."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the default priority
+        pass
+
+
 class GrammarCompiler:
     """One engine's compiler: its tokenizer's vocabulary, the compile threads and the LRU cache."""
 
@@ -182,7 +195,9 @@ class GrammarCompiler:
         self.stop_token_ids = list(stop_token_ids)
         self._xgr = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.pool = ThreadPoolExecutor(
-            max_workers=config.grammar_compile_threads, thread_name_prefix="atomrt-grammar"
+            max_workers=config.grammar_compile_threads,
+            thread_name_prefix="atomrt-grammar",
+            initializer=_below_the_step_loop,
         )
         self.timeout_s = float(config.grammar_compile_timeout_s)
         self.cache_size = config.grammar_cache_size

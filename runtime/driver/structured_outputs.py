@@ -316,6 +316,22 @@ class StructuredOutputs:
         """The steps in flight were discarded: their masks are never sent."""
         self.pending.clear()
 
+    def stats(self) -> dict[str, Any]:
+        """Compiles and mask fills since start, under CoreStats' names."""
+        out: dict[str, Any] = {
+            "grammar_mask_rows": self.mask_stats.rows,
+            "grammar_mask_seconds": self.mask_stats.seconds,
+        }
+        if self._compiler.done() and self._compiler.exception() is None:
+            c = self._compiler.result().stats
+            out.update(
+                grammar_compiles=c.misses,
+                grammar_compile_seconds=c.miss_seconds,
+                grammar_cache_hits=c.hits,
+                grammar_cache_hit_seconds=c.hit_seconds,
+            )
+        return out
+
     def shutdown(self) -> None:
         self._starter.shutdown(wait=False, cancel_futures=True)
         if self._compiler.done() and self._compiler.exception() is None:

@@ -171,7 +171,9 @@ def core_stats(engine: LLMEngine) -> CoreStats:
     schedulers = engine.schedulers
     blocks = sum(s.block_manager.num_blocks for s in schedulers)
     used = sum(s.block_manager.num_used_blocks for s in schedulers)
+    grammar = engine.grammars.stats() if engine.grammars is not None else {}
     stats = CoreStats(
+        **grammar,
         time=time.time(),
         num_running=sum(len(s.running) for s in schedulers),
         num_waiting=sum(len(s.waiting) for s in schedulers),

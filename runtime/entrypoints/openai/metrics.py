@@ -118,13 +118,32 @@ class ServerMetrics:
             labels + ["position"],
             registry=r,
         )
+        cached = labels + ["cached"]
+        self.grammar_requests = Counter(
+            "atomrt:grammar_requests",
+            "Structured-output requests, by whether their grammar was compiled already",
+            cached,
+            registry=r,
+        )
+        self.grammar_wait = Counter(
+            "atomrt:grammar_wait_seconds",
+            "Seconds structured-output requests waited for their grammar",
+            cached,
+            registry=r,
+        )
+        self.mask_rows = Counter(
+            "atomrt:grammar_mask_rows", "Grammar mask rows filled", labels, registry=r
+        )
+        self.mask_seconds = Counter(
+            "atomrt:grammar_mask_fill_seconds", "Seconds spent filling masks", labels, registry=r
+        )
         # the children the per-token path observes, bound once
         self._generated = self.generation_tokens.labels(model_name)
         self._itl = self.itl.labels(model_name)
         self._last_token: dict[str, float] = {}
         self._totals: dict[str, int] = {}  # the engine's running totals, last seen
 
-    def _advance(self, counter: Any, name: str, total: int, *labels: str) -> None:
+    def _advance(self, counter: Any, name: str, total: float, *labels: str) -> None:
         """Move a counter to the engine's running `total` (sent whole with every step)."""
         delta = total - self._totals.get(name, 0)
         if delta > 0:
@@ -149,6 +168,12 @@ class ServerMetrics:
             for pos, total in enumerate(stats.spec_accepted_per_position):
                 self.spec_accepted_per_pos.labels(m, str(pos))
                 self._advance(self.spec_accepted_per_pos, f"spec_pos{pos}", total, str(pos))
+        self._advance(self.grammar_requests, "compiled", stats.grammar_compiles, "false")
+        self._advance(self.grammar_wait, "compiled_s", stats.grammar_compile_seconds, "false")
+        self._advance(self.grammar_requests, "hits", stats.grammar_cache_hits, "true")
+        self._advance(self.grammar_wait, "hits_s", stats.grammar_cache_hit_seconds, "true")
+        self._advance(self.mask_rows, "mask_rows", stats.grammar_mask_rows)
+        self._advance(self.mask_seconds, "mask_s", stats.grammar_mask_seconds)
 
     def request_in(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model).inc(num_prompt_tokens)
