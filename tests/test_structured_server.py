@@ -204,3 +204,33 @@ def test_a_schema_over_the_compile_budget_is_a_400_while_another_streams(server)
         _chat(server, response_format=fmt)
     t.join(120)
     assert not t.is_alive() and len("".join(streamed)) > 0
+
+
+def test_bench_serve_structured_output_ratios_and_compile_stall(server, tmp_path, monkeypatch):
+    from atomrt.runtime.bench import structured
+    from atomrt.runtime.bench.serve import main as bench_serve
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}}))
+    small = lambda i, seed: {"type": "object", "properties": {f"p{i}": {"enum": [i]}}}  # noqa: E731
+    monkeypatch.setattr(structured, "stall_schema", small)
+    monkeypatch.setattr(structured, "STALL_BASELINE_S", 0.5)
+    report = tmp_path / "report.json"
+    args = ["--url", server.url, "--no-progress", "--json", str(report), "--num-prompts", "8"]
+    args += ["--input-len", "4", "--output-len", "40", "--concurrency", "4"]
+    args += ["--structured-output-ratio", "0,1", "--json-schema", str(schema), "--compile-stall"]
+    assert bench_serve([*args, "--record", str(tmp_path / "records")]) == 0
+    data = json.loads(report.read_text())
+    plain, constrained = (r["structured"] for r in data["runs"])
+    assert plain["ratio"] == 0 and plain["num_structured"] == 0
+    assert constrained["num_structured"] == constrained["num_valid"] == 8
+    assert constrained["compile_cached_ms"] is not None and constrained["mask_fill_us_per_row"] > 0
+    assert data["compile_stall"]["gaps_during"] >= 0 and data["compile_stall"]["itl_before_ms"] > 0
+    from atomrt.runtime.bench.records import load_records
+
+    ((_, record),) = load_records(tmp_path / "records")
+    by_target = {f.target: f for f in record.figures}
+    ratio_1 = [f for f in record.figures if f.case.endswith("x1") or " x1," in f.case][0]
+    assert ratio_1.anchor == data["runs"][0]["output_tokens_per_s"]
+    assert ratio_1.threshold.value == 0.95 and ratio_1.extra["valid"].value == 100.0
+    assert "structured-outputs" in by_target

@@ -3,6 +3,7 @@
     atomrt bench serve [--url URL | engine flags as for `atomrt serve` (it starts one itself)]
         [--num-prompts 256] [--input-len 32] [--output-len 128] [--dataset sharegpt.json]
         [--concurrency 1,8,64 | --request-rate 2,8,inf] [--compare-offline]
+        [--structured-output-ratio 0,1 --json-schema FILE [--compile-stall]]
         [--json PATH] [--plot PATH.png]
 
 Every request is a streamed /v1/completions call, greedy, EOS ignored (a synthetic request makes
@@ -21,6 +22,9 @@ The server's own view of each run comes from its /metrics, read before and after
 (arrival to first scheduled), and the engine steps the run took. Client TTFT less the server's is
 the HTTP path; the server's less its queue time is the prefill step and the way back.
 
+Structured outputs (`--structured-output-ratio`, `--json-schema`, `--compile-stall`): each run
+again per ratio, that share of its requests constrained to the schema (runtime/bench/structured.py).
+
 The streams are read by a lean asyncio client (runtime/bench/sse_client.py): at tens of thousands
 of events a second a general-purpose client's cost per event would be what the bench measures.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -47,8 +52,9 @@ import numpy as np
 from tqdm import tqdm
 
 from atomrt.distributed.net_utils import get_free_port
+from atomrt.runtime.bench import structured
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
-from atomrt.runtime.bench.serve_views import add_server_view, offline_tokens_per_s, scrape
+from atomrt.runtime.bench.serve_views import add_server_view, offline_tokens_per_s, plot, scrape
 from atomrt.runtime.bench.sse_client import SSEClient, StreamError
 from atomrt.runtime.bench.targets import serve_figures
 from atomrt.runtime.entrypoints.config_args import _add_config_args
@@ -65,6 +71,7 @@ REQUEST_TIMEOUT_S = 600.0  # one streamed request, first byte to last
 class Request:
     prompt: Any  # token ids (synthetic) or text (a dataset)
     output_len: int
+    schema: Optional[dict] = None  # structured outputs: the output follows this JSON schema
 
 
 @dataclass
@@ -76,6 +83,7 @@ class Outcome:
     output_tokens: int = 0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    text: str = ""  # a structured request's output
 
 
 @dataclass
@@ -99,6 +107,7 @@ class RunResult:
     offline_output_tokens_per_s: Optional[float] = None
     offline_steps: Optional[int] = None
     server_vs_offline: Optional[float] = None
+    structured: Optional[structured.StructuredView] = None  # --structured-output-ratio
 
 
 def _bench_parser() -> argparse.ArgumentParser:
@@ -111,6 +120,17 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default=None, help="comma list of requests in flight")
     p.add_argument("--request-rate", default=None, help="comma list of requests/s (inf: all)")
     p.add_argument("--compare-offline", action="store_true", help="also time LLM.generate")
+    p.add_argument(
+        "--structured-output-ratio",
+        default=None,
+        help="comma list of shares of requests constrained to --json-schema (each run per share)",
+    )
+    p.add_argument("--json-schema", default=None, help="the JSON schema structured requests follow")
+    p.add_argument(
+        "--compile-stall",
+        action="store_true",
+        help="also time running streams while 8 fresh schemas compile",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="where to write the JSON report")
     p.add_argument("--plot", default=None, help="where to write the latency/throughput PNG")
@@ -131,6 +151,10 @@ def _parse(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--url serves its own engine: drop {' '.join(engine_argv)}")
     if args.compare_offline and args.url:
         p.error("--compare-offline needs the engine flags: the bench starts the server itself")
+    if (args.structured_output_ratio is None) != (args.json_schema is None):
+        p.error("--structured-output-ratio and --json-schema go together")
+    if args.compile_stall and args.json_schema is None:
+        p.error("--compile-stall measures structured outputs: give --json-schema")
     if (args.concurrency is None) == (args.request_rate is None):
         if args.request_rate is not None:
             p.error("give --concurrency or --request-rate, not both")
@@ -228,6 +252,8 @@ async def one_request(client: SSEClient, model: str, req: Request) -> Outcome:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if req.schema is not None:
+        body["structured_outputs"] = {"json": req.schema}
     start = time.perf_counter()
     first = last = 0.0
     out = Outcome(ok=False)
@@ -245,6 +271,8 @@ async def one_request(client: SSEClient, model: str, req: Request) -> Outcome:
                 # a token's chunk: text, or none yet (a partial character, or a model served
                 # without a tokenizer); a closing chunk carries only its finish_reason
                 choice = (chunk.get("choices") or [None])[0]
+                if req.schema is not None and choice is not None:
+                    out.text += choice.get("text") or ""
                 if choice is not None and (
                     choice.get("text") or choice.get("finish_reason") is None
                 ):
@@ -358,31 +386,23 @@ def _line(r: RunResult) -> str:
         )
     if r.server_vs_offline is not None:
         text += f"  server/offline {r.server_vs_offline:.3f} (offline {r.offline_steps} steps)"
+    v = r.structured
+    if v is not None:
+        ms = lambda x: "-" if x is None else f"{x:.1f} ms"  # noqa: E731
+        text += (
+            f"\n{'':>10} structured {v.ratio:g}: {v.num_valid}/{v.num_structured} valid; grammar "
+            f"wait first {ms(v.compile_first_ms)}, cached {ms(v.compile_cached_ms)}; mask fill "
+            f"{'-' if v.mask_fill_us_per_row is None else f'{v.mask_fill_us_per_row:.1f}'} us/row"
+        )
     return text
 
 
-def plot(results: list[RunResult], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    x = [r.output_tokens_per_s for r in results]
-    for key, label in (("tpot_ms", "TPOT p50"), ("ttft_ms", "TTFT p50"), ("itl_ms", "ITL p99")):
-        q = "p99" if key == "itl_ms" else "p50"
-        ax.plot(x, [getattr(r, key)[q] for r in results], marker="o", label=label)
-    for r, xi in zip(results, x):
-        tag = f"c={r.concurrency}" if r.concurrency is not None else f"{r.request_rate}/s"
-        ax.annotate(tag, (xi, r.tpot_ms["p50"]), textcoords="offset points", xytext=(4, 4))
-    ax.set_xlabel("output tokens/s")
-    ax.set_ylabel("ms")
-    ax.set_yscale("log")
-    ax.set_title("atomrt serve: latency against throughput")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def _constrained(requests: list[Request], schema: dict, share: float, seed: int) -> list[Request]:
+    """The requests, `share` of them constrained to `schema` (the same ones in every run)."""
+    chosen = structured.structured_mask(len(requests), share, seed)
+    return [
+        Request(r.prompt, r.output_len, schema if c else None) for r, c in zip(requests, chosen)
+    ]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -394,6 +414,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if args.concurrency
             else [(None, r) for r in _numbers(args.request_rate, float)]
         )
+        shares = structured.ratios(args.structured_output_ratio)
     except ValueError as e:
         print(f"atomrt bench serve: error: {e}", file=sys.stderr)
         return 2
@@ -408,6 +429,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     server = None if args.url else LocalServer(engine_argv)
     url = args.url or server.url
     results: list[RunResult] = []
+    stall: Optional[dict] = None
     api: Optional[httpx.Client] = None
     try:
         api = httpx.Client(base_url=url, timeout=60)
@@ -416,18 +438,36 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"server {url}, model {model}, {len(requests)} requests per run")
         rng = random.Random(args.seed)
         asyncio.run(run_load(url, model, requests[:4], 4, None, rng, False))  # warm-up
-        for concurrency, rate in loads:
-            before = scrape(api)
+        schema = structured.load_schema(args.json_schema) if args.json_schema else None
+        for (concurrency, rate), share in itertools.product(loads, shares):
+            reqs = requests if share is None else _constrained(requests, schema, share, args.seed)
+            before, grammar = scrape(api), structured.scrape_grammar(api)
             outcomes, start, seconds = asyncio.run(
-                run_load(url, model, requests, concurrency, rate, rng, not args.no_progress)
+                run_load(url, model, reqs, concurrency, rate, rng, not args.no_progress)
             )
             results.append(summarize(outcomes, start, seconds, concurrency, rate))
             add_server_view(results[-1], before, scrape(api))
+            if share is not None:
+                texts = [o.text for o, q in zip(outcomes, reqs) if q.schema is not None]
+                after = structured.scrape_grammar(api)
+                results[-1].structured = structured.view(share, schema, texts, grammar, after)
             print(_line(results[-1]), flush=True)
             for o in outcomes:
                 if not o.ok:
                     print(f"  failed: {o.error}", file=sys.stderr)
                     break
+        if args.compile_stall:
+            c = next((c for c, _ in loads if c is not None), 8)
+            stall = asyncio.run(
+                structured.compile_stall(url, model, requests[0].prompt, c, args.seed)
+            )
+            print(
+                f"compile stall: c={c} plain streams, {structured.STALL_SCHEMAS} fresh schemas: "
+                f"{stall['itl_during_ms']:.2f} ms between tokens while compiling, "
+                f"{stall['itl_before_ms']:.2f} ms before: x{stall['ratio']} "
+                f"({stall['gaps_during']} gaps over {stall['window_s']:.2f} s)",
+                flush=True,
+            )
     finally:
         if api is not None:
             api.close()
@@ -445,6 +485,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         report = {"url": url, "model": model, "args": vars(args), "engine_flags": engine_argv}
         report["runs"] = [asdict(r) for r in results]
+        report["compile_stall"] = stall
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if args.plot and results:
@@ -453,7 +494,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         import torch
 
         on_gpu = args.device != "cpu" and torch.cuda.is_available()
-        figures = serve_figures(results, model, args, engine_argv, on_gpu)
+        figures = serve_figures(results, model, args, engine_argv, on_gpu, stall)
         argv = sys.argv[1:] if argv is None else argv
         save(args.record, "serve", argv, figures, on_gpu=on_gpu)
     return 0 if all(r.failed == 0 for r in results) else 1

@@ -1,7 +1,7 @@
-"""Two views of a serving run beside the bench client's (runtime/bench/serve.py): the offline
-engine on the same prompts at the same concurrency (`--compare-offline`), and the server's own
+"""Views of a serving run beside the bench client's (runtime/bench/serve.py): the offline
+engine on the same prompts at the same concurrency (`--compare-offline`), the server's own
 /metrics read before and after the run (mean TTFT from arrival in the API process, time queued,
-engine steps).
+engine steps), and the latency/throughput plot (`--plot`).
 """
 
 from __future__ import annotations
@@ -116,3 +116,28 @@ def add_server_view(r: RunResult, before: Optional[dict], after: Optional[dict])
             1000 * d["atomrt:request_queue_time_seconds_sum"] / queued, 3
         )
     r.server_steps = int(d["atomrt:steps_total"])
+
+
+def plot(results: list[RunResult], path: str) -> None:
+    """Latency against throughput, one point per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    x = [r.output_tokens_per_s for r in results]
+    for key, label in (("tpot_ms", "TPOT p50"), ("ttft_ms", "TTFT p50"), ("itl_ms", "ITL p99")):
+        q = "p99" if key == "itl_ms" else "p50"
+        ax.plot(x, [getattr(r, key)[q] for r in results], marker="o", label=label)
+    for r, xi in zip(results, x):
+        tag = f"c={r.concurrency}" if r.concurrency is not None else f"{r.request_rate}/s"
+        ax.annotate(tag, (xi, r.tpot_ms["p50"]), textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel("output tokens/s")
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.set_title("atomrt serve: latency against throughput")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -47,6 +47,11 @@ STARTUP_S = {"SmolLM2-135M": (30.0, 10.0)}
 TRANSPORT_US = 100.0  # transport: median driver -> worker -> driver round trip, one node
 SERVE_OVER_OFFLINE = 0.95  # serving: the server's output tokens/s over the offline engine's
 SERVE_REQUEST_MS = {("Llama-3.1-8B", 8, 32, 128): 500.0}  # serving-latency: (model, c, in, out)
+# structured-outputs: output tokens/s with every request constrained over none, same load (CPU
+# and GPU alike); structured-compile-stall: running streams' time between tokens while fresh
+# schemas compile over before
+STRUCTURED_OVER_PLAIN = 0.95
+COMPILE_STALL_RATIO = 1.10
 DP_SPEEDUP = 1.8  # data-parallel: DP=2 over DP=1 on Qwen3-30B-A3B, 64 requests per rank
 # prefill (benchmarks/bench_prefill.py): TFLOP/s over the bf16 GEMM ceiling (model, NxL shape)
 PREFILL_OF_CEILING = {("Llama-3.1-8B", "8x2048"): 0.55}
@@ -354,10 +359,16 @@ def throughput_figures(report: Any, args: argparse.Namespace) -> list[Figure]:
 
 
 def serve_figures(
-    runs: list[Any], model: str, args: argparse.Namespace, engine_argv: list[str], on_gpu: bool
+    runs: list[Any],
+    model: str,
+    args: argparse.Namespace,
+    engine_argv: list[str],
+    on_gpu: bool,
+    stall: Optional[dict] = None,
 ) -> list[Figure]:
     """serving: output tokens/s against the offline engine's; serving-latency: the mean request
-    latency of a concurrency run."""
+    latency of a concurrency run; with structured outputs, structured-outputs and
+    structured-compile-stall instead (`_structured_figures`)."""
     parser = argparse.ArgumentParser(add_help=False)
     _add_config_args(parser)
     flags = engine_flags(parser.parse_args(engine_argv))
@@ -367,6 +378,8 @@ def serve_figures(
         else f"{args.input_len} → {args.output_len} tokens"
     )
     variant = [" ".join(flags)] if flags else []
+    if any(r.structured is not None for r in runs) or stall is not None:
+        return _structured_figures(runs, model, args, shape, variant + env_variant(), stall)
     out = []
     for r in runs:
         load = (
@@ -403,6 +416,66 @@ def serve_figures(
                 round(mean_ms, 1),
                 "ms",
                 threshold=Threshold("<=", limit) if limit else None,
+            )
+        )
+    return out
+
+
+def _structured_figures(
+    runs: list[Any],
+    model: str,
+    args: argparse.Namespace,
+    shape: str,
+    variant: list[str],
+    stall: Optional[dict],
+) -> list[Figure]:
+    """structured-outputs: each ratio's output tokens/s against the ratio-0 run of the same load,
+    with the share of valid outputs, the grammar waits and the mask fill time beside it;
+    structured-compile-stall: streams' time between tokens while fresh schemas compile."""
+    schema = Path(args.json_schema).name if args.json_schema else "-"
+    plain = {(r.concurrency, r.request_rate): r for r in runs if r.structured.ratio == 0}
+    out = []
+    for r in runs:
+        v = r.structured
+        load = f"c={r.concurrency}" if r.concurrency is not None else f"{r.request_rate:g}/s"
+        case = _case(f"{model_name(model)} {load}, {shape}, {schema} x{v.ratio:g}", variant)
+        base = plain.get((r.concurrency, r.request_rate))
+        anchor = base.output_tokens_per_s if base is not None and v.ratio > 0 else None
+        extra = {"TPOT p50": Quantity(r.tpot_ms["p50"], "ms")}
+        if v.valid_share is not None:
+            extra["valid"] = Quantity(round(100 * v.valid_share, 1), "%")
+        for name, value, unit in (
+            ("grammar wait, first", v.compile_first_ms, "ms"),
+            ("grammar wait, cached", v.compile_cached_ms, "ms"),
+            ("mask fill", v.mask_fill_us_per_row, "µs/row"),
+        ):
+            if value is not None:
+                extra[name] = Quantity(value, unit)
+        out.append(
+            figure(
+                "structured-outputs",
+                case,
+                r.output_tokens_per_s,
+                "tokens/s",
+                anchor=anchor,
+                anchor_name="unconstrained" if anchor else None,
+                threshold=Threshold(">=", STRUCTURED_OVER_PLAIN, "ratio")
+                if anchor and v.ratio == 1
+                else None,
+                extra=extra,
+            )
+        )
+    if stall is not None and stall.get("ratio") is not None:
+        c = next((r.concurrency for r in runs if r.concurrency is not None), None)
+        out.append(
+            figure(
+                "structured-compile-stall",
+                _case(f"{model_name(model)} c={c}, 8 fresh schemas compiling", variant),
+                stall["itl_during_ms"],
+                "ms",
+                anchor=stall["itl_before_ms"],
+                anchor_name="before",
+                threshold=Threshold("<=", COMPILE_STALL_RATIO, "ratio"),
             )
         )
     return out

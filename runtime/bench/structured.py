@@ -1,0 +1,230 @@
+"""Structured outputs in `atomrt bench serve` (vLLM's structured-output serving benchmark's shape):
+
+    atomrt bench serve ... --structured-output-ratio 0,1 --json-schema FILE [--compile-stall]
+
+Each run is repeated at each ratio R: a share R of its requests (the same ones at every
+concurrency, picked with --seed) asks for output that follows the schema (vLLM's
+`structured_outputs: {"json": schema}`); the rest run as without it. Per run: output tokens/s (its
+ratio to the ratio-0 run of the same load is the cost of structure), the share of the structured
+outputs that parse and validate against the schema, and the server's own figures over the run:
+how long a request waited for its grammar when it was compiled for it (the first) and when it
+was found compiled (the rest), and the driver's µs per mask row filled.
+
+`--compile-stall` then measures what compiling costs the requests already running: `--concurrency`
+(the first) plain streams decode while 8 requests with fresh, complex schemas arrive; the
+streams' time between tokens while those compile, over the same streams' time between tokens
+just before (the structured requests join the batch only once compiled: the window closes before
+the first of them is served).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from atomrt.runtime.bench.sse_client import SSEClient
+
+STALL_SCHEMAS = 8  # fresh schemas compiling at once in --compile-stall
+STALL_BASELINE_S = 3.0  # the window of plain decoding before them
+_SCRAPED = (
+    "atomrt:grammar_requests_total",
+    "atomrt:grammar_wait_seconds_total",
+    "atomrt:grammar_mask_rows_total",
+    "atomrt:grammar_mask_fill_seconds_total",
+)
+
+
+@dataclass
+class StructuredView:
+    """One run's structured figures (`RunResult.structured`)."""
+
+    ratio: float
+    num_structured: int
+    num_valid: int  # of them, parsed and validated against the schema
+    compile_first_ms: Optional[float] = None  # mean wait for a grammar compiled for the request
+    compile_cached_ms: Optional[float] = None  # mean wait for one found compiled
+    mask_fill_us_per_row: Optional[float] = None
+
+    @property
+    def valid_share(self) -> Optional[float]:
+        return self.num_valid / self.num_structured if self.num_structured else None
+
+
+def describe(v: StructuredView) -> str:
+    """One line of a run's structured figures."""
+
+    def ms(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:.1f} ms"
+
+    fill = "-" if v.mask_fill_us_per_row is None else f"{v.mask_fill_us_per_row:.1f}"
+    return (
+        f"structured {v.ratio:g}: {v.num_valid}/{v.num_structured} valid; grammar wait first "
+        f"{ms(v.compile_first_ms)}, cached {ms(v.compile_cached_ms)}; mask fill {fill} us/row"
+    )
+
+
+def load_schema(path: str) -> dict[str, Any]:
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--json-schema {path}: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: not a JSON object")
+    return schema
+
+
+def ratios(text: Optional[str]) -> list[Optional[float]]:
+    """--structured-output-ratio: a comma list in [0, 1] (None: no structured runs)."""
+    if text is None:
+        return [None]
+    values = [float(x) for x in text.split(",") if x.strip()]
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise ValueError(
+            f"--structured-output-ratio: a comma list of shares in [0, 1], got {text!r}"
+        )
+    return values
+
+
+def structured_mask(num: int, ratio: float, seed: int) -> list[bool]:
+    """Which of `num` requests are structured: round(ratio * num) of them, spread by `seed`."""
+    chosen = set(random.Random(seed).sample(range(num), round(ratio * num)))
+    return [i in chosen for i in range(num)]
+
+
+def validate(schema: dict[str, Any], texts: list[str]) -> int:
+    """How many of `texts` parse as JSON and validate against `schema`."""
+    import jsonschema
+
+    ok = 0
+    for text in texts:
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except (ValueError, jsonschema.ValidationError):
+            continue
+        ok += 1
+    return ok
+
+
+def view(
+    ratio: float,
+    schema: dict[str, Any],
+    texts: list[str],
+    before: Optional[dict[str, dict[str, float]]],
+    after: Optional[dict[str, dict[str, float]]],
+) -> StructuredView:
+    v = StructuredView(ratio, len(texts), validate(schema, texts) if texts else 0)
+    if before is None or after is None:
+        return v
+
+    def delta(name: str, label: str = "") -> float:
+        return after.get(name, {}).get(label, 0.0) - before.get(name, {}).get(label, 0.0)
+
+    for label, attr in (("false", "compile_first_ms"), ("true", "compile_cached_ms")):
+        n = delta("atomrt:grammar_requests_total", label)
+        if n > 0:
+            setattr(v, attr, round(1e3 * delta("atomrt:grammar_wait_seconds_total", label) / n, 3))
+    rows = delta("atomrt:grammar_mask_rows_total")
+    if rows > 0:
+        v.mask_fill_us_per_row = round(
+            1e6 * delta("atomrt:grammar_mask_fill_seconds_total") / rows, 3
+        )
+    return v
+
+
+def scrape_grammar(client: Any) -> Optional[dict[str, dict[str, float]]]:
+    """The server's grammar counters: name -> {cached label ("" for none) -> total}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = client.get("/metrics")
+        if r.status_code != 200:
+            return None
+        out: dict[str, dict[str, float]] = {}
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                if sample.name in _SCRAPED:
+                    label = sample.labels.get("cached", "")
+                    out.setdefault(sample.name, {})[label] = sample.value
+        return out
+    except ValueError:
+        return None
+
+
+# ------------------------------------------------------------------------- compile stall
+
+
+def stall_schema(i: int, seed: int) -> dict[str, Any]:
+    """A fresh, complex schema whose compile takes about a second on a CPU core (SmolLM2's
+    vocabulary): 300 properties of distinct patterns."""
+    rng = random.Random(seed * 1000 + i)
+    props = {}
+    for j in range(300):
+        lo = rng.randint(1, 4)
+        hi = lo + rng.randint(2, 8)
+        letters = "".join(sorted(rng.sample("abcdefghijklmnopqrstuvwxyz", 6)))
+        props[f"s{i}_{j}"] = {"type": "string", "pattern": f"^[{letters}]{{{lo},{hi}}}[0-9]?$"}
+    return {"type": "object", "properties": props, "required": list(props)[:5]}
+
+
+async def _stream_times(client: SSEClient, body: dict[str, Any], times: list[float]) -> None:
+    async with contextlib.aclosing(client.events("/v1/completions", body)) as events:
+        async for data in events:
+            if data != b"[DONE]":
+                times.append(time.perf_counter())
+
+
+async def compile_stall(url: str, model: str, prompt: Any, concurrency: int, seed: int) -> dict:
+    """Plain streams' mean time between tokens while STALL_SCHEMAS fresh schemas compile, and just
+    before; their ratio."""
+    plain = {"model": model, "prompt": prompt, "temperature": 0, "ignore_eos": True, "stream": True}
+    plain["max_tokens"] = 100000  # stopped by the bench (max_model_len bounds it too)
+    async with SSEClient(url) as client:
+        times: list[list[float]] = [[] for _ in range(concurrency)]
+        tasks = [asyncio.ensure_future(_stream_times(client, plain, t)) for t in times]
+        while sum(1 for t in times if t) < concurrency:  # every stream decoding
+            await asyncio.sleep(0.05)
+            if all(task.done() for task in tasks):
+                raise RuntimeError("compile stall: the plain streams ended before decoding")
+        await asyncio.sleep(STALL_BASELINE_S)
+        submitted = time.perf_counter()
+        firsts: list[list[float]] = [[] for _ in range(STALL_SCHEMAS)]
+        structured = [
+            asyncio.ensure_future(
+                _stream_times(
+                    client,
+                    {
+                        **plain,
+                        "max_tokens": 4,
+                        "structured_outputs": {"json": stall_schema(i, seed)},
+                    },
+                    firsts[i],
+                )
+            )
+            for i in range(STALL_SCHEMAS)
+        ]
+        await asyncio.gather(*structured, return_exceptions=True)
+        served = min((f[0] for f in firsts if f), default=time.perf_counter())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    gaps = [(a, b - a) for t in times for a, b in zip(t, t[1:])]
+    gaps_before = [g for a, g in gaps if submitted - STALL_BASELINE_S <= a and a + g <= submitted]
+    before = sum(gaps_before) / max(len(gaps_before), 1)
+    # the steps that prefilled the first structured requests changed the batch, not the compile:
+    # the window closes three steps before the first of their tokens came
+    end = served - 3 * before
+    gaps_during = [g for a, g in gaps if submitted <= a and a + g <= end]
+    during = sum(gaps_during) / max(len(gaps_during), 1)
+    return {
+        "itl_before_ms": round(1e3 * before, 3),
+        "itl_during_ms": round(1e3 * during, 3),
+        "ratio": round(during / before, 4) if before and gaps_during else None,
+        "window_s": round(served - submitted, 3),
+        "gaps_during": len(gaps_during),
+    }
