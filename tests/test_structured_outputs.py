@@ -25,23 +25,41 @@ from atomrt.workers.runner.logit_additions import apply_grammar_bitmask
 COMMON = dict(device="cpu", enforce_eager=True, num_kv_blocks=128, max_num_seqs=8)
 
 
-def test_the_mask_keeps_exactly_the_allowed_tokens_of_its_rows() -> None:
+@pytest.mark.parametrize(
+    "vocab,dtype,path",
+    [
+        (70, torch.bfloat16, "xgrammar"),
+        (70, torch.float32, "torch"),
+        (100, torch.float32, "xgrammar"),
+    ],
+)
+def test_the_mask_keeps_exactly_the_allowed_tokens_of_its_rows(vocab, dtype, path) -> None:
+    """Both ways of applying it (xgrammar's CPU kernel; the torch arithmetic CUDA runs), with the
+    mask's last word reaching past the vocabulary (70) or the logits wider than the mask (100)."""
+    from atomrt.workers.runner.logit_additions import apply_bits
+
     rng = np.random.default_rng(0)
-    vocab, words = 70, 3  # the last word's high bits lie past the vocabulary
-    logits = torch.from_numpy(rng.standard_normal((5, vocab))).to(torch.bfloat16)
+    words = 3
+    logits = torch.from_numpy(rng.standard_normal((5, vocab))).to(dtype)
     bitmask = rng.integers(-(2**31), 2**31, size=(2, words), dtype=np.int64).astype(np.int32)
     rows = [3, 1]
-    got = apply_grammar_bitmask(logits, torch.tensor(rows), torch.from_numpy(bitmask))
+    if path == "torch":
+        got = logits.clone()
+        apply_bits(got, torch.tensor(rows), torch.from_numpy(bitmask))
+        if vocab > 32 * words:
+            got[rows, 32 * words :] = float("-inf")
+    else:
+        got = apply_grammar_bitmask(logits.clone(), torch.tensor(rows), torch.from_numpy(bitmask))
     assert got.dtype == torch.float32
     want = logits.double().clone()
     for i, r in enumerate(rows):  # the definition: bit t % 32 of word t // 32
         for t in range(vocab):
-            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+            if t >= 32 * words or not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
                 want[r, t] = float("-inf")
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = ~torch.isinf(want)
     assert torch.equal(got[finite].double(), want[finite])
-    assert allowed_tokens(bitmask[0])[:vocab].tolist() == (~torch.isinf(want[3])).tolist()
+    assert allowed_tokens(bitmask[0])[:70].tolist() == (~torch.isinf(want[3]))[:70].tolist()
 
 
 def test_sampling_params_check_the_constraint() -> None:
@@ -276,3 +294,19 @@ def test_drafts_are_cut_at_the_grammar_and_each_verify_row_gets_its_position_mas
     for t in padded:  # the matcher did not move: the whole padded proposal is still allowed
         assert g.accept(t)
     compiler.shutdown()
+
+
+def test_greedy_under_a_grammar_is_the_argmax_of_the_masked_logits() -> None:
+    from atomrt.workers.runner.logit_additions import greedy_under_grammar
+
+    rng = np.random.default_rng(1)
+    logits = torch.from_numpy(rng.standard_normal((6, 100)).astype(np.float32))
+    bitmask = rng.integers(-(2**31), 2**31, size=(4, 3), dtype=np.int64).astype(np.int32)
+    bitmask[0] = -1  # every token allowed: the row keeps its argmax
+    rows = torch.tensor([0, 2, 3, 5])
+    want = logits.argmax(dim=-1)
+    masked = apply_grammar_bitmask(logits.clone(), rows, torch.from_numpy(bitmask))
+    want[rows] = masked[rows].argmax(dim=-1)
+    got = greedy_under_grammar(logits.clone(), rows, torch.from_numpy(bitmask))
+    assert torch.equal(got, want)
+    assert any(got[r] != logits[r].argmax() for r in rows.tolist())  # some rows were corrected

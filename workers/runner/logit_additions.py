@@ -125,15 +125,56 @@ class LogitAdditions:
 def apply_grammar_bitmask(
     logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
 ) -> torch.Tensor:
-    """A float32 copy of logits [n, vocab] whose rows `rows` (int64 [m]) keep only the tokens their
-    packed mask allows: bitmask int32 [m, words], bit `t % 32` of word `t // 32` set for an allowed
-    token `t`; tokens past the mask's words are masked."""
-    out = logits.to(torch.float32, copy=True)
-    vocab = out.shape[1]
+    """Logits [n, vocab] in float32 (in place when they are float32 already: a step's logits are
+    read once) whose rows `rows` (int64 [m]) keep only the tokens their packed mask allows:
+    bitmask int32 [m, words], bit `t % 32` of word `t // 32` set for an allowed token `t`;
+    tokens past the mask's words are masked. On CPU, xgrammar's kernel (a fraction of the torch
+    arithmetic's time at decode sizes)."""
+    out = logits if logits.dtype == torch.float32 else logits.float()
+    width = min(out.shape[1], bitmask.shape[1] * 32)
+    if out.device.type == "cpu" and out.is_contiguous():
+        import xgrammar  # the driver's grammar library: only a step with masks comes here
+
+        full = bitmask  # xgrammar reads the mask of row i from row i
+        if bitmask.shape[0] != out.shape[0]:
+            full = torch.full((out.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+            full[rows] = bitmask
+        xgrammar.apply_token_bitmask_inplace(
+            out, full.contiguous(), vocab_size=width, indices=rows.tolist()
+        )
+    else:
+        apply_bits(out, rows, bitmask)
+    if width < out.shape[1]:
+        out[rows, width:] = float("-inf")
+    return out
+
+
+def apply_bits(out: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """`apply_grammar_bitmask` in torch arithmetic, in place on float32 `out`."""
+    width = min(out.shape[1], bitmask.shape[1] * 32)
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [m, words, 32]
-    allowed = bits.reshape(bits.shape[0], -1)[:, :vocab].bool()  # [m, min(words * 32, vocab)]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
-    return out
+    masked = bits.reshape(bits.shape[0], -1)[:, :width] == 0  # [m, width]
+    sub = out.index_select(0, rows)
+    sub[:, :width].masked_fill_(masked, float("-inf"))
+    out.index_copy_(0, rows, sub)
+
+
+def greedy_under_grammar(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor:
+    """Plain greedy tokens of logits [n, vocab] whose rows `rows` follow packed masks: a row whose
+    argmax its mask allows keeps it (the masked argmax is the same token), the others take the
+    argmax of their masked logits. Masks only the rows that need it; reads which ones on the
+    host, so it is for CPU steps."""
+    tokens = logits.argmax(dim=-1)
+    words = bitmask.shape[1]
+    t = tokens[rows]
+    word = bitmask.gather(1, (t // 32).clamp_max(words - 1).unsqueeze(1)).squeeze(1)
+    allowed = (((word >> (t % 32).to(torch.int32)) & 1) == 1) & (t < 32 * words)
+    bad = torch.nonzero(~allowed).flatten()
+    if bad.numel():
+        sub = logits.index_select(0, rows[bad]).to(torch.float32)
+        apply_grammar_bitmask(sub, torch.arange(bad.numel()), bitmask[bad])
+        tokens[rows[bad]] = sub.argmax(dim=-1)
+    return tokens

@@ -28,7 +28,7 @@ from atomrt.workers.runner.kv_cache import (
     kv_bytes_per_block,
     kv_layer_specs,
 )
-from atomrt.workers.runner.logit_additions import apply_grammar_bitmask
+from atomrt.workers.runner.logit_additions import apply_grammar_bitmask, greedy_under_grammar
 from atomrt.workers.runner.prompt_logprobs import compute_prompt_logprobs
 from atomrt.workers.runner.readback import Readback, Readbacks
 from atomrt.workers.runner.sampler import Sampler, SamplerOutput, SamplingTensors, greedy_argmax
@@ -226,16 +226,24 @@ class ModelRunner:
     def sample(self, step: StepForward, grammar: Optional[GrammarMask] = None) -> SamplerOutput:
         """Sample a step whose forward ran; `grammar`: structured outputs' masks, applied to the
         rows' logits first (a request graph's recorded argmax of the unmasked logits is not used)."""
-        out = step.out
-        if grammar is not None:
-            logits = apply_grammar_bitmask(out.logits, grammar.rows, grammar.bitmask)
-            out = ModelOutput(logits, out.hidden_states, None)
+        out, sampling = step.out, step.sampling
         prompt_logprobs = None  # the rows of requests that asked, before drafts reuse buffers
         if step.inputs.prompt_rows is not None:
             prompt_logprobs = compute_prompt_logprobs(
                 self.model, out.hidden_states, step.inputs.prompt_rows
             )
-        sampled = self._sample(out, step.inputs, step.sampling, step.spec, step.target)
+        if grammar is None:
+            sampled = self._sample(out, step.inputs, sampling, step.spec, step.target)
+        elif out.logits.device.type == "cpu" and self.spec is None and sampling.is_plain_greedy:
+            # greedy: only the rows whose argmax the grammar refuses need the mask
+            tokens = greedy_under_grammar(out.logits, grammar.rows, grammar.bitmask)
+            sampled = SamplerOutput(tokens)
+            if self.tokens is not None:
+                self.tokens.keep(tokens, sampling.same_on_every_rank, self.tp)
+        else:
+            logits = apply_grammar_bitmask(out.logits, grammar.rows, grammar.bitmask)
+            out = ModelOutput(logits, out.hidden_states, None)
+            sampled = self._sample(out, step.inputs, sampling, step.spec, step.target)
         sampled.prompt_logprobs = prompt_logprobs
         return sampled
 
