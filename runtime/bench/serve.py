@@ -252,8 +252,9 @@ async def one_request(client: SSEClient, model: str, req: Request) -> Outcome:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if req.schema is not None:
+    if req.schema is not None:  # room for the schema's output: the grammar's end stops it
         body["structured_outputs"] = {"json": req.schema}
+        body["max_tokens"] = 2 * req.output_len
     start = time.perf_counter()
     first = last = 0.0
     out = Outcome(ok=False)

@@ -4,7 +4,8 @@
 
 Each run is repeated at each ratio R: a share R of its requests (the same ones at every
 concurrency, picked with --seed) asks for output that follows the schema (vLLM's
-`structured_outputs: {"json": schema}`); the rest run as without it. Per run: output tokens/s (its
+`structured_outputs: {"json": schema}`, with twice --output-len as max_tokens: the grammar's end
+stops it, so pick a schema whose output is about --output-len long); the rest run as without it. Per run: output tokens/s (its
 ratio to the ratio-0 run of the same load is the cost of structure), the share of the structured
 outputs that parse and validate against the schema, and the server's own figures over the run:
 how long a request waited for its grammar when it was compiled for it (the first) and when it
