@@ -13,8 +13,8 @@ import pytest
 from atomrt.runtime.config import CompilationConfig, Config, ConfigError, CUDAGraphMode
 from atomrt.runtime.decision import BatchShape, CapturedBuckets, ForwardKind
 from atomrt.runtime.driver.dp_align import PrefillAligner
-from atomrt.runtime.driver.engine import EngineStats
 from atomrt.runtime.driver.forward_mode import ForwardMode
+from atomrt.runtime.driver.stats import EngineStats
 from atomrt.runtime.forward_context import DPMetadata
 from atomrt.workers.runner.input_batch import dummy_idle_inputs
 

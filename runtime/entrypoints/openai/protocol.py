@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from atomrt.runtime.entrypoints.openai.tool_parsers import check_tools, required_calls_schema
 from atomrt.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -287,7 +288,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise refused("functions", "deprecated by OpenAI; send tools")
         if self.function_call not in (None, "none"):
             raise refused("function_call", "deprecated by OpenAI; send tool_choice")
-        check_tools(self.tools, self.tool_choice)
+        try:
+            check_tools(self.tools, self.tool_choice)
+        except ValueError as e:
+            param = "tools" if str(e).startswith("tools") else "tool_choice"
+            raise RequestError(str(e), param) from None
         check_response_format(self.response_format)
         asked = [
             name
@@ -362,39 +367,6 @@ class ChatCompletionRequest(_SamplingFields):
         return self.top_logprobs or 0
 
 
-def check_tools(tools: Optional[list[Json]], tool_choice: Any) -> None:
-    """`tools` as OpenAI defines them (functions with names), and a `tool_choice` they allow."""
-    names = []
-    for i, tool in enumerate(tools or ()):
-        function = tool.get("function")
-        if tool.get("type") != "function" or not isinstance(function, dict):
-            raise RequestError(
-                f'tools[{i}]: must be {{"type": "function", "function": {{...}}}}', "tools"
-            )
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise RequestError(f"tools[{i}].function.name: must be a non-empty string", "tools")
-        params = function.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise RequestError(f"tools[{i}].function.parameters: must be a JSON schema", "tools")
-        names.append(name)
-    if tool_choice in (None, "none", "auto", "required"):
-        if tool_choice == "required" and not names:
-            raise RequestError("tool_choice: 'required' needs tools", "tool_choice")
-        return
-    if isinstance(tool_choice, str):
-        raise RequestError(
-            f"tool_choice: 'none', 'auto', 'required' or a function, got {tool_choice!r}",
-            "tool_choice",
-        )
-    function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
-    if not isinstance(function, dict) or function.get("name") not in names:
-        raise RequestError(
-            f"tool_choice: names no function of tools ({', '.join(names) or 'none given'})",
-            "tool_choice",
-        )
-
-
 def check_response_format(fmt: Optional[Json]) -> None:
     kind = (fmt or {}).get("type", "text")
     if kind not in ("text", "json_object", "json_schema"):
@@ -408,26 +380,6 @@ def check_response_format(fmt: Optional[Json]) -> None:
             raise RequestError(
                 "response_format.json_schema: must be {name, schema, strict}", "response_format"
             )
-
-
-def required_calls_schema(tools: list[Json], parallel: Optional[bool]) -> Json:
-    """What tool_choice "required" constrains the output to: a JSON array of at least one call
-    (at most one without parallel_tool_calls), each `{"name": ..., "parameters": ...}` of a tool."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t["function"]["name"]},
-                "parameters": t["function"].get("parameters") or {"type": "object"},
-            },
-            "required": ["name", "parameters"],
-        }
-        for t in tools
-    ]
-    schema: Json = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    if parallel is False:
-        schema["maxItems"] = 1
-    return schema
 
 
 class TokenizeRequest(_Body):

@@ -1,5 +1,6 @@
-"""Tool calls from a model's text: the parsers `--tool-call-parser` names (vLLM's names), and the
-streamed deltas of OpenAI's chunk format.
+"""Tools in chat requests: what `tools` and `tool_choice` must hold, what "required" constrains the
+output to, and the calls in a model's text: the parsers `--tool-call-parser` names (vLLM's
+names), and the streamed deltas of OpenAI's chunk format.
 
 A parser reads the whole text so far (`parse(text, final)`) and returns the content a client may be
 shown and the calls it holds, each possibly unfinished. A call's `arguments` are the model's own
@@ -26,6 +27,57 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 PARSERS = ("hermes", "llama3_json", "mistral")
+Json = dict[str, Any]
+
+
+def check_tools(tools: Optional[list[Json]], tool_choice: Any) -> None:
+    """`tools` as OpenAI defines them (functions with names), and a `tool_choice` they allow; a
+    ValueError whose message starts with the field."""
+    names = []
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise ValueError(f'tools[{i}]: must be {{"type": "function", "function": {{...}}}}')
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}].function.name: must be a non-empty string")
+        params = function.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters: must be a JSON schema")
+        names.append(name)
+    if tool_choice in (None, "none", "auto", "required"):
+        if tool_choice == "required" and not names:
+            raise ValueError("tool_choice: 'required' needs tools")
+        return
+    if isinstance(tool_choice, str):
+        raise ValueError(
+            f"tool_choice: 'none', 'auto', 'required' or a function, got {tool_choice!r}"
+        )
+    function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    if not isinstance(function, dict) or function.get("name") not in names:
+        raise ValueError(
+            f"tool_choice: names no function of tools ({', '.join(names) or 'none given'})"
+        )
+
+
+def required_calls_schema(tools: list[Json], parallel: Optional[bool]) -> Json:
+    """What tool_choice "required" constrains the output to: a JSON array of at least one call
+    (at most one without parallel_tool_calls), each `{"name": ..., "parameters": ...}` of a tool."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "parameters": t["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    schema: Json = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    return schema
 
 
 @dataclass
