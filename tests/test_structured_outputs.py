@@ -310,3 +310,15 @@ def test_greedy_under_a_grammar_is_the_argmax_of_the_masked_logits() -> None:
     got = greedy_under_grammar(logits.clone(), rows, torch.from_numpy(bitmask))
     assert torch.equal(got, want)
     assert any(got[r] != logits[r].argmax() for r in rows.tolist())  # some rows were corrected
+
+
+def test_a_tokenizer_the_backend_cannot_read_makes_constrained_requests_a_value_error() -> None:
+    from types import SimpleNamespace
+
+    from atomrt.runtime.config import StructuredOutputsConfig
+    from atomrt.runtime.driver.structured_outputs import StructuredOutputs
+
+    so = StructuredOutputs(SimpleNamespace(hf=object()), 100, [1], StructuredOutputsConfig())
+    with pytest.raises(ValueError, match="grammar backend cannot read this tokenizer"):
+        so.prepare(SamplingParams(structured_outputs={"regex": "a"}))
+    so.shutdown()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -42,6 +43,10 @@ if TYPE_CHECKING:
     from atomrt.runtime.driver.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+INIT_TIMEOUT_S = (
+    120.0  # the bound on indexing the vocabulary (0.15 s for SmolLM2 on the CPU machine)
+)
 
 
 class SeqGrammar:
@@ -181,7 +186,18 @@ class StructuredOutputs:
 
     @property
     def compiler(self) -> GrammarCompiler:
-        return self._compiler.result(timeout=self.config.grammar_compile_timeout_s + 60)
+        """The compiler (built on a thread at start-up); a ValueError when it could not be."""
+        try:
+            return self._compiler.result(timeout=INIT_TIMEOUT_S)
+        except FutureTimeout:
+            raise ValueError(
+                f"structured_outputs: the grammar backend did not index the tokenizer's vocabulary "
+                f"within {INIT_TIMEOUT_S:.0f} s"
+            ) from None
+        except Exception as e:  # noqa: BLE001 - what xgrammar raised, told to the client
+            raise ValueError(
+                f"structured_outputs: the grammar backend cannot read this tokenizer: {e}"
+            ) from None
 
     # ---------------------------------------------------------------- requests
 
