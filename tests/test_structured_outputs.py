@@ -291,6 +291,10 @@ def test_drafts_are_cut_at_the_grammar_and_each_verify_row_gets_its_position_mas
         want = xgr.allocate_token_bitmask(1, 49152)
         m.fill_next_token_bitmask(want, 0)
         assert np.array_equal(bitmask[i], want.numpy()[0]), i
+    # a refused draft (never sent: drafts are checked) opens its later rows, and only those
+    rows = np.full((len(bad) + 2, 1536), 7, dtype=np.int32)
+    g.fill_verify(torch.from_numpy(rows), 0, bad)
+    assert (rows[len(cut) + 1 : len(bad) + 1] == -1).all() and (rows[len(bad) + 1] == 7).all()
     for t in padded:  # the matcher did not move: the whole padded proposal is still allowed
         assert g.accept(t)
     compiler.shutdown()

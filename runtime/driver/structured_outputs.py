@@ -77,7 +77,7 @@ class SeqGrammar:
         accepted = 0
         for i, token in enumerate(drafts):
             if not self.matcher.accept_token(int(token)):  # cannot happen: drafts were checked
-                bitmask[row + i + 1 :, :] = -1
+                bitmask[row + i + 1 : row + len(drafts) + 1] = -1  # unreachable rows
                 break
             accepted += 1
             self.fill(bitmask, row + i + 1)
