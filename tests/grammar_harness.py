@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from moe_harness import make_hf_model, tiny_moe_configs
 
 EOS = 2  # SmolLM2's <|im_end|>
+VOCAB = dict(vocab_size=49152, bos_token_id=1, eos_token_id=EOS, max_position_embeddings=1024)
 
 
 def bpe_tokenizer():
@@ -20,39 +21,25 @@ def bpe_tokenizer():
 
 
 def build_tiny_bpe(folder: Path, moe: bool = False, seed: int = 0) -> Path:
-    """A 2-layer Llama (or, `moe`, a 3-layer Qwen3-MoE) of hidden size 64 over the embedded
-    tokenizer's vocabulary, random weights, with that tokenizer and its chat template saved."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+    """A 2-layer Llama of hidden size 64 (or, `moe`, the tiny Qwen3-MoE of the MoE tests) over the
+    embedded tokenizer's vocabulary, random weights, with that tokenizer and its chat template
+    saved."""
+    from transformers import LlamaConfig
 
-    shape = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=EOS,
-    )
     if moe:
-        cfg = Qwen3MoeConfig(
-            **shape,
-            num_hidden_layers=3,
-            head_dim=32,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            mlp_only_layers=[1],
-        )
+        cfg = tiny_moe_configs()["qwen3_moe"]
+        for key, value in VOCAB.items():
+            setattr(cfg, key, value)
     else:
-        cfg = LlamaConfig(**shape, num_hidden_layers=2, intermediate_size=96)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(folder, safe_serialization=True)
+        cfg = LlamaConfig(
+            **VOCAB,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            intermediate_size=96,
+            rms_norm_eps=1e-5,
+        )
+    make_hf_model(cfg, seed).save_pretrained(folder, safe_serialization=True)
     bpe_tokenizer().hf.save_pretrained(folder)
     return folder

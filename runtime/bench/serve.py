@@ -52,9 +52,14 @@ import numpy as np
 from tqdm import tqdm
 
 from atomrt.distributed.net_utils import get_free_port
-from atomrt.runtime.bench import structured
+from atomrt.runtime.bench import serve_views, structured
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
-from atomrt.runtime.bench.serve_views import add_server_view, offline_tokens_per_s, plot, scrape
+from atomrt.runtime.bench.serve_views import (
+    add_server_view,
+    offline_tokens_per_s,
+    plot,
+    scrape,
+)
 from atomrt.runtime.bench.sse_client import SSEClient, StreamError
 from atomrt.runtime.bench.targets import serve_figures
 from atomrt.runtime.entrypoints.config_args import _add_config_args
@@ -369,43 +374,6 @@ def summarize(
 # ------------------------------------------------------------------------- report
 
 
-def _line(r: RunResult) -> str:
-    load = f"c={r.concurrency}" if r.concurrency is not None else f"rate={r.request_rate}"
-    text = (
-        f"{load:>10} {r.requests_per_s:8.2f} req/s {r.output_tokens_per_s:10.1f} tok/s  "
-        f"TTFT p50/p90/p99 {r.ttft_ms['p50']:.1f}/{r.ttft_ms['p90']:.1f}/{r.ttft_ms['p99']:.1f} ms  "
-        f"TPOT {r.tpot_ms['p50']:.2f}/{r.tpot_ms['p90']:.2f}/{r.tpot_ms['p99']:.2f} ms  "
-        f"ITL {r.itl_ms['p50']:.2f}/{r.itl_ms['p90']:.2f}/{r.itl_ms['p99']:.2f} ms"
-    )
-    if r.failed:
-        text += f"  ({r.failed} failed)"
-    if r.server_ttft_ms_mean is not None:
-        queued = "-" if r.server_queue_ms_mean is None else f"{r.server_queue_ms_mean:.1f}"
-        text += (
-            f"\n{'':>10} server: TTFT mean {r.server_ttft_ms_mean:.1f} ms, queued {queued} ms; "
-            f"{r.server_steps} engine steps"
-        )
-    if r.server_vs_offline is not None:
-        text += f"  server/offline {r.server_vs_offline:.3f} (offline {r.offline_steps} steps)"
-    v = r.structured
-    if v is not None:
-        ms = lambda x: "-" if x is None else f"{x:.1f} ms"  # noqa: E731
-        text += (
-            f"\n{'':>10} structured {v.ratio:g}: {v.num_valid}/{v.num_structured} valid; grammar "
-            f"wait first {ms(v.compile_first_ms)}, cached {ms(v.compile_cached_ms)}; mask fill "
-            f"{'-' if v.mask_fill_us_per_row is None else f'{v.mask_fill_us_per_row:.1f}'} us/row"
-        )
-    return text
-
-
-def _constrained(requests: list[Request], schema: dict, share: float, seed: int) -> list[Request]:
-    """The requests, `share` of them constrained to `schema` (the same ones in every run)."""
-    chosen = structured.structured_mask(len(requests), share, seed)
-    return [
-        Request(r.prompt, r.output_len, schema if c else None) for r, c in zip(requests, chosen)
-    ]
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args, engine_argv = _parse(argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
@@ -440,8 +408,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         rng = random.Random(args.seed)
         asyncio.run(run_load(url, model, requests[:4], 4, None, rng, False))  # warm-up
         schema = structured.load_schema(args.json_schema) if args.json_schema else None
+        first: Optional[structured.StructuredView] = None
+        if schema is not None:  # every run makes the token counts the requests make constrained
+            every = structured.constrain(requests, schema, 1.0, args.seed)
+            grammar = structured.scrape_grammar(api)
+            probe, _, _ = asyncio.run(run_load(url, model, every, *loads[0], rng, False))
+            first = structured.view(1.0, schema, [], grammar, structured.scrape_grammar(api))
+            requests = structured.matched(requests, probe)
         for (concurrency, rate), share in itertools.product(loads, shares):
-            reqs = requests if share is None else _constrained(requests, schema, share, args.seed)
+            reqs = (
+                requests
+                if share is None
+                else structured.constrain(requests, schema, share, args.seed)
+            )
             before, grammar = scrape(api), structured.scrape_grammar(api)
             outcomes, start, seconds = asyncio.run(
                 run_load(url, model, reqs, concurrency, rate, rng, not args.no_progress)
@@ -451,8 +430,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             if share is not None:
                 texts = [o.text for o, q in zip(outcomes, reqs) if q.schema is not None]
                 after = structured.scrape_grammar(api)
-                results[-1].structured = structured.view(share, schema, texts, grammar, after)
-            print(_line(results[-1]), flush=True)
+                view = structured.view(share, schema, texts, grammar, after)
+                view.compile_first_ms = first.compile_first_ms  # the length probe's compile
+                results[-1].structured = view
+            print(serve_views.line(results[-1]), flush=True)
             for o in outcomes:
                 if not o.ok:
                     print(f"  failed: {o.error}", file=sys.stderr)
@@ -482,7 +463,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             rate, r.offline_steps = offline[r.concurrency]
             r.offline_output_tokens_per_s = round(rate, 2)
             r.server_vs_offline = round(r.output_tokens_per_s / rate, 4)
-            print(_line(r))
+            print(serve_views.line(r))
     if args.json:
         report = {"url": url, "model": model, "args": vars(args), "engine_flags": engine_argv}
         report["runs"] = [asdict(r) for r in results]

@@ -1,7 +1,7 @@
 """Views of a serving run beside the bench client's (runtime/bench/serve.py): the offline
 engine on the same prompts at the same concurrency (`--compare-offline`), the server's own
 /metrics read before and after the run (mean TTFT from arrival in the API process, time queued,
-engine steps), and the latency/throughput plot (`--plot`).
+engine steps), a run's printed line, and the latency/throughput plot (`--plot`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import httpx
 from tqdm import tqdm
 
+from atomrt.runtime.bench import structured
 from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
 
 if TYPE_CHECKING:
@@ -116,6 +117,44 @@ def add_server_view(r: RunResult, before: Optional[dict], after: Optional[dict])
             1000 * d["atomrt:request_queue_time_seconds_sum"] / queued, 3
         )
     r.server_steps = int(d["atomrt:steps_total"])
+
+
+def line(r: RunResult) -> str:
+    """A run's figures, as the bench prints them."""
+    load = f"c={r.concurrency}" if r.concurrency is not None else f"rate={r.request_rate}"
+    text = (
+        f"{load:>10} {r.requests_per_s:8.2f} req/s {r.output_tokens_per_s:10.1f} tok/s  "
+        f"TTFT p50/p90/p99 {r.ttft_ms['p50']:.1f}/{r.ttft_ms['p90']:.1f}/{r.ttft_ms['p99']:.1f} ms  "
+        f"TPOT {r.tpot_ms['p50']:.2f}/{r.tpot_ms['p90']:.2f}/{r.tpot_ms['p99']:.2f} ms  "
+        f"ITL {r.itl_ms['p50']:.2f}/{r.itl_ms['p90']:.2f}/{r.itl_ms['p99']:.2f} ms"
+    )
+    if r.failed:
+        text += f"  ({r.failed} failed)"
+    if r.server_ttft_ms_mean is not None:
+        queued = "-" if r.server_queue_ms_mean is None else f"{r.server_queue_ms_mean:.1f}"
+        text += (
+            f"\n{'':>10} server: TTFT mean {r.server_ttft_ms_mean:.1f} ms, queued {queued} ms; "
+            f"{r.server_steps} engine steps"
+        )
+    if r.server_vs_offline is not None:
+        text += f"  server/offline {r.server_vs_offline:.3f} (offline {r.offline_steps} steps)"
+    v = r.structured
+    if v is not None:
+        ms = lambda x: "-" if x is None else f"{x:.1f} ms"  # noqa: E731
+        text += (
+            f"\n{'':>10} structured {v.ratio:g}: {v.num_valid}/{v.num_structured} valid; grammar "
+            f"wait first {ms(v.compile_first_ms)}, cached {ms(v.compile_cached_ms)}; mask fill "
+            f"{'-' if v.mask_fill_us_per_row is None else f'{v.mask_fill_us_per_row:.1f}'} us/row"
+        )
+    return text
+
+
+def _constrained(requests: list[Request], schema: dict, share: float, seed: int) -> list[Request]:
+    """The requests, `share` of them constrained to `schema` (the same ones in every run)."""
+    chosen = structured.structured_mask(len(requests), share, seed)
+    return [
+        Request(r.prompt, r.output_len, schema if c else None) for r, c in zip(requests, chosen)
+    ]
 
 
 def plot(results: list[RunResult], path: str) -> None:

@@ -4,8 +4,11 @@
 
 Each run is repeated at each ratio R: a share R of its requests (the same ones at every
 concurrency, picked with --seed) asks for output that follows the schema (vLLM's
-`structured_outputs: {"json": schema}`, with twice --output-len as max_tokens: the grammar's end
-stops it, so pick a schema whose output is about --output-len long); the rest run as without it. Per run: output tokens/s (its
+`structured_outputs: {"json": schema}`); the rest run as without it. First a length probe runs
+every request constrained (greedy, at the first load; its grammar wait is the "first" one): from
+then on each request makes the tokens it made there, constrained or not, so runs of any ratio
+differ by the grammar alone. A constrained request's max_tokens is twice its length (the
+grammar's end stops it), the plain ones run to it with EOS ignored. Per run: output tokens/s (its
 ratio to the ratio-0 run of the same load is the cost of structure), the share of the structured
 outputs that parse and validate against the schema, and the server's own figures over the run:
 how long a request waited for its grammar when it was compiled for it (the first) and when it
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
 import time
@@ -92,10 +96,27 @@ def ratios(text: Optional[str]) -> list[Optional[float]]:
     return values
 
 
-def structured_mask(num: int, ratio: float, seed: int) -> list[bool]:
-    """Which of `num` requests are structured: round(ratio * num) of them, spread by `seed`."""
-    chosen = set(random.Random(seed).sample(range(num), round(ratio * num)))
-    return [i in chosen for i in range(num)]
+def constrain(requests: list[Any], schema: dict[str, Any], share: float, seed: int) -> list[Any]:
+    """The requests (serve.py's `Request`), `share` of them constrained to `schema`: round(share *
+    len) of them, spread by `seed`, the same ones in every run."""
+    chosen = set(random.Random(seed).sample(range(len(requests)), round(share * len(requests))))
+    return [
+        dataclasses.replace(r, schema=schema if i in chosen else None)
+        for i, r in enumerate(requests)
+    ]
+
+
+def matched(requests: list[Any], probe: list[Any]) -> list[Any]:
+    """The requests, each to make the tokens it made constrained in the length probe (`probe`: its
+    outcomes, every request constrained, greedy): a run's plain requests then make what the same
+    requests make constrained, so that runs of any ratio differ by the grammar alone, not by
+    their outputs' lengths (nor by plain requests all ending in the same step)."""
+    return [
+        dataclasses.replace(
+            r, output_len=o.output_tokens if o.ok and o.output_tokens else r.output_len
+        )
+        for r, o in zip(requests, probe)
+    ]
 
 
 def validate(schema: dict[str, Any], texts: list[str]) -> int:
