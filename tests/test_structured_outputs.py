@@ -198,7 +198,6 @@ def test_a_batch_gives_each_request_its_tokens_alone(tiny, alone, name) -> None:
         assert spec.num_drafts > 0 and preemptions > 0
 
 
-@pytest.mark.slow
 def test_ray_dp2_on_a_tiny_moe_gives_each_request_its_tokens_alone(tiny_moe) -> None:
     want = _alone(tiny_moe)
     settings = dict(
