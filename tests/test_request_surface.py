@@ -319,6 +319,6 @@ def test_the_openai_client_reads_cached_tokens_and_refusals(server) -> None:
     client = server.client()
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
-            model="tiny", messages=MESSAGES, response_format={"type": "json_object"}
+            model="tiny", messages=MESSAGES, response_format={"type": "xml"}
         )
     assert err.value.body["param"] == "response_format"
