@@ -325,3 +325,21 @@ def test_a_tokenizer_the_backend_cannot_read_makes_constrained_requests_a_value_
     with pytest.raises(ValueError, match="grammar backend cannot read this tokenizer"):
         so.prepare(SamplingParams(structured_outputs={"regex": "a"}))
     so.shutdown()
+
+
+def test_every_kind_of_constraint_runs(tiny) -> None:
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "tagged!"}}
+    kinds = [
+        ({"structural_tag": tag}, lambda t: t == "tagged!"),
+        ({"grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+        ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+        ({"json": {"type": "integer"}, "disable_any_whitespace": True}, lambda t: t.isdigit()),
+    ]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=300, structured_outputs=so)
+        for i, (so, _) in enumerate(kinds)
+    ]
+    with LLM(str(tiny), **COMMON) as llm:
+        outs = llm.generate([PROMPTS[0]] * len(kinds), params, use_tqdm=False)
+    for (so, ok), out in zip(kinds, outs):
+        assert out.outputs[0].finish_reason == "stop" and ok(out.outputs[0].text), (so, out)
