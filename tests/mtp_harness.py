@@ -172,13 +172,20 @@ def _block_tensors(ref: MTPReference, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def build_mtp_folder(
-    folder: Path, seed: int = 0, predicting: bool = False, hnorm_scale: Optional[float] = None
+    folder: Path,
+    seed: int = 0,
+    predicting: bool = False,
+    hnorm_scale: Optional[float] = None,
+    overrides: Optional[dict] = None,
 ) -> MTPReference:
     """The tiny DeepSeek-V3 target (deepseek_harness "v3", seed 0) saved in `folder` with an MTP
     layer: random from `seed`, or, `predicting`, a quiet target and a layer that predicts it
     (`predicting_mtp`). `hnorm_scale`: the saved hnorm weight multiplied by it (a corrupted
-    normalisation; the returned reference keeps the right one)."""
+    normalisation; the returned reference keeps the right one). `overrides`: config fields set
+    before the weights are made (a real tokenizer's vocabulary and special ids)."""
     cfg = tiny_deepseek_configs()["v3"]
+    for key, value in (overrides or {}).items():
+        setattr(cfg, key, value)
     target = make_hf_deepseek(cfg, 0)
     ref = make_mtp(cfg, target, seed)
     if predicting:

@@ -2,7 +2,8 @@
 add_request, a grammar's end finishing its request, the compile budget, and greedy tokens that do
 not depend on the batch: unconstrained requests beside constrained ones keep their tokens, and a
 constrained request gives the tokens it gives alone, with async scheduling, n-gram speculation,
-preemption from a small KV pool and prefix caching, through mp (TP=2) and Ray (DP=2, a tiny MoE)."""
+preemption from a small KV pool and prefix caching, through mp (TP=2) and Ray (DP=2, a tiny MoE);
+MTP drafts on a tiny DeepSeek-V3 are cut at the grammar and change no token."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from grammar_harness import EOS, build_tiny_bpe
+from grammar_harness import EOS, VOCAB, bpe_tokenizer, build_tiny_bpe
+from mtp_harness import build_mtp_folder
 
 from atomrt.runtime import SamplingParams
 from atomrt.runtime.driver.grammar_compiler import check_schema
-from atomrt.runtime.driver.structured_outputs import allowed_tokens
+from atomrt.runtime.driver.structured_outputs import SeqGrammar, allowed_tokens
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import StructuredOutputsParams
 from atomrt.workers.runner.logit_additions import apply_grammar_bitmask
@@ -196,6 +198,37 @@ def test_a_batch_gives_each_request_its_tokens_alone(tiny, alone, name) -> None:
     assert [o.outputs[0].token_ids for o in outs] == alone * 2
     if spec is not None:
         assert spec.num_drafts > 0 and preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The MTP tests' tiny DeepSeek-V3 with a layer that predicts it, over the BPE vocabulary."""
+    folder = tmp_path_factory.mktemp("structured-mtp")
+    build_mtp_folder(folder, predicting=True, overrides=VOCAB)
+    bpe_tokenizer().hf.save_pretrained(folder)
+    return folder
+
+
+def test_mtp_drafts_are_cut_at_the_grammar_and_tokens_do_not_change(tiny_mtp, monkeypatch) -> None:
+    cuts = []
+    valid_drafts = SeqGrammar.valid_drafts
+
+    def recording(self, proposal, pad_to=0):
+        kept = valid_drafts(self, proposal, pad_to)
+        cuts.append(len(kept) < len(proposal))
+        return kept
+
+    monkeypatch.setattr(SeqGrammar, "valid_drafts", recording)
+    with LLM(str(tiny_mtp), **COMMON) as llm:
+        plain = llm.generate(PROMPTS, REQUESTS, use_tqdm=False)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    with LLM(str(tiny_mtp), **COMMON, async_scheduling=True, speculative_config=mtp) as llm:
+        outs = llm.generate(PROMPTS, REQUESTS, use_tqdm=False)
+        spec = llm.engine.stats.spec_decode
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    _check_valid([o.outputs[0].text for o in outs])
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0
+    assert any(cuts)  # the layer predicts the unconstrained target: the grammar refuses drafts
 
 
 def test_ray_dp2_on_a_tiny_moe_gives_each_request_its_tokens_alone(tiny_moe) -> None:
