@@ -140,6 +140,19 @@ def test_runs_group_their_rows(tmp_path: Path) -> None:
     assert "`matrix`" in rows[0] and all(r.endswith("〃 | 〃 | 〃 | 〃 |") for r in rows[1:])
 
 
+def test_a_placeholder_with_cases_shows_only_the_cases_its_regex_finds(tmp_path: Path) -> None:
+    folder = tmp_path / "r"
+    cases = ("m bs=1 FULL", "m bs=1 TR_HYBRID", "m bs=8 FULL", "m bs=8 TR_HYBRID")
+    _save(
+        folder, "2026-12-03", H200, "matrix", *(figure("decode-step", c, 1.0, "ms") for c in cases)
+    )
+    (folder / TEMPLATE).write_text("{{table decode-step cases ^(?!.*TR_HYBRID)}}\n")
+    page = render(folder, folder / TEMPLATE, tmp_path / "perf.md")
+    rows = page.splitlines()[2:]
+    assert [r.split(" | ")[0] for r in rows] == ["| m bs=1 FULL", "| m bs=8 FULL"]
+    assert "Other targets" not in page  # placed, though some of its cases are not shown
+
+
 def test_a_ratio_stated_without_its_anchor_keeps_the_anchor_column(tmp_path: Path) -> None:
     """A record moved from prose may know the ratio and not the anchor's value."""
     folder = tmp_path / "r"

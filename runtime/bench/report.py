@@ -4,7 +4,8 @@
     atomrt bench report --history TARGET [--case TEXT] [--machine KIND] [--plot PNG]
 
 The page is the template (benchmarks/results/perf-template.md: the hand-written preface and notes)
-with every `{{table TARGET}}` line replaced by that target's table, and a table for each target the
+with every `{{table TARGET}}` line replaced by that target's table (`{{table TARGET cases REGEX}}`:
+only the cases REGEX finds, for a sweep too long for the page; the template says so), and a table for each target the
 template does not place appended at the end. A table holds the newest figure of each (case,
 machine kind): figure, anchor (the floor or ceiling of the same run) and ratio, target and
 verdict, and the run it came from (date, commit, machine, the command, the record), grouped by run,
@@ -37,7 +38,7 @@ from atomrt.runtime.bench.records import (
 
 TEMPLATE = "perf-template.md"  # in the results folder
 PAGE = Path("docs") / "perf.md"  # from the checkout's root
-PLACEHOLDER = re.compile(r"^\{\{table ([a-z0-9][a-z0-9.-]*)\}\}$")
+PLACEHOLDER = re.compile(r"^\{\{table ([a-z0-9][a-z0-9.-]*)(?: cases ([^}]+))?\}\}$")
 DITTO = "〃"
 
 Entry = tuple[Path, Record, Figure]
@@ -161,8 +162,11 @@ def render(results: Path, template: Path, page: Path) -> str:
         if m is None:
             out.append(line)
             continue
-        placed.add(m.group(1))
-        entries = by_target.get(m.group(1))
+        target, cases = m.groups()
+        placed.add(target)
+        entries = by_target.get(target, [])
+        if cases is not None:  # a long sweep: the page shows some cases, the records keep all
+            entries = [e for e in entries if re.search(cases, e[2].case)]
         out += table(entries, link_from) if entries else ["_No record yet._"]
     rest = sorted(set(by_target) - placed)
     if rest:
