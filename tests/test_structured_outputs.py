@@ -16,9 +16,10 @@ import pytest
 import torch
 from grammar_harness import EOS, VOCAB, bpe_tokenizer, build_tiny_bpe
 from mtp_harness import build_mtp_folder
+from xgrammar.testing import _is_grammar_accept_string
 
 from atomrt.runtime import SamplingParams
-from atomrt.runtime.driver.grammar_compiler import check_schema
+from atomrt.runtime.driver.grammar_compiler import check_schema, parse
 from atomrt.runtime.driver.structured_outputs import SeqGrammar, allowed_tokens
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import StructuredOutputsParams
@@ -89,9 +90,20 @@ def test_keywords_the_grammar_cannot_enforce_are_refused() -> None:
         ({"properties": {"a": {"not": {"type": "string"}}}}, "not"),
         ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
         ({"$defs": {"x": {"if": {"type": "integer"}}}}, "if"),
+        # xgrammar keeps a pattern or a format and drops a length beside it
+        ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "'maxLength' beside 'pattern'"),
+        ({"properties": {"e": {"format": "email", "minLength": 5}}}, "'minLength' beside 'format'"),
     ):
         with pytest.raises(ValueError, match=word):
             check_schema(bad)
+
+
+def test_a_length_bounded_string_reaches_the_backend_as_a_pattern_alone(capfd) -> None:
+    so = SamplingParams(structured_outputs={"json": {"type": "string", "maxLength": 4}})
+    grammar = parse(so.structured_outputs)
+    assert "is not supported" not in capfd.readouterr().err  # no length left for it to drop
+    for text, ok in (('""', True), ('"ab c"', True), ('"abcde"', False), ('"a\\nb"', False)):
+        assert _is_grammar_accept_string(grammar, text) is ok, text
 
 
 # ------------------------------------------------------------------------------- the engine

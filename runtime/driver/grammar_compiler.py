@@ -80,6 +80,13 @@ def check_schema(schema: Any, where: str = "structured_outputs.json") -> None:
         return
     if not isinstance(schema, dict):
         return
+    shaped = [k for k in ("pattern", "format") if k in schema]
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    if shaped and lengths:  # xgrammar keeps the shape and drops the length
+        raise ValueError(
+            f"{where}: {lengths[0]!r} beside {shaped[0]!r} cannot be enforced while decoding; "
+            "put the length in the pattern (or check it on the output)"
+        )
     for key, value in schema.items():
         if key in UNENFORCED_KEYWORDS and not (key == "uniqueItems" and value is False):
             raise ValueError(
@@ -119,8 +126,8 @@ def _bounded_strings(schema: Any) -> Any:
     bounded = "minLength" in schema or "maxLength" in schema
     plain = not any(k in schema for k in ("pattern", "format", "enum", "const"))
     if schema.get("type") == "string" and bounded and plain:
-        hi = schema.get("maxLength")
-        out["pattern"] = _BOUNDED_STRING % (schema.get("minLength", 0), "" if hi is None else hi)
+        hi = out.pop("maxLength", None)
+        out["pattern"] = _BOUNDED_STRING % (out.pop("minLength", 0), "" if hi is None else hi)
     return out
 
 
