@@ -305,7 +305,7 @@ def test_a_cancelled_stream_frees_its_kv_blocks(smol):
             if i > 4:
                 break
         assert smol.metric("atomrt:kv_cache_usage_perc") > 0
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # the server notices the client left at its next send
     while time.monotonic() < deadline and smol.metric("atomrt:kv_cache_usage_perc") > 0:
         time.sleep(0.2)
     assert smol.metric("atomrt:kv_cache_usage_perc") == 0
