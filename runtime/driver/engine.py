@@ -329,7 +329,7 @@ class LLMEngine:
         decision = self.forward_mode.decide([_shape(o) for o in outs])
         batches = [planner.batch(o) for planner, o in zip(self.planners, outs)]
         plan = make_plan(self.step_no, decision, batches, pipelined=self.async_scheduling)
-        if self.grammars is not None:
+        if self.grammars is not None and self.grammars.num_live:  # constrained sequences run
             self.grammars.plan(plan.step, outs, batches)
         self.executor.submit(plan)
         self.step_no += 1  # at once: the plan went out under this number
