@@ -29,18 +29,23 @@ PROMPTS_3 = [[1, 5, 9, 2], [7, 3, 3, 8, 1], [4, 4]]  # 11 prefill rows, then 3-r
 PROMPTS_2 = [[2, 6, 1], [9, 9, 9, 9, 3, 5]]  # 9 prefill rows, then 2-row decode steps
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def folder(request, tmp_path_factory) -> Path:
+def tiny_folder(kind: str, tmp_path_factory) -> Path:
+    """A tiny random Llama or Qwen3 (`kind`) saved by transformers."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    if request.param == "llama":
+    if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**TINY))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32))
-    path = tmp_path_factory.mktemp(request.param) / "model"
+    path = tmp_path_factory.mktemp(kind) / "model"
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def folder(request, tmp_path_factory) -> Path:
+    return tiny_folder(request.param, tmp_path_factory)
 
 
 def _logits(
