@@ -1,6 +1,6 @@
 """Dynamo's trace kept beside the compile cache (compile/trace_cache.py).
 
-The real model classes (tiny random Llama and Qwen3 checkpoints) at level 3 on CPU: the first
+The real model classes (tiny random Llama, and Qwen3 under -m slow) at level 3 on CPU: the first
 build traces and keeps the trace, a second build in a fresh model object loads it and runs no
 Dynamo, with the same logits bit for bit (and eager's within 1e-4). A changed source file, a changed
 model attribute, a damaged entry and a compile cache without the pieces each fall back to tracing.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_harness import run_prefill_and_decode
-from test_compile_models import PROMPTS_3, folder  # noqa: F401 (the fixture)
+from test_compile_models import PROMPTS_3, tiny_folder
 from test_compile_toys import inputs, make_config
 
 from atomrt.compile import (
@@ -30,6 +30,13 @@ from atomrt.compile import (
 )
 from atomrt.runtime.config import CompilationConfig, Config
 from atomrt.workers.loading.loader import load_model
+
+
+@pytest.fixture(scope="module", params=["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
+def folder(request, tmp_path_factory) -> Path:
+    """The compile tests' tiny Llama; their Qwen3 (the same checks on a second model class, about
+    two minutes on the 2-core machine) runs with -m slow."""
+    return tiny_folder(request.param, tmp_path_factory)
 
 
 def _build(model_dir: Path, cache_dir: Path, level: int = 3):
@@ -52,7 +59,7 @@ def _compiled(model):
     return unit
 
 
-def test_a_kept_trace_builds_the_model_without_dynamo(folder: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_a_kept_trace_builds_the_model_without_dynamo(folder: Path, tmp_path: Path) -> None:
     eager = _run(_build(folder, tmp_path, level=0))
     traced_model = _build(folder, tmp_path)
     before = compilation_counter.snapshot()
@@ -82,7 +89,7 @@ def _rewrite(entry: Path, **changes) -> None:
 
 
 def test_an_entry_traced_from_other_sources_than_its_name_says_is_traced_over(
-    folder: Path,  # noqa: F811
+    folder: Path,
     tmp_path: Path,
     caplog,
 ) -> None:
@@ -127,7 +134,7 @@ def test_an_entry_is_found_for_the_sources_this_process_imports(tmp_path: Path, 
     assert trace_store.sources(["no_such_module_anywhere"]) is None
 
 
-def test_a_changed_attribute_that_forward_reads_means_a_new_trace(folder: Path, tmp_path: Path):  # noqa: F811
+def test_a_changed_attribute_that_forward_reads_means_a_new_trace(folder: Path, tmp_path: Path):
     eager = _run(_build(folder, tmp_path, level=0))
     _run(_build(folder, tmp_path))
     model = _build(folder, tmp_path)
@@ -147,7 +154,7 @@ def test_a_changed_attribute_that_forward_reads_means_a_new_trace(folder: Path, 
         torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
 
 
-def test_a_damaged_entry_is_traced_over(folder: Path, tmp_path: Path, caplog) -> None:  # noqa: F811
+def test_a_damaged_entry_is_traced_over(folder: Path, tmp_path: Path, caplog) -> None:
     _run(_build(folder, tmp_path))
     (entry,) = _entries(tmp_path)
     entry.write_bytes(entry.read_bytes()[:100])
@@ -159,7 +166,7 @@ def test_a_damaged_entry_is_traced_over(folder: Path, tmp_path: Path, caplog) ->
     assert isinstance(pickle.loads(entry.read_bytes()), trace_cache.TracedForward)
 
 
-def test_a_trace_that_cannot_be_written_is_warned_of(folder: Path, tmp_path: Path, caplog) -> None:  # noqa: F811
+def test_a_trace_that_cannot_be_written_is_warned_of(folder: Path, tmp_path: Path, caplog) -> None:
     (tmp_path / trace_store.DIR_NAME).write_text("not a directory")
     eager = _run(_build(folder, tmp_path, level=0))
     with caplog.at_level(logging.WARNING, logger="atomrt.compile.decorators"):
@@ -183,7 +190,7 @@ def test_an_entry_of_another_layout_is_traced_over(tmp_path: Path, caplog) -> No
 
 
 def test_pieces_missing_from_the_compile_cache_are_traced_again(
-    folder: Path,  # noqa: F811
+    folder: Path,
     tmp_path: Path,
     caplog,
 ) -> None:
