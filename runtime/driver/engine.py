@@ -243,12 +243,7 @@ class LLMEngine:
                 )
             )
         scheduler.check_fits(seqs[0])  # raises on requests that can never fit, before any is queued
-        if grammar is not None and not (grammar.done() and grammar.exception() is None):
-            self.grammars.hold(request_id, seqs, grammar)  # scheduled once compiled
-        else:
-            if grammar is not None:
-                self.grammars.attach(seqs, grammar)
-                self.grammars.compiler.record(0.0, hit=True)
+        if grammar is None or self.grammars.admit(request_id, seqs, grammar):  # else: held
             for seq in seqs:
                 scheduler.add(seq)
         self._requests[request_id] = _Request(

@@ -209,6 +209,16 @@ class StructuredOutputs:
         """Keep a request's sequences until its grammar is compiled (`release`)."""
         self.held.append(_Held(request_id, seqs, future, time.monotonic(), future.done()))
 
+    def admit(self, request_id: str, seqs: list[Sequence], future: Future) -> bool:
+        """True: the grammar was compiled already (a cache hit), the matchers are attached and the
+        sequences may be scheduled; False: they are held until it compiles (`release`)."""
+        if future.done() and future.exception() is None:
+            self.attach(seqs, future)
+            self.compiler.record(0.0, hit=True)
+            return True
+        self.hold(request_id, seqs, future)
+        return False
+
     def attach(self, seqs: list[Sequence], future: Future) -> None:
         """Give each sequence its matcher (the grammar is compiled: `future` is done)."""
         compiled = future.result()
