@@ -388,3 +388,43 @@ def test_every_kind_of_constraint_runs(tiny) -> None:
         outs = llm.generate([PROMPTS[0]] * len(kinds), params, use_tqdm=False)
     for (so, ok), out in zip(kinds, outs):
         assert out.outputs[0].finish_reason == "stop" and ok(out.outputs[0].text), (so, out)
+
+
+def test_a_compile_over_the_budget_gives_each_request_one_final_output(tiny) -> None:
+    """Streamed or not, one sample or several: the request ends once, with finish_reason "abort"
+    and the error, and the engine goes on with the others (offline, `generate` returns)."""
+    with LLM(str(tiny), **COMMON, grammar_compile_timeout_s=0.05) as llm:
+        engine = llm.engine
+        slow = {
+            (stream, n): engine.add_request(
+                PROMPTS[0],
+                SamplingParams(
+                    n=n, max_tokens=8, structured_outputs={"json": _slow_schema(100 + 4 * n + s)}
+                ),
+                stream=stream,
+            )
+            for s, stream in enumerate((False, True))
+            for n in (1, 2)
+        }
+        plain = engine.add_request(PROMPTS[1], _greedy())
+        finals: dict[str, list] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals.setdefault(out.request_id, []).append(out)
+        outs = llm.generate(
+            [PROMPTS[0], PROMPTS[1]],
+            [SamplingParams(structured_outputs={"json": _slow_schema(131)}), _greedy()],
+            use_tqdm=False,
+        )
+    assert all(len(v) == 1 for v in finals.values()) and set(finals) == {plain, *slow.values()}
+    for (_, n), rid in slow.items():
+        out = finals[rid][0]
+        assert "grammar_compile_timeout_s" in out.error, out
+        assert sorted(c.index for c in out.outputs) == list(range(n))
+        assert all(c.finish_reason == "abort" and not c.token_ids for c in out.outputs)
+    assert finals[plain][0].error is None and len(finals[plain][0].outputs[0].token_ids) == 48
+    assert (
+        "grammar_compile_timeout_s" in outs[0].error and outs[0].outputs[0].finish_reason == "abort"
+    )
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 48

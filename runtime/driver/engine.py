@@ -405,11 +405,10 @@ class LLMEngine:
             logger.warning("request %r failed: %s", f.request_id, f.error)
             for seq in f.seqs:
                 seq.finish("abort")
-            outs = [make_request_output(s, req.prompt, delta=req.stream) for s in f.seqs]
-            final = outs if req.stream else [merge_request_outputs(outs)]
-            for out in final:
-                out.error = f.error
-            self._aborted += final
+            # one final output per request: a delta of every sample (streamed) or the whole
+            final = req.delta_output(f.seqs) if req.stream else req.final_output()
+            final.error = f.error
+            self._aborted.append(final)
 
     def _send_masks(self, final: bool) -> None:
         """Send the grammar masks of planned steps whose grammar states are known."""
