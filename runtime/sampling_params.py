@@ -5,7 +5,8 @@ Semantics follow the OpenAI / vLLM vocabulary: temperature 0 means greedy; top_k
 top_p 1 and min_p 0 disable their filter; repetition_penalty follows Hugging Face (divide positive
 logits, multiply negative ones, over prompt + output); presence/frequency penalties follow OpenAI
 (subtracted per output-token occurrence). `prompt_logprobs`, `logit_bias`, `allowed_token_ids` and
-`bad_words` are vLLM's fields of the same names; token ids are checked against the model's
+`bad_words` are vLLM's fields of the same names (`logit_bias` values clamped to [-100, 100], the
+API's range); token ids are checked against the model's
 vocabulary when the engine takes the request (runtime/driver/validation.py). `structured_outputs`
 (vLLM's `StructuredOutputsParams`) constrains the output to a JSON schema, a regex, a choice, a
 grammar or a structural tag; the engine compiles it (runtime/driver/grammar_compiler.py).
@@ -25,6 +26,7 @@ MAX_SEED = 2**63 - 1  # seeds travel to the workers as int64
 MAX_INT32 = 2**31 - 1  # top_k and logprobs travel as int32-sized counts
 MAX_N = 128  # samples per request (each is a sequence of its own)
 
+MAX_LOGIT_BIAS = 100.0  # |logit_bias| values past this are clamped to it
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -262,7 +264,12 @@ class SamplingParams:
                 raise ValueError(
                     f"logit_bias: must map token ids >= 0 to finite numbers, got {_preview(bias)}"
                 )
-            self.logit_bias = {int(t): float(v) for t, v in bias.items()} or None
+            # clamped to [-100, 100] as vLLM's and OpenAI's API take it: past that a bias already
+            # forces or bans its token, and a larger one (1e38 over a temperature of 0.05) would
+            # overflow float32 and turn the row's logits into NaN
+            self.logit_bias = {
+                int(t): min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(v))) for t, v in bias.items()
+            } or None
         allowed = self.allowed_token_ids
         if allowed is not None:
             if (

@@ -249,3 +249,36 @@ def test_lm_head_hands_over_logits_in_the_model_dtype() -> None:
     logits = head.compute_logits(hidden)
     assert logits.dtype == torch.bfloat16 and logits.shape == (3, VOCAB)
     assert torch.equal(logits, torch.nn.functional.linear(hidden, head.weight))
+
+
+def _worker(**kw):
+    from atomrt.runtime.driver.planner import worker_sampling_params
+
+    return worker_sampling_params(SamplingParams(**kw))
+
+
+@pytest.mark.parametrize("bias,temperature", [(1e39, 1.0), (1e38, 0.05), (-1e39, 0.05)])
+def test_huge_logit_bias_never_leaves_the_allowed_tokens(bias: float, temperature: float) -> None:
+    """A bias past float32's range is clamped to the API's [-100, 100] when the parameters are
+    made; the row stays finite and samples only its allowed tokens (never token 0 of a NaN row)."""
+    p = SamplingParams(logit_bias={7: bias, 9: 1.0}, allowed_token_ids=[7, 9, 12])
+    assert p.logit_bias == {7: math.copysign(100.0, bias), 9: 1.0}
+    params = [_worker(logit_bias={7: bias}, allowed_token_ids=[7, 9, 12], temperature=temperature)]
+    logits = random_logits(1, seed=3)
+    for step in range(20):
+        t = SamplingTensors.from_params(params, [[1]], [[2] * step], VOCAB)
+        token = Sampler()(logits, t).sampled_token_ids.item()
+        assert token in (7, 9, 12)
+        if bias > 0:
+            assert token == 7
+
+
+def test_penalty_overflow_keeps_the_row_finite() -> None:
+    """A repetition penalty near 0 divides a seen token's positive logit past float32's range: the
+    row still samples that token (the largest), never a NaN row's token 0."""
+    logits = torch.full((1, VOCAB), -1.0)
+    logits[0, 5] = 4.0
+    params = [_worker(repetition_penalty=1e-38, temperature=0.05, allowed_token_ids=[3, 5, 8])]
+    t = SamplingTensors.from_params(params, [[5]], [[]], VOCAB)
+    out = Sampler()(logits, t)
+    assert out.sampled_token_ids.item() == 5

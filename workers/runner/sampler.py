@@ -27,6 +27,7 @@ from atomrt.workers.runner.logit_additions import LogitAdditions
 from atomrt.workers.runner.prompt_logprobs import PromptLogprobsTensors
 
 _MASK64 = (1 << 64) - 1
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 def _mix_seed(seed: int, step: int) -> int:
@@ -336,6 +337,9 @@ class Sampler:
         scaled = logits / torch.where(
             greedy_rows, torch.ones_like(t.temperatures), t.temperatures
         ).unsqueeze(1)
+        # a penalty or a low temperature may overflow float32: +inf would make the row's
+        # softmax NaN (and the race pick token 0, allowed or not); the largest float keeps it
+        scaled.clamp_(max=_F32_MAX)
         if t.all_greedy:
             tokens = greedy_tokens
         else:
