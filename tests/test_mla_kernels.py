@@ -304,6 +304,14 @@ def test_the_live_context_decides_the_working_splits(monkeypatch: pytest.MonkeyP
     check_mla(batch, run_mla(batch, plan=plan))
 
 
+def test_more_splits_than_a_32_wide_merge() -> None:
+    """A lone long request over 40 splits of one 16-key tile each: the merge takes a 64-wide split
+    tile (and narrower latent chunks), and the splits past the live context stay idle."""
+    batch = make_mla_batch([1, 1], [600, 50], num_heads=4, kv_lora_rank=64, rope_dim=16, seed=21)
+    plan = forced_plan(4, 64, 16, num_splits=40, min_tiles_per_split=1)
+    check_mla(batch, run_mla(batch, plan=plan))
+
+
 def test_keys_past_the_block_table_are_never_read() -> None:
     """A seq_len past the block table's capacity attends to the keys the table holds and reads no
     column past it (the wider table's next columns name an unowned block, all NaN)."""
@@ -358,7 +366,9 @@ def test_plan_at_model_shapes() -> None:
     """The planner at real shapes (H200: 132 SMs; latent 512 + rotary 64)."""
     v2_lite = plan_mla_decode(1, 1, 8192, 16, 512, 64, 132)
     assert (v2_lite.heads_p, v2_lite.block_m, v2_lite.block_q) == (16, 16, 1)
-    assert v2_lite.num_splits > 1 and (v2_lite.lora_p, v2_lite.rope_p) == (512, 64)
+    assert (v2_lite.lora_p, v2_lite.rope_p) == (512, 64)
+    # a lone request spreads its 8k keys over about one split per SM, each of 64 keys or more
+    assert v2_lite.num_splits == 128 and 8192 // v2_lite.num_splits >= 64
     assert plan_mla_decode(128, 128, 8192, 16, 512, 64, 132).num_splits == 3  # 2 programs per SM
     assert plan_mla_decode(256, 256, 8192, 16, 512, 64, 132).num_splits == 1  # SMs all busy
     glm = plan_mla_decode(8, 8, 8192, 20, 512, 64, 132)
@@ -384,7 +394,7 @@ def test_rejects_bad_arguments() -> None:
         mla_decode_attention(*args[:4], batch.cu_seqlens_q[:1], 1.0, out)
     with pytest.raises(ValueError, match="must hold integers"):
         mla_decode_attention(*args[:3], batch.seq_lens.float(), *args[4:], 1.0, out)
-    for bad in (0, 33, True, 2.0):
+    for bad in (0, 129, True, 2.0):
         with pytest.raises(ValueError, match="num_kv_splits"):
             mla_decode_attention(*args, 1.0, out, bad)
     with pytest.raises(ValueError, match="out must be contiguous in its last dimension"):

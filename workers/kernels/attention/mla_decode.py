@@ -29,7 +29,6 @@ from atomrt.workers.kernels.attention.mla_kernels import (
 from atomrt.workers.kernels.attention.paged_attention import (
     LOG2E,
     MAX_PARTIAL_BYTES,
-    MAX_SPLITS,
     unit_last_stride,
 )
 from atomrt.workers.kernels.attention.workspace import kept_split_workspace
@@ -39,6 +38,10 @@ from atomrt.workers.kernels.launch import LaunchMemo, launch
 MAX_TILE_M = 32  # query rows x heads per program: its fp32 accumulator is MAX_TILE_M x kv_lora_rank
 MAX_ROW_BLOCKS = 256  # programs per request and head tile that share out its query tiles
 MIN_KEYS_PER_SPLIT = 64  # and at least 4 per query head: a split's partials (H x L fp32) stay small
+# One latent head serves every query head, so a few requests make a few programs: a lone request
+# needs about as many splits as the GPU has SMs to keep enough of its cache reads in flight.
+MAX_SPLITS = 128
+MERGE_TILE = 4096  # fp32 partials a merge program holds at once (splits x latent columns)
 
 
 @dataclass(frozen=True)
@@ -267,6 +270,7 @@ def launch_mla_decode(
     )
     if not split:
         return
+    splits_p = max(32, triton.next_power_of_2(plan.num_splits))  # few variants: 32, 64, 128
     launch(
         mla_merge_kernel,
         (num_rows, num_heads),
@@ -282,8 +286,8 @@ def launch_mla_decode(
         *ml_strides,
         out.stride(0),
         out.stride(1),
-        SPLITS_P=triton.next_power_of_2(MAX_SPLITS),  # one variant for every split count
-        DIM_CHUNK=min(plan.lora_p, 128),
+        SPLITS_P=splits_p,
+        DIM_CHUNK=min(plan.lora_p, MERGE_TILE // splits_p),
         LORA_P=plan.lora_p,
         num_warps=4,
     )
