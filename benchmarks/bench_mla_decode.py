@@ -160,7 +160,7 @@ def sweep(s: dict, base: MLADecodeLaunch, dry_run: bool) -> dict:
                         block_n=block_n, num_warps=warps, num_stages=stages,
                     )  # fmt: skip
                     variants[f"h{heads_p}n{block_n}w{warps}s{stages}"] = _try(s, plan, dry_run)
-    for splits in sorted({1, 2, 4, 8, 16, 32} - {base.num_splits}):
+    for splits in sorted({1, 2, 4, 8, 16, 32, 64, 128} - {base.num_splits}):
         plan = dataclasses.replace(base, num_splits=splits)
         variants[f"splits{splits}"] = _try(s, plan, dry_run)
     for min_tiles in sorted({1, 2, 4, 8} - {base.min_tiles_per_split}):

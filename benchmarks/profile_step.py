@@ -139,7 +139,7 @@ def kernel_table(eng, steps: int) -> str:
     lines = [
         f"GPU kernels per step: {len(kernels) / steps:.1f}, kernel time per step {total_us / steps / 1e3:.3f} ms"
     ]
-    for name, (n, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:25]:
+    for name, (n, us) in sorted(per_name.items(), key=lambda kv: -kv[1][1])[:40]:
         lines.append(f"  {n / steps:6.1f}/step {us / steps:8.1f} us/step  {name[:110]}")
     return "\n".join(lines)
 

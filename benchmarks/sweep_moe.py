@@ -53,6 +53,7 @@ SHAPES = {  # name: (experts, top_k, hidden, intermediate per rank)
     "Qwen3-30B-A3B /4": (128, 8, 2048, 192),
     "OLMoE-1B-7B": (64, 8, 2048, 1024),
     "OLMoE-1B-7B /2": (64, 8, 2048, 512),
+    "DeepSeek-V2-Lite": (64, 6, 2048, 1408),
 }
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 QUICK_TOKENS = (1, 8, 64, 512)
