@@ -51,8 +51,9 @@ class RequestOutput:
     # request's first output carries them)
     prompt_logprobs: Optional[PromptLogprobsList] = None
     num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache
-    # why the request ended without running (finish_reason "abort"): its structured-output
-    # grammar did not compile, or not within structured_outputs_config.grammar_compile_timeout_s
+    # why the request ended with finish_reason "abort" when no client aborted it: its
+    # structured-output grammar did not compile, or not within
+    # structured_outputs_config.grammar_compile_timeout_s; or no token satisfied its constraints
     error: Optional[str] = None
 
 
@@ -105,6 +106,7 @@ def make_request_output(
         metrics=metrics,
         prompt_logprobs=prompt_logprobs,
         num_cached_tokens=seq.num_cached_tokens if seq.num_cached_tokens >= 0 else None,
+        error=seq.error,
     )
 
 
@@ -122,4 +124,5 @@ def merge_request_outputs(outputs: list[RequestOutput], finished: bool) -> Reque
         metrics=first.metrics,
         prompt_logprobs=first.prompt_logprobs,  # sample 0's: the request's
         num_cached_tokens=first.num_cached_tokens,
+        error=next((o.error for o in outputs if o.error is not None), None),
     )

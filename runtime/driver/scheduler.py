@@ -41,7 +41,7 @@ from atomrt.runtime.config import CacheConfig, SchedulerConfig
 from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.driver.detokenizer import Detokenizer
 from atomrt.runtime.driver.sequence import Sequence, SequenceStatus
-from atomrt.runtime.driver.stop_checker import check_stop
+from atomrt.runtime.driver.stop_checker import check_stop, refused_token
 
 if TYPE_CHECKING:
     from atomrt.runtime.driver.speculation import Speculation
@@ -413,6 +413,13 @@ class Scheduler:
             seq.num_pending -= 1
             for i, token_id in enumerate(token_ids):
                 token_id = int(token_id)
+                refused = refused_token(seq, token_id)
+                if refused is not None:  # no token satisfied the constraints: it is not emitted
+                    seq.error = refused
+                    row.token_applied = True
+                    seq.finish("abort")
+                    finished.append(seq)
+                    break
                 seq.append_token(token_id, logprobs.get(seq.seq_id) if logprobs and not i else None)
                 row.token_applied = True
                 reason = check_stop(seq, token_id, self.max_model_len)

@@ -90,6 +90,9 @@ class Sequence:
     # structured outputs: its matcher (runtime/driver/structured_outputs.py `SeqGrammar`), which
     # the stop rules advance on every token it emits; None for an unconstrained sequence
     grammar: Optional[Any] = field(default=None, repr=False)
+    # why it ended with finish_reason "abort" when something other than a client's abort ended it
+    # (no token satisfied its constraints); None otherwise
+    error: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

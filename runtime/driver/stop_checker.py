@@ -1,7 +1,11 @@
 """Stop rules, applied by the scheduler to a sequence right after a token is appended.
 
-Order: detokenize the token; a constrained sequence's grammar advances on it, and one that accepted
-its end stops the sequence ("stop"); before min_tokens output tokens nothing but the length limits
+Before a token is appended, `refused_token` checks it against the sequence's constraints (its
+grammar, which advances on it, allowed_token_ids, bad_words): the sampler takes an allowed token
+whenever one exists, so a refused token means none was (an unsatisfiable regex; a grammar whose
+tokens allowed_token_ids or bad_words all remove), and the sequence ends "abort" with the error,
+the token not emitted. Then, order: detokenize the token; a constrained sequence whose grammar
+accepted its end stops ("stop"); before min_tokens output tokens nothing but the length limits
 stops a sequence; then EOS (unless ignore_eos), stop_token_ids, stop strings (the output text is cut
 before the stop string unless include_stop_str_in_output), then max_tokens and max_model_len ("length").
 The token that completes a stop string stays in token_ids; only the text is cut.
@@ -32,6 +36,54 @@ def find_stop_string(text: str, num_new_chars: int, stop: Seq[str]) -> Optional[
     return best
 
 
+def refused_token(seq: Sequence, token_id: int) -> Optional[str]:
+    """None when `token_id` satisfies seq's constraints (its grammar then advances on it); else
+    the error that ends the sequence: which constraints allowed no token at this position."""
+    params = seq.sampling_params
+    grammar, allowed, bad_words = seq.grammar, params.allowed_token_ids, seq.bad_words_token_ids
+    if grammar is None and not allowed and not bad_words:
+        return None
+    refused = (
+        (allowed is not None and token_id not in allowed)
+        or (bad_words and _completes_bad_word(seq, token_id))
+        or (grammar is not None and not grammar.accept(token_id))
+    )
+    if not refused:
+        return None
+    names = [
+        name
+        for name, on in (
+            ("structured_outputs", grammar is not None),
+            ("allowed_token_ids", bool(allowed)),
+            ("bad_words", bool(bad_words)),
+        )
+        if on
+    ]
+    logger.warning(
+        "request %r: no token satisfies its %s at output token %d; ending it",
+        seq.request_id,
+        " + ".join(names),
+        seq.num_output_tokens,
+    )
+    return (
+        f"{' + '.join(names)}: no token satisfies {'it' if len(names) == 1 else 'them together'} "
+        f"at output token {seq.num_output_tokens} (an unsatisfiable constraint), so the request "
+        "ended without it"
+    )
+
+
+def _completes_bad_word(seq: Sequence, token_id: int) -> bool:
+    """Whether `token_id` after seq's output so far ends one of its bad words."""
+    for word in seq.bad_words_token_ids:
+        if word[-1] != token_id:
+            continue
+        head = word[:-1]
+        if not head or seq.token_ids[len(seq.token_ids) - len(head) :] == head:
+            if len(head) <= seq.num_output_tokens:
+                return True
+    return False
+
+
 def check_stop(
     seq: Sequence, token_id: int, max_model_len: Optional[int] = None
 ) -> Optional[FinishReason]:
@@ -44,15 +96,8 @@ def check_stop(
             new_chars = seq.detokenizer.add_token(token_id)
         else:  # text is made when asked for (a finished or streamed output)
             seq.detokenizer.append_token(token_id)
-    grammar = seq.grammar
-    if grammar is not None:
-        if not grammar.accept(token_id):  # the mask allowed it: a worker broke the contract
-            logger.error(
-                "request %r: token %d is outside its grammar; ending it", seq.request_id, token_id
-            )
-            return "abort"
-        if grammar.is_terminated:
-            return "stop"
+    if seq.grammar is not None and seq.grammar.is_terminated:  # it advanced in refused_token
+        return "stop"
     num_output = seq.num_output_tokens
     if num_output >= params.min_tokens:
         if not params.ignore_eos and token_id in seq.eos_token_ids:

@@ -1,0 +1,94 @@
+"""A request whose constraints allow no token at some position (a regex that matches nothing; a
+grammar whose every allowed token `allowed_token_ids` or `bad_words` removes) ends with
+finish_reason "abort" and an error naming the constraints, never emitting a token outside them,
+while the other requests of its batch go on; through the server it is a 400 error object (official
+`openai` client), not a 200 with empty text."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from grammar_harness import bpe_tokenizer, build_tiny_bpe
+from test_server import CPU_FLAGS, Server
+
+from atomrt.runtime import SamplingParams
+from atomrt.runtime.entrypoints.llm import LLM
+
+COMMON = dict(device="cpu", enforce_eager=True, num_kv_blocks=128, max_num_seqs=8)
+
+
+def _greedy(**fields) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, **fields)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_bpe(tmp_path_factory.mktemp("refusals") / "model")
+
+
+def _one_token(word: str) -> int:
+    ids = bpe_tokenizer().encode(word, add_special_tokens=False)
+    assert len(ids) == 1, (word, ids)
+    return ids[0]
+
+
+def test_a_row_without_an_allowed_token_ends_the_request_with_an_error(tiny) -> None:
+    x, y = _one_token("x"), _one_token("y")
+    cases = {
+        "regex": (_greedy(structured_outputs={"regex": r"[^\s\S]"}), "structured_outputs"),
+        "allowed": (
+            _greedy(structured_outputs={"choice": ["x", "y"]}, allowed_token_ids=[5, 6, 7]),
+            "structured_outputs + allowed_token_ids",
+        ),
+        "bad_words": (
+            _greedy(structured_outputs={"regex": "[xy]z"}, bad_words=["x", "y"]),
+            "structured_outputs + bad_words",
+        ),
+        # a later position: "ab" then nothing the allowed list holds
+        "later": (
+            _greedy(structured_outputs={"regex": "xyy"}, allowed_token_ids=[x, y, 2]),
+            None,
+        ),
+    }
+    plain = _greedy()
+    with LLM(str(tiny), **COMMON) as llm:
+        alone = llm.generate([[5, 6, 7]], [plain], use_tqdm=False)[0].outputs[0].token_ids
+        outs = llm.generate(
+            [[5, 6, 7]] + [[9, 10]] * len(cases),
+            [plain] + [p for p, _ in cases.values()],
+            use_tqdm=False,
+        )
+    assert outs[0].outputs[0].token_ids == alone and outs[0].error is None
+    for (name, (params, names)), out in zip(cases.items(), outs[1:]):
+        done = out.outputs[0]
+        if names is not None:
+            assert done.finish_reason == "abort" and done.token_ids == [], name
+            assert out.error and out.error.startswith(names + ": no token satisfies"), out.error
+        else:  # "xyy" is allowed token by token, so it completes
+            assert done.token_ids[:3] == [x, y, y] and out.error is None, (name, done)
+        allowed = params.allowed_token_ids
+        assert allowed is None or set(done.token_ids) <= set(allowed), name
+
+
+@pytest.fixture(scope="module")
+def server(tiny: Path) -> Iterator[Server]:
+    s = Server(["--model", str(tiny), *CPU_FLAGS, "--served-model-name", "tiny"])
+    yield s
+    assert s.stop() == 0
+
+
+def test_the_server_answers_an_unsatisfiable_constraint_with_an_error_object(server) -> None:
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model="tiny",
+            prompt="hi",
+            max_tokens=4,
+            extra_body={"structured_outputs": {"regex": r"[^\s\S]"}},
+        )
+    assert "no token satisfies" in e.value.body["message"], "".join(server.lines[-40:])
+    ok = client.completions.create(model="tiny", prompt="hi", max_tokens=3)
+    assert ok.choices[0].finish_reason == "length"
