@@ -15,18 +15,19 @@ grammar or a structural tag; the engine compiles it (runtime/driver/grammar_comp
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json as _json
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 # Below this a temperature is treated as 0 (greedy): dividing by it would overflow.
 _GREEDY_EPS = 1e-5
 MAX_SEED = 2**63 - 1  # seeds travel to the workers as int64
 MAX_INT32 = 2**31 - 1  # top_k and logprobs travel as int32-sized counts
 MAX_N = 128  # samples per request (each is a sequence of its own)
-
 MAX_LOGIT_BIAS = 100.0  # |logit_bias| values past this are clamped to it
+
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -137,6 +138,14 @@ class StructuredOutputsParams:
         )
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What `LLMEngine.step()` returns for a request while it runs (vLLM's)."""
+
+    CUMULATIVE = 0  # every step it produced a token: each sample's whole output so far
+    DELTA = 1  # every step it produced a token: only the new text, tokens and logprobs
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -148,7 +157,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    max_tokens: int = 16
+    max_tokens: Optional[int] = 16  # None: as many as the context leaves after the prompt
     min_tokens: int = 0
     stop: Union[list[str], str, None] = field(default_factory=list)
     stop_token_ids: Optional[list[int]] = field(default_factory=list)
@@ -163,6 +172,12 @@ class SamplingParams:
     bad_words: Optional[list[str]] = None  # words never generated (tokenized by the engine)
     # the output follows a JSON schema, regex, choice or grammar (a mapping is taken as its fields)
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # vLLM's: keep only the prompt's last k tokens (-1: max_model_len of them)
+    truncate_prompt_tokens: Optional[int] = None
+    detokenize: bool = True  # False: token ids only, no text (and no stop strings)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # LLMEngine.step()'s outputs
+    spaces_between_special_tokens: bool = True  # atomrt's fast tokenizers: True only
+    extra_args: Optional[dict[str, Any]] = None  # carried with the request for custom code
 
     def __post_init__(self) -> None:
         self.validate()
@@ -193,9 +208,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name}: must be in [-2, 2] (0 disables), got {value}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be None or >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= (self.max_tokens or MAX_INT32):
             raise ValueError(
                 f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
@@ -212,7 +227,10 @@ class SamplingParams:
         self._normalize_structured_outputs()
 
     def _check_types(self) -> None:
-        ints = ("n", "top_k", "max_tokens", "min_tokens")
+        self._check_vllm_fields()
+        ints = ("n", "top_k", "min_tokens")
+        if self.max_tokens is not None and not _is_int(self.max_tokens):
+            raise ValueError(f"max_tokens: must be None or an integer, got {self.max_tokens!r}")
         floats = (
             "temperature",
             "top_p",
@@ -236,6 +254,33 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+
+    def _check_vllm_fields(self) -> None:
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise ValueError(
+                f"truncate_prompt_tokens: must be None, -1 (max_model_len) or >= 1, got {k!r}"
+            )
+        for name in ("detokenize", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        if not self.spaces_between_special_tokens:
+            raise ValueError(
+                "spaces_between_special_tokens: atomrt's (fast) tokenizers decode special tokens "
+                "without added spaces; only True is taken"
+            )
+        if not self.detokenize and self.stop:
+            raise ValueError("stop: stop strings need detokenize=True")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise ValueError(
+                    "output_kind: must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY), "
+                    f"got {self.output_kind!r}"
+                ) from None
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args: must be None or a dict, got {_preview(self.extra_args)}")
 
     def _normalize_stops(self) -> None:
         stop = self.stop

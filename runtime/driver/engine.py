@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import numbers
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from atomrt.distributed.messages import StepResult
 from atomrt.runtime.config import Config
@@ -46,12 +45,13 @@ from atomrt.runtime.driver.validation import (
 )
 from atomrt.runtime.executors.base import Executor, WorkerError
 from atomrt.runtime.executors.factory import make_executor
-from atomrt.runtime.sampling_params import SamplingParams
+from atomrt.runtime.inputs import PromptType, parse_prompt
+from atomrt.runtime.sampling_params import RequestOutputKind, SamplingParams
 from atomrt.workers.loading.loader import check_parallel_layout, read_arch
 
 logger = logging.getLogger(__name__)
 
-Prompt = Union[str, list[int]]
+Prompt = PromptType
 IDLE_GRAMMAR_WAIT_S = 0.02  # an engine with only grammars compiling waits this long per step
 
 
@@ -63,6 +63,7 @@ class _Request:
     seqs: list[Sequence]
     prompt: Optional[str]  # the prompt text, when it came as text
     stream: bool  # a delta output (of the samples with new tokens) every step it produced one
+    cumulative: bool = False  # else: every sample's whole output so far, every step
 
     @property
     def all_finished(self) -> bool:
@@ -185,28 +186,29 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
 
-    def add_request(
-        self,
-        prompt: Prompt,
-        params: Optional[SamplingParams] = None,
-        request_id: Optional[str] = None,
-        stream: bool = False,
-    ) -> str:
+    def add_request(self, *args: Any, **kwargs: Any) -> str:
         """Validate and queue a request; a ValueError (naming the field) leaves the engine as it was.
 
-        `step()` returns the request's RequestOutput (every sample) once, when it finishes; with
-        `stream=True` instead a delta output (new text, tokens and logprobs only, of the samples
-        that produced any) every step it produced a token, the last one `finished`."""
+        vLLM's form: `add_request(request_id, prompt, params, arrival_time=None, lora_request=None,
+        tokenization_kwargs=None, trace_headers=None, priority=0)`; `params.output_kind` says what
+        `step()` returns: CUMULATIVE (vLLM's default) every sample's output so far every step it
+        produced a token, DELTA only the new text, tokens and logprobs, FINAL_ONLY one output when
+        the request finishes. The older form `add_request(prompt, params=None, request_id=None,
+        stream=False)` returns the final output only, or with `stream=True` deltas.
+
+        A prompt is a string, a list of token ids, `{"prompt": text}` or
+        `{"prompt_token_ids": ids}` (atomrt.runtime.inputs)."""
+        prompt, params, request_id, kind = _bind_add_request(args, kwargs)
         self._check_alive()
         with self._guard.critical():
-            return self._add(prompt, params, request_id, stream)
+            return self._add(prompt, params, request_id, kind)
 
     def _add(
         self,
         prompt: Prompt,
         params: Optional[SamplingParams],
         request_id: Optional[str],
-        stream: bool,
+        kind: Union[bool, RequestOutputKind],
     ) -> str:
         params = params if params is not None else SamplingParams()
         if request_id is not None and not isinstance(request_id, str):
@@ -214,7 +216,9 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        token_ids = self._tokenize(prompt)
+        token_ids, prompt_text = parse_prompt(prompt, self.tokenizer)
+        if isinstance(params, SamplingParams):
+            token_ids, params = self._fit_to_context(token_ids, params)
         check_request(token_ids, params, self.limits, self.max_model_len)
         bad_words = tokenize_bad_words(params.bad_words, self.tokenizer)
         grammar = None  # structured outputs: the grammar, compiling on a thread
@@ -246,10 +250,31 @@ class LLMEngine:
         if grammar is None or self.grammars.admit(request_id, seqs, grammar):  # else: held
             for seq in seqs:
                 scheduler.add(seq)
-        self._requests[request_id] = _Request(
-            dp_rank, seqs, prompt if isinstance(prompt, str) else None, stream
-        )
+        if kind is True or kind is False:
+            stream, cumulative = kind, False
+        else:
+            stream = kind is RequestOutputKind.DELTA
+            cumulative = kind is RequestOutputKind.CUMULATIVE
+        self._requests[request_id] = _Request(dp_rank, seqs, prompt_text, stream, cumulative)
         return request_id
+
+    def _fit_to_context(
+        self, token_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], SamplingParams]:
+        """`truncate_prompt_tokens` (keep the prompt's last k tokens; -1: max_model_len) and
+        `max_tokens=None` (as many as the context leaves), as vLLM reads them."""
+        k = params.truncate_prompt_tokens
+        if k is not None:
+            k = self.max_model_len if k == -1 else k
+            if k > self.max_model_len:
+                raise ValueError(
+                    f"truncate_prompt_tokens: {k} exceeds max_model_len={self.max_model_len}"
+                )
+            token_ids = token_ids[-k:]
+        if params.max_tokens is None:
+            room = max(self.max_model_len - len(token_ids), 1)
+            params = dataclasses.replace(params, max_tokens=room)
+        return token_ids, params
 
     def abort(self, request_id: str) -> None:
         """End a request now: its KV blocks are freed, and the next `step()` returns its final
@@ -273,6 +298,29 @@ class LLMEngine:
             self._aborted.append(req.delta_output(sorted(aborted, key=lambda s: s.index)))
         else:
             self._aborted.append(req.final_output())
+
+    def has_unfinished_requests(self) -> bool:
+        """vLLM's name of `has_unfinished`."""
+        return self.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks (vLLM's call, e.g. before a benchmark run). Blocks that
+        running requests hold stay theirs; True once done."""
+        with self._guard.critical():
+            for scheduler in self.schedulers:
+                scheduler.block_manager.reset_prefix_cache()
+        return True
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> LLMEngine:
+        """An engine of `EngineArgs(model=..., **LLM's keywords)` (vLLM's constructor)."""
+        from atomrt.runtime.entrypoints.llm import load_tokenizer_for
+
+        config = engine_args.create_engine_config()
+        return cls(config, load_tokenizer_for(config))
 
     def has_unfinished(self) -> bool:
         """Whether `step()` has more to give: running or waiting requests, or aborted ones' final
@@ -377,12 +425,17 @@ class LLMEngine:
                     samples.setdefault(seq.request_id, []).append(seq)
                 elif req.stream:
                     outputs.append(make_request_output(seq, req.prompt, delta=True))
+                elif req.cumulative:  # the whole output so far, `finished` once it is
+                    outputs.append(make_request_output(seq, req.prompt))
                 elif seq.is_finished:
                     outputs.append(req.final_output())
         for request_id, seqs in samples.items():
             req = self._requests[request_id]
             if req.stream:
                 outputs.append(req.delta_output(sorted(seqs, key=lambda s: s.index)))
+            elif req.cumulative and not req.all_finished:
+                outs = [make_request_output(s, req.prompt) for s in req.seqs]
+                outputs.append(merge_request_outputs(outs, finished=False))
             elif req.all_finished:
                 outputs.append(req.final_output())
         for out in outputs:
@@ -483,18 +536,59 @@ class LLMEngine:
         if self.grammars is not None:
             self.grammars.shutdown()
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer, send token ids")
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError("prompt: must be a string or a list of token ids")
-        if all(type(t) is int for t in prompt):  # the common case, without an ABC check a token
-            return list(prompt)
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt: must be a string or a list of token ids")
-        return [int(t) for t in prompt]
+
+def _bind_add_request(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any, Any, Union[bool, RequestOutputKind]]:
+    """(prompt, params, request_id, output kind) of either form of `add_request`."""
+    # vLLM's form starts (request id, prompt); the older one (prompt, params or None)
+    vllm_form = "prompt" in kwargs
+    if len(args) >= 2 and "request_id" not in kwargs and isinstance(args[0], str):
+        vllm_form = not isinstance(args[1], SamplingParams) and args[1] is not None
+    if not vllm_form:
+        names = ("prompt", "params", "request_id", "stream")
+        if len(args) > len(names):
+            raise TypeError(f"add_request: at most {len(names)} arguments")
+        bound = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key not in names or key in bound:
+                raise TypeError(f"add_request: unexpected or repeated argument {key!r}")
+            bound[key] = value
+        if "prompt" not in bound:
+            raise TypeError("add_request: missing the prompt")
+        stream = bound.get("stream", False)
+        return bound["prompt"], bound.get("params"), bound.get("request_id"), bool(stream)
+    names = (
+        "request_id",
+        "prompt",
+        "params",
+        "arrival_time",
+        "lora_request",
+        "tokenization_kwargs",
+        "trace_headers",
+        "priority",
+    )
+    if len(args) > len(names):
+        raise TypeError(f"add_request: at most {len(names)} arguments")
+    bound = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if key not in names or key in bound:
+            raise TypeError(f"add_request: unexpected or repeated argument {key!r}")
+        bound[key] = value
+    for key in ("request_id", "prompt"):
+        if key not in bound:
+            raise TypeError(f"add_request: missing {key}")
+    if bound.get("lora_request") is not None:
+        raise ValueError("lora_request: atomrt serves no LoRA adapters")
+    if bound.get("tokenization_kwargs"):
+        raise ValueError("tokenization_kwargs: not supported (use truncate_prompt_tokens)")
+    if bound.get("priority", 0) != 0:
+        raise ValueError("priority: atomrt schedules first come, first served (priority 0 only)")
+    params = bound.get("params")
+    kind = (
+        params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
+    )
+    return bound["prompt"], params, bound["request_id"], kind
 
 
 def _shape(out: SchedulerOutput) -> BatchShape:

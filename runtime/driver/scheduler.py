@@ -147,7 +147,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
         params = seq.sampling_params
-        if seq.detokenizer is None and self.tokenizer is not None:
+        if seq.detokenizer is None and self.tokenizer is not None and params.detokenize:
             seq.detokenizer = Detokenizer(
                 self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens, params.stop
             )

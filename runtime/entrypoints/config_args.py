@@ -125,3 +125,22 @@ def config_from_args(args: argparse.Namespace):
         if chosen:
             base[name] = chosen
     return build_config(args.config, args.overrides, base)
+
+
+class EngineArgs:
+    """vLLM's `EngineArgs`: the model and the keywords `LLM(...)` takes, held until
+    `create_engine_config()` checks them (a ConfigError names a keyword atomrt does not take).
+    `LLMEngine.from_engine_args(EngineArgs(model=...))` builds an engine of them."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        self.model = model
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        items = ", ".join(f"{k}={v!r}" for k, v in {"model": self.model, **self.kwargs}.items())
+        return f"{type(self).__name__}({items})"
+
+    def create_engine_config(self):
+        from atomrt.runtime.entrypoints.llm import config_from_kwargs
+
+        return config_from_kwargs(self.model, dict(self.kwargs))

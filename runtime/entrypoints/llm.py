@@ -12,6 +12,7 @@ from tqdm import tqdm
 from atomrt.runtime.config import _SECTIONS, DEFAULT_MODEL, Config, ConfigError, parse_section
 from atomrt.runtime.driver.engine import LLMEngine, Prompt
 from atomrt.runtime.driver.outputs import RequestOutput
+from atomrt.runtime.inputs import is_prompt
 from atomrt.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,6 @@ VLLM_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "skip_tokenizer_init": (False,),
     "revision": (None,),
     "tokenizer_revision": (None,),
-    "quantization": (None,),
     "kv_cache_dtype": ("auto",),
     "pipeline_parallel_size": (1,),
     "cpu_offload_gb": (0,),
@@ -110,10 +110,13 @@ class LLM:
         """One RequestOutput per prompt, in order. Every prompt is validated before any runs.
 
         A progress bar (stderr) counts finished requests when there is more than one."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+        if is_prompt(prompts):
             prompts = [prompts]
+        elif not isinstance(prompts, Sequence):
+            raise ValueError(
+                "prompts: must be a prompt (a string, a list of token ids, {'prompt': text} or "
+                f"{{'prompt_token_ids': ids}}) or a list of them, got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
         ids: list[str] = []
