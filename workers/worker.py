@@ -139,6 +139,9 @@ class Worker:
         start = self._phase("graph capture", start)
         graphs = self.runner.graphs
         captured = graphs.captured_buckets(self.runner.model)
+        # unseeded requests draw from the default generators: seeded by model_config.seed once
+        # the warm-up is done, so that an engine's sampled outputs repeat from run to run
+        torch.manual_seed(self.config.model_config.seed)
         timings = ()
         if self.config.parallel_config.enable_tbo == "auto":
             timings = measure_tbo(self.runner, captured)
