@@ -66,6 +66,40 @@ CASES = [
     ("hermes", "Paris is sunny <tool_ today.", "Paris is sunny <tool_ today.", []),
     ("llama3_json", "It is sunny.", "It is sunny.", []),
     ("mistral", "No tools [TOOL needed.", "No tools [TOOL needed.", []),
+    # JSON that is not a call stays content
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3_json", '<|python_tag|>{"answer": 42}', '<|python_tag|>{"answer": 42}', []),
+    # broken calls stay content (a warning is logged)
+    ("hermes", "<tool_call>not json</tool_call> text", "<tool_call>not json</tool_call> text", []),
+    (
+        "hermes",
+        'Sure. <tool_call>{"arguments": {"x": 1}}</tool_call>',
+        'Sure. <tool_call>{"arguments": {"x": 1}}</tool_call>',
+        [],
+    ),
+    # arguments written as a JSON string are that string's JSON
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>',
+        "",
+        [("get_weather", {"city": "Oslo"})],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}]',
+        "",
+        [("get_time", {"zone": "UTC"})],
+    ),
+    # a closing tag inside a string value is text of the value
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "A</tool_call>"}}\n</tool_call>'
+        '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "<tool_call>"}}\n</tool_call>',
+        "",
+        [("get_weather", {"city": "A</tool_call>"}), ("get_time", {"zone": "<tool_call>"})],
+    ),
+    # a call without arguments has an empty object
+    ("hermes", '<tool_call>{"name": "ping"}</tool_call>', "", [("ping", {})]),
 ]
 
 
@@ -98,6 +132,23 @@ def test_calls_whole_and_streamed(parser_name, text, content, want) -> None:
         got_content, got_calls = _stream(parser_name, text, seed)
         assert got_content == content
         assert got_calls == [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+@pytest.mark.parametrize(
+    "parser_name,text",
+    [
+        ("hermes", 'Let me see. <tool_call>{"name": "f", "arguments": {"a": 1}'),
+        ("hermes", '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>'),
+        ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": [1, 2]}]'),
+        ("mistral", "Done.[TOOL_CALLS]"),
+        ("llama3_json", '{"name": "f", "parameters": {"a": '),
+    ],
+)
+def test_a_broken_call_is_content_with_a_warning(parser_name, text, caplog) -> None:
+    with caplog.at_level("WARNING"):
+        parsed = make_parser(parser_name).parse(text, final=True)
+    assert parsed.content == text and parsed.calls == []
+    assert "broken call" in caplog.text
 
 
 def test_required_calls_array() -> None:

@@ -4,9 +4,13 @@ names), and the streamed deltas of OpenAI's chunk format.
 
 A parser reads the whole text so far (`parse(text, final)`) and returns the content a client may be
 shown and the calls it holds, each possibly unfinished. A call's `arguments` are the model's own
-text of the arguments object, so the fragments streamed add up to exactly the arguments a
-non-streamed response carries. `ToolCallStream` turns successive parses into deltas: a call's first
-delta has its id, type and name, the next ones argument fragments.
+text of the arguments object (arguments written as a JSON string: the string's text, once it is
+complete), so the fragments streamed add up to exactly the arguments a non-streamed response
+carries; JSON is read string-aware, so a tag inside a string value is text. `ToolCallStream` turns
+successive parses into deltas: a call's first delta has its id, type and name, the next ones
+argument fragments. What is not a call stays content: JSON that names no function (llama3_json),
+and, with a warning logged, a broken call (not JSON, unfinished at the end, no name, arguments that
+are not a JSON object): the whole text is then the content, as vLLM's parsers answer.
 
 - `hermes` (Qwen2.5, Qwen3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   any number, content around them.
@@ -21,10 +25,13 @@ delta has its id, type and name, the next ones argument fragments.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 Json = dict[str, Any]
@@ -122,6 +129,8 @@ def _objects(text: str, arg_keys: tuple[str, ...]) -> list[Call]:
                         key = word
                     elif key == "name" and name is None:
                         name = word
+                    elif key in arg_keys and args is None:  # arguments written as a JSON string
+                        args = word
             continue
         if ch == '"':
             in_str, str_start = True, i
@@ -147,9 +156,11 @@ def _objects(text: str, arg_keys: tuple[str, ...]) -> list[Call]:
     return calls
 
 
-def _call(text: str, name: Optional[str], args: Optional[tuple], done: bool) -> Call:
-    if args is None:
-        return Call(name, "", done)
+def _call(text: str, name: Optional[str], args: Any, done: bool) -> Call:
+    if isinstance(args, str):  # a JSON string's text: the arguments, once complete
+        return Call(name, args, done)
+    if args is None:  # no arguments: an empty object once the call is complete
+        return Call(name, "{}" if done else "", done)
     lo, hi = args
     return Call(name, text[lo:hi] if hi is not None else text[lo:].rstrip(), done)
 
@@ -164,6 +175,54 @@ def _content(text: str, tag: str, final: bool) -> str:
             text = text[:-n]
             break
     return text.rstrip()
+
+
+def _object_end(text: str, start: int) -> Optional[int]:
+    """The index after the JSON value that opens at `text[start]` (`{` or `[`), read string-aware;
+    None while it is unfinished."""
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _broken(call: Call) -> Optional[str]:
+    """Why a call of a final text is not one (None: it is)."""
+    if not call.done:
+        return "unfinished"
+    if call.name is None:
+        return "no function name"
+    try:
+        args = json.loads(call.arguments)
+    except ValueError:
+        return "arguments are not JSON"
+    return None if isinstance(args, dict) else "arguments are not a JSON object"
+
+
+def _checked(parser: str, text: str, parsed: Parsed, final: bool) -> Parsed:
+    """A final text whose calls are broken is all content (with a warning); else `parsed`."""
+    if not final:
+        return parsed
+    why = next((w for w in map(_broken, parsed.calls) if w is not None), None)
+    if why is None:
+        return parsed
+    logger.warning("%s tool parser: a broken call (%s) is returned as content", parser, why)
+    return Parsed(text)
 
 
 class ToolParser:
@@ -184,9 +243,26 @@ class HermesParser(ToolParser):
         if first < 0:
             return Parsed(_content(text, self.OPEN, final))
         calls: list[Call] = []
-        for part in text[first:].split(self.OPEN)[1:]:
-            calls += _objects(part.partition(self.CLOSE)[0], ("arguments", "parameters"))
-        return Parsed(text[:first].rstrip(), calls)
+        at = first
+        while at >= 0:  # each call: its tag, then one JSON object (a tag inside a string is text)
+            body = at + len(self.OPEN)
+            while body < len(text) and text[body].isspace():
+                body += 1
+            if body == len(text):
+                if final:
+                    calls.append(Call(None, "", False))
+                break
+            if text[body] != "{":
+                logger.warning("hermes tool parser: a <tool_call> without JSON is content")
+                return Parsed(text if final else _content(text, self.OPEN, final))
+            end = _object_end(text, body)
+            calls += _objects(text[body:end] if end is not None else text[body:], self.KEYS)
+            if end is None:
+                break
+            at = text.find(self.OPEN, end)
+        return _checked(self.name, text, Parsed(text[:first].rstrip(), calls), final)
+
+    KEYS = ("arguments", "parameters")
 
 
 class Llama3JsonParser(ToolParser):
@@ -202,7 +278,10 @@ class Llama3JsonParser(ToolParser):
             return Parsed("")
         if not stripped.startswith("{"):
             return Parsed(text)
-        return Parsed("", _objects(body, ("parameters", "arguments")))
+        calls = _objects(body, ("parameters", "arguments"))
+        if final and not any(c.name is not None for c in calls):  # JSON, but not a call
+            return Parsed(text)
+        return _checked(self.name, text, Parsed("", calls), final)
 
 
 class MistralParser(ToolParser):
@@ -213,7 +292,10 @@ class MistralParser(ToolParser):
         at = text.find(self.TAG)
         if at < 0:
             return Parsed(_content(text, self.TAG, final))
-        return Parsed(text[:at].rstrip(), _objects(text[at + len(self.TAG) :], ("arguments",)))
+        calls = _objects(text[at + len(self.TAG) :], ("arguments",))
+        if final and not calls:
+            calls = [Call(None, "", False)]  # the tag without a call
+        return _checked(self.name, text, Parsed(text[:at].rstrip(), calls), final)
 
 
 class JsonCallsParser(ToolParser):
