@@ -297,6 +297,8 @@ class Config:
         }
         if self.model_config.hf_overrides is not None:  # absent otherwise: earlier keys stay valid
             factors["hf_overrides"] = self.model_config.hf_overrides
+        if self.model_config.quantization is not None:  # FP8 layers run other ops
+            factors["quantization"] = self.model_config.quantization
         blob = json.dumps(factors, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -195,9 +195,13 @@ class ModelConfig:
     # config.json (or preset) fields to replace before the model is built, vLLM's `hf_overrides`:
     # {"num_hidden_layers": 4} builds the first 4 layers at the real per-layer shapes
     hf_overrides: Optional[dict] = None
+    # vLLM's `quantization`: "fp8" quantizes a float checkpoint's linear and expert weights to
+    # e4m3 at load; an FP8 checkpoint loads as it ships with None or "fp8"
+    quantization: Optional[str] = None
 
     def __post_init__(self) -> None:
         _choice("model_config.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
+        _choice("model_config.quantization", self.quantization, (None, "fp8"))
         _check_hf_overrides(self.hf_overrides)
         _choice(
             "model_config.load_format", self.load_format, ("auto", "safetensors", "gguf", "dummy")

@@ -84,7 +84,10 @@ def test_dense_layers_follow_first_k_dense_replace_moe_layer_freq_or_mlp_layer_t
         (dict(qk_rope_head_dim=15), "qk_rope_head_dim positive and even"),
         (dict(mlp_layer_types=["dense"]), "mlp_layer_types"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-        (dict(quantization_config={"quant_method": "fp8"}), r"quantized checkpoints .*fp8"),
+        (
+            dict(quantization_config={"quant_method": "gptq"}),
+            "quant_method .gptq. is not supported",
+        ),
     ],
 )
 def test_bad_fields_are_named(overrides: dict, match: str) -> None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atomrt.distributed.communication_op import DPInfo, TPInfo
-from atomrt.workers.layers.moe import FusedMoE, routed_experts
+from atomrt.workers.layers.moe import FusedMoE
 
 
 @dataclass(frozen=True)
@@ -122,4 +122,4 @@ class GroupedTopkMoE(FusedMoE):
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        return routed_experts(x, weights, ids, self.w13_weight, self.w2_weight)
+        return self.routed(x, weights, ids)

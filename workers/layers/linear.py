@@ -193,6 +193,7 @@ class _LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.cpu_packed = CPUPackedWeight()  # the CPU eager path's copy of the weight
+        self.quant_method: Optional[object] = None  # FP8 weights (layers/quantization/fp8.py)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -235,7 +236,10 @@ class ColumnParallelLinear(_LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.cpu_packed.get(self.weight, x)
-        if packed is not None:
+        if self.quant_method is not None:
+            y = self.quant_method.apply(self, x)
+            y = y + self.bias if self.bias is not None else y
+        elif packed is not None:
             y = packed_linear(x, packed, self.bias)
         else:
             y = linear(x, self.weight, self.bias, self.skinny_max_rows)
@@ -246,7 +250,11 @@ class ColumnParallelLinear(_LinearBase):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, self(norm(h))) for h = residual + update, through add_norm_linear."""
         packed = self.cpu_packed.get(self.weight, residual)
-        if packed is not None:
+        if self.quant_method is not None:
+            h = residual_add(residual, update)
+            y = self.quant_method.apply(self, rms_norm(h, norm.weight, norm.eps))
+            y = y + self.bias if self.bias is not None else y
+        elif packed is not None:
             h = residual_add(residual, update)
             y = packed_linear(rms_norm(h, norm.weight, norm.eps), packed, self.bias)
         else:
@@ -372,7 +380,9 @@ class RowParallelLinear(_LinearBase):
         """x [..., in]; with `gated_input`, x is [..., 2 * in] (gate | up, a gated MLP's merged
         projection) and the layer's input is silu(gate) * up, fused into the matmul where it can be."""
         packed = self.cpu_packed.get(self.weight, x)
-        if packed is not None:
+        if self.quant_method is not None:
+            y = self.quant_method.apply(self, silu_and_mul(x) if gated_input else x)
+        elif packed is not None:
             y = packed_linear(silu_and_mul(x) if gated_input else x, packed, None)
         elif gated_input and self.fuses_gate:
             y = silu_mul_linear(x, self.weight, None, self.skinny_max_rows)

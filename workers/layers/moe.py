@@ -228,6 +228,7 @@ class FusedMoE(nn.Module):
         )
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        self.quant_method: Optional[object] = None  # FP8 experts (layers/quantization/fp8.py)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object
@@ -284,9 +285,22 @@ class FusedMoE(nn.Module):
         return tp_all_reduce(y, self.tp) if self.reduce_output else y
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+            return self.routed(x, weights, ids)
         return fused_moe(
             x, self.gate(x), self.w13_weight, self.w2_weight, self.top_k, self.renormalize
         )
+
+    def routed(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts for a computed routing (FP8 ones through their own op)."""
+        if self.quant_method is not None:
+            from atomrt.workers.layers.quantization.fp8_ops import fp8_routed_experts
+
+            return fp8_routed_experts(x, topk_weights, topk_ids, self)
+        return routed_experts(x, topk_weights, topk_ids, self.w13_weight, self.w2_weight)
 
 
 def _check_dp_rows(x: torch.Tensor, dp: DPInfo) -> None:

@@ -21,6 +21,12 @@ from torch import nn
 
 from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.runtime.config import DEFAULT_MODEL
+from atomrt.workers.layers.quantization.fp8 import (
+    Fp8Config,
+    finish_quantized_weights,
+    quantize_model,
+    resolve_fp8_config,
+)
 from atomrt.workers.loading.gguf import arch_from_gguf, gguf_weights, open_gguf
 from atomrt.workers.loading.presets import find_preset, preset_config
 from atomrt.workers.models.arch import ModelArch, arch_from_hf_config
@@ -250,14 +256,29 @@ def load_model(
     arch, reader = _arch_of(resolved, load_format == "dummy", config.model_config.hf_overrides)
     max_position = config.model_config.max_model_len or arch.max_position
     model = build_model(arch, device, dtype, tp, max_position, config=config, dp=dp)
+    fp8 = _fp8_config(config, resolved, load_format == "dummy")
+    if fp8 is not None:  # FP8 layers, before their weights load
+        quantize_model(model, fp8)
     if load_format == "dummy":
         init_dummy_weights(model, config.model_config.seed)
     elif resolved.kind == "safetensors":
         model.load_weights(safetensors_weights(resolved.path), where=str(resolved.path))
     else:
         model.load_weights(gguf_weights(reader, arch, resolved.path), where=str(resolved.path))
+    if fp8 is not None:
+        finish_quantized_weights(model)
     process_weights_after_loading(model)
     return LoadedModel(model, arch, resolved)
+
+
+def _fp8_config(config: Any, resolved: ResolvedModel, dummy: bool) -> Optional[Fp8Config]:
+    """The model's FP8 configuration: the checkpoint's `quantization_config` (a safetensors
+    folder's), or `model_config.quantization="fp8"` on a float one."""
+    hf_quantization = None
+    if resolved.kind == "safetensors" and not dummy:
+        hf_quantization = read_hf_config(resolved.path).get("quantization_config")
+    quantization = getattr(config.model_config, "quantization", None)
+    return resolve_fp8_config(quantization, hf_quantization, str(resolved.path or resolved.name))
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

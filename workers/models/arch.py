@@ -132,12 +132,10 @@ def arch_from_hf_config(cfg: dict[str, Any], where: str) -> ModelArch:
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias", False):
         raise ValueError(f"{where}: only silu MLPs without bias are supported")
     quantization = cfg.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        raise ValueError(
-            f"{where}: quantized checkpoints are not supported (quantization_config: {method}); "
-            "give one in bfloat16, float16 or float32"
-        )
+    if quantization:  # FP8 loads (workers/layers/quantization/fp8.py); anything else is refused
+        from atomrt.workers.layers.quantization.fp8 import Fp8Config
+
+        Fp8Config.from_hf(quantization, where)
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden_size = int(cfg["hidden_size"])

@@ -206,8 +206,11 @@ _STACKED_PARAMS = (
     ("gate_up_proj", "up_proj", 1),
 )
 _NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
-# one expert's projection: mlp.experts.<e>.<proj>.weight
-_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# one expert's projection: mlp.experts.<e>.<proj>.weight, or (FP8 checkpoints) its scales
+_EXPERT = re.compile(
+    r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+    r"(weight|weight_scale_inv|weight_scale|input_scale)$"
+)
 # every expert's at once (transformers' fused layout): mlp.experts.gate_up_proj / down_proj
 _FUSED_EXPERTS = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 _EXPERT_SHARD = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -298,7 +301,7 @@ class MoEForCausalLM(nn.Module):
         m = _EXPERT.match(name)
         if m:
             kind = _EXPERT_SHARD[m.group(3)]
-            param = "w2_weight" if kind == "down" else "w13_weight"
+            param = ("w2_" if kind == "down" else "w13_") + m.group(4)
             return f"{m.group(1)}.experts.{param}", (kind, int(m.group(2)))
         m = _FUSED_EXPERTS.match(name)
         if m:
