@@ -253,6 +253,104 @@ _TINY_DEEPSEEK_V3: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 
+# DeepSeek-V4-Flash(-Base)'s shape as transformers' DeepseekV4Config defaults describe it: 43 layers
+# (two HCA, then CSA / HCA in turn), the first three hash-routed, 256 experts top-6, hc_mult 4;
+# YaRN (factor 16) on the compressed layers' rotary. `--hf-overrides '{"num_hidden_layers": N}'`
+# keeps the first N layers.
+_V4_FLASH_LAYERS = 43
+_DEEPSEEK_V4_FLASH: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": _V4_FLASH_LAYERS,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "q_lora_rank": 1024,
+    "partial_rotary_factor": 64 / 512,
+    "num_experts_per_tok": 6,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5,
+    "max_position_embeddings": 1048576,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_parameters": {
+        "main": {"rope_type": "default", "rope_theta": 10000.0},
+        "compress": {
+            "rope_type": "yarn",
+            "rope_theta": 160000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "attention_factor": 1.0,
+        },
+    },
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    "layer_types": ["heavily_compressed_attention"] * 2
+    + [
+        "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+        for i in range(_V4_FLASH_LAYERS - 2)
+    ],
+    "mlp_layer_types": ["hash_moe"] * 3 + ["moe"] * (_V4_FLASH_LAYERS - 3),
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "swiglu_limit": 10.0,
+    "sliding_window": 128,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "num_nextn_predict_layers": 1,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "torch_dtype": "bfloat16",
+}
+
+_TINY_DEEPSEEK_V4: dict[str, Any] = {
+    **_DEEPSEEK_V4_FLASH,
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "head_dim": 64,
+    "q_lora_rank": 64,
+    "partial_rotary_factor": 16 / 64,
+    "num_experts_per_tok": 2,
+    "n_routed_experts": 8,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {
+        "main": {"rope_type": "default", "rope_theta": 10000.0},
+        "compress": {"rope_type": "default", "rope_theta": 160000.0},
+    },
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    "layer_types": [
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ],
+    "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
+    "hc_mult": 2,
+    "sliding_window": 16,
+    "o_groups": 2,
+    "o_lora_rank": 32,
+    "index_n_heads": 8,
+    "index_head_dim": 32,
+    "index_topk": 4,
+    "num_nextn_predict_layers": 0,
+    "torch_dtype": "float32",
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "SmolLM2-135M": _SMOLLM2_135M,
     "SmolLM2-135M-Instruct": {**_SMOLLM2_135M, "bos_token_id": 1, "eos_token_id": 2},
@@ -293,6 +391,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "DeepSeek-V3": _DEEPSEEK_V3,
     "GLM-4.7-Flash": _GLM_4_7_FLASH,
     "tiny-deepseek-v3": _TINY_DEEPSEEK_V3,
+    "DeepSeek-V4-Flash": _DEEPSEEK_V4_FLASH,
+    "tiny-deepseek-v4": _TINY_DEEPSEEK_V4,
 }
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from atomrt.workers.models.deepseek_arch import deepseek_fields
+from atomrt.workers.models.deepseek_v4_arch import V4Arch, v4_fields
 
 # Supported architectures with the per-family switches of their attention (Llama's, for all).
 _FAMILY_FLAGS: dict[str, dict[str, bool]] = {
@@ -23,6 +24,7 @@ _FAMILY_FLAGS: dict[str, dict[str, bool]] = {
     "DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Glm4MoeLiteForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "DeepseekV4ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # Multi-head latent attention and DeepSeekMoE (workers/models/deepseek_arch.py reads their fields)
@@ -76,6 +78,8 @@ class ModelArch:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     num_nextn_predict_layers: int = 0  # multi-token-prediction layers stored after the decoder's
+    # DeepSeek-V4's own fields (workers/models/deepseek_v4_arch.py); None for every other model
+    v4: Optional[V4Arch] = None
 
     @property
     def is_moe(self) -> bool:
@@ -129,6 +133,8 @@ def arch_from_hf_config(cfg: dict[str, Any], where: str) -> ModelArch:
         raise ValueError(f"{where}: config.json has no 'architectures' entry")
     architecture = architectures[0]
     check_architecture(architecture, where)
+    if architecture == "DeepseekV4ForCausalLM":  # its experts' width is its only MLP width
+        cfg = {"intermediate_size": cfg.get("moe_intermediate_size", 2048), **cfg}
     if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias", False):
         raise ValueError(f"{where}: only silu MLPs without bias are supported")
     quantization = cfg.get("quantization_config")
@@ -164,6 +170,8 @@ def arch_from_hf_config(cfg: dict[str, Any], where: str) -> ModelArch:
         )
         if architecture in MLA_ARCHITECTURES:
             fields.update(deepseek_fields(cfg, architecture, where))
+        elif architecture == "DeepseekV4ForCausalLM":
+            fields.update(v4_fields(cfg, where))
         else:
             fields.update(_moe_fields(cfg, architecture, where))
         return ModelArch(**fields)

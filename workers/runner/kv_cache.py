@@ -80,6 +80,8 @@ def kv_layer_specs(layers: dict[int, nn.Module]) -> list[LayerSpec]:
             specs.append(MLALayerSpec(i, layer.kv_lora_rank, layer.qk_rope_head_dim))
         elif isinstance(layer, Attention):
             specs.append(KVLayerSpec(i, layer.num_kv_heads, layer.head_dim))
+        elif hasattr(layer, "kv_cache_spec"):  # a layer that lays out its own rows (DeepSeek-V4)
+            specs.append(layer.kv_cache_spec())
         else:
             raise TypeError(f"layer {i}: {type(layer).__name__} has no KV cache layout")
     return specs
@@ -118,6 +120,9 @@ def allocate_kv_cache(
         prepare_decode_counters(device)
     caches: dict[str, CacheEntry] = {}
     for s in specs:
+        if hasattr(s, "allocate"):
+            caches[f"layers.{s.layer_idx}"] = s.allocate(num_blocks, block_size, dtype, device)
+            continue
         if isinstance(s, MLALayerSpec):
             shape = (num_blocks, block_size, s.elements_per_token())
             entry: CacheEntry = MLAKVCacheTensor(

@@ -1,0 +1,509 @@
+"""DeepSeek-V4's attention block and its one custom op, `torch.ops.atomrt.v4_attention`.
+
+The block (one KV head shared by every query head, keys and values the same tensor):
+
+    q_res = q_norm(wq_a x)                    (the query LoRA, q_lora_rank wide)
+    q     = rope(rms(wq_b q_res))             per head, head_dim wide, normalised without a weight
+    kv    = rope(norm(wkv x))                 one row per token, head_dim wide
+    out   = softmax_with_sink(q . [window kv ; compressed entries]) [window kv ; entries]
+    y     = wo_b(wo_a_grouped(rope^-1(out)))  the grouped output projection (o_groups groups)
+
+Rotary embeddings rotate the trailing `qk_rope_head_dim` channels of a head in interleaved pairs
+(partial rotary); sliding layers use the `main` set, compressed layers the `compress` set (YaRN).
+The output's rotated part is turned back by the query's angle, so each value enters by its
+distance to the query. Each head has a learned sink logit (`attn_sink`) that joins the softmax
+and takes its share of the mass.
+
+What a query at position p attends:
+- the window: the keys of tokens p - sliding_window < t <= p (every layer);
+- compressed layers, the entries of complete windows: entry w pools tokens [w*m, (w+1)*m) (m the
+  layer type's compress rate) and is visible once p >= (w+1)*m - 1;
+  - HCA (`heavily_compressed_attention`): every visible entry;
+  - CSA (`compressed_sparse_attention`): the `index_topk` visible entries the lightning indexer
+    scores highest, score_t = sum_h w_h relu(q^I_h . K^I_t) / sqrt(index_head_dim), with
+    w = weights_proj(x) / sqrt(index_n_heads), q^I = rope(indexer.wq_b q_res), K^I the indexer's
+    own compressed keys (index_head_dim wide).
+
+The compressor (`compressor.*`, and the indexer's `indexer.compressor.*`) pools a window with a
+softmax over its tokens, per channel, of gate + ape (a learned bias per position in the window):
+entry = rope(norm(sum_j softmax_j(wgate x_j + ape_j) * wkv x_j)) at position w*m. An HCA window is
+its m tokens; a CSA entry pools 2m slots, the first half of the projections (width head_dim) of
+window w-1's tokens and the second half of window w's (none before window 0): overlapping windows.
+
+The cache (workers/runner/kv_cache.py, `V4LayerSpec`): one row per token in the one block pool,
+indexed by the sequence's block table like every other layer's,
+
+    [kv | compressor kv, gate | entry | indexer kv, gate | indexer entry]
+     D    c*D        c*D       D       2*Di       2*Di     Di             (c = 2 for CSA, 1 for HCA)
+
+a sliding layer's row is its kv alone. A token's compressor projections stay in its row until
+its window is pooled, so the compressor's partial window carries across steps, prefill chunks and
+a recomputation after preemption as the keys do; an entry lives in the row of its window's last
+token. A full block's rows are a function of the tokens up to it: prefix caching reuses them.
+
+CPU: the op runs the torch reference below (its attention is the eager region `_v4_attend`).
+"""
+
+# No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atomrt.compile.custom_register import direct_register_custom_op
+from atomrt.graphs.markers import eager_region
+from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
+from atomrt.workers.layers.rotary import RotaryEmbedding
+from atomrt.workers.layers.v4_hyper import unweighted_rms_norm
+
+# the layer types (config.json `layer_types`)
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing 2 * cos.shape[-1] channels of x in interleaved pairs, in float32.
+    cos, sin broadcast against x[..., :half] (one angle per pair)."""
+    rd = 2 * cos.shape[-1]
+    nope, rope = x[..., :-rd], x[..., -rd:].float()
+    x1, x2 = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' DeepSeek-V4 RMSNorm: in float32, times the weight, back to x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(x.dtype)
+
+
+class Norm(nn.Module):
+    """A weighted RMSNorm whose parameter is the checkpoint's `<name>.weight` (float32)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Compressor(nn.Module):
+    """`wkv`, `wgate` (c * dim wide: c = 2 for overlapping CSA windows), `ape` [rate, c * dim]
+    and the pooled entry's `norm`."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        c = 2 if overlap else 1
+        self.dim, self.rate, self.overlap = dim, rate, overlap
+        self.wkv = nn.Linear(hidden, c * dim, bias=False)
+        self.wgate = nn.Linear(hidden, c * dim, bias=False)
+        self.ape = nn.Parameter(torch.empty(rate, c * dim, dtype=torch.float32))
+        self.norm = Norm(dim, eps)
+
+    def pool(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        windows: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """The entries of `windows` [m] from a sequence's per-token projections kv, gate [L, c*dim]
+        (tokens 0..L-1, every window's tokens among them) -> [m, dim], rotated at w * rate."""
+        r, d = self.rate, self.dim
+        tok = windows.unsqueeze(1) * r + torch.arange(r, device=kv.device)  # [m, r]
+        g = gate[tok].float() + self.ape  # [m, r, c*dim]
+        v = kv[tok]
+        if self.overlap:
+            prev = (tok - r).clamp(min=0)
+            g_a = gate[prev, :d].float() + self.ape[:, :d]
+            g_a = g_a.masked_fill((windows == 0).view(-1, 1, 1), float("-inf"))
+            v_a = kv[prev, :d].masked_fill((windows == 0).view(-1, 1, 1), 0.0)
+            g = torch.cat((g_a, g[..., d:]), dim=1)  # [m, 2r, dim]
+            v = torch.cat((v_a, v[..., d:]), dim=1)
+        probs = torch.softmax(g, dim=1, dtype=torch.float32).to(v.dtype)
+        pooled = self.norm((v * probs).sum(dim=1))
+        return rope_tail(
+            pooled, cos[windows * r].to(pooled.dtype), sin[windows * r].to(pooled.dtype)
+        )
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of a CSA layer: its compressor (index_head_dim), `wq_b` from the
+    query LoRA and `weights_proj`."""
+
+    def __init__(
+        self, hidden: int, q_lora_rank: int, n_heads: int, head_dim: int, rate: int, eps: float
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.compressor = Compressor(hidden, head_dim, rate, True, eps)
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
+
+
+@dataclass(frozen=True)
+class V4LayerSpec:
+    """A DeepSeek-V4 layer's cache: one row per token (see this module's docstring)."""
+
+    layer_idx: int
+    layer_type: str
+    head_dim: int
+    compress_width: int  # c * head_dim of the compressor's projections (0: sliding)
+    index_width: int  # 2 * index_head_dim of the indexer's (0: not CSA)
+
+    @property
+    def kind(self) -> str:
+        return self.layer_type
+
+    def elements_per_token(self) -> int:
+        d, di = self.head_dim, self.index_width // 2
+        n = d
+        if self.compress_width:
+            n += 2 * self.compress_width + d
+        if self.index_width:
+            n += 2 * self.index_width + di
+        return n
+
+    def allocate(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> "V4CacheTensor":
+        shape = (num_blocks, block_size, self.elements_per_token())
+        return V4CacheTensor(self.layer_idx, torch.zeros(shape, dtype=dtype, device=device))
+
+
+@dataclass
+class V4CacheTensor:
+    layer_idx: int
+    rows: torch.Tensor  # [num_blocks, block_size, V4LayerSpec.elements_per_token()]
+
+
+class V4Attention(PagedAttentionLayer):
+    """One layer's attention (this module's docstring); its parameters carry the checkpoint's
+    names under `layers.<i>.attn.`."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        layer_type: str,
+        hidden: int,
+        num_heads: int,
+        head_dim: int,
+        q_lora_rank: int,
+        rope_dim: int,
+        window: int,
+        rate: int,
+        o_groups: int,
+        o_lora_rank: int,
+        index_n_heads: int,
+        index_head_dim: int,
+        index_topk: int,
+        eps: float,
+        rotary: RotaryEmbedding,
+    ) -> None:
+        super().__init__()
+        self.layer_idx, self.layer_type = layer_idx, layer_type
+        self.num_heads, self.head_dim, self.rope_dim = num_heads, head_dim, rope_dim
+        self.window, self.rate, self.index_topk = window, rate, index_topk
+        self.o_groups, self.eps = o_groups, eps
+        self.scale = head_dim**-0.5
+        self.rotary = rotary
+        self.wq_a = nn.Linear(hidden, q_lora_rank, bias=False)
+        self.q_norm = Norm(q_lora_rank, eps)
+        self.wq_b = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
+        self.wkv = nn.Linear(hidden, head_dim, bias=False)
+        self.norm = Norm(head_dim, eps)
+        self.wo_a = nn.Linear(num_heads * head_dim // o_groups, o_groups * o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(o_groups * o_lora_rank, hidden, bias=False)
+        self.attn_sink = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
+        self.compressor = (
+            Compressor(hidden, head_dim, rate, layer_type == CSA, eps)
+            if layer_type in (CSA, HCA)
+            else None
+        )
+        self.indexer = (
+            Indexer(hidden, q_lora_rank, index_n_heads, index_head_dim, rate, eps)
+            if layer_type == CSA
+            else None
+        )
+        c = 2 if layer_type == CSA else 1
+        self.spec = V4LayerSpec(
+            layer_idx,
+            layer_type,
+            head_dim,
+            c * head_dim if self.compressor is not None else 0,
+            2 * index_head_dim if self.indexer is not None else 0,
+        )
+
+    def kv_cache_spec(self) -> V4LayerSpec:
+        return self.spec
+
+    def _cos_sin(self, positions: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+        return self.rotary.cos_cache[positions], self.rotary.sin_cache[positions]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] (after attn_norm), positions [n] -> [n, hidden]."""
+        n = x.shape[0]
+        cos, sin = self._cos_sin(positions)
+        cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)
+        q_res = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_res).view(n, self.num_heads, self.head_dim)
+        q = rope_tail(unweighted_rms_norm(q, self.eps), cos_h, sin_h)
+        kv = rope_tail(self.norm(self.wkv(x)), cos, sin)
+        ckv = cgate = ikv = igate = iq = iw = None
+        if self.compressor is not None:
+            ckv, cgate = self.compressor.wkv(x), self.compressor.wgate(x)
+        if self.indexer is not None:
+            idx = self.indexer
+            ikv, igate = idx.compressor.wkv(x), idx.compressor.wgate(x)
+            iq = idx.wq_b(q_res).view(n, idx.n_heads, idx.head_dim)
+            iq = rope_tail(iq, cos_h, sin_h)
+            iw = idx.weights_proj(x).float() * idx.n_heads**-0.5
+        out = torch.empty_like(q)
+        torch.ops.atomrt.v4_attention(
+            q, kv, ckv, cgate, ikv, igate, iq, iw, out, positions, self.layer_idx
+        )
+        out = rope_tail(out, cos_h, -sin_h)  # the values' rotation turned back at the query's angle
+        grouped = out.reshape(n, self.o_groups, -1)  # [n, G, H*D/G]
+        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
+        return self.wo_b(torch.einsum("ngi,goi->ngo", grouped, w).flatten(1))
+
+    # ---- the cache rows ------------------------------------------------------------------------
+
+    def columns(self) -> "dict[str, tuple[int, int]]":
+        """Name -> (first column, width) of a cache row."""
+        d, cw, iw = self.head_dim, self.spec.compress_width, self.spec.index_width
+        cols, at = {"kv": (0, d)}, d
+        if cw:
+            for name, width in (("ckv", cw), ("cgate", cw), ("centry", d)):
+                cols[name], at = (at, width), at + width
+        if iw:
+            for name, width in (("ikv", iw), ("igate", iw), ("ientry", iw // 2)):
+                cols[name], at = (at, width), at + width
+        return cols
+
+    def rows(self, kv, ckv, cgate, ikv, igate) -> torch.Tensor:
+        """This step's cache rows (entries zero: they are pooled once their window is whole)."""
+        parts = [kv]
+        if ckv is not None:
+            parts += [ckv, cgate, kv.new_zeros(kv.shape[0], self.head_dim)]
+        if ikv is not None:
+            parts += [ikv, igate, kv.new_zeros(kv.shape[0], ikv.shape[1] // 2)]
+        return torch.cat(parts, dim=-1)
+
+
+def _col(rows: torch.Tensor, cols: dict, name: str) -> torch.Tensor:
+    at, width = cols[name]
+    return rows[..., at : at + width]
+
+
+def _sequences(md: object, num_rows: int, paged: bool) -> "list[tuple[int, int, int, int]]":
+    """(index, first row, rows, context length) of each sequence of the step. Without a cache
+    (profiling, dummy runs) each sequence is its rows alone from position 0; with no metadata, all
+    rows are one."""
+    if md is None or (md.cu_seqlens_q_cpu is None and md.cu_seqlens_q is None):
+        return [(0, 0, num_rows, num_rows)]
+    cu = md.cu_seqlens_q_cpu if md.cu_seqlens_q_cpu is not None else md.cu_seqlens_q.tolist()
+    num_seqs = md.num_seqs or len(cu) - 1
+    lens = getattr(md, "context_lens_cpu", None)
+    if lens is None and getattr(md, "context_lens", None) is not None:
+        lens = md.context_lens.tolist()
+    out = []
+    for s in range(num_seqs):
+        n = cu[s + 1] - cu[s]
+        if n:
+            out.append((s, cu[s], n, lens[s] if paged and lens is not None else n))
+    return out
+
+
+def v4_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    ckv: Optional[torch.Tensor],
+    cgate: Optional[torch.Tensor],
+    ikv: Optional[torch.Tensor],
+    igate: Optional[torch.Tensor],
+    iq: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
+    output: torch.Tensor,
+    positions: torch.Tensor,
+    layer_idx: int,
+) -> None:
+    """q, output [n, H, D]; kv [n, D]; ckv, cgate [n, c*D]; ikv, igate [n, 2*Di]; iq [n, Hi, Di];
+    iw [n, Hi] float32; positions [n]. Writes the step's cache rows at slot_mapping, pools the
+    windows that end in the step, then attends (`_v4_attend`, the eager region)."""
+    layer, md, cache = paged_layer_state(layer_idx)
+    rows = layer.rows(kv, ckv, cgate, ikv, igate)
+    if cache is not None and md is not None:
+        n = rows.shape[0]
+        valid = md.slot_mapping[:n] >= 0
+        flat = cache.rows.view(-1, cache.rows.shape[-1])
+        flat.index_copy_(0, md.slot_mapping[:n][valid], rows[valid].to(flat.dtype))
+    _v4_attend(q, rows, iq, iw, output, positions, layer_idx)
+
+
+@eager_region(request_fixed=True)
+def _v4_attend(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    iq: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
+    output: torch.Tensor,
+    positions: torch.Tensor,
+    layer_idx: int,
+) -> None:
+    """Each sequence's compressor windows that end in the step, pooled into their entry rows, then
+    its queries' attention over the window and the compressed entries. Rows past the step's
+    sequences get zeros."""
+    layer, md, cache = paged_layer_state(layer_idx)
+    output.zero_()
+    paged = cache is not None and md is not None
+    block_size = cache.rows.shape[1] if paged else 0
+    for s, start, n, context_len in _sequences(md, q.shape[0], paged):
+        if paged:
+            table = md.block_tables[s, : -(-context_len // block_size)].long()
+            seq_rows = cache.rows[table].flatten(0, 1)[:context_len]
+        else:  # profiling / dummy run: the sequence is this step's rows alone
+            seq_rows = rows[start : start + n]
+        seq_rows = seq_rows.to(q.dtype)
+        _attend_sequence(
+            layer,
+            q[start : start + n],
+            seq_rows,
+            None if iq is None else iq[start : start + n],
+            None if iw is None else iw[start : start + n],
+            output[start : start + n],
+            context_len,
+            cache.rows if paged else None,
+            md.block_tables[s] if paged else None,
+        )
+
+
+def _attend_sequence(
+    layer: V4Attention,
+    q: torch.Tensor,
+    seq_rows: torch.Tensor,
+    iq: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
+    out: torch.Tensor,
+    context_len: int,
+    cache_rows: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor],
+) -> None:
+    n, L = q.shape[0], context_len
+    device = q.device
+    cols = layer.columns()
+    pos = torch.arange(L - n, L, device=device)
+    keys = _col(seq_rows, cols, "kv")  # [L, D]
+    t = torch.arange(L, device=device)
+    mask = (t.unsqueeze(0) <= pos.unsqueeze(1)) & (t.unsqueeze(0) > pos.unsqueeze(1) - layer.window)
+    if layer.compressor is not None:
+        r = layer.rate
+        entries = _pool_new_windows(layer, seq_rows, cols, L, n, cache_rows, block_table)
+        num_entries = L // r
+        ent = _col(seq_rows, cols, "centry")[r - 1 :: r][:num_entries]
+        if entries is not None:
+            ent = ent.clone()
+            ent[entries[0]] = entries[1]
+        w = torch.arange(num_entries, device=device)
+        visible = w.unsqueeze(0) < ((pos + 1) // r).unsqueeze(1)  # [n, T]
+        if layer.indexer is not None and num_entries:
+            ikeys = _col(seq_rows, cols, "ientry")[r - 1 :: r][:num_entries]
+            if entries is not None:
+                ikeys = ikeys.clone()
+                ikeys[entries[0]] = entries[2]
+            visible = visible & _index_select(layer, iq, iw, ikeys, visible)
+        keys = torch.cat((keys, ent), dim=0)
+        mask = torch.cat((mask, visible), dim=1)
+    logits = torch.einsum("nhd,kd->nhk", q, keys.to(q.dtype)) * layer.scale
+    logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    sink = layer.attn_sink.to(logits.dtype).view(1, -1, 1).expand(n, -1, 1)
+    combined = torch.cat((logits, sink), dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    out.copy_(torch.einsum("nhk,kd->nhd", probs, keys.to(q.dtype)))
+
+
+def _index_select(
+    layer: V4Attention,
+    iq: torch.Tensor,
+    iw: torch.Tensor,
+    ikeys: torch.Tensor,
+    visible: torch.Tensor,
+) -> torch.Tensor:
+    """[n, T] bool: the top `index_topk` visible entries of each query by the indexer's score."""
+    scores = torch.einsum("nhd,td->nht", iq.float(), ikeys.float())
+    scores = F.relu(scores) * layer.indexer.head_dim**-0.5
+    scores = (scores * iw.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
+    k = min(layer.index_topk, scores.shape[1])
+    picked = torch.zeros_like(visible)
+    picked.scatter_(1, scores.topk(k, dim=-1).indices, True)
+    return picked
+
+
+def _pool_new_windows(
+    layer: V4Attention,
+    seq_rows: torch.Tensor,
+    cols: dict,
+    L: int,
+    n: int,
+    cache_rows: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor],
+) -> "Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]":
+    """The windows whose last token is among the step's rows: (window ids, entries, indexer
+    entries), written into their entry rows of the cache too; None when no window ends here."""
+    r = layer.rate
+    first = -(-(L - n + 1) // r) - 1  # the first window ending at or after token L - n
+    last = L // r - 1
+    if last < max(first, 0):
+        return None
+    windows = torch.arange(max(first, 0), last + 1, device=seq_rows.device)
+    cos, sin = layer.rotary.cos_cache, layer.rotary.sin_cache
+    entries = layer.compressor.pool(
+        _col(seq_rows, cols, "ckv"), _col(seq_rows, cols, "cgate"), windows, cos, sin
+    )
+    ientries = None
+    if layer.indexer is not None:
+        comp = layer.indexer.compressor
+        ientries = comp.pool(
+            _col(seq_rows, cols, "ikv"), _col(seq_rows, cols, "igate"), windows, cos, sin
+        )
+    if cache_rows is not None:
+        bs = cache_rows.shape[1]
+        last_tok = (windows + 1) * r - 1
+        slots = block_table[last_tok // bs].long() * bs + last_tok % bs
+        flat = cache_rows.view(-1, cache_rows.shape[-1])
+        at, width = cols["centry"]
+        flat[slots, at : at + width] = entries.to(flat.dtype)
+        if ientries is not None:
+            at, width = cols["ientry"]
+            flat[slots, at : at + width] = ientries.to(flat.dtype)
+    return windows, entries, ientries
+
+
+def _v4_attention_fake(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    ckv: Optional[torch.Tensor],
+    cgate: Optional[torch.Tensor],
+    ikv: Optional[torch.Tensor],
+    igate: Optional[torch.Tensor],
+    iq: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
+    output: torch.Tensor,
+    positions: torch.Tensor,
+    layer_idx: int,
+) -> None:
+    return None
+
+
+direct_register_custom_op(
+    "v4_attention", v4_attention, mutates_args=["output"], fake_impl=_v4_attention_fake
+)

@@ -1,0 +1,124 @@
+"""DeepSeek-V4's mixture of experts: routed experts plus one shared expert, both SwiGLU with the
+pre-activations clamped (`swiglu_limit`: gate <= limit, -limit <= up <= limit).
+
+Routing, from the router's scores s = score_fn(x @ W_gate^T) (`scoring_func`: sqrt(softplus),
+softmax or sigmoid):
+- `hash_moe` layers pick the experts by the token alone, `tid2eid[input_ids]` (a frozen table in
+  the checkpoint), so the step's token ids reach the layer;
+- `moe` layers pick the top `num_experts_per_tok` of s + the correction bias (`gate.bias`).
+Either way the weights are the picked scores, renormalised to sum 1, times `routed_scaling_factor`.
+
+Parameter names are the checkpoint's: `gate.weight`, `gate.bias` (moe) or `gate.tid2eid` (hash),
+`experts.<e>.w1/w2/w3` (gate, down, up), `shared_experts.w1/w2/w3`. One rank holds every expert
+(the layer is built for tensor_parallel_size = data_parallel_size = 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SwiGLU(nn.Module):
+    """down(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, limit: float) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class V4Gate(nn.Module):
+    """The router: scores, then the experts each row goes to and their weights."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        scoring_func: str,
+        routed_scaling_factor: float,
+        hashed: bool,
+        vocab_size: int,
+    ) -> None:
+        super().__init__()
+        self.top_k, self.scoring_func, self.scale = top_k, scoring_func, routed_scaling_factor
+        self.hashed = hashed
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        if hashed:
+            # the checkpoint's table replaces this spread (dummy weights keep it)
+            table = (
+                torch.arange(vocab_size).unsqueeze(1) * top_k + torch.arange(top_k)
+            ) % num_experts
+            self.register_buffer("tid2eid", table.long())
+        else:
+            self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        if self.scoring_func == "sqrtsoftplus":
+            return F.softplus(logits).sqrt()
+        if self.scoring_func == "sigmoid":
+            return torch.sigmoid(logits)
+        return torch.softmax(logits, dim=-1)
+
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, hidden], input_ids [n] -> (expert ids [n, top_k], weights [n, top_k])."""
+        scores = self.scores(x)
+        if self.hashed:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scale
+
+
+class V4MoE(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        n_shared_experts: int,
+        scoring_func: str,
+        routed_scaling_factor: float,
+        swiglu_limit: float,
+        hashed: bool,
+        vocab_size: int,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate = V4Gate(
+            hidden_size, num_experts, top_k, scoring_func, routed_scaling_factor, hashed, vocab_size
+        )
+        self.experts = nn.ModuleList(
+            SwiGLU(hidden_size, intermediate_size, swiglu_limit) for _ in range(num_experts)
+        )
+        # transformers' shared expert is one SwiGLU of moe_intermediate_size, whatever the count
+        self.shared_experts = (
+            SwiGLU(hidden_size, intermediate_size, swiglu_limit) if n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] (after ffn_norm), input_ids [n] -> [n, hidden]."""
+        ids, weights = self.gate(x, input_ids)
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == e)
+            y = self.experts[e](x[rows]) * weights[rows, slot, None].to(x.dtype)
+            out.index_add_(0, rows, y.to(out.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

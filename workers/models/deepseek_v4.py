@@ -1,0 +1,205 @@
+"""DeepSeek-V4 (DeepseekV4ForCausalLM): hyper-connected residual streams around attention over a
+sliding window plus compressed entries, and hash-routed or top-k-routed experts.
+
+    h       = embed(input_ids), copied into hc_mult streams               [n, hc, hidden]
+    layer i:  post, comb, x = hc_attn(h)                                   (workers/layers/v4_hyper.py)
+              h = post * attn(attn_norm(x)) + comb^T h                     (workers/layers/v4_attention.py)
+              post, comb, x = hc_ffn(h)
+              h = post * ffn(ffn_norm(x), input_ids) + comb^T h            (workers/layers/v4_moe.py)
+    hidden  = norm(hc_head(h))
+    logits  = head(hidden)
+
+`layer_types[i]` is layer i's attention (sliding window; CSA: window + indexer-selected compressed
+entries; HCA: window + every compressed entry), `mlp_layer_types[i]` its routing (`hash_moe`:
+`tid2eid[input_ids]`; `moe`: top-k). The hash routing reads the step's token ids, so the unit
+that holds every per-token piece of the step is this class itself.
+
+Checkpoints: the names DeepSeek publishes and transformers writes back (`layers.<i>.attn.wq_a`,
+`...compressor.wkv`, `...indexer.wq_b`, `ffn.experts.<e>.w1`, `hc_attn_fn`, `hc_head_fn`, `head`,
+...), with or without transformers' `model.` prefix. The multi-token-prediction layers (`mtp.*`)
+are left out and said so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from atomrt.distributed.communication_op import DPInfo, TPInfo
+from atomrt.workers.layers.rotary import RotaryEmbedding
+from atomrt.workers.layers.v4_attention import Norm, V4Attention
+from atomrt.workers.layers.v4_hyper import HyperConnection, HyperHead, hyper_residual
+from atomrt.workers.layers.v4_moe import V4MoE
+from atomrt.workers.layers.weight_utils import Sliceable
+from atomrt.workers.models.arch import ModelArch
+
+logger = logging.getLogger(__name__)
+
+_RENAMES = (  # the published names of the top-level tensors -> ours
+    ("embed.weight", "embed_tokens.weight"),
+    ("hc_head_fn", "hc_head.hc_fn"),
+    ("hc_head_base", "hc_head.hc_base"),
+    ("hc_head_scale", "hc_head.hc_scale"),
+)
+_LAYER_RENAMES = tuple(  # a layer's mHC tensors -> its HyperConnection modules'
+    (f".hc_{block}_{part}", f".{block}_hc.{part}")
+    for block in ("attn", "ffn")
+    for part in ("fn", "base", "scale")
+)
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, i: int, rotary: dict[str, RotaryEmbedding]) -> None:
+        super().__init__()
+        v4 = arch.v4
+        layer_type = v4.layer_types[i]
+        hc = (arch.hidden_size, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, arch.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+        self.attn_norm = Norm(arch.hidden_size, arch.rms_norm_eps)
+        self.ffn_norm = Norm(arch.hidden_size, arch.rms_norm_eps)
+        self.attn = V4Attention(
+            i,
+            layer_type,
+            arch.hidden_size,
+            arch.num_heads,
+            arch.head_dim,
+            arch.q_lora_rank,
+            v4.qk_rope_head_dim,
+            v4.sliding_window,
+            v4.compress_rate(layer_type),
+            v4.o_groups,
+            v4.o_lora_rank,
+            v4.index_n_heads,
+            v4.index_head_dim,
+            v4.index_topk,
+            arch.rms_norm_eps,
+            rotary["main" if layer_type == "sliding_attention" else "compress"],
+        )
+        self.ffn = V4MoE(
+            arch.hidden_size,
+            arch.moe_intermediate_size,
+            arch.num_experts,
+            arch.num_experts_per_tok,
+            arch.n_shared_experts,
+            v4.scoring_func,
+            arch.routed_scaling_factor,
+            v4.swiglu_limit,
+            v4.mlp_layer_types[i] == "hash_moe",
+            arch.vocab_size,
+        )
+
+    def forward(
+        self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor
+    ) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        streams = hyper_residual(streams, post, comb, self.attn(self.attn_norm(x), positions))
+        post, comb, x = self.ffn_hc(streams)
+        return hyper_residual(streams, post, comb, self.ffn(self.ffn_norm(x), input_ids))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArch,
+        tp: TPInfo = TPInfo(),
+        max_position: int = 0,
+        config: Any = None,
+        dp: DPInfo = DPInfo(),
+    ) -> None:
+        super().__init__()
+        if tp.tp_size != 1 or dp.dp_size != 1:
+            raise ValueError(
+                "DeepseekV4ForCausalLM runs with tensor_parallel_size = 1 and "
+                f"data_parallel_size = 1 (got {tp.tp_size}, {dp.dp_size})"
+            )
+        v4 = arch.v4
+        self.arch = arch
+        max_position = max_position or arch.max_position
+        # one table per rotary set, shared by every layer of that set
+        rotary = {
+            "main": RotaryEmbedding(
+                v4.qk_rope_head_dim, max_position, v4.main_rope_theta, v4.main_rope_scaling, True
+            ),
+            "compress": RotaryEmbedding(
+                v4.qk_rope_head_dim,
+                max_position,
+                v4.compress_rope_theta,
+                v4.compress_rope_scaling,
+                True,
+            ),
+        }
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(V4DecoderLayer(arch, i, rotary) for i in range(arch.num_layers))
+        self.hc_head = HyperHead(arch.hidden_size, v4.hc_mult, v4.hc_eps, arch.rms_norm_eps)
+        self.norm = Norm(arch.hidden_size, arch.rms_norm_eps)
+        self.head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.hc_mult = v4.hc_mult
+        self._skipped_mtp = 0
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [n] int64 -> hidden_states [n, hidden]."""
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, positions, input_ids)
+        return self.norm(self.hc_head(streams))
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden_states)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        name = name.removeprefix("model.")
+        for theirs, ours in _RENAMES:
+            if name.startswith(theirs):
+                return ours + name[len(theirs) :]
+        for theirs, ours in _LAYER_RENAMES:
+            if name.endswith(theirs):
+                return name[: -len(theirs)] + ours
+        return name
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
+    ) -> None:
+        """(name, tensor) pairs under the published names; every parameter and hash table must be
+        filled once."""
+        targets = dict(self.named_parameters())
+        targets.update((n, b) for n, b in self.named_buffers() if n.endswith("tid2eid"))
+        loaded: set[str] = set()
+        self._skipped_mtp = 0
+        for name, weight in weights:
+            if name.startswith("mtp.") or name.startswith("model.mtp."):
+                self._skipped_mtp += 1
+                continue
+            if "rotary_emb" in name:
+                continue
+            ours = self.checkpoint_name(name)
+            target = targets.get(ours)
+            if target is None:
+                raise ValueError(f"{where}: tensor {name!r} has no place in DeepseekV4ForCausalLM")
+            tensor = weight[:] if not isinstance(weight, torch.Tensor) else weight
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"{where}: {name} is {tuple(tensor.shape)}, the model's {ours} is "
+                    f"{tuple(target.shape)}"
+                )
+            with torch.no_grad():
+                target.copy_(tensor.to(target.device, target.dtype))
+            loaded.add(ours)
+        missing = [n for n in targets if n not in loaded]
+        if missing:
+            raise ValueError(
+                f"{where}: missing tensors for {len(missing)} parameters, e.g. {missing[:4]}"
+            )
+        if self._skipped_mtp:
+            logger.info(
+                "%s: left out %d tensors of the multi-token-prediction layer(s) (mtp.*): the "
+                "target model does not run them",
+                where,
+                self._skipped_mtp,
+            )
