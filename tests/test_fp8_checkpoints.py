@@ -35,7 +35,7 @@ def _check_against_reference(model: torch.nn.Module, reference: torch.nn.Module)
     worst = 0.0
     for s, prompt in enumerate(PROMPTS):
         ref = reference_logits(reference, result.sequences[s][:-1])[len(prompt) - 1 :]
-        got = torch.stack([step[s] for step in result.logits]).double()
+        got = torch.stack([step[s] for step in result.logits]).double().cpu()
         worst = max(worst, (got - ref).abs().max().item())
         assert ref.argmax(dim=-1).tolist() == result.sequences[s][len(prompt) :]
     return worst
@@ -87,6 +87,38 @@ def test_deepseek_v3_block_fp8_checkpoint_matches_float64_reference(tmp_path: Pa
     assert attn.kv_b_proj.weight.dtype == torch.float64  # absorbed into W_UK / W_UV
     reference = reference_model(tmp_path / "deq", "block")
     assert _check_against_reference(loaded.model, reference) < TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["block", "channel", "tensor_static"])
+def test_fp8_checkpoint_on_the_gpu(llama_256: Path, tmp_path: Path, scheme: str) -> None:
+    """The Triton kernels (activation quantization, w8a8 GEMM: skinny decode rows and MMA
+    prefill rows) in a float32 and a bfloat16 model against the float64 reference."""
+    scales = quantize_folder(llama_256, tmp_path / "fp8", scheme, tmp_path / "deq")
+    reference = reference_model(
+        tmp_path / "deq", scheme, (), scales if scheme == "tensor_static" else None
+    )
+    loaded = load_model(Config(model=str(tmp_path / "fp8")), "cuda", torch.float32)
+    assert _check_against_reference(loaded.model, reference) < TOLERANCE_FLOAT32
+    bf16 = load_model(Config(model=str(tmp_path / "fp8")), "cuda", torch.bfloat16)
+    result = run_prefill_and_decode(bf16.model, PROMPTS, DECODE_STEPS)
+    ref = reference_logits(reference, result.sequences[0][:-1])[len(PROMPTS[0]) - 1 :]
+    got = torch.stack([step[0] for step in result.logits]).double().cpu()
+    assert (got - ref).abs().max() < 0.5  # bfloat16 activations: closeness, not equality
+
+
+@pytest.mark.gpu
+def test_deepseek_v3_fp8_on_the_gpu(tmp_path: Path) -> None:
+    """The FP8 fused-MoE kernel and the FP8 GEMMs in the MLA model, float32, on CUDA."""
+    from deepseek_harness import make_hf_deepseek, tiny_deepseek_configs
+
+    cfg = tiny_deepseek_configs()["v3"]
+    cfg.hidden_size, cfg.intermediate_size = 256, 160
+    make_hf_deepseek(cfg, seed=1).save_pretrained(tmp_path / "src", safe_serialization=True)
+    quantize_folder(tmp_path / "src", tmp_path / "fp8", "block", tmp_path / "deq")
+    loaded = load_model(Config(model=str(tmp_path / "fp8")), "cuda", torch.float32)
+    reference = reference_model(tmp_path / "deq", "block")
+    assert _check_against_reference(loaded.model, reference) < TOLERANCE_FLOAT32
 
 
 def test_online_fp8_quantizes_a_float_checkpoint(llama_256: Path, tmp_path: Path) -> None:

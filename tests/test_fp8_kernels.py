@@ -1,0 +1,104 @@
+"""The FP8 Triton kernels (through the interpreter on CPU, natively on a GPU) against float64
+references that apply the same quantization: quantize, dequantize, multiply."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+from atomrt.workers.kernels.gemm.fp8_gemm import quantize_fp8_triton, w8a8_fp8_linear, w8a8_gemm
+from atomrt.workers.kernels.moe.fused_moe_fp8 import fused_experts_fp8
+from atomrt.workers.layers.moe import select_experts
+from atomrt.workers.layers.quantization.fp8 import (
+    dequantize_fp8,
+    fp8_experts_ref,
+    quantize_fp8,
+    quantize_weight_per_row,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _deq64(q: torch.Tensor, s: torch.Tensor, group: Optional[int]) -> torch.Tensor:
+    return dequantize_fp8(q.cpu(), s.cpu(), group, torch.float64)
+
+
+def _weight(n: int, k: int, group: Optional[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+    q, s = quantize_fp8(w, group) if group else quantize_weight_per_row(w)
+    return q.to(DEVICE), s.to(DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [128, None])
+@pytest.mark.parametrize("static", [False, True])
+def test_quant_kernel_matches_the_reference(group: Optional[int], static: bool) -> None:
+    """Same scales; the same e4m3 values but for an element now and then one step apart (the
+    kernel's float32 division may round x / scale the other way at a tie). GPU only: Triton's
+    interpreter casts values just below a power of two to the binade below (124.3 -> 64)."""
+    if static and group:
+        pytest.skip("static input scales go with per-row weights")
+    x = torch.randn(7, 300, generator=torch.Generator().manual_seed(0)) * 3
+    scale = torch.tensor(0.02) if static else None
+    q, s = quantize_fp8_triton(x.to(DEVICE), group, scale.to(DEVICE) if static else None)
+    rq, rs = quantize_fp8(x, group, scale)
+    torch.testing.assert_close(s.cpu(), rs, rtol=1e-6, atol=0)
+    differ = (q.cpu().float() != rq.float()).float().mean().item()
+    assert differ < 1e-2
+    torch.testing.assert_close(q.cpu().float(), rq.float(), rtol=0.13, atol=2e-3)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 40, 80])
+@pytest.mark.parametrize("group", [128, None])
+def test_w8a8_gemm_matches_float64(m: int, group: Optional[int]) -> None:
+    """The GEMM on given e4m3 operands and scales: the skinny (m <= 8) and the MMA paths, K with a
+    partial last group, N with a partial last block."""
+    n, k = 200, 300
+    qw, sw = _weight(n, k, group, seed=1)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2)) * 2
+    qx, sx = quantize_fp8(x, group)
+    y = w8a8_gemm(qx.to(DEVICE), sx.to(DEVICE), qw, sw, group, torch.float32)
+    ref = _deq64(qx, sx, group) @ _deq64(qw, sw, group).T
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+
+
+@pytest.mark.parametrize("group", [128, None])
+def test_w8a8_linear_quantizes_and_multiplies(group: Optional[int]) -> None:
+    """x quantized by the kernel, then the GEMM: the float64 product of those operands."""
+    n, k = 96, 256
+    qw, sw = _weight(n, k, group, seed=3)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    y = w8a8_fp8_linear(x, qw, sw, None, group)
+    qx, sx = quantize_fp8_triton(x, group)
+    ref = _deq64(qx, sx, group) @ _deq64(qw, sw, group).T
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+
+
+@pytest.mark.parametrize("group", [128, None])
+@pytest.mark.parametrize("num_tokens", [1, 5, 33])
+def test_fused_moe_fp8_matches_float64(group: Optional[int], num_tokens: int) -> None:
+    """The FP8 experts against the float64 dequantizing reference (the same routing): the
+    activated rows are quantized from float32 in the kernel and from float64 in the reference, so
+    an element now and then lands one e4m3 step apart: close, not equal."""
+    gen = torch.Generator().manual_seed(5)
+    e, hidden, inter, top_k = 6, 256, 160, 2
+    w13 = torch.randn(e, 2 * inter, hidden, generator=gen) * 0.1
+    w2 = torch.randn(e, hidden, inter, generator=gen) * 0.1
+    q13, s13 = quantize_fp8(w13, group) if group else quantize_weight_per_row(w13)
+    q2, s2 = quantize_fp8(w2, group) if group else quantize_weight_per_row(w2)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = select_experts(torch.randn(num_tokens, e, generator=gen), top_k, True)
+    # on CPU the activations are quantized by the torch reference (see test_quant_kernel_...)
+    quantize = {} if DEVICE == "cuda" else {"quantize": quantize_fp8}
+    y = fused_experts_fp8(
+        x.to(DEVICE),
+        *(t.to(DEVICE) for t in (q13, q2, s13, s2, weights, ids)),
+        group,
+        **quantize,
+    )
+    ref = fp8_experts_ref(x.double(), q13, q2, s13, s2, weights.double(), ids, group)
+    err = (y.cpu().double() - ref).abs()
+    assert err.max() < 2e-2 * ref.abs().max()
+    assert err.mean() < 1e-3 * ref.abs().max()

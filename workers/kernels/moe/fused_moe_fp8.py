@@ -1,0 +1,198 @@
+# Hot path (worker, twice per FP8 MoE layer): the FP8 experts' GEMMs over a routing.
+# What may live here: the Triton kernel and its launch; launches depend only on shapes (and the
+# device-side routing metadata), never on a value read back to the host: CUDA graphs record them.
+"""The fused mixture-of-experts GEMMs with FP8 (e4m3) experts: `fused_moe.py`'s two launches over
+the expert-sorted pairs of `moe_align_block_size`, with e4m3 operands and float32 scales.
+
+    out[t] = sum_j w[t, j] * dequant(W2[e_j]) @ q(silu(g) * u),  (g | u) = dequant(W13[e_j]) @ q(x[t])
+
+`w13` e4m3 [E, 2I, H] with scales [E, 2I, G_H], `w2` e4m3 [E, H, I] with scales [E, H, G_I], one
+per output row and group of `group_k` input features (None: per row). q() quantizes per token and
+group (`fp8_gemm.quantize_fp8_triton`): x before the gate/up GEMM, the activated rows before the
+down GEMM. With groups, BLOCK_K is the group and each step's product is scaled by its group's scales;
+per row, the scales multiply the accumulator in the epilogue. Importing this module needs no GPU; on
+CPU it runs through Triton's interpreter (tests/test_fp8_kernels.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from atomrt.workers.kernels.gemm.fp8_gemm import quantize_fp8_triton
+from atomrt.workers.kernels.moe.align import MoEAlignment, moe_align_block_size
+
+BLOCK_M = 16
+BLOCK_N = 64
+
+
+@triton.jit
+def fused_moe_fp8_kernel(
+    a_ptr,
+    a_s_ptr,
+    b_ptr,
+    b_s_ptr,
+    c_ptr,
+    topk_weights_ptr,
+    sorted_pair_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    num_pairs,
+    stride_am,
+    stride_asm,
+    stride_be,
+    stride_bn,
+    stride_bse,
+    stride_bsn,
+    stride_cm,
+    A_ROWS_PER_PAIR: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    GROUPED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """c[pair, n] for the program's pairs and columns (see fused_moe.fused_moe_kernel); operands
+    e4m3, `a_s` [rows, G] and `b_s` [E, rows, G] float32."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    num_padded = tl.load(num_padded_ptr)
+    if pid_m * BLOCK_M >= num_padded:
+        return
+    offs_pair = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ids_ptr + offs_pair).to(tl.int64)
+    pair_mask = pair < num_pairs
+    a_row = pair // A_ROWS_PER_PAIR
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]
+    a_s_ptrs = a_s_ptr + a_row * stride_asm
+    b_s_ptrs = b_s_ptr + expert * stride_bse + offs_n * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        part = tl.dot(a, b)
+        if GATED:
+            b_up = tl.load(
+                b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0
+            )
+            part_up = tl.dot(a, b_up)
+        if GROUPED:
+            a_s = tl.load(a_s_ptrs + k, mask=pair_mask, other=0.0)
+            b_s = tl.load(b_s_ptrs + k, mask=n_mask, other=0.0)
+            acc += part * a_s[:, None] * b_s[None, :]
+            if GATED:
+                b_s_up = tl.load(b_s_ptrs + N * stride_bsn + k, mask=n_mask, other=0.0)
+                acc_up += part_up * a_s[:, None] * b_s_up[None, :]
+        else:
+            acc += part
+            if GATED:
+                acc_up += part_up
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if not GROUPED:
+        a_s = tl.load(a_s_ptrs, mask=pair_mask, other=0.0)
+        b_s = tl.load(b_s_ptrs, mask=n_mask, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
+        if GATED:
+            b_s_up = tl.load(b_s_ptrs + N * stride_bsn, mask=n_mask, other=0.0)
+            acc_up = acc_up * a_s[:, None] * b_s_up[None, :]
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + pair, mask=pair_mask, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+
+
+def _launch(
+    a: torch.Tensor,
+    a_s: torch.Tensor,
+    b: torch.Tensor,
+    b_s: torch.Tensor,
+    c: torch.Tensor,
+    topk_weights: torch.Tensor,
+    align: MoEAlignment,
+    num_pairs: int,
+    a_rows_per_pair: int,
+    gated: bool,
+    group_k: Optional[int],
+) -> None:
+    n = b.shape[1] // 2 if gated else b.shape[1]
+    k = b.shape[2]
+    grouped = group_k is not None and b_s.shape[2] > 1
+    grid = (align.expert_ids.shape[0], triton.cdiv(n, BLOCK_N))
+    fused_moe_fp8_kernel[grid](
+        a,
+        a_s,
+        b,
+        b_s,
+        c,
+        topk_weights,
+        align.sorted_pair_ids,
+        align.expert_ids,
+        align.num_padded_pairs,
+        n,
+        k,
+        num_pairs,
+        a.stride(0),
+        a_s.stride(0),
+        b.stride(0),
+        b.stride(1),
+        b_s.stride(0),
+        b_s.stride(1),
+        c.stride(0),
+        A_ROWS_PER_PAIR=a_rows_per_pair,
+        GATED=gated,
+        MUL_ROUTED_WEIGHT=not gated,
+        GROUPED=grouped,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=group_k if group_k is not None else 128,
+        num_warps=4,
+    )
+
+
+def fused_experts_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    group_k: Optional[int],
+    quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] = quantize_fp8_triton,
+) -> torch.Tensor:
+    """x [num_tokens, H] -> [num_tokens, H] in x's dtype (see the module docstring).
+    `quantize(rows, group_k)` makes the e4m3 activations (the CPU tests give the torch reference:
+    Triton's interpreter rounds some values to the wrong binade when it casts to e4m3)."""
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    assert w13.shape[2] == hidden and tuple(w2.shape) == (num_experts, hidden, inter)
+    num_pairs = num_tokens * top_k
+    align = moe_align_block_size(topk_ids, BLOCK_M, num_experts)
+    weights = topk_weights.reshape(-1)
+    qx, sx = quantize(x.contiguous(), group_k)
+    activated = x.new_empty(num_pairs, inter)
+    _launch(qx, sx, w13, w13_scale, activated, weights, align, num_pairs, top_k, True, group_k)
+    qh, sh = quantize(activated, group_k)
+    per_pair = x.new_empty(num_pairs, hidden)
+    _launch(qh, sh, w2, w2_scale, per_pair, weights, align, num_pairs, 1, False, group_k)
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
