@@ -4,10 +4,12 @@ Before a token is appended, `refused_token` checks it against the sequence's con
 grammar, which advances on it, allowed_token_ids, bad_words): the sampler takes an allowed token
 whenever one exists, so a refused token means none was (an unsatisfiable regex; a grammar whose
 tokens allowed_token_ids or bad_words all remove), and the sequence ends "abort" with the error,
-the token not emitted. Then, order: detokenize the token; a constrained sequence whose grammar
-accepted its end stops ("stop"); before min_tokens output tokens nothing but the length limits
-stops a sequence; then EOS (unless ignore_eos), stop_token_ids, stop strings (the output text is cut
-before the stop string unless include_stop_str_in_output), then max_tokens and max_model_len ("length").
+the token not emitted. Then, order: detokenize the token (not an EOS or stop token that ends
+the sequence: its text is never output, unless include_stop_str_in_output); a constrained sequence
+whose grammar accepted its end stops ("stop"); before min_tokens output tokens nothing but the
+length limits stops a sequence; then EOS (unless ignore_eos), stop_token_ids, stop strings (the
+output text is cut before the stop string unless include_stop_str_in_output), then max_tokens and
+max_model_len ("length").
 The token that completes a stop string stays in token_ids; only the text is cut.
 """
 
@@ -90,15 +92,24 @@ def check_stop(
     """Apply the stop rules to seq, whose last token is token_id. Returns the finish reason (and
     sets seq.stop_reason for stop tokens/strings) or None to keep going."""
     params = seq.sampling_params
+    num_output = seq.num_output_tokens
+    grammar_done = seq.grammar is not None and seq.grammar.is_terminated  # on a stop token
+    stop_token = num_output >= params.min_tokens and (
+        (not params.ignore_eos and token_id in seq.eos_token_ids)
+        or token_id in params.stop_token_ids
+    )
     new_chars = ""
-    if seq.detokenizer is not None:
+    # the text of the EOS or stop token that ends the sequence is never output (vLLM's rule),
+    # whatever skip_special_tokens, unless include_stop_str_in_output
+    if seq.detokenizer is not None and (
+        params.include_stop_str_in_output or not (stop_token or grammar_done)
+    ):
         if params.stop:  # stop strings need the text now
             new_chars = seq.detokenizer.add_token(token_id)
         else:  # text is made when asked for (a finished or streamed output)
             seq.detokenizer.append_token(token_id)
-    if seq.grammar is not None and seq.grammar.is_terminated:  # it advanced in refused_token
+    if grammar_done:  # it advanced in refused_token
         return "stop"
-    num_output = seq.num_output_tokens
     if num_output >= params.min_tokens:
         if not params.ignore_eos and token_id in seq.eos_token_ids:
             return "stop"
