@@ -179,7 +179,11 @@ def _summary(outs) -> list[tuple]:
     rows = []
     for o in outs:
         c = o.outputs[0]
-        lps = [sorted(row.items()) for row in c.logprobs] if c.logprobs else None
+        lps = (
+            [sorted((t, lp.logprob) for t, lp in row.items()) for row in c.logprobs]
+            if c.logprobs
+            else None
+        )
         rows.append((c.token_ids, c.text, c.finish_reason, lps))
     return rows
 

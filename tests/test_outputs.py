@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from atomrt.runtime.driver.outputs import make_request_output
+from atomrt.runtime.driver.prompt_logprobs import Logprob
 from atomrt.runtime.driver.sequence import Sequence
 from atomrt.runtime.sampling_params import SamplingParams
 
@@ -37,7 +38,13 @@ def test_every_output_field_comes_from_its_sequence_field() -> None:
         "stop",
         5,
     )
-    assert c.logprobs == [{4: -0.5, 9: -1.0}, {5: -0.25}] and c.cumulative_logprob == -0.75
+    # vLLM's {token id: Logprob}: the top alternatives ranked in order (here logprobs=1), the
+    # sampled token after them unranked when it is not one of them
+    assert c.logprobs == [
+        {4: Logprob(-0.5, 1), 9: Logprob(-1.0, None)},
+        {5: Logprob(-0.25, 1)},
+    ]
+    assert c.logprobs[0][4].logprob == -0.5 and c.cumulative_logprob == -0.75
     m = out.metrics
     assert (
         m.arrival_time,

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
-from atomrt.runtime.driver.prompt_logprobs import PromptLogprobsList
+from atomrt.runtime.driver.prompt_logprobs import Logprob, PromptLogprobsList
 from atomrt.runtime.driver.sequence import Sequence
 
-# Per sampled token: {token id: logprob} holding the sampled token and the top alternatives.
-SampleLogprobs = list[dict[int, float]]
+# Per sampled token: {token id: Logprob} holding the sampled token and the top alternatives
+# (vLLM's shape: `c.logprobs[i][token_id].logprob`).
+SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass
@@ -74,12 +76,14 @@ def make_request_output(
         # streamed row time that grows with its length, every step.
         start = seq.num_streamed_tokens
         token_ids = seq.token_ids[seq.num_prompt_tokens + start :]
-        logprobs = seq.output_logprobs[start:] if wants_logprobs else None  # the same new rows
+        logprobs = (  # the same new rows
+            sample_logprobs(seq, seq.output_logprobs[start:]) if wants_logprobs else None
+        )
         seq.num_streamed_tokens = seq.num_output_tokens
     else:
         text = seq.output_text
         token_ids = seq.output_token_ids
-        logprobs = list(seq.output_logprobs) if wants_logprobs else None
+        logprobs = sample_logprobs(seq, seq.output_logprobs) if wants_logprobs else None
     cumulative_logprob = seq.cumulative_logprob if wants_logprobs else None
     completion = CompletionOutput(
         index=seq.index,
@@ -108,6 +112,30 @@ def make_request_output(
         num_cached_tokens=seq.num_cached_tokens if seq.num_cached_tokens >= 0 else None,
         error=seq.error,
     )
+
+
+def sample_logprobs(seq: Sequence, rows: list[dict[int, float]]) -> SampleLogprobs:
+    """The sequence's rows ({token id: logprob}: the top alternatives in order, then the sampled
+    token) as vLLM's {token id: Logprob(logprob, rank, decoded_token)}. A top alternative's rank is
+    its place (1: the most likely); the sampled token's is its place among them, None when it is
+    not one of them (its exact rank is not computed). decoded_token is the token alone, special
+    tokens included."""
+    tokenizer = seq.detokenizer.tokenizer if seq.detokenizer is not None else None
+    num_top = seq.sampling_params.logprobs or 0
+    out: SampleLogprobs = []
+    for row in rows:
+        ranks = {tid: i + 1 for i, tid in enumerate(itertools.islice(row, num_top))}
+        out.append(
+            {
+                tid: Logprob(
+                    lp,
+                    ranks.get(tid),
+                    tokenizer.decode([tid], skip_special_tokens=False) if tokenizer else None,
+                )
+                for tid, lp in row.items()
+            }
+        )
+    return out
 
 
 def merge_request_outputs(outputs: list[RequestOutput], finished: bool) -> RequestOutput:

@@ -206,7 +206,7 @@ def _core_output(out: RequestOutput, c: CompletionOutput) -> CoreOutput:
         index=c.index,
         token_ids=list(c.token_ids),
         text=c.text,
-        logprobs=[{int(k): float(v) for k, v in row.items()} for row in c.logprobs]
+        logprobs=[{int(k): float(v.logprob) for k, v in row.items()} for row in c.logprobs]
         if c.logprobs
         else None,
         finished=c.finished or out.error is not None,

@@ -77,7 +77,7 @@ def describe_mismatches(tokens, eager_tokens, mismatched, eager_logprobs=None) -
         pos = next((p for p, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         line = f"request {i}: first differs at token {pos} of {len(b)} ({a[pos : pos + 1]} vs eager {b[pos : pos + 1]})"
         if eager_logprobs is not None and pos < len(eager_logprobs[i]):
-            top = sorted(eager_logprobs[i][pos].values(), reverse=True)
+            top = sorted((lp.logprob for lp in eager_logprobs[i][pos].values()), reverse=True)
             if len(top) >= 2:
                 line += f", eager's top-2 logprob margin there {top[0] - top[1]:.3g}"
         lines.append(line)
