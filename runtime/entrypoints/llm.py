@@ -12,6 +12,7 @@ from tqdm import tqdm
 from atomrt.runtime.config import _SECTIONS, DEFAULT_MODEL, Config, ConfigError, parse_section
 from atomrt.runtime.driver.engine import LLMEngine, Prompt
 from atomrt.runtime.driver.outputs import RequestOutput
+from atomrt.runtime.entrypoints.metrics_reader import Metric, OfflineMetrics
 from atomrt.runtime.inputs import is_prompt
 from atomrt.runtime.sampling_params import SamplingParams
 
@@ -35,7 +36,6 @@ VLLM_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "skip_tokenizer_init": (False,),
     "revision": (None,),
     "tokenizer_revision": (None,),
-    "kv_cache_dtype": ("auto",),
     "pipeline_parallel_size": (1,),
     "cpu_offload_gb": (0,),
     "swap_space": (0, 4),
@@ -94,12 +94,94 @@ class LLM:
     def __init__(
         self, model: str = DEFAULT_MODEL, *, config: Optional[Config] = None, **kwargs: Any
     ) -> None:
+        """`model` and vLLM's keywords (config_from_kwargs), and the LLM's own, as vLLM's:
+        `disable_log_stats` (default True; False counts what `get_metrics()` reports and logs a
+        line per `generate`), `generation_config` ("auto": the model folder's
+        generation_config.json gives `get_default_sampling_params()`; "vllm": none; or a folder
+        holding one), `override_generation_config` (a mapping over it), `profiler_config`
+        ({"profiler": "torch", "torch_profiler_dir": folder}, for `start_profile()`)."""
+        own = {k: kwargs.pop(k) for k in _LLM_OWN if k in kwargs}
         if config is not None and kwargs:
             raise ConfigError("LLM(): pass either config= or keyword settings, not both")
         self.config = config if config is not None else config_from_kwargs(model, kwargs)
+        self._generation_config = own.get("generation_config", "auto")
+        self._override_generation_config = own.get("override_generation_config") or {}
+        if not isinstance(self._generation_config, str):
+            raise ConfigError("LLM(): generation_config must be 'auto', 'vllm' or a folder")
+        if not isinstance(self._override_generation_config, dict):
+            raise ConfigError("LLM(): override_generation_config must be a mapping")
+        self._profiler_dir = _profiler_dir(own.get("profiler_config"))
+        self._profiler: Any = None
+        self.log_stats = not own.get("disable_log_stats", True)
+        self._metrics = OfflineMetrics(self.config.model) if self.log_stats else None
+        self._default_params: Optional[dict[str, Any]] = None
         tokenizer = load_tokenizer_for(self.config)
         self.tokenizer = tokenizer
         self.engine = LLMEngine(self.config, tokenizer)
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name of the engine."""
+        return self.engine
+
+    def get_tokenizer(self) -> Any:
+        """The model's transformers tokenizer (vLLM's `get_tokenizer()`), None without one."""
+        return self.tokenizer.hf if self.tokenizer is not None else None
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams of the model's generation_config.json (its temperature, top_p, top_k,
+        min_p, repetition_penalty, and max_new_tokens as max_tokens), with
+        `override_generation_config` over it; plain SamplingParams() when there is none or with
+        generation_config="vllm"."""
+        if self._default_params is None:
+            self._default_params = _generation_defaults(
+                self.config.model, self._generation_config, self._override_generation_config
+            )
+        return SamplingParams(**self._default_params)
+
+    def start_profile(self) -> None:
+        """Start torch's profiler (CPU and, on a GPU, CUDA activity) over this process's work;
+        `stop_profile()` writes the trace under profiler_config's torch_profiler_dir."""
+        if self._profiler_dir is None:
+            raise ValueError(
+                "start_profile: set LLM(profiler_config={'profiler': 'torch', "
+                "'torch_profiler_dir': FOLDER}) to say where the trace goes"
+            )
+        if self.config.parallel_config.executor != "inproc":
+            raise ValueError(
+                f"start_profile: parallel_config.executor={self.config.parallel_config.executor!r}"
+                " runs the model in other processes; profile with the inproc executor"
+            )
+        if self._profiler is not None:
+            raise RuntimeError("start_profile: a profile is already running")
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        handler = torch.profiler.tensorboard_trace_handler(str(self._profiler_dir), use_gzip=True)
+        self._profiler = torch.profiler.profile(
+            activities=activities, record_shapes=True, on_trace_ready=handler
+        )
+        self._profiler.start()
+
+    def stop_profile(self) -> None:
+        if self._profiler is None:
+            raise RuntimeError("stop_profile: no profile is running (call start_profile first)")
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's metrics as vLLM's reader gives them (Counter, Gauge,
+        Histogram); needs LLM(disable_log_stats=False), as vLLM's does."""
+        if self._metrics is None:
+            raise RuntimeError(
+                "get_metrics: stat logging is off; create LLM(disable_log_stats=False)"
+            )
+        return self._metrics.snapshot(self.engine)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
 
     def generate(
         self,
@@ -118,6 +200,8 @@ class LLM:
                 f"{{'prompt_token_ids': ids}}) or a list of them, got {type(prompts).__name__}"
             )
         prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(prompts))
         ids: list[str] = []
         try:
@@ -131,22 +215,68 @@ class LLM:
 
     def chat(
         self,
-        conversations: Union[Conversation, Sequence[Conversation]],
+        messages: Union[Conversation, Sequence[Conversation]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
+        chat_template: Optional[str] = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+        mm_processor_kwargs: None = None,
     ) -> list[RequestOutput]:
-        """`tools` (OpenAI's form) go to the chat template, as the server's do; to make the model
-        call one, constrain the output (SamplingParams.structured_outputs, the function's
-        parameters schema)."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
+        """vLLM's `LLM.chat`: each conversation through the chat template (the tokenizer's, or
+        `chat_template`), then `generate`; the outputs' `prompt` is the templated text.
+        `add_generation_prompt` opens the assistant's turn; `continue_final_message` instead
+        continues the last (assistant) message; `chat_template_kwargs` go to the template (e.g.
+        enable_thinking). `tools` (OpenAI's form) go to the template, as the server's do; to make
+        the model call one, constrain the output (SamplingParams.structured_outputs)."""
+        if lora_request is not None:
+            raise ValueError("lora_request: atomrt serves no LoRA adapters")
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs: atomrt serves text-only models")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(
+                "chat_template_content_format: one of 'auto', 'string', 'openai', got "
+                f"{chat_template_content_format!r}"
+            )
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message: cannot be set with add_generation_prompt (the default); "
+                "pass add_generation_prompt=False"
+            )
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]  # type: ignore[list-item]
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
-        prompts = [
-            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tools=tools)
-            for c in conversations
-        ]
+        hf = self.tokenizer.hf
+        template = chat_template if chat_template is not None else hf.chat_template
+        if not template:
+            raise ValueError("chat_template: this model's tokenizer has none; pass chat_template=")
+        extra = dict(chat_template_kwargs or {})
+        for key in ("tokenize", "chat_template", "add_generation_prompt", "tools"):
+            if key in extra:
+                raise ValueError(f"chat_template_kwargs.{key}: pass it as chat()'s own argument")
+        prompts: list[Any] = []
+        for conversation in messages:
+            conversation = [_text_message(m) for m in conversation]
+            if continue_final_message and (
+                not conversation or conversation[-1].get("role") != "assistant"
+            ):
+                raise ValueError("continue_final_message: the last message must be the assistant's")
+            text = hf.apply_chat_template(
+                conversation,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                tokenize=False,
+                **extra,
+            )
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -172,7 +302,19 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [final[rid] for rid in ids]
+        outputs = [final[rid] for rid in ids]
+        if self._metrics is not None:
+            for out in outputs:
+                self._metrics.observe(out)
+            logger.info(
+                "%d requests: %d prompt tokens, %d generated tokens (totals %d, %d)",
+                len(outputs),
+                sum(len(o.prompt_token_ids) for o in outputs),
+                sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                self._metrics.prompt_tokens,
+                self._metrics.generation_tokens,
+            )
+        return outputs
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -182,6 +324,89 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+_LLM_OWN = (
+    "disable_log_stats",
+    "generation_config",
+    "override_generation_config",
+    "profiler_config",
+)
+# generation_config.json's fields that are sampling defaults, and their SamplingParams names
+_GENERATION_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def _generation_defaults(
+    model: str, generation_config: str, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """SamplingParams fields from the model's (or the named folder's) generation_config.json."""
+    import json
+    from pathlib import Path
+
+    found: dict[str, Any] = {}
+    if generation_config != "vllm":
+        folder = (
+            Path(model).expanduser() if generation_config == "auto" else Path(generation_config)
+        )
+        if generation_config != "auto" and not folder.is_dir():
+            raise ConfigError(f"LLM(): generation_config={generation_config!r} is not a folder")
+        path = folder / "generation_config.json"
+        if folder.is_dir() and path.is_file():
+            found = json.loads(path.read_text())
+        found.update(overrides)
+    else:
+        found = dict(overrides)
+    params = {
+        _GENERATION_FIELDS[k]: v
+        for k, v in found.items()
+        if k in _GENERATION_FIELDS and v is not None
+    }
+    if found and params:
+        logger.info("default sampling parameters from the generation config: %s", params)
+    return params
+
+
+def _profiler_dir(profiler_config: Any) -> Optional[str]:
+    """vLLM's profiler_config: {"profiler": "torch", "torch_profiler_dir": folder}."""
+    if profiler_config is None:
+        return None
+    if not isinstance(profiler_config, dict):
+        profiler_config = dict(vars(profiler_config))
+    unknown = set(profiler_config) - {"profiler", "torch_profiler_dir"}
+    if unknown:
+        raise ConfigError(f"LLM(): profiler_config.{sorted(unknown)[0]}: not supported")
+    if profiler_config.get("profiler", "torch") != "torch":
+        raise ConfigError("LLM(): profiler_config.profiler: only 'torch'")
+    folder = profiler_config.get("torch_profiler_dir")
+    if not folder:
+        raise ConfigError("LLM(): profiler_config.torch_profiler_dir: the trace folder is needed")
+    return str(folder)
+
+
+def _text_message(message: Any) -> dict[str, Any]:
+    """A chat message for the template: OpenAI's content parts of type text joined into one
+    string; any other part is refused by name."""
+    if not isinstance(message, dict):
+        raise ValueError(f"messages: each message must be a mapping, got {type(message).__name__}")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(
+                    f"messages.content: part type {kind!r} is not supported (text only)"
+                )
+            texts.append(part.get("text", ""))
+        message = {**message, "content": "".join(texts)}
+    return message
 
 
 def _per_prompt(
