@@ -1,0 +1,104 @@
+"""`response_format: {"type": "structural_tag"}` (vLLM's) through `atomrt serve` with the official
+`openai` client on a tiny random model over a real BPE vocabulary: xgrammar's current form
+(`format`) and vLLM's first form (`structures` entered at `triggers`), whose outputs follow the
+tags (checked with `jsonschema`); a malformed one is a 400 naming `response_format`."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+import xgrammar as xgr
+from grammar_harness import build_tiny_bpe
+from test_server import CPU_FLAGS, Server
+from xgrammar.testing import _is_grammar_accept_string
+
+from atomrt.runtime.entrypoints.openai.protocol import structural_tag
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Oslo", "Rome"]}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+LEGACY = {
+    "type": "structural_tag",
+    "structures": [{"begin": "<function=weather>", "schema": SCHEMA, "end": "</function>"}],
+    "triggers": ["<function="],
+}
+CURRENT = {
+    "type": "structural_tag",
+    "format": {
+        "type": "tag",
+        "begin": "<call>",
+        # JSON of SCHEMA without free whitespace (a random model would pad it to max_tokens)
+        "content": {"type": "regex", "pattern": r'\{"city": "(Oslo|Rome)", "days": [1-7]\}'},
+        "end": "</call>",
+    },
+}
+MESSAGES = [{"role": "user", "content": "Weather?"}]
+
+
+def test_the_first_form_means_free_text_with_tagged_json_after_a_trigger() -> None:
+    grammar = xgr.Grammar.from_structural_tag(json.dumps(structural_tag(LEGACY)))
+    good = 'Let me see. <function=weather>{"city": "Oslo", "days": 2}</function> Done.'
+    assert _is_grammar_accept_string(grammar, "Plain text, no call.")
+    assert _is_grammar_accept_string(grammar, good)
+    assert not _is_grammar_accept_string(grammar, good.replace("Oslo", "Paris"))
+    assert not _is_grammar_accept_string(grammar, "<function=weather>{}</function>")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    folder: Path = build_tiny_bpe(tmp_path_factory.mktemp("structural-tag") / "model")
+    s = Server(["--model", str(folder), *CPU_FLAGS, "--served-model-name", "tiny"])
+    yield s
+    assert s.stop() == 0
+
+
+def test_structural_tag_response_format_is_followed(server) -> None:
+    client = server.client()
+    out = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=64, temperature=0, response_format=CURRENT
+    )
+    text = out.choices[0].message.content
+    m = re.fullmatch(r"<call>(.*)</call>", text, re.S)
+    assert m and out.choices[0].finish_reason == "stop", text
+    jsonschema.validate(json.loads(m.group(1)), SCHEMA)
+    # the first form: free text, every tagged part JSON of its schema
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=24, seed=seed, response_format=LEGACY
+        )
+        text = out.choices[0].message.content
+        for part in re.findall(r"<function=weather>(.*?)</function>", text, re.S):
+            jsonschema.validate(json.loads(part), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"type": "structural_tag"},
+        {
+            "type": "structural_tag",
+            "structures": [{"begin": "<f>", "end": "</f>"}],
+            "triggers": ["<"],
+        },
+        {**LEGACY, "triggers": []},
+        {**LEGACY, "triggers": ["<tool>"]},
+        {"type": "structural_tag", "format": "tag"},
+        {"type": "structural_tag", "format": {"type": "no_such_format"}},
+    ],
+)
+def test_a_malformed_structural_tag_is_a_400_naming_response_format(server, fmt) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=4, response_format=fmt
+        )
+    assert e.value.body["param"] == "response_format", e.value.body
+    assert e.value.body["message"].startswith("response_format"), e.value.body
