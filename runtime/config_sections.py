@@ -239,8 +239,12 @@ class CacheConfig:
     num_kv_blocks: Optional[int] = None  # None: sized from free memory after profiling
     cpu_kv_cache_gib: float = 1.0  # KV budget on CPU, where there is no memory profile
     enable_prefix_caching: bool = True
+    # vLLM's `kv_cache_dtype`: "auto" keeps keys and values in the model's dtype; "fp8" (=
+    # "fp8_e4m3") stores them as e4m3 with per-tensor scales of 1.0, half the bytes of bfloat16
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _choice("cache_config.kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8", "fp8_e4m3"))
         if not _positive_int(self.block_size):
             raise ConfigError(
                 f"cache_config.block_size: must be a positive integer, got {self.block_size!r}"

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+FP8_E4M3_MAX = 448.0
+
 
 def write_kv_cache_ref(
     k: torch.Tensor,
@@ -22,17 +24,30 @@ def write_kv_cache_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping (rows with -1 are skipped)."""
+    """Write k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping (rows with -1 are skipped);
+    an FP8 cache takes them saturated to e4m3's range."""
     num_tokens = slot_mapping.shape[0]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     # [num_blocks, block_size, num_kv_heads, head_dim] -> [num_slots, num_kv_heads, head_dim]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(
-        0, slots, k[:num_tokens][valid].to(k_cache.dtype)
-    )
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(
-        0, slots, v[:num_tokens][valid].to(v_cache.dtype)
-    )
+    copy_rows(k_cache.view(-1, *k_cache.shape[2:]), slots, k[:num_tokens][valid])
+    copy_rows(v_cache.view(-1, *v_cache.shape[2:]), slots, v[:num_tokens][valid])
+
+
+def copy_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache[slots] = rows in the cache's dtype (an e4m3 cache copies bytes: CPU's index_copy_
+    has no float8 kernel)."""
+    rows = to_cache_dtype(rows, cache.dtype)
+    if cache.dtype == torch.float8_e4m3fn:
+        cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+    cache.index_copy_(0, slots, rows)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in a cache's dtype: an e4m3 cache (per-tensor scale 1.0) saturates at +-448."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(dtype)
 
 
 def causal_sdpa(
@@ -86,8 +101,9 @@ def paged_attention_ref(
             continue
         num_blocks = -(-context_len // block_size)
         blocks = block_tables[s, :num_blocks].long()
-        keys = k_cache[blocks].flatten(0, 1)[:context_len]  # [context_len, num_kv_heads, head_dim]
-        values = v_cache[blocks].flatten(0, 1)[:context_len]
+        # [context_len, num_kv_heads, head_dim], widened from an FP8 cache
+        keys = k_cache[blocks].flatten(0, 1)[:context_len].to(q.dtype)
+        values = v_cache[blocks].flatten(0, 1)[:context_len].to(q.dtype)
         out[q_start:q_end] = causal_sdpa(q[q_start:q_end], keys, values, scale, context_len - n_q)
     out[cu_seqlens_q_cpu[num_seqs] :] = 0
 
@@ -116,11 +132,13 @@ def decode_attention_ref(
         k_cache.index_select(0, blocks)
         .view(num_seqs, max_len, num_kv_heads, head_dim)
         .transpose(1, 2)
+        .to(q.dtype)  # widened from an FP8 cache
     )
     values = (
         v_cache.index_select(0, blocks)
         .view(num_seqs, max_len, num_kv_heads, head_dim)
         .transpose(1, 2)
+        .to(q.dtype)
     )
     context_lens = torch.tensor(context_lens_cpu, device=q.device)
     mask = torch.arange(max_len, device=q.device) < context_lens.unsqueeze(1)  # [num_seqs, max_len]

@@ -30,6 +30,7 @@ from atomrt.distributed.communication_op import TPInfo
 from atomrt.graphs.markers import eager_region
 from atomrt.runtime.forward_context import get_forward_context
 from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
+from atomrt.workers.layers.attention_ref import copy_rows
 from atomrt.workers.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -61,8 +62,8 @@ def write_latent_ref(
     """Rows [kv_c | k_pe] at slot_mapping (rows with a negative slot are skipped)."""
     num_tokens = kv_c_normed.shape[0]
     valid = slot_mapping[:num_tokens] >= 0
-    rows = torch.cat((kv_c_normed, k_pe), dim=-1)[valid].to(kv_cache.dtype)
-    kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, slot_mapping[:num_tokens][valid], rows)
+    rows = torch.cat((kv_c_normed, k_pe), dim=-1)[valid]
+    copy_rows(kv_cache.view(-1, kv_cache.shape[-1]), slot_mapping[:num_tokens][valid], rows)
 
 
 def mla_attention(

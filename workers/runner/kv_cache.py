@@ -87,6 +87,15 @@ def kv_layer_specs(layers: dict[int, nn.Module]) -> list[LayerSpec]:
     return specs
 
 
+FP8_KV_DTYPES = ("fp8", "fp8_e4m3")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensors' dtype: `cache_config.kv_cache_dtype` "auto" is the model's, "fp8" /
+    "fp8_e4m3" e4m3 (written saturated, read back widened: a per-tensor scale of 1.0)."""
+    return torch.float8_e4m3fn if kv_cache_dtype in FP8_KV_DTYPES else model_dtype
+
+
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

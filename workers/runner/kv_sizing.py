@@ -113,7 +113,7 @@ def determine_num_blocks(runner: ModelRunner) -> KVCacheSizing:
             "scheduler_config.max_num_batched_tokens or model_config.max_model_len, or raise "
             "cache_config.gpu_memory_utilization / cpu_kv_cache_gib"
         )
-    by_kind = kv_sizes_by_kind(runner.kv_layer_specs(), runner.dtype)
+    by_kind = kv_sizes_by_kind(runner.kv_layer_specs(), runner.kv_cache_dtype)
     logger.info(
         "KV cache: %d blocks x %d tokens (%.1f MiB); per token %s; activation peak %.1f MiB; "
         "graph pool estimate %.1f MiB",

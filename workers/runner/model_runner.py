@@ -22,10 +22,12 @@ from atomrt.workers.loading.loader import load_model
 from atomrt.workers.runner.graph_runner import GraphRunner
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.kv_cache import (
+    FP8_KV_DTYPES,
     CacheEntry,
     LayerSpec,
     allocate_kv_cache,
     kv_bytes_per_block,
+    kv_cache_torch_dtype,
     kv_layer_specs,
 )
 from atomrt.workers.runner.logit_additions import apply_grammar_bitmask, greedy_under_grammar
@@ -96,6 +98,12 @@ class ModelRunner:
         dtype = resolve_dtype(config, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            if config.cache_config.kv_cache_dtype in FP8_KV_DTYPES:
+                raise ValueError(
+                    f"cache_config.kv_cache_dtype={config.cache_config.kv_cache_dtype!r}: the "
+                    "FP8 KV cache runs on the CPU attention path only so far; the CUDA attention "
+                    "kernels read and write the cache in the model's dtype (use 'auto')"
+                )
         loaded = load_model(config, device, dtype, tp, dp)
         self.model, self.arch = compile_model(loaded.model, config), loaded.arch
         sc = config.scheduler_config
@@ -143,8 +151,13 @@ class ModelRunner:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activations' (and KV cache's) dtype."""
+        """The activations' (and, with cache_config.kv_cache_dtype "auto", KV cache's) dtype."""
         return self.buffers.forward_vars["outputs"].dtype
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache tensors' dtype (`cache_config.kv_cache_dtype`)."""
+        return kv_cache_torch_dtype(self.config.cache_config.kv_cache_dtype, self.dtype)
 
     @property
     def rank(self) -> int:
@@ -159,11 +172,16 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """A block's bytes over every layer (a draft model's layers too: it shares the blocks)."""
         draft = self.spec.kv_bytes_per_block() if self.spec is not None else 0
-        return kv_bytes_per_block(self.kv_layer_specs(), self.shape.block_size, self.dtype) + draft
+        specs, block_size = self.kv_layer_specs(), self.shape.block_size
+        return kv_bytes_per_block(specs, block_size, self.kv_cache_dtype) + draft
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = allocate_kv_cache(
-            self.kv_layer_specs(), num_blocks, self.shape.block_size, self.dtype, self.device
+            self.kv_layer_specs(),
+            num_blocks,
+            self.shape.block_size,
+            self.kv_cache_dtype,
+            self.device,
         )
         if self.spec is not None:
             self.spec.allocate_kv_cache(num_blocks)
