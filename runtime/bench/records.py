@@ -252,7 +252,7 @@ def save(
 ) -> Optional[Path]:
     """Write the record of a run that measured `figures`, and say where; a run that measured
     nothing (every model failed) says so and writes none."""
-    figures = list(figures)
+    figures, notes = _finite(list(figures), list(notes))
     if not figures:
         print("record: the run measured no figure; nothing written", flush=True)
         return None
@@ -271,6 +271,25 @@ def save(
     path = write_record(Path(folder), record)
     print(f"record: {path}", flush=True)
     return path
+
+
+def _finite(figures: list[Figure], notes: list[str]) -> tuple[list[Figure], list[str]]:
+    """The figures with a finite value, each without the extras that are not finite (a run whose
+    requests made no second token has no TPOT): what was left out is said in the notes, and the
+    other figures are written."""
+    kept = []
+    for f in figures:
+        if not math.isfinite(f.value):
+            notes.append(f"{f.target} / {f.case}: not measured (value {f.value!r})")
+            continue
+        bad = [k for k, q in f.extra.items() if not math.isfinite(q.value)]
+        for k in bad:
+            notes.append(f"{f.target} / {f.case}: {k} not measured ({f.extra.pop(k).value!r})")
+        if f.anchor is not None and not math.isfinite(f.anchor):
+            notes.append(f"{f.target} / {f.case}: anchor not measured ({f.anchor!r})")
+            f.anchor = f.ratio = f.met = None
+        kept.append(f)
+    return kept, notes
 
 
 def file_name(record: Record) -> str:

@@ -334,6 +334,12 @@ async def run_load(
     return list(outcomes), start, seconds
 
 
+def _load_name(r: RunResult) -> str:
+    """A run's load, and its structured share, in words."""
+    load = f"c={r.concurrency}" if r.concurrency is not None else f"{r.request_rate:g} req/s"
+    return load if r.structured is None else f"{load} structured x{r.structured.ratio:g}"
+
+
 def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
@@ -433,7 +439,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 view = structured.view(share, schema, texts, grammar, after)
                 view.compile_first_ms = first.compile_first_ms  # the length probe's compile
                 results[-1].structured = view
-            print(serve_views.line(results[-1]), flush=True)
+            if results[-1].failed == results[-1].num_requests:
+                print(f"{_load_name(results[-1])}: FAILED, every request failed", flush=True)
+            else:
+                print(serve_views.line(results[-1]), flush=True)
             for o in outcomes:
                 if not o.ok:
                     print(f"  failed: {o.error}", file=sys.stderr)
@@ -472,11 +481,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             json.dump(report, f, indent=2)
     if args.plot and results:
         plot(results, args.plot)
-    if args.record is not None and results:
+    measured = [r for r in results if r.failed < r.num_requests]  # a run of failures has none
+    if args.record is not None and (measured or stall is not None):
         import torch
 
         on_gpu = args.device != "cpu" and torch.cuda.is_available()
-        figures = serve_figures(results, model, args, engine_argv, on_gpu, stall)
+        figures = serve_figures(measured, model, args, engine_argv, on_gpu, stall)
         argv = sys.argv[1:] if argv is None else argv
-        save(args.record, "serve", argv, figures, on_gpu=on_gpu)
+        notes = [
+            f"{_load_name(r)}: every one of its {r.num_requests} requests failed"
+            for r in results
+            if r not in measured
+        ]
+        save(args.record, "serve", argv, figures, on_gpu=on_gpu, notes=notes)
     return 0 if all(r.failed == 0 for r in results) else 1

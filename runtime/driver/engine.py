@@ -120,6 +120,11 @@ class LLMEngine:
         check_max_model_len(config, arch)
         check_draft_model(config, arch)
         check_mtp(config, arch)
+        if tokenizer is not None and tokenizer.vocab_size > arch.vocab_size:
+            raise ValueError(  # its ids would index past the model's embeddings
+                f"model_config.tokenizer: {tokenizer.vocab_size} tokens, more than the model's "
+                f"vocabulary of {arch.vocab_size}"
+            )
         # structured outputs: the grammar compiler indexes the vocabulary while the workers start
         self.grammars: Optional[StructuredOutputs] = None
         if tokenizer is not None:

@@ -37,6 +37,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         help="NONE | TR_HYBRID | FULL | FULL_DECODE_ONLY | FULL_AND_TR_HYBRID",
     )
     p.add_argument("--load-format", default=None, help="auto | safetensors | gguf | dummy")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer: a folder or .gguf file, or 'embedded' (the bundled "
+        f"{DEFAULT_MODEL}'s); gives a preset's dummy weights a real one (default: the model's)",
+    )
     p.add_argument("--dtype", default=None, help="auto | float32 | float16 | bfloat16")
     p.add_argument("--device", default=None, help="auto | cpu | cuda")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None)
@@ -102,6 +108,7 @@ def config_from_args(args: argparse.Namespace):
             "dtype": args.dtype,
             "max_model_len": args.max_model_len,
             "hf_overrides": getattr(args, "hf_overrides", None),
+            "tokenizer": getattr(args, "tokenizer", None),
         },
         "parallel_config": {
             "tensor_parallel_size": args.tensor_parallel_size,
@@ -130,17 +137,33 @@ def config_from_args(args: argparse.Namespace):
 class EngineArgs:
     """vLLM's `EngineArgs`: the model and the keywords `LLM(...)` takes, held until
     `create_engine_config()` checks them (a ConfigError names a keyword atomrt does not take).
-    `LLMEngine.from_engine_args(EngineArgs(model=...))` builds an engine of them."""
+    `LLMEngine.from_engine_args(EngineArgs(model=...))` builds an engine of them;
+    `add_cli_args(parser)` / `from_cli_args(args)` take atomrt's engine flags from a command line."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         self.model = model
         self.kwargs = kwargs
+        self._config: Any = None  # from_cli_args: the config the flags built
 
     def __repr__(self) -> str:
         items = ", ".join(f"{k}={v!r}" for k, v in {"model": self.model, **self.kwargs}.items())
         return f"{type(self).__name__}({items})"
 
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        _add_config_args(parser)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        config = config_from_args(args)
+        engine_args = cls(config.model)
+        engine_args._config = config
+        return engine_args
+
     def create_engine_config(self):
+        if self._config is not None:
+            return self._config
         from atomrt.runtime.entrypoints.llm import config_from_kwargs
 
         return config_from_kwargs(self.model, dict(self.kwargs))

@@ -12,6 +12,8 @@ from typing import Any, Optional, Union
 from atomrt.workers.loading.gguf import file_key, metadata_value, open_gguf
 from atomrt.workers.loading.loader import ResolvedModel
 
+EMBEDDED = "embedded"  # model_config.tokenizer: the bundled default model's tokenizer
+
 
 class Tokenizer:
     """encode / decode / chat template over a transformers tokenizer."""
@@ -72,9 +74,15 @@ def _plain_rust_decode(hf: Any) -> Any:
 
 
 def load_tokenizer(resolved: ResolvedModel, tokenizer_path: Optional[str] = None) -> Tokenizer:
-    """The tokenizer of `resolved` (or of `tokenizer_path`), from local files only."""
+    """The tokenizer of `resolved` (or of `tokenizer_path`: a folder, a .gguf file, or "embedded",
+    the bundled default model's), from local files only."""
     from transformers import AutoTokenizer
 
+    if tokenizer_path == EMBEDDED:
+        from atomrt.runtime.config import DEFAULT_MODEL
+        from atomrt.workers.loading.loader import resolve_model
+
+        tokenizer_path = str(resolve_model(DEFAULT_MODEL).path)
     source = Path(tokenizer_path).expanduser() if tokenizer_path else resolved.path
     if source is None:
         raise ValueError(
