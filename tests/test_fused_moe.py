@@ -11,7 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atomrt.workers.kernels.moe.align import max_padded_pairs, moe_align_block_size
+from atomrt.workers.kernels.moe.align import (
+    fits_one_program,
+    max_padded_pairs,
+    moe_align_block_size,
+    moe_align_one_program,
+    moe_align_torch,
+)
 from atomrt.workers.kernels.moe.fused_moe import fused_experts
 from atomrt.workers.kernels.moe.moe_configs import (
     CONFIGS,
@@ -115,6 +121,40 @@ def test_alignment_sizes_depend_on_shapes_only() -> None:
     a = moe_align_block_size(torch.zeros(9, 2, dtype=torch.int64), 16, 8)
     b = moe_align_block_size(torch.arange(18).reshape(9, 2) % 8, 16, 8)
     assert [t.shape for t in a] == [t.shape for t in b]
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,block_m",
+    [
+        (1, 64, 6, 16),
+        (8, 64, 6, 16),
+        (32, 64, 6, 64),
+        (3, 60, 4, 32),
+        (5, 8, 2, 4),
+        (1, 256, 8, 16),
+    ],
+)
+def test_one_program_alignment_equals_the_torch_one(
+    num_tokens: int, num_experts: int, top_k: int, block_m: int
+) -> None:
+    """The one-launch layout (Triton's interpreter here) is the torch path's, tensor for tensor:
+    a decode step's routing, a batch's, experts not a power of two, more experts than pairs."""
+    _, ids = random_routing(num_tokens, num_experts, top_k, seed=num_tokens + num_experts)
+    skewed = ids.clone()
+    skewed[: num_tokens // 2 + 1, 0] = num_experts - 1  # one expert busier than the rest
+    for routing in (ids, skewed, ids.to(torch.int32)):
+        got, want = (
+            f(routing, block_m, num_experts) for f in (moe_align_one_program, moe_align_torch)
+        )
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and torch.equal(g, w), (g, w)
+
+
+def test_one_program_alignment_bounds() -> None:
+    assert fits_one_program(6, 64) and fits_one_program(192, 64) and fits_one_program(64, 256)
+    assert not fits_one_program(0, 64) and not fits_one_program(257, 64)
+    with pytest.raises(ValueError, match="exceed one program"):
+        moe_align_one_program(torch.zeros(300, 1, dtype=torch.int64), 16, 64)
 
 
 def test_down_config_takes_the_gate_up_block_m() -> None:

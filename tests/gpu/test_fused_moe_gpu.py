@@ -110,3 +110,21 @@ def test_moe_layer_custom_op_on_cuda_matches_reference() -> None:
     expected = fused_experts_ref(x, w13, w2, weights, ids)
     # float32 takes exact (ieee) dots: only the accumulation order differs
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m,e,k", [(1, 64, 6), (32, 64, 6), (16, 128, 8), (2, 256, 8)])
+def test_one_launch_alignment_equals_the_torch_one(m: int, e: int, k: int) -> None:
+    """The one-program layout on CUDA, recorded in a graph and replayed on a new routing, is the
+    torch path's."""
+    from atomrt.workers.kernels.moe.align import moe_align_one_program, moe_align_torch
+
+    ids = torch.zeros(m, k, dtype=torch.int64, device="cuda")
+    moe_align_one_program(ids, 16, e)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recorded = moe_align_one_program(ids, 16, e)
+    for seed in range(3):
+        ids.copy_(_routing(m, e, k, 64, seed=seed)[2])
+        graph.replay()
+        for got, want in zip(recorded, moe_align_torch(ids, 16, e)):
+            assert torch.equal(got, want), (got, want)
