@@ -307,7 +307,9 @@ def test_readback_reuses_free_slots_and_passes_over_busy_ones():
     assert b.wait()[0] == [1, 5, 9, 2, 6] and c.wait()[0] == list(range(6))
     assert a.wait()[0] == [3, 1, 4] and not slot.busy
     d = start([2, 7], slot)
-    assert d.slot is slot and d.wait() == ([2, 7], None)
+    assert d.slot is slot
+    got = d.wait()
+    assert got.tokens == [2, 7] and got.logprobs is None and got.prompt_logprobs is None
 
 
 def test_pool_estimate_counts_logits_where_recordings_hold_an_lm_head():
