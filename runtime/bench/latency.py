@@ -5,9 +5,10 @@ measured engine steps that each decode bs rows. The floor is the bytes a decode 
 copy bandwidth measured in the same run (read + write bytes counted; runtime/bench/step_bytes.py):
 every weight the step reads whole (an untied input embedding only by its bs rows), of a MoE
 model's routed experts those the batch touches, plus the KV cache of bs contexts at the median
-measured step (an MLA layer's latent row per token). The experts touched are counted per MoE layer
-in `EXPERT_COUNT_STEPS` decode steps of the same batch that follow the timed ones, run eagerly so
-that the routing can be read (a graph replay runs no Python); the floor with every expert is kept
+measured step (an MLA layer's latent row per token), each at the bytes it is stored in (FP8
+weights with their scales, an FP8 cache: `--quantization`, `--kv-cache-dtype`). The experts touched
+are counted per MoE layer in `EXPERT_COUNT_STEPS` decode steps of the same batch that follow the
+timed ones, run eagerly so that the routing can be read (a graph replay runs no Python); the floor with every expert is kept
 beside it. `--compare-executors` (or
 `main_tp_overhead`) times bs=1 through the Ray executor (TP=1) against in-process.
 `--speculative-config JSON` instead compares decode tokens/s with and without speculative decoding
@@ -160,6 +161,19 @@ def _parse(argv: Optional[list[str]], compare: bool = False) -> argparse.Namespa
         help="model dtype (auto: bf16 on a GPU, float32 on CPU)",
     )
     p.add_argument(
+        "--quantization",
+        default=None,
+        choices=("fp8",),
+        help="model_config.quantization: fp8 quantizes a float (or dummy) checkpoint's linear and "
+        "expert weights to e4m3 at load (an FP8 checkpoint is FP8 without it)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        help="cache_config.kv_cache_dtype (fp8: an e4m3 KV cache, half bf16's bytes)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=None,
@@ -265,11 +279,14 @@ def bench_one(
         cuda_graph_sizes=[args.cuda_graph_sizes or max_bs],
         **mode_settings(mode, args.level, on_cuda),
     )
-    for name in ("max_model_len", "max_num_batched_tokens", "transport_spin_us", "hf_overrides"):
+    optional = ("max_model_len", "max_num_batched_tokens", "transport_spin_us", "hf_overrides")
+    for name in (*optional, "quantization"):
         if getattr(args, name) is not None:  # an explicit 0 (no spinning) is a setting too
             settings[name] = getattr(args, name)
     if args.dtype != "auto":
         settings["dtype"] = args.dtype
+    if args.kv_cache_dtype != "auto":
+        settings["kv_cache_dtype"] = args.kv_cache_dtype
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

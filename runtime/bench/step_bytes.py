@@ -1,6 +1,7 @@
 """What a decode step reads, for the floor of `atomrt bench latency` (runtime/bench/latency.py):
 the bytes of the weights and KV cache a step of a model reads -- of a MoE model's routed experts,
-those its batch touches, counted in the run -- and the copy bandwidth they are divided by, measured
+those its batch touches, counted in the run; FP8 weights and their scales, and an FP8 cache, at the
+bytes they are stored in -- and the copy bandwidth they are divided by, measured
 in the same run."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from atomrt.workers.layers.expert_tally import (
     ExpertTally,
     RoutedLayer,
+    expert_parameters,
     routed_layer_bytes,
     routed_layers,
 )
@@ -94,11 +96,12 @@ def inproc_step_bytes(llm: Any) -> Optional[StepBytes]:
         for m in modules
         if type(m) is VocabParallelEmbedding and m.weight.data_ptr() not in heads
     ]  # a tied table is read whole by the LM head
-    experts = [p for m in routed_layers(runner.model) for p in (m.w13_weight, m.w2_weight)]
+    experts = [p for m in routed_layers(runner.model) for p in expert_parameters(m)]
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     weights -= sum(w.numel() * w.element_size() for w in (*lookups, *experts))
     row = sum(w.shape[1] * w.element_size() for w in lookups)
-    kinds = kv_sizes_by_kind(runner.kv_layer_specs(), runner.dtype)
+    cache_dtype = getattr(runner, "kv_cache_dtype", runner.dtype)  # an FP8 cache: its bytes
+    kinds = kv_sizes_by_kind(runner.kv_layer_specs(), cache_dtype)
     return StepBytes(
         weights,
         row,

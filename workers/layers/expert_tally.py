@@ -34,10 +34,17 @@ def routed_layers(model: nn.Module) -> list[FusedMoE]:
     return [m for m in model.modules() if isinstance(m, FusedMoE)]
 
 
+def expert_parameters(layer: FusedMoE) -> list[torch.Tensor]:
+    """The routed experts' tensors, [E, ...] each: the weights, and FP8 experts' scales."""
+    names = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
+    return [t for t in (getattr(layer, n, None) for n in names) if t is not None]
+
+
 def routed_layer_bytes(layer: FusedMoE) -> RoutedLayer:
-    w13, w2 = layer.w13_weight, layer.w2_weight  # [E, 2I, hidden], [E, hidden, I]
-    per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-    return RoutedLayer(w13.shape[0], per_expert)
+    """How many experts a layer has and the bytes of one (weights and scales, as stored)."""
+    tensors = expert_parameters(layer)
+    per_expert = sum(t[0].numel() * t.element_size() for t in tensors)
+    return RoutedLayer(tensors[0].shape[0], per_expert)
 
 
 class ExpertTally:
