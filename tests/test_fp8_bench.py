@@ -79,3 +79,26 @@ def test_the_floor_counts_fp8_weights_and_cache_as_stored(tmp_path: Path) -> Non
     assert step == hand_count()
     (row,) = report["rows"]
     assert row["floor_ms"] is not None and row["floor_ms"] < row["floor_all_experts_ms"]
+
+
+def test_engine_flags_take_quantization_and_kv_cache_dtype() -> None:
+    """`atomrt generate` / `serve` flags: --quantization and --kv-cache-dtype reach the config, a
+    value atomrt does not take is refused naming the knob."""
+    import argparse
+
+    import pytest
+
+    from atomrt.runtime.config import ConfigError
+    from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+
+    p = argparse.ArgumentParser()
+    _add_config_args(p)
+    config = config_from_args(p.parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8"]))
+    assert config.model_config.quantization == "fp8"
+    assert config.cache_config.kv_cache_dtype == "fp8"
+    plain = config_from_args(p.parse_args([]))
+    assert (plain.model_config.quantization, plain.cache_config.kv_cache_dtype) == (None, "auto")
+    with pytest.raises(ConfigError, match="model_config.quantization.*'gptq'"):
+        config_from_args(p.parse_args(["--quantization", "gptq"]))
+    with pytest.raises(ConfigError, match="cache_config.kv_cache_dtype.*'int8'"):
+        config_from_args(p.parse_args(["--kv-cache-dtype", "int8"]))

@@ -44,6 +44,13 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         f"{DEFAULT_MODEL}'s); gives a preset's dummy weights a real one (default: the model's)",
     )
     p.add_argument("--dtype", default=None, help="auto | float32 | float16 | bfloat16")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="fp8: quantize a float checkpoint's weights to e4m3 at load (FP8 checkpoints load "
+        "as they ship without it)",
+    )
+    p.add_argument("--kv-cache-dtype", default=None, help="auto | fp8 | fp8_e4m3")
     p.add_argument("--device", default=None, help="auto | cpu | cuda")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None)
     p.add_argument("--data-parallel-size", "--dp", type=int, default=None)
@@ -109,7 +116,9 @@ def config_from_args(args: argparse.Namespace):
             "max_model_len": args.max_model_len,
             "hf_overrides": getattr(args, "hf_overrides", None),
             "tokenizer": getattr(args, "tokenizer", None),
+            "quantization": getattr(args, "quantization", None),
         },
+        "cache_config": {"kv_cache_dtype": getattr(args, "kv_cache_dtype", None)},
         "parallel_config": {
             "tensor_parallel_size": args.tensor_parallel_size,
             "data_parallel_size": args.data_parallel_size,
