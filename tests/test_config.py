@@ -83,7 +83,12 @@ def test_level3_rules():
         scheduler_config=SchedulerConfig(max_num_seqs=512),
     )
     cc = cfg.compilation_config
-    assert cc.splitting_ops == ["atomrt.unified_attention_with_output", "atomrt.mla_attention"]
+    assert cc.splitting_ops == [
+        "atomrt.unified_attention_with_output",
+        "atomrt.mla_attention",
+        "atomrt.v4_attn_compress_launch",
+        "atomrt.v4_attention",
+    ]
     assert cc.cudagraph_mode is M.TR_HYBRID
     assert cfg.capture_sizes == capture_size_ladder(512)
     assert cc.cudagraph_capture_sizes == cfg.capture_sizes

@@ -12,6 +12,7 @@ engine, DeepSeek-V4-Flash's shape built on the meta device.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,9 @@ import torch
 from model_harness import load_hf, max_logit_diff, run_prefill_and_decode
 from v4_harness import NAMES, build_v4_folder
 
+from atomrt.compile import compilation_counter
 from atomrt.runtime import SamplingParams
-from atomrt.runtime.config import Config, ModelConfig
+from atomrt.runtime.config import CompilationConfig, Config, ModelConfig
 from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.loading.loader import build_model, load_model, read_arch
 from atomrt.workers.runner.kv_cache import kv_layer_specs, kv_sizes_by_kind
@@ -103,14 +105,31 @@ def _engine_tokens(folder: Path, **kwargs) -> tuple[list[list[int]], dict]:
     return [o.outputs[0].token_ids for o in outs], seen
 
 
-@pytest.mark.parametrize("name", NAMES)
+# (model, None for level 0 / False for level 3 pieces run as traced / True for Inductor's)
+ENGINE_CASES = [pytest.param(name, None, id=f"{name}-level0") for name in NAMES] + [
+    pytest.param("csa_hca", False, id="csa_hca-level3"),
+    pytest.param("hca_first", True, id="hca_first-level3-inductor", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("name,inductor", ENGINE_CASES)
 def test_engine_greedy_tokens_equal_transformers_generate(
-    folders: dict[str, Path], name: str
+    folders: dict[str, Path], name: str, inductor, tmp_path: Path
 ) -> None:
+    """Level 3 splits at the compressor launch and the attention op: a piece between each two."""
     expected = hf_greedy(folders[name], ENGINE_PROMPTS, MAX_TOKENS)
-    got, seen = _engine_tokens(folders[name])
+    level3 = {}
+    if inductor is not None:
+        cc = CompilationConfig(level=3, cache_dir=str(tmp_path), use_inductor=inductor)
+        level3 = dict(enforce_eager=False, compilation_config=cc)
+    compilation_counter.reset()
+    got, seen = _engine_tokens(folders[name], **level3)
     assert got == expected
     assert seen["preemptions"] > 0 and seen["prefix_hits"] >= len(SHARED), seen
+    if inductor is not None:
+        types = json.loads((folders[name] / "config.json").read_text())["layer_types"]
+        ops = sum(1 if t == "sliding_attention" else 2 for t in types)
+        assert compilation_counter.num_piecewise_graphs_seen == 2 * ops + 1
 
 
 def test_cache_is_sized_per_layer_type(folders: dict[str, Path]) -> None:
@@ -163,11 +182,11 @@ def test_flash_preset_shape_on_meta() -> None:
         "heavily_compressed_attention",
     )
     assert arch.v4.qk_rope_head_dim == 64 and arch.v4.compress_rope_scaling["factor"] == 16.0
-    model = build_model(arch, "meta", torch.bfloat16)
+    model = build_model(arch, "meta", torch.bfloat16).model
     attn = model.layers[0].attn
     assert tuple(attn.wq_b.weight.shape) == (64 * 512, 1024)
     assert tuple(attn.wo_a.weight.shape) == (8 * 1024, 64 * 512 // 8)
-    assert len(model.layers[2].ffn.experts) == 256
+    assert tuple(model.layers[2].ffn.w13.shape) == (256, 2 * 2048, 4096)
     assert model.layers[0].ffn.gate.hashed and not hasattr(model.layers[0].ffn.gate, "bias")
 
 
@@ -188,3 +207,69 @@ def _tp(size: int):
     from atomrt.distributed.communication_op import TPInfo
 
     return TPInfo(0, size)
+
+
+class _OpLog(torch.overrides.TorchFunctionMode):
+    """Appends the name of every atomrt op called to `log` (beside the segment backend's)."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = str(getattr(func, "__name__", func))
+        if "v4_" in name:
+            self.log.append(("op", name.split(".")[0], args[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_recording_plan(folders: dict[str, Path]) -> None:
+    """What a TR_HYBRID decode bucket records, checked on the CPU with a logging segment backend:
+    the unit is DeepseekV4ForCausalLM alone; each compressed layer's compressor launch runs inside
+    a recorded segment (inline, ahead of its layer's eager region); one eager region per attention
+    layer (`_v4_attend`, in layer order), so num_layers + 1 segments; decode buckets only."""
+    from model_harness import PagedHarness
+    from test_region_graph_cpu import FakeBackend
+    from v4_harness import decode_step_context
+
+    from atomrt.graphs.markers import captured_token_sizes, token_graph_of, token_graph_units
+    from atomrt.runtime.forward_context import set_forward_context
+    from atomrt.workers.runner.graph_runner import recorded_phases
+
+    model = load_model(Config(model=str(folders["csa_hca"])), "cpu", torch.float32).model
+    assert token_graph_units(model) == [model]
+    assert recorded_phases(model) == (False,)  # the capture loop's record passes: decode alone
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    harness = PagedHarness(model, 40, len(prompts), block_size=4)
+    harness.step(prompts, [0, 0])
+    ids, pos, md, ctx = decode_step_context(harness, [5, 6], [len(p) for p in prompts])
+    log: list = []
+    graph = token_graph_of(model, backend=FakeBackend(log))
+    with (
+        torch.inference_mode(),
+        set_forward_context(
+            md,
+            harness.config,
+            ctx,
+            tr_graph="record",
+            no_compile_layers=harness.layers,
+            kv_cache_data=harness.kv_cache_data,
+        ),
+        _OpLog(log),
+    ):
+        model(ids, pos)
+    layer_types = model.arch.v4.layer_types
+    assert graph.num_segments(2, "decode") == len(layer_types) + 1
+    rec = graph._recordings[(2, None)]
+    assert [c.fn.__name__ for c in rec.eager_calls] == ["_v4_attend"] * len(layer_types)
+    assert [c.args[-1] for c in rec.eager_calls] == list(range(len(layer_types)))
+    # the compressor launch of each compressed layer, inside the segment before its eager region
+    for i, t in enumerate(layer_types):
+        seg = log.index(("begin", i))
+        end = log.index(("end", i))
+        launches = [e for e in log[seg:end] if e[:2] == ("op", "v4_attn_compress_launch")]
+        assert launches == (
+            [("op", "v4_attn_compress_launch", i)] if t != "sliding_attention" else []
+        )
+    assert captured_token_sizes(model, "decode") == [2]
+    assert captured_token_sizes(model, "prefill") == []

@@ -132,3 +132,41 @@ def build_v4_folder(folder: Path, name: str = "csa_hca", seed: int = 0) -> Path:
     """Save tiny config `name` with random weights as safetensors in `folder`."""
     make_hf_v4(tiny_v4_configs()[name], seed).save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def decode_step_context(harness: object, tokens: list[int], computed: list[int]) -> tuple:
+    """(input_ids, positions, attention metadata, Context) of one decode row per sequence after
+    `computed[s]` cached tokens, laid out as tests/model_harness.py's PagedHarness lays a step."""
+    from atomrt.runtime.forward_context import AttentionMetaData, Context
+
+    bs = harness.block_size
+    slots, lens = [], []
+    for s, n in enumerate(computed):
+        slots.append(harness.block_tables[s][n // bs] * bs + n % bs)
+        lens.append(n + 1)
+    tables = [
+        bt[: -(-n // bs)] + [-1] * (harness.max_blocks_per_seq - -(-n // bs))
+        for bt, n in zip(harness.block_tables, lens)
+    ]
+    cu = list(range(len(tokens) + 1))
+    md = AttentionMetaData(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        context_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_seqlen_q=1,
+        max_seqlen_k=max(lens),
+        num_seqs=len(tokens),
+        num_tokens=len(tokens),
+        cu_seqlens_q_cpu=cu,
+        context_lens_cpu=lens,
+    )
+    positions = torch.tensor(computed, dtype=torch.int64)
+    ctx = Context(
+        positions=positions,
+        is_prefill=False,
+        batch_size=len(tokens),
+        running_bs=len(tokens),
+        running_tokens=len(tokens),
+    )
+    return torch.tensor(tokens, dtype=torch.int64), positions, md, ctx

@@ -111,28 +111,28 @@ class Compressor(nn.Module):
         self,
         kv: torch.Tensor,
         gate: torch.Tensor,
+        kv_prev: Optional[torch.Tensor],
+        gate_prev: Optional[torch.Tensor],
         windows: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        """The entries of `windows` [m] from a sequence's per-token projections kv, gate [L, c*dim]
-        (tokens 0..L-1, every window's tokens among them) -> [m, dim], rotated at w * rate."""
-        r, d = self.rate, self.dim
-        tok = windows.unsqueeze(1) * r + torch.arange(r, device=kv.device)  # [m, r]
-        g = gate[tok].float() + self.ape  # [m, r, c*dim]
-        v = kv[tok]
+        """Entries of `windows` [m] from their tokens' projections kv, gate [m, rate, c*dim] (and,
+        for overlapping windows, the previous window's, ignored for window 0) -> [m, dim], rotated
+        at w * rate."""
+        d = self.dim
+        g = gate.float() + self.ape  # [m, r, c*dim]
+        v = kv
         if self.overlap:
-            prev = (tok - r).clamp(min=0)
-            g_a = gate[prev, :d].float() + self.ape[:, :d]
-            g_a = g_a.masked_fill((windows == 0).view(-1, 1, 1), float("-inf"))
-            v_a = kv[prev, :d].masked_fill((windows == 0).view(-1, 1, 1), 0.0)
+            first = (windows == 0).view(-1, 1, 1)
+            g_a = (gate_prev[..., :d].float() + self.ape[:, :d]).masked_fill(first, float("-inf"))
+            v_a = kv_prev[..., :d].masked_fill(first, 0.0)
             g = torch.cat((g_a, g[..., d:]), dim=1)  # [m, 2r, dim]
             v = torch.cat((v_a, v[..., d:]), dim=1)
         probs = torch.softmax(g, dim=1, dtype=torch.float32).to(v.dtype)
         pooled = self.norm((v * probs).sum(dim=1))
-        return rope_tail(
-            pooled, cos[windows * r].to(pooled.dtype), sin[windows * r].to(pooled.dtype)
-        )
+        at = windows * self.rate
+        return rope_tail(pooled, cos[at].to(pooled.dtype), sin[at].to(pooled.dtype))
 
 
 class Indexer(nn.Module):
@@ -249,27 +249,36 @@ class V4Attention(PagedAttentionLayer):
         return self.rotary.cos_cache[positions], self.rotary.sin_cache[positions]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden] (after attn_norm), positions [n] -> [n, hidden]."""
+        """x [n, hidden] (after attn_norm), positions [n] -> [n, hidden]. The compressors go
+        first (their launch needs no query), then the query and the window key."""
         n = x.shape[0]
+        rows = x.new_zeros(n, self.spec.elements_per_token())
+        if self.compressor is not None:
+            ikv = igate = None
+            if self.indexer is not None:
+                ikv, igate = self.indexer.compressor.wkv(x), self.indexer.compressor.wgate(x)
+            torch.ops.atomrt.v4_attn_compress_launch(
+                self.compressor.wkv(x),
+                self.compressor.wgate(x),
+                ikv,
+                igate,
+                rows,
+                positions,
+                self.layer_idx,
+            )
         cos, sin = self._cos_sin(positions)
         cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)
         q_res = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_res).view(n, self.num_heads, self.head_dim)
         q = rope_tail(unweighted_rms_norm(q, self.eps), cos_h, sin_h)
         kv = rope_tail(self.norm(self.wkv(x)), cos, sin)
-        ckv = cgate = ikv = igate = iq = iw = None
-        if self.compressor is not None:
-            ckv, cgate = self.compressor.wkv(x), self.compressor.wgate(x)
+        iq = iw = None
         if self.indexer is not None:
             idx = self.indexer
-            ikv, igate = idx.compressor.wkv(x), idx.compressor.wgate(x)
-            iq = idx.wq_b(q_res).view(n, idx.n_heads, idx.head_dim)
-            iq = rope_tail(iq, cos_h, sin_h)
+            iq = rope_tail(idx.wq_b(q_res).view(n, idx.n_heads, idx.head_dim), cos_h, sin_h)
             iw = idx.weights_proj(x).float() * idx.n_heads**-0.5
         out = torch.empty_like(q)
-        torch.ops.atomrt.v4_attention(
-            q, kv, ckv, cgate, ikv, igate, iq, iw, out, positions, self.layer_idx
-        )
+        torch.ops.atomrt.v4_attention(q, kv, rows, iq, iw, out, self.layer_idx)
         out = rope_tail(out, cos_h, -sin_h)  # the values' rotation turned back at the query's angle
         grouped = out.reshape(n, self.o_groups, -1)  # [n, G, H*D/G]
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
@@ -289,13 +298,13 @@ class V4Attention(PagedAttentionLayer):
                 cols[name], at = (at, width), at + width
         return cols
 
-    def rows(self, kv, ckv, cgate, ikv, igate) -> torch.Tensor:
-        """This step's cache rows (entries zero: they are pooled once their window is whole)."""
-        parts = [kv]
-        if ckv is not None:
-            parts += [ckv, cgate, kv.new_zeros(kv.shape[0], self.head_dim)]
+    def compressor_rows(self, ckv, cgate, ikv, igate) -> torch.Tensor:
+        """This step's cache rows but the window key (written by the attention op) and the entries
+        (pooled where a window ends): zeros there."""
+        parts = [ckv.new_zeros(ckv.shape[0], self.head_dim), ckv, cgate]
+        parts.append(ckv.new_zeros(ckv.shape[0], self.head_dim))
         if ikv is not None:
-            parts += [ikv, igate, kv.new_zeros(kv.shape[0], ikv.shape[1] // 2)]
+            parts += [ikv, igate, ikv.new_zeros(ikv.shape[0], ikv.shape[1] // 2)]
         return torch.cat(parts, dim=-1)
 
 
@@ -323,30 +332,105 @@ def _sequences(md: object, num_rows: int, paged: bool) -> "list[tuple[int, int, 
     return out
 
 
-def v4_attention(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    ckv: Optional[torch.Tensor],
-    cgate: Optional[torch.Tensor],
+def _source_rows(
+    md: object,
+    cache: Optional["V4CacheTensor"],
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    tokens: torch.Tensor,
+) -> torch.Tensor:
+    """The cache rows of `tokens` [n, k] (token positions in row i's sequence, >= 0): through the
+    block table on the device, or without a cache from this step's rows (each sequence's rows
+    from its first position). Planned from the row count alone."""
+    n = rows.shape[0]
+    if cache is None or md is None:
+        if md is None or md.cu_seqlens_q is None:
+            first = torch.zeros(n, dtype=torch.long, device=rows.device)
+        else:
+            cu = md.cu_seqlens_q.long()
+            seq = torch.searchsorted(cu[1:], torch.arange(n, device=rows.device), right=True)
+            first = cu[seq.clamp(max=cu.shape[0] - 1)]
+        src = first.unsqueeze(1) + tokens - positions[first].unsqueeze(1)
+        return rows[src.clamp(0, n - 1)]
+    bs = cache.rows.shape[1]
+    cu = md.cu_seqlens_q.long()
+    seq = torch.searchsorted(cu[1:], torch.arange(n, device=rows.device), right=True)
+    seq = seq.clamp(max=md.block_tables.shape[0] - 1)
+    blocks = md.block_tables.long()[
+        seq.unsqueeze(1), (tokens // bs).clamp(max=md.block_tables.shape[1] - 1)
+    ]
+    slots = blocks.clamp(min=0) * bs + tokens % bs
+    return cache.rows.view(-1, cache.rows.shape[-1])[slots].to(rows.dtype)
+
+
+def _write_rows(md: object, cache: Optional["V4CacheTensor"], rows: torch.Tensor) -> None:
+    if cache is None or md is None:
+        return
+    n = rows.shape[0]
+    valid = md.slot_mapping[:n] >= 0
+    flat = cache.rows.view(-1, cache.rows.shape[-1])
+    flat.index_copy_(0, md.slot_mapping[:n][valid], rows[valid].to(flat.dtype))
+
+
+def v4_attn_compress_launch(
+    ckv: torch.Tensor,
+    cgate: torch.Tensor,
     ikv: Optional[torch.Tensor],
     igate: Optional[torch.Tensor],
-    iq: Optional[torch.Tensor],
-    iw: Optional[torch.Tensor],
-    output: torch.Tensor,
+    rows: torch.Tensor,
     positions: torch.Tensor,
     layer_idx: int,
 ) -> None:
-    """q, output [n, H, D]; kv [n, D]; ckv, cgate [n, c*D]; ikv, igate [n, 2*Di]; iq [n, Hi, Di];
-    iw [n, Hi] float32; positions [n]. Writes the step's cache rows at slot_mapping, pools the
-    windows that end in the step, then attends (`_v4_attend`, the eager region)."""
+    """The split op ahead of a compressed layer's query: the step's compressor projections into
+    `rows` [n, width] and the cache (at slot_mapping); then, for each row whose position ends a
+    compressor window, the window's entry and the indexer's, pooled from its tokens' rows (the
+    earlier ones from the cache) into the row. Sized by the row count: every row pools a
+    candidate, kept where its position ends a window; no host data, so a token graph records it
+    inline."""
     layer, md, cache = paged_layer_state(layer_idx)
-    rows = layer.rows(kv, ckv, cgate, ikv, igate)
+    rows.copy_(layer.compressor_rows(ckv, cgate, ikv, igate))
+    _write_rows(md, cache, rows)
+    r, cols = layer.rate, layer.columns()
+    windows = ((positions + 1) // r - 1).clamp(min=0)  # the window each row would end
+    span = 2 * r if layer.compressor.overlap else r
+    tokens = (positions + 1 - span).unsqueeze(1) + torch.arange(span, device=rows.device)
+    src = _source_rows(md, cache, rows, positions, tokens.clamp(min=0))  # [n, span, width]
+    cos, sin = layer.rotary.cos_cache, layer.rotary.sin_cache
+    ends = ((positions + 1) % r == 0).unsqueeze(1)
+    for comp, kv_name, gate_name, entry_name in (
+        (layer.compressor, "ckv", "cgate", "centry"),
+        (layer.indexer.compressor if layer.indexer is not None else None, "ikv", "igate", "ientry"),
+    ):
+        if comp is None:
+            continue
+        kv_src, gate_src = _col(src, cols, kv_name), _col(src, cols, gate_name)
+        prev = (kv_src[:, :r], gate_src[:, :r]) if comp.overlap else (None, None)
+        pooled = comp.pool(kv_src[:, -r:], gate_src[:, -r:], *prev, windows, cos, sin)
+        entry = _col(rows, cols, entry_name)
+        entry.copy_(torch.where(ends, pooled.to(rows.dtype), entry))
+    _write_rows(md, cache, rows)
+
+
+def v4_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    iq: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
+    output: torch.Tensor,
+    layer_idx: int,
+) -> None:
+    """q, output [n, H, D]; kv [n, D] the window keys; rows [n, width] (`v4_attn_compress_launch`'s
+    for a compressed layer, zeros otherwise); iq [n, Hi, Di]; iw [n, Hi] float32. Writes the keys
+    into the rows and the cache, then attends (`_v4_attend`, the layer's eager region)."""
+    layer, md, cache = paged_layer_state(layer_idx)
+    rows[:, : kv.shape[1]] = kv
     if cache is not None and md is not None:
-        n = rows.shape[0]
+        n = kv.shape[0]
         valid = md.slot_mapping[:n] >= 0
         flat = cache.rows.view(-1, cache.rows.shape[-1])
-        flat.index_copy_(0, md.slot_mapping[:n][valid], rows[valid].to(flat.dtype))
-    _v4_attend(q, rows, iq, iw, output, positions, layer_idx)
+        flat[md.slot_mapping[:n][valid], : kv.shape[1]] = kv[valid].to(flat.dtype)
+    _v4_attend(q, rows, iq, iw, output, layer_idx)
 
 
 @eager_region(request_fixed=True)
@@ -356,12 +440,10 @@ def _v4_attend(
     iq: Optional[torch.Tensor],
     iw: Optional[torch.Tensor],
     output: torch.Tensor,
-    positions: torch.Tensor,
     layer_idx: int,
 ) -> None:
-    """Each sequence's compressor windows that end in the step, pooled into their entry rows, then
-    its queries' attention over the window and the compressed entries. Rows past the step's
-    sequences get zeros."""
+    """Each sequence's queries over its window and its compressed entries (CSA: those the
+    indexer picks), planned from the step's sequences. Rows past them get zeros."""
     layer, md, cache = paged_layer_state(layer_idx)
     output.zero_()
     paged = cache is not None and md is not None
@@ -372,17 +454,14 @@ def _v4_attend(
             seq_rows = cache.rows[table].flatten(0, 1)[:context_len]
         else:  # profiling / dummy run: the sequence is this step's rows alone
             seq_rows = rows[start : start + n]
-        seq_rows = seq_rows.to(q.dtype)
         _attend_sequence(
             layer,
             q[start : start + n],
-            seq_rows,
+            seq_rows.to(q.dtype),
             None if iq is None else iq[start : start + n],
             None if iw is None else iw[start : start + n],
             output[start : start + n],
             context_len,
-            cache.rows if paged else None,
-            md.block_tables[s] if paged else None,
         )
 
 
@@ -394,8 +473,6 @@ def _attend_sequence(
     iw: Optional[torch.Tensor],
     out: torch.Tensor,
     context_len: int,
-    cache_rows: Optional[torch.Tensor],
-    block_table: Optional[torch.Tensor],
 ) -> None:
     n, L = q.shape[0], context_len
     device = q.device
@@ -406,29 +483,22 @@ def _attend_sequence(
     mask = (t.unsqueeze(0) <= pos.unsqueeze(1)) & (t.unsqueeze(0) > pos.unsqueeze(1) - layer.window)
     if layer.compressor is not None:
         r = layer.rate
-        entries = _pool_new_windows(layer, seq_rows, cols, L, n, cache_rows, block_table)
         num_entries = L // r
         ent = _col(seq_rows, cols, "centry")[r - 1 :: r][:num_entries]
-        if entries is not None:
-            ent = ent.clone()
-            ent[entries[0]] = entries[1]
         w = torch.arange(num_entries, device=device)
         visible = w.unsqueeze(0) < ((pos + 1) // r).unsqueeze(1)  # [n, T]
         if layer.indexer is not None and num_entries:
             ikeys = _col(seq_rows, cols, "ientry")[r - 1 :: r][:num_entries]
-            if entries is not None:
-                ikeys = ikeys.clone()
-                ikeys[entries[0]] = entries[2]
             visible = visible & _index_select(layer, iq, iw, ikeys, visible)
         keys = torch.cat((keys, ent), dim=0)
         mask = torch.cat((mask, visible), dim=1)
-    logits = torch.einsum("nhd,kd->nhk", q, keys.to(q.dtype)) * layer.scale
+    logits = torch.einsum("nhd,kd->nhk", q, keys) * layer.scale
     logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
     sink = layer.attn_sink.to(logits.dtype).view(1, -1, 1).expand(n, -1, 1)
     combined = torch.cat((logits, sink), dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]
-    out.copy_(torch.einsum("nhk,kd->nhd", probs, keys.to(q.dtype)))
+    out.copy_(torch.einsum("nhk,kd->nhd", probs, keys))
 
 
 def _index_select(
@@ -448,56 +518,12 @@ def _index_select(
     return picked
 
 
-def _pool_new_windows(
-    layer: V4Attention,
-    seq_rows: torch.Tensor,
-    cols: dict,
-    L: int,
-    n: int,
-    cache_rows: Optional[torch.Tensor],
-    block_table: Optional[torch.Tensor],
-) -> "Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]":
-    """The windows whose last token is among the step's rows: (window ids, entries, indexer
-    entries), written into their entry rows of the cache too; None when no window ends here."""
-    r = layer.rate
-    first = -(-(L - n + 1) // r) - 1  # the first window ending at or after token L - n
-    last = L // r - 1
-    if last < max(first, 0):
-        return None
-    windows = torch.arange(max(first, 0), last + 1, device=seq_rows.device)
-    cos, sin = layer.rotary.cos_cache, layer.rotary.sin_cache
-    entries = layer.compressor.pool(
-        _col(seq_rows, cols, "ckv"), _col(seq_rows, cols, "cgate"), windows, cos, sin
-    )
-    ientries = None
-    if layer.indexer is not None:
-        comp = layer.indexer.compressor
-        ientries = comp.pool(
-            _col(seq_rows, cols, "ikv"), _col(seq_rows, cols, "igate"), windows, cos, sin
-        )
-    if cache_rows is not None:
-        bs = cache_rows.shape[1]
-        last_tok = (windows + 1) * r - 1
-        slots = block_table[last_tok // bs].long() * bs + last_tok % bs
-        flat = cache_rows.view(-1, cache_rows.shape[-1])
-        at, width = cols["centry"]
-        flat[slots, at : at + width] = entries.to(flat.dtype)
-        if ientries is not None:
-            at, width = cols["ientry"]
-            flat[slots, at : at + width] = ientries.to(flat.dtype)
-    return windows, entries, ientries
-
-
-def _v4_attention_fake(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    ckv: Optional[torch.Tensor],
-    cgate: Optional[torch.Tensor],
+def _compress_fake(
+    ckv: torch.Tensor,
+    cgate: torch.Tensor,
     ikv: Optional[torch.Tensor],
     igate: Optional[torch.Tensor],
-    iq: Optional[torch.Tensor],
-    iw: Optional[torch.Tensor],
-    output: torch.Tensor,
+    rows: torch.Tensor,
     positions: torch.Tensor,
     layer_idx: int,
 ) -> None:
@@ -505,5 +531,25 @@ def _v4_attention_fake(
 
 
 direct_register_custom_op(
-    "v4_attention", v4_attention, mutates_args=["output"], fake_impl=_v4_attention_fake
+    "v4_attn_compress_launch",
+    v4_attn_compress_launch,
+    mutates_args=["rows"],
+    fake_impl=_compress_fake,
+)
+
+
+def _v4_attention_fake(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    iq: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
+    output: torch.Tensor,
+    layer_idx: int,
+) -> None:
+    return None
+
+
+direct_register_custom_op(
+    "v4_attention", v4_attention, mutates_args=["rows", "output"], fake_impl=_v4_attention_fake
 )

@@ -9,8 +9,12 @@ softmax or sigmoid):
 Either way the weights are the picked scores, renormalised to sum 1, times `routed_scaling_factor`.
 
 Parameter names are the checkpoint's: `gate.weight`, `gate.bias` (moe) or `gate.tid2eid` (hash),
-`experts.<e>.w1/w2/w3` (gate, down, up), `shared_experts.w1/w2/w3`. One rank holds every expert
-(the layer is built for tensor_parallel_size = data_parallel_size = 1).
+`shared_experts.w1/w2/w3`; the routed experts' `experts.<e>.w1/w3` (gate, up) are stacked into
+`w13` [E, 2 * I, hidden] and their `w2` (down) into `w2` [E, hidden, I] (`load_expert`). One rank
+holds every expert (the layer is built for tensor_parallel_size = data_parallel_size = 1).
+
+Eagerly each expert runs on its own rows; traced (levels 2-3) every expert runs on every row,
+weighted by its routing weight (zero where not picked): no data-dependent shape in the graph.
 """
 
 from __future__ import annotations
@@ -99,26 +103,50 @@ class V4MoE(nn.Module):
         vocab_size: int,
     ) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.intermediate_size, self.limit = (
+            num_experts,
+            intermediate_size,
+            swiglu_limit,
+        )
         self.gate = V4Gate(
             hidden_size, num_experts, top_k, scoring_func, routed_scaling_factor, hashed, vocab_size
         )
-        self.experts = nn.ModuleList(
-            SwiGLU(hidden_size, intermediate_size, swiglu_limit) for _ in range(num_experts)
-        )
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         # transformers' shared expert is one SwiGLU of moe_intermediate_size, whatever the count
         self.shared_experts = (
             SwiGLU(hidden_size, intermediate_size, swiglu_limit) if n_shared_experts else None
         )
 
+    def load_expert(self, expert: int, proj: str, weight: torch.Tensor) -> None:
+        """Checkpoint tensor `experts.<expert>.<proj>.weight` into its place in w13 / w2."""
+        i = self.intermediate_size
+        with torch.no_grad():
+            if proj == "w2":
+                self.w2[expert].copy_(weight)
+            else:
+                rows = slice(0, i) if proj == "w1" else slice(i, 2 * i)
+                self.w13[expert, rows].copy_(weight)
+
+    def _swiglu(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.split(self.intermediate_size, dim=-1)
+        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] (after ffn_norm), input_ids [n] -> [n, hidden]."""
         ids, weights = self.gate(x, input_ids)
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            rows, slot = torch.where(ids == e)
-            y = self.experts[e](x[rows]) * weights[rows, slot, None].to(x.dtype)
-            out.index_add_(0, rows, y.to(out.dtype))
+        if torch.compiler.is_compiling():
+            combine = x.new_zeros(x.shape[0], self.num_experts).scatter_add(
+                1, ids, weights.to(x.dtype)
+            )
+            act = self._swiglu(torch.einsum("nd,eid->nei", x, self.w13))
+            out = (torch.einsum("nei,edi->ned", act, self.w2) * combine.unsqueeze(-1)).sum(1)
+        else:
+            out = torch.zeros_like(x)
+            for e in torch.unique(ids).tolist():
+                rows, slot = torch.where(ids == e)
+                y = F.linear(self._swiglu(F.linear(x[rows], self.w13[e])), self.w2[e])
+                out.index_add_(0, rows, (y * weights[rows, slot, None].to(x.dtype)).to(out.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

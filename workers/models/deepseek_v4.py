@@ -11,8 +11,16 @@ sliding window plus compressed entries, and hash-routed or top-k-routed experts.
 
 `layer_types[i]` is layer i's attention (sliding window; CSA: window + indexer-selected compressed
 entries; HCA: window + every compressed entry), `mlp_layer_types[i]` its routing (`hash_moe`:
-`tid2eid[input_ids]`; `moe`: top-k). The hash routing reads the step's token ids, so the unit
-that holds every per-token piece of the step is this class itself.
+`tid2eid[input_ids]`; `moe`: top-k). The hash routing reads the step's token ids, so the token
+graph's recording unit (`@token_graph`) is `DeepseekV4ForCausalLM` itself, the unit that holds
+every per-token piece of the step; the backbone `DeepseekV4Model` is what torch.compile traces.
+Under TR_HYBRID it records decode buckets only (`token_graph_phases`): a prefill step runs
+eagerly, and no dummy prefill is recorded.
+
+Recorded structure of a layer (docs/compilation-and-graphs.md): the compressor launch
+(`v4_attn_compress_launch`, a splitting op sized by the row count) inline, ahead of the query and
+key projections; the attention (`_v4_attend`, planned from the step's sequences) the one eager
+region; everything else inline.
 
 Checkpoints: the names DeepSeek publishes and transformers writes back (`layers.<i>.attn.wq_a`,
 `...compressor.wkv`, `...indexer.wq_b`, `ffn.experts.<e>.w1`, `hc_attn_fn`, `hc_head_fn`, `head`,
@@ -23,13 +31,16 @@ are left out and said so.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from atomrt.compile.decorators import support_torch_compile
 from atomrt.distributed.communication_op import DPInfo, TPInfo
+from atomrt.graphs.markers import token_graph
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_attention import Norm, V4Attention
 from atomrt.workers.layers.v4_hyper import HyperConnection, HyperHead, hyper_residual
@@ -40,11 +51,12 @@ from atomrt.workers.models.arch import ModelArch
 logger = logging.getLogger(__name__)
 
 _RENAMES = (  # the published names of the top-level tensors -> ours
-    ("embed.weight", "embed_tokens.weight"),
-    ("hc_head_fn", "hc_head.hc_fn"),
-    ("hc_head_base", "hc_head.hc_base"),
-    ("hc_head_scale", "hc_head.hc_scale"),
+    ("embed.weight", "model.embed_tokens.weight"),
+    ("hc_head_fn", "model.hc_head.hc_fn"),
+    ("hc_head_base", "model.hc_head.hc_base"),
+    ("hc_head_scale", "model.hc_head.hc_scale"),
 )
+_EXPERT = re.compile(r"^(.*\.ffn)\.experts\.(\d+)\.(w[123])\.weight$")
 _LAYER_RENAMES = tuple(  # a layer's mHC tensors -> its HyperConnection modules'
     (f".hc_{block}_{part}", f".{block}_hc.{part}")
     for block in ("attn", "ffn")
@@ -102,23 +114,13 @@ class V4DecoderLayer(nn.Module):
         return hyper_residual(streams, post, comb, self.ffn(self.ffn_norm(x), input_ids))
 
 
-class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(
-        self,
-        arch: ModelArch,
-        tp: TPInfo = TPInfo(),
-        max_position: int = 0,
-        config: Any = None,
-        dp: DPInfo = DPInfo(),
-    ) -> None:
+@support_torch_compile
+class DeepseekV4Model(nn.Module):
+    """Embedding, decoder layers, hyper head and final norm: what torch.compile traces."""
+
+    def __init__(self, arch: ModelArch, max_position: int = 0) -> None:
         super().__init__()
-        if tp.tp_size != 1 or dp.dp_size != 1:
-            raise ValueError(
-                "DeepseekV4ForCausalLM runs with tensor_parallel_size = 1 and "
-                f"data_parallel_size = 1 (got {tp.tp_size}, {dp.dp_size})"
-            )
         v4 = arch.v4
-        self.arch = arch
         max_position = max_position or arch.max_position
         # one table per rotary set, shared by every layer of that set
         rotary = {
@@ -137,9 +139,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(V4DecoderLayer(arch, i, rotary) for i in range(arch.num_layers))
         self.hc_head = HyperHead(arch.hidden_size, v4.hc_mult, v4.hc_eps, arch.rms_norm_eps)
         self.norm = Norm(arch.hidden_size, arch.rms_norm_eps)
-        self.head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.hc_mult = v4.hc_mult
-        self._skipped_mtp = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [n] int64 -> hidden_states [n, hidden]."""
@@ -149,15 +149,47 @@ class DeepseekV4ForCausalLM(nn.Module):
             streams = layer(streams, positions, input_ids)
         return self.norm(self.hc_head(streams))
 
+
+@token_graph
+class DeepseekV4ForCausalLM(nn.Module):
+    # TR_HYBRID records decode buckets only: a prefill step runs eagerly
+    token_graph_phases = ("decode",)
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        tp: TPInfo = TPInfo(),
+        max_position: int = 0,
+        config: Any = None,
+        dp: DPInfo = DPInfo(),
+    ) -> None:
+        super().__init__()
+        if tp.tp_size != 1 or dp.dp_size != 1:
+            raise ValueError(
+                "DeepseekV4ForCausalLM runs with tensor_parallel_size = 1 and "
+                f"data_parallel_size = 1 (got {tp.tp_size}, {dp.dp_size})"
+            )
+        self.arch = arch
+        self.model = DeepseekV4Model(arch, max_position, config=config)
+        self.head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self._skipped_mtp = 0
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [n] int64 -> hidden_states [n, hidden]."""
+        return self.model(input_ids, positions)
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.head(hidden_states)
 
     @staticmethod
     def checkpoint_name(name: str) -> str:
-        name = name.removeprefix("model.")
+        """Our name of a checkpoint tensor, published (`layers.0.hc_attn_fn`) or as transformers
+        writes it back (`model.layers.0.hc_attn_fn`)."""
         for theirs, ours in _RENAMES:
-            if name.startswith(theirs):
-                return ours + name[len(theirs) :]
+            if name.removeprefix("model.").startswith(theirs):
+                return ours + name.removeprefix("model.")[len(theirs) :]
+        if not name.startswith(("model.", "head.")):
+            name = "model." + name
         for theirs, ours in _LAYER_RENAMES:
             if name.endswith(theirs):
                 return name[: -len(theirs)] + ours
@@ -170,7 +202,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         filled once."""
         targets = dict(self.named_parameters())
         targets.update((n, b) for n, b in self.named_buffers() if n.endswith("tid2eid"))
-        loaded: set[str] = set()
+        loaded: dict[str, int] = {}
         self._skipped_mtp = 0
         for name, weight in weights:
             if name.startswith("mtp.") or name.startswith("model.mtp."):
@@ -179,6 +211,19 @@ class DeepseekV4ForCausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             ours = self.checkpoint_name(name)
+            expert = _EXPERT.match(ours)
+            if expert is not None:
+                moe = self.get_submodule(expert.group(1))
+                e, proj = int(expert.group(2)), expert.group(3)
+                tensor = weight[:] if not isinstance(weight, torch.Tensor) else weight
+                if e >= moe.num_experts or tuple(tensor.shape) != tuple(
+                    moe.w2.shape[1:] if proj == "w2" else (moe.intermediate_size, moe.w13.shape[2])
+                ):
+                    raise ValueError(f"{where}: {name} does not fit {expert.group(1)}'s experts")
+                moe.load_expert(e, proj, tensor.to(moe.w13.device, moe.w13.dtype))
+                key = f"{expert.group(1)}.{'w2' if proj == 'w2' else 'w13'}"
+                loaded[key] = loaded.get(key, 0) + 1
+                continue
             target = targets.get(ours)
             if target is None:
                 raise ValueError(f"{where}: tensor {name!r} has no place in DeepseekV4ForCausalLM")
@@ -190,8 +235,15 @@ class DeepseekV4ForCausalLM(nn.Module):
                 )
             with torch.no_grad():
                 target.copy_(tensor.to(target.device, target.dtype))
-            loaded.add(ours)
-        missing = [n for n in targets if n not in loaded]
+            loaded[ours] = loaded.get(ours, 0) + 1
+
+        def fills(n: str) -> int:  # w13 takes two tensors per expert, w2 one
+            if n.endswith(".w13") or n.endswith(".w2"):
+                e = self.get_submodule(n.rsplit(".", 1)[0]).num_experts
+                return 2 * e if n.endswith(".w13") else e
+            return 1
+
+        missing = [n for n in targets if loaded.get(n, 0) < fills(n)]
         if missing:
             raise ValueError(
                 f"{where}: missing tensors for {len(missing)} parameters, e.g. {missing[:4]}"

@@ -8,7 +8,8 @@ once under `compile_ahead` (workers/kernels/launch.py), its Triton launches turn
 on threads, so that the kernels capture needs compile side by side. FULL (and FULL_DECODE_ONLY) record `ReqGraph`s,
 the LM head and the greedy argmax included (a recording's outputs are every row's logits and their
 argmax); TR_HYBRID (and FULL_AND_TR_HYBRID, recorded exactly as TR_HYBRID) record the model's token
-graphs, asked once for decode and once for prefill (the same recording serves both). GC is off
+graphs, asked once for decode and once for prefill (the same recording serves both), or for decode
+alone where the model says so (`token_graph_phases`, DeepSeek-V4). GC is off
 during capture; a progress bar shows on rank 0. Every recording drains pending NCCL work first
 (graphs/region_graph.py).
 
@@ -48,6 +49,14 @@ if TYPE_CHECKING:
     from atomrt.workers.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def recorded_phases(model: torch.nn.Module) -> tuple[bool, ...]:
+    """The `is_prefill` of each token-graph record pass of a capture size: decode, then prefill;
+    decode alone for a model that says so (`token_graph_phases = ("decode",)`, DeepSeek-V4), whose
+    prefill steps then run eagerly and which reports no prefill bucket."""
+    phases = getattr(model, "token_graph_phases", ("decode", "prefill"))
+    return tuple(p == "prefill" for p in ("decode", "prefill") if p in phases)
 
 
 class StagedBucket(NamedTuple):
@@ -239,7 +248,8 @@ class GraphRunner:
             if self.unit_graph is not None:
                 request.before = lambda: runner.buffers.unpack(bs, rows)
                 request.after = lambda hidden: self._outputs(runner, hidden, rows)
-            for phase_ctx in (ctx, replace(ctx, is_prefill=True)):
+            for is_prefill in recorded_phases(runner.model):
+                phase_ctx = replace(ctx, is_prefill=is_prefill)
                 with set_forward_context(
                     replace(md, graph_safe=False),
                     self.config,
