@@ -271,9 +271,10 @@ def launch_mla_decode(
     if not split:
         return
     splits_p = max(32, triton.next_power_of_2(plan.num_splits))  # few variants: 32, 64, 128
+    dim_chunk = min(plan.lora_p, MERGE_TILE // splits_p)
     launch(
         mla_merge_kernel,
-        (num_rows, num_heads),
+        (num_rows, num_heads, triton.cdiv(kv_lora_rank, dim_chunk)),
         partial,
         m,
         l,
@@ -287,8 +288,7 @@ def launch_mla_decode(
         out.stride(0),
         out.stride(1),
         SPLITS_P=splits_p,
-        DIM_CHUNK=min(plan.lora_p, MERGE_TILE // splits_p),
-        LORA_P=plan.lora_p,
+        DIM_CHUNK=dim_chunk,
         num_warps=4,
     )
 

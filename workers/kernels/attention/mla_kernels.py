@@ -266,15 +266,16 @@ def mla_merge_kernel(
     stride_or,
     stride_oh,
     SPLITS_P: tl.constexpr,
-    DIM_CHUNK: tl.constexpr,  # latent columns per step (the tile is SPLITS_P x DIM_CHUNK fp32)
-    LORA_P: tl.constexpr,
+    DIM_CHUNK: tl.constexpr,  # latent columns per program (the tile is SPLITS_P x DIM_CHUNK fp32)
 ):
-    """Merges the KV splits of one (row, head): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
-    over the splits that saw a key (l_s > 0): the others' partial outputs are neither read nor
-    needed. A row that saw no key gets zeros; rows past the requests' are left to the decode kernel
-    (which zeros them)."""
+    """Merges the KV splits of one (row, head), DIM_CHUNK latent columns per program (grid dim 2):
+    out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits that saw a key (l_s > 0):
+    the others' partial outputs are neither read nor needed. A row that saw no key gets zeros; rows
+    past the requests' are left to the decode kernel (which zeros them). A lone request's merge
+    thus still runs on many SMs: its partials are as large as a few thousand keys of cache."""
     row = tl.program_id(0)
     head = tl.program_id(1)
+    d0 = tl.program_id(2) * DIM_CHUNK
     if row >= tl.load(cu_seqlens_q_ptr + num_reqs):
         return
     row64 = row.to(tl.int64)
@@ -288,11 +289,10 @@ def mla_merge_kernel(
     inv = 1.0 / tl.where(l_total > 0.0, l_total, 1.0)
     a_base = partial_ptr + row64 * stride_pr + head * stride_ph + splits[:, None] * stride_ps
     o_base = out_ptr + row64 * stride_or + head * stride_oh
-    for d0 in tl.static_range(0, LORA_P, DIM_CHUNK):
-        dims = d0 + tl.arange(0, DIM_CHUNK)
-        dim_valid = dims < kv_lora_rank
-        acc = tl.load(
-            a_base + dims[None, :], mask=live[:, None] & dim_valid[None, :], other=0.0
-        )  # [SPLITS_P, DIM_CHUNK]
-        o = tl.sum(w[:, None] * acc, 0) * inv
-        tl.store(o_base + dims, o.to(out_ptr.dtype.element_ty), mask=dim_valid)
+    dims = d0 + tl.arange(0, DIM_CHUNK)
+    dim_valid = dims < kv_lora_rank
+    acc = tl.load(
+        a_base + dims[None, :], mask=live[:, None] & dim_valid[None, :], other=0.0
+    )  # [SPLITS_P, DIM_CHUNK]
+    o = tl.sum(w[:, None] * acc, 0) * inv
+    tl.store(o_base + dims, o.to(out_ptr.dtype.element_ty), mask=dim_valid)
