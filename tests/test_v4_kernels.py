@@ -1,0 +1,111 @@
+"""DeepSeek-V4's kernels (workers/kernels/v4/) against float64 references written here from the
+formulas, on CPU through Triton's interpreter, over a cache whose rows no query owns hold NaN
+(a kernel that reads a foreign row fails the test).
+
+- the compressor: per channel, softmax over the window's tokens of gate + ape, weighting kv; a
+  CSA window is the previous window's first-half projections and its own second half (window 0:
+  its own only); then RMS-normalised times the weight;
+- the indexer: score = sum_h w_h relu(q_h . k) / sqrt(Di), -inf for a missing entry;
+- sparse attention: softmax over the given keys and the head's sink, the keys as values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores, v4_pool, v4_sparse_attention
+
+NAN = float("nan")
+
+
+def _cache(num_slots: int, width: int, owned: list[int], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.full((num_slots, width), NAN)
+    rows[owned] = torch.randn(len(owned), width, generator=g)
+    return rows
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_pool_matches_float64(overlap: bool) -> None:
+    d, rate, eps = 24, 4, 1e-6
+    c = 2 if overlap else 1
+    span = c * rate
+    width = 3 + 2 * c * d  # some leading columns, then kv, then gate
+    kv_col, gate_col = 3, 3 + c * d
+    windows = torch.tensor([0, 1, 3, 2, 5])
+    n = windows.shape[0]
+    g = torch.Generator().manual_seed(1)
+    slots = torch.randperm(200, generator=g)[: n * span].view(n, span)
+    if overlap:
+        slots[0, :rate] = -1  # window 0 has no previous window
+    rows = _cache(200, width, slots[slots >= 0].tolist(), 2)
+    ape = torch.randn(rate, c * d, generator=g)
+    norm = torch.randn(d, generator=g)
+    out = torch.full((n, d), NAN)
+    v4_pool(rows, slots, windows, ape, norm, kv_col, gate_col, eps, overlap, out)
+
+    ref = torch.empty(n, d, dtype=torch.float64)
+    r64 = rows.double()
+    for i in range(n):
+        kvs, gates = [], []
+        for j in range(span):
+            if overlap and j < rate and windows[i] == 0:
+                continue
+            ch = (j // rate) * d if overlap else 0
+            row = r64[slots[i, j]]
+            kvs.append(row[kv_col + ch : kv_col + ch + d])
+            gates.append(
+                row[gate_col + ch : gate_col + ch + d] + ape[j % rate, ch : ch + d].double()
+            )
+        weights = torch.softmax(torch.stack(gates), dim=0)
+        pooled = (weights * torch.stack(kvs)).sum(0)
+        ref[i] = pooled / torch.sqrt(pooled.square().mean() + eps) * norm.double()
+    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_index_scores_match_float64() -> None:
+    n, h, di, t = 3, 5, 20, 37
+    width, col = 50, 7
+    g = torch.Generator().manual_seed(3)
+    entry_slots = torch.randperm(300, generator=g)[: n * t].view(n, t)
+    entry_slots[1, 30:] = -1
+    entry_slots[2, ::3] = -1
+    rows = _cache(300, width, entry_slots[entry_slots >= 0].tolist(), 4)
+    iq = torch.randn(n, h, di, generator=g)
+    iw = torch.randn(n, h, generator=g)
+    got = v4_index_scores(iq, iw, rows, entry_slots, col)
+    for i in range(n):
+        for j in range(t):
+            if entry_slots[i, j] < 0:
+                assert got[i, j] == float("-inf")
+                continue
+            k = rows[entry_slots[i, j], col : col + di].double()
+            s = (torch.relu(iq[i].double() @ k) * iw[i].double()).sum() / math.sqrt(di)
+            assert abs(got[i, j].item() - s.item()) < 1e-5
+
+
+@pytest.mark.parametrize("num_heads,num_keys", [(4, 21), (20, 40), (3, 0)])
+def test_sparse_attention_matches_float64(num_heads: int, num_keys: int) -> None:
+    n, d, width = 3, 24, 64
+    scale = d**-0.5
+    g = torch.Generator().manual_seed(5)
+    slots = torch.randint(0, 100, (n, num_keys), generator=g)
+    col = torch.randint(0, width - d, (n, num_keys), generator=g)
+    offsets = slots * width + col
+    if num_keys:
+        offsets[0, 5:9] = -1
+    rows = torch.randn(100, width, generator=g)  # every element is some key's column
+    q = torch.randn(n, num_heads, d, generator=g)
+    sinks = torch.randn(num_heads, generator=g)
+    out = torch.full((n, num_heads, d), NAN)
+    v4_sparse_attention(q, rows, offsets, sinks, scale, out)
+    flat = rows.double().flatten()
+    for i in range(n):
+        keys = [flat[o : o + d] for o in offsets[i].tolist() if o >= 0]
+        keys = torch.stack(keys) if keys else torch.zeros(0, d, dtype=torch.float64)
+        logits = torch.cat((q[i].double() @ keys.T * scale, sinks.double().unsqueeze(1)), dim=1)
+        probs = torch.softmax(logits, dim=1)[:, :-1]
+        assert torch.allclose(out[i].double(), probs @ keys, atol=1e-5, rtol=1e-5)

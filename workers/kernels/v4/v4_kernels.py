@@ -1,0 +1,253 @@
+"""DeepSeek-V4's Triton kernels over its per-token cache rows (workers/layers/v4_attention.py):
+
+- `v4_pool`: the compressor. For each row, the softmax over a window's tokens (per channel) of
+  gate + ape weights their kv; the pooled row is RMS-normalised (times the norm weight). A CSA
+  window pools 2 * rate slots: the previous window's tokens through the first half of the
+  projections (ignored for window 0), then its own through the second half.
+- `v4_index_scores`: the lightning indexer's score of each (query row, compressed entry):
+  sum_h w_h * relu(q_h . k) * scale; -inf where the entry is not given (slot < 0).
+- `v4_sparse_attention`: each query row's attention over the keys it is given (the window's and
+  the picked compressed entries, as element offsets into the cache; < 0: none), with the head's
+  sink logit in the softmax and the keys as the values.
+
+Rows are gathered through slots / offsets given on the device, so a launch depends on the row
+count alone. The top-k between the scores and the attention is torch's. Shapes (n = query rows):
+  rows      [num_slots, width] the cache's rows (any dtype; the arithmetic is float32)
+  slots     [n, span] int64 the window's token slots of each row (span = rate, or 2 * rate)
+  q         [n, H, D];  iq [n, Hi, Di];  iw [n, Hi] float32;  sinks [H] float32
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _v4_pool_kernel(
+    rows_ptr,
+    slots_ptr,  # [n, SPAN] int64
+    windows_ptr,  # [n] int64: the window each row pools
+    ape_ptr,  # [RATE, C * D] float32
+    norm_ptr,  # [D] float32
+    out_ptr,  # [n, D]
+    row_stride,
+    kv_col,
+    gate_col,
+    eps,
+    D: tl.constexpr,
+    RATE: tl.constexpr,
+    C: tl.constexpr,  # 2: overlapping (CSA) windows, 1: HCA
+    BLOCK_D: tl.constexpr,
+):
+    i = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    w = tl.load(windows_ptr + i)
+    m = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for j in tl.static_range(C * RATE):
+        slot = tl.load(slots_ptr + i * (C * RATE) + j)
+        pos = j % RATE
+        ch = (j // RATE) * D if C == 2 else 0  # CSA: the previous window's first half, then
+        slot_v = tl.zeros([BLOCK_D], tl.int64) + slot  # the own window's second half
+        use = slot_v >= 0
+        if C == 2 and j < RATE:
+            use = use & ((tl.zeros([BLOCK_D], tl.int64) + w) > 0)
+        base = rows_ptr + slot_v * row_stride
+        lm = dm & use
+        kv = tl.load(base + kv_col + ch + d, mask=lm, other=0.0).to(tl.float32)
+        g = tl.load(base + gate_col + ch + d, mask=lm, other=0.0).to(tl.float32)
+        g = g + tl.load(ape_ptr + pos * (C * D) + ch + d, mask=dm, other=0.0)
+        g = tl.where(lm, g, float("-inf"))
+        m_new = tl.maximum(m, g)
+        alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
+        p = tl.where(g == float("-inf"), 0.0, tl.exp(g - m_new))
+        l_sum = l_sum * alpha + p
+        acc = acc * alpha + p * kv
+        m = m_new
+    pooled = tl.where(dm, acc / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
+    rms = tl.sqrt(tl.sum(pooled * pooled, axis=0) / D + eps)
+    weight = tl.load(norm_ptr + d, mask=dm, other=0.0)
+    tl.store(out_ptr + i * D + d, (pooled / rms * weight).to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def v4_pool(
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    windows: torch.Tensor,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    kv_col: int,
+    gate_col: int,
+    eps: float,
+    overlap: bool,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out [n, D] <- the normalised pooled entry of each row's window (not yet rotated)."""
+    n, d = out.shape
+    rate = ape.shape[0]
+    if n:
+        _v4_pool_kernel[(n,)](
+            rows,
+            slots.contiguous(),
+            windows.contiguous(),
+            ape.float().contiguous(),
+            norm_weight.float().contiguous(),
+            out,
+            rows.stride(0),
+            kv_col,
+            gate_col,
+            eps,
+            D=d,
+            RATE=rate,
+            C=2 if overlap else 1,
+            BLOCK_D=triton.next_power_of_2(d),
+        )
+    return out
+
+
+@triton.jit
+def _v4_index_scores_kernel(
+    q_ptr,  # [n, H, DI]
+    w_ptr,  # [n, H] float32
+    rows_ptr,
+    eslots_ptr,  # [n, T] int64, < 0: no entry
+    out_ptr,  # [n, T] float32
+    row_stride,
+    col,
+    scale,
+    T,
+    H: tl.constexpr,
+    DI: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    d = tl.arange(0, BLOCK_D)
+    dm = d < DI
+    slot = tl.load(eslots_ptr + i * T + t, mask=tm, other=-1)
+    valid = tm & (slot >= 0)
+    keys = tl.load(
+        rows_ptr + slot.to(tl.int64)[:, None] * row_stride + col + d[None, :],
+        mask=valid[:, None] & dm[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    acc = tl.zeros([BLOCK_T], tl.float32)
+    for h in range(H):
+        qh = tl.load(q_ptr + (i * H + h) * DI + d, mask=dm, other=0.0).to(tl.float32)
+        s = tl.maximum(tl.sum(keys * qh[None, :], axis=1), 0.0) * scale
+        acc += s * tl.load(w_ptr + i * H + h)
+    tl.store(out_ptr + i * T + t, tl.where(valid, acc, float("-inf")), mask=tm)
+
+
+def v4_index_scores(
+    iq: torch.Tensor, iw: torch.Tensor, rows: torch.Tensor, entry_slots: torch.Tensor, col: int
+) -> torch.Tensor:
+    """[n, T] float32 indexer scores of each row's entries (the rows `entry_slots` [n, T] name,
+    their keys at column `col`); -inf where a slot is < 0."""
+    n, h, di = iq.shape
+    t = entry_slots.shape[1]
+    out = torch.empty(n, t, dtype=torch.float32, device=iq.device)
+    if n and t:
+        block_t = min(64, triton.next_power_of_2(t))
+        _v4_index_scores_kernel[(n, triton.cdiv(t, block_t))](
+            iq.contiguous(),
+            iw.float().contiguous(),
+            rows,
+            entry_slots.contiguous(),
+            out,
+            rows.stride(0),
+            col,
+            di**-0.5,
+            t,
+            H=h,
+            DI=di,
+            BLOCK_T=block_t,
+            BLOCK_D=triton.next_power_of_2(di),
+        )
+    return out
+
+
+@triton.jit
+def _v4_sparse_attn_kernel(
+    q_ptr,  # [n, H, D]
+    rows_ptr,  # flat cache elements
+    koff_ptr,  # [n, K] int64 element offsets of each key row, < 0: none
+    sink_ptr,  # [H] float32
+    out_ptr,  # [n, H, D]
+    scale,
+    K,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = h < H
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    q = tl.load(
+        q_ptr + (i * H + h[:, None]) * D + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0
+    ).to(tl.float32)
+    m = tl.load(sink_ptr + h, mask=hm, other=0.0)  # the sink: a logit whose value is zero
+    l_sum = tl.full([BLOCK_H], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        off = tl.load(koff_ptr + i * K + k, mask=k < K, other=-1)
+        valid = off >= 0
+        keys = tl.load(
+            rows_ptr + off[:, None] + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0
+        ).to(tl.float32)
+        s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_K]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, keys, input_precision="ieee")
+        m = m_new
+    out = acc / l_sum[:, None]
+    tl.store(
+        out_ptr + (i * H + h[:, None]) * D + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=hm[:, None] & dm[None, :],
+    )
+
+
+def v4_sparse_attention(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    key_offsets: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out [n, H, D] <- each row's softmax (with the head's sink) over the keys at `key_offsets`
+    [n, K] (element offsets into `rows`, whose D columns from there are the key and the value)."""
+    n, h, d = q.shape
+    k = key_offsets.shape[1]
+    if n:
+        block_h = max(16, min(64, triton.next_power_of_2(h)))
+        _v4_sparse_attn_kernel[(n, triton.cdiv(h, block_h))](
+            q.contiguous(),
+            rows,
+            key_offsets.contiguous(),
+            sinks.float().contiguous(),
+            out,
+            scale,
+            k,
+            H=h,
+            D=d,
+            BLOCK_H=block_h,
+            BLOCK_K=16,
+            BLOCK_D=max(16, triton.next_power_of_2(d)),
+        )
+    return out
