@@ -335,8 +335,10 @@ class Speculator:
         packed = None
         if sampled is not None:
             packed = sampled.sampled_token_ids.view(-1, self.width)
-            if self.tp.tp_size > 1 and not (sampling.all_greedy and not sampling.do_penalties):
-                tp_broadcast(packed, self.tp)  # every rank drafts from TP rank 0's tokens
+            # every rank drafts from TP rank 0's tokens, unless each rank sampled them alike (a
+            # grammar masks rank 0's rows only: its greedy tokens differ from the other ranks')
+            if self.tp.tp_size > 1 and not sampling.same_on_every_rank:
+                tp_broadcast(packed, self.tp)
         self.timer.start()
         drafts = self.mtp.propose(step, packed)
         self.timer.stop()
