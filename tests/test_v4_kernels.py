@@ -109,3 +109,25 @@ def test_sparse_attention_matches_float64(num_heads: int, num_keys: int) -> None
         logits = torch.cat((q[i].double() @ keys.T * scale, sinks.double().unsqueeze(1)), dim=1)
         probs = torch.softmax(logits, dim=1)[:, :-1]
         assert torch.allclose(out[i].double(), probs @ keys, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["hca_first", "csa_hca"])
+def test_model_through_the_kernels_matches_transformers(
+    name: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole tiny model with the compressor and the attention in the kernels (through the
+    interpreter): a ragged prefill and decode steps within 1e-4 of transformers' logits."""
+    pytest.importorskip("transformers")
+    from model_harness import load_hf, max_logit_diff, run_prefill_and_decode
+    from v4_harness import build_v4_folder
+
+    from atomrt.runtime.config import Config
+    from atomrt.workers.layers import v4_attention
+    from atomrt.workers.loading.loader import load_model
+
+    monkeypatch.setattr(v4_attention, "USE_KERNELS_ON_CPU", True)
+    folder = build_v4_folder(tmp_path, name)
+    model = load_model(Config(model=str(folder)), "cpu", torch.float32).model
+    prompts = [[3, 17, 42, 99, 5, 8, 61, 11, 12, 13, 14, 15, 16, 17, 18], [7, 1, 120]]
+    result = run_prefill_and_decode(model, prompts, 3, block_size=4, num_pad_rows=1)
+    assert max_logit_diff(result, load_hf(folder), prompts) <= 1e-4

@@ -332,6 +332,29 @@ def _sequences(md: object, num_rows: int, paged: bool) -> "list[tuple[int, int, 
     return out
 
 
+# Use the Triton kernels (workers/kernels/v4/) for the compressor and the attention: always on
+# CUDA; on the CPU only when set (tests run them through Triton's interpreter).
+USE_KERNELS_ON_CPU = False
+
+
+def _use_kernels(t: torch.Tensor) -> bool:
+    return t.is_cuda or USE_KERNELS_ON_CPU
+
+
+def _token_slots(md: object, block_size: int, tokens: torch.Tensor) -> torch.Tensor:
+    """Cache slots of `tokens` [n, k] (positions in row i's sequence; < 0: none, slot -1),
+    through the block table on the device."""
+    n = tokens.shape[0]
+    cu = md.cu_seqlens_q.long()
+    seq = torch.searchsorted(cu[1:], torch.arange(n, device=tokens.device), right=True)
+    seq = seq.clamp(max=md.block_tables.shape[0] - 1)
+    t = tokens.clamp(min=0)
+    blocks = md.block_tables.long()[
+        seq.unsqueeze(1), (t // block_size).clamp(max=md.block_tables.shape[1] - 1)
+    ]
+    return torch.where(tokens >= 0, blocks.clamp(min=0) * block_size + t % block_size, -1)
+
+
 def _source_rows(
     md: object,
     cache: Optional["V4CacheTensor"],
@@ -352,14 +375,7 @@ def _source_rows(
             first = cu[seq.clamp(max=cu.shape[0] - 1)]
         src = first.unsqueeze(1) + tokens - positions[first].unsqueeze(1)
         return rows[src.clamp(0, n - 1)]
-    bs = cache.rows.shape[1]
-    cu = md.cu_seqlens_q.long()
-    seq = torch.searchsorted(cu[1:], torch.arange(n, device=rows.device), right=True)
-    seq = seq.clamp(max=md.block_tables.shape[0] - 1)
-    blocks = md.block_tables.long()[
-        seq.unsqueeze(1), (tokens // bs).clamp(max=md.block_tables.shape[1] - 1)
-    ]
-    slots = blocks.clamp(min=0) * bs + tokens % bs
+    slots = _token_slots(md, cache.rows.shape[1], tokens).clamp(min=0)
     return cache.rows.view(-1, cache.rows.shape[-1])[slots].to(rows.dtype)
 
 
@@ -394,18 +410,41 @@ def v4_attn_compress_launch(
     windows = ((positions + 1) // r - 1).clamp(min=0)  # the window each row would end
     span = 2 * r if layer.compressor.overlap else r
     tokens = (positions + 1 - span).unsqueeze(1) + torch.arange(span, device=rows.device)
-    src = _source_rows(md, cache, rows, positions, tokens.clamp(min=0))  # [n, span, width]
     cos, sin = layer.rotary.cos_cache, layer.rotary.sin_cache
     ends = ((positions + 1) % r == 0).unsqueeze(1)
+    paged = cache is not None and md is not None
+    if paged and _use_kernels(rows):
+        from atomrt.workers.kernels.v4.v4_kernels import v4_pool
+
+        slots = _token_slots(md, cache.rows.shape[1], tokens)
+        flat = cache.rows.view(-1, cache.rows.shape[-1])
+    else:
+        src = _source_rows(md, cache, rows, positions, tokens.clamp(min=0))  # [n, span, width]
     for comp, kv_name, gate_name, entry_name in (
         (layer.compressor, "ckv", "cgate", "centry"),
         (layer.indexer.compressor if layer.indexer is not None else None, "ikv", "igate", "ientry"),
     ):
         if comp is None:
             continue
-        kv_src, gate_src = _col(src, cols, kv_name), _col(src, cols, gate_name)
-        prev = (kv_src[:, :r], gate_src[:, :r]) if comp.overlap else (None, None)
-        pooled = comp.pool(kv_src[:, -r:], gate_src[:, -r:], *prev, windows, cos, sin)
+        if paged and _use_kernels(rows):
+            pooled = v4_pool(
+                flat,
+                slots,
+                windows,
+                comp.ape,
+                comp.norm.weight,
+                cols[kv_name][0],
+                cols[gate_name][0],
+                comp.norm.eps,
+                comp.overlap,
+                rows.new_empty(rows.shape[0], comp.dim),
+            )
+            at = windows * r
+            pooled = rope_tail(pooled, cos[at].to(pooled.dtype), sin[at].to(pooled.dtype))
+        else:
+            kv_src, gate_src = _col(src, cols, kv_name), _col(src, cols, gate_name)
+            prev = (kv_src[:, :r], gate_src[:, :r]) if comp.overlap else (None, None)
+            pooled = comp.pool(kv_src[:, -r:], gate_src[:, -r:], *prev, windows, cos, sin)
         entry = _col(rows, cols, entry_name)
         entry.copy_(torch.where(ends, pooled.to(rows.dtype), entry))
     _write_rows(md, cache, rows)
@@ -449,6 +488,18 @@ def _v4_attend(
     paged = cache is not None and md is not None
     block_size = cache.rows.shape[1] if paged else 0
     for s, start, n, context_len in _sequences(md, q.shape[0], paged):
+        if paged and _use_kernels(q):
+            _attend_sequence_kernels(
+                layer,
+                q[start : start + n],
+                None if iq is None else iq[start : start + n],
+                None if iw is None else iw[start : start + n],
+                output[start : start + n],
+                context_len,
+                cache.rows,
+                md.block_tables[s],
+            )
+            continue
         if paged:
             table = md.block_tables[s, : -(-context_len // block_size)].long()
             seq_rows = cache.rows[table].flatten(0, 1)[:context_len]
@@ -499,6 +550,53 @@ def _attend_sequence(
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]
     out.copy_(torch.einsum("nhk,kd->nhd", probs, keys))
+
+
+def _attend_sequence_kernels(
+    layer: V4Attention,
+    q: torch.Tensor,
+    iq: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
+    out: torch.Tensor,
+    context_len: int,
+    cache_rows: torch.Tensor,
+    block_table: torch.Tensor,
+) -> None:
+    """`_attend_sequence` through the kernels: each query row's keys as element offsets into the
+    cache (its window's, then its compressed entries': HCA every visible one, CSA the indexer's
+    top `index_topk` by `v4_index_scores`), then `v4_sparse_attention`."""
+    from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores, v4_sparse_attention
+
+    n, L = q.shape[0], context_len
+    device = q.device
+    bs, width = cache_rows.shape[1], cache_rows.shape[2]
+    table = block_table.long()
+    flat = cache_rows.view(-1, width)
+
+    def slots_of(tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.clamp(min=0)
+        return torch.where(tokens >= 0, table[t // bs] * bs + t % bs, -1)
+
+    pos = torch.arange(L - n, L, device=device)
+    window = pos.unsqueeze(1) - torch.arange(layer.window - 1, -1, -1, device=device)
+    win_slots = slots_of(window)
+    offsets = [torch.where(win_slots >= 0, win_slots * width, -1)]
+    if layer.compressor is not None and L // layer.rate:
+        r, cols = layer.rate, layer.columns()
+        num_entries = L // r
+        ent_slots = slots_of((torch.arange(num_entries, device=device) + 1) * r - 1)
+        visible = torch.arange(num_entries, device=device).unsqueeze(0) < (
+            (pos + 1) // r
+        ).unsqueeze(1)
+        picked = torch.where(visible, ent_slots.unsqueeze(0), -1)  # [n, T]
+        if layer.indexer is not None:
+            scores = v4_index_scores(iq, iw, flat, picked, cols["ientry"][0])
+            top = scores.topk(min(layer.index_topk, num_entries), dim=-1)
+            picked = torch.where(
+                top.values > float("-inf"), ent_slots[top.indices], torch.full_like(top.indices, -1)
+            )
+        offsets.append(torch.where(picked >= 0, picked * width + cols["centry"][0], -1))
+    v4_sparse_attention(q, cache_rows, torch.cat(offsets, dim=1), layer.attn_sink, layer.scale, out)
 
 
 def _index_select(
