@@ -41,8 +41,9 @@ def _run(
     `cache_dtype`: every step's logits and the tokens fed (greedy, or `forced`'s)."""
     harness = PagedHarness(model, max(len(p) for p in PROMPTS) + steps + 1, len(PROMPTS))
     num_blocks = len(PROMPTS) * harness.max_blocks_per_seq + 1
+    device = next(model.parameters()).device
     harness.kv_cache_data = allocate_kv_cache(
-        kv_layer_specs(harness.layers), num_blocks, harness.block_size, cache_dtype, "cpu"
+        kv_layer_specs(harness.layers), num_blocks, harness.block_size, cache_dtype, device
     )
     assert all(
         t.dtype == cache_dtype
@@ -164,3 +165,85 @@ def test_fp8_cache_at_level_3(llama: Path) -> None:
     with LLM(str(llama), kv_cache_dtype="fp8", enforce_eager=False, compilation_config=3) as llm:
         compiled = llm.generate(TEXT_PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager]
+
+
+def _representable(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 values (NaN kept), in x's dtype: the kernels' reads and writes of them
+    are exact, so the check is of the plumbing (Triton's interpreter rounds some values to the
+    wrong binade when it casts to e4m3; the GPU tier checks rounding)."""
+    return x.to(FP8).to(x.dtype)
+
+
+@pytest.mark.parametrize("case", ["prefill", "decode", "mtp3"])
+def test_paged_attention_kernel_reads_an_fp8_cache(case: str) -> None:
+    """The Triton prefill / paged kernel over an e4m3 cache equals the float64 attention over the
+    same values."""
+    import dataclasses
+
+    from test_kernels import CASES, check_output, make_batch, run_attention
+
+    lens_q, lens_k = CASES[case]
+    b = make_batch(
+        lens_q, lens_k, num_kv_heads=2, group=3, head_dim=32, block_size=16, max_blocks=4,
+        pad_rows=2, seed=11,
+    )  # fmt: skip
+    b = dataclasses.replace(b, k_cache=b.k_cache.to(FP8), v_cache=b.v_cache.to(FP8))
+    check_output(b, run_attention(b, graph_safe=False, max_seqlen_q=max(lens_q)))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_kernel_writes_and_reads_an_fp8_cache(num_splits: int) -> None:
+    """The one-launch decode kernel: the new key and value written to the e4m3 cache and attended
+    from registers, the old ones read from it."""
+    import dataclasses
+
+    from test_decode_attention import check, forced_plan, make_decode_case, run_decode
+
+    case = make_decode_case(
+        [1, 2, 17, 40], num_kv_heads=2, group=4, head_dim=32, pad_seqs=1, pad_rows=2,
+        rope=False, seed=5,
+    )  # fmt: skip
+    b = case.batch
+    b = dataclasses.replace(b, k_cache=b.k_cache.to(FP8), v_cache=b.v_cache.to(FP8))
+    case = dataclasses.replace(case, batch=b, k=_representable(case.k), v=_representable(case.v))
+    check(case, run_decode(case, forced_plan(4, 32, num_splits)))
+
+
+def test_write_kernel_saturates_into_an_fp8_cache() -> None:
+    from atomrt.workers.kernels.attention.paged_attention import write_kv_cache
+
+    k = _representable(torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(0)))
+    k[0, 0, :2] = torch.tensor([1000.0, -1000.0])
+    k_cache, v_cache = (torch.zeros(4, 4, 2, 16, dtype=FP8) for _ in range(2))
+    write_kv_cache(k, k, k_cache, v_cache, torch.tensor([5, -1, 14]))
+    want = k.clamp(-448, 448)
+    for cache in (k_cache, v_cache):
+        flat = cache.view(-1, 2, 16).float()
+        assert torch.equal(flat[5], want[0]) and torch.equal(flat[14], want[2])
+        assert flat[[i for i in range(16) if i not in (5, 14)]].abs().sum() == 0
+
+
+@pytest.mark.gpu
+def test_fp8_cache_on_the_gpu(llama: Path) -> None:
+    """The CUDA kernels (rotary + write, the one-launch decode, the paged prefill) with an e4m3
+    cache: logits near the float32 cache's, and CUDA graphs give the eager engine's tokens."""
+    model = load_model(Config(model=str(llama)), "cuda", torch.float32).model
+    full, tokens = _run(model, torch.float32)
+    fp8, _ = _run(model, FP8, forced=tokens)
+    assert 0 < _worst(full, fp8) < LOGIT_TOLERANCE
+    settings = dict(device="cuda", dtype="float32", kv_cache_dtype="fp8")
+    with LLM(str(llama), enforce_eager=True, **settings) as llm:
+        eager = llm.generate(TEXT_PROMPTS, GREEDY, use_tqdm=False)
+    with LLM(str(llama), enforce_eager=False, **settings) as llm:
+        graphs = llm.generate(TEXT_PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in graphs] == [o.outputs[0].token_ids for o in eager]
+
+
+@pytest.mark.gpu
+def test_fp8_latent_cache_is_refused_on_cuda(tmp_path: Path) -> None:
+    from deepseek_harness import build_deepseek_folder
+    from executor_harness import save_word_tokenizer
+
+    folder = save_word_tokenizer(build_deepseek_folder(tmp_path / "v3", "v3"))
+    with pytest.raises(Exception, match="kv_cache_dtype='fp8' on CUDA: the MLAAttention"):
+        LLM(str(folder), device="cuda", kv_cache_dtype="fp8", enforce_eager=True)

@@ -16,7 +16,7 @@ from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.forward_context import DPMetadata, SpecDecodeMetadata, set_forward_context
-from atomrt.workers.layers.attention import collect_attention_layers
+from atomrt.workers.layers.attention import Attention, collect_attention_layers
 from atomrt.workers.layers.expert_tally import ExpertTally
 from atomrt.workers.loading.loader import load_model
 from atomrt.workers.runner.graph_runner import GraphRunner
@@ -84,6 +84,20 @@ class GrammarMask(NamedTuple):
     bitmask: torch.Tensor  # int32 [m, words]
 
 
+def _check_fp8_cache(config: Config, device: torch.device, layers: dict[int, object]) -> None:
+    """An FP8 KV cache on CUDA needs kernels that read it: the paged attention ones do; MLA's
+    latent decode kernel (and any other layer kind) reads the model's dtype only."""
+    kv = config.cache_config.kv_cache_dtype
+    if kv not in FP8_KV_DTYPES or device.type != "cuda":
+        return
+    other = sorted({type(x).__name__ for x in layers.values() if not isinstance(x, Attention)})
+    if other:
+        raise ValueError(
+            f"cache_config.kv_cache_dtype={kv!r} on CUDA: the {', '.join(other)} layers' kernels "
+            "read the cache in the model's dtype (FP8 latent caches run on CPU); use 'auto'"
+        )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -98,12 +112,6 @@ class ModelRunner:
         dtype = resolve_dtype(config, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            if config.cache_config.kv_cache_dtype in FP8_KV_DTYPES:
-                raise ValueError(
-                    f"cache_config.kv_cache_dtype={config.cache_config.kv_cache_dtype!r}: the "
-                    "FP8 KV cache runs on the CPU attention path only so far; the CUDA attention "
-                    "kernels read and write the cache in the model's dtype (use 'auto')"
-                )
         loaded = load_model(config, device, dtype, tp, dp)
         self.model, self.arch = compile_model(loaded.model, config), loaded.arch
         sc = config.scheduler_config
@@ -114,6 +122,7 @@ class ModelRunner:
             max_num_tokens=max(sc.max_num_batched_tokens, max(config.capture_sizes or [0])),
         )
         self.attn_layers = collect_attention_layers(self.model)
+        _check_fp8_cache(config, device, self.attn_layers)
         self.kv_cache: dict[str, CacheEntry] = {}
         self.sampler = Sampler()
         enforce_eager = config.enforce_eager or device.type != "cuda"

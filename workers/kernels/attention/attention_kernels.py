@@ -17,6 +17,16 @@ import triton.language as tl
 # Finite "minus infinity" for the running max: keeps exp2(m_old - m_new) free of inf - inf = NaN
 # for rows that have not seen a visible key yet (or never will: padded rows, empty splits).
 _NEG_BIG = tl.constexpr(-1.0e30)
+FP8_E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def to_cache(x, cache_ty: tl.constexpr):
+    """x in the cache's dtype: an e4m3 cache (kv_cache_dtype fp8, per-tensor scale 1.0) saturates
+    at +-448 instead of overflowing; any other cache is a plain cast."""
+    if cache_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(cache_ty)
 
 
 @triton.jit
@@ -69,8 +79,8 @@ def write_kv_kernel(
         + heads[:, None] * stride_vch
         + dims[None, :]
     )
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, to_cache(k, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, to_cache(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -144,8 +154,8 @@ def rope_write_kv_kernel(
         + kv_heads[:, None] * stride_kch
         + half[None, :]
     )
-    tl.store(k_dst, (k1 * cos - k2 * sin).to(dtype).to(cache_ty), mask=kv_mask)
-    tl.store(k_dst + HALF, (k2 * cos + k1 * sin).to(dtype).to(cache_ty), mask=kv_mask)
+    tl.store(k_dst, to_cache((k1 * cos - k2 * sin).to(dtype), cache_ty), mask=kv_mask)
+    tl.store(k_dst + HALF, to_cache((k2 * cos + k1 * sin).to(dtype), cache_ty), mask=kv_mask)
     v_src = v_ptr + row * stride_vt + kv_heads[:, None] * stride_vh + half[None, :]
     v_dst = (
         v_cache_ptr
@@ -154,8 +164,8 @@ def rope_write_kv_kernel(
         + kv_heads[:, None] * stride_vch
         + half[None, :]
     )
-    tl.store(v_dst, tl.load(v_src, mask=kv_mask).to(cache_ty), mask=kv_mask)
-    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=kv_mask).to(cache_ty), mask=kv_mask)
+    tl.store(v_dst, to_cache(tl.load(v_src, mask=kv_mask), cache_ty), mask=kv_mask)
+    tl.store(v_dst + HALF, to_cache(tl.load(v_src + HALF, mask=kv_mask), cache_ty), mask=kv_mask)
 
 
 # The lengths a step changes are not specialized on (Triton would compile a kernel per "== 1" and
@@ -257,7 +267,7 @@ def paged_attention_kernel(
             k_cache_ptr + k_off[None, :] + dims[:, None],
             mask=key_valid[None, :] & dim_valid[:, None],
             other=0.0,
-        )
+        ).to(q.dtype)  # widened from an e4m3 cache
         if IEEE_DOT:
             s = tl.dot(q, k, input_precision="ieee")
         else:
@@ -274,7 +284,7 @@ def paged_attention_kernel(
             v_cache_ptr + v_off[:, None] + dims[None, :],
             mask=key_valid[:, None] & dim_valid[None, :],
             other=0.0,
-        )
+        ).to(q.dtype)
         if IEEE_DOT:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

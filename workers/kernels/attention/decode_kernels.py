@@ -7,7 +7,7 @@
 import triton
 import triton.language as tl
 
-from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG
+from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG, to_cache
 
 
 @triton.jit
@@ -230,8 +230,8 @@ def decode_attention_kernel(
         k_new = k_new * cos + sign * (k_partner * sin)
     q = q.to(dtype)
     cache_ty = k_cache_ptr.dtype.element_ty
-    k_new = k_new.to(dtype).to(cache_ty)
-    v_new = v_new.to(cache_ty)
+    k_new = to_cache(k_new.to(dtype), cache_ty)
+    v_new = to_cache(v_new, cache_ty)
     if (split == 0) & (slot >= 0):
         slot_block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
@@ -261,10 +261,10 @@ def decode_attention_kernel(
         in_block = keys % BLOCK_SIZE
         k_off = block * stride_kcb + in_block * stride_kcs + kvh * stride_kch
         v_off = block * stride_vcb + in_block * stride_vcs + kvh * stride_vch
-        k = tl.load(
-            k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0
-        )  # [TILE_N, HEAD_DIM_P]
-        v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(
+            dtype
+        )  # [TILE_N, HEAD_DIM_P], widened from an e4m3 cache
+        v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(dtype)
         t += num_active
         next_keys = t * TILE_N + tile_keys
         block = tl.load(table_row + next_keys // BLOCK_SIZE, mask=next_keys < num_old, other=0).to(

@@ -460,9 +460,11 @@ def check_attention_args(
         raise ValueError(
             f"unified_attention: out {tuple(out.shape)} must have q's shape {tuple(q.shape)}"
         )
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+    fp8_cache = k_cache.dtype == torch.float8_e4m3fn  # kv_cache_dtype fp8: widened when read
+    if (q.dtype != k_cache.dtype and not fp8_cache) or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"unified_attention: q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} must share a dtype"
+            " (or the caches be float8_e4m3fn)"
         )
     if head_dim < 16:
         raise ValueError(f"unified_attention: head_dim {head_dim} < 16 is not supported")
