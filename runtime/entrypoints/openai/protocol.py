@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal, Optional, Union
+import re
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -27,7 +28,8 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI: each value in [-100, 100]
 
 
 class RequestError(ValueError):
-    """A client mistake: the message names the field; `param` is the field's name."""
+    """A client mistake: the message names the field; `param` is the field's name (by default
+    the field the message starts with: "logprobs: at most ...")."""
 
     def __init__(
         self,
@@ -37,9 +39,28 @@ class RequestError(ValueError):
         kind: str = "invalid_request_error",
     ) -> None:
         super().__init__(message)
-        self.param = param
+        self.param = param if param is not None else field_of(message)
         self.status = status
         self.kind = kind
+
+
+# "name: ...", "name.sub[0]: ...", "name + other: ...": the field a message is about
+_FIELD = re.compile(r"([a-z_][a-z0-9_]*)(?:[.\[][^\s:]*)?(?: \+ [a-z_][\w.]*)*: ")
+
+
+def field_of(message: str) -> Optional[str]:
+    """The request field a message starts with, if it starts with one."""
+    m = _FIELD.match(message)
+    return m.group(1) if m else None
+
+
+def renamed(error: str, names: dict[str, str]) -> str:
+    """An engine error about one of its fields (SamplingParams' names) in the request's own names
+    (chat's "top_logprobs" is the engine's "logprobs")."""
+    name = field_of(error)
+    if name in names:
+        return names[name] + error[len(name) :]
+    return error
 
 
 def refused(field: str, why: str) -> RequestError:
@@ -66,6 +87,9 @@ class StreamOptions(_Body):
 
 class _SamplingFields(_Body):
     """Fields both endpoints share (OpenAI's, then the extensions vLLM users send)."""
+
+    # SamplingParams' field -> this request's, where they differ (errors name the request's)
+    ENGINE_NAMES: ClassVar[dict[str, str]] = {}
 
     model: Optional[str] = None
     n: int = 1
@@ -163,7 +187,8 @@ class _SamplingFields(_Body):
         try:
             return SamplingParams(**values)
         except ValueError as e:
-            param, text = str(e).split(":", 1)[0], str(e)
+            text = renamed(str(e), self.ENGINE_NAMES)
+            param = text.split(":", 1)[0]
             if param.startswith("structured_outputs"):  # set by this field
                 param = self.constraint_source()
                 text = text if param == "structured_outputs" else f"{param}: {text}"
@@ -241,6 +266,7 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    ENGINE_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}  # SamplingParams'
     messages: list[ChatMessage]
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None

@@ -24,6 +24,7 @@ from atomrt.runtime.entrypoints.openai.protocol import (
     DetokenizeRequest,
     RequestError,
     TokenizeRequest,
+    renamed,
 )
 from atomrt.runtime.entrypoints.openai.tool_parsers import (
     JsonCallsParser,
@@ -62,6 +63,8 @@ class Job:
     prompt_texts: Optional[list[str]] = None
     echo_only: bool = False
     tool_parser: Optional[ToolParser] = None  # chat with tools: where the calls are in the text
+    # SamplingParams' field -> the request's, where they differ: the engine's errors name the latter
+    engine_names: dict[str, str] = field(default_factory=dict)
 
     def prompt_of(self, choice: Choice) -> int:
         """The index of the prompt a choice answers."""
@@ -220,7 +223,7 @@ class Serving:
             params.skip_special_tokens = False
         self.check_token_fields(params)
         check_constraint(params, req.constraint_source())
-        return Job([tokens], params, tool_parser=parser)
+        return Job([tokens], params, tool_parser=parser, engine_names=req.ENGINE_NAMES)
 
     def tool_parser(self, req: ChatCompletionRequest) -> Optional[ToolParser]:
         """Where a chat request's tool calls will be in its output, by its tool_choice."""
@@ -318,7 +321,9 @@ class Serving:
         """The choice `out` (an output of the job's i-th engine request) belongs to, with `out`
         applied; an output that carries an error raises it."""
         if out.error:
-            raise EngineGone(out.error) if out.finish_reason == "error" else RequestError(out.error)
+            if out.finish_reason == "error":
+                raise EngineGone(out.error)
+            raise RequestError(renamed(out.error, job.engine_names))
         choice = job.choices[i * job.params.n + out.index]
         self._apply(choice, out, job.streams[i])
         return choice
