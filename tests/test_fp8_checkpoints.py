@@ -183,3 +183,21 @@ def test_quantization_knob_is_checked(llama_256: Path, tmp_path: Path) -> None:
     (tmp_path / "bad" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="checkpoint's weight is F32, but quantization_config"):
         load_model(Config(model=str(tmp_path / "bad")), "cpu", torch.float32)
+
+
+@pytest.mark.slow
+def test_fp8_checkpoint_at_level_3_gives_the_eager_tokens(llama_256: Path, tmp_path: Path) -> None:
+    """The FP8 GEMM is one opaque op in the compiled graph (level 3, Inductor on CPU)."""
+    from atomrt.runtime import SamplingParams
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    quantize_folder(llama_256, tmp_path / "fp8", "block", tmp_path / "deq")
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for name, settings in (("eager", {}), ("level3", {"compilation_config": 3})):
+        with LLM(
+            str(tmp_path / "fp8"), enforce_eager=name == "eager", device="cpu", **settings
+        ) as llm:
+            outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        tokens[name] = [o.outputs[0].token_ids for o in outs]
+    assert tokens["level3"] == tokens["eager"]
