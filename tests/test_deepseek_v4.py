@@ -21,6 +21,7 @@ from model_harness import load_hf, max_logit_diff, run_prefill_and_decode
 from v4_harness import NAMES, build_v4_folder
 
 from atomrt.compile import compilation_counter
+from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import CompilationConfig, Config, ModelConfig
 from atomrt.workers.layers.attention import collect_attention_layers
@@ -199,14 +200,32 @@ def test_config_errors_name_the_field(folders: dict[str, Path]) -> None:
         arch_from_hf_config({**cfg, "layer_types": ["full_attention"] * 4}, "here")
     with pytest.raises(ValueError, match="o_groups"):
         arch_from_hf_config({**cfg, "o_groups": 3}, "here")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        build_model(arch_from_hf_config(cfg, "here"), "meta", torch.float32, _tp(2))
+    arch = arch_from_hf_config(cfg, "here")
+    with pytest.raises(ValueError, match="num_attention_heads: 4 is not divisible by tensor"):
+        build_model(arch, "meta", torch.float32, _tp(3))
+    with pytest.raises(ValueError, match="data_parallel_size = 1"):
+        build_model(arch, "meta", torch.float32, dp=DPInfo(0, 2))
 
 
-def _tp(size: int):
-    from atomrt.distributed.communication_op import TPInfo
-
+def _tp(size: int) -> TPInfo:
     return TPInfo(0, size)
+
+
+@pytest.mark.parametrize("executor", ["mp"])
+def test_tensor_parallel_tokens_equal_transformers_generate(
+    folders: dict[str, Path], executor: str
+) -> None:
+    """TP = 2 over real processes (gloo): query heads, output groups and the experts' intermediate
+    size split, the rest whole on each rank; the greedy tokens are transformers' `generate`'s."""
+    expected = hf_greedy(folders["hca_first"], ENGINE_PROMPTS, MAX_TOKENS)
+    got, seen = _engine_tokens(
+        folders["hca_first"],
+        tensor_parallel_size=2,
+        executor=executor,
+        worker_timeout_s=90.0,
+    )
+    assert got == expected
+    assert seen["preemptions"] > 0, seen
 
 
 class _OpLog(torch.overrides.TorchFunctionMode):

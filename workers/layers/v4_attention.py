@@ -30,6 +30,10 @@ entry = rope(norm(sum_j softmax_j(wgate x_j + ape_j) * wkv x_j)) at position w*m
 its m tokens; a CSA entry pools 2m slots, the first half of the projections (width head_dim) of
 window w-1's tokens and the second half of window w's (none before window 0): overlapping windows.
 
+Tensor parallelism splits the query heads (`wq_b`, `attn_sink`) and the output groups (`wo_a`'s
+rows, `wo_b`'s columns; a group's heads on one rank), and sums `wo_b`'s partial outputs over the
+ranks; the key, the compressors and the indexer are whole on every rank (so is the cache).
+
 The cache (workers/runner/kv_cache.py, `V4LayerSpec`): one row per token in the one block pool,
 indexed by the sequence's block table like every other layer's,
 
@@ -54,10 +58,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op
+from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
 from atomrt.graphs.markers import eager_region
 from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_hyper import unweighted_rms_norm
+from atomrt.workers.layers.weight_utils import divide
 
 # the layer types (config.json `layer_types`)
 SLIDING = "sliding_attention"
@@ -207,9 +213,15 @@ class V4Attention(PagedAttentionLayer):
         index_topk: int,
         eps: float,
         rotary: RotaryEmbedding,
+        tp: TPInfo = TPInfo(),
     ) -> None:
         super().__init__()
         self.layer_idx, self.layer_type = layer_idx, layer_type
+        self.tp = tp
+        # this rank's heads and output groups (whole groups: a group's heads stay together)
+        group_width = num_heads * head_dim // o_groups
+        num_heads = divide(num_heads, tp.tp_size, "num_attention_heads")
+        o_groups = divide(o_groups, tp.tp_size, "o_groups")
         self.num_heads, self.head_dim, self.rope_dim = num_heads, head_dim, rope_dim
         self.window, self.rate, self.index_topk = window, rate, index_topk
         self.o_groups, self.eps = o_groups, eps
@@ -220,9 +232,12 @@ class V4Attention(PagedAttentionLayer):
         self.wq_b = nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
         self.wkv = nn.Linear(hidden, head_dim, bias=False)
         self.norm = Norm(head_dim, eps)
-        self.wo_a = nn.Linear(num_heads * head_dim // o_groups, o_groups * o_lora_rank, bias=False)
+        self.wo_a = nn.Linear(group_width, o_groups * o_lora_rank, bias=False)
         self.wo_b = nn.Linear(o_groups * o_lora_rank, hidden, bias=False)
         self.attn_sink = nn.Parameter(torch.empty(num_heads, dtype=torch.float32))
+        for param, dim in ((self.wq_b.weight, 0), (self.wo_a.weight, 0), (self.wo_b.weight, 1)):
+            param.tp_shard_dim = dim  # split over TP ranks (the loader narrows the checkpoint's)
+        self.attn_sink.tp_shard_dim = 0
         self.compressor = (
             Compressor(hidden, head_dim, rate, layer_type == CSA, eps)
             if layer_type in (CSA, HCA)
@@ -282,7 +297,9 @@ class V4Attention(PagedAttentionLayer):
         out = rope_tail(out, cos_h, -sin_h)  # the values' rotation turned back at the query's angle
         grouped = out.reshape(n, self.o_groups, -1)  # [n, G, H*D/G]
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
-        return self.wo_b(torch.einsum("ngi,goi->ngo", grouped, w).flatten(1))
+        return tp_all_reduce(
+            self.wo_b(torch.einsum("ngi,goi->ngo", grouped, w).flatten(1)), self.tp
+        )
 
     # ---- the cache rows ------------------------------------------------------------------------
 

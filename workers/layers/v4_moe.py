@@ -11,7 +11,8 @@ Either way the weights are the picked scores, renormalised to sum 1, times `rout
 Parameter names are the checkpoint's: `gate.weight`, `gate.bias` (moe) or `gate.tid2eid` (hash),
 `shared_experts.w1/w2/w3`; the routed experts' `experts.<e>.w1/w3` (gate, up) are stacked into
 `w13` [E, 2 * I, hidden] and their `w2` (down) into `w2` [E, hidden, I] (`load_expert`). One rank
-holds every expert (the layer is built for tensor_parallel_size = data_parallel_size = 1).
+holds every expert; tensor parallelism splits each expert's and the shared expert's intermediate
+size, the ranks' outputs summed once after both (data_parallel_size must be 1).
 
 Eagerly each expert runs on its own rows; traced (levels 2-3) every expert runs on every row,
 weighted by its routing weight (zero where not picked): no data-dependent shape in the graph.
@@ -23,9 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
+from atomrt.workers.layers.weight_utils import Sliceable, divide, read_narrow
+
 
 class SwiGLU(nn.Module):
-    """down(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))."""
+    """down(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit)); `intermediate_size` this
+    rank's (w1, w3 rows and w2 columns split over TP ranks; the caller sums the ranks')."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, limit: float) -> None:
         super().__init__()
@@ -33,6 +38,8 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.limit = limit
+        self.w1.weight.tp_shard_dim = self.w3.weight.tp_shard_dim = 0
+        self.w2.weight.tp_shard_dim = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.w1(x).clamp(max=self.limit)
@@ -101,8 +108,11 @@ class V4MoE(nn.Module):
         swiglu_limit: float,
         hashed: bool,
         vocab_size: int,
+        tp: TPInfo = TPInfo(),
     ) -> None:
         super().__init__()
+        self.tp = tp
+        intermediate_size = divide(intermediate_size, tp.tp_size, "moe_intermediate_size")
         self.num_experts, self.intermediate_size, self.limit = (
             num_experts,
             intermediate_size,
@@ -118,15 +128,17 @@ class V4MoE(nn.Module):
             SwiGLU(hidden_size, intermediate_size, swiglu_limit) if n_shared_experts else None
         )
 
-    def load_expert(self, expert: int, proj: str, weight: torch.Tensor) -> None:
-        """Checkpoint tensor `experts.<expert>.<proj>.weight` into its place in w13 / w2."""
+    def load_expert(self, expert: int, proj: str, weight: Sliceable) -> None:
+        """Checkpoint tensor `experts.<expert>.<proj>.weight` (whole) into its place in w13 / w2:
+        this rank's rows of w1 / w3, its columns of w2."""
         i = self.intermediate_size
+        start = self.tp.tp_rank * i
         with torch.no_grad():
             if proj == "w2":
-                self.w2[expert].copy_(weight)
+                self.w2[expert].copy_(read_narrow(weight, 1, start, i))
             else:
                 rows = slice(0, i) if proj == "w1" else slice(i, 2 * i)
-                self.w13[expert, rows].copy_(weight)
+                self.w13[expert, rows].copy_(read_narrow(weight, 0, start, i))
 
     def _swiglu(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = h.split(self.intermediate_size, dim=-1)
@@ -149,4 +161,4 @@ class V4MoE(nn.Module):
                 out.index_add_(0, rows, (y * weights[rows, slot, None].to(x.dtype)).to(out.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return tp_all_reduce(out, self.tp)

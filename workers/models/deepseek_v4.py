@@ -45,7 +45,7 @@ from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_attention import Norm, V4Attention
 from atomrt.workers.layers.v4_hyper import HyperConnection, HyperHead, hyper_residual
 from atomrt.workers.layers.v4_moe import V4MoE
-from atomrt.workers.layers.weight_utils import Sliceable
+from atomrt.workers.layers.weight_utils import Sliceable, read_all, read_narrow, shape_of
 from atomrt.workers.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,9 @@ _LAYER_RENAMES = tuple(  # a layer's mHC tensors -> its HyperConnection modules'
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, i: int, rotary: dict[str, RotaryEmbedding]) -> None:
+    def __init__(
+        self, arch: ModelArch, i: int, rotary: dict[str, RotaryEmbedding], tp: TPInfo
+    ) -> None:
         super().__init__()
         v4 = arch.v4
         layer_type = v4.layer_types[i]
@@ -91,6 +93,7 @@ class V4DecoderLayer(nn.Module):
             v4.index_topk,
             arch.rms_norm_eps,
             rotary["main" if layer_type == "sliding_attention" else "compress"],
+            tp,
         )
         self.ffn = V4MoE(
             arch.hidden_size,
@@ -103,6 +106,7 @@ class V4DecoderLayer(nn.Module):
             v4.swiglu_limit,
             v4.mlp_layer_types[i] == "hash_moe",
             arch.vocab_size,
+            tp,
         )
 
     def forward(
@@ -118,7 +122,7 @@ class V4DecoderLayer(nn.Module):
 class DeepseekV4Model(nn.Module):
     """Embedding, decoder layers, hyper head and final norm: what torch.compile traces."""
 
-    def __init__(self, arch: ModelArch, max_position: int = 0) -> None:
+    def __init__(self, arch: ModelArch, max_position: int = 0, tp: TPInfo = TPInfo()) -> None:
         super().__init__()
         v4 = arch.v4
         max_position = max_position or arch.max_position
@@ -136,7 +140,9 @@ class DeepseekV4Model(nn.Module):
             ),
         }
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(V4DecoderLayer(arch, i, rotary) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            V4DecoderLayer(arch, i, rotary, tp) for i in range(arch.num_layers)
+        )
         self.hc_head = HyperHead(arch.hidden_size, v4.hc_mult, v4.hc_eps, arch.rms_norm_eps)
         self.norm = Norm(arch.hidden_size, arch.rms_norm_eps)
         self.hc_mult = v4.hc_mult
@@ -164,13 +170,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         dp: DPInfo = DPInfo(),
     ) -> None:
         super().__init__()
-        if tp.tp_size != 1 or dp.dp_size != 1:
+        if dp.dp_size != 1:
             raise ValueError(
-                "DeepseekV4ForCausalLM runs with tensor_parallel_size = 1 and "
-                f"data_parallel_size = 1 (got {tp.tp_size}, {dp.dp_size})"
+                f"DeepseekV4ForCausalLM runs with data_parallel_size = 1 (got {dp.dp_size})"
             )
+        self.tp = tp
         self.arch = arch
-        self.model = DeepseekV4Model(arch, max_position, config=config)
+        self.model = DeepseekV4Model(arch, max_position, tp, config=config)
         self.head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self._skipped_mtp = 0
 
@@ -215,19 +221,31 @@ class DeepseekV4ForCausalLM(nn.Module):
             if expert is not None:
                 moe = self.get_submodule(expert.group(1))
                 e, proj = int(expert.group(2)), expert.group(3)
-                tensor = weight[:] if not isinstance(weight, torch.Tensor) else weight
-                if e >= moe.num_experts or tuple(tensor.shape) != tuple(
-                    moe.w2.shape[1:] if proj == "w2" else (moe.intermediate_size, moe.w13.shape[2])
+                whole = moe.intermediate_size * self.tp.tp_size
+                hidden = moe.w13.shape[2]
+                if e >= moe.num_experts or shape_of(weight) != (
+                    (hidden, whole) if proj == "w2" else (whole, hidden)
                 ):
                     raise ValueError(f"{where}: {name} does not fit {expert.group(1)}'s experts")
-                moe.load_expert(e, proj, tensor.to(moe.w13.device, moe.w13.dtype))
+                moe.load_expert(e, proj, weight)
                 key = f"{expert.group(1)}.{'w2' if proj == 'w2' else 'w13'}"
                 loaded[key] = loaded.get(key, 0) + 1
                 continue
             target = targets.get(ours)
             if target is None:
                 raise ValueError(f"{where}: tensor {name!r} has no place in DeepseekV4ForCausalLM")
-            tensor = weight[:] if not isinstance(weight, torch.Tensor) else weight
+            dim = getattr(target, "tp_shard_dim", None)
+            if dim is None:
+                tensor = read_all(weight)
+            else:  # this rank's part of a tensor split over TP ranks
+                size = target.shape[dim]
+                if shape_of(weight)[dim] != size * self.tp.tp_size:
+                    raise ValueError(
+                        f"{where}: {name} is {shape_of(weight)}, which does not split into "
+                        f"tensor_parallel_size={self.tp.tp_size} parts of the model's "
+                        f"{tuple(target.shape)}"
+                    )
+                tensor = read_narrow(weight, dim, self.tp.tp_rank * size, size)
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
                     f"{where}: {name} is {tuple(tensor.shape)}, the model's {ours} is "
