@@ -24,6 +24,9 @@ the HTTP path; the server's less its queue time is the prefill step and the way 
 
 Structured outputs (`--structured-output-ratio`, `--json-schema`, `--compile-stall`): each run
 again per ratio, that share of its requests constrained to the schema (runtime/bench/structured.py).
+A preset's dummy weights have no tokenizer: give the engine one (`--tokenizer embedded`, the
+bundled SmolLM2's, or a folder) for structured runs. A run whose requests all fail is reported as
+FAILED and left out of the record, whose other figures are written.
 
 The streams are read by a lean asyncio client (runtime/bench/sse_client.py): at tens of thousands
 of events a second a general-purpose client's cost per event would be what the bench measures.
@@ -239,7 +242,15 @@ def build_requests(args: argparse.Namespace, client: httpx.Client) -> list[Reque
     if r.status_code == 200:
         pool = sorted(set(r.json()["tokens"])) or [0]
     else:  # a model without a tokenizer (dummy weights of a preset): ids every vocabulary has
-        print(f"bench serve: /tokenize answered {r.status_code}; prompts of token ids 10-499")
+        try:
+            why = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = r.text[:200]
+        print(
+            f"bench serve: /tokenize answered {r.status_code} ({why}); prompts of token ids "
+            "10-499 (give the engine --tokenizer, e.g. 'embedded', for text prompts and "
+            "structured outputs)"
+        )
         pool = list(range(10, 500))
     return [
         Request([rng.choice(pool) for _ in range(args.input_len)], args.output_len)
