@@ -203,29 +203,41 @@ def test_config_errors_name_the_field(folders: dict[str, Path]) -> None:
     arch = arch_from_hf_config(cfg, "here")
     with pytest.raises(ValueError, match="num_attention_heads: 4 is not divisible by tensor"):
         build_model(arch, "meta", torch.float32, _tp(3))
-    with pytest.raises(ValueError, match="data_parallel_size = 1"):
-        build_model(arch, "meta", torch.float32, dp=DPInfo(0, 2))
+    with pytest.raises(ValueError, match="moe_intermediate_size: 32 is not divisible"):
+        build_model(arch, "meta", torch.float32, _tp(2), dp=DPInfo(0, 32))
 
 
 def _tp(size: int) -> TPInfo:
     return TPInfo(0, size)
 
 
-@pytest.mark.parametrize("executor", ["mp"])
-def test_tensor_parallel_tokens_equal_transformers_generate(
-    folders: dict[str, Path], executor: str
+# (executor, tensor_parallel_size, data_parallel_size)
+LAYOUTS = [
+    pytest.param("mp", 2, 1, id="mp-tp2"),
+    pytest.param("mp", 1, 2, id="mp-dp2"),
+    pytest.param("mp", 2, 2, id="mp-dp2-tp2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("executor,tp,dp", LAYOUTS)
+def test_parallel_tokens_equal_transformers_generate(
+    folders: dict[str, Path], executor: str, tp: int, dp: int
 ) -> None:
-    """TP = 2 over real processes (gloo): query heads, output groups and the experts' intermediate
-    size split, the rest whole on each rank; the greedy tokens are transformers' `generate`'s."""
+    """Over real processes (gloo). TP: query heads, output groups and the experts' intermediate
+    size split, the rest whole on each rank. DP: each rank its own requests and cache; the MoE
+    layers run every rank's rows, the hash routing every rank's token ids (gathered once a step).
+    The greedy tokens are transformers' `generate`'s."""
     expected = hf_greedy(folders["hca_first"], ENGINE_PROMPTS, MAX_TOKENS)
     got, seen = _engine_tokens(
         folders["hca_first"],
-        tensor_parallel_size=2,
+        tensor_parallel_size=tp,
+        data_parallel_size=dp,
         executor=executor,
         worker_timeout_s=90.0,
     )
     assert got == expected
-    assert seen["preemptions"] > 0, seen
+    if dp == 1:
+        assert seen["preemptions"] > 0, seen
 
 
 class _OpLog(torch.overrides.TorchFunctionMode):

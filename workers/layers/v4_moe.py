@@ -11,8 +11,12 @@ Either way the weights are the picked scores, renormalised to sum 1, times `rout
 Parameter names are the checkpoint's: `gate.weight`, `gate.bias` (moe) or `gate.tid2eid` (hash),
 `shared_experts.w1/w2/w3`; the routed experts' `experts.<e>.w1/w3` (gate, up) are stacked into
 `w13` [E, 2 * I, hidden] and their `w2` (down) into `w2` [E, hidden, I] (`load_expert`). One rank
-holds every expert; tensor parallelism splits each expert's and the shared expert's intermediate
-size, the ranks' outputs summed once after both (data_parallel_size must be 1).
+holds every expert. Tensor parallelism splits the shared expert's intermediate size; the routed
+experts' is split over the DP x TP world (shard `dp_rank * tp_size + tp_rank`): with DP > 1 the
+layer gathers every DP rank's rows (and the hash routing every rank's token ids, gathered once per
+step by the model), runs the experts over them, and hands each rank its rows back summed over the
+DP ranks (`dp_reduce_scatter`); the shared expert runs on the rank's own rows; the TP ranks' sum
+comes last.
 
 Eagerly each expert runs on its own rows; traced (levels 2-3) every expert runs on every row,
 weighted by its routing weight (zero where not picked): no data-dependent shape in the graph.
@@ -24,7 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
+from atomrt.distributed.communication_op import (
+    DPInfo,
+    TPInfo,
+    dp_all_gather,
+    dp_reduce_scatter,
+    tp_all_reduce,
+)
 from atomrt.workers.layers.weight_utils import Sliceable, divide, read_narrow
 
 
@@ -109,10 +119,15 @@ class V4MoE(nn.Module):
         hashed: bool,
         vocab_size: int,
         tp: TPInfo = TPInfo(),
+        dp: DPInfo = DPInfo(),
     ) -> None:
         super().__init__()
-        self.tp = tp
-        intermediate_size = divide(intermediate_size, tp.tp_size, "moe_intermediate_size")
+        self.tp, self.dp = tp, dp
+        # the routed experts run on every DP rank's rows: split over the DP x TP world
+        self.shard = dp.dp_rank * tp.tp_size + tp.tp_rank
+        world = dp.dp_size * tp.tp_size
+        routed_size = divide(intermediate_size, world, "moe_intermediate_size")
+        shared_size = divide(intermediate_size, tp.tp_size, "moe_intermediate_size")
         self.num_experts, self.intermediate_size, self.limit = (
             num_experts,
             intermediate_size,
@@ -121,18 +136,19 @@ class V4MoE(nn.Module):
         self.gate = V4Gate(
             hidden_size, num_experts, top_k, scoring_func, routed_scaling_factor, hashed, vocab_size
         )
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.intermediate_size = routed_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * routed_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, routed_size))
         # transformers' shared expert is one SwiGLU of moe_intermediate_size, whatever the count
         self.shared_experts = (
-            SwiGLU(hidden_size, intermediate_size, swiglu_limit) if n_shared_experts else None
+            SwiGLU(hidden_size, shared_size, swiglu_limit) if n_shared_experts else None
         )
 
     def load_expert(self, expert: int, proj: str, weight: Sliceable) -> None:
         """Checkpoint tensor `experts.<expert>.<proj>.weight` (whole) into its place in w13 / w2:
         this rank's rows of w1 / w3, its columns of w2."""
         i = self.intermediate_size
-        start = self.tp.tp_rank * i
+        start = self.shard * i
         with torch.no_grad():
             if proj == "w2":
                 self.w2[expert].copy_(read_narrow(weight, 1, start, i))
@@ -145,7 +161,10 @@ class V4MoE(nn.Module):
         return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden] (after ffn_norm), input_ids [n] -> [n, hidden]."""
+        """x [n, hidden] (after ffn_norm), input_ids: the step's token ids of every DP rank
+        (`[dp_size * n]`, in DP-rank order; the hash routing reads them) -> [n, hidden]."""
+        local = x
+        x = dp_all_gather(x, self.dp)  # [dp_size * n, hidden]
         ids, weights = self.gate(x, input_ids)
         if torch.compiler.is_compiling():
             combine = x.new_zeros(x.shape[0], self.num_experts).scatter_add(
@@ -159,6 +178,7 @@ class V4MoE(nn.Module):
                 rows, slot = torch.where(ids == e)
                 y = F.linear(self._swiglu(F.linear(x[rows], self.w13[e])), self.w2[e])
                 out.index_add_(0, rows, (y * weights[rows, slot, None].to(x.dtype)).to(out.dtype))
+        out = dp_reduce_scatter(out, self.dp)  # this rank's rows, summed over the DP ranks
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts(local)
         return tp_all_reduce(out, self.tp)

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from atomrt.compile.decorators import support_torch_compile
-from atomrt.distributed.communication_op import DPInfo, TPInfo
+from atomrt.distributed.communication_op import DPInfo, TPInfo, dp_all_gather
 from atomrt.graphs.markers import token_graph
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_attention import Norm, V4Attention
@@ -66,7 +66,7 @@ _LAYER_RENAMES = tuple(  # a layer's mHC tensors -> its HyperConnection modules'
 
 class V4DecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArch, i: int, rotary: dict[str, RotaryEmbedding], tp: TPInfo
+        self, arch: ModelArch, i: int, rotary: dict[str, RotaryEmbedding], tp: TPInfo, dp: DPInfo
     ) -> None:
         super().__init__()
         v4 = arch.v4
@@ -107,6 +107,7 @@ class V4DecoderLayer(nn.Module):
             v4.mlp_layer_types[i] == "hash_moe",
             arch.vocab_size,
             tp,
+            dp,
         )
 
     def forward(
@@ -122,7 +123,13 @@ class V4DecoderLayer(nn.Module):
 class DeepseekV4Model(nn.Module):
     """Embedding, decoder layers, hyper head and final norm: what torch.compile traces."""
 
-    def __init__(self, arch: ModelArch, max_position: int = 0, tp: TPInfo = TPInfo()) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        max_position: int = 0,
+        tp: TPInfo = TPInfo(),
+        dp: DPInfo = DPInfo(),
+    ) -> None:
         super().__init__()
         v4 = arch.v4
         max_position = max_position or arch.max_position
@@ -141,18 +148,21 @@ class DeepseekV4Model(nn.Module):
         }
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
-            V4DecoderLayer(arch, i, rotary, tp) for i in range(arch.num_layers)
+            V4DecoderLayer(arch, i, rotary, tp, dp) for i in range(arch.num_layers)
         )
         self.hc_head = HyperHead(arch.hidden_size, v4.hc_mult, v4.hc_eps, arch.rms_norm_eps)
         self.norm = Norm(arch.hidden_size, arch.rms_norm_eps)
         self.hc_mult = v4.hc_mult
+        self.dp = dp
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [n] int64 -> hidden_states [n, hidden]."""
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        # the hash routing reads every DP rank's token ids (its experts run on every rank's rows)
+        all_ids = dp_all_gather(input_ids, self.dp)
         for layer in self.layers:
-            streams = layer(streams, positions, input_ids)
+            streams = layer(streams, positions, all_ids)
         return self.norm(self.hc_head(streams))
 
 
@@ -170,13 +180,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         dp: DPInfo = DPInfo(),
     ) -> None:
         super().__init__()
-        if dp.dp_size != 1:
-            raise ValueError(
-                f"DeepseekV4ForCausalLM runs with data_parallel_size = 1 (got {dp.dp_size})"
-            )
         self.tp = tp
         self.arch = arch
-        self.model = DeepseekV4Model(arch, max_position, tp, config=config)
+        self.model = DeepseekV4Model(arch, max_position, tp, dp, config=config)
         self.head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self._skipped_mtp = 0
 
@@ -221,7 +227,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             if expert is not None:
                 moe = self.get_submodule(expert.group(1))
                 e, proj = int(expert.group(2)), expert.group(3)
-                whole = moe.intermediate_size * self.tp.tp_size
+                whole = moe.intermediate_size * self.tp.tp_size * moe.dp.dp_size
                 hidden = moe.w13.shape[2]
                 if e >= moe.num_experts or shape_of(weight) != (
                     (hidden, whole) if proj == "w2" else (whole, hidden)
