@@ -102,3 +102,29 @@ def test_a_malformed_structural_tag_is_a_400_naming_response_format(server, fmt)
         )
     assert e.value.body["param"] == "response_format", e.value.body
     assert e.value.body["message"].startswith("response_format"), e.value.body
+
+
+def test_vllm_structured_outputs_structural_tag_takes_both_forms(server) -> None:
+    client = server.client()
+    for tag in (LEGACY, CURRENT):
+        out = client.completions.create(
+            model="tiny",
+            prompt="Weather?",
+            max_tokens=64,
+            temperature=0,
+            extra_body={"structured_outputs": {"structural_tag": tag}},
+        )
+        text = out.choices[0].text
+        if tag is CURRENT:
+            assert re.fullmatch(r"<call>(.*)</call>", text, re.S), text
+        for part in re.findall(r"<(?:function=weather|call)>(.*?)</(?:function|call)>", text, re.S):
+            jsonschema.validate(json.loads(part), SCHEMA)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model="tiny",
+            prompt="hi",
+            max_tokens=2,
+            extra_body={"structured_outputs": {"structural_tag": {**LEGACY, "triggers": []}}},
+        )
+    assert e.value.body["param"] == "structured_outputs", e.value.body
+    assert e.value.body["message"].startswith("structured_outputs.structural_tag.triggers")

@@ -145,7 +145,16 @@ class _SamplingFields(_Body):
     def constraint(self) -> Optional[Json]:
         """The structured-output constraint this body asks for (the chat endpoint adds
         `response_format` and `tool_choice`)."""
-        return self.structured_outputs
+        return self.vllm_structured_outputs()
+
+    def vllm_structured_outputs(self) -> Optional[Json]:
+        """`structured_outputs`, its `structural_tag` in vLLM's first form (`structures`,
+        `triggers`) as the format xgrammar reads."""
+        so = self.structured_outputs
+        tag = so.get("structural_tag") if isinstance(so, dict) else None
+        if isinstance(tag, dict) and "format" not in tag:
+            return {**so, "structural_tag": structural_tag(tag, "structured_outputs")}
+        return so
 
     def constraint_source(self) -> str:
         """The field that set `constraint()`, for errors."""
@@ -380,7 +389,7 @@ class ChatCompletionRequest(_SamplingFields):
             return {"json": self.named_function().get("parameters") or {"type": "object"}}
         if mode == "required":
             return {"json": required_calls_schema(self.tools, self.parallel_tool_calls)}
-        return self.response_format_constraint() or self.structured_outputs
+        return self.response_format_constraint() or self.vllm_structured_outputs()
 
     def constraint_source(self) -> str:
         if self.tool_mode() in ("named", "required"):
@@ -413,21 +422,21 @@ def check_response_format(fmt: Optional[Json]) -> None:
             )
 
 
-def structural_tag(fmt: Json) -> Json:
+def structural_tag(fmt: Json, param: str = "response_format") -> Json:
     """vLLM's `response_format` {"type": "structural_tag", ...} as xgrammar's structural tag: the
     current form, `{"format": {...}}`, as it is; the first form, `structures` (each
     `{begin, schema, end}`: between `begin` and `end`, JSON of `schema`) entered at `triggers`
     (free text elsewhere), as the equivalent `triggered_tags` format. A RequestError names what
-    is wrong with its shape."""
-    where = "response_format"
+    is wrong with its shape (`param`: the field that holds it)."""
+    where = param if param == "response_format" else f"{param}.structural_tag"
     if "format" in fmt:
         if not isinstance(fmt["format"], dict):
-            raise RequestError(f"{where}.format: must be a structural tag format object", where)
+            raise RequestError(f"{where}.format: must be a structural tag format object", param)
         return {"type": "structural_tag", "format": fmt["format"]}
     structures, triggers = fmt.get("structures"), fmt.get("triggers")
     if not isinstance(structures, list) or not structures:
         raise RequestError(
-            f"{where}: a structural_tag needs `format`, or `structures` and `triggers`", where
+            f"{where}: a structural_tag needs `format`, or `structures` and `triggers`", param
         )
     tags = []
     for i, item in enumerate(structures):
@@ -437,7 +446,7 @@ def structural_tag(fmt: Json) -> Json:
             raise RequestError(
                 f"{where}.structures[{i}]: must be {{begin, schema, end}} (begin a non-empty "
                 "string, schema a JSON schema object, end a string)",
-                where,
+                param,
             )
         content = {"type": "json_schema", "json_schema": item["schema"]}
         tags.append({"begin": item["begin"], "content": content, "end": item["end"]})
@@ -446,12 +455,12 @@ def structural_tag(fmt: Json) -> Json:
         or not triggers
         or not all(isinstance(t, str) and t for t in triggers)
     ):
-        raise RequestError(f"{where}.triggers: must be a non-empty list of strings", where)
+        raise RequestError(f"{where}.triggers: must be a non-empty list of strings", param)
     for i, tag in enumerate(tags):
         if not any(tag["begin"].startswith(t) for t in triggers):
             raise RequestError(
                 f"{where}.structures[{i}].begin: {tag['begin']!r} starts with none of triggers",
-                where,
+                param,
             )
     fmt_ = {"type": "triggered_tags", "triggers": list(triggers), "tags": tags}
     return {"type": "structural_tag", "format": fmt_}
