@@ -304,3 +304,45 @@ def test_recording_plan(folders: dict[str, Path]) -> None:
         )
     assert captured_token_sizes(model, "decode") == [2]
     assert captured_token_sizes(model, "prefill") == []
+
+
+@pytest.mark.parametrize("kind", ["ngram", "self_draft"])
+def test_speculation_tokens_equal_transformers_generate(
+    folders: dict[str, Path], kind: str
+) -> None:
+    """Verify steps run several query rows per request through the compressors and the indexer
+    (a rejected draft's rows are rewritten when its position is computed again): the greedy
+    tokens are transformers' `generate`'s. Repetitive prompts give the n-gram proposer matches;
+    the target as its own drafter has every draft accepted."""
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    folder = folders["csa_hca"]
+    prompts = [[5, 6, 7, 8] * 5 + [5, 6], [9, 10, 11] * 4, ENGINE_PROMPTS[1]]
+    expected = hf_greedy(folder, prompts, MAX_TOKENS)
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
+    if kind == "self_draft":
+        spec = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3}
+    llm = LLM(
+        str(folder),
+        device="cpu",
+        enforce_eager=True,
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=16,
+        speculative_config=spec,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.stats.spec_decode
+    finally:
+        llm.shutdown()
+    assert got == expected
+    assert stats.num_drafts > 0 and stats.num_eager_draft_passes == 0
+    if kind == "self_draft":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
