@@ -100,6 +100,7 @@ def _engine_tokens(folder: Path, **kwargs) -> tuple[list[list[int]], dict]:
         seen = dict(
             preemptions=sum(o.metrics.num_preemptions for o in outs),
             prefix_hits=llm.engine.schedulers[0].block_manager.num_prefix_hit_tokens,
+            split_steps=llm.engine.stats.split_steps,
         )
     finally:
         llm.shutdown()
@@ -211,33 +212,37 @@ def _tp(size: int) -> TPInfo:
     return TPInfo(0, size)
 
 
-# (executor, tensor_parallel_size, data_parallel_size)
+# (executor, tensor_parallel_size, data_parallel_size, enable_tbo)
 LAYOUTS = [
-    pytest.param("mp", 2, 1, id="mp-tp2"),
-    pytest.param("mp", 1, 2, id="mp-dp2"),
-    pytest.param("mp", 2, 2, id="mp-dp2-tp2", marks=pytest.mark.slow),
+    pytest.param("mp", 2, 1, "none", id="mp-tp2"),
+    pytest.param("mp", 1, 2, "none", id="mp-dp2"),
+    pytest.param("mp", 1, 2, "all", id="mp-dp2-tbo_all"),
+    pytest.param("mp", 2, 2, "none", id="mp-dp2-tp2", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("executor,tp,dp", LAYOUTS)
+@pytest.mark.parametrize("executor,tp,dp,tbo", LAYOUTS)
 def test_parallel_tokens_equal_transformers_generate(
-    folders: dict[str, Path], executor: str, tp: int, dp: int
+    folders: dict[str, Path], executor: str, tp: int, dp: int, tbo: str
 ) -> None:
     """Over real processes (gloo). TP: query heads, output groups and the experts' intermediate
     size split, the rest whole on each rank. DP: each rank its own requests and cache; the MoE
     layers run every rank's rows, the hash routing every rank's token ids (gathered once a step).
-    The greedy tokens are transformers' `generate`'s."""
+    Two-batch overlap: the microbatches' exchanges interleave with the other's attention and
+    experts. The greedy tokens are transformers' `generate`'s."""
     expected = hf_greedy(folders["hca_first"], ENGINE_PROMPTS, MAX_TOKENS)
     got, seen = _engine_tokens(
         folders["hca_first"],
         tensor_parallel_size=tp,
         data_parallel_size=dp,
+        enable_tbo=tbo,
         executor=executor,
         worker_timeout_s=90.0,
     )
     assert got == expected
     if dp == 1:
         assert seen["preemptions"] > 0, seen
+    assert (seen["split_steps"] > 0) == (tbo != "none"), seen
 
 
 class _OpLog(torch.overrides.TorchFunctionMode):

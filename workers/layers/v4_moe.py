@@ -24,6 +24,8 @@ weighted by its routing weight (zero where not picked): no data-dependent shape 
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -163,22 +165,45 @@ class V4MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] (after ffn_norm), input_ids: the step's token ids of every DP rank
         (`[dp_size * n]`, in DP-rank order; the hash routing reads them) -> [n, hidden]."""
-        local = x
-        x = dp_all_gather(x, self.dp)  # [dp_size * n, hidden]
+        routed = dp_all_gather(x, self.dp)  # [dp_size * n, hidden]
+        routed = self._routed(routed, input_ids)
+        routed = dp_reduce_scatter(routed, self.dp)  # this rank's rows, summed over the DP ranks
+        return self._finish(x, routed)
+
+    def forward_ubatch(
+        self, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> Generator[None, None, torch.Tensor]:
+        """`forward` as one microbatch of two-batch overlap: pauses before and after each
+        exchange with the other DP ranks."""
+        routed = x
+        if self.dp.dp_size > 1:
+            yield
+            routed = dp_all_gather(x, self.dp)
+            yield
+        routed = self._routed(routed, input_ids)
+        if self.dp.dp_size > 1:
+            yield
+            routed = dp_reduce_scatter(routed, self.dp)
+            yield
+        return self._finish(x, routed)
+
+    def _finish(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The shared expert on the rank's own rows, then the TP ranks' sum."""
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return tp_all_reduce(routed, self.tp)
+
+    def _routed(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, input_ids)
         if torch.compiler.is_compiling():
             combine = x.new_zeros(x.shape[0], self.num_experts).scatter_add(
                 1, ids, weights.to(x.dtype)
             )
             act = self._swiglu(torch.einsum("nd,eid->nei", x, self.w13))
-            out = (torch.einsum("nei,edi->ned", act, self.w2) * combine.unsqueeze(-1)).sum(1)
-        else:
-            out = torch.zeros_like(x)
-            for e in torch.unique(ids).tolist():
-                rows, slot = torch.where(ids == e)
-                y = F.linear(self._swiglu(F.linear(x[rows], self.w13[e])), self.w2[e])
-                out.index_add_(0, rows, (y * weights[rows, slot, None].to(x.dtype)).to(out.dtype))
-        out = dp_reduce_scatter(out, self.dp)  # this rank's rows, summed over the DP ranks
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(local)
-        return tp_all_reduce(out, self.tp)
+            return (torch.einsum("nei,edi->ned", act, self.w2) * combine.unsqueeze(-1)).sum(1)
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == e)
+            y = F.linear(self._swiglu(F.linear(x[rows], self.w13[e])), self.w2[e])
+            out.index_add_(0, rows, (y * weights[rows, slot, None].to(x.dtype)).to(out.dtype))
+        return out

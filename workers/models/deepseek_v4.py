@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from typing import Any
 
 import torch
@@ -118,6 +118,15 @@ class V4DecoderLayer(nn.Module):
         post, comb, x = self.ffn_hc(streams)
         return hyper_residual(streams, post, comb, self.ffn(self.ffn_norm(x), input_ids))
 
+    def forward_ubatch(
+        self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor
+    ) -> Generator[None, None, torch.Tensor]:
+        post, comb, x = self.attn_hc(streams)
+        streams = hyper_residual(streams, post, comb, self.attn(self.attn_norm(x), positions))
+        post, comb, x = self.ffn_hc(streams)
+        out = yield from self.ffn.forward_ubatch(self.ffn_norm(x), input_ids)
+        return hyper_residual(streams, post, comb, out)
+
 
 @support_torch_compile
 class DeepseekV4Model(nn.Module):
@@ -165,6 +174,22 @@ class DeepseekV4Model(nn.Module):
             streams = layer(streams, positions, all_ids)
         return self.norm(self.hc_head(streams))
 
+    def forward_ubatch(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> Generator[None, None, torch.Tensor]:
+        """`forward` as one microbatch of two-batch overlap (workers/runner/ubatch.py): pauses
+        before and after every exchange with the other DP ranks. Eager."""
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        all_ids = input_ids
+        if self.dp.dp_size > 1:
+            yield
+            all_ids = dp_all_gather(input_ids, self.dp)
+            yield
+        for layer in self.layers:
+            streams = yield from layer.forward_ubatch(streams, positions, all_ids)
+        return self.norm(self.hc_head(streams))
+
 
 @token_graph
 class DeepseekV4ForCausalLM(nn.Module):
@@ -189,6 +214,11 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [n] int64 -> hidden_states [n, hidden]."""
         return self.model(input_ids, positions)
+
+    def forward_ubatch(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> Generator[None, None, torch.Tensor]:
+        return (yield from self.model.forward_ubatch(input_ids, positions))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.head(hidden_states)
