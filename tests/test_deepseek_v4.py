@@ -351,3 +351,31 @@ def test_speculation_tokens_equal_transformers_generate(
     assert stats.num_drafts > 0 and stats.num_eager_draft_passes == 0
     if kind == "self_draft":
         assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_fp8_cache_rows(folders: dict[str, Path]) -> None:
+    """With an e4m3 cache (kv_cache_dtype fp8: rows written saturated, read back widened) the
+    rows are stored as bytes the CPU can index, and the logits stay near the float cache's (3
+    mantissa bits on the keys, the compressor's projections and the entries: seen 0.27 at logits
+    up to 1.4)."""
+    from model_harness import PagedHarness
+
+    from atomrt.workers.runner.kv_cache import allocate_kv_cache
+
+    model = load_model(Config(model=str(folders["csa_hca"])), "cpu", torch.float32).model
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    logits = {}
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        harness = PagedHarness(model, 40, len(prompts), block_size=4)
+        num_blocks = len(harness.block_tables) * harness.max_blocks_per_seq + 1
+        harness.kv_cache_data = allocate_kv_cache(
+            kv_layer_specs(harness.layers), num_blocks, 4, dtype, "cpu"
+        )
+        steps = [harness.step(prompts, [0, 0])]
+        computed = [len(p) for p in prompts]
+        for t in range(6):
+            steps.append(harness.step([[5 + t], [9 + t]], computed))
+            computed = [n + 1 for n in computed]
+        logits[dtype] = torch.stack(steps)
+        assert harness.kv_cache_data["layers.1"].rows.dtype == dtype
+    assert (logits[torch.float32] - logits[torch.float8_e4m3fn]).abs().max() < 0.5

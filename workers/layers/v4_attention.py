@@ -61,6 +61,7 @@ from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
 from atomrt.graphs.markers import eager_region
 from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
+from atomrt.workers.layers.attention_ref import copy_rows
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_hyper import unweighted_rms_norm
 from atomrt.workers.layers.weight_utils import divide
@@ -393,7 +394,14 @@ def _source_rows(
         src = first.unsqueeze(1) + tokens - positions[first].unsqueeze(1)
         return rows[src.clamp(0, n - 1)]
     slots = _token_slots(md, cache.rows.shape[1], tokens).clamp(min=0)
-    return cache.rows.view(-1, cache.rows.shape[-1])[slots].to(rows.dtype)
+    return _read(cache.rows.view(-1, cache.rows.shape[-1]), slots).to(rows.dtype)
+
+
+def _read(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache[index] (an e4m3 cache is indexed as bytes: CPU has no float8 indexing kernel)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)[index].view(cache.dtype)
+    return cache[index]
 
 
 def _write_rows(md: object, cache: Optional["V4CacheTensor"], rows: torch.Tensor) -> None:
@@ -402,7 +410,7 @@ def _write_rows(md: object, cache: Optional["V4CacheTensor"], rows: torch.Tensor
     n = rows.shape[0]
     valid = md.slot_mapping[:n] >= 0
     flat = cache.rows.view(-1, cache.rows.shape[-1])
-    flat.index_copy_(0, md.slot_mapping[:n][valid], rows[valid].to(flat.dtype))
+    copy_rows(flat, md.slot_mapping[:n][valid], rows[valid])
 
 
 def v4_attn_compress_launch(
@@ -481,11 +489,7 @@ def v4_attention(
     into the rows and the cache, then attends (`_v4_attend`, the layer's eager region)."""
     layer, md, cache = paged_layer_state(layer_idx)
     rows[:, : kv.shape[1]] = kv
-    if cache is not None and md is not None:
-        n = kv.shape[0]
-        valid = md.slot_mapping[:n] >= 0
-        flat = cache.rows.view(-1, cache.rows.shape[-1])
-        flat[md.slot_mapping[:n][valid], : kv.shape[1]] = kv[valid].to(flat.dtype)
+    _write_rows(md, cache, rows)  # whole rows: the compressor's columns are in `rows` too
     _v4_attend(q, rows, iq, iw, output, layer_idx)
 
 
@@ -519,7 +523,7 @@ def _v4_attend(
             continue
         if paged:
             table = md.block_tables[s, : -(-context_len // block_size)].long()
-            seq_rows = cache.rows[table].flatten(0, 1)[:context_len]
+            seq_rows = _read(cache.rows, table).flatten(0, 1)[:context_len]
         else:  # profiling / dummy run: the sequence is this step's rows alone
             seq_rows = rows[start : start + n]
         _attend_sequence(
