@@ -218,18 +218,31 @@ LAYOUTS = [
     pytest.param("mp", 1, 2, "none", id="mp-dp2"),
     pytest.param("mp", 1, 2, "all", id="mp-dp2-tbo_all"),
     pytest.param("mp", 2, 2, "none", id="mp-dp2-tp2", marks=pytest.mark.slow),
+    pytest.param("ray", 2, 1, "none", id="ray-tp2", marks=pytest.mark.slow),
+    pytest.param("ray", 1, 2, "prefill", id="ray-dp2-tbo_prefill", marks=pytest.mark.slow),
 ]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=4, logging_level="WARNING", include_dashboard=False)
+    yield
+    ray.shutdown()
 
 
 @pytest.mark.parametrize("executor,tp,dp,tbo", LAYOUTS)
 def test_parallel_tokens_equal_transformers_generate(
-    folders: dict[str, Path], executor: str, tp: int, dp: int, tbo: str
+    folders: dict[str, Path], executor: str, tp: int, dp: int, tbo: str, request
 ) -> None:
     """Over real processes (gloo). TP: query heads, output groups and the experts' intermediate
     size split, the rest whole on each rank. DP: each rank its own requests and cache; the MoE
     layers run every rank's rows, the hash routing every rank's token ids (gathered once a step).
     Two-batch overlap: the microbatches' exchanges interleave with the other's attention and
     experts. The greedy tokens are transformers' `generate`'s."""
+    if executor == "ray":
+        request.getfixturevalue("local_ray")
     expected = hf_greedy(folders["hca_first"], ENGINE_PROMPTS, MAX_TOKENS)
     got, seen = _engine_tokens(
         folders["hca_first"],
