@@ -61,7 +61,7 @@ from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
 from atomrt.graphs.markers import eager_region
 from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
-from atomrt.workers.layers.attention_ref import copy_rows
+from atomrt.workers.layers.attention_ref import to_cache_dtype
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_hyper import unweighted_rms_norm
 from atomrt.workers.layers.weight_utils import divide
@@ -182,14 +182,19 @@ class V4LayerSpec:
     def allocate(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> "V4CacheTensor":
-        shape = (num_blocks, block_size, self.elements_per_token())
-        return V4CacheTensor(self.layer_idx, torch.zeros(shape, dtype=dtype, device=device))
+        width = self.elements_per_token()
+        storage = torch.zeros(num_blocks * block_size + 1, width, dtype=dtype, device=device)
+        rows = storage[:-1].view(num_blocks, block_size, width)
+        return V4CacheTensor(self.layer_idx, rows, storage)
 
 
 @dataclass
 class V4CacheTensor:
     layer_idx: int
     rows: torch.Tensor  # [num_blocks, block_size, V4LayerSpec.elements_per_token()]
+    # rows plus one scratch row last, where a padded row's write goes: a write is one
+    # index_copy_ of every row, with no host synchronisation (a token graph records it)
+    storage: torch.Tensor
 
 
 class V4Attention(PagedAttentionLayer):
@@ -405,12 +410,16 @@ def _read(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _write_rows(md: object, cache: Optional["V4CacheTensor"], rows: torch.Tensor) -> None:
+    """The step's rows at slot_mapping (a padded row's, slot < 0, into the scratch row)."""
     if cache is None or md is None:
         return
-    n = rows.shape[0]
-    valid = md.slot_mapping[:n] >= 0
-    flat = cache.rows.view(-1, cache.rows.shape[-1])
-    copy_rows(flat, md.slot_mapping[:n][valid], rows[valid])
+    slots = md.slot_mapping[: rows.shape[0]]
+    slots = torch.where(slots >= 0, slots, cache.storage.shape[0] - 1)
+    values = to_cache_dtype(rows, cache.storage.dtype)
+    storage = cache.storage
+    if storage.dtype == torch.float8_e4m3fn:  # CPU's index_copy_ has no float8 kernel
+        storage, values = storage.view(torch.uint8), values.view(torch.uint8)
+    storage.index_copy_(0, slots, values)
 
 
 def v4_attn_compress_launch(
