@@ -201,7 +201,15 @@ def test_config_errors_name_the_field(folders: dict[str, Path]) -> None:
         arch_from_hf_config({**cfg, "layer_types": ["full_attention"] * 4}, "here")
     with pytest.raises(ValueError, match="o_groups"):
         arch_from_hf_config({**cfg, "o_groups": 3}, "here")
+    from atomrt.runtime.config import SpeculativeConfig
+
     arch = arch_from_hf_config(cfg, "here")
+    mtp = Config(
+        model=str(folders["csa_hca"]),
+        speculative_config=SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 1}),
+    )
+    with pytest.raises(ValueError, match="speculative_config.method 'mtp'"):
+        build_model(arch, "meta", torch.float32, config=mtp)
     with pytest.raises(ValueError, match="num_attention_heads: 4 is not divisible by tensor"):
         build_model(arch, "meta", torch.float32, _tp(3))
     with pytest.raises(ValueError, match="moe_intermediate_size: 32 is not divisible"):

@@ -206,6 +206,12 @@ class DeepseekV4ForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
+        spec = getattr(config, "speculative_config", None)
+        if spec is not None and spec.method == "mtp":
+            raise ValueError(
+                "speculative_config.method 'mtp': DeepseekV4ForCausalLM does not run its "
+                "multi-token-prediction layers yet; use 'ngram' or 'draft_model'"
+            )
         self.arch = arch
         self.model = DeepseekV4Model(arch, max_position, tp, dp, config=config)
         self.head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
