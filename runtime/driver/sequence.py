@@ -93,6 +93,8 @@ class Sequence:
     # why it ended with finish_reason "abort" when something other than a client's abort ended it
     # (no token satisfied its constraints); None otherwise
     error: Optional[str] = None
+    # sampling_params.allowed_token_ids as a set, made when a token is first checked against it
+    allowed_token_set: Optional[frozenset[int]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

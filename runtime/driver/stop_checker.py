@@ -45,8 +45,10 @@ def refused_token(seq: Sequence, token_id: int) -> Optional[str]:
     grammar, allowed, bad_words = seq.grammar, params.allowed_token_ids, seq.bad_words_token_ids
     if grammar is None and not allowed and not bad_words:
         return None
+    if allowed and seq.allowed_token_set is None:
+        seq.allowed_token_set = frozenset(allowed)
     refused = (
-        (allowed is not None and token_id not in allowed)
+        (allowed and token_id not in seq.allowed_token_set)
         or (bad_words and _completes_bad_word(seq, token_id))
         or (grammar is not None and not grammar.accept(token_id))
     )
