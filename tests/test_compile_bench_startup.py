@@ -43,3 +43,29 @@ def test_bench_startup_toy(tmp_path, capsys):
         ("startup-time", result["warm_startup_s"]),
     ]
     assert record.machine.gpu_count == 0  # the toy compiles on the CPU
+
+
+def test_uncached_modules_are_counted(tmp_path, monkeypatch):
+    """A module imported from a folder Python may not write bytecode to is counted; one whose
+    bytecode landed is not."""
+    import importlib
+    import sys
+
+    from atomrt.runtime.bench.startup import bytecode_notes, uncached_modules
+
+    (tmp_path / "startup_probe_cached.py").write_text("X = 1\n")
+    (tmp_path / "startup_probe_uncached.py").write_text("Y = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    before = uncached_modules()
+    importlib.import_module("startup_probe_cached")
+    assert uncached_modules() == before
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    importlib.import_module("startup_probe_uncached")
+    assert uncached_modules() == before + 1
+    assert "compiled 3 modules from source" in bytecode_notes(3)[-1]
+    assert bytecode_notes(0) == (
+        [f"bytecode cached under PYTHONPYCACHEPREFIX={sys.pycache_prefix}"]
+        if sys.pycache_prefix
+        else []
+    )

@@ -41,6 +41,24 @@ class ChildResult:
     counter: dict
     # LLM children: process start to first token, phase by phase, (name, seconds) in order
     phases: list = field(default_factory=list)
+    # modules this child compiled from source and could not cache (see uncached_modules)
+    uncached_modules: int = 0
+
+
+def uncached_modules() -> int:
+    """How many imported source modules have no bytecode where Python looks for it (beside the
+    source, or under PYTHONPYCACHEPREFIX): each was compiled from source on import, and will be
+    again by the next process. Python writes bytecode as it imports; a read-only site-packages
+    installed without it (or PYTHONDONTWRITEBYTECODE) leaves every start paying for the compile,
+    seconds for torch alone, a cost a normal install does not have."""
+    count = 0
+    for module in list(sys.modules.values()):
+        spec = getattr(module, "__spec__", None)
+        cached = getattr(spec, "cached", None) if spec is not None else None
+        origin = getattr(spec, "origin", None) or ""
+        if cached and origin.endswith(".py") and not os.path.exists(cached):
+            count += 1
+    return count
 
 
 @dataclass
@@ -57,6 +75,7 @@ class StartupBench:
     warm_trace_loads: int  # models the warm child built from Dynamo's kept trace (no Dynamo)
     cold_phases: list = field(default_factory=list)  # see ChildResult.phases
     warm_phases: list = field(default_factory=list)
+    warm_uncached_modules: int = 0  # see uncached_modules: > 0 inflates the import phases
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -149,7 +168,9 @@ def _child(args: argparse.Namespace) -> None:
         _toy_startup(args.child)
     else:
         phases = _llm_startup(args)
-    result = ChildResult(time.perf_counter() - start, compilation_counter.snapshot(), phases)
+    result = ChildResult(
+        time.perf_counter() - start, compilation_counter.snapshot(), phases, uncached_modules()
+    )
     print("CHILD " + json.dumps(asdict(result)), flush=True)
 
 
@@ -189,6 +210,20 @@ def _run_child(args: argparse.Namespace, cache_dir: Path, inductor_dir: Path) ->
     return ChildResult(**json.loads(lines[0][len("CHILD ") :]))
 
 
+def bytecode_notes(warm_uncached: int) -> list[str]:
+    """What a record says of Python's bytecode cache: where it was kept, and how many modules the
+    warm child still compiled from source."""
+    notes = []
+    if sys.pycache_prefix:
+        notes.append(f"bytecode cached under PYTHONPYCACHEPREFIX={sys.pycache_prefix}")
+    if warm_uncached:
+        notes.append(
+            f"the warm child compiled {warm_uncached} modules from source: no writable bytecode "
+            "cache (a read-only site-packages without bytecode?); PYTHONPYCACHEPREFIX gives one"
+        )
+    return notes
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parse(argv)
     if args.child:
@@ -211,6 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         warm_trace_loads=warm.counter["num_trace_loads"],
         cold_phases=cold.phases,
         warm_phases=warm.phases,
+        warm_uncached_modules=warm.uncached_modules,
     )
     print(
         f"startup {bench.model} level 3: compile cold {bench.cold_compile_s:.2f} s, warm {bench.warm_compile_s:.2f} s, "
@@ -221,13 +257,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     for (name, c), (_, w) in zip(bench.cold_phases, bench.warm_phases):
         print(f"  {name:<58} cold {c:8.2f} s   warm {w:8.2f} s")
+    notes = bytecode_notes(bench.warm_uncached_modules)
+    for note in notes:
+        print(f"  note: {note}")
     Path(args.out).write_text(json.dumps(asdict(bench), indent=1) + "\n")
     if args.record is not None:
         on_gpu = not args.toy and torch.cuda.is_available()  # where the children built the model
         phases = {"cold_phases": bench.cold_phases, "warm_phases": bench.warm_phases}
         argv = sys.argv[1:] if argv is None else argv
         figures = startup_figures(bench, args, on_gpu)
-        save(args.record, "startup", argv, figures, on_gpu=on_gpu, details=phases)
+        save(args.record, "startup", argv, figures, on_gpu=on_gpu, details=phases, notes=notes)
     return 0
 
 
