@@ -98,6 +98,19 @@ CASES = [
         "",
         [("get_weather", {"city": "A</tool_call>"}), ("get_time", {"zone": "<tool_call>"})],
     ),
+    # later Mistral tokenizers: each call after its own tag, `name{...}` or `name[ARGS]{...}`
+    (
+        "mistral",
+        'Sure.[TOOL_CALLS]get_weather{"city": "Rome}"}[TOOL_CALLS]get_time{}',
+        "Sure.",
+        [("get_weather", {"city": "Rome}"}), ("get_time", {})],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "days": [1, 2]}',
+        "",
+        [("get_weather", {"city": "Oslo", "days": [1, 2]})],
+    ),
     # a call without arguments has an empty object
     ("hermes", '<tool_call>{"name": "ping"}</tool_call>', "", [("ping", {})]),
 ]

@@ -16,8 +16,9 @@ are not a JSON object): the whole text is then the content, as vLLM's parsers an
   any number, content around them.
 - `llama3_json` (Llama 3.1-3.3): the output is one call `{"name": ..., "parameters": {...}}` or
   several separated by `;`, optionally after `<|python_tag|>`; any other output is content.
-- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`; the server
-  keeps special tokens in the text for it.
+- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`, or (later
+  Mistral tokenizers) each call as `[TOOL_CALLS]name{...}` or `[TOOL_CALLS]name[ARGS]{...}`; the
+  server keeps special tokens in the text for it.
 - `json_calls` (not a flag: what `tool_choice: "required"` makes the model write): a JSON array
   of `{"name": ..., "parameters": {...}}`.
 """
@@ -288,14 +289,36 @@ class MistralParser(ToolParser):
     name = "mistral"
     TAG = "[TOOL_CALLS]"
 
+    ARGS = "[ARGS]"
+    _NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
     def parse(self, text: str, final: bool) -> Parsed:
         at = text.find(self.TAG)
         if at < 0:
             return Parsed(_content(text, self.TAG, final))
-        calls = _objects(text[at + len(self.TAG) :], ("arguments",))
+        body = text[at + len(self.TAG) :]
+        if body.lstrip()[:1] in ("[", "{", ""):  # a JSON array of calls (or not yet known)
+            calls = _objects(body, ("arguments",))
+        else:  # the later tokenizers' form: each call `name{...}` or `name[ARGS]{...}` after a tag
+            calls = [self._named(part) for part in body.split(self.TAG)]
         if final and not calls:
             calls = [Call(None, "", False)]  # the tag without a call
         return _checked(self.name, text, Parsed(text[:at].rstrip(), calls), final)
+
+    def _named(self, part: str) -> Call:
+        """One `name{...}` / `name[ARGS]{...}` call: its name once the arguments begin."""
+        m = self._NAME.match(part)
+        rest = part[m.end() :] if m else part
+        if rest.startswith(self.ARGS):
+            rest = rest[len(self.ARGS) :]
+        elif self.ARGS.startswith(rest) and rest:  # the marker may be coming
+            return Call(None, "", False)
+        if m is None or not rest.startswith("{"):
+            return Call(None, "", False)
+        start = len(part) - len(rest)
+        end = _object_end(part, start)
+        args = part[start:end] if end is not None else part[start:].rstrip()
+        return Call(m.group(0), args, end is not None)
 
 
 class JsonCallsParser(ToolParser):
