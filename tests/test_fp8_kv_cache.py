@@ -240,10 +240,33 @@ def test_fp8_cache_on_the_gpu(llama: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_fp8_latent_cache_is_refused_on_cuda(tmp_path: Path) -> None:
+def test_fp8_latent_cache_on_the_gpu(tmp_path: Path) -> None:
+    """MLA's latent write and paged decode kernels with an e4m3 cache (DeepSeek-V3, float32)."""
     from deepseek_harness import build_deepseek_folder
-    from executor_harness import save_word_tokenizer
 
-    folder = save_word_tokenizer(build_deepseek_folder(tmp_path / "v3", "v3"))
-    with pytest.raises(Exception, match="kv_cache_dtype='fp8' on CUDA: the MLAAttention"):
-        LLM(str(folder), device="cuda", kv_cache_dtype="fp8", enforce_eager=True)
+    folder = build_deepseek_folder(tmp_path / "v3", "v3")
+    model = load_model(Config(model=str(folder)), "cuda", torch.float32).model
+    full, tokens = _run(model, torch.float32)
+    fp8, _ = _run(model, FP8, forced=tokens)
+    assert 0 < _worst(full, fp8) < LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mla_kernels_write_and_read_an_fp8_latent_cache(num_splits: int) -> None:
+    """MLA's latent write saturates into an e4m3 cache and the paged MLA decode reads it widened
+    to q's dtype (float32 here: full-precision products), against float64 over the same values."""
+    from test_mla_kernels import check_mla, make_mla_batch, run_mla
+
+    from atomrt.workers.kernels.attention.mla_decode import mla_write_kv_cache
+
+    batch = make_mla_batch(
+        [1, 3, 1], [9, 40, 66], num_heads=4, kv_lora_rank=64, rope_dim=32, seed=num_splits
+    )
+    batch.kv_cache = batch.kv_cache.to(FP8)
+    check_mla(batch, run_mla(batch, num_kv_splits=num_splits))
+    kv_c = _representable(torch.randn(2, 64))
+    kv_c[0, 0] = 1000.0
+    k_pe = _representable(torch.randn(2, 32))
+    mla_write_kv_cache(kv_c, k_pe, batch.kv_cache, torch.tensor([3, -1]))
+    row = batch.kv_cache.view(-1, 96)[3].float()
+    assert torch.equal(row, torch.cat((kv_c[0].clamp(-448, 448), k_pe[0])))

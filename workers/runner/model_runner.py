@@ -18,6 +18,7 @@ from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.forward_context import DPMetadata, SpecDecodeMetadata, set_forward_context
 from atomrt.workers.layers.attention import Attention, collect_attention_layers
 from atomrt.workers.layers.expert_tally import ExpertTally
+from atomrt.workers.layers.mla import MLAAttention
 from atomrt.workers.loading.loader import load_model
 from atomrt.workers.runner.graph_runner import GraphRunner
 from atomrt.workers.runner.input_batch import StepInputs
@@ -85,16 +86,17 @@ class GrammarMask(NamedTuple):
 
 
 def _check_fp8_cache(config: Config, device: torch.device, layers: dict[int, object]) -> None:
-    """An FP8 KV cache on CUDA needs kernels that read it: the paged attention ones do; MLA's
-    latent decode kernel (and any other layer kind) reads the model's dtype only."""
+    """An FP8 KV cache on CUDA needs kernels that read it: the paged attention and MLA ones do;
+    any other layer kind's read the model's dtype only."""
     kv = config.cache_config.kv_cache_dtype
     if kv not in FP8_KV_DTYPES or device.type != "cuda":
         return
-    other = sorted({type(x).__name__ for x in layers.values() if not isinstance(x, Attention)})
+    supported = (Attention, MLAAttention)
+    other = sorted({type(x).__name__ for x in layers.values() if not isinstance(x, supported)})
     if other:
         raise ValueError(
             f"cache_config.kv_cache_dtype={kv!r} on CUDA: the {', '.join(other)} layers' kernels "
-            "read the cache in the model's dtype (FP8 latent caches run on CPU); use 'auto'"
+            "read the cache in the model's dtype (their FP8 caches run on CPU); use 'auto'"
         )
 
 

@@ -266,7 +266,10 @@ def launch_mla_decode(
         block_table.stride(0),
     )
     _DECODE_LAUNCHES(
-        grid, tensors, scalars, _decode_constexprs(plan, kv_cache.shape[1], kv_cache.dtype)
+        grid,
+        tensors,
+        scalars,
+        _decode_constexprs(plan, kv_cache.shape[1], _product_dtype(q, kv_cache)),
     )
     if not split:
         return
@@ -294,6 +297,11 @@ def launch_mla_decode(
 
 
 @functools.lru_cache(maxsize=256)
+def _product_dtype(q: torch.Tensor, kv_cache: torch.Tensor) -> torch.dtype:
+    """The decode products' dtype: the cache's, or q's over an e4m3 cache (kv_cache_dtype fp8)."""
+    return q.dtype if kv_cache.dtype == torch.float8_e4m3fn else kv_cache.dtype
+
+
 def _decode_constexprs(
     plan: MLADecodeLaunch, block_size: int, cache_dtype: torch.dtype
 ) -> tuple[tuple[str, object], ...]:

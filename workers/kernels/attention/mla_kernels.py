@@ -18,7 +18,7 @@
 import triton
 import triton.language as tl
 
-from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG
+from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG, to_cache
 
 
 @triton.jit
@@ -48,11 +48,11 @@ def mla_write_kv_kernel(
     lora = tl.arange(0, LORA_P)
     lora_valid = lora < kv_lora_rank
     latent = tl.load(kv_c_ptr + row * stride_ct + lora, mask=lora_valid)
-    tl.store(dst + lora, latent.to(cache_ty), mask=lora_valid)
+    tl.store(dst + lora, to_cache(latent, cache_ty), mask=lora_valid)
     rope = tl.arange(0, ROPE_P)
     rope_valid = rope < rope_dim
     k_pe = tl.load(k_pe_ptr + row * stride_pt + rope, mask=rope_valid)
-    tl.store(dst + kv_lora_rank + rope, k_pe.to(cache_ty), mask=rope_valid)
+    tl.store(dst + kv_lora_rank + rope, to_cache(k_pe, cache_ty), mask=rope_valid)
 
 
 @triton.jit
@@ -163,7 +163,9 @@ def mla_decode_kernel(
     rope_valid = rope < rope_dim
     key_offsets = tl.arange(0, BLOCK_N)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    cache_ty = kv_cache_ptr.dtype.element_ty
+    cache_ty = kv_cache_ptr.dtype.element_ty  # the products' dtype
+    if cache_ty == tl.float8e4nv:  # kv_cache_dtype fp8: rows widened to q's dtype as they are read
+        cache_ty = q_ptr.dtype.element_ty
 
     # This split's key tiles, out of those of the request's last row (the one that sees the most).
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
@@ -207,12 +209,12 @@ def mla_decode_kernel(
                 row_ptr[:, None] + lora[None, :],
                 mask=key_valid[:, None] & lora_valid[None, :],
                 other=0.0,
-            )  # [BLOCK_N, LORA_P]: the keys' latent part, and the values
+            ).to(cache_ty)  # [BLOCK_N, LORA_P]: the keys' latent part, and the values
             k_pe = tl.load(
                 row_ptr[:, None] + kv_lora_rank + rope[None, :],
                 mask=key_valid[:, None] & rope_valid[None, :],
                 other=0.0,
-            )  # [BLOCK_N, ROPE_P]
+            ).to(cache_ty)  # [BLOCK_N, ROPE_P]
             if IEEE_DOT:
                 s = tl.dot(q_nope, tl.trans(kv), input_precision="ieee")
                 s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
