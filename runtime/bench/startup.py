@@ -248,6 +248,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         warm_phases=warm.phases,
         warm_uncached_modules=warm.uncached_modules,
     )
+    notes = bytecode_notes(bench.warm_uncached_modules)
+    for note in notes:
+        print(f"note: {note}")
     print(
         f"startup {bench.model} level 3: compile cold {bench.cold_compile_s:.2f} s, warm {bench.warm_compile_s:.2f} s, "
         f"warm/cold {bench.ratio:.2f} (target <= {STARTUP_COMPILE_RATIO}); start-up cold {bench.cold_startup_s:.2f} s, "
@@ -257,9 +260,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     for (name, c), (_, w) in zip(bench.cold_phases, bench.warm_phases):
         print(f"  {name:<58} cold {c:8.2f} s   warm {w:8.2f} s")
-    notes = bytecode_notes(bench.warm_uncached_modules)
-    for note in notes:
-        print(f"  note: {note}")
     Path(args.out).write_text(json.dumps(asdict(bench), indent=1) + "\n")
     if args.record is not None:
         on_gpu = not args.toy and torch.cuda.is_available()  # where the children built the model
