@@ -42,6 +42,12 @@ from atomrt.runtime.entrypoints.openai.protocol import (
     parse,
 )
 from atomrt.runtime.entrypoints.openai.responses import ChatResponses, CompletionResponses, sse
+from atomrt.runtime.entrypoints.openai.responses_api import (
+    ResponsesBodies,
+    peeked,
+    renamed,
+    to_chat_body,
+)
 from atomrt.runtime.entrypoints.openai.server_args import ServerArgs
 from atomrt.runtime.entrypoints.openai.serving import Job, Serving
 
@@ -219,6 +225,51 @@ async def stream(
             state.serving.abort(job)
 
 
+async def generate_response(
+    state: ServerState, request: Request, bodies: ResponsesBodies, streamed: bool
+) -> Response:
+    """/v1/responses: run its chat job, then answer a `response` object or its event stream."""
+    job = bodies.job
+    state.in_flight += 1
+    try:
+        state.serving.submit(job)
+        outputs = state.serving.outputs(job)
+        if streamed and job.params.structured_outputs is not None:
+            outputs = await peeked(outputs)  # refused before any output: a 400, no stream
+    except BaseException:
+        state.in_flight -= 1
+        state.serving.abort(job)
+        raise
+    if streamed:
+        return StreamingResponse(
+            _response_events(state, job, bodies, outputs), media_type="text/event-stream"
+        )
+    try:
+        if not await gather(state, request, job):
+            return Response(status_code=499)
+    finally:
+        state.in_flight -= 1
+    return JSONResponse(bodies.response())
+
+
+async def _response_events(
+    state: ServerState, job: Job, bodies: ResponsesBodies, outputs: AsyncIterator[Any]
+) -> AsyncIterator[str]:
+    try:
+        try:
+            async for event in bodies.events(outputs):
+                yield event
+        except (EngineGone, RequestError) as e:
+            code = "service_unavailable" if isinstance(e, EngineGone) else e.kind
+            param = None if isinstance(e, EngineGone) else e.param
+            data = {"type": "error", "code": code, "message": str(e), "param": param}
+            yield f"event: error\ndata: {json.dumps(data)}\n\n"
+    finally:
+        state.in_flight -= 1
+        if not job.finished:
+            state.serving.abort(job)
+
+
 # ------------------------------------------------------------------------- the app
 
 
@@ -261,6 +312,18 @@ def build_app(state: ServerState) -> Any:
         req = parse(ChatCompletionRequest, await read_json(state, request))
         job = state.serving.chat_job(req)
         return await generate(state, request, ChatResponses(state.serving, req, job))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        state.admit()
+        body = await read_json(state, request)
+        try:
+            req = parse(ChatCompletionRequest, to_chat_body(body))
+            job = state.serving.chat_job(req)
+        except RequestError as e:
+            raise renamed(e) from None
+        bodies = ResponsesBodies(state.serving, body, job)
+        return await generate_response(state, request, bodies, bool(body.get("stream")))
 
     @app.get("/v1/models")
     async def models() -> Response:
