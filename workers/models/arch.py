@@ -25,10 +25,16 @@ _FAMILY_FLAGS: dict[str, dict[str, bool]] = {
     "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "Glm4MoeLiteForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "DeepseekV4ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "DeepseekV32ForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # Multi-head latent attention and DeepSeekMoE (workers/models/deepseek_arch.py reads their fields)
-MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+MLA_ARCHITECTURES = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+    "DeepseekV32ForCausalLM",
+)
 SUPPORTED_ARCHITECTURES = tuple(_FAMILY_FLAGS)
 
 
@@ -78,6 +84,10 @@ class ModelArch:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     num_nextn_predict_layers: int = 0  # multi-token-prediction layers stored after the decoder's
+    # DeepSeek sparse attention's lightning indexer (DeepSeek-V3.2; 0 heads: none)
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
     # DeepSeek-V4's own fields (workers/models/deepseek_v4_arch.py); None for every other model
     v4: Optional[V4Arch] = None
 

@@ -19,6 +19,7 @@ _DEFAULT_ROUTING = {
     "DeepseekV2ForCausalLM": ("greedy", "softmax"),
     "DeepseekV3ForCausalLM": ("noaux_tc", "sigmoid"),
     "Glm4MoeLiteForCausalLM": ("noaux_tc", "sigmoid"),
+    "DeepseekV32ForCausalLM": ("noaux_tc", "sigmoid"),
 }
 
 
@@ -48,6 +49,12 @@ def deepseek_fields(cfg: dict[str, Any], architecture: str, where: str) -> dict[
             cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0
         ),
     )
+    if architecture == "DeepseekV32ForCausalLM":  # the lightning indexer's
+        fields.update(
+            index_n_heads=int(cfg.get("index_n_heads", 64)),
+            index_head_dim=int(cfg.get("index_head_dim", 128)),
+            index_topk=int(cfg.get("index_topk", 2048)),
+        )
     num_experts = int(cfg.get("n_routed_experts") or 0)
     if num_experts:
         fields.update(_routing(cfg, architecture, num_experts, where))

@@ -7,6 +7,7 @@ from torch import nn
 from atomrt.workers.models.arch import check_architecture
 from atomrt.workers.models.deepseek import DeepseekForCausalLM
 from atomrt.workers.models.deepseek_v4 import DeepseekV4ForCausalLM
+from atomrt.workers.models.deepseek_v32 import DeepseekV32ForCausalLM
 from atomrt.workers.models.llama import LlamaForCausalLM
 from atomrt.workers.models.mixtral import MixtralForCausalLM
 from atomrt.workers.models.qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -25,6 +26,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
     # hyper-connected streams, sliding + compressed sparse attention, hash-routed experts
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    # DeepSeek-V3 with the lightning indexer's sparse attention
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
 }
 
 

@@ -76,12 +76,12 @@ def kv_layer_specs(layers: dict[int, nn.Module]) -> list[LayerSpec]:
     """The cache spec of each paged layer (`collect_attention_layers`), in layer order."""
     specs: list[LayerSpec] = []
     for i, layer in sorted(layers.items()):
-        if isinstance(layer, MLAAttention):
+        if hasattr(layer, "kv_cache_spec"):  # a layer with its own rows (DeepSeek-V4, V3.2)
+            specs.append(layer.kv_cache_spec())
+        elif isinstance(layer, MLAAttention):
             specs.append(MLALayerSpec(i, layer.kv_lora_rank, layer.qk_rope_head_dim))
         elif isinstance(layer, Attention):
             specs.append(KVLayerSpec(i, layer.num_kv_heads, layer.head_dim))
-        elif hasattr(layer, "kv_cache_spec"):  # a layer that lays out its own rows (DeepSeek-V4)
-            specs.append(layer.kv_cache_spec())
         else:
             raise TypeError(f"layer {i}: {type(layer).__name__} has no KV cache layout")
     return specs

@@ -1,0 +1,267 @@
+"""DeepSeek sparse attention (DSA) over multi-head latent attention: DeepSeek-V3.2's attention,
+and its one custom op, `torch.ops.atomrt.dsa_mla_attention`.
+
+MLA (workers/layers/mla.py) whose queries each attend only the `index_topk` earlier tokens a
+lightning indexer scores highest (every token when fewer are visible):
+
+    score_t = sum_h w_h * relu(q^I_h . k^I_t / sqrt(Di)),  w = weights_proj(x) / sqrt(Hi)
+    q^I = rope(wq_b q_res) [Hi, Di],  k^I = rope(LayerNorm(wk x)) [Di]
+
+the rotary embedding on the first `qk_rope_head_dim` channels in halves (not interleaved, unlike
+MLA's own), with MLA's cos / sin. `wk` and `weights_proj` read the same normed hidden state as the
+latent projections, so they join the fused `fused_qkv_a_proj` GEMM.
+
+The cache: one row per token, the MLA latent row [kv_c | k_pe] then the indexer's key k^I
+(`DSALayerSpec`, kind "dsa_mla"). CPU: the torch reference below (the eager region `_dsa_attend`
+decompresses each sequence's latents through kv_b_proj and attends with the indexer's mask).
+Tensor parallelism splits the query heads and kv_b_proj as MLA's; the indexer is whole on each
+rank.
+"""
+
+# No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atomrt.compile.custom_register import direct_register_custom_op
+from atomrt.distributed.communication_op import TPInfo
+from atomrt.graphs.markers import eager_region
+from atomrt.workers.layers.attention import paged_layer_state
+from atomrt.workers.layers.attention_ref import to_cache_dtype
+from atomrt.workers.layers.linear import MergedColumnParallelLinear
+from atomrt.workers.layers.mla import MLAAttention
+from atomrt.workers.layers.mla_ref import decompress
+from atomrt.workers.layers.rotary import RotaryEmbedding, _rotate
+
+
+@dataclass(frozen=True)
+class DSALayerSpec:
+    layer_idx: int
+    latent_width: int  # kv_lora_rank + qk_rope_head_dim
+    index_head_dim: int
+    kind = "dsa_mla"
+
+    def elements_per_token(self) -> int:
+        return self.latent_width + self.index_head_dim
+
+    def allocate(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> "DSACacheTensor":
+        shape = (num_blocks, block_size, self.elements_per_token())
+        return DSACacheTensor(self.layer_idx, torch.zeros(shape, dtype=dtype, device=device))
+
+
+@dataclass
+class DSACacheTensor:
+    layer_idx: int
+    kv_cache: torch.Tensor  # [num_blocks, block_size, kv_lora_rank + rope + index_head_dim]
+
+
+class DSAIndexer(nn.Module):
+    """`wq_b` and `k_norm` (the checkpoint's `self_attn.indexer.*`; `wk` and `weights_proj` live in
+    the fused projection)."""
+
+    def __init__(self, q_lora_rank: int, n_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
+
+
+class DSAMLAAttention(MLAAttention):
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        scale: float,
+        rotary: RotaryEmbedding,
+        index_n_heads: int,
+        index_head_dim: int,
+        index_topk: int,
+        tp: TPInfo = TPInfo(),
+        bias: bool = False,
+    ) -> None:
+        super().__init__(
+            layer_idx,
+            hidden_size,
+            num_heads,
+            q_lora_rank,
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+            scale,
+            rotary,
+            tp,
+            bias=bias,
+        )
+        latent = kv_lora_rank + qk_rope_head_dim
+        # the latent projections, then the indexer's key and head weights: one GEMM
+        self.fused_qkv_a_proj = MergedColumnParallelLinear(
+            hidden_size, [q_lora_rank, latent, index_head_dim, index_n_heads], bias
+        )
+        self.indexer = DSAIndexer(q_lora_rank, index_n_heads, index_head_dim)
+        self.index_topk = index_topk
+
+    def kv_cache_spec(self) -> DSALayerSpec:
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        return DSALayerSpec(self.layer_idx, latent, self.indexer.head_dim)
+
+    def forward(self, positions: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """a: `project`'s output [n, q_lora + latent + Di + Hi] -> [n, hidden]."""
+        idx = self.indexer
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        q_c, kv_a, k_i, w_i = a.split([self.q_lora_rank, latent, idx.head_dim, idx.n_heads], -1)
+        q_res = self.q_a_layernorm(q_c)
+        q = self.q_b_proj(q_res)
+        kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
+        q = q.view(-1, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        iq = idx.wq_b(q_res).view(-1, idx.n_heads, idx.head_dim)
+        k_i = F.layer_norm(k_i, (idx.head_dim,), idx.k_norm.weight, idx.k_norm.bias, 1e-6)
+        iw = w_i.float() * idx.n_heads**-0.5
+        output = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
+        torch.ops.atomrt.dsa_mla_attention(
+            q, kv_c, k_pe, iq, k_i, iw, output, positions, self.layer_idx
+        )
+        return self.o_proj(output.view(-1, self.num_heads * self.v_head_dim))
+
+
+def _rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The first 2 * cos.shape[-1] channels of x rotated in halves; the rest as they are."""
+    rd = 2 * cos.shape[-1]
+    return torch.cat((_rotate(x[..., :rd], cos, sin, False), x[..., rd:]), dim=-1)
+
+
+def dsa_mla_attention(
+    q: torch.Tensor,
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    iq: torch.Tensor,
+    ik: torch.Tensor,
+    iw: torch.Tensor,
+    output: torch.Tensor,
+    positions: torch.Tensor,
+    layer_idx: int,
+) -> None:
+    """q [n, H, nope + rope]; kv_c_normed [n, kv_lora]; k_pe [n, rope]; iq [n, Hi, Di]; ik [n, Di]
+    (normed); iw [n, Hi] float32; output [n, H, v_head_dim]. Rotates, writes the rows, attends."""
+    layer, md, cache = paged_layer_state(layer_idx)
+    nope = layer.qk_nope_head_dim
+    q_pe, k_pe = layer.rotary(positions, q[..., nope:], k_pe.unsqueeze(1))
+    q = torch.cat((q[..., :nope], q_pe), dim=-1)
+    cos = layer.rotary.cos_cache[positions].unsqueeze(1).to(iq.dtype)
+    sin = layer.rotary.sin_cache[positions].unsqueeze(1).to(iq.dtype)
+    iq = _rope_halves(iq, cos, sin)
+    ik = _rope_halves(ik.unsqueeze(1), cos, sin).squeeze(1)
+    rows = torch.cat((kv_c_normed, k_pe.squeeze(1), ik), dim=-1)
+    if cache is not None and md is not None:
+        slots = md.slot_mapping[: rows.shape[0]]
+        valid = slots >= 0
+        flat = cache.kv_cache.view(-1, cache.kv_cache.shape[-1])
+        values = to_cache_dtype(rows[valid], flat.dtype)
+        if flat.dtype == torch.float8_e4m3fn:
+            flat, values = flat.view(torch.uint8), values.view(torch.uint8)
+        flat.index_copy_(0, slots[valid], values)
+    _dsa_attend(q, rows, iq, iw, output, layer_idx)
+
+
+@eager_region(request_fixed=True)
+def _dsa_attend(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    iq: torch.Tensor,
+    iw: torch.Tensor,
+    output: torch.Tensor,
+    layer_idx: int,
+) -> None:
+    """Each sequence's queries over its indexer-picked earlier tokens (latents decompressed
+    through kv_b_proj). Rows past the step's sequences get zeros."""
+    layer, md, cache = paged_layer_state(layer_idx)
+    output.zero_()
+    paged = cache is not None and md is not None
+    if md is None or (md.cu_seqlens_q_cpu is None and md.cu_seqlens_q is None):
+        cu, lens = [0, q.shape[0]], [q.shape[0]]
+    else:
+        cu = md.cu_seqlens_q_cpu if md.cu_seqlens_q_cpu is not None else md.cu_seqlens_q.tolist()
+        lens = md.context_lens_cpu
+        if lens is None:
+            lens = md.context_lens.tolist()
+    num_seqs = (md.num_seqs if md is not None else None) or len(cu) - 1
+    latent_width = layer.kv_lora_rank + layer.qk_rope_head_dim
+    for s in range(num_seqs):
+        start, n = cu[s], cu[s + 1] - cu[s]
+        if not n:
+            continue
+        L = lens[s] if paged else n
+        if paged:
+            bs = cache.kv_cache.shape[1]
+            table = md.block_tables[s, : -(-L // bs)].long()
+            seq = cache.kv_cache
+            if seq.dtype == torch.float8_e4m3fn:
+                seq = seq.view(torch.uint8)[table].view(seq.dtype)
+            else:
+                seq = seq[table]
+            seq = seq.flatten(0, 1)[:L].to(q.dtype)
+        else:
+            seq = rows[start : start + n]
+        _attend_sequence(layer, q[start : start + n], seq, latent_width, iq, iw, start, output, L)
+
+
+def _attend_sequence(
+    layer: DSAMLAAttention,
+    q: torch.Tensor,
+    seq: torch.Tensor,
+    latent_width: int,
+    iq: torch.Tensor,
+    iw: torch.Tensor,
+    start: int,
+    output: torch.Tensor,
+    L: int,
+) -> None:
+    n = q.shape[0]
+    w = layer.weights()
+    keys, values = decompress(
+        seq[:, :latent_width], w.kv_b, layer.num_heads, layer.qk_nope_head_dim, layer.kv_lora_rank
+    )
+    pos = torch.arange(L - n, L, device=q.device)
+    causal = torch.arange(L, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # [n, L]
+    ikeys = seq[:, latent_width:].float()
+    scores = F.relu(torch.einsum("nhd,td->nht", iq[start : start + n].float(), ikeys))
+    scores = scores * layer.indexer.head_dim**-0.5
+    scores = (scores * iw[start : start + n].unsqueeze(-1)).sum(1).masked_fill(~causal, -torch.inf)
+    picked = torch.zeros_like(causal)
+    picked.scatter_(1, scores.topk(min(layer.index_topk, L), dim=-1).indices, True)
+    mask = causal & picked
+    logits = torch.einsum("nhd,thd->nht", q, keys) * layer.scale
+    logits = logits.masked_fill(~mask.unsqueeze(1), -torch.inf)
+    probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
+    output[start : start + n] = torch.einsum("nht,thd->nhd", probs, values)
+
+
+def _dsa_fake(
+    q: torch.Tensor,
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    iq: torch.Tensor,
+    ik: torch.Tensor,
+    iw: torch.Tensor,
+    output: torch.Tensor,
+    positions: torch.Tensor,
+    layer_idx: int,
+) -> None:
+    return None
+
+
+direct_register_custom_op(
+    "dsa_mla_attention", dsa_mla_attention, mutates_args=["output"], fake_impl=_dsa_fake
+)
