@@ -19,7 +19,8 @@ from mtp_harness import build_mtp_folder
 from xgrammar.testing import _is_grammar_accept_string
 
 from atomrt.runtime import SamplingParams
-from atomrt.runtime.driver.grammar_compiler import check_schema, parse
+from atomrt.runtime.driver.grammar_compiler import parse
+from atomrt.runtime.driver.json_schema import prepare_schema
 from atomrt.runtime.driver.structured_outputs import SeqGrammar, allowed_tokens
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import StructuredOutputsParams
@@ -84,26 +85,44 @@ def test_sampling_params_check_the_constraint() -> None:
 
 def test_keywords_the_grammar_cannot_enforce_are_refused() -> None:
     ok = {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"enum": ["not"]}}}
-    check_schema(ok)  # property names and enum values are not keywords
+    prepare_schema(ok)  # property names and enum values are not keywords
     for bad, word in (
         ({"type": "array", "uniqueItems": True}, "uniqueItems"),
         ({"properties": {"a": {"not": {"type": "string"}}}}, "not"),
-        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
+        ({"allOf": [{"type": "string", "pattern": "a"}, {"pattern": "b"}]}, "'pattern' at #"),
         ({"$defs": {"x": {"if": {"type": "integer"}}}}, "if"),
         # xgrammar keeps a pattern or a format and drops a length beside it
-        ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "'maxLength' beside 'pattern'"),
-        ({"properties": {"e": {"format": "email", "minLength": 5}}}, "'minLength' beside 'format'"),
+        ({"type": "string", "pattern": "^[a-z]+(b|c)$", "maxLength": 3}, "'maxLength' at # beside"),
+        (
+            {"properties": {"e": {"format": "email", "minLength": 5}}},
+            "'minLength' at #/properties/e beside 'format'",
+        ),
     ):
         with pytest.raises(ValueError, match=word):
-            check_schema(bad)
+            prepare_schema(bad)
 
 
-def test_a_length_bounded_string_reaches_the_backend_as_a_pattern_alone(capfd) -> None:
+def test_a_length_bounded_string_is_json_at_any_length(capfd) -> None:
+    """The backend's bounded repeat (cheap at any length) of a JSON string character: no raw
+    control character, escapes counted as one character."""
+    import time
+
     so = SamplingParams(structured_outputs={"json": {"type": "string", "maxLength": 4}})
     grammar = parse(so.structured_outputs)
     assert "is not supported" not in capfd.readouterr().err  # no length left for it to drop
-    for text, ok in (('""', True), ('"ab c"', True), ('"abcde"', False), ('"a\\nb"', False)):
+    for text, ok in (
+        ('""', True),
+        ('"ab c"', True),
+        ('"a\\nb"', True),
+        ('"\\u00e9\\"xy"', True),
+        ('"abcde"', False),
+        ('"a\x01"', False),
+    ):
         assert _is_grammar_accept_string(grammar, text) is ok, text
+    start = time.perf_counter()
+    long = {"type": "object", "properties": {"u": {"type": "string", "maxLength": 8192}}}
+    parse(SamplingParams(structured_outputs={"json": long}).structured_outputs)
+    assert time.perf_counter() - start < 1.0
 
 
 # ------------------------------------------------------------------------------- the engine
@@ -256,17 +275,23 @@ def test_ray_dp2_on_a_tiny_moe_gives_each_request_its_tokens_alone(tiny_moe) -> 
     assert [o.outputs[0].token_ids for o in outs] == want * 2
 
 
-def test_a_bad_constraint_is_refused_at_add_request_naming_the_field(tiny) -> None:
+def test_a_bad_constraint_ends_its_request_with_an_error_naming_the_field(tiny) -> None:
+    """Parsed on the compile threads (never at add_request): the request ends once, with
+    finish_reason "abort" and the error, and the others run."""
+    cases = [
+        ({"json": {"type": "objekt"}}, "structured_outputs.json"),
+        ({"regex": "a(b"}, "structured_outputs.regex"),
+        ({"grammar": "root ::= missing"}, "structured_outputs.grammar"),
+        ({"json": {"type": "array", "uniqueItems": True}}, "'uniqueItems' at #"),
+    ]
+    params = [SamplingParams(max_tokens=4, structured_outputs=so) for so, _ in cases]
     with LLM(str(tiny), **COMMON) as llm:
-        for so, field in (
-            ({"json": {"type": "objekt"}}, "structured_outputs.json"),
-            ({"regex": "a(b"}, "structured_outputs.regex"),
-            ({"grammar": "root ::= missing"}, "structured_outputs.grammar"),
-            ({"json": {"type": "array", "uniqueItems": True}}, "structured_outputs.json"),
-        ):
-            with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-                llm.engine.add_request([5, 6], SamplingParams(structured_outputs=so))
+        outs = llm.generate([[5, 6]] * (len(cases) + 1), [*params, _greedy()], use_tqdm=False)
         assert not llm.engine.has_unfinished()
+    for (_, field), out in zip(cases, outs):
+        assert field in out.error and out.outputs[0].finish_reason == "abort", out
+        assert not out.outputs[0].token_ids
+    assert outs[-1].error is None and len(outs[-1].outputs[0].token_ids) == 48
 
 
 def _slow_schema(n: int) -> dict:

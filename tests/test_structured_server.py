@@ -10,18 +10,21 @@ doing).
   joined equal to the non-streamed calls.
 - `tool_choice` "auto" with the server's parser (`--enable-auto-tool-choice --tool-call-parser`):
   the model's text (here forced to a recorded Qwen-style output) becomes the calls.
-- A schema whose grammar takes longer than the compile budget fails that request with a 400 while
-  another streams on.
+- A schema whose grammar takes longer than the compile budget fails that request with a 503 and
+  Retry-After while another streams on; one that compiles for seconds delays neither GET /health
+  nor other requests (the parse and compile run on the engine's compile threads).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -190,7 +193,9 @@ def test_bad_constraints_are_400s_naming_their_field(server) -> None:
         assert e.value.body["param"] == param, (kwargs, e.value.body)
 
 
-def test_a_schema_over_the_compile_budget_is_a_400_while_another_streams(server) -> None:
+def test_a_schema_over_the_compile_budget_is_a_503_while_another_streams(server) -> None:
+    """A compile that misses the budget is the busy machine's 503 with Retry-After (a retry finds
+    it compiled), streamed or not; meanwhile another request streams on."""
     streamed: list[str] = []
 
     def stream() -> None:
@@ -199,11 +204,75 @@ def test_a_schema_over_the_compile_budget_is_a_400_while_another_streams(server)
 
     t = threading.Thread(target=stream)
     t.start()
-    fmt = {"type": "json_schema", "json_schema": {"name": "slow", "schema": _slow_schema(600)}}
-    with pytest.raises(openai.BadRequestError, match="grammar_compile_timeout_s"):
-        _chat(server, response_format=fmt)
+    bodies = []
+    for stream_it, n in ((True, 900), (False, 901)):
+        fmt = {"type": "json_schema", "json_schema": {"name": "slow", "schema": _slow_schema(n)}}
+        bodies.append(dict(model="tiny", messages=MESSAGES, max_tokens=8, response_format=fmt))
+        r = httpx.post(
+            f"{server.url}/v1/chat/completions", json={**bodies[-1], "stream": stream_it}
+        )
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+        error = r.json()["error"]
+        assert "grammar_compile_timeout_s" in error["message"]
+        assert error["param"] == "response_format" and error["type"] == "service_unavailable"
     t.join(120)
     assert not t.is_alive() and len("".join(streamed)) > 0
+    deadline = time.monotonic() + 180
+    for body in bodies:  # a retry finds it compiled (the compile went on)
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        while r.status_code == 503 and time.monotonic() < deadline:
+            time.sleep(float(r.headers["retry-after"]))
+            r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_a_schema_that_compiles_for_seconds_delays_neither_health_nor_others(server) -> None:
+    """Its parse and compile run on the engine's compile threads: GET /health and a plain request
+    answer while it compiles; a long string bound compiles at once; a bad schema streamed is still
+    a 400 naming its field."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": _slow_schema(1200)}}
+    body = dict(model="tiny", messages=MESSAGES, max_tokens=8, response_format=fmt)
+    slow: dict[str, Any] = {}
+
+    def send() -> None:
+        start = time.monotonic()
+        slow["status"] = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+        slow["seconds"] = time.monotonic() - start
+
+    t = threading.Thread(target=send)
+    t.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    health_s = time.monotonic() - start
+    start = time.monotonic()
+    _chat(server, max_tokens=4)
+    plain_s = time.monotonic() - start
+    long = {"type": "object", "properties": {"u": {"type": "string", "maxLength": 8192}}}
+    start = time.monotonic()
+    out = _chat(
+        server,
+        max_tokens=30,
+        response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": long}},
+    )
+    long_s = time.monotonic() - start
+    t.join(120)
+    assert slow["status"].status_code == 503 and slow["seconds"] >= 1.0  # the budget: 1 s
+    assert health_s < 0.5 and plain_s < 5.0 and long_s < 5.0, (health_s, plain_s, long_s)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={**body, "response_format": bad, "stream": True},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert "'not' at #" in r.json()["error"]["message"]
+    deadline = time.monotonic() + 180
+    r = slow["status"]
+    while r.status_code == 503 and time.monotonic() < deadline:  # its compile ends, kept
+        time.sleep(float(r.headers["retry-after"]))
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_bench_serve_structured_output_ratios_and_compile_stall(server, tmp_path, monkeypatch):

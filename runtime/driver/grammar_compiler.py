@@ -3,14 +3,19 @@
 The backend is xgrammar (the library vLLM and SGLang use). A constraint becomes a grammar in two
 parts:
 
-- parsing (`parse`, at add_request, microseconds to milliseconds): a JSON schema, a regex, an EBNF
-  grammar, a choice list or a structural tag becomes an xgrammar `Grammar`; what does not parse is a
-  ValueError naming the field, before the request is queued;
-- compiling (`compile`, on a thread pool): the grammar against the tokenizer's vocabulary, the
-  token-mask cache that makes each step's mask cheap. This is the slow part (a complex schema can
-  take seconds), so the request waits for it in its own state while others step
-  (runtime/driver/structured_outputs.py), and fails once it waited
-  `structured_outputs_config.grammar_compile_timeout_s`.
+- parsing (`parse`): a JSON schema (walked and rewritten first: runtime/driver/json_schema.py), a
+  regex, an EBNF grammar, a choice list or a structural tag becomes an xgrammar `Grammar`; what does
+  not parse is a ValueError naming the field. Usually milliseconds, but a schema's long string
+  bounds can take xgrammar seconds;
+- compiling: the grammar against the tokenizer's vocabulary, the token-mask cache that makes each
+  step's mask cheap (a complex schema can take seconds).
+
+Both run on the compile threads (`compile` returns a future at once), never on the step loop or an
+API server's event loop, so the request waits in its own state while others step
+(runtime/driver/structured_outputs.py) and fails once it waited
+`structured_outputs_config.grammar_compile_timeout_s` (`COMPILE_TIMEOUT`: a busy machine, worth a
+retry: the compile goes on and is cached) or at once when the constraint can never compile (the
+future's ValueError).
 
 Compiled grammars are kept in an LRU cache keyed by the constraint (`StructuredOutputsParams.
 cache_key`), one per engine: every DP rank's requests share it. xgrammar releases the GIL while it
@@ -32,6 +37,7 @@ from typing import Any
 import xgrammar as xgr
 
 from atomrt.runtime.config import StructuredOutputsConfig
+from atomrt.runtime.driver.json_schema import check_json_values, prepare_schema
 from atomrt.runtime.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -50,104 +56,34 @@ class CompileStats:
     timeouts: int = 0  # requests failed for waiting longer than the compile budget
 
 
-# JSON Schema keywords the grammar cannot enforce (xgrammar would accept them and not enforce
-# them): refused by name rather than ignored. `oneOf` branches that may overlap are enforced as
-# `anyOf` (docs/serving.md).
-UNENFORCED_KEYWORDS = (
-    "uniqueItems",
-    "not",
-    "if",
-    "then",
-    "else",
-    "dependentRequired",
-    "dependentSchemas",
-    "dependencies",
-    "contains",
-    "minContains",
-    "maxContains",
-    "propertyNames",
-    "unevaluatedItems",
-)
-_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
-_DATA = ("enum", "const", "default", "examples", "description", "title", "required")
+def check(so: StructuredOutputsParams) -> Any:
+    """A JSON schema constraint walked and rewritten (runtime/driver/json_schema.py; a ValueError
+    naming the keyword and its path); other constraints as they are."""
+    value = getattr(so, so.kind)
+    if so.kind != "json":
+        return value
+    schema = json.loads(value) if isinstance(value, str) else value
+    try:
+        return prepare_schema(schema)
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.json: {e}") from None
 
 
-def check_schema(schema: Any, where: str = "structured_outputs.json") -> None:
-    """Refuse a JSON schema that uses a keyword the grammar would not enforce (ValueError)."""
-    if isinstance(schema, list):
-        for item in schema:
-            check_schema(item, where)
-        return
-    if not isinstance(schema, dict):
-        return
-    shaped = [k for k in ("pattern", "format") if k in schema]
-    lengths = [k for k in ("minLength", "maxLength") if k in schema]
-    if shaped and lengths:  # xgrammar keeps the shape and drops the length
-        raise ValueError(
-            f"{where}: {lengths[0]!r} beside {shaped[0]!r} cannot be enforced while decoding; "
-            "put the length in the pattern (or check it on the output)"
-        )
-    for key, value in schema.items():
-        if key in UNENFORCED_KEYWORDS and not (key == "uniqueItems" and value is False):
-            raise ValueError(
-                f"{where}: the keyword {key!r} cannot be enforced while decoding; remove it (and "
-                "check it on the output)"
-            )
-        if key == "allOf" and isinstance(value, list) and len(value) > 1:
-            raise ValueError(
-                f"{where}: 'allOf' of more than one schema cannot be enforced while decoding; "
-                "merge them into one"
-            )
-        if key in _DATA:
-            continue
-        if key in _NAMED_SCHEMAS and isinstance(value, dict):
-            for sub in value.values():
-                check_schema(sub, where)
-        else:
-            check_schema(value, where)
-
-
-# A string with a length bound and no pattern: xgrammar's own rule for it lets raw control
-# characters through (invalid JSON) and no escapes, so it becomes this pattern: the same lengths,
-# without control characters, quotes or backslashes.
-_BOUNDED_STRING = '^[^\\x00-\\x1f"\\\\]{%d,%s}$'
-
-
-def _bounded_strings(schema: Any) -> Any:
-    """`schema` with every length-bounded string without a pattern given `_BOUNDED_STRING`."""
-    if isinstance(schema, list):
-        return [_bounded_strings(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: (v if k in _DATA else _bounded_strings(v)) for k, v in schema.items()}
-    for key in _NAMED_SCHEMAS:
-        if isinstance(schema.get(key), dict):
-            out[key] = {name: _bounded_strings(s) for name, s in schema[key].items()}
-    bounded = "minLength" in schema or "maxLength" in schema
-    plain = not any(k in schema for k in ("pattern", "format", "enum", "const"))
-    if schema.get("type") == "string" and bounded and plain:
-        hi = out.pop("maxLength", None)
-        out["pattern"] = _BOUNDED_STRING % (out.pop("minLength", 0), "" if hi is None else hi)
-    return out
-
-
-def parse(so: StructuredOutputsParams) -> xgr.Grammar:
-    """The grammar of a constraint; a ValueError naming the field when it does not parse."""
+def parse(so: StructuredOutputsParams, checked: Any = None) -> xgr.Grammar:
+    """The grammar of a constraint (`checked`: what `check` made of it, if it ran already); a
+    ValueError naming the field when it does not parse."""
     kind = so.kind
-    value = getattr(so, kind)
-    if kind == "json":
-        schema = json.loads(value) if isinstance(value, str) else value
-        check_schema(schema)
-        value = _bounded_strings(schema)
+    value = checked if checked is not None else check(so)
     try:
         if kind in ("json", "json_object"):
             schema = '{"type": "object"}' if kind == "json_object" else value
-            return xgr.Grammar.from_json_schema(
+            grammar = xgr.Grammar.from_json_schema(
                 schema if isinstance(schema, str) else json.dumps(schema),
                 any_whitespace=not so.disable_any_whitespace,
                 strict_mode=kind == "json",
                 max_whitespace_cnt=so.max_whitespace if not so.disable_any_whitespace else None,
             )
+            return _json_safe_lengths(grammar)
         if kind == "regex":
             return xgr.Grammar.from_regex(value)
         if kind == "grammar":
@@ -161,6 +97,44 @@ def parse(so: StructuredOutputsParams) -> xgr.Grammar:
         )
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"structured_outputs.{kind}: {_reason(e)}") from None
+
+
+# xgrammar's rule for one character of a string with minLength / maxLength (a bounded repeat of
+# it: cheap at any length) lets raw control characters through, which JSON forbids, and no escape
+# sequences; `_json_safe_lengths` swaps it for a JSON string character: anything but a control
+# character, a quote or a backslash, or one escape sequence (one character of the decoded string).
+_LENGTH_CHAR = r"(([^\"\\\r\n]))"
+_JSON_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" basic_escape))'
+_ESCAPE = r'basic_escape ::= ([\"\\/bfnrt] | "u" [A-Fa-f0-9]{4})'
+
+
+def _json_safe_lengths(grammar: xgr.Grammar) -> xgr.Grammar:
+    text = str(grammar)
+    if _LENGTH_CHAR not in text:
+        return grammar
+    text = text.replace(_LENGTH_CHAR, _JSON_CHAR)
+    if "\nbasic_escape ::=" not in "\n" + text:
+        text += "\n" + _ESCAPE + "\n"
+    return xgr.Grammar.from_ebnf(text)
+
+
+COMPILE_TIMEOUT = "did not compile within"  # in the error of a request that waited past its budget
+
+
+def compile_timed_out(error: str) -> bool:
+    """Whether a request's error says its grammar missed the compile budget (a busy machine:
+    the server answers 503 with Retry-After, not 400)."""
+    return error.startswith("structured_outputs") and COMPILE_TIMEOUT in error
+
+
+def cache_key(so: StructuredOutputsParams) -> str:
+    """The compiled-grammar cache's key of `so` (its canonical JSON text); a ValueError naming
+    where a schema holds a value JSON has no form for (a set, bytes, NaN)."""
+    try:
+        return so.cache_key()
+    except (TypeError, ValueError):
+        check_json_values(getattr(so, so.kind), f"structured_outputs.{so.kind}: #")
+        raise ValueError(f"structured_outputs.{so.kind}: not JSON") from None
 
 
 def _reason(e: Exception) -> str:
@@ -206,6 +180,8 @@ class GrammarCompiler:
             thread_name_prefix="atomrt-grammar",
             initializer=_below_the_step_loop,
         )
+        # the schema walk: its own thread, so a refusal never queues behind a long compile
+        self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomrt-schema")
         self.timeout_s = float(config.grammar_compile_timeout_s)
         self.cache_size = config.grammar_cache_size
         self._cache: OrderedDict[str, Future] = OrderedDict()
@@ -217,25 +193,46 @@ class GrammarCompiler:
         return self.info.vocab_size
 
     def compile(self, so: StructuredOutputsParams) -> Future:
-        """The compiled grammar of `so` as a future: done at once when cached, else compiled on a
-        compile thread. Parses first (a ValueError naming the field, synchronously)."""
-        key = so.cache_key()
+        """The compiled grammar of `so` as a future: done at once when cached, else parsed and
+        compiled on a compile thread (a constraint that cannot compile: the future's ValueError,
+        naming the field). Only `so`'s cache key is computed here (a ValueError when it holds a
+        value JSON has no form for)."""
+        key = cache_key(so)
         with self._lock:
             future = self._cache.get(key)
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-        grammar = parse(so)
-        future = self.pool.submit(self._compile, grammar)
+        future: Future = Future()
+        self._checker.submit(self._check_then_compile, so, future)
         with self._lock:
             self._cache[key] = future
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return future
 
-    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+    def _check_then_compile(self, so: StructuredOutputsParams, future: Future) -> None:
+        """On the schema thread: walk the constraint, then hand it to a compile thread; `future`
+        gets the compiled grammar or the error."""
+        try:
+            checked = check(so)
+            inner = self.pool.submit(self._compile, so, checked)
+        except BaseException as e:  # noqa: BLE001 - the request's error (a ValueError), or shutdown
+            future.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
+            return
+
+        def done(f: Future) -> None:
+            error = f.exception() if not f.cancelled() else RuntimeError("compile cancelled")
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(f.result())
+
+        inner.add_done_callback(done)
+
+    def _compile(self, so: StructuredOutputsParams, checked: Any) -> xgr.CompiledGrammar:
         start = time.perf_counter()
-        compiled = self._xgr.compile_grammar(grammar)
+        compiled = self._xgr.compile_grammar(parse(so, checked))
         logger.debug("grammar compiled in %.3f s", time.perf_counter() - start)
         return compiled
 
@@ -251,4 +248,5 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         """Stop taking compiles; a compile running now ends in its thread, unwaited."""
+        self._checker.shutdown(wait=False, cancel_futures=True)
         self.pool.shutdown(wait=False, cancel_futures=True)

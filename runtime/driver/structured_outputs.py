@@ -1,8 +1,9 @@
 """`StructuredOutputs`: the driver's grammar state for constrained requests
 (`SamplingParams.structured_outputs`). The workers only apply masks.
 
-- **add_request** (`prepare`): the constraint is parsed (a ValueError naming the field) and
-  compiled on a thread (runtime/driver/grammar_compiler.py). Until its grammar is compiled the
+- **add_request** (`prepare`): the constraint is parsed and compiled on a thread
+  (runtime/driver/grammar_compiler.py); one that can never compile fails its request with the
+  error naming the field (or the schema keyword), like a compile that misses the budget. Until its grammar is compiled the
   request's sequences wait here, not in a scheduler, so they hold up nobody; `release` hands them
   to their scheduler with a matcher each (`Sequence.grammar`) once it is, and fails the request
   (`Failed`) once it waited longer than `structured_outputs_config.grammar_compile_timeout_s`.
@@ -35,7 +36,7 @@ import xgrammar as xgr
 
 from atomrt.distributed.messages import GrammarBitmask, RankBatch
 from atomrt.runtime.config import StructuredOutputsConfig
-from atomrt.runtime.driver.grammar_compiler import GrammarCompiler
+from atomrt.runtime.driver.grammar_compiler import COMPILE_TIMEOUT, GrammarCompiler
 from atomrt.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ class StructuredOutputs:
     # ---------------------------------------------------------------- requests
 
     def prepare(self, params: SamplingParams) -> Future:
-        """Parse and start compiling a request's constraint (a ValueError naming the field)."""
+        """Start parsing and compiling a request's constraint on a compile thread."""
         return self.compiler.compile(params.structured_outputs)
 
     def hold(self, request_id: str, seqs: list[Sequence], future: Future) -> None:
@@ -242,7 +243,10 @@ class StructuredOutputs:
             if h.future.done():
                 error = h.future.exception()
                 if error is not None:
-                    failed.append(Failed(h.request_id, h.seqs, f"structured_outputs: {error}"))
+                    text = str(error)
+                    if not text.startswith("structured_outputs"):
+                        text = f"structured_outputs: {text}"
+                    failed.append(Failed(h.request_id, h.seqs, text))
                     continue
                 compiler.record(now - h.since, h.hit)
                 self.attach(h.seqs, h.future)
@@ -253,9 +257,10 @@ class StructuredOutputs:
                     Failed(
                         h.request_id,
                         h.seqs,
-                        "structured_outputs: the grammar did not compile within "
+                        f"structured_outputs: the grammar {COMPILE_TIMEOUT} "
                         f"{compiler.timeout_s:g} s (structured_outputs_config."
-                        "grammar_compile_timeout_s); simplify the schema or raise the budget",
+                        "grammar_compile_timeout_s) on a busy machine; retry (the compile goes "
+                        "on and is kept), simplify the schema or raise the budget",
                     )
                 )
             else:

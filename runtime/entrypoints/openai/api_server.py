@@ -104,7 +104,7 @@ class ServerState:
 
 
 def error_response(e: RequestError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status == 429 else None
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
     body = {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": e.status}}
     return JSONResponse(body, status_code=e.status, headers=headers)
 
@@ -170,7 +170,17 @@ async def generate(
         state.serving.abort(job)
         raise
     if responses.req.stream:
-        return StreamingResponse(stream(state, job, responses), media_type="text/event-stream")
+        outputs = state.serving.outputs(job)
+        if job.params.structured_outputs is not None:  # refused (or busy) before any output
+            try:
+                outputs = await _after_first(outputs)
+            except BaseException:
+                state.in_flight -= 1
+                state.serving.abort(job)
+                raise
+        return StreamingResponse(
+            stream(state, job, responses, outputs), media_type="text/event-stream"
+        )
     try:
         if not await gather(state, request, job):
             return Response(status_code=499)  # the client is gone: nobody reads this
@@ -205,19 +215,38 @@ async def gather(state: ServerState, request: Request, job: Job) -> bool:
             state.serving.abort(job)
 
 
+async def _after_first(outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """`outputs` once its first item is in (what refuses the request raises here, so it is
+    answered with its status, not a 200 stream; a structured-output constraint is parsed and
+    compiled on the engine's compile threads meanwhile)."""
+    it = outputs.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        return it
+
+    async def chained() -> AsyncIterator[Any]:
+        yield first
+        async for item in it:
+            yield item
+
+    return chained()
+
+
 async def stream(
-    state: ServerState, job: Job, responses: CompletionResponses
+    state: ServerState, job: Job, responses: CompletionResponses, outputs: AsyncIterator[Any]
 ) -> AsyncIterator[str]:
     """The job as server-sent events. A client that disconnects cancels this generator (Starlette),
     which aborts the job in `finally`."""
     try:
         try:
-            async for chunk in responses.chunks(state.serving.outputs(job)):
+            async for chunk in responses.chunks(outputs):
                 yield chunk
         except (EngineGone, RequestError) as e:
-            kind = "service_unavailable" if isinstance(e, EngineGone) else "invalid_request_error"
-            code = 503 if isinstance(e, EngineGone) else 400
-            yield sse({"error": {"message": str(e), "type": kind, "param": None, "code": code}})
+            kind = "service_unavailable" if isinstance(e, EngineGone) else e.kind
+            code = 503 if isinstance(e, EngineGone) else e.status
+            param = None if isinstance(e, EngineGone) else e.param
+            yield sse({"error": {"message": str(e), "type": kind, "param": param, "code": code}})
         yield sse("[DONE]")
     finally:
         state.in_flight -= 1

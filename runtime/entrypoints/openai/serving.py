@@ -65,6 +65,7 @@ class Job:
     tool_parser: Optional[ToolParser] = None  # chat with tools: where the calls are in the text
     # SamplingParams' field -> the request's, where they differ: the engine's errors name the latter
     engine_names: dict[str, str] = field(default_factory=dict)
+    constraint_source: str = "structured_outputs"  # the field that set the constraint, if any
 
     def prompt_of(self, choice: Choice) -> int:
         """The index of the prompt a choice answers."""
@@ -189,7 +190,6 @@ class Serving:
             texts = [p if isinstance(p, str) else self._decode(p) for p in given]
         params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs)
         self.check_token_fields(params)
-        check_constraint(params, "structured_outputs")
         return Job(prompts, params, prompt_texts=texts, echo_only=echo_only)
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -222,8 +222,14 @@ class Serving:
         if parser is not None and parser.name == "mistral":  # its [TOOL_CALLS] is special
             params.skip_special_tokens = False
         self.check_token_fields(params)
-        check_constraint(params, req.constraint_source())
-        return Job([tokens], params, tool_parser=parser, engine_names=req.ENGINE_NAMES)
+        source = req.constraint_source()
+        return Job(
+            [tokens],
+            params,
+            tool_parser=parser,
+            constraint_source=source,
+            engine_names=req.ENGINE_NAMES,
+        )
 
     def tool_parser(self, req: ChatCompletionRequest) -> Optional[ToolParser]:
         """Where a chat request's tool calls will be in its output, by its tool_choice."""
@@ -321,9 +327,9 @@ class Serving:
         """The choice `out` (an output of the job's i-th engine request) belongs to, with `out`
         applied; an output that carries an error raises it."""
         if out.error:
-            if out.finish_reason == "error":
-                raise EngineGone(out.error)
-            raise RequestError(renamed(out.error, job.engine_names))
+            raise (
+                EngineGone(out.error) if out.finish_reason == "error" else rejected(job, out.error)
+            )
         choice = job.choices[i * job.params.n + out.index]
         self._apply(choice, out, job.streams[i])
         return choice
@@ -447,18 +453,20 @@ class Serving:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def check_constraint(params: SamplingParams, source: str) -> None:
-    """A structured-output constraint that does not parse is the client's 400, naming the field
-    that set it (the engine would refuse it the same way)."""
-    if params.structured_outputs is None:
-        return
-    from atomrt.runtime.driver.grammar_compiler import parse  # xgrammar: only when asked for
+def rejected(job: Job, error: str) -> RequestError:
+    """The client's error for an engine request the engine refused: its structured-output
+    constraint (parsed and compiled on the engine's compile threads, never here) names the field
+    that set it; one that can never compile is a 400, one that missed the compile budget on a busy
+    machine a 503 with Retry-After (the compile goes on and is kept: a retry finds it)."""
+    if not error.startswith("structured_outputs"):
+        return RequestError(renamed(error, job.engine_names))
+    from atomrt.runtime.driver.grammar_compiler import compile_timed_out  # xgrammar: when needed
 
-    try:
-        parse(params.structured_outputs)
-    except ValueError as e:
-        text = str(e) if source == "structured_outputs" else f"{source}: {e}"
-        raise RequestError(text, source) from None
+    source = job.constraint_source
+    text = error if source == "structured_outputs" else f"{source}: {error}"
+    if compile_timed_out(error):
+        return RequestError(text, source, status=503, kind="service_unavailable")
+    return RequestError(text, source)
 
 
 def finite(logprob: float) -> float:
