@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
 from atomrt.runtime.driver.outputs import make_request_output
 from atomrt.runtime.driver.prompt_logprobs import Logprob
 from atomrt.runtime.driver.sequence import Sequence
@@ -45,14 +49,15 @@ def test_every_output_field_comes_from_its_sequence_field() -> None:
         {5: Logprob(-0.25, 1)},
     ]
     assert c.logprobs[0][4].logprob == -0.5 and c.cumulative_logprob == -0.75
-    m = out.metrics
+    m = out.metrics  # wall-clock times, as vLLM's: the sequence's monotonic ones moved over
+    wall = time.time() - time.monotonic()
+    assert m.arrival_time - 10.0 == pytest.approx(wall, abs=0.5)
     assert (
-        m.arrival_time,
-        m.first_scheduled_time,
-        m.first_token_time,
-        m.finished_time,
+        m.first_scheduled_time - m.arrival_time,
+        m.first_token_time - m.arrival_time,
+        m.finished_time - m.arrival_time,
         m.num_preemptions,
-    ) == (10.0, 11.0, 12.0, 13.0, 2)
+    ) == pytest.approx((1.0, 2.0, 3.0, 2))
 
 
 def test_delta_outputs_return_each_token_once() -> None:

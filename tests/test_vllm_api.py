@@ -6,6 +6,8 @@ written as vLLM's documentation or examples write it.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from executor_harness import COMMON, WORDS, build_tiny_llama, save_word_tokenizer
 
@@ -49,6 +51,9 @@ def test_every_prompt_form_gives_the_same_tokens(llm: LLM) -> None:
     first = outs[0].outputs[0].token_ids
     assert all(o.outputs[0].token_ids == first for o in outs)
     assert [o.prompt for o in outs] == [None, text, text, None, "the text"]
+    m = outs[0].metrics  # wall-clock times, as vLLM's
+    assert abs(m.arrival_time - time.time()) < 600
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     # one prompt of each form alone is one request, not a list of them
     for one in (ids, text, {"prompt": text}, {"prompt_token_ids": ids}):
         (out,) = llm.generate(one, GREEDY, use_tqdm=False)

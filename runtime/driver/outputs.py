@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,6 +33,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
+    """When the request arrived, was first scheduled, produced its first token and finished:
+    wall-clock times (time.time()), as vLLM reports them."""
+
     arrival_time: float
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
@@ -94,11 +98,12 @@ def make_request_output(
         cumulative_logprob=cumulative_logprob,
         stop_reason=seq.stop_reason,
     )
+    wall = time.time() - time.monotonic()  # the sequence's times are monotonic ones
     metrics = RequestMetrics(
-        arrival_time=seq.arrival_time,
-        first_scheduled_time=seq.first_scheduled_time,
-        first_token_time=seq.first_token_time,
-        finished_time=seq.finished_time,
+        arrival_time=seq.arrival_time + wall,
+        first_scheduled_time=_plus(seq.first_scheduled_time, wall),
+        first_token_time=_plus(seq.first_token_time, wall),
+        finished_time=_plus(seq.finished_time, wall),
         num_preemptions=seq.num_preemptions,
     )
     return RequestOutput(
@@ -112,6 +117,10 @@ def make_request_output(
         num_cached_tokens=seq.num_cached_tokens if seq.num_cached_tokens >= 0 else None,
         error=seq.error,
     )
+
+
+def _plus(t: Optional[float], offset: float) -> Optional[float]:
+    return None if t is None else t + offset
 
 
 def sample_logprobs(seq: Sequence, rows: list[dict[int, float]]) -> SampleLogprobs:

@@ -201,6 +201,7 @@ def core_outputs(out: RequestOutput) -> list[CoreOutput]:
 
 def _core_output(out: RequestOutput, c: CompletionOutput) -> CoreOutput:
     m = out.metrics
+    mono = time.monotonic() - time.time()  # the API process measures on the monotonic clock
     return CoreOutput(
         request_id=out.request_id,
         index=c.index,
@@ -216,8 +217,12 @@ def _core_output(out: RequestOutput, c: CompletionOutput) -> CoreOutput:
         if c.stop_reason is None or isinstance(c.stop_reason, (int, str))
         else str(c.stop_reason),
         num_prompt_tokens=len(out.prompt_token_ids),
-        first_scheduled_time=m.first_scheduled_time if m else None,
-        first_token_time=m.first_token_time if m else None,
+        first_scheduled_time=m.first_scheduled_time + mono
+        if m and m.first_scheduled_time is not None
+        else None,
+        first_token_time=m.first_token_time + mono
+        if m and m.first_token_time is not None
+        else None,
         num_cached_tokens=out.num_cached_tokens or 0,
         prompt_logprobs=[
             None if row is None else {t: [lp.logprob, lp.rank] for t, lp in row.items()}
