@@ -1,5 +1,6 @@
-"""Tiny DeepSeek sparse attention checkpoints made by transformers: DeepseekV32ForCausalLM (and
-GLM-5's GlmMoeDsaForCausalLM where transformers has it), for tests/test_deepseek_v32.py.
+"""Tiny DeepSeek sparse attention checkpoints made by transformers: DeepseekV32ForCausalLM and
+GLM-5's GlmMoeDsaForCausalLM (interleaved indexer rotary, layers sharing the top-k), for
+tests/test_deepseek_v32.py.
 
 Random weights larger than the init's (deepseek_harness's), the indexer with 16 heads so that no
 two tokens tie on its score (with few heads every ReLU can be zero, and the top-k choice among
@@ -13,11 +14,11 @@ from pathlib import Path
 
 from deepseek_harness import _MLA, YARN, make_hf_deepseek
 
-NAMES = ("v32", "v32_yarn")
+NAMES = ("v32", "v32_yarn", "glm5")
 
 
 def tiny_dsa_configs() -> dict[str, object]:
-    from transformers import DeepseekV32Config
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig
 
     common = dict(
         _MLA,
@@ -36,6 +37,13 @@ def tiny_dsa_configs() -> dict[str, object]:
         "v32": DeepseekV32Config(**common, index_topk=6, routed_scaling_factor=2.5),
         "v32_yarn": DeepseekV32Config(
             **common, index_topk=4, routed_scaling_factor=1.5, rope_parameters=YARN
+        ),
+        # the second and fourth layers reuse the picks of the indexer layer before them
+        "glm5": GlmMoeDsaConfig(
+            **{**common, "num_hidden_layers": 4},
+            index_topk=5,
+            indexer_types=["full", "shared", "full", "shared"],
+            routed_scaling_factor=1.8,
         ),
     }
 

@@ -1,5 +1,6 @@
 """DeepSeek-V3.2 (DeepseekV32ForCausalLM: MLA whose queries attend only the tokens its lightning
-indexer picks) against transformers on the same weights (CPU, float32), tiny models from
+indexer picks) and GLM-5 (GlmMoeDsaForCausalLM: the same with interleaved indexer rotary and
+layers that reuse the previous indexer layer's picks) against transformers on the same weights (CPU, float32), tiny models from
 tests/dsa_harness.py: logits of a ragged prefill and decode steps through the paged cache within
 1e-4 of transformers' (seen under 1e-6); the engine's greedy tokens equal `generate`'s with async
 scheduling, chunked prefill, prefix caching and preemption.
@@ -34,12 +35,15 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_tiny_v32_logits_match_transformers(folders: dict[str, Path], name: str) -> None:
     loaded = load_model(Config(model=str(folders[name])), "cpu", torch.float32)
     assert loaded.arch.index_n_heads == 16 and loaded.arch.is_mla
+    assert loaded.arch.index_shared_layers == ((1, 3) if name == "glm5" else ())
     result = run_prefill_and_decode(loaded.model, PROMPTS, 8, block_size=4, num_pad_rows=2)
     worst = max_logit_diff(result, load_hf(folders[name]), PROMPTS)
     assert worst <= 1e-4, f"{name}: max |logits - transformers| = {worst:.3g}"
     specs = kv_layer_specs(collect_attention_layers(loaded.model))
     (size,) = kv_sizes_by_kind(specs, torch.float32)
-    assert (size.kind, size.bytes_per_token) == ("dsa_mla", 3 * 4 * (32 + 8 + 16))
+    # the latent row, and the indexer's key where the layer has an indexer
+    width = 4 * (2 * (32 + 8 + 16) + 2 * (32 + 8)) if name == "glm5" else 3 * 4 * (32 + 8 + 16)
+    assert (size.kind, size.bytes_per_token) == ("dsa_mla", width)
 
 
 @pytest.mark.parametrize("name", NAMES)

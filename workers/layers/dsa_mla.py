@@ -21,6 +21,7 @@ rank.
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,8 @@ class DSAMLAAttention(MLAAttention):
         index_topk: int,
         tp: TPInfo = TPInfo(),
         bias: bool = False,
+        shares_topk: bool = False,
+        index_rope_interleave: bool = False,
     ) -> None:
         super().__init__(
             layer_idx,
@@ -105,30 +108,50 @@ class DSAMLAAttention(MLAAttention):
             bias=bias,
         )
         latent = kv_lora_rank + qk_rope_head_dim
-        # the latent projections, then the indexer's key and head weights: one GEMM
-        self.fused_qkv_a_proj = MergedColumnParallelLinear(
-            hidden_size, [q_lora_rank, latent, index_head_dim, index_n_heads], bias
+        self.index_topk, self.index_rope_interleave = index_topk, index_rope_interleave
+        # a layer that shares the top-k reuses the previous indexer layer's picks (GLM-5)
+        self.indexer = (
+            None if shares_topk else DSAIndexer(q_lora_rank, index_n_heads, index_head_dim)
         )
-        self.indexer = DSAIndexer(q_lora_rank, index_n_heads, index_head_dim)
-        self.index_topk = index_topk
+        if self.indexer is not None:
+            # the latent projections, then the indexer's key and head weights: one GEMM
+            self.fused_qkv_a_proj = MergedColumnParallelLinear(
+                hidden_size, [q_lora_rank, latent, index_head_dim, index_n_heads], bias
+            )
 
     def kv_cache_spec(self) -> DSALayerSpec:
         latent = self.kv_lora_rank + self.qk_rope_head_dim
-        return DSALayerSpec(self.layer_idx, latent, self.indexer.head_dim)
+        return DSALayerSpec(self.layer_idx, latent, self.indexer.head_dim if self.indexer else 0)
 
     def forward(self, positions: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """a: `project`'s output [n, q_lora + latent + Di + Hi] -> [n, hidden]."""
+        """a: `project`'s output [n, q_lora + latent (+ Di + Hi)] -> [n, hidden]."""
         idx = self.indexer
         latent = self.kv_lora_rank + self.qk_rope_head_dim
-        q_c, kv_a, k_i, w_i = a.split([self.q_lora_rank, latent, idx.head_dim, idx.n_heads], -1)
+        if idx is None:
+            return self._forward(positions, *a.split([self.q_lora_rank, latent], -1), None, None)
+        return self._forward(
+            positions, *a.split([self.q_lora_rank, latent, idx.head_dim, idx.n_heads], -1)
+        )
+
+    def _forward(
+        self,
+        positions: torch.Tensor,
+        q_c: torch.Tensor,
+        kv_a: torch.Tensor,
+        k_i: "Optional[torch.Tensor]",
+        w_i: "Optional[torch.Tensor]",
+    ) -> torch.Tensor:
+        idx = self.indexer
         q_res = self.q_a_layernorm(q_c)
         q = self.q_b_proj(q_res)
         kv_c, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
         q = q.view(-1, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
-        iq = idx.wq_b(q_res).view(-1, idx.n_heads, idx.head_dim)
-        k_i = F.layer_norm(k_i, (idx.head_dim,), idx.k_norm.weight, idx.k_norm.bias, 1e-6)
-        iw = w_i.float() * idx.n_heads**-0.5
+        iq = iw = None
+        if idx is not None:
+            iq = idx.wq_b(q_res).view(-1, idx.n_heads, idx.head_dim)
+            k_i = F.layer_norm(k_i, (idx.head_dim,), idx.k_norm.weight, idx.k_norm.bias, 1e-6)
+            iw = w_i.float() * idx.n_heads**-0.5
         output = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
         torch.ops.atomrt.dsa_mla_attention(
             q, kv_c, k_pe, iq, k_i, iw, output, positions, self.layer_idx
@@ -136,19 +159,28 @@ class DSAMLAAttention(MLAAttention):
         return self.o_proj(output.view(-1, self.num_heads * self.v_head_dim))
 
 
-def _rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The first 2 * cos.shape[-1] channels of x rotated in halves; the rest as they are."""
+def _rope_head(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """The first 2 * cos.shape[-1] channels of x rotated, in halves (DeepSeek-V3.2) or in
+    interleaved pairs (GLM-5; written back de-interleaved, as MLA's rotary does: only the
+    indexer's dot products read them); the rest as they are."""
     rd = 2 * cos.shape[-1]
-    return torch.cat((_rotate(x[..., :rd], cos, sin, False), x[..., rd:]), dim=-1)
+    return torch.cat((_rotate(x[..., :rd], cos, sin, interleaved), x[..., rd:]), dim=-1)
+
+
+# The picks of the last indexer layer, per (step metadata, sequence): what a layer that shares
+# the top-k attends (the layers of a step run in order; each microbatch has its own metadata).
+_LAST_PICKS: dict = {}
 
 
 def dsa_mla_attention(
     q: torch.Tensor,
     kv_c_normed: torch.Tensor,
     k_pe: torch.Tensor,
-    iq: torch.Tensor,
-    ik: torch.Tensor,
-    iw: torch.Tensor,
+    iq: Optional[torch.Tensor],
+    ik: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
     output: torch.Tensor,
     positions: torch.Tensor,
     layer_idx: int,
@@ -159,11 +191,13 @@ def dsa_mla_attention(
     nope = layer.qk_nope_head_dim
     q_pe, k_pe = layer.rotary(positions, q[..., nope:], k_pe.unsqueeze(1))
     q = torch.cat((q[..., :nope], q_pe), dim=-1)
-    cos = layer.rotary.cos_cache[positions].unsqueeze(1).to(iq.dtype)
-    sin = layer.rotary.sin_cache[positions].unsqueeze(1).to(iq.dtype)
-    iq = _rope_halves(iq, cos, sin)
-    ik = _rope_halves(ik.unsqueeze(1), cos, sin).squeeze(1)
-    rows = torch.cat((kv_c_normed, k_pe.squeeze(1), ik), dim=-1)
+    parts = [kv_c_normed, k_pe.squeeze(1)]
+    if iq is not None:
+        cos = layer.rotary.cos_cache[positions].unsqueeze(1).to(iq.dtype)
+        sin = layer.rotary.sin_cache[positions].unsqueeze(1).to(iq.dtype)
+        iq = _rope_head(iq, cos, sin, layer.index_rope_interleave)
+        parts.append(_rope_head(ik.unsqueeze(1), cos, sin, layer.index_rope_interleave).squeeze(1))
+    rows = torch.cat(parts, dim=-1)
     if cache is not None and md is not None:
         slots = md.slot_mapping[: rows.shape[0]]
         valid = slots >= 0
@@ -179,8 +213,8 @@ def dsa_mla_attention(
 def _dsa_attend(
     q: torch.Tensor,
     rows: torch.Tensor,
-    iq: torch.Tensor,
-    iw: torch.Tensor,
+    iq: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
     output: torch.Tensor,
     layer_idx: int,
 ) -> None:
@@ -214,7 +248,22 @@ def _dsa_attend(
             seq = seq.flatten(0, 1)[:L].to(q.dtype)
         else:
             seq = rows[start : start + n]
-        _attend_sequence(layer, q[start : start + n], seq, latent_width, iq, iw, start, output, L)
+        key = (id(md), s)
+        picks = _attend_sequence(
+            layer,
+            q[start : start + n],
+            seq,
+            latent_width,
+            iq,
+            iw,
+            start,
+            output,
+            L,
+            _LAST_PICKS.get(key),
+        )
+        _LAST_PICKS[key] = picks
+    if len(_LAST_PICKS) > 4096:  # entries of past steps
+        _LAST_PICKS.clear()
 
 
 def _attend_sequence(
@@ -222,12 +271,14 @@ def _attend_sequence(
     q: torch.Tensor,
     seq: torch.Tensor,
     latent_width: int,
-    iq: torch.Tensor,
-    iw: torch.Tensor,
+    iq: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
     start: int,
     output: torch.Tensor,
     L: int,
-) -> None:
+    shared: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """Attends, and returns the picks [n, L] (this layer's, or those it shares)."""
     n = q.shape[0]
     w = layer.weights()
     keys, values = decompress(
@@ -235,26 +286,36 @@ def _attend_sequence(
     )
     pos = torch.arange(L - n, L, device=q.device)
     causal = torch.arange(L, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # [n, L]
-    ikeys = seq[:, latent_width:].float()
-    scores = F.relu(torch.einsum("nhd,td->nht", iq[start : start + n].float(), ikeys))
-    scores = scores * layer.indexer.head_dim**-0.5
-    scores = (scores * iw[start : start + n].unsqueeze(-1)).sum(1).masked_fill(~causal, -torch.inf)
-    picked = torch.zeros_like(causal)
-    picked.scatter_(1, scores.topk(min(layer.index_topk, L), dim=-1).indices, True)
+    if layer.indexer is None:
+        if shared is None or shared.shape != causal.shape:
+            raise RuntimeError(
+                f"layer {layer.layer_idx} shares the top-k of an indexer layer before it, "
+                "which did not run for this sequence"
+            )
+        picked = shared
+    else:
+        ikeys = seq[:, latent_width:].float()
+        scores = F.relu(torch.einsum("nhd,td->nht", iq[start : start + n].float(), ikeys))
+        scores = scores * layer.indexer.head_dim**-0.5
+        scores = (scores * iw[start : start + n].unsqueeze(-1)).sum(1)
+        scores = scores.masked_fill(~causal, -torch.inf)
+        picked = torch.zeros_like(causal)
+        picked.scatter_(1, scores.topk(min(layer.index_topk, L), dim=-1).indices, True)
     mask = causal & picked
     logits = torch.einsum("nhd,thd->nht", q, keys) * layer.scale
     logits = logits.masked_fill(~mask.unsqueeze(1), -torch.inf)
     probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
     output[start : start + n] = torch.einsum("nht,thd->nhd", probs, values)
+    return picked
 
 
 def _dsa_fake(
     q: torch.Tensor,
     kv_c_normed: torch.Tensor,
     k_pe: torch.Tensor,
-    iq: torch.Tensor,
-    ik: torch.Tensor,
-    iw: torch.Tensor,
+    iq: Optional[torch.Tensor],
+    ik: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
     output: torch.Tensor,
     positions: torch.Tensor,
     layer_idx: int,

@@ -26,6 +26,7 @@ _FAMILY_FLAGS: dict[str, dict[str, bool]] = {
     "Glm4MoeLiteForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "DeepseekV4ForCausalLM": {"qkv_bias": False, "qk_norm": False},
     "DeepseekV32ForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "GlmMoeDsaForCausalLM": {"qkv_bias": False, "qk_norm": False},
 }
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # Multi-head latent attention and DeepSeekMoE (workers/models/deepseek_arch.py reads their fields)
@@ -34,6 +35,7 @@ MLA_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "Glm4MoeLiteForCausalLM",
     "DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM",
 )
 SUPPORTED_ARCHITECTURES = tuple(_FAMILY_FLAGS)
 
@@ -88,6 +90,7 @@ class ModelArch:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    index_shared_layers: tuple[int, ...] = ()  # GLM-5: layers that attend the previous one's picks
     # DeepSeek-V4's own fields (workers/models/deepseek_v4_arch.py); None for every other model
     v4: Optional[V4Arch] = None
 

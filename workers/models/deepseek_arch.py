@@ -20,6 +20,7 @@ _DEFAULT_ROUTING = {
     "DeepseekV3ForCausalLM": ("noaux_tc", "sigmoid"),
     "Glm4MoeLiteForCausalLM": ("noaux_tc", "sigmoid"),
     "DeepseekV32ForCausalLM": ("noaux_tc", "sigmoid"),
+    "GlmMoeDsaForCausalLM": ("noaux_tc", "sigmoid"),
 }
 
 
@@ -49,11 +50,19 @@ def deepseek_fields(cfg: dict[str, Any], architecture: str, where: str) -> dict[
             cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0
         ),
     )
-    if architecture == "DeepseekV32ForCausalLM":  # the lightning indexer's
+    if architecture in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"):  # the indexer's
+        glm = architecture == "GlmMoeDsaForCausalLM"
+        types = list(cfg.get("indexer_types") or [])
+        if any(t not in ("full", "shared") for t in types) or (types and types[0] != "full"):
+            raise ValueError(
+                f"{where}: indexer_types must list 'full' / 'shared' per layer, the first "
+                f"'full'; got {types}"
+            )
         fields.update(
-            index_n_heads=int(cfg.get("index_n_heads", 64)),
+            index_n_heads=int(cfg.get("index_n_heads", 32 if glm else 64)),
             index_head_dim=int(cfg.get("index_head_dim", 128)),
             index_topk=int(cfg.get("index_topk", 2048)),
+            index_shared_layers=tuple(i for i, t in enumerate(types) if t == "shared"),
         )
     num_experts = int(cfg.get("n_routed_experts") or 0)
     if num_experts:

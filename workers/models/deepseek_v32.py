@@ -1,11 +1,14 @@
-"""DeepSeek-V3.2 (DeepseekV32ForCausalLM): DeepSeek-V3 (workers/models/deepseek.py) whose
-attention is sparse: each query attends the `index_topk` earlier tokens a lightning indexer picks
-(workers/layers/dsa_mla.py). Checkpoint names as transformers writes them
-(`self_attn.indexer.wq_b`, `.wk`, `.k_norm`, `.weights_proj`); `wk` and `weights_proj` join the
-fused latent projection."""
+"""DeepSeek-V3.2 (DeepseekV32ForCausalLM) and GLM-5 (GlmMoeDsaForCausalLM): DeepSeek-V3
+(workers/models/deepseek.py) whose attention is sparse: each query attends the `index_topk`
+earlier tokens a lightning indexer picks (workers/layers/dsa_mla.py). GLM-5 rotates the
+indexer's query and key in interleaved pairs (V3.2: in halves), and its `indexer_types` "shared"
+layers have no indexer: they attend the previous layer's picks. Checkpoint names as transformers
+writes them (`self_attn.indexer.wq_b`, `.wk`, `.k_norm`, `.weights_proj`); `wk` and
+`weights_proj` join the fused latent projection."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from torch import nn
@@ -45,6 +48,8 @@ def make_dsa_mla(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int)
         arch.index_topk,
         tp,
         bias=arch.qkv_bias,
+        shares_topk=layer_idx in arch.index_shared_layers,
+        index_rope_interleave=arch.architecture == "GlmMoeDsaForCausalLM",
     )
 
 
@@ -71,3 +76,10 @@ class DeepseekV32ForCausalLM(DeepseekForCausalLM):
             ("fused_qkv_a_proj", "indexer.wk", 2),
             ("fused_qkv_a_proj", "indexer.weights_proj", 3),
         )
+
+    def _needed(self, param: str) -> int:
+        """The fused projection of a layer that shares the top-k has no indexer parts."""
+        m = re.search(r"layers\.(\d+)\.self_attn\.fused_qkv_a_proj\.", param)
+        if m is not None and int(m.group(1)) in self.arch.index_shared_layers:
+            return 2
+        return super()._needed(param)

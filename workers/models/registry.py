@@ -28,6 +28,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     # DeepSeek-V3 with the lightning indexer's sparse attention
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+    # GLM-5: V3.2's sparse attention, interleaved indexer rotary, layers sharing the top-k
+    "GlmMoeDsaForCausalLM": DeepseekV32ForCausalLM,
 }
 
 
