@@ -234,3 +234,66 @@ def test_llm_chat_gives_the_template_its_tools(tmp_path) -> None:
         without = llm.chat([{"role": "user", "content": "aa"}], params, False)[0]
     assert WORDS.index("cd") in with_tools.prompt_token_ids
     assert WORDS.index("cd") not in without.prompt_token_ids
+
+
+_PIECES = [
+    "</tool_call>",
+    "<tool_call>",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"',
+    "\\",
+    ";",
+    "[TOOL_CALLS]",
+    "é",
+    " ",
+]
+
+
+def _random_value(rng: random.Random, depth: int = 0) -> object:
+    kind = rng.choice(["str", "int", "list", "dict"] if depth < 2 else ["str", "int"])
+    if kind == "str":
+        return "".join(rng.choice(_PIECES + ["a", "b", "7"]) for _ in range(rng.randint(0, 8)))
+    if kind == "int":
+        return rng.randint(-50, 50)
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {f"k{i}": _random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "mistral", "llama3_json"])
+def test_random_arguments_parse_whole_and_streamed_alike(parser_name) -> None:
+    """Arguments holding the parsers' own tags, braces, quotes and escapes inside strings: the
+    calls of the whole text are the ones written, and every random streaming of it joins to them."""
+    rng = random.Random(parser_name)
+    for _ in range(40):
+        calls = [
+            (f"f{i}", {f"a{j}": _random_value(rng) for j in range(rng.randint(0, 3))})
+            for i in range(rng.randint(1, 3))
+        ]
+        indent = rng.choice([None, 1])
+        dumped = [
+            json.dumps(args, indent=indent, ensure_ascii=rng.random() < 0.5) for _, args in calls
+        ]
+        if parser_name == "hermes":
+            text = "".join(
+                f'<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>\n'
+                for (n, _), a in zip(calls, dumped)
+            )
+        elif parser_name == "mistral":
+            items = ", ".join(
+                f'{{"name": "{n}", "arguments": {a}}}' for (n, _), a in zip(calls, dumped)
+            )
+            text = f"[TOOL_CALLS][{items}]"
+        else:
+            text = "; ".join(
+                f'{{"name": "{n}", "parameters": {a}}}' for (n, _), a in zip(calls, dumped)
+            )
+        parsed = make_parser(parser_name).parse(text, final=True)
+        whole = [(c.name, c.arguments) for c in parsed.calls]
+        assert [(n, json.loads(a)) for n, a in whole] == calls, text
+        for seed in range(3):
+            content, streamed = _stream(parser_name, text, seed)
+            assert streamed == whole and content == parsed.content, text
