@@ -19,12 +19,14 @@ from atomrt.runtime import envs
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # Our attention ops: the NVIDIA counterparts of the guide's `aiter.unified_attention_with_output`
 # and `aiter.mla_attention` (multi-head latent attention, workers/layers/mla.py), and DeepSeek-V4's
-# compressor launch and attention (workers/layers/v4_attention.py).
+# compressor launch and attention (workers/layers/v4_attention.py), and DeepSeek-V3.2's / GLM-5's
+# sparse MLA (workers/layers/dsa_mla.py).
 DEFAULT_SPLITTING_OPS = [
     "atomrt.unified_attention_with_output",
     "atomrt.mla_attention",
     "atomrt.v4_attn_compress_launch",
     "atomrt.v4_attention",
+    "atomrt.dsa_mla_attention",
 ]
 # What `parallel_config.transport_spin_us: auto` spins on a CUDA engine: without spinning, a Ray
 # engine's small decode steps wait on socket wake-ups (docs/perf.md, transport).

@@ -88,6 +88,7 @@ def test_level3_rules():
         "atomrt.mla_attention",
         "atomrt.v4_attn_compress_launch",
         "atomrt.v4_attention",
+        "atomrt.dsa_mla_attention",
     ]
     assert cc.cudagraph_mode is M.TR_HYBRID
     assert cfg.capture_sizes == capture_size_ladder(512)

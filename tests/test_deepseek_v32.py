@@ -18,7 +18,7 @@ from dsa_harness import NAMES, build_dsa_folder
 from model_harness import load_hf, max_logit_diff, run_prefill_and_decode
 from test_deepseek_v4 import ENGINE_PROMPTS, MAX_TOKENS, PROMPTS, SHARED, _engine_tokens, hf_greedy
 
-from atomrt.runtime.config import Config
+from atomrt.runtime.config import CompilationConfig, Config
 from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.loading.loader import load_model
 from atomrt.workers.runner.kv_cache import kv_layer_specs, kv_sizes_by_kind
@@ -46,11 +46,21 @@ def test_tiny_v32_logits_match_transformers(folders: dict[str, Path], name: str)
     assert (size.kind, size.bytes_per_token) == ("dsa_mla", width)
 
 
-@pytest.mark.parametrize("name", NAMES)
+ENGINE_CASES = [pytest.param(name, False, id=f"{name}-level0") for name in NAMES] + [
+    pytest.param("glm5", True, id="glm5-level3"),
+]
+
+
+@pytest.mark.parametrize("name,level3", ENGINE_CASES)
 def test_engine_greedy_tokens_equal_transformers_generate(
-    folders: dict[str, Path], name: str
+    folders: dict[str, Path], name: str, level3: bool, tmp_path: Path
 ) -> None:
+    """Level 3 (pieces run as traced) splits at the sparse MLA op."""
     expected = hf_greedy(folders[name], ENGINE_PROMPTS, MAX_TOKENS)
-    got, seen = _engine_tokens(folders[name])
+    extra = {}
+    if level3:
+        cc = CompilationConfig(level=3, cache_dir=str(tmp_path), use_inductor=False)
+        extra = dict(enforce_eager=False, compilation_config=cc)
+    got, seen = _engine_tokens(folders[name], **extra)
     assert got == expected
     assert seen["preemptions"] > 0 and seen["prefix_hits"] >= len(SHARED), seen

@@ -209,7 +209,9 @@ def dsa_mla_attention(
     _dsa_attend(q, rows, iq, iw, output, layer_idx)
 
 
-@eager_region(request_fixed=True)
+# planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
+# bucket's recording of it would replay the capture's sequences)
+@eager_region
 def _dsa_attend(
     q: torch.Tensor,
     rows: torch.Tensor,
@@ -228,7 +230,7 @@ def _dsa_attend(
     else:
         cu = md.cu_seqlens_q_cpu if md.cu_seqlens_q_cpu is not None else md.cu_seqlens_q.tolist()
         lens = md.context_lens_cpu
-        if lens is None:
+        if lens is None and paged:
             lens = md.context_lens.tolist()
     num_seqs = (md.num_seqs if md is not None else None) or len(cu) - 1
     latent_width = layer.kv_lora_rank + layer.qk_rope_head_dim

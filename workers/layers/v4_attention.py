@@ -502,7 +502,9 @@ def v4_attention(
     _v4_attend(q, rows, iq, iw, output, layer_idx)
 
 
-@eager_region(request_fixed=True)
+# planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
+# bucket's recording of it would replay the capture's sequences)
+@eager_region
 def _v4_attend(
     q: torch.Tensor,
     rows: torch.Tensor,
