@@ -64,3 +64,13 @@ def test_engine_greedy_tokens_equal_transformers_generate(
     got, seen = _engine_tokens(folders[name], **extra)
     assert got == expected
     assert seen["preemptions"] > 0 and seen["prefix_hits"] >= len(SHARED), seen
+
+
+def test_tensor_parallel_tokens_equal_transformers_generate(folders: dict[str, Path]) -> None:
+    """TP = 2 over mp processes: MLA's query heads and kv_b_proj split, the indexer whole on each
+    rank (every rank picks the same tokens)."""
+    expected = hf_greedy(folders["glm5"], ENGINE_PROMPTS, MAX_TOKENS)
+    got, _ = _engine_tokens(
+        folders["glm5"], tensor_parallel_size=2, executor="mp", worker_timeout_s=90.0
+    )
+    assert got == expected
