@@ -11,7 +11,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from grammar_harness import bpe_tokenizer, build_tiny_bpe
+from grammar_harness import EOS, bpe_tokenizer, build_tiny_bpe
 from test_server import CPU_FLAGS, Server
 
 from atomrt.runtime import SamplingParams
@@ -104,3 +104,63 @@ def test_the_server_answers_an_unsatisfiable_constraint_with_an_error_object(ser
     assert str(e.value.message).startswith("structured_outputs + allowed_token_ids"), e.value
     ok = client.completions.create(model="tiny", prompt="hi", max_tokens=3)
     assert ok.choices[0].finish_reason == "length"
+
+
+REGEXES = [r"[a-z]{3,10}", r"(yes|no|maybe)", r"[0-9]+\.[0-9]{2}", r"x+y?z", r"[^\s\S]"]
+
+
+def test_random_constraints_never_emit_a_token_outside_them(tiny) -> None:
+    """Random regexes with random allowed_token_ids and bad_words, in one batch: every emitted
+    token is one the grammar (checked by a matcher of its own), the allowed list and the bad
+    words allow; a request ends "abort" with an error exactly where no token was allowed."""
+    import random
+
+    import xgrammar as xgr
+
+    tok = bpe_tokenizer()
+    info = xgr.TokenizerInfo.from_huggingface(tok.hf, vocab_size=49152, stop_token_ids=[EOS])
+    compiler = xgr.GrammarCompiler(info)
+    letters = [_one_token(c) for c in "abcdefghijklmnopqrstuvwxyz0123456789."]
+    rng = random.Random(0)
+    cases = []
+    for _ in range(16):
+        regex = rng.choice(REGEXES)
+        allowed = None
+        if rng.random() < 0.5:
+            allowed = sorted(set(rng.sample(letters, rng.randint(1, 12))) | {EOS})
+        bad = rng.sample(list("abcxyz0"), rng.randint(1, 3)) if rng.random() < 0.4 else None
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 1.0]),
+            seed=rng.randint(0, 99),
+            max_tokens=10,
+            structured_outputs={"regex": regex},
+            allowed_token_ids=allowed,
+            bad_words=bad,
+        )
+        cases.append((regex, params))
+    with LLM(str(tiny), **COMMON) as llm:
+        outs = llm.generate([[5, 6, 7]] * len(cases), [p for _, p in cases], use_tqdm=False)
+    for (regex, params), out in zip(cases, outs):
+        done = out.outputs[0]
+        matcher = xgr.GrammarMatcher(compiler.compile_regex(regex))
+        for t in done.token_ids:
+            assert matcher.accept_token(t), (regex, done)
+        assert params.allowed_token_ids is None or set(done.token_ids) <= set(
+            params.allowed_token_ids
+        )
+        words = {_one_token(w) for w in params.bad_words or ()}
+        assert not words & set(done.token_ids), (params.bad_words, done.token_ids)
+        if done.finish_reason == "abort":
+            assert out.error and "no token satisfies" in out.error, out.error
+            # nothing the sampler may take was left: the matcher's next mask, less the allowed
+            # list and the bad words, is empty
+            mask = xgr.allocate_token_bitmask(1, 49152)
+            matcher.fill_next_token_bitmask(mask)
+            ok = {t for t in range(49152) if (int(mask[0, t // 32]) >> (t % 32)) & 1}
+            if params.allowed_token_ids is not None:
+                ok &= set(params.allowed_token_ids)
+            assert not ok - words, (regex, params, sorted(ok - words)[:5])
+        else:
+            assert out.error is None and done.finish_reason in ("stop", "length"), done
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert "abort" in reasons and len(set(reasons)) > 1, reasons  # both kinds of end were drawn
