@@ -32,6 +32,7 @@ LEAVES = {
         "envs",
         "forward_context",
         "sampling_params",
+        "inputs",
         "decision",
     )
 }
@@ -105,7 +106,7 @@ def layer_of(module: str) -> int:
     if module in LEAVES:
         return 0
     if module == "atomrt.runtime":
-        return 5  # the package re-exports LLM (its __getattr__ imports the entry point)
+        return 5  # the package re-exports LLM, AsyncLLM (its __getattr__ imports the entry points)
     matches = [
         (len(prefix), layer)
         for prefix, layer in LAYERS

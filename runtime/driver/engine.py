@@ -322,10 +322,8 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> LLMEngine:
         """An engine of `EngineArgs(model=..., **LLM's keywords)` (vLLM's constructor)."""
-        from atomrt.runtime.entrypoints.llm import load_tokenizer_for
-
         config = engine_args.create_engine_config()
-        return cls(config, load_tokenizer_for(config))
+        return cls(config, engine_args.create_tokenizer(config))
 
     def has_unfinished(self) -> bool:
         """Whether `step()` has more to give: running or waiting requests, or aborted ones' final

@@ -170,6 +170,12 @@ class EngineArgs:
         engine_args._config = config
         return engine_args
 
+    def create_tokenizer(self, config: Any) -> Any:
+        """The tokenizer of the engine `config` describes (None for a model without one)."""
+        from atomrt.runtime.entrypoints.llm import load_tokenizer_for
+
+        return load_tokenizer_for(config)
+
     def create_engine_config(self):
         if self._config is not None:
             return self._config
