@@ -115,3 +115,20 @@ def test_recording_plan(folders: dict[str, Path]) -> None:
     assert [(c.fn.__name__, c.args[-1]) for c in calls] == [
         ("_dsa_attend", i) for i in range(num_layers)
     ]
+
+
+def test_v32_preset_shape_on_meta() -> None:
+    """DeepSeek-V3.2's shape for dummy weights (its first layers kept by hf_overrides)."""
+    from atomrt.runtime.config import ModelConfig
+    from atomrt.workers.loading.loader import build_model, read_arch
+
+    config = Config(
+        model="DeepSeek-V3.2",
+        model_config=ModelConfig(load_format="dummy", hf_overrides={"num_hidden_layers": 4}),
+    )
+    arch = read_arch(config)
+    assert (arch.index_n_heads, arch.index_head_dim, arch.index_topk) == (64, 128, 2048)
+    attn = build_model(arch, "meta", torch.bfloat16).model.layers[3].self_attn
+    assert tuple(attn.indexer.wq_b.weight.shape) == (64 * 128, 1536)
+    # q_lora_rank, the latent (512 + 64), the indexer's key and head weights: one GEMM
+    assert attn.fused_qkv_a_proj.weight.shape[0] == 1536 + 576 + 128 + 64

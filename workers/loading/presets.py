@@ -187,6 +187,16 @@ _DEEPSEEK_V3: dict[str, Any] = {
     "eos_token_id": 1,
 }
 
+# DeepSeek-V3.2(-Exp): DeepSeek-V3's shape with the lightning indexer of its sparse attention
+# (64 heads of 128, each query attending its top 2048 tokens).
+_DEEPSEEK_V32: dict[str, Any] = {
+    **_DEEPSEEK_V3,
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+}
+
 # GLM-4.7-Flash (about 30B, 3B active): DeepSeek-V3's attention and routing at a smaller shape,
 # 64 routed experts in one group, no rope scaling, one MTP layer after the 47 decoder layers.
 _GLM_4_7_FLASH: dict[str, Any] = {
@@ -393,6 +403,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-deepseek-v3": _TINY_DEEPSEEK_V3,
     "DeepSeek-V4-Flash": _DEEPSEEK_V4_FLASH,
     "tiny-deepseek-v4": _TINY_DEEPSEEK_V4,
+    "DeepSeek-V3.2": _DEEPSEEK_V32,
 }
 
 
