@@ -1,4 +1,5 @@
-"""DeepSeek-V4's attention block and its one custom op, `torch.ops.atomrt.v4_attention`.
+"""DeepSeek-V4's attention block and its two custom ops, `torch.ops.atomrt.v4_attn_compress_launch`
+and `torch.ops.atomrt.v4_attention`.
 
 The block (one KV head shared by every query head, keys and values the same tensor):
 
@@ -44,8 +45,18 @@ a sliding layer's row is its kv alone. A token's compressor projections stay in 
 its window is pooled, so the compressor's partial window carries across steps, prefill chunks and
 a recomputation after preemption as the keys do; an entry lives in the row of its window's last
 token. A full block's rows are a function of the tokens up to it: prefix caching reuses them.
+Blocks behind the window are not freed (their rows hold the entries). A draft rejected by
+speculative decoding leaves rows that the position's next computation rewrites, entry included.
 
-CPU: the op runs the torch reference below (its attention is the eager region `_v4_attend`).
+The ops. A compressed layer first runs `v4_attn_compress_launch` (ahead of its query and key
+projections; a splitting op that a token graph records inline): the step's compressor rows into
+the cache, and for every row the entry of the window it would end, kept where it does (planned
+from the row count: the window's slots through the block table on the device). Then every layer
+runs `v4_attention`: the window key into the rows and the cache, then `_v4_attend`, the layer's
+eager region, planned from the step's sequences: the indexer's scores and top-k (CSA) and the
+attention over the window and the entries. CUDA takes the kernels (workers/kernels/v4/) for the
+pooling, the scores and the attention; the CPU the torch reference below (or the kernels through
+Triton's interpreter, `USE_KERNELS_ON_CPU`).
 """
 
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
