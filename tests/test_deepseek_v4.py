@@ -400,3 +400,16 @@ def test_fp8_cache_rows(folders: dict[str, Path]) -> None:
         logits[dtype] = torch.stack(steps)
         assert harness.kv_cache_data["layers.1"].rows.dtype == dtype
     assert (logits[torch.float32] - logits[torch.float8_e4m3fn]).abs().max() < 0.5
+
+
+def test_long_prompt_attends_in_query_chunks(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt's query rows attend in chunks (bounded logits memory): 3-row chunks give
+    transformers' logits as one chunk does."""
+    from atomrt.workers.layers import v4_attention
+
+    monkeypatch.setattr(v4_attention, "_QUERY_CHUNK", 3)
+    loaded = load_model(Config(model=str(folders["csa_hca"])), "cpu", torch.float32)
+    result = run_prefill_and_decode(loaded.model, PROMPTS, 2, block_size=4)
+    assert max_logit_diff(result, load_hf(folders["csa_hca"]), PROMPTS) <= TOLERANCE

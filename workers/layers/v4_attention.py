@@ -568,10 +568,40 @@ def _attend_sequence(
     out: torch.Tensor,
     context_len: int,
 ) -> None:
+    """A sequence's query rows (the last of its `context_len` tokens), in chunks of
+    `_QUERY_CHUNK` rows: a long prompt's logits are [chunk, heads, context], not [rows, ...]."""
     n, L = q.shape[0], context_len
+    pos = torch.arange(L - n, L, device=q.device)
+    for a in range(0, n, _QUERY_CHUNK):
+        b = min(n, a + _QUERY_CHUNK)
+        _attend_rows(
+            layer,
+            q[a:b],
+            seq_rows,
+            None if iq is None else iq[a:b],
+            None if iw is None else iw[a:b],
+            out[a:b],
+            pos[a:b],
+            L,
+        )
+
+
+_QUERY_CHUNK = 256
+
+
+def _attend_rows(
+    layer: V4Attention,
+    q: torch.Tensor,
+    seq_rows: torch.Tensor,
+    iq: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
+    out: torch.Tensor,
+    pos: torch.Tensor,
+    L: int,
+) -> None:
+    n = q.shape[0]
     device = q.device
     cols = layer.columns()
-    pos = torch.arange(L - n, L, device=device)
     keys = _col(seq_rows, cols, "kv")  # [L, D]
     t = torch.arange(L, device=device)
     mask = (t.unsqueeze(0) <= pos.unsqueeze(1)) & (t.unsqueeze(0) > pos.unsqueeze(1) - layer.window)
