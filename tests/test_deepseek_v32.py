@@ -132,3 +132,16 @@ def test_v32_preset_shape_on_meta() -> None:
     assert tuple(attn.indexer.wq_b.weight.shape) == (64 * 128, 1536)
     # q_lora_rank, the latent (512 + 64), the indexer's key and head weights: one GEMM
     assert attn.fused_qkv_a_proj.weight.shape[0] == 1536 + 576 + 128 + 64
+
+
+def test_long_prompt_attends_in_query_chunks(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt's query rows score and attend in chunks (bounded memory), the shared layers'
+    picks assembled whole: 3-row chunks give transformers' logits."""
+    from atomrt.workers.layers import dsa_mla
+
+    monkeypatch.setattr(dsa_mla, "_QUERY_CHUNK", 3)
+    loaded = load_model(Config(model=str(folders["glm5"])), "cpu", torch.float32)
+    result = run_prefill_and_decode(loaded.model, PROMPTS, 2, block_size=4)
+    assert max_logit_diff(result, load_hf(folders["glm5"]), PROMPTS) <= 1e-4

@@ -286,29 +286,36 @@ def _attend_sequence(
     keys, values = decompress(
         seq[:, :latent_width], w.kv_b, layer.num_heads, layer.qk_nope_head_dim, layer.kv_lora_rank
     )
-    pos = torch.arange(L - n, L, device=q.device)
-    causal = torch.arange(L, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # [n, L]
-    if layer.indexer is None:
-        if shared is None or shared.shape != causal.shape:
-            raise RuntimeError(
-                f"layer {layer.layer_idx} shares the top-k of an indexer layer before it, "
-                "which did not run for this sequence"
-            )
-        picked = shared
-    else:
-        ikeys = seq[:, latent_width:].float()
-        scores = F.relu(torch.einsum("nhd,td->nht", iq[start : start + n].float(), ikeys))
-        scores = scores * layer.indexer.head_dim**-0.5
-        scores = (scores * iw[start : start + n].unsqueeze(-1)).sum(1)
-        scores = scores.masked_fill(~causal, -torch.inf)
-        picked = torch.zeros_like(causal)
-        picked.scatter_(1, scores.topk(min(layer.index_topk, L), dim=-1).indices, True)
-    mask = causal & picked
-    logits = torch.einsum("nhd,thd->nht", q, keys) * layer.scale
-    logits = logits.masked_fill(~mask.unsqueeze(1), -torch.inf)
-    probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
-    output[start : start + n] = torch.einsum("nht,thd->nhd", probs, values)
-    return picked
+    if layer.indexer is None and (shared is None or shared.shape != (n, L)):
+        raise RuntimeError(
+            f"layer {layer.layer_idx} shares the top-k of an indexer layer before it, which did "
+            "not run for this sequence"
+        )
+    picks = torch.empty(n, L, dtype=torch.bool, device=q.device)
+    # in chunks of query rows: a long prompt's scores and logits are [chunk, heads, context]
+    for a in range(0, n, _QUERY_CHUNK):
+        b = min(n, a + _QUERY_CHUNK)
+        pos = torch.arange(L - n + a, L - n + b, device=q.device)
+        causal = torch.arange(L, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # [rows, L]
+        if layer.indexer is None:
+            picked = shared[a:b]
+        else:
+            ikeys = seq[:, latent_width:].float()
+            rows = slice(start + a, start + b)
+            scores = F.relu(torch.einsum("nhd,td->nht", iq[rows].float(), ikeys))
+            scores = scores * layer.indexer.head_dim**-0.5
+            scores = (scores * iw[rows].unsqueeze(-1)).sum(1).masked_fill(~causal, -torch.inf)
+            picked = torch.zeros_like(causal)
+            picked.scatter_(1, scores.topk(min(layer.index_topk, L), dim=-1).indices, True)
+        picks[a:b] = picked
+        logits = torch.einsum("nhd,thd->nht", q[a:b], keys) * layer.scale
+        logits = logits.masked_fill(~(causal & picked).unsqueeze(1), -torch.inf)
+        probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
+        output[start + a : start + b] = torch.einsum("nht,thd->nhd", probs, values)
+    return picks
+
+
+_QUERY_CHUNK = 256
 
 
 def _dsa_fake(
