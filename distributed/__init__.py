@@ -5,8 +5,9 @@ Modules (import them directly; this package imports nothing heavy, so a GPU mach
 can still use the process groups):
 
 - `messages`: `StepPlan`, `RankBatch`, `NewRequest`, `StepResult`, `Hello`, `Ready`, `encode`, `decode`
-  (`core_messages`: the engine core's `CoreRequest`, `CoreOutputs`, ..., re-exported there;
-  `wire_arrays`: the declared-dtype array fields)
+  (`step_messages`: the step path's dataclasses, and `core_messages`: the engine core's
+  `CoreRequest`, `CoreOutputs`, ..., both re-exported there; `wire_arrays`: the declared-dtype
+  array fields)
 - `transport`: `TransportAddresses`, `CurveKeys` (tcp:// authentication), `PlanPublisher`,
   `ResultCollector`, `PlanSubscriber`, `ResultPusher` (`zap`: the driver's CURVE admission)
 - `parallel_state`: `init_distributed`, `get_world_group` / `get_tp_group` / `get_dp_group`
