@@ -170,3 +170,18 @@ def test_vllms_sampling_params_fields(llm: LLM) -> None:
 
 def _greedy(**kwargs: object) -> dict:
     return {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, **kwargs}
+
+
+def test_engine_args_from_a_command_line(model: str) -> None:
+    """vLLM's examples build the engine from a command line: add_cli_args, then from_cli_args."""
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--model", model, "--device", "cpu", "--enforce-eager", "--max-num-seqs", "4"]
+    )
+    engine_args = EngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config()
+    assert config.model == model and config.scheduler_config.max_num_seqs == 4
+    with pytest.raises(Exception, match="no_such_knob"):
+        EngineArgs(model=model, no_such_knob=1).create_engine_config()
