@@ -9,7 +9,8 @@ can still use the process groups):
   `CoreRequest`, `CoreOutputs`, ..., both re-exported there; `wire_arrays`: the declared-dtype
   array fields)
 - `transport`: `TransportAddresses`, `CurveKeys` (tcp:// authentication), `PlanPublisher`,
-  `ResultCollector`, `PlanSubscriber`, `ResultPusher` (`zap`: the driver's CURVE admission)
+  `ResultCollector`, `PlanSubscriber`, `ResultPusher` (`zmq_sockets`: the addresses, keys, socket
+  setup and errors it re-exports; `zap`: the driver's CURVE admission)
 - `parallel_state`: `init_distributed`, `get_world_group` / `get_tp_group` / `get_dp_group`
   (`GroupInfo`), `destroy_distributed`
 - `communication_op`: `TPInfo`, `DPInfo` and the collectives models call (`tp_all_reduce`,
