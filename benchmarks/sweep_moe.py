@@ -12,8 +12,8 @@ the torch reference; one that fails to compile or mismatches is skipped and coun
 uniform random (top-k of a softmax of normal logits).
 
 Prints one line per (shape, tokens): default and best GPU µs, the weight-read floor (the bytes of the
-experts the routing touches over the H200's copy bandwidth) and the best's ratio to it; then a
-`CONFIGS` dict literal to paste into workers/kernels/moe/moe_configs.py (entries where the best
+experts the routing touches over a device copy's bandwidth, measured first) and the best's ratio to
+it; then a `CONFIGS` dict literal to paste into workers/kernels/moe/moe_configs.py (entries where the best
 beats the default by more than the noise), and the whole result as JSON with --json.
 
 Timing: CALLS back-to-back launches captured into one CUDA graph, replayed REPLAYS times between
@@ -31,6 +31,7 @@ import time
 
 import torch
 import triton
+import triton.testing
 
 from atomrt.runtime.bench.records import (
     Figure,
@@ -59,7 +60,7 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 QUICK_TOKENS = (1, 8, 64, 512)
 CALLS = 20
 REPLAYS = 7
-COPY_BANDWIDTH_GBS = 4260  # H200 device-to-device copy ceiling
+COPY_BANDWIDTH_GBS = 4260.0  # the floor's bandwidth (an H200's copy) until main measures this GPU's
 NOISE = 0.03  # a swept config enters the table only when it beats the default by more than this
 
 
@@ -74,6 +75,15 @@ class Outcome:
     floor_us: float
     num_timed: int
     num_skipped: int
+
+
+def measure_copy_gbs() -> float:
+    """This GPU's device-to-device copy bandwidth, bytes read + written per second, over a buffer
+    well past L2 (an H100 copies about 3000 GB/s, an H200 about 4260)."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return round(2 * src.numel() * src.element_size() / ms / 1e6, 1)
 
 
 def gpu_us(fn) -> float:
@@ -222,6 +232,9 @@ def main() -> None:
         if args.tokens
         else (QUICK_TOKENS if args.quick else TOKENS)
     )
+    global COPY_BANDWIDTH_GBS
+    COPY_BANDWIDTH_GBS = measure_copy_gbs()  # the floors of this run are at this GPU's copy
+    print(f"device copy {COPY_BANDWIDTH_GBS} GB/s on {torch.cuda.get_device_name()}", flush=True)
     deadline = time.monotonic() + args.budget_s
     outcomes = []
     for name in [s.strip() for s in args.shapes.split(",") if s.strip()]:
