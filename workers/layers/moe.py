@@ -42,6 +42,7 @@ from atomrt.runtime.forward_context import get_forward_context
 from atomrt.workers.kernels.moe.fused_moe import fused_experts
 from atomrt.workers.layers.activation import silu_and_mul
 from atomrt.workers.layers.linear import linear
+from atomrt.workers.layers.quantization.fp8_ops import fp8_routed_experts
 from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, read_narrow
 
 # shard ids of the expert weight loaders: one expert's projection, or every expert's at once
@@ -297,8 +298,6 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """The experts for a computed routing (FP8 ones through their own op)."""
         if self.quant_method is not None:
-            from atomrt.workers.layers.quantization.fp8_ops import fp8_routed_experts
-
             return fp8_routed_experts(x, topk_weights, topk_ids, self)
         return routed_experts(x, topk_weights, topk_ids, self.w13_weight, self.w2_weight)
 

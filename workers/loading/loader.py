@@ -21,12 +21,8 @@ from torch import nn
 
 from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.runtime.config import DEFAULT_MODEL
-from atomrt.workers.layers.quantization.fp8 import (
-    Fp8Config,
-    finish_quantized_weights,
-    quantize_model,
-    resolve_fp8_config,
-)
+from atomrt.workers.layers.quantization.fp8 import Fp8Config, resolve_fp8_config
+from atomrt.workers.layers.quantization.fp8_layers import finish_quantized_weights, quantize_model
 from atomrt.workers.loading.gguf import arch_from_gguf, gguf_weights, open_gguf
 from atomrt.workers.loading.presets import find_preset, preset_config
 from atomrt.workers.models.arch import ModelArch, arch_from_hf_config

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from atomrt.workers.layers.quantization.fp8 import Fp8Config
 from atomrt.workers.models.deepseek_arch import deepseek_fields
 from atomrt.workers.models.deepseek_v4_arch import V4Arch, v4_fields
 
@@ -152,8 +153,6 @@ def arch_from_hf_config(cfg: dict[str, Any], where: str) -> ModelArch:
         raise ValueError(f"{where}: only silu MLPs without bias are supported")
     quantization = cfg.get("quantization_config")
     if quantization:  # FP8 loads (workers/layers/quantization/fp8.py); anything else is refused
-        from atomrt.workers.layers.quantization.fp8 import Fp8Config
-
         Fp8Config.from_hf(quantization, where)
     try:
         num_heads = int(cfg["num_attention_heads"])

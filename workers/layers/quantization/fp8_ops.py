@@ -10,6 +10,8 @@ import torch
 
 from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.runtime.forward_context import get_forward_context
+from atomrt.workers.kernels.gemm.fp8_gemm import w8a8_fp8_linear
+from atomrt.workers.kernels.moe.fused_moe_fp8 import fused_experts_fp8
 from atomrt.workers.layers.quantization.fp8 import fp8_experts_ref, fp8_linear_ref
 
 
@@ -23,8 +25,6 @@ def _fp8_linear_impl(
     """x [M, K] @ FP8 weight [N, K]^T -> [M, N] in x's dtype."""
     group = group_k or None
     if x.is_cuda:
-        from atomrt.workers.kernels.gemm.fp8_gemm import w8a8_fp8_linear
-
         return w8a8_fp8_linear(x, weight, weight_scale, input_scale, group)
     return fp8_linear_ref(x, weight, weight_scale, input_scale, group)
 
@@ -55,8 +55,6 @@ def _fp8_routed_experts_impl(
         tally.record(w13, topk_ids)
     group = group_k or None
     if x.is_cuda:
-        from atomrt.workers.kernels.moe.fused_moe_fp8 import fused_experts_fp8
-
         return fused_experts_fp8(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, group)
     return fp8_experts_ref(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, group)
 
