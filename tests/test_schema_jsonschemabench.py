@@ -90,6 +90,7 @@ def test_a_few_real_world_schemas_of_each_subset(tiny) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # about 15 min on an idle 2-core machine
 def test_every_kept_real_world_schema(tiny) -> None:
     schemas = _schemas(1000)
     counts = run(tiny, schemas, 400)

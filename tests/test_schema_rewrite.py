@@ -25,11 +25,12 @@ def _check(schema, accepted, refused) -> None:
     grammar refuses nothing the schema allows among these)."""
     grammar = _grammar(schema)
     for text in accepted:
-        jsonschema.validate(json.loads(text), schema)
+        jsonschema.validate(json.loads(text), schema, jsonschema.validators.validator_for(schema))
         assert _is_grammar_accept_string(grammar, text), (schema, text)
     for text in refused:
         assert not _is_grammar_accept_string(grammar, text), (schema, text)
-        assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)), text
+        checker = jsonschema.validators.validator_for(schema)
+        assert not checker(schema).is_valid(json.loads(text)), text
 
 
 def _refused(schema, *words) -> str:
@@ -105,6 +106,7 @@ def test_satisfiable_arrays_and_objects_compile() -> None:
     _refused(
         {"type": "object", "properties": {"a": False}, "required": ["a"]}, "can never be satisfied"
     )
+    _check({"type": "object", "minProperties": 1}, ['{"a": 1}', '{"x": [], "y": null}'], ["{}"])
 
 
 def test_one_of_is_enforced_where_disjoint_and_refused_where_it_may_overlap() -> None:
@@ -162,3 +164,26 @@ def test_pattern_properties_and_property_names_hold_on_the_listed_properties() -
     }
     _check(schema, ['{"xa": 1}', "{}"], ['{"xa": "s"}', '{"long": 1}'])
     _refused({**schema, "required": ["long"]}, "can never be satisfied")
+
+
+def test_dependencies_hold_as_a_choice_of_absent_or_present_with_what_they_ask() -> None:
+    props = {"a": {"type": "integer"}, "b": {"type": "string"}}
+    _check(
+        {"type": "object", "properties": props, "dependentRequired": {"a": ["b"]}},
+        ['{"b": "x"}', '{"a": 1, "b": "x"}', "{}"],
+        ['{"a": 1}'],
+    )
+    _check(
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "type": "object",
+            "properties": props,
+            "dependencies": {"b": {"required": ["a"]}},
+        },
+        ['{"a": 1, "b": "x"}', '{"a": 1}'],
+        ['{"b": "x"}'],
+    )
+    _refused(
+        {"dependentRequired": {"a": ["b"]}, "additionalProperties": True},
+        "'dependentRequired' at #",
+    )

@@ -19,10 +19,13 @@ its JSON pointer in the schema). The rewrites:
 - a `required` name that `properties` does not list becomes a property of any JSON value (or of
   the `additionalProperties` schema); a property whose schema is `false` and that is not required
   is dropped where no other property is allowed;
-- an array with `minItems` and no `items` gets items of any JSON value;
+- an array with `minItems` and no `items` gets items of any JSON value, an object with more
+  `minProperties` than it lists properties of any JSON value beside them;
 - `patternProperties` and `propertyNames` apply to the listed properties where no other property
   is generated (no `additionalProperties`): a listed name a pattern matches gets its schema too, a
   name `propertyNames` refuses cannot appear;
+- `dependentRequired` / `dependentSchemas` / `dependencies` become an `anyOf` per property:
+  absent, or present with what it asks (where only the listed properties are generated);
 - a string length beside a `pattern` of one repeated character class is folded into the pattern;
   a string length without a pattern stays the backend's length rule, made JSON-safe
   (runtime/driver/grammar_compiler.py);
@@ -78,6 +81,7 @@ REWRITTEN = (
     "uniqueItems",
     "patternProperties",
     "propertyNames",
+    *("dependencies", "dependentRequired", "dependentSchemas"),
 )
 # The JSON Schema assertion keywords (drafts 4 to 2020-12) the backend does not enforce.
 UNENFORCED = (
@@ -85,9 +89,6 @@ UNENFORCED = (
     "if",
     "then",
     "else",
-    "dependentRequired",
-    "dependentSchemas",
-    "dependencies",
     "contains",
     "minContains",
     "maxContains",
@@ -163,6 +164,7 @@ _FAMILY = {
     "dependentSchemas": "object",
     "unevaluatedProperties": "object",
 }
+_DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
 _TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
 _APPLICATORS = ("$ref", "allOf", "anyOf", "oneOf")
 _CONTAINERS = ("$defs", "definitions")
@@ -287,10 +289,45 @@ class _Walk:
                 node = self.merge(
                     node, self.flat(b, _ptr(path, "allOf", i), depth + 1), path, depth
                 )
+        if any(k in node for k in _DEPENDENCIES):
+            node = self.dependencies(node, path, depth)
         if "oneOf" in node:
             node = self.one_of(node, path, depth)
         if "anyOf" in node and _asserts({k: v for k, v in node.items() if k != "anyOf"}):
             node = self.spread(node, path, depth)
+        return node
+
+    def dependencies(self, node: dict, path: str, depth: int) -> dict:
+        """`dependentRequired` / `dependentSchemas` / `dependencies` (a property's presence asks
+        for more) as an `anyOf` per property: absent (where only the listed properties are
+        generated, leaving it out of `properties` forbids it), or present with what it asks."""
+        if node.get("additionalProperties", None) not in (None, False):
+            key = next(k for k in _DEPENDENCIES if k in node)
+            raise refuse(path, key, "beside 'additionalProperties' cannot be enforced")
+        rules: list[tuple[str, Any, str]] = []
+        for key in _DEPENDENCIES:
+            deps = node.pop(key, None)
+            if deps is None:
+                continue
+            if not isinstance(deps, dict):
+                raise refuse(path, key, "must be an object")
+            rules += [(name, then, key) for name, then in deps.items()]
+        for name, then, key in rules:
+            at = _ptr(path, key, name)
+            if then is True or then == []:
+                continue
+            if isinstance(then, list):
+                if not all(isinstance(n, str) for n in then):
+                    raise refuse(at, key, "must list property names")
+                present: Any = {"required": [name, *then]}
+            elif then is False:
+                present = None
+            else:
+                present = self.merge({"required": [name]}, self.flat(then, at, depth + 1), at)
+            absent = {"properties": {name: False}}
+            node = self.merge(
+                node, {"anyOf": [absent] + ([present] if present is not None else [])}, path, depth
+            )
         return node
 
     def one_of(self, node: dict, path: str, depth: int) -> dict:
@@ -785,8 +822,10 @@ class _Walk:
                         f"{name!r} is required but additionalProperties is false",
                     )
                 props[name] = {} if extra in (None, True) else extra
+        only_listed = "patternProperties" in out or "propertyNames" in out
         self.names(out, props, required, extra, path, depth)
         walked = {}
+        left_out = False  # a property that must not appear, forbidden by leaving it out
         for name, sub in props.items():
             at = _ptr(path, "properties", name)
             if sub is False:
@@ -799,12 +838,14 @@ class _Walk:
                         "(a property that must not appear) cannot be enforced while other "
                         "properties are allowed ('additionalProperties')",
                     )
+                left_out = True
                 continue  # objects hold only the listed properties: leaving it out forbids it
             try:
                 walked[name] = self.node(sub, at, depth + 1)
             except SchemaRefused as e:
                 if e.keyword is not None or name in required or extra not in (None, False):
                     raise
+                left_out = True
         if props or "properties" in out:
             out["properties"] = walked
         if required:
@@ -816,6 +857,16 @@ class _Walk:
         for k in ("minProperties", "maxProperties"):
             if k in out and (not _is_int(out[k]) or out[k] < 0):
                 raise refuse(path, k, "must be an integer >= 0")
+        if extra is None and out.get("minProperties", 0) > len(walked):
+            # more properties than it lists: others of any value (xgrammar would allow none)
+            if left_out or only_listed:
+                raise refuse(
+                    path,
+                    "minProperties",
+                    "above the listed properties cannot be enforced beside properties that must "
+                    "not appear",
+                )
+            out["additionalProperties"] = {}
 
 
 def _draft4(node: dict, path: str) -> dict:
