@@ -12,6 +12,7 @@ engine, DeepSeek-V4-Flash's shape built on the meta device.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -280,11 +281,106 @@ class _OpLog(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _LoggedStreams:
+    """The stream operations of workers/layers/v4_streams.py on the CPU, each one appended to
+    `log` (streams and events by name): what the fork and join would do on CUDA, in order."""
+
+    class Stream:
+        def __init__(self, name: str, log: list) -> None:
+            self.name, self.log = name, log
+
+        def wait_event(self, event: object) -> None:
+            self.log.append(("wait", self.name, event.name))
+
+    class Event:
+        def __init__(self, name: str, log: list) -> None:
+            self.name, self.log = name, log
+
+        def record(self, stream: object) -> None:
+            self.log.append(("record", self.name, stream.name))
+
+    def __init__(self, log: list) -> None:
+        self.log, self.made = log, 0
+        self.main = self.Stream("main", log)
+
+    def current(self, device: torch.device) -> object:
+        return self.main
+
+    def new_stream(self, device: torch.device) -> object:
+        self.made += 1
+        return self.Stream("side", self.log)
+
+    def new_event(self) -> object:
+        self.made += 1
+        return self.Event(f"event{self.made}", self.log)
+
+    @contextlib.contextmanager
+    def use(self, stream: object):
+        self.log.append(("on", stream.name))
+        yield
+        self.log.append(("off", stream.name))
+
+
+def test_side_stream_fork_join_order() -> None:
+    """The fork: an event on the current stream, the side stream waits on it, the body on the
+    side stream, an event there; the join: the current stream waits on that event and lets the
+    kept tensors go. A sliding layer's join is a no-op; a fork not joined is an error naming both
+    layers. The stream and events are made once and reused by every fork."""
+    from atomrt.workers.layers.v4_streams import V4SideStreams
+
+    log: list = []
+    api = _LoggedStreams(log)
+    pool = V4SideStreams(api)
+    dev = torch.device("cpu")
+    for _ in range(2):
+        kept = torch.ones(3)
+        with pool.fork(0, dev, keep=(kept,)):
+            log.append(("body", 0))
+        assert pool.pending_layer == 0 and pool._pending[2][0] is kept
+        pool.join(0, dev)
+        assert pool.pending_layer is None
+        pool.join(1, dev)  # a sliding layer: nothing open
+    once = [
+        ("record", "event2", "main"),
+        ("wait", "side", "event2"),
+        ("on", "side"),
+        ("body", 0),
+        ("record", "event3", "side"),
+        ("off", "side"),
+        ("wait", "main", "event3"),
+    ]
+    assert log == once * 2
+    assert api.made == 3  # one stream, two events, for every step
+    with pool.fork(2, dev, keep=()):
+        pass
+    with pytest.raises(RuntimeError, match="fork of layer 3 while layer 2"):
+        with pool.fork(3, dev, keep=()):
+            pass
+    assert pool.pending_layer is None  # the next step starts clean
+    with pool.fork(2, dev, keep=()):
+        pass
+    with pytest.raises(RuntimeError, match="attention of layer 4 while layer 2"):
+        pool.join(4, dev)
+    # a body that raises leaves no fork open; off CUDA (no stream api) only the bookkeeping runs
+    with pytest.raises(ValueError):
+        with pool.fork(5, dev, keep=()):
+            raise ValueError("body")
+    assert pool.pending_layer is None
+    plain = V4SideStreams()
+    with plain.fork(0, dev, keep=()):
+        pass
+    assert plain.pending_layer == 0 and plain._made == {}
+    plain.join(0, dev)
+    assert plain.pending_layer is None
+
+
 def test_recording_plan(folders: dict[str, Path]) -> None:
     """What a TR_HYBRID decode bucket records, checked on the CPU with a logging segment backend:
     the unit is DeepseekV4ForCausalLM alone; each compressed layer's compressor launch runs inside
-    a recorded segment (inline, ahead of its layer's eager region); one eager region per attention
-    layer (`_v4_attend`, in layer order), so num_layers + 1 segments; decode buckets only."""
+    a recorded segment (inline, ahead of its layer's eager region), forking onto the side stream
+    and joined back in that same segment before the eager region (the stream operations logged
+    as CUDA would run them); one eager region per attention layer (`_v4_attend`, in layer order),
+    so num_layers + 1 segments; decode buckets only."""
     from model_harness import PagedHarness
     from test_region_graph_cpu import FakeBackend
     from v4_harness import decode_step_context
@@ -301,6 +397,7 @@ def test_recording_plan(folders: dict[str, Path]) -> None:
     harness.step(prompts, [0, 0])
     ids, pos, md, ctx = decode_step_context(harness, [5, 6], [len(p) for p in prompts])
     log: list = []
+    model.model.side_streams._streams = _LoggedStreams(log)
     graph = token_graph_of(model, backend=FakeBackend(log))
     with (
         torch.inference_mode(),
@@ -328,6 +425,15 @@ def test_recording_plan(folders: dict[str, Path]) -> None:
         assert launches == (
             [("op", "v4_attn_compress_launch", i)] if t != "sliding_attention" else []
         )
+        # fork (the side stream waits on the current one) and join (the current one waits on
+        # the side stream) inside the segment, after the launch; nothing else on the side stream
+        streams = [e for e in log[seg:end] if e[0] in ("record", "wait")]
+        fork_join = [("record", "main"), ("wait", "side"), ("record", "side"), ("wait", "main")]
+        on = [(e[0], e[2] if e[0] == "record" else e[1]) for e in streams]  # (what, stream)
+        assert on == (fork_join if t != "sliding_attention" else [])
+        if streams:
+            assert log.index(launches[0], seg) < log.index(streams[0], seg)
+    assert [e for e in log[log.index(("end", len(layer_types) - 1)) :] if e[0] == "wait"] == []
     assert captured_token_sizes(model, "decode") == [2]
     assert captured_token_sizes(model, "prefill") == []
 

@@ -49,9 +49,11 @@ Blocks behind the window are not freed (their rows hold the entries). A draft re
 speculative decoding leaves rows that the position's next computation rewrites, entry included.
 
 The ops. A compressed layer first runs `v4_attn_compress_launch` (ahead of its query and key
-projections; a splitting op that a token graph records inline): the step's compressor rows into
-the cache, and for every row the entry of the window it would end, kept where it does (planned
-from the row count: the window's slots through the block table on the device). Then every layer
+projections; a splitting op that a token graph records inline; on CUDA forked onto the model's side
+stream, workers/layers/v4_streams.py, and joined back by `v4_attention` before its eager region):
+its compressors' projections of the step's rows into the cache, and for every row the entry of
+the window it would end, kept where it does (planned from the row count: the window's slots
+through the block table on the device). Then every layer
 runs `v4_attention`: the window key into the rows and the cache, then `_v4_attend`, the layer's
 eager region, planned from the step's sequences: the indexer's scores and top-k (CSA) and the
 attention over the window and the entries. CUDA takes the kernels (workers/kernels/v4/) for the
@@ -75,6 +77,7 @@ from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_sta
 from atomrt.workers.layers.attention_ref import to_cache_dtype
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_hyper import unweighted_rms_norm
+from atomrt.workers.layers.v4_streams import V4SideStreams
 from atomrt.workers.layers.weight_utils import divide
 
 # the layer types (config.json `layer_types`)
@@ -231,9 +234,12 @@ class V4Attention(PagedAttentionLayer):
         eps: float,
         rotary: RotaryEmbedding,
         tp: TPInfo = TPInfo(),
+        side_streams: Optional[V4SideStreams] = None,
     ) -> None:
         super().__init__()
         self.layer_idx, self.layer_type = layer_idx, layer_type
+        # the model's compressor side stream (one per model, shared by its layers)
+        self.side_streams = side_streams if side_streams is not None else V4SideStreams()
         self.tp = tp
         # this rank's heads and output groups (whole groups: a group's heads stay together)
         group_width = num_heads * head_dim // o_groups
@@ -285,19 +291,8 @@ class V4Attention(PagedAttentionLayer):
         first (their launch needs no query), then the query and the window key."""
         n = x.shape[0]
         rows = x.new_zeros(n, self.spec.elements_per_token())
-        if self.compressor is not None:
-            ikv = igate = None
-            if self.indexer is not None:
-                ikv, igate = self.indexer.compressor.wkv(x), self.indexer.compressor.wgate(x)
-            torch.ops.atomrt.v4_attn_compress_launch(
-                self.compressor.wkv(x),
-                self.compressor.wgate(x),
-                ikv,
-                igate,
-                rows,
-                positions,
-                self.layer_idx,
-            )
+        if self.compressor is not None:  # forks onto the side stream; v4_attention joins
+            torch.ops.atomrt.v4_attn_compress_launch(x, rows, positions, self.layer_idx)
         cos, sin = self._cos_sin(positions)
         cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)
         q_res = self.q_norm(self.wq_a(x))
@@ -434,21 +429,29 @@ def _write_rows(md: object, cache: Optional["V4CacheTensor"], rows: torch.Tensor
 
 
 def v4_attn_compress_launch(
-    ckv: torch.Tensor,
-    cgate: torch.Tensor,
-    ikv: Optional[torch.Tensor],
-    igate: Optional[torch.Tensor],
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    layer_idx: int,
+    x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, layer_idx: int
 ) -> None:
-    """The split op ahead of a compressed layer's query: the step's compressor projections into
-    `rows` [n, width] and the cache (at slot_mapping); then, for each row whose position ends a
-    compressor window, the window's entry and the indexer's, pooled from its tokens' rows (the
-    earlier ones from the cache) into the row. Sized by the row count: every row pools a
-    candidate, kept where its position ends a window; no host data, so a token graph records it
-    inline."""
-    layer, md, cache = paged_layer_state(layer_idx)
+    """The split op ahead of a compressed layer's query, x [n, hidden] the attention's input:
+    forks onto the model's side stream (workers/layers/v4_streams.py; `v4_attention` joins it)
+    and there runs the compressors: the step's projections into `rows` [n, width] and the cache
+    (at slot_mapping); then, for each row whose position ends a compressor window, the window's
+    entry and the indexer's, pooled from its tokens' rows (the earlier ones from the cache) into
+    the row. Sized by the row count: every row pools a candidate, kept where its position ends a
+    window; no host data, so a token graph records it inline."""
+    layer = paged_layer_state(layer_idx)[0]
+    with layer.side_streams.fork(layer_idx, rows.device, keep=(x, rows, positions)):
+        _compress(layer, x, rows, positions, layer_idx)
+
+
+def _compress(
+    layer: V4Attention, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, layer_idx: int
+) -> None:
+    """`v4_attn_compress_launch`'s work, on the side stream."""
+    _, md, cache = paged_layer_state(layer_idx)
+    ikv = igate = None
+    if layer.indexer is not None:
+        ikv, igate = layer.indexer.compressor.wkv(x), layer.indexer.compressor.wgate(x)
+    ckv, cgate = layer.compressor.wkv(x), layer.compressor.wgate(x)
     rows.copy_(layer.compressor_rows(ckv, cgate, ikv, igate))
     _write_rows(md, cache, rows)
     r, cols = layer.rate, layer.columns()
@@ -508,6 +511,8 @@ def v4_attention(
     for a compressed layer, zeros otherwise); iq [n, Hi, Di]; iw [n, Hi] float32. Writes the keys
     into the rows and the cache, then attends (`_v4_attend`, the layer's eager region)."""
     layer, md, cache = paged_layer_state(layer_idx)
+    # the compressors' side stream joins here, before the eager region: one recorded segment
+    layer.side_streams.join(layer_idx, rows.device)
     rows[:, : kv.shape[1]] = kv
     _write_rows(md, cache, rows)  # whole rows: the compressor's columns are in `rows` too
     _v4_attend(q, rows, iq, iw, output, layer_idx)
@@ -690,13 +695,7 @@ def _index_select(
 
 
 def _compress_fake(
-    ckv: torch.Tensor,
-    cgate: torch.Tensor,
-    ikv: Optional[torch.Tensor],
-    igate: Optional[torch.Tensor],
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    layer_idx: int,
+    x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, layer_idx: int
 ) -> None:
     return None
 

@@ -19,8 +19,9 @@ eagerly, and no dummy prefill is recorded.
 
 Recorded structure of a layer (docs/compilation-and-graphs.md): the compressor launch
 (`v4_attn_compress_launch`, a splitting op sized by the row count) inline, ahead of the query and
-key projections; the attention (`_v4_attend`, planned from the step's sequences) the one eager
-region; everything else inline.
+key projections, on the model's side stream (`side_streams`) on CUDA, joined back by the attention
+op before its eager region, in the same segment; the attention (`_v4_attend`, planned from the
+step's sequences) the one eager region; everything else inline.
 
 Checkpoints: the names DeepSeek publishes and transformers writes back (`layers.<i>.attn.wq_a`,
 `...compressor.wkv`, `...indexer.wq_b`, `ffn.experts.<e>.w1`, `hc_attn_fn`, `hc_head_fn`, `head`,
@@ -45,6 +46,7 @@ from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_attention import Norm, V4Attention
 from atomrt.workers.layers.v4_hyper import HyperConnection, HyperHead, hyper_residual
 from atomrt.workers.layers.v4_moe import V4MoE
+from atomrt.workers.layers.v4_streams import V4SideStreams
 from atomrt.workers.layers.weight_utils import Sliceable, read_all, read_narrow, shape_of
 from atomrt.workers.models.arch import ModelArch
 
@@ -66,7 +68,13 @@ _LAYER_RENAMES = tuple(  # a layer's mHC tensors -> its HyperConnection modules'
 
 class V4DecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArch, i: int, rotary: dict[str, RotaryEmbedding], tp: TPInfo, dp: DPInfo
+        self,
+        arch: ModelArch,
+        i: int,
+        rotary: dict[str, RotaryEmbedding],
+        tp: TPInfo,
+        dp: DPInfo,
+        side_streams: V4SideStreams,
     ) -> None:
         super().__init__()
         v4 = arch.v4
@@ -94,6 +102,7 @@ class V4DecoderLayer(nn.Module):
             arch.rms_norm_eps,
             rotary["main" if layer_type == "sliding_attention" else "compress"],
             tp,
+            side_streams,
         )
         self.ffn = V4MoE(
             arch.hidden_size,
@@ -156,8 +165,11 @@ class DeepseekV4Model(nn.Module):
             ),
         }
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # the compressors' side stream, one for the model (made on first CUDA use)
+        self.side_streams = V4SideStreams()
         self.layers = nn.ModuleList(
-            V4DecoderLayer(arch, i, rotary, tp, dp) for i in range(arch.num_layers)
+            V4DecoderLayer(arch, i, rotary, tp, dp, self.side_streams)
+            for i in range(arch.num_layers)
         )
         self.hc_head = HyperHead(arch.hidden_size, v4.hc_mult, v4.hc_eps, arch.rms_norm_eps)
         self.norm = Norm(arch.hidden_size, arch.rms_norm_eps)
