@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from atomrt.runtime.config import (
+    SPEC_METHODS,
     CompilationConfig,
     Config,
     ConfigError,
@@ -15,6 +16,7 @@ from atomrt.runtime.config import (
     SpeculativeConfig,
 )
 from atomrt.runtime.config_io import build_config, dump_yaml
+from atomrt.runtime.driver.proposers import PROPOSERS, make_proposer
 from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
 from atomrt.runtime.entrypoints.llm import config_from_kwargs
 
@@ -112,6 +114,21 @@ def test_mtp_forms():
         parallel_config=ParallelConfig(tensor_parallel_size=2),
     )
     assert tp2.speculative_config.draft_tensor_parallel_size == 2
+
+
+def test_every_method_has_one_proposer():
+    """Each method SpeculativeConfig accepts has its driver half, built by one factory; the block
+    manager recomputes a prefix hit's last block for MTP only."""
+    assert set(PROPOSERS) == set(SPEC_METHODS)
+    specs = {
+        "ngram": SpeculativeConfig(3, "ngram"),
+        "draft_model": SpeculativeConfig(3, "draft_model", model="draft"),
+        "mtp": SpeculativeConfig(3, "mtp"),
+    }
+    for method, spec in specs.items():
+        proposer = make_proposer(spec)
+        assert type(proposer) is PROPOSERS[method] and proposer.method == method
+        assert proposer.recompute_last_hit == (method == "mtp")
 
 
 def test_two_batch_overlap_does_not_split_verify_steps():

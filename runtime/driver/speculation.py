@@ -2,8 +2,9 @@
 
 Each step, a running sequence that decodes and may speculate verifies up to
 `num_speculative_tokens` (k) draft tokens: the scheduler asks `drafts(seq, room)` for them and
-schedules them as extra query rows after the sequence's last token. The n-gram proposer runs here,
-on the sequence's own tokens; a draft model runs on the workers within the step, so its rows go out
+schedules them as extra query rows after the sequence's last token, from the method's proposer
+(runtime/driver/proposers.py). The n-gram proposer runs on the driver, on the sequence's own
+tokens; a draft model runs on the workers within the step, so its rows go out
 as `DRAFT_TOKEN` and the worker fills them in; the MTP layers run on the workers after a step's
 tokens are sampled, and the step's result brings each sequence's drafts for its next step
 (`StepResult.draft_token_ids`, kept on the sequence). The workers return how many drafts each sequence
@@ -36,11 +37,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from atomrt.distributed.messages import DRAFT_TOKEN, StepResult
+from atomrt.distributed.messages import StepResult
 from atomrt.runtime.config import Config, ConfigError, SpeculativeConfig
+from atomrt.runtime.driver.proposers import make_proposer
 from atomrt.workers.loading.loader import read_arch
 from atomrt.workers.spec_decode.draft_model import draft_config
-from atomrt.workers.spec_decode.ngram import ngram_propose
 
 if TYPE_CHECKING:
     from atomrt.runtime.driver.scheduler import SchedulerOutput
@@ -197,14 +198,19 @@ class Speculation:
         steps speculate."""
         self.config = config
         self.k = config.num_speculative_tokens
-        self.is_ngram = config.method == "ngram"
-        self.is_mtp = config.method == "mtp"
+        self.proposer = make_proposer(config, pad)
         self.pad = pad
         self.policy: Optional[SpecPolicy] = None  # capture records plain buckets for it too
-        if self.is_ngram and config.adaptive and async_scheduling:
+        if self.proposer.adaptive and config.adaptive and async_scheduling:
             self.policy = SpecPolicy()
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k)
         self._last_log = time.monotonic()
+
+    @property
+    def is_mtp(self) -> bool:
+        """Whether a prefix-cache hit's last block is computed again (the block manager's
+        `recompute_last_hit`): the proposer's say."""
+        return self.proposer.recompute_last_hit
 
     def wants_drafts(self) -> bool:
         """Whether the next step proposes drafts: always without a policy, else when the policy
@@ -236,33 +242,19 @@ class Speculation:
         n = min(self.k, room)
         if n <= 0 or not speculates(seq) or seq.num_pending:
             return []
-        if self.is_mtp:  # what the workers proposed after its last token, if it still ends there
-            proposal = seq.proposed_drafts[:n] if seq.proposed_at == seq.num_tokens else []
-            if seq.grammar is not None:  # cut at the first draft its grammar refuses
-                return seq.grammar.valid_drafts(proposal, pad_to=0)
-            return proposal
-        if not self.is_ngram:  # a constrained sequence's verify rows need its drafts' masks
-            return [DRAFT_TOKEN] * n if seq.grammar is None else []
-        c = self.config
-        proposal = ngram_propose(seq.token_ids, n, c.prompt_lookup_min, c.prompt_lookup_max)
-        if seq.grammar is not None:  # cut at the first draft its grammar refuses
-            return seq.grammar.valid_drafts(proposal, pad_to=n if self.pad else 0)
-        if self.pad and len(proposal) < n:
-            proposal += [proposal[-1] if proposal else seq.token_ids[-1]] * (n - len(proposal))
-        return proposal
+        return self.proposer.propose(seq, n)
 
     def observe(self, out: SchedulerOutput, res: StepResult) -> None:
-        """Count one step's drafts and acceptances (and log them every LOG_PERIOD_S); keep the MTP
-        drafts it proposed on their sequences (before `Scheduler.postprocess` appends the step's
-        tokens: the drafts follow them)."""
+        """Count one step's drafts and acceptances (and log them every LOG_PERIOD_S); hand the
+        result to the proposer (before `Scheduler.postprocess` appends the step's tokens: MTP
+        drafts follow them)."""
         stats = self.stats
         stats.num_eager_draft_passes += res.num_eager_draft_passes
         stats.draft_seconds += res.draft_seconds
         if not len(res.num_accepted):
             return
         accepted = dict(zip(res.seq_ids.tolist(), res.num_accepted.tolist()))
-        if len(res.draft_token_ids):
-            self._keep_drafts(out, res, accepted)
+        self.proposer.after_step(out, res, accepted)
         for row in out.scheduled:
             k_s = row.num_draft_tokens
             if not k_s or row.seq.seq_id not in accepted:
@@ -277,19 +269,6 @@ class Speculation:
         if now - self._last_log >= LOG_PERIOD_S and stats.num_drafts:
             self._last_log = now
             logger.info("speculative decoding: %s", stats.summary())
-
-    def _keep_drafts(self, out: SchedulerOutput, res: StepResult, accepted: dict[int, int]) -> None:
-        """Each sampled sequence's k drafts, valid once its 1 + accepted tokens are appended."""
-        k = self.k
-        drafts = res.draft_token_ids.reshape(-1, k).tolist()
-        at = {s: i for i, s in enumerate(res.seq_ids.tolist())}
-        for row in out.scheduled:
-            i = at.get(row.seq.seq_id)
-            if i is None or not row.is_sampled:
-                continue
-            seq = row.seq
-            seq.proposed_drafts = drafts[i]
-            seq.proposed_at = seq.num_tokens + 1 + accepted[seq.seq_id]
 
 
 def make_speculation(

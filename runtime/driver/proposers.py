@@ -1,0 +1,107 @@
+"""The driver's half of each speculative method, one class per method: the drafts a sequence
+verifies this step, what a step's result leaves for the next, and what the block manager must do
+for it. `make_proposer` builds the one `speculative_config.method` names, from `PROPOSERS`; the
+worker's half of each lives in workers/spec_decode/.
+
+- `NgramProposer`: prompt lookup on the sequence's own tokens, here on the driver.
+- `DraftModelProposer`: a draft model on the workers proposes within the step, so its rows go out
+  as `DRAFT_TOKEN` and the worker fills them in.
+- `MTPProposer`: the target's MTP layers run on the workers after a step's tokens are sampled; the
+  step's result brings each sequence's drafts for its next step, kept on the sequence.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from atomrt.distributed.messages import DRAFT_TOKEN, StepResult
+from atomrt.runtime.config import SpeculativeConfig
+from atomrt.workers.spec_decode.ngram import ngram_propose
+
+if TYPE_CHECKING:
+    from atomrt.runtime.driver.scheduler import SchedulerOutput
+    from atomrt.runtime.driver.sequence import Sequence
+
+
+class Proposer:
+    """One speculative method's driver half."""
+
+    method: ClassVar[str]
+    # a prefix-cache hit leaves its last block to compute again (BlockManager.recompute_last_hit)
+    recompute_last_hit: ClassVar[bool] = False
+    # its drafts cost nothing when a step goes without them, so a SpecPolicy may pause it
+    adaptive: ClassVar[bool] = False
+
+    def __init__(self, config: SpeculativeConfig, pad: bool = False) -> None:
+        """`pad`: pad proposals to k where the method can (request graphs serve only uniform
+        verify steps)."""
+        self.config = config
+        self.pad = pad
+
+    def propose(self, seq: Sequence, n: int) -> list[int]:
+        """At most `n` (> 0) drafts for a sequence that speculates this step."""
+        raise NotImplementedError
+
+    def after_step(self, out: SchedulerOutput, res: StepResult, accepted: dict[int, int]) -> None:
+        """A step's result is in, before its tokens are appended; `accepted`: seq_id -> how many
+        of its drafts were accepted."""
+
+
+class NgramProposer(Proposer):
+    method = "ngram"
+    adaptive = True
+
+    def propose(self, seq: Sequence, n: int) -> list[int]:
+        c = self.config
+        proposal = ngram_propose(seq.token_ids, n, c.prompt_lookup_min, c.prompt_lookup_max)
+        if seq.grammar is not None:  # cut at the first draft its grammar refuses
+            return seq.grammar.valid_drafts(proposal, pad_to=n if self.pad else 0)
+        if self.pad and len(proposal) < n:
+            proposal += [proposal[-1] if proposal else seq.token_ids[-1]] * (n - len(proposal))
+        return proposal
+
+
+class DraftModelProposer(Proposer):
+    method = "draft_model"
+
+    def propose(self, seq: Sequence, n: int) -> list[int]:
+        # a constrained sequence's verify rows need its drafts' masks, which the driver never sees
+        return [DRAFT_TOKEN] * n if seq.grammar is None else []
+
+
+class MTPProposer(Proposer):
+    method = "mtp"
+    # an MTP drafter's KV at a position depends on the token after it, which a later sequence
+    # sharing the block need not share
+    recompute_last_hit = True
+
+    def propose(self, seq: Sequence, n: int) -> list[int]:
+        # what the workers proposed after its last token, if it still ends there
+        proposal = seq.proposed_drafts[:n] if seq.proposed_at == seq.num_tokens else []
+        if seq.grammar is not None:  # cut at the first draft its grammar refuses
+            return seq.grammar.valid_drafts(proposal, pad_to=0)
+        return proposal
+
+    def after_step(self, out: SchedulerOutput, res: StepResult, accepted: dict[int, int]) -> None:
+        """Each sampled sequence's k drafts, valid once its 1 + accepted tokens are appended."""
+        if not len(res.draft_token_ids):
+            return
+        drafts = res.draft_token_ids.reshape(-1, self.config.num_speculative_tokens).tolist()
+        at = {s: i for i, s in enumerate(res.seq_ids.tolist())}
+        for row in out.scheduled:
+            i = at.get(row.seq.seq_id)
+            if i is None or not row.is_sampled:
+                continue
+            seq = row.seq
+            seq.proposed_drafts = drafts[i]
+            seq.proposed_at = seq.num_tokens + 1 + accepted[seq.seq_id]
+
+
+PROPOSERS: dict[str, type[Proposer]] = {
+    cls.method: cls for cls in (NgramProposer, DraftModelProposer, MTPProposer)
+}
+
+
+def make_proposer(config: SpeculativeConfig, pad: bool = False) -> Proposer:
+    """The driver half of `config.method` (validated by SpeculativeConfig)."""
+    return PROPOSERS[config.method](config, pad)
