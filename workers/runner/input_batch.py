@@ -20,6 +20,7 @@ from atomrt.distributed.messages import (
     RankBatch,
     WorkerSamplingParams,
 )
+from atomrt.distributed.step_messages import BatchRows
 
 if TYPE_CHECKING:
     from atomrt.workers.runner.token_pool import TokenPool
@@ -98,7 +99,7 @@ class PromptRows:
 
 
 @dataclass
-class StepInputs:
+class StepInputs(BatchRows):
     """One DP rank's step as host arrays, rows in plan order."""
 
     seq_ids: np.ndarray  # int64 [bs]
@@ -122,14 +123,6 @@ class StepInputs:
     # MTP drafting: int64 [bs], the token after the rows of a sequence that samples nothing this
     # step (a prompt chunk that is not the last), -1 elsewhere (RankBatch.next_token_ids)
     next_token_ids: Optional[np.ndarray] = None
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_ids.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
     @property
     def max_seqlen_q(self) -> int:
