@@ -439,6 +439,11 @@ def v4_attn_compress_launch(
     the row. Sized by the row count: every row pools a candidate, kept where its position ends a
     window; no host data, so a token graph records it inline."""
     layer = paged_layer_state(layer_idx)[0]
+    if rows.is_cuda:
+        # x may be an intermediate of a compiled graph (the op not a splitting op, or level 2),
+        # whose memory the graph reuses after its last use there, which may come before the
+        # join: the side stream reads a copy of its own, made before the fork and kept by it
+        x = x.clone()
     with layer.side_streams.fork(layer_idx, rows.device, keep=(x, rows, positions)):
         _compress(layer, x, rows, positions, layer_idx)
 
