@@ -62,17 +62,9 @@ LAYER_NAMES = [
 ]
 
 
-# (importer, imported): import edges left out of the graph
-ALLOWED_EDGES = {
-    (
-        "atomrt.workers.layers.quantization.fp8",
-        "atomrt.workers.layers.moe",
-    ): "lazy, closes moe -> fp8_ops -> fp8 -> moe: the FP8 layer code belongs in its own module",
-    (
-        "atomrt.workers.layers.quantization.fp8",
-        "atomrt.workers.layers.quantization.fp8_ops",
-    ): "lazy, closes fp8_ops -> fp8 -> fp8_ops: the same split removes it",
-}
+# (importer, imported) -> why: import edges left out of the graph (none today)
+ALLOWED_EDGES: dict[tuple[str, str], str] = {}
+
 _BENCH = "drives LLM / EngineArgs as a user's script does; belongs beside the entry points"
 # modules outside runtime.entrypoints that import an entry point
 ENTRY_POINT_IMPORTERS = {
