@@ -118,7 +118,7 @@ def test_mtp_forms():
 
 def test_every_method_has_one_proposer():
     """Each method SpeculativeConfig accepts has its driver half, built by one factory; the block
-    manager recomputes a prefix hit's last block for MTP only."""
+    manager recomputes a prefix hit's last block, and the plan ships next tokens, for MTP only."""
     assert set(PROPOSERS) == set(SPEC_METHODS)
     specs = {
         "ngram": SpeculativeConfig(3, "ngram"),
@@ -128,7 +128,7 @@ def test_every_method_has_one_proposer():
     for method, spec in specs.items():
         proposer = make_proposer(spec)
         assert type(proposer) is PROPOSERS[method] and proposer.method == method
-        assert proposer.recompute_last_hit == (method == "mtp")
+        assert proposer.recompute_last_hit == proposer.needs_next_tokens == (method == "mtp")
 
 
 def test_two_batch_overlap_does_not_split_verify_steps():

@@ -486,7 +486,7 @@ def test_a_draft_model_must_share_the_vocabulary_and_cover_the_context(models, t
     import json
 
     from atomrt.runtime.config import ConfigError
-    from atomrt.runtime.driver.speculation import check_draft_model
+    from atomrt.runtime.driver.proposers import check_speculation
     from atomrt.workers.loading.loader import read_arch
 
     target = Config(model=str(models[0]), device="cpu")
@@ -502,7 +502,7 @@ def test_a_draft_model_must_share_the_vocabulary_and_cover_the_context(models, t
 
     def check(model: str, **kw) -> None:
         spec = {"model": model, "num_speculative_tokens": 2}
-        check_draft_model(Config(model=str(models[0]), speculative_config=spec, **kw), arch)
+        check_speculation(Config(model=str(models[0]), speculative_config=spec, **kw), arch)
 
     check(str(models[1]))
     with pytest.raises(ConfigError, match="speculative_config.model: the draft model's vocabulary"):

@@ -104,7 +104,7 @@ def _run(sched: Scheduler, seqs: list[Sequence], pipelined: bool) -> tuple[dict,
     inflight: deque[tuple[SchedulerOutput, dict, dict]] = deque()
     planner = RankPlanner()
     spec = sched.speculation
-    mtp = spec is not None and spec.is_mtp
+    mtp = spec is not None and spec.config.method == "mtp"
     steps = 0
     for _ in range(5000):
         if not sched.has_unfinished() and not inflight:

@@ -26,14 +26,10 @@ from atomrt.runtime.driver.interrupts import InterruptGuard
 from atomrt.runtime.driver.outputs import RequestOutput, make_request_output, merge_request_outputs
 from atomrt.runtime.driver.planner import RankPlanner, make_plan
 from atomrt.runtime.driver.prompt_logprobs import apply_prompt_logprobs
+from atomrt.runtime.driver.proposers import check_speculation
 from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
-from atomrt.runtime.driver.speculation import (
-    check_draft_model,
-    check_mtp,
-    make_speculation,
-    sampled_tokens,
-)
+from atomrt.runtime.driver.speculation import make_speculation, sampled_tokens
 from atomrt.runtime.driver.stats import EngineStats
 from atomrt.runtime.driver.structured_outputs import StructuredOutputs
 from atomrt.runtime.driver.ubatch_policy import check_tbo
@@ -118,8 +114,7 @@ class LLMEngine:
         check_parallel_layout(arch, pc.tensor_parallel_size, pc.data_parallel_size)
         check_tbo(pc.enable_tbo, arch)
         check_max_model_len(config, arch)
-        check_draft_model(config, arch)
-        check_mtp(config, arch)
+        check_speculation(config, arch)
         if tokenizer is not None and tokenizer.vocab_size > arch.vocab_size:
             raise ValueError(  # its ids would index past the model's embeddings
                 f"model_config.tokenizer: {tokenizer.vocab_size} tokens, more than the model's "
@@ -143,7 +138,7 @@ class LLMEngine:
         self.limits = RequestLimits(info.vocab_size, config.model_config.max_logprobs)
         cc = config.cache_config
         self.speculation = make_speculation(config, info.req_keys)
-        mtp = self.speculation is not None and self.speculation.is_mtp
+        proposer = self.speculation.proposer if self.speculation is not None else None
         self.schedulers = [
             Scheduler(
                 config.scheduler_config,
@@ -152,7 +147,7 @@ class LLMEngine:
                     info.num_kv_blocks,
                     cc.block_size,
                     cc.enable_prefix_caching,
-                    recompute_last_hit=mtp,
+                    recompute_last_hit=proposer is not None and proposer.recompute_last_hit,
                 ),
                 tokenizer=tokenizer,
                 max_model_len=self.max_model_len,
@@ -160,7 +155,8 @@ class LLMEngine:
             )
             for _ in range(config.parallel_config.data_parallel_size)
         ]
-        self.planners = [RankPlanner(next_tokens=mtp) for _ in self.schedulers]
+        next_tokens = proposer is not None and proposer.needs_next_tokens
+        self.planners = [RankPlanner(next_tokens=next_tokens) for _ in self.schedulers]
         sc = config.scheduler_config
         self.admission = Admission(sc.dp_prefill_align, sc.delay_factor, len(self.schedulers))
         captured = CapturedBuckets(

@@ -12,10 +12,12 @@ worker's half of each lives in workers/spec_decode/.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from atomrt.distributed.messages import DRAFT_TOKEN, StepResult
-from atomrt.runtime.config import SpeculativeConfig
+from atomrt.runtime.config import Config, ConfigError, SpeculativeConfig
+from atomrt.workers.loading.loader import read_arch
+from atomrt.workers.spec_decode.draft_model import draft_config
 from atomrt.workers.spec_decode.ngram import ngram_propose
 
 if TYPE_CHECKING:
@@ -31,12 +33,18 @@ class Proposer:
     recompute_last_hit: ClassVar[bool] = False
     # its drafts cost nothing when a step goes without them, so a SpecPolicy may pause it
     adaptive: ClassVar[bool] = False
+    # the plan ships the token after a prompt chunk that samples nothing (RankPlanner.next_tokens)
+    needs_next_tokens: ClassVar[bool] = False
 
     def __init__(self, config: SpeculativeConfig, pad: bool = False) -> None:
         """`pad`: pad proposals to k where the method can (request graphs serve only uniform
         verify steps)."""
         self.config = config
         self.pad = pad
+
+    @classmethod
+    def check(cls, config: Config, arch: Any) -> None:
+        """Raise ConfigError where the model cannot serve this method (checked before launch)."""
 
     def propose(self, seq: Sequence, n: int) -> list[int]:
         """At most `n` (> 0) drafts for a sequence that speculates this step."""
@@ -64,6 +72,26 @@ class NgramProposer(Proposer):
 class DraftModelProposer(Proposer):
     method = "draft_model"
 
+    @classmethod
+    def check(cls, config: Config, arch: Any) -> None:
+        """The draft model must exist, share the target's vocabulary and cover its context."""
+        try:
+            draft = read_arch(draft_config(config))
+        except ValueError as e:
+            raise ConfigError(f"speculative_config.model: {e}") from None
+        if draft.vocab_size != arch.vocab_size:
+            raise ConfigError(
+                f"speculative_config.model: the draft model's vocabulary ({draft.vocab_size} "
+                f"tokens) differs from the target's ({arch.vocab_size}); a draft model must share it"
+            )
+        max_len = config.model_config.max_model_len or arch.max_position
+        if draft.max_position < max_len:
+            raise ConfigError(
+                f"speculative_config.model: the draft model's context ({draft.max_position} "
+                f"tokens) is shorter than the engine's ({max_len}); lower "
+                "model_config.max_model_len"
+            )
+
     def propose(self, seq: Sequence, n: int) -> list[int]:
         # a constrained sequence's verify rows need its drafts' masks, which the driver never sees
         return [DRAFT_TOKEN] * n if seq.grammar is None else []
@@ -74,6 +102,17 @@ class MTPProposer(Proposer):
     # an MTP drafter's KV at a position depends on the token after it, which a later sequence
     # sharing the block need not share
     recompute_last_hit = True
+    needs_next_tokens = True  # the MTP layer's input at a prompt chunk's last row
+
+    @classmethod
+    def check(cls, config: Config, arch: Any) -> None:
+        """MTP drafting needs a DeepSeek-family model whose checkpoint has MTP layers."""
+        if not arch.is_mla or arch.num_nextn_predict_layers < 1:
+            raise ConfigError(
+                f"speculative_config.method 'mtp': {config.model} has no multi-token-prediction "
+                f"layers (architecture {arch.architecture}, num_nextn_predict_layers "
+                f"{arch.num_nextn_predict_layers}); use 'ngram' or 'draft_model'"
+            )
 
     def propose(self, seq: Sequence, n: int) -> list[int]:
         # what the workers proposed after its last token, if it still ends there
@@ -105,3 +144,10 @@ PROPOSERS: dict[str, type[Proposer]] = {
 def make_proposer(config: SpeculativeConfig, pad: bool = False) -> Proposer:
     """The driver half of `config.method` (validated by SpeculativeConfig)."""
     return PROPOSERS[config.method](config, pad)
+
+
+def check_speculation(config: Config, arch: Any) -> None:
+    """Whether the model can serve `speculative_config`'s method (before launch); none: nothing."""
+    spec = config.speculative_config
+    if spec is not None:
+        PROPOSERS[spec.method].check(config, arch)

@@ -35,13 +35,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from atomrt.distributed.messages import StepResult
-from atomrt.runtime.config import Config, ConfigError, SpeculativeConfig
+from atomrt.runtime.config import Config, SpeculativeConfig
 from atomrt.runtime.driver.proposers import make_proposer
-from atomrt.workers.loading.loader import read_arch
-from atomrt.workers.spec_decode.draft_model import draft_config
 
 if TYPE_CHECKING:
     from atomrt.runtime.driver.scheduler import SchedulerOutput
@@ -206,12 +204,6 @@ class Speculation:
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k)
         self._last_log = time.monotonic()
 
-    @property
-    def is_mtp(self) -> bool:
-        """Whether a prefix-cache hit's last block is computed again (the block manager's
-        `recompute_last_hit`): the proposer's say."""
-        return self.proposer.recompute_last_hit
-
     def wants_drafts(self) -> bool:
         """Whether the next step proposes drafts: always without a policy, else when the policy
         says so. While it does not, the scheduler may run steps ahead as async scheduling does
@@ -281,43 +273,6 @@ def make_speculation(
         return None
     pad = any(d == spec.num_speculative_tokens for _, d in req_keys)
     return Speculation(spec, pad=pad, async_scheduling=config.scheduler_config.async_scheduling)
-
-
-def check_draft_model(config: Config, arch: Any) -> None:
-    """The draft model must exist, share the target's vocabulary and cover its context (checked
-    before launch)."""
-    spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
-        return
-    try:
-        draft = read_arch(draft_config(config))
-    except ValueError as e:
-        raise ConfigError(f"speculative_config.model: {e}") from None
-    if draft.vocab_size != arch.vocab_size:
-        raise ConfigError(
-            f"speculative_config.model: the draft model's vocabulary ({draft.vocab_size} tokens) "
-            f"differs from the target's ({arch.vocab_size}); a draft model must share it"
-        )
-    max_len = config.model_config.max_model_len or arch.max_position
-    if draft.max_position < max_len:
-        raise ConfigError(
-            f"speculative_config.model: the draft model's context ({draft.max_position} tokens) "
-            f"is shorter than the engine's ({max_len}); lower model_config.max_model_len"
-        )
-
-
-def check_mtp(config: Config, arch: Any) -> None:
-    """MTP drafting needs a DeepSeek-family model whose checkpoint has MTP layers (checked before
-    launch)."""
-    spec = config.speculative_config
-    if spec is None or spec.method != "mtp":
-        return
-    if not arch.is_mla or arch.num_nextn_predict_layers < 1:
-        raise ConfigError(
-            f"speculative_config.method 'mtp': {config.model} has no multi-token-prediction "
-            f"layers (architecture {arch.architecture}, num_nextn_predict_layers "
-            f"{arch.num_nextn_predict_layers}); use 'ngram' or 'draft_model'"
-        )
 
 
 def sampled_tokens(res: StepResult) -> dict[int, Union[int, list[int]]]:
