@@ -53,12 +53,13 @@ projections; a splitting op that a token graph records inline; on CUDA forked on
 stream, workers/layers/v4_streams.py, and joined back by `v4_attention` before its eager region):
 its compressors' projections of the step's rows into the cache, and for every row the entry of
 the window it would end, kept where it does (planned from the row count: the window's slots
-through the block table on the device). Then every layer
-runs `v4_attention`: the window key into the rows and the cache, then `_v4_attend`, the layer's
-eager region, planned from the step's sequences: the indexer's scores and top-k (CSA) and the
-attention over the window and the entries. CUDA takes the kernels (workers/kernels/v4/) for the
-pooling, the scores and the attention; the CPU the torch reference below (or the kernels through
-Triton's interpreter, `USE_KERNELS_ON_CPU`).
+through the block table on the device). Then every layer runs `v4_attention`: the window key
+into the rows and the cache, then for a compressed layer `_v4_attend`, its eager region,
+planned from the step's sequences: the indexer's scores and top-k (CSA) and the attention over
+the window and the entries; for a sliding layer `_window_attend`, each row's window through the
+block table on the device, sized by the row count (a token graph records it inline). CUDA takes
+the kernels (workers/kernels/v4/) for the pooling, the scores and the attention; the CPU the torch
+reference below (or the kernels through Triton's interpreter, `USE_KERNELS_ON_CPU`).
 """
 
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
@@ -305,7 +306,7 @@ class V4Attention(PagedAttentionLayer):
             iq = rope_tail(idx.wq_b(q_res).view(n, idx.n_heads, idx.head_dim), cos_h, sin_h)
             iw = idx.weights_proj(x).float() * idx.n_heads**-0.5
         out = torch.empty_like(q)
-        torch.ops.atomrt.v4_attention(q, kv, rows, iq, iw, out, self.layer_idx)
+        torch.ops.atomrt.v4_attention(q, kv, rows, positions, iq, iw, out, self.layer_idx)
         out = rope_tail(out, cos_h, -sin_h)  # the values' rotation turned back at the query's angle
         grouped = out.reshape(n, self.o_groups, -1)  # [n, G, H*D/G]
         w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
@@ -507,20 +508,61 @@ def v4_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
     rows: torch.Tensor,
+    positions: torch.Tensor,
     iq: Optional[torch.Tensor],
     iw: Optional[torch.Tensor],
     output: torch.Tensor,
     layer_idx: int,
 ) -> None:
     """q, output [n, H, D]; kv [n, D] the window keys; rows [n, width] (`v4_attn_compress_launch`'s
-    for a compressed layer, zeros otherwise); iq [n, Hi, Di]; iw [n, Hi] float32. Writes the keys
-    into the rows and the cache, then attends (`_v4_attend`, the layer's eager region)."""
+    for a compressed layer, zeros otherwise); positions [n]; iq [n, Hi, Di]; iw [n, Hi] float32.
+    Writes the keys into the rows and the cache, then attends: a compressed layer in
+    `_v4_attend`, its eager region; a sliding layer over the cache in `_window_attend`, planned
+    from the row count (recorded inline)."""
     layer, md, cache = paged_layer_state(layer_idx)
     # the compressors' side stream joins here, before the eager region: one recorded segment
     layer.side_streams.join(layer_idx, rows.device)
     rows[:, : kv.shape[1]] = kv
     _write_rows(md, cache, rows)  # whole rows: the compressor's columns are in `rows` too
-    _v4_attend(q, rows, iq, iw, output, layer_idx)
+    if layer.compressor is None and cache is not None and md is not None:
+        _window_attend(layer, md, cache, q, positions, output)
+    else:
+        _v4_attend(q, rows, iq, iw, output, layer_idx)
+
+
+def _window_attend(
+    layer: V4Attention,
+    md: object,
+    cache: "V4CacheTensor",
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    output: torch.Tensor,
+) -> None:
+    """A sliding layer's attention: each row's queries over the keys of its window, the tokens
+    p - window < t <= p of its sequence (p its position), read through the block table on the
+    device. No host data: sized by the row count, so a token graph records it inline."""
+    n, width = q.shape[0], cache.rows.shape[-1]
+    tokens = positions.long().unsqueeze(1) - torch.arange(
+        layer.window - 1, -1, -1, device=q.device
+    )  # [n, W], < 0 before the sequence's start
+    slots = _token_slots(md, cache.rows.shape[1], tokens)
+    if _use_kernels(q):
+        from atomrt.workers.kernels.v4.v4_kernels import v4_sparse_attention
+
+        offsets = torch.where(slots >= 0, slots * width, -1)
+        v4_sparse_attention(q, cache.rows, offsets, layer.attn_sink, layer.scale, output)
+        return
+    flat, d = cache.rows.view(-1, width), q.shape[-1]
+    for a in range(0, n, _QUERY_CHUNK):
+        b = min(n, a + _QUERY_CHUNK)
+        keys = _read(flat, slots[a:b].clamp(min=0))[..., :d].to(q.dtype)  # [m, W, D]
+        logits = torch.einsum("nhd,nwd->nhw", q[a:b], keys) * layer.scale
+        logits = logits.masked_fill((slots[a:b] < 0).unsqueeze(1), float("-inf"))
+        sink = layer.attn_sink.to(logits.dtype).view(1, -1, 1).expand(b - a, -1, 1)
+        combined = torch.cat((logits, sink), dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+        output[a:b].copy_(torch.einsum("nhw,nwd->nhd", probs, keys))
 
 
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
@@ -717,6 +759,7 @@ def _v4_attention_fake(
     q: torch.Tensor,
     kv: torch.Tensor,
     rows: torch.Tensor,
+    positions: torch.Tensor,
     iq: Optional[torch.Tensor],
     iw: Optional[torch.Tensor],
     output: torch.Tensor,
