@@ -74,6 +74,8 @@ def unified_attention_with_output(
             cu_cpu = _host_list(md.cu_seqlens_q_cpu, md.cu_seqlens_q)
         if rotary is not None:
             q, k = rotary(positions, q, k)
+        if layer.kv_amax is not None:  # calibrating the FP8 cache's scales (runner/kv_scales.py)
+            layer.kv_amax.observe(k, v)
         causal_attention_no_cache(q, k, v, output, cu_cpu, layer.scale)
         return
     if q.is_cuda:
@@ -81,7 +83,7 @@ def unified_attention_with_output(
         return
     if rotary is not None:
         q, k = rotary(positions, q, k)
-    write_kv_cache_ref(k, v, kv.k_cache, kv.v_cache, md.slot_mapping)
+    write_kv_cache_ref(k, v, kv.k_cache, kv.v_cache, md.slot_mapping, layer.k_scale, layer.v_scale)
     _attend(q, output, layer_idx)
 
 
@@ -249,6 +251,8 @@ def _attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
         md.block_tables,
         layer.scale,
         num_seqs,
+        layer.k_scale,
+        layer.v_scale,
     )
 
 
@@ -274,9 +278,19 @@ direct_register_custom_op(
 class PagedAttentionLayer(nn.Module):
     """A layer whose KV cache is the forward context's `kv_cache_data["layers.<layer_idx>"]` and
     whose op finds it in `no_compile_layers[layer_idx]`: `Attention`, and multi-head latent
-    attention (workers/layers/mla.py). `collect_attention_layers` finds them."""
+    attention (workers/layers/mla.py). `collect_attention_layers` finds them.
+
+    `k_scale` / `v_scale`: an FP8 (e4m3) cache's per-tensor scales, the factors that dequantize it
+    (the cache holds k / k_scale); a latent cache uses `k_scale`. Set at start-up, from the
+    checkpoint or calibrated (workers/runner/kv_scales.py); unused by a cache in the model's dtype.
+    `kv_scale_source` says where they came from; `kv_amax`, while calibrating, records the largest
+    |k| and |v| the layer writes."""
 
     layer_idx: int
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    kv_scale_source: str = "unit"  # unit | checkpoint | calibrated
+    kv_amax: Optional[Any] = None
 
 
 class Attention(PagedAttentionLayer):

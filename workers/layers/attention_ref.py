@@ -23,30 +23,44 @@ def write_kv_cache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping (rows with -1 are skipped);
-    an FP8 cache takes them saturated to e4m3's range."""
+    an FP8 cache takes k / k_scale and v / v_scale, saturated to e4m3's range."""
     num_tokens = slot_mapping.shape[0]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     # [num_blocks, block_size, num_kv_heads, head_dim] -> [num_slots, num_kv_heads, head_dim]
-    copy_rows(k_cache.view(-1, *k_cache.shape[2:]), slots, k[:num_tokens][valid])
-    copy_rows(v_cache.view(-1, *v_cache.shape[2:]), slots, v[:num_tokens][valid])
+    copy_rows(k_cache.view(-1, *k_cache.shape[2:]), slots, k[:num_tokens][valid], k_scale)
+    copy_rows(v_cache.view(-1, *v_cache.shape[2:]), slots, v[:num_tokens][valid], v_scale)
 
 
-def copy_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache[slots] = rows in the cache's dtype (an e4m3 cache copies bytes: CPU's index_copy_
-    has no float8 kernel)."""
-    rows = to_cache_dtype(rows, cache.dtype)
+def copy_rows(
+    cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float = 1.0
+) -> None:
+    """cache[slots] = rows in the cache's dtype, an e4m3 cache's over its per-tensor `scale` (it
+    copies bytes: CPU's index_copy_ has no float8 kernel)."""
+    rows = to_cache_dtype(rows, cache.dtype, scale)
     if cache.dtype == torch.float8_e4m3fn:
         cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
     cache.index_copy_(0, slots, rows)
 
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in a cache's dtype: an e4m3 cache (per-tensor scale 1.0) saturates at +-448."""
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x in a cache's dtype: an e4m3 cache holds x / scale (its per-tensor scale, the factor that
+    dequantizes it) saturated at +-448; any other cache is a plain cast."""
     if dtype == torch.float8_e4m3fn:
+        if scale != 1.0:
+            x = x.float() / scale
         x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x.to(dtype)
+
+
+def from_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cache rows widened to `dtype`: an e4m3 cache's times its per-tensor `scale`."""
+    if x.dtype == torch.float8_e4m3fn and scale != 1.0:
+        return (x.float() * scale).to(dtype)
     return x.to(dtype)
 
 
@@ -86,11 +100,22 @@ def paged_attention_ref(
     block_tables: torch.Tensor,
     scale: float,
     num_seqs: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Causal attention of each sequence's query rows over its cached context, written into out."""
+    """Causal attention of each sequence's query rows over its cached context, written into out
+    (an FP8 cache's rows dequantized by k_scale / v_scale)."""
     if num_seqs > 0 and cu_seqlens_q_cpu[: num_seqs + 1] == list(range(num_seqs + 1)):
         decode_attention_ref(
-            q, k_cache, v_cache, out, context_lens_cpu[:num_seqs], block_tables, scale
+            q,
+            k_cache,
+            v_cache,
+            out,
+            context_lens_cpu[:num_seqs],
+            block_tables,
+            scale,
+            k_scale,
+            v_scale,
         )
         return
     block_size = k_cache.shape[1]
@@ -102,8 +127,8 @@ def paged_attention_ref(
         num_blocks = -(-context_len // block_size)
         blocks = block_tables[s, :num_blocks].long()
         # [context_len, num_kv_heads, head_dim], widened from an FP8 cache
-        keys = k_cache[blocks].flatten(0, 1)[:context_len].to(q.dtype)
-        values = v_cache[blocks].flatten(0, 1)[:context_len].to(q.dtype)
+        keys = from_cache_dtype(k_cache[blocks].flatten(0, 1)[:context_len], q.dtype, k_scale)
+        values = from_cache_dtype(v_cache[blocks].flatten(0, 1)[:context_len], q.dtype, v_scale)
         out[q_start:q_end] = causal_sdpa(q[q_start:q_end], keys, values, scale, context_len - n_q)
     out[cu_seqlens_q_cpu[num_seqs] :] = 0
 
@@ -116,6 +141,8 @@ def decode_attention_ref(
     context_lens_cpu: list[int],
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of one query row per sequence (row s at position context_lens_cpu[s] - 1, which sees
     its whole context) over the paged cache, written into out[:num_seqs]; rows past them are zeroed."""
@@ -128,18 +155,16 @@ def decode_attention_ref(
         block_tables[:num_seqs, :num_blocks].long().clamp_min(0).flatten()
     )  # [num_seqs * num_blocks]
     # [num_blocks_total, block_size, num_kv_heads, head_dim] -> [num_seqs, num_kv_heads, max_len, head_dim]
-    keys = (
-        k_cache.index_select(0, blocks)
-        .view(num_seqs, max_len, num_kv_heads, head_dim)
-        .transpose(1, 2)
-        .to(q.dtype)  # widened from an FP8 cache
-    )
-    values = (
-        v_cache.index_select(0, blocks)
-        .view(num_seqs, max_len, num_kv_heads, head_dim)
-        .transpose(1, 2)
-        .to(q.dtype)
-    )
+    keys = from_cache_dtype(  # widened from an FP8 cache
+        k_cache.index_select(0, blocks).view(num_seqs, max_len, num_kv_heads, head_dim),
+        q.dtype,
+        k_scale,
+    ).transpose(1, 2)
+    values = from_cache_dtype(
+        v_cache.index_select(0, blocks).view(num_seqs, max_len, num_kv_heads, head_dim),
+        q.dtype,
+        v_scale,
+    ).transpose(1, 2)
     context_lens = torch.tensor(context_lens_cpu, device=q.device)
     mask = torch.arange(max_len, device=q.device) < context_lens.unsqueeze(1)  # [num_seqs, max_len]
     queries = q[:num_seqs].unsqueeze(2)  # [num_seqs, num_heads, 1, head_dim]

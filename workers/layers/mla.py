@@ -58,12 +58,14 @@ def write_latent_ref(
     k_pe: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    scale: float = 1.0,
 ) -> None:
-    """Rows [kv_c | k_pe] at slot_mapping (rows with a negative slot are skipped)."""
+    """Rows [kv_c | k_pe] at slot_mapping (rows with a negative slot are skipped); an FP8 cache
+    takes them over its per-tensor `scale`."""
     num_tokens = kv_c_normed.shape[0]
     valid = slot_mapping[:num_tokens] >= 0
     rows = torch.cat((kv_c_normed, k_pe), dim=-1)[valid]
-    copy_rows(kv_cache.view(-1, kv_cache.shape[-1]), slot_mapping[:num_tokens][valid], rows)
+    copy_rows(kv_cache.view(-1, kv_cache.shape[-1]), slot_mapping[:num_tokens][valid], rows, scale)
 
 
 def mla_attention(
@@ -90,6 +92,8 @@ def mla_attention(
         else:
             cu = list(md.cu_seqlens_q_cpu or md.cu_seqlens_q.tolist())
         latent = torch.cat((kv_c_normed, k_pe), dim=-1)
+        if layer.kv_amax is not None:  # calibrating the FP8 cache's scale (runner/kv_scales.py)
+            layer.kv_amax.observe(latent, latent)
         mla_no_cache_ref(q, latent, output, cu, layer.weights(), layer.scale)
         return
     if q.is_cuda:
@@ -97,7 +101,7 @@ def mla_attention(
 
         mla_write_kv_cache(kv_c_normed, k_pe, kv.kv_cache, md.slot_mapping)
     else:
-        write_latent_ref(kv_c_normed, k_pe, kv.kv_cache, md.slot_mapping)
+        write_latent_ref(kv_c_normed, k_pe, kv.kv_cache, md.slot_mapping, layer.k_scale)
     _mla_attend(q, output, layer_idx)
 
 
@@ -129,8 +133,9 @@ def _mla_attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
         return
     decode, prefill = _split_sequences(md, decode_max_q)
     weights = layer.weights()
-    mla_decode_ref(q, kv.kv_cache, output, decode, md.block_tables, weights, layer.scale)
-    mla_prefill_ref(q, kv.kv_cache, output, prefill, md.block_tables, weights, layer.scale)
+    args = (md.block_tables, weights, layer.scale, layer.k_scale)
+    mla_decode_ref(q, kv.kv_cache, output, decode, *args)
+    mla_prefill_ref(q, kv.kv_cache, output, prefill, *args)
     cu = md.cu_seqlens_q_cpu if md.cu_seqlens_q_cpu is not None else md.cu_seqlens_q.tolist()
     output[cu[md.num_seqs or len(cu) - 1] :] = 0
 

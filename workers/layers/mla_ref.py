@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from atomrt.workers.layers.attention_ref import causal_sdpa
+from atomrt.workers.layers.attention_ref import causal_sdpa, from_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,15 @@ def mla_prefill_ref(
     block_tables: torch.Tensor,
     weights: MLAWeights,
     scale: float,
+    kv_scale: float = 1.0,
 ) -> None:
     """Decompressed causal attention of each (sequence index, first row, rows, context length) in
     `seqs`: q [n, H, qk_nope + rope] -> out [n, H, v_head_dim] at those rows."""
     num_heads, qk_nope, kv_lora_rank = weights.w_uk.shape
     for s, start, n_q, context_len in seqs:
-        latent = _context(kv_cache, block_tables[s], context_len).to(q.dtype)
+        latent = from_cache_dtype(
+            _context(kv_cache, block_tables[s], context_len), q.dtype, kv_scale
+        )
         keys, values = decompress(latent, weights.kv_b, num_heads, qk_nope, kv_lora_rank)
         out[start : start + n_q] = causal_sdpa(
             q[start : start + n_q], keys, values, scale, context_len - n_q
@@ -90,6 +93,7 @@ def mla_decode_ref(
     block_tables: torch.Tensor,
     weights: MLAWeights,
     scale: float,
+    kv_scale: float = 1.0,
 ) -> None:
     """Absorbed attention of each (sequence index, first row, rows, context length) in `seqs`, one
     SDPA over them all: row j of a sequence of n rows sees keys 0..context_len - n + j.
@@ -107,6 +111,7 @@ def mla_decode_ref(
     )  # [S, max_q]: a short sequence repeats its last row (its extra outputs are dropped)
     tables = block_tables[[s for s, _, _, _ in seqs], :max_blocks].long().clamp_min(0)
     latent = kv_cache.index_select(0, tables.flatten()).view(len(seqs), 1, max_len, -1)
+    latent = from_cache_dtype(latent, q.dtype, kv_scale)  # widened from an FP8 cache
     queries = absorb_query(q[rows.flatten()], weights.w_uk, qk_nope)
     queries = queries.view(len(seqs), max_q, num_heads, -1).transpose(1, 2)  # [S, H, max_q, L + R]
     first = torch.tensor([c - n for _, _, n, c in seqs], device=q.device)
@@ -116,8 +121,8 @@ def mla_decode_ref(
     mask = torch.arange(max_len, device=q.device) <= limit.unsqueeze(-1)  # [S, max_q, max_len]
     attn = F.scaled_dot_product_attention(
         queries,
-        latent.to(q.dtype),
-        latent[..., :kv_lora_rank].to(q.dtype),
+        latent,
+        latent[..., :kv_lora_rank],
         attn_mask=mask.unsqueeze(1),
         scale=scale,
         enable_gqa=True,

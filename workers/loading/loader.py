@@ -24,6 +24,7 @@ from atomrt.runtime.config import DEFAULT_MODEL
 from atomrt.workers.layers.quantization.fp8 import Fp8Config, resolve_fp8_config
 from atomrt.workers.layers.quantization.fp8_layers import finish_quantized_weights, quantize_model
 from atomrt.workers.loading.gguf import arch_from_gguf, gguf_weights, open_gguf
+from atomrt.workers.loading.kv_scales import CheckpointKVScales
 from atomrt.workers.loading.presets import find_preset, preset_config
 from atomrt.workers.models.arch import ModelArch, arch_from_hf_config
 from atomrt.workers.models.registry import get_model_class
@@ -258,7 +259,10 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, config.model_config.seed)
     elif resolved.kind == "safetensors":
-        model.load_weights(safetensors_weights(resolved.path), where=str(resolved.path))
+        kv_scales = CheckpointKVScales()  # FP8 KV cache scales: the attention layers', not params
+        weights = kv_scales.take(safetensors_weights(resolved.path))
+        model.load_weights(weights, where=str(resolved.path))
+        kv_scales.apply(model, str(resolved.path))
     else:
         model.load_weights(gguf_weights(reader, arch, resolved.path), where=str(resolved.path))
     if fp8 is not None:

@@ -11,13 +11,16 @@ A model may mix kinds: each layer has its own spec, and a block's bytes are the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 from torch import nn
 
 from atomrt.workers.layers.attention import Attention
 from atomrt.workers.layers.mla import MLAAttention
+
+if TYPE_CHECKING:
+    from atomrt.workers.runner.kv_scales import KVScales
 
 
 @dataclass
@@ -157,6 +160,7 @@ class KVCacheSizing:
     peak_activation_bytes: int  # the profile run's peak, the KV budget leaves room for it
     graph_pool_estimate_bytes: int  # the largest capture bucket's forward, measured eagerly
     by_kind: tuple[KVKindSize, ...] = ()  # the target model's bytes per token, per layer kind
+    kv_scales: Optional[KVScales] = None  # an FP8 cache's per-layer scales (runner/kv_scales.py)
 
 
 def num_blocks_needed(max_num_seqs: int, max_model_len: int, block_size: int) -> int:

@@ -28,6 +28,7 @@ from atomrt.workers.runner.kv_cache import (
     kv_sizes_by_kind,
     num_blocks_needed,
 )
+from atomrt.workers.runner.kv_scales import settle_kv_scales
 
 if TYPE_CHECKING:
     from atomrt.workers.runner.model_runner import ModelRunner
@@ -113,6 +114,7 @@ def determine_num_blocks(runner: ModelRunner) -> KVCacheSizing:
             "scheduler_config.max_num_batched_tokens or model_config.max_model_len, or raise "
             "cache_config.gpu_memory_utilization / cpu_kv_cache_gib"
         )
+    kv_scales = settle_kv_scales(runner, lambda n: dummy_forward(runner, n))
     by_kind = kv_sizes_by_kind(runner.kv_layer_specs(), runner.kv_cache_dtype)
     logger.info(
         "KV cache: %d blocks x %d tokens (%.1f MiB); per token %s; activation peak %.1f MiB; "
@@ -124,7 +126,7 @@ def determine_num_blocks(runner: ModelRunner) -> KVCacheSizing:
         peak / 2**20,
         pool_estimate / 2**20,
     )
-    return KVCacheSizing(num_blocks, per_block, peak, pool_estimate, by_kind)
+    return KVCacheSizing(num_blocks, per_block, peak, pool_estimate, by_kind, kv_scales)
 
 
 def describe_kv_sizes(by_kind: tuple[KVKindSize, ...], tp_size: int) -> str:

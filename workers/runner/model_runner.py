@@ -89,13 +89,6 @@ def _check_fp8_cache(config: Config, device: torch.device, layers: dict[int, obj
     """An FP8 KV cache on CUDA needs kernels that read it: the paged attention and MLA ones do;
     any other layer kind's read the model's dtype only."""
     kv = config.cache_config.kv_cache_dtype
-    if kv in FP8_KV_DTYPES:
-        logger.warning(
-            "cache_config.kv_cache_dtype=%r: keys and values are stored as e4m3 with a scale of "
-            "1.0: values under ~0.016 keep few bits and values over 448 saturate; check the "
-            "model's accuracy with it",
-            kv,
-        )
     if kv not in FP8_KV_DTYPES or device.type != "cuda":
         return
     supported = (Attention, MLAAttention)
