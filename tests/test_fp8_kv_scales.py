@@ -21,6 +21,7 @@ from atomrt.runtime.config import Config
 from atomrt.runtime.entrypoints.llm import LLM, load_tokenizer_for
 from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.layers.attention_ref import from_cache_dtype, to_cache_dtype
+from atomrt.workers.layers.quantization.fp8 import Fp8Config
 from atomrt.workers.loading.kv_scales import kv_scale_target
 from atomrt.workers.loading.loader import load_model
 from atomrt.workers.runner.kv_scales import settle_kv_scales
@@ -148,3 +149,14 @@ def test_embedded_model_with_an_fp8_cache_names_paris() -> None:
             SamplingParams(temperature=0, max_tokens=24),
         )
     assert "Paris" in out[0].outputs[0].text
+
+
+def test_kv_cache_scheme_checked() -> None:
+    """A quantization_config's kv_cache_scheme: static 8-bit float scales per tensor load (as
+    k_proj / v_proj output_scale tensors); any other scheme is refused by name."""
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    good = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    assert Fp8Config.from_hf({**qc, "kv_cache_scheme": good}, "m") == Fp8Config.from_hf(qc, "m")
+    for key, bad in (("num_bits", 4), ("type", "int"), ("strategy", "channel"), ("dynamic", True)):
+        with pytest.raises(ValueError, match=f"kv_cache_scheme.{key} {bad!r} is not supported"):
+            Fp8Config.from_hf({**qc, "kv_cache_scheme": {**good, key: bad}}, "m")

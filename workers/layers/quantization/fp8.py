@@ -11,6 +11,8 @@ What loads (`Fp8Config.from_hf`, a config.json's `quantization_config`):
   with the checkpoint's `input_scale` (`activation_scheme: "static"`).
 - `modules_to_not_convert` / `ignored_layers` name the layers that stay in the checkpoint's float
   dtype. Any other method, scheme, format or block size is refused by name.
+- `kv_cache_scheme`, where present, must be static float8 scales per tensor (the FP8 KV cache's,
+  loaded by workers/loading/kv_scales.py).
 
 Online (`model_config.quantization="fp8"` on a float checkpoint): every linear layer's and every
 expert's weight is quantized to e4m3 once loaded, one scale per output row; activations per token,
@@ -130,6 +132,7 @@ class Fp8Config:
                     "weight_block_size: block-scaled checkpoints quantize activations dynamically"
                 )
             block = SUPPORTED_BLOCK
+        _check_kv_cache_scheme(qc.get("kv_cache_scheme"), where)
         ignored: list[str] = []
         for key in ("modules_to_not_convert", "ignored_layers"):
             names = qc.get(key) or []
@@ -139,6 +142,25 @@ class Fp8Config:
                 )
             ignored.extend(names)
         return Fp8Config(scheme, block, tuple(ignored))
+
+
+def _check_kv_cache_scheme(scheme: Any, where: str) -> None:
+    """`kv_cache_scheme` (compressed-tensors' name): the checkpoint's KV cache scales, shipped as
+    `k_proj.output_scale` / `v_proj.output_scale` (workers/loading/kv_scales.py). atomrt's FP8 cache
+    takes static float8 scales, one per tensor; anything else is refused by name."""
+    if scheme is None:
+        return
+    field = f"{where}: quantization_config.kv_cache_scheme"
+    if not isinstance(scheme, dict):
+        raise ValueError(f"{field} must be a mapping, got {scheme!r}")
+    wanted = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    for key, value in wanted.items():
+        got = scheme.get(key, value if key in ("strategy", "dynamic") else None)
+        if got != value:
+            raise ValueError(
+                f"{field}.{key} {got!r} is not supported (atomrt's FP8 KV cache takes static "
+                "8-bit float scales, one per tensor)"
+            )
 
 
 def _listed(name: str, entries: tuple[str, ...]) -> bool:
