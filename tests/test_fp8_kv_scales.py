@@ -160,3 +160,28 @@ def test_kv_cache_scheme_checked() -> None:
     for key, bad in (("num_bits", 4), ("type", "int"), ("strategy", "channel"), ("dynamic", True)):
         with pytest.raises(ValueError, match=f"kv_cache_scheme.{key} {bad!r} is not supported"):
             Fp8Config.from_hf({**qc, "kv_cache_scheme": {**good, key: bad}}, "m")
+
+
+@pytest.mark.gpu
+def test_checkpoint_scales_refused_on_the_gpu(tmp_path: Path) -> None:
+    """The CUDA kernels write and read the cache with a scale of 1.0: a checkpoint's other scales
+    are refused by name rather than misread; without them the GPU runs unscaled."""
+    folder = build_tiny_llama(tmp_path / "llama")
+    _with_scales(
+        folder,
+        {
+            "model.layers.0.self_attn.k_scale": torch.tensor(0.01),
+            "model.layers.0.self_attn.v_scale": torch.tensor(0.01),
+        },
+    )
+    config = Config(
+        model=str(folder),
+        cache_config={"kv_cache_dtype": "fp8", "num_kv_blocks": 64},
+        enforce_eager=True,
+    )
+    runner = ModelRunner(config, torch.device("cuda"))
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' on CUDA: the checkpoint's KV cache"):
+        determine_num_blocks(runner)
+    (folder / "kv_scales.safetensors").unlink()
+    runner = ModelRunner(config, torch.device("cuda"))
+    assert determine_num_blocks(runner).kv_scales.source == "unit"
