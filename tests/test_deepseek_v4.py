@@ -379,9 +379,10 @@ def test_recording_plan(folders: dict[str, Path]) -> None:
     the unit is DeepseekV4ForCausalLM alone; each compressed layer's compressor launch runs inside
     a recorded segment (inline, ahead of its layer's eager region), forking onto the side stream
     and joined back in that same segment before the eager region (the stream operations logged
-    as CUDA would run them); one eager region per compressed layer (`_v4_attend`, in layer order),
-    a sliding layer's window attention recorded inline, so compressed layers + 1 segments;
-    decode buckets only."""
+    as CUDA would run them); one eager region per compressed layer, in layer order (CSA: the
+    indexer's `_index_topk`, its attention recorded after it; HCA: `_v4_attend`), a sliding
+    layer's window attention recorded inline, so compressed layers + 1 segments; decode buckets
+    only."""
     from model_harness import PagedHarness
     from test_region_graph_cpu import FakeBackend
     from v4_harness import decode_step_context
@@ -418,7 +419,11 @@ def test_recording_plan(folders: dict[str, Path]) -> None:
     assert 0 < len(compressed) < len(layer_types)  # both kinds in the plan
     assert graph.num_segments(2, "decode") == len(compressed) + 1
     rec = graph._recordings[(2, None)]
-    assert [c.fn.__name__ for c in rec.eager_calls] == ["_v4_attend"] * len(compressed)
+    # CSA: the indexer's scores and top-k alone (its attention recorded after); HCA: attention
+    regions = {"compressed_sparse_attention": "_index_topk"}
+    assert [c.fn.__name__ for c in rec.eager_calls] == [
+        regions.get(layer_types[i], "_v4_attend") for i in compressed
+    ]
     assert [c.args[-1] for c in rec.eager_calls] == compressed
     # the compressor launch of each compressed layer, inside the segment before its eager region
     for k, i in enumerate(compressed):

@@ -54,12 +54,13 @@ stream, workers/layers/v4_streams.py, and joined back by `v4_attention` before i
 its compressors' projections of the step's rows into the cache, and for every row the entry of
 the window it would end, kept where it does (planned from the row count: the window's slots
 through the block table on the device). Then every layer runs `v4_attention`: the window key
-into the rows and the cache, then for a compressed layer `_v4_attend`, its eager region,
-planned from the step's sequences: the indexer's scores and top-k (CSA) and the attention over
-the window and the entries; for a sliding layer `_window_attend`, each row's window through the
-block table on the device, sized by the row count (a token graph records it inline). CUDA takes
-the kernels (workers/kernels/v4/) for the pooling, the scores and the attention; the CPU the torch
-reference below (or the kernels through Triton's interpreter, `USE_KERNELS_ON_CPU`).
+into the rows and the cache, then the layer's eager region, planned from the step's sequences:
+CSA the indexer's scores and top-k (`_index_topk`), HCA the attention over the window and every
+visible entry (`_v4_attend`); `_window_attend` attends a sliding layer's window and a CSA layer's
+window and picked entries through the block table on the device, sized by the row count (a token
+graph records it inline). CUDA takes the kernels (workers/kernels/v4/) for the pooling, the
+scores and the attention; the CPU the torch reference below (or the kernels through Triton's
+interpreter, `USE_KERNELS_ON_CPU`).
 """
 
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
@@ -524,10 +525,14 @@ def v4_attention(
     layer.side_streams.join(layer_idx, rows.device)
     rows[:, : kv.shape[1]] = kv
     _write_rows(md, cache, rows)  # whole rows: the compressor's columns are in `rows` too
-    if layer.compressor is None and cache is not None and md is not None:
-        _window_attend(layer, md, cache, q, positions, output)
-    else:
+    if cache is None or md is None or layer.layer_type == HCA:
         _v4_attend(q, rows, iq, iw, output, layer_idx)
+    elif layer.indexer is None:  # sliding
+        _window_attend(layer, md, cache, q, positions, output)
+    else:  # CSA: the indexer's picks (eager), then the attention over them (recorded)
+        picked = torch.full((q.shape[0], layer.index_topk), -1, dtype=torch.long, device=q.device)
+        _index_topk(iq, iw, picked, layer_idx)
+        _window_attend(layer, md, cache, q, positions, output, picked)
 
 
 def _window_attend(
@@ -537,27 +542,36 @@ def _window_attend(
     q: torch.Tensor,
     positions: torch.Tensor,
     output: torch.Tensor,
+    picked: Optional[torch.Tensor] = None,
 ) -> None:
-    """A sliding layer's attention: each row's queries over the keys of its window, the tokens
-    p - window < t <= p of its sequence (p its position), read through the block table on the
-    device. No host data: sized by the row count, so a token graph records it inline."""
+    """Each row's queries over the keys of its window, the tokens p - window < t <= p of its
+    sequence (p its position), read through the block table on the device, and (CSA) the entries
+    in the cache rows `picked` [n, index_topk] names (-1: none). No host data: sized by the row
+    count, so a token graph records it inline."""
     n, width = q.shape[0], cache.rows.shape[-1]
     tokens = positions.long().unsqueeze(1) - torch.arange(
         layer.window - 1, -1, -1, device=q.device
     )  # [n, W], < 0 before the sequence's start
     slots = _token_slots(md, cache.rows.shape[1], tokens)
+    cols = layer.columns()
+    groups = [(slots, cols["kv"][0])]
+    if picked is not None:
+        groups.append((picked, cols["centry"][0]))
     if _use_kernels(q):
         from atomrt.workers.kernels.v4.v4_kernels import v4_sparse_attention
 
-        offsets = torch.where(slots >= 0, slots * width, -1)
+        offsets = torch.cat([torch.where(s >= 0, s * width + c, -1) for s, c in groups], dim=1)
         v4_sparse_attention(q, cache.rows, offsets, layer.attn_sink, layer.scale, output)
         return
     flat, d = cache.rows.view(-1, width), q.shape[-1]
     for a in range(0, n, _QUERY_CHUNK):
         b = min(n, a + _QUERY_CHUNK)
-        keys = _read(flat, slots[a:b].clamp(min=0))[..., :d].to(q.dtype)  # [m, W, D]
+        keys = torch.cat(
+            [_read(flat, s[a:b].clamp(min=0))[..., c : c + d] for s, c in groups], dim=1
+        ).to(q.dtype)  # [m, K, D]
+        invalid = torch.cat([s[a:b] < 0 for s, _ in groups], dim=1)
         logits = torch.einsum("nhd,nwd->nhw", q[a:b], keys) * layer.scale
-        logits = logits.masked_fill((slots[a:b] < 0).unsqueeze(1), float("-inf"))
+        logits = logits.masked_fill(invalid.unsqueeze(1), float("-inf"))
         sink = layer.attn_sink.to(logits.dtype).view(1, -1, 1).expand(b - a, -1, 1)
         combined = torch.cat((logits, sink), dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
@@ -567,6 +581,47 @@ def _window_attend(
 
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
 # bucket's recording of it would replay the capture's sequences)
+@eager_region
+def _index_topk(iq: torch.Tensor, iw: torch.Tensor, picked: torch.Tensor, layer_idx: int) -> None:
+    """A CSA layer's eager region: the indexer's scores of each sequence's visible entries (their
+    count, context length // rate, planned from the step's sequences) and their top
+    `index_topk`, as cache slots of the entries' rows into `picked` [n, index_topk] (-1: none)."""
+    layer, md, cache = paged_layer_state(layer_idx)
+    picked.fill_(-1)
+    r, cols = layer.rate, layer.columns()
+    bs, width = cache.rows.shape[1], cache.rows.shape[2]
+    flat = cache.rows.view(-1, width)
+    for s, start, n, context_len in _sequences(md, iq.shape[0], True):
+        num_entries = context_len // r
+        if not num_entries:
+            continue
+        device = iq.device
+        table = md.block_tables[s].long()
+        ent = (torch.arange(num_entries, device=device) + 1) * r - 1  # an entry's row: its last
+        ent_slots = table[ent // bs] * bs + ent % bs
+        pos = torch.arange(context_len - n, context_len, device=device)
+        w = torch.arange(num_entries, device=device)
+        visible = w.unsqueeze(0) < ((pos + 1) // r).unsqueeze(1)  # [n, T]
+        rows_iq, rows_iw = iq[start : start + n], iw[start : start + n]
+        if _use_kernels(iq):
+            from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
+
+            cand = torch.where(visible, ent_slots.unsqueeze(0), -1)
+            scores = v4_index_scores(rows_iq, rows_iw, flat, cand, cols["ientry"][0])
+        else:
+            at, di = cols["ientry"]
+            ikeys = _read(flat, ent_slots)[:, at : at + di].to(iq.dtype)
+            scores = torch.einsum("nhd,td->nht", rows_iq.float(), ikeys.float())
+            scores = F.relu(scores) * layer.indexer.head_dim**-0.5
+            scores = (
+                (scores * rows_iw.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
+            )
+        top = scores.topk(min(layer.index_topk, num_entries), dim=-1)
+        chosen = torch.where(top.values > float("-inf"), ent_slots[top.indices], -1)
+        picked[start : start + n, : chosen.shape[1]] = chosen
+
+
+# planned from the step's sequences, as `_index_topk`
 @eager_region
 def _v4_attend(
     q: torch.Tensor,

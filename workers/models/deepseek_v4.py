@@ -20,9 +20,9 @@ eagerly, and no dummy prefill is recorded.
 Recorded structure of a layer (docs/compilation-and-graphs.md): the compressor launch
 (`v4_attn_compress_launch`, a splitting op sized by the row count) inline, ahead of the query and
 key projections, on the model's side stream (`side_streams`) on CUDA, joined back by the attention
-op before its eager region, in the same segment; a compressed layer's attention (`_v4_attend`,
-planned from the step's sequences) its one eager region; everything else inline (a sliding layer's
-window attention too).
+op before its eager region, in the same segment; a compressed layer's one eager region, planned
+from the step's sequences (CSA the indexer's scores and top-k, HCA its attention); everything else
+inline (the attention of sliding and CSA layers too).
 
 Checkpoints: the names DeepSeek publishes and transformers writes back (`layers.<i>.attn.wq_a`,
 `...compressor.wkv`, `...indexer.wq_b`, `ffn.experts.<e>.w1`, `hc_attn_fn`, `hc_head_fn`, `head`,
