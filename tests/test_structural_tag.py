@@ -18,7 +18,9 @@ from grammar_harness import build_tiny_bpe
 from test_server import CPU_FLAGS, Server
 from xgrammar.testing import _is_grammar_accept_string
 
+from atomrt.runtime.driver.grammar_compiler import check, parse
 from atomrt.runtime.entrypoints.openai.protocol import structural_tag
+from atomrt.runtime.sampling_params import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",
@@ -51,6 +53,33 @@ def test_the_first_form_means_free_text_with_tagged_json_after_a_trigger() -> No
     assert _is_grammar_accept_string(grammar, good)
     assert not _is_grammar_accept_string(grammar, good.replace("Oslo", "Paris"))
     assert not _is_grammar_accept_string(grammar, "<function=weather>{}</function>")
+
+
+def _tag_with(schema: dict) -> dict:
+    return {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<call>",
+            "content": {"type": "json_schema", "json_schema": schema},
+            "end": "</call>",
+        },
+    }
+
+
+def test_a_schema_inside_a_tag_is_walked_like_a_json_constraint() -> None:
+    # a keyword the backend would drop inside a tag is refused, naming where it stands
+    tag = _tag_with({"type": "array", "items": {"type": "integer"}, "uniqueItems": True})
+    with pytest.raises(ValueError, match=r"format\.content\.json_schema: .*uniqueItems"):
+        check(StructuredOutputsParams(structural_tag=tag))
+    # a required name outside `properties` is enforced: the tag accepts only objects holding it
+    tag = _tag_with({"type": "object", "required": ["zz"]})
+    so = StructuredOutputsParams(structural_tag=json.dumps(tag))
+    grammar = parse(so, check(so))
+    assert _is_grammar_accept_string(grammar, '<call>{"zz": 1}</call>')
+    assert not _is_grammar_accept_string(grammar, "<call>{}</call>")
+    with pytest.raises(ValueError, match="structured_outputs.structural_tag"):
+        check(StructuredOutputsParams(structural_tag="{not json"))
 
 
 @pytest.fixture(scope="module")

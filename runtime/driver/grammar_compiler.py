@@ -57,16 +57,40 @@ class CompileStats:
 
 
 def check(so: StructuredOutputsParams) -> Any:
-    """A JSON schema constraint walked and rewritten (runtime/driver/json_schema.py; a ValueError
-    naming the keyword and its path); other constraints as they are."""
+    """A JSON schema constraint, or the schemas inside a structural tag, walked and rewritten
+    (runtime/driver/json_schema.py; a ValueError naming the keyword and its path); other
+    constraints as they are."""
     value = getattr(so, so.kind)
-    if so.kind != "json":
+    if so.kind not in ("json", "structural_tag"):
         return value
-    schema = json.loads(value) if isinstance(value, str) else value
     try:
-        return prepare_schema(schema)
+        parsed = json.loads(value) if isinstance(value, str) else value
+        if so.kind == "structural_tag":
+            return _prepare_tag_schemas(parsed, "")
+        return prepare_schema(parsed)
     except ValueError as e:
-        raise ValueError(f"structured_outputs.json: {e}") from None
+        raise ValueError(f"structured_outputs.{so.kind}: {e}") from None
+
+
+def _prepare_tag_schemas(node: Any, where: str) -> Any:
+    """A structural tag with each `{"type": "json_schema", "json_schema": ...}` format's schema
+    walked and rewritten like a plain JSON schema constraint, so a keyword the backend would drop
+    inside a tag is refused too (the error names the format's place in the tag)."""
+    if isinstance(node, list):
+        return [_prepare_tag_schemas(v, f"{where}[{i}]") for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, v in node.items():
+        at = f"{where}.{key}" if where else key
+        if key == "json_schema" and node.get("type") == "json_schema":
+            try:
+                out[key] = prepare_schema(v)
+            except ValueError as e:
+                raise ValueError(f"{at}: {e}") from None
+        else:
+            out[key] = _prepare_tag_schemas(v, at)
+    return out
 
 
 def parse(so: StructuredOutputsParams, checked: Any = None) -> xgr.Grammar:
