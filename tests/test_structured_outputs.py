@@ -104,7 +104,8 @@ def test_keywords_the_grammar_cannot_enforce_are_refused() -> None:
 
 def test_a_length_bounded_string_is_json_at_any_length(capfd) -> None:
     """The backend's bounded repeat (cheap at any length) of a JSON string character: no raw
-    control character, escapes counted as one character."""
+    control character, and no escape sequence (an escape alternative in the repeated rule makes
+    the backend's token mask about 1000x slower to fill inside the string)."""
     import time
 
     so = SamplingParams(structured_outputs={"json": {"type": "string", "maxLength": 4}})
@@ -113,8 +114,9 @@ def test_a_length_bounded_string_is_json_at_any_length(capfd) -> None:
     for text, ok in (
         ('""', True),
         ('"ab c"', True),
-        ('"a\\nb"', True),
-        ('"\\u00e9\\"xy"', True),
+        ('"a\\nb"', False),
+        ('"\\u00e9\\"xy"', False),
+        ('"é\'xy"', True),
         ('"abcde"', False),
         ('"a\x01"', False),
     ):

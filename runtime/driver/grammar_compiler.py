@@ -124,22 +124,20 @@ def parse(so: StructuredOutputsParams, checked: Any = None) -> xgr.Grammar:
 
 
 # xgrammar's rule for one character of a string with minLength / maxLength (a bounded repeat of
-# it: cheap at any length) lets raw control characters through, which JSON forbids, and no escape
-# sequences; `_json_safe_lengths` swaps it for a JSON string character: anything but a control
-# character, a quote or a backslash, or one escape sequence (one character of the decoded string).
+# it: cheap at any length) lets raw control characters through, which JSON forbids;
+# `_json_safe_lengths` swaps it for any character but a control character, a quote or a backslash.
+# Such a string is therefore written without escape sequences: with an escape alternative in the
+# repeated rule xgrammar cannot precompute the token mask inside the string, and filling one row
+# took about 1000x longer (26 ms against 21 us on a 49k vocabulary). Every output still validates.
 _LENGTH_CHAR = r"(([^\"\\\r\n]))"
-_JSON_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" basic_escape))'
-_ESCAPE = r'basic_escape ::= ([\"\\/bfnrt] | "u" [A-Fa-f0-9]{4})'
+_JSON_CHAR = r"(([^\0-\x1f\"\\]))"
 
 
 def _json_safe_lengths(grammar: xgr.Grammar) -> xgr.Grammar:
     text = str(grammar)
     if _LENGTH_CHAR not in text:
         return grammar
-    text = text.replace(_LENGTH_CHAR, _JSON_CHAR)
-    if "\nbasic_escape ::=" not in "\n" + text:
-        text += "\n" + _ESCAPE + "\n"
-    return xgr.Grammar.from_ebnf(text)
+    return xgr.Grammar.from_ebnf(text.replace(_LENGTH_CHAR, _JSON_CHAR))
 
 
 COMPILE_TIMEOUT = "did not compile within"  # in the error of a request that waited past its budget
