@@ -176,14 +176,8 @@ class CompilerManager:
             if shared is not None:
                 compilation_counter.num_shared_pieces += 1
                 return shared
-            compiled = self._compile_or_load(
-                graph,
-                example_inputs,
-                additional_inductor_config,
-                graph_index,
-                num_graphs,
-                runtime_shape,
-            )
+            piece = (graph, example_inputs, additional_inductor_config, graph_index)
+            compiled = self._compile_or_load((*piece, num_graphs, runtime_shape))
             if signature is not None:
                 self._shared[(runtime_shape, signature)] = compiled
             return compiled
@@ -191,59 +185,37 @@ class CompilerManager:
             if runtime_shape is not None:  # lazy, after the first call (which the decorator times)
                 compilation_counter.compile_seconds += time.perf_counter() - start
 
-    def _compile_or_load(
-        self,
-        graph,
-        example_inputs,
-        additional_inductor_config,
-        graph_index,
-        num_graphs,
-        runtime_shape,
-    ):
+    def _compile_or_load(self, piece: tuple) -> Callable:
+        """`piece`: `_compile`'s arguments."""
+        graph, example_inputs, _, graph_index, _, runtime_shape = piece
         if self.disable_cache:
-            return self._compile(
-                graph,
-                example_inputs,
-                additional_inductor_config,
-                graph_index,
-                num_graphs,
-                runtime_shape,
-            )
+            return self._compile(*piece)
         assert self.cache_dir is not None
         if self.read_only:  # no writer can race us through this view: no lock
-            compiled = self.load(graph, example_inputs, graph_index, runtime_shape)
-            if compiled is not None:
-                return compiled
-            self._count_miss(graph_index, runtime_shape)
-            logger.warning(
-                "compile cache %s is read-only and lacks piece %d for %s: compiling it in memory, "
-                "unsaved (fill the cache with `atomrt prewarm` and this config)",
-                self.cache_dir,
-                graph_index,
-                "the general shape" if runtime_shape is None else f"shape {runtime_shape}",
-            )
-            return self._compile(
-                graph,
-                example_inputs,
-                additional_inductor_config,
-                graph_index,
-                num_graphs,
-                runtime_shape,
-            )
+            compiled = self._load_or_count_miss(graph, example_inputs, graph_index, runtime_shape)
+            if compiled is None:
+                logger.warning(
+                    "compile cache %s is read-only and lacks piece %d for %s: compiling it in "
+                    "memory, unsaved (fill the cache with `atomrt prewarm` and this config)",
+                    self.cache_dir,
+                    graph_index,
+                    "the general shape" if runtime_shape is None else f"shape {runtime_shape}",
+                )
+                compiled = self._compile(*piece)
+            return compiled
         with FileLock(self.cache_dir / LOCK_FILE_NAME):
             self.cache = self._read_index()  # another process may have added entries
-            compiled = self.load(graph, example_inputs, graph_index, runtime_shape)
-            if compiled is not None:
-                return compiled
+            compiled = self._load_or_count_miss(graph, example_inputs, graph_index, runtime_shape)
+            return self._compile(*piece) if compiled is None else compiled
+
+    def _load_or_count_miss(
+        self, graph, example_inputs, graph_index: int, runtime_shape: Optional[int]
+    ) -> Optional[Callable]:
+        """The cached callable, or None after counting the miss."""
+        compiled = self.load(graph, example_inputs, graph_index, runtime_shape)
+        if compiled is None:
             self._count_miss(graph_index, runtime_shape)
-            return self._compile(
-                graph,
-                example_inputs,
-                additional_inductor_config,
-                graph_index,
-                num_graphs,
-                runtime_shape,
-            )
+        return compiled
 
     def _count_miss(self, graph_index: int, runtime_shape: Optional[int]) -> None:
         if self.loads_only:  # the caller traces and meets this miss again: counted there
