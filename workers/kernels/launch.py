@@ -193,7 +193,12 @@ def _raw_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
-def _run(compiled: Any, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
+Grid = tuple[int, int, int]
+Tensors = tuple[torch.Tensor, ...]
+Constexprs = tuple[tuple[str, Any], ...]  # (name, value): constexpr arguments and launch options
+
+
+def _run(compiled: Any, grid: Grid, stream: int, args: tuple) -> None:
     """Launch a compiled kernel as Triton's own dispatch does, with its launch hooks."""
     enter_hook, exit_hook = _launch_hooks()
     metadata = None if enter_hook is None else compiled.launch_metadata(grid, stream, *args)
@@ -236,11 +241,7 @@ class LaunchMemo:
         )
 
     def __call__(
-        self,
-        grid: tuple[int, int, int],
-        tensors: tuple[torch.Tensor, ...],
-        scalars: tuple,
-        constexprs: tuple[tuple[str, Any], ...],
+        self, grid: Grid, tensors: Tensors, scalars: tuple, constexprs: Constexprs
     ) -> None:
         addresses = [t.data_ptr() for t in tensors]
         key = self._key(tensors, addresses, scalars, constexprs)
@@ -258,11 +259,11 @@ class LaunchMemo:
 
     def bound(
         self,
-        grid: tuple[int, int, int],
-        tensors: tuple[torch.Tensor, ...],
+        grid: Grid,
+        tensors: Tensors,
         scalars: tuple,
-        constexprs: tuple[tuple[str, Any], ...],
-        keep: tuple[torch.Tensor, ...] = (),
+        constexprs: Constexprs,
+        keep: Tensors = (),
     ) -> Optional[Callable[[int], None]]:
         """The launch `self(grid, tensors, scalars, constexprs)` made once already, as a callable
         of the stream that repeats it with every argument fixed, the tensors by address; None
