@@ -54,18 +54,18 @@ stream, workers/layers/v4_streams.py, and joined back by `v4_attention` before i
 its compressors' projections of the step's rows into the cache, and for every row the entry of
 the window it would end, kept where it does (planned from the row count: the window's slots
 through the block table on the device). Then every layer runs `v4_attention`: the window key
-into the rows and the cache, then the layer's eager region, planned from the step's sequences:
-CSA the indexer's scores and top-k (`_index_topk`), HCA the attention over the window and every
-visible entry (`_v4_attend`); `_window_attend` attends a sliding layer's window and a CSA layer's
-window and picked entries through the block table on the device, sized by the row count (a token
-graph records it inline). CUDA takes the kernels (workers/kernels/v4/) for the pooling, the
-scores and the attention; the CPU the torch reference below (or the kernels through Triton's
-interpreter, `USE_KERNELS_ON_CPU`).
+into the rows and the cache, then the attention (`_attend`): each row's window and the entries
+it is given, read through the block table on the device and sized by the row count (a token
+graph records it inline). The entries come from the layer's eager region, planned from the step's
+sequences (the number of entries the longest one sees): CSA the indexer's scores and top-k
+(`_index_topk`), HCA every entry a row sees (`_v4_attend`, the attention inside). Without a cache
+(profiling, dummy runs) each sequence reads its rows from the step's own. CUDA takes the kernels
+(workers/kernels/v4/) for the pooling, the scores and the attention; the CPU the torch reference
+below (or the kernels through Triton's interpreter, `USE_KERNELS_ON_CPU`).
 """
 
 # No `from __future__ import annotations` here: the op's schema is inferred from real annotations.
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -76,141 +76,22 @@ from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
 from atomrt.graphs.markers import eager_region
 from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
-from atomrt.workers.layers.attention_ref import to_cache_dtype
+from atomrt.workers.layers.attention_ref import copy_rows
+from atomrt.workers.layers.paged_rows import read_rows, returns_nothing, step_sequences
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_hyper import unweighted_rms_norm
+from atomrt.workers.layers.v4_modules import (
+    CSA,
+    HCA,
+    Compressor,
+    Indexer,
+    Norm,
+    V4CacheTensor,
+    V4LayerSpec,
+    rope_tail,
+)
 from atomrt.workers.layers.v4_streams import V4SideStreams
 from atomrt.workers.layers.weight_utils import divide
-
-# the layer types (config.json `layer_types`)
-SLIDING = "sliding_attention"
-CSA = "compressed_sparse_attention"
-HCA = "heavily_compressed_attention"
-
-
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the trailing 2 * cos.shape[-1] channels of x in interleaved pairs, in float32.
-    cos, sin broadcast against x[..., :half] (one angle per pair)."""
-    rd = 2 * cos.shape[-1]
-    nope, rope = x[..., :-rd], x[..., -rd:].float()
-    x1, x2 = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' DeepSeek-V4 RMSNorm: in float32, times the weight, back to x's dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * h).to(x.dtype)
-
-
-class Norm(nn.Module):
-    """A weighted RMSNorm whose parameter is the checkpoint's `<name>.weight` (float32)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-class Compressor(nn.Module):
-    """`wkv`, `wgate` (c * dim wide: c = 2 for overlapping CSA windows), `ape` [rate, c * dim]
-    and the pooled entry's `norm`."""
-
-    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
-        super().__init__()
-        c = 2 if overlap else 1
-        self.dim, self.rate, self.overlap = dim, rate, overlap
-        self.wkv = nn.Linear(hidden, c * dim, bias=False)
-        self.wgate = nn.Linear(hidden, c * dim, bias=False)
-        self.ape = nn.Parameter(torch.empty(rate, c * dim, dtype=torch.float32))
-        self.norm = Norm(dim, eps)
-
-    def pool(
-        self,
-        kv: torch.Tensor,
-        gate: torch.Tensor,
-        kv_prev: Optional[torch.Tensor],
-        gate_prev: Optional[torch.Tensor],
-        windows: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        """Entries of `windows` [m] from their tokens' projections kv, gate [m, rate, c*dim] (and,
-        for overlapping windows, the previous window's, ignored for window 0) -> [m, dim], rotated
-        at w * rate."""
-        d = self.dim
-        g = gate.float() + self.ape  # [m, r, c*dim]
-        v = kv
-        if self.overlap:
-            first = (windows == 0).view(-1, 1, 1)
-            g_a = (gate_prev[..., :d].float() + self.ape[:, :d]).masked_fill(first, float("-inf"))
-            v_a = kv_prev[..., :d].masked_fill(first, 0.0)
-            g = torch.cat((g_a, g[..., d:]), dim=1)  # [m, 2r, dim]
-            v = torch.cat((v_a, v[..., d:]), dim=1)
-        probs = torch.softmax(g, dim=1, dtype=torch.float32).to(v.dtype)
-        pooled = self.norm((v * probs).sum(dim=1))
-        at = windows * self.rate
-        return rope_tail(pooled, cos[at].to(pooled.dtype), sin[at].to(pooled.dtype))
-
-
-class Indexer(nn.Module):
-    """The lightning indexer of a CSA layer: its compressor (index_head_dim), `wq_b` from the
-    query LoRA and `weights_proj`."""
-
-    def __init__(
-        self, hidden: int, q_lora_rank: int, n_heads: int, head_dim: int, rate: int, eps: float
-    ) -> None:
-        super().__init__()
-        self.n_heads, self.head_dim = n_heads, head_dim
-        self.compressor = Compressor(hidden, head_dim, rate, True, eps)
-        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
-        self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
-
-
-@dataclass(frozen=True)
-class V4LayerSpec:
-    """A DeepSeek-V4 layer's cache: one row per token (see this module's docstring)."""
-
-    layer_idx: int
-    layer_type: str
-    head_dim: int
-    compress_width: int  # c * head_dim of the compressor's projections (0: sliding)
-    index_width: int  # 2 * index_head_dim of the indexer's (0: not CSA)
-
-    @property
-    def kind(self) -> str:
-        return self.layer_type
-
-    def elements_per_token(self) -> int:
-        d, di = self.head_dim, self.index_width // 2
-        n = d
-        if self.compress_width:
-            n += 2 * self.compress_width + d
-        if self.index_width:
-            n += 2 * self.index_width + di
-        return n
-
-    def allocate(
-        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-    ) -> "V4CacheTensor":
-        width = self.elements_per_token()
-        storage = torch.zeros(num_blocks * block_size + 1, width, dtype=dtype, device=device)
-        rows = storage[:-1].view(num_blocks, block_size, width)
-        return V4CacheTensor(self.layer_idx, rows, storage)
-
-
-@dataclass
-class V4CacheTensor:
-    layer_idx: int
-    rows: torch.Tensor  # [num_blocks, block_size, V4LayerSpec.elements_per_token()]
-    # rows plus one scratch row last, where a padded row's write goes: a write is one
-    # index_copy_ of every row, with no host synchronisation (a token graph records it)
-    storage: torch.Tensor
 
 
 class V4Attention(PagedAttentionLayer):
@@ -315,20 +196,6 @@ class V4Attention(PagedAttentionLayer):
             self.wo_b(torch.einsum("ngi,goi->ngo", grouped, w).flatten(1)), self.tp
         )
 
-    # ---- the cache rows ------------------------------------------------------------------------
-
-    def columns(self) -> "dict[str, tuple[int, int]]":
-        """Name -> (first column, width) of a cache row."""
-        d, cw, iw = self.head_dim, self.spec.compress_width, self.spec.index_width
-        cols, at = {"kv": (0, d)}, d
-        if cw:
-            for name, width in (("ckv", cw), ("cgate", cw), ("centry", d)):
-                cols[name], at = (at, width), at + width
-        if iw:
-            for name, width in (("ikv", iw), ("igate", iw), ("ientry", iw // 2)):
-                cols[name], at = (at, width), at + width
-        return cols
-
     def compressor_rows(self, ckv, cgate, ikv, igate) -> torch.Tensor:
         """This step's cache rows but the window key (written by the attention op) and the entries
         (pooled where a window ends): zeros there."""
@@ -339,95 +206,54 @@ class V4Attention(PagedAttentionLayer):
         return torch.cat(parts, dim=-1)
 
 
-def _col(rows: torch.Tensor, cols: dict, name: str) -> torch.Tensor:
-    at, width = cols[name]
-    return rows[..., at : at + width]
-
-
-def _sequences(md: object, num_rows: int, paged: bool) -> "list[tuple[int, int, int, int]]":
-    """(index, first row, rows, context length) of each sequence of the step. Without a cache
-    (profiling, dummy runs) each sequence is its rows alone from position 0; with no metadata, all
-    rows are one."""
-    if md is None or (md.cu_seqlens_q_cpu is None and md.cu_seqlens_q is None):
-        return [(0, 0, num_rows, num_rows)]
-    cu = md.cu_seqlens_q_cpu if md.cu_seqlens_q_cpu is not None else md.cu_seqlens_q.tolist()
-    num_seqs = md.num_seqs or len(cu) - 1
-    lens = getattr(md, "context_lens_cpu", None)
-    if lens is None and getattr(md, "context_lens", None) is not None:
-        lens = md.context_lens.tolist()
-    out = []
-    for s in range(num_seqs):
-        n = cu[s + 1] - cu[s]
-        if n:
-            out.append((s, cu[s], n, lens[s] if paged and lens is not None else n))
-    return out
-
-
 # Use the Triton kernels (workers/kernels/v4/) for the compressor and the attention: always on
 # CUDA; on the CPU only when set (tests run them through Triton's interpreter).
 USE_KERNELS_ON_CPU = False
+# query rows per chunk of the CPU reference: a long prompt's logits are [chunk, heads, keys]
+_QUERY_CHUNK = 256
 
 
 def _use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda or USE_KERNELS_ON_CPU
 
 
-def _token_slots(md: object, block_size: int, tokens: torch.Tensor) -> torch.Tensor:
-    """Cache slots of `tokens` [n, k] (positions in row i's sequence; < 0: none, slot -1),
-    through the block table on the device."""
-    n = tokens.shape[0]
-    cu = md.cu_seqlens_q.long()
-    seq = torch.searchsorted(cu[1:], torch.arange(n, device=tokens.device), right=True)
-    seq = seq.clamp(max=md.block_tables.shape[0] - 1)
-    t = tokens.clamp(min=0)
-    blocks = md.block_tables.long()[
-        seq.unsqueeze(1), (t // block_size).clamp(max=md.block_tables.shape[1] - 1)
-    ]
-    return torch.where(tokens >= 0, blocks.clamp(min=0) * block_size + t % block_size, -1)
-
-
-def _source_rows(
+def _row_source(
     md: object,
-    cache: Optional["V4CacheTensor"],
+    cache: Optional[V4CacheTensor],
     rows: torch.Tensor,
     positions: torch.Tensor,
     tokens: torch.Tensor,
-) -> torch.Tensor:
-    """The cache rows of `tokens` [n, k] (token positions in row i's sequence, >= 0): through the
-    block table on the device, or without a cache from this step's rows (each sequence's rows
-    from its first position). Planned from the row count alone."""
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Where the rows of `tokens` [n, k] (positions in row i's sequence; < 0: none) are, as
+    (rows [num_slots, width], slots [n, k], -1: none): the cache's, through the block table on the
+    device, or without a cache this step's (each sequence's rows from its first position). Planned
+    from the row count alone."""
     n = rows.shape[0]
-    if cache is None or md is None:
-        if md is None or md.cu_seqlens_q is None:
-            first = torch.zeros(n, dtype=torch.long, device=rows.device)
-        else:
-            cu = md.cu_seqlens_q.long()
-            seq = torch.searchsorted(cu[1:], torch.arange(n, device=rows.device), right=True)
-            first = cu[seq.clamp(max=cu.shape[0] - 1)]
-        src = first.unsqueeze(1) + tokens - positions[first].unsqueeze(1)
-        return rows[src.clamp(0, n - 1)]
-    slots = _token_slots(md, cache.rows.shape[1], tokens).clamp(min=0)
-    return _read(cache.rows.view(-1, cache.rows.shape[-1]), slots).to(rows.dtype)
+    cu = None if md is None or md.cu_seqlens_q is None else md.cu_seqlens_q.long()
+    if cu is not None:
+        seq = torch.searchsorted(cu[1:], torch.arange(n, device=rows.device), right=True)
+    if cache is not None and md is not None:
+        bs, table = cache.rows.shape[1], md.block_tables.long()
+        t = tokens.clamp(min=0)
+        blocks = table[
+            seq.clamp(max=table.shape[0] - 1).unsqueeze(1), (t // bs).clamp(max=table.shape[1] - 1)
+        ]
+        slots = torch.where(tokens >= 0, blocks.clamp(min=0) * bs + t % bs, -1)
+        return cache.rows.view(-1, cache.rows.shape[-1]), slots
+    if cu is None:
+        first = torch.zeros(n, dtype=torch.long, device=rows.device)
+    else:
+        first = cu[seq.clamp(max=cu.shape[0] - 1)]
+    src = first.unsqueeze(1) + tokens - positions[first].unsqueeze(1)
+    return rows, torch.where(src >= first.unsqueeze(1), src.clamp(max=n - 1), -1)
 
 
-def _read(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """cache[index] (an e4m3 cache is indexed as bytes: CPU has no float8 indexing kernel)."""
-    if cache.dtype == torch.float8_e4m3fn:
-        return cache.view(torch.uint8)[index].view(cache.dtype)
-    return cache[index]
-
-
-def _write_rows(md: object, cache: Optional["V4CacheTensor"], rows: torch.Tensor) -> None:
+def _write_rows(md: object, cache: Optional[V4CacheTensor], rows: torch.Tensor) -> None:
     """The step's rows at slot_mapping (a padded row's, slot < 0, into the scratch row)."""
     if cache is None or md is None:
         return
     slots = md.slot_mapping[: rows.shape[0]]
-    slots = torch.where(slots >= 0, slots, cache.storage.shape[0] - 1)
-    values = to_cache_dtype(rows, cache.storage.dtype)
-    storage = cache.storage
-    if storage.dtype == torch.float8_e4m3fn:  # CPU's index_copy_ has no float8 kernel
-        storage, values = storage.view(torch.uint8), values.view(torch.uint8)
-    storage.index_copy_(0, slots, values)
+    copy_rows(cache.storage, torch.where(slots >= 0, slots, cache.storage.shape[0] - 1), rows)
 
 
 def v4_attn_compress_launch(
@@ -451,7 +277,11 @@ def v4_attn_compress_launch(
 
 
 def _compress(
-    layer: V4Attention, x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, layer_idx: int
+    layer: "V4Attention",
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    layer_idx: int,
 ) -> None:
     """`v4_attn_compress_launch`'s work, on the side stream."""
     _, md, cache = paged_layer_state(layer_idx)
@@ -461,46 +291,36 @@ def _compress(
     ckv, cgate = layer.compressor.wkv(x), layer.compressor.wgate(x)
     rows.copy_(layer.compressor_rows(ckv, cgate, ikv, igate))
     _write_rows(md, cache, rows)
-    r, cols = layer.rate, layer.columns()
+    r, cols = layer.rate, layer.spec.columns()
     windows = ((positions + 1) // r - 1).clamp(min=0)  # the window each row would end
     span = 2 * r if layer.compressor.overlap else r
     tokens = (positions + 1 - span).unsqueeze(1) + torch.arange(span, device=rows.device)
-    cos, sin = layer.rotary.cos_cache, layer.rotary.sin_cache
     ends = ((positions + 1) % r == 0).unsqueeze(1)
-    paged = cache is not None and md is not None
-    if paged and _use_kernels(rows):
-        from atomrt.workers.kernels.v4.v4_kernels import v4_pool
+    source, slots = _row_source(md, cache, rows, positions, tokens)
+    if not _use_kernels(rows):
+        src = read_rows(source, slots.clamp(min=0)).to(rows.dtype)  # [n, span, width]
+    comps = [(layer.compressor, "ckv", "cgate", "centry")]
+    if layer.indexer is not None:
+        comps.append((layer.indexer.compressor, "ikv", "igate", "ientry"))
+    for comp, kv_name, gate_name, entry_name in comps:
+        (kv_at, kv_width), gate_at = cols[kv_name], cols[gate_name][0]
+        if _use_kernels(rows):
+            from atomrt.workers.kernels.v4.v4_kernels import v4_pool
 
-        slots = _token_slots(md, cache.rows.shape[1], tokens)
-        flat = cache.rows.view(-1, cache.rows.shape[-1])
-    else:
-        src = _source_rows(md, cache, rows, positions, tokens.clamp(min=0))  # [n, span, width]
-    for comp, kv_name, gate_name, entry_name in (
-        (layer.compressor, "ckv", "cgate", "centry"),
-        (layer.indexer.compressor if layer.indexer is not None else None, "ikv", "igate", "ientry"),
-    ):
-        if comp is None:
-            continue
-        if paged and _use_kernels(rows):
-            pooled = v4_pool(
-                flat,
-                slots,
-                windows,
-                comp.ape,
-                comp.norm.weight,
-                cols[kv_name][0],
-                cols[gate_name][0],
-                comp.norm.eps,
-                comp.overlap,
-                rows.new_empty(rows.shape[0], comp.dim),
-            )
+            pooled = rows.new_empty(rows.shape[0], comp.dim)
+            v4_pool(source, slots, windows, comp.ape, comp.norm.weight, kv_at, gate_at,
+                    comp.norm.eps, comp.overlap, pooled)  # fmt: skip
             at = windows * r
-            pooled = rope_tail(pooled, cos[at].to(pooled.dtype), sin[at].to(pooled.dtype))
+            cos, sin = layer.rotary.cos_cache[at], layer.rotary.sin_cache[at]
+            pooled = rope_tail(pooled, cos.to(pooled.dtype), sin.to(pooled.dtype))
         else:
-            kv_src, gate_src = _col(src, cols, kv_name), _col(src, cols, gate_name)
+            kv_src = src[..., kv_at : kv_at + kv_width]
+            gate_src = src[..., gate_at : gate_at + kv_width]
             prev = (kv_src[:, :r], gate_src[:, :r]) if comp.overlap else (None, None)
+            cos, sin = layer.rotary.cos_cache, layer.rotary.sin_cache
             pooled = comp.pool(kv_src[:, -r:], gate_src[:, -r:], *prev, windows, cos, sin)
-        entry = _col(rows, cols, entry_name)
+        at, width = cols[entry_name]
+        entry = rows[:, at : at + width]
         entry.copy_(torch.where(ends, pooled.to(rows.dtype), entry))
     _write_rows(md, cache, rows)
 
@@ -517,57 +337,55 @@ def v4_attention(
 ) -> None:
     """q, output [n, H, D]; kv [n, D] the window keys; rows [n, width] (`v4_attn_compress_launch`'s
     for a compressed layer, zeros otherwise); positions [n]; iq [n, Hi, Di]; iw [n, Hi] float32.
-    Writes the keys into the rows and the cache, then attends: a compressed layer in
-    `_v4_attend`, its eager region; a sliding layer over the cache in `_window_attend`, planned
-    from the row count (recorded inline)."""
+    Writes the keys into the rows and the cache, then attends: a sliding layer its window, a CSA
+    layer its window and the entries its indexer picks (`_index_topk`, the eager region), an HCA
+    layer in `_v4_attend` (its eager region)."""
     layer, md, cache = paged_layer_state(layer_idx)
     # the compressors' side stream joins here, before the eager region: one recorded segment
     layer.side_streams.join(layer_idx, rows.device)
     rows[:, : kv.shape[1]] = kv
     _write_rows(md, cache, rows)  # whole rows: the compressor's columns are in `rows` too
-    if cache is None or md is None or layer.layer_type == HCA:
-        _v4_attend(q, rows, iq, iw, output, layer_idx)
+    if layer.layer_type == HCA:
+        _v4_attend(q, rows, positions, output, layer_idx)
     elif layer.indexer is None:  # sliding
-        _window_attend(layer, md, cache, q, positions, output)
+        _attend(layer, q, rows, positions, output)
     else:  # CSA: the indexer's picks (eager), then the attention over them (recorded)
         picked = torch.full((q.shape[0], layer.index_topk), -1, dtype=torch.long, device=q.device)
-        _index_topk(iq, iw, picked, layer_idx)
-        _window_attend(layer, md, cache, q, positions, output, picked)
+        _index_topk(iq, iw, rows, positions, picked, layer_idx)
+        _attend(layer, q, rows, positions, output, picked)
 
 
-def _window_attend(
-    layer: V4Attention,
-    md: object,
-    cache: "V4CacheTensor",
+def _attend(
+    layer: "V4Attention",
     q: torch.Tensor,
+    rows: torch.Tensor,
     positions: torch.Tensor,
     output: torch.Tensor,
-    picked: Optional[torch.Tensor] = None,
+    entries: Optional[torch.Tensor] = None,
 ) -> None:
     """Each row's queries over the keys of its window, the tokens p - window < t <= p of its
-    sequence (p its position), read through the block table on the device, and (CSA) the entries
-    in the cache rows `picked` [n, index_topk] names (-1: none). No host data: sized by the row
-    count, so a token graph records it inline."""
-    n, width = q.shape[0], cache.rows.shape[-1]
-    tokens = positions.long().unsqueeze(1) - torch.arange(
-        layer.window - 1, -1, -1, device=q.device
-    )  # [n, W], < 0 before the sequence's start
-    slots = _token_slots(md, cache.rows.shape[1], tokens)
-    cols = layer.columns()
+    sequence (p its position), and the entries in the slots `entries` [n, k] names (-1: none),
+    with the head's sink in the softmax and the keys as the values. No host data: sized by the
+    row count, so a token graph records it inline."""
+    _, md, cache = paged_layer_state(layer.layer_idx)
+    back = torch.arange(layer.window - 1, -1, -1, device=q.device)
+    tokens = positions.long().unsqueeze(1) - back  # [n, W], < 0 before the sequence's start
+    source, slots = _row_source(md, cache, rows, positions, tokens)
+    cols = layer.spec.columns()
     groups = [(slots, cols["kv"][0])]
-    if picked is not None:
-        groups.append((picked, cols["centry"][0]))
+    if entries is not None:
+        groups.append((entries, cols["centry"][0]))
+    n, width, d = q.shape[0], source.shape[-1], q.shape[-1]
     if _use_kernels(q):
         from atomrt.workers.kernels.v4.v4_kernels import v4_sparse_attention
 
         offsets = torch.cat([torch.where(s >= 0, s * width + c, -1) for s, c in groups], dim=1)
-        v4_sparse_attention(q, cache.rows, offsets, layer.attn_sink, layer.scale, output)
+        v4_sparse_attention(q, source, offsets, layer.attn_sink, layer.scale, output)
         return
-    flat, d = cache.rows.view(-1, width), q.shape[-1]
     for a in range(0, n, _QUERY_CHUNK):
         b = min(n, a + _QUERY_CHUNK)
         keys = torch.cat(
-            [_read(flat, s[a:b].clamp(min=0))[..., c : c + d] for s, c in groups], dim=1
+            [read_rows(source, s[a:b].clamp(min=0))[..., c : c + d] for s, c in groups], dim=1
         ).to(q.dtype)  # [m, K, D]
         invalid = torch.cat([s[a:b] < 0 for s, _ in groups], dim=1)
         logits = torch.einsum("nhd,nwd->nhw", q[a:b], keys) * layer.scale
@@ -579,46 +397,56 @@ def _window_attend(
         output[a:b].copy_(torch.einsum("nhw,nwd->nhd", probs, keys))
 
 
+def _entry_slots(
+    layer: "V4Attention", rows: torch.Tensor, positions: torch.Tensor
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """(rows, slots [n, T]) of the compressed entries each row sees (entry w, in the row of its
+    window's last token, once p >= (w + 1) * rate - 1; -1 past them), T the most any of the step's
+    sequences has (planned from the step's sequences)."""
+    _, md, cache = paged_layer_state(layer.layer_idx)
+    paged = cache is not None and md is not None
+    seqs = step_sequences(md, rows.shape[0], paged)
+    r = layer.rate
+    w = torch.arange(max((s.context_len // r for s in seqs), default=0), device=rows.device)
+    visible = w.unsqueeze(0) < ((positions.long() + 1) // r).unsqueeze(1)  # [n, T]
+    tokens = torch.where(visible, (w.unsqueeze(0) + 1) * r - 1, -1)
+    return _row_source(md, cache, rows, positions, tokens)
+
+
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
 # bucket's recording of it would replay the capture's sequences)
 @eager_region
-def _index_topk(iq: torch.Tensor, iw: torch.Tensor, picked: torch.Tensor, layer_idx: int) -> None:
-    """A CSA layer's eager region: the indexer's scores of each sequence's visible entries (their
-    count, context length // rate, planned from the step's sequences) and their top
-    `index_topk`, as cache slots of the entries' rows into `picked` [n, index_topk] (-1: none)."""
-    layer, md, cache = paged_layer_state(layer_idx)
+def _index_topk(
+    iq: torch.Tensor,
+    iw: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    picked: torch.Tensor,
+    layer_idx: int,
+) -> None:
+    """A CSA layer's eager region: the indexer's scores of the entries each row sees and their
+    top `index_topk`, as slots of the entries' rows into `picked` [n, index_topk] (-1: none)."""
+    layer = paged_layer_state(layer_idx)[0]
     picked.fill_(-1)
-    r, cols = layer.rate, layer.columns()
-    bs, width = cache.rows.shape[1], cache.rows.shape[2]
-    flat = cache.rows.view(-1, width)
-    for s, start, n, context_len in _sequences(md, iq.shape[0], True):
-        num_entries = context_len // r
-        if not num_entries:
-            continue
-        device = iq.device
-        table = md.block_tables[s].long()
-        ent = (torch.arange(num_entries, device=device) + 1) * r - 1  # an entry's row: its last
-        ent_slots = table[ent // bs] * bs + ent % bs
-        pos = torch.arange(context_len - n, context_len, device=device)
-        w = torch.arange(num_entries, device=device)
-        visible = w.unsqueeze(0) < ((pos + 1) // r).unsqueeze(1)  # [n, T]
-        rows_iq, rows_iw = iq[start : start + n], iw[start : start + n]
-        if _use_kernels(iq):
-            from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
+    source, cand = _entry_slots(layer, rows, positions)
+    if not cand.shape[1]:
+        return
+    at, di = layer.spec.columns()["ientry"]
+    if _use_kernels(iq):
+        from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
 
-            cand = torch.where(visible, ent_slots.unsqueeze(0), -1)
-            scores = v4_index_scores(rows_iq, rows_iw, flat, cand, cols["ientry"][0])
-        else:
-            at, di = cols["ientry"]
-            ikeys = _read(flat, ent_slots)[:, at : at + di].to(iq.dtype)
-            scores = torch.einsum("nhd,td->nht", rows_iq.float(), ikeys.float())
-            scores = F.relu(scores) * layer.indexer.head_dim**-0.5
-            scores = (
-                (scores * rows_iw.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
-            )
-        top = scores.topk(min(layer.index_topk, num_entries), dim=-1)
-        chosen = torch.where(top.values > float("-inf"), ent_slots[top.indices], -1)
-        picked[start : start + n, : chosen.shape[1]] = chosen
+        scores = v4_index_scores(iq, iw, source, cand, at)
+    else:
+        scores = torch.empty(cand.shape, dtype=torch.float32, device=iq.device)
+        for a in range(0, cand.shape[0], _QUERY_CHUNK):
+            b = min(cand.shape[0], a + _QUERY_CHUNK)
+            keys = read_rows(source, cand[a:b].clamp(min=0))[..., at : at + di].float()
+            s = F.relu(torch.einsum("nhd,ntd->nht", iq[a:b].float(), keys)) * di**-0.5
+            s = (s * iw[a:b].unsqueeze(-1)).sum(dim=1)
+            scores[a:b] = s.masked_fill(cand[a:b] < 0, float("-inf"))
+    top = scores.topk(min(layer.index_topk, cand.shape[1]), dim=-1)
+    chosen = torch.where(top.values > float("-inf"), cand.gather(1, top.indices), -1)
+    picked[:, : chosen.shape[1]] = chosen
 
 
 # planned from the step's sequences, as `_index_topk`
@@ -626,203 +454,21 @@ def _index_topk(iq: torch.Tensor, iw: torch.Tensor, picked: torch.Tensor, layer_
 def _v4_attend(
     q: torch.Tensor,
     rows: torch.Tensor,
-    iq: Optional[torch.Tensor],
-    iw: Optional[torch.Tensor],
+    positions: torch.Tensor,
     output: torch.Tensor,
     layer_idx: int,
 ) -> None:
-    """Each sequence's queries over its window and its compressed entries (CSA: those the
-    indexer picks), planned from the step's sequences. Rows past them get zeros."""
-    layer, md, cache = paged_layer_state(layer_idx)
-    output.zero_()
-    paged = cache is not None and md is not None
-    block_size = cache.rows.shape[1] if paged else 0
-    for s, start, n, context_len in _sequences(md, q.shape[0], paged):
-        if paged and _use_kernels(q):
-            _attend_sequence_kernels(
-                layer,
-                q[start : start + n],
-                None if iq is None else iq[start : start + n],
-                None if iw is None else iw[start : start + n],
-                output[start : start + n],
-                context_len,
-                cache.rows,
-                md.block_tables[s],
-            )
-            continue
-        if paged:
-            table = md.block_tables[s, : -(-context_len // block_size)].long()
-            seq_rows = _read(cache.rows, table).flatten(0, 1)[:context_len]
-        else:  # profiling / dummy run: the sequence is this step's rows alone
-            seq_rows = rows[start : start + n]
-        _attend_sequence(
-            layer,
-            q[start : start + n],
-            seq_rows.to(q.dtype),
-            None if iq is None else iq[start : start + n],
-            None if iw is None else iw[start : start + n],
-            output[start : start + n],
-            context_len,
-        )
-
-
-def _attend_sequence(
-    layer: V4Attention,
-    q: torch.Tensor,
-    seq_rows: torch.Tensor,
-    iq: Optional[torch.Tensor],
-    iw: Optional[torch.Tensor],
-    out: torch.Tensor,
-    context_len: int,
-) -> None:
-    """A sequence's query rows (the last of its `context_len` tokens), in chunks of
-    `_QUERY_CHUNK` rows: a long prompt's logits are [chunk, heads, context], not [rows, ...]."""
-    n, L = q.shape[0], context_len
-    pos = torch.arange(L - n, L, device=q.device)
-    for a in range(0, n, _QUERY_CHUNK):
-        b = min(n, a + _QUERY_CHUNK)
-        _attend_rows(
-            layer,
-            q[a:b],
-            seq_rows,
-            None if iq is None else iq[a:b],
-            None if iw is None else iw[a:b],
-            out[a:b],
-            pos[a:b],
-            L,
-        )
-
-
-_QUERY_CHUNK = 256
-
-
-def _attend_rows(
-    layer: V4Attention,
-    q: torch.Tensor,
-    seq_rows: torch.Tensor,
-    iq: Optional[torch.Tensor],
-    iw: Optional[torch.Tensor],
-    out: torch.Tensor,
-    pos: torch.Tensor,
-    L: int,
-) -> None:
-    n = q.shape[0]
-    device = q.device
-    cols = layer.columns()
-    keys = _col(seq_rows, cols, "kv")  # [L, D]
-    t = torch.arange(L, device=device)
-    mask = (t.unsqueeze(0) <= pos.unsqueeze(1)) & (t.unsqueeze(0) > pos.unsqueeze(1) - layer.window)
-    if layer.compressor is not None:
-        r = layer.rate
-        num_entries = L // r
-        ent = _col(seq_rows, cols, "centry")[r - 1 :: r][:num_entries]
-        w = torch.arange(num_entries, device=device)
-        visible = w.unsqueeze(0) < ((pos + 1) // r).unsqueeze(1)  # [n, T]
-        if layer.indexer is not None and num_entries:
-            ikeys = _col(seq_rows, cols, "ientry")[r - 1 :: r][:num_entries]
-            visible = visible & _index_select(layer, iq, iw, ikeys, visible)
-        keys = torch.cat((keys, ent), dim=0)
-        mask = torch.cat((mask, visible), dim=1)
-    logits = torch.einsum("nhd,kd->nhk", q, keys) * layer.scale
-    logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
-    sink = layer.attn_sink.to(logits.dtype).view(1, -1, 1).expand(n, -1, 1)
-    combined = torch.cat((logits, sink), dim=-1)
-    combined = combined - combined.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(combined, dim=-1)[..., :-1]
-    out.copy_(torch.einsum("nhk,kd->nhd", probs, keys))
-
-
-def _attend_sequence_kernels(
-    layer: V4Attention,
-    q: torch.Tensor,
-    iq: Optional[torch.Tensor],
-    iw: Optional[torch.Tensor],
-    out: torch.Tensor,
-    context_len: int,
-    cache_rows: torch.Tensor,
-    block_table: torch.Tensor,
-) -> None:
-    """`_attend_sequence` through the kernels: each query row's keys as element offsets into the
-    cache (its window's, then its compressed entries': HCA every visible one, CSA the indexer's
-    top `index_topk` by `v4_index_scores`), then `v4_sparse_attention`."""
-    from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores, v4_sparse_attention
-
-    n, L = q.shape[0], context_len
-    device = q.device
-    bs, width = cache_rows.shape[1], cache_rows.shape[2]
-    table = block_table.long()
-    flat = cache_rows.view(-1, width)
-
-    def slots_of(tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.clamp(min=0)
-        return torch.where(tokens >= 0, table[t // bs] * bs + t % bs, -1)
-
-    pos = torch.arange(L - n, L, device=device)
-    window = pos.unsqueeze(1) - torch.arange(layer.window - 1, -1, -1, device=device)
-    win_slots = slots_of(window)
-    offsets = [torch.where(win_slots >= 0, win_slots * width, -1)]
-    if layer.compressor is not None and L // layer.rate:
-        r, cols = layer.rate, layer.columns()
-        num_entries = L // r
-        ent_slots = slots_of((torch.arange(num_entries, device=device) + 1) * r - 1)
-        visible = torch.arange(num_entries, device=device).unsqueeze(0) < (
-            (pos + 1) // r
-        ).unsqueeze(1)
-        picked = torch.where(visible, ent_slots.unsqueeze(0), -1)  # [n, T]
-        if layer.indexer is not None:
-            scores = v4_index_scores(iq, iw, flat, picked, cols["ientry"][0])
-            top = scores.topk(min(layer.index_topk, num_entries), dim=-1)
-            picked = torch.where(
-                top.values > float("-inf"), ent_slots[top.indices], torch.full_like(top.indices, -1)
-            )
-        offsets.append(torch.where(picked >= 0, picked * width + cols["centry"][0], -1))
-    v4_sparse_attention(q, cache_rows, torch.cat(offsets, dim=1), layer.attn_sink, layer.scale, out)
-
-
-def _index_select(
-    layer: V4Attention,
-    iq: torch.Tensor,
-    iw: torch.Tensor,
-    ikeys: torch.Tensor,
-    visible: torch.Tensor,
-) -> torch.Tensor:
-    """[n, T] bool: the top `index_topk` visible entries of each query by the indexer's score."""
-    scores = torch.einsum("nhd,td->nht", iq.float(), ikeys.float())
-    scores = F.relu(scores) * layer.indexer.head_dim**-0.5
-    scores = (scores * iw.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
-    k = min(layer.index_topk, scores.shape[1])
-    picked = torch.zeros_like(visible)
-    picked.scatter_(1, scores.topk(k, dim=-1).indices, True)
-    return picked
-
-
-def _compress_fake(
-    x: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, layer_idx: int
-) -> None:
-    return None
+    """An HCA layer's eager region: each row's queries over its window and every entry it sees."""
+    layer = paged_layer_state(layer_idx)[0]
+    _attend(layer, q, rows, positions, output, _entry_slots(layer, rows, positions)[1])
 
 
 direct_register_custom_op(
     "v4_attn_compress_launch",
     v4_attn_compress_launch,
     mutates_args=["rows"],
-    fake_impl=_compress_fake,
+    fake_impl=returns_nothing,
 )
-
-
-def _v4_attention_fake(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    iq: Optional[torch.Tensor],
-    iw: Optional[torch.Tensor],
-    output: torch.Tensor,
-    layer_idx: int,
-) -> None:
-    return None
-
-
 direct_register_custom_op(
-    "v4_attention", v4_attention, mutates_args=["rows", "output"], fake_impl=_v4_attention_fake
+    "v4_attention", v4_attention, mutates_args=["rows", "output"], fake_impl=returns_nothing
 )

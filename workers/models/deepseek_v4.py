@@ -44,8 +44,9 @@ from atomrt.compile.decorators import support_torch_compile
 from atomrt.distributed.communication_op import DPInfo, TPInfo, dp_all_gather
 from atomrt.graphs.markers import token_graph
 from atomrt.workers.layers.rotary import RotaryEmbedding
-from atomrt.workers.layers.v4_attention import Norm, V4Attention
+from atomrt.workers.layers.v4_attention import V4Attention
 from atomrt.workers.layers.v4_hyper import HyperConnection, HyperHead, hyper_residual
+from atomrt.workers.layers.v4_modules import Norm
 from atomrt.workers.layers.v4_moe import V4MoE
 from atomrt.workers.layers.v4_streams import V4SideStreams
 from atomrt.workers.layers.weight_utils import Sliceable, read_all, read_narrow, shape_of

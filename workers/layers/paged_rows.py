@@ -1,0 +1,51 @@
+"""Per-token cache rows through block tables: what the layers that keep one row per token share
+(DeepSeek-V4's, workers/layers/v4_attention.py, and DSA's, workers/layers/dsa_mla.py)."""
+
+from typing import NamedTuple
+
+import torch
+
+
+class StepSequence(NamedTuple):
+    index: int  # the sequence's row in the step's block tables
+    start: int  # its first query row
+    num_rows: int  # its query rows
+    context_len: int  # its tokens so far, the query rows included
+
+
+def step_sequences(md: object, num_rows: int, paged: bool) -> "list[StepSequence]":
+    """The step's sequences that have query rows, from the host's copy of its metadata. Without a
+    cache (`paged` False: profiling, dummy runs) each sequence is its rows alone from position 0;
+    with no metadata, all rows are one."""
+    if md is None or (md.cu_seqlens_q_cpu is None and md.cu_seqlens_q is None):
+        return [StepSequence(0, 0, num_rows, num_rows)]
+    cu = md.cu_seqlens_q_cpu if md.cu_seqlens_q_cpu is not None else md.cu_seqlens_q.tolist()
+    num_seqs = md.num_seqs or len(cu) - 1
+    lens = getattr(md, "context_lens_cpu", None)
+    if lens is None and getattr(md, "context_lens", None) is not None:
+        lens = md.context_lens.tolist()
+    out = []
+    for s in range(num_seqs):
+        n = cu[s + 1] - cu[s]
+        if n:
+            out.append(StepSequence(s, cu[s], n, lens[s] if paged and lens is not None else n))
+    return out
+
+
+def read_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache[index] (an e4m3 cache is indexed as bytes: CPU has no float8 indexing kernel)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)[index].view(cache.dtype)
+    return cache[index]
+
+
+def sequence_rows(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """A sequence's rows [context_len, width] of a cache [num_blocks, block_size, width] through
+    its block table [max_blocks]."""
+    table = block_table[: -(-context_len // cache.shape[1])].long()
+    return read_rows(cache, table).flatten(0, 1)[:context_len]
+
+
+def returns_nothing(*args: object, **kwargs: object) -> None:
+    """The fake of an op that writes its outputs in place (it returns nothing to trace)."""
+    return None
