@@ -188,6 +188,21 @@ class RunnerShape:
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
 
+    def step_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The static buffers of a step's token rows and attention metadata, sized for this
+        shape: input ids, positions, slot_mapping, cu_seqlens_q, context_lens, block tables."""
+        n, s = self.max_num_tokens, self.max_num_seqs
+        return {
+            "input_ids": torch.zeros(n, dtype=torch.int64, device=device),
+            "positions": torch.zeros(n, dtype=torch.int64, device=device),
+            "slot_mapping": torch.full((n,), -1, dtype=torch.int64, device=device),
+            "cu_seqlens_q": torch.zeros(s + 1, dtype=torch.int32, device=device),
+            "context_lens": torch.zeros(s, dtype=torch.int32, device=device),
+            "block_tables": torch.full(
+                (s, self.max_blocks_per_seq), -1, dtype=torch.int32, device=device
+            ),
+        }
+
 
 class StepBuffers:
     def __init__(
@@ -203,17 +218,10 @@ class StepBuffers:
         """`tokens`: the token pool (async scheduling, a draft model: rows gather their ids from
         it); `packed_bucket`: the largest request-graph bucket that steps are staged packed for (0:
         none), each sequence running `max_q_len` rows."""
-        n, s = shape.max_num_tokens, shape.max_num_seqs
+        n = shape.max_num_tokens
         self.tokens = tokens
         self.forward_vars: dict[str, torch.Tensor] = {
-            "input_ids": torch.zeros(n, dtype=torch.int64, device=device),
-            "positions": torch.zeros(n, dtype=torch.int64, device=device),
-            "slot_mapping": torch.full((n,), -1, dtype=torch.int64, device=device),
-            "cu_seqlens_q": torch.zeros(s + 1, dtype=torch.int32, device=device),
-            "context_lens": torch.zeros(s, dtype=torch.int32, device=device),
-            "block_tables": torch.full(
-                (s, shape.max_blocks_per_seq), -1, dtype=torch.int32, device=device
-            ),
+            **shape.step_inputs(device),
             "logits_indices": torch.zeros(n, dtype=torch.int64, device=device),
             "outputs": torch.zeros(n, hidden_size, dtype=dtype, device=device),
         }
