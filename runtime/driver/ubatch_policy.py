@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from atomrt.graphs.buckets import bucket_for
@@ -109,16 +109,11 @@ class UbatchPolicy:
             return d
         return split_decision(self._eager(d, max_seqs, max_tokens), ubatch_split_bs)
 
-    def _eager(self, d: ForwardDecision, max_seqs: int, max_tokens: int) -> ForwardDecision:
-        """`d` as an eager step: the group's largest sequence and row counts, no bucket."""
-        return replace(
-            d,
-            kind=ForwardKind.EAGER,
-            running_bs=max_seqs,
-            running_tokens=max_tokens,
-            req_key=None,
-            token_bucket=None,
-        )
+    @staticmethod
+    def _eager(d: ForwardDecision, max_seqs: int, max_tokens: int) -> ForwardDecision:
+        """`d` (unsplit, before its DP fields) as an eager step: the group's largest sequence and
+        row counts, no bucket."""
+        return ForwardDecision(ForwardKind.EAGER, max_seqs, max_tokens, d.is_prefill, d.draft_num)
 
     def describe(self) -> list[str]:
         """One line per measured bucket (auto): its times and whether it splits."""
