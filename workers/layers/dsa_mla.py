@@ -28,14 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op
-from atomrt.distributed.communication_op import TPInfo
 from atomrt.graphs.markers import eager_region
 from atomrt.workers.layers.attention import paged_layer_state
-from atomrt.workers.layers.attention_ref import to_cache_dtype
+from atomrt.workers.layers.attention_ref import copy_rows
 from atomrt.workers.layers.linear import MergedColumnParallelLinear
 from atomrt.workers.layers.mla import MLAAttention
 from atomrt.workers.layers.mla_ref import decompress
-from atomrt.workers.layers.rotary import RotaryEmbedding, _rotate
+from atomrt.workers.layers.paged_rows import returns_nothing, sequence_rows, step_sequences
+from atomrt.workers.layers.rotary import _rotate
 
 
 @dataclass(frozen=True)
@@ -75,48 +75,28 @@ class DSAIndexer(nn.Module):
 class DSAMLAAttention(MLAAttention):
     def __init__(
         self,
-        layer_idx: int,
-        hidden_size: int,
-        num_heads: int,
-        q_lora_rank: int,
-        kv_lora_rank: int,
-        qk_nope_head_dim: int,
-        qk_rope_head_dim: int,
-        v_head_dim: int,
-        scale: float,
-        rotary: RotaryEmbedding,
+        *mla_args: object,
         index_n_heads: int,
         index_head_dim: int,
         index_topk: int,
-        tp: TPInfo = TPInfo(),
-        bias: bool = False,
         shares_topk: bool = False,
         index_rope_interleave: bool = False,
+        **mla_kwargs: object,
     ) -> None:
-        super().__init__(
-            layer_idx,
-            hidden_size,
-            num_heads,
-            q_lora_rank,
-            kv_lora_rank,
-            qk_nope_head_dim,
-            qk_rope_head_dim,
-            v_head_dim,
-            scale,
-            rotary,
-            tp,
-            bias=bias,
-        )
-        latent = kv_lora_rank + qk_rope_head_dim
+        """MLAAttention's arguments, then the indexer's."""
+        super().__init__(*mla_args, **mla_kwargs)
         self.index_topk, self.index_rope_interleave = index_topk, index_rope_interleave
         # a layer that shares the top-k reuses the previous indexer layer's picks (GLM-5)
         self.indexer = (
-            None if shares_topk else DSAIndexer(q_lora_rank, index_n_heads, index_head_dim)
+            None if shares_topk else DSAIndexer(self.q_lora_rank, index_n_heads, index_head_dim)
         )
         if self.indexer is not None:
             # the latent projections, then the indexer's key and head weights: one GEMM
+            fused = self.fused_qkv_a_proj  # [q_lora_rank, latent] wide, whole on every rank
             self.fused_qkv_a_proj = MergedColumnParallelLinear(
-                hidden_size, [q_lora_rank, latent, index_head_dim, index_n_heads], bias
+                fused.weight.shape[1],
+                [*fused.output_sizes_per_rank, index_head_dim, index_n_heads],
+                fused.bias is not None,
             )
 
     def kv_cache_spec(self) -> DSALayerSpec:
@@ -201,11 +181,7 @@ def dsa_mla_attention(
     if cache is not None and md is not None:
         slots = md.slot_mapping[: rows.shape[0]]
         valid = slots >= 0
-        flat = cache.kv_cache.view(-1, cache.kv_cache.shape[-1])
-        values = to_cache_dtype(rows[valid], flat.dtype)
-        if flat.dtype == torch.float8_e4m3fn:
-            flat, values = flat.view(torch.uint8), values.view(torch.uint8)
-        flat.index_copy_(0, slots[valid], values)
+        copy_rows(cache.kv_cache.view(-1, cache.kv_cache.shape[-1]), slots[valid], rows[valid])
     _dsa_attend(q, rows, iq, iw, output, layer_idx)
 
 
@@ -225,29 +201,10 @@ def _dsa_attend(
     layer, md, cache = paged_layer_state(layer_idx)
     output.zero_()
     paged = cache is not None and md is not None
-    if md is None or (md.cu_seqlens_q_cpu is None and md.cu_seqlens_q is None):
-        cu, lens = [0, q.shape[0]], [q.shape[0]]
-    else:
-        cu = md.cu_seqlens_q_cpu if md.cu_seqlens_q_cpu is not None else md.cu_seqlens_q.tolist()
-        lens = md.context_lens_cpu
-        if lens is None and paged:
-            lens = md.context_lens.tolist()
-    num_seqs = (md.num_seqs if md is not None else None) or len(cu) - 1
     latent_width = layer.kv_lora_rank + layer.qk_rope_head_dim
-    for s in range(num_seqs):
-        start, n = cu[s], cu[s + 1] - cu[s]
-        if not n:
-            continue
-        L = lens[s] if paged else n
+    for s, start, n, L in step_sequences(md, q.shape[0], paged):
         if paged:
-            bs = cache.kv_cache.shape[1]
-            table = md.block_tables[s, : -(-L // bs)].long()
-            seq = cache.kv_cache
-            if seq.dtype == torch.float8_e4m3fn:
-                seq = seq.view(torch.uint8)[table].view(seq.dtype)
-            else:
-                seq = seq[table]
-            seq = seq.flatten(0, 1)[:L].to(q.dtype)
+            seq = sequence_rows(cache.kv_cache, md.block_tables[s], L).to(q.dtype)
         else:
             seq = rows[start : start + n]
         key = (id(md), s)
@@ -318,20 +275,6 @@ def _attend_sequence(
 _QUERY_CHUNK = 256
 
 
-def _dsa_fake(
-    q: torch.Tensor,
-    kv_c_normed: torch.Tensor,
-    k_pe: torch.Tensor,
-    iq: Optional[torch.Tensor],
-    ik: Optional[torch.Tensor],
-    iw: Optional[torch.Tensor],
-    output: torch.Tensor,
-    positions: torch.Tensor,
-    layer_idx: int,
-) -> None:
-    return None
-
-
 direct_register_custom_op(
-    "dsa_mla_attention", dsa_mla_attention, mutates_args=["output"], fake_impl=_dsa_fake
+    "dsa_mla_attention", dsa_mla_attention, mutates_args=["output"], fake_impl=returns_nothing
 )

@@ -53,9 +53,16 @@ def is_mtp_weight(name: str, arch: ModelArch) -> bool:
     return m is not None and int(m.group(1)) >= arch.num_layers
 
 
-def make_mla(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> MLAAttention:
-    """A layer's MLA block: softmax scale (qk_nope + qk_rope)^-0.5, times YaRN's mscale^2 under
-    a scaled rope."""
+def make_mla(
+    arch: ModelArch,
+    layer_idx: int,
+    tp: TPInfo,
+    max_position: int,
+    layer_class: type = MLAAttention,
+    **extra: object,
+) -> MLAAttention:
+    """A layer's MLA block (or a subclass's, `extra` its own arguments): softmax scale
+    (qk_nope + qk_rope)^-0.5, times YaRN's mscale^2 under a scaled rope."""
     rotary = RotaryEmbedding(
         arch.qk_rope_head_dim,
         max_position,
@@ -64,7 +71,7 @@ def make_mla(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> 
         interleaved=arch.rope_interleave,
     )
     scale = arch.head_dim**-0.5 * yarn_softmax_scale(arch.rope_scaling)
-    return MLAAttention(
+    return layer_class(
         layer_idx,
         arch.hidden_size,
         arch.num_heads,
@@ -77,6 +84,7 @@ def make_mla(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> 
         rotary,
         tp,
         bias=arch.qkv_bias,
+        **extra,
     )
 
 
@@ -127,6 +135,7 @@ class DeepseekForCausalLM(MoEForCausalLM):
 
     layer_class = DeepseekDecoderLayer
     num_shards = {"fused_qkv_a_proj": 2, "gate_up_proj": 2}
+    extra_stacked_params: tuple = ()  # a subclass's further fused parts
 
     def __init__(
         self,
@@ -143,10 +152,8 @@ class DeepseekForCausalLM(MoEForCausalLM):
             if arch.q_lora_rank is not None
             else ()
         )
-        self.stacked_params = fused + (
-            ("gate_up_proj", "gate_proj", 0),
-            ("gate_up_proj", "up_proj", 1),
-        )
+        mlp = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+        self.stacked_params = fused + mlp + self.extra_stacked_params
         super().__init__(arch, tp, max_position, config, dp)
         self.mtp: Optional[DeepseekMTP] = None  # the drafter's layers, when speculation is MTP
         spec = getattr(config, "speculative_config", None)

@@ -9,15 +9,13 @@ writes them (`self_attn.indexer.wq_b`, `.wk`, `.k_norm`, `.weights_proj`); `wk` 
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from torch import nn
 
-from atomrt.distributed.communication_op import DPInfo, TPInfo
+from atomrt.distributed.communication_op import TPInfo
 from atomrt.workers.layers.dsa_mla import DSAMLAAttention
-from atomrt.workers.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from atomrt.workers.models.arch import ModelArch
-from atomrt.workers.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM
+from atomrt.workers.models.deepseek import DeepseekDecoderLayer, DeepseekForCausalLM, make_mla
 
 
 def make_dsa_mla(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> nn.Module:
@@ -25,29 +23,15 @@ def make_dsa_mla(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int)
         raise ValueError(
             "DeepseekV32ForCausalLM needs a q_lora_rank (its indexer reads the query LoRA)"
         )
-    rotary = RotaryEmbedding(
-        arch.qk_rope_head_dim,
-        max_position,
-        arch.rope_theta,
-        arch.rope_scaling,
-        interleaved=arch.rope_interleave,
-    )
-    return DSAMLAAttention(
+    return make_mla(
+        arch,
         layer_idx,
-        arch.hidden_size,
-        arch.num_heads,
-        arch.q_lora_rank,
-        arch.kv_lora_rank,
-        arch.qk_nope_head_dim,
-        arch.qk_rope_head_dim,
-        arch.v_head_dim,
-        arch.head_dim**-0.5 * yarn_softmax_scale(arch.rope_scaling),
-        rotary,
-        arch.index_n_heads,
-        arch.index_head_dim,
-        arch.index_topk,
         tp,
-        bias=arch.qkv_bias,
+        max_position,
+        DSAMLAAttention,
+        index_n_heads=arch.index_n_heads,
+        index_head_dim=arch.index_head_dim,
+        index_topk=arch.index_topk,
         shares_topk=layer_idx in arch.index_shared_layers,
         index_rope_interleave=arch.architecture == "GlmMoeDsaForCausalLM",
     )
@@ -63,19 +47,11 @@ class DeepseekV32ForCausalLM(DeepseekForCausalLM):
     layer_class = DeepseekV32DecoderLayer
     num_shards = {"fused_qkv_a_proj": 4, "gate_up_proj": 2}
 
-    def __init__(
-        self,
-        arch: ModelArch,
-        tp: TPInfo = TPInfo(),
-        max_position: int = 0,
-        config: Any = None,
-        dp: DPInfo = DPInfo(),
-    ) -> None:
-        super().__init__(arch, tp, max_position, config, dp)
-        self.stacked_params = self.stacked_params + (
-            ("fused_qkv_a_proj", "indexer.wk", 2),
-            ("fused_qkv_a_proj", "indexer.weights_proj", 3),
-        )
+    # the indexer's key and head weights join the fused latent projection
+    extra_stacked_params = (
+        ("fused_qkv_a_proj", "indexer.wk", 2),
+        ("fused_qkv_a_proj", "indexer.weights_proj", 3),
+    )
 
     def _needed(self, param: str) -> int:
         """The fused projection of a layer that shares the top-k has no indexer parts."""
