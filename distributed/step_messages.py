@@ -158,6 +158,9 @@ class StepPlan:
     # Async scheduling: the driver publishes the next plan (or a `Flush`) before it waits for this
     # step's result, so a worker launches the next step before it hands this one back.
     pipelined: bool = False
+    # A probe the step's workers count (workers/probes.py; "" for none): its result comes back in
+    # each DP rank's `StepResult.probe`.
+    probe: str = ""
 
 
 def _f32(x: Any = ()) -> np.ndarray:
@@ -203,6 +206,9 @@ class StepResult:
     draft_token_ids: np.ndarray = field(default_factory=_i32)
     # Seconds the step's draft passes took (device time, measured on TP rank 0)
     draft_seconds: float = 0.0
+    # What the plan's probe counted on this DP rank (workers/probes.py); None: the step was not
+    # probed, or the rank had no rows
+    probe: Optional[np.ndarray] = None
 
 
 @dataclass

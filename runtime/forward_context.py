@@ -120,9 +120,6 @@ class ForwardContext:
     # with them, as one launch
     tr_req_key: Optional[tuple[int, int]] = None
     tr_request: Any = None
-    # a bench's count of the routed experts each MoE layer's rows select (ExpertTally,
-    # workers/layers/expert_tally.py): the expert op reports to it in Python, so eager steps only
-    expert_tally: Any = None
 
 
 _forward_context: ForwardContext = ForwardContext()
@@ -155,7 +152,6 @@ def set_forward_context(
     tr_graph: TrGraphPhase = None,
     tr_req_key: Optional[tuple[int, int]] = None,
     tr_request: Any = None,
-    expert_tally: Any = None,
 ) -> _ForwardContextScope:
     """Set the forward context for one forward pass; `with` it to reset in `finally`."""
     global _forward_context
@@ -171,7 +167,6 @@ def set_forward_context(
         tr_graph=tr_graph,
         tr_req_key=tr_req_key,
         tr_request=tr_request,
-        expert_tally=expert_tally,
     )
     return _ForwardContextScope(previous)
 

@@ -1,45 +1,84 @@
-"""ExpertTally: the routed experts each MoE layer's rows select, counted on eager steps through the
-forward context, each layer known by its expert weights."""
+"""The `experts_touched` probe: the routed experts each MoE layer's rows select, counted on the
+probed steps through the executor (in-process and `mp` alike), each layer known by its expert
+weights."""
 
+import numpy as np
 import pytest
 import torch
 
 from atomrt.runtime.entrypoints.llm import LLM
-from atomrt.runtime.forward_context import Context, set_forward_context
 from atomrt.runtime.sampling_params import SamplingParams
-from atomrt.workers.layers.expert_tally import ExpertTally
+from atomrt.workers.layers import expert_tally
 from atomrt.workers.layers.moe import routed_experts
 from atomrt.workers.loading.presets import PRESETS
+from atomrt.workers.probes import routed_layers
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+TOP_K = PRESETS["tiny-deepseek-v3"]["num_experts_per_tok"]
 
 
-def test_the_tally_counts_eager_steps_of_each_moe_layer_by_its_weights() -> None:
-    """Each layer's calls, told apart by its expert weights; a call outside the model, and a call
-    whose forward context carries no tally, are not counted."""
+def _probed(executor: str) -> list[np.ndarray]:
+    """What the probe counted over a prompt of 5 tokens and two decode steps; then a request
+    outside the probe, which adds nothing."""
+    llm = LLM("tiny-deepseek-v3", load_format="dummy", device="cpu", executor=executor)
+    try:
+        with llm.engine.executor.probe("experts_touched") as counts:
+            llm.generate([[5, 17, 99, 3, 8]], PARAMS, use_tqdm=False)
+        assert llm.engine.executor.probing == ""
+        llm.generate([[5, 17]], PARAMS, use_tqdm=False)
+        return counts.arrays
+    finally:
+        llm.shutdown()
+
+
+def test_the_probe_counts_each_moe_layer_of_each_probed_step() -> None:
+    """A prefill step of 5 rows, then two decode steps of one row (top-2 each), per MoE layer (4
+    layers, the first dense); a probe needs a known name and is opened once at a time."""
+    arrays = _probed("inproc")
+    assert [a.shape for a in arrays] == [(1, 3)] * 3
+    assert all(TOP_K <= n <= 8 for n in arrays[0][0])
+    assert all((a == TOP_K).all() for a in arrays[1:])
+    llm = LLM("tiny-deepseek-v3", load_format="dummy", device="cpu")
+    try:
+        with pytest.raises(ValueError, match="probe: expected one of"):
+            with llm.engine.executor.probe("experts"):
+                pass
+        with llm.engine.executor.probe("experts_touched") as counts:
+            with pytest.raises(RuntimeError, match="already open"):
+                with llm.engine.executor.probe("experts_touched"):
+                    pass
+        with pytest.raises(ValueError, match="no step was counted"):
+            counts.mean_touched()
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_the_probe_counts_the_same_through_the_mp_executor() -> None:
+    """The probe rides the plan and comes back in the step's result: a spawned rank counts what
+    the in-process worker counts."""
+    inproc, mp = _probed("inproc"), _probed("mp")
+    assert len(mp) == len(inproc) and all((a == b).all() for a, b in zip(inproc, mp))
+
+
+def test_a_tally_counts_a_layer_by_its_expert_weights_while_open() -> None:
+    """A call of another tensor's experts, and a call with no tally open, are not counted."""
     llm = LLM("tiny-deepseek-v3", load_format="dummy", device="cpu", enforce_eager=True)
     try:
-        runner = llm.engine.executor.worker.runner
-        tally = ExpertTally(runner.model)
-        assert len(tally.layers) == 3  # 4 layers, the first dense
-        runner.expert_tally = tally
-        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-        llm.generate([[5, 17, 99, 3, 8]], params, use_tqdm=False)
-        runner.expert_tally = None
-        llm.generate([[5, 17]], params, use_tqdm=False)  # not counted
-        # a prefill step of 5 rows, then two decode steps of one row (top-2 each)
-        assert [len(d) for d in tally.distinct] == [3, 3, 3]
-        top_k = PRESETS["tiny-deepseek-v3"]["num_experts_per_tok"]
-        assert all(d[1:] == [top_k, top_k] and top_k <= d[0] <= 8 for d in tally.distinct)
-
-        moe = runner.model.model.layers[2].mlp.experts
+        model = llm.engine.executor.worker.runner.model
+        tally = expert_tally.ExpertTally(routed_layers(model))
+        assert len(tally.layers) == 3
+        moe = model.model.layers[2].mlp.experts
         x = torch.randn(3, moe.w13_weight.shape[-1])
         ids = torch.tensor([[0, 1], [1, 2], [0, 2]])
         weights = torch.full((3, 2), 0.5)
-        with set_forward_context(None, None, Context(), expert_tally=tally):
+        routed_experts(x, weights, ids, moe.w13_weight, moe.w2_weight)  # no tally open
+        with expert_tally.counting(tally):
             routed_experts(x, weights, ids, moe.w13_weight, moe.w2_weight)
             routed_experts(x, weights, ids, moe.w13_weight.clone(), moe.w2_weight)  # not its
-        assert tally.distinct[1][-1] == 3 and [len(d) for d in tally.distinct] == [3, 4, 3]
-        assert tally.num_steps == 3
+        assert tally.distinct == [[], [3], []] and tally.num_steps == 0
+        assert tally.counts().shape == (0, 3)
     finally:
         llm.shutdown()
     with pytest.raises(ValueError, match="no step was counted"):
-        ExpertTally(runner.model).mean_touched()
+        expert_tally.ExpertTally(routed_layers(model)).mean_touched()

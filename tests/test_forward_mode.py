@@ -248,17 +248,17 @@ def test_repeated_shapes_reuse_the_decision_and_new_shapes_get_their_own():
     assert decisions[1] is decisions[0]  # a steady decode reuses the frozen decision
 
 
-def test_eager_steps_decide_eager_inside_and_graphs_again_after():
-    """What a bench's counted steps need: inside `eager_steps()` every step runs eagerly (a
-    repeated shape too); after it, the recorded buckets replay again."""
+def test_a_probed_step_decides_eager_and_the_next_replays_graphs_again():
+    """What a probed step needs (its probe reads it in Python): `eager=True` runs it eagerly (a
+    repeated shape too); the next unprobed step of the same shape replays the recorded bucket."""
     for m, graph in ((M.FULL, REQ), (M.TR_HYBRID, TOKEN)):
         mode = make_mode(m)
         decode = [BatchShape(4, 4, 1, False)]
         assert mode.decide(decode).kind is graph
-        with mode.eager_steps():
-            inside = mode.decide(decode)
-            assert inside.kind is EAGER and (inside.running_bs, inside.running_tokens) == (4, 4)
-            assert mode.decide([BatchShape(2, 16, 10, True)]).kind is EAGER
+        for _ in range(2):
+            probed = mode.decide(decode, eager=True)
+            assert probed.kind is EAGER and (probed.running_bs, probed.running_tokens) == (4, 4)
+        assert mode.decide([BatchShape(2, 16, 10, True)], eager=True).kind is EAGER
         assert mode.decide(decode).kind is graph
 
 

@@ -507,7 +507,7 @@ def test_bad_declared_array_bytes_raise_message_error():
     import msgpack
 
     wire = msgpack.packb(
-        [4, 0, 0, b"\x00" * 12, b"", None, None, None, None, b"", b"", 0, None, b"", 0.0],
+        [4, 0, 0, b"\x00" * 12, b"", None, None, None, None, b"", b"", 0, None, b"", 0.0, None],
         use_bin_type=True,
     )  # 12 B: not int64s
     with pytest.raises(MessageError, match="malformed StepResult"):

@@ -21,6 +21,7 @@ from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.distributed.messages import GrammarBitmask, PromptLogprobs, StepPlan, StepResult
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision, TboTiming
+from atomrt.workers.probes import probing
 from atomrt.workers.runner.compile_warmup import CompileReport, compile_all_sizes, compile_report
 from atomrt.workers.runner.input_batch import PromptRows, SeqMirrors, dummy_idle_inputs
 from atomrt.workers.runner.kernel_warmup import warm_eager_kernels
@@ -46,6 +47,7 @@ class PendingStep:
     prompt_rows: Optional[PromptRows] = None  # the rows that computed prompt logprobs
     forward: Optional[StepForward] = None  # structured outputs: sampling waits for the masks
     grammar_rows: Optional[np.ndarray] = None  # the logits rows the masks constrain
+    probe: Optional[np.ndarray] = None  # what the plan's probe counted (workers/probes.py)
 
     @property
     def done(self) -> bool:
@@ -165,9 +167,21 @@ class Worker:
             startup_phases=tuple(self._phases),
         )
 
-    @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
-        """Apply the plan and start its forward and sampling on the device; `finish` waits for them.
+        """Apply the plan and start its forward and sampling on the device; `finish` waits for
+        them. A probed plan's rows are counted (workers/probes.py) into the step's result."""
+        if not plan.probe or plan.ranks[self.dp_rank].num_seqs == 0:
+            return self._launch(plan)
+        with probing(plan.probe, self.runner.model) as probed:
+            pending = self._launch(plan)
+        pending.probe = probed.counts
+        if pending.result is not None:
+            pending.result.probe = probed.counts
+        return pending
+
+    @torch.inference_mode()
+    def _launch(self, plan: StepPlan) -> PendingStep:
+        """`launch` without the probe.
 
         Rows whose input is PENDING_TOKEN read the token this worker sampled for that sequence in
         the previous step, on the device. The sampling history of penalised and seeded rows must be
@@ -271,6 +285,7 @@ class Worker:
         pending.result = self._result(
             pending.step, pending.seq_ids, tokens, arrays.logprobs, drafts
         )
+        pending.result.probe = pending.probe
         if arrays.prompt_logprobs is not None:
             rows = pending.prompt_rows
             pending.result.prompt_logprobs = PromptLogprobs(

@@ -13,14 +13,9 @@ from typing import Any, Optional
 
 import torch
 
-from atomrt.workers.layers.expert_tally import (
-    ExpertTally,
-    RoutedLayer,
-    expert_parameters,
-    routed_layer_bytes,
-    routed_layers,
-)
+from atomrt.workers.layers.expert_tally import RoutedLayer, expert_parameters, routed_layer_bytes
 from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from atomrt.workers.probes import routed_layers
 from atomrt.workers.runner.kv_cache import kv_sizes_by_kind
 
 
@@ -113,18 +108,11 @@ def inproc_step_bytes(llm: Any) -> Optional[StepBytes]:
 
 def count_touched_experts(llm: Any, mine: set[str], steps: int) -> Optional[tuple[float, ...]]:
     """Per MoE layer, the mean number of distinct routed experts the next `steps` decode steps of
-    the batch `mine` touch, run eagerly (the routing is read in Python: workers/layers/
-    expert_tally.py); None for a model without MoE layers, or through another executor."""
-    runner = inproc_runner(llm)
-    if runner is None or not routed_layers(runner.model):
-        return None
-    engine, tally = llm.engine, ExpertTally(runner.model)
-    runner.expert_tally = tally
-    try:
-        with engine.forward_mode.eager_steps():
-            for i in range(steps):
-                if not any(o.request_id in mine for o in engine.step()):
-                    raise RuntimeError(f"expert count: step {i} decoded none of the batch")
-    finally:
-        runner.expert_tally = None
-    return tally.mean_touched()
+    the batch `mine` touch, run eagerly under the executor's `experts_touched` probe (the routing
+    is read in Python: workers/probes.py); None for a model without MoE layers."""
+    engine = llm.engine
+    with engine.executor.probe("experts_touched") as counts:
+        for i in range(steps):
+            if not any(o.request_id in mine for o in engine.step()):
+                raise RuntimeError(f"expert count: step {i} decoded none of the batch")
+    return counts.mean_touched() or None

@@ -368,9 +368,11 @@ class LLMEngine:
             outs = [s.schedule() for s in self.schedulers]
         if all(o.is_empty for o in outs):
             return False
-        decision = self.forward_mode.decide([_shape(o) for o in outs])
+        probe = self.executor.probing  # a probe reads its steps in Python: they run eagerly
+        decision = self.forward_mode.decide([_shape(o) for o in outs], eager=bool(probe))
         batches = [planner.batch(o) for planner, o in zip(self.planners, outs)]
         plan = make_plan(self.step_no, decision, batches, pipelined=self.async_scheduling)
+        plan.probe = probe
         if self.grammars is not None and self.grammars.num_live:  # constrained sequences run
             self.grammars.plan(plan.step, outs, batches)
         self.executor.submit(plan)

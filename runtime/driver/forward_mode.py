@@ -28,8 +28,7 @@ one frozen `ForwardDecision` that every rank follows, so the ranks' collectives 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Optional
 
@@ -56,26 +55,20 @@ class ForwardMode:
         self.plain_decode = num_draft_tokens > 0 and 1 in config.capture_q_lens
         self.ubatch = UbatchPolicy(config.parallel_config.enable_tbo, captured)
         # The decision is a pure function of the shapes: a steady decode repeats the last one.
-        self._last: tuple[tuple[BatchShape, ...], Optional[ForwardDecision]] = ((), None)
-        self._eager_steps = False  # `eager_steps()`
+        self._last: tuple[tuple[tuple[BatchShape, ...], bool], Optional[ForwardDecision]] = (
+            ((), False),
+            None,
+        )
 
-    @contextmanager
-    def eager_steps(self) -> Iterator[None]:
-        """Every step decided inside runs eagerly, whatever capture recorded: a bench reads the
-        routing of such steps in Python (runtime/bench/latency.py, the experts a batch touches)."""
-        previous, self._eager_steps, self._last = self._eager_steps, True, ((), None)
-        try:
-            yield
-        finally:
-            self._eager_steps, self._last = previous, ((), None)
-
-    def decide(self, batches: Sequence[BatchShape]) -> ForwardDecision:
-        shapes = tuple(batches)
-        last_shapes, last_decision = self._last
-        if shapes == last_shapes:
+    def decide(self, batches: Sequence[BatchShape], eager: bool = False) -> ForwardDecision:
+        """`eager`: the step runs eagerly whatever capture recorded (a probed step: its probe
+        reads it in Python, workers/probes.py)."""
+        key = (tuple(batches), eager)
+        last_key, last_decision = self._last
+        if key == last_key:
             return last_decision
-        decision = self._decide(shapes)
-        self._last = (shapes, decision)
+        decision = self._decide(*key)
+        self._last = (key, decision)
         return decision
 
     @property
@@ -89,7 +82,7 @@ class ForwardMode:
         decision = self._last[1]
         return decision.ubatch_split_bs if decision is not None else None
 
-    def _decide(self, batches: tuple[BatchShape, ...]) -> ForwardDecision:
+    def _decide(self, batches: tuple[BatchShape, ...], eager: bool) -> ForwardDecision:
         assert batches, "decide needs one BatchShape per DP rank"
         for b in batches:
             assert b.num_seqs >= 0 and b.num_tokens >= b.num_seqs, f"bad batch shape {b}"
@@ -102,7 +95,7 @@ class ForwardMode:
             draft = 0
         is_decode = bool(busy) and all(self._is_decode(b, draft) for b in busy)
         decision = None
-        if busy and not self.enforce_eager and not self._eager_steps:
+        if busy and not self.enforce_eager and not eager:
             if self.tr_hybrid:
                 decision = self._pad_to_token_graph(is_decode, max_seqs, max_tokens, draft)
             elif is_decode and self.mode.decode_mode() == CUDAGraphMode.FULL:

@@ -197,13 +197,15 @@ class ChannelExecutor(Executor):
         try:
             if flush:
                 channel.flush(step)
-            return channel.collect(
+            results = channel.collect(
                 step, self.config.parallel_config.worker_timeout_s, self._check_alive
             )
         except WorkerError as e:
             self._failure = str(e)
             self._stop(graceful=False)
             raise
+        self._record_probes(results)
+        return results
 
     def _channel(self) -> StepChannel:
         if self._failure is not None or self.channel is None:

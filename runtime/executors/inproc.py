@@ -59,6 +59,7 @@ class InProcExecutor(Executor):
         except DeviceTimeout as e:  # a hung device is not a step to retry
             raise WorkerError(str(e)) from e
         assert result is not None
+        self._record_probes([result])
         return [result]
 
     def discard_in_flight(self) -> None:

@@ -3,23 +3,24 @@
 A decode step of a mixture-of-experts model reads the weights of the experts its rows were routed
 to, not all of them: at batch size 1 a layer of 64 experts with top-6 routing reads 6. What `atomrt
 bench latency` divides by the copy bandwidth for its floor (runtime/bench/step_bytes.py) counts
-them from a tally of real steps.
+them from a tally of real steps, asked for with the executor's `experts_touched` probe
+(workers/probes.py).
 
-The expert op (`routed_experts`, workers/layers/moe.py) reports each call's routing to the tally
-its forward context carries (`ForwardContext.expert_tally`, set by the model runner from its
-`expert_tally`). It does so in Python, which a CUDA-graph replay does not run: only eager steps
-are counted, and a step without a tally pays one attribute read per MoE layer. A layer is known by
-its expert weights, so a drafter's or another model's MoE layers are not counted.
+The expert ops (`routed_experts`, workers/layers/moe.py, and its FP8 twin) report each call's
+routing with `record`, to the tally a worker opened with `counting` around a probed step. They do
+so in Python, which a CUDA-graph replay does not run: probed steps run eagerly, and a step without
+a tally pays one global read per MoE layer. A layer is known by its expert weights, so a drafter's
+or another model's MoE layers are not counted.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple, Optional
 
+import numpy as np
 import torch
-from torch import nn
-
-from atomrt.workers.layers.moe import FusedMoE
 
 
 class RoutedLayer(NamedTuple):
@@ -29,18 +30,14 @@ class RoutedLayer(NamedTuple):
     expert_bytes: int  # its w13 rows and w2 columns on this rank
 
 
-def routed_layers(model: nn.Module) -> list[FusedMoE]:
-    """The model's MoE layers in order (DeepSeekMoE's are FusedMoE too)."""
-    return [m for m in model.modules() if isinstance(m, FusedMoE)]
-
-
-def expert_parameters(layer: FusedMoE) -> list[torch.Tensor]:
-    """The routed experts' tensors, [E, ...] each: the weights, and FP8 experts' scales."""
+def expert_parameters(layer: Any) -> list[torch.Tensor]:
+    """A MoE layer's routed experts' tensors, [E, ...] each: the weights, and FP8 experts'
+    scales."""
     names = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
     return [t for t in (getattr(layer, n, None) for n in names) if t is not None]
 
 
-def routed_layer_bytes(layer: FusedMoE) -> RoutedLayer:
+def routed_layer_bytes(layer: Any) -> RoutedLayer:
     """How many experts a layer has and the bytes of one (weights and scales, as stored)."""
     tensors = expert_parameters(layer)
     per_expert = sum(t[0].numel() * t.element_size() for t in tensors)
@@ -48,11 +45,10 @@ def routed_layer_bytes(layer: FusedMoE) -> RoutedLayer:
 
 
 class ExpertTally:
-    """Per MoE layer of `model`, the number of distinct experts the rows of each counted step
-    selected."""
+    """Per MoE layer of `layers` (a model's FusedMoE layers, in order), the number of distinct
+    experts the rows of each counted call selected."""
 
-    def __init__(self, model: nn.Module) -> None:
-        layers = routed_layers(model)
+    def __init__(self, layers: Sequence[Any]) -> None:
         self._layer_of = {m.w13_weight.data_ptr(): i for i, m in enumerate(layers)}
         self.layers = tuple(routed_layer_bytes(m) for m in layers)
         self.distinct: list[list[int]] = [[] for _ in layers]  # per layer, per call
@@ -69,8 +65,34 @@ class ExpertTally:
         """Calls of the layer counted least (a step calls every layer once)."""
         return min((len(d) for d in self.distinct), default=0)
 
+    def counts(self) -> np.ndarray:
+        """int32 [calls, layers]: the distinct experts of each counted call, per layer (the
+        calls every layer made)."""
+        n = self.num_steps
+        return np.asarray([d[:n] for d in self.distinct], np.int32).reshape(len(self.layers), n).T
+
     def mean_touched(self) -> tuple[float, ...]:
         """Per layer, the mean number of distinct experts a counted call touched."""
         if not self.num_steps:
             raise ValueError("ExpertTally: no step was counted (only eager steps report)")
         return tuple(sum(d) / len(d) for d in self.distinct)
+
+
+_counting: Optional[ExpertTally] = None  # the tally the expert ops report to, if any
+
+
+@contextmanager
+def counting(tally: ExpertTally) -> Iterator[ExpertTally]:
+    """The expert ops report every call inside to `tally`."""
+    global _counting
+    previous, _counting = _counting, tally
+    try:
+        yield tally
+    finally:
+        _counting = previous
+
+
+def record(w13: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    """Called by the expert ops on every call: report to the open tally (a no-op without one)."""
+    if _counting is not None:
+        _counting.record(w13, topk_ids)

@@ -17,7 +17,6 @@ from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.forward_context import DPMetadata, SpecDecodeMetadata, set_forward_context
 from atomrt.workers.layers.attention import Attention, collect_attention_layers
-from atomrt.workers.layers.expert_tally import ExpertTally
 from atomrt.workers.layers.mla import MLAAttention
 from atomrt.workers.loading.loader import load_model
 from atomrt.workers.runner.graph_runner import GraphRunner
@@ -153,8 +152,6 @@ class ModelRunner:
         width = self.spec.readback_width if self.spec is not None else 1
         self.readbacks = Readbacks(device, self.shape.max_num_seqs * width)
         self.ubatch: Optional[UbatchRunner] = None  # two-batch overlap
-        # A bench's ExpertTally (workers/layers/expert_tally.py): eager steps report their routing
-        self.expert_tally: Optional[ExpertTally] = None
         if config.parallel_config.enable_tbo != "none":
             self.ubatch = UbatchRunner(
                 self.shape.max_num_seqs, self.shape.max_blocks_per_seq, device
@@ -239,7 +236,6 @@ class ModelRunner:
             spec_decode_metadata=spec,
             tr_graph=decision.tr_graph,
             tr_req_key=decision.tr_req_key,
-            expert_tally=self.expert_tally,
         ):
             out = self.run_model(
                 self.buffers.forward_vars["input_ids"][:rows], decision, logits_indices, split

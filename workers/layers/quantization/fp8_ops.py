@@ -9,9 +9,9 @@ from typing import Optional
 import torch
 
 from atomrt.compile.custom_register import direct_register_custom_op
-from atomrt.runtime.forward_context import get_forward_context
 from atomrt.workers.kernels.gemm.fp8_gemm import w8a8_fp8_linear
 from atomrt.workers.kernels.moe.fused_moe_fp8 import fused_experts_fp8
+from atomrt.workers.layers import expert_tally
 from atomrt.workers.layers.quantization.fp8 import fp8_experts_ref, fp8_linear_ref
 
 
@@ -50,9 +50,7 @@ def _fp8_routed_experts_impl(
     group_k: int,
 ) -> torch.Tensor:
     """x [n, hidden] routed by (topk_weights, topk_ids) -> this rank's partial expert output."""
-    tally = get_forward_context().expert_tally
-    if tally is not None:
-        tally.record(w13, topk_ids)
+    expert_tally.record(w13, topk_ids)
     group = group_k or None
     if x.is_cuda:
         return fused_experts_fp8(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, group)
