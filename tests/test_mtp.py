@@ -305,7 +305,7 @@ def test_capture_and_replay_keys_follow_the_guide(random_layer, k):
     assert [request_bucket(bs, config.max_q_len) for bs in sizes] == [(bs, k) for bs in sizes]
     runner = ModelRunner(config, torch.device("cpu"))
     runner.allocate_kv_cache(16)
-    drafter = runner.spec.mtp
+    drafter = runner.spec.proposer.drafter
     drafter.graphs_enabled = True
     drafter.step_graph = DraftGraph(backend=FakeBackend([]))
     drafter.row_graphs = {0: DraftGraph(backend=FakeBackend([]))} if k > 1 else {}

@@ -281,12 +281,14 @@ def test_greedy_verify_layout_matches_the_rejection_sampler():
     (sequences with none, with fewer than k, a prompt chunk's rows that sample nothing)."""
     from types import SimpleNamespace
 
+    from atomrt.workers.spec_decode.ngram import NgramWorkerProposer
     from atomrt.workers.spec_decode.speculator import Speculator
 
     rng = np.random.default_rng(3)
     k, vocab = 4, 11
     spec = Speculator.__new__(Speculator)
-    spec.k, spec.width, spec.device, spec.uses_draft_model = k, k + 2, torch.device("cpu"), False
+    spec.k, spec.width, spec.device = k, k + 2, torch.device("cpu")
+    spec.proposer = NgramWorkerProposer.__new__(NgramWorkerProposer)  # drafts in the plan
     for _ in range(200):
         n = int(rng.integers(1, 7))
         k_seq = rng.integers(0, k + 1, size=n + 1)  # one extra sequence samples nothing
@@ -331,6 +333,7 @@ def test_a_step_without_drafts_samples_as_without_speculation_and_copies_nothing
     host arrays: on a GPU that copy waits for the forward, and the next step could not be launched
     while this one runs."""
     from atomrt.workers.runner.sampler import Sampler
+    from atomrt.workers.spec_decode.ngram import NgramWorkerProposer
     from atomrt.workers.spec_decode.speculator import Speculator
 
     def no_host_index(a):
@@ -338,7 +341,8 @@ def test_a_step_without_drafts_samples_as_without_speculation_and_copies_nothing
 
     k, vocab = 3, 13
     spec = Speculator.__new__(Speculator)
-    spec.k, spec.width, spec.device, spec.uses_draft_model = k, k + 2, torch.device("cpu"), False
+    spec.k, spec.width, spec.device = k, k + 2, torch.device("cpu")
+    spec.proposer = NgramWorkerProposer.__new__(NgramWorkerProposer)  # drafts in the plan
     spec._index = no_host_index
     gen = torch.Generator().manual_seed(5)
     for n in (1, 4):

@@ -37,7 +37,7 @@ from atomrt.workers.runner.sampler import Sampler, SamplerOutput, SamplingTensor
 from atomrt.workers.runner.step_buffers import RunnerShape, StepBuffers
 from atomrt.workers.runner.token_pool import TokenPool
 from atomrt.workers.runner.ubatch import SplitStep, UbatchRunner
-from atomrt.workers.spec_decode.mtp import TargetStep
+from atomrt.workers.spec_decode.proposer import TargetStep
 from atomrt.workers.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class StepForward(NamedTuple):
     inputs: StepInputs
     sampling: SamplingTensors
     spec: Optional[SpecDecodeMetadata]
-    target: Optional[TargetStep]  # what an MTP drafter drafts from, after the tokens are sampled
+    target: Optional[TargetStep]  # what a method drafting after sampling (MTP) drafts from
 
 
 class GrammarMask(NamedTuple):
@@ -135,7 +135,7 @@ class ModelRunner:
                 config, device, dtype, tp, self.shape, self.graphs.enabled, self.model, dp
             )
         self.tokens: Optional[TokenPool] = None  # async scheduling's and a drafter's token state
-        if sc.async_scheduling or (spec is not None and spec.method == "draft_model"):
+        if sc.async_scheduling or (self.spec is not None and self.spec.drafts_in_pool):
             self.tokens = TokenPool(
                 self.shape.max_num_tokens, self.shape.max_num_seqs, device, spec is not None
             )
@@ -220,7 +220,7 @@ class ModelRunner:
         logits_indices = self.buffers.logits_indices(inputs)
         if split is not None:
             self.ubatch.stage(split)
-        spec = None  # speculative decoding: draft (a draft model) and describe the drafts
+        spec = None  # speculative decoding: the proposer's prepare, and the drafts described
         if self.spec is not None:
             spec = self.spec.prepare(inputs, sampling, self.tokens, logits_indices, decision)
         self.buffers.staged()
@@ -240,8 +240,8 @@ class ModelRunner:
             out = self.run_model(
                 self.buffers.forward_vars["input_ids"][:rows], decision, logits_indices, split
             )
-        target = None  # what an MTP drafter drafts from, after the tokens are sampled
-        if self.spec is not None and self.spec.mtp is not None:
+        target = None  # what a method drafting after sampling drafts from
+        if self.spec is not None and self.spec.drafts_after_sample:
             ids = self.buffers.forward_vars["input_ids"][:rows]
             target = TargetStep(
                 decision, md, context, dp, ids, out.hidden_states, self.attn_layers, self.kv_cache
@@ -289,7 +289,7 @@ class ModelRunner:
     ) -> SamplerOutput:
         num_sampled = int(inputs.sample_rows.shape[0])
         if num_sampled == 0:  # an idle DP rank's dummy batch, or prompt chunks that sample nothing
-            if self.spec is not None:  # an MTP drafter's passes run too
+            if self.spec is not None:  # a method drafting after sampling runs its passes too
                 self.spec.draft_next(target, None, sampling)
             return SamplerOutput(out.logits.new_empty(0, dtype=torch.int64))
         if (

@@ -1,6 +1,6 @@
 # Hot path (worker, once per speculative step, before the target's forward): the draft model's
 # passes. What may live here: laying out each pass's rows, running or replaying it, drawing drafts.
-"""`DraftModel`: a smaller model with the target's vocabulary that proposes each request's drafts
+"""`DraftModelWorkerProposer` (method "draft_model" on the worker) and its `DraftModel`: a smaller model with the target's vocabulary that proposes each request's drafts
 inside the step that verifies them.
 
 The driver schedules a speculating request as its last token `t` (at position `p`) followed by `k`
@@ -37,10 +37,11 @@ import numpy as np
 import torch
 
 from atomrt.compile.decorators import compile_model
-from atomrt.distributed.communication_op import TPInfo
+from atomrt.distributed.communication_op import TPInfo, tp_broadcast
 from atomrt.graphs.buckets import bucket_for, capture_order
 from atomrt.graphs.draft_graph import DraftGraph
 from atomrt.runtime.config import Config
+from atomrt.runtime.decision import ForwardDecision
 from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
 from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.loading.loader import load_model
@@ -54,6 +55,8 @@ from atomrt.workers.runner.kv_cache import (
 )
 from atomrt.workers.runner.sampler import SamplingTensors, greedy_argmax, seeded_noise_
 from atomrt.workers.runner.step_buffers import RunnerShape
+from atomrt.workers.runner.token_pool import TokenPool
+from atomrt.workers.spec_decode.proposer import ProposerSetup, WorkerProposer
 from atomrt.workers.spec_decode.rejection_sampler import select_rows, target_probs
 
 logger = logging.getLogger(__name__)
@@ -389,3 +392,54 @@ def _dummy_pass(bs: int) -> _Pass:
         context_lens=np.ones(bs, np.int32),
         sample_rows=np.arange(bs, dtype=np.int64),
     )
+
+
+class DraftModelWorkerProposer(WorkerProposer):
+    """Method "draft_model" on the worker: the `DraftModel` on each DP rank's TP rank 0 fills the
+    step's draft rows before the target's forward (every step: its KV cache follows the target's
+    tokens); TP rank 0 broadcasts them to the other TP ranks, since every rank feeds the target the
+    same rows."""
+
+    method = "draft_model"
+    drafts_in_pool = True
+
+    def __init__(self, setup: ProposerSetup) -> None:
+        super().__init__(setup)
+        self.drafter: Optional[DraftModel] = None
+        if setup.tp.tp_rank == 0:
+            self.drafter = DraftModel(
+                setup.config, setup.device, setup.dtype, setup.shape, setup.graphs_enabled
+            )
+
+    def kv_bytes_per_block(self) -> int:
+        return self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
+
+    def capture(self, runner: Any, sizes: list[int]) -> None:
+        if self.drafter is not None:
+            self.drafter.capture(sizes)
+
+    def take_eager_passes(self) -> int:
+        if self.drafter is None:
+            return 0
+        n, self.drafter.num_eager_passes = self.drafter.num_eager_passes, 0
+        return n
+
+    def prepare(
+        self,
+        inputs: StepInputs,
+        sampling: SamplingTensors,
+        tokens: Optional[TokenPool],
+        decision: Optional[ForwardDecision],
+    ) -> Optional[torch.Tensor]:
+        draft_probs = None
+        if self.drafter is not None:
+            self.timer.start()
+            draft_probs = self.drafter.propose(inputs, sampling, tokens.draft_tokens)
+            self.timer.stop()
+        if inputs.num_draft_tokens is not None:
+            tp_broadcast(tokens.draft_tokens[: inputs.num_tokens], self.tp)
+        return draft_probs

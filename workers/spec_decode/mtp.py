@@ -2,7 +2,7 @@
 # target's forward, and the MTP layers' passes after its tokens are sampled. What may live here:
 # laying out each pass's rows on the device from the sampled tokens, running or replaying a pass,
 # drawing drafts. No host synchronisation: the accepted counts stay on the device.
-"""`MTPDrafter`: the target's own multi-token-prediction layers (workers/models/deepseek_mtp.py)
+"""`MTPWorkerProposer` (method "mtp" on the worker) and its `MTPDrafter`: the target's own multi-token-prediction layers (workers/models/deepseek_mtp.py)
 propose each sampled request's k drafts for its next step, right after the step's tokens are
 sampled; the step's result carries them to the driver, which schedules them as that request's
 draft rows in its next step.
@@ -50,7 +50,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from atomrt.distributed.communication_op import DPInfo
+from atomrt.distributed.communication_op import DPInfo, tp_broadcast
 from atomrt.graphs.buckets import bucket_for, capture_order
 from atomrt.graphs.draft_graph import DraftGraph
 from atomrt.runtime.config import Config
@@ -62,22 +62,10 @@ from atomrt.runtime.forward_context import (
     set_forward_context,
 )
 from atomrt.workers.runner.input_batch import StepInputs
-from atomrt.workers.runner.sampler import greedy_argmax
+from atomrt.workers.runner.sampler import SamplingTensors, greedy_argmax
 from atomrt.workers.runner.step_buffers import RunnerShape, write_padded
-
-
-@dataclass
-class TargetStep:
-    """What the target's forward of a step leaves an MTP drafter."""
-
-    decision: ForwardDecision
-    md: AttentionMetaData  # the step's attention metadata (the target's static buffers)
-    context: Context
-    dp: Optional[DPMetadata]
-    input_ids: torch.Tensor  # [rows]: the step's input ids on the device
-    hidden_states: torch.Tensor  # [rows, hidden]: the target's, after its final norm
-    layers: dict[int, Any]  # the forward context's no_compile_layers (the MTP layers' included)
-    kv_cache: dict[str, Any]
+from atomrt.workers.runner.token_pool import TokenPool
+from atomrt.workers.spec_decode.proposer import ProposerSetup, TargetStep, WorkerProposer
 
 
 class _Staging:
@@ -417,3 +405,53 @@ class _Staged:
     fix_rows: torch.Tensor
     fix_ids: torch.Tensor
     live: torch.Tensor
+
+
+class MTPWorkerProposer(WorkerProposer):
+    """Method "mtp" on the worker, on every rank: the `MTPDrafter` stages its passes before the
+    target's forward and drafts each sampled request's next k tokens after the step's sampling."""
+
+    method = "mtp"
+
+    def __init__(self, setup: ProposerSetup) -> None:
+        super().__init__(setup)
+        self.drafter = MTPDrafter(
+            setup.model, setup.config, setup.device, setup.shape, setup.graphs_enabled, setup.dp
+        )
+
+    @property
+    def next_drafts(self) -> int:
+        return self.k
+
+    def capture(self, runner: Any, sizes: list[int]) -> None:
+        """`runner` stages pass 0's recordings as the target's steps."""
+        self.drafter.capture(runner, sizes)
+
+    def take_eager_passes(self) -> int:
+        n, self.drafter.num_eager_passes = self.drafter.num_eager_passes, 0
+        return n
+
+    def prepare(
+        self,
+        inputs: StepInputs,
+        sampling: SamplingTensors,
+        tokens: Optional[TokenPool],
+        decision: Optional[ForwardDecision],
+    ) -> None:
+        self.drafter.stage(inputs, decision)
+        return None
+
+    def after_sample(
+        self,
+        step: TargetStep,
+        packed: Optional[torch.Tensor],
+        sampling: SamplingTensors,
+    ) -> Optional[torch.Tensor]:
+        # every rank drafts from TP rank 0's tokens, unless each rank sampled them alike (a
+        # grammar masks rank 0's rows only: its greedy tokens differ from the other ranks')
+        if packed is not None and self.tp.tp_size > 1 and not sampling.same_on_every_rank:
+            tp_broadcast(packed, self.tp)
+        self.timer.start()
+        drafts = self.drafter.propose(step, packed)
+        self.timer.stop()
+        return drafts

@@ -1,9 +1,10 @@
 """The n-gram proposer (prompt lookup): find the sequence's last n tokens earlier in its own history
 and propose the tokens that followed them there.
 
-Pure numpy over one sequence's token ids; the driver calls it once per speculating sequence per
-step, so it must stay cheap: one vectorised comparison over the history, then work on the places
-the last token occurred before.
+`ngram_propose` is pure numpy over one sequence's token ids; the driver calls it once per
+speculating sequence per step, so it must stay cheap: one vectorised comparison over the history,
+then work on the places the last token occurred before. The drafts come to the workers in the plan:
+the method's worker half (`NgramWorkerProposer`) has nothing to do.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from atomrt.workers.spec_decode.proposer import WorkerProposer
 
 
 def ngram_propose(
@@ -44,3 +47,9 @@ def ngram_propose(
         return []
     start = int(ends[np.flatnonzero(length == best)[-1]]) + 1
     return tokens[start : start + k].tolist()
+
+
+class NgramWorkerProposer(WorkerProposer):
+    """Method "ngram" on the worker: the draft rows' ids are the plan's (every hook a no-op)."""
+
+    method = "ngram"

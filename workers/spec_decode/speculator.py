@@ -1,34 +1,34 @@
 # Hot path (worker, once per step with speculative decoding): the two calls the model runner makes,
 # `prepare` before the target's forward and `sample` after it. What may live here: routing a step's
 # rows to the draft model, the sampler and the rejection sampler, and packing what they emit.
-"""`Speculator`: one rank's side of speculative decoding (`speculative_config`).
+"""`Speculator`: one rank's side of speculative decoding (`speculative_config`). The method's own
+work is its worker proposer's (`WorkerProposer`, workers/spec_decode/proposer.py; one class per
+method, `WORKER_PROPOSERS`); what every method shares is here.
 
-- `prepare`: with a draft model, the drafter runs (every step: its KV cache follows the target's
-  tokens) and fills the step's draft rows in the runner's token pool, on each DP rank's TP rank 0,
-  which holds the drafter; the other TP ranks receive the drafts by broadcast, since every rank
-  feeds the target the same rows. N-gram and MTP drafts come in the plan (an MTP drafter stages
-  what its passes need here). Returns the step's `SpecDecodeMetadata` (None when no row verifies
-  drafts), which the target's forward context holds.
+- `prepare`: the proposer's `prepare` runs first (a draft model fills the step's draft rows in
+  the runner's token pool; an MTP drafter stages what its passes need; n-gram drafts come in the
+  plan). Returns the step's `SpecDecodeMetadata` (None when no row verifies drafts), which the
+  target's forward context holds.
 - `sample`: requests without drafts sample their row with the sampler (penalties, logprobs and
   all); requests with drafts are verified by the rejection sampler against the target's logits of
   their rows. The step's tokens leave packed, `width = k + 2` int64 per sampled request:
   `[drafts accepted m, token 0, ..., token m, -1 ...]`; `unpack` turns them into token lists.
   A plain greedy step (every request greedy, no penalties, no logprobs) verifies on a layout
   staged before the forward: a handful of kernels and no wait on the host after it.
-- `draft_next`: with MTP, the target's own MTP layers draft each sampled request's next k tokens
-  from the step's hidden states and tokens (workers/spec_decode/mtp.py), on every rank; the drafts
-  ride after the request's tokens (`readback_width = width + k`), and `unpack_drafts` takes them.
+- `draft_next`: a method that drafts after sampling (MTP: the target's own MTP layers, on every
+  rank) drafts each sampled request's next `next_drafts` tokens from the step's hidden states and
+  tokens; the drafts ride after the request's tokens (`readback_width = width + next_drafts`),
+  and `unpack_drafts` takes them.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import numpy as np
 import torch
 
-from atomrt.distributed.communication_op import DPInfo, TPInfo, tp_broadcast
+from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.runtime.config import Config
 from atomrt.runtime.forward_context import SpecDecodeMetadata
 from atomrt.workers.runner.input_batch import StepInputs
@@ -41,61 +41,23 @@ from atomrt.workers.runner.sampler import (
 )
 from atomrt.workers.runner.step_buffers import RunnerShape
 from atomrt.workers.runner.token_pool import TokenPool
-from atomrt.workers.spec_decode.draft_model import DraftModel
-from atomrt.workers.spec_decode.mtp import MTPDrafter, TargetStep
+from atomrt.workers.spec_decode.draft_model import DraftModelWorkerProposer
+from atomrt.workers.spec_decode.mtp import MTPWorkerProposer
+from atomrt.workers.spec_decode.ngram import NgramWorkerProposer
+from atomrt.workers.spec_decode.proposer import ProposerSetup, TargetStep, WorkerProposer
 from atomrt.workers.spec_decode.rejection_sampler import rejection_sample, select_rows
 
+WORKER_PROPOSERS: dict[str, type[WorkerProposer]] = {
+    cls.method: cls for cls in (NgramWorkerProposer, DraftModelWorkerProposer, MTPWorkerProposer)
+}
 
-class DraftTimer:
-    """The device time of a step's draft passes: CUDA events around them, read once the step's
-    tokens are back (no wait of its own); on the CPU, where a pass has run when it returns, the
-    host clock."""
 
-    def __init__(self, device: torch.device, enabled: bool) -> None:
-        """`enabled`: on the rank that reports it (TP rank 0)."""
-        self.enabled = enabled
-        self.cuda = device.type == "cuda"
-        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.seconds = 0.0
-        self._start: object = None
-
-    def start(self) -> None:
-        if not self.enabled:
-            return
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
-
-    def stop(self) -> None:
-        if not self.enabled:
-            return
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.events.append((self._start, end))
-        else:
-            self.seconds += time.perf_counter() - self._start
-
-    def take(self) -> float:
-        """Seconds of the passes that ended since the last call (a step launched ahead, whose
-        passes may still run, counts at the next)."""
-        seconds, self.seconds = self.seconds, 0.0
-        done = 0
-        for start, end in self.events:
-            if not end.query():
-                break
-            seconds += start.elapsed_time(end) / 1000
-            done += 1
-        del self.events[:done]
-        return seconds
+def make_worker_proposer(setup: ProposerSetup) -> WorkerProposer:
+    """The worker half of `speculative_config.method` (validated by SpeculativeConfig)."""
+    return WORKER_PROPOSERS[setup.config.speculative_config.method](setup)
 
 
 class Speculator:
-    mtp: Optional[MTPDrafter] = None  # method "mtp": the target's MTP layers
-    mtp_width = 0  # MTP: the drafts each request's readback carries after its tokens
-
     def __init__(
         self,
         config: Config,
@@ -107,56 +69,52 @@ class Speculator:
         model: Optional[torch.nn.Module] = None,
         dp: DPInfo = DPInfo(),
     ) -> None:
-        """`shape`: the runner's RunnerShape (buffer sizes); a draft model is built on TP rank 0;
-        `model`: the target, whose MTP layers draft with method "mtp" (on every rank)."""
+        """`shape`: the runner's RunnerShape (buffer sizes); `model`: the target. The method's
+        worker half (`proposer`) is built from these."""
         spec = config.speculative_config
         assert spec is not None
         self.k = spec.num_speculative_tokens
         self.width = self.k + 2
         self.device = device
-        self.tp = tp
-        self.uses_draft_model = spec.method == "draft_model"
-        self.drafter = None
-        if self.uses_draft_model and tp.tp_rank == 0:
-            self.drafter = DraftModel(config, device, dtype, shape, graphs_enabled)
-        if spec.method == "mtp":
-            self.mtp = MTPDrafter(model, config, device, shape, graphs_enabled, dp)
-            self.mtp_width = self.k
-        self.timer = DraftTimer(device, enabled=tp.tp_rank == 0)
+        self.proposer = make_worker_proposer(
+            ProposerSetup(config, device, dtype, tp, dp, shape, graphs_enabled, model)
+        )
 
     @property
     def readback_width(self) -> int:
-        """int64 values a sampled request reads back: its packed tokens, then its MTP drafts."""
-        return self.width + self.mtp_width
+        """int64 values a sampled request reads back: its packed tokens, then its next drafts."""
+        return self.width + self.proposer.next_drafts
+
+    @property
+    def drafts_in_pool(self) -> bool:
+        """Whether the step's draft rows read their ids from the token pool (which must exist)."""
+        return self.proposer.drafts_in_pool
+
+    @property
+    def drafts_after_sample(self) -> bool:
+        """Whether the method drafts after sampling (`draft_next`, from the step's `TargetStep`)."""
+        return self.proposer.next_drafts > 0
 
     # ---------------------------------------------------------------- set-up
 
     def kv_bytes_per_block(self) -> int:
-        return self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
+        return self.proposer.kv_bytes_per_block()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        if self.drafter is not None:
-            self.drafter.allocate_kv_cache(num_blocks)
+        self.proposer.allocate_kv_cache(num_blocks)
 
     def capture(self, runner: object, sizes: list[int]) -> None:
-        """Record the drafter's DraftGraphs (after the target's: `runner` stages an MTP drafter's
+        """Record the method's DraftGraphs (after the target's: `runner` stages an MTP drafter's
         first pass as the target's steps)."""
-        if self.drafter is not None:
-            self.drafter.capture(sizes)
-        if self.mtp is not None:
-            self.mtp.capture(runner, sizes)
+        self.proposer.capture(runner, sizes)
 
     def take_eager_passes(self) -> int:
         """Draft passes that ran eagerly with graphs on since the last call."""
-        drafter = self.drafter if self.drafter is not None else self.mtp
-        if drafter is None:
-            return 0
-        n, drafter.num_eager_passes = drafter.num_eager_passes, 0
-        return n
+        return self.proposer.take_eager_passes()
 
     def take_draft_seconds(self) -> float:
         """Seconds of draft passes since the last call (steps whose tokens are back)."""
-        return self.timer.take()
+        return self.proposer.timer.take()
 
     # ---------------------------------------------------------------- one step
 
@@ -168,19 +126,11 @@ class Speculator:
         logits_indices: object,
         decision: object = None,
     ) -> SpecDecodeMetadata | None:
-        """Draft (a draft model fills the draft rows, which read `tokens.draft_tokens` at their
-        row; an MTP drafter stages its passes' host data) and describe the step's drafts; None
-        when no row verifies any. `decision`: the step's ForwardDecision (MTP)."""
-        draft_probs = None
-        if self.mtp is not None:
-            self.mtp.stage(inputs, decision)
-        if self.uses_draft_model:
-            if self.drafter is not None:  # every step: the drafter's KV follows the target's
-                self.timer.start()
-                draft_probs = self.drafter.propose(inputs, sampling, tokens.draft_tokens)
-                self.timer.stop()
-            if inputs.num_draft_tokens is not None:
-                tp_broadcast(tokens.draft_tokens[: inputs.num_tokens], self.tp)
+        """The proposer's `prepare` (a draft model fills the draft rows, which read
+        `tokens.draft_tokens` at their row; an MTP drafter stages its passes' host data), then
+        the step's drafts described; None when no row verifies any. `decision`: the step's
+        ForwardDecision."""
+        draft_probs = self.proposer.prepare(inputs, sampling, tokens, decision)
         if inputs.num_draft_tokens is None:
             return None
         k_s = inputs.num_draft_tokens[inputs.sample_seq_idx]
@@ -190,7 +140,7 @@ class Speculator:
         )
         if sampling.is_plain_greedy:
             return self._greedy_layout(inputs, tokens, k_s, draft_rows, logits_indices)
-        if self.uses_draft_model:
+        if self.proposer.drafts_in_pool:
             draft_token_ids = tokens.draft_tokens[self._index(draft_rows)]
         else:
             draft_token_ids = self._index(inputs.input_ids[draft_rows])
@@ -221,10 +171,11 @@ class Speculator:
         drafts = layout[:, k + 1 :]
         drafts.fill(-1)
         # a draft's row in the step, or (n-gram) the draft token itself
-        drafts[has] = draft_rows if self.uses_draft_model else inputs.input_ids[draft_rows]
+        in_pool = self.proposer.drafts_in_pool
+        drafts[has] = draft_rows if in_pool else inputs.input_ids[draft_rows]
         staged = torch.from_numpy(layout).to(self.device, non_blocking=True)
         rows, drafts_t = staged[:, : k + 1], staged[:, k + 1 :]
-        if self.uses_draft_model:
+        if in_pool:
             at = drafts_t.clamp_min(0)
             drafts_t = torch.where(drafts_t >= 0, tokens.draft_tokens[at], -1)
         return SpecDecodeMetadata(
@@ -327,21 +278,16 @@ class Speculator:
     def draft_next(
         self, step: TargetStep, sampled: Optional[SamplerOutput], sampling: SamplingTensors
     ) -> Optional[SamplerOutput]:
-        """MTP: draft each sampled request's next tokens, and append them to its packed tokens
-        (`readback_width` each). `sampled`: `sample`'s output (None on an idle DP rank, which runs
-        the passes all the same). Without MTP, `sampled` as it is."""
-        if self.mtp is None:
+        """A method that drafts after sampling (MTP): draft each sampled request's next tokens and
+        append them to its packed tokens (`readback_width` each). `sampled`: `sample`'s output
+        (None on an idle DP rank, which runs the passes all the same). Otherwise `sampled` as it
+        is."""
+        if not self.drafts_after_sample:
             return sampled
         packed = None
         if sampled is not None:
             packed = sampled.sampled_token_ids.view(-1, self.width)
-            # every rank drafts from TP rank 0's tokens, unless each rank sampled them alike (a
-            # grammar masks rank 0's rows only: its greedy tokens differ from the other ranks')
-            if self.tp.tp_size > 1 and not sampling.same_on_every_rank:
-                tp_broadcast(packed, self.tp)
-        self.timer.start()
-        drafts = self.mtp.propose(step, packed)
-        self.timer.stop()
+        drafts = self.proposer.after_sample(step, packed, sampling)
         if sampled is None:
             return None
         return SamplerOutput(torch.cat([packed, drafts], dim=1).flatten(), sampled.logprobs)
@@ -352,8 +298,9 @@ class Speculator:
         return [flat[i + 1 : i + 2 + flat[i]] for i in range(0, len(flat), w)]
 
     def unpack_drafts(self, flat: list[int]) -> list[int]:
-        """MTP: every sampled request's drafts for its next step, in turn ([] without MTP)."""
-        w, k = self.readback_width, self.mtp_width
+        """Every sampled request's drafts for its next step, in turn ([] for a method that drafts
+        none after sampling)."""
+        w, k = self.readback_width, self.proposer.next_drafts
         if not k:
             return []
         return [x for i in range(0, len(flat), w) for x in flat[i + self.width : i + w]]
