@@ -154,6 +154,22 @@ def load_hf(folder) -> nn.Module:
     ).eval()
 
 
+def hf_greedy(folder, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' `generate` greedy tokens of each prompt alone (no end-of-sequence stop)."""
+    hf_model = load_hf(folder)
+    out = []
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = hf_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+            )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
 def max_logit_diff(result: HarnessResult, hf_model: nn.Module, prompts: list[list[int]]) -> float:
     """Largest |ours - transformers| over every step's logits (prefill, then each decode), with
     transformers run over each whole sequence at once."""

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from dsa_harness import NAMES, build_dsa_folder
-from model_harness import load_hf, max_logit_diff, run_prefill_and_decode
-from test_deepseek_v4 import ENGINE_PROMPTS, MAX_TOKENS, PROMPTS, SHARED, _engine_tokens, hf_greedy
+from model_harness import hf_greedy, load_hf, max_logit_diff, run_prefill_and_decode
+from test_deepseek_v4 import ENGINE_PROMPTS, MAX_TOKENS, PROMPTS, SHARED, _engine_tokens
 
 from atomrt.runtime.config import CompilationConfig, Config
 from atomrt.workers.layers.attention import collect_attention_layers
@@ -80,35 +80,15 @@ def test_recording_plan(folders: dict[str, Path]) -> None:
     """What a TR_HYBRID bucket records, on the CPU with a logging segment backend: the compiled
     backbone is the unit, each layer's sparse attention (`_dsa_attend`) its one eager region,
     so num_layers + 1 segments; both phases record (unlike DeepSeek-V4)."""
-    from model_harness import PagedHarness
-    from test_region_graph_cpu import FakeBackend
-    from v4_harness import decode_step_context
+    from v4_harness import record_decode_step
 
-    from atomrt.graphs.markers import token_graph_of, token_graph_units
-    from atomrt.runtime.forward_context import set_forward_context
+    from atomrt.graphs.markers import token_graph_units
     from atomrt.workers.runner.graph_runner import recorded_phases
 
     model = load_model(Config(model=str(folders["glm5"])), "cpu", torch.float32).model
     (unit,) = token_graph_units(model)
     assert unit is model.model and recorded_phases(model) == (False, True)
-    prompts = [PROMPTS[0], PROMPTS[2]]
-    harness = PagedHarness(model, 40, len(prompts), block_size=4)
-    harness.step(prompts, [0, 0])
-    ids, pos, md, ctx = decode_step_context(harness, [5, 6], [len(p) for p in prompts])
-    log: list = []
-    graph = token_graph_of(unit, backend=FakeBackend(log))
-    with (
-        torch.inference_mode(),
-        set_forward_context(
-            md,
-            harness.config,
-            ctx,
-            tr_graph="record",
-            no_compile_layers=harness.layers,
-            kv_cache_data=harness.kv_cache_data,
-        ),
-    ):
-        model(ids, pos)
+    graph = record_decode_step(model, unit, [PROMPTS[0], PROMPTS[2]], [])
     num_layers = model.arch.num_layers
     assert graph.num_segments(2, "decode") == num_layers + 1
     calls = graph._recordings[(2, None)].eager_calls

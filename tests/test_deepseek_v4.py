@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_harness import load_hf, max_logit_diff, run_prefill_and_decode
+from model_harness import hf_greedy, load_hf, max_logit_diff, run_prefill_and_decode
 from v4_harness import NAMES, build_v4_folder
 
 from atomrt.compile import compilation_counter
@@ -52,21 +52,6 @@ MAX_TOKENS = 10
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: build_v4_folder(tmp_path_factory.mktemp(name), name) for name in NAMES}
-
-
-def hf_greedy(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    hf_model = load_hf(folder)
-    out = []
-    for prompt in prompts:
-        with torch.no_grad():
-            ids = hf_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=None,
-            )
-        out.append(ids[0, len(prompt) :].tolist())
-    return out
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -383,37 +368,17 @@ def test_recording_plan(folders: dict[str, Path]) -> None:
     indexer's `_index_topk`, its attention recorded after it; HCA: `_v4_attend`), a sliding
     layer's window attention recorded inline, so compressed layers + 1 segments; decode buckets
     only."""
-    from model_harness import PagedHarness
-    from test_region_graph_cpu import FakeBackend
-    from v4_harness import decode_step_context
+    from v4_harness import record_decode_step
 
-    from atomrt.graphs.markers import captured_token_sizes, token_graph_of, token_graph_units
-    from atomrt.runtime.forward_context import set_forward_context
+    from atomrt.graphs.markers import captured_token_sizes, token_graph_units
     from atomrt.workers.runner.graph_runner import recorded_phases
 
     model = load_model(Config(model=str(folders["csa_hca"])), "cpu", torch.float32).model
     assert token_graph_units(model) == [model]
     assert recorded_phases(model) == (False,)  # the capture loop's record passes: decode alone
-    prompts = [PROMPTS[0], PROMPTS[2]]
-    harness = PagedHarness(model, 40, len(prompts), block_size=4)
-    harness.step(prompts, [0, 0])
-    ids, pos, md, ctx = decode_step_context(harness, [5, 6], [len(p) for p in prompts])
     log: list = []
     model.model.side_streams._streams = _LoggedStreams(log)
-    graph = token_graph_of(model, backend=FakeBackend(log))
-    with (
-        torch.inference_mode(),
-        set_forward_context(
-            md,
-            harness.config,
-            ctx,
-            tr_graph="record",
-            no_compile_layers=harness.layers,
-            kv_cache_data=harness.kv_cache_data,
-        ),
-        _OpLog(log),
-    ):
-        model(ids, pos)
+    graph = record_decode_step(model, model, [PROMPTS[0], PROMPTS[2]], log, _OpLog(log))
     layer_types = model.arch.v4.layer_types
     compressed = [i for i, t in enumerate(layer_types) if t != "sliding_attention"]
     assert 0 < len(compressed) < len(layer_types)  # both kinds in the plan

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepseek_harness import NAMES, build_deepseek_folder
-from model_harness import load_hf, max_logit_diff, run_prefill_and_decode
+from model_harness import hf_greedy, load_hf, max_logit_diff, run_prefill_and_decode
 
 from atomrt.compile import compilation_counter
 from atomrt.runtime import SamplingParams
@@ -43,21 +43,6 @@ MAX_TOKENS = 10
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: build_deepseek_folder(tmp_path_factory.mktemp(name), name) for name in NAMES}
-
-
-def hf_greedy(folder: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    hf_model = load_hf(folder)
-    out = []
-    for prompt in prompts:
-        with torch.no_grad():
-            ids = hf_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=None,
-            )
-        out.append(ids[0, len(prompt) :].tolist())
-    return out
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -170,3 +170,41 @@ def decode_step_context(harness: object, tokens: list[int], computed: list[int])
         running_tokens=len(tokens),
     )
     return torch.tensor(tokens, dtype=torch.int64), positions, md, ctx
+
+
+def record_decode_step(
+    model: object, unit: object, prompts: list[list[int]], log: list, *extra: object
+) -> object:
+    """Records one decode step of `unit` (a token graph whose segment backend writes to `log`, as
+    the capture loop's record pass runs it) after a prefill of `prompts` through a paged harness,
+    with the `extra` context managers entered too; returns the graph."""
+    import contextlib
+
+    from model_harness import PagedHarness
+    from test_region_graph_cpu import FakeBackend
+
+    from atomrt.graphs.markers import token_graph_of
+    from atomrt.runtime.forward_context import set_forward_context
+
+    harness = PagedHarness(model, 40, len(prompts), block_size=4)
+    harness.step(prompts, [0] * len(prompts))
+    ids, pos, md, ctx = decode_step_context(
+        harness, [5 + s for s in range(len(prompts))], [len(p) for p in prompts]
+    )
+    graph = token_graph_of(unit, backend=FakeBackend(log))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode())
+        stack.enter_context(
+            set_forward_context(
+                md,
+                harness.config,
+                ctx,
+                tr_graph="record",
+                no_compile_layers=harness.layers,
+                kv_cache_data=harness.kv_cache_data,
+            )
+        )
+        for cm in extra:
+            stack.enter_context(cm)
+        model(ids, pos)
+    return graph
