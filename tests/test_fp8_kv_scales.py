@@ -92,6 +92,10 @@ def test_checkpoint_scales_round_trip(tmp_path: Path) -> None:
     assert sizing.kv_scales.source == "checkpoint"
     expected = tuple((i, pytest.approx(k), pytest.approx(v)) for i, (k, v) in scales.items())
     assert sizing.kv_scales.layers == expected
+    layers = collect_attention_layers(runner.model)
+    for i, (k, v) in scales.items():  # as the CUDA kernels read them
+        want = torch.tensor([k, v], dtype=torch.float32)
+        assert torch.equal(layers[i].kv_scales.cpu(), want)
     full, tokens = _run(runner.model, torch.float32)
     fp8, _ = _run(runner.model, FP8, forced=tokens)
     assert 0 < _worst(full, fp8) < 0.3
@@ -163,25 +167,38 @@ def test_kv_cache_scheme_checked() -> None:
 
 
 @pytest.mark.gpu
-def test_checkpoint_scales_refused_on_the_gpu(tmp_path: Path) -> None:
-    """The CUDA kernels write and read the cache with a scale of 1.0: a checkpoint's other scales
-    are refused by name rather than misread; without them the GPU runs unscaled."""
+def test_checkpoint_and_calibrated_scales_on_the_gpu(tmp_path: Path) -> None:
+    """The CUDA kernels write and read the cache with each layer's scales: a checkpoint's load
+    and give logits near the float32 cache's; without them start-up calibrates on the GPU."""
     folder = build_tiny_llama(tmp_path / "llama")
+    scales = {0: (0.011, 0.007), 1: (0.013, 0.005)}
     _with_scales(
         folder,
         {
-            "model.layers.0.self_attn.k_scale": torch.tensor(0.01),
-            "model.layers.0.self_attn.v_scale": torch.tensor(0.01),
+            f"model.layers.{i}.self_attn.{name}": torch.tensor(value)
+            for i, pair in scales.items()
+            for name, value in zip(("k_scale", "v_scale"), pair)
         },
     )
     config = Config(
         model=str(folder),
+        model_config={"dtype": "float32"},  # the float32 cache it is compared with
         cache_config={"kv_cache_dtype": "fp8", "num_kv_blocks": 64},
         enforce_eager=True,
     )
     runner = ModelRunner(config, torch.device("cuda"))
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' on CUDA: the checkpoint's KV cache"):
-        determine_num_blocks(runner)
+    sizing = determine_num_blocks(runner)
+    assert sizing.kv_scales.source == "checkpoint"
+    layers = collect_attention_layers(runner.model)
+    assert all(layers[i].kv_scales.is_cuda for i in scales)
+    full, tokens = _run(runner.model, torch.float32)
+    fp8, _ = _run(runner.model, FP8, forced=tokens)
+    assert 0 < _worst(full, fp8) < 0.3
     (folder / "kv_scales.safetensors").unlink()
     runner = ModelRunner(config, torch.device("cuda"))
-    assert determine_num_blocks(runner).kv_scales.source == "unit"
+    calibrated = determine_num_blocks(runner).kv_scales
+    assert calibrated.source == "calibrated"
+    assert all(0 < k < 1 and 0 < v < 1 for _, k, v in calibrated.layers)
+    full, tokens = _run(runner.model, torch.float32)
+    fp8, _ = _run(runner.model, FP8, forced=tokens)
+    assert 0 < _worst(full, fp8) < 0.3

@@ -123,6 +123,7 @@ def _attention_step(
         cu_seqlens_q_cpu=md.cu_seqlens_q_cpu,
         context_lens_cpu=md.context_lens_cpu,
         ubatch=md.ubatch,
+        kv_scales=layer.kv_scales,
     )
 
 
@@ -283,12 +284,14 @@ class PagedAttentionLayer(nn.Module):
     `k_scale` / `v_scale`: an FP8 (e4m3) cache's per-tensor scales, the factors that dequantize it
     (the cache holds k / k_scale); a latent cache uses `k_scale`. Set at start-up, from the
     checkpoint or calibrated (workers/runner/kv_scales.py); unused by a cache in the model's dtype.
-    `kv_scale_source` says where they came from; `kv_amax`, while calibrating, records the largest
-    |k| and |v| the layer writes."""
+    `kv_scales` holds them as the CUDA kernels read them ([k_scale, v_scale] float32 on the
+    device, made with them at start-up; None: 1.0). `kv_scale_source` says where they came from;
+    `kv_amax`, while calibrating, records the largest |k| and |v| the layer writes."""
 
     layer_idx: int
     k_scale: float = 1.0
     v_scale: float = 1.0
+    kv_scales: Optional[torch.Tensor] = None
     kv_scale_source: str = "unit"  # unit | checkpoint | calibrated
     kv_amax: Optional[Any] = None
 

@@ -99,7 +99,7 @@ def mla_attention(
     if q.is_cuda:
         from atomrt.workers.kernels.attention.mla_decode import mla_write_kv_cache
 
-        mla_write_kv_cache(kv_c_normed, k_pe, kv.kv_cache, md.slot_mapping)
+        mla_write_kv_cache(kv_c_normed, k_pe, kv.kv_cache, md.slot_mapping, layer.kv_scales)
     else:
         write_latent_ref(kv_c_normed, k_pe, kv.kv_cache, md.slot_mapping, layer.k_scale)
     _mla_attend(q, output, layer_idx)
@@ -158,6 +158,7 @@ def absorbed_decode(
         md.cu_seqlens_q,
         layer.scale,
         latent_out,
+        kv_scales=layer.kv_scales,
     )
     output.copy_(unabsorb_output(latent_out, layer.w_uv))
 

@@ -9,9 +9,10 @@ and the small ones keep e4m3's normal range (a scale of 1.0 leaves a model whose
 are O(0.1) with a handful of subnormal steps). The result is a run-time record (`KVScales`), kept
 in `KVCacheSizing`; the configuration is not touched.
 
-Calibrated and checkpoint scales apply to `Attention` and `MLAAttention` layers on the CPU path; the
-CUDA kernels write and read the cache with a scale of 1.0 (calibration is skipped there, and a
-checkpoint's scales other than 1.0 are refused by name).
+Calibrated and checkpoint scales apply to `Attention` and `MLAAttention` layers, on CPU (the torch
+reference) and on CUDA, where each layer's scales go to the device once as the Triton kernels read
+them (`PagedAttentionLayer.kv_scales`, [k_scale, v_scale] float32): the cache-write kernels divide
+by them, the decode / prefill attention and MLA decode kernels multiply them back.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ SCALED_KINDS = (Attention, MLAAttention)  # the layer kinds whose caches take th
 
 @dataclass(frozen=True)
 class KVScales:
-    """The FP8 cache's scales as settled: `source` "checkpoint", "calibrated" or "unit" (1.0:
-    a cache in the model's dtype, or the CUDA kernels'), and (layer, k_scale, v_scale) per layer."""
+    """The FP8 cache's scales as settled: `source` "checkpoint", "calibrated" or "unit" (1.0: a
+    cache in the model's dtype, or no layer that takes them), and (layer, k_scale, v_scale) per
+    layer."""
 
     source: str
     layers: tuple[tuple[int, float, float], ...] = ()
@@ -72,29 +74,23 @@ def settle_kv_scales(runner: ModelRunner, forward: Callable[[int], None]) -> KVS
     """The scales the FP8 cache runs with (see the module docstring); `forward(n)` runs n rows of
     `input_ids` through the model without a cache."""
     kv = runner.config.cache_config.kv_cache_dtype
+    if runner.device.type == "cuda":
+        from atomrt.workers.kernels.attention.paged_attention import unit_kv_scales
+
+        # the kernels' 1.0 for a layer without scales of its own, made before any capture
+        unit_kv_scales(runner.device)
     layers = {i: x for i, x in runner.attn_layers.items() if type(x) in SCALED_KINDS}
     if kv not in FP8_KV_DTYPES or not layers:
         return KVScales("unit")
     from_checkpoint = any(x.kv_scale_source == "checkpoint" for x in layers.values())
-    if runner.device.type == "cuda":
-        if any(x.k_scale != 1.0 or x.v_scale != 1.0 for x in layers.values()):
-            raise ValueError(
-                f"cache_config.kv_cache_dtype={kv!r} on CUDA: the checkpoint's KV cache scales "
-                "(k_scale / v_scale) are not applied by the CUDA attention kernels yet; use "
-                "'auto', or run on CPU"
-            )
-        logger.warning(
-            "cache_config.kv_cache_dtype=%r on CUDA: keys and values are stored as e4m3 with a "
-            "scale of 1.0 (the CUDA kernels take no KV scales yet): values under ~0.016 keep few "
-            "bits and values over 448 saturate; check the model's accuracy with it",
-            kv,
-        )
-        return KVScales("unit", _record(layers))
     if from_checkpoint:
         logger.info("FP8 KV cache: per-layer scales from the checkpoint (%d layers)", len(layers))
-        return KVScales("checkpoint", _record(layers))
+        record = _record(layers)
+        _to_device(layers, runner.device)
+        return KVScales("checkpoint", record)
     _calibrate(runner, layers, forward)
     record = _record(layers)
+    _to_device(layers, runner.device)
     logger.info(
         "FP8 KV cache: no scales in the checkpoint; calibrated per layer over %d tokens "
         "(amax x %.1f / 448): k_scale %.3g..%.3g, v_scale %.3g..%.3g",
@@ -110,6 +106,14 @@ def settle_kv_scales(runner: ModelRunner, forward: Callable[[int], None]) -> KVS
 
 def _record(layers: dict) -> tuple[tuple[int, float, float], ...]:
     return tuple((i, float(x.k_scale), float(x.v_scale)) for i, x in sorted(layers.items()))
+
+
+def _to_device(layers: dict, device: torch.device) -> None:
+    """Each layer's scales as the CUDA kernels read them (made before any CUDA-graph capture; a
+    capture records their addresses)."""
+    for layer in layers.values():
+        values = [float(layer.k_scale), float(layer.v_scale)]
+        layer.kv_scales = torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def _calibrate(runner: ModelRunner, layers: dict, forward: Callable[[int], None]) -> None:

@@ -21,12 +21,29 @@ FP8_E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def to_cache(x, cache_ty: tl.constexpr):
-    """x in the cache's dtype: an e4m3 cache (kv_cache_dtype fp8, per-tensor scale 1.0) saturates
-    at +-448 instead of overflowing; any other cache is a plain cast."""
+def to_cache(x, cache_ty: tl.constexpr, scale):
+    """x in the cache's dtype: an e4m3 cache (kv_cache_dtype fp8) holds x / scale, its per-tensor
+    scale (`load_kv_scales`), saturated at +-448 instead of overflowing; any other cache is a
+    plain cast."""
     if cache_ty == tl.float8e4nv:
-        x = tl.clamp(x.to(tl.float32), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        x = tl.clamp(x.to(tl.float32) / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
     return x.to(cache_ty)
+
+
+@triton.jit
+def load_kv_scales(kv_scales_ptr, cache_ty: tl.constexpr):
+    """(k_scale, v_scale) of an e4m3 cache, read from `kv_scales_ptr` ([k_scale, v_scale] fp32):
+    the factors that dequantize it (it holds k / k_scale, v / v_scale). Any other cache has none:
+    (1.0, 1.0), nothing read. A read applies k_scale to the scores and v_scale to the output, not
+    to every key and value: e4m3 values are exact in the products' dtype, so that is the same
+    attention with fewer roundings."""
+    if cache_ty == tl.float8e4nv:
+        k_scale = tl.load(kv_scales_ptr).to(tl.float32)
+        v_scale = tl.load(kv_scales_ptr + 1).to(tl.float32)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k_scale, v_scale
 
 
 @triton.jit
@@ -36,6 +53,7 @@ def write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,  # [num_blocks, block_size, Hk, D]
     slot_mapping_ptr,  # [T] int64, -1 = padded row
+    kv_scales_ptr,  # [k_scale, v_scale] fp32: an e4m3 cache's (load_kv_scales)
     stride_kt,
     stride_kh,
     stride_vt,
@@ -79,8 +97,10 @@ def write_kv_kernel(
         + heads[:, None] * stride_vch
         + dims[None, :]
     )
-    tl.store(k_dst, to_cache(k, k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, to_cache(v, v_cache_ptr.dtype.element_ty), mask=mask)
+    cache_ty = k_cache_ptr.dtype.element_ty
+    k_scale, v_scale = load_kv_scales(kv_scales_ptr, cache_ty)
+    tl.store(k_dst, to_cache(k, cache_ty, k_scale), mask=mask)
+    tl.store(v_dst, to_cache(v, cache_ty, v_scale), mask=mask)
 
 
 @triton.jit
@@ -95,6 +115,7 @@ def rope_write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,  # [num_blocks, block_size, Hk, D]
     slot_mapping_ptr,  # [T] int64, -1 = padded row (rotated q only, nothing written to the cache)
+    kv_scales_ptr,  # [k_scale, v_scale] fp32: an e4m3 cache's (load_kv_scales)
     stride_qt,
     stride_qh,
     stride_kt,
@@ -146,6 +167,7 @@ def rope_write_kv_kernel(
     k1 = tl.load(src, mask=kv_mask).to(tl.float32)
     k2 = tl.load(src + HALF, mask=kv_mask).to(tl.float32)
     cache_ty = k_cache_ptr.dtype.element_ty
+    k_scale, v_scale = load_kv_scales(kv_scales_ptr, cache_ty)
     # Round to q's dtype (what the unfused rotary hands over), then to the cache's.
     k_dst = (
         k_cache_ptr
@@ -154,8 +176,10 @@ def rope_write_kv_kernel(
         + kv_heads[:, None] * stride_kch
         + half[None, :]
     )
-    tl.store(k_dst, to_cache((k1 * cos - k2 * sin).to(dtype), cache_ty), mask=kv_mask)
-    tl.store(k_dst + HALF, to_cache((k2 * cos + k1 * sin).to(dtype), cache_ty), mask=kv_mask)
+    tl.store(k_dst, to_cache((k1 * cos - k2 * sin).to(dtype), cache_ty, k_scale), mask=kv_mask)
+    tl.store(
+        k_dst + HALF, to_cache((k2 * cos + k1 * sin).to(dtype), cache_ty, k_scale), mask=kv_mask
+    )
     v_src = v_ptr + row * stride_vt + kv_heads[:, None] * stride_vh + half[None, :]
     v_dst = (
         v_cache_ptr
@@ -164,8 +188,10 @@ def rope_write_kv_kernel(
         + kv_heads[:, None] * stride_vch
         + half[None, :]
     )
-    tl.store(v_dst, to_cache(tl.load(v_src, mask=kv_mask), cache_ty), mask=kv_mask)
-    tl.store(v_dst + HALF, to_cache(tl.load(v_src + HALF, mask=kv_mask), cache_ty), mask=kv_mask)
+    v1 = tl.load(v_src, mask=kv_mask)
+    v2 = tl.load(v_src + HALF, mask=kv_mask)
+    tl.store(v_dst, to_cache(v1, cache_ty, v_scale), mask=kv_mask)
+    tl.store(v_dst + HALF, to_cache(v2, cache_ty, v_scale), mask=kv_mask)
 
 
 # The lengths a step changes are not specialized on (Triton would compile a kernel per "== 1" and
@@ -181,6 +207,7 @@ def paged_attention_kernel(
     cu_seqlens_q_ptr,
     context_lens_ptr,
     block_tables_ptr,
+    kv_scales_ptr,  # [k_scale, v_scale] fp32: an e4m3 cache's (load_kv_scales)
     scale_log2,  # softmax scale * log2(e)
     num_q_blocks,  # query tiles per sequence (grid dim 0 = num_seqs * num_q_blocks)
     num_splits,  # grid dim 2
@@ -243,6 +270,8 @@ def paged_attention_kernel(
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
+    k_scale, v_scale = load_kv_scales(kv_scales_ptr, k_cache_ptr.dtype.element_ty)
+    scale_log2 = scale_log2 * k_scale  # scores of the keys as the cache holds them
 
     # Keys this tile can see end at its last row's position; split them into num_splits ranges.
     last_tok = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, num_q) - 1
@@ -291,6 +320,7 @@ def paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    acc = acc * v_scale  # the values as the cache holds them: dequantized once, here
     store_mask = row_valid[:, None] & dim_valid[None, :]
     if SPLIT:
         o_ptrs = (

@@ -28,6 +28,7 @@ from atomrt.workers.kernels.attention.paged_attention import (
     MIN_KEYS_PER_SPLIT,
     attend_planned,
     check_attention_args,
+    kv_scales_arg,
     plan_lengths,
     rope_write_kv,
     unit_last_stride,
@@ -118,6 +119,7 @@ def decode_attention(
     *,
     num_seqs: int,
     ubatch: int = 0,
+    kv_scales: Optional[torch.Tensor] = None,  # an e4m3 cache's [k_scale, v_scale] (kv_scales_arg)
 ) -> None:
     """A decode step in one launch: the rotary embedding of q and k, k and v into the cache at
     `slot_mapping`, and attention of each sequence's row over its context including the new key.
@@ -125,6 +127,7 @@ def decode_attention(
     launch = _decode_launch(
         q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
         cu_seqlens_q, context_lens, block_tables, scale, plan, num_seqs=num_seqs, ubatch=ubatch,
+        kv_scales=kv_scales,
     )  # fmt: skip
     if launch is not None:
         _DECODE_LAUNCHES(*launch)
@@ -149,6 +152,7 @@ def _decode_launch(
     *,
     num_seqs: int,
     ubatch: int = 0,
+    kv_scales: Optional[torch.Tensor] = None,
 ) -> Optional[tuple]:
     """decode_attention's checks, then its launch as (grid, tensors, scalars, constexprs) for
     _DECODE_LAUNCHES; None when there is nothing to launch."""
@@ -187,7 +191,7 @@ def _decode_launch(
     else:
         rope_args = (slot_mapping, out, out)  # unused
     tensors = (q, k, v, out, partial, m, l, counters, *rope_args, k_cache, v_cache, slot_mapping)
-    tensors += (cu_seqlens_q, context_lens, block_tables)
+    tensors += (cu_seqlens_q, context_lens, block_tables, kv_scales_arg(kv_scales, k_cache))
     scalars = (
         scale * LOG2E,
         plan.num_splits,
@@ -238,10 +242,11 @@ MAX_BOUND = 512
 
 def _bound_key(
     q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, cu_seqlens_q,
-    context_lens, block_tables, scale, num_seqs, stream, ubatch,
+    context_lens, block_tables, scale, num_seqs, stream, ubatch, kv_scales,
 ) -> tuple:  # fmt: skip
     return (
         stream, ubatch, num_seqs, scale, q.dtype, k_cache.dtype,
+        None if kv_scales is None else kv_scales.data_ptr(),
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
         None if positions is None else positions.data_ptr(),
         None if cos_cache is None else cos_cache.data_ptr(),
@@ -317,6 +322,7 @@ def attention_step(
     cu_seqlens_q_cpu: Optional[list[int]] = None,
     context_lens_cpu: Optional[list[int]] = None,
     ubatch: int = 0,
+    kv_scales: Optional[torch.Tensor] = None,  # an e4m3 cache's [k_scale, v_scale] (kv_scales_arg)
 ) -> Optional[Callable[[int], None]]:
     """The attention op's CUDA work: rotary (with `positions`), the KV write, attention into `out`.
 
@@ -342,7 +348,7 @@ def attention_step(
         stream = torch._C._cuda_getCurrentRawStream(index)
         key = _bound_key(
             q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
-            cu_seqlens_q, context_lens, block_tables, scale, num_seqs, stream, ubatch,
+            cu_seqlens_q, context_lens, block_tables, scale, num_seqs, stream, ubatch, kv_scales,
         )  # fmt: skip
         entry = _BOUND.get(key)
         if entry is not None:
@@ -357,6 +363,7 @@ def attention_step(
         launch = _decode_launch(
             q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
             cu_seqlens_q, context_lens, block_tables, scale, plan, num_seqs=num_seqs, ubatch=ubatch,
+            kv_scales=kv_scales,
         )  # fmt: skip
         if launch is None:
             return None
@@ -374,10 +381,13 @@ def attention_step(
                 return bound
         return None
     if positions is not None:
-        q = rope_write_kv(q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping)
+        q = rope_write_kv(
+            q, k, v, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, kv_scales
+        )
     else:
-        write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     attend_planned(
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale, num_seqs, lengths
-    )
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale, num_seqs, lengths,
+        kv_scales,
+    )  # fmt: skip
     return None

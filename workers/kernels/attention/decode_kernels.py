@@ -7,7 +7,7 @@
 import triton
 import triton.language as tl
 
-from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG, to_cache
+from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG, load_kv_scales, to_cache
 
 
 @triton.jit
@@ -78,6 +78,7 @@ def decode_attention_kernel(
     cu_seqlens_q_ptr,
     context_lens_ptr,
     block_tables_ptr,
+    kv_scales_ptr,  # [k_scale, v_scale] fp32: an e4m3 cache's (load_kv_scales)
     scale_log2,  # softmax scale * log2(e)
     num_splits,  # grid dim 2
     num_kv_heads,
@@ -155,6 +156,8 @@ def decode_attention_kernel(
     context_len = tl.load(context_lens_ptr + seq)
     cols = (split * TILE_N + tile_keys) // BLOCK_SIZE
     block = tl.load(table_row + cols, mask=cols < max_blocks, other=0).to(tl.int64)
+    cache_ty = k_cache_ptr.dtype.element_ty
+    k_scale, v_scale = load_kv_scales(kv_scales_ptr, cache_ty)  # set at start-up: before the wait
     if USE_PDL:  # before any return: a kernel may not finish before the one it waits on
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -229,9 +232,10 @@ def decode_attention_kernel(
         q = q * cos[None, :] + sign[None, :] * (q_partner * sin[None, :])
         k_new = k_new * cos + sign * (k_partner * sin)
     q = q.to(dtype)
-    cache_ty = k_cache_ptr.dtype.element_ty
-    k_new = to_cache(k_new.to(dtype), cache_ty)
-    v_new = to_cache(v_new, cache_ty)
+    k_new = to_cache(k_new.to(dtype), cache_ty, k_scale)
+    v_new = to_cache(v_new, cache_ty, v_scale)
+    # keys and values stay as the cache holds them: k_scale scales the scores, v_scale the output
+    scale_log2 = scale_log2 * k_scale
     if (split == 0) & (slot >= 0):
         slot_block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
@@ -287,6 +291,7 @@ def decode_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
+    acc = acc * v_scale
     q_mask = row_valid[:, None] & dim_valid[None, :]
     finish = num_active == 1  # this program holds the whole result
     if SPLIT:

@@ -29,6 +29,7 @@ from atomrt.workers.kernels.attention.mla_kernels import (
 from atomrt.workers.kernels.attention.paged_attention import (
     LOG2E,
     MAX_PARTIAL_BYTES,
+    kv_scales_arg,
     unit_last_stride,
 )
 from atomrt.workers.kernels.attention.workspace import kept_split_workspace
@@ -121,10 +122,11 @@ def mla_write_kv_cache(
     k_pe: torch.Tensor,  # [T, rope_dim], already rotated
     kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
     slot_mapping: torch.Tensor,  # [T] int64 (or longer), < 0 = padded row (skipped)
+    kv_scales: Optional[torch.Tensor] = None,  # an e4m3 cache's [k_scale, _] (kv_scales_arg)
 ) -> None:
-    """Writes row t (the latent, then k_pe, in the cache's dtype) at slot `slot_mapping[t]`
-    (= block * block_size + offset) of the cache. A negative slot skips its row; so does one past
-    the cache's end, which no block table can name."""
+    """Writes row t (the latent, then k_pe, in the cache's dtype; an e4m3 cache's over its scale,
+    k_scale) at slot `slot_mapping[t]` (= block * block_size + offset) of the cache. A negative
+    slot skips its row; so does one past the cache's end, which no block table can name."""
     if kv_c_normed.dim() != 2 or k_pe.dim() != 2 or kv_cache.dim() != 3:
         raise ValueError(
             f"mla_write_kv_cache: want kv_c_normed [T, kv_lora_rank], k_pe [T, rope_dim] and "
@@ -155,6 +157,7 @@ def mla_write_kv_cache(
         k_pe,
         kv_cache,
         slot_mapping,
+        kv_scales_arg(kv_scales, kv_cache),
         kv_c_normed.stride(0),
         k_pe.stride(0),
         kv_cache.stride(0),
@@ -178,6 +181,7 @@ def mla_decode_attention(
     scale: float,
     out: torch.Tensor,  # [R, H, kv_lora_rank]
     num_kv_splits: Optional[int] = None,
+    kv_scales: Optional[torch.Tensor] = None,  # an e4m3 cache's [k_scale, _] (kv_scales_arg)
 ) -> torch.Tensor:
     """out = softmax(scale * q K^T) V per request and head, where K is the full cache row and V its
     first kv_lora_rank columns; row j of a request with n rows sees keys 0..seq_len - n + j. A row
@@ -208,7 +212,9 @@ def mla_decode_attention(
     )
     if num_kv_splits is not None and num_kv_splits != plan.num_splits:
         plan = _with_splits(plan, num_kv_splits)
-    launch_mla_decode(plan, q, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, out)
+    launch_mla_decode(
+        plan, q, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, out, kv_scales=kv_scales
+    )
     return out
 
 
@@ -226,6 +232,7 @@ def launch_mla_decode(
     cu_seqlens_q: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    kv_scales: Optional[torch.Tensor] = None,
 ) -> None:
     """Runs one planned launch, and the merge when it splits (after mla_decode_attention's checks;
     tests and the benchmark call it directly to force a plan)."""
@@ -244,6 +251,7 @@ def launch_mla_decode(
         partial_strides, ml_strides = (0, 0, 0), (0, 0)
     grid = (triton.cdiv(num_heads, plan.heads_p) * plan.num_row_blocks, num_reqs, plan.num_splits)
     tensors = (q, kv_cache, out, partial, m, l, block_table, seq_lens, cu_seqlens_q)
+    tensors += (kv_scales_arg(kv_scales, kv_cache),)
     scalars = (
         scale * LOG2E,
         num_reqs,

@@ -18,7 +18,7 @@
 import triton
 import triton.language as tl
 
-from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG, to_cache
+from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG, load_kv_scales, to_cache
 
 
 @triton.jit
@@ -27,6 +27,7 @@ def mla_write_kv_kernel(
     k_pe_ptr,  # [T, P] rotated key part
     kv_cache_ptr,  # [num_blocks, block_size, L + P]
     slot_mapping_ptr,  # [T] int64, < 0 = padded row (skipped)
+    kv_scales_ptr,  # an e4m3 cache's [k_scale, ...] fp32: the latent cache's one scale is k_scale
     stride_ct,
     stride_pt,
     stride_cb,
@@ -45,14 +46,15 @@ def mla_write_kv_kernel(
         return
     dst = kv_cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
     cache_ty = kv_cache_ptr.dtype.element_ty
+    scale, _ = load_kv_scales(kv_scales_ptr, cache_ty)
     lora = tl.arange(0, LORA_P)
     lora_valid = lora < kv_lora_rank
     latent = tl.load(kv_c_ptr + row * stride_ct + lora, mask=lora_valid)
-    tl.store(dst + lora, to_cache(latent, cache_ty), mask=lora_valid)
+    tl.store(dst + lora, to_cache(latent, cache_ty, scale), mask=lora_valid)
     rope = tl.arange(0, ROPE_P)
     rope_valid = rope < rope_dim
     k_pe = tl.load(k_pe_ptr + row * stride_pt + rope, mask=rope_valid)
-    tl.store(dst + kv_lora_rank + rope, to_cache(k_pe, cache_ty), mask=rope_valid)
+    tl.store(dst + kv_lora_rank + rope, to_cache(k_pe, cache_ty, scale), mask=rope_valid)
 
 
 @triton.jit
@@ -95,6 +97,7 @@ def mla_decode_kernel(
     block_table_ptr,  # [B, max_blocks]
     seq_lens_ptr,  # [B], keys of each request including this step's rows
     cu_seqlens_q_ptr,  # [B + 1]
+    kv_scales_ptr,  # an e4m3 cache's [k_scale, ...] fp32: the latent cache's one scale is k_scale
     scale_log2,  # softmax scale * log2(e)
     num_reqs,  # B (grid dim 1)
     num_rows,  # R
@@ -164,6 +167,10 @@ def mla_decode_kernel(
     key_offsets = tl.arange(0, BLOCK_N)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     cache_ty = kv_cache_ptr.dtype.element_ty  # the products' dtype
+    # keys and values (one cache row) stay as the cache holds them: the scores and the output
+    # take the cache's scale (1.0 unless it is e4m3)
+    kv_scale, _ = load_kv_scales(kv_scales_ptr, cache_ty)
+    scale_log2 = scale_log2 * kv_scale
     if cache_ty == tl.float8e4nv:  # kv_cache_dtype fp8: rows widened to q's dtype as they are read
         cache_ty = q_ptr.dtype.element_ty
 
@@ -232,6 +239,7 @@ def mla_decode_kernel(
                 acc = acc * alpha[:, None] + tl.dot(p.to(cache_ty), kv)
             m_i = m_new
 
+        acc = acc * kv_scale
         store_mask = row_valid[:, None] & lora_valid[None, :]
         if SPLIT:
             p_ptrs = partial_ptr + q_row * stride_pr + head * stride_ph + split * stride_ps

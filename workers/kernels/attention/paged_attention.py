@@ -27,7 +27,7 @@ from atomrt.workers.kernels.attention.attention_kernels import (
     write_kv_kernel,
 )
 from atomrt.workers.kernels.attention.workspace import split_workspace
-from atomrt.workers.kernels.device_info import sm_count
+from atomrt.workers.kernels.device_info import device_scratch, sm_count
 from atomrt.workers.kernels.launch import launch
 
 LOG2E = 1.4426950408889634
@@ -104,8 +104,10 @@ def write_kv_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padded row (skipped)
+    kv_scales: Optional[torch.Tensor] = None,  # an e4m3 cache's [k_scale, v_scale] (kv_scales_arg)
 ) -> None:
-    """Writes row i of k, v at slot `slot_mapping[i]` (= block * block_size + offset) of the caches."""
+    """Writes row i of k, v at slot `slot_mapping[i]` (= block * block_size + offset) of the caches
+    (an e4m3 cache: k / k_scale and v / v_scale, saturated)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if (
         k_cache.shape[2:] != (num_kv_heads, head_dim)
@@ -136,6 +138,7 @@ def write_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        kv_scales_arg(kv_scales, k_cache),
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -164,6 +167,7 @@ def rope_write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padded row
+    kv_scales: Optional[torch.Tensor] = None,  # an e4m3 cache's [k_scale, v_scale] (kv_scales_arg)
 ) -> torch.Tensor:
     """Rotary embedding (half-split layout) of q and k, and k, v written at `slot_mapping`, in one
     launch. Returns the rotated q ([num_tokens, num_heads, head_dim], contiguous); padded rows get a
@@ -216,6 +220,7 @@ def rope_write_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        kv_scales_arg(kv_scales, k_cache),
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -281,6 +286,7 @@ def unified_attention(
     graph_safe: bool,
     cu_seqlens_q_cpu: Optional[list[int]] = None,
     context_lens_cpu: Optional[list[int]] = None,
+    kv_scales: Optional[torch.Tensor] = None,  # an e4m3 cache's [k_scale, v_scale] (kv_scales_arg)
 ) -> None:
     """Causal paged attention: query row j of sequence s (n_q rows) sits at position
     context_lens[s] - n_q + j and attends to keys 0..that position of its block table."""
@@ -297,8 +303,9 @@ def unified_attention(
         context_lens_cpu,
     )
     attend_planned(
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale, num_seqs, lengths
-    )
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale, num_seqs, lengths,
+        kv_scales,
+    )  # fmt: skip
 
 
 def attend_planned(
@@ -312,6 +319,7 @@ def attend_planned(
     scale: float,
     num_seqs: int,
     lengths: tuple[int, int, int],
+    kv_scales: Optional[torch.Tensor] = None,
 ) -> None:
     """unified_attention after its checks, for `plan_lengths`' (rows, keys, rows to reduce)."""
     plan_q, plan_k, reduce_rows = lengths
@@ -339,6 +347,7 @@ def attend_planned(
         scale,
         num_seqs=num_seqs,
         reduce_rows=reduce_rows,
+        kv_scales=kv_scales,
     )
 
 
@@ -355,6 +364,7 @@ def launch_attention(
     *,
     num_seqs: int,
     reduce_rows: int,
+    kv_scales: Optional[torch.Tensor] = None,
 ) -> None:
     """Runs one planned launch (tests call it directly to force a split count)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -380,6 +390,7 @@ def launch_attention(
         cu_seqlens_q,
         context_lens,
         block_tables,
+        kv_scales_arg(kv_scales, k_cache),
         scale * LOG2E,
         plan.num_q_blocks,
         plan.num_splits,
@@ -474,6 +485,32 @@ def check_attention_args(
     if block_tables.stride(1) != 1:
         raise ValueError("unified_attention: block_tables rows must be contiguous")
     return num_kv_heads, head_dim
+
+
+def unit_kv_scales(device: torch.device) -> torch.Tensor:
+    """[1.0, 1.0] float32 on `device`, made once: the `kv_scales` of a cache that has none set. Make
+    it before any CUDA-graph capture (runner/kv_scales.py's settle_kv_scales does)."""
+    return device_scratch(
+        "attention: unit KV cache scales",
+        device,
+        lambda d: torch.ones(2, dtype=torch.float32, device=d),
+        hint="call paged_attention.unit_kv_scales(device) before capturing (settle_kv_scales does)",
+    )
+
+
+def kv_scales_arg(kv_scales: Optional[torch.Tensor], cache: torch.Tensor) -> torch.Tensor:
+    """The kernels' `kv_scales` for `cache`: [k_scale, v_scale] float32 on its device, an e4m3
+    cache's per-tensor scales (it holds k / k_scale; a latent cache's one scale is k_scale), which
+    the write kernels divide by and the attention kernels multiply back; a layer's are set at
+    start-up (runner/kv_scales.py). None: 1.0 and 1.0. A cache of another dtype never reads them."""
+    if kv_scales is None:
+        return unit_kv_scales(cache.device)
+    if kv_scales.dtype != torch.float32 or kv_scales.numel() != 2:
+        raise ValueError(
+            f"kv_scales must be [k_scale, v_scale] float32, got {kv_scales.dtype} "
+            f"{tuple(kv_scales.shape)}"
+        )
+    return kv_scales
 
 
 def _check_unit_last_stride(t: torch.Tensor, name: str) -> None:
