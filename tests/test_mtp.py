@@ -293,6 +293,7 @@ def test_capture_and_replay_keys_follow_the_guide(random_layer, k):
     from atomrt.runtime.driver.forward_mode import ForwardMode
     from atomrt.workers.runner.input_batch import dummy_decode_inputs
     from atomrt.workers.runner.model_runner import ModelRunner
+    from atomrt.workers.spec_decode.recordings import DraftRecordings
 
     sizes = [1, 2, 4]
     config = Config(
@@ -306,23 +307,26 @@ def test_capture_and_replay_keys_follow_the_guide(random_layer, k):
     runner = ModelRunner(config, torch.device("cpu"))
     runner.allocate_kv_cache(16)
     drafter = runner.spec.proposer.drafter
-    drafter.graphs_enabled = True
-    drafter.step_graph = DraftGraph(backend=FakeBackend([]))
-    drafter.row_graphs = {0: DraftGraph(backend=FakeBackend([]))} if k > 1 else {}
+    assert drafter.row_layers == ([0] if k > 1 else [])
+    recordings = drafter.recordings = DraftRecordings(True, [])
+    recordings.graphs = {
+        key: DraftGraph(backend=FakeBackend([])) for key in ["step", *drafter.row_layers]
+    }
     drafter.capture(runner, sizes)
+    step_graph = recordings.graphs["step"]
     step_rows = [bs * (k + 1) for bs in sizes]
-    assert drafter.step_graph.captured_sizes("decode") == step_rows
-    assert [n for n, _ in drafter.step_graph._recordings] == step_rows[::-1]  # largest first
-    assert drafter.step_graph.num_segments(step_rows[0], "decode") == 2  # broken at its attention
-    for graph in drafter.row_graphs.values():
-        assert graph.captured_sizes("decode") == sizes
+    assert step_graph.captured_sizes("decode") == step_rows
+    assert [n for n, _ in step_graph._recordings] == step_rows[::-1]  # largest first
+    assert step_graph.num_segments(step_rows[0], "decode") == 2  # broken at its attention
+    for layer in drafter.row_layers:
+        assert recordings.graphs[layer].captured_sizes("decode") == sizes
 
     captured = CapturedBuckets(req_keys=tuple((bs, k) for bs in sizes))
     mode = ForwardMode(config, captured, k)
     shapes = [BatchShape(3, 3 * (k + 1), k + 1, False), BatchShape(1, k + 1, k + 1, False)]
     decision = mode.decide(shapes)  # two DP ranks: one decision
     assert decision.kind is ForwardKind.REQ_GRAPH and decision.req_key == (4, k)
-    assert (decision.running_tokens, "decode") in drafter.step_graph
+    assert (decision.running_tokens, "decode") in step_graph
     row_counts = set()
     for shape in shapes:  # each DP rank stages its own batch: its later passes run the same rows
         drafter.stage(dummy_decode_inputs(shape.num_seqs, k + 1), decision)
@@ -331,16 +335,18 @@ def test_capture_and_replay_keys_follow_the_guide(random_layer, k):
 
     rows = 3 * (k + 1)  # never recorded
     assert drafter._replays_step(decision.running_tokens, decision)
-    assert drafter.num_eager_passes == 0
-    assert not drafter._replays_step(rows, decision) and drafter.num_eager_passes == 1
+    assert recordings.num_eager_passes == 0
+    assert not drafter._replays_step(rows, decision) and recordings.num_eager_passes == 1
     eager = type(decision)(ForwardKind.EAGER, 3, rows, False, k)
     assert not drafter._replays_step(rows, eager)
-    assert drafter.num_eager_passes == 1  # the target ran eagerly too: not counted
-    for layer in drafter.row_graphs:
+    assert recordings.num_eager_passes == 1  # the target ran eagerly too: not counted
+    for layer in drafter.row_layers:
         assert drafter._replays_rows(4, layer) and not drafter._replays_rows(8, layer)
-        assert drafter.num_eager_passes == 1  # 8 rows: beyond the ladder, eager as the target
-        del drafter.row_graphs[layer]._recordings[(4, None)]  # a bucket lost: counted
-        assert not drafter._replays_rows(4, layer) and drafter.num_eager_passes == 2
+        assert recordings.num_eager_passes == 1  # 8 rows: beyond the ladder, eager as the target
+        del recordings.graphs[layer]._recordings[(4, None)]  # a bucket lost: counted
+        assert not drafter._replays_rows(4, layer) and recordings.num_eager_passes == 2
+    counted = recordings.num_eager_passes  # what the step's result reports, then from 0
+    assert runner.spec.take_eager_passes() == counted and recordings.num_eager_passes == 0
 
 
 @pytest.mark.slow

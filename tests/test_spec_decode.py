@@ -454,32 +454,31 @@ def _rows(dm: DraftModel, n: int):
 
 def test_capture_records_each_size_largest_first_and_replay_dispatch(drafter):
     log: list = []
-    drafter.graph = DraftGraph(backend=FakeBackend(log))
-    assert isinstance(drafter.graph, TokenGraph)
+    rec = drafter.recordings
+    graph = rec.graphs[None] = DraftGraph(backend=FakeBackend(log))
+    assert isinstance(graph, TokenGraph)
     drafter.capture([1, 2, 4])
-    assert drafter.capture_sizes == [1, 2, 4]
+    assert rec.capture_sizes == [1, 2, 4]
     assert log.count("session") == 3
     num_layers = len(drafter.attn_layers)
     for bs in (1, 2, 4):  # one segment per layer's attention break, plus one
-        assert drafter.graph.num_segments(bs, "decode") == num_layers + 1
+        assert graph.num_segments(bs, "decode") == num_layers + 1
     p = _rows(drafter, 3)
     assert p.rows == 4 and p.slot_mapping[3] == -1  # padded to the bucket, the padding writes no KV
-    assert drafter._replays(p) and drafter.num_eager_passes == 0
+    assert drafter._replays(p) and rec.num_eager_passes == 0
     beyond = _rows(drafter, 5)
-    assert beyond.rows == 5 and not drafter._replays(beyond) and drafter.num_eager_passes == 0
-    del drafter.graph._recordings[(4, None)]  # a bucket lost: its pass runs eagerly, counted
-    assert not drafter._replays(p) and drafter.num_eager_passes == 1
+    assert beyond.rows == 5 and not drafter._replays(beyond) and rec.num_eager_passes == 0
+    del graph._recordings[(4, None)]  # a bucket lost: its pass runs eagerly, counted
+    assert not drafter._replays(p) and rec.num_eager_passes == 1
 
 
 def test_a_drafter_never_captured_counts_every_pass(drafter):
-    drafter.graph, drafter.capture_sizes, drafter.num_eager_passes = (
-        DraftGraph(FakeBackend([])),
-        [],
-        0,
-    )
+    rec = drafter.recordings
+    rec.graphs[None], rec.capture_sizes, rec.num_eager_passes = DraftGraph(FakeBackend([])), [], 0
     assert not drafter._replays(_rows(drafter, 1))
     assert not drafter._replays(_rows(drafter, 64))
-    assert drafter.num_eager_passes == 2
+    assert rec.num_eager_passes == 2 and rec.take_eager_passes() == 2
+    assert rec.num_eager_passes == 0
 
 
 def test_a_draft_model_must_share_the_vocabulary_and_cover_the_context(models, tmp_path):

@@ -22,9 +22,7 @@ that output position (`seeded_noise_`): the rejection sampler couples the two dr
 Graphs (`DraftGraph`, graphs/draft_graph.py): with CUDA graphs on, every pass replays a recording
 of the drafter's forward at its padded row count, in the shared `graph_pool()`, whichever mode the
 target runs in; capture records every capture size. A pass that fits the ladder but finds no
-recording runs eagerly and is counted (`num_eager_passes`, which reaches
-`EngineStats.spec_decode.num_eager_draft_passes`; `atomrt bench latency --speculative-config`
-reports any as an error).
+recording runs eagerly and is counted (`DraftRecordings`, workers/spec_decode/recordings.py).
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ import torch
 
 from atomrt.compile.decorators import compile_model
 from atomrt.distributed.communication_op import TPInfo, tp_broadcast
-from atomrt.graphs.buckets import bucket_for, capture_order
-from atomrt.graphs.draft_graph import DraftGraph
+from atomrt.graphs.buckets import capture_order
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision
 from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
@@ -57,6 +54,7 @@ from atomrt.workers.runner.sampler import SamplingTensors, greedy_argmax, seeded
 from atomrt.workers.runner.step_buffers import RunnerShape
 from atomrt.workers.runner.token_pool import TokenPool
 from atomrt.workers.spec_decode.proposer import ProposerSetup, WorkerProposer
+from atomrt.workers.spec_decode.recordings import DraftRecordings
 from atomrt.workers.spec_decode.rejection_sampler import select_rows, target_probs
 
 logger = logging.getLogger(__name__)
@@ -127,10 +125,7 @@ class DraftModel:
                 (s, max_blocks_per_seq), -1, dtype=torch.int32, device=device
             ),
         }
-        self.graphs_enabled = graphs_enabled
-        self.graph: Optional[DraftGraph] = DraftGraph() if graphs_enabled else None
-        self.capture_sizes: list[int] = []  # ascending, once captured
-        self.num_eager_passes = 0  # passes that fit the ladder but ran eagerly (graphs on)
+        self.recordings = DraftRecordings(graphs_enabled)  # one DraftGraph: every pass's
         self._warm_up()
 
     # ---------------------------------------------------------------- set-up
@@ -167,18 +162,17 @@ class DraftModel:
     def capture(self, sizes: list[int]) -> None:
         """Record a DraftGraph of the drafter's forward at each capture size (largest first, into
         the shared pool); every size must be recorded."""
-        if self.graph is None:
+        graph = self.recordings.graphs.get(None)
+        if graph is None:
             return
         for bs in capture_order(sizes):
             p = _dummy_pass(bs)
             with self._pass_context(p, bs, block_tables=np.zeros((bs, 1), np.int32)):
                 fv = self.buffers
                 self.model(fv["input_ids"][:bs], fv["positions"][:bs])  # warm-up
-                self.graph.record(
-                    bs, "decode", self.model, fv["input_ids"][:bs], fv["positions"][:bs]
-                )
-        self.capture_sizes = sorted(set(sizes))
-        missing = [s for s in self.capture_sizes if (s, "decode") not in self.graph]
+                graph.record(bs, "decode", self.model, fv["input_ids"][:bs], fv["positions"][:bs])
+        self.recordings.captured(sizes)
+        missing = [s for s in self.recordings.capture_sizes if (s, "decode") not in graph]
         if missing:
             raise RuntimeError(f"draft model: capture left buckets {missing} unrecorded")
 
@@ -274,9 +268,7 @@ class DraftModel:
 
     def _padded(self, ids, positions, slots, cu, context_lens, sample_rows) -> _Pass:
         num_rows = int(ids.shape[0])
-        rows = num_rows
-        if self.graphs_enabled and self.capture_sizes:
-            rows = bucket_for(num_rows, self.capture_sizes) or num_rows
+        rows = self.recordings.padded(num_rows)
         pad = rows - num_rows
         return _Pass(
             num_rows=num_rows,
@@ -299,20 +291,17 @@ class DraftModel:
             if prev_tokens is not None:
                 fv["input_ids"][torch.as_tensor(p.sample_rows, device=self.device)] = prev_tokens
             if self._replays(p):
-                return self.graph.replay(rows, "decode")
+                return self.recordings.graphs[None].replay(rows, "decode")
             return self.model(fv["input_ids"][:rows], fv["positions"][:rows])
 
     def _replays(self, p: _Pass) -> bool:
         """Whether the pass replays a recording. With graphs on, a pass that runs eagerly although
         the ladder holds its rows (a bucket, or the whole drafter, never recorded) is counted."""
-        if not self.graphs_enabled:
+        if not self.recordings.enabled:
             return False
-        if self.capture_sizes and p.num_rows > self.capture_sizes[-1]:
-            return False  # beyond the ladder: eager, as the target's steps
-        if self.graph is not None and (p.rows, "decode") in self.graph:
-            return True
-        self.num_eager_passes += 1
-        return False
+        if self.recordings.beyond_ladder(p.num_rows):
+            return False  # eager, as the target's steps
+        return self.recordings.replays(None, p.rows)
 
     def _pass_context(self, p: _Pass, num_seqs: int, block_tables: np.ndarray) -> Any:
         """Copy the pass into the static buffers (one host-to-device copy each) and enter its
@@ -423,10 +412,7 @@ class DraftModelWorkerProposer(WorkerProposer):
             self.drafter.capture(sizes)
 
     def take_eager_passes(self) -> int:
-        if self.drafter is None:
-            return 0
-        n, self.drafter.num_eager_passes = self.drafter.num_eager_passes, 0
-        return n
+        return self.drafter.recordings.take_eager_passes() if self.drafter is not None else 0
 
     def prepare(
         self,

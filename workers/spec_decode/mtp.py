@@ -38,7 +38,7 @@ Graphs (`DraftGraph`): pass 0 replays a recording at the target's rows when the 
 graph (the step's metadata is the target's: its static buffers), later passes a recording at their
 padded rows (their metadata computed inside it from the accepted counts). A pass that finds no
 recording while its target step, or its row count, is on the ladder runs eagerly and is counted
-(`num_eager_passes`).
+(`DraftRecordings`, workers/spec_decode/recordings.py).
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ import numpy as np
 import torch
 
 from atomrt.distributed.communication_op import DPInfo, tp_broadcast
-from atomrt.graphs.buckets import bucket_for, capture_order
-from atomrt.graphs.draft_graph import DraftGraph
+from atomrt.graphs.buckets import capture_order
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.forward_context import (
@@ -66,6 +65,7 @@ from atomrt.workers.runner.sampler import SamplingTensors, greedy_argmax
 from atomrt.workers.runner.step_buffers import RunnerShape, write_padded
 from atomrt.workers.runner.token_pool import TokenPool
 from atomrt.workers.spec_decode.proposer import ProposerSetup, TargetStep, WorkerProposer
+from atomrt.workers.spec_decode.recordings import DraftRecordings
 
 
 class _Staging:
@@ -140,13 +140,9 @@ class MTPDrafter:
             fix_rows=i64,  # last rows of prompt chunks that sample nothing
             fix_ids=i64,  # the prompt's next token there
         )
-        self.graphs_enabled = graphs_enabled
-        self.step_graph: Optional[DraftGraph] = DraftGraph() if graphs_enabled else None
-        self.row_graphs: dict[int, DraftGraph] = {}  # by MTP layer
-        if graphs_enabled:
-            self.row_graphs = {self.mtp.layer_for(j): DraftGraph() for j in range(1, self.k)}
-        self.capture_sizes: list[int] = []  # ascending, once captured
-        self.num_eager_passes = 0  # passes that fit the ladder but ran eagerly (graphs on)
+        # the layers the later passes run; a DraftGraph each, and "step" pass 0's
+        self.row_layers = sorted({self.mtp.layer_for(j) for j in range(1, self.k)})
+        self.recordings = DraftRecordings(graphs_enabled, ["step", *self.row_layers])
         self._step: Optional[_Staged] = None
 
     # ---------------------------------------------------------------- capture
@@ -157,7 +153,8 @@ class MTPDrafter:
         decode buckets' query rows, on the target's staged bucket) and each later pass's layer at
         every capture size; largest first, into the shared pool, after the target's recordings.
         Every bucket must be recorded."""
-        if self.step_graph is None:
+        graphs = self.recordings.graphs
+        if not graphs:
             return
         config = runner.config
         for bs in capture_order(sizes):
@@ -167,21 +164,22 @@ class MTPDrafter:
                     runner.buffers.unpack(bs, b.rows)
                     args = (self.ids[: b.rows], b.pos, self.hidden[: b.rows])
                     self.mtp(*args, layer=0)  # warm-up: kernels' workspaces outside the capture
-                    self.step_graph.record(b.rows, "decode", partial(self.mtp, layer=0), *args)
+                    graphs["step"].record(b.rows, "decode", partial(self.mtp, layer=0), *args)
             self.staging.device["live"][:bs] = False  # dummy rows: no request, no KV write
             self.block_tables[:bs, 0] = 0
-            for layer, graph in self.row_graphs.items():
+            for layer in self.row_layers:
                 with self._row_context(bs, runner.attn_layers, runner.kv_cache):
                     args = self._row_args(bs)
                     self._row_pass(layer, *args)  # warm-up
-                    graph.record(bs, "decode", partial(self._row_pass, layer), *args)
-        self.capture_sizes = sorted(set(sizes))
-        steps = [bs * q for bs in self.capture_sizes for q in config.capture_q_lens]
-        missing = [("pass 0", r) for r in steps if (r, "decode") not in self.step_graph] + [
+                    graphs[layer].record(bs, "decode", partial(self._row_pass, layer), *args)
+        self.recordings.captured(sizes)
+        sizes = self.recordings.capture_sizes
+        steps = [bs * q for bs in sizes for q in config.capture_q_lens]
+        missing = [("pass 0", r) for r in steps if (r, "decode") not in graphs["step"]] + [
             (f"layer {layer}", bs)
-            for layer, graph in self.row_graphs.items()
-            for bs in self.capture_sizes
-            if (bs, "decode") not in graph
+            for layer in self.row_layers
+            for bs in sizes
+            if (bs, "decode") not in graphs[layer]
         ]
         if missing:
             raise RuntimeError(f"MTP drafter: capture left buckets {missing} unrecorded")
@@ -218,9 +216,7 @@ class MTPDrafter:
     def _row_bucket(self, running_bs: int) -> int:
         """The rows of a later pass: `running_bs` (the same on every DP rank), padded to a capture
         size when on the ladder."""
-        if self.graphs_enabled and self.capture_sizes:
-            return bucket_for(running_bs, self.capture_sizes) or running_bs
-        return running_bs
+        return self.recordings.padded(running_bs)
 
     # ---------------------------------------------------------------- after sampling
 
@@ -266,29 +262,23 @@ class MTPDrafter:
     ) -> torch.Tensor:
         """Pass 0 over the step's rows: its recording when the target replayed one."""
         if self._replays_step(rows, decision):
-            return self.step_graph.replay(rows, "decode")
+            return self.recordings.graphs["step"].replay(rows, "decode")
         return self.mtp(self.ids[:rows], positions[:rows], self.hidden[:rows], layer=0)
 
     def _replays_step(self, rows: int, decision: ForwardDecision) -> bool:
         """Whether pass 0 replays a recording: when the target replayed one (else it runs eagerly
         as the target did). One that finds none is counted."""
-        if not self.graphs_enabled or decision.kind is ForwardKind.EAGER:
+        if not self.recordings.enabled or decision.kind is ForwardKind.EAGER:
             return False
-        if (rows, "decode") in self.step_graph:
-            return True
-        self.num_eager_passes += 1
-        return False
+        return self.recordings.replays("step", rows)
 
     def _replays_rows(self, rows: int, layer: int) -> bool:
         """Whether a later pass replays a recording: when its rows are on the ladder (else eagerly,
         as the target's steps beyond it). One that finds none is counted."""
-        if not self.graphs_enabled or not self.capture_sizes or rows > self.capture_sizes[-1]:
+        r = self.recordings
+        if not r.enabled or not r.capture_sizes or r.beyond_ladder(rows):
             return False
-        graph = self.row_graphs.get(layer)
-        if graph is not None and (rows, "decode") in graph:
-            return True
-        self.num_eager_passes += 1
-        return False
+        return r.replays(layer, rows)
 
     def _row_passes(
         self,
@@ -311,7 +301,7 @@ class MTPDrafter:
             for j in range(1, self.k):
                 layer = self.mtp.layer_for(j)
                 if self._replays_rows(rows, layer):
-                    tokens = self.row_graphs[layer].replay(rows, "decode")
+                    tokens = self.recordings.graphs[layer].replay(rows, "decode")
                 else:
                     tokens = self._row_pass(layer, *self._row_args(rows))
                 if n:
@@ -428,8 +418,7 @@ class MTPWorkerProposer(WorkerProposer):
         self.drafter.capture(runner, sizes)
 
     def take_eager_passes(self) -> int:
-        n, self.drafter.num_eager_passes = self.drafter.num_eager_passes, 0
-        return n
+        return self.drafter.recordings.take_eager_passes()
 
     def prepare(
         self,
