@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12
+FP8_MAX = tl.constexpr(448.0)  # a kernel reads only constexpr globals (compiled, not interpreted)
+MIN_SCALE = tl.constexpr(1e-12)
 SKINNY_M = 8  # at most this many rows take the broadcast inner product
 
 
