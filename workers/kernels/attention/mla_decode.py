@@ -304,9 +304,10 @@ def launch_mla_decode(
     )
 
 
-@functools.lru_cache(maxsize=256)
 def _product_dtype(q: torch.Tensor, kv_cache: torch.Tensor) -> torch.dtype:
-    """The decode products' dtype: the cache's, or q's over an e4m3 cache (kv_cache_dtype fp8)."""
+    """The decode products' dtype: the cache's, or q's over an e4m3 cache (kv_cache_dtype fp8).
+    Never memoized: a cache keyed by the tensors would keep every layer's KV cache alive after
+    its engine shut down."""
     return q.dtype if kv_cache.dtype == torch.float8_e4m3fn else kv_cache.dtype
 
 
