@@ -87,8 +87,10 @@ def test_index_scores_match_float64() -> None:
             assert abs(got[i, j].item() - s.item()) < 1e-5
 
 
-@pytest.mark.parametrize("num_heads,num_keys", [(4, 21), (20, 40), (3, 0)])
+@pytest.mark.parametrize("num_heads,num_keys", [(4, 21), (20, 40), (3, 0), (4, 70)])
 def test_sparse_attention_matches_float64(num_heads: int, num_keys: int) -> None:
+    """70 keys: whole blocks of masked keys (a fixed-width entry list's tail, and one in the
+    middle) are skipped, the rest as the reference."""
     n, d, width = 3, 24, 64
     scale = d**-0.5
     g = torch.Generator().manual_seed(5)
@@ -97,6 +99,9 @@ def test_sparse_attention_matches_float64(num_heads: int, num_keys: int) -> None
     offsets = slots * width + col
     if num_keys:
         offsets[0, 5:9] = -1
+    if num_keys > 64:
+        offsets[:, 16:32] = -1
+        offsets[1:, 40:] = -1
     rows = torch.randn(100, width, generator=g)  # every element is some key's column
     q = torch.randn(n, num_heads, d, generator=g)
     sinks = torch.randn(num_heads, generator=g)

@@ -203,17 +203,19 @@ def _v4_sparse_attn_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         off = tl.load(koff_ptr + i * K + k, mask=k < K, other=-1)
         valid = off >= 0
-        keys = tl.load(
-            rows_ptr + off[:, None] + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0
-        ).to(tl.float32)
-        s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_K]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, keys, input_precision="ieee")
-        m = m_new
+        # a block of masked keys adds nothing: skipped (a fixed-width entry list is mostly mask)
+        if tl.max(off, axis=0) >= 0:
+            keys = tl.load(
+                rows_ptr + off[:, None] + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0
+            ).to(tl.float32)
+            s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_K]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, keys, input_precision="ieee")
+            m = m_new
     out = acc / l_sum[:, None]
     tl.store(
         out_ptr + (i * H + h[:, None]) * D + d[None, :],
