@@ -361,13 +361,12 @@ def test_side_stream_fork_join_order() -> None:
 
 def test_recording_plan(folders: dict[str, Path]) -> None:
     """What a TR_HYBRID decode bucket records, checked on the CPU with a logging segment backend:
-    the unit is DeepseekV4ForCausalLM alone; each compressed layer's compressor launch runs inside
-    a recorded segment (inline, ahead of its layer's eager region), forking onto the side stream
-    and joined back in that same segment before the eager region (the stream operations logged
-    as CUDA would run them); one eager region per compressed layer, in layer order (CSA: the
-    indexer's `_index_topk`, its attention recorded after it; HCA: `_v4_attend`), a sliding
-    layer's window attention recorded inline, so compressed layers + 1 segments; decode buckets
-    only."""
+    the unit is DeepseekV4ForCausalLM alone; one eager region per CSA layer, the indexer's scores
+    (`_index_logits`: its top-k and attention recorded after it), HCA and sliding layers recorded
+    whole (their entries a fixed width), so CSA layers + 1 segments; each compressed layer's
+    compressor launch runs inside the recorded segment of its attention, forking onto the side
+    stream and joined back in that same segment (the stream operations logged as CUDA would run
+    them); decode buckets only."""
     from v4_harness import record_decode_step
 
     from atomrt.graphs.markers import captured_token_sizes, token_graph_units
@@ -380,37 +379,33 @@ def test_recording_plan(folders: dict[str, Path]) -> None:
     model.model.side_streams._streams = _LoggedStreams(log)
     graph = record_decode_step(model, model, [PROMPTS[0], PROMPTS[2]], log, _OpLog(log))
     layer_types = model.arch.v4.layer_types
-    compressed = [i for i, t in enumerate(layer_types) if t != "sliding_attention"]
-    assert 0 < len(compressed) < len(layer_types)  # both kinds in the plan
-    assert graph.num_segments(2, "decode") == len(compressed) + 1
+    csa = [i for i, t in enumerate(layer_types) if t == "compressed_sparse_attention"]
+    assert 0 < len(csa) and {"heavily_compressed_attention", "sliding_attention"} < set(layer_types)
+    assert graph.num_segments(2, "decode") == len(csa) + 1
     rec = graph._recordings[(2, None)]
-    # CSA: the indexer's scores and top-k alone (its attention recorded after); HCA: attention
-    regions = {"compressed_sparse_attention": "_index_topk"}
-    assert [c.fn.__name__ for c in rec.eager_calls] == [
-        regions.get(layer_types[i], "_v4_attend") for i in compressed
-    ]
-    assert [c.args[-1] for c in rec.eager_calls] == compressed
-    # the compressor launch of each compressed layer, inside the segment before its eager region
-    for k, i in enumerate(compressed):
-        seg = log.index(("begin", k))
-        end = log.index(("end", k))
-        launches = [e for e in log[seg:end] if e[:2] == ("op", "v4_attn_compress_launch")]
-        assert launches == [("op", "v4_attn_compress_launch", i)]
-        # fork (the side stream waits on the current one) and join (the current one waits on
-        # the side stream) inside the segment, after the launch; nothing else on the side stream
-        streams = [e for e in log[seg:end] if e[0] in ("record", "wait")]
-        fork_join = [("record", "main"), ("wait", "side"), ("record", "side"), ("wait", "main")]
-        assert [(e[0], e[2] if e[0] == "record" else e[1]) for e in streams] == fork_join
-        assert log.index(launches[0], seg) < log.index(streams[0], seg)
-        assert log.index(("op", "v4_attention", i), seg) < end
-    assert [e for e in log[log.index(("end", len(compressed) - 1)) :] if e[0] == "wait"] == []
-    # a sliding layer's attention (its window, planned from the row count) records inline
-    ends = [log.index(("end", k)) for k in range(len(compressed) + 1)]
-    begins = [log.index(("begin", k)) for k in range(len(compressed) + 1)]
+    assert [c.fn.__name__ for c in rec.eager_calls] == ["_index_logits"] * len(csa)
+    assert [c.args[-1] for c in rec.eager_calls] == csa
+    spans = [(log.index(("begin", k)), log.index(("end", k))) for k in range(len(csa) + 1)]
+
+    def segment_of(at: int) -> int:
+        (k,) = [k for k, (b, e) in enumerate(spans) if b < at < e]
+        return k
+
+    fork_join = [("record", "main"), ("wait", "side"), ("record", "side"), ("wait", "main")]
     for i, t in enumerate(layer_types):
+        attn = log.index(("op", "v4_attention", i))
+        k = segment_of(attn)  # every layer's attention op inside a recorded segment
         if t == "sliding_attention":
-            at = log.index(("op", "v4_attention", i))
-            assert any(b < at < e for b, e in zip(begins, ends)), (i, log)
+            continue
+        launch = log.index(("op", "v4_attn_compress_launch", i))
+        assert segment_of(launch) == k
+        # fork (the side stream waits on the current one) after the launch and join (the current
+        # one waits on the side stream) in the attention, both in the segment; nothing else
+        stop = next(j for j in range(attn + 1, len(log)) if log[j][0] in ("op", "end"))
+        assert stop <= spans[k][1]
+        streams = [e for e in log[launch:stop] if e[0] in ("record", "wait")]
+        assert [(e[0], e[2] if e[0] == "record" else e[1]) for e in streams] == fork_join
+    assert [e for e in log[spans[-1][1] :] if e[0] == "wait"] == []
     assert captured_token_sizes(model, "decode") == [2]
     assert captured_token_sizes(model, "prefill") == []
 

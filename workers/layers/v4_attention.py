@@ -56,10 +56,12 @@ the window it would end, kept where it does (planned from the row count: the win
 through the block table on the device). Then every layer runs `v4_attention`: the window key
 into the rows and the cache, then the attention (`_attend`): each row's window and the entries
 it is given, read through the block table on the device and sized by the row count (a token
-graph records it inline). The entries come from the layer's eager region, planned from the step's
-sequences (the number of entries the longest one sees): CSA the indexer's scores and top-k
-(`_index_topk`), HCA every entry a row sees (`_v4_attend`, the attention inside). Without a cache
-(profiling, dummy runs) each sequence reads its rows from the step's own. CUDA takes the kernels
+graph records it inline). HCA gives every entry a row sees, CSA the `index_topk` its indexer
+scores highest: the scores (`_index_logits`, planned from the step's sequences) are the layer's
+one eager region, the top-k after them recorded. A decode step's entries are a fixed width, the
+most a sequence can have (max positions // rate, masked), so a decode bucket records them; a
+prefill step (eager) takes the most its sequences have. Without a cache (profiling, dummy runs)
+each sequence reads its rows from the step's own. CUDA takes the kernels
 (workers/kernels/v4/) for the pooling, the scores and the attention; the CPU the torch reference
 below (or the kernels through Triton's interpreter, `USE_KERNELS_ON_CPU`).
 """
@@ -75,6 +77,7 @@ from torch import nn
 from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
 from atomrt.graphs.markers import eager_region
+from atomrt.runtime.forward_context import get_forward_context
 from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
 from atomrt.workers.layers.attention_ref import copy_rows
 from atomrt.workers.layers.paged_rows import read_rows, returns_nothing, step_sequences
@@ -337,22 +340,24 @@ def v4_attention(
 ) -> None:
     """q, output [n, H, D]; kv [n, D] the window keys; rows [n, width] (`v4_attn_compress_launch`'s
     for a compressed layer, zeros otherwise); positions [n]; iq [n, Hi, Di]; iw [n, Hi] float32.
-    Writes the keys into the rows and the cache, then attends: a sliding layer its window, a CSA
-    layer its window and the entries its indexer picks (`_index_topk`, the eager region), an HCA
-    layer in `_v4_attend` (its eager region)."""
+    Writes the keys into the rows and the cache, then attends each row's window and: HCA every
+    entry it sees, CSA the `index_topk` its indexer scores highest (the scores, `_index_logits`,
+    the layer's one eager region)."""
     layer, md, cache = paged_layer_state(layer_idx)
     # the compressors' side stream joins here, before the eager region: one recorded segment
     layer.side_streams.join(layer_idx, rows.device)
     rows[:, : kv.shape[1]] = kv
     _write_rows(md, cache, rows)  # whole rows: the compressor's columns are in `rows` too
-    if layer.layer_type == HCA:
-        _v4_attend(q, rows, positions, output, layer_idx)
-    elif layer.indexer is None:  # sliding
+    if layer.compressor is None:  # sliding
         _attend(layer, q, rows, positions, output)
-    else:  # CSA: the indexer's picks (eager), then the attention over them (recorded)
-        picked = torch.full((q.shape[0], layer.index_topk), -1, dtype=torch.long, device=q.device)
-        _index_topk(iq, iw, rows, positions, picked, layer_idx)
-        _attend(layer, q, rows, positions, output, picked)
+        return
+    entries = _entry_slots(layer, rows, positions)  # [n, T]
+    if layer.indexer is not None:  # CSA: the indexer's picks, the scores eager
+        scores = torch.empty(entries.shape, dtype=torch.float32, device=q.device)
+        _index_logits(iq, iw, rows, entries, scores, layer_idx)
+        top = scores.topk(min(layer.index_topk, entries.shape[1]), dim=-1)
+        entries = torch.where(top.values > float("-inf"), entries.gather(1, top.indices), -1)
+    _attend(layer, q, rows, positions, output, entries)
 
 
 def _attend(
@@ -397,70 +402,58 @@ def _attend(
         output[a:b].copy_(torch.einsum("nhw,nwd->nhd", probs, keys))
 
 
-def _entry_slots(
-    layer: "V4Attention", rows: torch.Tensor, positions: torch.Tensor
-) -> "tuple[torch.Tensor, torch.Tensor]":
-    """(rows, slots [n, T]) of the compressed entries each row sees (entry w, in the row of its
-    window's last token, once p >= (w + 1) * rate - 1; -1 past them), T the most any of the step's
-    sequences has (planned from the step's sequences)."""
+def _entry_slots(layer: "V4Attention", rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[n, T] the slots of the compressed entries each row sees (entry w, in the row of its
+    window's last token, once p >= (w + 1) * rate - 1; -1 past them), in `_row_source`'s rows.
+    A decode step (recorded) takes T fixed, the most a sequence can have (max positions // rate,
+    masked); a prefill step (eager) the most the step's sequences have."""
     _, md, cache = paged_layer_state(layer.layer_idx)
-    paged = cache is not None and md is not None
-    seqs = step_sequences(md, rows.shape[0], paged)
     r = layer.rate
-    w = torch.arange(max((s.context_len // r for s in seqs), default=0), device=rows.device)
+    if get_forward_context().context.is_prefill:
+        seqs = step_sequences(md, rows.shape[0], cache is not None and md is not None)
+        num_entries = max((s.context_len // r for s in seqs), default=0)
+    else:
+        num_entries = layer.rotary.cos_cache.shape[0] // r
+    w = torch.arange(num_entries, device=rows.device)
     visible = w.unsqueeze(0) < ((positions.long() + 1) // r).unsqueeze(1)  # [n, T]
     tokens = torch.where(visible, (w.unsqueeze(0) + 1) * r - 1, -1)
-    return _row_source(md, cache, rows, positions, tokens)
+    return _row_source(md, cache, rows, positions, tokens)[1]
 
 
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
 # bucket's recording of it would replay the capture's sequences)
 @eager_region
-def _index_topk(
+def _index_logits(
     iq: torch.Tensor,
     iw: torch.Tensor,
     rows: torch.Tensor,
-    positions: torch.Tensor,
-    picked: torch.Tensor,
+    entries: torch.Tensor,
+    scores: torch.Tensor,
     layer_idx: int,
 ) -> None:
-    """A CSA layer's eager region: the indexer's scores of the entries each row sees and their
-    top `index_topk`, as slots of the entries' rows into `picked` [n, index_topk] (-1: none)."""
-    layer = paged_layer_state(layer_idx)[0]
-    picked.fill_(-1)
-    source, cand = _entry_slots(layer, rows, positions)
-    if not cand.shape[1]:
+    """A CSA layer's eager region: the indexer's scores [n, T] of the entries each row sees
+    (`entries` [n, T], -1: none, -inf there), launched over as many as the step's longest
+    sequence has (planned from the step's sequences)."""
+    layer, md, cache = paged_layer_state(layer_idx)
+    paged = cache is not None and md is not None
+    seqs = step_sequences(md, iq.shape[0], paged)
+    t = min(entries.shape[1], max((s.context_len // layer.rate for s in seqs), default=0))
+    scores[:, t:] = float("-inf")
+    if not t:
         return
-    at, di = layer.spec.columns()["ientry"]
+    source = cache.rows.view(-1, cache.rows.shape[-1]) if paged else rows
+    cand, (at, di) = entries[:, :t], layer.spec.columns()["ientry"]
     if _use_kernels(iq):
         from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
 
-        scores = v4_index_scores(iq, iw, source, cand, at)
-    else:
-        scores = torch.empty(cand.shape, dtype=torch.float32, device=iq.device)
-        for a in range(0, cand.shape[0], _QUERY_CHUNK):
-            b = min(cand.shape[0], a + _QUERY_CHUNK)
-            keys = read_rows(source, cand[a:b].clamp(min=0))[..., at : at + di].float()
-            s = F.relu(torch.einsum("nhd,ntd->nht", iq[a:b].float(), keys)) * di**-0.5
-            s = (s * iw[a:b].unsqueeze(-1)).sum(dim=1)
-            scores[a:b] = s.masked_fill(cand[a:b] < 0, float("-inf"))
-    top = scores.topk(min(layer.index_topk, cand.shape[1]), dim=-1)
-    chosen = torch.where(top.values > float("-inf"), cand.gather(1, top.indices), -1)
-    picked[:, : chosen.shape[1]] = chosen
-
-
-# planned from the step's sequences, as `_index_topk`
-@eager_region
-def _v4_attend(
-    q: torch.Tensor,
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    output: torch.Tensor,
-    layer_idx: int,
-) -> None:
-    """An HCA layer's eager region: each row's queries over its window and every entry it sees."""
-    layer = paged_layer_state(layer_idx)[0]
-    _attend(layer, q, rows, positions, output, _entry_slots(layer, rows, positions)[1])
+        scores[:, :t] = v4_index_scores(iq, iw, source, cand, at)
+        return
+    for a in range(0, cand.shape[0], _QUERY_CHUNK):
+        b = min(cand.shape[0], a + _QUERY_CHUNK)
+        keys = read_rows(source, cand[a:b].clamp(min=0))[..., at : at + di].float()
+        s = F.relu(torch.einsum("nhd,ntd->nht", iq[a:b].float(), keys)) * di**-0.5
+        s = (s * iw[a:b].unsqueeze(-1)).sum(dim=1)
+        scores[a:b, :t] = s.masked_fill(cand[a:b] < 0, float("-inf"))
 
 
 direct_register_custom_op(
