@@ -26,6 +26,7 @@ from atomrt.workers.layers.attention_ref import (
     paged_attention_ref,
     write_kv_cache_ref,
 )
+from atomrt.workers.layers.paged_rows import returns_nothing
 from atomrt.workers.layers.rotary import RotaryEmbedding
 
 
@@ -222,15 +223,9 @@ class _BoundAttend:
 
 
 @eager_region(bind=_BoundAttend, request_fixed=True)
-def _attend_cuda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    output: torch.Tensor,
-    positions: Optional[torch.Tensor],
-    layer_idx: int,
-) -> None:
-    """The Triton path: rotary, KV write and attention (one launch for a decode batch)."""
+def _attend_cuda(q, k, v, output, positions, layer_idx: int) -> None:
+    """The Triton path: rotary, KV write and attention (one launch for a decode batch), with
+    `unified_attention_with_output`'s arguments."""
     layer, md, kv = paged_layer_state(layer_idx)
     _attention_step(q, k, v, output, positions, layer, md, kv)
 
@@ -257,22 +252,11 @@ def _attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
     )
 
 
-def _unified_attention_with_output_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    output: torch.Tensor,
-    positions: Optional[torch.Tensor],
-    layer_idx: int,
-) -> None:
-    return None
-
-
 direct_register_custom_op(
     "unified_attention_with_output",
     unified_attention_with_output,
     mutates_args=["output"],
-    fake_impl=_unified_attention_with_output_fake,
+    fake_impl=returns_nothing,
 )
 
 

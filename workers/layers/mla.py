@@ -45,6 +45,7 @@ from atomrt.workers.layers.mla_ref import (
     unabsorb_output,
 )
 from atomrt.workers.layers.norm import RMSNorm, residual_add
+from atomrt.workers.layers.paged_rows import returns_nothing
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.weight_utils import divide
 
@@ -163,19 +164,8 @@ def absorbed_decode(
     output.copy_(unabsorb_output(latent_out, layer.w_uv))
 
 
-def _mla_attention_fake(
-    q: torch.Tensor,
-    kv_c_normed: torch.Tensor,
-    k_pe: torch.Tensor,
-    output: torch.Tensor,
-    positions: torch.Tensor,
-    layer_idx: int,
-) -> None:
-    return None
-
-
 direct_register_custom_op(
-    "mla_attention", mla_attention, mutates_args=["output"], fake_impl=_mla_attention_fake
+    "mla_attention", mla_attention, mutates_args=["output"], fake_impl=returns_nothing
 )
 
 
