@@ -23,6 +23,7 @@ from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.runtime.config import DEFAULT_MODEL
 from atomrt.workers.layers.quantization.fp8 import Fp8Config, resolve_fp8_config
 from atomrt.workers.layers.quantization.fp8_layers import finish_quantized_weights, quantize_model
+from atomrt.workers.layers.quantization.mxfp4 import v4_checkpoint_weights
 from atomrt.workers.loading.gguf import arch_from_gguf, gguf_weights, open_gguf
 from atomrt.workers.loading.kv_scales import CheckpointKVScales
 from atomrt.workers.loading.presets import find_preset, preset_config
@@ -261,6 +262,9 @@ def load_model(
     elif resolved.kind == "safetensors":
         kv_scales = CheckpointKVScales()  # FP8 KV cache scales: the attention layers', not params
         weights = kv_scales.take(safetensors_weights(resolved.path))
+        if arch.v4 is not None:  # DeepSeek-V4's FP8 / MXFP4 weights: dequantized as they load
+            hf_config, where = read_hf_config(resolved.path), str(resolved.path)
+            weights = v4_checkpoint_weights(weights, fp8, hf_config, where)
         model.load_weights(weights, where=str(resolved.path))
         kv_scales.apply(model, str(resolved.path))
     else:

@@ -44,6 +44,7 @@ from typing import Any, Optional
 import torch
 
 from atomrt.workers.layers.activation import silu_and_mul
+from atomrt.workers.layers.quantization.mxfp4 import check_quantization_fields
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
@@ -68,6 +69,9 @@ class Fp8Config:
     weight_block_size: Optional[tuple[int, int]] = None  # None: per tensor / per channel
     ignored_layers: tuple[str, ...] = ()
     online: bool = False  # a float checkpoint quantized at load
+    # the experts' format, where the config names it: "fp4" is MXFP4 (DeepSeek-V4's routed
+    # experts, dequantized at load: mxfp4.py); None or "fp8": e4m3 like the other weights
+    expert_dtype: Optional[str] = None
 
     @property
     def group_k(self) -> Optional[int]:
@@ -133,6 +137,7 @@ class Fp8Config:
                 )
             block = SUPPORTED_BLOCK
         _check_kv_cache_scheme(qc.get("kv_cache_scheme"), where)
+        check_quantization_fields(qc, where)
         ignored: list[str] = []
         for key in ("modules_to_not_convert", "ignored_layers"):
             names = qc.get(key) or []
@@ -141,7 +146,7 @@ class Fp8Config:
                     f"{where}: quantization_config.{key} must be a list of names, got {names!r}"
                 )
             ignored.extend(names)
-        return Fp8Config(scheme, block, tuple(ignored))
+        return Fp8Config(scheme, block, tuple(ignored), expert_dtype=qc.get("expert_dtype"))
 
 
 def _check_kv_cache_scheme(scheme: Any, where: str) -> None:

@@ -204,6 +204,11 @@ def finish_linear(layer: nn.Module) -> None:
 
 def convert_experts(moe: nn.Module, config: Fp8Config, name: str) -> None:
     """Make a `FusedMoE`'s expert weights FP8 (see `convert_linear`)."""
+    if config.expert_dtype == "fp4":
+        raise ValueError(
+            f"{name}: quantization_config.expert_dtype 'fp4' (MXFP4 experts) loads for "
+            "DeepSeek-V4 only"
+        )
     if config.activation_scheme == "static" and not config.online:
         raise ValueError(
             f"{name}: quantization_config.activation_scheme 'static' for MoE experts is not "

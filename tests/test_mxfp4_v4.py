@@ -1,0 +1,239 @@
+"""DeepSeek-V4 checkpoints as they ship: routed experts in MXFP4 (packed e2m1 pairs and an e8m0
+scale per 32 values, `quantization_config.expert_dtype: "fp4"`), the attention projections and the
+shared expert in FP8 with a ue8m0 scale per 128x128 block, dequantized at load.
+
+A tiny V4 saved by transformers is quantized so by the script here; the reference is transformers'
+model (float64) of the same checkpoint dequantized by transformers' own FP8/FP4 dequantizer
+(`Fp8Dequantize`): atomrt's logits over a ragged prefill and decode steps equal it within 1e-4, and
+its greedy tokens are the reference's. What does not match the format is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from model_harness import run_prefill_and_decode
+from safetensors.torch import load_file, save_file
+from v4_harness import build_v4_folder
+
+from atomrt.runtime.config import Config
+from atomrt.workers.layers.quantization.fp8 import Fp8Config
+from atomrt.workers.layers.quantization.fp8_layers import convert_experts
+from atomrt.workers.layers.quantization.mxfp4 import dequantize_mxfp4
+from atomrt.workers.loading.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+E8M0 = torch.float8_e8m0fnu
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+ROUTED = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+FP8_PROJECTIONS = re.compile(
+    r"(\.attn\.w(q_a|q_b|kv|o_a|o_b)|\.ffn\.shared_experts\.w[123])\.weight$"
+)
+QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+    "scale_fmt": "ue8m0",
+    "expert_dtype": "fp4",
+}
+PROMPTS = [[3, 17, 42, 99, 5, 8, 61, 11, 12, 13, 14, 15, 16, 17, 18], [7, 1, 120], [40, 50, 60, 70]]
+TOLERANCE = 1e-4
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (int8 [N, K / 2] e2m1 pairs, low nibble first; e8m0 [N, K / 32]): each group of
+    32 scaled by the power of two that brings its largest |value| to at most 6, then rounded to the
+    nearest e2m1 value."""
+    n, k = w.shape
+    groups = w.double().reshape(n, k // 32, 32)
+    amax = groups.abs().amax(-1).clamp(min=1e-30)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled.abs()[..., None] - E2M1.double()).abs().argmin(-1)  # nearest magnitude
+    codes = (codes | torch.where(scaled < 0, 8, 0)).reshape(n, k).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.view(torch.int8), (exponent + 127).to(torch.uint8).view(E8M0)
+
+
+def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] (both <= 128 here: one block) -> (e4m3, e8m0 [1, 1]): a power-of-two scale that
+    brings the largest |value| to at most 448."""
+    assert max(w.shape) <= 128
+    exponent = math.ceil(math.log2(float(w.abs().max()) / 448.0))
+    q = (w.double() / 2.0**exponent).to(torch.float8_e4m3fn)
+    return q, torch.tensor([[exponent + 127]], dtype=torch.uint8).view(E8M0)
+
+
+def quantize_v4_folder(src: Path, dst: Path) -> Path:
+    """`src` (a float V4 checkpoint) with its routed experts MXFP4 and its attention projections
+    and shared expert FP8, as DeepSeek-V4 ships them, in `dst`."""
+    dst.mkdir(parents=True)
+    tensors = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        base = name[: -len(".weight")]
+        if ROUTED.search(name):
+            tensors[name], tensors[base + ".scale"] = quantize_mxfp4(w)
+        elif FP8_PROJECTIONS.search(name):
+            tensors[name], tensors[base + ".scale"] = quantize_fp8_block(w)
+        else:
+            tensors[name] = w
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    (dst / "config.json").write_text(json.dumps(config))
+    for extra in src.iterdir():
+        if extra.name not in ("model.safetensors", "config.json"):
+            (dst / extra.name).write_bytes(extra.read_bytes())
+    return dst
+
+
+def dequantized_folder(src: Path, dst: Path) -> Path:
+    """The quantized checkpoint `src` with every weight dequantized by transformers' own FP8 / FP4
+    dequantizer, float32 (the values are exact in it), and no quantization_config."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    dequantize = Fp8Dequantize(None)._dequantize_one
+    dst.mkdir(parents=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in tensors:
+            continue
+        scale = (
+            tensors.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
+        )
+        if scale is not None:
+            w = dequantize(w, scale.view(torch.uint8), torch.float32)
+        out[name] = w
+    save_file(out, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("v4_mxfp4")
+    quantized = quantize_v4_folder(build_v4_folder(root / "float", "csa_hca"), root / "quantized")
+    return quantized, dequantized_folder(quantized, root / "dequantized")
+
+
+def test_mxfp4_dequantization_matches_transformers() -> None:
+    """Every e2m1 code in both nibbles, scales from 2^-127 to 2^127: atomrt's dequantization equals
+    transformers' (its own unpacking and e8m0 decoding)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (6, 64), generator=gen, dtype=torch.uint8)
+    packed[0, :16] = torch.arange(16, dtype=torch.uint8) * 17  # each code, low and high
+    exponents = torch.randint(100, 150, (6, 4), generator=gen, dtype=torch.uint8)
+    exponents[1, :2] = torch.tensor([0, 254], dtype=torch.uint8)
+    ours = dequantize_mxfp4(packed.view(torch.int8), exponents.view(E8M0), "w")
+    theirs = Fp8Dequantize(None)._dequantize_one(packed.view(torch.int8), exponents, torch.float32)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(dequantize_mxfp4(packed, exponents, "w"), theirs)  # uint8 bytes too
+    with pytest.raises(ValueError, match=r"w: an MXFP4 weight of 6 x 128 values takes a scale"):
+        dequantize_mxfp4(packed, exponents[:, :3], "w")
+    exponents[2, 0] = 255
+    with pytest.raises(ValueError, match="w: an e8m0 scale holds NaN"):
+        dequantize_mxfp4(packed, exponents, "w")
+    with pytest.raises(ValueError, match="w: an MXFP4 weight is packed e2m1 pairs"):
+        dequantize_mxfp4(packed.float(), exponents, "w")
+
+
+def test_v4_mxfp4_checkpoint_matches_the_float64_reference(folders: tuple[Path, Path]) -> None:
+    quantized, dequantized = folders
+    loaded = load_model(Config(model=str(quantized)), "cpu", torch.float32)
+    moe = loaded.model.model.layers[2].ffn
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        dequantized,
+        dtype=torch.float64,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    ).eval()
+    # the routed experts hold the MXFP4 values (gate and up rows stacked, as transformers does)
+    want = reference.model.layers[2].mlp.experts.gate_up_proj.detach()
+    assert torch.equal(moe.w13.detach().double(), want)
+    result = run_prefill_and_decode(loaded.model, PROMPTS, 8, block_size=4, num_pad_rows=2)
+    worst = 0.0
+    for s, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            logits = reference(torch.tensor([result.sequences[s][:-1]])).logits[0]
+        got = torch.stack([step[s] for step in result.logits]).double()
+        expected = logits[len(prompt) - 1 :]
+        worst = max(worst, (got - expected).abs().max().item())
+        # greedy: every token atomrt chose is the reference's argmax there
+        assert result.sequences[s][len(prompt) :] == expected.argmax(-1).tolist()
+    assert worst <= TOLERANCE, worst
+    # the quantization moved the model: the float checkpoint's logits are elsewhere
+    float_model = transformers.AutoModelForCausalLM.from_pretrained(
+        quantized.parent / "float",
+        dtype=torch.float64,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    ).eval()
+    with torch.no_grad():
+        float_logits = float_model(torch.tensor([result.sequences[0][:-1]])).logits[0]
+        ref_logits = reference(torch.tensor([result.sequences[0][:-1]])).logits[0]
+    assert (float_logits - ref_logits).abs().max() > 100 * TOLERANCE
+
+
+def _rewrite(src: Path, dst: Path, change) -> Path:
+    """A copy of checkpoint `src` whose tensors (a dict) and config `change(tensors, config)`
+    edits in place."""
+    dst.mkdir(parents=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    change(tensors, config)
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_what_does_not_match_is_refused_by_name(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    quantized, dequantized = folders
+    expert = "model.layers.1.ffn.experts.3.w2"
+
+    def float_expert(tensors: dict, config: dict) -> None:
+        tensors[expert + ".weight"] = torch.zeros(64, 32)
+        del tensors[expert + ".scale"]
+
+    folder = _rewrite(quantized, tmp_path / "float_expert", float_expert)
+    with pytest.raises(ValueError, match=rf"{expert}.weight is torch.float32, but .*'fp4'"):
+        load_model(Config(model=str(folder)), "cpu", torch.float32)
+
+    folder = _rewrite(quantized, tmp_path / "no_scale", lambda t, c: t.pop(expert + ".scale"))
+    with pytest.raises(ValueError, match=rf"quantized weights without a .scale: \['{expert}"):
+        load_model(Config(model=str(folder)), "cpu", torch.float32)
+
+    gate = "model.layers.1.ffn.experts.3.w1"
+
+    def bad_grid(tensors: dict, config: dict) -> None:
+        tensors[gate + ".scale"] = tensors[gate + ".scale"][:, :1].contiguous()
+
+    folder = _rewrite(quantized, tmp_path / "bad_grid", bad_grid)
+    with pytest.raises(ValueError, match=rf"{gate}.weight: an MXFP4 weight of 32 x 64 values"):
+        load_model(Config(model=str(folder)), "cpu", torch.float32)
+
+    def nvfp4(tensors: dict, config: dict) -> None:
+        config["quantization_config"]["expert_dtype"] = "nvfp4"
+
+    folder = _rewrite(quantized, tmp_path / "nvfp4", nvfp4)
+    with pytest.raises(ValueError, match="quantization_config.expert_dtype 'nvfp4' is not"):
+        load_model(Config(model=str(folder)), "cpu", torch.float32)
+
+    # online quantization does not reach V4's own layers: refused rather than ignored
+    config = Config(model=str(dequantized), model_config={"quantization": "fp8"})
+    with pytest.raises(ValueError, match="model_config.quantization='fp8' does not quantize"):
+        load_model(config, "cpu", torch.float32)
+    # MXFP4 experts are DeepSeek-V4's: another model's fused-MoE experts refuse them
+    with pytest.raises(ValueError, match="expert_dtype 'fp4' \\(MXFP4 experts\\) loads for"):
+        convert_experts(torch.nn.Module(), Fp8Config(expert_dtype="fp4"), "model.layers.0.mlp")

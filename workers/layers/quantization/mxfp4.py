@@ -1,0 +1,228 @@
+"""MXFP4 weights, and DeepSeek-V4's quantized checkpoint widened at load.
+
+MXFP4 (OCP microscaling): 4-bit e2m1 values (sign, 2 exponent bits, 1 mantissa bit: 0, 0.5, 1,
+1.5, 2, 3, 4, 6 and their negatives), two per byte, the even column in the low nibble; one e8m0
+scale (a power of two, 2^(byte - 127)) per 32 consecutive values of a row. A weight [N, K] ships
+as packed bytes [N, K / 2] (int8, uint8 or float4_e2m1fn_x2) and its scale [N, K / 32]
+(float8_e8m0fnu, or uint8 holding the exponent byte).
+
+DeepSeek-V4 checkpoints (`quantization_config.expert_dtype: "fp4"`, or the config's top-level
+`expert_dtype`) ship the routed experts so: `...ffn.experts.<e>.w1/w2/w3.weight` packed and
+`...ffn.experts.<e>.w1/w2/w3.scale`. The other quantized projections are FP8 (e4m3) with one
+`.scale` per 128x128 block (`weight_block_size: [128, 128]`, ue8m0 or float32); a checkpoint
+transformers wrote may name a scale `.weight_scale_inv`. `v4_weights` pairs each quantized weight
+with its scale and yields it dequantized in float32, under the weight's name: the model then holds and runs them in its own dtype (16-bit activations, as
+Hopper runs V4's experts; the FP8 projections' activations are not quantized either). A float
+weight without a scale loads as it is (the checkpoint's norms, router, embeddings, LM head);
+anything else -- a quantized weight without its scale, a scale without its weight, a routed
+expert that is not MXFP4 where the config says so, an unknown dtype or a scale grid that does not
+fit -- is refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional
+
+import torch
+
+from atomrt.workers.layers.weight_utils import read_all
+
+MXFP4_BLOCK = 32  # values per e8m0 scale
+FP8_BLOCK = 128  # V4's FP8 projections: one scale per 128x128 block
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; bit 3 is the sign
+EXPERT_DTYPES = ("fp8", "fp4")  # quantization_config.expert_dtype's values
+SCALE_FORMATS = ("ue8m0",)  # quantization_config.scale_fmt's values (float32 scales: absent)
+# a weight's scale: DeepSeek's name, and transformers' (as its FP8 quantizer renames it)
+_SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+_ROUTED = re.compile(r"\.experts\.\d+\.w[123]\.(weight|scale)$")
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+_FP4X2 = getattr(torch, "float4_e2m1fn_x2", None)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E8M0": _E8M0,
+    "F4": _FP4X2,
+}
+
+
+def e2m1_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16 e2m1 codes' values, float32."""
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return torch.cat((values, -values))
+
+
+def e8m0_to_float(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """An e8m0 scale (float8_e8m0fnu, or uint8 exponent bytes) as float32 powers of two."""
+    if _E8M0 is not None and scale.dtype == _E8M0:
+        scale = scale.view(torch.uint8)
+    if scale.dtype != torch.uint8:
+        raise ValueError(
+            f"{name}: an e8m0 scale must be float8_e8m0fnu or uint8, not {scale.dtype}"
+        )
+    if bool((scale == 255).any()):
+        raise ValueError(f"{name}: an e8m0 scale holds NaN (0xff)")
+    return torch.exp2(scale.to(torch.float32) - 127.0)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K / 2] bytes -> [..., K] float32: the low nibble is the even column."""
+    u8 = packed.contiguous().view(torch.uint8)
+    table = e2m1_table(packed.device)
+    values = torch.stack((table[(u8 & 0xF).long()], table[(u8 >> 4).long()]), dim=-1)
+    return values.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+    """An MXFP4 weight ([N, K / 2] packed, [N, K / 32] e8m0) as float32 [N, K]."""
+    if packed.dtype not in (torch.int8, torch.uint8) and packed.dtype != _FP4X2:
+        raise ValueError(
+            f"{name}: an MXFP4 weight is packed e2m1 pairs (int8, uint8 or float4_e2m1fn_x2), "
+            f"not {packed.dtype}"
+        )
+    values = unpack_e2m1(packed)
+    rows, k = values.shape
+    if tuple(scale.shape) != (rows, k // MXFP4_BLOCK) or k % MXFP4_BLOCK:
+        raise ValueError(
+            f"{name}: an MXFP4 weight of {rows} x {k} values takes a scale of "
+            f"{(rows, k // MXFP4_BLOCK)} (one per {MXFP4_BLOCK} values), not {tuple(scale.shape)}"
+        )
+    factors = e8m0_to_float(scale, name).repeat_interleave(MXFP4_BLOCK, dim=1)
+    return values * factors
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+    """An e4m3 weight [N, K] with a scale per 128x128 block ([ceil(N/128), ceil(K/128)], e8m0 or
+    float32) as float32 [N, K]."""
+    n, k = weight.shape
+    grid = (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
+    if tuple(scale.shape) != grid:
+        raise ValueError(
+            f"{name}: an FP8 weight of {n} x {k} takes a scale per {FP8_BLOCK}x{FP8_BLOCK} block, "
+            f"{grid}, not {tuple(scale.shape)}"
+        )
+    if scale.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        factors = scale.to(torch.float32)
+    else:
+        factors = e8m0_to_float(scale, name)
+    factors = factors.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    return weight.to(torch.float32) * factors
+
+
+def expert_dtype_of(hf_config: dict[str, Any]) -> Optional[str]:
+    """`expert_dtype` from the quantization config, or the config's top level (DeepSeek-V4's
+    first checkpoints put it there)."""
+    qc = hf_config.get("quantization_config")
+    inner = qc.get("expert_dtype") if isinstance(qc, dict) else None
+    return inner if inner is not None else hf_config.get("expert_dtype")
+
+
+def check_quantization_fields(qc: dict[str, Any], where: str) -> None:
+    """`expert_dtype` and `scale_fmt` of a quantization_config, checked by name."""
+    expert_dtype = qc.get("expert_dtype")
+    if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(
+            f"{where}: quantization_config.expert_dtype {expert_dtype!r} is not supported "
+            f"(one of {list(EXPERT_DTYPES)})"
+        )
+    scale_fmt = qc.get("scale_fmt")
+    if scale_fmt is not None and scale_fmt not in SCALE_FORMATS:
+        raise ValueError(
+            f"{where}: quantization_config.scale_fmt {scale_fmt!r} is not supported "
+            f"(one of {list(SCALE_FORMATS)}, or float32 scales without it)"
+        )
+
+
+def _dtype_of(weight: Any) -> Optional[torch.dtype]:
+    """A tensor's or a safetensors slice's dtype (None for one torch does not name)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.dtype
+    return _SAFETENSORS_DTYPES.get(weight.get_dtype())
+
+
+def _is_quantized(dtype: Optional[torch.dtype]) -> bool:
+    return dtype is not None and (
+        dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn) or dtype == _FP4X2
+    )
+
+
+def v4_weights(
+    weights: Iterable[tuple[str, Any]], expert_dtype: Optional[str], where: str
+) -> Iterator[tuple[str, Any]]:
+    """A DeepSeek-V4 checkpoint's tensors with each quantized weight dequantized (float32) under
+    its own name and its `.scale` consumed (see the module docstring). `expert_dtype` "fp4":
+    every routed expert's weight must be MXFP4."""
+    scales: dict[str, Any] = {}  # a weight's scale, until the weight comes
+    scale_names: dict[str, str] = {}
+    waiting: dict[str, Any] = {}  # a quantized weight, until its scale comes
+    for name, weight in weights:
+        suffix = next((x for x in _SCALE_SUFFIXES if name.endswith(x)), None)
+        if suffix is not None:
+            base = name[: -len(suffix)]
+            if base + ".weight" in waiting:
+                yield _dequantized(base, waiting.pop(base + ".weight"), weight, expert_dtype, where)
+            else:
+                scales[base], scale_names[base] = weight, name
+            continue
+        if not name.endswith(".weight"):
+            yield name, weight
+            continue
+        base = name[: -len(".weight")]
+        if base in scales:
+            yield _dequantized(base, weight, scales.pop(base), expert_dtype, where)
+        elif _is_quantized(_dtype_of(weight)):
+            waiting[name] = weight
+        else:
+            if expert_dtype == "fp4" and _ROUTED.search(name):
+                raise ValueError(
+                    f"{where}: {name} is {_dtype_of(weight)}, but quantization_config."
+                    "expert_dtype 'fp4' ships routed experts as MXFP4 (packed e2m1 and a .scale)"
+                )
+            yield name, weight
+    if waiting:
+        raise ValueError(f"{where}: quantized weights without a .scale: {sorted(waiting)[:4]}")
+    for base, scale in scales.items():  # no weight of that name: a tensor of the model's own
+        yield scale_names[base], scale
+
+
+def _dequantized(
+    base: str, weight: Any, scale: Any, expert_dtype: Optional[str], where: str
+) -> tuple[str, torch.Tensor]:
+    name = base + ".weight"
+    w, s = read_all(weight), read_all(scale)
+    routed = _ROUTED.search(name) is not None
+    if routed and expert_dtype == "fp4":
+        return name, dequantize_mxfp4(w, s, f"{where}: {name}")
+    if w.dtype == torch.float8_e4m3fn:
+        return name, dequantize_fp8_block(w, s, f"{where}: {name}")
+    raise ValueError(
+        f"{where}: {name} is {w.dtype} with a .scale: atomrt loads DeepSeek-V4's FP8 (e4m3, "
+        "128x128 blocks) weights and, with quantization_config.expert_dtype 'fp4', its MXFP4 "
+        "routed experts"
+    )
+
+
+def v4_checkpoint_weights(
+    weights: Iterable[tuple[str, Any]], fp8: Any, hf_config: dict[str, Any], where: str
+) -> Iterator[tuple[str, Any]]:
+    """`v4_weights` for a DeepSeek-V4 checkpoint of config `hf_config`, whose FP8 configuration
+    (fp8.py's Fp8Config, None for a float checkpoint) is `fp8`."""
+    if fp8 is not None and fp8.online:
+        raise ValueError(
+            f"{where}: model_config.quantization='fp8' does not quantize DeepSeek-V4 at load: its "
+            "checkpoints ship FP8 and MXFP4 weights, which load as they are"
+        )
+    expert_dtype = expert_dtype_of(hf_config)
+    check_quantization_fields({"expert_dtype": expert_dtype}, where)
+    return v4_weights(weights, expert_dtype, where)
