@@ -136,7 +136,7 @@ def test_mtp_layer_weights_are_left_out_with_a_reason(
     }
     mtp[f"model.layers.{n}.eh_proj.weight"] = torch.randn(64, 128)
     save_file({**state, **mtp}, str(file))
-    with caplog.at_level(logging.INFO, logger="atomrt.workers.models.deepseek"):
+    with caplog.at_level(logging.INFO, logger="atomrt.workers.models.deepseek_mtp"):
         loaded = load_model(Config(model=str(tmp_path)), "cpu", torch.float32)
     assert f"left out {len(mtp)} tensors of the multi-token-prediction layer" in caplog.text
     assert loaded.arch.num_nextn_predict_layers == 1

@@ -8,10 +8,10 @@ grouped top-k routing over `FusedMoE`) plus ungated shared experts. The backbone
 of the MoE layers and two-batch overlap are the MoE family's (workers/models/qwen3_moe.py).
 
 Multi-token-prediction layers (`num_nextn_predict_layers`, stored as layers
-`num_hidden_layers + i`) are not part of this forward. With `speculative_config.method == "mtp"`
-the model also holds them, as `mtp` (workers/models/deepseek_mtp.py: `DeepseekDecoderLayer`s that
-share this model's embedding and LM head), and loads their tensors; otherwise the loader leaves
-them out (`is_mtp_weight`) and says so.
+`num_hidden_layers + i`) are not part of this forward. When speculation drafts with them the model
+also holds them, as `mtp` (workers/models/deepseek_mtp.py: `DeepseekDecoderLayer`s that share this
+model's embedding and LM head); their checkpoint tensors are `MTPWeights`' (loaded into `mtp`, or
+left out and said so).
 
 Hot path: traced by Dynamo with a dynamic token dimension and recorded into CUDA graphs (see
 llama.py); the attention and the experts are opaque ops.
@@ -19,8 +19,6 @@ llama.py); the attention and the experts are opaque ops.
 
 from __future__ import annotations
 
-import logging
-import re
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -31,26 +29,15 @@ from atomrt.distributed.communication_op import DPInfo, TPInfo, tp_all_reduce
 from atomrt.workers.layers.deepseek_moe import GroupedRouting, GroupedTopkMoE
 from atomrt.workers.layers.mla import MLAAttention
 from atomrt.workers.layers.rotary import RotaryEmbedding, yarn_softmax_scale
-from atomrt.workers.layers.weight_utils import Sliceable, read_narrow
+from atomrt.workers.layers.weight_utils import Sliceable
 from atomrt.workers.models.arch import ModelArch
-from atomrt.workers.models.deepseek_mtp import MTP_SHARED_COPIES, DeepseekMTP, mtp_checkpoint_name
+from atomrt.workers.models.deepseek_mtp import DeepseekMTP, MTPWeights, builds_mtp
 from atomrt.workers.models.qwen3_moe import (
     MoEBlock,
     MoEDecoderLayer,
     MoEForCausalLM,
     SharedExpert,
 )
-
-logger = logging.getLogger(__name__)
-
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def is_mtp_weight(name: str, arch: ModelArch) -> bool:
-    """Whether a checkpoint tensor belongs to a multi-token-prediction layer (`model.layers.<i>.*`
-    with i >= num_hidden_layers)."""
-    m = _LAYER_INDEX.match(name)
-    return m is not None and int(m.group(1)) >= arch.num_layers
 
 
 def make_mla(
@@ -156,8 +143,7 @@ class DeepseekForCausalLM(MoEForCausalLM):
         self.stacked_params = fused + mlp + self.extra_stacked_params
         super().__init__(arch, tp, max_position, config, dp)
         self.mtp: Optional[DeepseekMTP] = None  # the drafter's layers, when speculation is MTP
-        spec = getattr(config, "speculative_config", None)
-        if spec is not None and spec.method == "mtp":
+        if builds_mtp(config):
             self.mtp = DeepseekMTP(
                 arch,
                 tp,
@@ -167,85 +153,21 @@ class DeepseekForCausalLM(MoEForCausalLM):
                 self.model.embed_tokens,
                 self.lm_head,
             )
-        self._skipped_mtp = 0
-        self._shared_copies: list[tuple[str, str, torch.Tensor]] = []
+        self.mtp_weights = MTPWeights(arch, self.mtp, self.model.embed_tokens, self.lm_head)
 
     def checkpoint_name(self, name: str) -> str:
-        if self.mtp is not None and is_mtp_weight(name, self.arch):
-            name = mtp_checkpoint_name(name, self.arch.num_layers)[1]
-        return name.replace(
+        return self.mtp_weights.checkpoint_name(name).replace(
             ".mlp.gate.e_score_correction_bias", ".mlp.experts.gate.e_score_correction_bias"
         )
 
     def skip_weight(self, name: str) -> bool:
-        if not is_mtp_weight(name, self.arch):
-            return False
-        if self.mtp is None:
-            self._skipped_mtp += 1
-            return True
-        return False
+        return self.mtp_weights.skip(name)
 
     def load_weights(
         self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
     ) -> None:
-        """As MoEForCausalLM's. The multi-token-prediction layers' tensors load into `mtp` when it
-        is built, their copies of the embedding and LM head checked equal to the target's; without
-        it they are left out (the target's forward does not run them), and said so."""
-        self._skipped_mtp = 0
-        self._shared_copies = []
-        super().load_weights(self._set_aside_shared_copies(weights, where), where)
-        self._check_shared_copies(where)
-        if self._skipped_mtp:
-            logger.info(
-                "%s: left out %d tensors of the multi-token-prediction layer(s) "
-                "model.layers.%d and after (num_nextn_predict_layers=%d): the target model does "
-                "not run them",
-                where,
-                self._skipped_mtp,
-                self.arch.num_layers,
-                self.arch.num_nextn_predict_layers,
-            )
-
-    def _set_aside_shared_copies(
-        self, weights: Iterable[tuple[str, Sliceable]], where: str
-    ) -> Iterable[tuple[str, Sliceable]]:
-        """The weights less an MTP layer's copies of the embedding and LM head, whose shard for this
-        rank is read aside (compared once everything is loaded). With `mtp` built, a checkpoint
-        without its tensors is an error that says so."""
-        num_mtp = 0
-        for name, weight in weights:
-            if self.mtp is not None and is_mtp_weight(name, self.arch):
-                num_mtp += 1
-                rest = mtp_checkpoint_name(name, self.arch.num_layers)[1]
-                if rest in MTP_SHARED_COPIES:
-                    target = MTP_SHARED_COPIES[rest]
-                    module = (
-                        self.model.embed_tokens if rest == "embed_tokens.weight" else self.lm_head
-                    )
-                    rows = module.vocab_end - module.vocab_start
-                    copy = read_narrow(weight, 0, module.vocab_start, rows)
-                    self._shared_copies.append((name, target, copy))
-                    continue
-            yield name, weight
-        if self.mtp is not None and not num_mtp:
-            raise ValueError(
-                f"{where}: no tensors of the multi-token-prediction layer(s) model.layers."
-                f"{self.arch.num_layers} and after (num_nextn_predict_layers="
-                f"{self.arch.num_nextn_predict_layers}), which speculative_config.method 'mtp' "
-                "drafts with"
-            )
-
-    def _check_shared_copies(self, where: str) -> None:
-        """The MTP drafter shares the target's embedding and LM head: the checkpoint's copies of
-        them must be equal."""
-        for name, target, copy in self._shared_copies:
-            module = self.model.embed_tokens if target.startswith("model.") else self.lm_head
-            mine = module.weight[: copy.shape[0]]
-            if tuple(copy.shape) != tuple(mine.shape) or not torch.equal(
-                copy.to(mine.device, mine.dtype), mine
-            ):
-                raise ValueError(
-                    f"{where}: {name} differs from {target}; the multi-token-prediction drafter "
-                    f"shares the target's {target}"
-                )
-        self._shared_copies = []
+        """As MoEForCausalLM's, the multi-token-prediction layers' tensors through `mtp_weights`
+        (loaded into `mtp` when it is built, their copies of the embedding and LM head checked
+        equal to the target's; else left out, and said so)."""
+        super().load_weights(self.mtp_weights.set_aside(weights, where), where)
+        self.mtp_weights.check(where)

@@ -15,11 +15,21 @@ The formula (DeepSeek-V3 technical report, section 2.2), at position t:
 where h_t is the target's final hidden state at t (after the target's `model.norm`) for a draft's
 first pass, and the previous pass's `o` (before `shared_head.norm`) for later ones.
 
+Loading (`MTPWeights`): the target model builds its MTP layers when speculation drafts with them
+(`builds_mtp`) and hands every checkpoint tensor of theirs to an `MTPWeights`, which names them
+into `mtp`, sets the shared copies aside and checks them once the target's own are loaded; without
+the layers it leaves their tensors out and says so.
+
 Hot path: a drafter's pass runs `forward` (eagerly, or recorded as a `DraftGraph`); the attention
 and the experts are the target's opaque ops.
 """
 
 from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -28,7 +38,12 @@ from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.workers.layers.linear import ColumnParallelLinear
 from atomrt.workers.layers.norm import RMSNorm, residual_add
 from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from atomrt.workers.layers.weight_utils import Sliceable, read_narrow
 from atomrt.workers.models.arch import ModelArch
+
+logger = logging.getLogger(__name__)
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 # Checkpoint tensors of an MTP layer that are its own (the rest is its decoder layer's)
 MTP_OWN_PREFIXES = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
@@ -134,3 +149,101 @@ def mtp_checkpoint_name(name: str, num_layers: int) -> tuple[int, str]:
     if rest.startswith(MTP_OWN_PREFIXES):
         return i, f"mtp.layers.{i}.{rest}"
     return i, f"mtp.layers.{i}.mtp_block.{rest}"
+
+
+def is_mtp_weight(name: str, arch: ModelArch) -> bool:
+    """Whether a checkpoint tensor belongs to a multi-token-prediction layer (`model.layers.<i>.*`
+    with i >= num_hidden_layers)."""
+    m = _LAYER_INDEX.match(name)
+    return m is not None and int(m.group(1)) >= arch.num_layers
+
+
+def builds_mtp(config: Any) -> bool:
+    """Whether the target builds its MTP layers: speculation drafts with them (method "mtp")."""
+    spec = getattr(config, "speculative_config", None)
+    return spec is not None and spec.method == "mtp"
+
+
+class MTPWeights:
+    """A DeepSeek-family target's loading of its MTP layers' checkpoint tensors: `checkpoint_name`
+    and `skip` per tensor, `set_aside` over the tensors before the target loads them, `check` once
+    it has."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        mtp: Optional[DeepseekMTP],
+        embed_tokens: VocabParallelEmbedding,
+        lm_head: ParallelLMHead,
+    ) -> None:
+        """`mtp`: the layers when built (their tensors load into them), else None (left out)."""
+        self.arch = arch
+        self.mtp = mtp
+        self._shared = {"embed_tokens.weight": embed_tokens, "shared_head.head.weight": lm_head}
+        self._skipped = 0
+        self._copies: list[tuple[str, str, torch.Tensor, nn.Module]] = []
+
+    def checkpoint_name(self, name: str) -> str:
+        """An MTP layer's tensor under `mtp` when the layers are built; any other as it is."""
+        if self.mtp is not None and is_mtp_weight(name, self.arch):
+            return mtp_checkpoint_name(name, self.arch.num_layers)[1]
+        return name
+
+    def skip(self, name: str) -> bool:
+        """Whether the target leaves the tensor out: an MTP layer's, without the layers (counted)."""
+        if self.mtp is not None or not is_mtp_weight(name, self.arch):
+            return False
+        self._skipped += 1
+        return True
+
+    def set_aside(
+        self, weights: Iterable[tuple[str, Sliceable]], where: str
+    ) -> Iterable[tuple[str, Sliceable]]:
+        """The weights less an MTP layer's copies of the embedding and LM head, whose shard for
+        this rank is read aside (compared in `check`). With the layers built, a checkpoint without
+        their tensors is an error that says so."""
+        self._skipped = 0
+        self._copies = []
+        num_mtp = 0
+        for name, weight in weights:
+            if self.mtp is not None and is_mtp_weight(name, self.arch):
+                num_mtp += 1
+                rest = mtp_checkpoint_name(name, self.arch.num_layers)[1]
+                if rest in MTP_SHARED_COPIES:
+                    module = self._shared[rest]
+                    rows = module.vocab_end - module.vocab_start
+                    copy = read_narrow(weight, 0, module.vocab_start, rows)
+                    self._copies.append((name, MTP_SHARED_COPIES[rest], copy, module))
+                    continue
+            yield name, weight
+        if self.mtp is not None and not num_mtp:
+            raise ValueError(
+                f"{where}: no tensors of the multi-token-prediction layer(s) model.layers."
+                f"{self.arch.num_layers} and after (num_nextn_predict_layers="
+                f"{self.arch.num_nextn_predict_layers}), which speculative_config.method 'mtp' "
+                "drafts with"
+            )
+
+    def check(self, where: str) -> None:
+        """Once the target is loaded: the MTP drafter shares the target's embedding and LM head,
+        so the checkpoint's copies of them must be equal; tensors left out are said so."""
+        for name, target, copy, module in self._copies:
+            mine = module.weight[: copy.shape[0]]
+            if tuple(copy.shape) != tuple(mine.shape) or not torch.equal(
+                copy.to(mine.device, mine.dtype), mine
+            ):
+                raise ValueError(
+                    f"{where}: {name} differs from {target}; the multi-token-prediction drafter "
+                    f"shares the target's {target}"
+                )
+        self._copies = []
+        if self._skipped:
+            logger.info(
+                "%s: left out %d tensors of the multi-token-prediction layer(s) "
+                "model.layers.%d and after (num_nextn_predict_layers=%d): the target model does "
+                "not run them",
+                where,
+                self._skipped,
+                self.arch.num_layers,
+                self.arch.num_nextn_predict_layers,
+            )
