@@ -13,7 +13,7 @@ import torch
 from atomrt.runtime.config import Config
 from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
 from atomrt.workers.layers.mla import MLAAttention
-from atomrt.workers.layers.mla_ref import mla_decode_ref, mla_prefill_ref
+from atomrt.workers.layers.mla_ref import mla_paged_ref
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.runner.kv_cache import MLAKVCacheTensor, allocate_kv_cache, kv_layer_specs
 
@@ -90,8 +90,8 @@ def test_both_paths_equal_the_float64_formula(path: str) -> None:
     cache, tables, rows = _cache_with_context(SEQS, seed=1)
     q = torch.randn(11, H, NOPE + ROPE)
     out = torch.full((11, H, V), float("nan"))
-    run = mla_decode_ref if path == "absorbed" else mla_prefill_ref
-    run(q, cache, out, SEQS, tables, layer.weights(), SCALE)
+    seqs = (SEQS, []) if path == "absorbed" else ([], SEQS)
+    mla_paged_ref(q, cache, out, *seqs, tables, layer.weights(), SCALE)
     expected = _reference(q, rows, SEQS, layer.kv_b_proj.weight.detach())
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
 
@@ -205,7 +205,7 @@ def test_the_cuda_path_through_the_interpreter_equals_the_reference() -> None:
     out = torch.full((7, H, V), float("nan"))
     absorbed_decode(q, out, layer, md, MLAKVCacheTensor(0, cache))
     want = torch.zeros(7, H, V)
-    mla_decode_ref(q, cache, want, seqs, tables, layer.weights(), SCALE)
+    mla_paged_ref(q, cache, want, seqs, [], tables, layer.weights(), SCALE)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
     kv_c, k_pe = torch.randn(5, L), torch.randn(5, ROPE)
     slots = torch.tensor([3, -1, 17, 40, 95])

@@ -39,9 +39,8 @@ from atomrt.workers.layers.linear import (
 from atomrt.workers.layers.mla_ref import (
     MLAWeights,
     absorb_query,
-    mla_decode_ref,
     mla_no_cache_ref,
-    mla_prefill_ref,
+    mla_paged_ref,
     unabsorb_output,
 )
 from atomrt.workers.layers.norm import RMSNorm, residual_add
@@ -133,10 +132,10 @@ def _mla_attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
         absorbed_decode(q, output, layer, md, kv)
         return
     decode, prefill = _split_sequences(md, decode_max_q)
-    weights = layer.weights()
-    args = (md.block_tables, weights, layer.scale, layer.k_scale)
-    mla_decode_ref(q, kv.kv_cache, output, decode, *args)
-    mla_prefill_ref(q, kv.kv_cache, output, prefill, *args)
+    mla_paged_ref(
+        q, kv.kv_cache, output, decode, prefill, md.block_tables, layer.weights(), layer.scale,
+        layer.k_scale,
+    )  # fmt: skip
     cu = md.cu_seqlens_q_cpu if md.cu_seqlens_q_cpu is not None else md.cu_seqlens_q.tolist()
     output[cu[md.num_seqs or len(cu) - 1] :] = 0
 

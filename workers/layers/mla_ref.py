@@ -4,13 +4,15 @@ MLA op, and what its Triton kernels are checked against.
 Plain torch, eager (it runs inside the opaque custom op, never traced). A latent cache row is
 [kv_c (kv_lora_rank) | k_pe (rope_dim, rotated)]. Two ways to attend, equal up to rounding:
 
-- decompressed (`mla_prefill_ref`, prompt chunks): each sequence's latent context goes through
+- decompressed (prompt chunks): each sequence's latent context goes through
   kv_b_proj into per-head keys [k_nope | k_pe] (qk_nope + rope wide) and values (v_head_dim wide),
   then causal attention as any other;
-- absorbed (`mla_decode_ref`, decode and verify rows): W_UK is folded into the query
+- absorbed (decode and verify rows): W_UK is folded into the query
   (q_nope @ W_UK -> kv_lora_rank wide), so every head attends the latent rows themselves (MQA,
   keys the whole row, values its first kv_lora_rank columns), and W_UV maps the result back to
   v_head_dim. The context is never decompressed.
+
+`mla_paged_ref` attends the step's sequences each way it is given.
 """
 
 from __future__ import annotations
@@ -62,18 +64,28 @@ def _context(kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
     return kv_cache[blocks].flatten(0, 1)[:context_len]
 
 
-def mla_prefill_ref(
+def mla_paged_ref(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     out: torch.Tensor,
-    seqs: list[tuple[int, int, int, int]],
+    absorbed: list[tuple[int, int, int, int]],
+    decompressed: list[tuple[int, int, int, int]],
     block_tables: torch.Tensor,
     weights: MLAWeights,
     scale: float,
     kv_scale: float = 1.0,
 ) -> None:
-    """Decompressed causal attention of each (sequence index, first row, rows, context length) in
-    `seqs`: q [n, H, qk_nope + rope] -> out [n, H, v_head_dim] at those rows."""
+    """Attention of each (sequence index, first row, rows, context length) in `absorbed` (decode
+    and verify rows) and in `decompressed` (prompt chunks) over the paged latent cache (an FP8
+    cache widened over `kv_scale`): q [n, H, qk_nope + rope] -> out [n, H, v_head_dim] at those
+    rows."""
+    args = (block_tables, weights, scale, kv_scale)
+    _absorbed_ref(q, kv_cache, out, absorbed, *args)
+    _decompressed_ref(q, kv_cache, out, decompressed, *args)
+
+
+def _decompressed_ref(q, kv_cache, out, seqs, block_tables, weights, scale, kv_scale) -> None:
+    """Decompressed causal attention, one SDPA a sequence."""
     num_heads, qk_nope, kv_lora_rank = weights.w_uk.shape
     for s, start, n_q, context_len in seqs:
         latent = from_cache_dtype(
@@ -85,19 +97,9 @@ def mla_prefill_ref(
         )
 
 
-def mla_decode_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    out: torch.Tensor,
-    seqs: list[tuple[int, int, int, int]],
-    block_tables: torch.Tensor,
-    weights: MLAWeights,
-    scale: float,
-    kv_scale: float = 1.0,
-) -> None:
-    """Absorbed attention of each (sequence index, first row, rows, context length) in `seqs`, one
-    SDPA over them all: row j of a sequence of n rows sees keys 0..context_len - n + j.
-    q [n, H, qk_nope + rope] -> out [n, H, v_head_dim] at those rows."""
+def _absorbed_ref(q, kv_cache, out, seqs, block_tables, weights, scale, kv_scale) -> None:
+    """Absorbed attention, one SDPA over all of `seqs`: row j of a sequence of n rows sees keys
+    0..context_len - n + j."""
     if not seqs:
         return
     num_heads, qk_nope, kv_lora_rank = weights.w_uk.shape
