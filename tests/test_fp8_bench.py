@@ -89,10 +89,10 @@ def test_engine_flags_take_quantization_and_kv_cache_dtype() -> None:
     import pytest
 
     from atomrt.runtime.config import ConfigError
-    from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+    from atomrt.runtime.entrypoints.config_args import add_config_args, config_from_args
 
     p = argparse.ArgumentParser()
-    _add_config_args(p)
+    add_config_args(p)
     config = config_from_args(p.parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8"]))
     assert config.model_config.quantization == "fp8"
     assert config.cache_config.kv_cache_dtype == "fp8"

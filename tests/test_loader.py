@@ -294,7 +294,7 @@ def test_hf_overrides_build_fewer_layers_at_the_real_shapes() -> None:
 
 def test_hf_overrides_errors_name_the_field(tiny_folder: Path, tmp_path: Path) -> None:
     from atomrt.runtime.config import ConfigError
-    from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+    from atomrt.runtime.entrypoints.config_args import add_config_args, config_from_args
 
     for bad in ([("num_hidden_layers", 2)], {1: 2}, {"x": object()}):
         with pytest.raises(ConfigError, match=r"model_config\.hf_overrides"):
@@ -315,7 +315,7 @@ def test_hf_overrides_errors_name_the_field(tiny_folder: Path, tmp_path: Path) -
     import argparse
 
     parser = argparse.ArgumentParser()
-    _add_config_args(parser)
+    add_config_args(parser)
     args = parser.parse_args(["--model", "m", "--hf-overrides", '{"num_hidden_layers": 4}'])
     assert config_from_args(args).model_config.hf_overrides == {"num_hidden_layers": 4}
     with pytest.raises(SystemExit):

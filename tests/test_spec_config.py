@@ -17,7 +17,7 @@ from atomrt.runtime.config import (
 )
 from atomrt.runtime.config_io import build_config, dump_yaml
 from atomrt.runtime.driver.proposers import PROPOSERS, make_proposer
-from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+from atomrt.runtime.entrypoints.config_args import add_config_args, config_from_args
 from atomrt.runtime.entrypoints.llm import config_from_kwargs
 
 NGRAM = {
@@ -178,7 +178,7 @@ def test_yaml_cli_and_llm_kwargs(tmp_path):
     assert Config.from_dict(Config().to_dict()).speculative_config is None
 
     parser = argparse.ArgumentParser()
-    _add_config_args(parser)
+    add_config_args(parser)
     args = parser.parse_args(
         ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
     )

@@ -206,10 +206,10 @@ def test_from_cli_args_takes_the_engine_flags_only() -> None:
 
 def test_atomrt_cli_flags_unchanged(tmp_path: Path) -> None:
     """`atomrt generate` keeps its own flags (--config, --set, --tp): they are not EngineArgs'."""
-    from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+    from atomrt.runtime.entrypoints.config_args import add_config_args, config_from_args
 
     parser = argparse.ArgumentParser()
-    _add_config_args(parser)
+    add_config_args(parser)
     yaml = tmp_path / "engine.yaml"
     yaml.write_text("scheduler_config:\n  max_num_seqs: 3\n")
     args = parser.parse_args(["--config", str(yaml), "--set", "cache_config.block_size=32"])

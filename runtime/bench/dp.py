@@ -48,7 +48,7 @@ from tqdm import tqdm
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
 from atomrt.runtime.bench.targets import dp_figures
 from atomrt.runtime.config import TBO_MODES, Config, ConfigError
-from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+from atomrt.runtime.entrypoints.config_args import add_config_args, config_from_args
 
 DEFAULT_MODEL = "tiny-qwen3-moe"
 WARMUP_REQUESTS, WARMUP_TOKENS = 2, 4
@@ -124,7 +124,7 @@ class Report:
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="atomrt bench dp", description=__doc__.splitlines()[0])
-    _add_config_args(p)
+    add_config_args(p)
     p.add_argument(
         "--layouts", default="1x1,2x1", help="comma-separated DPxTP layouts (default 1x1,2x1)"
     )

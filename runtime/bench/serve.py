@@ -65,7 +65,7 @@ from atomrt.runtime.bench.serve_views import (
 )
 from atomrt.runtime.bench.sse_client import SSEClient, StreamError
 from atomrt.runtime.bench.targets import serve_figures
-from atomrt.runtime.entrypoints.config_args import _add_config_args
+from atomrt.runtime.entrypoints.config_args import add_config_args
 
 _SEED_TEXT = (
     "The quick brown fox jumps over the lazy dog while the sun sets over a quiet harbour; "
@@ -152,7 +152,7 @@ def _parse(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]]:
     p = _bench_parser()
     args, engine_argv = p.parse_known_args(argv)
     engine = argparse.ArgumentParser(prog="atomrt bench serve (engine flags)")
-    _add_config_args(engine)
+    add_config_args(engine)
     args.device = engine.parse_args(engine_argv).device  # an unknown flag is an error here
     resolve_record_flag(args, p)
     if args.url and engine_argv:

@@ -15,7 +15,7 @@ import httpx
 from tqdm import tqdm
 
 from atomrt.runtime.bench import structured
-from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+from atomrt.runtime.entrypoints.config_args import add_config_args, config_from_args
 
 if TYPE_CHECKING:
     from atomrt.runtime.bench.serve import Request, RunResult
@@ -34,7 +34,7 @@ def offline_tokens_per_s(
     from atomrt.runtime.sampling_params import SamplingParams
 
     engine_args = argparse.ArgumentParser()
-    _add_config_args(engine_args)
+    add_config_args(engine_args)
     llm = LLM(config=config_from_args(engine_args.parse_args(engine_argv)))
     out: dict[Optional[int], tuple[float, int]] = {}
     try:

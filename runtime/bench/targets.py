@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from atomrt.runtime.bench.modes import split_mode
 from atomrt.runtime.bench.records import Figure, Quantity, Threshold, figure
-from atomrt.runtime.entrypoints.config_args import _add_config_args
+from atomrt.runtime.entrypoints.config_args import add_config_args
 from atomrt.runtime.envs import ENV
 
 if TYPE_CHECKING:
@@ -111,10 +111,8 @@ def engine_variant(args: argparse.Namespace, *, ladder: bool = True) -> list[str
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags (those of `atomrt generate`) a run set, --model aside, in one order and
     spelling: what tells one engine configuration's case from another's."""
-    parser = argparse.ArgumentParser(add_help=False)
-    _add_config_args(parser)
     out = []
-    for action in parser._actions:
+    for action in add_config_args(argparse.ArgumentParser(add_help=False)):
         value = getattr(args, action.dest, None)
         if action.dest == "model" or value is None or value is False or value == []:
             continue
@@ -370,7 +368,7 @@ def serve_figures(
     latency of a concurrency run; with structured outputs, structured-outputs and
     structured-compile-stall instead (`_structured_figures`)."""
     parser = argparse.ArgumentParser(add_help=False)
-    _add_config_args(parser)
+    add_config_args(parser)
     flags = engine_flags(parser.parse_args(engine_argv))
     shape = (
         f"dataset {Path(args.dataset).name}"

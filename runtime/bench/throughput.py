@@ -33,7 +33,7 @@ from tqdm import tqdm
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
 from atomrt.runtime.bench.targets import throughput_figures
 from atomrt.runtime.config import Config, ConfigError
-from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+from atomrt.runtime.entrypoints.config_args import add_config_args, config_from_args
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -82,7 +82,7 @@ class Report:
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="atomrt bench throughput", description=__doc__.splitlines()[0])
-    _add_config_args(p)
+    add_config_args(p)
     p.add_argument(
         "--num-prompts",
         type=int,

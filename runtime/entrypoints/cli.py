@@ -14,7 +14,7 @@ import time
 from typing import Any, Optional
 
 from atomrt.runtime.config import ConfigError
-from atomrt.runtime.entrypoints.config_args import _add_config_args, config_from_args
+from atomrt.runtime.entrypoints.config_args import add_config_args, config_from_args
 from atomrt.runtime.envs import ENV
 
 
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atomrt", description="atomrt LLM inference runtime")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline for a few prompts")
-    _add_config_args(gen)
+    add_config_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     gen.add_argument(
         "--chat", action="store_true", help="wrap each prompt in the model's chat template"
@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
-    _add_config_args(srv)
+    add_config_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prewarm",
         help="compile every piece of a config into the compile cache, record what it holds, exit",
     )
-    _add_config_args(prewarm)
+    add_config_args(prewarm)
     bench = sub.add_parser(
         "bench",
         help="benchmarks: startup | latency | throughput | serve | transport | dp (their own flags "
