@@ -23,6 +23,7 @@ from atomrt.runtime.config_sections import (  # noqa: F401
     AUTO_SPIN_US,
     DEFAULT_MODEL,
     DEFAULT_SPLITTING_OPS,
+    GRAMMAR_BACKENDS,
     TBO_MODES,
     CacheConfig,
     CompilationConfig,

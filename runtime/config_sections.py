@@ -396,6 +396,11 @@ class ParallelConfig:
         return AUTO_SPIN_US / 1e6 if spins else 0.0
 
 
+# structured_outputs_config.backend: the grammar backends, one class each (`BACKENDS` in
+# runtime/driver/grammar_compiler.py)
+GRAMMAR_BACKENDS = ("xgrammar",)
+
+
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """How the driver compiles requests' structured-output constraints (runtime/driver/
@@ -408,7 +413,7 @@ class StructuredOutputsConfig:
     grammar_compile_threads: int = 2
 
     def __post_init__(self) -> None:
-        _choice("structured_outputs_config.backend", self.backend, ("xgrammar",))
+        _choice("structured_outputs_config.backend", self.backend, GRAMMAR_BACKENDS)
         t = self.grammar_compile_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ConfigError(

@@ -31,7 +31,7 @@ from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
 from atomrt.runtime.driver.speculation import make_speculation, sampled_tokens
 from atomrt.runtime.driver.stats import EngineStats
-from atomrt.runtime.driver.structured_outputs import StructuredOutputs
+from atomrt.runtime.driver.structured_outputs import Failed, StructuredOutputs
 from atomrt.runtime.driver.ubatch_policy import check_tbo
 from atomrt.runtime.driver.validation import (
     RequestLimits,
@@ -120,13 +120,12 @@ class LLMEngine:
                 f"model_config.tokenizer: {tokenizer.vocab_size} tokens, more than the model's "
                 f"vocabulary of {arch.vocab_size}"
             )
-        # structured outputs: the grammar compiler indexes the vocabulary while the workers start
-        self.grammars: Optional[StructuredOutputs] = None
-        if tokenizer is not None:
-            stop_ids = sorted(set(arch.eos_token_ids) | set(tokenizer.eos_token_ids))
-            self.grammars = StructuredOutputs(
-                tokenizer, arch.vocab_size, stop_ids, config.structured_outputs_config
-            )
+        stop_ids = set(arch.eos_token_ids) | set(
+            tokenizer.eos_token_ids if tokenizer is not None else ()
+        )
+        self.grammars = StructuredOutputs(  # structured outputs: their backend loads on first use
+            tokenizer, arch.vocab_size, sorted(stop_ids), config.structured_outputs_config
+        )
         self.executor: Executor = make_executor(config)
         start = time.perf_counter()
         self.info = info = self.executor.start()
@@ -222,11 +221,7 @@ class LLMEngine:
             token_ids, params = self._fit_to_context(token_ids, params)
         check_request(token_ids, params, self.limits, self.max_model_len)
         bad_words = tokenize_bad_words(params.bad_words, self.tokenizer)
-        grammar = None  # structured outputs: the grammar, compiling on a thread
-        if params.structured_outputs is not None:
-            if self.grammars is None:
-                raise ValueError("structured_outputs: this model has no tokenizer to compile with")
-            grammar = self.grammars.prepare(params)
+        grammar = self.grammars.prepare(params)  # structured outputs: compiling on a thread
         dp_rank = min(range(len(self.schedulers)), key=lambda r: self.schedulers[r].num_unfinished)
         scheduler = self.schedulers[dp_rank]
         seqs: list[Sequence] = []
@@ -248,7 +243,7 @@ class LLMEngine:
                 )
             )
         scheduler.check_fits(seqs[0])  # raises on requests that can never fit, before any is queued
-        if grammar is None or self.grammars.admit(request_id, seqs, grammar):  # else: held
+        if grammar is None or self.grammars.admit(request_id, seqs, grammar, scheduler):
             for seq in seqs:
                 scheduler.add(seq)
         if kind is True or kind is False:
@@ -287,13 +282,7 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
-        aborted = self.schedulers[req.dp_rank].abort(request_id)
-        held = self.grammars.drop(request_id) if self.grammars is not None else None
-        for seq in held or ():  # its grammar was still compiling
-            seq.finish("abort")
-            aborted.append(seq)
-        if self.grammars is not None:
-            self.grammars.finished(aborted)
+        aborted = self.grammars.abort(request_id, self.schedulers[req.dp_rank].abort(request_id))
         self.planners[req.dp_rank].forget([s.seq_id for s in aborted])
         if req.stream:  # the samples still running end here; finished ones were streamed whole
             self._aborted.append(req.delta_output(sorted(aborted, key=lambda s: s.index)))
@@ -326,7 +315,7 @@ class LLMEngine:
         outputs (False once the engine is dead)."""
         if self.dead:
             return False
-        if self.grammars is not None and self.grammars.held:  # compiling their grammar
+        if self.grammars.held:  # compiling their grammar
             return True
         return bool(self._aborted) or any(s.has_unfinished() for s in self.schedulers)
 
@@ -342,7 +331,7 @@ class LLMEngine:
             if not self._inflight or (
                 submitted and self.async_scheduling and len(self._inflight) < 2
             ):
-                if not submitted and self.grammars is not None:
+                if not submitted:
                     self.grammars.wait(IDLE_GRAMMAR_WAIT_S)  # only grammars compiling: no spin
                 return self._take_aborted()
             step, outs = self._inflight[0]
@@ -350,16 +339,14 @@ class LLMEngine:
             with self._guard.critical():
                 self._inflight.popleft()
                 outputs = self._take_aborted() + self._postprocess(outs, results)
-                if self.grammars is not None and self.grammars.pending:
-                    self._send_masks(final=True)  # the next step's, now its tokens are known
+                self._send_masks(final=True)  # the next step's, now its tokens are known
                 return outputs
         except BaseException as e:
             self._recover(e)
             raise
 
     def _schedule_and_submit(self) -> bool:
-        if self.grammars is not None and self.grammars.held:
-            self._release_compiled()
+        self._fail_held(self.grammars.release())  # compiled ones join their scheduler
         if self.admission.active:  # dp_prefill_align, delay_factor: off by default
             admits = self.admission.admits(self.schedulers)
             outs = [s.schedule(admit) for s, admit in zip(self.schedulers, admits)]
@@ -373,12 +360,10 @@ class LLMEngine:
         batches = [planner.batch(o) for planner, o in zip(self.planners, outs)]
         plan = make_plan(self.step_no, decision, batches, pipelined=self.async_scheduling)
         plan.probe = probe
-        if self.grammars is not None and self.grammars.num_live:  # constrained sequences run
-            self.grammars.plan(plan.step, outs, batches)
+        self.grammars.plan(plan.step, outs, batches)  # structured outputs: rows to mask
         self.executor.submit(plan)
         self.step_no += 1  # at once: the plan went out under this number
-        if self.grammars is not None and self.grammars.pending:
-            self._send_masks(final=False)
+        self._send_masks(final=False)
         padded = self.stats.count(decision)
         if padded and len(outs) > 1:
             logger.debug(
@@ -413,8 +398,7 @@ class LLMEngine:
                 apply_prompt_logprobs(res.prompt_logprobs, starts, self.tokenizer)
             finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
-            if self.grammars is not None and finished:
-                self.grammars.finished(finished)
+            self.grammars.finished(finished)
             for row in out.scheduled:
                 if not row.token_applied:
                     continue
@@ -446,19 +430,12 @@ class LLMEngine:
             self.speculation.step_done(num_tokens, num_seqs)
         return outputs
 
-    def _release_compiled(self) -> None:
-        """Requests whose grammar compiled join their scheduler; those whose grammar failed, or
-        took longer than the budget, end with the error (their output is the next step's)."""
-        ready, failed = self.grammars.release()
-        for held in ready:
-            req = self._requests[held.request_id]
-            for seq in held.seqs:
-                self.schedulers[req.dp_rank].add(seq)
+    def _fail_held(self, failed: list[Failed]) -> None:
+        """Requests whose grammar failed, or took longer than the budget, end with the error
+        (their output is the next step's)."""
         for f in failed:
             req = self._requests.pop(f.request_id)
             logger.warning("request %r failed: %s", f.request_id, f.error)
-            for seq in f.seqs:
-                seq.finish("abort")
             # one final output per request: a delta of every sample (streamed) or the whole
             final = req.delta_output(f.seqs) if req.stream else req.final_output()
             final.error = f.error
@@ -466,7 +443,7 @@ class LLMEngine:
 
     def _send_masks(self, final: bool) -> None:
         """Send the grammar masks of planned steps whose grammar states are known."""
-        masks = self.grammars.fill_ready(final)
+        masks = self.grammars.fill_ready(final) if self.grammars.pending else None
         if masks:
             self.executor.send_grammar(masks)
 
@@ -487,8 +464,7 @@ class LLMEngine:
             num_discarded = len(self._inflight)
             self._inflight.clear()
             self.executor.discard_in_flight()
-            if self.grammars is not None:
-                self.grammars.forget_pending()
+            self.grammars.forget_pending()
             for scheduler, planner in zip(self.schedulers, self.planners):
                 scheduler.requeue_running()
                 planner.reset()
@@ -534,8 +510,7 @@ class LLMEngine:
                 self.admission.delay.num_held_steps,
             )
         self.executor.shutdown()
-        if self.grammars is not None:
-            self.grammars.shutdown()
+        self.grammars.shutdown()
 
 
 def _bind_add_request(

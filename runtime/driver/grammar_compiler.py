@@ -1,30 +1,23 @@
 """`GrammarCompiler`: requests' structured-output constraints -> compiled grammars, off the step loop.
 
-The backend is xgrammar (the library vLLM and SGLang use). A constraint becomes a grammar in two
-parts:
+The grammar library is a backend (runtime/driver/grammar_backend.py), chosen by
+`structured_outputs_config.backend` from `BACKENDS`. A constraint is first validated (`check`: a
+JSON schema walked and rewritten, a ValueError naming the field or the keyword), then parsed into
+the backend's grammar (`parse`) and compiled against the tokenizer's vocabulary.
 
-- parsing (`parse`): a JSON schema (walked and rewritten first: runtime/driver/json_schema.py), a
-  regex, an EBNF grammar, a choice list or a structural tag becomes an xgrammar `Grammar`; what does
-  not parse is a ValueError naming the field. Usually milliseconds, but a schema's long string
-  bounds can take xgrammar seconds;
-- compiling: the grammar against the tokenizer's vocabulary, the token-mask cache that makes each
-  step's mask cheap (a complex schema can take seconds).
-
-Both run on the compile threads (`compile` returns a future at once), never on the step loop or an
-API server's event loop, so the request waits in its own state while others step
+All of it runs on the compile threads (`compile` returns a future at once), never on the step loop
+or an API server's event loop, so the request waits in its own state while others step
 (runtime/driver/structured_outputs.py) and fails once it waited
 `structured_outputs_config.grammar_compile_timeout_s` (`COMPILE_TIMEOUT`: a busy machine, worth a
 retry: the compile goes on and is cached) or at once when the constraint can never compile (the
 future's ValueError).
 
 Compiled grammars are kept in an LRU cache keyed by the constraint (`StructuredOutputsParams.
-cache_key`), one per engine: every DP rank's requests share it. xgrammar releases the GIL while it
-compiles, so the step loop runs on beside the compile threads.
+cache_key`), one per engine: every DP rank's requests share it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -34,13 +27,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import xgrammar as xgr
-
 from atomrt.runtime.config import StructuredOutputsConfig
-from atomrt.runtime.driver.json_schema import check_json_values, prepare_schema
+from atomrt.runtime.driver.grammar_backend import GrammarBackend
+from atomrt.runtime.driver.json_schema import check_json_values
+from atomrt.runtime.driver.xgrammar_backend import XgrammarBackend
 from atomrt.runtime.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
+
+# structured_outputs_config.backend -> its class (the config's GRAMMAR_BACKENDS lists the names)
+BACKENDS: dict[str, type[GrammarBackend]] = {"xgrammar": XgrammarBackend}
+DEFAULT_BACKEND: str = StructuredOutputsConfig.backend
 
 
 @dataclass
@@ -56,88 +53,17 @@ class CompileStats:
     timeouts: int = 0  # requests failed for waiting longer than the compile budget
 
 
-def check(so: StructuredOutputsParams) -> Any:
-    """A JSON schema constraint, or the schemas inside a structural tag, walked and rewritten
-    (runtime/driver/json_schema.py; a ValueError naming the keyword and its path); other
-    constraints as they are."""
-    value = getattr(so, so.kind)
-    if so.kind not in ("json", "structural_tag"):
-        return value
-    try:
-        parsed = json.loads(value) if isinstance(value, str) else value
-        if so.kind == "structural_tag":
-            return _prepare_tag_schemas(parsed, "")
-        return prepare_schema(parsed)
-    except ValueError as e:
-        raise ValueError(f"structured_outputs.{so.kind}: {e}") from None
+def check(so: StructuredOutputsParams, backend: str = DEFAULT_BACKEND) -> Any:
+    """`so` as the backend's `parse` takes it, or a ValueError naming the field (or the schema
+    keyword and its path) when the backend would not enforce it exactly."""
+    return BACKENDS[backend].validate(so)
 
 
-def _prepare_tag_schemas(node: Any, where: str) -> Any:
-    """A structural tag with each `{"type": "json_schema", "json_schema": ...}` format's schema
-    walked and rewritten like a plain JSON schema constraint, so a keyword the backend would drop
-    inside a tag is refused too (the error names the format's place in the tag)."""
-    if isinstance(node, list):
-        return [_prepare_tag_schemas(v, f"{where}[{i}]") for i, v in enumerate(node)]
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for key, v in node.items():
-        at = f"{where}.{key}" if where else key
-        if key == "json_schema" and node.get("type") == "json_schema":
-            try:
-                out[key] = prepare_schema(v)
-            except ValueError as e:
-                raise ValueError(f"{at}: {e}") from None
-        else:
-            out[key] = _prepare_tag_schemas(v, at)
-    return out
-
-
-def parse(so: StructuredOutputsParams, checked: Any = None) -> xgr.Grammar:
-    """The grammar of a constraint (`checked`: what `check` made of it, if it ran already); a
-    ValueError naming the field when it does not parse."""
-    kind = so.kind
-    value = checked if checked is not None else check(so)
-    try:
-        if kind in ("json", "json_object"):
-            schema = '{"type": "object"}' if kind == "json_object" else value
-            grammar = xgr.Grammar.from_json_schema(
-                schema if isinstance(schema, str) else json.dumps(schema),
-                any_whitespace=not so.disable_any_whitespace,
-                strict_mode=kind == "json",
-                max_whitespace_cnt=so.max_whitespace if not so.disable_any_whitespace else None,
-            )
-            return _json_safe_lengths(grammar)
-        if kind == "regex":
-            return xgr.Grammar.from_regex(value)
-        if kind == "grammar":
-            return xgr.Grammar.from_ebnf(value)
-        if kind == "choice":  # each choice a JSON-escaped EBNF literal
-            return xgr.Grammar.from_ebnf(
-                "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
-            )
-        return xgr.Grammar.from_structural_tag(
-            value if isinstance(value, str) else json.dumps(value)
-        )
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise ValueError(f"structured_outputs.{kind}: {_reason(e)}") from None
-
-
-# xgrammar's rule for one character of a string with minLength / maxLength (a bounded repeat of
-# it: cheap at any length) lets raw control characters through, which JSON forbids;
-# `_json_safe_lengths` swaps it for any character but a control character, a quote or a backslash.
-# Such a string is therefore written without escape sequences: with an escape alternative in the
-# repeated rule xgrammar cannot precompute the token mask inside the string, and filling one row
-# took about 1000x longer (26 ms against 21 us on a 49k vocabulary). Every output still validates.
-_LENGTH_CHAR = r"(([^\"\\\r\n]))"
-_JSON_CHAR = r"(([^\0-\x1f\"\\]))"
-
-
-def _json_safe_lengths(grammar: xgr.Grammar) -> xgr.Grammar:
-    text = str(grammar)
-    if _LENGTH_CHAR not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LENGTH_CHAR, _JSON_CHAR))
+def parse(so: StructuredOutputsParams, checked: Any = None, backend: str = DEFAULT_BACKEND) -> Any:
+    """The backend's grammar of a constraint (`checked`: what `check` made of it, if it ran
+    already); a ValueError naming the field when it does not parse."""
+    cls = BACKENDS[backend]
+    return cls.parse(so, checked if checked is not None else cls.validate(so))
 
 
 COMPILE_TIMEOUT = "did not compile within"  # in the error of a request that waited past its budget
@@ -159,15 +85,6 @@ def cache_key(so: StructuredOutputsParams) -> str:
         raise ValueError(f"structured_outputs.{so.kind}: not JSON") from None
 
 
-def _reason(e: Exception) -> str:
-    """xgrammar's message without its C++ source location ("[time] file.cc:123: ...")."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    head, sep, rest = text.partition(".cc:")
-    if sep:
-        text = rest.split(": ", 1)[-1]
-    return text
-
-
 COMPILE_NICENESS = 10  # how much lower than the step loop's a compile thread's CPU priority is
 
 
@@ -181,7 +98,8 @@ def _below_the_step_loop() -> None:
 
 
 class GrammarCompiler:
-    """One engine's compiler: its tokenizer's vocabulary, the compile threads and the LRU cache."""
+    """One engine's compiler: its backend (over the tokenizer's vocabulary), the compile threads
+    and the LRU cache."""
 
     def __init__(
         self,
@@ -192,11 +110,11 @@ class GrammarCompiler:
     ) -> None:
         """`vocab_size`: the model's (its logits' width, which may exceed the tokenizer's);
         `stop_token_ids`: the tokens a finished grammar allows (the engine's EOS ids)."""
-        self.info = xgr.TokenizerInfo.from_huggingface(
-            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
+        self.backend_name = config.backend
+        self.backend: GrammarBackend = BACKENDS[config.backend](
+            hf_tokenizer, vocab_size, stop_token_ids
         )
-        self.stop_token_ids = list(stop_token_ids)
-        self._xgr = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.vocab_size = vocab_size
         self.pool = ThreadPoolExecutor(
             max_workers=config.grammar_compile_threads,
             thread_name_prefix="atomrt-grammar",
@@ -209,10 +127,6 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()  # the cache is read by the step loop, filled by the threads
         self.stats = CompileStats()
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info.vocab_size
 
     def compile(self, so: StructuredOutputsParams) -> Future:
         """The compiled grammar of `so` as a future: done at once when cached, else parsed and
@@ -237,7 +151,7 @@ class GrammarCompiler:
         """On the schema thread: walk the constraint, then hand it to a compile thread; `future`
         gets the compiled grammar or the error."""
         try:
-            checked = check(so)
+            checked = check(so, self.backend_name)
             inner = self.pool.submit(self._compile, so, checked)
         except BaseException as e:  # noqa: BLE001 - the request's error (a ValueError), or shutdown
             future.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
@@ -252,9 +166,9 @@ class GrammarCompiler:
 
         inner.add_done_callback(done)
 
-    def _compile(self, so: StructuredOutputsParams, checked: Any) -> xgr.CompiledGrammar:
+    def _compile(self, so: StructuredOutputsParams, checked: Any) -> Any:
         start = time.perf_counter()
-        compiled = self._xgr.compile_grammar(parse(so, checked))
+        compiled = self.backend.compile(parse(so, checked, self.backend_name))
         logger.debug("grammar compiled in %.3f s", time.perf_counter() - start)
         return compiled
 

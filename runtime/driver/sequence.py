@@ -13,12 +13,13 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 from atomrt.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from atomrt.runtime.driver.detokenizer import Detokenizer
+    from atomrt.runtime.driver.grammar_backend import GrammarMatcher
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -87,9 +88,9 @@ class Sequence:
     # (valid while the sequence is that long)
     proposed_drafts: list[int] = field(default_factory=list, repr=False)
     proposed_at: int = -1
-    # structured outputs: its matcher (runtime/driver/structured_outputs.py `SeqGrammar`), which
-    # the stop rules advance on every token it emits; None for an unconstrained sequence
-    grammar: Optional[Any] = field(default=None, repr=False)
+    # structured outputs: its matcher (runtime/driver/grammar_backend.py), which the stop rules
+    # advance on every token it emits; None for an unconstrained sequence
+    grammar: Optional[GrammarMatcher] = field(default=None, repr=False)
     # why it ended with finish_reason "abort" when something other than a client's abort ended it
     # (no token satisfied its constraints); None otherwise
     error: Optional[str] = None

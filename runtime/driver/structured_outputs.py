@@ -3,10 +3,12 @@
 
 - **add_request** (`prepare`): the constraint is parsed and compiled on a thread
   (runtime/driver/grammar_compiler.py); one that can never compile fails its request with the
-  error naming the field (or the schema keyword), like a compile that misses the budget. Until its grammar is compiled the
-  request's sequences wait here, not in a scheduler, so they hold up nobody; `release` hands them
-  to their scheduler with a matcher each (`Sequence.grammar`) once it is, and fails the request
-  (`Failed`) once it waited longer than `structured_outputs_config.grammar_compile_timeout_s`.
+  error naming the field (or the schema keyword), like a compile that misses the budget. Until
+  its grammar is compiled the request's sequences wait here, not in a scheduler, so they hold up
+  nobody; `release` hands them to their scheduler with a matcher each (`Sequence.grammar`, the
+  backend's `GrammarMatcher`) once it is, and fails the request (`Failed`) once it waited longer
+  than `structured_outputs_config.grammar_compile_timeout_s`. The backend (grammar_backend.py) is
+  built on the first constrained request: an engine that never sees one never loads its library.
 - **each step** (`plan`): the logits rows a grammar constrains (each sampled constrained
   sequence's row, and with speculative decoding its verify rows) go into the `RankBatch` as
   `grammar_rows`; their masks (`GrammarBitmask`, to each DP rank's sampling worker) are filled in
@@ -17,7 +19,7 @@
   (runtime/driver/stop_checker.py); a grammar that has accepted its end finishes the request
   ("stop").
 - **speculative decoding**: an n-gram proposal is cut at its first token the grammar refuses
-  (`SeqGrammar.valid_drafts`); each verify row gets the mask of the grammar advanced through the
+  (`GrammarMatcher.valid_drafts`); each verify row gets the mask of the grammar advanced through the
   drafts before it, which are then rolled back: the matcher moves on the accepted tokens only.
 """
 
@@ -32,16 +34,19 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from atomrt.distributed.messages import GrammarBitmask, RankBatch
 from atomrt.runtime.config import StructuredOutputsConfig
+from atomrt.runtime.driver.grammar_backend import GrammarMatcher, allowed_tokens
 from atomrt.runtime.driver.grammar_compiler import COMPILE_TIMEOUT, GrammarCompiler
+from atomrt.runtime.driver.xgrammar_backend import XgrammarMatcher
 from atomrt.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from atomrt.runtime.driver.scheduler import SchedulerOutput
+    from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
     from atomrt.runtime.driver.sequence import Sequence
+
+__all__ = ["Failed", "GrammarMatcher", "SeqGrammar", "StructuredOutputs", "allowed_tokens"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,68 +54,9 @@ INIT_TIMEOUT_S = (
     120.0  # the bound on indexing the vocabulary (0.15 s for SmolLM2 on the CPU machine)
 )
 
-
-class SeqGrammar:
-    """One sequence's matcher: where its output stands in its grammar."""
-
-    def __init__(
-        self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int], vocab_size: int
-    ) -> None:
-        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
-        self.vocab_size = vocab_size
-
-    def accept(self, token_id: int) -> bool:
-        """Advance on an emitted token; False if the grammar refuses it (the matcher stays)."""
-        return self.matcher.accept_token(int(token_id))
-
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar accepted its end (a stop token after a complete output)."""
-        return self.matcher.is_terminated()
-
-    def fill(self, bitmask: Any, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-
-    def fill_verify(self, bitmask: Any, row: int, drafts: list[int]) -> None:
-        """Rows `row .. row + len(drafts)`: the mask before each draft and after the last, each
-        with the drafts before it accepted; the matcher is left where it was."""
-        self.fill(bitmask, row)
-        accepted = 0
-        for i, token in enumerate(drafts):
-            if not self.matcher.accept_token(int(token)):  # cannot happen: drafts were checked
-                bitmask[row + i + 1 : row + len(drafts) + 1] = -1  # unreachable rows
-                break
-            accepted += 1
-            self.fill(bitmask, row + i + 1)
-        if accepted:
-            self.matcher.rollback(accepted)
-
-    def valid_drafts(self, proposal: list[int], pad_to: int = 0) -> list[int]:
-        """`proposal` cut before its first token the grammar refuses, then (with `pad_to`) padded to
-        that many with tokens it allows (the lowest id each mask allows): a verify step whose rows
-        all follow the grammar."""
-        drafts: list[int] = []
-        for token in proposal:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
-                break
-            drafts.append(int(token))
-        if len(drafts) < pad_to:
-            mask = xgr.allocate_token_bitmask(1, self.vocab_size)
-            while len(drafts) < pad_to and not self.matcher.is_terminated():
-                self.fill(mask, 0)
-                allowed = np.flatnonzero(allowed_tokens(mask.numpy()[0]))
-                if not allowed.size or not self.matcher.accept_token(int(allowed[0])):
-                    break
-                drafts.append(int(allowed[0]))
-        if drafts:
-            self.matcher.rollback(len(drafts))
-        return drafts
-
-
-def allowed_tokens(packed: np.ndarray) -> np.ndarray:
-    """bool [words * 32]: which tokens one packed int32 mask row allows (bit t % 32 of word
-    t // 32)."""
-    return np.unpackbits(packed.astype("<i4").view(np.uint8), bitorder="little").astype(bool)
+# A matcher of the default backend built from its compiled grammar: `SeqGrammar(compiled,
+# stop_token_ids, vocab_size)`, for code that holds an xgrammar `CompiledGrammar` (tests).
+SeqGrammar = XgrammarMatcher
 
 
 @dataclass
@@ -152,6 +98,7 @@ class _Held:
     future: Future
     since: float  # time.monotonic() at add_request
     hit: bool  # compiled already when the request came
+    scheduler: Scheduler  # the one its sequences join once the grammar is compiled
 
 
 @dataclass
@@ -164,8 +111,8 @@ class MaskStats:
 
 @dataclass
 class StructuredOutputs:
-    """The engine's structured-output state (module docstring). Its compiler is built on a thread
-    when the engine starts (the tokenizer's vocabulary takes a moment to index)."""
+    """The engine's structured-output state (module docstring). `tokenizer` None: a model without
+    one, whose constrained requests are refused."""
 
     tokenizer: Any
     vocab_size: int
@@ -178,16 +125,25 @@ class StructuredOutputs:
     num_live: int = 0  # sequences with a matcher that have not finished
 
     def __post_init__(self) -> None:
-        self._starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atomrt-grammar-init")
-        self._compiler: Future = self._starter.submit(
-            GrammarCompiler, self.tokenizer.hf, self.vocab_size, self.stop_token_ids, self.config
-        )
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._starter: Optional[ThreadPoolExecutor] = None
+        self._compiler: Optional[Future] = None  # started by the first constrained request
         self._words = (self.vocab_size + 31) // 32
 
     @property
     def compiler(self) -> GrammarCompiler:
-        """The compiler (built on a thread at start-up); a ValueError when it could not be."""
+        """The compiler, built (on a thread, waited for) on first use; a ValueError when it
+        cannot be."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs: this model has no tokenizer to compile with")
+        if self._compiler is None:
+            self._starter = ThreadPoolExecutor(1, thread_name_prefix="atomrt-grammar-init")
+            self._compiler = self._starter.submit(
+                GrammarCompiler,
+                self.tokenizer.hf,
+                self.vocab_size,
+                self.stop_token_ids,
+                self.config,
+            )
         try:
             return self._compiler.result(timeout=INIT_TIMEOUT_S)
         except FutureTimeout:
@@ -195,46 +151,66 @@ class StructuredOutputs:
                 f"structured_outputs: the grammar backend did not index the tokenizer's vocabulary "
                 f"within {INIT_TIMEOUT_S:.0f} s"
             ) from None
-        except Exception as e:  # noqa: BLE001 - what xgrammar raised, told to the client
+        except Exception as e:  # noqa: BLE001 - what the backend raised, told to the client
             raise ValueError(
                 f"structured_outputs: the grammar backend cannot read this tokenizer: {e}"
             ) from None
 
     # ---------------------------------------------------------------- requests
 
-    def prepare(self, params: SamplingParams) -> Future:
-        """Start parsing and compiling a request's constraint on a compile thread."""
+    def prepare(self, params: SamplingParams) -> Optional[Future]:
+        """Start parsing and compiling a request's constraint on a compile thread (None: the
+        request has none)."""
+        if params.structured_outputs is None:
+            return None
         return self.compiler.compile(params.structured_outputs)
 
-    def hold(self, request_id: str, seqs: list[Sequence], future: Future) -> None:
-        """Keep a request's sequences until its grammar is compiled (`release`)."""
-        self.held.append(_Held(request_id, seqs, future, time.monotonic(), future.done()))
-
-    def admit(self, request_id: str, seqs: list[Sequence], future: Future) -> bool:
+    def admit(
+        self, request_id: str, seqs: list[Sequence], future: Future, scheduler: Scheduler
+    ) -> bool:
         """True: the grammar was compiled already (a cache hit), the matchers are attached and the
-        sequences may be scheduled; False: they are held until it compiles (`release`)."""
+        sequences may be scheduled; False: they are held until it compiles (`release` adds them
+        to `scheduler`)."""
         if future.done() and future.exception() is None:
             self.attach(seqs, future)
             self.compiler.record(0.0, hit=True)
             return True
-        self.hold(request_id, seqs, future)
+        self.held.append(
+            _Held(request_id, seqs, future, time.monotonic(), future.done(), scheduler)
+        )
         return False
 
     def attach(self, seqs: list[Sequence], future: Future) -> None:
         """Give each sequence its matcher (the grammar is compiled: `future` is done)."""
         compiled = future.result()
+        backend = self.compiler.backend
         for seq in seqs:
-            seq.grammar = SeqGrammar(compiled, self.stop_token_ids, self.vocab_size)
+            seq.grammar = backend.matcher(compiled)
         self.num_live += len(seqs)
 
     def finished(self, seqs: list[Sequence]) -> None:
         """These sequences ended (finished or aborted)."""
         self.num_live -= sum(1 for s in seqs if s.grammar is not None)
 
-    def release(self) -> tuple[list[_Held], list[Failed]]:
-        """The held requests whose grammar is now compiled (matchers attached), and those that
-        failed: a grammar that did not compile, or one still compiling after the budget."""
-        ready: list[_Held] = []
+    def abort(self, request_id: str, aborted: list[Sequence]) -> list[Sequence]:
+        """A request is aborted: `aborted` (its sequences its scheduler dropped) and those held
+        here for their grammar, which end ("abort")."""
+        for i, h in enumerate(self.held):
+            if h.request_id == request_id:
+                del self.held[i]
+                for seq in h.seqs:
+                    seq.finish("abort")
+                aborted = aborted + h.seqs
+                break
+        self.finished(aborted)
+        return aborted
+
+    def release(self) -> list[Failed]:
+        """Held requests whose grammar is now compiled join their scheduler (matchers attached);
+        returns those that failed, their sequences ended ("abort"): a grammar that did not
+        compile, or one still compiling after the budget."""
+        if not self.held:
+            return []
         failed: list[Failed] = []
         keep: list[_Held] = []
         now = time.monotonic()
@@ -250,7 +226,8 @@ class StructuredOutputs:
                     continue
                 compiler.record(now - h.since, h.hit)
                 self.attach(h.seqs, h.future)
-                ready.append(h)
+                for seq in h.seqs:
+                    h.scheduler.add(seq)
             elif now - h.since > compiler.timeout_s:
                 compiler.stats.timeouts += 1
                 failed.append(
@@ -266,15 +243,10 @@ class StructuredOutputs:
             else:
                 keep.append(h)
         self.held = keep
-        return ready, failed
-
-    def drop(self, request_id: str) -> Optional[list[Sequence]]:
-        """Forget a held request (aborted); its sequences, or None if it is not held."""
-        for i, h in enumerate(self.held):
-            if h.request_id == request_id:
-                del self.held[i]
-                return h.seqs
-        return None
+        for f in failed:
+            for seq in f.seqs:
+                seq.finish("abort")
+        return failed
 
     def wait(self, timeout_s: float) -> None:
         """Block up to `timeout_s` for a held grammar to compile (an engine with nothing else to
@@ -325,19 +297,20 @@ class StructuredOutputs:
     def _fill(self, step: int, rank: _RankMasks) -> GrammarBitmask:
         start = time.perf_counter()
         bitmask = np.full((rank.num_rows, self._words), -1, dtype=np.int32)
-        view = torch.from_numpy(bitmask)  # xgrammar fills through DLPack
-        plain, rows = [], []
+        view = torch.from_numpy(bitmask)  # the backend fills the numpy array through it
+        plain: list[GrammarMatcher] = []
+        rows: list[int] = []
         for e in rank.entries:
-            seq = e.seq
-            if seq.is_finished or seq.grammar.is_terminated:  # a wasted row: any mask does
+            grammar = e.seq.grammar
+            if e.seq.is_finished or grammar.is_terminated:  # a wasted row: any mask does
                 continue
             if e.drafts:
-                seq.grammar.fill_verify(view, e.row, e.drafts)
+                grammar.fill_verify(view, e.row, e.drafts)
             else:
-                plain.append(seq.grammar.matcher)
+                plain.append(grammar)
                 rows.append(e.row)
         if plain:
-            self._batch.batch_fill_next_token_bitmask(plain, view, rows)
+            self.compiler.backend.fill_rows(plain, view, rows)
         stats = self.mask_stats
         stats.rows += rank.num_rows
         stats.seconds += time.perf_counter() - start
@@ -353,7 +326,7 @@ class StructuredOutputs:
             "grammar_mask_rows": self.mask_stats.rows,
             "grammar_mask_seconds": self.mask_stats.seconds,
         }
-        if self._compiler.done() and self._compiler.exception() is None:
+        if self._built():
             c = self._compiler.result().stats
             out.update(
                 grammar_compiles=c.misses,
@@ -363,7 +336,15 @@ class StructuredOutputs:
             )
         return out
 
+    def _built(self) -> bool:
+        return (
+            self._compiler is not None
+            and self._compiler.done()
+            and self._compiler.exception() is None
+        )
+
     def shutdown(self) -> None:
-        self._starter.shutdown(wait=False, cancel_futures=True)
-        if self._compiler.done() and self._compiler.exception() is None:
+        if self._starter is not None:
+            self._starter.shutdown(wait=False, cancel_futures=True)
+        if self._built():
             self._compiler.result().shutdown()

@@ -1,0 +1,177 @@
+"""The xgrammar backend (the library vLLM and SGLang use): `XgrammarBackend`, `XgrammarMatcher`.
+
+A constraint becomes a grammar in two parts:
+
+- parsing (`parse`): a JSON schema (walked and rewritten first: runtime/driver/json_schema/), a
+  regex, an EBNF grammar, a choice list or a structural tag becomes an xgrammar `Grammar`; what does
+  not parse is a ValueError naming the field. Usually milliseconds, but a schema's long string
+  bounds can take xgrammar seconds;
+- compiling: the grammar against the tokenizer's vocabulary, the token-mask cache that makes each
+  step's mask cheap (a complex schema can take seconds). xgrammar releases the GIL while it
+  compiles, so the step loop runs on beside the compile threads.
+
+xgrammar is imported on first use (`_xgr`): importing it takes seconds (it imports transformers),
+which an engine that never sees a constrained request does not pay.
+"""
+
+from __future__ import annotations
+
+import json
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from atomrt.runtime.driver.grammar_backend import GrammarBackend, GrammarMatcher
+from atomrt.runtime.driver.json_schema import prepare_schema
+from atomrt.runtime.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+def _xgr() -> ModuleType:
+    import xgrammar  # on first use: see the module docstring
+
+    return xgrammar
+
+
+class XgrammarMatcher(GrammarMatcher):
+    """One sequence's `xgrammar.GrammarMatcher`."""
+
+    def __init__(
+        self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int], vocab_size: int
+    ) -> None:
+        self.matcher = _xgr().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        self.vocab_size = vocab_size
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(int(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class XgrammarBackend(GrammarBackend):
+    """xgrammar over one tokenizer: its `TokenizerInfo`, compiler and batch mask filler."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        xgr = _xgr()
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None
+        )
+        self.vocab_size = self.info.vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+
+    @staticmethod
+    def validate(so: StructuredOutputsParams) -> Any:
+        """A JSON schema constraint, or the schemas inside a structural tag, walked and rewritten
+        (runtime/driver/json_schema/: xgrammar drops or approximates some keywords; a ValueError
+        naming the keyword and its path); other constraints as they are."""
+        value = getattr(so, so.kind)
+        if so.kind not in ("json", "structural_tag"):
+            return value
+        try:
+            parsed = json.loads(value) if isinstance(value, str) else value
+            if so.kind == "structural_tag":
+                return _prepare_tag_schemas(parsed, "")
+            return prepare_schema(parsed)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.{so.kind}: {e}") from None
+
+    @staticmethod
+    def parse(so: StructuredOutputsParams, checked: Any) -> xgr.Grammar:
+        xgr = _xgr()
+        kind, value = so.kind, checked
+        try:
+            if kind in ("json", "json_object"):
+                schema = '{"type": "object"}' if kind == "json_object" else value
+                grammar = xgr.Grammar.from_json_schema(
+                    schema if isinstance(schema, str) else json.dumps(schema),
+                    any_whitespace=not so.disable_any_whitespace,
+                    strict_mode=kind == "json",
+                    max_whitespace_cnt=so.max_whitespace if not so.disable_any_whitespace else None,
+                )
+                return _json_safe_lengths(grammar)
+            if kind == "regex":
+                return xgr.Grammar.from_regex(value)
+            if kind == "grammar":
+                return xgr.Grammar.from_ebnf(value)
+            if kind == "choice":  # each choice a JSON-escaped EBNF literal
+                return xgr.Grammar.from_ebnf(
+                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+                )
+            return xgr.Grammar.from_structural_tag(
+                value if isinstance(value, str) else json.dumps(value)
+            )
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs.{kind}: {_reason(e)}") from None
+
+    def compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        return self._compiler.compile_grammar(grammar)
+
+    def matcher(self, compiled: xgr.CompiledGrammar) -> XgrammarMatcher:
+        return XgrammarMatcher(compiled, self.stop_token_ids, self.vocab_size)
+
+    def fill_rows(
+        self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int]
+    ) -> None:
+        """One call for the rows (xgrammar fills them through DLPack)."""
+        inner = [m.matcher for m in matchers]  # this backend's: XgrammarMatcher
+        self._batch.batch_fill_next_token_bitmask(inner, bitmask, rows)
+
+
+def _prepare_tag_schemas(node: Any, where: str) -> Any:
+    """A structural tag with each `{"type": "json_schema", "json_schema": ...}` format's schema
+    walked and rewritten like a plain JSON schema constraint, so a keyword the backend would drop
+    inside a tag is refused too (the error names the format's place in the tag)."""
+    if isinstance(node, list):
+        return [_prepare_tag_schemas(v, f"{where}[{i}]") for i, v in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, v in node.items():
+        at = f"{where}.{key}" if where else key
+        if key == "json_schema" and node.get("type") == "json_schema":
+            try:
+                out[key] = prepare_schema(v)
+            except ValueError as e:
+                raise ValueError(f"{at}: {e}") from None
+        else:
+            out[key] = _prepare_tag_schemas(v, at)
+    return out
+
+
+# xgrammar's rule for one character of a string with minLength / maxLength (a bounded repeat of
+# it: cheap at any length) lets raw control characters through, which JSON forbids;
+# `_json_safe_lengths` swaps it for any character but a control character, a quote or a backslash.
+# Such a string is therefore written without escape sequences: with an escape alternative in the
+# repeated rule xgrammar cannot precompute the token mask inside the string, and filling one row
+# took about 1000x longer (26 ms against 21 us on a 49k vocabulary). Every output still validates.
+_LENGTH_CHAR = r"(([^\"\\\r\n]))"
+_JSON_CHAR = r"(([^\0-\x1f\"\\]))"
+
+
+def _json_safe_lengths(grammar: xgr.Grammar) -> xgr.Grammar:
+    text = str(grammar)
+    if _LENGTH_CHAR not in text:
+        return grammar
+    return _xgr().Grammar.from_ebnf(text.replace(_LENGTH_CHAR, _JSON_CHAR))
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message without its C++ source location ("[time] file.cc:123: ...")."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    head, sep, rest = text.partition(".cc:")
+    if sep:
+        text = rest.split(": ", 1)[-1]
+    return text
