@@ -11,7 +11,7 @@ a CUDA graph holding one call per layer, each layer over its own cache (Triton's
 cache before each replay, so every layer reads from HBM). GB/s counts the bytes a call must move --
 the latent cache rows of the live context, q and out -- over that time, and `of_copy` is its share
 of a device-to-device copy's bandwidth (read + write) measured in the same run. Target: 70% of the
-copy at bs >= 8 (runtime/bench/targets.py; `--record` keeps each row as an `mla-decode` figure).
+copy at bs >= 8 (benchmarks/goals.json; `--record` keeps each row as an `mla-decode` figure).
 `max_err` is the first layer's largest difference from a float32 torch reference over its first
 requests. `--sweep` adds other launch plans (key tile, warps, stages, heads per
 tile, splits, keys per working split) and the best of them.
@@ -35,16 +35,15 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
+from atomrt.runtime.bench import goals  # noqa: E402
 from atomrt.runtime.bench.records import (  # noqa: E402
     Figure,
     Quantity,
-    Threshold,
     add_record_flag,
     figure,
     resolve_record_flag,
     save,
 )
-from atomrt.runtime.bench.targets import MLA_DECODE_MIN_BS, MLA_DECODE_OF_COPY  # noqa: E402
 from atomrt.workers.kernels.attention.mla_decode import (  # noqa: E402
     MLADecodeLaunch,
     launch_mla_decode,
@@ -255,10 +254,10 @@ def main() -> None:
 
 def figures(rows: list[dict], copy: float, on_gpu: bool) -> list[Figure]:
     """mla-decode: GB/s against the device copy of the same run, per (heads, batch size, context);
-    the target at bs >= MLA_DECODE_MIN_BS, on a GPU."""
+    judged against the goal (benchmarks/goals.json: from a batch size up), on a GPU."""
     out = []
     for row in rows:
-        judged = on_gpu and row["bs"] >= MLA_DECODE_MIN_BS
+        goal = goals.threshold("mla-decode", batch_size=row["bs"]) if on_gpu else None
         out.append(
             figure(
                 "mla-decode",
@@ -267,7 +266,7 @@ def figures(rows: list[dict], copy: float, on_gpu: bool) -> list[Figure]:
                 "GB/s",
                 anchor=copy,
                 anchor_name="device copy",
-                threshold=Threshold(">=", MLA_DECODE_OF_COPY, "ratio") if judged else None,
+                threshold=goal,
                 extra={
                     "time": Quantity(row["us"], "µs"),
                     "max error": Quantity(row["max_err"], "abs"),

@@ -26,16 +26,16 @@ import time
 import torch
 
 from atomrt.runtime import SamplingParams
+from atomrt.runtime.bench import goals
 from atomrt.runtime.bench.records import (
     Figure,
     Quantity,
-    Threshold,
     add_record_flag,
     figure,
     resolve_record_flag,
     save,
 )
-from atomrt.runtime.bench.targets import PREFILL_OF_CEILING, model_name
+from atomrt.runtime.bench.targets import model_name
 from atomrt.runtime.entrypoints.llm import LLM
 
 LADDER_TOP = 512  # the default capture ladder's largest size (cuda_graph_sizes)
@@ -159,7 +159,7 @@ def figures(rows: list[dict], ceiling: float) -> list[Figure]:
     """prefill: TFLOP/s against the GEMM ceiling of the same run, per model, shape and mode."""
     out = []
     for row in rows:
-        limit = PREFILL_OF_CEILING.get((model_name(row["model"]), row["shape"]))
+        goal = goals.threshold("prefill", model=model_name(row["model"]), shape=row["shape"])
         out.append(
             figure(
                 "prefill",
@@ -168,7 +168,7 @@ def figures(rows: list[dict], ceiling: float) -> list[Figure]:
                 "TFLOP/s",
                 anchor=round(ceiling, 1),
                 anchor_name="bf16 GEMM ceiling",
-                threshold=Threshold(">=", limit, "ratio") if limit else None,
+                threshold=goal,
                 extra={
                     "time": Quantity(row["ms"], "ms"),
                     "prompts": Quantity(row["tokens_s"], "tokens/s"),

@@ -33,16 +33,15 @@ import torch
 import triton
 import triton.testing
 
+from atomrt.runtime.bench import goals
 from atomrt.runtime.bench.records import (
     Figure,
     Quantity,
-    Threshold,
     add_record_flag,
     figure,
     resolve_record_flag,
     save,
 )
-from atomrt.runtime.bench.targets import MOE_DECODE_TOKENS, MOE_OVER_FLOOR
 from atomrt.workers.kernels.moe.align import moe_align_block_size
 from atomrt.workers.kernels.moe.fused_moe import _launch
 from atomrt.workers.kernels.moe.moe_configs import MoEConfig, bucket_tokens, pick_config
@@ -270,9 +269,7 @@ def figures(outcomes: list[Outcome]) -> list[Figure]:
             "µs",
             anchor=o.floor_us,
             anchor_name=f"weight-read floor at {COPY_BANDWIDTH_GBS} GB/s",
-            threshold=Threshold("<=", MOE_OVER_FLOOR, "ratio")
-            if o.tokens <= MOE_DECODE_TOKENS
-            else None,
+            threshold=goals.threshold("fused-moe", tokens=o.tokens),
             extra={"default config": Quantity(round(o.default_us, 2), "µs")},
         )
         for o in outcomes

@@ -18,7 +18,8 @@ from atomrt.runtime.bench.latency import (
     mode_settings,
 )
 from atomrt.runtime.bench.records import RATIO_TOLERANCE
-from atomrt.runtime.bench.spec_decode import SpecRow, compare_tokens, prompts_for, step_costs
+from atomrt.runtime.bench.spec_decode import SpecRow, compare_tokens, prompts_for
+from atomrt.runtime.bench.spec_figures import step_costs
 from atomrt.runtime.bench.targets import env_variant
 from atomrt.runtime.config import ConfigError, CUDAGraphMode
 

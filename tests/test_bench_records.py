@@ -14,7 +14,9 @@ import pytest
 from records_harness import SCHEMA
 
 from atomrt.runtime.bench import records, targets
+from atomrt.runtime.bench.dp import dp_figures
 from atomrt.runtime.bench.latency import Report, Row, _parse
+from atomrt.runtime.bench.latency_figures import latency_figures
 from atomrt.runtime.bench.records import (
     Machine,
     Quantity,
@@ -200,7 +202,7 @@ def test_latency_figures_on_a_gpu(monkeypatch) -> None:
         _row("SmolLM2-135M", "FULL+async", 1, 0.638, 0.065),
         _row("SmolLM2-135M", "TR_HYBRID+async", 1, 0.634, 0.065, "token_graph"),
     ]
-    figs = targets.latency_figures(report, args, on_cuda=True)
+    figs = latency_figures(report, args, on_cuda=True)
     got = {(f.target, f.case): f for f in figs}
     assert list(got) == [
         ("decode-step", "SmolLM2-135M bs=1 eager"),
@@ -227,11 +229,11 @@ def test_latency_figures_on_a_gpu(monkeypatch) -> None:
     # the capture target is the 1..512 ladder's; a bare --level 0 run is a variant: no verdicts
     assert all(f.threshold is None for (t, _), f in got.items() if t == "graph-capture")
     args = _parse(["--model", "SmolLM2-135M", "--modes", "FULL+async", "--batch-sizes", "1"])
-    plain = targets.latency_figures(report, args, on_cuda=True)
+    plain = latency_figures(report, args, on_cuda=True)
     assert plain[1].case == "SmolLM2-135M bs=1 FULL+async, level 0" and plain[1].threshold is None
     assert all(
         f.threshold is None
-        for f in targets.latency_figures(report, _parse(["--level", "3"]), on_cuda=False)
+        for f in latency_figures(report, _parse(["--level", "3"]), on_cuda=False)
     )
 
 
@@ -248,7 +250,7 @@ def test_a_dp_case_names_each_setting_once(monkeypatch) -> None:
                 f"DP={dp} TP=1", dp, 1, "ray", None, 0, 0, rate, 0, 0, 0, 0.25, 0, 0, "none", 32
             )
         )
-    one, two = targets.dp_figures(report, args, on_gpu=False)
+    one, two = dp_figures(report, args, on_gpu=False)
     assert (
         two.case
         == "tiny-qwen3-moe DP=2 TP=1, ray, tbo=none, 32 requests, imbalance 0, --load-format dummy"

@@ -72,6 +72,7 @@ ENTRY_POINT_IMPORTERS = {
     "atomrt.runtime.bench.dp": _BENCH,
     "atomrt.runtime.bench.latency": _BENCH,
     "atomrt.runtime.bench.serve": _BENCH,
+    "atomrt.runtime.bench.serve_figures": _BENCH,
     "atomrt.runtime.bench.serve_views": _BENCH,
     "atomrt.runtime.bench.spec_decode": _BENCH,
     "atomrt.runtime.bench.startup": _BENCH,

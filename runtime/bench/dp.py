@@ -45,8 +45,15 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
+from atomrt.runtime.bench import goals, records
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
-from atomrt.runtime.bench.targets import dp_figures
+from atomrt.runtime.bench.targets import (
+    engine_flags,
+    env_variant,
+    model_name,
+    number_text,
+    row_case,
+)
 from atomrt.runtime.config import TBO_MODES, Config, ConfigError
 from atomrt.runtime.entrypoints.config_args import add_config_args, config_from_args
 
@@ -426,6 +433,45 @@ def write_plot(report: Report, path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def dp_figures(report: Report, args: argparse.Namespace, on_gpu: bool) -> list[records.Figure]:
+    """data-parallel: each layout's output tokens/s against the first layout's, same requests."""
+    variant = [] if args.imbalance == 0.5 else [f"imbalance {number_text(args.imbalance)}"]
+    if args.arrival_interval:
+        variant.append(f"an arrival every {args.arrival_interval} steps")
+    if args.dp_prefill_align is not None:
+        variant.append(f"dp_prefill_align {args.dp_prefill_align}")
+    flags = [f for f in engine_flags(args) if not f.startswith("--executor ")]  # an axis here
+    variant += [" ".join(flags)] * bool(flags) + env_variant()
+    goal = next(  # the goal's model is a part of the run's model name
+        (g for g in goals.of_target("data-parallel") if dict(g.axes)["model"] in report.model),
+        None,
+    )
+    out = []
+    for r in report.results:
+        first = next(x for x in report.results if x.num_requests == r.num_requests)
+        axes = f"{model_name(report.model)} {r.layout}, {r.executor}, tbo={r.enable_tbo}"
+        axes += f", {r.num_requests} requests"
+        judged = (
+            on_gpu
+            and goal is not None
+            and (r.dp, r.tp, first.dp, first.tp) == (2, 1, 1, 1)
+            and r.num_requests == 64 * r.dp
+        )
+        out.append(
+            records.figure(
+                "data-parallel",
+                row_case(axes, variant),
+                r.output_tokens_per_s,
+                "tokens/s",
+                anchor=first.output_tokens_per_s if first is not r else None,
+                anchor_name=first.layout if first is not r else None,
+                threshold=goal.threshold if judged else None,
+                extra={"padded": records.Quantity(round(100 * r.pad_fraction, 1), "%")},
+            )
+        )
+    return out
 
 
 def main(argv: Optional[list[str]] = None) -> int:

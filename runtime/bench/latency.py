@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch._dynamo
 
+from atomrt.runtime.bench.latency_figures import check_targets, latency_figures
 from atomrt.runtime.bench.modes import mode_settings, split_mode
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
 from atomrt.runtime.bench.step_bytes import (
@@ -41,7 +42,7 @@ from atomrt.runtime.bench.step_bytes import (
     inproc_step_bytes,
     measure_copy_bandwidth,
 )
-from atomrt.runtime.bench.targets import decode_threshold, latency_figures, notes_of
+from atomrt.runtime.bench.targets import notes_of
 from atomrt.runtime.config import CUDAGraphMode, ParallelConfig
 from atomrt.runtime.entrypoints.config_args import _json_mapping
 
@@ -363,24 +364,6 @@ def _line(r: Row) -> str:
         f"{_fmt(r.floor_ms, '9.3f')} {_fmt(r.ratio_to_floor, '7.2f')} {r.capture_s:>9.2f} "
         f"{_fmt(r.experts_touched, '7.1f')}"
     )
-
-
-def check_targets(report: Report) -> list[str]:
-    """The decode-step targets, one line per row they apply to (meaningful on one H200 only): rows
-    whose decode steps replayed a graph; an eager step is not what the targets are about."""
-    lines = []
-    for r in report.rows:
-        t = decode_threshold(r.model, r.batch_size)
-        if r.forward_kind == "eager" or t is None:
-            continue
-        head = f"target {r.model} {r.mode} bs={r.batch_size}: "
-        if t.of == "value":
-            verdict = "PASS" if t.judge(r.ms_median, None) else "FAIL"
-            lines.append(f"{head}{r.ms_median:.3f} ms <= {t.value} ms: {verdict}")
-        elif r.ratio_to_floor is not None:
-            verdict = "PASS" if t.judge(r.ms_median, r.ratio_to_floor) else "FAIL"
-            lines.append(f"{head}{r.ratio_to_floor:.2f}x floor <= {t.value}x: {verdict}")
-    return lines
 
 
 def compare_executors(report: Report) -> list[dict[str, Any]]:

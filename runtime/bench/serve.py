@@ -57,6 +57,7 @@ from tqdm import tqdm
 from atomrt.distributed.net_utils import get_free_port
 from atomrt.runtime.bench import serve_views, structured
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
+from atomrt.runtime.bench.serve_figures import load_name, serve_figures
 from atomrt.runtime.bench.serve_views import (
     add_server_view,
     offline_tokens_per_s,
@@ -64,7 +65,6 @@ from atomrt.runtime.bench.serve_views import (
     scrape,
 )
 from atomrt.runtime.bench.sse_client import SSEClient, StreamError
-from atomrt.runtime.bench.targets import serve_figures
 from atomrt.runtime.entrypoints.config_args import add_config_args
 
 _SEED_TEXT = (
@@ -345,12 +345,6 @@ async def run_load(
     return list(outcomes), start, seconds
 
 
-def _load_name(r: RunResult) -> str:
-    """A run's load, and its structured share, in words."""
-    load = f"c={r.concurrency}" if r.concurrency is not None else f"{r.request_rate:g} req/s"
-    return load if r.structured is None else f"{load} structured x{r.structured.ratio:g}"
-
-
 def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
@@ -451,7 +445,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 view.compile_first_ms = first.compile_first_ms  # the length probe's compile
                 results[-1].structured = view
             if results[-1].failed == results[-1].num_requests:
-                print(f"{_load_name(results[-1])}: FAILED, every request failed", flush=True)
+                print(f"{load_name(results[-1])}: FAILED, every request failed", flush=True)
             else:
                 print(serve_views.line(results[-1]), flush=True)
             for o in outcomes:
@@ -463,13 +457,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             stall = asyncio.run(
                 structured.compile_stall(url, model, requests[0].prompt, c, args.seed)
             )
-            print(
-                f"compile stall: c={c} plain streams, {structured.STALL_SCHEMAS} fresh schemas: "
-                f"{stall['itl_during_ms']:.2f} ms between tokens while compiling, "
-                f"{stall['itl_before_ms']:.2f} ms before: x{stall['ratio']} "
-                f"({stall['gaps_during']} gaps over {stall['window_s']:.2f} s)",
-                flush=True,
-            )
+            print(structured.stall_line(stall, c), flush=True)
     finally:
         if api is not None:
             api.close()
@@ -500,7 +488,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         figures = serve_figures(measured, model, args, engine_argv, on_gpu, stall)
         argv = sys.argv[1:] if argv is None else argv
         notes = [
-            f"{_load_name(r)}: every one of its {r.num_requests} requests failed"
+            f"{load_name(r)}: every one of its {r.num_requests} requests failed"
             for r in results
             if r not in measured
         ]

@@ -40,7 +40,14 @@ from typing import Any, Optional
 import torch
 
 from atomrt.runtime.bench.records import save
-from atomrt.runtime.bench.targets import notes_of, speculative_figures
+from atomrt.runtime.bench.spec_figures import (
+    HEADER,
+    cost_line,
+    line,
+    policy_line,
+    speculative_figures,
+)
+from atomrt.runtime.bench.targets import notes_of
 
 WORKLOADS = ("repetitive", "random")
 
@@ -384,11 +391,11 @@ def _run_group(
                         row.speedup = round(row.tokens_per_s / max(off.tokens_per_s, 1e-9), 3)
                         compare_tokens(row, off.tokens or [])
                     report.rows.append(row)
-                    print(_line(row), flush=True)
+                    print(line(row), flush=True)
                     if name != "off" and off is not None:
-                        print(_cost_line(row, off), flush=True)
+                        print(cost_line(row, off), flush=True)
                     if row.policy is not None:
-                        print(_policy_line(row.policy), flush=True)
+                        print(policy_line(row.policy), flush=True)
                     if row.first_difference and _float32(args, on_cuda):
                         report.errors.append(
                             f"{model} {mode} bs={bs} {workload}: greedy tokens changed with "
@@ -412,66 +419,6 @@ def _run_group(
 def _float32(args: argparse.Namespace, on_cuda: bool) -> bool:
     """The engines run in float32 (`auto` is bf16 on a GPU, float32 on CPU)."""
     return args.dtype == "float32" or (args.dtype == "auto" and not on_cuda)
-
-
-HEADER = (
-    f"{'model':<24} {'mode':<10} {'bs':>3} {'workload':<10} {'speculative':<16} {'tok/s':>9} "
-    f"{'speedup':>7} {'accept_len':>10} {'steps':>6} {'same':>5}  per-position acceptance"
-)
-
-
-def _line(r: SpecRow) -> str:
-    speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
-    accept = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
-    per_pos = " ".join(f"{x:.2f}" for x in r.acceptance_per_position or [])
-    same = "-" if r.same_tokens is None else f"{r.same_tokens}/{r.num_requests or r.batch_size}"
-    return (
-        f"{r.model[-24:]:<24} {r.mode:<10} {r.batch_size:>3} {r.workload:<10} "
-        f"{r.speculative:<16} {r.tokens_per_s:>9.1f} {speedup:>7} {accept:>10} "
-        f"{r.engine_steps:>6} {same:>5}  {per_pos}"
-    )
-
-
-def step_costs(row: SpecRow, off: SpecRow) -> dict[str, Optional[float]]:
-    """A speculative row's step against the plain one of the same workload: ms of each, the
-    speculative step split into its draft passes and the rest (the verify step), and those over
-    the plain step."""
-    plain, spec = off.ms_per_step, row.ms_per_step
-    draft = row.draft_ms_per_step or 0.0
-    verify = max(spec - draft, 0.0)
-    ratio = (lambda x: round(x / plain, 3)) if plain > 0 else (lambda x: None)
-    return {
-        "plain_ms": plain,
-        "speculative_ms": spec,
-        "verify_ms": round(verify, 4),
-        "draft_ms": round(draft, 4),
-        "verify_over_plain": ratio(verify),
-        "draft_over_plain": ratio(draft),
-        "break_even_tokens": ratio(spec),
-    }
-
-
-def _cost_line(row: SpecRow, off: SpecRow) -> str:
-    c = step_costs(row, off)
-
-    def x(v: Optional[float]) -> str:
-        return "-" if v is None else f"{v:.2f}x"
-
-    return (
-        f"    step costs: plain {c['plain_ms']:.3f} ms; speculative {c['speculative_ms']:.3f} ms "
-        f"= verify {c['verify_ms']:.3f} ms ({x(c['verify_over_plain'])} plain) + draft "
-        f"{c['draft_ms']:.3f} ms ({x(c['draft_over_plain'])} plain); speculation gains above "
-        f"{x(c['break_even_tokens'])[:-1]} tokens per step"
-    )
-
-
-def _policy_line(policy: dict[str, dict[str, Any]]) -> str:
-    parts = []
-    for name, p in policy.items():
-        rate = p["tokens_per_s_per_seq"]
-        rate = "-" if rate is None else f"{rate:.1f} tok/s per sequence"
-        parts.append(f"{name} {p['phases']} phases, {p['results']} steps, {rate}")
-    return "    policy: " + "; ".join(parts)
 
 
 def _write(report: SpecReport, path: str) -> None:

@@ -250,3 +250,13 @@ async def compile_stall(url: str, model: str, prompt: Any, concurrency: int, see
         "window_s": round(served - submitted, 3),
         "gaps_during": len(gaps_during),
     }
+
+
+def stall_line(stall: dict, concurrency: int) -> str:
+    """`compile_stall`'s result in words."""
+    return (
+        f"compile stall: c={concurrency} plain streams, {STALL_SCHEMAS} fresh schemas: "
+        f"{stall['itl_during_ms']:.2f} ms between tokens while compiling, "
+        f"{stall['itl_before_ms']:.2f} ms before: x{stall['ratio']} "
+        f"({stall['gaps_during']} gaps over {stall['window_s']:.2f} s)"
+    )

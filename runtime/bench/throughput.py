@@ -30,8 +30,9 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
+from atomrt.runtime.bench import records
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
-from atomrt.runtime.bench.targets import throughput_figures
+from atomrt.runtime.bench.targets import engine_flags, env_variant, model_name, row_case
 from atomrt.runtime.config import Config, ConfigError
 from atomrt.runtime.entrypoints.config_args import add_config_args, config_from_args
 
@@ -333,6 +334,25 @@ def run_bench(args: argparse.Namespace) -> Report:
             report.atomrt.output_tokens_per_s / report.transformers.output_tokens_per_s, 3
         )
     return report
+
+
+def throughput_figures(report: Report, args: argparse.Namespace) -> list[records.Figure]:
+    axes = (
+        f"{model_name(report.model)}, {report.num_prompts} {report.prompt_source} prompts × "
+        f"{report.output_len} tokens, {report.dtype}"
+    )
+    hf = report.transformers
+    flags = engine_flags(args)
+    return [
+        records.figure(
+            "offline-throughput",
+            row_case(axes, [" ".join(flags)] * bool(flags) + env_variant()),
+            report.atomrt.output_tokens_per_s,
+            "tokens/s",
+            anchor=hf.output_tokens_per_s if hf else None,
+            anchor_name="transformers generate",
+        )
+    ]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -36,8 +36,9 @@ from atomrt.distributed.transport import (
     ResultPusher,
     TransportAddresses,
 )
+from atomrt.runtime.bench import goals, records
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
-from atomrt.runtime.bench.targets import transport_figures
+from atomrt.runtime.bench.targets import env_variant, row_case
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 
 
@@ -261,6 +262,22 @@ def bare_round_trip_us(
         pub.close(0)
         pull.close(0)
         addr.cleanup()
+
+
+def transport_figures(r: BenchResult, tcp: bool) -> list[records.Figure]:
+    axes = f"bs={r.bs} {'tcp' if tcp else 'ipc'}, spin {r.spin_us:g} µs"
+    return [
+        records.figure(
+            "transport",
+            row_case(axes, env_variant()),
+            round(r.median_us, 1),
+            "µs",
+            anchor=round(r.bare_median_us, 1),
+            anchor_name="bare pyzmq round trip",
+            threshold=goals.threshold("transport"),
+            extra={"p99": records.Quantity(round(r.p99_us, 1), "µs")},
+        )
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
