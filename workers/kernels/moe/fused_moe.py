@@ -35,6 +35,42 @@ from atomrt.workers.kernels.moe.moe_configs import MoEConfig, pick_config
 
 
 @triton.jit
+def load_pair_block(pid_m, sorted_pair_ids_ptr, expert_ids_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """Row block `pid_m` of the expert-sorted layout: its pairs (int64), which of them are real (a
+    padding row is not) and its expert."""
+    offs_pair = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ids_ptr + offs_pair).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    return pair, pair < num_pairs, expert
+
+
+@triton.jit
+def store_pair_block(
+    acc,
+    acc_up,
+    pair,
+    pair_mask,
+    offs_n,
+    n_mask,
+    topk_weights_ptr,
+    c_ptr,
+    stride_cm,
+    stride_cn,
+    GATED: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+):
+    """The block's epilogue: GATED, silu(acc) * acc_up; MUL_ROUTED_WEIGHT, each pair's row times
+    its routing weight; then the real pairs' rows into `c` at their pair's row."""
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + pair, mask=pair_mask, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def fused_moe_kernel(
     a_ptr,
     b_ptr,
@@ -81,10 +117,9 @@ def fused_moe_kernel(
     num_padded = tl.load(num_padded_ptr)
     if pid_m * BLOCK_M >= num_padded:
         return
-    offs_pair = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pair_ids_ptr + offs_pair).to(tl.int64)
-    pair_mask = pair < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    pair, pair_mask, expert = load_pair_block(
+        pid_m, sorted_pair_ids_ptr, expert_ids_ptr, num_pairs, BLOCK_M
+    )
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -105,13 +140,10 @@ def fused_moe_kernel(
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up
-    if MUL_ROUTED_WEIGHT:
-        w = tl.load(topk_weights_ptr + pair, mask=pair_mask, other=0.0).to(tl.float32)
-        acc = acc * w[:, None]
-    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+    store_pair_block(
+        acc, acc_up, pair, pair_mask, offs_n, n_mask, topk_weights_ptr, c_ptr, stride_cm,
+        stride_cn, GATED, MUL_ROUTED_WEIGHT,
+    )  # fmt: skip
 
 
 def _launch(
@@ -162,6 +194,20 @@ def _launch(
     )
 
 
+def moe_dims(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor
+) -> tuple[int, int, int, int, int]:
+    """(num_tokens, hidden, num_experts, intermediate, top_k) of x [num_tokens, H], w13 [E, 2I, H],
+    w2 [E, H, I] and topk_ids [num_tokens, top_k], which must fit each other."""
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    assert w13.shape[2] == hidden and tuple(w2.shape) == (num_experts, hidden, inter), (
+        f"fused_experts: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}"
+    )
+    return num_tokens, hidden, num_experts, inter, topk_ids.shape[1]
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -176,13 +222,7 @@ def fused_experts(
 
     Configs default to the table's (moe_configs.pick_config); both GEMMs share one alignment, so
     they must have the same block_m."""
-    num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    assert w13.shape[2] == hidden and tuple(w2.shape) == (num_experts, hidden, inter), (
-        f"fused_experts: w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}"
-    )
+    num_tokens, hidden, num_experts, inter, top_k = moe_dims(x, w13, w2, topk_ids)
     gate_up_config = gate_up_config or pick_config(
         "gate_up", num_tokens, num_experts, top_k, inter, hidden
     )

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from atomrt.workers.kernels.gemm.fp8_gemm import quantize_fp8_triton
 from atomrt.workers.kernels.moe.align import MoEAlignment, moe_align_block_size
+from atomrt.workers.kernels.moe.fused_moe import load_pair_block, moe_dims, store_pair_block
 
 BLOCK_M = 16
 BLOCK_N = 64
@@ -66,11 +67,10 @@ def fused_moe_fp8_kernel(
     num_padded = tl.load(num_padded_ptr)
     if pid_m * BLOCK_M >= num_padded:
         return
-    offs_pair = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pair_ids_ptr + offs_pair).to(tl.int64)
-    pair_mask = pair < num_pairs
+    pair, pair_mask, expert = load_pair_block(
+        pid_m, sorted_pair_ids_ptr, expert_ids_ptr, num_pairs, BLOCK_M
+    )
     a_row = pair // A_ROWS_PER_PAIR
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -110,13 +110,10 @@ def fused_moe_fp8_kernel(
         if GATED:
             b_s_up = tl.load(b_s_ptrs + N * stride_bsn, mask=n_mask, other=0.0)
             acc_up = acc_up * a_s[:, None] * b_s_up[None, :]
-    if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up
-    if MUL_ROUTED_WEIGHT:
-        w = tl.load(topk_weights_ptr + pair, mask=pair_mask, other=0.0).to(tl.float32)
-        acc = acc * w[:, None]
-    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+    store_pair_block(
+        acc, acc_up, pair, pair_mask, offs_n, n_mask, topk_weights_ptr, c_ptr, stride_cm, 1,
+        GATED, MUL_ROUTED_WEIGHT,
+    )  # fmt: skip
 
 
 def _launch(
@@ -181,11 +178,7 @@ def fused_experts_fp8(
     """x [num_tokens, H] -> [num_tokens, H] in x's dtype (see the module docstring).
     `quantize(rows, group_k)` makes the e4m3 activations (the CPU tests give the torch reference:
     Triton's interpreter rounds some values to the wrong binade when it casts to e4m3)."""
-    num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    assert w13.shape[2] == hidden and tuple(w2.shape) == (num_experts, hidden, inter)
+    num_tokens, hidden, num_experts, inter, top_k = moe_dims(x, w13, w2, topk_ids)
     num_pairs = num_tokens * top_k
     align = moe_align_block_size(topk_ids, BLOCK_M, num_experts)
     weights = topk_weights.reshape(-1)
