@@ -331,16 +331,9 @@ def attention_step(
     write_kv_cache) followed by unified_attention. Returns the bound launch (a callable of the
     stream) that repeats a host-planned decode launch with these very arguments, when it keeps one."""
     lengths = plan_lengths(
-        q,
-        block_tables,
-        k_cache.shape[1],
-        num_seqs,
-        max_seqlen_q,
-        max_seqlen_k,
-        graph_safe,
-        cu_seqlens_q_cpu,
-        context_lens_cpu,
-    )
+        q, block_tables, k_cache.shape[1], num_seqs, max_seqlen_q, max_seqlen_k, graph_safe,
+        cu_seqlens_q_cpu, context_lens_cpu,
+    )  # fmt: skip
     plan_q, plan_k, _ = lengths
     key = None
     if plan_q == 1 and not graph_safe and q.is_cuda:  # an eager decode step: bound launches

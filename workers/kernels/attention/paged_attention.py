@@ -109,15 +109,7 @@ def write_kv_cache(
     """Writes row i of k, v at slot `slot_mapping[i]` (= block * block_size + offset) of the caches
     (an e4m3 cache: k / k_scale and v / v_scale, saturated)."""
     num_tokens, num_kv_heads, head_dim = k.shape
-    if (
-        k_cache.shape[2:] != (num_kv_heads, head_dim)
-        or v_cache.shape != k_cache.shape
-        or v.shape != k.shape
-    ):
-        raise ValueError(
-            f"write_kv_cache: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit caches "
-            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
-        )
+    _check_kv_fits("write_kv_cache", k, v, k_cache, v_cache, head_dim)
     if slot_mapping.shape[0] < num_tokens:
         raise ValueError(
             f"write_kv_cache: slot_mapping has {slot_mapping.shape[0]} rows for {num_tokens} tokens"
@@ -135,20 +127,9 @@ def write_kv_cache(
         grid,
         k,
         v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        kv_scales_arg(kv_scales, k_cache),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *_cache_write_args(k_cache, v_cache, slot_mapping, kv_scales),
+        *row_strides(k, v),
+        *cache_strides(k_cache, v_cache),
         num_kv_heads,
         head_dim,
         BLOCK_SIZE=k_cache.shape[1],
@@ -174,15 +155,7 @@ def rope_write_kv(
     rotated q too, and nothing in the cache."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if (
-        k_cache.shape[2:] != (num_kv_heads, head_dim)
-        or v_cache.shape != k_cache.shape
-        or v.shape != k.shape
-    ):
-        raise ValueError(
-            f"rope_write_kv: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit caches "
-            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
-        )
+    _check_kv_fits("rope_write_kv", k, v, k_cache, v_cache, head_dim)
     if (
         head_dim % 2
         or cos_cache.shape[1:] != (head_dim // 2,)
@@ -217,22 +190,9 @@ def rope_write_kv(
         positions,
         cos_cache.contiguous(),
         sin_cache.contiguous(),
-        k_cache,
-        v_cache,
-        slot_mapping,
-        kv_scales_arg(kv_scales, k_cache),
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *_cache_write_args(k_cache, v_cache, slot_mapping, kv_scales),
+        *row_strides(q, k, v),
+        *cache_strides(k_cache, v_cache),
         num_heads,
         num_kv_heads,
         HALF=head_dim // 2,
@@ -292,16 +252,9 @@ def unified_attention(
     context_lens[s] - n_q + j and attends to keys 0..that position of its block table."""
     check_attention_args(q, k_cache, v_cache, out, block_tables)
     lengths = plan_lengths(
-        q,
-        block_tables,
-        k_cache.shape[1],
-        num_seqs,
-        max_seqlen_q,
-        max_seqlen_k,
-        graph_safe,
-        cu_seqlens_q_cpu,
-        context_lens_cpu,
-    )
+        q, block_tables, k_cache.shape[1], num_seqs, max_seqlen_q, max_seqlen_k, graph_safe,
+        cu_seqlens_q_cpu, context_lens_cpu,
+    )  # fmt: skip
     attend_planned(
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale, num_seqs, lengths,
         kv_scales,
@@ -309,19 +262,11 @@ def unified_attention(
 
 
 def attend_planned(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    num_seqs: int,
-    lengths: tuple[int, int, int],
-    kv_scales: Optional[torch.Tensor] = None,
-) -> None:
-    """unified_attention after its checks, for `plan_lengths`' (rows, keys, rows to reduce)."""
+    q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale: float,
+    num_seqs: int, lengths: tuple[int, int, int], kv_scales: Optional[torch.Tensor] = None,
+) -> None:  # fmt: skip
+    """unified_attention (its arguments) after its checks, for `plan_lengths`' (rows, keys, rows to
+    reduce)."""
     plan_q, plan_k, reduce_rows = lengths
     if num_seqs == 0 or plan_q == 0:
         return
@@ -352,21 +297,11 @@ def attend_planned(
 
 
 def launch_attention(
-    plan: AttentionLaunch,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    *,
-    num_seqs: int,
-    reduce_rows: int,
-    kv_scales: Optional[torch.Tensor] = None,
-) -> None:
-    """Runs one planned launch (tests call it directly to force a split count)."""
+    plan: AttentionLaunch, q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables,
+    scale: float, *, num_seqs: int, reduce_rows: int, kv_scales: Optional[torch.Tensor] = None,
+) -> None:  # fmt: skip
+    """Runs one planned launch of unified_attention's arguments (tests call it directly to force a
+    split count)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     q = unit_last_stride(q)
@@ -401,12 +336,7 @@ def launch_attention(
         stride_os,
         stride_mt,
         stride_mh,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *cache_strides(k_cache, v_cache),
         block_tables.stride(0),
         head_dim,
         GROUP=plan.group,
@@ -511,6 +441,39 @@ def kv_scales_arg(kv_scales: Optional[torch.Tensor], cache: torch.Tensor) -> tor
             f"{tuple(kv_scales.shape)}"
         )
     return kv_scales
+
+
+def row_strides(*rows: torch.Tensor) -> tuple[int, ...]:
+    """The kernels' token and head strides of each [T, heads, D] tensor in `rows`."""
+    return tuple(x for t in rows for x in t.stride()[:2])
+
+
+def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    """The kernels' block, slot and head strides of the key cache, then of the value cache."""
+    return (*k_cache.stride()[:3], *v_cache.stride()[:3])
+
+
+def _cache_write_args(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, ...]:
+    """The write kernels' caches, slots and scales."""
+    return k_cache, v_cache, slot_mapping, kv_scales_arg(kv_scales, k_cache)
+
+
+def _check_kv_fits(op: str, k, v, k_cache, v_cache, head_dim: int) -> None:
+    """k and v [T, Hk, D] fit the caches [blocks, block_size, Hk, head_dim]."""
+    if (
+        k_cache.shape[2:] != (k.shape[1], head_dim)
+        or v_cache.shape != k_cache.shape
+        or v.shape != k.shape
+    ):
+        raise ValueError(
+            f"{op}: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit caches "
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
 
 
 def _check_unit_last_stride(t: torch.Tensor, name: str) -> None:
