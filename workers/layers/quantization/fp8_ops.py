@@ -30,11 +30,7 @@ def _fp8_linear_impl(
 
 
 def _fp8_linear_fake(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    input_scale: Optional[torch.Tensor],
-    group_k: int,
+    x: torch.Tensor, weight: torch.Tensor, *scales_and_group: object
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
@@ -57,16 +53,7 @@ def _fp8_routed_experts_impl(
     return fp8_experts_ref(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, group)
 
 
-def _fp8_routed_experts_fake(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2_scale: torch.Tensor,
-    group_k: int,
-) -> torch.Tensor:
+def _fp8_routed_experts_fake(x: torch.Tensor, *routing_and_experts: object) -> torch.Tensor:
     return torch.empty_like(x)
 
 
