@@ -18,8 +18,9 @@ step by the model), runs the experts over them, and hands each rank its rows bac
 DP ranks (`dp_reduce_scatter`); the shared expert runs on the rank's own rows; the TP ranks' sum
 comes last.
 
-Eagerly each expert runs on its own rows; traced (levels 2-3) every expert runs on every row,
-weighted by its routing weight (zero where not picked): no data-dependent shape in the graph.
+Eagerly each expert runs on its own rows; traced (levels 2-3) or captured into a CUDA graph every
+expert runs on every row, weighted by its routing weight (zero where not picked): no
+data-dependent shape in the graph, no host read of the picked experts in a capture.
 """
 
 from __future__ import annotations
@@ -195,7 +196,9 @@ class V4MoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, input_ids)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (
+            x.is_cuda and torch.cuda.is_current_stream_capturing()
+        ):
             combine = x.new_zeros(x.shape[0], self.num_experts).scatter_add(
                 1, ids, weights.to(x.dtype)
             )
