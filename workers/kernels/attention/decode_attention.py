@@ -27,10 +27,12 @@ from atomrt.workers.kernels.attention.paged_attention import (
     MAX_SPLITS,
     MIN_KEYS_PER_SPLIT,
     attend_planned,
+    cache_strides,
     check_attention_args,
     kv_scales_arg,
     plan_lengths,
     rope_write_kv,
+    row_strides,
     unit_last_stride,
     write_kv_cache,
 )
@@ -134,28 +136,12 @@ def decode_attention(
 
 
 def _decode_launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    positions: Optional[torch.Tensor],
-    cos_cache: Optional[torch.Tensor],
-    sin_cache: Optional[torch.Tensor],
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    plan: DecodeLaunch,
-    *,
-    num_seqs: int,
-    ubatch: int = 0,
+    q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping, cu_seqlens_q,
+    context_lens, block_tables, scale: float, plan: DecodeLaunch, *, num_seqs: int, ubatch: int = 0,
     kv_scales: Optional[torch.Tensor] = None,
-) -> Optional[tuple]:
-    """decode_attention's checks, then its launch as (grid, tensors, scalars, constexprs) for
-    _DECODE_LAUNCHES; None when there is nothing to launch."""
+) -> Optional[tuple]:  # fmt: skip
+    """decode_attention's checks (its arguments), then its launch as (grid, tensors, scalars,
+    constexprs) for _DECODE_LAUNCHES; None when there is nothing to launch."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
@@ -198,18 +184,10 @@ def _decode_launch(
         num_kv_heads,
         num_tokens,
         block_tables.shape[1],
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
+        *row_strides(q, k, v, out),
         *partial_strides,
         *ml_strides,
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
+        *cache_strides(k_cache, v_cache),
         block_tables.stride(0),
         head_dim,
     )
