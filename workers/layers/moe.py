@@ -43,6 +43,7 @@ from atomrt.workers.kernels.moe.fused_moe import fused_experts
 from atomrt.workers.layers import expert_tally
 from atomrt.workers.layers.activation import silu_and_mul
 from atomrt.workers.layers.linear import linear
+from atomrt.workers.layers.quantization.fp8 import routed_pairs
 from atomrt.workers.layers.quantization.fp8_ops import fp8_routed_experts
 from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, read_narrow
 
@@ -71,19 +72,9 @@ def fused_experts_ref(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """The torch path (CPU): one GEMM pair per expert over the tokens routed to it."""
-    num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(x)
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # pairs (token * top_k + slot), expert by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     weights = topk_weights.reshape(-1)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start : start + count]
-        start += count
-        tokens = pairs // top_k
+    for expert, pairs, tokens in routed_pairs(topk_ids, w13.shape[0]):
         h = silu_and_mul(F.linear(x[tokens], w13[expert]))  # [count, I]
         y = F.linear(h, w2[expert]) * weights[pairs, None].to(x.dtype)  # [count, hidden]
         out.index_add_(0, tokens, y)

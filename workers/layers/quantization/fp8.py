@@ -38,6 +38,7 @@ query and output (W_UK, W_UV) and used to decompress the latent cache, never as 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -275,20 +276,29 @@ def fp8_experts_ref(
 ) -> torch.Tensor:
     """The dequantizing reference of the FP8 experts: per expert, the routed rows through
     `fp8_linear_ref` (gate/up), silu(gate) * up, `fp8_linear_ref` (down), weighted and summed."""
-    num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(x)
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     weights = topk_weights.reshape(-1)
+    for expert, pairs, tokens in routed_pairs(topk_ids, w13.shape[0]):
+        h = silu_and_mul(fp8_linear_ref(x[tokens], w13[expert], w13_scale[expert], None, group_k))
+        y = fp8_linear_ref(h, w2[expert], w2_scale[expert], None, group_k)
+        out.index_add_(0, tokens, y * weights[pairs, None].to(x.dtype))
+    return out
+
+
+def routed_pairs(
+    topk_ids: torch.Tensor, num_experts: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, pairs, tokens) for each expert a routing [num_tokens, top_k] sends rows to: its
+    pairs (token * top_k + slot, in token order) and their tokens. The torch references' loop (the
+    float experts' in moe.py too)."""
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs, expert by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         pairs = order[start : start + count]
         start += count
-        tokens = pairs // top_k
-        h = silu_and_mul(fp8_linear_ref(x[tokens], w13[expert], w13_scale[expert], None, group_k))
-        y = fp8_linear_ref(h, w2[expert], w2_scale[expert], None, group_k)
-        out.index_add_(0, tokens, y * weights[pairs, None].to(x.dtype))
-    return out
+        yield expert, pairs, pairs // top_k
