@@ -13,7 +13,6 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from atomrt.distributed.messages import StepResult
@@ -27,6 +26,12 @@ from atomrt.runtime.driver.outputs import RequestOutput, make_request_output, me
 from atomrt.runtime.driver.planner import RankPlanner, make_plan
 from atomrt.runtime.driver.prompt_logprobs import apply_prompt_logprobs
 from atomrt.runtime.driver.proposers import check_speculation
+from atomrt.runtime.driver.request import (
+    EngineRequest,
+    bind_add_request,
+    fit_to_context,
+    step_logprobs,
+)
 from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
 from atomrt.runtime.driver.speculation import make_speculation, sampled_tokens
@@ -49,34 +54,6 @@ logger = logging.getLogger(__name__)
 
 Prompt = PromptType
 IDLE_GRAMMAR_WAIT_S = 0.02  # an engine with only grammars compiling waits this long per step
-
-
-@dataclass
-class _Request:
-    """One request's sequences (its n samples) and how its outputs go out."""
-
-    dp_rank: int
-    seqs: list[Sequence]
-    prompt: Optional[str]  # the prompt text, when it came as text
-    stream: bool  # a delta output (of the samples with new tokens) every step it produced one
-    cumulative: bool = False  # else: every sample's whole output so far, every step
-
-    @property
-    def all_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
-
-    def final_output(self) -> RequestOutput:
-        """Every sample's whole output (a request that is not streamed, once all have finished)."""
-        outputs = [make_request_output(s, self.prompt) for s in self.seqs]
-        return merge_request_outputs(outputs, finished=True)
-
-    def delta_output(self, seqs: list[Sequence]) -> RequestOutput:
-        """The new tokens of `seqs` (samples of this request, by index) in one output, which is
-        `finished` once every sample is: a streamed request's output of one step."""
-        deltas = [make_request_output(s, self.prompt, delta=True) for s in seqs]
-        if len(self.seqs) == 1:
-            return deltas[0]
-        return merge_request_outputs(deltas, finished=self.all_finished)
 
 
 class EngineDeadError(RuntimeError):
@@ -176,7 +153,7 @@ class LLMEngine:
         self.dead: Optional[str] = None  # why the engine stopped (a worker failed)
         self._guard = InterruptGuard()
         self._ids = itertools.count()
-        self._requests: dict[str, _Request] = {}  # running or waiting, by request id
+        self._requests: dict[str, EngineRequest] = {}  # running or waiting, by request id
         self.stats = EngineStats()
         if self.speculation is not None:
             self.stats.spec_decode = self.speculation.stats
@@ -198,7 +175,7 @@ class LLMEngine:
 
         A prompt is a string, a list of token ids, `{"prompt": text}` or
         `{"prompt_token_ids": ids}` (atomrt.runtime.inputs)."""
-        prompt, params, request_id, kind = _bind_add_request(args, kwargs)
+        prompt, params, request_id, kind = bind_add_request(args, kwargs)
         self._check_alive()
         with self._guard.critical():
             return self._add(prompt, params, request_id, kind)
@@ -218,7 +195,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running")
         token_ids, prompt_text = parse_prompt(prompt, self.tokenizer)
         if isinstance(params, SamplingParams):
-            token_ids, params = self._fit_to_context(token_ids, params)
+            token_ids, params = fit_to_context(token_ids, params, self.max_model_len)
         check_request(token_ids, params, self.limits, self.max_model_len)
         bad_words = tokenize_bad_words(params.bad_words, self.tokenizer)
         grammar = self.grammars.prepare(params)  # structured outputs: compiling on a thread
@@ -251,26 +228,8 @@ class LLMEngine:
         else:
             stream = kind is RequestOutputKind.DELTA
             cumulative = kind is RequestOutputKind.CUMULATIVE
-        self._requests[request_id] = _Request(dp_rank, seqs, prompt_text, stream, cumulative)
+        self._requests[request_id] = EngineRequest(dp_rank, seqs, prompt_text, stream, cumulative)
         return request_id
-
-    def _fit_to_context(
-        self, token_ids: list[int], params: SamplingParams
-    ) -> tuple[list[int], SamplingParams]:
-        """`truncate_prompt_tokens` (keep the prompt's last k tokens; -1: max_model_len) and
-        `max_tokens=None` (as many as the context leaves), as vLLM reads them."""
-        k = params.truncate_prompt_tokens
-        if k is not None:
-            k = self.max_model_len if k == -1 else k
-            if k > self.max_model_len:
-                raise ValueError(
-                    f"truncate_prompt_tokens: {k} exceeds max_model_len={self.max_model_len}"
-                )
-            token_ids = token_ids[-k:]
-        if params.max_tokens is None:
-            room = max(self.max_model_len - len(token_ids), 1)
-            params = dataclasses.replace(params, max_tokens=room)
-        return token_ids, params
 
     def abort(self, request_id: str) -> None:
         """End a request now: its KV blocks are freed, and the next `step()` returns its final
@@ -396,7 +355,7 @@ class LLMEngine:
             if res.prompt_logprobs is not None:
                 starts = {r.seq.seq_id: (r.seq, r.num_computed_tokens) for r in out.scheduled}
                 apply_prompt_logprobs(res.prompt_logprobs, starts, self.tokenizer)
-            finished = self.schedulers[dp_rank].postprocess(out, sampled, _logprobs(res, out))
+            finished = self.schedulers[dp_rank].postprocess(out, sampled, step_logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
             self.grammars.finished(finished)
             for row in out.scheduled:
@@ -513,79 +472,7 @@ class LLMEngine:
         self.grammars.shutdown()
 
 
-def _bind_add_request(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, Any, Any, Union[bool, RequestOutputKind]]:
-    """(prompt, params, request_id, output kind) of either form of `add_request`."""
-    # vLLM's form starts (request id, prompt); the older one (prompt, params or None)
-    vllm_form = "prompt" in kwargs
-    if len(args) >= 2 and "request_id" not in kwargs and isinstance(args[0], str):
-        vllm_form = not isinstance(args[1], SamplingParams) and args[1] is not None
-    if not vllm_form:
-        names = ("prompt", "params", "request_id", "stream")
-        if len(args) > len(names):
-            raise TypeError(f"add_request: at most {len(names)} arguments")
-        bound = dict(zip(names, args))
-        for key, value in kwargs.items():
-            if key not in names or key in bound:
-                raise TypeError(f"add_request: unexpected or repeated argument {key!r}")
-            bound[key] = value
-        if "prompt" not in bound:
-            raise TypeError("add_request: missing the prompt")
-        stream = bound.get("stream", False)
-        return bound["prompt"], bound.get("params"), bound.get("request_id"), bool(stream)
-    names = (
-        "request_id",
-        "prompt",
-        "params",
-        "arrival_time",
-        "lora_request",
-        "tokenization_kwargs",
-        "trace_headers",
-        "priority",
-    )
-    if len(args) > len(names):
-        raise TypeError(f"add_request: at most {len(names)} arguments")
-    bound = dict(zip(names, args))
-    for key, value in kwargs.items():
-        if key not in names or key in bound:
-            raise TypeError(f"add_request: unexpected or repeated argument {key!r}")
-        bound[key] = value
-    for key in ("request_id", "prompt"):
-        if key not in bound:
-            raise TypeError(f"add_request: missing {key}")
-    if bound.get("lora_request") is not None:
-        raise ValueError("lora_request: atomrt serves no LoRA adapters")
-    if bound.get("tokenization_kwargs"):
-        raise ValueError("tokenization_kwargs: not supported (use truncate_prompt_tokens)")
-    if bound.get("priority", 0) != 0:
-        raise ValueError("priority: atomrt schedules first come, first served (priority 0 only)")
-    params = bound.get("params")
-    kind = (
-        params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
-    )
-    return bound["prompt"], params, bound["request_id"], kind
-
-
 def _shape(out: SchedulerOutput) -> BatchShape:
     if out.is_empty:
         return BatchShape.idle()
     return BatchShape(out.num_seqs, out.num_tokens, out.max_seqlen_q, out.is_prefill)
-
-
-def _logprobs(res: StepResult, out: SchedulerOutput) -> Optional[dict[int, dict[int, float]]]:
-    """seq_id -> {token id: logprob}: the sampled token plus the request's own top-`logprobs`
-    (the worker sends the batch's largest k for every row)."""
-    if res.logprobs is None:
-        return None
-    wanted = {r.seq.seq_id: r.seq.sampling_params.logprobs for r in out.scheduled}
-    rows: dict[int, dict[int, float]] = {}
-    for i, (seq_id, tok) in enumerate(zip(res.seq_ids.tolist(), res.sampled_token_ids.tolist())):
-        k = wanted.get(seq_id)
-        if k is None:
-            continue
-        top_ids, top_lps = res.top_logprob_ids[i, :k].tolist(), res.top_logprobs[i, :k].tolist()
-        row = {int(t): float(lp) for t, lp in zip(top_ids, top_lps)}
-        row[int(tok)] = float(res.logprobs[i])
-        rows[seq_id] = row
-    return rows
