@@ -38,7 +38,6 @@ from atomrt.compile.decorators import compile_model
 from atomrt.distributed.communication_op import TPInfo, tp_broadcast
 from atomrt.graphs.buckets import capture_order
 from atomrt.runtime.config import Config
-from atomrt.runtime.decision import ForwardDecision
 from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
 from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.loading.loader import load_model
@@ -52,8 +51,7 @@ from atomrt.workers.runner.kv_cache import (
 )
 from atomrt.workers.runner.sampler import SamplingTensors, greedy_argmax, seeded_noise_
 from atomrt.workers.runner.step_buffers import RunnerShape
-from atomrt.workers.runner.token_pool import TokenPool
-from atomrt.workers.spec_decode.proposer import ProposerSetup, WorkerProposer
+from atomrt.workers.spec_decode.proposer import ProposerSetup, StepToDraft, WorkerProposer
 from atomrt.workers.spec_decode.recordings import DraftRecordings
 from atomrt.workers.spec_decode.rejection_sampler import select_rows, target_probs
 
@@ -414,18 +412,13 @@ class DraftModelWorkerProposer(WorkerProposer):
     def take_eager_passes(self) -> int:
         return self.drafter.recordings.take_eager_passes() if self.drafter is not None else 0
 
-    def prepare(
-        self,
-        inputs: StepInputs,
-        sampling: SamplingTensors,
-        tokens: Optional[TokenPool],
-        decision: Optional[ForwardDecision],
-    ) -> Optional[torch.Tensor]:
+    def prepare(self, step: StepToDraft) -> Optional[torch.Tensor]:
         draft_probs = None
+        pool = step.tokens.draft_tokens
         if self.drafter is not None:
             self.timer.start()
-            draft_probs = self.drafter.propose(inputs, sampling, tokens.draft_tokens)
+            draft_probs = self.drafter.propose(step.inputs, step.sampling, pool)
             self.timer.stop()
-        if inputs.num_draft_tokens is not None:
-            tp_broadcast(tokens.draft_tokens[: inputs.num_tokens], self.tp)
+        if step.inputs.num_draft_tokens is not None:
+            tp_broadcast(pool[: step.inputs.num_tokens], self.tp)
         return draft_probs

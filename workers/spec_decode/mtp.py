@@ -50,9 +50,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from atomrt.distributed.communication_op import DPInfo, tp_broadcast
+from atomrt.distributed.communication_op import tp_broadcast
 from atomrt.graphs.buckets import capture_order
-from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.forward_context import (
     AttentionMetaData,
@@ -62,9 +61,13 @@ from atomrt.runtime.forward_context import (
 )
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.sampler import SamplingTensors, greedy_argmax
-from atomrt.workers.runner.step_buffers import RunnerShape, write_padded
-from atomrt.workers.runner.token_pool import TokenPool
-from atomrt.workers.spec_decode.proposer import ProposerSetup, TargetStep, WorkerProposer
+from atomrt.workers.runner.step_buffers import write_padded
+from atomrt.workers.spec_decode.proposer import (
+    ProposerSetup,
+    StepToDraft,
+    TargetStep,
+    WorkerProposer,
+)
 from atomrt.workers.spec_decode.recordings import DraftRecordings
 
 
@@ -99,20 +102,13 @@ class _Staging:
 
 
 class MTPDrafter:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        config: Config,
-        device: torch.device,
-        shape: RunnerShape,
-        graphs_enabled: bool,
-        dp: DPInfo,
-    ) -> None:
-        """`model`: the target (a DeepseekForCausalLM built with its `mtp` layers)."""
+    def __init__(self, setup: ProposerSetup) -> None:
+        """`setup.model`: the target (a DeepseekForCausalLM built with its `mtp` layers)."""
+        model, config, device, shape = setup.model, setup.config, setup.device, setup.shape
+        graphs_enabled, self.dp = setup.graphs_enabled, setup.dp
         self.mtp = model.mtp
         self.config = config
         self.k = config.speculative_config.num_speculative_tokens
-        self.dp = dp
         self.block_size, self.max_model_len = shape.block_size, shape.max_model_len
         n, s = shape.max_num_tokens, shape.max_num_seqs
         hidden, dtype = model.arch.hidden_size, next(model.parameters()).dtype
@@ -405,9 +401,7 @@ class MTPWorkerProposer(WorkerProposer):
 
     def __init__(self, setup: ProposerSetup) -> None:
         super().__init__(setup)
-        self.drafter = MTPDrafter(
-            setup.model, setup.config, setup.device, setup.shape, setup.graphs_enabled, setup.dp
-        )
+        self.drafter = MTPDrafter(setup)
 
     @property
     def next_drafts(self) -> int:
@@ -420,21 +414,11 @@ class MTPWorkerProposer(WorkerProposer):
     def take_eager_passes(self) -> int:
         return self.drafter.recordings.take_eager_passes()
 
-    def prepare(
-        self,
-        inputs: StepInputs,
-        sampling: SamplingTensors,
-        tokens: Optional[TokenPool],
-        decision: Optional[ForwardDecision],
-    ) -> None:
-        self.drafter.stage(inputs, decision)
-        return None
+    def prepare(self, step: StepToDraft) -> None:
+        self.drafter.stage(step.inputs, step.decision)
 
     def after_sample(
-        self,
-        step: TargetStep,
-        packed: Optional[torch.Tensor],
-        sampling: SamplingTensors,
+        self, step: TargetStep, packed: Optional[torch.Tensor], sampling: SamplingTensors
     ) -> Optional[torch.Tensor]:
         # every rank drafts from TP rank 0's tokens, unless each rank sampled them alike (a
         # grammar masks rank 0's rows only: its greedy tokens differ from the other ranks')

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
+from torch import Tensor
 
 from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.runtime.config import Config
@@ -96,6 +97,15 @@ class TargetStep:
     kv_cache: dict[str, Any]
 
 
+class StepToDraft(NamedTuple):
+    """A step as a proposer's `prepare` sees it, before the target's forward."""
+
+    inputs: StepInputs
+    sampling: SamplingTensors
+    tokens: Optional[TokenPool]  # the runner's (with `drafts_in_pool`: the draft rows read it)
+    decision: Optional[ForwardDecision]
+
+
 @dataclass(frozen=True)
 class ProposerSetup:
     """What a worker proposer is built from: the runner's."""
@@ -148,23 +158,14 @@ class WorkerProposer:
 
     # ---------------------------------------------------------------- one step
 
-    def prepare(
-        self,
-        inputs: StepInputs,
-        sampling: SamplingTensors,
-        tokens: Optional[TokenPool],
-        decision: Optional[ForwardDecision],
-    ) -> Optional[torch.Tensor]:
+    def prepare(self, step: StepToDraft) -> Optional[Tensor]:
         """Before the target's forward. Returns the drafts' distributions `q` (float32
         [sum(k_s), vocab], request by request) when the method drew sampled drafts, else None."""
         return None
 
     def after_sample(
-        self,
-        step: TargetStep,
-        packed: Optional[torch.Tensor],
-        sampling: SamplingTensors,
-    ) -> Optional[torch.Tensor]:
+        self, step: TargetStep, packed: Optional[Tensor], sampling: SamplingTensors
+    ) -> Optional[Tensor]:
         """After the step's tokens are sampled (`next_drafts` > 0): each sampled request's drafts
         for its next step, int64 [n, next_drafts] (None without sampled requests). `packed`: the
         step's packed tokens [n, k + 2] (None on an idle DP rank, which runs the passes all the

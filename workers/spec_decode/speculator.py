@@ -44,7 +44,12 @@ from atomrt.workers.runner.token_pool import TokenPool
 from atomrt.workers.spec_decode.draft_model import DraftModelWorkerProposer
 from atomrt.workers.spec_decode.mtp import MTPWorkerProposer
 from atomrt.workers.spec_decode.ngram import NgramWorkerProposer
-from atomrt.workers.spec_decode.proposer import ProposerSetup, TargetStep, WorkerProposer
+from atomrt.workers.spec_decode.proposer import (
+    ProposerSetup,
+    StepToDraft,
+    TargetStep,
+    WorkerProposer,
+)
 from atomrt.workers.spec_decode.rejection_sampler import rejection_sample, select_rows
 
 WORKER_PROPOSERS: dict[str, type[WorkerProposer]] = {
@@ -130,7 +135,7 @@ class Speculator:
         `tokens.draft_tokens` at their row; an MTP drafter stages its passes' host data), then
         the step's drafts described; None when no row verifies any. `decision`: the step's
         ForwardDecision."""
-        draft_probs = self.proposer.prepare(inputs, sampling, tokens, decision)
+        draft_probs = self.proposer.prepare(StepToDraft(inputs, sampling, tokens, decision))
         if inputs.num_draft_tokens is None:
             return None
         k_s = inputs.num_draft_tokens[inputs.sample_seq_idx]
