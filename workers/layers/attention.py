@@ -26,6 +26,7 @@ from atomrt.workers.layers.attention_ref import (
     paged_attention_ref,
     write_kv_cache_ref,
 )
+from atomrt.workers.layers.kv_spec import KVLayerSpec
 from atomrt.workers.layers.paged_rows import returns_nothing
 from atomrt.workers.layers.rotary import RotaryEmbedding
 
@@ -279,6 +280,11 @@ class PagedAttentionLayer(nn.Module):
     kv_scale_source: str = "unit"  # unit | checkpoint | calibrated
     kv_amax: Optional[Any] = None
 
+    def kv_cache_spec(self) -> Any:
+        """What the layer keeps per token in the cache, and how its entry is allocated
+        (workers/layers/kv_spec.py)."""
+        raise NotImplementedError(f"{type(self).__name__} states no kv_cache_spec()")
+
 
 class Attention(PagedAttentionLayer):
     """Attention over the paged KV cache, per rank: num_heads / num_kv_heads are this rank's heads.
@@ -303,6 +309,9 @@ class Attention(PagedAttentionLayer):
         self.head_dim = head_dim
         self.scale = scale
         self.rotary = rotary
+
+    def kv_cache_spec(self) -> KVLayerSpec:
+        return KVLayerSpec(self.layer_idx, self.num_kv_heads, self.head_dim)
 
     def forward(
         self,

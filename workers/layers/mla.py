@@ -31,6 +31,7 @@ from atomrt.graphs.markers import eager_region
 from atomrt.runtime.forward_context import get_forward_context
 from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
 from atomrt.workers.layers.attention_ref import copy_rows
+from atomrt.workers.layers.kv_spec import MLALayerSpec
 from atomrt.workers.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -214,6 +215,9 @@ class MLAAttention(PagedAttentionLayer):
         h = self.num_heads
         self.register_buffer("w_uk", torch.empty(h, qk_nope_head_dim, kv_lora_rank), False)
         self.register_buffer("w_uv", torch.empty(h, kv_lora_rank, v_head_dim), False)
+
+    def kv_cache_spec(self) -> MLALayerSpec:
+        return MLALayerSpec(self.layer_idx, self.kv_lora_rank, self.qk_rope_head_dim)
 
     def process_weights_after_loading(self) -> None:
         """W_UK [heads, qk_nope, kv_lora_rank] and W_UV [heads, kv_lora_rank, v_head_dim] from

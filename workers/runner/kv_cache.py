@@ -1,11 +1,7 @@
-"""The paged KV cache: one entry per attention layer, shaped by the layer's kind, and its sizing.
-
-Layouts (docs/architecture.md), every kind indexed by the same block tables and slots:
-- attention: a (k_cache, v_cache) pair, each [num_blocks, block_size, num_kv_heads, head_dim];
-- mla (multi-head latent attention): one `kv_cache` [num_blocks, block_size, kv_lora_rank +
-  qk_rope_head_dim], a row per token: the normalised latent, then the rotated key part. It is the
-  same on every TP rank (one latent head, which TP does not split).
-A model may mix kinds: each layer has its own spec, and a block's bytes are the sum of its layers'.
+"""The paged KV cache: one entry per paged attention layer, laid out by the spec the layer states
+(`kv_cache_spec()`: workers/layers/kv_spec.py, and the kinds that state their own), and its
+sizing. Every kind is indexed by the same block tables and slots. A model may mix kinds: each
+layer has its own spec, and a block's bytes are the sum of its layers'.
 """
 
 from __future__ import annotations
@@ -16,50 +12,15 @@ from typing import TYPE_CHECKING, Optional, Union
 import torch
 from torch import nn
 
-from atomrt.workers.layers.attention import Attention
-from atomrt.workers.layers.mla import MLAAttention
+from atomrt.workers.layers.kv_spec import (
+    KVCacheTensor,
+    KVLayerSpec,
+    MLAKVCacheTensor,
+    MLALayerSpec,
+)
 
 if TYPE_CHECKING:
     from atomrt.workers.runner.kv_scales import KVScales
-
-
-@dataclass
-class KVCacheTensor:
-    layer_idx: int
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-
-
-@dataclass
-class MLAKVCacheTensor:
-    layer_idx: int
-    kv_cache: torch.Tensor  # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
-
-
-@dataclass(frozen=True)
-class KVLayerSpec:
-    """An attention layer's cache: keys and values per KV head."""
-
-    layer_idx: int
-    num_kv_heads: int  # on this rank
-    head_dim: int
-    kind = "attention"
-
-    def elements_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim
-
-
-@dataclass(frozen=True)
-class MLALayerSpec:
-    """A latent-attention layer's cache: one latent row per token, replicated over TP ranks."""
-
-    layer_idx: int
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    kind = "mla"
-
-    def elements_per_token(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 LayerSpec = Union[KVLayerSpec, MLALayerSpec]
@@ -79,14 +40,9 @@ def kv_layer_specs(layers: dict[int, nn.Module]) -> list[LayerSpec]:
     """The cache spec of each paged layer (`collect_attention_layers`), in layer order."""
     specs: list[LayerSpec] = []
     for i, layer in sorted(layers.items()):
-        if hasattr(layer, "kv_cache_spec"):  # a layer with its own rows (DeepSeek-V4, V3.2)
-            specs.append(layer.kv_cache_spec())
-        elif isinstance(layer, MLAAttention):
-            specs.append(MLALayerSpec(i, layer.kv_lora_rank, layer.qk_rope_head_dim))
-        elif isinstance(layer, Attention):
-            specs.append(KVLayerSpec(i, layer.num_kv_heads, layer.head_dim))
-        else:
-            raise TypeError(f"layer {i}: {type(layer).__name__} has no KV cache layout")
+        if not hasattr(layer, "kv_cache_spec"):
+            raise TypeError(f"layer {i}: {type(layer).__name__} states no kv_cache_spec()")
+        specs.append(layer.kv_cache_spec())
     return specs
 
 
@@ -132,22 +88,7 @@ def allocate_kv_cache(
         prepare_decode_counters(device)
     caches: dict[str, CacheEntry] = {}
     for s in specs:
-        if hasattr(s, "allocate"):
-            caches[f"layers.{s.layer_idx}"] = s.allocate(num_blocks, block_size, dtype, device)
-            continue
-        if isinstance(s, MLALayerSpec):
-            shape = (num_blocks, block_size, s.elements_per_token())
-            entry: CacheEntry = MLAKVCacheTensor(
-                s.layer_idx, torch.zeros(shape, dtype=dtype, device=device)
-            )
-        else:
-            shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
-            entry = KVCacheTensor(
-                s.layer_idx,
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-        caches[f"layers.{s.layer_idx}"] = entry
+        caches[f"layers.{s.layer_idx}"] = s.allocate(num_blocks, block_size, dtype, device)
     return caches
 
 
