@@ -96,16 +96,6 @@ def _routed_experts_impl(
     return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
 
 
-def _routed_experts_fake(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
 def _fused_moe_impl(
     x: torch.Tensor,
     router_logits: torch.Tensor,
@@ -119,21 +109,15 @@ def _fused_moe_impl(
     return _routed_experts_impl(x, topk_weights, topk_ids, w13, w2)
 
 
-def _fused_moe_fake(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-) -> torch.Tensor:
+def _experts_output_fake(x: torch.Tensor, *routing_and_experts: object) -> torch.Tensor:
+    """Both ops' output: one row per row of x."""
     return torch.empty_like(x)
 
 
 # Opaque to Dynamo: the CPU loop has data-dependent shapes, and the kernel picks its launch per call.
-direct_register_custom_op("fused_moe", _fused_moe_impl, fake_impl=_fused_moe_fake)
+direct_register_custom_op("fused_moe", _fused_moe_impl, fake_impl=_experts_output_fake)
 # The experts alone, for a routing computed outside the op (DeepSeekMoE's grouped top-k).
-direct_register_custom_op("routed_experts", _routed_experts_impl, fake_impl=_routed_experts_fake)
+direct_register_custom_op("routed_experts", _routed_experts_impl, fake_impl=_experts_output_fake)
 
 
 def fused_moe(
