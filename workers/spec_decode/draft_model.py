@@ -108,21 +108,7 @@ class DraftModel:
         self.attn_layers = collect_attention_layers(self.model)
         self.kv_cache: dict[str, CacheEntry] = {}
         self.block_size = config.cache_config.block_size
-        n, s, max_blocks_per_seq = (
-            shape.max_num_tokens,
-            shape.max_num_seqs,
-            shape.max_blocks_per_seq,
-        )
-        self.buffers = {
-            "input_ids": torch.zeros(n, dtype=torch.int64, device=device),
-            "positions": torch.zeros(n, dtype=torch.int64, device=device),
-            "slot_mapping": torch.full((n,), -1, dtype=torch.int64, device=device),
-            "cu_seqlens_q": torch.zeros(s + 1, dtype=torch.int32, device=device),
-            "context_lens": torch.zeros(s, dtype=torch.int32, device=device),
-            "block_tables": torch.full(
-                (s, max_blocks_per_seq), -1, dtype=torch.int32, device=device
-            ),
-        }
+        self.buffers = shape.step_inputs(device)  # its own static step buffers, the target's kind
         self.recordings = DraftRecordings(graphs_enabled)  # one DraftGraph: every pass's
         self._warm_up()
 
