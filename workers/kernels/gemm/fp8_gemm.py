@@ -29,6 +29,23 @@ import triton.language as tl
 FP8_MAX = tl.constexpr(448.0)  # a kernel reads only constexpr globals (compiled, not interpreted)
 MIN_SCALE = tl.constexpr(1e-12)
 SKINNY_M = 8  # at most this many rows take the broadcast inner product
+# the fused decode path (`w8a8_skinny`): K elements per loop step, fp32 products per step
+# (BLOCK_N * BLOCK_M * BLOCK_K), warps and pipeline stages per program
+SKINNY_BLOCK_K = 512
+SKINNY_PRODUCTS = 8192
+SKINNY_WARPS = 4
+SKINNY_STAGES = 3
+
+
+@triton.jit
+def _quantize_row(x_row, q_row, K, scale, BLOCK: tl.constexpr):
+    """A row's K features over `scale`, saturated to e4m3, into q (BLOCK at a time)."""
+    offs = tl.arange(0, BLOCK)
+    for k in range(0, tl.cdiv(K, BLOCK)):
+        o = k * BLOCK + offs
+        x = tl.load(x_row + o, mask=o < K, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_row + o, q.to(q_row.dtype.element_ty), mask=o < K)
 
 
 @triton.jit
@@ -52,11 +69,7 @@ def fp8_quant_kernel(
     q_row = q_ptr + row * stride_qm
     if STATIC:
         scale = tl.load(static_ptr).to(tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK)):
-            o = k * BLOCK + offs
-            x = tl.load(x_row + o, mask=o < K, other=0.0).to(tl.float32)
-            q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-            tl.store(q_row + o, q.to(q_ptr.dtype.element_ty), mask=o < K)
+        _quantize_row(x_row, q_row, K, scale, BLOCK)
         tl.store(s_ptr + row * stride_sm, scale)
     elif GROUP > 0:
         o = g * GROUP + offs
@@ -73,11 +86,7 @@ def fp8_quant_kernel(
             x = tl.load(x_row + o, mask=o < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
-        for k in range(0, tl.cdiv(K, BLOCK)):
-            o = k * BLOCK + offs
-            x = tl.load(x_row + o, mask=o < K, other=0.0).to(tl.float32)
-            q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
-            tl.store(q_row + o, q.to(q_ptr.dtype.element_ty), mask=o < K)
+        _quantize_row(x_row, q_row, K, scale, BLOCK)
         tl.store(s_ptr + row * stride_sm, scale)
 
 
@@ -215,6 +224,134 @@ def w8a8_gemm(
     return c
 
 
+@triton.jit
+def w8a8_skinny_kernel(
+    x_ptr,
+    b_ptr,
+    b_s_ptr,
+    static_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_bn,
+    stride_bsn,
+    stride_cm,
+    GROUP: tl.constexpr,  # features per scale of x and of b's rows; 0: one scale per row
+    STATIC: tl.constexpr,  # x's scale is *static_ptr (GROUP 0 only)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of GROUP
+    NUM_STAGES: tl.constexpr,
+):
+    """Decode rows: c[:, cols] = quant(x) @ (b * b_s)^T in one launch, x quantized to e4m3 in
+    registers exactly as `fp8_quant_kernel` quantizes it (same scales, same rounding), each
+    element then carried dequantized (q * scale) into the broadcast product, so that no quantized
+    copy of x goes through memory. One program per BLOCK_N columns, every row."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    n_mask = cols < N
+    m_mask = rows < M
+    b_rows = b_ptr + cols.to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if GROUP > 0:
+        NG: tl.constexpr = BLOCK_K // GROUP
+        gs = tl.arange(0, NG)
+        kk = gs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP]
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k_mask = (k0 + kk < K)[None, :, :]
+            w = tl.load(
+                b_rows[:, None, None] + k0 + kk[None, :, :],
+                mask=n_mask[:, None, None] & k_mask,
+                other=0.0,
+            )  # [BLOCK_N, NG, GROUP]
+            b_s = tl.load(
+                b_s_ptr + cols[:, None] * stride_bsn + k0 // GROUP + gs[None, :],
+                mask=n_mask[:, None] & (k0 + gs * GROUP < K)[None, :],
+                other=0.0,
+            )  # [BLOCK_N, NG]
+            x = tl.load(
+                x_ptr + rows[:, None, None] * stride_xm + k0 + kk[None, :, :],
+                mask=m_mask[:, None, None] & k_mask,
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_M, NG, GROUP]
+            a_s = tl.maximum(tl.max(tl.abs(x), axis=2) / FP8_MAX, MIN_SCALE)[:, :, None]
+            xq = tl.clamp(x / a_s, -FP8_MAX, FP8_MAX).to(tl.float8e4nv).to(tl.float32) * a_s
+            wd = w.to(tl.float32) * b_s[:, :, None]
+            acc += tl.sum(tl.sum(wd[:, None, :, :] * xq[None, :, :, :], axis=3), axis=2)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + rows[:, None] * stride_xm
+        if STATIC:
+            a_s = tl.load(static_ptr).to(tl.float32) + tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+        else:  # the row's amax first: x is a few KB, read again below from L1 / L2
+            amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x = tl.load(
+                    x_rows + k0 + ks[None, :], mask=m_mask[:, None] & (k0 + ks < K)[None, :]
+                )
+                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+            a_s = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)[:, None]
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k_mask = (k0 + ks < K)[None, :]
+            w = tl.load(
+                b_rows[:, None] + k0 + ks[None, :], mask=n_mask[:, None] & k_mask, other=0.0
+            )
+            x = tl.load(x_rows + k0 + ks[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
+            xq = tl.clamp(x.to(tl.float32) / a_s, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+            prod = w.to(tl.float32)[:, None, :] * xq.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, axis=2)
+        b_s = tl.load(b_s_ptr + cols * stride_bsn, mask=n_mask, other=0.0)
+        acc = acc * b_s[:, None] * tl.reshape(a_s, (1, BLOCK_M))
+    c_ptrs = c_ptr + rows[None, :] * stride_cm + cols[:, None]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def w8a8_skinny(
+    x: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group_k: Optional[int],
+    static_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """x [M, K] (M <= SKINNY_M, float) @ e4m3 b [N, K]^T with scales [N, G] -> [M, N] in x's
+    dtype: `w8a8_fp8_linear`'s result for decode rows, x quantized inside the GEMM's launch."""
+    m, k = x.shape
+    n = b.shape[0]
+    assert b.shape[1] == k and b.stride(1) == 1 and x.stride(1) == 1 and m <= SKINNY_M
+    c = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return c
+    grouped = static_scale is None and group_k is not None and b_scale.shape[1] > 1
+    group = group_k if grouped else 0
+    block_m = triton.next_power_of_2(m)
+    block_k = max(group, min(SKINNY_BLOCK_K, triton.next_power_of_2(k)))
+    block_n = max(4, SKINNY_PRODUCTS // (block_m * block_k))
+    w8a8_skinny_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        b,
+        b_scale,
+        static_scale if static_scale is not None else b_scale,
+        c,
+        m,
+        n,
+        k,
+        x.stride(0),
+        b.stride(0),
+        b_scale.stride(0),
+        c.stride(0),
+        GROUP=group,
+        STATIC=static_scale is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        NUM_STAGES=SKINNY_STAGES,
+        num_warps=SKINNY_WARPS,
+    )
+    return c
+
+
 def w8a8_fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -225,6 +362,8 @@ def w8a8_fp8_linear(
     """x [M, K] @ e4m3 weight [N, K]^T (scales [N, G]) -> [M, N] in x's dtype: x quantized per
     token and group (`group_k`; None: per token) or over the static `input_scale`."""
     x = x.contiguous()
+    if 0 < x.shape[0] <= SKINNY_M:
+        return w8a8_skinny(x, weight, weight_scale, group_k, input_scale)
     q, s = quantize_fp8_triton(x, group_k, input_scale)
     if input_scale is not None and weight_scale.shape[1] > 1:
         s = s.expand(-1, weight_scale.shape[1]).contiguous()  # one scale for every group
