@@ -11,31 +11,14 @@ from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG, load_kv
 
 
 @triton.jit
-def _decode_row(
-    row,
-    num_rows,
-    kvh,
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    positions_ptr,
-    slot_mapping_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    head,
-    row_valid,
-    dims,
-    dim_valid,
-    partner,
-    HAS_ROPE: tl.constexpr,
-):
+def _decode_row(row, num_rows, kvh, ptrs, strides, lanes, HAS_ROPE: tl.constexpr):
     """Loads what the decode kernel reads of query row `row` (row 0 in its place when `row` is past
     the `num_rows` rows, for a guess the caller discards): q of the group's heads, the new key and
-    value of KV head `kvh` (with their rotary partners), its position and cache slot."""
+    value of KV head `kvh` (with their rotary partners), its position and cache slot. `ptrs`,
+    `strides` and `lanes` are the kernel's, as it packs them."""
+    q_ptr, k_ptr, v_ptr, positions_ptr, slot_mapping_ptr = ptrs
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh = strides
+    head, row_valid, dims, dim_valid, partner = lanes
     row = tl.where(row < num_rows, row, 0).to(tl.int64)
     q_mask = row_valid[:, None] & dim_valid[None, :]
     q_src = q_ptr + row * stride_qt + head[:, None] * stride_qh
@@ -161,52 +144,17 @@ def decode_attention_kernel(
     if USE_PDL:  # before any return: a kernel may not finish before the one it waits on
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    ptrs = (q_ptr, k_ptr, v_ptr, positions_ptr, slot_mapping_ptr)
+    strides = (stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh)
+    lanes = (head, row_valid, dims, dim_valid, partner)
     q, q_partner, k_new, k_partner, v_new, slot, pos = _decode_row(
-        seq,
-        num_rows,
-        kvh,
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        positions_ptr,
-        slot_mapping_ptr,
-        stride_qt,
-        stride_qh,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        head,
-        row_valid,
-        dims,
-        dim_valid,
-        partner,
-        HAS_ROPE,
+        seq, num_rows, kvh, ptrs, strides, lanes, HAS_ROPE
     )
     if q_end <= q_start:  # a padded sequence: no row
         return
     if q_start != seq:  # the guess was wrong (a sequence before this one has no row): reload
         q, q_partner, k_new, k_partner, v_new, slot, pos = _decode_row(
-            q_start,
-            num_rows,
-            kvh,
-            q_ptr,
-            k_ptr,
-            v_ptr,
-            positions_ptr,
-            slot_mapping_ptr,
-            stride_qt,
-            stride_qh,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            head,
-            row_valid,
-            dims,
-            dim_valid,
-            partner,
-            HAS_ROPE,
+            q_start, num_rows, kvh, ptrs, strides, lanes, HAS_ROPE
         )
     row = q_start.to(tl.int64)
     num_old = context_len - 1  # keys already in the cache; the new one sits at position num_old
