@@ -131,6 +131,31 @@ def test_every_method_has_one_proposer():
         assert proposer.recompute_last_hit == proposer.needs_next_tokens == (method == "mtp")
 
 
+def test_every_method_has_one_worker_proposer():
+    """Each method also has its worker half, registered under the same name and built by one
+    factory: only a draft model's drafts are written into the token pool on the workers, and the
+    n-gram worker half has nothing to do (its drafts come in the plan)."""
+    import torch
+
+    from atomrt.distributed.communication_op import DPInfo, TPInfo
+    from atomrt.workers.runner.step_buffers import RunnerShape
+    from atomrt.workers.spec_decode.ngram import NgramWorkerProposer
+    from atomrt.workers.spec_decode.proposer import ProposerSetup
+    from atomrt.workers.spec_decode.speculator import WORKER_PROPOSERS, make_worker_proposer
+
+    assert set(WORKER_PROPOSERS) == set(SPEC_METHODS)
+    for method, cls in WORKER_PROPOSERS.items():
+        assert cls.method == PROPOSERS[method].method == method
+        assert cls.drafts_in_pool == (method == "draft_model")
+    shape = RunnerShape(max_model_len=256, block_size=16, max_num_seqs=4, max_num_tokens=64)
+    config = Config(speculative_config=NGRAM, device="cpu")
+    cpu = torch.device("cpu")
+    setup = ProposerSetup(config, cpu, torch.float32, TPInfo(), DPInfo(), shape, False)
+    ngram = make_worker_proposer(setup)
+    assert type(ngram) is NgramWorkerProposer and ngram.k == 3
+    assert ngram.next_drafts == ngram.kv_bytes_per_block() == ngram.take_eager_passes() == 0
+
+
 def test_two_batch_overlap_does_not_split_verify_steps():
     with pytest.raises(ConfigError, match="enable_tbo"):
         Config(speculative_config=NGRAM, parallel_config=ParallelConfig(enable_tbo="all"))
