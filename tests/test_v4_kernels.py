@@ -116,6 +116,41 @@ def test_sparse_attention_matches_float64(num_heads: int, num_keys: int) -> None
         assert torch.allclose(out[i].double(), probs @ keys, atol=1e-5, rtol=1e-5)
 
 
+def check_kernels_read_e4m3_rows(device: str) -> None:
+    """Each kernel over an e4m3 cache (kv_cache_dtype fp8) gives what it gives over the same rows
+    widened to float32: the loads widen, the arithmetic is float32 either way."""
+    g = torch.Generator(device=device).manual_seed(0)
+    num_slots, d, rate = 64, 32, 4
+    width = 2 * (2 * d) + d  # kv, gate (overlapping windows: 2 * d each), an entry
+    rows8 = torch.randn(num_slots, width, device=device, generator=g).to(torch.float8_e4m3fn)
+    rows32 = rows8.float()
+    slots = torch.randint(0, num_slots, (5, 2 * rate), device=device, generator=g)
+    windows = torch.arange(5, device=device)
+    ape = torch.randn(rate, 2 * d, device=device, generator=g)
+    norm = torch.randn(d, device=device, generator=g)
+    pooled = [
+        v4_pool(rows, slots, windows, ape, norm, 0, 2 * d, 1e-6, True, rows32.new_empty(5, d))
+        for rows in (rows8, rows32)
+    ]
+    torch.testing.assert_close(pooled[0], pooled[1], atol=1e-5, rtol=1e-5)
+    iq = torch.randn(5, 4, d, device=device, generator=g)
+    iw = torch.rand(5, 4, device=device, generator=g)
+    entries = torch.randint(-1, num_slots, (5, 9), device=device, generator=g)
+    scores = [v4_index_scores(iq, iw, rows, entries, 4 * d) for rows in (rows8, rows32)]
+    torch.testing.assert_close(scores[0], scores[1], atol=1e-5, rtol=1e-5)
+    q = torch.randn(5, 8, d, device=device, generator=g)
+    offsets = torch.where(entries >= 0, entries * width + 4 * d, -1)
+    sinks = torch.randn(8, device=device, generator=g)
+    out = [torch.empty_like(q) for _ in range(2)]
+    for rows, o in zip((rows8, rows32), out):
+        v4_sparse_attention(q, rows, offsets, sinks, d**-0.5, o)
+    torch.testing.assert_close(out[0], out[1], atol=1e-5, rtol=1e-5)
+
+
+def test_kernels_read_e4m3_rows() -> None:
+    check_kernels_read_e4m3_rows("cpu")
+
+
 @pytest.mark.parametrize("name", ["hca_first", "csa_hca"])
 def test_model_through_the_kernels_matches_transformers(
     name: str, tmp_path, monkeypatch: pytest.MonkeyPatch

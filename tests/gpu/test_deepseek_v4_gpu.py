@@ -10,6 +10,7 @@ Run on the GPU machine: `pytest -m gpu tests/gpu/test_deepseek_v4_gpu.py`.
 import random
 
 import pytest
+import test_v4_kernels as cpu_tier
 import torch
 from test_graph_modes_gpu import check_matches_eager, replay_every_bucket_like_eager
 
@@ -86,3 +87,8 @@ def test_side_stream_graphs_give_eager_tokens(level: int) -> None:
     eager, _ = _tokens(_llm(0, None, enforce_eager=True))
     tokens, info = _tokens(_llm(level, "TR_HYBRID"))
     check_matches_eager(tokens, info, "TR_HYBRID", eager, f"tiny V4 TR_HYBRID level {level}")
+
+
+def test_kernels_read_e4m3_rows() -> None:
+    """kv_cache_dtype fp8 on CUDA: every V4 kernel over an e4m3 cache as over its rows widened."""
+    cpu_tier.check_kernels_read_e4m3_rows("cuda")

@@ -47,6 +47,9 @@ a recomputation after preemption as the keys do; an entry lives in the row of it
 token. A full block's rows are a function of the tokens up to it: prefix caching reuses them.
 Blocks behind the window are not freed (their rows hold the entries). A draft rejected by
 speculative decoding leaves rows that the position's next computation rewrites, entry included.
+An e4m3 cache (kv_cache_dtype fp8) holds the rows at scale 1: they are RMS-normalised keys and
+entries or projections of normalised rows, inside e4m3's normal range, where a per-tensor scale
+does not change the 3-bit mantissa's relative precision; reads widen them.
 
 The ops. A compressed layer first runs `v4_attn_compress_launch` (ahead of its query and key
 projections; a splitting op that a token graph records inline; on CUDA forked onto the model's side

@@ -18,6 +18,7 @@ from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.forward_context import DPMetadata, SpecDecodeMetadata, set_forward_context
 from atomrt.workers.layers.attention import Attention, collect_attention_layers
 from atomrt.workers.layers.mla import MLAAttention
+from atomrt.workers.layers.v4_attention import V4Attention
 from atomrt.workers.loading.loader import load_model
 from atomrt.workers.runner.graph_runner import GraphRunner
 from atomrt.workers.runner.input_batch import StepInputs
@@ -85,12 +86,13 @@ class GrammarMask(NamedTuple):
 
 
 def _check_fp8_cache(config: Config, device: torch.device, layers: dict[int, object]) -> None:
-    """An FP8 KV cache on CUDA needs kernels that read it: the paged attention and MLA ones do;
-    any other layer kind's read the model's dtype only."""
+    """An FP8 KV cache on CUDA needs kernels that read it: the paged attention, MLA and
+    DeepSeek-V4 ones do (V4's widen its e4m3 rows); any other layer kind's read the model's dtype
+    only."""
     kv = config.cache_config.kv_cache_dtype
     if kv not in FP8_KV_DTYPES or device.type != "cuda":
         return
-    supported = (Attention, MLAAttention)
+    supported = (Attention, MLAAttention, V4Attention)
     other = sorted({type(x).__name__ for x in layers.values() if not isinstance(x, supported)})
     if other:
         raise ValueError(
