@@ -102,3 +102,20 @@ def test_fused_moe_fp8_matches_float64(group: Optional[int], num_tokens: int) ->
     err = (y.cpu().double() - ref).abs()
     assert err.max() < 2e-2 * ref.abs().max()
     assert err.mean() < 1e-3 * ref.abs().max()
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("case", ["block", "row", "static", "one-group"])
+def test_fused_decode_rows_quantize_like_the_quant_kernel(m: int, case: str) -> None:
+    """Decode rows (m <= SKINNY_M) quantize x inside the GEMM's launch (`w8a8_skinny`): the
+    float64 product of the quantization kernel's own e4m3 values and scales. K with a partial last
+    group, N with a partial last block; "one-group": K within one 128-feature group."""
+    n, k = (96, 100) if case == "one-group" else (200, 1000)
+    group = None if case in ("row", "static") else 128
+    qw, sw = _weight(n, k, group, seed=6)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).to(DEVICE)
+    static = torch.tensor(0.02, device=DEVICE) if case == "static" else None
+    y = w8a8_fp8_linear(x, qw, sw, static, group)
+    qx, sx = quantize_fp8_triton(x, None if sw.shape[1] == 1 else group, static)
+    ref = _deq64(qx, sx, None if sw.shape[1] == 1 else group) @ _deq64(qw, sw, group).T
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())

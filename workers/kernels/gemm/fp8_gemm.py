@@ -16,6 +16,10 @@ Two kernels:
    epilogue. Decode-sized batches (M <= SKINNY_M) take the broadcast inner product (e4m3 widened
    to float32, multiplied and summed over K: no padding of M to the MMA's 16 rows), the rest
    tl.dot on e4m3 operands (Hopper's FP8 MMA).
+
+`w8a8_fp8_linear` gives decode rows (M <= SKINNY_M) to a third kernel, `w8a8_skinny_kernel`: one
+launch that quantizes x in registers as kernel 1 does and takes the broadcast product, instead of
+two launches and a round trip of the quantized x through memory.
 """
 
 from __future__ import annotations

@@ -1,0 +1,123 @@
+"""FP8 (w8a8) linear layers at decode rows against bf16: GPU µs per call inside a CUDA graph, the
+weights rotated through several copies so that they stream from HBM, for Llama-3.1-8B's and
+DeepSeek-V2-Lite's projections. Rows: bf16 `F.linear` (cuBLAS), the two-launch FP8 path (the
+activation-quantization kernel, then `w8a8_gemm`), and the fused decode path `w8a8_skinny` at its
+default launch and, with --sweep, at other launches; GB/s counts the weight and scale bytes.
+
+`python benchmarks/bench_fp8_gemm.py [--m 1] [--sweep] [--group 128]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from atomrt.workers.kernels.gemm import fp8_gemm
+from atomrt.workers.layers.quantization.fp8 import quantize_fp8
+
+SHAPES = {  # name: (N, K)
+    "8B qkv": (6144, 4096),
+    "8B o": (4096, 4096),
+    "8B gate_up": (28672, 4096),
+    "8B down": (4096, 14336),
+    "V2-Lite q": (3072, 2048),
+    "V2-Lite o": (2048, 2048),
+}
+COPIES = 4  # weight copies cycled through: more bytes than the 50-60 MB of L2
+
+
+def _time_us(fn, calls: int = 20) -> float:
+    """Median µs of one call, from a CUDA graph of `calls` calls cycling the weight copies."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    times = []
+    for _ in range(15):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def _configs(sweep: bool):
+    default = (
+        fp8_gemm.SKINNY_BLOCK_K,
+        fp8_gemm.SKINNY_PRODUCTS,
+        fp8_gemm.SKINNY_WARPS,
+        fp8_gemm.SKINNY_STAGES,
+    )
+    yield default
+    if sweep:
+        for cfg in itertools.product((256, 512, 1024), (4096, 8192, 16384), (2, 4, 8), (1, 3)):
+            if cfg != default:
+                yield cfg
+
+
+def _set(cfg) -> None:
+    (
+        fp8_gemm.SKINNY_BLOCK_K,
+        fp8_gemm.SKINNY_PRODUCTS,
+        fp8_gemm.SKINNY_WARPS,
+        fp8_gemm.SKINNY_STAGES,
+    ) = cfg
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--m", type=int, default=1, help="rows (decode tokens), at most SKINNY_M")
+    p.add_argument("--group", type=int, default=None, help="128: block-scaled weights")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names")
+    p.add_argument("--sweep", action="store_true", help="also other fused launches")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    m, group = args.m, args.group
+    default = next(_configs(False))
+    print(f"m={m} group={group} default (block_k, products, warps, stages) = {default}")
+    print(f"{'shape':12} {'bf16 us':>8} {'2-launch':>9} {'fused':>8} {'GB/s':>6}  best fused")
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        qs = [quantize_fp8(w, group) for w in ws]
+        bf16 = _time_us(lambda i: F.linear(x, ws[i % COPIES]))
+
+        def two_launch(i):
+            q, s = fp8_gemm.quantize_fp8_triton(x, group)
+            w, ws_ = qs[i % COPIES]
+            return fp8_gemm.w8a8_gemm(q, s, w, ws_, group, x.dtype)
+
+        old = _time_us(two_launch)
+        results = []
+        for cfg in _configs(args.sweep):
+            _set(cfg)
+            try:
+                us = _time_us(lambda i: fp8_gemm.w8a8_skinny(x, *qs[i % COPIES], group))
+            except Exception as e:  # a launch that does not fit (shared memory, registers)
+                print(f"  {cfg}: {type(e).__name__}")
+                continue
+            results.append((us, cfg))
+        _set(default)
+        fused = next(us for us, cfg in results if cfg == default)
+        best = min(results)
+        nbytes = n * k + qs[0][1].numel() * 4
+        print(
+            f"{name:12} {bf16:8.2f} {old:9.2f} {fused:8.2f} {nbytes / fused / 1e3:6.0f}  "
+            f"{best[0]:.2f} {best[1]}"
+        )
+
+
+if __name__ == "__main__":
+    main()
