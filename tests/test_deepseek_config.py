@@ -8,7 +8,7 @@ import torch
 
 from atomrt.workers.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from atomrt.workers.loading.presets import preset_config
-from atomrt.workers.models.arch import arch_from_hf_config
+from atomrt.workers.models.registry import arch_from_hf_config
 
 YARN = {
     "type": "yarn",

@@ -23,7 +23,7 @@ from atomrt.runtime.forward_context import set_forward_context
 from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.loading.loader import build_model
 from atomrt.workers.loading.presets import preset_config
-from atomrt.workers.models.arch import arch_from_hf_config
+from atomrt.workers.models.registry import arch_from_hf_config
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.kv_cache import (
     KVCacheTensor,

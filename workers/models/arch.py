@@ -1,8 +1,9 @@
 """`ModelArch`: the shape and settings of a model, whatever file it came from.
 
-Built from a Hugging Face config.json dict (`arch_from_hf_config`), from GGUF metadata
-(workers/loading/gguf.py) or from a preset (workers/loading/presets.py). Models are constructed
-from it alone.
+Built from a Hugging Face config.json dict (`arch_from_hf_config`, workers/models/registry.py),
+from GGUF metadata (workers/loading/gguf.py) or from a preset (workers/loading/presets.py).
+Models are constructed from it alone. `moe_fields` reads the Qwen-MoE / Mixtral experts' fields
+of a config.json.
 """
 
 from __future__ import annotations
@@ -10,35 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from atomrt.workers.layers.quantization.fp8 import Fp8Config
-from atomrt.workers.models.deepseek_arch import deepseek_fields
-from atomrt.workers.models.deepseek_v4_arch import V4Arch, v4_fields
-
-# Supported architectures with the per-family switches of their attention (Llama's, for all).
-_FAMILY_FLAGS: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
-    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
-    "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False},
-    "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True},
-    "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "DeepseekV2ForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "DeepseekV3ForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Glm4MoeLiteForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "DeepseekV4ForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "DeepseekV32ForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "GlmMoeDsaForCausalLM": {"qkv_bias": False, "qk_norm": False},
-}
-MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
-# Multi-head latent attention and DeepSeekMoE (workers/models/deepseek_arch.py reads their fields)
-MLA_ARCHITECTURES = (
-    "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM",
-    "Glm4MoeLiteForCausalLM",
-    "DeepseekV32ForCausalLM",
-    "GlmMoeDsaForCausalLM",
-)
-SUPPORTED_ARCHITECTURES = tuple(_FAMILY_FLAGS)
+from atomrt.workers.models.deepseek_v4_arch import V4Arch
 
 
 @dataclass(frozen=True)
@@ -111,90 +84,8 @@ class ModelArch:
         )
 
 
-def check_architecture(architecture: str, where: str) -> None:
-    if architecture not in _FAMILY_FLAGS:
-        raise ValueError(
-            f"{where}: unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-
-
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
-
-
-def _rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
-    """(theta, scaling) from either the transformers-5 `rope_parameters` or the older keys."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(cfg.get("rope_theta", 10000.0))
-        scaling = dict(cfg.get("rope_scaling") or {})
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("rope_type", "default") == "default":
-        return theta, None
-    return theta, scaling
-
-
-def arch_from_hf_config(cfg: dict[str, Any], where: str) -> ModelArch:
-    """ModelArch from a config.json dict; `where` (the path) goes into error messages."""
-    architectures = cfg.get("architectures") or []
-    if not architectures:
-        raise ValueError(f"{where}: config.json has no 'architectures' entry")
-    architecture = architectures[0]
-    check_architecture(architecture, where)
-    if architecture == "DeepseekV4ForCausalLM":  # its experts' width is its only MLP width
-        cfg = {"intermediate_size": cfg.get("moe_intermediate_size", 2048), **cfg}
-    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias", False):
-        raise ValueError(f"{where}: only silu MLPs without bias are supported")
-    quantization = cfg.get("quantization_config")
-    if quantization:  # FP8 loads (workers/layers/quantization/fp8.py); anything else is refused
-        Fp8Config.from_hf(quantization, where)
-    try:
-        num_heads = int(cfg["num_attention_heads"])
-        hidden_size = int(cfg["hidden_size"])
-        theta, scaling = _rope(cfg)
-        flags = dict(_FAMILY_FLAGS[architecture])
-        if architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
-            flags["qkv_bias"] = bool(cfg.get("attention_bias", False))
-        fields: dict[str, Any] = dict(
-            architecture=architecture,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden_size,
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden_size // num_heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            max_position=int(cfg.get("max_position_embeddings", 4096)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
-            bos_token_id=cfg.get("bos_token_id"),
-            checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-            **flags,
-        )
-        if architecture in MLA_ARCHITECTURES:
-            fields.update(deepseek_fields(cfg, architecture, where))
-        elif architecture == "DeepseekV4ForCausalLM":
-            fields.update(v4_fields(cfg, where))
-        else:
-            fields.update(_moe_fields(cfg, architecture, where))
-        return ModelArch(**fields)
-    except KeyError as e:
-        raise ValueError(f"{where}: config.json lacks the field {e.args[0]!r}") from None
-
-
-def _moe_fields(cfg: dict[str, Any], architecture: str, where: str) -> dict[str, Any]:
-    """ModelArch's mixture-of-experts fields from a config.json dict ({} for a dense model)."""
-    if architecture not in MOE_ARCHITECTURES:
-        return {}
+def moe_fields(cfg: dict[str, Any], architecture: str, where: str) -> dict[str, Any]:
+    """ModelArch's mixture-of-experts fields from a Qwen-MoE or Mixtral config.json dict."""
     window = cfg.get("sliding_window")
     if cfg.get("use_sliding_window", architecture == "MixtralForCausalLM") and window:
         if int(window) < int(cfg.get("max_position_embeddings", 4096)):
