@@ -47,6 +47,15 @@ def load_kv_scales(kv_scales_ptr, cache_ty: tl.constexpr):
 
 
 @triton.jit
+def slot_ptrs(cache_ptr, block, offset, heads, cols, stride_b, stride_s, stride_h):
+    """Pointers [heads, cols] into cache slot `offset` of block `block` of a cache [num_blocks,
+    block_size, heads, D] with those strides."""
+    return (
+        cache_ptr + block * stride_b + offset * stride_s + heads[:, None] * stride_h + cols[None, :]
+    )
+
+
+@triton.jit
 def write_kv_kernel(
     k_ptr,
     v_ptr,  # [T, Hk, D]
@@ -83,20 +92,8 @@ def write_kv_kernel(
     # [HEADS_PER_PROG, HEAD_DIM_P]
     k = tl.load(k_ptr + row * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + row * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    k_dst = (
-        k_cache_ptr
-        + block * stride_kcb
-        + offset * stride_kcs
-        + heads[:, None] * stride_kch
-        + dims[None, :]
-    )
-    v_dst = (
-        v_cache_ptr
-        + block * stride_vcb
-        + offset * stride_vcs
-        + heads[:, None] * stride_vch
-        + dims[None, :]
-    )
+    k_dst = slot_ptrs(k_cache_ptr, block, offset, heads, dims, stride_kcb, stride_kcs, stride_kch)
+    v_dst = slot_ptrs(v_cache_ptr, block, offset, heads, dims, stride_vcb, stride_vcs, stride_vch)
     cache_ty = k_cache_ptr.dtype.element_ty
     k_scale, v_scale = load_kv_scales(kv_scales_ptr, cache_ty)
     tl.store(k_dst, to_cache(k, cache_ty, k_scale), mask=mask)
@@ -169,24 +166,16 @@ def rope_write_kv_kernel(
     cache_ty = k_cache_ptr.dtype.element_ty
     k_scale, v_scale = load_kv_scales(kv_scales_ptr, cache_ty)
     # Round to q's dtype (what the unfused rotary hands over), then to the cache's.
-    k_dst = (
-        k_cache_ptr
-        + block * stride_kcb
-        + offset * stride_kcs
-        + kv_heads[:, None] * stride_kch
-        + half[None, :]
+    k_dst = slot_ptrs(
+        k_cache_ptr, block, offset, kv_heads, half, stride_kcb, stride_kcs, stride_kch
     )
     tl.store(k_dst, to_cache((k1 * cos - k2 * sin).to(dtype), cache_ty, k_scale), mask=kv_mask)
     tl.store(
         k_dst + HALF, to_cache((k2 * cos + k1 * sin).to(dtype), cache_ty, k_scale), mask=kv_mask
     )
     v_src = v_ptr + row * stride_vt + kv_heads[:, None] * stride_vh + half[None, :]
-    v_dst = (
-        v_cache_ptr
-        + block * stride_vcb
-        + offset * stride_vcs
-        + kv_heads[:, None] * stride_vch
-        + half[None, :]
+    v_dst = slot_ptrs(
+        v_cache_ptr, block, offset, kv_heads, half, stride_vcb, stride_vcs, stride_vch
     )
     v1 = tl.load(v_src, mask=kv_mask)
     v2 = tl.load(v_src + HALF, mask=kv_mask)
