@@ -211,3 +211,21 @@ def test_scales_are_read_only_from_an_fp8_cache() -> None:
     for bad in (torch.ones(2, dtype=torch.float64), torch.ones(3), torch.ones(1, 2, 2)):
         with pytest.raises(ValueError, match=r"kv_scales must be \[k_scale, v_scale\] float32"):
             kv_scales_arg(bad, b.k_cache)
+
+
+def test_unit_scales_are_made_with_the_decode_counters() -> None:
+    """A cache without scales of its own reads 1.0 and 1.0 from one tensor per device, made where
+    the KV-cache allocation makes the decode split counters (before any CUDA-graph capture)."""
+    from atomrt.workers.kernels import device_info
+    from atomrt.workers.kernels.attention.decode_attention import prepare_decode_counters
+
+    device = torch.device(DEVICE)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = ("attention: unit KV cache scales", device)
+    device_info._scratch.pop(key, None)  # as a fresh process has it
+    prepare_decode_counters(device)
+    unit = device_info._scratch[key]
+    cache = torch.zeros(1, 16, 1, 16, dtype=FP8, device=device)
+    assert kv_scales_arg(None, cache) is unit
+    assert unit.tolist() == [1.0, 1.0]

@@ -74,11 +74,6 @@ def settle_kv_scales(runner: ModelRunner, forward: Callable[[int], None]) -> KVS
     """The scales the FP8 cache runs with (see the module docstring); `forward(n)` runs n rows of
     `input_ids` through the model without a cache."""
     kv = runner.config.cache_config.kv_cache_dtype
-    if runner.device.type == "cuda":
-        from atomrt.workers.kernels.attention.paged_attention import unit_kv_scales
-
-        # the kernels' 1.0 for a layer without scales of its own, made before any capture
-        unit_kv_scales(runner.device)
     layers = {i: x for i, x in runner.attn_layers.items() if type(x) in SCALED_KINDS}
     if kv not in FP8_KV_DTYPES or not layers:
         return KVScales("unit")

@@ -33,6 +33,7 @@ from atomrt.workers.kernels.attention.paged_attention import (
     plan_lengths,
     rope_write_kv,
     row_strides,
+    unit_kv_scales,
     unit_last_stride,
     write_kv_cache,
 )
@@ -91,9 +92,11 @@ def plan_decode(
 
 def prepare_decode_counters(device: torch.device) -> torch.Tensor:
     """The device's split counters (zeroed int32, UBATCHES regions of DECODE_COUNTERS), allocated on
-    first use. Allocate them before any CUDA-graph capture (the KV-cache allocation does): a
-    recording cannot zero new memory. Launches of one region must not overlap in time: a step's run
-    in order on one stream; two-batch overlap's microbatches each use their own region."""
+    first use, with the unit KV cache scales (paged_attention.unit_kv_scales). Allocate them before
+    any CUDA-graph capture (the KV-cache allocation does): a recording cannot zero new memory.
+    Launches of one region must not overlap in time: a step's run in order on one stream; two-batch
+    overlap's microbatches each use their own region."""
+    unit_kv_scales(device)
     return device_scratch(
         "decode attention: split counters",
         device,

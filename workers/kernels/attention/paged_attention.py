@@ -419,12 +419,12 @@ def check_attention_args(
 
 def unit_kv_scales(device: torch.device) -> torch.Tensor:
     """[1.0, 1.0] float32 on `device`, made once: the `kv_scales` of a cache that has none set. Make
-    it before any CUDA-graph capture (runner/kv_scales.py's settle_kv_scales does)."""
+    it before any CUDA-graph capture (allocate_kv_cache does, with the decode split counters)."""
     return device_scratch(
         "attention: unit KV cache scales",
         device,
         lambda d: torch.ones(2, dtype=torch.float32, device=d),
-        hint="call paged_attention.unit_kv_scales(device) before capturing (settle_kv_scales does)",
+        hint="call paged_attention.unit_kv_scales(device) before capturing (allocate_kv_cache does)",
     )
 
 
