@@ -1,4 +1,4 @@
-"""The schema walk (runtime/driver/json_schema.py) against the grammar the backend builds: each
+"""The schema walk (runtime/driver/json_schema/) against the grammar the backend builds: each
 keyword is enforced exactly after the rewrite, or the schema is refused naming the keyword and its
 JSON pointer. The grammar is checked string by string (xgrammar's own acceptance test) and every
 accepted string against `jsonschema`, the reference."""
