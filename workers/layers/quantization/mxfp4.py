@@ -102,6 +102,25 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str) -> to
     return values * factors
 
 
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] (K a multiple of 32) -> (packed uint8 [N, K / 2], e8m0 exponent bytes uint8
+    [N, K / 32]): each group of 32 over the smallest power of two that brings its largest |value|
+    to at most 6, rounded to the nearest e2m1 value. Values an MXFP4 weight dequantized to come
+    back as the same values (so a dequantized checkpoint packs again without loss)."""
+    n, k = w.shape
+    if k % MXFP4_BLOCK:
+        raise ValueError(f"quantize_mxfp4: {k} input features is not a multiple of {MXFP4_BLOCK}")
+    groups = w.to(torch.float64).reshape(n, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = groups.abs().amax(-1)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).nan_to_num(-127.0).clamp(-127.0, 127.0)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=w.device)
+    codes = (scaled.abs()[..., None] - table).abs().argmin(-1)  # the nearest magnitude
+    codes = (codes | (scaled < 0).long() << 3).reshape(n, k).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed, (exponent + 127).to(torch.uint8)
+
+
 def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
     """An e4m3 weight [N, K] with a scale per 128x128 block ([ceil(N/128), ceil(K/128)], e8m0 or
     float32) as float32 [N, K]."""
