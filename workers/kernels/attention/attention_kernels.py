@@ -63,16 +63,8 @@ def write_kv_kernel(
     v_cache_ptr,  # [num_blocks, block_size, Hk, D]
     slot_mapping_ptr,  # [T] int64, -1 = padded row
     kv_scales_ptr,  # [k_scale, v_scale] fp32: an e4m3 cache's (load_kv_scales)
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
+    row_strides,  # (token, head) strides of k, then of v
+    cache_strides,  # (block, slot, head) strides of k_cache, then of v_cache
     num_kv_heads,
     head_dim,
     BLOCK_SIZE: tl.constexpr,
@@ -80,6 +72,8 @@ def write_kv_kernel(
     HEAD_DIM_P: tl.constexpr,
 ):
     """One program copies HEADS_PER_PROG heads of one token row into its cache slot."""
+    stride_kt, stride_kh, stride_vt, stride_vh = row_strides
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch = cache_strides
     row = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
     if slot < 0:
@@ -113,18 +107,8 @@ def rope_write_kv_kernel(
     v_cache_ptr,  # [num_blocks, block_size, Hk, D]
     slot_mapping_ptr,  # [T] int64, -1 = padded row (rotated q only, nothing written to the cache)
     kv_scales_ptr,  # [k_scale, v_scale] fp32: an e4m3 cache's (load_kv_scales)
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
+    row_strides,  # (token, head) strides of q, k, v
+    cache_strides,  # (block, slot, head) strides of k_cache, then of v_cache
     num_heads,
     num_kv_heads,
     HALF: tl.constexpr,  # head_dim / 2
@@ -136,6 +120,8 @@ def rope_write_kv_kernel(
     """One program per token row: rotary embedding (half-split layout) of q into q_out and of k, then
     k and v into the row's cache slot. cos/sin are rounded to q's dtype first and each rotated value
     is rounded once, from fp32 (Hugging Face computes `q * cos + rotate_half(q) * sin` in q's dtype)."""
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh = row_strides
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch = cache_strides
     row = tl.program_id(0)
     pos = tl.load(positions_ptr + row).to(tl.int64)
     half = tl.arange(0, HALF_P)
