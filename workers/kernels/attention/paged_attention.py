@@ -240,16 +240,17 @@ def unified_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32, -1 past the end
     scale: float,
     *,
-    num_seqs: int,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    graph_safe: bool,
-    cu_seqlens_q_cpu: Optional[list[int]] = None,
-    context_lens_cpu: Optional[list[int]] = None,
+    num_seqs: int,  # sequences in the batch (the bucket's on the graph-safe path)
+    max_seqlen_q: int,  # bound on a sequence's query rows
+    max_seqlen_k: int,  # bound on a sequence's keys (host-planned path without host lengths)
+    graph_safe: bool,  # plan from the bounds and the KV capacity only (a FULL graph replays it)
+    cu_seqlens_q_cpu: Optional[list[int]] = None,  # host copies of the lengths: the host-planned
+    context_lens_cpu: Optional[list[int]] = None,  # path plans from them when given
     kv_scales: Optional[torch.Tensor] = None,  # an e4m3 cache's [k_scale, v_scale] (kv_scales_arg)
 ) -> None:
     """Causal paged attention: query row j of sequence s (n_q rows) sits at position
-    context_lens[s] - n_q + j and attends to keys 0..that position of its block table."""
+    context_lens[s] - n_q + j and attends to keys 0..that position of its block table. The
+    launch is planned by `plan_lengths`."""
     check_attention_args(q, k_cache, v_cache, out, block_tables)
     lengths = plan_lengths(
         q, block_tables, k_cache.shape[1], num_seqs, max_seqlen_q, max_seqlen_k, graph_safe,
