@@ -120,6 +120,11 @@ def _md(positions: list[list[int]], num_pad_rows: int, tables: torch.Tensor) -> 
     )
 
 
+def _unnormed_input(layer, hidden: torch.Tensor) -> torch.Tensor:
+    """The layer's `forward` input for rows taken as already normed: its `in_proj`'s output."""
+    return hidden if layer.in_proj is None else layer.in_proj(hidden)
+
+
 def _run(layer, hidden, positions, md, cache, config) -> torch.Tensor:
     pos = torch.tensor(
         [p for seq in positions for p in seq] + [0] * (hidden.shape[0] - md.num_tokens)
@@ -129,8 +134,7 @@ def _run(layer, hidden, positions, md, cache, config) -> torch.Tensor:
         torch.inference_mode(),
         set_forward_context(md, config, ctx, no_compile_layers={0: layer}, kv_cache_data=cache),
     ):
-        _, a = layer.project(hidden, None, torch.nn.Identity())
-        return layer(pos, a)
+        return layer(pos, _unnormed_input(layer, hidden))
 
 
 @pytest.mark.parametrize("q_lora", [24, None], ids=["q_lora", "q_proj"])
@@ -149,7 +153,7 @@ def test_op_writes_latent_rows_and_zeroes_padded_rows(q_lora) -> None:
     assert torch.isfinite(out).all() and torch.equal(out[7:], torch.zeros(3, HIDDEN))
     # the rows the op wrote, recomputed from the layer's projections
     with torch.no_grad():
-        a = layer.project(hidden, None, torch.nn.Identity())[1]
+        a = _unnormed_input(layer, hidden)
         kv_a = layer.kv_a_proj_with_mqa(a) if q_lora is None else a[:, q_lora:]
         kv_c, k_pe = kv_a[:7].split([L, ROPE], dim=-1)
         pos = torch.tensor([p for seq in positions for p in seq])

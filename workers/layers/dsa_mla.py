@@ -104,7 +104,7 @@ class DSAMLAAttention(MLAAttention):
         return DSALayerSpec(self.layer_idx, latent, self.indexer.head_dim if self.indexer else 0)
 
     def forward(self, positions: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """a: `project`'s output [n, q_lora + latent (+ Di + Hi)] -> [n, hidden]."""
+        """a: the normed input through `in_proj` [n, q_lora + latent (+ Di + Hi)] -> [n, hidden]."""
         idx = self.indexer
         latent = self.kv_lora_rank + self.qk_rope_head_dim
         if idx is None:

@@ -44,7 +44,7 @@ from atomrt.workers.layers.mla_ref import (
     mla_paged_ref,
     unabsorb_output,
 )
-from atomrt.workers.layers.norm import RMSNorm, residual_add
+from atomrt.workers.layers.norm import RMSNorm
 from atomrt.workers.layers.paged_rows import returns_nothing
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.weight_utils import divide
@@ -230,22 +230,16 @@ class MLAAttention(PagedAttentionLayer):
     def weights(self) -> MLAWeights:
         return MLAWeights(self.kv_b_proj.weight, self.w_uk, self.w_uv)
 
-    def project(
-        self, residual: torch.Tensor, update: Optional[torch.Tensor], norm: RMSNorm
-    ) -> "tuple[torch.Tensor, torch.Tensor]":
-        """The decoder layer's residual add (update None: the embeddings alone) and input norm, and
-        the projection that reads the normed rows when it is one GEMM: (h, `forward`'s input).
-        With a query LoRA that input is fused_qkv_a_proj(norm(h)) [n, q_lora_rank + kv_lora_rank +
-        rope]; without one, norm(h)."""
-        if self.q_lora_rank is None:
-            h = residual if update is None else residual_add(residual, update)
-            return h, norm(h)
-        if update is None:
-            return residual, self.fused_qkv_a_proj(norm(residual))
-        return self.fused_qkv_a_proj.forward_add_norm(residual, update, norm)
+    @property
+    def in_proj(self) -> Optional[MergedColumnParallelLinear]:
+        """The projection that reads the layer's normed input (`RMSNorm.add_project`) when it is
+        one GEMM: with a query LoRA, fused_qkv_a_proj ([n, q_lora_rank + kv_lora_rank + rope]);
+        without one None, and `forward` reads the normed rows."""
+        return None if self.q_lora_rank is None else self.fused_qkv_a_proj
 
     def forward(self, positions: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """a: `project`'s output -> [num_tokens, hidden] (o_proj's output, TP-reduced)."""
+        """a: the normed input through `in_proj` -> [num_tokens, hidden] (o_proj's output,
+        TP-reduced)."""
         latent = self.kv_lora_rank + self.qk_rope_head_dim
         if self.q_lora_rank is None:
             q, kv_a = self.q_proj(a), self.kv_a_proj_with_mqa(a)

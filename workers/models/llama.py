@@ -63,18 +63,13 @@ class LlamaAttention(nn.Module):
             rotary=rotary,
         )
 
-    def project(
-        self, residual: torch.Tensor, update: Optional[torch.Tensor], norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder layer's residual add (update None: the embeddings alone) and input norm
-        with the q/k/v projection: (h = residual + update, qkv_proj(norm(h))); for decode batches
-        the add, the norm and the GEMM are one kernel (`forward_add_norm`)."""
-        if update is None:
-            return residual, self.qkv_proj(norm(residual))
-        return self.qkv_proj.forward_add_norm(residual, update, norm)
+    @property
+    def in_proj(self) -> QKVParallelLinear:
+        """The projection that reads the layer's normed input (`RMSNorm.add_project`)."""
+        return self.qkv_proj
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv: `project`'s output [num_tokens, q_size + 2 * kv_size]."""
+        """qkv: `in_proj`'s output [num_tokens, q_size + 2 * kv_size]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
@@ -114,12 +109,12 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, residual: torch.Tensor, update: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream comes in, and goes out, as residual + update (update None: the
-        embeddings alone). Each add is done by the projection after the norm that follows it
-        (`forward_add_norm`: for decode batches the add, the norm and the GEMM are one kernel)."""
-        residual, qkv = self.self_attn.project(residual, update, self.input_layernorm)
+        embeddings alone); each add, its norm and the projection after it are one call
+        (`RMSNorm.add_project`)."""
+        residual, qkv = self.input_layernorm.add_project(residual, update, self.self_attn.in_proj)
         update = self.self_attn(positions, qkv)
-        residual, gate_up = self.mlp.gate_up_proj.forward_add_norm(
-            residual, update, self.post_attention_layernorm
+        residual, gate_up = self.post_attention_layernorm.add_project(
+            residual, update, self.mlp.gate_up_proj
         )
         return residual, self.mlp(gate_up)
 

@@ -101,9 +101,9 @@ class SharedExpert(nn.Module):
 
 class MoEDecoderLayer(nn.Module):
     """Attention, then a sparse or a dense MLP. Subclasses change the attention and the sparse
-    block (`make_attention`, `make_experts`): an attention module has `project` (the input norm
-    and the projection that reads it) and `forward(positions, projected)`; an experts block has
-    `forward` and `forward_ubatch` on the normed rows."""
+    block (`make_attention`, `make_experts`): an attention module has `in_proj` (the projection
+    that reads the normed input, or None) and `forward(positions, projected)`; an experts block
+    has `forward` and `forward_ubatch` on the normed rows."""
 
     def __init__(
         self, arch: ModelArch, layer_idx: int, tp: TPInfo, dp: DPInfo, max_position: int
@@ -130,13 +130,9 @@ class MoEDecoderLayer(nn.Module):
         update. A dense MLP takes its add and norm fused into its projection; the experts take the
         normed rows."""
         residual, update = self._attention(positions, residual, update)
-        if self.is_sparse:
-            residual = residual_add(residual, update)
-            return residual, self.mlp(self.post_attention_layernorm(residual))
-        residual, gate_up = self.mlp.gate_up_proj.forward_add_norm(
-            residual, update, self.post_attention_layernorm
-        )
-        return residual, self.mlp(gate_up)
+        proj = None if self.is_sparse else self.mlp.gate_up_proj
+        residual, h = self.post_attention_layernorm.add_project(residual, update, proj)
+        return residual, self.mlp(h)
 
     def forward_ubatch(
         self, positions: torch.Tensor, residual: torch.Tensor, update: Optional[torch.Tensor]
@@ -145,16 +141,17 @@ class MoEDecoderLayer(nn.Module):
         exchange rows with the other DP ranks; a dense layer runs through."""
         if not self.is_sparse:
             return self.forward(positions, residual, update)
-        residual = residual_add(*self._attention(positions, residual, update))
-        update = yield from self.mlp.forward_ubatch(self.post_attention_layernorm(residual))
+        residual, update = self._attention(positions, residual, update)
+        residual, h = self.post_attention_layernorm.add_project(residual, update)
+        update = yield from self.mlp.forward_ubatch(h)
         return residual, update
 
     def _attention(
         self, positions: torch.Tensor, residual: torch.Tensor, update: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Norm, projections and attention: (the residual stream so far, the attention's update)."""
-        residual, projected = self.self_attn.project(residual, update, self.input_layernorm)
-        return residual, self.self_attn(positions, projected)
+        residual, a = self.input_layernorm.add_project(residual, update, self.self_attn.in_proj)
+        return residual, self.self_attn(positions, a)
 
 
 @token_graph
