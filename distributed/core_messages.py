@@ -73,25 +73,25 @@ class CoreStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # used / all KV blocks
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # since start, every scheduler's
+    # steps run eagerly / as a request graph / as a token graph, since start
     steps_eager: int = 0
     steps_req_graph: int = 0
     steps_token_graph: int = 0
-    padded_tokens: int = 0
+    padded_tokens: int = 0  # rows run past the scheduled ones (bucket and DP padding), since start
     # speculative decoding (running totals): verify steps per sequence, draft tokens verified,
     # accepted, and accepted per draft position
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
-    # structured outputs: requests whose grammar was compiled for them / found compiled, the
-    # seconds they waited for it, and the mask rows filled and the seconds that took
-    grammar_compiles: int = 0
-    grammar_compile_seconds: float = 0.0
-    grammar_cache_hits: int = 0
-    grammar_cache_hit_seconds: float = 0.0
-    grammar_mask_rows: int = 0
-    grammar_mask_seconds: float = 0.0
+    # structured outputs (running totals)
+    grammar_compiles: int = 0  # requests whose grammar was compiled for them
+    grammar_compile_seconds: float = 0.0  # the seconds they waited for it
+    grammar_cache_hits: int = 0  # requests whose grammar was found compiled
+    grammar_cache_hit_seconds: float = 0.0  # the seconds they waited for it
+    grammar_mask_rows: int = 0  # token-mask rows filled
+    grammar_mask_seconds: float = 0.0  # the seconds filling them took
 
 
 @dataclass
@@ -107,10 +107,10 @@ class CoreOutputs:
 class CoreReady:
     """Engine core -> API, once: the engine is up (or why it is not)."""
 
-    pid: int = 0
-    max_model_len: int = 0
+    pid: int = 0  # the engine core's process
+    max_model_len: int = 0  # tokens a request's prompt and output may hold
     vocab_size: int = 0
-    num_kv_blocks: int = 0
-    capture_seconds: float = 0.0
-    compile_seconds: float = 0.0
-    error: Optional[str] = None
+    num_kv_blocks: int = 0  # KV-cache blocks allocated
+    capture_seconds: float = 0.0  # start-up's CUDA-graph capture
+    compile_seconds: float = 0.0  # start-up's compile work (Dynamo, Inductor, cache loads)
+    error: Optional[str] = None  # why start-up failed (every other field left unset)
