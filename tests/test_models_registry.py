@@ -17,10 +17,10 @@ def test_an_entry_flags_what_its_presets_are_made_of(preset: str) -> None:
     arch = arch_from_hf_config(preset_config(preset), preset)
     entry = ARCHITECTURES[arch.architecture]
     assert (entry.moe, entry.mla) == (arch.is_moe, arch.is_mla)
-    assert entry.mtp or arch.num_nextn_predict_layers == 0
     assert arch.qk_norm == entry.qk_norm and (arch.qkv_bias or not entry.qkv_bias)
     model = build_model(arch, "meta", torch.bfloat16)
     assert type(model) is entry.model is MODEL_REGISTRY[arch.architecture]
+    assert entry.mtp == hasattr(model, "mtp")  # a model that drafts holds its MTP drafter
     kinds = {s.kind for s in kv_layer_specs(collect_attention_layers(model))}
     assert kinds and kinds <= set(entry.kv_kinds)
 

@@ -46,7 +46,7 @@ class Architecture:
     qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3)
     moe: bool = False  # routed experts
     mla: bool = False  # multi-head latent attention
-    mtp: bool = False  # multi-token-prediction layers a checkpoint may carry (DeepSeek's)
+    mtp: bool = False  # speculative method "mtp" drafts with its multi-token-prediction layers
     kv_kinds: tuple[str, ...] = ("attention",)  # its layers' KV cache kinds (kv_cache_spec().kind)
 
 
@@ -66,7 +66,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Glm4MoeLiteForCausalLM": Architecture(DeepseekForCausalLM, **_DEEPSEEK),
     # hyper-connected streams, sliding + compressed sparse attention, hash-routed experts
     "DeepseekV4ForCausalLM": Architecture(
-        DeepseekV4ForCausalLM, _v4_fields, moe=True, mtp=True, kv_kinds=(SLIDING, CSA, HCA)
+        DeepseekV4ForCausalLM, _v4_fields, moe=True, kv_kinds=(SLIDING, CSA, HCA)
     ),
     # DeepSeek-V3 with the lightning indexer's sparse attention
     "DeepseekV32ForCausalLM": Architecture(**_DSA),
