@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 from atomrt.distributed.messages import StepResult
 from atomrt.runtime.driver.outputs import RequestOutput, make_request_output, merge_request_outputs
@@ -44,44 +44,43 @@ class EngineRequest:
         return merge_request_outputs(deltas, finished=self.all_finished)
 
 
-def bind_add_request(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, Any, Any, Union[bool, RequestOutputKind]]:
-    """(prompt, params, request_id, output kind) of either form of `add_request`."""
+class AddRequestArgs(NamedTuple):
+    """What a call of `add_request` asked for, in either form."""
+
+    prompt: Any
+    params: Any
+    request_id: Any
+    kind: Union[bool, RequestOutputKind]  # the older form: whether to stream
+
+
+_OLDER_FORM = ("prompt", "params", "request_id", "stream")
+_VLLM_FORM = (
+    "request_id",
+    "prompt",
+    "params",
+    "arrival_time",
+    "lora_request",
+    "tokenization_kwargs",
+    "trace_headers",
+    "priority",
+)
+
+
+def bind_add_request(args: tuple[Any, ...], kwargs: dict[str, Any]) -> AddRequestArgs:
+    """The arguments of either form of `add_request`, by name."""
     # vLLM's form starts (request id, prompt); the older one (prompt, params or None)
     vllm_form = "prompt" in kwargs
     if len(args) >= 2 and "request_id" not in kwargs and isinstance(args[0], str):
         vllm_form = not isinstance(args[1], SamplingParams) and args[1] is not None
     if not vllm_form:
-        names = ("prompt", "params", "request_id", "stream")
-        if len(args) > len(names):
-            raise TypeError(f"add_request: at most {len(names)} arguments")
-        bound = dict(zip(names, args))
-        for key, value in kwargs.items():
-            if key not in names or key in bound:
-                raise TypeError(f"add_request: unexpected or repeated argument {key!r}")
-            bound[key] = value
+        bound = _bind(_OLDER_FORM, args, kwargs)
         if "prompt" not in bound:
             raise TypeError("add_request: missing the prompt")
         stream = bound.get("stream", False)
-        return bound["prompt"], bound.get("params"), bound.get("request_id"), bool(stream)
-    names = (
-        "request_id",
-        "prompt",
-        "params",
-        "arrival_time",
-        "lora_request",
-        "tokenization_kwargs",
-        "trace_headers",
-        "priority",
-    )
-    if len(args) > len(names):
-        raise TypeError(f"add_request: at most {len(names)} arguments")
-    bound = dict(zip(names, args))
-    for key, value in kwargs.items():
-        if key not in names or key in bound:
-            raise TypeError(f"add_request: unexpected or repeated argument {key!r}")
-        bound[key] = value
+        return AddRequestArgs(
+            bound["prompt"], bound.get("params"), bound.get("request_id"), bool(stream)
+        )
+    bound = _bind(_VLLM_FORM, args, kwargs)
     for key in ("request_id", "prompt"):
         if key not in bound:
             raise TypeError(f"add_request: missing {key}")
@@ -95,7 +94,20 @@ def bind_add_request(
     kind = (
         params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
     )
-    return bound["prompt"], params, bound["request_id"], kind
+    return AddRequestArgs(bound["prompt"], params, bound["request_id"], kind)
+
+
+def _bind(names: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict:
+    """Positional and keyword arguments by name; a TypeError for too many, or an unknown or
+    repeated one."""
+    if len(args) > len(names):
+        raise TypeError(f"add_request: at most {len(names)} arguments")
+    bound = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if key not in names or key in bound:
+            raise TypeError(f"add_request: unexpected or repeated argument {key!r}")
+        bound[key] = value
+    return bound
 
 
 def fit_to_context(
