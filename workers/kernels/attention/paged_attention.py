@@ -127,7 +127,10 @@ def write_kv_cache(
         grid,
         k,
         v,
-        *_cache_write_args(k_cache, v_cache, slot_mapping, kv_scales),
+        k_cache,
+        v_cache,
+        slot_mapping,
+        kv_scales_arg(kv_scales, k_cache),
         row_strides(k, v),
         cache_strides(k_cache, v_cache),
         num_kv_heads,
@@ -190,7 +193,10 @@ def rope_write_kv(
         positions,
         cos_cache.contiguous(),
         sin_cache.contiguous(),
-        *_cache_write_args(k_cache, v_cache, slot_mapping, kv_scales),
+        k_cache,
+        v_cache,
+        slot_mapping,
+        kv_scales_arg(kv_scales, k_cache),
         row_strides(q, k, v),
         cache_strides(k_cache, v_cache),
         num_heads,
@@ -455,16 +461,6 @@ def row_strides(*rows: torch.Tensor) -> tuple[int, ...]:
 def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
     """The kernels' block, slot and head strides of the key cache, then of the value cache."""
     return (*k_cache.stride()[:3], *v_cache.stride()[:3])
-
-
-def _cache_write_args(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_scales: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, ...]:
-    """The write kernels' caches, slots and scales."""
-    return k_cache, v_cache, slot_mapping, kv_scales_arg(kv_scales, k_cache)
 
 
 def _check_kv_fits(op: str, k, v, k_cache, v_cache, head_dim: int) -> None:
