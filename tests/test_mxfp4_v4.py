@@ -25,6 +25,7 @@ from atomrt.runtime.config import Config
 from atomrt.workers.layers.quantization.fp8 import Fp8Config
 from atomrt.workers.layers.quantization.fp8_layers import convert_experts
 from atomrt.workers.layers.quantization.mxfp4 import dequantize_mxfp4
+from atomrt.workers.layers.v4_moe import V4MoE
 from atomrt.workers.loading.loader import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -159,9 +160,13 @@ def test_v4_mxfp4_checkpoint_matches_the_float64_reference(folders: tuple[Path, 
         attn_implementation="eager",
         experts_implementation="eager",
     ).eval()
-    # the routed experts hold the MXFP4 values (gate and up rows stacked, as transformers does)
+    # the routed experts are held as MXFP4 (4.25 bits a weight) and hold the checkpoint's values
+    # (gate and up rows stacked, as transformers stacks them)
+    assert moe.mxfp4 and moe.w13_packed.dtype == torch.uint8
+    assert moe.w13_packed.shape == (8, 64, 32) and moe.w13_scale.shape == (8, 64, 2)
     want = reference.model.layers[2].mlp.experts.gate_up_proj.detach()
-    assert torch.equal(moe.w13.detach().double(), want)
+    held = [dequantize_mxfp4(p, s, "w13") for p, s in zip(moe.w13_packed, moe.w13_scale)]
+    assert torch.equal(torch.stack(held).double(), want)
     result = run_prefill_and_decode(loaded.model, PROMPTS, 8, block_size=4, num_pad_rows=2)
     worst = 0.0
     for s, prompt in enumerate(PROMPTS):
@@ -230,6 +235,14 @@ def test_what_does_not_match_is_refused_by_name(folders: tuple[Path, Path], tmp_
     with pytest.raises(ValueError, match="quantization_config.expert_dtype 'nvfp4' is not"):
         load_model(Config(model=str(folder)), "cpu", torch.float32)
 
+    def missing_expert(tensors: dict, config: dict) -> None:
+        for suffix in (".weight", ".scale"):
+            del tensors[gate + suffix]
+
+    folder = _rewrite(quantized, tmp_path / "missing", missing_expert)
+    with pytest.raises(ValueError, match=r"1 routed expert tensors missing, e.g. \['experts.3.w1'"):
+        load_model(Config(model=str(folder)), "cpu", torch.float32)
+
     # online quantization does not reach V4's own layers: refused rather than ignored
     config = Config(model=str(dequantized), model_config={"quantization": "fp8"})
     with pytest.raises(ValueError, match="model_config.quantization='fp8' does not quantize"):
@@ -237,3 +250,26 @@ def test_what_does_not_match_is_refused_by_name(folders: tuple[Path, Path], tmp_
     # MXFP4 experts are DeepSeek-V4's: another model's fused-MoE experts refuse them
     with pytest.raises(ValueError, match="expert_dtype 'fp4' \\(MXFP4 experts\\) loads for"):
         convert_experts(torch.nn.Module(), Fp8Config(expert_dtype="fp4"), "model.layers.0.mlp")
+
+
+def test_mxfp4_experts_need_whole_scale_groups() -> None:
+    """An expert shard whose input features do not fill whole 32-feature groups (here 48 rows of
+    intermediate size) cannot be held as MXFP4: refused naming the size."""
+    moe = V4MoE(64, 48, 4, 2, 1, "sqrtsoftplus", 1.0, 0.5, False, 16)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size / \(data_parallel_size x "):
+        moe.keep_mxfp4()
+
+
+def test_the_experts_op_is_opaque_to_tracing() -> None:
+    """Traced (levels 2-3), the MXFP4 experts are one custom op whose fake gives x's shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(5, 64)
+        packed13, scale13 = torch.empty(4, 64, 32, dtype=torch.uint8), torch.empty(4, 64, 2)
+        packed2, scale2 = torch.empty(4, 64, 16, dtype=torch.uint8), torch.empty(4, 64, 1)
+        ids = torch.empty(5, 2, dtype=torch.int64)
+        out = torch.ops.atomrt.v4_mxfp4_experts(
+            x, torch.empty(5, 2), ids, packed13, scale13, packed2, scale2, 0.5
+        )
+    assert out.shape == (5, 64)

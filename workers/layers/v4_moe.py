@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.distributed.communication_op import (
     DPInfo,
     TPInfo,
@@ -38,6 +39,7 @@ from atomrt.distributed.communication_op import (
     dp_reduce_scatter,
     tp_all_reduce,
 )
+from atomrt.workers.layers.quantization.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
 from atomrt.workers.layers.weight_utils import Sliceable, divide, read_narrow
 
 
@@ -58,6 +60,46 @@ class SwiGLU(nn.Module):
         gate = self.w1(x).clamp(max=self.limit)
         up = self.w3(x).clamp(min=-self.limit, max=self.limit)
         return self.w2(F.silu(gate) * up)
+
+
+def clamped_swiglu(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """h [rows, 2I] (gate | up) -> silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def _mxfp4_experts_impl(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """MXFP4 routed experts over a routing: the w4a16 kernel on CUDA; elsewhere each picked
+    expert's weights dequantized to x's dtype, then its rows' GEMMs."""
+    if x.is_cuda:
+        from atomrt.workers.kernels.moe.fused_moe_mxfp4 import fused_experts_mxfp4
+
+        return fused_experts_mxfp4(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit)
+    out = torch.zeros_like(x)
+    for e in torch.unique(topk_ids).tolist():
+        rows, slot = torch.where(topk_ids == e)
+        gate_up = dequantize_mxfp4(w13[e], w13_scale[e], "w13").to(x.dtype)
+        down = dequantize_mxfp4(w2[e], w2_scale[e], "w2").to(x.dtype)
+        y = F.linear(clamped_swiglu(F.linear(x[rows], gate_up), limit), down)
+        out.index_add_(0, rows, (y * topk_weights[rows, slot, None].to(x.dtype)).to(out.dtype))
+    return out
+
+
+def _mxfp4_experts_fake(x: torch.Tensor, *routing_and_experts: object) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+# Opaque to Dynamo: the CPU loop has data-dependent shapes; the kernel plans from shapes alone.
+direct_register_custom_op("v4_mxfp4_experts", _mxfp4_experts_impl, fake_impl=_mxfp4_experts_fake)
 
 
 class V4Gate(nn.Module):
@@ -139,7 +181,8 @@ class V4MoE(nn.Module):
         self.gate = V4Gate(
             hidden_size, num_experts, top_k, scoring_func, routed_scaling_factor, hashed, vocab_size
         )
-        self.intermediate_size = routed_size
+        self.intermediate_size, self.hidden_size = routed_size, hidden_size
+        self.mxfp4 = False  # the routed experts held as MXFP4 (`keep_mxfp4`)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * routed_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, routed_size))
         # transformers' shared expert is one SwiGLU of moe_intermediate_size, whatever the count
@@ -147,11 +190,61 @@ class V4MoE(nn.Module):
             SwiGLU(hidden_size, shared_size, swiglu_limit) if n_shared_experts else None
         )
 
+    def keep_mxfp4(self) -> None:
+        """Hold the routed experts as MXFP4, as DeepSeek-V4's checkpoints ship them, before they
+        load: `w13_packed` [E, 2I, H / 2] and `w2_packed` [E, H, I / 2] e2m1 pairs with e8m0
+        exponents `w13_scale` [E, 2I, H / 32] and `w2_scale` [E, H, I / 32] (uint8) in place of
+        w13 / w2. The checkpoint's experts, dequantized as they stream in, pack back without loss;
+        CUDA runs them through the w4a16 fused-MoE kernel (16-bit activations)."""
+        e, two_i, hidden = self.w13.shape
+        i = two_i // 2
+        for name, size in (
+            ("hidden_size", hidden),
+            ("moe_intermediate_size / (data_parallel_size x tensor_parallel_size)", i),
+        ):
+            if size % MXFP4_BLOCK:
+                raise ValueError(
+                    f"MXFP4 experts: {name} = {size} is not a multiple of {MXFP4_BLOCK} (one e8m0 "
+                    f"scale per {MXFP4_BLOCK} input features)"
+                )
+        device = self.w13.device
+        del self.w13, self.w2
+        # the shapes the checkpoint's experts are checked against, without their float storage
+        self.w13 = torch.empty(e, two_i, hidden, device="meta")
+        self.w2 = torch.empty(e, hidden, i, device="meta")
+        for name, shape in (("w13", (e, two_i, hidden)), ("w2", (e, hidden, i))):
+            rows, cols = shape[1], shape[2]
+            packed = torch.zeros(e, rows, cols // 2, dtype=torch.uint8, device=device)
+            exponents = torch.zeros(e, rows, cols // MXFP4_BLOCK, dtype=torch.uint8, device=device)
+            self.register_buffer(f"{name}_packed", packed)
+            self.register_buffer(f"{name}_scale", exponents)
+        self.mxfp4 = True
+        self.mxfp4_loaded: set[tuple[int, str]] = set()
+
+    def process_weights_after_loading(self) -> None:
+        """MXFP4 experts: every expert's w1, w2 and w3 must have loaded."""
+        if not self.mxfp4:
+            return
+        missing = self.num_experts * 3 - len(self.mxfp4_loaded)
+        if missing:
+            absent = [
+                f"experts.{e}.{p}"
+                for e in range(self.num_experts)
+                for p in ("w1", "w2", "w3")
+                if (e, p) not in self.mxfp4_loaded
+            ]
+            raise ValueError(
+                f"MXFP4 experts: {missing} routed expert tensors missing, e.g. {absent[:4]}"
+            )
+
     def load_expert(self, expert: int, proj: str, weight: Sliceable) -> None:
         """Checkpoint tensor `experts.<expert>.<proj>.weight` (whole) into its place in w13 / w2:
-        this rank's rows of w1 / w3, its columns of w2."""
+        this rank's rows of w1 / w3, its columns of w2 (packed again when held as MXFP4)."""
         i = self.intermediate_size
         start = self.shard * i
+        if self.mxfp4:
+            self._load_mxfp4(expert, proj, weight, start)
+            return
         with torch.no_grad():
             if proj == "w2":
                 self.w2[expert].copy_(read_narrow(weight, 1, start, i))
@@ -159,9 +252,21 @@ class V4MoE(nn.Module):
                 rows = slice(0, i) if proj == "w1" else slice(i, 2 * i)
                 self.w13[expert, rows].copy_(read_narrow(weight, 0, start, i))
 
+    def _load_mxfp4(self, expert: int, proj: str, weight: Sliceable, start: int) -> None:
+        i = self.intermediate_size
+        if proj == "w2":
+            packed, exponents = quantize_mxfp4(read_narrow(weight, 1, start, i))
+            self.w2_packed[expert].copy_(packed)
+            self.w2_scale[expert].copy_(exponents)
+        else:
+            rows = slice(0, i) if proj == "w1" else slice(i, 2 * i)
+            packed, exponents = quantize_mxfp4(read_narrow(weight, 0, start, i))
+            self.w13_packed[expert, rows].copy_(packed)
+            self.w13_scale[expert, rows].copy_(exponents)
+        self.mxfp4_loaded.add((expert, proj))
+
     def _swiglu(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = h.split(self.intermediate_size, dim=-1)
-        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+        return clamped_swiglu(h, self.limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] (after ffn_norm), input_ids: the step's token ids of every DP rank
@@ -196,6 +301,11 @@ class V4MoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, input_ids)
+        if self.mxfp4:
+            args = (x, weights, ids, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+            if torch.compiler.is_compiling():
+                return torch.ops.atomrt.v4_mxfp4_experts(*args, float(self.limit))
+            return _mxfp4_experts_impl(*args, float(self.limit))
         if torch.compiler.is_compiling() or (
             x.is_cuda and torch.cuda.is_current_stream_capturing()
         ):

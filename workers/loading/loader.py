@@ -264,7 +264,7 @@ def load_model(
         weights = kv_scales.take(safetensors_weights(resolved.path))
         if arch.v4 is not None:  # DeepSeek-V4's FP8 / MXFP4 weights: dequantized as they load
             hf_config, where = read_hf_config(resolved.path), str(resolved.path)
-            weights = v4_checkpoint_weights(weights, fp8, hf_config, where)
+            weights = v4_checkpoint_weights(model, weights, fp8, hf_config, where)
         model.load_weights(weights, where=str(resolved.path))
         kv_scales.apply(model, str(resolved.path))
     else:

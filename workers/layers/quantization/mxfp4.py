@@ -11,8 +11,10 @@ DeepSeek-V4 checkpoints (`quantization_config.expert_dtype: "fp4"`, or the confi
 `...ffn.experts.<e>.w1/w2/w3.scale`. The other quantized projections are FP8 (e4m3) with one
 `.scale` per 128x128 block (`weight_block_size: [128, 128]`, ue8m0 or float32); a checkpoint
 transformers wrote may name a scale `.weight_scale_inv`. `v4_weights` pairs each quantized weight
-with its scale and yields it dequantized in float32, under the weight's name: the model then holds and runs them in its own dtype (16-bit activations, as
-Hopper runs V4's experts; the FP8 projections' activations are not quantized either). A float
+with its scale and yields it dequantized in float32, under the weight's name. The FP8 projections
+then run in the model's dtype (their activations are not quantized); the routed experts are
+packed again as they load (`v4_checkpoint_weights`, V4MoE.keep_mxfp4): held as MXFP4, they run
+with 16-bit activations as Hopper runs them (the w4a16 fused-MoE kernel on CUDA). A float
 weight without a scale loads as it is (the checkpoint's norms, router, embeddings, LM head);
 anything else -- a quantized weight without its scale, a scale without its weight, a routed
 expert that is not MXFP4 where the config says so, an unknown dtype or a scale grid that does not
@@ -233,10 +235,16 @@ def _dequantized(
 
 
 def v4_checkpoint_weights(
-    weights: Iterable[tuple[str, Any]], fp8: Any, hf_config: dict[str, Any], where: str
+    model: Any,
+    weights: Iterable[tuple[str, Any]],
+    fp8: Any,
+    hf_config: dict[str, Any],
+    where: str,
 ) -> Iterator[tuple[str, Any]]:
     """`v4_weights` for a DeepSeek-V4 checkpoint of config `hf_config`, whose FP8 configuration
-    (fp8.py's Fp8Config, None for a float checkpoint) is `fp8`."""
+    (fp8.py's Fp8Config, None for a float checkpoint) is `fp8`. With MXFP4 routed experts, the
+    model's MoE layers first take them as such (`keep_mxfp4`): they pack the dequantized experts
+    again as they load, holding 4.25 bits per weight."""
     if fp8 is not None and fp8.online:
         raise ValueError(
             f"{where}: model_config.quantization='fp8' does not quantize DeepSeek-V4 at load: its "
@@ -244,4 +252,9 @@ def v4_checkpoint_weights(
         )
     expert_dtype = expert_dtype_of(hf_config)
     check_quantization_fields({"expert_dtype": expert_dtype}, where)
+    if expert_dtype == "fp4":
+        for module in model.modules():
+            keep = getattr(module, "keep_mxfp4", None)
+            if keep is not None:
+                keep()
     return v4_weights(weights, expert_dtype, where)
