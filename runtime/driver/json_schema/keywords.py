@@ -114,12 +114,6 @@ def asserts(node: dict) -> bool:
     return any(k in ASSERTIONS for k in node)
 
 
-def is_int(v: Any) -> bool:
-    return not isinstance(v, bool) and (
-        isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v == int(v))
-    )
-
-
 # ------------------------------------------------------------------------------ plain JSON values
 
 

@@ -21,11 +21,11 @@ from atomrt.runtime.driver.json_schema.keywords import (
     UPPER,
     SchemaRefused,
     asserts,
-    is_int,
     never,
     ptr,
     refuse,
 )
+from atomrt.runtime.driver.json_schema.scalars import is_int
 
 
 class Rewriter:

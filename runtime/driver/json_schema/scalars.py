@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
-from atomrt.runtime.driver.json_schema.keywords import is_int, never, refuse
+from atomrt.runtime.driver.json_schema.keywords import never, refuse
 
 # String formats the backend enforces (xgrammar's built-in patterns).
 FORMATS = (
@@ -49,6 +50,13 @@ _ONE_CLASS = re.compile(
     r"^\^?(?P<atom>\[(?:\\.|[^\]\\])+\]|\\[dwDW]|[A-Za-z0-9_ -])"
     r"(?P<quant>\*|\+|\?|\{\d+\}|\{\d+,\d*\})?\$?$"
 )
+
+
+def is_int(v: Any) -> bool:
+    """An integer, or a float of an integer's value (not a bool)."""
+    return not isinstance(v, bool) and (
+        isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v == int(v))
+    )
 
 
 def string_keywords(out: dict, path: str) -> None:

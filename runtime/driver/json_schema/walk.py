@@ -14,13 +14,12 @@ from atomrt.runtime.driver.json_schema.keywords import (
     UNENFORCED,
     SchemaRefused,
     asserts,
-    is_int,
     never,
     ptr,
     refuse,
 )
 from atomrt.runtime.driver.json_schema.rewrites import Rewriter
-from atomrt.runtime.driver.json_schema.scalars import integer_keywords, string_keywords
+from atomrt.runtime.driver.json_schema.scalars import integer_keywords, is_int, string_keywords
 
 
 class Walk(Rewriter):
