@@ -45,6 +45,27 @@ def load_pair_block(pid_m, sorted_pair_ids_ptr, expert_ids_ptr, num_pairs, BLOCK
 
 
 @triton.jit
+def pair_tile(
+    pid_m,
+    pid_n,
+    sorted_pair_ids_ptr,
+    expert_ids_ptr,
+    num_pairs,
+    N,
+    A_ROWS_PER_PAIR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """`load_pair_block`, with each pair's row of `a` (pair // A_ROWS_PER_PAIR) and the tile's
+    output columns (int64) and their mask: the quantized kernels' prologue."""
+    pair, pair_mask, expert = load_pair_block(
+        pid_m, sorted_pair_ids_ptr, expert_ids_ptr, num_pairs, BLOCK_M
+    )
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    return pair, pair_mask, expert, pair // A_ROWS_PER_PAIR, offs_n, offs_n < N
+
+
+@triton.jit
 def store_pair_block(
     acc,
     acc_up,

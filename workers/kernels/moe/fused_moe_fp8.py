@@ -25,7 +25,7 @@ import triton.language as tl
 
 from atomrt.workers.kernels.gemm.fp8_gemm import quantize_fp8_triton
 from atomrt.workers.kernels.moe.align import MoEAlignment, moe_align_block_size
-from atomrt.workers.kernels.moe.fused_moe import load_pair_block, moe_dims, store_pair_block
+from atomrt.workers.kernels.moe.fused_moe import moe_dims, pair_tile, store_pair_block
 
 BLOCK_M = 16
 BLOCK_N = 64
@@ -67,12 +67,10 @@ def fused_moe_fp8_kernel(
     num_padded = tl.load(num_padded_ptr)
     if pid_m * BLOCK_M >= num_padded:
         return
-    pair, pair_mask, expert = load_pair_block(
-        pid_m, sorted_pair_ids_ptr, expert_ids_ptr, num_pairs, BLOCK_M
-    )
-    a_row = pair // A_ROWS_PER_PAIR
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    n_mask = offs_n < N
+    pair, pair_mask, expert, a_row, offs_n, n_mask = pair_tile(
+        pid_m, pid_n, sorted_pair_ids_ptr, expert_ids_ptr, num_pairs, N, A_ROWS_PER_PAIR,
+        BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]
