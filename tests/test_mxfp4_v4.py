@@ -150,16 +150,32 @@ def test_mxfp4_dequantization_matches_transformers() -> None:
         dequantize_mxfp4(packed.float(), exponents, "w")
 
 
+def _reference(folder: Path) -> torch.nn.Module:
+    """transformers' model of `folder` in float64 (eager attention and experts)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+
+
+def _worst_against(reference: torch.nn.Module, result: object) -> float:
+    """Largest |atomrt - reference| over every step's logits; asserts atomrt's greedy tokens are
+    the reference's argmax at each step."""
+    worst = 0.0
+    for s, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            logits = reference(torch.tensor([result.sequences[s][:-1]])).logits[0]
+        got = torch.stack([step[s] for step in result.logits]).double().cpu()
+        expected = logits[len(prompt) - 1 :]
+        worst = max(worst, (got - expected).abs().max().item())
+        assert result.sequences[s][len(prompt) :] == expected.argmax(-1).tolist()
+    return worst
+
+
 def test_v4_mxfp4_checkpoint_matches_the_float64_reference(folders: tuple[Path, Path]) -> None:
     quantized, dequantized = folders
     loaded = load_model(Config(model=str(quantized)), "cpu", torch.float32)
     moe = loaded.model.model.layers[2].ffn
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        dequantized,
-        dtype=torch.float64,
-        attn_implementation="eager",
-        experts_implementation="eager",
-    ).eval()
+    reference = _reference(dequantized)
     # the routed experts are held as MXFP4 (4.25 bits a weight) and hold the checkpoint's values
     # (gate and up rows stacked, as transformers stacks them)
     assert moe.mxfp4 and moe.w13_packed.dtype == torch.uint8
@@ -168,23 +184,10 @@ def test_v4_mxfp4_checkpoint_matches_the_float64_reference(folders: tuple[Path, 
     held = [dequantize_mxfp4(p, s, "w13") for p, s in zip(moe.w13_packed, moe.w13_scale)]
     assert torch.equal(torch.stack(held).double(), want)
     result = run_prefill_and_decode(loaded.model, PROMPTS, 8, block_size=4, num_pad_rows=2)
-    worst = 0.0
-    for s, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            logits = reference(torch.tensor([result.sequences[s][:-1]])).logits[0]
-        got = torch.stack([step[s] for step in result.logits]).double()
-        expected = logits[len(prompt) - 1 :]
-        worst = max(worst, (got - expected).abs().max().item())
-        # greedy: every token atomrt chose is the reference's argmax there
-        assert result.sequences[s][len(prompt) :] == expected.argmax(-1).tolist()
+    worst = _worst_against(reference, result)  # and the greedy tokens are the reference's
     assert worst <= TOLERANCE, worst
     # the quantization moved the model: the float checkpoint's logits are elsewhere
-    float_model = transformers.AutoModelForCausalLM.from_pretrained(
-        quantized.parent / "float",
-        dtype=torch.float64,
-        attn_implementation="eager",
-        experts_implementation="eager",
-    ).eval()
+    float_model = _reference(quantized.parent / "float")
     with torch.no_grad():
         float_logits = float_model(torch.tensor([result.sequences[0][:-1]])).logits[0]
         ref_logits = reference(torch.tensor([result.sequences[0][:-1]])).logits[0]
@@ -273,3 +276,25 @@ def test_the_experts_op_is_opaque_to_tracing() -> None:
             x, torch.empty(5, 2), ids, packed13, scale13, packed2, scale2, 0.5
         )
     assert out.shape == (5, 64)
+
+
+@pytest.mark.gpu
+def test_v4_mxfp4_checkpoint_on_the_gpu(folders: tuple[Path, Path]) -> None:
+    """The w4a16 fused-MoE kernel in the model (float32: full-precision products) within 1e-3 of
+    the float64 reference with its greedy tokens; the engine's greedy tokens with CUDA graphs
+    (the kernel captured) equal its eager ones."""
+    from atomrt.runtime import SamplingParams
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    quantized, dequantized = folders
+    loaded = load_model(Config(model=str(quantized)), "cuda", torch.float32)
+    assert loaded.model.model.layers[2].ffn.w13_packed.is_cuda
+    result = run_prefill_and_decode(loaded.model, PROMPTS, 8, block_size=4, num_pad_rows=2)
+    assert _worst_against(_reference(dequantized), result) <= 1e-3
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for eager in (True, False):
+        with LLM(str(quantized), device="cuda", block_size=4, enforce_eager=eager) as llm:
+            outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        tokens[eager] = [o.outputs[0].token_ids for o in outs]
+    assert tokens[False] == tokens[True]
