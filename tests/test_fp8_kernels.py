@@ -8,7 +8,12 @@ from typing import Optional
 import pytest
 import torch
 
-from atomrt.workers.kernels.gemm.fp8_gemm import quantize_fp8_triton, w8a8_fp8_linear, w8a8_gemm
+from atomrt.workers.kernels.gemm.fp8_gemm import (
+    quantize_fp8_triton,
+    w8a8_fp8_linear,
+    w8a8_gemm,
+    w8a8_skinny,
+)
 from atomrt.workers.kernels.moe.fused_moe_fp8 import fused_experts_fp8
 from atomrt.workers.layers.moe import select_experts
 from atomrt.workers.layers.quantization.fp8 import (
@@ -107,7 +112,7 @@ def test_fused_moe_fp8_matches_float64(group: Optional[int], num_tokens: int) ->
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("case", ["block", "row", "static", "one-group"])
 def test_fused_decode_rows_quantize_like_the_quant_kernel(m: int, case: str) -> None:
-    """Decode rows (m <= SKINNY_M) quantize x inside the GEMM's launch (`w8a8_skinny`): the
+    """Decode rows (m <= SKINNY_M) quantized inside the GEMM's launch (`w8a8_skinny`): the
     float64 product of the quantization kernel's own e4m3 values and scales. K with a partial last
     group, N with a partial last block; "one-group": K within one 128-feature group."""
     n, k = (96, 100) if case == "one-group" else (200, 1000)
@@ -115,7 +120,9 @@ def test_fused_decode_rows_quantize_like_the_quant_kernel(m: int, case: str) -> 
     qw, sw = _weight(n, k, group, seed=6)
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).to(DEVICE)
     static = torch.tensor(0.02, device=DEVICE) if case == "static" else None
-    y = w8a8_fp8_linear(x, qw, sw, static, group)
+    y = w8a8_skinny(x, qw, sw, group, static)
+    if sw.shape[1] == 1:  # per-row scales: w8a8_fp8_linear takes the fused kernel
+        torch.testing.assert_close(w8a8_fp8_linear(x, qw, sw, static, group), y, rtol=0, atol=0)
     qx, sx = quantize_fp8_triton(x, None if sw.shape[1] == 1 else group, static)
     ref = _deq64(qx, sx, None if sw.shape[1] == 1 else group) @ _deq64(qw, sw, group).T
     torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())

@@ -17,7 +17,7 @@ Two kernels:
    to float32, multiplied and summed over K: no padding of M to the MMA's 16 rows), the rest
    tl.dot on e4m3 operands (Hopper's FP8 MMA).
 
-`w8a8_fp8_linear` gives decode rows (M <= SKINNY_M) to a third kernel, `w8a8_skinny_kernel`: one
+`w8a8_fp8_linear` gives decode rows (M <= SKINNY_M) of per-row-scaled weights to a third kernel, `w8a8_skinny_kernel`: one
 launch that quantizes x in registers as kernel 1 does and takes the broadcast product, instead of
 two launches and a round trip of the quantized x through memory.
 """
@@ -35,7 +35,10 @@ MIN_SCALE = tl.constexpr(1e-12)
 SKINNY_M = 8  # at most this many rows take the broadcast inner product
 # the fused decode path (`w8a8_skinny`): K elements per loop step, fp32 products per step
 # (BLOCK_N * BLOCK_M * BLOCK_K), warps and pipeline stages per program
-SKINNY_BLOCK_K = 512
+# (benchmarks/bench_fp8_gemm.py --sweep on one H100: K steps of 1024 beat 512 by 20-35% at
+# Llama-3.1-8B's qkv, gate_up and down). Only per-row scales take it: block-scaled rows ran
+# slower fused than in two launches (45 vs 33 us at 8B's qkv), the 1x128 groups' reshapes
+SKINNY_BLOCK_K = 1024
 SKINNY_PRODUCTS = 8192
 SKINNY_WARPS = 4
 SKINNY_STAGES = 3
@@ -366,7 +369,7 @@ def w8a8_fp8_linear(
     """x [M, K] @ e4m3 weight [N, K]^T (scales [N, G]) -> [M, N] in x's dtype: x quantized per
     token and group (`group_k`; None: per token) or over the static `input_scale`."""
     x = x.contiguous()
-    if 0 < x.shape[0] <= SKINNY_M:
+    if 0 < x.shape[0] <= SKINNY_M and weight_scale.shape[1] == 1:  # per-row scales
         return w8a8_skinny(x, weight, weight_scale, group_k, input_scale)
     q, s = quantize_fp8_triton(x, group_k, input_scale)
     if input_scale is not None and weight_scale.shape[1] > 1:
