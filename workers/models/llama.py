@@ -24,7 +24,7 @@ from atomrt.workers.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from atomrt.workers.layers.norm import RMSNorm, residual_add
+from atomrt.workers.layers.norm import RMSNorm
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from atomrt.workers.layers.weight_utils import Sliceable, default_weight_loader
@@ -142,34 +142,28 @@ class LlamaModel(nn.Module):
         residual, update = self.embed_tokens(input_ids), None
         for layer in self.layers:
             residual, update = layer(positions, residual, update)
-        return self.norm(residual if update is None else residual_add(residual, update))
+        return self.norm.add_project(residual, update)[1]
 
 
-# (our fused parameter, checkpoint projection, shard id)
-_STACKED_PARAMS = (
+# (our fused parameter, checkpoint projection, shard id) of the attention and dense MLPs
+STACKED_PARAMS = (
     ("qkv_proj", "q_proj", "q"),
     ("qkv_proj", "k_proj", "k"),
     ("qkv_proj", "v_proj", "v"),
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
-_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
+NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}  # how many shards fill each
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(
-        self,
-        arch: ModelArch,
-        tp: TPInfo = TPInfo(),
-        max_position: int = 0,
-        config: Any = None,
-        dp: DPInfo = DPInfo(),
-    ) -> None:
-        """`dp` is every model's constructor argument; a dense model never communicates across DP
-        ranks, so Llama ignores it."""
+class CausalLM(nn.Module):
+    """A decoder (`model`: embeddings, layers, final norm) and its LM head, which shares the
+    embedding table when the arch ties them."""
+
+    def __init__(self, arch: ModelArch, model: nn.Module, tp: TPInfo) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, tp, max_position, config=config)
+        self.model = model
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -180,6 +174,20 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab_size] in the weight's dtype (vocab shards gathered)."""
         return self.lm_head.compute_logits(hidden_states)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(
+        self,
+        arch: ModelArch,
+        tp: TPInfo = TPInfo(),
+        max_position: int = 0,
+        config: Any = None,
+        dp: DPInfo = DPInfo(),
+    ) -> None:
+        """`dp` is every model's constructor argument; a dense model never communicates across DP
+        ranks, so Llama ignores it."""
+        super().__init__(arch, LlamaModel(arch, tp, max_position, config=config), tp)
 
     def load_weights(
         self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
@@ -195,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
             ):
                 continue
             shard_id: object = None
-            for ours, theirs, sid in _STACKED_PARAMS:
+            for ours, theirs, sid in STACKED_PARAMS:
                 if f".{theirs}." in name:
                     name, shard_id = name.replace(f".{theirs}.", f".{ours}."), sid
                     break
@@ -213,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         missing = [
             n
             for n in params
-            if loaded.get(n, 0) < next((c for k, c in _NUM_SHARDS.items() if f".{k}." in n), 1)
+            if loaded.get(n, 0) < next((c for k, c in NUM_SHARDS.items() if f".{k}." in n), 1)
         ]
         if missing:
             raise ValueError(

@@ -25,11 +25,17 @@ from atomrt.graphs.markers import token_graph
 from atomrt.workers.layers.cpu_gemm import reset_packed_weights
 from atomrt.workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear, linear
 from atomrt.workers.layers.moe import FusedMoE
-from atomrt.workers.layers.norm import RMSNorm, residual_add
-from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from atomrt.workers.layers.norm import RMSNorm
+from atomrt.workers.layers.vocab import VocabParallelEmbedding
 from atomrt.workers.layers.weight_utils import Sliceable, default_weight_loader
 from atomrt.workers.models.arch import ModelArch
-from atomrt.workers.models.llama import LlamaAttention, LlamaMLP
+from atomrt.workers.models.llama import (
+    NUM_SHARDS,
+    STACKED_PARAMS,
+    CausalLM,
+    LlamaAttention,
+    LlamaMLP,
+)
 
 
 class MoEBlock(nn.Module):
@@ -180,7 +186,7 @@ class MoEModel(nn.Module):
         residual, update = self.embed_tokens(input_ids), None
         for layer in self.layers:
             residual, update = layer(positions, residual, update)
-        return self.norm(residual if update is None else residual_add(residual, update))
+        return self.norm.add_project(residual, update)[1]
 
     def forward_ubatch(
         self, input_ids: torch.Tensor, positions: torch.Tensor
@@ -191,18 +197,9 @@ class MoEModel(nn.Module):
         residual, update = self.embed_tokens(input_ids), None
         for layer in self.layers:
             residual, update = yield from layer.forward_ubatch(positions, residual, update)
-        return self.norm(residual if update is None else residual_add(residual, update))
+        return self.norm.add_project(residual, update)[1]
 
 
-# (our fused parameter, checkpoint projection, shard id) of the attention and dense MLPs
-_STACKED_PARAMS = (
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-)
-_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
 # one expert's projection: mlp.experts.<e>.<proj>.weight, or (FP8 checkpoints) its scales
 _EXPERT = re.compile(
     r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
@@ -213,14 +210,14 @@ _FUSED_EXPERTS = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 _EXPERT_SHARD = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
-class MoEForCausalLM(nn.Module):
+class MoEForCausalLM(CausalLM):
     """Qwen3-MoE and Qwen2-MoE (checkpoint names as in transformers); Mixtral and the DeepSeek
     family subclass it."""
 
     layer_class: type[MoEDecoderLayer] = MoEDecoderLayer
     # (our fused parameter, checkpoint projection, shard id), and how many shards fill each
-    stacked_params: tuple[tuple[str, str, object], ...] = _STACKED_PARAMS
-    num_shards: dict[str, int] = _NUM_SHARDS
+    stacked_params: tuple[tuple[str, str, object], ...] = STACKED_PARAMS
+    num_shards: dict[str, int] = NUM_SHARDS
 
     def __init__(
         self,
@@ -230,27 +227,14 @@ class MoEForCausalLM(nn.Module):
         config: Any = None,
         dp: DPInfo = DPInfo(),
     ) -> None:
-        super().__init__()
-        self.arch = arch
-        self.model = MoEModel(
-            arch, tp, dp, max_position, config=config, layer_class=self.layer_class
-        )
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+        model = MoEModel(arch, tp, dp, max_position, config=config, layer_class=self.layer_class)
+        super().__init__(arch, model, tp)
 
     def forward_ubatch(
         self, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> Generator[None, None, torch.Tensor]:
         """The backbone as one microbatch of two-batch overlap (`MoEModel.forward_ubatch`)."""
         return self.model.forward_ubatch(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab_size] in the weight's dtype (vocab shards gathered)."""
-        return self.lm_head.compute_logits(hidden_states)
 
     def checkpoint_name(self, name: str) -> str:
         """A checkpoint tensor's name in this module's (Qwen) naming."""
