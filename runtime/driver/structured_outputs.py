@@ -14,7 +14,7 @@
   `grammar_rows`; their masks (`GrammarBitmask`, to each DP rank's sampling worker) are filled in
   one batch as soon as every row's grammar state is known: at once, or, under async scheduling
   when a row's token is still in flight, right after the previous step's tokens have advanced the
-  grammars (`fill_deferred`).
+  grammars (`fill_ready(final=True)`).
 - **postprocess**: the stop rules advance a sequence's matcher on each token it emits
   (runtime/driver/stop_checker.py); a grammar that has accepted its end finishes the request
   ("stop").
@@ -50,9 +50,7 @@ __all__ = ["Failed", "GrammarMatcher", "SeqGrammar", "StructuredOutputs", "allow
 
 logger = logging.getLogger(__name__)
 
-INIT_TIMEOUT_S = (
-    120.0  # the bound on indexing the vocabulary (0.15 s for SmolLM2 on the CPU machine)
-)
+INIT_TIMEOUT_S = 120.0  # the bound on building the backend: its library's import, the vocabulary
 
 # A matcher of the default backend built from its compiled grammar: `SeqGrammar(compiled,
 # stop_token_ids, vocab_size)`, for code that holds an xgrammar `CompiledGrammar` (tests).
