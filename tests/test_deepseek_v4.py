@@ -65,15 +65,16 @@ def test_tiny_v4_logits_match_transformers(folders: dict[str, Path], name: str) 
 
 def _engine_tokens(folder: Path, **kwargs) -> tuple[list[list[int]], dict]:
     """Greedy tokens through the engine: 4-token blocks, a 3-row step budget (prefill chunks
-    shorter than a compression block), 12 blocks (fewer than the requests need at once:
-    preemption), prefix caching, async scheduling; returns them with what happened."""
+    shorter than a compression block), 10 blocks (fewer than the requests need at once, the
+    window's blocks returned: preemption), prefix caching, async scheduling; returns them with
+    what happened."""
     from atomrt.runtime.entrypoints.llm import LLM
 
     settings = dict(
         device="cpu",
         enforce_eager=True,
         block_size=4,
-        num_kv_blocks=12,
+        num_kv_blocks=10,
         max_num_seqs=8,
         max_num_batched_tokens=3,
         async_scheduling=True,
@@ -118,6 +119,36 @@ def test_engine_greedy_tokens_equal_transformers_generate(
         types = json.loads((folders[name] / "config.json").read_text())["layer_types"]
         ops = sum(1 if t == "sliding_attention" else 2 for t in types)
         assert compilation_counter.num_piecewise_graphs_seen == 2 * ops + 1
+
+
+def test_window_blocks_return_to_the_pool(folders: dict[str, Path]) -> None:
+    """A long generation: as it runs, its blocks behind the window (and the compressors' reach)
+    return to the pool, each group's first block kept for the compressed entries (block counts
+    observed at every allocation); the tokens stay transformers' `generate`'s."""
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    folder, prompt, max_tokens = folders["csa_hca"], ENGINE_PROMPTS[1], 40
+    expected = hf_greedy(folder, [prompt], max_tokens)
+    llm = LLM(str(folder), device="cpu", enforce_eager=True, block_size=4, num_kv_blocks=64)
+    bm = llm.engine.schedulers[0].block_manager
+    seen = []
+    append_slots = bm.append_slots
+
+    def observed(seq, num_new_tokens: int) -> None:
+        append_slots(seq, num_new_tokens)
+        seen.append((len(seq.block_table), bm.num_used_blocks))
+
+    bm.append_slots = observed  # observes the real block manager's counts
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert out.outputs[0].token_ids == expected[0]
+    assert bm.window is not None and bm.window.free_behind and bm.num_window_freed_blocks > 0
+    table, held = seen[-1]  # 66 tokens: 17 blocks of 4; held: every 4th and the last reach's
+    assert table == 17 and held <= 7, seen
+    assert [h for _, h in seen] != sorted(h for _, h in seen)  # the count went down on the way
 
 
 def test_cache_is_sized_per_layer_type(folders: dict[str, Path]) -> None:

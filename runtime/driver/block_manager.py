@@ -10,15 +10,24 @@ shared block is ever written.
 Free blocks (ref count 0) sit in one LRU queue: evicted first are blocks that hold nothing
 reusable, then cached blocks least recently freed; a free cached block can still be hit (and
 leaves the queue) until it is evicted for reuse.
+
+A windowed model (`WindowBlocks`: DeepSeek-V4) reads a token's own row only while the token is
+within `reach` of the positions it computes, and keeps what lasts (its compressed entries) in the
+first block of each group of `anchor_stride` blocks. Its prefix-cache hits are whole groups, and
+the other blocks of a sequence return to the pool once every token in them is behind the reach:
+the table keeps their place as -1 (the workers never read them again).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from atomrt.runtime.driver.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 _NO_PARENT = 0x9E3779B97F4A7C15  # the chain's seed: the hash of "no parent block"
 
@@ -37,6 +46,16 @@ class Block:
     token_ids: tuple[int, ...] = ()  # the tokens a cached block holds (checked on hits)
 
 
+@dataclass(frozen=True)
+class WindowBlocks:
+    """A windowed model's blocks (this module's docstring)."""
+
+    anchor_stride: int  # k: a sequence's blocks go in groups of k, the first of each kept
+    reach: int  # tokens back from the first position a step computes that it reads rows of
+    free_behind: bool  # whether the other blocks behind the reach return to the pool
+    margin: int = 0  # tokens a sequence may step back (rejected speculative tokens)
+
+
 class BlockManager:
     def __init__(
         self,
@@ -44,6 +63,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         recompute_last_hit: bool = False,
+        window: Optional[WindowBlocks] = None,
     ) -> None:
         """`recompute_last_hit`: a prefix-cache hit leaves its last block to compute again. An MTP
         drafter's KV at a position depends on the token after it, which a later sequence sharing
@@ -62,6 +82,28 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.num_prefix_hit_tokens = 0  # counters for metrics
         self.num_prefix_query_tokens = 0
+        self.window = window
+        self.num_window_freed_blocks = 0
+        if window is not None:
+            logger.info(
+                "KV blocks: entries kept in every %d-th block; the others %s",
+                window.anchor_stride,
+                f"freed {window.reach + window.margin} tokens behind"
+                if window.free_behind
+                else "kept (a drafter model reads the tables)",
+            )
+
+    @staticmethod
+    def window_for(arch: Any, config: Any) -> Optional[WindowBlocks]:
+        """A windowed model's `WindowBlocks` (DeepSeek-V4's; None for any other). Its blocks stay
+        while a drafter model reads the same tables whole."""
+        v4 = getattr(arch, "v4", None)
+        if v4 is None:
+            return None
+        spec = config.speculative_config
+        free = spec is None or spec.method == "ngram"
+        margin = spec.num_speculative_tokens if spec is not None else 0
+        return WindowBlocks(v4.anchor_stride, v4.token_reach, free, margin)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -103,7 +145,10 @@ class BlockManager:
             ):
                 break
             hits.append(block_id)
-        return hits[:-1] if self.recompute_last_hit else hits
+        hits = hits[:-1] if self.recompute_last_hit else hits
+        if self.window is not None:  # a group's first block holds entries its later ones end
+            hits = hits[: len(hits) // self.window.anchor_stride * self.window.anchor_stride]
+        return hits
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """How many leading tokens of a not-yet-allocated sequence the prefix cache already holds."""
@@ -170,6 +215,30 @@ class BlockManager:
             )
         for _ in range(need):
             seq.block_table.append(self._pop_free())
+        if self.window is not None and self.window.free_behind:
+            self._free_behind(seq)
+
+    def _free_behind(self, seq: Sequence) -> None:
+        """Return the blocks of seq that no step reads again (but each group's first)."""
+        w, bs = self.window, self.block_size
+        behind = max(0, seq.num_computed_tokens - w.reach - w.margin) // bs
+        for i in range(seq.num_blocks_behind, min(behind, len(seq.block_table))):
+            if i % w.anchor_stride and seq.block_table[i] >= 0:
+                self._release(seq.block_table[i])
+                seq.block_table[i] = -1
+                self.num_window_freed_blocks += 1
+        seq.num_blocks_behind = max(seq.num_blocks_behind, behind)
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; at ref count 0 the block joins the free LRU (at the very front
+        when it holds nothing reusable)."""
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed twice"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.block_hash is None:
+                self._free.move_to_end(block_id, last=False)
 
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)
@@ -194,6 +263,8 @@ class BlockManager:
             return
         hashes = self._block_hashes(seq)
         for i in range(seq.num_cached_blocks, num_full):
+            if seq.block_table[i] < 0:  # returned behind the window
+                continue
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None and hashes[i] not in self._cached:
                 block.block_hash = hashes[i]
@@ -205,15 +276,11 @@ class BlockManager:
         """Drop seq's references. Blocks reaching ref count 0 join the free LRU: tail blocks
         before head blocks, and blocks holding nothing reusable at the very front."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"block {block_id} freed twice"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)
+            if block_id >= 0:  # -1: returned behind the window
+                self._release(block_id)
         seq.block_table = []
         seq.num_cached_blocks = 0
+        seq.num_blocks_behind = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after new weights are loaded)."""

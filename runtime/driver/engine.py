@@ -124,6 +124,7 @@ class LLMEngine:
                     cc.block_size,
                     cc.enable_prefix_caching,
                     recompute_last_hit=proposer is not None and proposer.recompute_last_hit,
+                    window=BlockManager.window_for(arch, config),
                 ),
                 tokenizer=tokenizer,
                 max_model_len=self.max_model_len,

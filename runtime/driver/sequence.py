@@ -59,6 +59,7 @@ class Sequence:
     num_pending: int = 0  # sampled tokens of submitted steps whose results are not back yet
     block_table: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
+    num_blocks_behind: int = 0  # leading blocks a windowed model's block manager has passed
     block_hashes: list[int] = field(
         default_factory=list
     )  # chained hashes of full blocks of token_ids

@@ -38,15 +38,19 @@ ranks; the key, the compressors and the indexer are whole on every rank (so is t
 The cache (workers/runner/kv_cache.py, `V4LayerSpec`): one row per token in the one block pool,
 indexed by the sequence's block table like every other layer's,
 
-    [kv | compressor kv, gate | entry | indexer kv, gate | indexer entry]
-     D    c*D        c*D       D       2*Di       2*Di     Di             (c = 2 for CSA, 1 for HCA)
+    [kv | compressor kv, gate | indexer kv, gate | entry | indexer entry]
+     D    c*D        c*D       2*Di       2*Di     D       Di             (c = 2 for CSA, 1 for HCA)
 
 a sliding layer's row is its kv alone. A token's compressor projections stay in its row until
 its window is pooled, so the compressor's partial window carries across steps, prefill chunks and
-a recomputation after preemption as the keys do; an entry lives in the row of its window's last
-token. A full block's rows are a function of the tokens up to it: prefix caching reuses them.
-Blocks behind the window are not freed (their rows hold the entries). A draft rejected by
-speculative decoding leaves rows that the position's next computation rewrites, entry included.
+a recomputation after preemption as the keys do. The entry columns hold the compressed entries
+instead (workers/layers/v4_rows.py): a sequence's blocks go in groups of k (the model's smallest compress
+rate), and the entries whose windows end in a group fill the entry columns of its first block in
+the order they end. So the other blocks of a group are read only while their tokens are within
+the window or a compressor's reach, and the block manager returns them to the pool behind it
+(runtime/driver/block_manager.py, `WindowBlocks`). A full group's blocks are a function of the
+tokens up to it: prefix caching reuses whole groups. A draft rejected by speculative decoding
+leaves rows that the position's next computation rewrites, entry included.
 An e4m3 cache (kv_cache_dtype fp8) holds the rows at scale 1: they are RMS-normalised keys and
 entries or projections of normalised rows, inside e4m3's normal range, where a per-tensor scale
 does not change the 3-bit mantissa's relative precision; reads widen them.
@@ -82,7 +86,6 @@ from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
 from atomrt.graphs.markers import eager_region
 from atomrt.runtime.forward_context import get_forward_context
 from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
-from atomrt.workers.layers.attention_ref import copy_rows
 from atomrt.workers.layers.paged_rows import read_rows, returns_nothing, step_sequences
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_hyper import unweighted_rms_norm
@@ -92,10 +95,10 @@ from atomrt.workers.layers.v4_modules import (
     Compressor,
     Indexer,
     Norm,
-    V4CacheTensor,
     V4LayerSpec,
     rope_tail,
 )
+from atomrt.workers.layers.v4_rows import anchor_slots, row_seqs, row_source, write_rows
 from atomrt.workers.layers.v4_streams import V4SideStreams
 from atomrt.workers.layers.weight_utils import divide
 
@@ -124,6 +127,7 @@ class V4Attention(PagedAttentionLayer):
         rotary: RotaryEmbedding,
         tp: TPInfo = TPInfo(),
         side_streams: Optional[V4SideStreams] = None,
+        anchor_stride: int = 1,
     ) -> None:
         super().__init__()
         self.layer_idx, self.layer_type = layer_idx, layer_type
@@ -136,6 +140,7 @@ class V4Attention(PagedAttentionLayer):
         o_groups = divide(o_groups, tp.tp_size, "o_groups")
         self.num_heads, self.head_dim, self.rope_dim = num_heads, head_dim, rope_dim
         self.window, self.rate, self.index_topk = window, rate, index_topk
+        self.anchor_stride = anchor_stride  # the model's smallest compress rate (see the cache)
         self.o_groups, self.eps = o_groups, eps
         self.scale = head_dim**-0.5
         self.rotary = rotary
@@ -206,10 +211,10 @@ class V4Attention(PagedAttentionLayer):
         """This step's cache rows but the window key (written by the attention op) and the entries
         (pooled where a window ends): zeros there."""
         parts = [ckv.new_zeros(ckv.shape[0], self.head_dim), ckv, cgate]
-        parts.append(ckv.new_zeros(ckv.shape[0], self.head_dim))
         if ikv is not None:
-            parts += [ikv, igate, ikv.new_zeros(ikv.shape[0], ikv.shape[1] // 2)]
-        return torch.cat(parts, dim=-1)
+            parts += [ikv, igate]
+        width = self.spec.elements_per_token() - self.spec.entries_at
+        return torch.cat(parts + [ckv.new_zeros(ckv.shape[0], width)], dim=-1)
 
 
 # Use the Triton kernels (workers/kernels/v4/) for the compressor and the attention: always on
@@ -221,45 +226,6 @@ _QUERY_CHUNK = 256
 
 def _use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda or USE_KERNELS_ON_CPU
-
-
-def _row_source(
-    md: object,
-    cache: Optional[V4CacheTensor],
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    tokens: torch.Tensor,
-) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Where the rows of `tokens` [n, k] (positions in row i's sequence; < 0: none) are, as
-    (rows [num_slots, width], slots [n, k], -1: none): the cache's, through the block table on the
-    device, or without a cache this step's (each sequence's rows from its first position). Planned
-    from the row count alone."""
-    n = rows.shape[0]
-    cu = None if md is None or md.cu_seqlens_q is None else md.cu_seqlens_q.long()
-    if cu is not None:
-        seq = torch.searchsorted(cu[1:], torch.arange(n, device=rows.device), right=True)
-    if cache is not None and md is not None:
-        bs, table = cache.rows.shape[1], md.block_tables.long()
-        t = tokens.clamp(min=0)
-        blocks = table[
-            seq.clamp(max=table.shape[0] - 1).unsqueeze(1), (t // bs).clamp(max=table.shape[1] - 1)
-        ]
-        slots = torch.where(tokens >= 0, blocks.clamp(min=0) * bs + t % bs, -1)
-        return cache.rows.view(-1, cache.rows.shape[-1]), slots
-    if cu is None:
-        first = torch.zeros(n, dtype=torch.long, device=rows.device)
-    else:
-        first = cu[seq.clamp(max=cu.shape[0] - 1)]
-    src = first.unsqueeze(1) + tokens - positions[first].unsqueeze(1)
-    return rows, torch.where(src >= first.unsqueeze(1), src.clamp(max=n - 1), -1)
-
-
-def _write_rows(md: object, cache: Optional[V4CacheTensor], rows: torch.Tensor) -> None:
-    """The step's rows at slot_mapping (a padded row's, slot < 0, into the scratch row)."""
-    if cache is None or md is None:
-        return
-    slots = md.slot_mapping[: rows.shape[0]]
-    copy_rows(cache.storage, torch.where(slots >= 0, slots, cache.storage.shape[0] - 1), rows)
 
 
 def v4_attn_compress_launch(
@@ -296,13 +262,14 @@ def _compress(
         ikv, igate = layer.indexer.compressor.wkv(x), layer.indexer.compressor.wgate(x)
     ckv, cgate = layer.compressor.wkv(x), layer.compressor.wgate(x)
     rows.copy_(layer.compressor_rows(ckv, cgate, ikv, igate))
-    _write_rows(md, cache, rows)
+    tokens_cols, entry_cols = slice(0, layer.spec.entries_at), slice(layer.spec.entries_at, None)
+    write_rows(md, cache, rows, tokens_cols)
     r, cols = layer.rate, layer.spec.columns()
     windows = ((positions + 1) // r - 1).clamp(min=0)  # the window each row would end
     span = 2 * r if layer.compressor.overlap else r
     tokens = (positions + 1 - span).unsqueeze(1) + torch.arange(span, device=rows.device)
     ends = ((positions + 1) % r == 0).unsqueeze(1)
-    source, slots = _row_source(md, cache, rows, positions, tokens)
+    source, slots = row_source(md, cache, rows, positions, tokens)
     if not _use_kernels(rows):
         src = read_rows(source, slots.clamp(min=0)).to(rows.dtype)  # [n, span, width]
     comps = [(layer.compressor, "ckv", "cgate", "centry")]
@@ -328,7 +295,17 @@ def _compress(
         at, width = cols[entry_name]
         entry = rows[:, at : at + width]
         entry.copy_(torch.where(ends, pooled.to(rows.dtype), entry))
-    _write_rows(md, cache, rows)
+    if cache is not None and md is not None:  # the entries into their group's first block
+        ended = ends.squeeze(1) & (md.slot_mapping[: rows.shape[0]] >= 0)
+        w = torch.where(ended, (positions + 1) // r - 1, -1).unsqueeze(1)
+        seq = row_seqs(md, rows.shape[0], rows.device)
+        write_rows(
+            md,
+            cache,
+            rows,
+            entry_cols,
+            anchor_slots(md, cache, seq, w, r, layer.anchor_stride)[:, 0],
+        )
 
 
 def v4_attention(
@@ -350,7 +327,7 @@ def v4_attention(
     # the compressors' side stream joins here, before the eager region: one recorded segment
     layer.side_streams.join(layer_idx, rows.device)
     rows[:, : kv.shape[1]] = kv
-    _write_rows(md, cache, rows)  # whole rows: the compressor's columns are in `rows` too
+    write_rows(md, cache, rows, slice(0, kv.shape[1]))
     if layer.compressor is None:  # sliding
         _attend(layer, q, rows, positions, output)
         return
@@ -378,7 +355,7 @@ def _attend(
     _, md, cache = paged_layer_state(layer.layer_idx)
     back = torch.arange(layer.window - 1, -1, -1, device=q.device)
     tokens = positions.long().unsqueeze(1) - back  # [n, W], < 0 before the sequence's start
-    source, slots = _row_source(md, cache, rows, positions, tokens)
+    source, slots = row_source(md, cache, rows, positions, tokens)
     cols = layer.spec.columns()
     groups = [(slots, cols["kv"][0])]
     if entries is not None:
@@ -407,7 +384,7 @@ def _attend(
 
 def _entry_slots(layer: "V4Attention", rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[n, T] the slots of the compressed entries each row sees (entry w, in the row of its
-    window's last token, once p >= (w + 1) * rate - 1; -1 past them), in `_row_source`'s rows.
+    window's last token, once p >= (w + 1) * rate - 1; -1 past them), in `row_source`'s rows.
     A decode step (recorded) takes T fixed, the most a sequence can have (max positions // rate,
     masked); a prefill step (eager) the most the step's sequences have."""
     _, md, cache = paged_layer_state(layer.layer_idx)
@@ -419,8 +396,13 @@ def _entry_slots(layer: "V4Attention", rows: torch.Tensor, positions: torch.Tens
         num_entries = layer.rotary.cos_cache.shape[0] // r
     w = torch.arange(num_entries, device=rows.device)
     visible = w.unsqueeze(0) < ((positions.long() + 1) // r).unsqueeze(1)  # [n, T]
+    if cache is not None and md is not None:
+        seq = row_seqs(md, rows.shape[0], rows.device)
+        return anchor_slots(
+            md, cache, seq, torch.where(visible, w.unsqueeze(0), -1), r, layer.anchor_stride
+        )
     tokens = torch.where(visible, (w.unsqueeze(0) + 1) * r - 1, -1)
-    return _row_source(md, cache, rows, positions, tokens)[1]
+    return row_source(md, cache, rows, positions, tokens)[1]
 
 
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request

@@ -122,16 +122,28 @@ class V4LayerSpec:
         return n
 
     def columns(self) -> "dict[str, tuple[int, int]]":
-        """Name -> (first column, width) of a cache row."""
+        """Name -> (first column, width) of a cache row: a token's columns, then the entries'
+        (`entries_at` on)."""
         d, cw, iw = self.head_dim, self.compress_width, self.index_width
-        cols, at = {"kv": (0, d)}, d
+        widths = [("kv", d)]
         if cw:
-            for name, width in (("ckv", cw), ("cgate", cw), ("centry", d)):
-                cols[name], at = (at, width), at + width
+            widths += [("ckv", cw), ("cgate", cw)]
         if iw:
-            for name, width in (("ikv", iw), ("igate", iw), ("ientry", iw // 2)):
-                cols[name], at = (at, width), at + width
+            widths += [("ikv", iw), ("igate", iw)]
+        if cw:
+            widths.append(("centry", d))
+        if iw:
+            widths.append(("ientry", iw // 2))
+        cols, at = {}, 0
+        for name, width in widths:
+            cols[name], at = (at, width), at + width
         return cols
+
+    @property
+    def entries_at(self) -> int:
+        """The first entry column (the row's width for a sliding layer)."""
+        cols = self.columns()
+        return cols["centry"][0] if "centry" in cols else self.elements_per_token()
 
     def allocate(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device

@@ -105,6 +105,7 @@ class V4DecoderLayer(nn.Module):
             rotary["main" if layer_type == "sliding_attention" else "compress"],
             tp,
             side_streams,
+            anchor_stride=v4.anchor_stride,
         )
         self.ffn = V4MoE(
             arch.hidden_size,

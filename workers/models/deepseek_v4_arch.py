@@ -50,6 +50,24 @@ class V4Arch:
     def compress_rate(self, layer_type: str) -> int:
         return dict(self.compress_rates).get(layer_type, 0)
 
+    @property
+    def anchor_stride(self) -> int:
+        """k: a sequence's blocks go in groups of k, the first of each holding the compressed
+        entries its group's tokens end (workers/layers/v4_attention.py): the smallest compress
+        rate of the model's layers (1 without compressed layers)."""
+        rates = [self.compress_rate(t) for t in set(self.layer_types)]
+        return min((r for r in rates if r), default=1)
+
+    @property
+    def token_reach(self) -> int:
+        """How many tokens back a step reads a token's own row: its window, or the tokens a
+        compressed entry pools (a CSA entry two windows, an HCA entry one)."""
+        reach = self.sliding_window
+        for t in set(self.layer_types):
+            r = self.compress_rate(t)
+            reach = max(reach, 2 * r if t == "compressed_sparse_attention" else r)
+        return reach
+
 
 def _rope_params(cfg: dict[str, Any], label: str, theta_key: str) -> tuple[float, Optional[dict]]:
     """(theta, scaling or None) of one of V4's two rotary sets ("main", "compress")."""
