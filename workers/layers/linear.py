@@ -248,26 +248,21 @@ class ColumnParallelLinear(_LinearBase):
     def forward_add_norm(
         self, residual: torch.Tensor, update: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, self(norm(h))) for h = residual + update, through add_norm_linear."""
-        packed = self.cpu_packed.get(self.weight, residual)
-        if self.quant_method is not None:
+        """(h, self(norm(h))) for h = residual + update: through add_norm_linear, unless the
+        weight is quantized or CPU-packed (then the add and the norm come first, and `forward`)."""
+        if self.quant_method is not None or self.cpu_packed.get(self.weight, residual) is not None:
             h = residual_add(residual, update)
-            y = self.quant_method.apply(self, rms_norm(h, norm.weight, norm.eps))
-            y = y + self.bias if self.bias is not None else y
-        elif packed is not None:
-            h = residual_add(residual, update)
-            y = packed_linear(rms_norm(h, norm.weight, norm.eps), packed, self.bias)
-        else:
-            h, y = add_norm_linear(
-                residual,
-                update,
-                norm.weight,
-                norm.eps,
-                self.weight,
-                self.bias,
-                self.skinny_max_rows,
-                self.norm_stats_values,
-            )
+            return h, self(rms_norm(h, norm.weight, norm.eps))
+        h, y = add_norm_linear(
+            residual,
+            update,
+            norm.weight,
+            norm.eps,
+            self.weight,
+            self.bias,
+            self.skinny_max_rows,
+            self.norm_stats_values,
+        )
         return h, tp_all_gather(y, self.tp) if self.gather_output else y
 
 
