@@ -102,3 +102,16 @@ def test_engine_flags_take_quantization_and_kv_cache_dtype() -> None:
         config_from_args(p.parse_args(["--quantization", "gptq"]))
     with pytest.raises(ConfigError, match="cache_config.kv_cache_dtype.*'int8'"):
         config_from_args(p.parse_args(["--kv-cache-dtype", "int8"]))
+
+
+def test_fp8_runs_get_rows_of_their_own() -> None:
+    """The case of a run with --quantization or --kv-cache-dtype names them: its row on the page
+    stands beside the bf16 run's instead of replacing it."""
+    from atomrt.runtime.bench.latency import _parse
+    from atomrt.runtime.bench.targets import engine_variant
+
+    base = ["--model", "Llama-3.1-8B", "--modes", "FULL+async", "--level", "3"]
+    plain = engine_variant(_parse(base))  # the environment's variables (OMP_*) at most
+    fp8 = engine_variant(_parse([*base, "--quantization", "fp8", "--kv-cache-dtype", "fp8"]))
+    assert fp8 == ["--quantization fp8", "--kv-cache-dtype fp8", *plain]
+    assert not any("fp8" in part for part in plain)

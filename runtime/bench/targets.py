@@ -58,6 +58,10 @@ def engine_variant(args: argparse.Namespace, *, ladder: bool = True) -> list[str
     out += weights_variant(args.load_format)
     if args.dtype != "auto":
         out.append(args.dtype)
+    if getattr(args, "quantization", None) is not None:  # FP8 rows beside the bf16 ones
+        out.append(f"--quantization {args.quantization}")
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        out.append(f"--kv-cache-dtype {args.kv_cache_dtype}")
     if args.input_len != 128:
         out.append(f"{args.input_len}-token prompts")
     names = ["max_model_len", "max_num_batched_tokens", "transport_spin_us", "hf_overrides"]
