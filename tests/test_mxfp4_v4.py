@@ -180,6 +180,13 @@ def test_v4_mxfp4_checkpoint_matches_the_float64_reference(folders: tuple[Path, 
     # (gate and up rows stacked, as transformers stacks them)
     assert moe.mxfp4 and moe.w13_packed.dtype == torch.uint8
     assert moe.w13_packed.shape == (8, 64, 32) and moe.w13_scale.shape == (8, 64, 2)
+    shipped = load_file(str(quantized / "model.safetensors"))  # held as shipped: the same bytes
+    for e in range(8):
+        w3 = shipped[f"model.layers.2.ffn.experts.{e}.w3.weight"].view(torch.uint8)
+        w3_scale = shipped[f"model.layers.2.ffn.experts.{e}.w3.scale"].view(torch.uint8)
+        assert torch.equal(moe.w13_packed[e, 32:], w3) and torch.equal(
+            moe.w13_scale[e, 32:], w3_scale
+        )
     want = reference.model.layers[2].mlp.experts.gate_up_proj.detach()
     held = [dequantize_mxfp4(p, s, "w13") for p, s in zip(moe.w13_packed, moe.w13_scale)]
     assert torch.equal(torch.stack(held).double(), want)

@@ -39,7 +39,7 @@ from atomrt.distributed.communication_op import (
     dp_reduce_scatter,
     tp_all_reduce,
 )
-from atomrt.workers.layers.quantization.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
+from atomrt.workers.layers.quantization.mxfp4 import MXFP4_BLOCK, MXFP4Weight, dequantize_mxfp4
 from atomrt.workers.layers.weight_utils import Sliceable, divide, read_narrow
 
 
@@ -194,8 +194,8 @@ class V4MoE(nn.Module):
         """Hold the routed experts as MXFP4, as DeepSeek-V4's checkpoints ship them, before they
         load: `w13_packed` [E, 2I, H / 2] and `w2_packed` [E, H, I / 2] e2m1 pairs with e8m0
         exponents `w13_scale` [E, 2I, H / 32] and `w2_scale` [E, H, I / 32] (uint8) in place of
-        w13 / w2. The checkpoint's experts, dequantized as they stream in, pack back without loss;
-        CUDA runs them through the w4a16 fused-MoE kernel (16-bit activations)."""
+        w13 / w2. The checkpoint's experts (`MXFP4Weight`s) load into them as they ship; CUDA runs
+        them through the w4a16 fused-MoE kernel (16-bit activations)."""
         e, two_i, hidden = self.w13.shape
         i = two_i // 2
         for name, size in (
@@ -245,6 +245,8 @@ class V4MoE(nn.Module):
         if self.mxfp4:
             self._load_mxfp4(expert, proj, weight, start)
             return
+        if isinstance(weight, MXFP4Weight):  # a layer that does not hold them packed
+            weight = weight.dequantize()
         with torch.no_grad():
             if proj == "w2":
                 self.w2[expert].copy_(read_narrow(weight, 1, start, i))
@@ -253,14 +255,16 @@ class V4MoE(nn.Module):
                 self.w13[expert, rows].copy_(read_narrow(weight, 0, start, i))
 
     def _load_mxfp4(self, expert: int, proj: str, weight: Sliceable, start: int) -> None:
+        if not isinstance(weight, MXFP4Weight):
+            raise ValueError(f"experts.{expert}.{proj}: the MXFP4 experts take MXFP4 weights")
         i = self.intermediate_size
         if proj == "w2":
-            packed, exponents = quantize_mxfp4(read_narrow(weight, 1, start, i))
+            packed, exponents = weight.narrow(1, start, i)
             self.w2_packed[expert].copy_(packed)
             self.w2_scale[expert].copy_(exponents)
         else:
             rows = slice(0, i) if proj == "w1" else slice(i, 2 * i)
-            packed, exponents = quantize_mxfp4(read_narrow(weight, 0, start, i))
+            packed, exponents = weight.narrow(0, start, i)
             self.w13_packed[expert, rows].copy_(packed)
             self.w13_scale[expert, rows].copy_(exponents)
         self.mxfp4_loaded.add((expert, proj))

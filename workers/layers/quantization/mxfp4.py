@@ -12,13 +12,13 @@ DeepSeek-V4 checkpoints (`quantization_config.expert_dtype: "fp4"`, or the confi
 `.scale` per 128x128 block (`weight_block_size: [128, 128]`, ue8m0 or float32); a checkpoint
 transformers wrote may name a scale `.weight_scale_inv`. `v4_weights` pairs each quantized weight
 with its scale and yields it dequantized in float32, under the weight's name. The FP8 projections
-then run in the model's dtype (their activations are not quantized); the routed experts are
-packed again as they load (`v4_checkpoint_weights`, V4MoE.keep_mxfp4): held as MXFP4, they run
-with 16-bit activations as Hopper runs them (the w4a16 fused-MoE kernel on CUDA). A float
-weight without a scale loads as it is (the checkpoint's norms, router, embeddings, LM head);
-anything else -- a quantized weight without its scale, a scale without its weight, a routed
-expert that is not MXFP4 where the config says so, an unknown dtype or a scale grid that does not
-fit -- is refused by name.
+then run in the model's dtype (their activations are not quantized). The routed experts come
+as they ship instead (`MXFP4Weight`), into MoE layers that hold them so (`v4_checkpoint_weights`,
+V4MoE.keep_mxfp4) and run them with 16-bit activations as Hopper does (the w4a16 fused-MoE kernel
+on CUDA). A float weight without a scale loads as it is (the checkpoint's norms, router,
+embeddings, LM head); anything else -- a quantized weight without its scale, a scale without its
+weight, a routed expert that is not MXFP4 where the config says so, an unknown dtype or a scale
+grid that does not fit -- is refused by name.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from atomrt.workers.layers.weight_utils import read_all
+from atomrt.workers.layers.weight_utils import read_all, shape_of
 
 MXFP4_BLOCK = 32  # values per e8m0 scale
 FP8_BLOCK = 128  # V4's FP8 projections: one scale per 128x128 block
@@ -112,13 +112,14 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     if k % MXFP4_BLOCK:
         raise ValueError(f"quantize_mxfp4: {k} input features is not a multiple of {MXFP4_BLOCK}")
-    groups = w.to(torch.float64).reshape(n, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    groups = w.to(torch.float32).reshape(n, k // MXFP4_BLOCK, MXFP4_BLOCK)
     amax = groups.abs().amax(-1)
-    exponent = torch.ceil(torch.log2(amax / 6.0)).nan_to_num(-127.0).clamp(-127.0, 127.0)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127.0, 127.0)  # amax 0: -inf -> -127
     scaled = groups / torch.exp2(exponent)[..., None]
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=w.device)
-    codes = (scaled.abs()[..., None] - table).abs().argmin(-1)  # the nearest magnitude
-    codes = (codes | (scaled < 0).long() << 3).reshape(n, k).to(torch.uint8)
+    # the nearest magnitude's code: the midpoints between e2m1's magnitudes split them
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
+    codes = torch.bucketize(scaled.abs(), (table[1:] + table[:-1]) / 2).to(torch.uint8)
+    codes = (codes | ((scaled < 0).to(torch.uint8) << 3)).reshape(n, k)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return packed, (exponent + 127).to(torch.uint8)
 
@@ -183,7 +184,7 @@ def v4_weights(
 ) -> Iterator[tuple[str, Any]]:
     """A DeepSeek-V4 checkpoint's tensors with each quantized weight dequantized (float32) under
     its own name and its `.scale` consumed (see the module docstring). `expert_dtype` "fp4":
-    every routed expert's weight must be MXFP4."""
+    every routed expert's weight must be MXFP4, and comes as it ships (an `MXFP4Weight`)."""
     scales: dict[str, Any] = {}  # a weight's scale, until the weight comes
     scale_names: dict[str, str] = {}
     waiting: dict[str, Any] = {}  # a quantized weight, until its scale comes
@@ -217,14 +218,66 @@ def v4_weights(
         yield scale_names[base], scale
 
 
+class MXFP4Weight:
+    """A checkpoint's MXFP4 weight as it ships, read lazily: `packed` [N, K / 2] e2m1 pairs and
+    `scale` [N, K / 32] e8m0 exponents (tensors or safetensors slices). `get_shape()` is the
+    weight's [N, K], what a loader checks it against; `narrow` reads a slice of rows or of whole
+    32-feature groups, packed."""
+
+    def __init__(self, packed: Any, scale: Any, name: str) -> None:
+        self.packed, self.scale, self.name = packed, scale, name
+        rows, half = shape_of(packed)
+        if _dtype_of(packed) not in (torch.int8, torch.uint8) and _dtype_of(packed) != _FP4X2:
+            raise ValueError(
+                f"{name}: an MXFP4 weight is packed e2m1 pairs (int8, uint8 or "
+                f"float4_e2m1fn_x2), not {_dtype_of(packed)}"
+            )
+        if _dtype_of(scale) not in (torch.uint8, _E8M0):
+            raise ValueError(
+                f"{name}: an e8m0 scale must be float8_e8m0fnu or uint8, not {_dtype_of(scale)}"
+            )
+        if tuple(shape_of(scale)) != (rows, 2 * half // MXFP4_BLOCK) or (2 * half) % MXFP4_BLOCK:
+            raise ValueError(
+                f"{name}: an MXFP4 weight of {rows} x {2 * half} values takes a scale of "
+                f"{(rows, 2 * half // MXFP4_BLOCK)} (one per {MXFP4_BLOCK} values), not "
+                f"{tuple(shape_of(scale))}"
+            )
+
+    def get_shape(self) -> tuple[int, int]:
+        rows, half = shape_of(self.packed)
+        return rows, 2 * half
+
+    def narrow(self, dim: int, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed uint8, exponent bytes uint8) of rows [start, start + size) (dim 0) or of input
+        features [start, start + size) (dim 1: whole 32-feature groups)."""
+        if dim == 0:
+            packed = self.packed[start : start + size]
+            scale = self.scale[start : start + size]
+        else:
+            if start % MXFP4_BLOCK or size % MXFP4_BLOCK:
+                raise ValueError(
+                    f"{self.name}: input features {start}..{start + size} do not split at whole "
+                    f"{MXFP4_BLOCK}-feature scale groups"
+                )
+            packed = self.packed[:, start // 2 : (start + size) // 2]
+            scale = self.scale[:, start // MXFP4_BLOCK : (start + size) // MXFP4_BLOCK]
+        scale = scale.contiguous().view(torch.uint8)
+        if bool((scale == 255).any()):
+            raise ValueError(f"{self.name}: an e8m0 scale holds NaN (0xff)")
+        return packed.contiguous().view(torch.uint8), scale
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight, float32 [N, K]."""
+        return dequantize_mxfp4(read_all(self.packed), read_all(self.scale), self.name)
+
+
 def _dequantized(
     base: str, weight: Any, scale: Any, expert_dtype: Optional[str], where: str
-) -> tuple[str, torch.Tensor]:
+) -> tuple[str, Any]:
     name = base + ".weight"
+    if expert_dtype == "fp4" and _ROUTED.search(name) is not None:
+        return name, MXFP4Weight(weight, scale, f"{where}: {name}")  # the layer packs it as is
     w, s = read_all(weight), read_all(scale)
-    routed = _ROUTED.search(name) is not None
-    if routed and expert_dtype == "fp4":
-        return name, dequantize_mxfp4(w, s, f"{where}: {name}")
     if w.dtype == torch.float8_e4m3fn:
         return name, dequantize_fp8_block(w, s, f"{where}: {name}")
     raise ValueError(
