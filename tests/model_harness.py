@@ -170,6 +170,28 @@ def hf_greedy(folder, prompts: list[list[int]], max_tokens: int) -> list[list[in
     return out
 
 
+def engine_greedy(folder, prompts: list[list[int]], max_tokens: int, **settings) -> tuple:
+    """Greedy tokens through the engine (`LLM(folder, **settings)`), after a first run of
+    prompts[0] alone that fills the prefix cache; returns them with what happened (preemptions,
+    prefix-hit tokens, two-batch-overlap split steps)."""
+    from atomrt.runtime import SamplingParams
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    llm = LLM(str(folder), **settings)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate(prompts[:1], params)
+        outs = llm.generate(prompts, params)
+        seen = dict(
+            preemptions=sum(o.metrics.num_preemptions for o in outs),
+            prefix_hits=llm.engine.schedulers[0].block_manager.num_prefix_hit_tokens,
+            split_steps=llm.engine.stats.split_steps,
+        )
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], seen
+
+
 def max_logit_diff(result: HarnessResult, hf_model: nn.Module, prompts: list[list[int]]) -> float:
     """Largest |ours - transformers| over every step's logits (prefill, then each decode), with
     transformers run over each whole sequence at once."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_harness import hf_greedy, load_hf, max_logit_diff, run_prefill_and_decode
+from model_harness import engine_greedy, hf_greedy, load_hf, max_logit_diff, run_prefill_and_decode
 from v4_harness import NAMES, build_v4_folder
 
 from atomrt.compile import compilation_counter
@@ -68,8 +68,6 @@ def _engine_tokens(folder: Path, **kwargs) -> tuple[list[list[int]], dict]:
     shorter than a compression block), 10 blocks (fewer than the requests need at once, the
     window's blocks returned: preemption), prefix caching, async scheduling; returns them with
     what happened."""
-    from atomrt.runtime.entrypoints.llm import LLM
-
     settings = dict(
         device="cpu",
         enforce_eager=True,
@@ -79,19 +77,7 @@ def _engine_tokens(folder: Path, **kwargs) -> tuple[list[list[int]], dict]:
         max_num_batched_tokens=3,
         async_scheduling=True,
     )
-    llm = LLM(str(folder), **{**settings, **kwargs})
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        llm.generate(ENGINE_PROMPTS[:1], params)  # fills the prefix cache with the shared blocks
-        outs = llm.generate(ENGINE_PROMPTS, params)
-        seen = dict(
-            preemptions=sum(o.metrics.num_preemptions for o in outs),
-            prefix_hits=llm.engine.schedulers[0].block_manager.num_prefix_hit_tokens,
-            split_steps=llm.engine.stats.split_steps,
-        )
-    finally:
-        llm.shutdown()
-    return [o.outputs[0].token_ids for o in outs], seen
+    return engine_greedy(folder, ENGINE_PROMPTS, MAX_TOKENS, **{**settings, **kwargs})
 
 
 # (model, None for level 0 / False for level 3 pieces run as traced / True for Inductor's)

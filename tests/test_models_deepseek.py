@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from deepseek_harness import NAMES, build_deepseek_folder
-from model_harness import hf_greedy, load_hf, max_logit_diff, run_prefill_and_decode
+from model_harness import engine_greedy, hf_greedy, load_hf, max_logit_diff, run_prefill_and_decode
 
 from atomrt.compile import compilation_counter
-from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import CompilationConfig, Config
 from atomrt.workers.loading.loader import load_model
 
@@ -58,8 +57,6 @@ def _engine_tokens(folder: Path, **kwargs) -> tuple[list[list[int]], dict]:
     """Greedy tokens through the engine: 4-token blocks, a 16-row step budget (chunked prefill),
     14 blocks (fewer than the requests need at once: preemption), prefix caching, async
     scheduling; returns them with what happened."""
-    from atomrt.runtime.entrypoints.llm import LLM
-
     settings = dict(
         device="cpu",
         enforce_eager=True,
@@ -69,18 +66,7 @@ def _engine_tokens(folder: Path, **kwargs) -> tuple[list[list[int]], dict]:
         max_num_batched_tokens=16,
         async_scheduling=True,
     )
-    llm = LLM(str(folder), **{**settings, **kwargs})
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        llm.generate(ENGINE_PROMPTS[:1], params)  # fills the prefix cache with the shared blocks
-        outs = llm.generate(ENGINE_PROMPTS, params)
-        seen = dict(
-            preemptions=sum(o.metrics.num_preemptions for o in outs),
-            prefix_hits=llm.engine.schedulers[0].block_manager.num_prefix_hit_tokens,
-        )
-    finally:
-        llm.shutdown()
-    return [o.outputs[0].token_ids for o in outs], seen
+    return engine_greedy(folder, ENGINE_PROMPTS, MAX_TOKENS, **{**settings, **kwargs})
 
 
 def _level3(cache_dir: str, inductor: bool) -> dict:
