@@ -385,11 +385,13 @@ def _attend(
 def _entry_slots(layer: "V4Attention", rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[n, T] the slots of the compressed entries each row sees (entry w, in the row of its
     window's last token, once p >= (w + 1) * rate - 1; -1 past them), in `row_source`'s rows.
-    A decode step (recorded) takes T fixed, the most a sequence can have (max positions // rate,
-    masked); a prefill step (eager) the most the step's sequences have."""
+    A decode step (recorded) or a request graph's (graph-safe metadata) takes T fixed, the most a
+    sequence can have (max positions // rate, masked); a prefill step (eager) the most the step's
+    sequences have."""
     _, md, cache = paged_layer_state(layer.layer_idx)
     r = layer.rate
-    if get_forward_context().context.is_prefill:
+    graph_safe = md is not None and md.graph_safe
+    if get_forward_context().context.is_prefill and not graph_safe:
         seqs = step_sequences(md, rows.shape[0], cache is not None and md is not None)
         num_entries = max((s.context_len // r for s in seqs), default=0)
     else:
@@ -418,11 +420,14 @@ def _index_logits(
 ) -> None:
     """A CSA layer's eager region: the indexer's scores [n, T] of the entries each row sees
     (`entries` [n, T], -1: none, -inf there), launched over as many as the step's longest
-    sequence has (planned from the step's sequences)."""
+    sequence has (planned from the step's sequences); over all T under graph-safe metadata (a
+    request graph records it inline: no host data)."""
     layer, md, cache = paged_layer_state(layer_idx)
     paged = cache is not None and md is not None
-    seqs = step_sequences(md, iq.shape[0], paged)
-    t = min(entries.shape[1], max((s.context_len // layer.rate for s in seqs), default=0))
+    t = entries.shape[1]
+    if md is None or not md.graph_safe:
+        seqs = step_sequences(md, iq.shape[0], paged)
+        t = min(t, max((s.context_len // layer.rate for s in seqs), default=0))
     scores[:, t:] = float("-inf")
     if not t:
         return
