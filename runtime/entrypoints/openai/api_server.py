@@ -18,21 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator
 from typing import Any, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from atomrt.distributed.core_messages import CoreReady
 from atomrt.runtime.config import Config
 from atomrt.runtime.entrypoints.engine_client import EngineClient, EngineGone
-from atomrt.runtime.entrypoints.openai.metrics import ServerMetrics
+from atomrt.runtime.entrypoints.openai.generation import generate, generate_response
 from atomrt.runtime.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,262 +39,25 @@ from atomrt.runtime.entrypoints.openai.protocol import (
     TokenizeRequest,
     parse,
 )
-from atomrt.runtime.entrypoints.openai.responses import ChatResponses, CompletionResponses, sse
+from atomrt.runtime.entrypoints.openai.responses import ChatResponses, CompletionResponses
 from atomrt.runtime.entrypoints.openai.responses_api import (
     ResponsesBodies,
-    peeked,
     renamed,
     to_chat_body,
 )
 from atomrt.runtime.entrypoints.openai.server_args import ServerArgs
-from atomrt.runtime.entrypoints.openai.serving import Job, Serving
+from atomrt.runtime.entrypoints.openai.server_state import (
+    PENDING,
+    Guard,
+    ServerState,
+    error_response,
+    read_json,
+)
 
 logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 LIVENESS_S = 10.0  # /health and /ready fail when the engine loop said nothing for this long
-_GUARDED = ("/v1/", "/tokenize", "/detokenize")  # paths behind the API key and the size limit
-
-
-# ServerState's tokenizer while `start_engine` loads it beside the engine core's start
-PENDING: Any = object()
-
-
-class ServerState:
-    def __init__(
-        self,
-        config: Config,
-        args: ServerArgs,
-        tokenizer: Any = PENDING,
-        client: Optional[EngineClient] = None,
-    ) -> None:
-        self.args = args
-        self.model_name = args.served_model_name or config.model
-        self.metrics = ServerMetrics(self.model_name)
-        self.client = client or EngineClient(config, args.start_timeout)
-        self.client.on_outputs = lambda msg: self.metrics.engine_stats(msg.stats)
-        parser = args.tool_call_parser if args.enable_auto_tool_choice else None
-        self.serving = Serving(self.client, tokenizer, self.model_name, self.metrics, parser)
-        self.draining = False
-        self.in_flight = 0  # API requests admitted and not yet answered in full
-        self.started = time.time()
-
-    @property
-    def starting(self) -> bool:
-        """The engine core or the tokenizer is not in yet."""
-        return self.client.ready is None or self.serving.tokenizer is PENDING
-
-    def admit(self) -> None:
-        """Raise the RequestError (503 or 429) that refuses a new generation request, if any."""
-        unavailable = dict(status=503, kind="service_unavailable")
-        if self.draining:
-            raise RequestError("the server is shutting down", **unavailable)
-        if self.client.fatal is not None:
-            raise RequestError(f"the engine stopped: {self.client.fatal}", **unavailable)
-        if self.starting:
-            raise RequestError("the engine is starting", **unavailable)
-        if self.in_flight >= self.args.max_queued_requests:
-            raise RequestError(
-                f"{self.in_flight} requests are in flight (--max-queued-requests); retry later",
-                status=429,
-                kind="rate_limit_error",
-            )
-
-
-def error_response(e: RequestError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-    body = {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": e.status}}
-    return JSONResponse(body, status_code=e.status, headers=headers)
-
-
-class Guard:
-    """ASGI middleware: the API key and the body-size limit, before any route reads the body."""
-
-    def __init__(self, app: Any, args: ServerArgs) -> None:
-        self.app = app
-        self.args = args
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_GUARDED):
-            refused = self._check(dict(scope["headers"]))
-            if refused is not None:
-                await error_response(refused)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _check(self, headers: dict[bytes, bytes]) -> Optional[RequestError]:
-        key = self.args.api_key
-        if key and headers.get(b"authorization") != f"Bearer {key}".encode():
-            return RequestError(
-                "a valid API key is required (Authorization: Bearer ...)",
-                status=401,
-                kind="authentication_error",
-            )
-        length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.args.max_request_bytes:
-            return RequestError(
-                f"the request body is {int(length)} bytes; at most {self.args.max_request_bytes}",
-                status=413,
-            )
-        return None
-
-
-async def read_json(state: ServerState, request: Request) -> Any:
-    raw = await request.body()  # chunked bodies carry no content-length: checked here too
-    if len(raw) > state.args.max_request_bytes:
-        raise RequestError(
-            f"the request body is {len(raw)} bytes; at most {state.args.max_request_bytes}",
-            status=413,
-        )
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from None
-
-
-# ------------------------------------------------------------------------- generation requests
-
-
-async def generate(
-    state: ServerState, request: Request, responses: CompletionResponses
-) -> Response:
-    """Run an admitted job: stream it, or gather it whole while watching for the client leaving."""
-    job = responses.job
-    state.in_flight += 1
-    try:
-        state.serving.submit(job)
-    except BaseException:
-        state.in_flight -= 1
-        state.serving.abort(job)
-        raise
-    if responses.req.stream:
-        outputs = state.serving.outputs(job)
-        if job.params.structured_outputs is not None:  # refused (or busy) before any output
-            try:
-                outputs = await _after_first(outputs)
-            except BaseException:
-                state.in_flight -= 1
-                state.serving.abort(job)
-                raise
-        return StreamingResponse(
-            stream(state, job, responses, outputs), media_type="text/event-stream"
-        )
-    try:
-        if not await gather(state, request, job):
-            return Response(status_code=499)  # the client is gone: nobody reads this
-    finally:
-        state.in_flight -= 1
-    return JSONResponse(responses.body())
-
-
-async def gather(state: ServerState, request: Request, job: Job) -> bool:
-    """Collect every output of `job`; False (and the job aborted) if the client disconnects."""
-
-    async def drain() -> None:
-        async for _ in state.serving.outputs(job):
-            pass
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    collect = asyncio.ensure_future(drain())
-    gone = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
-        if collect.done():
-            collect.result()  # raises what ended the job early (engine stopped, rejected)
-            return True
-        return False
-    finally:
-        collect.cancel()
-        gone.cancel()
-        if not job.finished:
-            state.serving.abort(job)
-
-
-async def _after_first(outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """`outputs` once its first item is in (what refuses the request raises here, so it is
-    answered with its status, not a 200 stream; a structured-output constraint is parsed and
-    compiled on the engine's compile threads meanwhile)."""
-    it = outputs.__aiter__()
-    try:
-        first = await it.__anext__()
-    except StopAsyncIteration:
-        return it
-
-    async def chained() -> AsyncIterator[Any]:
-        yield first
-        async for item in it:
-            yield item
-
-    return chained()
-
-
-async def stream(
-    state: ServerState, job: Job, responses: CompletionResponses, outputs: AsyncIterator[Any]
-) -> AsyncIterator[str]:
-    """The job as server-sent events. A client that disconnects cancels this generator (Starlette),
-    which aborts the job in `finally`."""
-    try:
-        try:
-            async for chunk in responses.chunks(outputs):
-                yield chunk
-        except (EngineGone, RequestError) as e:
-            kind = "service_unavailable" if isinstance(e, EngineGone) else e.kind
-            code = 503 if isinstance(e, EngineGone) else e.status
-            param = None if isinstance(e, EngineGone) else e.param
-            yield sse({"error": {"message": str(e), "type": kind, "param": param, "code": code}})
-        yield sse("[DONE]")
-    finally:
-        state.in_flight -= 1
-        if not job.finished:
-            state.serving.abort(job)
-
-
-async def generate_response(
-    state: ServerState, request: Request, bodies: ResponsesBodies, streamed: bool
-) -> Response:
-    """/v1/responses: run its chat job, then answer a `response` object or its event stream."""
-    job = bodies.job
-    state.in_flight += 1
-    try:
-        state.serving.submit(job)
-        outputs = state.serving.outputs(job)
-        if streamed and job.params.structured_outputs is not None:
-            outputs = await peeked(outputs)  # refused before any output: a 400, no stream
-    except BaseException:
-        state.in_flight -= 1
-        state.serving.abort(job)
-        raise
-    if streamed:
-        return StreamingResponse(
-            _response_events(state, job, bodies, outputs), media_type="text/event-stream"
-        )
-    try:
-        if not await gather(state, request, job):
-            return Response(status_code=499)
-    finally:
-        state.in_flight -= 1
-    return JSONResponse(bodies.response())
-
-
-async def _response_events(
-    state: ServerState, job: Job, bodies: ResponsesBodies, outputs: AsyncIterator[Any]
-) -> AsyncIterator[str]:
-    try:
-        try:
-            async for event in bodies.events(outputs):
-                yield event
-        except (EngineGone, RequestError) as e:
-            code = "service_unavailable" if isinstance(e, EngineGone) else e.kind
-            param = None if isinstance(e, EngineGone) else e.param
-            data = {"type": "error", "code": code, "message": str(e), "param": param}
-            yield f"event: error\ndata: {json.dumps(data)}\n\n"
-    finally:
-        state.in_flight -= 1
-        if not job.finished:
-            state.serving.abort(job)
 
 
 # ------------------------------------------------------------------------- the app
