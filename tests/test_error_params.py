@@ -13,7 +13,7 @@ import pytest
 from grammar_harness import build_tiny_bpe
 from test_server import CPU_FLAGS, Server
 
-from atomrt.runtime.entrypoints.openai.protocol import RequestError, field_of
+from atomrt.runtime.entrypoints.openai.errors import RequestError, field_of
 
 
 def test_a_message_about_a_field_names_it() -> None:

@@ -12,60 +12,19 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from atomrt.runtime.entrypoints.openai.errors import Json, RequestError, refused, renamed
+from atomrt.runtime.entrypoints.openai.response_format import check_response_format, structural_tag
 from atomrt.runtime.entrypoints.openai.tool_parsers import check_tools, required_calls_schema
 from atomrt.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Number = Union[int, float]
-Json = dict[str, Any]
 MAX_LOGIT_BIAS = 100.0  # OpenAI: each value in [-100, 100]
-
-
-class RequestError(ValueError):
-    """A client mistake: the message names the field; `param` is the field's name (by default
-    the field the message starts with: "logprobs: at most ...")."""
-
-    def __init__(
-        self,
-        message: str,
-        param: Optional[str] = None,
-        status: int = 400,
-        kind: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.param = param if param is not None else field_of(message)
-        self.status = status
-        self.kind = kind
-
-
-# "name: ...", "name.sub[0]: ...", "name + other: ...": the field a message is about
-_FIELD = re.compile(r"([a-z_][a-z0-9_]*)(?:[.\[][^\s:]*)?(?: \+ [a-z_][\w.]*)*: ")
-
-
-def field_of(message: str) -> Optional[str]:
-    """The request field a message starts with, if it starts with one."""
-    m = _FIELD.match(message)
-    return m.group(1) if m else None
-
-
-def renamed(error: str, names: dict[str, str]) -> str:
-    """An engine error about one of its fields (SamplingParams' names) in the request's own names
-    (chat's "top_logprobs" is the engine's "logprobs")."""
-    name = field_of(error)
-    if name in names:
-        return names[name] + error[len(name) :]
-    return error
-
-
-def refused(field: str, why: str) -> RequestError:
-    """The 400 of a field this server does not honour."""
-    return RequestError(f"{field}: {why}", field)
 
 
 class _Body(BaseModel):
@@ -402,68 +361,6 @@ class ChatCompletionRequest(_SamplingFields):
                 raise RequestError("top_logprobs: needs logprobs=true", "top_logprobs")
             return None
         return self.top_logprobs or 0
-
-
-def check_response_format(fmt: Optional[Json]) -> None:
-    kind = (fmt or {}).get("type", "text")
-    if kind not in ("text", "json_object", "json_schema", "structural_tag"):
-        raise RequestError(
-            "response_format.type: 'text', 'json_object', 'json_schema' or 'structural_tag', "
-            f"got {kind!r}",
-            "response_format",
-        )
-    if kind == "structural_tag":
-        structural_tag(fmt)  # its shape; what it means is the grammar compiler's check
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise RequestError(
-                "response_format.json_schema: must be {name, schema, strict}", "response_format"
-            )
-
-
-def structural_tag(fmt: Json, param: str = "response_format") -> Json:
-    """vLLM's `response_format` {"type": "structural_tag", ...} as xgrammar's structural tag: the
-    current form, `{"format": {...}}`, as it is; the first form, `structures` (each
-    `{begin, schema, end}`: between `begin` and `end`, JSON of `schema`) entered at `triggers`
-    (free text elsewhere), as the equivalent `triggered_tags` format. A RequestError names what
-    is wrong with its shape (`param`: the field that holds it)."""
-    where = param if param == "response_format" else f"{param}.structural_tag"
-    if "format" in fmt:
-        if not isinstance(fmt["format"], dict):
-            raise RequestError(f"{where}.format: must be a structural tag format object", param)
-        return {"type": "structural_tag", "format": fmt["format"]}
-    structures, triggers = fmt.get("structures"), fmt.get("triggers")
-    if not isinstance(structures, list) or not structures:
-        raise RequestError(
-            f"{where}: a structural_tag needs `format`, or `structures` and `triggers`", param
-        )
-    tags = []
-    for i, item in enumerate(structures):
-        ok = isinstance(item, dict) and isinstance(item.get("begin"), str) and item["begin"]
-        ok = ok and isinstance(item.get("end"), str) and isinstance(item.get("schema"), dict)
-        if not ok:
-            raise RequestError(
-                f"{where}.structures[{i}]: must be {{begin, schema, end}} (begin a non-empty "
-                "string, schema a JSON schema object, end a string)",
-                param,
-            )
-        content = {"type": "json_schema", "json_schema": item["schema"]}
-        tags.append({"begin": item["begin"], "content": content, "end": item["end"]})
-    if (
-        not isinstance(triggers, list)
-        or not triggers
-        or not all(isinstance(t, str) and t for t in triggers)
-    ):
-        raise RequestError(f"{where}.triggers: must be a non-empty list of strings", param)
-    for i, tag in enumerate(tags):
-        if not any(tag["begin"].startswith(t) for t in triggers):
-            raise RequestError(
-                f"{where}.structures[{i}].begin: {tag['begin']!r} starts with none of triggers",
-                param,
-            )
-    fmt_ = {"type": "triggered_tags", "triggers": list(triggers), "tags": tags}
-    return {"type": "structural_tag", "format": fmt_}
 
 
 class TokenizeRequest(_Body):
