@@ -32,6 +32,7 @@ FOLDERS = {
 LEAVES = {
     f"atomrt.runtime.{m}"
     for m in (
+        "bytecode_cache",
         "config",
         "config_sections",
         "config_io",
