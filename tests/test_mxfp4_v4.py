@@ -305,3 +305,23 @@ def test_v4_mxfp4_checkpoint_on_the_gpu(folders: tuple[Path, Path]) -> None:
             outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         tokens[eager] = [o.outputs[0].token_ids for o in outs]
     assert tokens[False] == tokens[True]
+
+
+@pytest.mark.slow
+def test_mxfp4_experts_at_level_3_give_the_eager_tokens(folders: tuple[Path, Path]) -> None:
+    """Traced (level 3, Inductor on CPU), the MXFP4 experts are one opaque op: the engine's greedy
+    tokens equal its eager ones."""
+    from atomrt.runtime import SamplingParams
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    quantized, _ = folders
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for name, settings in (
+        ("eager", {"enforce_eager": True}),
+        ("level3", {"compilation_config": 3}),
+    ):
+        with LLM(str(quantized), device="cpu", block_size=4, **settings) as llm:
+            outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        tokens[name] = [o.outputs[0].token_ids for o in outs]
+    assert tokens["level3"] == tokens["eager"]
