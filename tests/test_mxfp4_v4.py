@@ -301,7 +301,8 @@ def test_v4_mxfp4_checkpoint_on_the_gpu(folders: tuple[Path, Path]) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = {}
     for eager in (True, False):
-        with LLM(str(quantized), device="cuda", block_size=4, enforce_eager=eager) as llm:
+        settings = dict(device="cuda", dtype="float32", block_size=4, enforce_eager=eager)
+        with LLM(str(quantized), **settings) as llm:
             outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         tokens[eager] = [o.outputs[0].token_ids for o in outs]
     assert tokens[False] == tokens[True]
