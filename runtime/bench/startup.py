@@ -221,8 +221,8 @@ def bytecode_notes(warm_uncached: int) -> list[str]:
     """What a record says of Python's bytecode cache: where it was kept, and how many modules the
     warm child still compiled from source."""
     notes = []
-    if sys.pycache_prefix:
-        notes.append(f"bytecode cached under PYTHONPYCACHEPREFIX={sys.pycache_prefix}")
+    if sys.pycache_prefix:  # PYTHONPYCACHEPREFIX's, or atomrt's own (runtime/bytecode_cache.py)
+        notes.append(f"bytecode cached under {sys.pycache_prefix}")
     if warm_uncached:
         notes.append(
             f"the warm child compiled {warm_uncached} modules from source: no writable bytecode "
