@@ -88,6 +88,8 @@ def object_ref(value: Any) -> tuple:
     for name in (getattr(value, "__qualname__", None), getattr(value, "__name__", None)):
         if module and name and resolve(("fn", module, name)) is value:
             return ("fn", module, name)
+        if module and name and resolve(("fget", module, name)) is value:  # a property's getter
+            return ("fget", module, name)
     name = getattr(value, "__name__", None)
     for home in _FUNCTION_HOMES:
         if name and getattr(home, name, None) is value:
@@ -107,6 +109,8 @@ def resolve(ref: tuple) -> Any:
         value = _import(ref[1])
         for part in ref[2].split(".") if kind != "module" else ():
             value = getattr(value, part)
+        if kind == "fget":
+            return value.fget if isinstance(value, property) else None
         return getattr(value, ref[3]) if kind == "enum" else value
     except (ImportError, AttributeError, ValueError):
         return None
