@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 # The sections that stand alone, and the checks shared with them, re-exported: users and the rest
 # of atomrt import every configuration name from `atomrt.runtime.config`.
@@ -43,9 +43,133 @@ from atomrt.runtime.config_sections import (  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-SPEC_METHODS = ("ngram", "draft_model", "mtp")
+
+class SpecMethod:
+    """What configuration knows of one speculative method (`speculative_config.method`), asked
+    before any engine exists: the fields it takes, the KV slots its drafter writes past a step,
+    whether it may run steps without drafts, and what the block manager and the planner do for it.
+    The method's driver half (runtime/driver/proposers.py) subclasses it, so the engine asks the
+    same object; its worker half is in workers/spec_decode/. One subclass per method, registered
+    in `SPEC_METHOD_TYPES`."""
+
+    method: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()  # other names vLLM accepts for it
+    # a prefix-cache hit leaves its last block to compute again (BlockManager.recompute_last_hit)
+    recompute_last_hit: ClassVar[bool] = False
+    # its drafts cost nothing when a step goes without them, so a SpecPolicy may pause it
+    adaptive: ClassVar[bool] = False
+    # the plan ships the token after a prompt chunk that samples nothing (RankPlanner.next_tokens)
+    needs_next_tokens: ClassVar[bool] = False
+    # a drafter on the workers reads the target's block tables whole: a windowed model's blocks
+    # stay (BlockManager.window_for)
+    keeps_window_blocks: ClassVar[bool] = False
+
+    @classmethod
+    def check_fields(cls, spec: SpeculativeConfig) -> dict[str, Any]:
+        """Check the fields of `spec` it takes or refuses (a ConfigError naming the field); the
+        fields it fills in, by name."""
+        return {}
+
+    @classmethod
+    def num_lookahead_tokens(cls, k: int) -> int:
+        """KV slots its drafter writes past a step's last row (`k`: num_speculative_tokens)."""
+        return 0
+
+    @classmethod
+    def check_config(cls, spec: SpeculativeConfig, config: Config) -> None:
+        """Check it against the rest of the configuration (the parallel layout)."""
+
+
+class NgramMethod(SpecMethod):
+    """Prompt lookup on the sequence's own tokens, on the driver."""
+
+    method = "ngram"
+    adaptive = True
+
+    @classmethod
+    def check_fields(cls, spec: SpeculativeConfig) -> dict[str, Any]:
+        """No model; the n-gram window, one bound giving the other, 5..5 when neither is set."""
+        if spec.model is not None:
+            raise ConfigError(
+                "speculative_config.model: method 'ngram' proposes from the prompt and takes no model"
+            )
+        lo, hi = spec.prompt_lookup_min, spec.prompt_lookup_max
+        lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi or lo)
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not _positive_int(value):
+                raise ConfigError(
+                    f"speculative_config.{name}: must be a positive integer, got {value!r}"
+                )
+        if lo > hi:
+            raise ConfigError(
+                f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+            )
+        return {"prompt_lookup_min": lo, "prompt_lookup_max": hi}
+
+
+class DraftModelMethod(SpecMethod):
+    """A smaller model with the target's vocabulary, run whole on each rank's first GPU."""
+
+    method = "draft_model"
+    keeps_window_blocks = True
+
+    @classmethod
+    def check_fields(cls, spec: SpeculativeConfig) -> dict[str, Any]:
+        if not isinstance(spec.model, str) or not spec.model:
+            raise ConfigError(
+                "speculative_config.model: method 'draft_model' needs the draft model's path"
+            )
+        if spec.draft_tensor_parallel_size not in (None, 1):
+            raise ConfigError(
+                "speculative_config.draft_tensor_parallel_size: the drafter runs whole on each "
+                f"rank's first GPU; must be 1, got {spec.draft_tensor_parallel_size!r}"
+            )
+        return {}
+
+
+class MTPMethod(SpecMethod):
+    """The target's own multi-token-prediction layers, run after a step's tokens are sampled."""
+
+    method = "mtp"
+    aliases = ("deepseek_mtp",)
+    # an MTP drafter's KV at a position depends on the token after it, which a later sequence
+    # sharing the block need not share
+    recompute_last_hit = True
+    needs_next_tokens = True  # the MTP layer's input at a prompt chunk's last row
+    keeps_window_blocks = True
+
+    @classmethod
+    def check_fields(cls, spec: SpeculativeConfig) -> dict[str, Any]:
+        """The MTP drafter is the target's own layers: no draft model, no n-gram window."""
+        for name in ("model", "prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(spec, name) is not None:
+                raise ConfigError(
+                    f"speculative_config.{name}: method 'mtp' drafts with the target's own "
+                    "multi-token-prediction layers and takes no such setting"
+                )
+        return {}
+
+    @classmethod
+    def num_lookahead_tokens(cls, k: int) -> int:
+        """Its passes 2..k run one position further each, beyond the rows the target verified."""
+        return k - 1
+
+    @classmethod
+    def check_config(cls, spec: SpeculativeConfig, config: Config) -> None:
+        tp = config.parallel_config.tensor_parallel_size
+        if spec.draft_tensor_parallel_size not in (None, tp):
+            raise ConfigError(
+                "speculative_config.draft_tensor_parallel_size: the MTP layers run split as the "
+                f"target is (tensor_parallel_size={tp}); got {spec.draft_tensor_parallel_size!r}"
+            )
+
+
+SPEC_METHOD_TYPES: dict[str, type[SpecMethod]] = {
+    cls.method: cls for cls in (NgramMethod, DraftModelMethod, MTPMethod)
+}
+SPEC_METHODS = tuple(SPEC_METHOD_TYPES)
 # other names vLLM accepts for a method
-SPEC_METHOD_ALIASES = {"deepseek_mtp": "mtp"}
+SPEC_METHOD_ALIASES = {alias: m for m, cls in SPEC_METHOD_TYPES.items() for alias in cls.aliases}
 
 
 @dataclass(frozen=True)
@@ -81,52 +205,25 @@ class SpeculativeConfig:
                     "speculative_config.method: give 'ngram', or a draft model with "
                     "speculative_config.model"
                 )
-            method = "draft_model"
+            method = DraftModelMethod.method  # vLLM's: a model and no method
         method = SPEC_METHOD_ALIASES.get(method, method)
-        _choice("speculative_config.method", method, SPEC_METHODS)
+        _choice("speculative_config.method", method, tuple(SPEC_METHOD_TYPES))
         object.__setattr__(self, "method", method)
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"speculative_config.adaptive: true or false, got {self.adaptive!r}")
-        if method == "mtp":
-            self._check_mtp()
-            return
-        if method == "draft_model":
-            if not isinstance(self.model, str) or not self.model:
-                raise ConfigError(
-                    "speculative_config.model: method 'draft_model' needs the draft model's path"
-                )
-            if self.draft_tensor_parallel_size not in (None, 1):
-                raise ConfigError(
-                    "speculative_config.draft_tensor_parallel_size: the drafter runs whole on each "
-                    f"rank's first GPU; must be 1, got {self.draft_tensor_parallel_size!r}"
-                )
-            return
-        if self.model is not None:
-            raise ConfigError(
-                "speculative_config.model: method 'ngram' proposes from the prompt and takes no model"
-            )
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi or lo)
-        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if not _positive_int(value):
-                raise ConfigError(
-                    f"speculative_config.{name}: must be a positive integer, got {value!r}"
-                )
-        if lo > hi:
-            raise ConfigError(
-                f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
-            )
-        object.__setattr__(self, "prompt_lookup_min", lo)
-        object.__setattr__(self, "prompt_lookup_max", hi)
+        for name, value in self.method_type.check_fields(self).items():
+            object.__setattr__(self, name, value)
 
-    def _check_mtp(self) -> None:
-        """The MTP drafter is the target's own layers: no draft model, no n-gram window."""
-        for name in ("model", "prompt_lookup_min", "prompt_lookup_max"):
-            if getattr(self, name) is not None:
-                raise ConfigError(
-                    f"speculative_config.{name}: method 'mtp' drafts with the target's own "
-                    "multi-token-prediction layers and takes no such setting"
-                )
+    @property
+    def method_type(self) -> type[SpecMethod]:
+        """The method's class: what configuration, the engine and the block manager ask of it."""
+        return SPEC_METHOD_TYPES[self.method]
+
+    def may_pause(self, async_scheduling: bool) -> bool:
+        """Whether steps without drafts also run: a SpecPolicy pauses a method whose drafts cost
+        nothing when a step goes without them (n-gram), under async scheduling, unless
+        `adaptive` is off."""
+        return self.method_type.adaptive and self.adaptive and async_scheduling
 
     @property
     def max_q_len(self) -> int:
@@ -137,7 +234,7 @@ class SpeculativeConfig:
     def num_lookahead_tokens(self) -> int:
         """KV slots a drafter writes past a step's last row: an MTP drafter's passes 2..k run one
         position further each, beyond the rows the target verified."""
-        return self.num_speculative_tokens - 1 if self.method == "mtp" else 0
+        return self.method_type.num_lookahead_tokens(self.num_speculative_tokens)
 
     @classmethod
     def parse(cls, value: Any) -> Optional[SpeculativeConfig]:
@@ -207,12 +304,7 @@ class Config:
         where speculation also runs steps without drafts (n-gram speculation that its policy
         pauses under async scheduling)."""
         spec = self.speculative_config
-        if (
-            spec is not None
-            and spec.method == "ngram"
-            and spec.adaptive
-            and self.scheduler_config.async_scheduling
-        ):
+        if spec is not None and spec.may_pause(self.scheduler_config.async_scheduling):
             return (spec.max_q_len, 1)
         return (self.max_q_len,)
 
@@ -225,20 +317,8 @@ class Config:
                 f"verify step of one request runs {spec.max_q_len} rows, more than "
                 f"scheduler_config.max_num_batched_tokens={budget}"
             )
-        tp = self.parallel_config.tensor_parallel_size
-        if (
-            spec is not None
-            and spec.method == "mtp"
-            and spec.draft_tensor_parallel_size
-            not in (
-                None,
-                tp,
-            )
-        ):
-            raise ConfigError(
-                "speculative_config.draft_tensor_parallel_size: the MTP layers run split as the "
-                f"target is (tensor_parallel_size={tp}); got {spec.draft_tensor_parallel_size!r}"
-            )
+        if spec is not None:
+            spec.method_type.check_config(spec, self)
         tbo = self.parallel_config.enable_tbo
         if spec is not None and tbo != "none":
             raise ConfigError(

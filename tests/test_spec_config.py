@@ -214,3 +214,70 @@ def test_yaml_cli_and_llm_kwargs(tmp_path):
     assert config_from_kwargs("m", {"speculative_config": NGRAM}).speculative_config.max_q_len == 4
     with pytest.raises(ConfigError, match="unknown argument 'num_speculative_tokens'"):
         config_from_kwargs("m", {"num_speculative_tokens": 2})
+
+
+def test_each_method_is_one_class_config_and_driver_ask():
+    """Configuration and the driver ask the same class: each driver proposer subclasses its
+    method's `SpecMethod`, whose flags decide the lookahead, the plain-decode capture buckets and
+    whether a windowed model's blocks stay."""
+    from types import SimpleNamespace
+
+    from atomrt.runtime.config import SPEC_METHOD_ALIASES, SPEC_METHOD_TYPES
+    from atomrt.runtime.driver.block_manager import BlockManager
+
+    assert SPEC_METHODS == tuple(SPEC_METHOD_TYPES) == ("ngram", "draft_model", "mtp")
+    assert SPEC_METHOD_ALIASES == {"deepseek_mtp": "mtp"}
+    for method, cls in PROPOSERS.items():
+        assert issubclass(cls, SPEC_METHOD_TYPES[method]) and cls.method == method
+    specs = {
+        "ngram": SpeculativeConfig(3, "ngram"),
+        "draft_model": SpeculativeConfig(3, model="draft"),
+        "mtp": SpeculativeConfig(3, "deepseek_mtp"),
+    }
+    v4 = SimpleNamespace(v4=SimpleNamespace(anchor_stride=4, token_reach=128))
+    async_on = SchedulerConfig(async_scheduling=True)
+    for method, spec in specs.items():
+        assert spec.method_type is SPEC_METHOD_TYPES[method]
+        assert spec.num_lookahead_tokens == (2 if method == "mtp" else 0)
+        cfg = Config(speculative_config=spec, scheduler_config=async_on)
+        assert cfg.capture_q_lens == ((4, 1) if method == "ngram" else (4,))
+        window = BlockManager.window_for(v4, cfg)
+        assert window.free_behind == (method == "ngram") and window.margin == 3
+    assert BlockManager.window_for(v4, Config()).free_behind
+    assert BlockManager.window_for(SimpleNamespace(), Config(speculative_config=NGRAM)) is None
+
+
+def test_a_new_method_is_a_class_and_a_registry_line(monkeypatch):
+    """A method registered in `SPEC_METHOD_TYPES` is accepted by name; its own field check, its
+    lookahead and its check against the parallel layout run where configuration asks."""
+    from atomrt.runtime.config import SPEC_METHOD_TYPES, SpecMethod
+
+    class EagleMethod(SpecMethod):
+        method = "eagle"
+        recompute_last_hit = True
+
+        @classmethod
+        def check_fields(cls, spec):
+            if spec.model is None:
+                raise ConfigError("speculative_config.model: method 'eagle' needs its head")
+            return {"draft_tensor_parallel_size": 1}
+
+        @classmethod
+        def num_lookahead_tokens(cls, k):
+            return k
+
+        @classmethod
+        def check_config(cls, spec, config):
+            if config.parallel_config.tensor_parallel_size != 1:
+                raise ConfigError("speculative_config.method 'eagle': tensor_parallel_size 1 only")
+
+    with pytest.raises(ConfigError, match="must be one of"):
+        SpeculativeConfig(2, "eagle", model="/head")
+    monkeypatch.setitem(SPEC_METHOD_TYPES, "eagle", EagleMethod)
+    spec = SpeculativeConfig(2, "eagle", model="/head")
+    assert spec.method_type is EagleMethod and spec.draft_tensor_parallel_size == 1
+    assert spec.num_lookahead_tokens == 2 and not spec.may_pause(True)
+    with pytest.raises(ConfigError, match="needs its head"):
+        SpeculativeConfig(2, "eagle")
+    with pytest.raises(ConfigError, match="tensor_parallel_size 1 only"):
+        Config(speculative_config=spec, parallel_config=ParallelConfig(tensor_parallel_size=2))

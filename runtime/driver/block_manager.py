@@ -101,7 +101,7 @@ class BlockManager:
         if v4 is None:
             return None
         spec = config.speculative_config
-        free = spec is None or spec.method == "ngram"
+        free = spec is None or not spec.method_type.keeps_window_blocks
         margin = spec.num_speculative_tokens if spec is not None else 0
         return WindowBlocks(v4.anchor_stride, v4.token_reach, free, margin)
 

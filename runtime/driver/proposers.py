@@ -1,7 +1,9 @@
 """The driver's half of each speculative method, one class per method: the drafts a sequence
-verifies this step, what a step's result leaves for the next, and what the block manager must do
-for it. `make_proposer` builds the one `speculative_config.method` names, from `PROPOSERS`; the
-worker's half of each lives in workers/spec_decode/.
+verifies this step, what a step's result leaves for the next, and whether the model can serve it.
+Each subclasses its method's class in runtime/config.py (`SpecMethod`: the fields it takes, its
+lookahead, what the block manager and the planner must do for it), so the engine asks one object
+what configuration asked before. `make_proposer` builds the one `speculative_config.method`
+names, from `PROPOSERS`; the worker's half of each lives in workers/spec_decode/.
 
 - `NgramProposer`: prompt lookup on the sequence's own tokens, here on the driver.
 - `DraftModelProposer`: a draft model on the workers proposes within the step, so its rows go out
@@ -12,10 +14,18 @@ worker's half of each lives in workers/spec_decode/.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from atomrt.distributed.messages import DRAFT_TOKEN, StepResult
-from atomrt.runtime.config import Config, ConfigError, SpeculativeConfig
+from atomrt.runtime.config import (
+    Config,
+    ConfigError,
+    DraftModelMethod,
+    MTPMethod,
+    NgramMethod,
+    SpecMethod,
+    SpeculativeConfig,
+)
 from atomrt.workers.loading.loader import read_arch
 from atomrt.workers.spec_decode.draft_model import draft_config
 from atomrt.workers.spec_decode.ngram import ngram_propose
@@ -25,16 +35,8 @@ if TYPE_CHECKING:
     from atomrt.runtime.driver.sequence import Sequence
 
 
-class Proposer:
-    """One speculative method's driver half."""
-
-    method: ClassVar[str]
-    # a prefix-cache hit leaves its last block to compute again (BlockManager.recompute_last_hit)
-    recompute_last_hit: ClassVar[bool] = False
-    # its drafts cost nothing when a step goes without them, so a SpecPolicy may pause it
-    adaptive: ClassVar[bool] = False
-    # the plan ships the token after a prompt chunk that samples nothing (RankPlanner.next_tokens)
-    needs_next_tokens: ClassVar[bool] = False
+class Proposer(SpecMethod):
+    """One speculative method's driver half; its flags are its `SpecMethod`'s."""
 
     def __init__(self, config: SpeculativeConfig, pad: bool = False) -> None:
         """`pad`: pad proposals to k where the method can (request graphs serve only uniform
@@ -55,10 +57,7 @@ class Proposer:
         of its drafts were accepted."""
 
 
-class NgramProposer(Proposer):
-    method = "ngram"
-    adaptive = True
-
+class NgramProposer(NgramMethod, Proposer):
     def propose(self, seq: Sequence, n: int) -> list[int]:
         c = self.config
         proposal = ngram_propose(seq.token_ids, n, c.prompt_lookup_min, c.prompt_lookup_max)
@@ -69,9 +68,7 @@ class NgramProposer(Proposer):
         return proposal
 
 
-class DraftModelProposer(Proposer):
-    method = "draft_model"
-
+class DraftModelProposer(DraftModelMethod, Proposer):
     @classmethod
     def check(cls, config: Config, arch: Any) -> None:
         """The draft model must exist, share the target's vocabulary and cover its context."""
@@ -97,17 +94,11 @@ class DraftModelProposer(Proposer):
         return [DRAFT_TOKEN] * n if seq.grammar is None else []
 
 
-class MTPProposer(Proposer):
-    method = "mtp"
-    # an MTP drafter's KV at a position depends on the token after it, which a later sequence
-    # sharing the block need not share
-    recompute_last_hit = True
-    needs_next_tokens = True  # the MTP layer's input at a prompt chunk's last row
-
+class MTPProposer(MTPMethod, Proposer):
     @classmethod
     def check(cls, config: Config, arch: Any) -> None:
         """MTP drafting needs a DeepSeek-family model whose checkpoint has MTP layers."""
-        if not arch.is_mla or arch.num_nextn_predict_layers < 1:
+        if not (arch.is_mla or arch.v4 is not None) or arch.num_nextn_predict_layers < 1:
             raise ConfigError(
                 f"speculative_config.method 'mtp': {config.model} has no multi-token-prediction "
                 f"layers (architecture {arch.architecture}, num_nextn_predict_layers "

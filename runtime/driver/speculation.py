@@ -198,8 +198,9 @@ class Speculation:
         self.k = config.num_speculative_tokens
         self.proposer = make_proposer(config, pad)
         self.pad = pad
-        self.policy: Optional[SpecPolicy] = None  # capture records plain buckets for it too
-        if self.proposer.adaptive and config.adaptive and async_scheduling:
+        # capture records plain buckets for it too (the same `may_pause`: Config.capture_q_lens)
+        self.policy: Optional[SpecPolicy] = None
+        if config.may_pause(async_scheduling):
             self.policy = SpecPolicy()
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.k)
         self._last_log = time.monotonic()
