@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,33 +24,61 @@ from atomrt.runtime.entrypoints.openai.serving import Job
 async def generate(
     state: ServerState, request: Request, responses: CompletionResponses
 ) -> Response:
-    """Run an admitted job: stream it, or gather it whole while watching for the client leaving."""
-    job = responses.job
+    """/v1/completions, /v1/chat/completions: an admitted job streamed as chunks, or its body."""
+    stream = (responses.chunks, _chunk_error, sse("[DONE]"))
+    return await _answer(
+        state, request, responses.job, responses.req.stream, stream, responses.body
+    )
+
+
+async def generate_response(
+    state: ServerState, request: Request, bodies: ResponsesBodies, streamed: bool
+) -> Response:
+    """/v1/responses: run its chat job, then answer a `response` object or its event stream."""
+    stream = (bodies.events, _response_error, "")
+    return await _answer(state, request, bodies.job, streamed, stream, bodies.response)
+
+
+# a stream's events of the job's outputs, the event an error ends it with, and its last event
+StreamForm = tuple[
+    Callable[[AsyncIterator[Any]], AsyncIterator[str]], Callable[[Exception], str], str
+]
+
+
+async def _answer(
+    state: ServerState,
+    request: Request,
+    job: Job,
+    streamed: bool,
+    stream: StreamForm,
+    body: Callable[[], Any],
+) -> Response:
+    """Run an admitted job: stream it, or gather it whole while watching for the client leaving
+    and answer `body()`. A streamed structured job's first output is awaited before the 200
+    stream begins: what refuses it (a constraint that does not compile) is answered with its
+    status."""
     state.in_flight += 1
     try:
         state.serving.submit(job)
+        if streamed:
+            outputs = state.serving.outputs(job)
+            if job.params.structured_outputs is not None:
+                outputs = await peeked(outputs)
     except BaseException:
-        state.in_flight -= 1
-        state.serving.abort(job)
+        _release(state, job)
         raise
-    if responses.req.stream:
-        outputs = state.serving.outputs(job)
-        if job.params.structured_outputs is not None:  # refused (or busy) before any output
-            try:
-                outputs = await _after_first(outputs)
-            except BaseException:
-                state.in_flight -= 1
-                state.serving.abort(job)
-                raise
+    if streamed:
+        events, error_event, last = stream
         return StreamingResponse(
-            stream(state, job, responses, outputs), media_type="text/event-stream"
+            _stream(state, job, events(outputs), error_event, last),
+            media_type="text/event-stream",
         )
     try:
         if not await gather(state, request, job):
             return Response(status_code=499)  # the client is gone: nobody reads this
     finally:
         state.in_flight -= 1
-    return JSONResponse(responses.body())
+    return JSONResponse(body())
 
 
 async def gather(state: ServerState, request: Request, job: Job) -> bool:
@@ -79,85 +107,49 @@ async def gather(state: ServerState, request: Request, job: Job) -> bool:
             state.serving.abort(job)
 
 
-async def _after_first(outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """`outputs` once its first item is in (what refuses the request raises here, so it is
-    answered with its status, not a 200 stream; a structured-output constraint is parsed and
-    compiled on the engine's compile threads meanwhile)."""
-    it = outputs.__aiter__()
-    try:
-        first = await it.__anext__()
-    except StopAsyncIteration:
-        return it
-
-    async def chained() -> AsyncIterator[Any]:
-        yield first
-        async for item in it:
-            yield item
-
-    return chained()
-
-
-async def stream(
-    state: ServerState, job: Job, responses: CompletionResponses, outputs: AsyncIterator[Any]
+async def _stream(
+    state: ServerState,
+    job: Job,
+    events: AsyncIterator[str],
+    error_event: Callable[[Exception], str],
+    last: str,
 ) -> AsyncIterator[str]:
-    """The job as server-sent events. A client that disconnects cancels this generator (Starlette),
-    which aborts the job in `finally`."""
+    """The job's events; an error that ends it early (the engine stopped, a refusal) as its
+    error event; then `last`. A client that disconnects cancels this generator (Starlette), which
+    aborts the job in `finally`."""
     try:
         try:
-            async for chunk in responses.chunks(outputs):
-                yield chunk
-        except (EngineGone, RequestError) as e:
-            kind = "service_unavailable" if isinstance(e, EngineGone) else e.kind
-            code = 503 if isinstance(e, EngineGone) else e.status
-            param = None if isinstance(e, EngineGone) else e.param
-            yield sse({"error": {"message": str(e), "type": kind, "param": param, "code": code}})
-        yield sse("[DONE]")
-    finally:
-        state.in_flight -= 1
-        if not job.finished:
-            state.serving.abort(job)
-
-
-async def generate_response(
-    state: ServerState, request: Request, bodies: ResponsesBodies, streamed: bool
-) -> Response:
-    """/v1/responses: run its chat job, then answer a `response` object or its event stream."""
-    job = bodies.job
-    state.in_flight += 1
-    try:
-        state.serving.submit(job)
-        outputs = state.serving.outputs(job)
-        if streamed and job.params.structured_outputs is not None:
-            outputs = await peeked(outputs)  # refused before any output: a 400, no stream
-    except BaseException:
-        state.in_flight -= 1
-        state.serving.abort(job)
-        raise
-    if streamed:
-        return StreamingResponse(
-            _response_events(state, job, bodies, outputs), media_type="text/event-stream"
-        )
-    try:
-        if not await gather(state, request, job):
-            return Response(status_code=499)
-    finally:
-        state.in_flight -= 1
-    return JSONResponse(bodies.response())
-
-
-async def _response_events(
-    state: ServerState, job: Job, bodies: ResponsesBodies, outputs: AsyncIterator[Any]
-) -> AsyncIterator[str]:
-    try:
-        try:
-            async for event in bodies.events(outputs):
+            async for event in events:
                 yield event
         except (EngineGone, RequestError) as e:
-            code = "service_unavailable" if isinstance(e, EngineGone) else e.kind
-            param = None if isinstance(e, EngineGone) else e.param
-            data = {"type": "error", "code": code, "message": str(e), "param": param}
-            yield f"event: error\ndata: {json.dumps(data)}\n\n"
+            yield error_event(e)
+        if last:
+            yield last
     finally:
-        state.in_flight -= 1
-        if not job.finished:
-            state.serving.abort(job)
+        _release(state, job)
+
+
+def _release(state: ServerState, job: Job) -> None:
+    """The job no longer counts as in flight; aborted unless it finished."""
+    state.in_flight -= 1
+    if not job.finished:
+        state.serving.abort(job)
+
+
+def _error_fields(e: Exception) -> tuple[str, int, Optional[str]]:
+    """(type, status, param) of an error that ends a stream."""
+    if isinstance(e, EngineGone):
+        return "service_unavailable", 503, None
+    assert isinstance(e, RequestError)
+    return e.kind, e.status, e.param
+
+
+def _chunk_error(e: Exception) -> str:
+    kind, code, param = _error_fields(e)
+    return sse({"error": {"message": str(e), "type": kind, "param": param, "code": code}})
+
+
+def _response_error(e: Exception) -> str:
+    kind, _, param = _error_fields(e)
+    data = {"type": "error", "code": kind, "message": str(e), "param": param}
+    return f"event: error\ndata: {json.dumps(data)}\n\n"
