@@ -460,7 +460,7 @@ def rejected(job: Job, error: str) -> RequestError:
     machine a 503 with Retry-After (the compile goes on and is kept: a retry finds it)."""
     if not error.startswith("structured_outputs"):
         return RequestError(renamed(error, job.engine_names))
-    from atomrt.runtime.driver.grammar_compiler import compile_timed_out  # xgrammar: when needed
+    from atomrt.runtime.driver.grammar_compiler import compile_timed_out  # an error path only
 
     source = job.constraint_source
     text = error if source == "structured_outputs" else f"{source}: {error}"
