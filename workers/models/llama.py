@@ -158,7 +158,13 @@ NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}  # how many shards fill each
 
 class CausalLM(nn.Module):
     """A decoder (`model`: embeddings, layers, final norm) and its LM head, which shares the
-    embedding table when the arch ties them."""
+    embedding table when the arch ties them; and the loading of its checkpoint, which a family
+    adapts by naming (`checkpoint_name`, `skip_weight`, `_place`) and by how many shards fill a
+    parameter (`_covered`, `_needed`)."""
+
+    # (our fused parameter, checkpoint projection, shard id), and how many shards fill each
+    stacked_params: tuple[tuple[str, str, object], ...] = STACKED_PARAMS
+    num_shards: dict[str, int] = NUM_SHARDS
 
     def __init__(self, arch: ModelArch, model: nn.Module, tp: TPInfo) -> None:
         super().__init__()
@@ -175,6 +181,62 @@ class CausalLM(nn.Module):
         """[n, hidden] -> [n, vocab_size] in the weight's dtype (vocab shards gathered)."""
         return self.lm_head.compute_logits(hidden_states)
 
+    def load_weights(
+        self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
+    ) -> None:
+        """Load (Hugging Face name, sliceable tensor) pairs; every parameter must be filled once
+        (each of its shards)."""
+        params = dict(self.named_parameters())  # a tied lm_head.weight: once, as the embedding
+        loaded: dict[str, set] = {}
+        for name, weight in weights:
+            if "rotary_emb.inv_freq" in name or (
+                self.arch.tie_word_embeddings and name == "lm_head.weight"
+            ):
+                continue
+            if self.skip_weight(name):
+                continue
+            name, shard_id = self._place(self.checkpoint_name(name))
+            param = params.get(name)
+            if param is None:
+                raise ValueError(
+                    f"{where}: tensor {name!r} has no place in {self.arch.architecture}"
+                )
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                default_weight_loader(param, weight)
+            else:
+                loader(param, weight, shard_id)
+            loaded.setdefault(name, set()).update(self._covered(shard_id))
+        missing = [n for n in params if len(loaded.get(n, ())) < self._needed(n)]
+        if missing:
+            raise ValueError(
+                f"{where}: missing tensors for {len(missing)} parameters, e.g. {missing[:4]}"
+            )
+        reset_packed_weights(self)  # loading writes in place, which a packed copy cannot see
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name in this module's naming."""
+        return name
+
+    def skip_weight(self, name: str) -> bool:
+        """Whether a checkpoint tensor is one this model does not run."""
+        return False
+
+    def _place(self, name: str) -> tuple[str, object]:
+        """(our parameter, shard id) of a checkpoint tensor."""
+        for ours, theirs, sid in self.stacked_params:
+            if f".{theirs}." in name:
+                return name.replace(f".{theirs}.", f".{ours}."), sid
+        return name, None
+
+    def _covered(self, shard_id: object) -> set:
+        """The shards a load of `shard_id` filled."""
+        return {shard_id}
+
+    def _needed(self, param: str) -> int:
+        """How many distinct shards fill a parameter."""
+        return next((c for k, c in self.num_shards.items() if f".{k}." in param), 1)
+
 
 class LlamaForCausalLM(CausalLM):
     def __init__(
@@ -188,43 +250,3 @@ class LlamaForCausalLM(CausalLM):
         """`dp` is every model's constructor argument; a dense model never communicates across DP
         ranks, so Llama ignores it."""
         super().__init__(arch, LlamaModel(arch, tp, max_position, config=config), tp)
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
-    ) -> None:
-        """Load (Hugging Face name, sliceable tensor) pairs; every parameter must be filled once."""
-        params = dict(
-            self.named_parameters()
-        )  # tied lm_head.weight is listed once, as the embedding
-        loaded: dict[str, int] = {}
-        for name, weight in weights:
-            if "rotary_emb.inv_freq" in name or (
-                self.arch.tie_word_embeddings and name == "lm_head.weight"
-            ):
-                continue
-            shard_id: object = None
-            for ours, theirs, sid in STACKED_PARAMS:
-                if f".{theirs}." in name:
-                    name, shard_id = name.replace(f".{theirs}.", f".{ours}."), sid
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(
-                    f"{where}: tensor {name!r} has no place in {self.arch.architecture}"
-                )
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                default_weight_loader(param, weight)
-            else:
-                loader(param, weight, shard_id)
-            loaded[name] = loaded.get(name, 0) + 1
-        missing = [
-            n
-            for n in params
-            if loaded.get(n, 0) < next((c for k, c in NUM_SHARDS.items() if f".{k}." in n), 1)
-        ]
-        if missing:
-            raise ValueError(
-                f"{where}: missing tensors for {len(missing)} parameters, e.g. {missing[:4]}"
-            )
-        reset_packed_weights(self)  # loading writes in place, which a packed copy cannot see

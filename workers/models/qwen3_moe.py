@@ -13,7 +13,7 @@ llama.py); the experts are one opaque op.
 from __future__ import annotations
 
 import re
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from typing import Any, Optional
 
 import torch
@@ -22,16 +22,12 @@ from torch import nn
 from atomrt.compile.decorators import support_torch_compile
 from atomrt.distributed.communication_op import DPInfo, TPInfo, tp_all_reduce
 from atomrt.graphs.markers import token_graph
-from atomrt.workers.layers.cpu_gemm import reset_packed_weights
 from atomrt.workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear, linear
 from atomrt.workers.layers.moe import FusedMoE
 from atomrt.workers.layers.norm import RMSNorm
 from atomrt.workers.layers.vocab import VocabParallelEmbedding
-from atomrt.workers.layers.weight_utils import Sliceable, default_weight_loader
 from atomrt.workers.models.arch import ModelArch
 from atomrt.workers.models.llama import (
-    NUM_SHARDS,
-    STACKED_PARAMS,
     CausalLM,
     LlamaAttention,
     LlamaMLP,
@@ -215,9 +211,6 @@ class MoEForCausalLM(CausalLM):
     family subclass it."""
 
     layer_class: type[MoEDecoderLayer] = MoEDecoderLayer
-    # (our fused parameter, checkpoint projection, shard id), and how many shards fill each
-    stacked_params: tuple[tuple[str, str, object], ...] = STACKED_PARAMS
-    num_shards: dict[str, int] = NUM_SHARDS
 
     def __init__(
         self,
@@ -240,43 +233,6 @@ class MoEForCausalLM(CausalLM):
         """A checkpoint tensor's name in this module's (Qwen) naming."""
         return name.replace(".mlp.shared_expert_gate.weight", ".mlp.shared_expert_gate")
 
-    def skip_weight(self, name: str) -> bool:
-        """Whether a checkpoint tensor is one this model does not run (none for Qwen)."""
-        return False
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
-    ) -> None:
-        """Load (Hugging Face name, sliceable tensor) pairs; every parameter must be filled once
-        (every expert's projections for the expert weights)."""
-        params = dict(self.named_parameters())
-        loaded: dict[str, set] = {}
-        for name, weight in weights:
-            if "rotary_emb.inv_freq" in name or (
-                self.arch.tie_word_embeddings and name == "lm_head.weight"
-            ):
-                continue
-            if self.skip_weight(name):
-                continue
-            name, shard_id = self._place(self.checkpoint_name(name))
-            param = params.get(name)
-            if param is None:
-                raise ValueError(
-                    f"{where}: tensor {name!r} has no place in {self.arch.architecture}"
-                )
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                default_weight_loader(param, weight)
-            else:
-                loader(param, weight, shard_id)
-            loaded.setdefault(name, set()).update(_covered(shard_id, self.arch.num_experts))
-        missing = [n for n in params if len(loaded.get(n, ())) < self._needed(n)]
-        if missing:
-            raise ValueError(
-                f"{where}: missing tensors for {len(missing)} parameters, e.g. {missing[:4]}"
-            )
-        reset_packed_weights(self)  # loading writes in place, which a packed copy cannot see
-
     def _place(self, name: str) -> tuple[str, object]:
         """(our parameter, shard id) of a checkpoint tensor."""
         m = _EXPERT.match(name)
@@ -291,10 +247,14 @@ class MoEForCausalLM(CausalLM):
             return f"{m.group(1)}.experts.{param}", ("down_all" if down else "gate_up_all", None)
         if ".mlp.gate.weight" in name:  # the router
             return name.replace(".mlp.gate.weight", ".mlp.experts.gate.weight"), None
-        for ours, theirs, sid in self.stacked_params:
-            if f".{theirs}." in name:
-                return name.replace(f".{theirs}.", f".{ours}."), sid
-        return name, None
+        return super()._place(name)
+
+    def _covered(self, shard_id: object) -> set:
+        """The shards a load filled: one expert's projection, or all experts' at once."""
+        if isinstance(shard_id, tuple) and shard_id[0] in ("gate_up_all", "down_all"):
+            kinds = ("gate", "up") if shard_id[0] == "gate_up_all" else ("down",)
+            return {(k, e) for k in kinds for e in range(self.arch.num_experts)}
+        return {shard_id}
 
     def _needed(self, param: str) -> int:
         """How many distinct shards fill a parameter."""
@@ -302,19 +262,7 @@ class MoEForCausalLM(CausalLM):
             return 2 * self.arch.num_experts
         if param.endswith("w2_weight"):
             return self.arch.num_experts
-        return next((c for k, c in self.num_shards.items() if f".{k}." in param), 1)
-
-
-def _covered(shard_id: object, num_experts: int) -> set:
-    """The shards a load filled: one expert's projection, or all experts' at once."""
-    if isinstance(shard_id, tuple):
-        kind, expert = shard_id
-        if kind == "gate_up_all":
-            return {(k, e) for k in ("gate", "up") for e in range(num_experts)}
-        if kind == "down_all":
-            return {("down", e) for e in range(num_experts)}
-        return {shard_id}
-    return {shard_id}
+        return super()._needed(param)
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):
