@@ -94,6 +94,9 @@ class DeepseekMTP(nn.Module):
     """The checkpoint's MTP layers, sharing the target's embedding and LM head (held, not owned:
     the target loads them). Layer i's attention is layer `num_hidden_layers + i` of the KV cache."""
 
+    # the drafter copies the target step's hidden states into its pass-0 buffer (`bind`)
+    target_writes_hidden = False
+
     def __init__(
         self,
         arch: ModelArch,
@@ -115,6 +118,10 @@ class DeepseekMTP(nn.Module):
             for i in range(arch.num_nextn_predict_layers)
         )
         self._shared = (embed_tokens, lm_head)  # a tuple: not registered as submodules
+        self.hidden_shape = (arch.hidden_size,)  # a row's hidden state
+
+    def bind(self, hidden: torch.Tensor) -> None:
+        """The drafter's pass-0 buffer: it copies the target's hidden states there itself."""
 
     def layer_for(self, pass_idx: int) -> int:
         """The layer a drafter's pass `pass_idx` (0-based) runs: layer i for pass i, the last one

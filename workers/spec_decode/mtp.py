@@ -111,13 +111,15 @@ class MTPDrafter:
         self.k = config.speculative_config.num_speculative_tokens
         self.block_size, self.max_model_len = shape.block_size, shape.max_model_len
         n, s = shape.max_num_tokens, shape.max_num_seqs
-        hidden, dtype = model.arch.hidden_size, next(model.parameters()).dtype
+        # a row's hidden state: [hidden], or DeepSeek-V4's streams [hc_mult, hidden]
+        hidden, dtype = self.mtp.hidden_shape, next(model.parameters()).dtype
         i64, i32 = torch.int64, torch.int32
         self.ids = torch.zeros(n, dtype=i64, device=device)  # pass 0's shifted ids
-        self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)  # pass 0's h
+        self.hidden = torch.zeros(n, *hidden, dtype=dtype, device=device)  # pass 0's h
+        self.mtp.bind(self.hidden)  # a target that writes pass 0's h itself is pointed here
         # later passes: row i is the step's i-th sampled request (then padding rows)
         self.row_ids = torch.zeros(s, dtype=i64, device=device)
-        self.row_hidden = torch.zeros(s, hidden, dtype=dtype, device=device)
+        self.row_hidden = torch.zeros(s, *hidden, dtype=dtype, device=device)
         self.last_pos = torch.zeros(s, dtype=i64, device=device)
         self.positions = torch.zeros(s, dtype=i64, device=device)
         self.slot_mapping = torch.full((s,), -1, dtype=i64, device=device)
@@ -236,7 +238,8 @@ class MTPDrafter:
             sel = staged.t_rows + m  # each request's last accepted row
             ids[sel] = packed.gather(1, (1 + m).unsqueeze(1)).squeeze(1)  # the token after it
             last_pos = staged.t_pos + m
-        self.hidden[:rows].copy_(step.hidden_states)
+        if not self.mtp.target_writes_hidden:
+            self.hidden[:rows].copy_(step.hidden_states)
         with set_forward_context(
             step.md,
             self.config,
