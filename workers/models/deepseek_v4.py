@@ -27,7 +27,8 @@ inline (the attention of sliding and CSA layers too).
 Checkpoints: the names DeepSeek publishes and transformers writes back (`layers.<i>.attn.wq_a`,
 `...compressor.wkv`, `...indexer.wq_b`, `ffn.experts.<e>.w1`, `hc_attn_fn`, `hc_head_fn`, `head`,
 ...), with or without transformers' `model.` prefix. The multi-token-prediction layers (`mtp.*`)
-are left out and said so.
+load into `mtp` (workers/models/deepseek_v4_mtp.py) when speculation drafts with them
+(`speculative_config.method: mtp`); otherwise they are left out and said so.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Generator, Iterable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -51,6 +52,12 @@ from atomrt.workers.layers.v4_moe import V4MoE
 from atomrt.workers.layers.v4_streams import V4SideStreams
 from atomrt.workers.layers.weight_utils import Sliceable, read_all, read_narrow, shape_of
 from atomrt.workers.models.arch import ModelArch
+from atomrt.workers.models.deepseek_mtp import builds_mtp
+from atomrt.workers.models.deepseek_v4_mtp import (
+    DeepseekV4MTP,
+    is_v4_mtp_weight,
+    v4_mtp_checkpoint_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +185,8 @@ class DeepseekV4Model(nn.Module):
         self.norm = Norm(arch.hidden_size, arch.rms_norm_eps)
         self.hc_mult = v4.hc_mult
         self.dp = dp
+        # the MTP drafter's buffer [rows, hc, hidden] for the last layer's streams (its `bind`)
+        self.mtp_streams: Optional[torch.Tensor] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [n] int64 -> hidden_states [n, hidden]."""
@@ -187,6 +196,8 @@ class DeepseekV4Model(nn.Module):
         all_ids = dp_all_gather(input_ids, self.dp)
         for layer in self.layers:
             streams = layer(streams, positions, all_ids)
+        if self.mtp_streams is not None:  # the MTP drafter's first pass reads them
+            self.mtp_streams[: streams.shape[0]].copy_(streams)
         return self.norm(self.hc_head(streams))
 
     def forward_ubatch(
@@ -221,15 +232,12 @@ class DeepseekV4ForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        spec = getattr(config, "speculative_config", None)
-        if spec is not None and spec.method == "mtp":
-            raise ValueError(
-                "speculative_config.method 'mtp': DeepseekV4ForCausalLM does not run its "
-                "multi-token-prediction layers yet; use 'ngram' or 'draft_model'"
-            )
         self.arch = arch
         self.model = DeepseekV4Model(arch, max_position, tp, dp, config=config)
         self.head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.mtp: Optional[DeepseekV4MTP] = None  # the drafter's layers, when speculation is MTP
+        if builds_mtp(config):
+            self.mtp = DeepseekV4MTP(arch, tp, dp, max_position, V4DecoderLayer, self)
         self._skipped_mtp = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -248,10 +256,12 @@ class DeepseekV4ForCausalLM(nn.Module):
     def checkpoint_name(name: str) -> str:
         """Our name of a checkpoint tensor, published (`layers.0.hc_attn_fn`) or as transformers
         writes it back (`model.layers.0.hc_attn_fn`)."""
+        if is_v4_mtp_weight(name):  # an MTP layer's: `mtp.layers.<i>.` and the layer's names
+            name = v4_mtp_checkpoint_name(name)
         for theirs, ours in _RENAMES:
             if name.removeprefix("model.").startswith(theirs):
                 return ours + name.removeprefix("model.")[len(theirs) :]
-        if not name.startswith(("model.", "head.")):
+        if not name.startswith(("model.", "head.", "mtp.")):
             name = "model." + name
         for theirs, ours in _LAYER_RENAMES:
             if name.endswith(theirs):
@@ -267,10 +277,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         targets.update((n, b) for n, b in self.named_buffers() if n.endswith("tid2eid"))
         loaded: dict[str, int] = {}
         self._skipped_mtp = 0
+        num_mtp = 0
         for name, weight in weights:
-            if name.startswith("mtp.") or name.startswith("model.mtp."):
-                self._skipped_mtp += 1
-                continue
+            if is_v4_mtp_weight(name):
+                num_mtp += 1
+                if self.mtp is None:
+                    self._skipped_mtp += 1
+                    continue
             if "rotary_emb" in name:
                 continue
             ours = self.checkpoint_name(name)
@@ -318,6 +331,12 @@ class DeepseekV4ForCausalLM(nn.Module):
                 return 2 * e if n.endswith(".w13") else e
             return 1
 
+        if self.mtp is not None and not num_mtp:
+            raise ValueError(
+                f"{where}: no tensors of the multi-token-prediction layer(s) mtp.* "
+                f"(num_nextn_predict_layers={self.arch.num_nextn_predict_layers}), which "
+                "speculative_config.method 'mtp' drafts with"
+            )
         missing = [n for n in targets if loaded.get(n, 0) < fills(n)]
         if missing:
             raise ValueError(

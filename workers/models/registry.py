@@ -66,7 +66,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Glm4MoeLiteForCausalLM": Architecture(DeepseekForCausalLM, **_DEEPSEEK),
     # hyper-connected streams, sliding + compressed sparse attention, hash-routed experts
     "DeepseekV4ForCausalLM": Architecture(
-        DeepseekV4ForCausalLM, _v4_fields, moe=True, kv_kinds=(SLIDING, CSA, HCA)
+        DeepseekV4ForCausalLM, _v4_fields, moe=True, mtp=True, kv_kinds=(SLIDING, CSA, HCA)
     ),
     # DeepSeek-V3 with the lightning indexer's sparse attention
     "DeepseekV32ForCausalLM": Architecture(**_DSA),
