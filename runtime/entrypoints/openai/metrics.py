@@ -58,34 +58,14 @@ class ServerMetrics:
         self.success = Counter(
             "atomrt:request_success", "Requests finished", labels + ["finished_reason"], registry=r
         )
-        self.ttft = Histogram(
-            "atomrt:time_to_first_token_seconds",
-            "Arrival to first token",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "atomrt:inter_token_latency_seconds",
-            "Time between output tokens",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "atomrt:e2e_request_latency_seconds",
-            "Arrival to last token",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_time = Histogram(
-            "atomrt:request_queue_time_seconds",
-            "Arrival to first scheduled",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.ttft = latency("atomrt:time_to_first_token_seconds", "Arrival to first token")
+        self.itl = latency("atomrt:inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = latency("atomrt:e2e_request_latency_seconds", "Arrival to last token")
+        self.queue_time = latency("atomrt:request_queue_time_seconds", "Arrival to first scheduled")
         self.preemptions = Counter(
             "atomrt:preemptions", "Sequences preempted (to recompute)", labels, registry=r
         )
