@@ -214,10 +214,7 @@ class ModelConfig:
         _choice(
             "model_config.load_format", self.load_format, ("auto", "safetensors", "gguf", "dummy")
         )
-        if self.max_model_len is not None and not _positive_int(self.max_model_len):
-            raise ConfigError(
-                f"model_config.max_model_len: must be a positive integer, got {self.max_model_len!r}"
-            )
+        _positive_ints("model_config", self, "max_model_len", optional=True)
         if not _is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise ConfigError(
                 f"model_config.max_logprobs: must be an integer >= 0, got {self.max_logprobs!r}"
@@ -253,18 +250,12 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _choice("cache_config.kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8", "fp8_e4m3"))
-        if not _positive_int(self.block_size):
-            raise ConfigError(
-                f"cache_config.block_size: must be a positive integer, got {self.block_size!r}"
-            )
+        _positive_ints("cache_config", self, "block_size")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ConfigError(
                 f"cache_config.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        if self.num_kv_blocks is not None and not _positive_int(self.num_kv_blocks):
-            raise ConfigError(
-                f"cache_config.num_kv_blocks: must be a positive integer, got {self.num_kv_blocks!r}"
-            )
+        _positive_ints("cache_config", self, "num_kv_blocks", optional=True)
         if not float(self.cpu_kv_cache_gib) > 0:
             raise ConfigError(
                 f"cache_config.cpu_kv_cache_gib: must be > 0, got {self.cpu_kv_cache_gib!r}"
@@ -303,11 +294,7 @@ class SchedulerConfig:
                 "scheduler_config.delay_factor: must be a number >= 0 (0 is off), "
                 f"got {self.delay_factor!r}"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if not _positive_int(getattr(self, name)):
-                raise ConfigError(
-                    f"scheduler_config.{name}: must be a positive integer, got {getattr(self, name)!r}"
-                )
+        _positive_ints("scheduler_config", self, "max_num_seqs", "max_num_batched_tokens")
         for name in ("enable_chunked_prefill", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
@@ -343,11 +330,7 @@ class ParallelConfig:
     enable_tbo: str = "none"
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size"):
-            if not _positive_int(getattr(self, name)):
-                raise ConfigError(
-                    f"parallel_config.{name}: must be a positive integer, got {getattr(self, name)!r}"
-                )
+        _positive_ints("parallel_config", self, "tensor_parallel_size", "data_parallel_size")
         for name in (
             "worker_timeout_s",
             "compile_timeout_s",
@@ -420,12 +403,9 @@ class StructuredOutputsConfig:
                 "structured_outputs_config.grammar_compile_timeout_s: must be a positive number "
                 f"of seconds, got {t!r}"
             )
-        for name in ("grammar_cache_size", "grammar_compile_threads"):
-            if not _positive_int(getattr(self, name)):
-                raise ConfigError(
-                    f"structured_outputs_config.{name}: must be a positive integer, "
-                    f"got {getattr(self, name)!r}"
-                )
+        _positive_ints(
+            "structured_outputs_config", self, "grammar_cache_size", "grammar_compile_threads"
+        )
 
 
 def usable_cpu_count() -> int:
@@ -441,6 +421,15 @@ def _is_int(v: Any) -> bool:
 
 def _positive_int(v: Any) -> bool:
     return _is_int(v) and v > 0
+
+
+def _positive_ints(section: str, fields: Any, *names: str, optional: bool = False) -> None:
+    """Each of `fields`' named values a positive integer (`optional`: or None), else a
+    ConfigError naming it."""
+    for name in names:
+        value = getattr(fields, name)
+        if not (optional and value is None) and not _positive_int(value):
+            raise ConfigError(f"{section}.{name}: must be a positive integer, got {value!r}")
 
 
 def _choice(name: str, value: Any, choices: tuple) -> None:
