@@ -29,6 +29,7 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -110,31 +111,21 @@ def _objects(text: str, arg_keys: tuple[str, ...]) -> list[Call]:
     if body[:1] == "[":
         offset += 1
     calls: list[Call] = []
-    depth, in_str, esc, str_start = 0, False, False, 0
+    depth = 0
     start: Optional[int] = None  # the open object's first character
     name: Optional[str] = None
     key: Optional[str] = None  # the key whose value comes next, at depth 1
     args: Optional[list] = None  # [first, end or None] of the arguments' text
-    for i in range(offset, len(text)):
-        ch = text[i]
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-                if depth == 1 and start is not None:
-                    word = json.loads(text[str_start : i + 1])
-                    if text[i + 1 :].lstrip()[:1] == ":":
-                        key = word
-                    elif key == "name" and name is None:
-                        name = word
-                    elif key in arg_keys and args is None:  # arguments written as a JSON string
-                        args = word
-            continue
+    for i, ch, opened in _structure(text, offset):
         if ch == '"':
-            in_str, str_start = True, i
+            if depth == 1 and start is not None:
+                word = json.loads(text[opened : i + 1])
+                if text[i + 1 :].lstrip()[:1] == ":":
+                    key = word
+                elif key == "name" and name is None:
+                    name = word
+                elif key in arg_keys and args is None:  # arguments written as a JSON string
+                    args = word
         elif ch in "{[":
             depth += 1
             if depth == 1 and ch == "{":
@@ -181,7 +172,22 @@ def _content(text: str, tag: str, final: bool) -> str:
 def _object_end(text: str, start: int) -> Optional[int]:
     """The index after the JSON value that opens at `text[start]` (`{` or `[`), read string-aware;
     None while it is unfinished."""
-    depth, in_str, esc = 0, False, False
+    depth = 0
+    for i, ch, _ in _structure(text, start):
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _structure(text: str, start: int) -> Iterator[tuple[int, str, int]]:
+    """What shapes the JSON in `text` from `start`, read string-aware: each bracket and comma
+    outside strings as (index, character, -1), and each string's closing quote as (index, '"',
+    the index of its opening quote)."""
+    in_str, esc, opened = False, False, 0
     for i in range(start, len(text)):
         ch = text[i]
         if in_str:
@@ -191,15 +197,11 @@ def _object_end(text: str, start: int) -> Optional[int]:
                 esc = True
             elif ch == '"':
                 in_str = False
+                yield i, ch, opened
         elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+            in_str, opened = True, i
+        elif ch in "{[]},":
+            yield i, ch, -1
 
 
 def _broken(call: Call) -> Optional[str]:
