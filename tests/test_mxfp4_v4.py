@@ -1,11 +1,14 @@
 """DeepSeek-V4 checkpoints as they ship: routed experts in MXFP4 (packed e2m1 pairs and an e8m0
-scale per 32 values, `quantization_config.expert_dtype: "fp4"`), the attention projections and the
-shared expert in FP8 with a ue8m0 scale per 128x128 block, dequantized at load.
+scale per 32 values, `quantization_config.expert_dtype: "fp4"`), the attention projections, the
+indexer's query projection and the shared expert in FP8 with a ue8m0 scale per 128x128 block, both
+held so in memory (the FP8 projections run w8a8, their inputs quantized per token and 128
+features).
 
 A tiny V4 saved by transformers is quantized so by the script here; the reference is transformers'
 model (float64) of the same checkpoint dequantized by transformers' own FP8/FP4 dequantizer
-(`Fp8Dequantize`): atomrt's logits over a ragged prefill and decode steps equal it within 1e-4, and
-its greedy tokens are the reference's. What does not match the format is refused by name.
+(`Fp8Dequantize`), each FP8 projection's input quantized to e4m3 and back as atomrt's GEMM does:
+atomrt's logits over a ragged prefill and decode steps equal it within 1e-4, and its greedy tokens
+are the reference's. What does not match the format is refused by name.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8_harness import qdq
 from model_harness import run_prefill_and_decode
 from safetensors.torch import load_file, save_file
 from v4_harness import build_v4_folder
@@ -33,8 +37,15 @@ transformers = pytest.importorskip("transformers")
 E8M0 = torch.float8_e8m0fnu
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 ROUTED = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+# what DeepSeek-V4 ships in FP8 (the compressors' projections and weights_proj stay 16-bit)
 FP8_PROJECTIONS = re.compile(
-    r"(\.attn\.w(q_a|q_b|kv|o_a|o_b)|\.ffn\.shared_experts\.w[123])\.weight$"
+    r"(\.attn\.w(q_a|q_b|kv|o_a|o_b)|\.attn\.indexer\.wq_b|\.ffn\.shared_experts\.w[123])"
+    r"\.weight$"
+)
+# transformers' names of those projections: each quantizes its input per token and 128 features
+REFERENCE_FP8 = re.compile(
+    r"self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj|compressor\.indexer\.q_b_proj)$"
+    r"|shared_experts\.(gate|up|down)_proj$"
 )
 QUANTIZATION_CONFIG = {
     "quant_method": "fp8",
@@ -64,12 +75,18 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] (both <= 128 here: one block) -> (e4m3, e8m0 [1, 1]): a power-of-two scale that
-    brings the largest |value| to at most 448."""
-    assert max(w.shape) <= 128
-    exponent = math.ceil(math.log2(float(w.abs().max()) / 448.0))
-    q = (w.double() / 2.0**exponent).to(torch.float8_e4m3fn)
-    return q, torch.tensor([[exponent + 127]], dtype=torch.uint8).view(E8M0)
+    """[N, K] -> (e4m3, e8m0 [ceil(N/128), ceil(K/128)]): each 128x128 block over the power of
+    two that brings its largest |value| to at most 448."""
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    exponents = torch.empty(math.ceil(n / 128), math.ceil(k / 128), dtype=torch.uint8)
+    for i in range(exponents.shape[0]):
+        for j in range(exponents.shape[1]):
+            block = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].double()
+            exponent = math.ceil(math.log2(float(block.abs().max()) / 448.0))
+            q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = block / 2.0**exponent
+            exponents[i, j] = exponent + 127
+    return q, exponents.view(E8M0)
 
 
 def quantize_v4_folder(src: Path, dst: Path) -> Path:
@@ -150,11 +167,22 @@ def test_mxfp4_dequantization_matches_transformers() -> None:
         dequantize_mxfp4(packed.float(), exponents, "w")
 
 
-def _reference(folder: Path) -> torch.nn.Module:
-    """transformers' model of `folder` in float64 (eager attention and experts)."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
+def _reference(folder: Path, fp8_inputs: bool = False) -> torch.nn.Module:
+    """transformers' model of `folder` in float64 (eager attention and experts); `fp8_inputs`:
+    each FP8 projection's input quantized to e4m3 and back per token and 128 features, as
+    atomrt's w8a8 GEMM quantizes it (the float64 model of the quantized checkpoint)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
     ).eval()
+    hooked = 0
+    for name, module in model.named_modules():
+        if fp8_inputs and REFERENCE_FP8.search(name):
+            module.register_forward_pre_hook(lambda _m, args: (qdq(args[0], 128),))
+            hooked += 1
+    # per layer the attention's five and the shared expert's three; a CSA layer's indexer one
+    csa = model.config.layer_types.count("compressed_sparse_attention")
+    assert hooked == (8 * len(model.model.layers) + csa if fp8_inputs else 0)
+    return model
 
 
 def _worst_against(reference: torch.nn.Module, result: object) -> float:
@@ -175,7 +203,8 @@ def test_v4_mxfp4_checkpoint_matches_the_float64_reference(folders: tuple[Path, 
     quantized, dequantized = folders
     loaded = load_model(Config(model=str(quantized)), "cpu", torch.float32)
     moe = loaded.model.model.layers[2].ffn
-    reference = _reference(dequantized)
+    reference = _reference(dequantized, fp8_inputs=True)
+    _assert_fp8_projections_as_shipped(loaded.model, quantized)
     # the routed experts are held as MXFP4 (4.25 bits a weight) and hold the checkpoint's values
     # (gate and up rows stacked, as transformers stacks them)
     assert moe.mxfp4 and moe.w13_packed.dtype == torch.uint8
@@ -199,6 +228,29 @@ def test_v4_mxfp4_checkpoint_matches_the_float64_reference(folders: tuple[Path, 
         float_logits = float_model(torch.tensor([result.sequences[0][:-1]])).logits[0]
         ref_logits = reference(torch.tensor([result.sequences[0][:-1]])).logits[0]
     assert (float_logits - ref_logits).abs().max() > 100 * TOLERANCE
+
+
+def _assert_fp8_projections_as_shipped(model: torch.nn.Module, quantized: Path) -> None:
+    """Every projection the checkpoint ships in FP8 is held in e4m3, the checkpoint's bytes, with
+    its ue8m0 block scale as float32 per weight row; the compressors' stay float32."""
+    shipped = load_file(str(quantized / "model.safetensors"))
+    held = 0
+    for name, tensor in shipped.items():
+        if not FP8_PROJECTIONS.search(name):
+            continue
+        layer = model.get_submodule(name.removesuffix(".weight"))
+        assert layer.weight.dtype == torch.float8_e4m3fn
+        assert torch.equal(layer.weight.view(torch.uint8), tensor.view(torch.uint8))
+        scale = shipped[name.removesuffix(".weight") + ".scale"].view(torch.uint8)
+        rows = torch.exp2(scale.float() - 127).repeat_interleave(128, 0)[: tensor.shape[0]]
+        assert layer.weight_scale.dtype == torch.float32
+        assert torch.equal(layer.weight_scale, rows)
+        held += 1
+    assert held == 34  # 4 layers x (5 attention + 3 shared expert) + 2 CSA indexers' wq_b
+    attn = model.model.layers[1].attn
+    assert attn.compressor.wkv.weight.dtype == torch.float32
+    assert attn.indexer.weights_proj.weight.dtype == torch.float32
+    assert attn.indexer.wq_b.weight_scale.shape == (256, 1)  # two row blocks, one feature group
 
 
 def _rewrite(src: Path, dst: Path, change) -> Path:
@@ -253,6 +305,37 @@ def test_what_does_not_match_is_refused_by_name(folders: tuple[Path, Path], tmp_
     with pytest.raises(ValueError, match=r"1 routed expert tensors missing, e.g. \['experts.3.w1'"):
         load_model(Config(model=str(folder)), "cpu", torch.float32)
 
+    wq_a = "model.layers.0.attn.wq_a"
+
+    def float_projection(tensors: dict, config: dict) -> None:
+        tensors[wq_a + ".weight"] = torch.zeros(48, 64)
+        del tensors[wq_a + ".scale"]
+
+    folder = _rewrite(quantized, tmp_path / "float_projection", float_projection)
+    with pytest.raises(ValueError, match=rf"{wq_a}.weight is torch.float32 without a .scale, but"):
+        load_model(Config(model=str(folder)), "cpu", torch.float32)
+    # listed in modules_to_not_convert, the float projection loads as it is
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["layers.0.attn.wq_a"]
+    (folder / "config.json").write_text(json.dumps(config))
+    model = load_model(Config(model=str(folder)), "cpu", torch.float32).model
+    assert model.model.layers[0].attn.wq_a.weight.dtype == torch.float32
+    assert model.model.layers[1].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+
+    def projection_grid(tensors: dict, config: dict) -> None:
+        tensors[wq_a + ".scale"] = torch.full((2, 1), 127, dtype=torch.uint8).view(E8M0)
+
+    folder = _rewrite(quantized, tmp_path / "projection_grid", projection_grid)
+    with pytest.raises(ValueError, match=rf"{wq_a}.weight: an FP8 weight of 48 x 64 takes a scale"):
+        load_model(Config(model=str(folder)), "cpu", torch.float32)
+
+    def per_tensor(tensors: dict, config: dict) -> None:
+        del config["quantization_config"]["weight_block_size"]
+
+    folder = _rewrite(quantized, tmp_path / "per_tensor", per_tensor)
+    with pytest.raises(ValueError, match="quantization_config without weight_block_size: DeepSe"):
+        load_model(Config(model=str(folder)), "cpu", torch.float32)
+
     # online quantization does not reach V4's own layers: refused rather than ignored
     config = Config(model=str(dequantized), model_config={"quantization": "fp8"})
     with pytest.raises(ValueError, match="model_config.quantization='fp8' does not quantize"):
@@ -287,7 +370,7 @@ def test_the_experts_op_is_opaque_to_tracing() -> None:
 
 @pytest.mark.gpu
 def test_v4_mxfp4_checkpoint_on_the_gpu(folders: tuple[Path, Path]) -> None:
-    """The w4a16 fused-MoE kernel in the model (float32: full-precision products) within 1e-3 of
+    """The w4a16 fused-MoE kernel and the w8a8 FP8 GEMM in the model (float32) within 1e-3 of
     the float64 reference with its greedy tokens; the engine's greedy tokens with CUDA graphs
     (the kernel captured) equal its eager ones."""
     from atomrt.runtime import SamplingParams
@@ -296,8 +379,9 @@ def test_v4_mxfp4_checkpoint_on_the_gpu(folders: tuple[Path, Path]) -> None:
     quantized, dequantized = folders
     loaded = load_model(Config(model=str(quantized)), "cuda", torch.float32)
     assert loaded.model.model.layers[2].ffn.w13_packed.is_cuda
+    assert loaded.model.model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn
     result = run_prefill_and_decode(loaded.model, PROMPTS, 8, block_size=4, num_pad_rows=2)
-    assert _worst_against(_reference(dequantized), result) <= 1e-3
+    assert _worst_against(_reference(dequantized, fp8_inputs=True), result) <= 1e-3
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = {}
     for eager in (True, False):

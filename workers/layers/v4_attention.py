@@ -202,10 +202,12 @@ class V4Attention(PagedAttentionLayer):
         torch.ops.atomrt.v4_attention(q, kv, rows, positions, iq, iw, out, self.layer_idx)
         out = rope_tail(out, cos_h, -sin_h)  # the values' rotation turned back at the query's angle
         grouped = out.reshape(n, self.o_groups, -1)  # [n, G, H*D/G]
-        w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
-        return tp_all_reduce(
-            self.wo_b(torch.einsum("ngi,goi->ngo", grouped, w).flatten(1)), self.tp
-        )
+        if hasattr(self.wo_a, "forward_grouped"):  # held in FP8 (quantization/v4_fp8.py)
+            projected = self.wo_a.forward_grouped(grouped)
+        else:
+            w = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
+            projected = torch.einsum("ngi,goi->ngo", grouped, w)
+        return tp_all_reduce(self.wo_b(projected.flatten(1)), self.tp)
 
     def compressor_rows(self, ckv, cgate, ikv, igate) -> torch.Tensor:
         """This step's cache rows but the window key (written by the attention op) and the entries

@@ -262,7 +262,7 @@ def load_model(
     elif resolved.kind == "safetensors":
         kv_scales = CheckpointKVScales()  # FP8 KV cache scales: the attention layers', not params
         weights = kv_scales.take(safetensors_weights(resolved.path))
-        if arch.v4 is not None:  # DeepSeek-V4's FP8 / MXFP4 weights: dequantized as they load
+        if arch.v4 is not None:  # DeepSeek-V4's FP8 / MXFP4 weights: held as they ship
             hf_config, where = read_hf_config(resolved.path), str(resolved.path)
             weights = v4_checkpoint_weights(model, weights, fp8, hf_config, where)
         model.load_weights(weights, where=str(resolved.path))

@@ -71,7 +71,7 @@ class Fp8Config:
     ignored_layers: tuple[str, ...] = ()
     online: bool = False  # a float checkpoint quantized at load
     # the experts' format, where the config names it: "fp4" is MXFP4 (DeepSeek-V4's routed
-    # experts, dequantized at load: mxfp4.py); None or "fp8": e4m3 like the other weights
+    # experts, held as they ship: mxfp4.py); None or "fp8": e4m3 like the other weights
     expert_dtype: Optional[str] = None
 
     @property
