@@ -410,3 +410,25 @@ def test_mxfp4_experts_at_level_3_give_the_eager_tokens(folders: tuple[Path, Pat
             outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         tokens[name] = [o.outputs[0].token_ids for o in outs]
     assert tokens["level3"] == tokens["eager"]
+
+
+def test_fp8_row_parallel_shards_split_at_whole_blocks(folders: tuple[Path, Path]) -> None:
+    """Under tensor parallelism a row-parallel FP8 projection's input features per rank must fill
+    whole 128-feature blocks (its activations are quantized per 128 features): the tiny V4's
+    `wo_b` (32 features, 16 a rank) is refused by name; at TP=1 every FP8 projection converts."""
+    from atomrt.distributed.communication_op import TPInfo
+    from atomrt.workers.layers.quantization.v4_fp8 import BlockFp8Linear, keep_fp8_linears
+    from atomrt.workers.loading.loader import build_model, read_hf_config
+    from atomrt.workers.models.registry import arch_from_hf_config
+
+    quantized, _ = folders
+    arch = arch_from_hf_config(read_hf_config(quantized), "here")
+    fp8 = Fp8Config(weight_block_size=(128, 128))
+    model = build_model(arch, "meta", torch.float32, TPInfo(0, 2))
+    with pytest.raises(ValueError, match=r"here: model.layers.0.attn.wo_b's input features per"):
+        keep_fp8_linears(model, fp8, "here")
+    model = build_model(arch, "meta", torch.float32)
+    kept = keep_fp8_linears(model, fp8, "here")
+    assert len(kept) == 34
+    assert all(isinstance(model.get_submodule(name), BlockFp8Linear) for name in kept)
+    assert isinstance(model.model.layers[1].attn.indexer.weights_proj, torch.nn.Linear)
