@@ -432,3 +432,23 @@ def test_fp8_row_parallel_shards_split_at_whole_blocks(folders: tuple[Path, Path
     assert len(kept) == 34
     assert all(isinstance(model.get_submodule(name), BlockFp8Linear) for name in kept)
     assert isinstance(model.model.layers[1].attn.indexer.weights_proj, torch.nn.Linear)
+
+
+def test_an_fp8_weight_for_a_16_bit_projection_is_widened(
+    folders: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A projection V4 ships in 16 bits (a compressor's `wkv`) that a checkpoint quantizes anyway
+    is dequantized at load: the layer holds the float32 value of e4m3 times its ue8m0 scale."""
+    quantized, _ = folders
+    wkv = "model.layers.1.attn.compressor.wkv"
+    expected = {}
+
+    def fp8_compressor(tensors: dict, config: dict) -> None:
+        q, scale = quantize_fp8_block(tensors[wkv + ".weight"])
+        tensors[wkv + ".weight"], tensors[wkv + ".scale"] = q, scale
+        expected["w"] = q.float() * torch.exp2(scale.view(torch.uint8).float() - 127)
+
+    folder = _rewrite(quantized, tmp_path / "fp8_compressor", fp8_compressor)
+    model = load_model(Config(model=str(folder)), "cpu", torch.float32).model
+    held = model.model.layers[1].attn.compressor.wkv.weight
+    assert held.dtype == torch.float32 and torch.equal(held, expected["w"])
