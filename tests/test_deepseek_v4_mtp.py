@@ -246,3 +246,50 @@ def test_tiny_preset_drafts_with_dummy_weights() -> None:
         finally:
             llm.shutdown()
     assert tokens[0] == tokens[1]
+
+
+# two prompts share a 16-token prefix (four blocks of 4: prefix caching), lengths 2-26
+SHARED = [5, 9, 14, 2, 77, 31, 8, 150, 66, 4, 12, 90, 33, 44, 55, 66]
+ENGINE_PROMPTS = [
+    SHARED + [7, 3, 9, 10, 11],
+    list(range(21, 47)),
+    [8, 6],
+    SHARED + [101, 102, 103, 104],
+    [60, 61, 62, 63, 64, 65, 66],
+]
+# (tensor_parallel_size, data_parallel_size, KV blocks: 10 are fewer than the requests need)
+LAYOUTS = [
+    pytest.param(1, 1, 10, id="chunked-prefix-preemption"),
+    pytest.param(2, 1, 14, id="mp-tp2", marks=pytest.mark.slow),
+    pytest.param(1, 2, 14, id="mp-dp2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("tp,dp,blocks", LAYOUTS)
+def test_mtp_layouts_keep_greedy_tokens(tiny: dict, tp: int, dp: int, blocks: int) -> None:
+    """Async scheduling, prefill chunks of 5 rows (a chunk that samples nothing hands the MTP
+    layer the prompt's next token), prefix caching and preemption (the MTP layer's KV recomputed
+    with the target's); TP splits the MTP block's heads and experts as the target's, DP runs its
+    experts over every rank's rows. Greedy tokens are transformers' `generate`'s."""
+    from model_harness import engine_greedy
+
+    expected = hf_greedy(tiny["folder"], ENGINE_PROMPTS, 10)
+    settings = dict(
+        device="cpu",
+        enforce_eager=True,
+        block_size=4,
+        num_kv_blocks=blocks,
+        max_num_seqs=8,
+        max_num_batched_tokens=5,
+        async_scheduling=True,
+        tensor_parallel_size=tp,
+        data_parallel_size=dp,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+    )
+    if tp * dp > 1:
+        settings.update(executor="mp", worker_timeout_s=90.0)
+    got, seen = engine_greedy(tiny["folder"], ENGINE_PROMPTS, 10, **settings)
+    assert got == expected
+    assert seen["prefix_hits"] >= len(SHARED), seen
+    if blocks == 10:
+        assert seen["preemptions"] > 0, seen
