@@ -124,14 +124,9 @@ class DeepseekForCausalLM(MoEForCausalLM):
     num_shards = {"fused_qkv_a_proj": 2, "gate_up_proj": 2}
     extra_stacked_params: tuple = ()  # a subclass's further fused parts
 
-    def __init__(
-        self,
-        arch: ModelArch,
-        tp: TPInfo = TPInfo(),
-        max_position: int = 0,
-        config: Any = None,
-        dp: DPInfo = DPInfo(),
-    ) -> None:
+    def build_model(
+        self, arch: ModelArch, tp: TPInfo, max_position: int, config: Any, dp: DPInfo
+    ) -> nn.Module:
         # the query LoRA's down projection and the latent one are one GEMM; without a query LoRA
         # the latent projection stands alone
         fused = (
@@ -141,7 +136,11 @@ class DeepseekForCausalLM(MoEForCausalLM):
         )
         mlp = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
         self.stacked_params = fused + mlp + self.extra_stacked_params
-        super().__init__(arch, tp, max_position, config, dp)
+        return super().build_model(arch, tp, max_position, config, dp)
+
+    def build_mtp(
+        self, arch: ModelArch, tp: TPInfo, max_position: int, config: Any, dp: DPInfo
+    ) -> None:
         self.mtp: Optional[DeepseekMTP] = None  # the drafter's layers, when speculation is MTP
         if builds_mtp(config):
             self.mtp = DeepseekMTP(

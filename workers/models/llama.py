@@ -8,7 +8,7 @@ forward context.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import torch
@@ -119,22 +119,15 @@ class LlamaDecoderLayer(nn.Module):
         return residual, self.mlp(gate_up)
 
 
-@token_graph
-@support_torch_compile
-class LlamaModel(nn.Module):
-    """Embeddings + decoder layers + final norm: the unit that is compiled and graph-captured.
+class DecoderStack(nn.Module):
+    """Embeddings + decoder layers + final norm, the layers made by `make_layer(i)` (after the
+    embeddings, in order). A layer takes (positions, residual, update) and returns the residual
+    stream so far and its own update."""
 
-    `@support_torch_compile` compiles it at levels 2-3 (the config arrives as `config=`);
-    `@token_graph` makes it the TR_HYBRID recording unit.
-    """
-
-    def __init__(self, arch: ModelArch, tp: TPInfo = TPInfo(), max_position: int = 0) -> None:
+    def __init__(self, arch: ModelArch, tp: TPInfo, make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
-        max_position = max_position or arch.max_position
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, i, tp, max_position) for i in range(arch.num_layers)
-        )
+        self.layers = nn.ModuleList(make_layer(i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -143,6 +136,20 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             residual, update = layer(positions, residual, update)
         return self.norm.add_project(residual, update)[1]
+
+
+@token_graph
+@support_torch_compile
+class LlamaModel(DecoderStack):
+    """Embeddings + decoder layers + final norm: the unit that is compiled and graph-captured.
+
+    `@support_torch_compile` compiles it at levels 2-3 (the config arrives as `config=`);
+    `@token_graph` makes it the TR_HYBRID recording unit.
+    """
+
+    def __init__(self, arch: ModelArch, tp: TPInfo = TPInfo(), max_position: int = 0) -> None:
+        max_position = max_position or arch.max_position
+        super().__init__(arch, tp, lambda i: LlamaDecoderLayer(arch, i, tp, max_position))
 
 
 # (our fused parameter, checkpoint projection, shard id) of the attention and dense MLPs
@@ -157,22 +164,43 @@ NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}  # how many shards fill each
 
 
 class CausalLM(nn.Module):
-    """A decoder (`model`: embeddings, layers, final norm) and its LM head, which shares the
-    embedding table when the arch ties them; and the loading of its checkpoint, which a family
-    adapts by naming (`checkpoint_name`, `skip_weight`, `_place`) and by how many shards fill a
-    parameter (`_covered`, `_needed`)."""
+    """A decoder (`model`, which a family builds in `build_model`: embeddings, layers, final
+    norm) and its LM head, which shares the embedding table when the arch ties them; and the
+    loading of its checkpoint, which a family adapts by naming (`checkpoint_name`, `skip_weight`,
+    `_place`) and by how many shards fill a parameter (`_covered`, `_needed`)."""
 
     # (our fused parameter, checkpoint projection, shard id), and how many shards fill each
     stacked_params: tuple[tuple[str, str, object], ...] = STACKED_PARAMS
     num_shards: dict[str, int] = NUM_SHARDS
 
-    def __init__(self, arch: ModelArch, model: nn.Module, tp: TPInfo) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        tp: TPInfo = TPInfo(),
+        max_position: int = 0,
+        config: Any = None,
+        dp: DPInfo = DPInfo(),
+    ) -> None:
+        """Every model's constructor arguments (the loader builds each model with them)."""
         super().__init__()
         self.arch = arch
-        self.model = model
+        self.model = self.build_model(arch, tp, max_position, config, dp)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.build_mtp(arch, tp, max_position, config, dp)
+
+    def build_model(
+        self, arch: ModelArch, tp: TPInfo, max_position: int, config: Any, dp: DPInfo
+    ) -> nn.Module:
+        """The decoder: embeddings, layers, final norm."""
+        raise NotImplementedError
+
+    def build_mtp(
+        self, arch: ModelArch, tp: TPInfo, max_position: int, config: Any, dp: DPInfo
+    ) -> None:
+        """The multi-token-prediction layers, for a family that has them; built after the LM
+        head, which they share."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -239,14 +267,8 @@ class CausalLM(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(
-        self,
-        arch: ModelArch,
-        tp: TPInfo = TPInfo(),
-        max_position: int = 0,
-        config: Any = None,
-        dp: DPInfo = DPInfo(),
-    ) -> None:
-        """`dp` is every model's constructor argument; a dense model never communicates across DP
-        ranks, so Llama ignores it."""
-        super().__init__(arch, LlamaModel(arch, tp, max_position, config=config), tp)
+    def build_model(
+        self, arch: ModelArch, tp: TPInfo, max_position: int, config: Any, dp: DPInfo
+    ) -> nn.Module:
+        """A dense model never communicates across DP ranks, so Llama ignores `dp`."""
+        return LlamaModel(arch, tp, max_position, config=config)

@@ -25,10 +25,10 @@ from atomrt.graphs.markers import token_graph
 from atomrt.workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear, linear
 from atomrt.workers.layers.moe import FusedMoE
 from atomrt.workers.layers.norm import RMSNorm
-from atomrt.workers.layers.vocab import VocabParallelEmbedding
 from atomrt.workers.models.arch import ModelArch
 from atomrt.workers.models.llama import (
     CausalLM,
+    DecoderStack,
     LlamaAttention,
     LlamaMLP,
 )
@@ -158,7 +158,7 @@ class MoEDecoderLayer(nn.Module):
 
 @token_graph
 @support_torch_compile
-class MoEModel(nn.Module):
+class MoEModel(DecoderStack):
     """Embeddings + decoder layers + final norm: the unit that is compiled and graph-captured."""
 
     def __init__(
@@ -169,20 +169,8 @@ class MoEModel(nn.Module):
         max_position: int = 0,
         layer_class: type[MoEDecoderLayer] = MoEDecoderLayer,
     ) -> None:
-        super().__init__()
         max_position = max_position or arch.max_position
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            layer_class(arch, i, tp, dp, max_position) for i in range(arch.num_layers)
-        )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [num_tokens] int64 -> hidden_states [num_tokens, hidden]."""
-        residual, update = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            residual, update = layer(positions, residual, update)
-        return self.norm.add_project(residual, update)[1]
+        super().__init__(arch, tp, lambda i: layer_class(arch, i, tp, dp, max_position))
 
     def forward_ubatch(
         self, input_ids: torch.Tensor, positions: torch.Tensor
@@ -212,16 +200,10 @@ class MoEForCausalLM(CausalLM):
 
     layer_class: type[MoEDecoderLayer] = MoEDecoderLayer
 
-    def __init__(
-        self,
-        arch: ModelArch,
-        tp: TPInfo = TPInfo(),
-        max_position: int = 0,
-        config: Any = None,
-        dp: DPInfo = DPInfo(),
-    ) -> None:
-        model = MoEModel(arch, tp, dp, max_position, config=config, layer_class=self.layer_class)
-        super().__init__(arch, model, tp)
+    def build_model(
+        self, arch: ModelArch, tp: TPInfo, max_position: int, config: Any, dp: DPInfo
+    ) -> nn.Module:
+        return MoEModel(arch, tp, dp, max_position, config=config, layer_class=self.layer_class)
 
     def forward_ubatch(
         self, input_ids: torch.Tensor, positions: torch.Tensor
