@@ -39,7 +39,7 @@ def _config() -> object:
     return cfg
 
 
-def _mtp_tensors(donor: nn.Module, folder: Path, seed: int) -> dict[str, torch.Tensor]:
+def _mtp_tensors(donor: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """The MTP layer under DeepSeek's names: the donor's layer `BLOCK_LAYER` as its block (the
     names transformers writes back, `model.layers.1.` -> `mtp.0.`) and random own tensors."""
     from safetensors.torch import load_file
@@ -76,7 +76,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     target = make_hf_v4(_config(), seed=0)
     target.save_pretrained(folder, safe_serialization=True)
     donor = make_hf_v4(_config(), seed=3)
-    mtp = _mtp_tensors(donor, folder, seed=5)
+    mtp = _mtp_tensors(donor, seed=5)
     save_file(mtp, str(folder / "mtp.safetensors"))
     return {"folder": folder, "target": target, "donor": donor, "mtp": mtp}
 
@@ -293,3 +293,70 @@ def test_mtp_layouts_keep_greedy_tokens(tiny: dict, tp: int, dp: int, blocks: in
     assert seen["prefix_hits"] >= len(SHARED), seen
     if blocks == 10:
         assert seen["preemptions"] > 0, seen
+
+
+def test_fp8_mxfp4_checkpoint_drafts(tiny: dict, tmp_path: Path) -> None:
+    """The MTP layer as DeepSeek-V4 ships it: routed experts MXFP4, the block's attention and
+    shared-expert projections FP8 (kept so), e_proj / h_proj FP8 (widened to the model dtype,
+    exactly the dequantized values). Greedy tokens under method 'mtp' are those without."""
+    import json
+    import re
+
+    from safetensors.torch import load_file, save_file
+    from test_mxfp4_v4 import (
+        FP8_PROJECTIONS,
+        QUANTIZATION_CONFIG,
+        ROUTED,
+        quantize_fp8_block,
+        quantize_mxfp4,
+    )
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    widened = re.compile(r"^mtp\.0\.(e_proj|h_proj)\.weight$")
+    saved: dict[str, torch.Tensor] = {}
+    for file in ("model.safetensors", "mtp.safetensors"):
+        out = {}
+        for name, w in load_file(str(tiny["folder"] / file)).items():
+            base = name[: -len(".weight")]
+            if ROUTED.search(name):
+                out[name], out[base + ".scale"] = quantize_mxfp4(w)
+            elif FP8_PROJECTIONS.search(name) or widened.search(name):
+                out[name], out[base + ".scale"] = quantize_fp8_block(w)
+            else:
+                out[name] = w
+        save_file(out, str(tmp_path / file))
+        saved.update(out)
+    config = json.loads((tiny["folder"] / "config.json").read_text())
+    config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    mtp = load_model(Config(model=str(tmp_path), speculative_config=spec), "cpu", torch.float32)
+    layer = mtp.model.mtp.layers[0]
+    assert type(layer.block.attn.wq_a).__name__ == "BlockFp8Linear"
+    dequantize = Fp8Dequantize(None)._dequantize_one
+    for proj in ("e_proj", "h_proj"):
+        w, s = saved[f"mtp.0.{proj}.weight"], saved[f"mtp.0.{proj}.scale"]
+        want = dequantize(w, s.view(torch.uint8), torch.float32)
+        assert torch.equal(getattr(layer, proj).weight, want)
+
+    prompts = [PROMPT, [5, 6, 7, 8] * 4, [9, 10, 11]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for speculative_config in (None, spec):
+        llm = LLM(
+            str(tmp_path),
+            device="cpu",
+            enforce_eager=True,
+            block_size=4,
+            num_kv_blocks=64,
+            max_num_batched_tokens=16,
+            speculative_config=speculative_config,
+        )
+        try:
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+            if speculative_config is not None:
+                assert llm.engine.stats.spec_decode.num_drafts > 0
+        finally:
+            llm.shutdown()
+    assert tokens[0] == tokens[1]
