@@ -146,16 +146,7 @@ class AsyncLLM:
             except zmq.ZMQError as e:
                 logger.warning("could not send the engine core its shutdown: %s", e)
             proc.join(10.0)
-            for stop in ("terminate", "kill"):
-                if proc.is_alive():
-                    getattr(proc, stop)()
-                    proc.join(3.0)
-        for sock in (client._push, client._pull):
-            if sock is not None:
-                sock.close(0)
-        if client._ctx is not None:
-            client._ctx.term()
-        client._end_all("the engine was shut down")
+        client.finish_stop("the engine was shut down")
         client.cleanup()
 
     def __del__(self) -> None:

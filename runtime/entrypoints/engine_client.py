@@ -179,16 +179,22 @@ class EngineClient:
             deadline = time.monotonic() + timeout_s
             while proc.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            for stop in ("terminate", "kill"):
-                if proc.is_alive():
-                    getattr(proc, stop)()
-                    proc.join(3.0)
+        self.finish_stop(self.fatal or "the server is shutting down")
+
+    def finish_stop(self, reason: str) -> None:
+        """After the shutdown message had its time: terminate, then kill, a core still running;
+        close the sockets; end every open stream with `reason`."""
+        proc = self._proc
+        for stop in ("terminate", "kill"):
+            if proc is not None and proc.is_alive():
+                getattr(proc, stop)()
+                proc.join(3.0)
         for sock in (self._push, self._pull):
             if sock is not None:
                 sock.close(0)
         if self._ctx is not None:
             self._ctx.term()
-        self._end_all(self.fatal or "the server is shutting down")
+        self._end_all(reason)
 
     @property
     def pid(self) -> Optional[int]:
