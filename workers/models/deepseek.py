@@ -107,13 +107,8 @@ class DeepseekMoE(MoEBlock):
 class DeepseekDecoderLayer(MoEDecoderLayer):
     """MLA, then a dense MLP or DeepSeekMoE."""
 
-    @staticmethod
-    def make_attention(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> nn.Module:
-        return make_mla(arch, layer_idx, tp, max_position)
-
-    @staticmethod
-    def make_experts(arch: ModelArch, tp: TPInfo, dp: DPInfo) -> nn.Module:
-        return DeepseekMoE(arch, tp, dp)
+    make_attention = staticmethod(make_mla)
+    make_experts = staticmethod(DeepseekMoE)
 
 
 class DeepseekForCausalLM(MoEForCausalLM):

@@ -38,9 +38,7 @@ def make_dsa_mla(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int)
 
 
 class DeepseekV32DecoderLayer(DeepseekDecoderLayer):
-    @staticmethod
-    def make_attention(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> nn.Module:
-        return make_dsa_mla(arch, layer_idx, tp, max_position)
+    make_attention = staticmethod(make_dsa_mla)
 
 
 class DeepseekV32ForCausalLM(DeepseekForCausalLM):

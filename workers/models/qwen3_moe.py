@@ -107,6 +107,10 @@ class MoEDecoderLayer(nn.Module):
     that reads the normed input, or None) and `forward(positions, projected)`; an experts block
     has `forward` and `forward_ubatch` on the normed rows."""
 
+    # make_attention(arch, layer_idx, tp, max_position) and make_experts(arch, tp, dp)
+    make_attention = staticmethod(LlamaAttention)
+    make_experts = staticmethod(SparseMoeBlock)
+
     def __init__(
         self, arch: ModelArch, layer_idx: int, tp: TPInfo, dp: DPInfo, max_position: int
     ) -> None:
@@ -116,14 +120,6 @@ class MoEDecoderLayer(nn.Module):
         self.mlp = self.make_experts(arch, tp, dp) if self.is_sparse else LlamaMLP(arch, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-
-    @staticmethod
-    def make_attention(arch: ModelArch, layer_idx: int, tp: TPInfo, max_position: int) -> nn.Module:
-        return LlamaAttention(arch, layer_idx, tp, max_position)
-
-    @staticmethod
-    def make_experts(arch: ModelArch, tp: TPInfo, dp: DPInfo) -> nn.Module:
-        return SparseMoeBlock(arch, tp, dp)
 
     def forward(
         self, positions: torch.Tensor, residual: torch.Tensor, update: Optional[torch.Tensor]
