@@ -186,6 +186,7 @@ ENGINE_CASES = [
     pytest.param(1, None, id="k1-level0"),
     pytest.param(2, None, id="k2-level0"),
     pytest.param(2, False, id="k2-level3", marks=pytest.mark.slow),
+    pytest.param(2, True, id="k2-level3-inductor", marks=pytest.mark.slow),
 ]
 
 

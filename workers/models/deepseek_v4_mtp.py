@@ -21,8 +21,9 @@ Checkpoint names, as DeepSeek publishes them: `mtp.<i>.e_proj.weight`, `mtp.<i>.
 `_base` / `_scale`, and the block's own under the layer's names (`mtp.<i>.attn.wq_a.weight`,
 `mtp.<i>.hc_attn_fn`, `mtp.<i>.ffn.experts.<e>.w1.weight`, ...). Ours: `mtp.layers.<i>.<rest>`.
 
-The target hands its streams over without a copy: `bind` points the target's `mtp_streams` at the
-drafter's pass-0 buffer, which the target's forward (eager or recorded) fills every step.
+The target hands its streams over itself: `bind` points the target's `mtp_streams` at the
+drafter's pass-0 buffer, into which the target's forward (eager, compiled or recorded) copies them
+every step (`target_writes_hidden`: the drafter copies nothing).
 """
 
 from __future__ import annotations

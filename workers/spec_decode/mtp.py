@@ -11,7 +11,8 @@ For a sampled request whose step ran rows `t` (its last token, at position p) th
 of which the target accepted `m` (emitting the accepted drafts and one token `c` after them):
 
 - pass 0 runs every row of the step, with the target's positions and metadata: row r takes the
-  target's final hidden state at r and the id of row r + 1 (the input ids shifted by one); the
+  target's final hidden state at r (DeepSeek-V4's: its last streams [hc_mult, hidden], which the
+  target writes into the drafter's buffer itself) and the id of row r + 1 (the input ids shifted by one); the
   request's row `t + m` takes `c` instead, and the last row of a prompt chunk that samples nothing
   the prompt's next token (`StepInputs.next_token_ids`). This writes the MTP layer's KV for every
   row (rows past `t + m` are rewritten by a later step, as the target's are); its output at row
