@@ -365,6 +365,10 @@ class ResponsesBodies:
         self._seq += 1
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
+    def _part_event(self, kind: str, **fields: Any) -> str:
+        """An event about the message's one text part."""
+        return self._event(kind, item_id=self.msg_id, output_index=0, content_index=0, **fields)
+
     async def events(self, outputs: AsyncIterator[tuple[Choice, CoreOutput]]) -> AsyncIterator[str]:
         yield self._event("response.created", response=self._envelope("in_progress", []))
         yield self._event("response.in_progress", response=self._envelope("in_progress", []))
@@ -376,42 +380,16 @@ class ResponsesBodies:
                 item={**self._message_item("", "in_progress"), "content": []},
             )
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            yield self._event(
-                "response.content_part.added",
-                item_id=self.msg_id,
-                output_index=0,
-                content_index=0,
-                part=part,
-            )
+            yield self._part_event("response.content_part.added", part=part)
         async for _, out in outputs:
             if streamed and out.text:
-                yield self._event(
-                    "response.output_text.delta",
-                    item_id=self.msg_id,
-                    output_index=0,
-                    content_index=0,
-                    delta=out.text,
-                    logprobs=[],
-                )
+                yield self._part_event("response.output_text.delta", delta=out.text, logprobs=[])
         c = self.job.choices[0]
         items = self._output_items(c)
         if streamed:
             text = items[0]["content"][0]["text"]
-            yield self._event(
-                "response.output_text.done",
-                item_id=self.msg_id,
-                output_index=0,
-                content_index=0,
-                text=text,
-                logprobs=[],
-            )
-            yield self._event(
-                "response.content_part.done",
-                item_id=self.msg_id,
-                output_index=0,
-                content_index=0,
-                part=items[0]["content"][0],
-            )
+            yield self._part_event("response.output_text.done", text=text, logprobs=[])
+            yield self._part_event("response.content_part.done", part=items[0]["content"][0])
             yield self._event("response.output_item.done", output_index=0, item=items[0])
         else:
             for i, item in enumerate(items):
