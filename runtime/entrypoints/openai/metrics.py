@@ -40,82 +40,59 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
         self.model = model_name
-        self.num_running = Gauge(
-            "atomrt:num_requests_running", "Requests the engine runs", labels, registry=r
-        )
-        self.num_waiting = Gauge(
-            "atomrt:num_requests_waiting", "Requests waiting to run", labels, registry=r
-        )
-        self.kv_usage = Gauge(
-            "atomrt:kv_cache_usage_perc", "KV cache blocks in use (0-1)", labels, registry=r
-        )
-        self.prompt_tokens = Counter(
-            "atomrt:prompt_tokens", "Prompt tokens received", labels, registry=r
-        )
-        self.generation_tokens = Counter(
-            "atomrt:generation_tokens", "Tokens generated", labels, registry=r
-        )
-        self.success = Counter(
-            "atomrt:request_success", "Requests finished", labels + ["finished_reason"], registry=r
-        )
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str, *more_labels: str) -> Counter:
+            return Counter(name, doc, labels + list(more_labels), registry=r)
 
         def latency(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r)
 
+        self.num_running = gauge("atomrt:num_requests_running", "Requests the engine runs")
+        self.num_waiting = gauge("atomrt:num_requests_waiting", "Requests waiting to run")
+        self.kv_usage = gauge("atomrt:kv_cache_usage_perc", "KV cache blocks in use (0-1)")
+        self.prompt_tokens = counter("atomrt:prompt_tokens", "Prompt tokens received")
+        self.generation_tokens = counter("atomrt:generation_tokens", "Tokens generated")
+        self.success = counter("atomrt:request_success", "Requests finished", "finished_reason")
         self.ttft = latency("atomrt:time_to_first_token_seconds", "Arrival to first token")
         self.itl = latency("atomrt:inter_token_latency_seconds", "Time between output tokens")
         self.e2e = latency("atomrt:e2e_request_latency_seconds", "Arrival to last token")
         self.queue_time = latency("atomrt:request_queue_time_seconds", "Arrival to first scheduled")
-        self.preemptions = Counter(
-            "atomrt:preemptions", "Sequences preempted (to recompute)", labels, registry=r
-        )
-        self.steps = Counter("atomrt:steps", "Engine steps by kind", labels + ["kind"], registry=r)
-        self.padded = Counter(
-            "atomrt:padded_tokens", "Rows run beyond the real ones", labels, registry=r
-        )
-        self.compile_seconds = Gauge(
-            "atomrt:compile_seconds", "Start-up compile time", labels, registry=r
-        )
-        self.capture_seconds = Gauge(
-            "atomrt:capture_seconds", "CUDA-graph capture time", labels, registry=r
-        )
+        self.preemptions = counter("atomrt:preemptions", "Sequences preempted (to recompute)")
+        self.steps = counter("atomrt:steps", "Engine steps by kind", "kind")
+        self.padded = counter("atomrt:padded_tokens", "Rows run beyond the real ones")
+        self.compile_seconds = gauge("atomrt:compile_seconds", "Start-up compile time")
+        self.capture_seconds = gauge("atomrt:capture_seconds", "CUDA-graph capture time")
         # speculative decoding, as vLLM names it
-        self.spec_drafts = Counter(
-            "atomrt:spec_decode_num_drafts",
-            "Verify steps of a sequence with drafts",
-            labels,
-            registry=r,
+        self.spec_drafts = counter(
+            "atomrt:spec_decode_num_drafts", "Verify steps of a sequence with drafts"
         )
-        self.spec_draft_tokens = Counter(
-            "atomrt:spec_decode_num_draft_tokens", "Draft tokens verified", labels, registry=r
+        self.spec_draft_tokens = counter(
+            "atomrt:spec_decode_num_draft_tokens", "Draft tokens verified"
         )
-        self.spec_accepted = Counter(
-            "atomrt:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels, registry=r
+        self.spec_accepted = counter(
+            "atomrt:spec_decode_num_accepted_tokens", "Draft tokens accepted"
         )
-        self.spec_accepted_per_pos = Counter(
+        self.spec_accepted_per_pos = counter(
             "atomrt:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0: the first)",
-            labels + ["position"],
-            registry=r,
+            "position",
         )
-        cached = labels + ["cached"]
-        self.grammar_requests = Counter(
+        self.grammar_requests = counter(
             "atomrt:grammar_requests",
             "Structured-output requests, by whether their grammar was compiled already",
-            cached,
-            registry=r,
+            "cached",
         )
-        self.grammar_wait = Counter(
+        self.grammar_wait = counter(
             "atomrt:grammar_wait_seconds",
             "Seconds structured-output requests waited for their grammar",
-            cached,
-            registry=r,
+            "cached",
         )
-        self.mask_rows = Counter(
-            "atomrt:grammar_mask_rows", "Grammar mask rows filled", labels, registry=r
-        )
-        self.mask_seconds = Counter(
-            "atomrt:grammar_mask_fill_seconds", "Seconds spent filling masks", labels, registry=r
+        self.mask_rows = counter("atomrt:grammar_mask_rows", "Grammar mask rows filled")
+        self.mask_seconds = counter(
+            "atomrt:grammar_mask_fill_seconds", "Seconds spent filling masks"
         )
         # the children the per-token path observes, bound once
         self._generated = self.generation_tokens.labels(model_name)
