@@ -89,15 +89,20 @@ _OLMOE_1B_7B_LIKE: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
-# Small enough for CPU tests and `atomrt bench dp` on CPU: the Qwen3-MoE layout, 8 experts, top-2.
-_TINY_QWEN3_MOE: dict[str, Any] = {
-    "architectures": ["Qwen3MoeForCausalLM"],
+# The tiny presets' scale: small enough for CPU tests and `atomrt bench dp` on CPU.
+_TINY_SCALE: dict[str, Any] = {
     "vocab_size": 512,
     "hidden_size": 128,
     "intermediate_size": 256,
     "moe_intermediate_size": 64,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
+}
+
+# Small enough for CPU tests and `atomrt bench dp` on CPU: the Qwen3-MoE layout, 8 experts, top-2.
+_TINY_QWEN3_MOE: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    **_TINY_SCALE,
     "num_key_value_heads": 2,
     "head_dim": 32,
     "num_experts": 8,
@@ -240,12 +245,7 @@ _GLM_4_7_FLASH: dict[str, Any] = {
 # speculation is MTP).
 _TINY_DEEPSEEK_V3: dict[str, Any] = {
     **_DEEPSEEK_V3,
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "moe_intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
+    **_TINY_SCALE,
     "num_key_value_heads": 4,
     "q_lora_rank": 96,
     "kv_lora_rank": 64,
