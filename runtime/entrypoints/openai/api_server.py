@@ -21,6 +21,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 import uvicorn
@@ -53,6 +54,7 @@ from atomrt.runtime.entrypoints.openai.server_state import (
     error_response,
     read_json,
 )
+from atomrt.runtime.entrypoints.openai.serving import Serving
 
 logger = logging.getLogger(__name__)
 
@@ -89,19 +91,23 @@ def build_app(state: ServerState) -> Any:
             RequestError("internal server error", status=500, kind="internal_error")
         )
 
+    async def answer(
+        request: Request, body_type: type, job_of: Callable, responses_type: type
+    ) -> Response:
+        """Admit a request, read its body as `body_type`, make its job (`job_of(serving, req)`)
+        and answer it through `responses_type`."""
+        state.admit()
+        req = parse(body_type, await read_json(state, request))
+        job = job_of(state.serving, req)
+        return await generate(state, request, responses_type(state.serving, req, job))
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        state.admit()
-        req = parse(CompletionRequest, await read_json(state, request))
-        job = state.serving.completion_job(req)
-        return await generate(state, request, CompletionResponses(state.serving, req, job))
+        return await answer(request, CompletionRequest, Serving.completion_job, CompletionResponses)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        state.admit()
-        req = parse(ChatCompletionRequest, await read_json(state, request))
-        job = state.serving.chat_job(req)
-        return await generate(state, request, ChatResponses(state.serving, req, job))
+        return await answer(request, ChatCompletionRequest, Serving.chat_job, ChatResponses)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
