@@ -29,6 +29,7 @@ BLOCK_M = 16
 BLOCK_N = 64
 BLOCK_K = 64  # input features per step: 32 bytes per column, two 32-feature scale groups
 SCALE_GROUP = 32
+KERNEL_SCALE_GROUP = tl.constexpr(SCALE_GROUP)  # a compiled kernel reads only constexpr globals
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def fused_moe_mxfp4_kernel(
         a_even = tl.load(a_base + even[None, :], mask=a_mask, other=0.0)
         a_odd = tl.load(a_base + even[None, :] + 1, mask=a_mask, other=0.0)
         b_ptrs = b_base + (even // 2)[:, None]
-        s_ptrs = s_base + (even // SCALE_GROUP)[:, None]
+        s_ptrs = s_base + (even // KERNEL_SCALE_GROUP)[:, None]
         b_mask = k_mask[:, None] & n_mask[None, :]
         w_even, w_odd = _mxfp4_tile(b_ptrs, s_ptrs, b_mask, dtype)
         acc = tl.dot(a_even, w_even, acc, input_precision=DOT_PRECISION)
