@@ -73,8 +73,8 @@ def _observe(llm: LLM) -> dict[str, int]:
         sched.schedule = counted
     decide = engine.forward_mode.decide
 
-    def observed(batches):
-        d = decide(batches)
+    def observed(batches, **kwargs):
+        d = decide(batches, **kwargs)
         if d.ubatch_rows is not None:
             seen["split_prefill" if d.is_prefill else "split_decode"] += 1
         return d
