@@ -324,8 +324,9 @@ def test_step_bytes_read_an_untied_embedding_by_its_rows() -> None:
     context's KV; an untied input embedding counts only by the rows looked up."""
     import torch.nn as nn
 
-    from atomrt.runtime.bench.step_bytes import StepBytes, inproc_step_bytes
+    from atomrt.runtime.bench.step_bytes import StepBytes
     from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+    from atomrt.workers.step_bytes import runner_step_bytes
 
     class Model(nn.Module):
         def __init__(self, tied: bool) -> None:
@@ -350,13 +351,7 @@ def test_step_bytes_read_an_untied_embedding_by_its_rows() -> None:
             return []
 
     def step_bytes(tied: bool) -> StepBytes:
-        worker = type("Worker", (), {"runner": Runner(Model(tied))})()
-        llm = type(
-            "LLM",
-            (),
-            {"engine": type("E", (), {"executor": type("X", (), {"worker": worker})()})()},
-        )()
-        return inproc_step_bytes(llm)
+        return runner_step_bytes(Runner(Model(tied)))
 
     untied, tied = step_bytes(False), step_bytes(True)
     f32 = 4

@@ -30,6 +30,7 @@ from atomrt.workers.runner.model_runner import ModelRunner, StepForward, resolve
 from atomrt.workers.runner.readback import Readback
 from atomrt.workers.runner.sampler import SamplingTensors
 from atomrt.workers.runner.ubatch_auto import measure_tbo
+from atomrt.workers.step_bytes import StepBytes, runner_step_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class WorkerInfo:
     compile_reports: tuple[CompileReport, ...] = ()
     # This worker's start-up, phase by phase in order: (name, seconds); see Worker.phase
     startup_phases: tuple[tuple[str, float], ...] = ()
+    # What a decode step of this rank's model reads (workers/step_bytes.py): a bench's floor
+    step_bytes: Optional[StepBytes] = None
 
 
 class Worker:
@@ -165,6 +168,7 @@ class Worker:
             token_req_keys=captured.token_req_keys,
             compile_reports=(compile_report(self.runner, self._compile_counts, sizes, skipped),),
             startup_phases=tuple(self._phases),
+            step_bytes=runner_step_bytes(self.runner),
         )
 
     def launch(self, plan: StepPlan) -> PendingStep:

@@ -39,8 +39,8 @@ from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, s
 from atomrt.runtime.bench.step_bytes import (
     StepBytes,
     count_touched_experts,
-    inproc_step_bytes,
     measure_copy_bandwidth,
+    worker_step_bytes,
 )
 from atomrt.runtime.bench.targets import notes_of
 from atomrt.runtime.config import CUDAGraphMode, ParallelConfig
@@ -51,7 +51,7 @@ DEFAULT_MODELS = (
 )
 
 
-_STEP_BYTES: dict[str, StepBytes] = {}  # by model, from its in-process run (others reuse it)
+_STEP_BYTES: dict[str, StepBytes] = {}  # by model, as its workers counted them at start-up
 # per MoE layer, the experts a step touched, by (model, batch size), from the in-process run
 _TOUCHED: dict[tuple[str, int], tuple[float, ...]] = {}
 EXPERT_COUNT_STEPS = 16  # eager decode steps that count the experts a batch touches
@@ -294,7 +294,7 @@ def bench_one(
     llm = LLM(model, **settings)
     try:
         startup_s = time.perf_counter() - t0
-        step_bytes = inproc_step_bytes(llm)
+        step_bytes = worker_step_bytes(llm)
         if step_bytes is not None:
             report.weight_bytes[model] = step_bytes.weights
             report.step_bytes[model] = asdict(step_bytes)
