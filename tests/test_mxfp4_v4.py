@@ -452,3 +452,56 @@ def test_an_fp8_weight_for_a_16_bit_projection_is_widened(
     model = load_model(Config(model=str(folder)), "cpu", torch.float32).model
     held = model.model.layers[1].attn.compressor.wkv.weight
     assert held.dtype == torch.float32 and torch.equal(held, expected["w"])
+
+
+def _expected_step_bytes(model: torch.nn.Module) -> tuple[tuple, int]:
+    """Per V4 MoE layer (experts count, bytes of one) summed from its expert tensors as held, and
+    the bytes of every other weight a step reads (the untied embedding table left out)."""
+    from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+    routed, expert_bytes = [], 0
+    for m in model.modules():
+        if not isinstance(m, V4MoE):
+            continue
+        names = ("w13_packed", "w13_scale", "w2_packed", "w2_scale") if m.mxfp4 else ("w13", "w2")
+        tensors = [getattr(m, n) for n in names]
+        whole = sum(t.numel() * t.element_size() for t in tensors)
+        routed.append((m.num_experts, whole // m.num_experts))
+        if not m.mxfp4:  # float experts are parameters, packed ones buffers
+            expert_bytes += whole
+    heads = {m.weight.data_ptr() for m in model.modules() if isinstance(m, ParallelLMHead)}
+    table = sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in model.modules()
+        if type(m) is VocabParallelEmbedding and m.weight.data_ptr() not in heads
+    )
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return tuple(routed), params - expert_bytes - table
+
+
+@pytest.mark.parametrize("held", ["mxfp4", "float"])
+def test_step_bytes_count_v4_routed_experts_per_expert(
+    folders: tuple[Path, Path], held: str
+) -> None:
+    """The floor's bytes count V4's routed experts as routed experts, MXFP4 (packed weights and
+    e8m0 exponents) and float alike: per MoE layer the bytes of one expert, the rest as weights;
+    they reach the driver in the workers' start-up answer, and the experts_touched probe counts
+    V4's layers."""
+    from atomrt.runtime import SamplingParams
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    quantized, dequantized = folders
+    folder = quantized if held == "mxfp4" else dequantized
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(str(folder), device="cpu", block_size=4, enforce_eager=True) as llm:
+        step = llm.engine.info.step_bytes
+        model = llm.engine.executor.worker.runner.model
+        routed, weights = _expected_step_bytes(model)
+        with llm.engine.executor.probe("experts_touched") as counts:
+            llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert len(routed) == 4 and step.routed == routed and step.weights == weights  # every layer
+    assert all(e == 8 for e, _ in routed)
+    if held == "mxfp4":  # [2I, H / 2] e2m1 pairs, [H, I / 2], and an exponent per 32 of each
+        assert routed[0][1] == 64 * 32 + 64 * 16 + 64 * 2 + 64 * 1
+    touched = counts.mean_touched()
+    assert len(touched) == 4 and all(1 <= n <= 8 for n in touched)

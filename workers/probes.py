@@ -19,13 +19,14 @@ from torch import nn
 
 from atomrt.workers.layers import expert_tally
 from atomrt.workers.layers.moe import FusedMoE
+from atomrt.workers.layers.v4_moe import V4MoE
 
 PROBES = ("experts_touched",)
 
 
-def routed_layers(model: nn.Module) -> list[FusedMoE]:
-    """The model's MoE layers in order (DeepSeekMoE's are FusedMoE too)."""
-    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+def routed_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's MoE layers in order: FusedMoE (DeepSeekMoE's too) and DeepSeek-V4's V4MoE."""
+    return [m for m in model.modules() if isinstance(m, (FusedMoE, V4MoE))]
 
 
 def check_probe(name: str) -> None:

@@ -2,12 +2,13 @@
 
 A decode step of a mixture-of-experts model reads the weights of the experts its rows were routed
 to, not all of them: at batch size 1 a layer of 64 experts with top-6 routing reads 6. What `atomrt
-bench latency` divides by the copy bandwidth for its floor (runtime/bench/step_bytes.py) counts
+bench latency` divides by the copy bandwidth for its floor (workers/step_bytes.py) counts
 them from a tally of real steps, asked for with the executor's `experts_touched` probe
 (workers/probes.py).
 
-The expert ops (`routed_experts`, workers/layers/moe.py, and its FP8 twin) report each call's
-routing with `record`, to the tally a worker opened with `counting` around a probed step. They do
+The expert ops (`routed_experts`, workers/layers/moe.py, its FP8 twin, DeepSeek-V4's MXFP4 op
+and its float experts' eager loop, workers/layers/v4_moe.py) report each call's routing with
+`record`, to the tally a worker opened with `counting` around a probed step. They do
 so in Python, which a CUDA-graph replay does not run: probed steps run eagerly, and a step without
 a tally pays one global read per MoE layer. A layer is known by its expert weights, so a drafter's
 or another model's MoE layers are not counted.
@@ -30,11 +31,24 @@ class RoutedLayer(NamedTuple):
     expert_bytes: int  # its w13 rows and w2 columns on this rank
 
 
+# The names a MoE layer holds its routed experts under, [E, ...] each, the tensor its expert op
+# reports (`record`) first: FusedMoE's weights (and FP8 scales), DeepSeek-V4's packed MXFP4 experts
+# with their e8m0 exponents, V4's float experts (workers/layers/v4_moe.py).
+_EXPERT_TENSORS = (
+    ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
+    ("w13_packed", "w2_packed", "w13_scale", "w2_scale"),
+    ("w13", "w2"),
+)
+
+
 def expert_parameters(layer: Any) -> list[torch.Tensor]:
-    """A MoE layer's routed experts' tensors, [E, ...] each: the weights, and FP8 experts'
-    scales."""
-    names = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale")
-    return [t for t in (getattr(layer, n, None) for n in names) if t is not None]
+    """A MoE layer's routed experts' tensors as stored, [E, ...] each: the weights and their
+    scales (FP8 or MXFP4), parameters or buffers."""
+    for names in _EXPERT_TENSORS:
+        tensors = [getattr(layer, n, None) for n in names]
+        if isinstance(tensors[0], torch.Tensor) and not tensors[0].is_meta:
+            return [t for t in tensors if isinstance(t, torch.Tensor)]
+    raise TypeError(f"{type(layer).__name__}: no routed expert tensors")
 
 
 def routed_layer_bytes(layer: Any) -> RoutedLayer:
@@ -45,11 +59,11 @@ def routed_layer_bytes(layer: Any) -> RoutedLayer:
 
 
 class ExpertTally:
-    """Per MoE layer of `layers` (a model's FusedMoE layers, in order), the number of distinct
-    experts the rows of each counted call selected."""
+    """Per MoE layer of `layers` (a model's routed layers in order, workers/probes.py), the
+    number of distinct experts the rows of each counted call selected."""
 
     def __init__(self, layers: Sequence[Any]) -> None:
-        self._layer_of = {m.w13_weight.data_ptr(): i for i, m in enumerate(layers)}
+        self._layer_of = {expert_parameters(m)[0].data_ptr(): i for i, m in enumerate(layers)}
         self.layers = tuple(routed_layer_bytes(m) for m in layers)
         self.distinct: list[list[int]] = [[] for _ in layers]  # per layer, per call
 

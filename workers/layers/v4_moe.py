@@ -39,6 +39,7 @@ from atomrt.distributed.communication_op import (
     dp_reduce_scatter,
     tp_all_reduce,
 )
+from atomrt.workers.layers import expert_tally
 from atomrt.workers.layers.quantization.mxfp4 import MXFP4_BLOCK, MXFP4Weight, dequantize_mxfp4
 from atomrt.workers.layers.weight_utils import Sliceable, divide, read_narrow
 
@@ -80,6 +81,7 @@ def _mxfp4_experts_impl(
 ) -> torch.Tensor:
     """MXFP4 routed experts over a routing: the w4a16 kernel on CUDA; elsewhere each picked
     expert's weights dequantized to x's dtype, then its rows' GEMMs."""
+    expert_tally.record(w13, topk_ids)  # a probe's count of the experts touched (eager steps)
     if x.is_cuda:
         from atomrt.workers.kernels.moe.fused_moe_mxfp4 import fused_experts_mxfp4
 
@@ -318,6 +320,7 @@ class V4MoE(nn.Module):
             )
             act = self._swiglu(torch.einsum("nd,eid->nei", x, self.w13))
             return (torch.einsum("nei,edi->ned", act, self.w2) * combine.unsqueeze(-1)).sum(1)
+        expert_tally.record(self.w13, ids)  # a probe's count of the experts touched
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             rows, slot = torch.where(ids == e)
