@@ -505,3 +505,18 @@ def test_step_bytes_count_v4_routed_experts_per_expert(
         assert routed[0][1] == 64 * 32 + 64 * 16 + 64 * 2 + 64 * 1
     touched = counts.mean_touched()
     assert len(touched) == 4 and all(1 <= n <= 8 for n in touched)
+
+
+def test_step_bytes_reach_the_driver_through_mp(folders: tuple[Path, Path]) -> None:
+    """The workers' start-up answer carries the floor's bytes across a process: the mp executor's
+    StepBytes are the in-process one's."""
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    quantized, _ = folders
+    got = {}
+    for executor in ("inproc", "mp"):
+        settings = {"executor": executor, "worker_timeout_s": 90.0}
+        with LLM(str(quantized), device="cpu", block_size=4, enforce_eager=True, **settings) as llm:
+            got[executor] = llm.engine.info.step_bytes
+    assert got["inproc"] is not None and got["inproc"].routed
+    assert got["mp"] == got["inproc"]
