@@ -2,7 +2,8 @@
 
 One LLM per (model, mode, executor); per batch size: prefill bs random prompts, then time warm-up and
 measured engine steps that each decode bs rows. The floor is the bytes a decode step reads over the
-copy bandwidth measured in the same run (read + write bytes counted; runtime/bench/step_bytes.py):
+copy bandwidth measured in the same run (read + write bytes counted; runtime/bench/step_bytes.py),
+the bytes as the workers count them at start-up through any executor (workers/step_bytes.py):
 every weight the step reads whole (an untied input embedding only by its bs rows), of a MoE
 model's routed experts those the batch touches, plus the KV cache of bs contexts at the median
 measured step (an MLA layer's latent row per token), each at the bytes it is stored in (FP8
