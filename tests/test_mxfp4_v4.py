@@ -520,3 +520,31 @@ def test_step_bytes_reach_the_driver_through_mp(folders: tuple[Path, Path]) -> N
             got[executor] = llm.engine.info.step_bytes
     assert got["inproc"] is not None and got["inproc"].routed
     assert got["mp"] == got["inproc"]
+
+
+def test_traced_float_experts_report_every_expert_to_a_tally() -> None:
+    """Traced, V4's float experts run every expert on every row: the op that says so to a probe's
+    tally counts all of them and hands the routing weights on unchanged."""
+    from atomrt.workers.layers import expert_tally
+
+    moe = V4MoE(64, 64, 8, 2, 1, "sqrtsoftplus", 1.0, 0.5, False, 16)
+    combine = torch.rand(3, 8)
+    tally = expert_tally.ExpertTally([moe])
+    with expert_tally.counting(tally):
+        out = torch.ops.atomrt.v4_every_expert(moe.w13, combine)
+    assert torch.equal(out, combine) and tally.distinct == [[8]]
+
+
+@pytest.mark.slow
+def test_the_probe_counts_traced_float_v4_experts_whole(folders: tuple[Path, Path]) -> None:
+    """At level 3 a probed step of float V4 runs its traced experts, every expert on every row:
+    the probe counts all of them per layer."""
+    from atomrt.runtime import SamplingParams
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    _, dequantized = folders
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(str(dequantized), device="cpu", block_size=4, compilation_config=3) as llm:
+        with llm.engine.executor.probe("experts_touched") as counts:
+            llm.generate([[3, 4, 5, 6]], greedy, use_tqdm=False)
+    assert counts.mean_touched() == (8.0,) * 4
