@@ -23,7 +23,7 @@ from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.runtime.config import DEFAULT_MODEL
 from atomrt.workers.layers.quantization.fp8 import Fp8Config, resolve_fp8_config
 from atomrt.workers.layers.quantization.fp8_layers import finish_quantized_weights, quantize_model
-from atomrt.workers.layers.quantization.mxfp4 import v4_checkpoint_weights
+from atomrt.workers.layers.quantization.v4_checkpoint import v4_checkpoint_weights
 from atomrt.workers.loading.gguf import arch_from_gguf, gguf_weights, open_gguf
 from atomrt.workers.loading.kv_scales import CheckpointKVScales
 from atomrt.workers.loading.presets import find_preset, preset_config
