@@ -106,10 +106,10 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, (exponent + 127).to(torch.uint8)
 
 
-def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
-    """An e4m3 weight [N, K] with a scale per 128x128 block ([ceil(N/128), ceil(K/128)], e8m0 or
-    float32) as float32 [N, K]."""
-    n, k = weight.shape
+def block_scale_rows(scale: torch.Tensor, weight_shape: tuple[int, int], name: str) -> torch.Tensor:
+    """A checkpoint's block scale [ceil(N/128), ceil(K/128)] (e8m0 or float32) as float32
+    [N, ceil(K/128)]: each block's scale repeated over its rows."""
+    n, k = weight_shape
     grid = (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK))
     if tuple(scale.shape) != grid:
         raise ValueError(
@@ -120,8 +120,14 @@ def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, name: str) -
         factors = scale.to(torch.float32)
     else:
         factors = e8m0_to_float(scale, name)
-    factors = factors.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
-    return weight.to(torch.float32) * factors
+    return factors.repeat_interleave(FP8_BLOCK, dim=0)[:n].contiguous()
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+    """An e4m3 weight [N, K] with a scale per 128x128 block ([ceil(N/128), ceil(K/128)], e8m0 or
+    float32) as float32 [N, K]."""
+    rows = block_scale_rows(scale, tuple(weight.shape), name)
+    return weight.to(torch.float32) * rows.repeat_interleave(FP8_BLOCK, 1)[:, : weight.shape[1]]
 
 
 def expert_dtype_of(hf_config: dict[str, Any]) -> Optional[str]:

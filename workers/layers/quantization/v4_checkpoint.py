@@ -28,13 +28,14 @@ import torch
 
 from atomrt.workers.layers.quantization.mxfp4 import (
     MXFP4Weight,
+    block_scale_rows,
     check_quantization_fields,
     dequantize_fp8_block,
     dtype_of,
     expert_dtype_of,
     is_quantized,
 )
-from atomrt.workers.layers.quantization.v4_fp8 import block_scale_rows, keep_fp8_linears
+from atomrt.workers.layers.quantization.v4_fp8 import keep_fp8_linears
 from atomrt.workers.layers.weight_utils import read_all, shape_of
 
 # a weight's scale: DeepSeek's name, and transformers' (as its FP8 quantizer renames it)

@@ -27,9 +27,8 @@ from torch import nn
 
 from atomrt.workers.layers.quantization.fp8 import FP8_DTYPE, Fp8Config
 from atomrt.workers.layers.quantization.fp8_ops import fp8_linear_op
-from atomrt.workers.layers.quantization.mxfp4 import e8m0_to_float
+from atomrt.workers.layers.quantization.mxfp4 import FP8_BLOCK
 
-V4_FP8_BLOCK = 128
 # the projections a V4 checkpoint ships in FP8, by our module names
 _V4_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)$|\.shared_experts\.w[123]$")
 
@@ -44,13 +43,13 @@ class BlockFp8Linear(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(n, k, dtype=FP8_DTYPE, device=device), requires_grad=False
         )
-        groups = math.ceil(k / V4_FP8_BLOCK)
+        groups = math.ceil(k / FP8_BLOCK)
         self.weight_scale = nn.Parameter(
             torch.empty(n, groups, dtype=torch.float32, device=device), requires_grad=False
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear_op(x, self.weight, self.weight_scale, None, V4_FP8_BLOCK)
+        return fp8_linear_op(x, self.weight, self.weight_scale, None, FP8_BLOCK)
 
     def forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, G, K] -> [n, G, N / G]: group g through rows [g N / G, (g + 1) N / G) (the
@@ -63,7 +62,7 @@ class BlockFp8Linear(nn.Module):
                 self.weight[g * rows : (g + 1) * rows],
                 self.weight_scale[g * rows : (g + 1) * rows],
                 None,
-                V4_FP8_BLOCK,
+                FP8_BLOCK,
             )
             for g in range(groups)
         ]
@@ -79,8 +78,8 @@ def keep_fp8_linears(model: nn.Module, fp8: Fp8Config, where: str) -> set[str]:
     if fp8.weight_block_size is None:
         raise ValueError(
             f"{where}: quantization_config without weight_block_size: DeepSeek-V4's FP8 "
-            f"projections ship a scale per {V4_FP8_BLOCK}x{V4_FP8_BLOCK} block "
-            f"(weight_block_size: [{V4_FP8_BLOCK}, {V4_FP8_BLOCK}])"
+            f"projections ship a scale per {FP8_BLOCK}x{FP8_BLOCK} block "
+            f"(weight_block_size: [{FP8_BLOCK}, {FP8_BLOCK}])"
         )
     tp = getattr(model, "tp", None)
     tp_size = tp.tp_size if tp is not None else 1
@@ -90,10 +89,10 @@ def keep_fp8_linears(model: nn.Module, fp8: Fp8Config, where: str) -> set[str]:
             continue
         n, k = module.weight.shape
         dim = getattr(module.weight, "tp_shard_dim", None)
-        if dim == 1 and tp_size > 1 and k % V4_FP8_BLOCK:
+        if dim == 1 and tp_size > 1 and k % FP8_BLOCK:
             raise ValueError(
                 f"{where}: {name}'s input features per tensor-parallel shard ({k}) must be a "
-                f"multiple of the FP8 block {V4_FP8_BLOCK} "
+                f"multiple of the FP8 block {FP8_BLOCK} "
                 f"(tensor_parallel_size={tp_size})"
             )
         layer = BlockFp8Linear(n, k, module.weight.device)
@@ -103,20 +102,3 @@ def keep_fp8_linears(model: nn.Module, fp8: Fp8Config, where: str) -> set[str]:
         setattr(model.get_submodule(parent), leaf, layer)
         kept.add(name)
     return kept
-
-
-def block_scale_rows(scale: torch.Tensor, weight_shape: tuple[int, int], name: str) -> torch.Tensor:
-    """A checkpoint's block scale [ceil(N/128), ceil(K/128)] (e8m0 or float32) as the layer's
-    float32 [N, ceil(K/128)]: each block's scale repeated over its rows."""
-    n, k = weight_shape
-    grid = (math.ceil(n / V4_FP8_BLOCK), math.ceil(k / V4_FP8_BLOCK))
-    if tuple(scale.shape) != grid:
-        raise ValueError(
-            f"{name}: an FP8 weight of {n} x {k} takes a scale per {V4_FP8_BLOCK}x{V4_FP8_BLOCK} "
-            f"block, {grid}, not {tuple(scale.shape)}"
-        )
-    if scale.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        factors = scale.to(torch.float32)
-    else:
-        factors = e8m0_to_float(scale, name)
-    return factors.repeat_interleave(V4_FP8_BLOCK, dim=0)[:n].contiguous()
