@@ -5,31 +5,19 @@ then finds no GPU memory for its own KV blocks)."""
 from __future__ import annotations
 
 import gc
-import importlib
 import inspect
-import pkgutil
 import weakref
 
 import torch
+from package_walk import modules_mentioning
 from test_mla_kernels import make_mla_batch, run_mla
-
-PACKAGES = ("workers", "runtime", "compile", "graphs", "distributed")
 
 
 def _memoized_functions():
-    for package in PACKAGES:
-        root = importlib.import_module(f"atomrt.{package}")
-        for info in pkgutil.walk_packages(root.__path__, f"atomrt.{package}."):
-            spec = info.module_finder.find_spec(info.name, None)
-            if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-                continue
-            with open(spec.origin, encoding="utf-8") as f:
-                if "cache" not in f.read():
-                    continue
-            module = importlib.import_module(info.name)
-            for name, value in vars(module).items():
-                if hasattr(value, "cache_info") and hasattr(value, "__wrapped__"):
-                    yield f"{info.name}.{name}", value.__wrapped__
+    for module in modules_mentioning("cache"):
+        for name, value in vars(module).items():
+            if hasattr(value, "cache_info") and hasattr(value, "__wrapped__"):
+                yield f"{module.__name__}.{name}", value.__wrapped__
 
 
 def test_no_memo_takes_a_tensor() -> None:

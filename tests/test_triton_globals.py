@@ -6,34 +6,23 @@ CPU tests run the kernels through accepts it. This check walks each kernel's sou
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
-import pkgutil
 import textwrap
 
 import torch
 import triton
+from package_walk import modules_mentioning
 
 import atomrt
 
-PACKAGES = ("workers", "runtime", "compile", "graphs", "distributed")
 REFUSED = (bool, int, float, str, torch.Tensor)
 
 
 def _kernels():
-    for package in PACKAGES:
-        root = importlib.import_module(f"atomrt.{package}")
-        for info in pkgutil.walk_packages(root.__path__, f"atomrt.{package}."):
-            spec = info.module_finder.find_spec(info.name, None)
-            if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-                continue
-            with open(spec.origin, encoding="utf-8") as f:
-                if "triton.jit" not in f.read():
-                    continue
-            module = importlib.import_module(info.name)
-            for name, value in vars(module).items():
-                if _is_kernel(value) and value.fn.__module__ == info.name:
-                    yield f"{info.name}.{name}", value
+    for module in modules_mentioning("triton.jit"):
+        for name, value in vars(module).items():
+            if _is_kernel(value) and value.fn.__module__ == module.__name__:
+                yield f"{module.__name__}.{name}", value
 
 
 def _is_kernel(value: object) -> bool:
