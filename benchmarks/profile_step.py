@@ -1,8 +1,9 @@
 """Where a decode step's time goes, on the GPU: host phases, GPU kernels, and a cProfile.
 
     python benchmarks/profile_step.py [--model SmolLM2-135M] [--mode FULL] [--level 0] [--bs 1]
-        [--steps 200] [--async-scheduling] [--out FILE]
-Prints (dummy weights of --model):
+        [--steps 200] [--async-scheduling] [--input-len 128] [--kv-cache-dtype auto]
+        [--quantization fp8] [--out FILE]
+Prints (dummy weights of --model, --bs prompts of --input-len tokens each):
 - ms/step unprofiled;
 - host time per phase (perf_counter, no extra synchronisation): driver (schedule, decide, plan,
   postprocess), the worker's launch outside the runner, the runner's staging (buffers.prepare),
@@ -155,21 +156,28 @@ def main() -> None:
     ap.add_argument("--model", default="SmolLM2-135M")
     ap.add_argument("--out", default="")
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
+    ap.add_argument("--quantization", default=None, help="e.g. fp8 (online, dummy weights)")
     a = ap.parse_args()
+    new_tokens = 5 * a.steps + 60
+    max_model_len = max(2048, a.input_len + new_tokens + 64)
     cc = CompilationConfig(level=a.level, cudagraph_mode=a.mode, cuda_graph_sizes=[max(a.bs, 8)])
     llm = LLM(
         a.model,
         load_format="dummy",
         compilation_config=cc,
         max_num_seqs=max(a.bs, 8),
-        max_model_len=2048,
+        max_model_len=max_model_len,
         async_scheduling=a.async_scheduling,
+        kv_cache_dtype=a.kv_cache_dtype,
+        quantization=a.quantization,
     )
     eng = llm.engine
     for i in range(a.bs):
         eng.add_request(
-            [1 + i] * 128,
-            SamplingParams(temperature=0, max_tokens=5 * a.steps + 60, ignore_eos=True),
+            [1 + i] * a.input_len,
+            SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
         )
     for _ in range(5):
         eng.step()
@@ -191,7 +199,8 @@ def main() -> None:
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)  # where the host time is
     text = [
-        f"{a.model} {a.mode}{' async' if a.async_scheduling else ''} level {a.level} bs {a.bs}: "
+        f"{a.model} {a.mode}{' async' if a.async_scheduling else ''} level {a.level} bs {a.bs} "
+        f"prompt {a.input_len} kv {a.kv_cache_dtype} quant {a.quantization}: "
         f"{ms:.3f} ms/step (unprofiled)",
         f"forward GPU time (events around run_model): {fwd_ms:.3f} ms/step",
         "host ms per step:",
