@@ -160,7 +160,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     ap.add_argument("--quantization", default=None, help="e.g. fp8 (online, dummy weights)")
     a = ap.parse_args()
-    new_tokens = 5 * a.steps + 60
+    # Early requests of a chunked prefill decode while later ones prefill: a token per chunk.
+    new_tokens = 5 * a.steps + 60 + a.bs * a.input_len // 256
     max_model_len = max(2048, a.input_len + new_tokens + 64)
     cc = CompilationConfig(level=a.level, cudagraph_mode=a.mode, cuda_graph_sizes=[max(a.bs, 8)])
     llm = LLM(
@@ -174,11 +175,11 @@ def main() -> None:
         quantization=a.quantization,
     )
     eng = llm.engine
-    for i in range(a.bs):
-        eng.add_request(
-            [1 + i] * a.input_len,
-            SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
-        )
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    ids = {eng.add_request([1 + i] * a.input_len, params, stream=True) for i in range(a.bs)}
+    started: set = set()
+    while len(started) < a.bs:  # prefill, possibly chunked over several steps: not timed
+        started.update(o.request_id for o in eng.step() if o.request_id in ids)
     for _ in range(5):
         eng.step()
     t = time.perf_counter()
