@@ -1,6 +1,6 @@
 """The `experts_touched` probe: the routed experts each MoE layer's rows select, counted on the
 probed steps through the executor (in-process and `mp` alike), each layer known by its expert
-weights."""
+weights; a layer that reported no call of a step read every expert."""
 
 import numpy as np
 import pytest
@@ -78,6 +78,9 @@ def test_a_tally_counts_a_layer_by_its_expert_weights_while_open() -> None:
             routed_experts(x, weights, ids, moe.w13_weight.clone(), moe.w2_weight)  # not its
         assert tally.distinct == [[], [3], []] and tally.num_steps == 0
         assert tally.counts().shape == (0, 3)
+        # a step's counts: the layers that reported no call read every expert
+        e = moe.w13_weight.shape[0]
+        assert tally.step_counts().tolist() == [[e, 3, e]]
     finally:
         llm.shutdown()
     with pytest.raises(ValueError, match="no step was counted"):

@@ -522,17 +522,37 @@ def test_step_bytes_reach_the_driver_through_mp(folders: tuple[Path, Path]) -> N
     assert got["mp"] == got["inproc"]
 
 
-def test_traced_float_experts_report_every_expert_to_a_tally() -> None:
-    """Traced, V4's float experts run every expert on every row: the op that says so to a probe's
-    tally counts all of them and hands the routing weights on unchanged."""
+def test_a_traced_float_layer_reports_nothing_and_counts_every_expert() -> None:
+    """Traced, V4's float experts run every expert on every row and put no op of the probe's in
+    the graph: the layer reports no call, and a step's counts read it as every expert touched,
+    beside an eager layer's own count."""
     from atomrt.workers.layers import expert_tally
 
-    moe = V4MoE(64, 64, 8, 2, 1, "sqrtsoftplus", 1.0, 0.5, False, 16)
-    combine = torch.rand(3, 8)
-    tally = expert_tally.ExpertTally([moe])
-    with expert_tally.counting(tally):
-        out = torch.ops.atomrt.v4_every_expert(moe.w13, combine)
-    assert torch.equal(out, combine) and tally.distinct == [[8]]
+    torch.manual_seed(0)
+    eager, traced = (V4MoE(64, 64, 8, 2, 1, "sqrtsoftplus", 1.0, 0.5, False, 16) for _ in "ab")
+    for moe in (eager, traced):
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+    x, ids = torch.randn(3, 64), torch.tensor([3, 4, 5])
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(traced, backend=backend, fullgraph=True)
+    tally = expert_tally.ExpertTally([eager, traced])
+    with torch.no_grad(), expert_tally.counting(tally):
+        picked = int(torch.unique(eager.gate(x, ids)[0]).numel())
+        eager(x, ids)
+        out = compiled(x, ids)
+    assert torch.allclose(out, traced(x, ids), atol=1e-5)  # every expert, weighted: the routing's
+    targets = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert not any("atomrt" in t for t in targets)
+    assert tally.distinct == [[picked], []]
+    assert tally.step_counts().tolist() == [[picked, 8]]
+    silent = expert_tally.ExpertTally([eager, traced])  # no layer reported: one call, read whole
+    assert silent.step_counts().tolist() == [[8, 8]] and silent.counts().shape == (0, 2)
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ probe reads the step in Python), and each DP rank's sampling worker sends what i
 its `StepResult.probe`. The same path serves the in-process, `mp` and `ray` executors.
 
 - `experts_touched`: per MoE layer, the distinct routed experts each call of the step selected,
-  int32 [calls, layers] (workers/layers/expert_tally.py). A rank with no rows counts nothing.
+  int32 [calls, layers] (workers/layers/expert_tally.py); a layer that reported no call was
+  traced whole and read every expert. A rank with no rows counts nothing.
 """
 
 from __future__ import annotations
@@ -48,4 +49,4 @@ def probing(name: str, model: nn.Module) -> Iterator[ProbedStep]:
     tally = expert_tally.ExpertTally(routed_layers(model))
     with expert_tally.counting(tally):
         yield step
-    step.counts = tally.counts()
+    step.counts = tally.step_counts()

@@ -12,6 +12,11 @@ and its float experts' eager loop, workers/layers/v4_moe.py) report each call's 
 so in Python, which a CUDA-graph replay does not run: probed steps run eagerly, and a step without
 a tally pays one global read per MoE layer. A layer is known by its expert weights, so a drafter's
 or another model's MoE layers are not counted.
+
+A layer whose experts run inside a traced graph without an opaque op (DeepSeek-V4's float
+experts at compilation levels 2-3) reports nothing: traced, such a layer runs every expert on
+every row. So a step's counts (`step_counts`) take a layer that reported no call as one that read
+every expert.
 """
 
 from __future__ import annotations
@@ -84,6 +89,17 @@ class ExpertTally:
         calls every layer made)."""
         n = self.num_steps
         return np.asarray([d[:n] for d in self.distinct], np.int32).reshape(len(self.layers), n).T
+
+    def step_counts(self) -> np.ndarray:
+        """int32 [calls, layers]: `counts` of one step that ran every layer, a layer that reported
+        no call counted as reading every expert on each (its experts were traced whole). The calls
+        are those of the layers that reported (one when none did)."""
+        reported = [len(d) for d in self.distinct if d]
+        n = min(reported, default=1)
+        columns = [
+            d[:n] if d else [layer.num_experts] * n for d, layer in zip(self.distinct, self.layers)
+        ]
+        return np.asarray(columns, np.int32).reshape(len(self.layers), n).T
 
     def mean_touched(self) -> tuple[float, ...]:
         """Per layer, the mean number of distinct experts a counted call touched."""

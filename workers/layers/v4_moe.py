@@ -20,7 +20,9 @@ comes last.
 
 Eagerly each expert runs on its own rows; traced (levels 2-3) or captured into a CUDA graph every
 expert runs on every row, weighted by its routing weight (zero where not picked): no
-data-dependent shape in the graph, no host read of the picked experts in a capture.
+data-dependent shape in the graph, no host read of the picked experts in a capture. The eager loop
+reports its routing to a probe's tally; the traced float experts report nothing, which a probe
+reads as every expert touched (workers/layers/expert_tally.py).
 """
 
 from __future__ import annotations
@@ -102,20 +104,6 @@ def _mxfp4_experts_fake(x: torch.Tensor, *routing_and_experts: object) -> torch.
 
 # Opaque to Dynamo: the CPU loop has data-dependent shapes; the kernel plans from shapes alone.
 direct_register_custom_op("v4_mxfp4_experts", _mxfp4_experts_impl, fake_impl=_mxfp4_experts_fake)
-
-
-def _every_expert_impl(w13: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
-    """Traced float experts run every expert on every row: a probe's tally counts them all."""
-    expert_tally.record(w13, torch.arange(w13.shape[0]))
-    return combine.clone()
-
-
-def _every_expert_fake(w13: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(combine)
-
-
-# Opaque to Dynamo, so that a traced step reports to the tally as an eager one does.
-direct_register_custom_op("v4_every_expert", _every_expert_impl, fake_impl=_every_expert_fake)
 
 
 class V4Gate(nn.Module):
@@ -332,8 +320,6 @@ class V4MoE(nn.Module):
             combine = x.new_zeros(x.shape[0], self.num_experts).scatter_add(
                 1, ids, weights.to(x.dtype)
             )
-            if torch.compiler.is_compiling():  # what a probe counts: every expert, read whole
-                combine = torch.ops.atomrt.v4_every_expert(self.w13, combine)
             act = self._swiglu(torch.einsum("nd,eid->nei", x, self.w13))
             return (torch.einsum("nei,edi->ned", act, self.w2) * combine.unsqueeze(-1)).sum(1)
         expert_tally.record(self.w13, ids)  # a probe's count of the experts touched
