@@ -53,6 +53,9 @@ class DecodeLaunch:
     min_tiles_per_split: int
     num_warps: int
     num_stages: int
+    # Over an e4m3 cache with a 16-bit q: widen keys and values to float16 and take float16
+    # products (False: q's dtype, as over any other cache).
+    fp8_f16_products: bool = True
 
 
 SPLIT_CHUNK = 4  # splits the merging program reads per step
@@ -201,6 +204,9 @@ def _decode_launch(
         k_cache.shape[1],
         has_rope,
         q.dtype == torch.float32,
+        plan.fp8_f16_products
+        and k_cache.dtype == torch.float8_e4m3fn
+        and q.dtype in (torch.bfloat16, torch.float16),
         use_pdl(q.device),
     )
     return (num_seqs, num_kv_heads, plan.num_splits), tensors, scalars, constexprs
@@ -258,6 +264,7 @@ def _decode_constexprs(
     block_size: int,
     has_rope: bool,
     ieee_dot: bool,
+    f16_products: bool,
     pdl: bool,
 ) -> tuple[tuple[str, object], ...]:
     """decode_attention_kernel's constexprs and launch options, in its signature's order."""
@@ -273,6 +280,7 @@ def _decode_constexprs(
         ("MIN_TILES_PER_SPLIT", plan.min_tiles_per_split),
         ("SPLIT_CHUNK", SPLIT_CHUNK),
         ("IEEE_DOT", ieee_dot),
+        ("F16_PRODUCTS", f16_products),
         ("USE_PDL", pdl),
         ("num_warps", plan.num_warps),
         ("num_stages", plan.num_stages),

@@ -9,6 +9,8 @@ import triton.language as tl
 
 from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG, load_kv_scales, to_cache
 
+F16_SAFE = tl.constexpr(32768.0)  # half of float16's largest finite value, 65504
+
 
 @triton.jit
 def _decode_row(row, num_rows, kvh, ptrs, strides, lanes, HAS_ROPE: tl.constexpr):
@@ -99,6 +101,7 @@ def decode_attention_kernel(
     MIN_TILES_PER_SPLIT: tl.constexpr,  # a working split takes at least this many tiles
     SPLIT_CHUNK: tl.constexpr,  # splits merged per step of the merge loop
     IEEE_DOT: tl.constexpr,
+    F16_PRODUCTS: tl.constexpr,  # an e4m3 cache under a 16-bit q: the products in float16
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (device_info.use_pdl)
 ):
     """A decode step of one sequence (at most one query row) over one KV head, for one KV split: the
@@ -184,6 +187,22 @@ def decode_attention_kernel(
     v_new = to_cache(v_new, cache_ty, v_scale)
     # keys and values stay as the cache holds them: k_scale scales the scores, v_scale the output
     scale_log2 = scale_log2 * k_scale
+    if F16_PRODUCTS:
+        # e4m3 widens to float16 in one convert on sm90 (to bfloat16 it takes several). Every e4m3
+        # value is exact in float16, and so is every bfloat16 q value of 2^-14 or more: q is first
+        # scaled by the power of two that brings its largest value under F16_SAFE (2^0 for the q
+        # of any trained model), the scores take the power back, so they are bfloat16's scores.
+        # p in [0, 1] keeps 3 more bits in float16 than in bfloat16.
+        prod_ty = tl.float16
+        q32 = q.to(tl.float32)
+        q_amax = tl.max(tl.max(tl.abs(q32), 1), 0)
+        power = tl.maximum(tl.ceil(tl.log2(q_amax / F16_SAFE)), 0.0)  # a whole number
+        q_dot = (q32 * tl.exp2(-power)).to(prod_ty)
+        dot_scale = scale_log2 * tl.exp2(power)
+    else:
+        prod_ty = dtype
+        q_dot = q
+        dot_scale = scale_log2
     if (split == 0) & (slot >= 0):
         slot_block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
@@ -214,20 +233,22 @@ def decode_attention_kernel(
         k_off = block * stride_kcb + in_block * stride_kcs + kvh * stride_kch
         v_off = block * stride_vcb + in_block * stride_vcs + kvh * stride_vch
         k = tl.load(k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(
-            dtype
+            prod_ty
         )  # [TILE_N, HEAD_DIM_P], widened from an e4m3 cache
-        v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(dtype)
+        v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(
+            prod_ty
+        )
         t += num_active
         next_keys = t * TILE_N + tile_keys
         block = tl.load(table_row + next_keys // BLOCK_SIZE, mask=next_keys < num_old, other=0).to(
             tl.int64
         )
         if IEEE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = tl.dot(q_dot, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q_dot, tl.trans(k))
         s = tl.where(
-            key_valid[None, :], s * scale_log2, float("-inf")
+            key_valid[None, :], s * dot_scale, float("-inf")
         )  # [BLOCK_M, TILE_N], log2 units
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)

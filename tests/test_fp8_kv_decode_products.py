@@ -1,0 +1,93 @@
+"""The one-launch decode kernel over an e4m3 cache with a bfloat16 q: its products are float16 by
+default (e4m3 keys and values widened to float16, q scaled by a power of two into float16's range),
+against a float64 reference over the dequantized cache, also at q values past float16's largest (a
+q copied into float16 as it is would give inf, and NaN scores).
+
+On CPU the kernel runs through Triton's interpreter at tiny shapes. The interpreter's bfloat16
+tl.dot is wrong (its products come out ~1e10), so the bfloat16 products the plan can still ask for
+(fp8_f16_products=False) are checked against the float16 ones on the GPU only
+(tests/gpu/test_fp8_kv_decode_gpu.py, which runs this module's checks at Llama-3.1-8B's shape).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_decode_attention import expected, forced_plan, make_decode_case
+from test_kernels import SENTINEL
+
+from atomrt.workers.kernels.attention.decode_attention import decode_attention
+
+FP8 = torch.float8_e4m3fn
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+K_SCALE, V_SCALE = 0.0123, 0.0371
+LENS = [1, 2, 17, 40]  # a first token (no cached key), a block boundary, several tiles
+
+
+def _e4m3(shape: tuple[int, ...], seed: int, device: str) -> torch.Tensor:
+    """Random float32 values that e4m3 holds exactly (~N(0, 4))."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return (2 * torch.randn(shape, generator=gen, device=device)).to(FP8).float()
+
+
+def run_fp8_decode(
+    q_scale: float,
+    f16_products: bool,
+    num_splits: int,
+    *,
+    lens: list[int] = LENS,
+    num_kv_heads: int = 2,
+    group: int = 4,
+    head_dim: int = 32,
+    tile_n: int = 16,
+    device: str = DEVICE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel output, float64 reference) of the real rows of a decode step over a scaled e4m3
+    cache with a bfloat16 q of about `q_scale` in magnitude."""
+    case = make_decode_case(
+        lens, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, pad_seqs=1, pad_rows=2,
+        rope=False, seed=11, device=device,
+    )  # fmt: skip
+    b = case.batch
+    q = (b.q * q_scale).to(torch.bfloat16)
+    b = dataclasses.replace(
+        b, q=q, k_cache=(2 * b.k_cache).to(FP8), v_cache=(2 * b.v_cache).to(FP8)
+    )
+    k_new = (_e4m3(tuple(case.k.shape), 12, device) * K_SCALE).to(torch.bfloat16)
+    v_new = (_e4m3(tuple(case.v.shape), 13, device) * V_SCALE).to(torch.bfloat16)
+    case = dataclasses.replace(case, batch=b, k=k_new, v=v_new)
+    out = torch.full_like(q, SENTINEL)
+    plan = dataclasses.replace(
+        forced_plan(group, head_dim, num_splits, tile_n=tile_n), fp8_f16_products=f16_products
+    )
+    decode_attention(
+        q, case.k, case.v, out, None, None, None, b.k_cache, b.v_cache, case.slot_mapping,
+        b.cu_seqlens_q, b.context_lens, b.block_tables, head_dim**-0.5, plan, num_seqs=b.num_seqs,
+        kv_scales=torch.tensor([K_SCALE, V_SCALE], dtype=torch.float32, device=device),
+    )  # fmt: skip
+    ref_batch = dataclasses.replace(
+        b, k_cache=b.k_cache.double() * K_SCALE, v_cache=b.v_cache.double() * V_SCALE
+    )
+    ref, _, _ = expected(dataclasses.replace(case, batch=ref_batch))
+    n = b.num_real_rows
+    assert torch.all(out[n:] == SENTINEL), "padded output rows were written"
+    return out[:n].double(), ref
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_f16_products_match_a_float64_reference(num_splits: int) -> None:
+    """float16 products give float64 attention over the cache times its scales, to the bfloat16
+    output's rounding, split or not."""
+    out, ref = run_fp8_decode(1.0, True, num_splits)
+    torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.parametrize("q_scale", [3.0e3, 2.0e6], ids=["in-f16-range", "past-f16-max"])
+def test_q_past_float16_range_keeps_exact_scores(q_scale: float) -> None:
+    """q values past float16's largest (65504) are scaled down by a power of two before the
+    float16 copy: finite scores and the reference's attention (almost one-hot at these sizes)."""
+    out, ref = run_fp8_decode(q_scale, True, 1)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3)
