@@ -1,12 +1,18 @@
 """Decode attention timings (needs a CUDA GPU):
 
     python benchmarks/bench_decode_attention.py [--sweep] [--json PATH]
+        [--shape NAME ...] [--ctx 170,1024,4096] [--kv-cache-dtype auto|fp8]
 
-For the three benchmark model shapes, GPU µs per layer of a decode step's attention work, replayed
-from a CUDA graph that holds 16 layers' calls back to back (as a step does):
+For the benchmark model shapes (SHAPES; --shape picks some), GPU µs per layer of a decode step's
+attention work, replayed from a CUDA graph that holds 16 layers' calls back to back (as a step
+does):
   two_launch  rope_write_kv, then unified_attention (+ its split reduce), for comparison
   fused       attention_step: one decode_attention launch (rotary, KV write, attention, split merge)
-`--sweep` adds the fused kernel under other tile sizes / warps / stages, to tune plan_decode.
+  fused_bf16_products  (--kv-cache-dtype fp8) the same launch with the plan's
+              fp8_f16_products=False: e4m3 widened to bfloat16 instead of float16
+`--sweep` adds the fused kernel under other tile sizes / warps / stages / splits, to tune
+plan_decode. With --kv-cache-dtype fp8 the caches are e4m3 with per-tensor k/v scales, the FP8 KV
+cache's decode (e.g. --shape "Llama-3.1-8B bs32" --ctx 8192 --kv-cache-dtype fp8 --sweep).
 """
 
 from __future__ import annotations
@@ -33,18 +39,24 @@ SHAPES = {  # name: (batch size, KV heads, group, head_dim)
     "SmolLM2-135M bs1": (1, 3, 3, 64),
     "Llama-3.2-1B bs32": (32, 8, 4, 64),
     "Llama-3.1-8B bs1": (1, 8, 4, 128),
+    "Llama-3.1-8B bs32": (32, 8, 4, 128),
 }
+DEFAULT_SHAPES = ("SmolLM2-135M bs1", "Llama-3.2-1B bs32", "Llama-3.1-8B bs1")
 LAYERS, BLOCK_SIZE, CAPACITY = 16, 16, 8192
 
 
-def setup(bs: int, num_kv_heads: int, group: int, head_dim: int, ctx: int) -> dict:
+def setup(
+    bs: int, num_kv_heads: int, group: int, head_dim: int, ctx: int, fp8: bool = False
+) -> dict:
     dev, dtype = "cuda", torch.bfloat16
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
     max_blocks = CAPACITY // BLOCK_SIZE
     num_blocks = bs * max_blocks
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     caches = [
         (
-            torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev, dtype=dtype),
-            torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, device=dev, dtype=dtype),
+            torch.randn(shape, device=dev, dtype=dtype).to(cache_dtype),
+            torch.randn(shape, device=dev, dtype=dtype).to(cache_dtype),
         )
         for _ in range(LAYERS)
     ]
@@ -70,6 +82,7 @@ def setup(bs: int, num_kv_heads: int, group: int, head_dim: int, ctx: int) -> di
         bs=bs,
         cu=torch.arange(bs + 1, device=dev, dtype=torch.int32),
         context_lens=torch.full((bs,), ctx, device=dev, dtype=torch.int32),
+        kv_scales=torch.tensor([0.02, 0.03], device=dev) if fp8 else None,
     )
 
 
@@ -77,8 +90,9 @@ def two_launch(s: dict, layer: int) -> None:
     kc, vc = s["caches"][layer]
     r = s["rotary"]
     q = rope_write_kv(
-        s["q"], s["k"], s["v"], s["positions"], r.cos_cache, r.sin_cache, kc, vc, s["slots"]
-    )
+        s["q"], s["k"], s["v"], s["positions"], r.cos_cache, r.sin_cache, kc, vc, s["slots"],
+        s["kv_scales"],
+    )  # fmt: skip
     unified_attention(
         q,
         kc,
@@ -92,6 +106,7 @@ def two_launch(s: dict, layer: int) -> None:
         max_seqlen_q=1,
         max_seqlen_k=CAPACITY,
         graph_safe=True,
+        kv_scales=s["kv_scales"],
     )
 
 
@@ -118,6 +133,7 @@ def fused(s: dict, layer: int, plan=None) -> None:
             max_seqlen_q=1,
             max_seqlen_k=CAPACITY,
             graph_safe=True,
+            kv_scales=s["kv_scales"],
         )
     else:
         decode_attention(
@@ -137,6 +153,7 @@ def fused(s: dict, layer: int, plan=None) -> None:
             0.125,
             plan,
             num_seqs=s["bs"],
+            kv_scales=s["kv_scales"],
         )
 
 
@@ -158,25 +175,45 @@ def main() -> None:
     )
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default="")
+    ap.add_argument(
+        "--shape",
+        action="append",
+        choices=sorted(SHAPES),
+        help="repeatable; default: the first three",
+    )
+    ap.add_argument(
+        "--ctx", default="", help="comma-separated context lengths (default 170,1024,4096)"
+    )
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     args = ap.parse_args()
+    fp8 = args.kv_cache_dtype == "fp8"
+    contexts = [int(c) for c in args.ctx.split(",")] if args.ctx else [170, 1024, 4096]
+    if max(contexts) > CAPACITY:
+        ap.error(f"--ctx: at most {CAPACITY} keys (the bench's KV capacity)")
     prepare_decode_counters(torch.device("cuda"))
     rows = []
-    for name, (bs, hk, group, hd) in SHAPES.items():
-        for ctx in (170, 1024, 4096):
-            s = setup(bs, hk, group, hd, ctx)
+    for name in args.shape or DEFAULT_SHAPES:
+        bs, hk, group, hd = SHAPES[name]
+        for ctx in contexts:
+            s = setup(bs, hk, group, hd, ctx, fp8)
             base = plan_decode(bs, CAPACITY, hk, group, hd, sm_count(s["q"].device))
             row = dict(
                 shape=name,
                 ctx=ctx,
+                kv_cache_dtype=args.kv_cache_dtype,
                 two_launch=time_us(lambda i: two_launch(s, i)),
                 fused=time_us(lambda i: fused(s, i)),
                 plan=dataclasses.asdict(base),
             )
-            if args.sweep and ctx <= 1024:
+            if fp8:
+                bf16_plan = dataclasses.replace(base, fp8_f16_products=False)
+                row["fused_bf16_products"] = time_us(lambda i: fused(s, i, bf16_plan))
+            # the default contexts sweep the short ones; named contexts all sweep
+            if args.sweep and (args.ctx or ctx <= 1024):
                 variants = {}
-                for tile_n in (64, 128):
+                for tile_n in (64, 128, 256) if fp8 else (64, 128):
                     for warps in (4, 8):
-                        for stages in (1, 2):
+                        for stages in (1, 2, 3) if fp8 else (1, 2):
                             plan = dataclasses.replace(
                                 base,
                                 tile_n=tile_n,
