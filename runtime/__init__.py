@@ -7,11 +7,7 @@ names vLLM users know); all but `SamplingParams` are imported lazily so that
 
 from typing import Any
 
-from atomrt.runtime.bytecode_cache import enable_bytecode_cache
-
-enable_bytecode_cache()  # before torch's first import (runtime/bytecode_cache.py)
-
-from atomrt.runtime.sampling_params import SamplingParams  # noqa: E402
+from atomrt.runtime.sampling_params import SamplingParams
 
 __all__ = ["LLM", "AsyncEngineArgs", "AsyncLLM", "EngineArgs", "SamplingParams"]
 

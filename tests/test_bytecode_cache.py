@@ -66,3 +66,21 @@ def test_nothing_changes_where_python_caches_it_already(site: Path, tmp_path: Pa
     own = tmp_path / "own"
     assert _run(tmp_path, PYTHONPYCACHEPREFIX=str(own))["prefix"] is None
     assert _run(tmp_path, PYTHONDONTWRITEBYTECODE="1")["prefix"] is None
+
+
+WIRING = """
+import json, sys, types
+calls = []
+fake = types.ModuleType("atomrt.runtime.bytecode_cache")
+fake.enable_bytecode_cache = lambda: calls.append("torch" in sys.modules)
+sys.modules[fake.__name__] = fake
+import atomrt.workers.kernels.device_info
+print(json.dumps({"calls": calls, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_the_first_import_of_any_atomrt_module_enables_it_before_torch() -> None:
+    """`import atomrt.<anything>` runs the top-level package first, which calls the function once,
+    before the module's own import of torch (here a worker module's)."""
+    out = subprocess.run([sys.executable, "-c", WIRING], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"calls": [False], "torch": True}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tier from a checkout, on a GPU machine where atomrt need not be installed: the top-level
-# folders are linked into a temporary `atomrt` namespace on PYTHONPATH, then pytest runs the tests
-# marked gpu (default) or multigpu in tests/gpu.
+# folders and atomrt/__init__.py are linked into a temporary `atomrt` package on PYTHONPATH, then
+# pytest runs the tests marked gpu (default) or multigpu in tests/gpu.
 # Usage (repo root): tests/gpu/run_gpu_tier.sh [pytest args...]   (MARK=multigpu for the 2-GPU tests)
 # The whole tier takes longer than one 10-minute device command: SHARD=i/n runs every n-th test
 # file from the i-th (1-based, files sorted by name), so that n commands cover it; each test is
@@ -17,6 +17,7 @@ mkdir -p "$LOG_DIR"
 pp=$(mktemp -d)
 mkdir -p "$pp/atomrt"
 for d in runtime workers compile graphs distributed; do ln -s "$PWD/$d" "$pp/atomrt/$d"; done
+ln -s "$PWD/atomrt/__init__.py" "$pp/atomrt/__init__.py"  # the user's names (`from atomrt import LLM`)
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$pp/site" .whl/*.whl
   pp="$pp:$pp/site"
