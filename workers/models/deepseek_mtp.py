@@ -166,9 +166,10 @@ def is_mtp_weight(name: str, arch: ModelArch) -> bool:
 
 
 def builds_mtp(config: Any) -> bool:
-    """Whether the target builds its MTP layers: speculation drafts with them (method "mtp")."""
+    """Whether the target builds its MTP layers: speculation's method drafts with them (its
+    `SpecMethod.drafts_with_mtp_layers`)."""
     spec = getattr(config, "speculative_config", None)
-    return spec is not None and spec.method == "mtp"
+    return spec is not None and spec.method_type.drafts_with_mtp_layers
 
 
 class MTPWeights:
