@@ -22,7 +22,7 @@ def main() -> None:
 
     from triton import knobs
 
-    from atomrt.runtime import SamplingParams
+    from atomrt import SamplingParams
     from atomrt.runtime.config import CompilationConfig, CUDAGraphMode
     from atomrt.runtime.entrypoints.llm import LLM
 

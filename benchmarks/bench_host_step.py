@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.bench.records import add_record_flag, figure, resolve_record_flag, save
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.workers.runner.model_runner import ModelOutput

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.bench import goals
 from atomrt.runtime.bench.records import (
     Figure,

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
 
 VOCAB = 128

@@ -174,7 +174,7 @@ def engine_greedy(folder, prompts: list[list[int]], max_tokens: int, **settings)
     """Greedy tokens through the engine (`LLM(folder, **settings)`), after a first run of
     prompts[0] alone that fills the prefix cache; returns them with what happened (preemptions,
     prefix-hit tokens, two-batch-overlap split steps)."""
-    from atomrt.runtime import SamplingParams
+    from atomrt import SamplingParams
     from atomrt.runtime.entrypoints.llm import LLM
 
     llm = LLM(str(folder), **settings)

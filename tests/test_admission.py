@@ -118,7 +118,7 @@ def engines():
 
 def _staggered(llm) -> dict[str, list[int]]:
     """A long request, then three prompts added one per engine step while it decodes."""
-    from atomrt.runtime import SamplingParams
+    from atomrt import SamplingParams
 
     engine = llm.engine
     greedy = SamplingParams(temperature=0.0, max_tokens=8)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from executor_harness import COMMON, WORDS, build_tiny_llama, save_word_tokenizer
 
-from atomrt.runtime import AsyncEngineArgs, AsyncLLM, SamplingParams
+from atomrt import AsyncEngineArgs, AsyncLLM, SamplingParams
 from atomrt.runtime.driver.prompt_logprobs import Logprob
 from atomrt.runtime.sampling_params import RequestOutputKind
 

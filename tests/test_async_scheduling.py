@@ -24,7 +24,7 @@ from test_block_manager import check_invariants
 from test_engine import stream_beside_a_quiet_request
 from test_scheduler import fake_model, make
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import DEFAULT_MODEL
 from atomrt.runtime.driver.scheduler import RequestRejectedError, Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence

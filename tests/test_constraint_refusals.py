@@ -14,7 +14,7 @@ import pytest
 from grammar_harness import EOS, bpe_tokenizer, build_tiny_bpe
 from test_server import CPU_FLAGS, Server
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
 
 COMMON = dict(device="cpu", enforce_eager=True, num_kv_blocks=128, max_num_seqs=8)

@@ -13,7 +13,7 @@ import pytest
 from deepseek_harness import build_deepseek_folder
 from executor_harness import wait_gone
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.entrypoints.llm import LLM
 

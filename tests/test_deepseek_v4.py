@@ -21,9 +21,9 @@ import torch
 from model_harness import engine_greedy, hf_greedy, load_hf, max_logit_diff, run_prefill_and_decode
 from v4_harness import NAMES, build_v4_folder
 
+from atomrt import SamplingParams
 from atomrt.compile import compilation_counter
 from atomrt.distributed.communication_op import DPInfo, TPInfo
-from atomrt.runtime import SamplingParams
 from atomrt.runtime.config import CompilationConfig, Config, ModelConfig
 from atomrt.workers.layers.attention import collect_attention_layers
 from atomrt.workers.loading.loader import build_model, load_model, read_arch

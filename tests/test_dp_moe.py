@@ -14,7 +14,7 @@ import pytest
 from executor_harness import wait_gone
 from moe_harness import build_moe_folder
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
 
 # Ragged prompts, more than one rank's share, so ranks prefill and decode different shapes and a

@@ -17,7 +17,7 @@ import pytest
 from executor_harness import wait_gone
 from moe_harness import build_moe_folder
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
 
 VOCAB = 128

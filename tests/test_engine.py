@@ -10,7 +10,7 @@
 import pytest
 import torch
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import DEFAULT_MODEL
 from atomrt.runtime.entrypoints.llm import LLM
 

@@ -188,7 +188,7 @@ def test_quantization_knob_is_checked(llama_256: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_fp8_checkpoint_at_level_3_gives_the_eager_tokens(llama_256: Path, tmp_path: Path) -> None:
     """The FP8 GEMM is one opaque op in the compiled graph (level 3, Inductor on CPU)."""
-    from atomrt.runtime import SamplingParams
+    from atomrt import SamplingParams
     from atomrt.runtime.entrypoints.llm import LLM
 
     quantize_folder(llama_256, tmp_path / "fp8", "block", tmp_path / "deq")

@@ -12,7 +12,7 @@ import torch
 from executor_harness import build_tiny_llama
 from model_harness import PagedHarness
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import Config, ConfigError
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.workers.loading.loader import load_model

@@ -16,7 +16,7 @@ from executor_harness import build_tiny_llama
 from safetensors.torch import save_file
 from test_fp8_kv_cache import _run, _worst
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import Config
 from atomrt.runtime.entrypoints.llm import LLM, load_tokenizer_for
 from atomrt.workers.layers.attention import collect_attention_layers

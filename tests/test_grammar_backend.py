@@ -16,7 +16,7 @@ import pytest
 import torch
 from grammar_harness import build_tiny_bpe
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import GRAMMAR_BACKENDS, ConfigError, StructuredOutputsConfig
 from atomrt.runtime.driver.grammar_backend import GrammarBackend, GrammarMatcher
 from atomrt.runtime.driver.grammar_compiler import BACKENDS
@@ -83,7 +83,7 @@ def test_an_engine_imports_xgrammar_for_its_first_constrained_request_only() -> 
     model starts and serves plain requests without it; a constrained request loads it."""
     code = (
         "import sys\n"
-        "from atomrt.runtime import SamplingParams\n"
+        "from atomrt import SamplingParams\n"
         "from atomrt.runtime.config import DEFAULT_MODEL\n"
         "from atomrt.runtime.entrypoints.llm import LLM\n"
         "llm = LLM(DEFAULT_MODEL, device='cpu', enforce_eager=True, max_num_seqs=4,\n"

@@ -12,8 +12,8 @@ import pytest
 import torch
 from executor_harness import COMMON, WORDS, build_tiny_llama, save_word_tokenizer
 
+from atomrt import SamplingParams
 from atomrt.distributed.messages import WorkerSamplingParams
-from atomrt.runtime import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.workers.runner.sampler import Sampler, SamplingTensors
 

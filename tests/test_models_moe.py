@@ -14,7 +14,7 @@ import torch
 from model_harness import load_hf, max_logit_diff, run_prefill_and_decode
 from moe_harness import make_hf_model, tiny_moe_configs
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import Config, ModelConfig
 from atomrt.workers.loading.loader import load_model
 

@@ -10,7 +10,7 @@ import pytest
 from grammar_harness import VOCAB, bpe_tokenizer
 from mtp_harness import build_mtp_folder
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
 
 COMMON = dict(device="cpu", enforce_eager=True, num_kv_blocks=128, max_num_seqs=8)

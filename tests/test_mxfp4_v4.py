@@ -373,7 +373,7 @@ def test_v4_mxfp4_checkpoint_on_the_gpu(folders: tuple[Path, Path]) -> None:
     """The w4a16 fused-MoE kernel and the w8a8 FP8 GEMM in the model (float32) within 1e-3 of
     the float64 reference with its greedy tokens; the engine's greedy tokens with CUDA graphs
     (the kernel captured) equal its eager ones."""
-    from atomrt.runtime import SamplingParams
+    from atomrt import SamplingParams
     from atomrt.runtime.entrypoints.llm import LLM
 
     quantized, dequantized = folders
@@ -396,7 +396,7 @@ def test_v4_mxfp4_checkpoint_on_the_gpu(folders: tuple[Path, Path]) -> None:
 def test_mxfp4_experts_at_level_3_give_the_eager_tokens(folders: tuple[Path, Path]) -> None:
     """Traced (level 3, Inductor on CPU), the MXFP4 experts are one opaque op: the engine's greedy
     tokens equal its eager ones."""
-    from atomrt.runtime import SamplingParams
+    from atomrt import SamplingParams
     from atomrt.runtime.entrypoints.llm import LLM
 
     quantized, _ = folders
@@ -487,7 +487,7 @@ def test_step_bytes_count_v4_routed_experts_per_expert(
     e8m0 exponents) and float alike: per MoE layer the bytes of one expert, the rest as weights;
     they reach the driver in the workers' start-up answer, and the experts_touched probe counts
     V4's layers."""
-    from atomrt.runtime import SamplingParams
+    from atomrt import SamplingParams
     from atomrt.runtime.entrypoints.llm import LLM
 
     quantized, dequantized = folders
@@ -559,7 +559,7 @@ def test_a_traced_float_layer_reports_nothing_and_counts_every_expert() -> None:
 def test_the_probe_counts_traced_float_v4_experts_whole(folders: tuple[Path, Path]) -> None:
     """At level 3 a probed step of float V4 runs its traced experts, every expert on every row:
     the probe counts all of them per layer."""
-    from atomrt.runtime import SamplingParams
+    from atomrt import SamplingParams
     from atomrt.runtime.entrypoints.llm import LLM
 
     _, dequantized = folders

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import DEFAULT_MODEL
 from atomrt.runtime.driver.sequence import Sequence
 from atomrt.runtime.entrypoints.llm import LLM

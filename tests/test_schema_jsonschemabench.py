@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from grammar_harness import build_tiny_bpe
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
 
 DATA = Path(__file__).parent / "data" / "jsonschemabench"

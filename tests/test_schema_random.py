@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 from grammar_harness import build_tiny_bpe
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.driver.json_schema import ENFORCED, REWRITTEN
 from atomrt.runtime.entrypoints.llm import LLM
 

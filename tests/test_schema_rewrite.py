@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 from xgrammar.testing import _is_grammar_accept_string
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.driver.grammar_compiler import parse
 
 

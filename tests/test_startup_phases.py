@@ -44,7 +44,7 @@ def test_an_uncompiled_engine_never_imports_dynamo_or_inductor() -> None:
     never imports Dynamo, Inductor or sympy (several seconds of a start-up on a slow host)."""
     code = (
         "import sys\n"
-        "from atomrt.runtime import SamplingParams\n"
+        "from atomrt import SamplingParams\n"
         "from atomrt.runtime.entrypoints.llm import LLM\n"
         "llm = LLM('tiny-qwen3-moe', load_format='dummy', device='cpu', enforce_eager=True,\n"
         "          max_num_seqs=4, num_kv_blocks=16)\n"

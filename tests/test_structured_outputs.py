@@ -18,7 +18,7 @@ from grammar_harness import EOS, VOCAB, bpe_tokenizer, build_tiny_bpe
 from mtp_harness import build_mtp_folder
 from xgrammar.testing import _is_grammar_accept_string
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.driver.grammar_compiler import parse
 from atomrt.runtime.driver.json_schema import prepare_schema
 from atomrt.runtime.driver.structured_outputs import SeqGrammar, allowed_tokens

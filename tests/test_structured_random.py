@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from grammar_harness import build_tiny_bpe
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import DEFAULT_MODEL
 from atomrt.runtime.entrypoints.llm import LLM
 

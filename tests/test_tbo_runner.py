@@ -236,7 +236,7 @@ def test_auto_measures_each_bucket_and_the_driver_follows(caplog) -> None:
     in the buckets whose split was faster; the tokens are those without overlap."""
     import logging
 
-    from atomrt.runtime import SamplingParams
+    from atomrt import SamplingParams
     from atomrt.runtime.config import CompilationConfig
     from atomrt.runtime.decision import BatchShape
     from atomrt.runtime.entrypoints.llm import LLM

@@ -223,7 +223,7 @@ def test_the_chat_template_gets_tools_calls_and_tool_answers(tmp_path) -> None:
 def test_llm_chat_gives_the_template_its_tools(tmp_path) -> None:
     from executor_harness import COMMON, WORDS, build_tiny_llama, save_word_tokenizer
 
-    from atomrt.runtime import SamplingParams
+    from atomrt import SamplingParams
     from atomrt.runtime.entrypoints.llm import LLM
 
     folder = save_word_tokenizer(build_tiny_llama(tmp_path / "m"), chat_template=TOOL_TEMPLATE)

@@ -11,7 +11,7 @@ import time
 import pytest
 from executor_harness import COMMON, WORDS, build_tiny_llama, save_word_tokenizer
 
-from atomrt.runtime import LLM, SamplingParams
+from atomrt import LLM, SamplingParams
 from atomrt.runtime.driver.engine import LLMEngine
 from atomrt.runtime.entrypoints.config_args import EngineArgs
 from atomrt.runtime.inputs import TextPrompt, TokensPrompt

@@ -11,7 +11,7 @@ import pytest
 import torch
 from executor_harness import COMMON, WORDS, build_tiny_llama, save_word_tokenizer
 
-from atomrt.runtime import LLM, SamplingParams
+from atomrt import LLM, SamplingParams
 from atomrt.runtime.config import ConfigError
 from atomrt.runtime.driver.prompt_logprobs import Logprob
 from atomrt.runtime.entrypoints.metrics_reader import Counter, Gauge, Histogram

@@ -12,7 +12,7 @@ import pytest
 import torch
 from executor_harness import build_tiny_llama, save_word_tokenizer
 
-from atomrt.runtime import LLM, EngineArgs, SamplingParams
+from atomrt import LLM, EngineArgs, SamplingParams
 from atomrt.runtime.config import ConfigError
 from atomrt.runtime.entrypoints.config_args import FlexibleArgumentParser
 from atomrt.runtime.entrypoints.llm import config_from_kwargs

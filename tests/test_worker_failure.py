@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from executor_harness import COMMON, PROMPTS, build_tiny_llama, wait_gone
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.executors.base import WorkerError
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_graph_modes_gpu import check_matches_eager, replay_every_bucket_like_eager
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import CompilationConfig, Config
 from atomrt.runtime.entrypoints.llm import LLM
 

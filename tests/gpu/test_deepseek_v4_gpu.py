@@ -14,7 +14,7 @@ import test_v4_kernels as cpu_tier
 import torch
 from test_graph_modes_gpu import check_matches_eager, replay_every_bucket_like_eager
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.entrypoints.llm import LLM
 

@@ -18,7 +18,7 @@ import torch
 from executor_harness import build_tiny_llama
 from fp8_harness import quantize_folder, reference_logits, reference_model
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.workers.kernels.gemm.fp8_gemm import quantize_fp8_triton, w8a8_fp8_linear

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import CompilationConfig, CUDAGraphMode
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.entrypoints.llm import LLM
@@ -336,7 +336,7 @@ def test_pool_estimate_counts_logits_where_recordings_hold_an_lm_head():
 
 _FRESH_START = """
 import sys
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.entrypoints.llm import LLM
 cc = CompilationConfig(level=3, cudagraph_mode=sys.argv[1], cuda_graph_sizes=[8])

@@ -27,7 +27,7 @@ ATTENTION = (
 def test_requests_after_start_up_compile_no_attention_kernel(mode: str) -> None:
     from triton import knobs
 
-    from atomrt.runtime import SamplingParams
+    from atomrt import SamplingParams
     from atomrt.runtime.config import CompilationConfig, CUDAGraphMode
     from atomrt.runtime.entrypoints.llm import LLM
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.entrypoints.llm import LLM
 

@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import CompilationConfig, CUDAGraphMode
 from atomrt.runtime.entrypoints.llm import LLM
 

@@ -19,7 +19,8 @@ import pytest
 import test_decode_attention as cpu_tier
 import torch
 
-from atomrt.runtime import SamplingParams, envs
+from atomrt import SamplingParams
+from atomrt.runtime import envs
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.workers.kernels import device_info

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 _CHILD = """
 import json, random, sys
 from atomrt.compile import compilation_counter
-from atomrt.runtime import SamplingParams
+from atomrt import SamplingParams
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.entrypoints.llm import LLM
 level, mode, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]
