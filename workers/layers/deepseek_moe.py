@@ -12,7 +12,8 @@ Routing, in float32 (`GroupedRouting.select`), for router logits [n, E] (a float
 4. the top k eligible experts by choice score; their weights are their scores, divided by their sum
    when `norm_topk_prob`, times `routed_scaling_factor`.
 
-`greedy` is steps 1 and 4 alone.
+`greedy` is steps 1 and 4 alone. On CUDA the whole routing is one launch
+(workers/kernels/moe/routing.py, `grouped_topk`); elsewhere it is the torch code below.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from atomrt.distributed.communication_op import DPInfo, TPInfo
+from atomrt.workers.kernels.moe.routing import (
+    GROUP_SCORE_MAX,
+    GROUP_SCORE_NONE,
+    GROUP_SCORE_TOP2,
+    grouped_topk,
+)
 from atomrt.workers.layers.moe import FusedMoE
 
 
@@ -45,6 +52,8 @@ class GroupedRouting:
         self, router_logits: torch.Tensor, correction_bias: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, E] float32 logits -> (weights [n, top_k] float32, ids [n, top_k] int64)."""
+        if router_logits.is_cuda:
+            return self._select_fused(router_logits, correction_bias)
         if self.scoring_func == "softmax":
             scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         else:
@@ -57,6 +66,25 @@ class GroupedRouting:
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.routed_scaling_factor, ids
+
+    def _select_fused(
+        self, router_logits: torch.Tensor, correction_bias: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """select's routing in one Triton launch (the `grouped_topk` op while traced)."""
+        if self.topk_method == "greedy" or self.n_group <= 1:
+            group_score = GROUP_SCORE_NONE
+        elif self.topk_method == "noaux_tc":
+            group_score = GROUP_SCORE_TOP2
+        else:
+            group_score = GROUP_SCORE_MAX
+        args = (
+            router_logits, correction_bias, self.top_k, self.scoring_func != "softmax",
+            self.n_group, self.topk_group, group_score, self.renormalize,
+            float(self.routed_scaling_factor),
+        )  # fmt: skip
+        if torch.compiler.is_compiling():
+            return torch.ops.atomrt.grouped_topk(*args)
+        return grouped_topk(*args)
 
     def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """Choice scores [n, E] with every expert outside the token's `topk_group` best groups at
