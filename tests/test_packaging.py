@@ -2,13 +2,16 @@
 from `atomrt` however the package is put on the path (a built wheel, the checkout's folders linked
 into an `atomrt` folder as tests/gpu/run_gpu_tier.sh does), and the CLI is wired."""
 
+import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).parent.parent
@@ -112,6 +115,40 @@ def test_the_users_names_import_from_linked_checkout_folders(tmp_path: Path):
     assert _outside({m: f for m, f in got["files"].items() if m != "atomrt"}, linked) == []
     got = _probe(tmp_path / "pp", tmp_path)  # elsewhere: the linked folder is the package
     assert _outside(got["files"], linked) == []
+
+
+# vLLM's top-level names (vllm/__init__.py's __all__) that atomrt has
+VLLM_TOP_LEVEL = {
+    "LLM": "atomrt.runtime.entrypoints.llm",
+    "AsyncEngineArgs": "atomrt.runtime.entrypoints.async_llm",
+    "EngineArgs": "atomrt.runtime.entrypoints.config_args",
+    "LLMEngine": "atomrt.runtime.driver.engine",
+    "SamplingParams": "atomrt.runtime.sampling_params",
+    "RequestOutput": "atomrt.runtime.driver.outputs",
+    "CompletionOutput": "atomrt.runtime.driver.outputs",
+    "PromptType": "atomrt.runtime.inputs",
+    "TextPrompt": "atomrt.runtime.inputs",
+    "TokensPrompt": "atomrt.runtime.inputs",
+}
+
+
+def test_the_top_level_holds_the_users_names_and_runtime_none():
+    import atomrt
+
+    # vLLM's, plus AsyncLLM (vLLM's v1 engine client, vllm.v1.engine.async_llm)
+    expected = {**VLLM_TOP_LEVEL, "AsyncLLM": "atomrt.runtime.entrypoints.async_llm"}
+    assert set(atomrt.__all__) == set(expected) and set(expected) <= set(dir(atomrt))
+    for name, module in expected.items():
+        assert getattr(atomrt, name) is getattr(importlib.import_module(module), name)
+    with pytest.raises(AttributeError, match="'atomrt' has no attribute 'Nope'"):
+        atomrt.Nope  # noqa: B018
+    with pytest.raises(ImportError, match="cannot import name 'LLM' from 'atomrt.runtime'"):
+        from atomrt.runtime import LLM  # noqa: F401
+    doc = (ROOT / "docs" / "coming-from-vllm.md").read_text() + (ROOT / "README.md").read_text()
+    imported = re.findall(r"from atomrt import ([\w, ]+)", doc)
+    assert imported and {n.strip() for names in imported for n in names.split(",")} <= set(
+        atomrt.__all__
+    )
 
 
 def test_cli_help_and_config_error():

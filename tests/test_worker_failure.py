@@ -116,7 +116,7 @@ def test_driver_exit_without_shutdown_leaves_no_process(tiny_model: Path) -> Non
 
     script = _EXIT_WITHOUT_SHUTDOWN.replace(
         "{params}",
-        "__import__('atomrt.runtime', fromlist=['SamplingParams']).SamplingParams(max_tokens=2)",
+        "__import__('atomrt', fromlist=['SamplingParams']).SamplingParams(max_tokens=2)",
     )
     proc = subprocess.run(
         [sys.executable, "-c", script, str(tiny_model), json.dumps(COMMON)],
