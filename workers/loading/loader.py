@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -234,6 +234,72 @@ def _torch_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model's weights as configured (`open_checkpoint`): where they come from and how they
+    load. `load_weights_into` fills a module from it: the target model, or a drafter's layers
+    from the same checkpoint's tensors."""
+
+    resolved: ResolvedModel
+    arch: ModelArch
+    load_format: str  # "auto" | "safetensors" | "gguf" | "dummy"
+    fp8: Optional[Fp8Config]  # the FP8 layers' configuration (None: none)
+    seed: int  # dummy weights'
+    reader: Any = None  # the open GGUF file
+
+    @property
+    def where(self) -> str:
+        return str(self.resolved.path)
+
+
+def open_checkpoint(config: Any) -> Checkpoint:
+    """Resolve `config.model`: its architecture, format and FP8 configuration."""
+    load_format = config.model_config.load_format
+    resolved = resolve_model(config.model)
+    if load_format != "dummy" and load_format != "auto" and resolved.kind != load_format:
+        raise ValueError(
+            f"{resolved.name}: load_format={load_format!r} but the model is {resolved.kind}"
+        )
+    dummy = load_format == "dummy"
+    arch, reader = _arch_of(resolved, dummy, config.model_config.hf_overrides)
+    fp8 = _fp8_config(config, resolved, dummy)
+    return Checkpoint(resolved, arch, load_format, fp8, config.model_config.seed, reader)
+
+
+def load_weights_into(
+    module: nn.Module, checkpoint: Checkpoint, keep: Optional[Callable[[str], bool]] = None
+) -> None:
+    """Fill `module`'s weights from the checkpoint's tensors (those whose name `keep` accepts;
+    all without it), through `module.load_weights`: its FP8 layers made before they load,
+    dummy weights, or the checkpoint's with its KV cache scales set on the module's attention
+    layers (DeepSeek-V4's FP8 / MXFP4 weights held as they ship); then what the layers derive."""
+    fp8, where = checkpoint.fp8, checkpoint.where
+    if fp8 is not None:  # FP8 layers, before their weights load
+        quantize_model(module, fp8)
+    if checkpoint.load_format == "dummy":
+        init_dummy_weights(module, checkpoint.seed)
+    elif checkpoint.resolved.kind == "safetensors":
+        kv_scales = CheckpointKVScales()  # FP8 KV cache scales: the attention layers', not params
+        weights = kv_scales.take(_kept(safetensors_weights(checkpoint.resolved.path), keep))
+        if checkpoint.arch.v4 is not None:  # DeepSeek-V4's FP8 / MXFP4 weights: held as they ship
+            hf_config = read_hf_config(checkpoint.resolved.path)
+            weights = v4_checkpoint_weights(module, weights, fp8, hf_config, where)
+        module.load_weights(weights, where=where)
+        kv_scales.apply(module, where)
+    else:
+        gguf = gguf_weights(checkpoint.reader, checkpoint.arch, checkpoint.resolved.path)
+        module.load_weights(_kept(gguf, keep), where=where)
+    if fp8 is not None:
+        finish_quantized_weights(module)
+    process_weights_after_loading(module)
+
+
+def _kept(
+    weights: Iterable[tuple[str, Any]], keep: Optional[Callable[[str], bool]]
+) -> Iterable[tuple[str, Any]]:
+    return weights if keep is None else ((n, w) for n, w in weights if keep(n))
+
+
 def load_model(
     config: Any,
     device: Union[str, torch.device],
@@ -244,35 +310,12 @@ def load_model(
     """Resolve `config.model`, build the CausalLM on `device` and fill its weights."""
     tp = tp or TPInfo()
     dp = dp or DPInfo()
-    dtype = _torch_dtype(dtype)
-    load_format = config.model_config.load_format
-    resolved = resolve_model(config.model)
-    if load_format != "dummy" and load_format != "auto" and resolved.kind != load_format:
-        raise ValueError(
-            f"{resolved.name}: load_format={load_format!r} but the model is {resolved.kind}"
-        )
-    arch, reader = _arch_of(resolved, load_format == "dummy", config.model_config.hf_overrides)
+    checkpoint = open_checkpoint(config)
+    arch = checkpoint.arch
     max_position = config.model_config.max_model_len or arch.max_position
-    model = build_model(arch, device, dtype, tp, max_position, config=config, dp=dp)
-    fp8 = _fp8_config(config, resolved, load_format == "dummy")
-    if fp8 is not None:  # FP8 layers, before their weights load
-        quantize_model(model, fp8)
-    if load_format == "dummy":
-        init_dummy_weights(model, config.model_config.seed)
-    elif resolved.kind == "safetensors":
-        kv_scales = CheckpointKVScales()  # FP8 KV cache scales: the attention layers', not params
-        weights = kv_scales.take(safetensors_weights(resolved.path))
-        if arch.v4 is not None:  # DeepSeek-V4's FP8 / MXFP4 weights: held as they ship
-            hf_config, where = read_hf_config(resolved.path), str(resolved.path)
-            weights = v4_checkpoint_weights(model, weights, fp8, hf_config, where)
-        model.load_weights(weights, where=str(resolved.path))
-        kv_scales.apply(model, str(resolved.path))
-    else:
-        model.load_weights(gguf_weights(reader, arch, resolved.path), where=str(resolved.path))
-    if fp8 is not None:
-        finish_quantized_weights(model)
-    process_weights_after_loading(model)
-    return LoadedModel(model, arch, resolved)
+    model = build_model(arch, device, _torch_dtype(dtype), tp, max_position, config=config, dp=dp)
+    load_weights_into(model, checkpoint)
+    return LoadedModel(model, arch, checkpoint.resolved)
 
 
 def _fp8_config(config: Any, resolved: ResolvedModel, dummy: bool) -> Optional[Fp8Config]:
