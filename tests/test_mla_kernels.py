@@ -223,6 +223,24 @@ def test_verify_rows_are_causal(num_splits: int, num_row_blocks: int) -> None:
     check_mla(batch, run_mla(batch, plan=plan))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_q_pe_apart_from_the_latent_query(num_splits: int) -> None:
+    """The latent query as a bmm leaves it ([H, R, L] transposed to [R, H, L]) and its rotary part
+    as a view of another tensor, q_pe=: the reference's attention of the whole rows, verify rows
+    included, without their copy into one row."""
+    lora, rope = 40, 8
+    batch = make_mla_batch(
+        [1, 3, 1], [5, 33, 0], num_heads=5, kv_lora_rank=lora, rope_dim=rope, extra_rows=1,
+        seed=21,
+    )  # fmt: skip
+    q_latent = batch.q[..., :lora].transpose(0, 1).contiguous().transpose(0, 1)
+    q_pe = torch.cat((batch.q[..., lora:], torch.randn(*batch.q.shape[:2], 3)), -1)[..., :rope]
+    out = batch.out()
+    args = (batch.kv_cache, batch.block_table, batch.seq_lens, batch.cu_seqlens_q, batch.scale)
+    mla_decode_attention(q_latent, *args, out, num_splits, q_pe=q_pe)
+    check_mla(batch, out)
+
+
 def test_long_runs_of_rows_share_out_their_tiles() -> None:
     """A request of many rows (as a prefill chunk has) beside one of a single row: the default plan
     gives the long one's query tiles programs of their own, each taking every n-th."""
@@ -399,6 +417,10 @@ def test_rejects_bad_arguments() -> None:
             mla_decode_attention(*args, 1.0, out, bad)
     with pytest.raises(ValueError, match="out must be contiguous in its last dimension"):
         mla_decode_attention(*args, 1.0, batch.out().transpose(0, 2).contiguous().transpose(0, 2))
+    with pytest.raises(ValueError, match="with q_pe, want q"):
+        mla_decode_attention(*args, 1.0, out, q_pe=batch.q[..., 32:])  # q still has its q_pe
+    with pytest.raises(ValueError, match="with q_pe, want q"):
+        mla_decode_attention(batch.q[..., :32], *args[1:], 1.0, out, q_pe=batch.q[:, :1, 32:])
     with pytest.raises(ValueError, match="block_table rows must be contiguous"):
         strided = torch.zeros(1, 2 * batch.block_table.shape[1], dtype=torch.int32)[:, ::2]
         mla_decode_attention(*args[:2], strided, *args[3:], 1.0, out)

@@ -182,6 +182,7 @@ def mla_decode_attention(
     out: torch.Tensor,  # [R, H, kv_lora_rank]
     num_kv_splits: Optional[int] = None,
     kv_scales: Optional[torch.Tensor] = None,  # an e4m3 cache's [k_scale, _] (kv_scales_arg)
+    q_pe: Optional[torch.Tensor] = None,  # [R, H, rope_dim]: q's rotary part, q then [R, H, L]
 ) -> torch.Tensor:
     """out = softmax(scale * q K^T) V per request and head, where K is the full cache row and V its
     first kv_lora_rank columns; row j of a request with n rows sees keys 0..seq_len - n + j. A row
@@ -191,9 +192,11 @@ def mla_decode_attention(
     The launch is planned from shapes only, so it may be captured in a CUDA graph and replayed with
     new lengths: num_kv_splits=None sizes the split grid from the block table's KV capacity, an int
     (1..MAX_SPLITS) gives it that many; the live context decides how many of them work. Returns
-    `out`."""
+    `out`. With `q_pe`, q holds the latent part alone and the kernel reads the rotary part from
+    q_pe (any row and head strides): the absorbed product and the rotated q_pe need no copy into one
+    row."""
     kv_lora_rank = _check_decode_args(
-        q, kv_cache, block_table, seq_lens, cu_seqlens_q, out, num_kv_splits
+        q, kv_cache, block_table, seq_lens, cu_seqlens_q, out, num_kv_splits, q_pe
     )
     num_rows, num_heads, _ = q.shape
     num_reqs = seq_lens.shape[0]
@@ -207,14 +210,15 @@ def mla_decode_attention(
         block_table.shape[1] * kv_cache.shape[1],
         num_heads,
         kv_lora_rank,
-        q.shape[2] - kv_lora_rank,
+        kv_cache.shape[2] - kv_lora_rank,
         sm_count(q.device),
     )
     if num_kv_splits is not None and num_kv_splits != plan.num_splits:
         plan = _with_splits(plan, num_kv_splits)
     launch_mla_decode(
-        plan, q, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, out, kv_scales=kv_scales
-    )
+        plan, q, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, out, kv_scales=kv_scales,
+        q_pe=q_pe,
+    )  # fmt: skip
     return out
 
 
@@ -233,6 +237,7 @@ def launch_mla_decode(
     scale: float,
     out: torch.Tensor,
     kv_scales: Optional[torch.Tensor] = None,
+    q_pe: Optional[torch.Tensor] = None,
 ) -> None:
     """Runs one planned launch, and the merge when it splits (after mla_decode_attention's checks;
     tests and the benchmark call it directly to force a plan)."""
@@ -240,6 +245,7 @@ def launch_mla_decode(
     kv_lora_rank = out.shape[2]
     num_reqs = seq_lens.shape[0]
     q = unit_last_stride(q)
+    q_pe = q[..., kv_lora_rank:] if q_pe is None else unit_last_stride(q_pe)
     split = plan.num_splits > 1
     if split:
         partial, m, l = kept_split_workspace(
@@ -250,7 +256,7 @@ def launch_mla_decode(
         partial = m = l = out  # unused
         partial_strides, ml_strides = (0, 0, 0), (0, 0)
     grid = (triton.cdiv(num_heads, plan.heads_p) * plan.num_row_blocks, num_reqs, plan.num_splits)
-    tensors = (q, kv_cache, out, partial, m, l, block_table, seq_lens, cu_seqlens_q)
+    tensors = (q, q_pe, kv_cache, out, partial, m, l, block_table, seq_lens, cu_seqlens_q)
     tensors += (kv_scales_arg(kv_scales, kv_cache),)
     scalars = (
         scale * LOG2E,
@@ -261,10 +267,12 @@ def launch_mla_decode(
         plan.num_row_blocks,
         num_heads,
         kv_lora_rank,
-        q.shape[2] - kv_lora_rank,
+        kv_cache.shape[2] - kv_lora_rank,
         block_table.shape[1],
         q.stride(0),
         q.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
         out.stride(0),
         out.stride(1),
         *partial_strides,
@@ -338,6 +346,7 @@ def _check_decode_args(
     cu_seqlens_q: torch.Tensor,
     out: torch.Tensor,
     num_kv_splits: Optional[int],
+    q_pe: Optional[torch.Tensor] = None,
 ) -> int:
     """Validates mla_decode_attention's arguments (shapes, dtypes, layouts; nothing that needs the
     device's values); returns kv_lora_rank."""
@@ -348,6 +357,20 @@ def _check_decode_args(
         )
     num_rows, num_heads, width = q.shape
     kv_lora_rank = out.shape[2]
+    if q_pe is not None:
+        if (
+            q_pe.dim() != 3
+            or q_pe.shape[:2] != q.shape[:2]
+            or width != kv_lora_rank
+            or q_pe.dtype != q.dtype
+            or q_pe.device != q.device
+        ):
+            raise ValueError(
+                f"mla_decode_attention: with q_pe, want q [R, H, L] and q_pe [R, H, P] of one "
+                f"dtype and device beside out [R, H, L], got q {tuple(q.shape)} {q.dtype}, q_pe "
+                f"{tuple(q_pe.shape)} {q_pe.dtype}, out {tuple(out.shape)}"
+            )
+        width += q_pe.shape[2]
     if kv_cache.shape[2] != width or out.shape[:2] != q.shape[:2] or not 0 < kv_lora_rank <= width:
         raise ValueError(
             f"mla_decode_attention: q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)} and out "

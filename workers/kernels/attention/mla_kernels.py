@@ -88,7 +88,8 @@ def _zero_unowned_rows(
 # The lengths a step changes are not specialized on: only the constexprs pick a compiled variant.
 @triton.jit(do_not_specialize=["num_reqs", "num_rows", "num_splits", "num_row_blocks"])
 def mla_decode_kernel(
-    q_ptr,  # [R, H, L + P]
+    q_ptr,  # [R, H, L (+ P)]: the absorbed query's latent part (q_pe may follow it)
+    q_pe_ptr,  # [R, H, P]: its rotary part (a view of q_ptr's last P columns, or apart)
     kv_cache_ptr,  # [num_blocks, block_size, L + P]
     out_ptr,  # [R, H, L]
     partial_ptr,
@@ -110,6 +111,8 @@ def mla_decode_kernel(
     max_blocks,  # block_table columns
     stride_qr,
     stride_qh,
+    stride_qpr,
+    stride_qph,
     stride_or,
     stride_oh,
     stride_pr,
@@ -194,8 +197,9 @@ def mla_decode_kernel(
             mask=q_valid[:, None] & lora_valid[None, :],
             other=0.0,
         ).to(cache_ty)  # [BLOCK_M, LORA_P]
+        q_pe_base = q_pe_ptr + q_row * stride_qpr + head * stride_qph  # [BLOCK_M]
         q_pe = tl.load(
-            q_base[:, None] + kv_lora_rank + rope[None, :],
+            q_pe_base[:, None] + rope[None, :],
             mask=q_valid[:, None] & rope_valid[None, :],
             other=0.0,
         ).to(cache_ty)  # [BLOCK_M, ROPE_P]
