@@ -39,7 +39,6 @@ from atomrt.workers.layers.linear import (
 )
 from atomrt.workers.layers.mla_ref import (
     MLAWeights,
-    absorb_query,
     mla_no_cache_ref,
     mla_paged_ref,
     unabsorb_output,
@@ -149,10 +148,13 @@ def absorbed_decode(
     length on the device (graph-safe, what a request bucket records)."""
     from atomrt.workers.kernels.attention.mla_decode import mla_decode_attention
 
-    q_absorbed = absorb_query(q, layer.w_uk, layer.qk_nope_head_dim)
-    latent_out = q.new_empty(q.shape[0], q.shape[1], layer.kv_lora_rank)
+    # The kernel reads q_nope @ W_UK where the bmm leaves it and q_pe where it is (no copy into one
+    # row); W_UV's bmm writes its heads straight into `output`.
+    nope = layer.qk_nope_head_dim
+    q_latent = torch.bmm(q[..., :nope].transpose(0, 1), layer.w_uk).transpose(0, 1)  # [n, H, L]
+    latent_out = q.new_empty(q.shape[1], q.shape[0], layer.kv_lora_rank).transpose(0, 1)
     mla_decode_attention(
-        q_absorbed,
+        q_latent,
         kv.kv_cache,
         md.block_tables,
         md.context_lens,
@@ -160,8 +162,13 @@ def absorbed_decode(
         layer.scale,
         latent_out,
         kv_scales=layer.kv_scales,
+        q_pe=q[..., nope:],
     )
-    output.copy_(unabsorb_output(latent_out, layer.w_uv))
+    heads = latent_out.transpose(0, 1)  # [H, n, L], contiguous
+    if output.dtype == heads.dtype == layer.w_uv.dtype:
+        torch.bmm(heads, layer.w_uv, out=output.transpose(0, 1))
+    else:
+        output.copy_(unabsorb_output(latent_out, layer.w_uv))
 
 
 direct_register_custom_op(
