@@ -3,9 +3,10 @@
     python benchmarks/sweep_gemm.py [--quick] [--json FILE] [--hot]
         [--shapes "8B qkv,8B o"] [--ms 1] [--norm [--stats-values V]]
 
-For M in 1, 8, 32 and every (N, K) of SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B (bf16, per TP
-rank), times F.linear (cuBLAS), skinny_linear under its default config (pick_config) and a grid of
-candidate configs: stage 1 sweeps the tiles (block_n x block_k x use_dot) at warps/stages that suit
+For M in 1, 8, 32 and every (N, K) of SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B and
+DeepSeek-V2-Lite (bf16, per TP rank; --shapes DeepSeek-V2-Lite picks that model's), times
+F.linear (cuBLAS), skinny_linear under its default config (pick_config) and a grid of candidate
+configs: stage 1 sweeps the tiles (block_n x block_k x use_dot) at warps/stages that suit
 each tile, stage 2 then tries the best tile at other num_warps, then the best of those at other
 num_stages (--quick: stage 1 only, fewer K tiles, M 1 and 32 only). Every config is first checked
 against F.linear; one that fails to compile or mismatches is skipped and counted. One line per
@@ -79,6 +80,15 @@ SHAPES = {  # name: (N, K) per TP rank
     "Llama-3.1-8B gate_up": (28672, 4096),
     "Llama-3.1-8B down": (4096, 14336),
     "Llama-3.1-8B lm_head": (128256, 4096),
+    # DeepSeek-V2-Lite's dense projections at a decode step (no query LoRA: q and kv_a apart; o
+    # is Llama-3.2-1B's o; the routed experts are the fused MoE kernel's, not these)
+    "DeepSeek-V2-Lite q": (3072, 2048),
+    "DeepSeek-V2-Lite kv_a": (576, 2048),
+    "DeepSeek-V2-Lite shared gate_up": (5632, 2048),
+    "DeepSeek-V2-Lite shared down": (2048, 2816),
+    "DeepSeek-V2-Lite dense gate_up": (21888, 2048),
+    "DeepSeek-V2-Lite dense down": (2048, 10944),
+    "DeepSeek-V2-Lite lm_head": (102400, 2048),
 }
 MS = (1, 8, 32)
 QUICK_MS = (1, 32)
