@@ -212,6 +212,36 @@ def test_abort_frees_blocks() -> None:
     run_all(sched)
 
 
+def test_a_waiting_sequence_that_is_not_ready_is_passed_over_and_keeps_its_place() -> None:
+    """`ready` (structured outputs: a grammar still compiling) says no: later prompts go first,
+    and once it says yes the sequence runs ahead of those that came after it."""
+    compiled = {"a": False}
+    asked = []
+
+    def ready(s: Sequence) -> bool:
+        asked.append(s.request_id)
+        return compiled.get(s.request_id, True)
+
+    sched = make(ready=ready)
+    a, b, c = (seq(r, list(range(i, i + 5)), max_tokens=3) for i, r in enumerate("abc"))
+    for s in (a, b, c):
+        sched.add(s)
+    out, _ = step(sched)
+    assert [r.seq.request_id for r in out.scheduled] == ["b", "c"]
+    assert list(sched.waiting) == [a] and a.status is SequenceStatus.WAITING and not a.block_table
+    out, _ = step(sched)
+    assert [r.seq.request_id for r in out.scheduled] == ["b", "c"]
+    compiled["a"] = True
+    d = seq("d", [9, 9, 9], max_tokens=3)
+    sched.add(d)
+    out, _ = step(sched)
+    assert [r.seq.request_id for r in out.scheduled] == ["b", "c", "a", "d"]
+    asked.clear()
+    run_all(sched)
+    assert not asked  # only a waiting sequence is asked
+    assert a.output_token_ids == reference_output(a.prompt_token_ids, 3)
+
+
 def eos_params(**kw) -> SamplingParams:
     return SamplingParams(**kw)
 

@@ -6,7 +6,9 @@ taking min(tokens left, budget) rows; when the KV cache cannot grow, the most re
 running sequence is preempted (recompute: its blocks are freed, num_computed_tokens = 0, and it
 goes back to the front of the waiting queue keeping its output tokens). Then, if nothing was
 preempted, waiting sequences in FCFS order with what is left of the token budget, after their
-prefix-cache hits. A sequence is sampled iff its rows reach the end of its token_ids.
+prefix-cache hits; one that is not `ready` yet (structured outputs: its grammar still compiles)
+is passed over and keeps its place. A sequence is sampled iff its rows reach the end of its
+token_ids.
 
 advance(): when the step is submitted, moves every scheduled sequence's num_computed_tokens past
 its rows and counts each sampled row as a pending token (`Sequence.num_pending`).
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -128,8 +131,12 @@ class Scheduler:
         tokenizer: Optional[Any] = None,
         max_model_len: Optional[int] = None,
         speculation: Optional[Speculation] = None,
+        ready: Optional[Callable[[Sequence], bool]] = None,
     ) -> None:
         self.config = scheduler_config
+        # whether a waiting sequence may start (structured outputs: its grammar is compiled); one
+        # that may not is passed over, keeping its place, and later ones go first
+        self.ready = ready
         self.speculation = speculation  # speculative decoding: draft rows, else None
         # KV slots a drafter writes past a sampled row's step (MTP), allocated with the step's
         self.lookahead = 0
@@ -331,8 +338,12 @@ class Scheduler:
         max_num_seqs sequences run. Returns the tokens scheduled."""
         bm = self.block_manager
         used = 0
+        passed: list[Sequence] = []  # not ready: back to the front of the queue after
         while self.waiting and used < budget and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self.ready is not None and not self.ready(seq):
+                passed.append(self.waiting.popleft())
+                continue
             if self._waits_for_parent(seq):
                 break
             remaining = seq.num_tokens - bm.num_cached_tokens(seq)
@@ -356,6 +367,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             used += num_new
+        self.waiting.extendleft(reversed(passed))
         return used
 
     def _waits_for_parent(self, seq: Sequence) -> bool:
