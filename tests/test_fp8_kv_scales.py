@@ -186,7 +186,7 @@ def test_checkpoint_and_calibrated_scales_on_the_gpu(tmp_path: Path) -> None:
         cache_config={"kv_cache_dtype": "fp8", "num_kv_blocks": 64},
         enforce_eager=True,
     )
-    runner = ModelRunner(config, torch.device("cuda"))
+    runner = ModelRunner(config, torch.device("cuda", torch.cuda.current_device()))
     sizing = determine_num_blocks(runner)
     assert sizing.kv_scales.source == "checkpoint"
     layers = collect_attention_layers(runner.model)
@@ -195,7 +195,7 @@ def test_checkpoint_and_calibrated_scales_on_the_gpu(tmp_path: Path) -> None:
     fp8, _ = _run(runner.model, FP8, forced=tokens)
     assert 0 < _worst(full, fp8) < 0.3
     (folder / "kv_scales.safetensors").unlink()
-    runner = ModelRunner(config, torch.device("cuda"))
+    runner = ModelRunner(config, torch.device("cuda", torch.cuda.current_device()))
     calibrated = determine_num_blocks(runner).kv_scales
     assert calibrated.source == "calibrated"
     assert all(0 < k < 1 and 0 < v < 1 for _, k, v in calibrated.layers)
