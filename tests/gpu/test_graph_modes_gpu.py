@@ -154,7 +154,7 @@ def test_async_scheduling_with_seeds_penalties_and_logprobs_matches_sync():
     for (_, a), (_, b) in zip(*runs):
         if a is not None:
             assert [sorted(r) for r in a] == [sorted(r) for r in b]
-            assert all(abs(r[k] - s[k]) < 1e-4 for r, s in zip(a, b) for k in r)
+            assert all(abs(r[k].logprob - s[k].logprob) < 1e-4 for r, s in zip(a, b) for k in r)
 
 
 def _bucket_inputs(runner, bs: int, seed: int):
