@@ -2,7 +2,8 @@
 weights rotated through several copies so that they stream from HBM, for Llama-3.1-8B's and
 DeepSeek-V2-Lite's projections. Rows: bf16 `F.linear` (cuBLAS), the two-launch FP8 path (the
 activation-quantization kernel, then `w8a8_gemm`), and the fused decode path `w8a8_skinny` at its
-default launch and, with --sweep, at other launches; GB/s counts the weight and scale bytes.
+launch for its shape (fp8_gemm.skinny_launch) and, with --sweep, at other launches; GB/s counts
+the weight and scale bytes.
 
 `python benchmarks/bench_fp8_gemm.py [--m 1] [--sweep] [--group 128]`
 """
@@ -52,27 +53,12 @@ def _time_us(fn, calls: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _configs(sweep: bool):
-    default = (
-        fp8_gemm.SKINNY_BLOCK_K,
-        fp8_gemm.SKINNY_PRODUCTS,
-        fp8_gemm.SKINNY_WARPS,
-        fp8_gemm.SKINNY_STAGES,
-    )
+def _configs(default: tuple[int, int, int, int], sweep: bool):
     yield default
     if sweep:
         for cfg in itertools.product((256, 512, 1024), (4096, 8192, 16384), (2, 4, 8), (1, 3)):
             if cfg != default:
                 yield cfg
-
-
-def _set(cfg) -> None:
-    (
-        fp8_gemm.SKINNY_BLOCK_K,
-        fp8_gemm.SKINNY_PRODUCTS,
-        fp8_gemm.SKINNY_WARPS,
-        fp8_gemm.SKINNY_STAGES,
-    ) = cfg
 
 
 def main() -> None:
@@ -84,11 +70,11 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     m, group = args.m, args.group
-    default = next(_configs(False))
-    print(f"m={m} group={group} default (block_k, products, warps, stages) = {default}")
-    print(f"{'shape':12} {'bf16 us':>8} {'2-launch':>9} {'fused':>8} {'GB/s':>6}  best fused")
+    print(f"m={m} group={group}; launches as (block_k, products, warps, stages)")
+    print(f"{'shape':12} {'bf16 us':>8} {'2-launch':>9} {'fused':>8} {'GB/s':>6}  launch, best")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
+        default = fp8_gemm.skinny_launch(n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
         qs = [quantize_fp8(w, group) for w in ws]
@@ -101,21 +87,19 @@ def main() -> None:
 
         old = _time_us(two_launch)
         results = []
-        for cfg in _configs(args.sweep):
-            _set(cfg)
+        for cfg in _configs(default, args.sweep):
             try:
-                us = _time_us(lambda i: fp8_gemm.w8a8_skinny(x, *qs[i % COPIES], group))
+                us = _time_us(lambda i: fp8_gemm.w8a8_skinny(x, *qs[i % COPIES], group, launch=cfg))
             except Exception as e:  # a launch that does not fit (shared memory, registers)
                 print(f"  {cfg}: {type(e).__name__}")
                 continue
             results.append((us, cfg))
-        _set(default)
         fused = next(us for us, cfg in results if cfg == default)
         best = min(results)
         nbytes = n * k + qs[0][1].numel() * 4
         print(
             f"{name:12} {bf16:8.2f} {old:9.2f} {fused:8.2f} {nbytes / fused / 1e3:6.0f}  "
-            f"{best[0]:.2f} {best[1]}"
+            f"{default}, {best[0]:.2f} {best[1]}"
         )
 
 

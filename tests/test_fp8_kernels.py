@@ -8,8 +8,11 @@ from typing import Optional
 import pytest
 import torch
 
+from atomrt.workers.kernels.gemm import fp8_gemm
 from atomrt.workers.kernels.gemm.fp8_gemm import (
+    SKINNY_SHAPE_LAUNCHES,
     quantize_fp8_triton,
+    skinny_launch,
     w8a8_fp8_linear,
     w8a8_gemm,
     w8a8_skinny,
@@ -107,6 +110,25 @@ def test_fused_moe_fp8_matches_float64(group: Optional[int], num_tokens: int) ->
     err = (y.cpu().double() - ref).abs()
     assert err.max() < 2e-2 * ref.abs().max()
     assert err.mean() < 1e-3 * ref.abs().max()
+
+
+@pytest.mark.parametrize("launch", list(SKINNY_SHAPE_LAUNCHES.values()) + [(256, 4096, 2, 1)])
+def test_fused_decode_rows_under_every_shape_launch(launch: tuple[int, int, int, int]) -> None:
+    """Each launch of the per-shape table (and a narrower one) gives the float64 product of the
+    quantization kernel's e4m3 values: a launch changes the tiles, never the result."""
+    n, k, m = 200, 1000, 2
+    qw, sw = _weight(n, k, None, seed=7)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(9)) * 3).to(DEVICE)
+    y = w8a8_skinny(x, qw, sw, None, launch=launch)
+    qx, sx = quantize_fp8_triton(x, None)
+    ref = _deq64(qx, sx, None) @ _deq64(qw, sw, None).T
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+
+
+def test_skinny_launch_takes_the_table_then_the_default() -> None:
+    assert skinny_launch(28672, 4096) == SKINNY_SHAPE_LAUNCHES[(28672, 4096)]
+    default = (fp8_gemm.SKINNY_BLOCK_K, fp8_gemm.SKINNY_PRODUCTS, fp8_gemm.SKINNY_WARPS)
+    assert skinny_launch(4096, 4096) == (*default, fp8_gemm.SKINNY_STAGES)  # not swept
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])

@@ -42,6 +42,20 @@ SKINNY_BLOCK_K = 1024
 SKINNY_PRODUCTS = 8192
 SKINNY_WARPS = 4
 SKINNY_STAGES = 3
+# (block_k, products, warps, stages) per weight shape (N, K) where the sweep found a faster
+# launch than the default at M=1 (bench_fp8_gemm.py --sweep on one H100, µs per call with the
+# weights from HBM: benchmarks/notes-deepseek-decode-and-startup.md); other shapes take the default
+SKINNY_SHAPE_LAUNCHES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (6144, 4096): (1024, 8192, 4, 1),  # Llama-3.1-8B qkv, 14.4 µs
+    (28672, 4096): (1024, 8192, 2, 3),  # Llama-3.1-8B gate_up, 47.5 µs
+    (4096, 14336): (1024, 16384, 4, 3),  # Llama-3.1-8B down, 28.5 µs
+}
+
+
+def skinny_launch(n: int, k: int) -> tuple[int, int, int, int]:
+    """w8a8_skinny's (block_k, products, warps, stages) for a weight [n, k]."""
+    default = (SKINNY_BLOCK_K, SKINNY_PRODUCTS, SKINNY_WARPS, SKINNY_STAGES)
+    return SKINNY_SHAPE_LAUNCHES.get((n, k), default)
 
 
 @triton.jit
@@ -321,9 +335,11 @@ def w8a8_skinny(
     b_scale: torch.Tensor,
     group_k: Optional[int],
     static_scale: Optional[torch.Tensor] = None,
+    launch: Optional[tuple[int, int, int, int]] = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= SKINNY_M, float) @ e4m3 b [N, K]^T with scales [N, G] -> [M, N] in x's
-    dtype: `w8a8_fp8_linear`'s result for decode rows, x quantized inside the GEMM's launch."""
+    dtype: `w8a8_fp8_linear`'s result for decode rows, x quantized inside the GEMM's launch.
+    `launch` (block_k, products, warps, stages) overrides skinny_launch's for the shape."""
     m, k = x.shape
     n = b.shape[0]
     assert b.shape[1] == k and b.stride(1) == 1 and x.stride(1) == 1 and m <= SKINNY_M
@@ -332,9 +348,10 @@ def w8a8_skinny(
         return c
     grouped = static_scale is None and group_k is not None and b_scale.shape[1] > 1
     group = group_k if grouped else 0
+    block_k, products, warps, stages = launch or skinny_launch(n, k)
     block_m = triton.next_power_of_2(m)
-    block_k = max(group, min(SKINNY_BLOCK_K, triton.next_power_of_2(k)))
-    block_n = max(4, SKINNY_PRODUCTS // (block_m * block_k))
+    block_k = max(group, min(block_k, triton.next_power_of_2(k)))
+    block_n = max(4, products // (block_m * block_k))
     w8a8_skinny_kernel[(triton.cdiv(n, block_n),)](
         x,
         b,
@@ -353,8 +370,8 @@ def w8a8_skinny(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        NUM_STAGES=SKINNY_STAGES,
-        num_warps=SKINNY_WARPS,
+        NUM_STAGES=stages,
+        num_warps=warps,
     )
     return c
 
