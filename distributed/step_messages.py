@@ -84,27 +84,14 @@ class NewRequest:
     sampling_params: WorkerSamplingParams = field(default_factory=WorkerSamplingParams)
 
 
-class BatchRows:
-    """The shape every batch of one DP rank's step answers: its sequences (`seq_ids`, one per
-    sequence) and its query rows (`input_ids`, one per row). The plan's `RankBatch` and the worker's
-    `StepInputs` built from it (workers/runner/input_batch.py) are both such batches: one what the
-    worker lacks, the other the full host arrays it derives. Not a dataclass: it adds no field."""
-
-    seq_ids: np.ndarray
-    input_ids: np.ndarray
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.seq_ids.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-
 @dataclass
-class RankBatch(BatchRows):
-    """One DP rank's share of a step. Row order of every [bs] array is `seq_ids` order."""
+class RankBatch:
+    """One DP rank's share of a step: the step path's one batch type, its sequences (`seq_ids`)
+    and their query rows (`input_ids`). Row order of every [bs] array is `seq_ids` order.
+
+    It carries what the worker lacks, not the forward's arrays: the worker derives those, with
+    its mirror of the sequences, as a `StepInputs` (workers/runner/input_batch.py), which is not a
+    batch (its docstring says why the two stay apart)."""
 
     new_requests: list[NewRequest] = field(default_factory=list)
     seq_ids: np.ndarray = field(default_factory=_i64)  # int64 [bs]
@@ -145,6 +132,15 @@ class RankBatch(BatchRows):
     # verify rows) that a grammar constrains, ascending; empty for a step with none. Their masks
     # follow in a `GrammarBitmask` for this step, to this DP rank's sampling worker only.
     grammar_rows: np.ndarray = field(default_factory=_i32)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """The step's query rows on this rank."""
+        return int(self.input_ids.shape[0])
 
 
 @dataclass

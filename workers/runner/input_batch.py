@@ -20,7 +20,6 @@ from atomrt.distributed.messages import (
     RankBatch,
     WorkerSamplingParams,
 )
-from atomrt.distributed.step_messages import BatchRows
 
 if TYPE_CHECKING:
     from atomrt.workers.runner.token_pool import TokenPool
@@ -99,8 +98,20 @@ class PromptRows:
 
 
 @dataclass
-class StepInputs(BatchRows):
-    """One DP rank's step as host arrays, rows in plan order."""
+class StepInputs:
+    """One forward's inputs as host arrays, the rows `StepBuffers` stages: a plan's `RankBatch`
+    built out with this worker's mirror (`SeqMirrors.build`, rows in plan order), or made up with
+    no plan (capture, an idle DP rank, kernel warm-up). Not a batch: the step path's one batch
+    type is `RankBatch`.
+
+    Why the two stay apart (one type would make each worse): a `RankBatch` is what the worker
+    lacks (a decode step ships no positions and only the new block-table entries), so these arrays
+    need the worker's mirror and token pool, not the message alone: as properties of the message
+    they would pull the worker's state into distributed/, as fields they would widen the wire's
+    schema with arrays it never carries. And these rows are the forward's, not the plan's: a
+    two-microbatch split inserts padding rows (`num_tokens` counts them), dummy steps have no
+    plan, and `input_ids` holds the ids the device reads (int64, 0 for a pending or draft row)
+    where the plan's hold int32 markers (PENDING_TOKEN, DRAFT_TOKEN)."""
 
     seq_ids: np.ndarray  # int64 [bs]
     input_ids: np.ndarray  # int64 [num_tokens]
@@ -123,6 +134,15 @@ class StepInputs(BatchRows):
     # MTP drafting: int64 [bs], the token after the rows of a sequence that samples nothing this
     # step (a prompt chunk that is not the last), -1 elsewhere (RankBatch.next_token_ids)
     next_token_ids: Optional[np.ndarray] = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """The rows staged, padding rows of a split step included."""
+        return int(self.input_ids.shape[0])
 
     @property
     def max_seqlen_q(self) -> int:
