@@ -16,9 +16,11 @@ from atomrt.workers.kernels.gemm.fp8_gemm import (
     w8a8_fp8_linear,
     w8a8_gemm,
     w8a8_skinny,
+    w8a8_skinny_add_norm,
 )
 from atomrt.workers.kernels.moe.fused_moe_fp8 import fused_experts_fp8
 from atomrt.workers.layers.moe import select_experts
+from atomrt.workers.layers.norm import rms_norm
 from atomrt.workers.layers.quantization.fp8 import (
     dequantize_fp8,
     fp8_experts_ref,
@@ -123,6 +125,47 @@ def test_fused_decode_rows_under_every_shape_launch(launch: tuple[int, int, int,
     qx, sx = quantize_fp8_triton(x, None)
     ref = _deq64(qx, sx, None) @ _deq64(qw, sw, None).T
     torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+
+
+ADD_NORM_DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+@pytest.mark.parametrize("dtype", ADD_NORM_DTYPES)
+def test_fused_add_norm_decode_rows(dtype: torch.dtype, static: bool) -> None:
+    """w8a8_skinny_add_norm: h = residual + update, and the float64 product of RMSNorm(h)'s
+    e4m3 values (as rms_norm, then the quantization kernel, compute them) with the weight's, in
+    one launch; K with a partial last step, N with a partial last block. bfloat16 on CUDA only:
+    Triton's interpreter rounds float32 -> bfloat16 toward zero (-1.6328 comes out -1.6250)."""
+    n, k, m = 200, 1000, 3
+    qw, sw = _weight(n, k, None, seed=8)
+    gen = torch.Generator().manual_seed(10)
+    residual = (torch.randn(m, k, generator=gen) * 2).to(dtype).to(DEVICE)
+    update = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    norm_weight = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
+    static_scale = torch.tensor(0.02, device=DEVICE) if static else None
+    h, y = w8a8_skinny_add_norm(
+        residual, update, norm_weight, 1e-6, qw, sw, static_scale, launch=(256, 4096, 4, 2)
+    )
+    want_h = residual + update
+    assert torch.equal(h, want_h)
+    qx, sx = quantize_fp8_triton(rms_norm(want_h, norm_weight, 1e-6), None, static_scale)
+    ref = _deq64(qx, sx, None) @ _deq64(qw, sw, None).T
+    # float32 rows: exact but for the sums' order; bfloat16: y's own rounding, and now and then
+    # an element one e4m3 step off where the GPU's rsqrt rounds the normalized row differently
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max())
+    assert y.dtype == dtype
+
+
+def test_fused_add_norm_names_what_does_not_fit() -> None:
+    qw, sw = _weight(16, 32, None, seed=1)
+    x = torch.zeros(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="norm_weight \\[K\\]"):
+        w8a8_skinny_add_norm(x, x, torch.ones(31, device=DEVICE), 1e-6, qw, sw)
+    with pytest.raises(ValueError, match="0 < M <= 8"):
+        big = torch.zeros(9, 32, device=DEVICE)
+        w8a8_skinny_add_norm(big, big, torch.ones(32, device=DEVICE), 1e-6, qw, sw)
 
 
 def test_skinny_launch_takes_the_table_then_the_default() -> None:

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atomrt.workers.kernels.gemm.skinny_kernels import _residual_sum
+
 FP8_MAX = tl.constexpr(448.0)  # a kernel reads only constexpr globals (compiled, not interpreted)
 MIN_SCALE = tl.constexpr(1e-12)
 SKINNY_M = 8  # at most this many rows take the broadcast inner product
@@ -246,12 +248,28 @@ def w8a8_gemm(
 
 
 @triton.jit
+def _skinny_x_tile(x_ptrs, u_ptrs, nw_ptrs, mask, k_mask, inv_rms, NORM: tl.constexpr):
+    """A K step's tile of the GEMM's input rows: x, or with NORM RMSNorm(x + update) as
+    rms_norm computes it (h = x + update and h * inv_rms each rounded to x's dtype, then times the
+    norm's weight, rounded again)."""
+    if NORM:
+        h = _residual_sum(x_ptrs, u_ptrs, mask)
+        normed = (h.to(tl.float32) * inv_rms).to(h.dtype)
+        norm_w = tl.load(nw_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        return (norm_w * normed.to(tl.float32)).to(h.dtype)
+    return tl.load(x_ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def w8a8_skinny_kernel(
     x_ptr,
     b_ptr,
     b_s_ptr,
     static_ptr,
     c_ptr,
+    u_ptr,  # NORM only: update [M, K]; the norm's weight [K]; out: h = x + update [M, K]
+    nw_ptr,
+    h_ptr,
     M,
     N,
     K,
@@ -259,8 +277,12 @@ def w8a8_skinny_kernel(
     stride_bn,
     stride_bsn,
     stride_cm,
+    stride_um,
+    stride_hm,
+    eps,  # NORM only: the RMSNorm's epsilon
     GROUP: tl.constexpr,  # features per scale of x and of b's rows; 0: one scale per row
     STATIC: tl.constexpr,  # x's scale is *static_ptr (GROUP 0 only)
+    NORM: tl.constexpr,  # the product reads RMSNorm(x + update) (GROUP 0 only)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # a multiple of GROUP
@@ -269,7 +291,11 @@ def w8a8_skinny_kernel(
     """Decode rows: c[:, cols] = quant(x) @ (b * b_s)^T in one launch, x quantized to e4m3 in
     registers exactly as `fp8_quant_kernel` quantizes it (same scales, same rounding), each
     element then carried dequantized (q * scale) into the broadcast product, so that no quantized
-    copy of x goes through memory. One program per BLOCK_N columns, every row."""
+    copy of x goes through memory. One program per BLOCK_N columns, every row.
+
+    NORM: x is RMSNorm(x + update) with the norm's weight, a decoder layer's residual add and norm
+    before its projection: a first pass over the rows takes their statistics (program 0 writes h),
+    and every later read of x recomputes the normalized tile (x is a few KB, from L1 / L2)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     n_mask = cols < N
@@ -303,15 +329,30 @@ def w8a8_skinny_kernel(
             acc += tl.sum(tl.sum(wd[:, None, :, :] * xq[None, :, :, :], axis=3), axis=2)
     else:
         ks = tl.arange(0, BLOCK_K)
-        x_rows = x_ptr + rows[:, None] * stride_xm
+        x_rows = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+        u_rows = u_ptr + rows[:, None] * stride_um + ks[None, :]
+        nw = nw_ptr + ks[None, :]
+        inv_rms = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+        if NORM:  # the rows' statistics; program 0 writes h on the way
+            h_rows = h_ptr + rows[:, None] * stride_hm + ks[None, :]
+            sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                mask = m_mask[:, None] & (k0 + ks < K)[None, :]
+                h = _residual_sum(x_rows + k0, u_rows + k0, mask)
+                if tl.program_id(0) == 0:
+                    tl.store(h_rows + k0, h, mask=mask)
+                sum_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=1)
+            inv_rms = tl.rsqrt(sum_sq / K + eps)[:, None]
         if STATIC:
             a_s = tl.load(static_ptr).to(tl.float32) + tl.zeros((BLOCK_M, 1), dtype=tl.float32)
         else:  # the row's amax first: x is a few KB, read again below from L1 / L2
             amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                x = tl.load(
-                    x_rows + k0 + ks[None, :], mask=m_mask[:, None] & (k0 + ks < K)[None, :]
-                )
+                k_mask = (k0 + ks < K)[None, :]
+                x = _skinny_x_tile(
+                    x_rows + k0, u_rows + k0, nw + k0, m_mask[:, None] & k_mask, k_mask, inv_rms,
+                    NORM,
+                )  # fmt: skip
                 amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
             a_s = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)[:, None]
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -319,7 +360,9 @@ def w8a8_skinny_kernel(
             w = tl.load(
                 b_rows[:, None] + k0 + ks[None, :], mask=n_mask[:, None] & k_mask, other=0.0
             )
-            x = tl.load(x_rows + k0 + ks[None, :], mask=m_mask[:, None] & k_mask, other=0.0)
+            x = _skinny_x_tile(
+                x_rows + k0, u_rows + k0, nw + k0, m_mask[:, None] & k_mask, k_mask, inv_rms, NORM
+            )
             xq = tl.clamp(x.to(tl.float32) / a_s, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
             prod = w.to(tl.float32)[:, None, :] * xq.to(tl.float32)[None, :, :]
             acc += tl.sum(prod, axis=2)
@@ -341,39 +384,89 @@ def w8a8_skinny(
     dtype: `w8a8_fp8_linear`'s result for decode rows, x quantized inside the GEMM's launch.
     `launch` (block_k, products, warps, stages) overrides skinny_launch's for the shape."""
     m, k = x.shape
-    n = b.shape[0]
     assert b.shape[1] == k and b.stride(1) == 1 and x.stride(1) == 1 and m <= SKINNY_M
-    c = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return c
-    grouped = static_scale is None and group_k is not None and b_scale.shape[1] > 1
-    group = group_k if grouped else 0
+    c = torch.empty((m, b.shape[0]), dtype=x.dtype, device=x.device)
+    if m:
+        grouped = static_scale is None and group_k is not None and b_scale.shape[1] > 1
+        _launch_skinny(x, b, b_scale, group_k if grouped else 0, static_scale, c, launch)
+    return c
+
+
+def w8a8_skinny_add_norm(
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    static_scale: Optional[torch.Tensor] = None,
+    launch: Optional[tuple[int, int, int, int]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, y): h = residual + update, y = w8a8_skinny(RMSNorm(h) * norm_weight, b) for per-row
+    scales [N, 1] (static or per token), in one launch: a decoder layer's residual add, norm and
+    FP8 projection, the norm computed as rms_norm computes it (workers/layers/norm.py)."""
+    m, k = residual.shape
+    if (
+        update.shape != residual.shape
+        or update.dtype != residual.dtype
+        or norm_weight.shape != (k,)
+        or norm_weight.dtype != residual.dtype
+        or b_scale.shape[1] != 1
+        or b.shape[1] != k
+        or b.stride(1) != 1
+        or not 0 < m <= SKINNY_M
+    ):
+        raise ValueError(
+            f"w8a8_skinny_add_norm: want residual and update [M, K] (0 < M <= {SKINNY_M}) and "
+            f"norm_weight [K] of one dtype, a weight [N, K] with per-row scales [N, 1]; got residual "
+            f"{tuple(residual.shape)} {residual.dtype}, update {tuple(update.shape)} "
+            f"{update.dtype}, norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype}, "
+            f"weight {tuple(b.shape)}, scales {tuple(b_scale.shape)}"
+        )
+    residual, update, norm_weight = (
+        t if t.stride(-1) == 1 else t.contiguous() for t in (residual, update, norm_weight)
+    )
+    h = torch.empty_like(residual)
+    c = torch.empty((m, b.shape[0]), dtype=residual.dtype, device=residual.device)
+    norm = (update, norm_weight, h, eps)
+    _launch_skinny(residual, b, b_scale, 0, static_scale, c, launch, norm)
+    return h, c
+
+
+def _launch_skinny(
+    x: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    group: int,
+    static_scale: Optional[torch.Tensor],
+    c: torch.Tensor,
+    launch: Optional[tuple[int, int, int, int]],
+    norm: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = None,
+) -> None:
+    """w8a8_skinny_kernel over x's M rows into c; `norm` (update, norm weight, h out, eps) adds
+    the residual add and RMSNorm prologue."""
+    m, k = x.shape
+    n = b.shape[0]
     block_k, products, warps, stages = launch or skinny_launch(n, k)
     block_m = triton.next_power_of_2(m)
     block_k = max(group, min(block_k, triton.next_power_of_2(k)))
     block_n = max(4, products // (block_m * block_k))
+    update, norm_weight, h, eps = norm if norm is not None else (x, x, x, 0.0)
     w8a8_skinny_kernel[(triton.cdiv(n, block_n),)](
-        x,
-        b,
-        b_scale,
-        static_scale if static_scale is not None else b_scale,
-        c,
-        m,
-        n,
-        k,
-        x.stride(0),
-        b.stride(0),
-        b_scale.stride(0),
-        c.stride(0),
+        x, b, b_scale, static_scale if static_scale is not None else b_scale, c,
+        update, norm_weight, h,
+        m, n, k,
+        x.stride(0), b.stride(0), b_scale.stride(0), c.stride(0), update.stride(0), h.stride(0),
+        eps,
         GROUP=group,
         STATIC=static_scale is not None,
+        NORM=norm is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         NUM_STAGES=stages,
         num_warps=warps,
-    )
-    return c
+    )  # fmt: skip
 
 
 def w8a8_fp8_linear(
