@@ -1,6 +1,8 @@
 """`LLMEngine`: the driver. Schedulers (one per DP rank), ForwardMode, the executor, outputs.
 
 The step reads top to bottom: schedule -> decide -> submit plan -> collect results -> postprocess.
+Structured outputs (runtime/driver/structured_outputs.py) come in at two points: once the step is
+submitted (its grammar masks) and once its results are applied (the masks that waited for them).
 With `scheduler_config.async_scheduling` the results collected are the previous step's: step N+1
 is scheduled and submitted while step N runs, so the driver's and the workers' host work hides
 behind the GPU (see runtime/driver/scheduler.py for what that changes).
@@ -15,7 +17,7 @@ import time
 from collections import deque
 from typing import Any, Optional, Union
 
-from atomrt.distributed.messages import StepResult
+from atomrt.distributed.messages import GrammarBitmask, StepPlan, StepResult
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import BatchShape, CapturedBuckets
 from atomrt.runtime.driver.admission import Admission
@@ -36,7 +38,7 @@ from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
 from atomrt.runtime.driver.speculation import make_speculation, sampled_tokens
 from atomrt.runtime.driver.stats import EngineStats
-from atomrt.runtime.driver.structured_outputs import Failed, StructuredOutputs
+from atomrt.runtime.driver.structured_outputs import StructuredOutputs
 from atomrt.runtime.driver.ubatch_policy import check_tbo
 from atomrt.runtime.driver.validation import (
     RequestLimits,
@@ -53,7 +55,6 @@ from atomrt.workers.loading.loader import check_parallel_layout, read_arch
 logger = logging.getLogger(__name__)
 
 Prompt = PromptType
-IDLE_GRAMMAR_WAIT_S = 0.02  # an engine with only grammars compiling waits this long per step
 
 
 class EngineDeadError(RuntimeError):
@@ -129,6 +130,7 @@ class LLMEngine:
                 tokenizer=tokenizer,
                 max_model_len=self.max_model_len,
                 speculation=self.speculation,
+                ready=self.grammars.ready,  # a grammar still compiling: its request waits
             )
             for _ in range(config.parallel_config.data_parallel_size)
         ]
@@ -221,9 +223,10 @@ class LLMEngine:
                 )
             )
         scheduler.check_fits(seqs[0])  # raises on requests that can never fit, before any is queued
-        if grammar is None or self.grammars.admit(request_id, seqs, grammar, scheduler):
-            for seq in seqs:
-                scheduler.add(seq)
+        if grammar is not None:
+            self.grammars.admit(request_id, seqs, grammar)
+        for seq in seqs:
+            scheduler.add(seq)
         if kind is True or kind is False:
             stream, cumulative = kind, False
         else:
@@ -238,16 +241,21 @@ class LLMEngine:
         with self._guard.critical():
             self._abort(request_id)
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, error: Optional[str] = None) -> None:
+        """End a request ("abort"); `error`: why, told to the client in its final output."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return
-        aborted = self.grammars.abort(request_id, self.schedulers[req.dp_rank].abort(request_id))
+        aborted = self.schedulers[req.dp_rank].abort(request_id)
+        self.grammars.abort(request_id)
         self.planners[req.dp_rank].forget([s.seq_id for s in aborted])
         if req.stream:  # the samples still running end here; finished ones were streamed whole
-            self._aborted.append(req.delta_output(sorted(aborted, key=lambda s: s.index)))
+            final = req.delta_output(sorted(aborted, key=lambda s: s.index))
         else:
-            self._aborted.append(req.final_output())
+            final = req.final_output()
+        if error is not None:
+            final.error = error
+        self._aborted.append(final)
 
     def has_unfinished_requests(self) -> bool:
         """vLLM's name of `has_unfinished`."""
@@ -275,8 +283,6 @@ class LLMEngine:
         outputs (False once the engine is dead)."""
         if self.dead:
             return False
-        if self.grammars.held:  # compiling their grammar
-            return True
         return bool(self._aborted) or any(s.has_unfinished() for s in self.schedulers)
 
     # ---------------------------------------------------------------- the step
@@ -291,39 +297,49 @@ class LLMEngine:
             if not self._inflight or (
                 submitted and self.async_scheduling and len(self._inflight) < 2
             ):
-                if not submitted:
-                    self.grammars.wait(IDLE_GRAMMAR_WAIT_S)  # only grammars compiling: no spin
                 return self._take_aborted()
             step, outs = self._inflight[0]
             results = self.executor.collect(step, flush=not submitted)  # Ctrl-C may land here
             with self._guard.critical():
                 self._inflight.popleft()
                 outputs = self._take_aborted() + self._postprocess(outs, results)
-                self._send_masks(final=True)  # the next step's, now its tokens are known
+                # structured outputs: the next step's masks, now its rows' tokens are known
+                self._send_masks(self.grammars.took_results())
                 return outputs
         except BaseException as e:
             self._recover(e)
             raise
 
     def _schedule_and_submit(self) -> bool:
-        self._fail_held(self.grammars.release())  # compiled ones join their scheduler
+        """Schedule a step and submit it, if it runs anything; True when it did."""
+        outs = self._schedule()
+        plan = None if all(o.is_empty for o in outs) else self._submit(outs)
+        # structured outputs: the step's grammar masks, failed grammars; nothing to do: a short
+        # wait for a compiling grammar, not a spin
+        masks, failed = self.grammars.plan(plan, outs, idle=not self._inflight)
+        self._send_masks(masks)
+        for f in failed:
+            logger.warning("request %r failed: %s", f.request_id, f.error)
+            self._abort(f.request_id, f.error)
+        return plan is not None
+
+    def _schedule(self) -> list[SchedulerOutput]:
         if self.admission.active:  # dp_prefill_align, delay_factor: off by default
             admits = self.admission.admits(self.schedulers)
             outs = [s.schedule(admit) for s, admit in zip(self.schedulers, admits)]
             self.admission.observe(outs)
         else:
             outs = [s.schedule() for s in self.schedulers]
-        if all(o.is_empty for o in outs):
-            return False
+        return outs
+
+    def _submit(self, outs: list[SchedulerOutput]) -> StepPlan:
         probe = self.executor.probing  # a probe reads its steps in Python: they run eagerly
         decision = self.forward_mode.decide([_shape(o) for o in outs], eager=bool(probe))
         batches = [planner.batch(o) for planner, o in zip(self.planners, outs)]
         plan = make_plan(self.step_no, decision, batches, pipelined=self.async_scheduling)
         plan.probe = probe
-        self.grammars.plan(plan.step, outs, batches)  # structured outputs: rows to mask
         self.executor.submit(plan)
         self.step_no += 1  # at once: the plan went out under this number
-        self._send_masks(final=False)
         padded = self.stats.count(decision)
         if padded and len(outs) > 1:
             logger.debug(
@@ -336,7 +352,7 @@ class LLMEngine:
         for scheduler, out in zip(self.schedulers, outs):
             scheduler.advance(out)
         self._inflight.append((plan.step, outs))
-        return True
+        return plan
 
     def _postprocess(
         self, outs: list[SchedulerOutput], results: list[StepResult]
@@ -358,7 +374,6 @@ class LLMEngine:
                 apply_prompt_logprobs(res.prompt_logprobs, starts, self.tokenizer)
             finished = self.schedulers[dp_rank].postprocess(out, sampled, step_logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
-            self.grammars.finished(finished)
             for row in out.scheduled:
                 if not row.token_applied:
                     continue
@@ -390,20 +405,7 @@ class LLMEngine:
             self.speculation.step_done(num_tokens, num_seqs)
         return outputs
 
-    def _fail_held(self, failed: list[Failed]) -> None:
-        """Requests whose grammar failed, or took longer than the budget, end with the error
-        (their output is the next step's)."""
-        for f in failed:
-            req = self._requests.pop(f.request_id)
-            logger.warning("request %r failed: %s", f.request_id, f.error)
-            # one final output per request: a delta of every sample (streamed) or the whole
-            final = req.delta_output(f.seqs) if req.stream else req.final_output()
-            final.error = f.error
-            self._aborted.append(final)
-
-    def _send_masks(self, final: bool) -> None:
-        """Send the grammar masks of planned steps whose grammar states are known."""
-        masks = self.grammars.fill_ready(final) if self.grammars.pending else None
+    def _send_masks(self, masks: list[GrammarBitmask]) -> None:
         if masks:
             self.executor.send_grammar(masks)
 

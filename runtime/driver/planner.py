@@ -103,6 +103,7 @@ class RankPlanner:
         new_block_seq_ids, new_block_starts, num_new_blocks, new_block_ids = [], [], [], []
         seq_ids, row_new_tokens, row_computed_tokens, sample_mask = [], [], [], []
         num_draft_tokens, next_token_ids = [], []
+        grammar_rows, logits_row = [], 0  # structured outputs: the logits rows a grammar masks
         for row in out.scheduled:
             seq = row.seq
             seq_id, block_table, token_ids = seq.seq_id, seq.block_table, seq.token_ids
@@ -134,6 +135,10 @@ class RankPlanner:
             row_computed_tokens.append(start)
             sample_mask.append(row.is_sampled)
             num_draft_tokens.append(len(drafts))
+            if row.is_sampled:  # its logits rows: its verify rows, then its own
+                if seq.grammar is not None:
+                    grammar_rows.extend(range(logits_row, logits_row + 1 + len(drafts)))
+                logits_row += 1 + len(drafts)
             if self.next_tokens:
                 sampled = row.is_sampled or end >= len(token_ids)
                 next_token_ids.append(-1 if sampled else token_ids[end])
@@ -158,6 +163,7 @@ class RankPlanner:
             next_token_ids=np.asarray(
                 next_token_ids if any(t >= 0 for t in next_token_ids) else (), np.int32
             ),
+            grammar_rows=np.asarray(grammar_rows, dtype=np.int32),
         )
 
 

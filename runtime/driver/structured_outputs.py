@@ -1,20 +1,28 @@
 """`StructuredOutputs`: the driver's grammar state for constrained requests
 (`SamplingParams.structured_outputs`). The workers only apply masks.
 
-- **add_request** (`prepare`): the constraint is parsed and compiled on a thread
+The engine's step calls it at two points: `plan` once a step is scheduled and submitted (the masks
+of its constrained rows, the requests whose grammar failed, the wait of an engine with nothing but
+grammars to compile) and `took_results` once a step's results are applied (the masks of a planned
+step that waited for them). The scheduler asks `ready` of each waiting sequence; `prepare`,
+`admit` and `abort` follow a request's life.
+
+- **add_request** (`prepare`, `admit`): the constraint is parsed and compiled on a thread
   (runtime/driver/grammar_compiler.py); one that can never compile fails its request with the
-  error naming the field (or the schema keyword), like a compile that misses the budget. Until
-  its grammar is compiled the request's sequences wait here, not in a scheduler, so they hold up
-  nobody; `release` hands them to their scheduler with a matcher each (`Sequence.grammar`, the
-  backend's `GrammarMatcher`) once it is, and fails the request (`Failed`) once it waited longer
-  than `structured_outputs_config.grammar_compile_timeout_s`. The backend (grammar_backend.py) is
-  built on the first constrained request: an engine that never sees one never loads its library.
+  error naming the field (or the schema keyword), like a compile that misses the budget. The
+  request's sequences join their scheduler's waiting queue at once, but until the grammar is
+  compiled `ready` says no and the scheduler passes them over, so they hold up nobody; the first
+  `ready` after the compile gives each sequence its matcher (`Sequence.grammar`, the backend's
+  `GrammarMatcher`). `plan` fails the request (`Failed`) once its grammar did not compile, or
+  waited longer than `structured_outputs_config.grammar_compile_timeout_s`. The backend
+  (grammar_backend.py) is built on the first constrained request: an engine that never sees one
+  never loads its library.
 - **each step** (`plan`): the logits rows a grammar constrains (each sampled constrained
-  sequence's row, and with speculative decoding its verify rows) go into the `RankBatch` as
-  `grammar_rows`; their masks (`GrammarBitmask`, to each DP rank's sampling worker) are filled in
-  one batch as soon as every row's grammar state is known: at once, or, under async scheduling
-  when a row's token is still in flight, right after the previous step's tokens have advanced the
-  grammars (`fill_ready(final=True)`).
+  sequence's row, and with speculative decoding its verify rows) are in the `RankBatch` as
+  `grammar_rows` (the planner, runtime/driver/planner.py); their masks (`GrammarBitmask`, to each
+  DP rank's sampling worker) are filled in one batch as soon as every row's grammar state is known:
+  at once, or, under async scheduling when a row's token is still in flight, right after the
+  previous step's tokens have advanced the grammars (`took_results`).
 - **postprocess**: the stop rules advance a sequence's matcher on each token it emits
   (runtime/driver/stop_checker.py); a grammar that has accepted its end finishes the request
   ("stop").
@@ -35,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from atomrt.distributed.messages import GrammarBitmask, RankBatch
+from atomrt.distributed.messages import GrammarBitmask, StepPlan
 from atomrt.runtime.config import StructuredOutputsConfig
 from atomrt.runtime.driver.grammar_backend import GrammarMatcher, allowed_tokens
 from atomrt.runtime.driver.grammar_compiler import COMPILE_TIMEOUT, GrammarCompiler
@@ -43,7 +51,7 @@ from atomrt.runtime.driver.xgrammar_backend import XgrammarMatcher
 from atomrt.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
+    from atomrt.runtime.driver.scheduler import SchedulerOutput
     from atomrt.runtime.driver.sequence import Sequence
 
 __all__ = ["Failed", "GrammarMatcher", "SeqGrammar", "StructuredOutputs", "allowed_tokens"]
@@ -51,6 +59,7 @@ __all__ = ["Failed", "GrammarMatcher", "SeqGrammar", "StructuredOutputs", "allow
 logger = logging.getLogger(__name__)
 
 INIT_TIMEOUT_S = 120.0  # the bound on building the backend: its library's import, the vocabulary
+IDLE_GRAMMAR_WAIT_S = 0.02  # an engine with only grammars compiling waits this long per step
 
 # A matcher of the default backend built from its compiled grammar: `SeqGrammar(compiled,
 # stop_token_ids, vocab_size)`, for code that holds an xgrammar `CompiledGrammar` (tests).
@@ -85,18 +94,15 @@ class Failed:
     """A request that never ran: its grammar did not compile, or not within the budget."""
 
     request_id: str
-    seqs: list[Sequence]
     error: str
 
 
 @dataclass
 class _Held:
-    request_id: str
     seqs: list[Sequence]
     future: Future
     since: float  # time.monotonic() at add_request
     hit: bool  # compiled already when the request came
-    scheduler: Scheduler  # the one its sequences join once the grammar is compiled
 
 
 @dataclass
@@ -116,11 +122,10 @@ class StructuredOutputs:
     vocab_size: int
     stop_token_ids: list[int]
     config: StructuredOutputsConfig
-    held: list[_Held] = field(default_factory=list)
+    # requests whose grammar is compiling, by request id (their sequences wait in a scheduler)
+    held: dict[str, _Held] = field(default_factory=dict)
     pending: list[StepMasks] = field(default_factory=list)  # planned, not yet filled and sent
     mask_stats: MaskStats = field(default_factory=MaskStats)
-
-    num_live: int = 0  # sequences with a matcher that have not finished
 
     def __post_init__(self) -> None:
         self._starter: Optional[ThreadPoolExecutor] = None
@@ -163,20 +168,15 @@ class StructuredOutputs:
             return None
         return self.compiler.compile(params.structured_outputs)
 
-    def admit(
-        self, request_id: str, seqs: list[Sequence], future: Future, scheduler: Scheduler
-    ) -> bool:
-        """True: the grammar was compiled already (a cache hit), the matchers are attached and the
-        sequences may be scheduled; False: they are held until it compiles (`release` adds them
-        to `scheduler`)."""
+    def admit(self, request_id: str, seqs: list[Sequence], future: Future) -> None:
+        """A constrained request's sequences, before they join their scheduler: given their
+        matchers now when the grammar was compiled already (a cache hit), else held until it is
+        (`ready`)."""
         if future.done() and future.exception() is None:
             self.attach(seqs, future)
             self.compiler.record(0.0, hit=True)
-            return True
-        self.held.append(
-            _Held(request_id, seqs, future, time.monotonic(), future.done(), scheduler)
-        )
-        return False
+        else:
+            self.held[request_id] = _Held(seqs, future, time.monotonic(), future.done())
 
     def attach(self, seqs: list[Sequence], future: Future) -> None:
         """Give each sequence its matcher (the grammar is compiled: `future` is done)."""
@@ -184,54 +184,90 @@ class StructuredOutputs:
         backend = self.compiler.backend
         for seq in seqs:
             seq.grammar = backend.matcher(compiled)
-        self.num_live += len(seqs)
 
-    def finished(self, seqs: list[Sequence]) -> None:
-        """These sequences ended (finished or aborted)."""
-        self.num_live -= sum(1 for s in seqs if s.grammar is not None)
-
-    def abort(self, request_id: str, aborted: list[Sequence]) -> list[Sequence]:
-        """A request is aborted: `aborted` (its sequences its scheduler dropped) and those held
-        here for their grammar, which end ("abort")."""
-        for i, h in enumerate(self.held):
-            if h.request_id == request_id:
-                del self.held[i]
-                for seq in h.seqs:
-                    seq.finish("abort")
-                aborted = aborted + h.seqs
-                break
-        self.finished(aborted)
-        return aborted
-
-    def release(self) -> list[Failed]:
-        """Held requests whose grammar is now compiled join their scheduler (matchers attached);
-        returns those that failed, their sequences ended ("abort"): a grammar that did not
-        compile, or one still compiling after the budget."""
+    def ready(self, seq: Sequence) -> bool:
+        """The scheduler's question of a waiting sequence: False while its grammar compiles (or
+        failed to: `plan` ends the request); the first True gives its request's sequences their
+        matchers."""
         if not self.held:
-            return []
+            return True
+        h = self.held.get(seq.request_id)
+        if h is None:
+            return True
+        if not h.future.done() or h.future.exception() is not None:
+            return False
+        del self.held[seq.request_id]
+        self.compiler.record(time.monotonic() - h.since, h.hit)
+        self.attach(h.seqs, h.future)
+        return True
+
+    def abort(self, request_id: str) -> None:
+        """A request is aborted (its scheduler dropped its sequences): a grammar it waits for is
+        no longer its (the compile goes on, and is cached)."""
+        self.held.pop(request_id, None)
+
+    # ---------------------------------------------------------------- each step
+
+    def plan(
+        self, plan: Optional[StepPlan], outs: list[SchedulerOutput], idle: bool
+    ) -> tuple[list[GrammarBitmask], list[Failed]]:
+        """A step was scheduled and submitted (`plan`, None: nothing to run): the masks of its
+        constrained rows whose grammar states are known (send them now), and the requests whose
+        grammar failed, or outlived the compile budget (end them). `idle`: nothing runs and
+        nothing is in flight, so an engine waiting only for grammars blocks a moment here rather
+        than spin."""
+        failed = self._failed() if self.held else []
+        if idle and self.held:
+            wait(
+                [h.future for h in self.held.values()],
+                timeout=IDLE_GRAMMAR_WAIT_S,
+                return_when="FIRST_COMPLETED",
+            )
+        if plan is None or not any(batch.grammar_rows.size for batch in plan.ranks):
+            return [], failed  # no constrained row: the step pays nothing
+        ranks: list[_RankMasks] = []
+        deferred = False
+        for dp_rank, (out, batch) in enumerate(zip(outs, plan.ranks)):
+            if not batch.grammar_rows.size:
+                continue
+            entries: list[_Entry] = []
+            num_rows = 0  # the mask rows: each sampled sequence's verify rows, then its own
+            for s in out.scheduled:
+                if s.is_sampled and s.seq.grammar is not None:
+                    entries.append(_Entry(s.seq, num_rows, s.draft_token_ids))
+                    num_rows += 1 + s.num_draft_tokens
+                    # tokens in flight when it was scheduled (async scheduling)
+                    deferred = deferred or s.num_tokens > s.seq.num_tokens
+            assert num_rows == batch.grammar_rows.size, (num_rows, batch.grammar_rows)
+            ranks.append(_RankMasks(dp_rank, entries, num_rows))
+        self.pending.append(StepMasks(plan.step, ranks, deferred))
+        return self._fill_ready(final=False), failed
+
+    def took_results(self) -> list[GrammarBitmask]:
+        """A step's results were applied (the stop rules advanced each matcher on its tokens):
+        the masks of planned steps that waited for them (send them now)."""
+        return self._fill_ready(final=True) if self.pending else []
+
+    def _failed(self) -> list[Failed]:
+        """The held requests whose grammar did not compile, or is still compiling after the
+        budget: no longer held."""
         failed: list[Failed] = []
-        keep: list[_Held] = []
         now = time.monotonic()
         compiler = self.compiler
-        for h in self.held:
+        for request_id, h in list(self.held.items()):
             if h.future.done():
                 error = h.future.exception()
-                if error is not None:
-                    text = str(error)
-                    if not text.startswith("structured_outputs"):
-                        text = f"structured_outputs: {text}"
-                    failed.append(Failed(h.request_id, h.seqs, text))
-                    continue
-                compiler.record(now - h.since, h.hit)
-                self.attach(h.seqs, h.future)
-                for seq in h.seqs:
-                    h.scheduler.add(seq)
+                if error is None:
+                    continue  # compiled: the scheduler's next `ready` takes it
+                text = str(error)
+                if not text.startswith("structured_outputs"):
+                    text = f"structured_outputs: {text}"
+                failed.append(Failed(request_id, text))
             elif now - h.since > compiler.timeout_s:
                 compiler.stats.timeouts += 1
                 failed.append(
                     Failed(
-                        h.request_id,
-                        h.seqs,
+                        request_id,
                         f"structured_outputs: the grammar {COMPILE_TIMEOUT} "
                         f"{compiler.timeout_s:g} s (structured_outputs_config."
                         "grammar_compile_timeout_s) on a busy machine; retry (the compile goes "
@@ -239,47 +275,11 @@ class StructuredOutputs:
                     )
                 )
             else:
-                keep.append(h)
-        self.held = keep
-        for f in failed:
-            for seq in f.seqs:
-                seq.finish("abort")
+                continue
+            del self.held[request_id]
         return failed
 
-    def wait(self, timeout_s: float) -> None:
-        """Block up to `timeout_s` for a held grammar to compile (an engine with nothing else to
-        run)."""
-        if self.held:
-            wait([h.future for h in self.held], timeout=timeout_s, return_when="FIRST_COMPLETED")
-
-    # ---------------------------------------------------------------- each step
-
-    def plan(self, step: int, outs: list[SchedulerOutput], batches: list[RankBatch]) -> None:
-        """Set each rank's `grammar_rows` and remember the step's masks to fill."""
-        if not self.num_live:  # no constrained sequence: the step pays nothing
-            return
-        ranks: list[_RankMasks] = []
-        deferred = False
-        for dp_rank, (out, batch) in enumerate(zip(outs, batches)):
-            entries: list[_Entry] = []
-            rows: list[int] = []
-            at = 0  # the step's logits rows: each sampled sequence's verify rows, then its own
-            for s in out.scheduled:
-                if not s.is_sampled:
-                    continue
-                n = 1 + s.num_draft_tokens
-                if s.seq.grammar is not None:
-                    entries.append(_Entry(s.seq, len(rows), s.draft_token_ids))
-                    rows.extend(range(at, at + n))
-                    deferred = deferred or s.seq.num_pending > 0
-                at += n
-            if entries:
-                batch.grammar_rows = np.asarray(rows, dtype=np.int32)
-                ranks.append(_RankMasks(dp_rank, entries, len(rows)))
-        if ranks:
-            self.pending.append(StepMasks(step, ranks, deferred))
-
-    def fill_ready(self, final: bool = False) -> list[GrammarBitmask]:
+    def _fill_ready(self, final: bool) -> list[GrammarBitmask]:
         """The masks of planned steps whose grammar states are known: those planned without a
         token in flight, or (`final`: the previous step's tokens are in) every one."""
         out: list[GrammarBitmask] = []

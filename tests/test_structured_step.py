@@ -1,0 +1,104 @@
+"""Where the engine's step meets structured outputs: two calls, `StructuredOutputs.plan` once a step
+is submitted and `took_results` once its results are applied (the scheduler asks `ready` of a
+waiting sequence itself), and an engine with nothing but a compiling grammar waits in `plan`
+rather than spin."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from grammar_harness import build_tiny_bpe
+
+from atomrt.runtime.driver.structured_outputs import IDLE_GRAMMAR_WAIT_S, StructuredOutputs
+from atomrt.runtime.entrypoints.llm import LLM
+from atomrt.runtime.sampling_params import SamplingParams
+
+COMMON = dict(device="cpu", enforce_eager=True, num_kv_blocks=128, max_num_seqs=8)
+PROMPTS = [[504, 1090, 4401, 28, 504, 1090], [9, 90, 900, 9000], [41, 42, 43, 44, 45]]
+
+
+def _params(so=None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, structured_outputs=so)
+
+
+REQUESTS = [
+    _params({"regex": r"(ab|cd){1,4}[0-9]{2,4}"}),
+    _params(),
+    _params({"choice": ["alpha", "beta gamma", "delta"]}),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_bpe(tmp_path_factory.mktemp("structured-step") / "model")
+
+
+class _Calls:
+    """The engine's `grammars`, forwarding to the real one and noting what the engine asks of it
+    and which calls handed back masks."""
+
+    def __init__(self, real: StructuredOutputs) -> None:
+        self.real = real
+        self.names: list[str] = []
+        self.masks: dict[str, int] = {}
+
+    def __getattr__(self, name: str):
+        self.names.append(name)
+        got = getattr(self.real, name)
+        if not callable(got):
+            return got
+
+        def call(*args, **kwargs):
+            out = got(*args, **kwargs)
+            masks = out[0] if isinstance(out, tuple) else out
+            if isinstance(masks, list) and masks:
+                self.masks[name] = self.masks.get(name, 0) + len(masks)
+            return out
+
+        return call
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_step_calls_structured_outputs_at_two_points(tiny, async_scheduling) -> None:
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    settings = dict(async_scheduling=async_scheduling, speculative_config=spec)
+    with LLM(str(tiny), **COMMON, **settings) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, REQUESTS, use_tqdm=False)]
+        engine = llm.engine
+        for prompt, params in zip(PROMPTS, REQUESTS):
+            engine.add_request(prompt, params)  # the grammars are compiled: cache hits
+        calls = _Calls(engine.grammars)
+        engine.grammars = calls
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] = out.outputs[0].token_ids
+        engine.grammars = calls.real
+    assert [got[k] for k in sorted(got)] == want
+    assert set(calls.names) == {"plan", "took_results"}
+    # async scheduling: a decode step is planned while its rows' tokens are out, so its masks
+    # wait for the previous step's results; else they go out as the step is planned
+    assert set(calls.masks) == ({"plan", "took_results"} if async_scheduling else {"plan"})
+
+
+def test_an_engine_with_only_a_compiling_grammar_waits_rather_than_spins(tiny) -> None:
+    props = {
+        f"p{i}": {"type": "string", "pattern": f"^[a-{chr(98 + i % 24)}]{{1,{i % 9 + 2}}}$"}
+        for i in range(60)
+    }
+    schema = {"type": "object", "properties": props, "required": list(props)}
+    with LLM(str(tiny), **COMMON) as llm:
+        engine = llm.engine
+        engine.add_request(PROMPTS[0], _params({"json": schema}))
+        start, idle = time.perf_counter(), 0
+        while engine.step_no == 0:  # nothing is scheduled until the grammar is compiled
+            assert engine.step() == [] and engine.has_unfinished()
+            idle += 1
+        elapsed = time.perf_counter() - start
+        idle -= 1  # the last step scheduled the request
+        while engine.has_unfinished():
+            engine.step()
+    # each idle step but the one the compile ends waited the whole IDLE_GRAMMAR_WAIT_S
+    assert 2 <= idle <= elapsed / IDLE_GRAMMAR_WAIT_S + 1, (idle, elapsed)
