@@ -105,12 +105,15 @@ def compiler_factors(device: torch.device) -> dict[str, Any]:
         triton_version: Optional[str] = triton.__version__
     except ImportError:
         triton_version = None
-    return {
+    factors = {
         "torch": torch.__version__,
         "triton": triton_version,
         "python": sys.version.split()[0],
         **device_factors(device),
     }
+    if ENV.fp8_norm_prologue:  # FP8 projections trace another op (absent otherwise: keys stay)
+        factors["fp8_norm_prologue"] = True
+    return factors
 
 
 def model_source_files(traced_code: Iterable[CodeType]) -> list[str]:

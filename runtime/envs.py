@@ -18,6 +18,7 @@ FORWARDED_TO_WORKERS = (
     "ATOMRT_ALLOW_LONG_MAX_MODEL_LEN",
     "ATOMRT_COMPILE_CACHE_READ_ONLY",
     "ATOMRT_TRACE_CACHE",
+    "ATOMRT_FP8_NORM_PROLOGUE",
 )
 # What a bench record's command line names when it is set: the variables that change what a run
 # measures (runtime/bench/records.py).
@@ -25,6 +26,7 @@ RECORDED_BY_BENCHES = (
     "ATOMRT_PDL",
     "ATOMRT_TRACE_CACHE",
     "ATOMRT_COMPILE_CACHE_READ_ONLY",
+    "ATOMRT_FP8_NORM_PROLOGUE",
     "OMP_NUM_THREADS",
     "OMP_WAIT_POLICY",
 )
@@ -55,6 +57,10 @@ class Env:
     bench_commit: str = ""
     # The variables of RECORDED_BY_BENCHES set in this process, as (name, value) pairs.
     recorded_by_benches: tuple[tuple[str, str], ...] = ()
+    # ATOMRT_FP8_NORM_PROLOGUE: an FP8 projection after a residual add and RMSNorm (qkv, gate_up)
+    # takes them into its decode GEMM's launch (w8a8_skinny_add_norm) instead of a kernel before
+    # it. Default 0 until measured faster.
+    fp8_norm_prologue: bool = False
 
 
 def read_env() -> Env:
@@ -75,6 +81,7 @@ def read_env() -> Env:
         recorded_by_benches=tuple(
             (k, os.environ[k]) for k in RECORDED_BY_BENCHES if k in os.environ
         ),
+        fp8_norm_prologue=os.environ.get("ATOMRT_FP8_NORM_PROLOGUE", "0") == "1",
     )
 
 

@@ -22,7 +22,12 @@ from atomrt.runtime.entrypoints.config_args import add_config_args
 from atomrt.runtime.envs import ENV
 
 # The ATOMRT_* variables a record's command line names, at their defaults (not a variant).
-ENV_DEFAULTS = {"ATOMRT_PDL": "0", "ATOMRT_TRACE_CACHE": "1", "ATOMRT_COMPILE_CACHE_READ_ONLY": "0"}
+ENV_DEFAULTS = {
+    "ATOMRT_PDL": "0",
+    "ATOMRT_TRACE_CACHE": "1",
+    "ATOMRT_COMPILE_CACHE_READ_ONLY": "0",
+    "ATOMRT_FP8_NORM_PROLOGUE": "0",
+}
 
 
 def model_name(model: str) -> str:

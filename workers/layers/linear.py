@@ -248,9 +248,15 @@ class ColumnParallelLinear(_LinearBase):
     def forward_add_norm(
         self, residual: torch.Tensor, update: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, self(norm(h))) for h = residual + update: through add_norm_linear, unless the
-        weight is quantized or CPU-packed (then the add and the norm come first, and `forward`)."""
-        if self.quant_method is not None or self.cpu_packed.get(self.weight, residual) is not None:
+        """(h, self(norm(h))) for h = residual + update: through add_norm_linear, or a quantized
+        weight's method when it fuses them (`fuses_add_norm`), unless the weight is CPU-packed or
+        quantized otherwise (then the add and the norm come first, and `forward`)."""
+        method = self.quant_method
+        if method is not None and getattr(method, "fuses_add_norm", False):
+            h, y = method.apply_add_norm(self, residual, update, norm)
+            y = y + self.bias if self.bias is not None else y
+            return h, tp_all_gather(y, self.tp) if self.gather_output else y
+        if method is not None or self.cpu_packed.get(self.weight, residual) is not None:
             h = residual_add(residual, update)
             return h, self(rms_norm(h, norm.weight, norm.eps))
         h, y = add_norm_linear(

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from atomrt.runtime import envs
 from atomrt.workers.layers.quantization.fp8 import (
     DEQUANTIZED_AT_LOAD,
     FP8_DTYPE,
@@ -24,7 +25,7 @@ from atomrt.workers.layers.quantization.fp8 import (
     quantize_weight_per_row,
     scale_groups,
 )
-from atomrt.workers.layers.quantization.fp8_ops import fp8_linear_op
+from atomrt.workers.layers.quantization.fp8_ops import fp8_add_norm_linear_op, fp8_linear_op
 from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, read_narrow
 
 
@@ -71,6 +72,22 @@ class Fp8LinearMethod:
         scale = layer.weight_scale
         input_scale = layer.input_scale if self.static else None
         return fp8_linear_op(x, layer.weight, scale, input_scale, self.group_k)
+
+    @property
+    def fuses_add_norm(self) -> bool:
+        """Whether `apply_add_norm` takes a residual add and RMSNorm into the projection's launch
+        (ATOMRT_FP8_NORM_PROLOGUE=1), rather than the layer adding and normalizing first."""
+        return envs.ENV.fp8_norm_prologue
+
+    def apply_add_norm(
+        self, layer: nn.Module, residual: torch.Tensor, update: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, RMSNorm(h) @ W^T) for h = residual + update (no bias: the caller adds it)."""
+        input_scale = layer.input_scale if self.static else None
+        return fp8_add_norm_linear_op(
+            residual, update, norm.weight, norm.eps, layer.weight, layer.weight_scale,
+            input_scale, self.group_k,
+        )  # fmt: skip
 
 
 def _num_merged(layer: nn.Module) -> int:

@@ -1,6 +1,7 @@
 """The FP8 layers' custom ops, opaque to Dynamo (each picks its kernel per call, by device):
-`torch.ops.atomrt.fp8_linear` and `torch.ops.atomrt.fp8_routed_experts`. `group_k` 0 stands for
-the whole row (per-channel weights, per-token activations)."""
+`torch.ops.atomrt.fp8_linear`, `torch.ops.atomrt.fp8_add_norm_linear` (a residual add and RMSNorm,
+then the projection: ATOMRT_FP8_NORM_PROLOGUE) and `torch.ops.atomrt.fp8_routed_experts`.
+`group_k` 0 stands for the whole row (per-channel weights, per-token activations)."""
 
 # No `from __future__ import annotations` here: the ops' schemas are inferred from real annotations.
 
@@ -9,9 +10,11 @@ from typing import Optional
 import torch
 
 from atomrt.compile.custom_register import direct_register_custom_op
-from atomrt.workers.kernels.gemm.fp8_gemm import w8a8_fp8_linear
+from atomrt.workers.kernels.gemm.fp8_gemm import SKINNY_M, w8a8_fp8_linear, w8a8_skinny_add_norm
 from atomrt.workers.kernels.moe.fused_moe_fp8 import fused_experts_fp8
+from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers import expert_tally
+from atomrt.workers.layers.norm import residual_add, rms_norm
 from atomrt.workers.layers.quantization.fp8 import fp8_experts_ref, fp8_linear_ref
 
 
@@ -33,6 +36,42 @@ def _fp8_linear_fake(
     x: torch.Tensor, weight: torch.Tensor, *scales_and_group: object
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _fp8_add_norm_linear_impl(
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: Optional[torch.Tensor],
+    group_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual, update [M, K] -> (h = residual + update, RMSNorm(h) @ FP8 weight [N, K]^T):
+    decode rows of per-row scales in one launch on CUDA, else the add and norm first."""
+    same_dtype = norm_weight.dtype == residual.dtype and update.dtype == residual.dtype
+    if residual.is_cuda and same_dtype:
+        if weight_scale.shape[1] == 1 and 0 < residual.shape[0] <= SKINNY_M:
+            return w8a8_skinny_add_norm(
+                residual, update, norm_weight, eps, weight, weight_scale, input_scale
+            )
+        h, normed = add_rms_norm(residual, update, norm_weight, eps)
+    else:
+        h = residual_add(residual, update)
+        normed = rms_norm(h, norm_weight, eps)
+    return h, _fp8_linear_impl(normed, weight, weight_scale, input_scale, group_k)
+
+
+def _fp8_add_norm_linear_fake(
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    *scales_and_group: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(residual), residual.new_empty((residual.shape[0], weight.shape[0]))
 
 
 def _fp8_routed_experts_impl(
@@ -59,6 +98,9 @@ def _fp8_routed_experts_fake(x: torch.Tensor, *routing_and_experts: object) -> t
 
 direct_register_custom_op("fp8_linear", _fp8_linear_impl, fake_impl=_fp8_linear_fake)
 direct_register_custom_op(
+    "fp8_add_norm_linear", _fp8_add_norm_linear_impl, fake_impl=_fp8_add_norm_linear_fake
+)
+direct_register_custom_op(
     "fp8_routed_experts", _fp8_routed_experts_impl, fake_impl=_fp8_routed_experts_fake
 )
 
@@ -77,6 +119,29 @@ def fp8_linear_op(
     else:
         y = _fp8_linear_impl(rows, weight, weight_scale, input_scale, group_k or 0)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_add_norm_linear_op(
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: Optional[torch.Tensor],
+    group_k: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_add_norm_linear` over any leading dims; one opaque op when traced."""
+    k = residual.shape[-1]
+    args = (
+        residual.reshape(-1, k), update.reshape(-1, k), norm_weight, eps, weight, weight_scale,
+        input_scale, group_k or 0,
+    )  # fmt: skip
+    if torch.compiler.is_compiling():
+        h, y = torch.ops.atomrt.fp8_add_norm_linear(*args)
+    else:
+        h, y = _fp8_add_norm_linear_impl(*args)
+    return h.reshape(residual.shape), y.reshape(*residual.shape[:-1], weight.shape[0])
 
 
 def fp8_routed_experts(
