@@ -5,7 +5,11 @@ activation-quantization kernel, then `w8a8_gemm`), and the fused decode path `w8
 launch for its shape (fp8_gemm.skinny_launch) and, with --sweep, at other launches; GB/s counts
 the weight and scale bytes.
 
-`python benchmarks/bench_fp8_gemm.py [--m 1] [--sweep] [--group 128]`
+`--norm` (per-row scales) adds a residual add + RMSNorm before the projection: add_rms_norm then
+the fused path (what runs by default) against w8a8_skinny_add_norm, the add and norm in the GEMM's
+launch (ATOMRT_FP8_NORM_PROLOGUE=1), at the shape's launch.
+
+`python benchmarks/bench_fp8_gemm.py [--m 1] [--sweep] [--group 128] [--norm]`
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from atomrt.workers.kernels.gemm import fp8_gemm
+from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers.quantization.fp8 import quantize_fp8
 
 SHAPES = {  # name: (N, K)
@@ -67,7 +72,12 @@ def main() -> None:
     p.add_argument("--group", type=int, default=None, help="128: block-scaled weights")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names")
     p.add_argument("--sweep", action="store_true", help="also other fused launches")
+    p.add_argument(
+        "--norm", action="store_true", help="also a residual add + RMSNorm before, apart and fused"
+    )
     args = p.parse_args()
+    if args.norm and args.group:
+        p.error("--norm: the fused add + norm takes per-row scales (no --group)")
     torch.manual_seed(0)
     m, group = args.m, args.group
     print(f"m={m} group={group}; launches as (block_k, products, warps, stages)")
@@ -101,6 +111,21 @@ def main() -> None:
             f"{name:12} {bf16:8.2f} {old:9.2f} {fused:8.2f} {nbytes / fused / 1e3:6.0f}  "
             f"{default}, {best[0]:.2f} {best[1]}"
         )
+        if args.norm:
+            update = torch.randn_like(x)
+            norm_w = torch.ones(k, device="cuda", dtype=x.dtype)
+
+            def apart(i):
+                _, normed = add_rms_norm(x, update, norm_w, 1e-6)
+                return fp8_gemm.w8a8_skinny(normed, *qs[i % COPIES], None)
+
+            def prologue(i):
+                return fp8_gemm.w8a8_skinny_add_norm(x, update, norm_w, 1e-6, *qs[i % COPIES])
+
+            print(
+                f"{'':12} + add/norm: apart {_time_us(apart):.2f} us, in the GEMM's launch "
+                f"{_time_us(prologue):.2f} us"
+            )
 
 
 if __name__ == "__main__":
