@@ -102,3 +102,22 @@ def test_an_engine_with_only_a_compiling_grammar_waits_rather_than_spins(tiny) -
             engine.step()
     # each idle step but the one the compile ends waited the whole IDLE_GRAMMAR_WAIT_S
     assert 2 <= idle <= elapsed / IDLE_GRAMMAR_WAIT_S + 1, (idle, elapsed)
+
+
+def test_a_grammar_wait_is_counted_until_it_compiled_not_until_a_busy_scheduler_admits_it(tiny):
+    """`grammar_compile_seconds` is the wait for the grammar: a request that then queues behind
+    a full batch (max_num_seqs=1) does not add its queueing to it."""
+    with LLM(str(tiny), **{**COMMON, "max_num_seqs": 1}) as llm:
+        engine = llm.engine
+        engine.add_request(PROMPTS[1], SamplingParams(max_tokens=120, ignore_eos=True))
+        engine.step()
+        start = time.perf_counter()
+        rid = engine.add_request(PROMPTS[0], _params({"choice": ["yes", "no"]}), stream=True)
+        queued = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == rid and queued is None:
+                    queued = time.perf_counter() - start
+        stats = engine.grammars.compiler.stats
+    assert stats.misses == 1 and queued is not None
+    assert stats.miss_seconds < queued / 2, (stats.miss_seconds, queued)

@@ -11,12 +11,12 @@ step that waited for them). The scheduler asks `ready` of each waiting sequence;
   (runtime/driver/grammar_compiler.py); one that can never compile fails its request with the
   error naming the field (or the schema keyword), like a compile that misses the budget. The
   request's sequences join their scheduler's waiting queue at once, but until the grammar is
-  compiled `ready` says no and the scheduler passes them over, so they hold up nobody; the first
-  `ready` after the compile gives each sequence its matcher (`Sequence.grammar`, the backend's
-  `GrammarMatcher`). `plan` fails the request (`Failed`) once its grammar did not compile, or
-  waited longer than `structured_outputs_config.grammar_compile_timeout_s`. The backend
-  (grammar_backend.py) is built on the first constrained request: an engine that never sees one
-  never loads its library.
+  compiled `ready` says no and the scheduler passes them over, so they hold up nobody. Whichever
+  of `ready` and `plan` sees the compile done first gives each sequence its matcher
+  (`Sequence.grammar`, the backend's `GrammarMatcher`). `plan` fails the request (`Failed`) once
+  its grammar did not compile, or waited longer than
+  `structured_outputs_config.grammar_compile_timeout_s`. The backend (grammar_backend.py) is built
+  on the first constrained request: an engine that never sees one never loads its library.
 - **each step** (`plan`): the logits rows a grammar constrains (each sampled constrained
   sequence's row, and with speculative decoding its verify rows) are in the `RankBatch` as
   `grammar_rows` (the planner, runtime/driver/planner.py); their masks (`GrammarBitmask`, to each
@@ -187,8 +187,8 @@ class StructuredOutputs:
 
     def ready(self, seq: Sequence) -> bool:
         """The scheduler's question of a waiting sequence: False while its grammar compiles (or
-        failed to: `plan` ends the request); the first True gives its request's sequences their
-        matchers."""
+        failed to: `plan` ends the request). Its request's sequences get their matchers here or
+        in `plan`, whichever sees the compile done first."""
         if not self.held:
             return True
         h = self.held.get(seq.request_id)
@@ -196,10 +196,14 @@ class StructuredOutputs:
             return True
         if not h.future.done() or h.future.exception() is not None:
             return False
-        del self.held[seq.request_id]
-        self.compiler.record(time.monotonic() - h.since, h.hit)
-        self.attach(h.seqs, h.future)
+        self._take(seq.request_id, h, time.monotonic())
         return True
+
+    def _take(self, request_id: str, h: _Held, now: float) -> None:
+        """A held request's grammar compiled: its sequences get their matchers."""
+        del self.held[request_id]
+        self.compiler.record(now - h.since, h.hit)
+        self.attach(h.seqs, h.future)
 
     def abort(self, request_id: str) -> None:
         """A request is aborted (its scheduler dropped its sequences): a grammar it waits for is
@@ -216,7 +220,7 @@ class StructuredOutputs:
         grammar failed, or outlived the compile budget (end them). `idle`: nothing runs and
         nothing is in flight, so an engine waiting only for grammars blocks a moment here rather
         than spin."""
-        failed = self._failed() if self.held else []
+        failed = self._check_held() if self.held else []
         if idle and self.held:
             wait(
                 [h.future for h in self.held.values()],
@@ -248,9 +252,10 @@ class StructuredOutputs:
         the masks of planned steps that waited for them (send them now)."""
         return self._fill_ready(final=True) if self.pending else []
 
-    def _failed(self) -> list[Failed]:
-        """The held requests whose grammar did not compile, or is still compiling after the
-        budget: no longer held."""
+    def _check_held(self) -> list[Failed]:
+        """Held requests whose grammar compiled get their matchers (their wait is counted now,
+        not when a busy scheduler gets to them); returns those whose grammar did not compile, or
+        is still compiling after the budget, no longer held."""
         failed: list[Failed] = []
         now = time.monotonic()
         compiler = self.compiler
@@ -258,7 +263,8 @@ class StructuredOutputs:
             if h.future.done():
                 error = h.future.exception()
                 if error is None:
-                    continue  # compiled: the scheduler's next `ready` takes it
+                    self._take(request_id, h, now)
+                    continue
                 text = str(error)
                 if not text.startswith("structured_outputs"):
                     text = f"structured_outputs: {text}"
