@@ -21,10 +21,12 @@ from atomrt.workers.kernels.attention.mla_decode import (
     MLADecodeLaunch,
     launch_mla_decode,
     mla_decode_attention,
+    mla_rope_write_kv_cache,
     mla_write_kv_cache,
     plan_mla_decode,
 )
 from atomrt.workers.kernels.attention.workspace import split_workspace
+from atomrt.workers.layers.rotary import RotaryEmbedding
 
 NAN = float("nan")
 
@@ -189,6 +191,36 @@ def test_write_kv_cache(src: torch.dtype, dst: torch.dtype) -> None:
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[written]] = False
     assert torch.isnan(flat[untouched].float()).all(), "a skipped row was written"
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half-split"])
+def test_rope_write_kv_cache_is_the_rotary_then_the_write(interleaved: bool) -> None:
+    """One launch gives RotaryEmbedding's rotated q_pe (every row: padded ones too) and k_pe,
+    bit for bit (the same roundings), and writes mla_write_kv_cache's rows of the rotated k_pe;
+    slots < 0 and past the cache write nothing. q_pe as a strided view of the whole query, YaRN
+    scaling in cos/sin as DeepSeek's rotary has it."""
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, block_size, heads, nope, lora, rope = 3, 16, 5, 12, 40, 16
+    rotary = RotaryEmbedding(
+        rope, 4096, 10000.0, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                              "mscale": 0.707, "mscale_all_dim": 0.707}, interleaved=interleaved,
+    )  # fmt: skip
+    q = torch.randn(6, heads, nope + rope, generator=gen)
+    kv_a = torch.randn(6, lora + rope, generator=gen)  # [T, L + P]: rows L + P apart
+    kv_c, k_pe = kv_a[:, :lora], kv_a[:, lora:]
+    positions = torch.tensor([0, 7, 300, 4095, 1, 64])
+    slots = torch.tensor([5, -1, 47, 16, num_blocks * block_size, 0], dtype=torch.int64)
+    cache = torch.full((num_blocks, block_size, lora + rope), NAN)
+    q_rot = mla_rope_write_kv_cache(
+        q[..., nope:], kv_c, k_pe, positions, rotary.cos_cache, rotary.sin_cache, interleaved,
+        cache, slots,
+    )  # fmt: skip
+    want_q, want_k = rotary(positions, q[..., nope:], k_pe.unsqueeze(1))
+    assert torch.equal(q_rot, want_q)
+    want = torch.full_like(cache, NAN)
+    mla_write_kv_cache(kv_c, want_k.squeeze(1), want, slots)
+    assert torch.equal(cache.isnan(), want.isnan())
+    assert torch.equal(cache.nan_to_num(), want.nan_to_num())
 
 
 LENS_K = [1, 17, 40, 70]  # a first token (no earlier key), a block boundary, several key tiles

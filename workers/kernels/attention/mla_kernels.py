@@ -58,6 +58,99 @@ def mla_write_kv_kernel(
 
 
 @triton.jit
+def _rotate_rows(x_ptrs, pos_rows, cos_ptr, sin_ptr, rope, rope_valid, rows_valid, HALF,
+                 dtype: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
+    """Rows [..., ROPE_P] of a rotary part rotated as RotaryEmbedding rotates them (its output
+    de-interleaved when INTERLEAVED): each output element (x_a cos -+ x_b sin) with cos and sin
+    rounded to `dtype`, each product and the sum rounded to it, as eager torch rounds them.
+    `x_ptrs` points at each row's first rotary element, `pos_rows` [rows] at the rows' positions."""
+    first = rope < HALF
+    freq = tl.where(first, rope, rope - HALF)
+    if INTERLEAVED:  # x1 = x[0::2], x2 = x[1::2]
+        src_a = tl.where(first, 2 * freq, 2 * freq + 1)
+        src_b = tl.where(first, 2 * freq + 1, 2 * freq)
+    else:  # x1 = x[:HALF], x2 = x[HALF:]
+        src_a = rope
+        src_b = tl.where(first, rope + HALF, rope - HALF)
+    mask = rows_valid[:, None] & rope_valid[None, :]
+    a = tl.load(x_ptrs[:, None] + src_a[None, :], mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_ptrs[:, None] + src_b[None, :], mask=mask, other=0.0).to(tl.float32)
+    cs_off = pos_rows[:, None] * HALF + freq[None, :]
+    cos = tl.load(cos_ptr + cs_off, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + cs_off, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    ac = (a * cos).to(dtype).to(tl.float32)
+    bs = (b * sin).to(dtype).to(tl.float32)
+    return tl.where(first[None, :], ac - bs, ac + bs).to(dtype)
+
+
+@triton.jit
+def mla_rope_write_kv_kernel(
+    q_pe_ptr,  # [T, H, P] the query's rotary part, not rotated (any row and head strides)
+    q_out_ptr,  # [T, H, P] out: q_pe rotated
+    kv_c_ptr,  # [T, L] normalised latent
+    k_pe_ptr,  # [T, P] the key's rotary part, not rotated
+    positions_ptr,  # [T] int64
+    cos_ptr,
+    sin_ptr,  # [max_position, P / 2] float32
+    kv_cache_ptr,  # [num_blocks, block_size, L + P]
+    slot_mapping_ptr,  # [T] int64, < 0 = padded row (nothing written)
+    kv_scales_ptr,  # an e4m3 cache's [k_scale, ...] fp32: the latent cache's one scale is k_scale
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ct,
+    stride_pt,
+    stride_cb,
+    stride_cs,
+    num_heads,
+    num_slots,  # num_blocks * block_size: a slot past the cache is skipped, never written
+    kv_lora_rank,
+    rope_dim,
+    BLOCK_SIZE: tl.constexpr,
+    HEADS_P: tl.constexpr,
+    LORA_P: tl.constexpr,
+    ROPE_P: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """One program per token: the rotary embedding of its query heads' q_pe (into q_out) and of
+    its k_pe, and its cache row [latent | rotated k_pe] in the cache's dtype: what the MLA op ran as
+    RotaryEmbedding's torch kernels, a cat and mla_write_kv_kernel, in one launch."""
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + row).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
+    dtype = q_out_ptr.dtype.element_ty
+    half = rope_dim // 2
+    rope = tl.arange(0, ROPE_P)
+    rope_valid = rope < rope_dim
+    heads = tl.arange(0, HEADS_P)
+    heads_valid = heads < num_heads
+    pos_rows = pos + tl.zeros([HEADS_P], dtype=tl.int64)
+    q_rot = _rotate_rows(
+        q_pe_ptr + row * stride_qt + heads * stride_qh, pos_rows, cos_ptr, sin_ptr, rope,
+        rope_valid, heads_valid, half, dtype, INTERLEAVED,
+    )  # fmt: skip
+    out = q_out_ptr + row * stride_ot + heads[:, None] * stride_oh + rope[None, :]
+    tl.store(out, q_rot, mask=heads_valid[:, None] & rope_valid[None, :])
+    if (slot < 0) | (slot >= num_slots):
+        return
+    one = tl.arange(0, 1)
+    k_rot = _rotate_rows(
+        k_pe_ptr + row * stride_pt + one * 0, pos + one * 0, cos_ptr, sin_ptr, rope, rope_valid,
+        one == 0, half, dtype, INTERLEAVED,
+    )  # fmt: skip  # [1, ROPE_P]
+    dst = kv_cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    cache_ty = kv_cache_ptr.dtype.element_ty
+    scale, _ = load_kv_scales(kv_scales_ptr, cache_ty)
+    lora = tl.arange(0, LORA_P)
+    lora_valid = lora < kv_lora_rank
+    latent = tl.load(kv_c_ptr + row * stride_ct + lora, mask=lora_valid)
+    tl.store(dst + lora, to_cache(latent, cache_ty, scale), mask=lora_valid)
+    k_dst = dst + kv_lora_rank + one[:, None] * 0 + rope[None, :]
+    tl.store(k_dst, to_cache(k_rot, cache_ty, scale), mask=rope_valid[None, :])
+
+
+@triton.jit
 def _zero_unowned_rows(
     out_ptr,
     cu_seqlens_q_ptr,
