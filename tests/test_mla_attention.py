@@ -217,3 +217,42 @@ def test_the_cuda_path_through_the_interpreter_equals_the_reference() -> None:
     mla_write_kv_cache(kv_c, k_pe, by_kernel, slots)
     write_latent_ref(kv_c, k_pe, by_reference, slots)
     assert torch.equal(by_kernel, by_reference)
+
+
+def test_the_cuda_path_with_q_pe_rotated_apart_equals_the_reference() -> None:
+    """What the op runs on CUDA, through the interpreter on CPU tensors: q_pe and k_pe rotated in
+    the latent write's launch (mla_rope_write_kv_cache), the absorbed decode reading the rotated
+    q_pe apart (q's own rotary columns never read: NaN here), against the reference over the
+    rotary embedding of q and the cache rows."""
+    from atomrt.workers.kernels.attention.mla_decode import mla_rope_write_kv_cache
+    from atomrt.workers.layers.mla import absorbed_decode
+
+    layer = _layer()
+    seqs = SEQS[:3]
+    cache, tables, _ = _cache_with_context(seqs, seed=2)
+    md = AttentionMetaData(
+        cu_seqlens_q=torch.tensor([0, 1, 4, 5], dtype=torch.int32),
+        context_lens=torch.tensor([9, 7, 1], dtype=torch.int32),
+        block_tables=tables,
+    )
+    positions = torch.tensor([8, 4, 5, 6, 0])
+    q = torch.randn(5, H, NOPE + ROPE)
+    kv_c, k_pe = torch.randn(5, L), torch.randn(5, ROPE)
+    slots = torch.tensor([int(tables[s, p // BLOCK]) * BLOCK + p % BLOCK for s, p in
+                          zip([0, 1, 1, 1, 2], positions.tolist())])  # fmt: skip
+    rotary = layer.rotary
+    q_pe = mla_rope_write_kv_cache(
+        q[..., NOPE:], kv_c, k_pe, positions, rotary.cos_cache, rotary.sin_cache,
+        rotary.interleaved, cache, slots,
+    )  # fmt: skip
+    want_q_pe, want_k_pe = rotary(positions, q[..., NOPE:], k_pe.unsqueeze(1))
+    assert torch.equal(q_pe, want_q_pe)
+    assert torch.equal(cache.view(-1, L + ROPE)[slots, L:], want_k_pe.squeeze(1))
+    unread = q.clone()
+    unread[..., NOPE:] = float("nan")
+    out = torch.full((5, H, V), float("nan"))
+    absorbed_decode(unread, out, layer, md, MLAKVCacheTensor(0, cache), q_pe)
+    want = torch.zeros(5, H, V)
+    rotated = torch.cat((q[..., :NOPE], want_q_pe), dim=-1)
+    mla_paged_ref(rotated, cache, want, seqs, [], tables, layer.weights(), SCALE)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-5)

@@ -78,10 +78,20 @@ def mla_attention(
 ) -> None:
     """q [num_tokens, num_heads, qk_nope + rope]; kv_c_normed [num_tokens, kv_lora_rank]; k_pe
     [num_tokens, rope] (not rotated yet); output [num_tokens, num_heads, v_head_dim]; positions
-    [num_tokens] int64. The rotary embedding and the cache write run in the recording; `_mla_attend`
-    is the eager region."""
+    [num_tokens] int64. The rotary embedding and the cache write run in the recording (on CUDA one
+    launch for both, mla_rope_write_kv_cache); `_mla_attend` is the eager region."""
     layer, md, kv = paged_layer_state(layer_idx)
     nope = layer.qk_nope_head_dim
+    if q.is_cuda and kv is not None and md is not None:
+        from atomrt.workers.kernels.attention.mla_decode import mla_rope_write_kv_cache
+
+        rotary = layer.rotary
+        q_pe = mla_rope_write_kv_cache(
+            q[..., nope:], kv_c_normed, k_pe, positions, rotary.cos_cache, rotary.sin_cache,
+            rotary.interleaved, kv.kv_cache, md.slot_mapping, layer.kv_scales,
+        )  # fmt: skip
+        _mla_attend(q, output, layer_idx, q_pe)
+        return
     q_pe, k_pe = layer.rotary(positions, q[..., nope:], k_pe.unsqueeze(1))
     q = torch.cat((q[..., :nope], q_pe), dim=-1)
     k_pe = k_pe.squeeze(1)
@@ -96,12 +106,7 @@ def mla_attention(
             layer.kv_amax.observe(latent, latent)
         mla_no_cache_ref(q, latent, output, cu, layer.weights(), layer.scale)
         return
-    if q.is_cuda:
-        from atomrt.workers.kernels.attention.mla_decode import mla_write_kv_cache
-
-        mla_write_kv_cache(kv_c_normed, k_pe, kv.kv_cache, md.slot_mapping, layer.kv_scales)
-    else:
-        write_latent_ref(kv_c_normed, k_pe, kv.kv_cache, md.slot_mapping, layer.k_scale)
+    write_latent_ref(kv_c_normed, k_pe, kv.kv_cache, md.slot_mapping, layer.k_scale)
     _mla_attend(q, output, layer_idx)
 
 
@@ -122,15 +127,20 @@ def _split_sequences(md: object, decode_max_q: int) -> "tuple[list, list]":
 
 
 @eager_region(request_fixed=True)
-def _mla_attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
-    """Attention of the step's query rows (q_pe rotated) over the latent cache, which already holds
-    this step's rows. Rows past the step's sequences get zeros."""
+def _mla_attend(
+    q: torch.Tensor, output: torch.Tensor, layer_idx: int, q_pe: Optional[torch.Tensor] = None
+) -> None:
+    """Attention of the step's query rows (q_pe rotated: q's last columns, or `q_pe` [n, H, rope]
+    apart, q's own then unread) over the latent cache, which already holds this step's rows. Rows
+    past the step's sequences get zeros."""
     layer, md, kv = paged_layer_state(layer_idx)
     config = get_forward_context().config
     decode_max_q = config.max_q_len if config is not None else 1
     if q.is_cuda and (md.graph_safe or md.max_seqlen_q <= decode_max_q):
-        absorbed_decode(q, output, layer, md, kv)
+        absorbed_decode(q, output, layer, md, kv, q_pe)
         return
+    if q_pe is not None:
+        q = torch.cat((q[..., : layer.qk_nope_head_dim], q_pe), dim=-1)
     decode, prefill = _split_sequences(md, decode_max_q)
     mla_paged_ref(
         q, kv.kv_cache, output, decode, prefill, md.block_tables, layer.weights(), layer.scale,
@@ -141,11 +151,17 @@ def _mla_attend(q: torch.Tensor, output: torch.Tensor, layer_idx: int) -> None:
 
 
 def absorbed_decode(
-    q: torch.Tensor, output: torch.Tensor, layer: "MLAAttention", md: object, kv: object
+    q: torch.Tensor,
+    output: torch.Tensor,
+    layer: "MLAAttention",
+    md: object,
+    kv: object,
+    q_pe: Optional[torch.Tensor] = None,
 ) -> None:
     """Absorbed attention of every row through the paged MLA decode kernel (the CUDA path; on CPU
     tensors the kernels run under Triton's interpreter): planned from shapes, it reads every
-    length on the device (graph-safe, what a request bucket records)."""
+    length on the device (graph-safe, what a request bucket records). `q_pe`: the rotated rotary
+    part apart from q (else q's last columns)."""
     from atomrt.workers.kernels.attention.mla_decode import mla_decode_attention
 
     # The kernel reads q_nope @ W_UK where the bmm leaves it and q_pe where it is (no copy into one
@@ -162,7 +178,7 @@ def absorbed_decode(
         layer.scale,
         latent_out,
         kv_scales=layer.kv_scales,
-        q_pe=q[..., nope:],
+        q_pe=q[..., nope:] if q_pe is None else q_pe,
     )
     heads = latent_out.transpose(0, 1)  # [H, n, L], contiguous
     if output.dtype == heads.dtype == layer.w_uv.dtype:
