@@ -60,10 +60,16 @@ class _Calls:
         return call
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_the_step_calls_structured_outputs_at_two_points(tiny, async_scheduling) -> None:
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
-    settings = dict(async_scheduling=async_scheduling, speculative_config=spec)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "adaptive": False}
+
+
+@pytest.mark.parametrize(
+    "async_scheduling,settings",
+    [(False, dict(speculative_config=NGRAM)), (True, {})],
+    ids=["sync-ngram", "async"],
+)
+def test_the_step_calls_structured_outputs_at_two_points(tiny, async_scheduling, settings) -> None:
+    settings = dict(settings, async_scheduling=async_scheduling)
     with LLM(str(tiny), **COMMON, **settings) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, REQUESTS, use_tqdm=False)]
         engine = llm.engine
@@ -76,7 +82,9 @@ def test_the_step_calls_structured_outputs_at_two_points(tiny, async_scheduling)
             for out in engine.step():
                 got[out.request_id] = out.outputs[0].token_ids
         engine.grammars = calls.real
+        spec = engine.stats.spec_decode
     assert [got[k] for k in sorted(got)] == want
+    assert spec is None or spec.num_drafts > 0
     assert set(calls.names) == {"plan", "took_results"}
     # async scheduling: a decode step is planned while its rows' tokens are out, so its masks
     # wait for the previous step's results; else they go out as the step is planned
