@@ -193,6 +193,18 @@ def test_decode_matches_reference(group: int, head_dim: int, num_splits: int, ro
     assert torch.all(prepare_decode_counters(torch.device("cpu")) == 0), "split counters not reset"
 
 
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_prefetched_tiles_match_reference(num_splits: int) -> None:
+    """prefetch_kv (each K/V tile loaded an iteration ahead): the same attention, split or not,
+    over contexts of no cached key, one tile and several, with rotary."""
+    case = make_decode_case(
+        LENS, num_kv_heads=2, group=3, head_dim=32, pad_seqs=1, pad_rows=2, seed=40 + num_splits
+    )
+    plan = dataclasses.replace(forced_plan(3, 32, num_splits), prefetch_kv=True)
+    check(case, run_decode(case, plan))
+    assert torch.all(prepare_decode_counters(torch.device("cpu")) == 0), "split counters not reset"
+
+
 def test_each_microbatch_merges_through_its_own_counters() -> None:
     """Two-batch overlap's microbatches may run decode launches at once: microbatch 1's split
     launch counts in its own region. With microbatch 0's region held nonzero (as if its launch

@@ -43,6 +43,7 @@ def run_fp8_decode(
     head_dim: int = 32,
     tile_n: int = 16,
     device: str = DEVICE,
+    prefetch_kv: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel output, float64 reference) of the real rows of a decode step over a scaled e4m3
     cache with a bfloat16 q of about `q_scale` in magnitude."""
@@ -60,7 +61,9 @@ def run_fp8_decode(
     case = dataclasses.replace(case, batch=b, k=k_new, v=v_new)
     out = torch.full_like(q, SENTINEL)
     plan = dataclasses.replace(
-        forced_plan(group, head_dim, num_splits, tile_n=tile_n), fp8_f16_products=f16_products
+        forced_plan(group, head_dim, num_splits, tile_n=tile_n),
+        fp8_f16_products=f16_products,
+        prefetch_kv=prefetch_kv,
     )
     decode_attention(
         q, case.k, case.v, out, None, None, None, b.k_cache, b.v_cache, case.slot_mapping,
@@ -76,11 +79,12 @@ def run_fp8_decode(
     return out[:n].double(), ref
 
 
+@pytest.mark.parametrize("prefetch_kv", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_f16_products_match_a_float64_reference(num_splits: int) -> None:
+def test_f16_products_match_a_float64_reference(num_splits: int, prefetch_kv: bool) -> None:
     """float16 products give float64 attention over the cache times its scales, to the bfloat16
-    output's rounding, split or not."""
-    out, ref = run_fp8_decode(1.0, True, num_splits)
+    output's rounding, split or not, with the e4m3 tiles loaded an iteration ahead or not."""
+    out, ref = run_fp8_decode(1.0, True, num_splits, prefetch_kv=prefetch_kv)
     torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3)
 
 

@@ -56,6 +56,9 @@ class DecodeLaunch:
     # Over an e4m3 cache with a 16-bit q: widen keys and values to float16 and take float16
     # products (False: q's dtype, as over any other cache).
     fp8_f16_products: bool = True
+    # Load each K/V tile an iteration ahead of its products (pipelined by hand); off until measured
+    # faster (benchmarks/bench_decode_attention.py times both).
+    prefetch_kv: bool = False
 
 
 SPLIT_CHUNK = 4  # splits the merging program reads per step
@@ -282,6 +285,7 @@ def _decode_constexprs(
         ("IEEE_DOT", ieee_dot),
         ("F16_PRODUCTS", f16_products),
         ("USE_PDL", pdl),
+        ("PREFETCH_KV", plan.prefetch_kv),
         ("num_warps", plan.num_warps),
         ("num_stages", plan.num_stages),
         ("launch_pdl", pdl and device_info.PDL_ATTRIBUTE),

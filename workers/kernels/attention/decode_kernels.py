@@ -42,6 +42,39 @@ def _decode_row(row, num_rows, kvh, ptrs, strides, lanes, HAS_ROPE: tl.constexpr
     return q, q_partner, k_new, k_partner, v_new, slot, pos
 
 
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_mask, dims, kvh, stride_kcb,
+                  stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                  BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """The K and V rows [TILE_N, HEAD_DIM_P] of `keys` (in cache block `block` each) of KV head
+    `kvh`, as the cache holds them; masked rows and dims read 0."""
+    in_block = keys % BLOCK_SIZE
+    k_off = block * stride_kcb + in_block * stride_kcs + kvh * stride_kch
+    v_off = block * stride_vcb + in_block * stride_vcs + kvh * stride_vch
+    k = tl.load(k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q_dot, k, v, key_valid, dot_scale, m_i, l_i, acc, IEEE_DOT: tl.constexpr):
+    """The online softmax's step over one key tile: (m_i, l_i, acc) after k [TILE_N, D] and v."""
+    if IEEE_DOT:
+        s = tl.dot(q_dot, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q_dot, tl.trans(k))
+    s = tl.where(key_valid[None, :], s * dot_scale, float("-inf"))  # [BLOCK_M, TILE_N], log2 units
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 # The lengths a step changes are not specialized on: only the constexprs pick a compiled variant
 # (kernels/attention/variants.py), which start-up warms.
 @triton.jit(do_not_specialize=["num_splits", "num_rows"])
@@ -103,6 +136,7 @@ def decode_attention_kernel(
     IEEE_DOT: tl.constexpr,
     F16_PRODUCTS: tl.constexpr,  # an e4m3 cache under a 16-bit q: the products in float16
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (device_info.use_pdl)
+    PREFETCH_KV: tl.constexpr,  # load each K/V tile an iteration ahead (DecodeLaunch.prefetch_kv)
 ):
     """A decode step of one sequence (at most one query row) over one KV head, for one KV split: the
     rotary embedding of q and of the new key, the new key and value into the cache, and attention over
@@ -225,40 +259,56 @@ def decode_attention_kernel(
     acc = tl.where(owns_new[:, None], v_new.to(tl.float32)[None, :], 0.0)  # [BLOCK_M, HEAD_DIM_P]
 
     t = split
-    for _ in range(0, tl.cdiv(num_tiles - split, num_active)):
+    num_iters = tl.cdiv(num_tiles - split, num_active)
+    if PREFETCH_KV:
+        # Software pipelining by hand: each iteration issues the next tile's K/V loads (and the
+        # block ids of the tile after it) before it computes on the tile loaded the iteration
+        # before, kept as the cache holds it and widened only there: an e4m3 cache's loads pass
+        # a widening on their way to tl.dot, which may keep Triton's own pipelining off them.
         keys = t * TILE_N + tile_keys
-        key_valid = keys < num_old
-        kv_mask = key_valid[:, None] & dim_valid[None, :]
-        in_block = keys % BLOCK_SIZE
-        k_off = block * stride_kcb + in_block * stride_kcs + kvh * stride_kch
-        v_off = block * stride_vcb + in_block * stride_vcs + kvh * stride_vch
-        k = tl.load(k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(
-            prod_ty
-        )  # [TILE_N, HEAD_DIM_P], widened from an e4m3 cache
-        v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(
-            prod_ty
-        )
-        t += num_active
-        next_keys = t * TILE_N + tile_keys
+        kv_mask = (keys < num_old)[:, None] & dim_valid[None, :]
+        k_cur, v_cur = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block, keys, kv_mask, dims, kvh, stride_kcb, stride_kcs,
+            stride_kch, stride_vcb, stride_vcs, stride_vch, BLOCK_SIZE,
+        )  # fmt: skip
+        next_keys = (t + num_active) * TILE_N + tile_keys
         block = tl.load(table_row + next_keys // BLOCK_SIZE, mask=next_keys < num_old, other=0).to(
             tl.int64
         )
-        if IEEE_DOT:
-            s = tl.dot(q_dot, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q_dot, tl.trans(k))
-        s = tl.where(
-            key_valid[None, :], s * dot_scale, float("-inf")
-        )  # [BLOCK_M, TILE_N], log2 units
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        for _ in range(0, num_iters):
+            key_valid = t * TILE_N + tile_keys < num_old
+            t += num_active
+            keys = t * TILE_N + tile_keys
+            kv_mask = (keys < num_old)[:, None] & dim_valid[None, :]
+            k_next, v_next = _load_kv_tile(
+                k_cache_ptr, v_cache_ptr, block, keys, kv_mask, dims, kvh, stride_kcb, stride_kcs,
+                stride_kch, stride_vcb, stride_vcs, stride_vch, BLOCK_SIZE,
+            )  # fmt: skip
+            after = (t + num_active) * TILE_N + tile_keys
+            block = tl.load(table_row + after // BLOCK_SIZE, mask=after < num_old, other=0).to(
+                tl.int64
+            )
+            m_i, l_i, acc = _attend_tile(
+                q_dot, k_cur.to(prod_ty), v_cur.to(prod_ty), key_valid, dot_scale, m_i, l_i, acc,
+                IEEE_DOT,
+            )  # fmt: skip
+            k_cur, v_cur = k_next, v_next
+    else:
+        for _ in range(0, num_iters):
+            keys = t * TILE_N + tile_keys
+            key_valid = keys < num_old
+            kv_mask = key_valid[:, None] & dim_valid[None, :]
+            k, v = _load_kv_tile(
+                k_cache_ptr, v_cache_ptr, block, keys, kv_mask, dims, kvh, stride_kcb, stride_kcs,
+                stride_kch, stride_vcb, stride_vcs, stride_vch, BLOCK_SIZE,
+            )  # fmt: skip  # [TILE_N, HEAD_DIM_P] each
+            k, v = k.to(prod_ty), v.to(prod_ty)  # widened from an e4m3 cache
+            t += num_active
+            next_keys = t * TILE_N + tile_keys
+            block = tl.load(
+                table_row + next_keys // BLOCK_SIZE, mask=next_keys < num_old, other=0
+            ).to(tl.int64)
+            m_i, l_i, acc = _attend_tile(q_dot, k, v, key_valid, dot_scale, m_i, l_i, acc, IEEE_DOT)
 
     acc = acc * v_scale
     q_mask = row_valid[:, None] & dim_valid[None, :]
