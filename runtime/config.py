@@ -63,9 +63,6 @@ class SpecMethod:
     # a drafter on the workers reads the target's block tables whole: a windowed model's blocks
     # stay (BlockManager.window_for)
     keeps_window_blocks: ClassVar[bool] = False
-    # its drafter runs the checkpoint's own multi-token-prediction layers: the workers build
-    # them and load their tensors (workers/models/deepseek_mtp.py, `builds_mtp`)
-    drafts_with_mtp_layers: ClassVar[bool] = False
 
     @classmethod
     def check_fields(cls, spec: SpeculativeConfig) -> dict[str, Any]:
@@ -140,7 +137,6 @@ class MTPMethod(SpecMethod):
     recompute_last_hit = True
     needs_next_tokens = True  # the MTP layer's input at a prompt chunk's last row
     keeps_window_blocks = True
-    drafts_with_mtp_layers = True
 
     @classmethod
     def check_fields(cls, spec: SpeculativeConfig) -> dict[str, Any]:

@@ -211,8 +211,11 @@ def test_config_errors_name_the_field(folders: dict[str, Path]) -> None:
         model=str(folders["csa_hca"]),
         speculative_config=SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 1}),
     )
+    from atomrt.workers.loading.loader import load_mtp_layers
+
+    target = build_model(arch, "meta", torch.float32, config=mtp)  # the target holds no MTP layer
     with pytest.raises(ValueError, match="speculative_config.method 'mtp'"):
-        build_model(arch, "meta", torch.float32, config=mtp)
+        load_mtp_layers(target, mtp, "meta", torch.float32)  # the drafter's, of which it has none
     with pytest.raises(ValueError, match="num_attention_heads: 4 is not divisible by tensor"):
         build_model(arch, "meta", torch.float32, _tp(3))
     with pytest.raises(ValueError, match="moe_intermediate_size: 32 is not divisible"):

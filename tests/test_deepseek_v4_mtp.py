@@ -23,7 +23,7 @@ from v4_harness import make_hf_v4, tiny_v4_configs
 from atomrt.runtime.config import CompilationConfig, Config
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import SamplingParams
-from atomrt.workers.loading.loader import load_model
+from atomrt.workers.loading.loader import load_model, load_mtp_layers
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,19 +132,19 @@ class _TargetAndMTP(nn.Module):
     """The target's step, then the MTP layer's pass over the same rows in the same context (as
     the drafter's first pass runs); keeps the MTP logits of every row."""
 
-    def __init__(self, model: nn.Module, max_rows: int) -> None:
+    def __init__(self, model: nn.Module, mtp: nn.Module, max_rows: int) -> None:
         super().__init__()
-        self.model = model
-        self.streams = torch.zeros(max_rows, *model.mtp.hidden_shape)
-        model.mtp.bind(self.streams)
+        self.model, self.mtp = model, mtp  # the MTP layers' attention is found here too
+        self.streams = torch.zeros(max_rows, *mtp.hidden_shape)
+        mtp.bind(self.streams)
         self.next_ids = torch.zeros(0, dtype=torch.int64)
         self.mtp_logits: list[torch.Tensor] = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.model(input_ids, positions)
         n = input_ids.shape[0]
-        out = self.model.mtp(self.next_ids, positions, self.streams[:n])
-        self.mtp_logits.append(self.model.mtp.compute_logits(out))
+        out = self.mtp(self.next_ids, positions, self.streams[:n])
+        self.mtp_logits.append(self.mtp.compute_logits(out))
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -157,8 +157,9 @@ def test_mtp_logits_match_float64_formulas(tiny: dict) -> None:
     spec = {"method": "mtp", "num_speculative_tokens": 1}
     config = Config(model=str(tiny["folder"]), speculative_config=spec)
     loaded = load_model(config, "cpu", torch.float32)
-    assert loaded.model.mtp is not None
-    model = _TargetAndMTP(loaded.model, 64)
+    mtp = load_mtp_layers(loaded.model, config, "cpu", torch.float32).mtp  # the drafter's own
+    assert not any(n.startswith("mtp.") for n, _ in loaded.model.named_parameters())
+    model = _TargetAndMTP(loaded.model, mtp, 64)
     harness = PagedHarness(model, 40, 1, block_size=4)
     assert sorted(harness.layers) == [0, 1, 2, 3]  # the MTP layer's cache is layer 3's
     nxt, after = 7, 9
@@ -177,8 +178,10 @@ def test_checkpoint_without_mtp_layers_is_refused(tmp_path: Path) -> None:
     """method 'mtp' on a V4 checkpoint whose MTP tensors are absent names what is missing."""
     make_hf_v4(_config(), seed=0).save_pretrained(tmp_path, safe_serialization=True)
     spec = {"method": "mtp", "num_speculative_tokens": 1}
+    config = Config(model=str(tmp_path), speculative_config=spec)
+    target = load_model(config, "cpu", torch.float32).model  # the target loads without them
     with pytest.raises(ValueError, match="num_nextn_predict_layers=1"):
-        load_model(Config(model=str(tmp_path), speculative_config=spec), "cpu", torch.float32)
+        load_mtp_layers(target, config, "cpu", torch.float32)
 
 
 # (drafts per step, compilation: None for level 0 / False for level 3 pieces run as traced)
@@ -332,8 +335,9 @@ def test_fp8_mxfp4_checkpoint_drafts(tiny: dict, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
 
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    mtp = load_model(Config(model=str(tmp_path), speculative_config=spec), "cpu", torch.float32)
-    layer = mtp.model.mtp.layers[0]
+    config = Config(model=str(tmp_path), speculative_config=spec)
+    target = load_model(config, "cpu", torch.float32).model
+    layer = load_mtp_layers(target, config, "cpu", torch.float32).mtp.layers[0]
     assert type(layer.block.attn.wq_a).__name__ == "BlockFp8Linear"
     dequantize = Fp8Dequantize(None)._dequantize_one
     for proj in ("e_proj", "h_proj"):

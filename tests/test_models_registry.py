@@ -20,7 +20,8 @@ def test_an_entry_flags_what_its_presets_are_made_of(preset: str) -> None:
     assert arch.qk_norm == entry.qk_norm and (arch.qkv_bias or not entry.qkv_bias)
     model = build_model(arch, "meta", torch.bfloat16)
     assert type(model) is entry.model is MODEL_REGISTRY[arch.architecture]
-    assert entry.mtp == hasattr(model, "mtp")  # a model that drafts holds its MTP drafter
+    # a family with MTP layers names the module its MTP drafter builds; the model holds none
+    assert entry.mtp == hasattr(type(model), "mtp_layers") and not hasattr(model, "mtp")
     kinds = {s.kind for s in kv_layer_specs(collect_attention_layers(model))}
     assert kinds and kinds <= set(entry.kv_kinds)
 

@@ -41,7 +41,7 @@ from atomrt.runtime.entrypoints.openai.metrics import ServerMetrics
 from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
 from atomrt.runtime.sampling_params import SamplingParams
 from atomrt.workers.layers.attention import collect_attention_layers
-from atomrt.workers.loading.loader import load_model
+from atomrt.workers.loading.loader import load_model, load_mtp_layers
 
 SHARED = [5, 9, 14, 2, 77, 31, 8, 150, 66, 4, 12, 90]  # three blocks of 4: prefix-cache hits
 PROMPTS = [
@@ -91,6 +91,8 @@ def test_mtp_layer_forward_equals_the_float64_formula(random_layer):
     folder, ref = random_layer
     config = Config(model=str(folder), device="cpu", speculative_config=_mtp(1))
     model = load_model(config, "cpu", torch.float32).model
+    mtp = load_mtp_layers(model, config, "cpu", torch.float32).mtp  # the drafter's own
+    assert not any(n.startswith("mtp.") for n, _ in model.named_parameters())
     ids = [3, 17, 42, 99, 5, 8, 61, 7, 120, 11, 40, 2]
     r64 = ref.double()
     hidden = target_hidden(r64, ids)[:-1]  # h_t, t = 0..T-2
@@ -100,14 +102,14 @@ def test_mtp_layer_forward_equals_the_float64_formula(random_layer):
     rows = len(ids) - 1
     md = AttentionMetaData(cu_seqlens_q_cpu=[0, rows], num_seqs=1, num_tokens=rows)
     ctx = Context(positions=pos, is_prefill=True, batch_size=1, running_bs=1, running_tokens=rows)
-    layers = collect_attention_layers(model)
+    layers = {**collect_attention_layers(model), **collect_attention_layers(mtp)}
     assert sorted(layers) == [0, 1, 2, 3]  # the MTP layer's attention is layer num_hidden_layers
     with torch.inference_mode(), set_forward_context(md, config, ctx, no_compile_layers=layers):
-        got = model.mtp(nxt, pos, hidden.float())
-        logits = model.mtp.compute_logits(got)
+        got = mtp(nxt, pos, hidden.float())
+        logits = mtp.compute_logits(got)
     assert (got.double() - want).abs().max() < 1e-4  # seen: 1e-6
     assert (logits.double() - want_logits).abs().max() < 1e-4
-    assert model.mtp.layer_for(0) == model.mtp.layer_for(2) == 0  # one layer, reused
+    assert mtp.layer_for(0) == mtp.layer_for(2) == 0  # one layer, reused
 
 
 def test_an_mtp_copy_of_the_embedding_must_be_the_targets(random_layer, tmp_path):
@@ -119,8 +121,9 @@ def test_an_mtp_copy_of_the_embedding_must_be_the_targets(random_layer, tmp_path
     tensors["model.layers.3.embed_tokens.weight"][5] += 1.0
     save_file(tensors, str(folder / "mtp.safetensors"))
     config = Config(model=str(folder), device="cpu", speculative_config=_mtp(1))
+    target = load_model(config, "cpu", torch.float32).model
     with pytest.raises(ValueError, match="model.layers.3.embed_tokens.weight differs"):
-        load_model(config, "cpu", torch.float32)
+        load_mtp_layers(target, config, "cpu", torch.float32)
 
 
 def test_a_model_without_mtp_layers_is_refused_with_reasons(tmp_path):
@@ -137,8 +140,11 @@ def test_a_model_without_mtp_layers_is_refused_with_reasons(tmp_path):
     v3 = build_deepseek_folder(tmp_path / "v3", "v3")  # num_nextn_predict_layers: 1, no tensors
     assert json.loads((v3 / "config.json").read_text())["num_nextn_predict_layers"] == 1
     config = Config(model=str(v3), device="cpu", speculative_config=_mtp(1))
+    target = load_model(config, "cpu", torch.float32).model
     with pytest.raises(ValueError, match="no tensors of the multi-token-prediction layer"):
-        load_model(config, "cpu", torch.float32)
+        load_mtp_layers(target, config, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="no tensors of the multi-token-prediction layer"):
+        LLM(str(v3), **COMMON, speculative_config=_mtp(1))  # the drafter's loading, on a worker
 
 
 # ------------------------------------------------------------------ the engine's drafts

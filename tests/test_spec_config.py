@@ -281,26 +281,3 @@ def test_a_new_method_is_a_class_and_a_registry_line(monkeypatch):
         SpeculativeConfig(2, "eagle")
     with pytest.raises(ConfigError, match="tensor_parallel_size 1 only"):
         Config(speculative_config=spec, parallel_config=ParallelConfig(tensor_parallel_size=2))
-
-
-def test_the_method_says_whether_the_model_builds_its_mtp_layers(monkeypatch):
-    """The target builds its multi-token-prediction layers when the method's class says its
-    drafter runs them (`drafts_with_mtp_layers`), whatever the method is called."""
-    from atomrt.runtime.config import SPEC_METHOD_TYPES, MTPMethod
-    from atomrt.workers.models.deepseek_mtp import builds_mtp
-
-    assert not builds_mtp(Config())
-    for method, spec in {
-        "ngram": SpeculativeConfig(3, "ngram"),
-        "draft_model": SpeculativeConfig(3, model="draft"),
-        "mtp": SpeculativeConfig(3, "deepseek_mtp"),
-    }.items():
-        assert builds_mtp(Config(speculative_config=spec)) == (method == "mtp")
-
-    class NextNMethod(MTPMethod):
-        method = "nextn"
-
-    monkeypatch.setitem(SPEC_METHOD_TYPES, "nextn", NextNMethod)
-    assert builds_mtp(Config(speculative_config=SpeculativeConfig(2, "nextn")))
-    monkeypatch.setattr(NextNMethod, "drafts_with_mtp_layers", False)
-    assert not builds_mtp(Config(speculative_config=SpeculativeConfig(2, "nextn")))

@@ -314,8 +314,48 @@ def load_model(
     arch = checkpoint.arch
     max_position = config.model_config.max_model_len or arch.max_position
     model = build_model(arch, device, _torch_dtype(dtype), tp, max_position, config=config, dp=dp)
-    load_weights_into(model, checkpoint)
+    # a family's multi-token-prediction layers are not the model's: the MTP drafter loads them
+    # (workers/spec_decode/mtp.py); the model's loading leaves their tensors out and says so
+    drafter = getattr(type(model), "mtp_layers", None)
+    left_out = 0
+
+    def own(name: str) -> bool:
+        nonlocal left_out
+        if drafter is not None and drafter.holds(name, arch):
+            left_out += 1
+            return False
+        return True
+
+    load_weights_into(model, checkpoint, own)
+    if left_out:
+        drafter.left_out(left_out, arch, checkpoint.where)
     return LoadedModel(model, arch, checkpoint.resolved)
+
+
+def load_mtp_layers(
+    target: nn.Module,
+    config: Any,
+    device: Union[str, torch.device],
+    dtype: torch.dtype,
+    tp: TPInfo = TPInfo(),
+    dp: DPInfo = DPInfo(),
+) -> nn.Module:
+    """The checkpoint's multi-token-prediction layers for `target` (a model of a family that has
+    them: its class's `mtp_layers`), built on `device` in `dtype` and filled from the checkpoint's
+    own MTP tensors by `load_weights_into`; returns their root, whose `mtp` the drafter runs."""
+    layers_class = getattr(type(target), "mtp_layers", None)
+    checkpoint = open_checkpoint(config)
+    arch = checkpoint.arch
+    if layers_class is None:
+        raise ValueError(
+            f"speculative_config.method 'mtp': {arch.architecture} has no multi-token-prediction "
+            "layers"
+        )
+    max_position = config.model_config.max_model_len or arch.max_position
+    with torch.device(device), _default_dtype(dtype):
+        root = layers_class(target, tp, dp, max_position)
+    load_weights_into(root.eval(), checkpoint, lambda name: layers_class.holds(name, arch))
+    return root
 
 
 def _fp8_config(config: Any, resolved: ResolvedModel, dummy: bool) -> Optional[Fp8Config]:

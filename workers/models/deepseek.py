@@ -8,10 +8,9 @@ grouped top-k routing over `FusedMoE`) plus ungated shared experts. The backbone
 of the MoE layers and two-batch overlap are the MoE family's (workers/models/qwen3_moe.py).
 
 Multi-token-prediction layers (`num_nextn_predict_layers`, stored as layers
-`num_hidden_layers + i`) are not part of this forward. When speculation drafts with them the model
-also holds them, as `mtp` (workers/models/deepseek_mtp.py: `DeepseekDecoderLayer`s that share this
-model's embedding and LM head); their checkpoint tensors are `MTPWeights`' (loaded into `mtp`, or
-left out and said so).
+`num_hidden_layers + i`) are not part of this model: its loading leaves their tensors out. The MTP
+drafter builds and loads them itself (`mtp_layers`, workers/models/deepseek_mtp.py:
+`DeepseekDecoderLayer`s that share this model's embedding and LM head).
 
 Hot path: traced by Dynamo with a dynamic token dimension and recorded into CUDA graphs (see
 llama.py); the attention and the experts are opaque ops.
@@ -19,8 +18,7 @@ llama.py); the attention and the experts are opaque ops.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,9 +27,8 @@ from atomrt.distributed.communication_op import DPInfo, TPInfo, tp_all_reduce
 from atomrt.workers.layers.deepseek_moe import GroupedRouting, GroupedTopkMoE
 from atomrt.workers.layers.mla import MLAAttention
 from atomrt.workers.layers.rotary import RotaryEmbedding, yarn_softmax_scale
-from atomrt.workers.layers.weight_utils import Sliceable
 from atomrt.workers.models.arch import ModelArch
-from atomrt.workers.models.deepseek_mtp import DeepseekMTP, MTPWeights, builds_mtp
+from atomrt.workers.models.deepseek_mtp import DeepseekMTPLayers
 from atomrt.workers.models.qwen3_moe import (
     MoEBlock,
     MoEDecoderLayer,
@@ -116,6 +113,7 @@ class DeepseekForCausalLM(MoEForCausalLM):
     as the published checkpoints and transformers write them)."""
 
     layer_class = DeepseekDecoderLayer
+    mtp_layers = DeepseekMTPLayers  # what the MTP drafter builds and loads (the module docstring)
     num_shards = {"fused_qkv_a_proj": 2, "gate_up_proj": 2}
     extra_stacked_params: tuple = ()  # a subclass's further fused parts
 
@@ -133,35 +131,7 @@ class DeepseekForCausalLM(MoEForCausalLM):
         self.stacked_params = fused + mlp + self.extra_stacked_params
         return super().build_model(arch, tp, max_position, config, dp)
 
-    def build_mtp(
-        self, arch: ModelArch, tp: TPInfo, max_position: int, config: Any, dp: DPInfo
-    ) -> None:
-        self.mtp: Optional[DeepseekMTP] = None  # the drafter's layers, when speculation is MTP
-        if builds_mtp(config):
-            self.mtp = DeepseekMTP(
-                arch,
-                tp,
-                dp,
-                max_position or arch.max_position,
-                self.layer_class,
-                self.model.embed_tokens,
-                self.lm_head,
-            )
-        self.mtp_weights = MTPWeights(arch, self.mtp, self.model.embed_tokens, self.lm_head)
-
     def checkpoint_name(self, name: str) -> str:
-        return self.mtp_weights.checkpoint_name(name).replace(
+        return name.replace(
             ".mlp.gate.e_score_correction_bias", ".mlp.experts.gate.e_score_correction_bias"
         )
-
-    def skip_weight(self, name: str) -> bool:
-        return self.mtp_weights.skip(name)
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
-    ) -> None:
-        """As MoEForCausalLM's, the multi-token-prediction layers' tensors through `mtp_weights`
-        (loaded into `mtp` when it is built, their copies of the embedding and LM head checked
-        equal to the target's; else left out, and said so)."""
-        super().load_weights(self.mtp_weights.set_aside(weights, where), where)
-        self.mtp_weights.check(where)

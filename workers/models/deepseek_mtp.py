@@ -15,10 +15,11 @@ The formula (DeepSeek-V3 technical report, section 2.2), at position t:
 where h_t is the target's final hidden state at t (after the target's `model.norm`) for a draft's
 first pass, and the previous pass's `o` (before `shared_head.norm`) for later ones.
 
-Loading (`MTPWeights`): the target model builds its MTP layers when speculation drafts with them
-(`builds_mtp`) and hands every checkpoint tensor of theirs to an `MTPWeights`, which names them
-into `mtp`, sets the shared copies aside and checks them once the target's own are loaded; without
-the layers it leaves their tensors out and says so.
+Loading (`DeepseekMTPLayers`): the target model holds no MTP layer, and its loading leaves their
+tensors out (and says so). The MTP drafter builds them as a module of their own, named as the
+target would (`mtp.layers.<i>.`), and loads the checkpoint's MTP tensors into it through the
+loader's steps (workers/loading/loader.py, `load_weights_into`) and the target family's naming;
+their copies of the shared tensors are checked once loaded.
 
 Hot path: a drafter's pass runs `forward` (eagerly, or recorded as a `DraftGraph`); the attention
 and the experts are the target's opaque ops.
@@ -29,7 +30,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,6 +41,7 @@ from atomrt.workers.layers.norm import RMSNorm, residual_add
 from atomrt.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from atomrt.workers.layers.weight_utils import Sliceable, read_narrow
 from atomrt.workers.models.arch import ModelArch
+from atomrt.workers.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -165,66 +167,83 @@ def is_mtp_weight(name: str, arch: ModelArch) -> bool:
     return m is not None and int(m.group(1)) >= arch.num_layers
 
 
-def builds_mtp(config: Any) -> bool:
-    """Whether the target builds its MTP layers: speculation's method drafts with them (its
-    `SpecMethod.drafts_with_mtp_layers`)."""
-    spec = getattr(config, "speculative_config", None)
-    return spec is not None and spec.method_type.drafts_with_mtp_layers
+class DeepseekMTPLayers(CausalLM):
+    """The MTP drafter's layers as a model of their own (`mtp`: DeepseekMTP), loaded as the
+    target's family loads its checkpoint (`CausalLM.load_weights` with the target's
+    `checkpoint_name`, `_place`, `_covered` and `_needed`): only the MTP layers' tensors, their
+    copies of the target's embedding and LM head read aside and checked equal to the target's.
+    Built by `load_mtp_layers` (workers/loading/loader.py) from the target's `mtp_layers`."""
 
-
-class MTPWeights:
-    """A DeepSeek-family target's loading of its MTP layers' checkpoint tensors: `checkpoint_name`
-    and `skip` per tensor, `set_aside` over the tensors before the target loads them, `check` once
-    it has."""
-
-    def __init__(
-        self,
-        arch: ModelArch,
-        mtp: Optional[DeepseekMTP],
-        embed_tokens: VocabParallelEmbedding,
-        lm_head: ParallelLMHead,
-    ) -> None:
-        """`mtp`: the layers when built (their tensors load into them), else None (left out)."""
-        self.arch = arch
-        self.mtp = mtp
+    def __init__(self, target: Any, tp: TPInfo, dp: DPInfo, max_position: int) -> None:
+        """`target`: the DeepseekForCausalLM (or subclass) whose embedding and LM head the layers
+        share, and whose naming their tensors load by."""
+        nn.Module.__init__(self)
+        self.arch = target.arch
+        self._target = (target,)  # a tuple: not registered as a submodule
+        embed_tokens, lm_head = target.model.embed_tokens, target.lm_head
+        self.mtp = DeepseekMTP(
+            self.arch, tp, dp, max_position, target.layer_class, embed_tokens, lm_head
+        )
         self._shared = {"embed_tokens.weight": embed_tokens, "shared_head.head.weight": lm_head}
-        self._skipped = 0
         self._copies: list[tuple[str, str, torch.Tensor, nn.Module]] = []
 
+    @staticmethod
+    def holds(name: str, arch: ModelArch) -> bool:
+        """Whether a checkpoint tensor is an MTP layer's."""
+        return is_mtp_weight(name, arch)
+
+    @staticmethod
+    def left_out(count: int, arch: ModelArch, where: str) -> None:
+        """Say that the target's loading left the MTP layers' `count` tensors out."""
+        logger.info(
+            "%s: left out %d tensors of the multi-token-prediction layer(s) model.layers.%d and "
+            "after (num_nextn_predict_layers=%d): the target model does not run them",
+            where,
+            count,
+            arch.num_layers,
+            arch.num_nextn_predict_layers,
+        )
+
     def checkpoint_name(self, name: str) -> str:
-        """An MTP layer's tensor under `mtp` when the layers are built; any other as it is."""
-        if self.mtp is not None and is_mtp_weight(name, self.arch):
-            return mtp_checkpoint_name(name, self.arch.num_layers)[1]
-        return name
+        return self._target[0].checkpoint_name(mtp_checkpoint_name(name, self.arch.num_layers)[1])
 
-    def skip(self, name: str) -> bool:
-        """Whether the target leaves the tensor out: an MTP layer's, without the layers (counted)."""
-        if self.mtp is not None or not is_mtp_weight(name, self.arch):
-            return False
-        self._skipped += 1
-        return True
+    def _place(self, name: str) -> tuple[str, object]:
+        return self._target[0]._place(name)
 
-    def set_aside(
+    def _covered(self, shard_id: object) -> set:
+        return self._target[0]._covered(shard_id)
+
+    def _needed(self, param: str) -> int:
+        return self._target[0]._needed(param)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
+    ) -> None:
+        """The checkpoint's MTP tensors (`model.layers.<num_hidden_layers + i>.*`); a checkpoint
+        without any is an error that says so."""
+        super().load_weights(self._set_aside(weights, where), where)
+        self._check(where)
+
+    def _set_aside(
         self, weights: Iterable[tuple[str, Sliceable]], where: str
     ) -> Iterable[tuple[str, Sliceable]]:
-        """The weights less an MTP layer's copies of the embedding and LM head, whose shard for
-        this rank is read aside (compared in `check`). With the layers built, a checkpoint without
-        their tensors is an error that says so."""
-        self._skipped = 0
+        """The weights less the MTP layers' copies of the embedding and LM head, whose shard for
+        this rank is read aside (compared in `_check`)."""
         self._copies = []
         num_mtp = 0
         for name, weight in weights:
-            if self.mtp is not None and is_mtp_weight(name, self.arch):
-                num_mtp += 1
-                rest = mtp_checkpoint_name(name, self.arch.num_layers)[1]
-                if rest in MTP_SHARED_COPIES:
-                    module = self._shared[rest]
-                    rows = module.vocab_end - module.vocab_start
-                    copy = read_narrow(weight, 0, module.vocab_start, rows)
-                    self._copies.append((name, MTP_SHARED_COPIES[rest], copy, module))
-                    continue
+            if not is_mtp_weight(name, self.arch):
+                raise ValueError(f"{where}: {name} is not a multi-token-prediction layer's")
+            num_mtp += 1
+            rest = mtp_checkpoint_name(name, self.arch.num_layers)[1]
+            if rest in MTP_SHARED_COPIES:
+                module = self._shared[rest]
+                rows = module.vocab_end - module.vocab_start
+                copy = read_narrow(weight, 0, module.vocab_start, rows)
+                self._copies.append((name, MTP_SHARED_COPIES[rest], copy, module))
+                continue
             yield name, weight
-        if self.mtp is not None and not num_mtp:
+        if not num_mtp:
             raise ValueError(
                 f"{where}: no tensors of the multi-token-prediction layer(s) model.layers."
                 f"{self.arch.num_layers} and after (num_nextn_predict_layers="
@@ -232,9 +251,9 @@ class MTPWeights:
                 "drafts with"
             )
 
-    def check(self, where: str) -> None:
-        """Once the target is loaded: the MTP drafter shares the target's embedding and LM head,
-        so the checkpoint's copies of them must be equal; tensors left out are said so."""
+    def _check(self, where: str) -> None:
+        """The MTP drafter shares the target's embedding and LM head, so the checkpoint's copies
+        of them must be equal."""
         for name, target, copy, module in self._copies:
             mine = module.weight[: copy.shape[0]]
             if tuple(copy.shape) != tuple(mine.shape) or not torch.equal(
@@ -245,13 +264,3 @@ class MTPWeights:
                     f"shares the target's {target}"
                 )
         self._copies = []
-        if self._skipped:
-            logger.info(
-                "%s: left out %d tensors of the multi-token-prediction layer(s) "
-                "model.layers.%d and after (num_nextn_predict_layers=%d): the target model does "
-                "not run them",
-                where,
-                self._skipped,
-                self.arch.num_layers,
-                self.arch.num_nextn_predict_layers,
-            )

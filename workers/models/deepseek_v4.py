@@ -27,12 +27,13 @@ inline (the attention of sliding and CSA layers too).
 Checkpoints: the names DeepSeek publishes and transformers writes back (`layers.<i>.attn.wq_a`,
 `...compressor.wkv`, `...indexer.wq_b`, `ffn.experts.<e>.w1`, `hc_attn_fn`, `hc_head_fn`, `head`,
 ...), with or without transformers' `model.` prefix. The multi-token-prediction layers (`mtp.*`)
-load into `mtp` (workers/models/deepseek_v4_mtp.py) when speculation drafts with them
-(`speculative_config.method: mtp`); otherwise they are left out and said so.
+are not part of this model: its loading leaves them out. The MTP drafter builds and loads them
+itself (`mtp_layers`: `DeepseekV4MTPLayers`, workers/models/deepseek_v4_mtp.py's layers).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections.abc import Generator, Iterable
@@ -52,7 +53,6 @@ from atomrt.workers.layers.v4_moe import V4MoE
 from atomrt.workers.layers.v4_streams import V4SideStreams
 from atomrt.workers.layers.weight_utils import Sliceable, read_all, read_narrow, shape_of
 from atomrt.workers.models.arch import ModelArch
-from atomrt.workers.models.deepseek_mtp import builds_mtp
 from atomrt.workers.models.deepseek_v4_mtp import (
     DeepseekV4MTP,
     is_v4_mtp_weight,
@@ -217,10 +217,135 @@ class DeepseekV4Model(nn.Module):
         return self.norm(self.hc_head(streams))
 
 
+def v4_checkpoint_name(name: str) -> str:
+    """Our name of a checkpoint tensor, published (`layers.0.hc_attn_fn`) or as transformers
+    writes it back (`model.layers.0.hc_attn_fn`)."""
+    if is_v4_mtp_weight(name):  # an MTP layer's: `mtp.layers.<i>.` and the layer's names
+        name = v4_mtp_checkpoint_name(name)
+    for theirs, ours in _RENAMES:
+        if name.removeprefix("model.").startswith(theirs):
+            return ours + name.removeprefix("model.")[len(theirs) :]
+    if not name.startswith(("model.", "head.", "mtp.")):
+        name = "model." + name
+    for theirs, ours in _LAYER_RENAMES:
+        if name.endswith(theirs):
+            return name[: -len(theirs)] + ours
+    return name
+
+
+def load_v4_weights(root: nn.Module, weights: Iterable[tuple[str, Sliceable]], where: str) -> None:
+    """(name, tensor) pairs under the published names into `root` (the model, or the MTP layers
+    of `DeepseekV4MTPLayers`), each to its parameter (this rank's part of a TP-split one) or to
+    its routed expert; every parameter and hash table of `root` must be filled once."""
+    tp: TPInfo = root.tp
+    targets = dict(root.named_parameters())
+    targets.update((n, b) for n, b in root.named_buffers() if n.endswith("tid2eid"))
+    loaded: dict[str, int] = {}
+    for name, weight in weights:
+        if "rotary_emb" in name:
+            continue
+        ours = v4_checkpoint_name(name)
+        expert = _EXPERT.match(ours)
+        if expert is not None:
+            moe = root.get_submodule(expert.group(1))
+            e, proj = int(expert.group(2)), expert.group(3)
+            whole = moe.intermediate_size * tp.tp_size * moe.dp.dp_size
+            hidden = moe.w13.shape[2]
+            if e >= moe.num_experts or shape_of(weight) != (
+                (hidden, whole) if proj == "w2" else (whole, hidden)
+            ):
+                raise ValueError(f"{where}: {name} does not fit {expert.group(1)}'s experts")
+            moe.load_expert(e, proj, weight)
+            key = f"{expert.group(1)}.{'w2' if proj == 'w2' else 'w13'}"
+            loaded[key] = loaded.get(key, 0) + 1
+            continue
+        target = targets.get(ours)
+        if target is None:
+            raise ValueError(f"{where}: tensor {name!r} has no place in {type(root).__name__}")
+        dim = getattr(target, "tp_shard_dim", None)
+        if dim is None:
+            tensor = read_all(weight)
+        else:  # this rank's part of a tensor split over TP ranks
+            size = target.shape[dim]
+            if shape_of(weight)[dim] != size * tp.tp_size:
+                raise ValueError(
+                    f"{where}: {name} is {shape_of(weight)}, which does not split into "
+                    f"tensor_parallel_size={tp.tp_size} parts of the model's "
+                    f"{tuple(target.shape)}"
+                )
+            tensor = read_narrow(weight, dim, tp.tp_rank * size, size)
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{where}: {name} is {tuple(tensor.shape)}, the model's {ours} is "
+                f"{tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor.to(target.device, target.dtype))
+        loaded[ours] = loaded.get(ours, 0) + 1
+
+    def fills(n: str) -> int:  # w13 takes two tensors per expert, w2 one
+        if n.endswith(".w13") or n.endswith(".w2"):
+            e = root.get_submodule(n.rsplit(".", 1)[0]).num_experts
+            return 2 * e if n.endswith(".w13") else e
+        return 1
+
+    missing = [n for n in targets if loaded.get(n, 0) < fills(n)]
+    if missing:
+        raise ValueError(
+            f"{where}: missing tensors for {len(missing)} parameters, e.g. {missing[:4]}"
+        )
+
+
+class DeepseekV4MTPLayers(nn.Module):
+    """The MTP drafter's layers as a model of their own (`mtp`: DeepseekV4MTP), named as the
+    target would hold them (`mtp.layers.<i>.`) and loaded as the target loads its checkpoint
+    (`load_v4_weights`): only the MTP layers' tensors (`mtp.*`). Built by `load_mtp_layers`
+    (workers/loading/loader.py) from the target's `mtp_layers`."""
+
+    checkpoint_name = staticmethod(v4_checkpoint_name)  # the FP8 layers' names (v4_fp8.py)
+
+    def __init__(self, target: Any, tp: TPInfo, dp: DPInfo, max_position: int) -> None:
+        """`target`: the DeepseekV4ForCausalLM whose embedding, head and streams the layers use."""
+        super().__init__()
+        self.tp, self.arch = tp, target.arch
+        self.mtp = DeepseekV4MTP(target.arch, tp, dp, max_position, V4DecoderLayer, target)
+
+    @staticmethod
+    def holds(name: str, arch: ModelArch) -> bool:
+        """Whether a checkpoint tensor is an MTP layer's."""
+        return is_v4_mtp_weight(name)
+
+    @staticmethod
+    def left_out(count: int, arch: ModelArch, where: str) -> None:
+        """Say that the target's loading left the MTP layers' `count` tensors out."""
+        logger.info(
+            "%s: left out %d tensors of the multi-token-prediction layer(s) (mtp.*): the "
+            "target model does not run them",
+            where,
+            count,
+        )
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
+    ) -> None:
+        """The checkpoint's MTP tensors; a checkpoint without any is an error that says so."""
+        weights = iter(weights)
+        first = next(weights, None)
+        if first is None:
+            raise ValueError(
+                f"{where}: no tensors of the multi-token-prediction layer(s) mtp.* "
+                f"(num_nextn_predict_layers={self.arch.num_nextn_predict_layers}), which "
+                "speculative_config.method 'mtp' drafts with"
+            )
+        load_v4_weights(self, itertools.chain([first], weights), where)
+
+
 @token_graph
 class DeepseekV4ForCausalLM(nn.Module):
     # TR_HYBRID records decode buckets only: a prefill step runs eagerly
     token_graph_phases = ("decode",)
+    mtp_layers = DeepseekV4MTPLayers  # what the MTP drafter builds and loads (the module docstring)
+    checkpoint_name = staticmethod(v4_checkpoint_name)
 
     def __init__(
         self,
@@ -235,10 +360,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.arch = arch
         self.model = DeepseekV4Model(arch, max_position, tp, dp, config=config)
         self.head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.mtp: Optional[DeepseekV4MTP] = None  # the drafter's layers, when speculation is MTP
-        if builds_mtp(config):
-            self.mtp = DeepseekV4MTP(arch, tp, dp, max_position, V4DecoderLayer, self)
-        self._skipped_mtp = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [n] int64 -> hidden_states [n, hidden]."""
@@ -252,100 +373,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.head(hidden_states)
 
-    @staticmethod
-    def checkpoint_name(name: str) -> str:
-        """Our name of a checkpoint tensor, published (`layers.0.hc_attn_fn`) or as transformers
-        writes it back (`model.layers.0.hc_attn_fn`)."""
-        if is_v4_mtp_weight(name):  # an MTP layer's: `mtp.layers.<i>.` and the layer's names
-            name = v4_mtp_checkpoint_name(name)
-        for theirs, ours in _RENAMES:
-            if name.removeprefix("model.").startswith(theirs):
-                return ours + name.removeprefix("model.")[len(theirs) :]
-        if not name.startswith(("model.", "head.", "mtp.")):
-            name = "model." + name
-        for theirs, ours in _LAYER_RENAMES:
-            if name.endswith(theirs):
-                return name[: -len(theirs)] + ours
-        return name
-
     def load_weights(
         self, weights: Iterable[tuple[str, Sliceable]], where: str = "checkpoint"
     ) -> None:
         """(name, tensor) pairs under the published names; every parameter and hash table must be
         filled once."""
-        targets = dict(self.named_parameters())
-        targets.update((n, b) for n, b in self.named_buffers() if n.endswith("tid2eid"))
-        loaded: dict[str, int] = {}
-        self._skipped_mtp = 0
-        num_mtp = 0
-        for name, weight in weights:
-            if is_v4_mtp_weight(name):
-                num_mtp += 1
-                if self.mtp is None:
-                    self._skipped_mtp += 1
-                    continue
-            if "rotary_emb" in name:
-                continue
-            ours = self.checkpoint_name(name)
-            expert = _EXPERT.match(ours)
-            if expert is not None:
-                moe = self.get_submodule(expert.group(1))
-                e, proj = int(expert.group(2)), expert.group(3)
-                whole = moe.intermediate_size * self.tp.tp_size * moe.dp.dp_size
-                hidden = moe.w13.shape[2]
-                if e >= moe.num_experts or shape_of(weight) != (
-                    (hidden, whole) if proj == "w2" else (whole, hidden)
-                ):
-                    raise ValueError(f"{where}: {name} does not fit {expert.group(1)}'s experts")
-                moe.load_expert(e, proj, weight)
-                key = f"{expert.group(1)}.{'w2' if proj == 'w2' else 'w13'}"
-                loaded[key] = loaded.get(key, 0) + 1
-                continue
-            target = targets.get(ours)
-            if target is None:
-                raise ValueError(f"{where}: tensor {name!r} has no place in DeepseekV4ForCausalLM")
-            dim = getattr(target, "tp_shard_dim", None)
-            if dim is None:
-                tensor = read_all(weight)
-            else:  # this rank's part of a tensor split over TP ranks
-                size = target.shape[dim]
-                if shape_of(weight)[dim] != size * self.tp.tp_size:
-                    raise ValueError(
-                        f"{where}: {name} is {shape_of(weight)}, which does not split into "
-                        f"tensor_parallel_size={self.tp.tp_size} parts of the model's "
-                        f"{tuple(target.shape)}"
-                    )
-                tensor = read_narrow(weight, dim, self.tp.tp_rank * size, size)
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"{where}: {name} is {tuple(tensor.shape)}, the model's {ours} is "
-                    f"{tuple(target.shape)}"
-                )
-            with torch.no_grad():
-                target.copy_(tensor.to(target.device, target.dtype))
-            loaded[ours] = loaded.get(ours, 0) + 1
-
-        def fills(n: str) -> int:  # w13 takes two tensors per expert, w2 one
-            if n.endswith(".w13") or n.endswith(".w2"):
-                e = self.get_submodule(n.rsplit(".", 1)[0]).num_experts
-                return 2 * e if n.endswith(".w13") else e
-            return 1
-
-        if self.mtp is not None and not num_mtp:
-            raise ValueError(
-                f"{where}: no tensors of the multi-token-prediction layer(s) mtp.* "
-                f"(num_nextn_predict_layers={self.arch.num_nextn_predict_layers}), which "
-                "speculative_config.method 'mtp' drafts with"
-            )
-        missing = [n for n in targets if loaded.get(n, 0) < fills(n)]
-        if missing:
-            raise ValueError(
-                f"{where}: missing tensors for {len(missing)} parameters, e.g. {missing[:4]}"
-            )
-        if self._skipped_mtp:
-            logger.info(
-                "%s: left out %d tensors of the multi-token-prediction layer(s) (mtp.*): the "
-                "target model does not run them",
-                where,
-                self._skipped_mtp,
-            )
+        load_v4_weights(self, weights, where)

@@ -188,19 +188,12 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.build_mtp(arch, tp, max_position, config, dp)
 
     def build_model(
         self, arch: ModelArch, tp: TPInfo, max_position: int, config: Any, dp: DPInfo
     ) -> nn.Module:
         """The decoder: embeddings, layers, final norm."""
         raise NotImplementedError
-
-    def build_mtp(
-        self, arch: ModelArch, tp: TPInfo, max_position: int, config: Any, dp: DPInfo
-    ) -> None:
-        """The multi-token-prediction layers, for a family that has them; built after the LM
-        head, which they share."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -124,8 +124,6 @@ class ModelRunner:
             max_num_seqs=sc.max_num_seqs,
             max_num_tokens=max(sc.max_num_batched_tokens, max(config.capture_sizes or [0])),
         )
-        self.attn_layers = collect_attention_layers(self.model)
-        _check_fp8_cache(config, device, self.attn_layers)
         self.kv_cache: dict[str, CacheEntry] = {}
         self.sampler = Sampler()
         enforce_eager = config.enforce_eager or device.type != "cuda"
@@ -136,6 +134,12 @@ class ModelRunner:
             self.spec = Speculator(
                 config, device, dtype, tp, self.shape, self.graphs.enabled, self.model, dp
             )
+        # every layer's attention, the drafter's own layers' (MTP) with the target's: one KV
+        # cache layout and one forward context
+        self.attn_layers = collect_attention_layers(self.model)
+        if self.spec is not None:
+            self.attn_layers.update(self.spec.attention_layers())
+        _check_fp8_cache(config, device, self.attn_layers)
         self.tokens: Optional[TokenPool] = None  # async scheduling's and a drafter's token state
         if sc.async_scheduling or (self.spec is not None and self.spec.drafts_in_pool):
             self.tokens = TokenPool(

@@ -2,10 +2,11 @@
 # target's forward, and the MTP layers' passes after its tokens are sampled. What may live here:
 # laying out each pass's rows on the device from the sampled tokens, running or replaying a pass,
 # drawing drafts. No host synchronisation: the accepted counts stay on the device.
-"""`MTPWorkerProposer` (method "mtp" on the worker) and its `MTPDrafter`: the target's own multi-token-prediction layers (workers/models/deepseek_mtp.py)
-propose each sampled request's k drafts for its next step, right after the step's tokens are
-sampled; the step's result carries them to the driver, which schedules them as that request's
-draft rows in its next step.
+"""`MTPWorkerProposer` (method "mtp" on the worker) and its `MTPDrafter`: the checkpoint's own
+multi-token-prediction layers (workers/models/deepseek_mtp.py), which the drafter builds and loads
+itself beside the target (`load_mtp_layers`), propose each sampled request's k drafts for its
+next step, right after the step's tokens are sampled; the step's result carries them to the
+driver, which schedules them as that request's draft rows in its next step.
 
 For a sampled request whose step ran rows `t` (its last token, at position p) then `k_s` drafts,
 of which the target accepted `m` (emitting the accepted drafts and one token `c` after them):
@@ -60,6 +61,8 @@ from atomrt.runtime.forward_context import (
     DPMetadata,
     set_forward_context,
 )
+from atomrt.workers.layers.attention import collect_attention_layers
+from atomrt.workers.loading.loader import load_mtp_layers
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.sampler import SamplingTensors, greedy_argmax
 from atomrt.workers.runner.step_buffers import write_padded
@@ -104,10 +107,11 @@ class _Staging:
 
 class MTPDrafter:
     def __init__(self, setup: ProposerSetup) -> None:
-        """`setup.model`: the target (a DeepseekForCausalLM built with its `mtp` layers)."""
+        """`setup.model`: the target (a DeepSeek-family model), whose MTP layers the drafter
+        builds and loads from the same checkpoint (`load_mtp_layers`)."""
         model, config, device, shape = setup.model, setup.config, setup.device, setup.shape
         graphs_enabled, self.dp = setup.graphs_enabled, setup.dp
-        self.mtp = model.mtp
+        self.mtp = load_mtp_layers(model, config, device, setup.dtype, setup.tp, setup.dp).mtp
         self.config = config
         self.k = config.speculative_config.num_speculative_tokens
         self.block_size, self.max_model_len = shape.block_size, shape.max_model_len
@@ -410,6 +414,10 @@ class MTPWorkerProposer(WorkerProposer):
     @property
     def next_drafts(self) -> int:
         return self.k
+
+    def attention_layers(self) -> dict[int, Any]:
+        """The MTP layers' attention: layers `num_hidden_layers + i` of the KV cache."""
+        return collect_attention_layers(self.drafter.mtp)
 
     def capture(self, runner: Any, sizes: list[int]) -> None:
         """`runner` stages pass 0's recordings as the target's steps."""

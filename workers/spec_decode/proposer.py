@@ -11,9 +11,10 @@ runtime/driver/proposers.py. What a method may do on the worker:
   draft rows) or stage what later passes need (MTP);
 - `after_sample`, once the step's tokens are sampled: draft each sampled request's next
   `next_drafts` tokens, which ride back after its tokens (MTP);
-- set-up: its KV cache (`kv_bytes_per_block`, `allocate_kv_cache`), its graphs (`capture`, after
-  the target's, in the same pool) and the passes that ran eagerly with graphs on
-  (`take_eager_passes`).
+- set-up: the layers it builds and loads itself (MTP), whose attention shares the target's KV
+  cache blocks and forward context (`attention_layers`); its KV cache of its own
+  (`kv_bytes_per_block`, `allocate_kv_cache`), its graphs (`capture`, after the target's, in the
+  same pool) and the passes that ran eagerly with graphs on (`take_eager_passes`).
 
 Every hook defaults to nothing: n-gram drafts come in the plan and need none of them.
 """
@@ -141,6 +142,11 @@ class WorkerProposer:
         return 0
 
     # ---------------------------------------------------------------- set-up
+
+    def attention_layers(self) -> dict[int, Any]:
+        """Its own layers' paged attention by layer index, laid out and run with the target's
+        (the KV cache, the forward context's `no_compile_layers`)."""
+        return {}
 
     def kv_bytes_per_block(self) -> int:
         """A block's bytes of the method's own KV cache (it shares the target's blocks)."""

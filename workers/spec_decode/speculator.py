@@ -102,6 +102,10 @@ class Speculator:
 
     # ---------------------------------------------------------------- set-up
 
+    def attention_layers(self) -> dict:
+        """The method's own layers' attention, which run with the target's (`WorkerProposer`)."""
+        return self.proposer.attention_layers()
+
     def kv_bytes_per_block(self) -> int:
         return self.proposer.kv_bytes_per_block()
 
