@@ -10,6 +10,7 @@ does):
   fused       attention_step: one decode_attention launch (rotary, KV write, attention, split merge)
   fused_bf16_products  (--kv-cache-dtype fp8) the same launch with the plan's
               fp8_f16_products=False: e4m3 widened to bfloat16 instead of float16
+  fused_prefetch  the launch with prefetch_kv=True: each K/V tile loaded an iteration ahead
 `--sweep` adds the fused kernel under other tile sizes / warps / stages / splits, to tune
 plan_decode. With --kv-cache-dtype fp8 the caches are e4m3 with per-tensor k/v scales, the FP8 KV
 cache's decode (e.g. --shape "Llama-3.1-8B bs32" --ctx 8192 --kv-cache-dtype fp8 --sweep).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 
 import torch
@@ -205,28 +207,31 @@ def main() -> None:
                 fused=time_us(lambda i: fused(s, i)),
                 plan=dataclasses.asdict(base),
             )
+            prefetch_plan = dataclasses.replace(base, prefetch_kv=True)
+            row["fused_prefetch"] = time_us(lambda i: fused(s, i, prefetch_plan))
             if fp8:
                 bf16_plan = dataclasses.replace(base, fp8_f16_products=False)
                 row["fused_bf16_products"] = time_us(lambda i: fused(s, i, bf16_plan))
             # the default contexts sweep the short ones; named contexts all sweep
             if args.sweep and (args.ctx or ctx <= 1024):
                 variants = {}
-                for tile_n in (64, 128, 256) if fp8 else (64, 128):
-                    for warps in (4, 8):
-                        for stages in (1, 2, 3) if fp8 else (1, 2):
-                            plan = dataclasses.replace(
-                                base,
-                                tile_n=tile_n,
-                                num_warps=warps,
-                                num_stages=stages,
-                                min_tiles_per_split=max(1, 256 // tile_n),
-                            )
-                            try:
-                                variants[f"t{tile_n}w{warps}s{stages}"] = time_us(
-                                    lambda i: fused(s, i, plan)
-                                )
-                            except Exception as exc:  # out of resources for this config
-                                variants[f"t{tile_n}w{warps}s{stages}"] = f"{type(exc).__name__}"
+                grid = itertools.product(
+                    (64, 128, 256) if fp8 else (64, 128), (4, 8), (1, 2), (False, True)
+                )
+                for tile_n, warps, stages, prefetch in grid:
+                    plan = dataclasses.replace(
+                        base,
+                        tile_n=tile_n,
+                        num_warps=warps,
+                        num_stages=stages,
+                        min_tiles_per_split=max(1, 256 // tile_n),
+                        prefetch_kv=prefetch,
+                    )
+                    name = f"t{tile_n}w{warps}s{stages}{'p' if prefetch else ''}"
+                    try:
+                        variants[name] = time_us(lambda i: fused(s, i, plan))
+                    except Exception as exc:  # out of resources for this config
+                        variants[name] = f"{type(exc).__name__}"
                 for splits in (1, 2, 4, 8):
                     plan = dataclasses.replace(base, num_splits=splits)
                     variants[f"splits{splits}"] = time_us(lambda i: fused(s, i, plan))
