@@ -14,7 +14,7 @@ of a device-to-device copy's bandwidth (read + write) measured in the same run. 
 copy at bs >= 8 (benchmarks/goals.json; `--record` keeps each row as an `mla-decode` figure).
 `max_err` is the first layer's largest difference from a float32 torch reference over its first
 requests. `--sweep` adds other launch plans (key tile, warps, stages, heads per
-tile, splits, keys per working split) and the best of them.
+tile, splits, keys per working split, block ids prefetched or not) and the best of them.
 """
 
 from __future__ import annotations
@@ -165,6 +165,8 @@ def sweep(s: dict, base: MLADecodeLaunch, dry_run: bool) -> dict:
     for min_tiles in sorted({1, 2, 4, 8} - {base.min_tiles_per_split}):
         plan = dataclasses.replace(base, min_tiles_per_split=min_tiles)
         variants[f"min_tiles{min_tiles}"] = _try(s, plan, dry_run)
+    plan = dataclasses.replace(base, prefetch_blocks=not base.prefetch_blocks)
+    variants[f"prefetch_blocks={plan.prefetch_blocks}"] = _try(s, plan, dry_run)
     return variants
 
 

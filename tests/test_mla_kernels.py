@@ -10,6 +10,7 @@ interpreter's bf16 tl.dot is wrong, triton-lang/triton#11584); the cache write i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -271,6 +272,20 @@ def test_q_pe_apart_from_the_latent_query(num_splits: int) -> None:
     args = (batch.kv_cache, batch.block_table, batch.seq_lens, batch.cu_seqlens_q, batch.scale)
     mla_decode_attention(q_latent, *args, out, num_splits, q_pe=q_pe)
     check_mla(batch, out)
+
+
+@pytest.mark.parametrize("prefetch_blocks", [True, False], ids=["prefetch", "in-order"])
+def test_block_ids_ahead_or_in_order(prefetch_blocks: bool) -> None:
+    """A tile's block ids loaded with the previous tile's rows (the default) or before its own:
+    the reference's attention either way, verify rows and splits included, block boundaries
+    inside the tiles (block_size 16, 16-key tiles over 2-4 tiles per split)."""
+    batch = make_mla_batch(
+        [3, 1, 2], [70, 33, 50], num_heads=4, kv_lora_rank=32, rope_dim=16, seed=31
+    )
+    plan = dataclasses.replace(
+        forced_plan(4, 32, 16, num_splits=3), prefetch_blocks=prefetch_blocks
+    )
+    check_mla(batch, run_mla(batch, plan=plan))
 
 
 def test_long_runs_of_rows_share_out_their_tiles() -> None:

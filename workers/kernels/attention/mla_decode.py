@@ -62,6 +62,8 @@ class MLADecodeLaunch:
     min_tiles_per_split: int  # key tiles a working split takes at least (the live context decides)
     num_warps: int
     num_stages: int
+    # each key tile's block ids load with the previous tile's rows, not before its own
+    prefetch_blocks: bool = True
 
 
 @functools.lru_cache(maxsize=4096)
@@ -405,6 +407,7 @@ def _decode_constexprs(
         ("BLOCK_SIZE", block_size),
         ("SPLIT", plan.num_splits > 1),
         ("IEEE_DOT", cache_dtype == torch.float32),
+        ("PREFETCH_BLOCKS", plan.prefetch_blocks),
         ("num_warps", plan.num_warps),
         ("num_stages", plan.num_stages),
     )

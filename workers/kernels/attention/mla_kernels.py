@@ -178,6 +178,17 @@ def _zero_unowned_rows(
         tl.store(dst, zeros, mask=mask)
 
 
+@triton.jit
+def _tile_blocks(table_row, t, tile_end, kv_len, max_blocks, key_offsets, BLOCK_N: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """The cache block of each key of key tile `t` [BLOCK_N] int64 (0 where the key is past
+    kv_len, the block table, or the split's tiles)."""
+    keys = t * BLOCK_N + key_offsets
+    cols = keys // BLOCK_SIZE
+    valid = (keys < kv_len) & (cols < max_blocks) & (keys < tile_end * BLOCK_N)
+    return tl.load(table_row + cols, mask=valid, other=0).to(tl.int64)
+
+
 # The lengths a step changes are not specialized on: only the constexprs pick a compiled variant.
 @triton.jit(do_not_specialize=["num_reqs", "num_rows", "num_splits", "num_row_blocks"])
 def mla_decode_kernel(
@@ -225,6 +236,7 @@ def mla_decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # cache block size
     SPLIT: tl.constexpr,
     IEEE_DOT: tl.constexpr,  # fp32 cache: full-precision dots instead of tf32
+    PREFETCH_BLOCKS: tl.constexpr,  # each tile's block ids load with the tile before's rows
 ):
     """Causal attention of a request's query rows, for one tile of heads, over one KV split.
 
@@ -303,11 +315,17 @@ def mla_decode_kernel(
         m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, LORA_P], tl.float32)
+        if PREFETCH_BLOCKS:  # the first tile's block ids; each iteration loads the next one's
+            block = _tile_blocks(
+                table_row, split_begin, tile_end, kv_len, max_blocks, key_offsets, BLOCK_N,
+                BLOCK_SIZE,
+            )  # fmt: skip
         for t in range(split_begin, tile_end):
             keys = t * BLOCK_N + key_offsets
             cols = keys // BLOCK_SIZE
             key_valid = (keys < kv_len) & (cols < max_blocks)
-            block = tl.load(table_row + cols, mask=key_valid, other=0).to(tl.int64)
+            if not PREFETCH_BLOCKS:
+                block = tl.load(table_row + cols, mask=key_valid, other=0).to(tl.int64)
             row_ptr = kv_cache_ptr + block * stride_cb + (keys % BLOCK_SIZE) * stride_cs
             kv = tl.load(
                 row_ptr[:, None] + lora[None, :],
@@ -319,6 +337,11 @@ def mla_decode_kernel(
                 mask=key_valid[:, None] & rope_valid[None, :],
                 other=0.0,
             ).to(cache_ty)  # [BLOCK_N, ROPE_P]
+            if PREFETCH_BLOCKS:  # out with this tile's rows: one dependent round trip a tile
+                block = _tile_blocks(
+                    table_row, t + 1, tile_end, kv_len, max_blocks, key_offsets, BLOCK_N,
+                    BLOCK_SIZE,
+                )  # fmt: skip
             if IEEE_DOT:
                 s = tl.dot(q_nope, tl.trans(kv), input_precision="ieee")
                 s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
