@@ -8,8 +8,10 @@ attention work, replayed from a CUDA graph that holds 16 layers' calls back to b
 does):
   two_launch  rope_write_kv, then unified_attention (+ its split reduce), for comparison
   fused       attention_step: one decode_attention launch (rotary, KV write, attention, split merge)
-  fused_bf16_products  (--kv-cache-dtype fp8) the same launch with the plan's
-              fp8_f16_products=False: e4m3 widened to bfloat16 instead of float16
+  fused_bf16_tiles  (--kv-cache-dtype fp8) float16 products in the bfloat16 cache's tiles
+              (plan_decode without fp8_cache: 128 keys, 2 stages)
+  fused_before  (--kv-cache-dtype fp8) those tiles with bfloat16 products: the kernel as it was
+              before the float16 products and the e4m3 tiles
   fused_prefetch  the launch with prefetch_kv=True: each K/V tile loaded an iteration ahead
 `--sweep` adds the fused kernel under other tile sizes / warps / stages / splits, to tune
 plan_decode. With --kv-cache-dtype fp8 the caches are e4m3 with per-tensor k/v scales, the FP8 KV
@@ -198,7 +200,7 @@ def main() -> None:
         bs, hk, group, hd = SHAPES[name]
         for ctx in contexts:
             s = setup(bs, hk, group, hd, ctx, fp8)
-            base = plan_decode(bs, CAPACITY, hk, group, hd, sm_count(s["q"].device))
+            base = plan_decode(bs, CAPACITY, hk, group, hd, sm_count(s["q"].device), fp8)
             row = dict(
                 shape=name,
                 ctx=ctx,
@@ -210,8 +212,10 @@ def main() -> None:
             prefetch_plan = dataclasses.replace(base, prefetch_kv=True)
             row["fused_prefetch"] = time_us(lambda i: fused(s, i, prefetch_plan))
             if fp8:
-                bf16_plan = dataclasses.replace(base, fp8_f16_products=False)
-                row["fused_bf16_products"] = time_us(lambda i: fused(s, i, bf16_plan))
+                bf16_tiles = plan_decode(bs, CAPACITY, hk, group, hd, sm_count(s["q"].device))
+                before = dataclasses.replace(bf16_tiles, fp8_f16_products=False)
+                row["fused_bf16_tiles"] = time_us(lambda i: fused(s, i, bf16_tiles))
+                row["fused_before"] = time_us(lambda i: fused(s, i, before))
             # the default contexts sweep the short ones; named contexts all sweep
             if args.sweep and (args.ctx or ctx <= 1024):
                 variants = {}

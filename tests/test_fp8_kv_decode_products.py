@@ -18,7 +18,11 @@ import torch
 from test_decode_attention import expected, forced_plan, make_decode_case
 from test_kernels import SENTINEL
 
-from atomrt.workers.kernels.attention.decode_attention import decode_attention
+from atomrt.workers.kernels.attention.decode_attention import (
+    DecodeLaunch,
+    decode_attention,
+    plan_decode,
+)
 
 FP8 = torch.float8_e4m3fn
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,6 +48,7 @@ def run_fp8_decode(
     tile_n: int = 16,
     device: str = DEVICE,
     prefetch_kv: bool = False,
+    plan: DecodeLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel output, float64 reference) of the real rows of a decode step over a scaled e4m3
     cache with a bfloat16 q of about `q_scale` in magnitude."""
@@ -61,7 +66,7 @@ def run_fp8_decode(
     case = dataclasses.replace(case, batch=b, k=k_new, v=v_new)
     out = torch.full_like(q, SENTINEL)
     plan = dataclasses.replace(
-        forced_plan(group, head_dim, num_splits, tile_n=tile_n),
+        plan or forced_plan(group, head_dim, num_splits, tile_n=tile_n),
         fp8_f16_products=f16_products,
         prefetch_kv=prefetch_kv,
     )
@@ -95,3 +100,22 @@ def test_q_past_float16_range_keeps_exact_scores(q_scale: float) -> None:
     out, ref = run_fp8_decode(q_scale, True, 1)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3)
+
+
+def test_an_e4m3_cache_plans_64_key_tiles_at_head_dim_128() -> None:
+    """At head_dim 128 an e4m3 cache takes 64-key tiles in one stage (the bfloat16 cache's
+    128-key tiles leave one program per SM), and those give the reference's attention over
+    contexts of several tiles, split and not."""
+    bf16 = plan_decode(32, 8192, 8, 4, 128, 132)
+    fp8 = plan_decode(32, 8192, 8, 4, 128, 132, fp8_cache=True)
+    assert (bf16.tile_n, bf16.num_stages) == (128, 2)
+    assert (fp8.tile_n, fp8.num_stages, fp8.num_warps) == (64, 1, bf16.num_warps)
+    assert plan_decode(32, 8192, 8, 4, 64, 132, fp8_cache=True) == plan_decode(
+        32, 8192, 8, 4, 64, 132
+    )
+    for splits in (1, 3):
+        plan = dataclasses.replace(fp8, num_splits=splits, min_tiles_per_split=1)
+        out, ref = run_fp8_decode(
+            1.0, True, splits, lens=[1, 65, 200], num_kv_heads=2, head_dim=128, plan=plan
+        )
+        torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3)

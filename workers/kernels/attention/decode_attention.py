@@ -68,15 +68,28 @@ UBATCHES = 2  # two-batch overlap's microbatches, whose launches may overlap: a 
 
 @functools.lru_cache(maxsize=4096)
 def plan_decode(
-    num_seqs: int, max_seqlen_k: int, num_kv_heads: int, group: int, head_dim: int, num_sms: int
+    num_seqs: int,
+    max_seqlen_k: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    num_sms: int,
+    fp8_cache: bool = False,
 ) -> DecodeLaunch:
     """Tiles and split count of a decode launch over contexts of at most `max_seqlen_k` keys (the KV
     capacity on the graph-safe path). Splits only when (sequence, KV head) pairs leave SMs idle, as
-    plan_attention does; inside the kernel a split works only on MIN_KEYS_PER_SPLIT keys or more."""
+    plan_attention does; inside the kernel a split works only on MIN_KEYS_PER_SPLIT keys or more.
+    `fp8_cache`: the caches are e4m3 (kv_cache_dtype fp8)."""
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
     # 128-key tiles: fewer dependent round trips per program; faster than 64-key tiles at long
     # contexts and even at short ones (benchmarks/bench_decode_attention.py --sweep).
     tile_n = 128 if head_dim_p <= 128 else 32
+    num_stages = 2
+    if fp8_cache and head_dim_p == 128:
+        # widening an e4m3 tile of 128 keys takes ptxas to ~140 registers a thread at 8 warps (sm_90):
+        # one program per SM where the bfloat16 cache's ~90 fit two. 64-key tiles in one stage
+        # keep ~90 (bench_decode_attention.py --kv-cache-dtype fp8 --sweep times both).
+        tile_n, num_stages = 64, 1
     num_programs = max(1, num_seqs * num_kv_heads)
     num_splits = 1
     if num_programs < num_sms and num_programs <= DECODE_COUNTERS:
@@ -92,7 +105,7 @@ def plan_decode(
         num_splits=num_splits,
         min_tiles_per_split=max(1, MIN_KEYS_PER_SPLIT // tile_n),
         num_warps=8 if head_dim_p >= 128 else 4,
-        num_stages=2,
+        num_stages=num_stages,
     )
 
 
@@ -225,7 +238,7 @@ _DECODE_LAUNCHES = LaunchMemo(decode_attention_kernel)
 # argument's address, shape and stride, the sequence count and the stream (_bound_key); each entry
 # holds the plan's inputs and, per plan (the split count follows the live context), the launch.
 _BOUND: dict[
-    tuple, tuple[tuple[int, int, int, int], dict[DecodeLaunch, Callable[[int], None]]]
+    tuple, tuple[tuple[int, int, int, int, bool], dict[DecodeLaunch, Callable[[int], None]]]
 ] = {}
 MAX_BOUND = 512
 
@@ -344,7 +357,8 @@ def attention_step(
                 return launch
     num_kv_heads, head_dim = check_attention_args(q, k_cache, v_cache, out, block_tables)
     if plan_q == 1:
-        dims = (num_kv_heads, q.shape[1] // num_kv_heads, head_dim, sm_count(q.device))
+        fp8_cache = k_cache.dtype == torch.float8_e4m3fn
+        dims = (num_kv_heads, q.shape[1] // num_kv_heads, head_dim, sm_count(q.device), fp8_cache)
         plan = plan_decode(num_seqs, plan_k, *dims)
         launch = _decode_launch(
             q, k, v, out, positions, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
