@@ -86,9 +86,9 @@ def plan_decode(
     tile_n = 128 if head_dim_p <= 128 else 32
     num_stages = 2
     if fp8_cache and head_dim_p == 128:
-        # widening an e4m3 tile of 128 keys takes ptxas to ~140 registers a thread at 8 warps (sm_90):
-        # one program per SM where the bfloat16 cache's ~90 fit two. 64-key tiles in one stage
-        # keep ~90 (bench_decode_attention.py --kv-cache-dtype fp8 --sweep times both).
+        # widening an e4m3 tile of 128 keys takes ~140 registers a thread at 8 warps on sm_90: one
+        # program per SM, where the bfloat16 cache's ~90 fit two; 64-key tiles in one stage keep
+        # ~90 (benchmarks/kernel_stats.py; bench_decode_attention.py --kv-cache-dtype fp8 times).
         tile_n, num_stages = 64, 1
     num_programs = max(1, num_seqs * num_kv_heads)
     num_splits = 1
