@@ -168,6 +168,23 @@ def test_fused_add_norm_names_what_does_not_fit() -> None:
         w8a8_skinny_add_norm(big, big, torch.ones(32, device=DEVICE), 1e-6, qw, sw)
 
 
+@pytest.mark.parametrize("defer_sum", [True, False])
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_fused_decode_rows_sum_over_k_once_or_per_step(static: bool, defer_sum: bool) -> None:
+    """The products' sum over K taken once after the K loop (defer_sum) or at every step: the same
+    float64 product of the quantization kernel's e4m3 values, rows 1 and 8, a partial last K step
+    and N block."""
+    n, k = 200, 1000
+    qw, sw = _weight(n, k, None, seed=11)
+    static_scale = torch.tensor(0.02, device=DEVICE) if static else None
+    for m in (1, 8):
+        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).to(DEVICE)
+        y = w8a8_skinny(x, qw, sw, None, static_scale, (256, 4096, 4, 2), defer_sum=defer_sum)
+        qx, sx = quantize_fp8_triton(x, None, static_scale)
+        ref = _deq64(qx, sx, None) @ _deq64(qw, sw, None).T
+        torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+
+
 def test_skinny_launch_takes_the_table_then_the_default() -> None:
     assert skinny_launch(28672, 4096) == SKINNY_SHAPE_LAUNCHES[(28672, 4096)]
     default = (fp8_gemm.SKINNY_BLOCK_K, fp8_gemm.SKINNY_PRODUCTS, fp8_gemm.SKINNY_WARPS)

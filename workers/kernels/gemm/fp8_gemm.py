@@ -44,6 +44,10 @@ SKINNY_BLOCK_K = 1024
 SKINNY_PRODUCTS = 8192
 SKINNY_WARPS = 4
 SKINNY_STAGES = 3
+# per-row scales: sum the products across threads once, after the K loop, not at every K step
+# (fewer instructions per weight: benchmarks/kernel_stats.py-style sm_90 counts give 6.1 against
+# 8.3 at 8B's qkv launch, at 96 registers against 56); off until bench_fp8_gemm.py times it faster
+SKINNY_DEFER_SUM = False
 # (block_k, products, warps, stages) per weight shape (N, K) where the sweep found a faster
 # launch than the default at M=1 (bench_fp8_gemm.py --sweep on one H100, µs per call with the
 # weights from HBM: benchmarks/notes-deepseek-decode-and-startup.md); other shapes take the default
@@ -283,6 +287,7 @@ def w8a8_skinny_kernel(
     GROUP: tl.constexpr,  # features per scale of x and of b's rows; 0: one scale per row
     STATIC: tl.constexpr,  # x's scale is *static_ptr (GROUP 0 only)
     NORM: tl.constexpr,  # the product reads RMSNorm(x + update) (GROUP 0 only)
+    DEFER_SUM: tl.constexpr,  # GROUP 0: sum the products over K once, after the loop
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # a multiple of GROUP
@@ -355,6 +360,10 @@ def w8a8_skinny_kernel(
                 )  # fmt: skip
                 amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
             a_s = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)[:, None]
+        # DEFER_SUM: each thread keeps its products' running sums and the cross-thread sum over K
+        # runs once; otherwise every K step sums its products across threads (shuffles and adds
+        # per weight that leave a decode GEMV issue-bound, not memory-bound)
+        partial = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k_mask = (k0 + ks < K)[None, :]
             w = tl.load(
@@ -365,7 +374,12 @@ def w8a8_skinny_kernel(
             )
             xq = tl.clamp(x.to(tl.float32) / a_s, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
             prod = w.to(tl.float32)[:, None, :] * xq.to(tl.float32)[None, :, :]
-            acc += tl.sum(prod, axis=2)
+            if DEFER_SUM:
+                partial += prod
+            else:
+                acc += tl.sum(prod, axis=2)
+        if DEFER_SUM:
+            acc = tl.sum(partial, axis=2)
         b_s = tl.load(b_s_ptr + cols * stride_bsn, mask=n_mask, other=0.0)
         acc = acc * b_s[:, None] * tl.reshape(a_s, (1, BLOCK_M))
     c_ptrs = c_ptr + rows[None, :] * stride_cm + cols[:, None]
@@ -379,16 +393,19 @@ def w8a8_skinny(
     group_k: Optional[int],
     static_scale: Optional[torch.Tensor] = None,
     launch: Optional[tuple[int, int, int, int]] = None,
+    defer_sum: Optional[bool] = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= SKINNY_M, float) @ e4m3 b [N, K]^T with scales [N, G] -> [M, N] in x's
     dtype: `w8a8_fp8_linear`'s result for decode rows, x quantized inside the GEMM's launch.
-    `launch` (block_k, products, warps, stages) overrides skinny_launch's for the shape."""
+    `launch` (block_k, products, warps, stages) overrides skinny_launch's for the shape,
+    `defer_sum` SKINNY_DEFER_SUM."""
     m, k = x.shape
     assert b.shape[1] == k and b.stride(1) == 1 and x.stride(1) == 1 and m <= SKINNY_M
     c = torch.empty((m, b.shape[0]), dtype=x.dtype, device=x.device)
     if m:
         grouped = static_scale is None and group_k is not None and b_scale.shape[1] > 1
-        _launch_skinny(x, b, b_scale, group_k if grouped else 0, static_scale, c, launch)
+        group = group_k if grouped else 0
+        _launch_skinny(x, b, b_scale, group, static_scale, c, launch, defer_sum=defer_sum)
     return c
 
 
@@ -442,6 +459,7 @@ def _launch_skinny(
     c: torch.Tensor,
     launch: Optional[tuple[int, int, int, int]],
     norm: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = None,
+    defer_sum: Optional[bool] = None,
 ) -> None:
     """w8a8_skinny_kernel over x's M rows into c; `norm` (update, norm weight, h out, eps) adds
     the residual add and RMSNorm prologue."""
@@ -461,6 +479,7 @@ def _launch_skinny(
         GROUP=group,
         STATIC=static_scale is not None,
         NORM=norm is not None,
+        DEFER_SUM=SKINNY_DEFER_SUM if defer_sum is None else defer_sum,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
