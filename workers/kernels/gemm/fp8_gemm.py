@@ -333,47 +333,50 @@ def w8a8_skinny_kernel(
             wd = w.to(tl.float32) * b_s[:, :, None]
             acc += tl.sum(tl.sum(wd[:, None, :, :] * xq[None, :, :, :], axis=3), axis=2)
     else:
-        ks = tl.arange(0, BLOCK_K)
-        x_rows = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
-        u_rows = u_ptr + rows[:, None] * stride_um + ks[None, :]
-        nw = nw_ptr + ks[None, :]
-        inv_rms = tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+        # 3-D tiles, x [1, BLOCK_M, BLOCK_K] and W [BLOCK_N, 1, BLOCK_K], so that the product
+        # keeps the loads' vector layout: 2-D loads expanded to 3-D convert the W tile's layout
+        # through shared memory at every step (as the bf16 skinny kernel notes)
+        ks = tl.arange(0, BLOCK_K)[None, None, :]
+        m3 = rows[None, :, None]
+        mm3 = m_mask[None, :, None]
+        x_rows = x_ptr + m3 * stride_xm + ks  # [1, BLOCK_M, BLOCK_K]
+        u_rows = u_ptr + m3 * stride_um + ks
+        nw = nw_ptr + ks
+        w_rows = b_rows[:, None, None] + ks  # [BLOCK_N, 1, BLOCK_K]
+        inv_rms = tl.zeros((1, BLOCK_M, 1), dtype=tl.float32)
         if NORM:  # the rows' statistics; program 0 writes h on the way
-            h_rows = h_ptr + rows[:, None] * stride_hm + ks[None, :]
-            sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            h_rows = h_ptr + m3 * stride_hm + ks
+            sum_sq = tl.zeros((1, BLOCK_M), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                mask = m_mask[:, None] & (k0 + ks < K)[None, :]
+                mask = mm3 & (k0 + ks < K)
                 h = _residual_sum(x_rows + k0, u_rows + k0, mask)
                 if tl.program_id(0) == 0:
                     tl.store(h_rows + k0, h, mask=mask)
-                sum_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=1)
-            inv_rms = tl.rsqrt(sum_sq / K + eps)[:, None]
+                sum_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=2)
+            inv_rms = tl.rsqrt(sum_sq / K + eps)[:, :, None]
         if STATIC:
-            a_s = tl.load(static_ptr).to(tl.float32) + tl.zeros((BLOCK_M, 1), dtype=tl.float32)
+            a_s = tl.load(static_ptr).to(tl.float32) + tl.zeros((1, BLOCK_M, 1), dtype=tl.float32)
         else:  # the row's amax first: x is a few KB, read again below from L1 / L2
-            amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+            amax = tl.zeros((1, BLOCK_M, BLOCK_K), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                k_mask = (k0 + ks < K)[None, :]
+                k_mask = k0 + ks < K
                 x = _skinny_x_tile(
-                    x_rows + k0, u_rows + k0, nw + k0, m_mask[:, None] & k_mask, k_mask, inv_rms,
-                    NORM,
-                )  # fmt: skip
+                    x_rows + k0, u_rows + k0, nw + k0, mm3 & k_mask, k_mask, inv_rms, NORM
+                )
                 amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-            a_s = tl.maximum(tl.max(amax, axis=1) / FP8_MAX, MIN_SCALE)[:, None]
+            a_s = tl.maximum(tl.max(amax, axis=2) / FP8_MAX, MIN_SCALE)[:, :, None]
         # DEFER_SUM: each thread keeps its products' running sums and the cross-thread sum over K
         # runs once; otherwise every K step sums its products across threads (shuffles and adds
         # per weight that leave a decode GEMV issue-bound, not memory-bound)
         partial = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            k_mask = (k0 + ks < K)[None, :]
-            w = tl.load(
-                b_rows[:, None] + k0 + ks[None, :], mask=n_mask[:, None] & k_mask, other=0.0
-            )
+            k_mask = k0 + ks < K
+            w = tl.load(w_rows + k0, mask=n_mask[:, None, None] & k_mask, other=0.0)
             x = _skinny_x_tile(
-                x_rows + k0, u_rows + k0, nw + k0, m_mask[:, None] & k_mask, k_mask, inv_rms, NORM
+                x_rows + k0, u_rows + k0, nw + k0, mm3 & k_mask, k_mask, inv_rms, NORM
             )
             xq = tl.clamp(x.to(tl.float32) / a_s, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
-            prod = w.to(tl.float32)[:, None, :] * xq.to(tl.float32)[None, :, :]
+            prod = w.to(tl.float32) * xq.to(tl.float32)  # [BLOCK_N, BLOCK_M, BLOCK_K]
             if DEFER_SUM:
                 partial += prod
             else:
