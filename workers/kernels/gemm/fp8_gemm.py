@@ -45,8 +45,8 @@ SKINNY_PRODUCTS = 8192
 SKINNY_WARPS = 4
 SKINNY_STAGES = 3
 # per-row scales: sum the products across threads once, after the K loop, not at every K step
-# (fewer instructions per weight: the sm_90 SASS of 8B's qkv launch has 6.1 against 8.3, at 96
-# registers against 56); off until bench_fp8_gemm.py times it faster
+# (fewer instructions per weight: the sm_90 SASS of 8B's qkv launch has 4.3 against 6.8, at 116
+# registers against 64); off until bench_fp8_gemm.py times it faster
 SKINNY_DEFER_SUM = False
 # (block_k, products, warps, stages) per weight shape (N, K) where the sweep found a faster
 # launch than the default at M=1 (bench_fp8_gemm.py --sweep on one H100, µs per call with the
