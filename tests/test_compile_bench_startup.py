@@ -64,6 +64,8 @@ def test_uncached_modules_are_counted(tmp_path, monkeypatch):
     importlib.import_module("startup_probe_uncached")
     assert uncached_modules() == before + 1
     assert "compiled 3 modules from source" in bytecode_notes(3)[-1]
+    assert "PYTHONDONTWRITEBYTECODE is set" in bytecode_notes(3, dont_write=True)[-1]
+    assert "PYTHONPYCACHEPREFIX gives one" in bytecode_notes(3, dont_write=False)[-1]
     assert bytecode_notes(0) == (
         [f"bytecode cached under {sys.pycache_prefix}"] if sys.pycache_prefix else []
     )

@@ -217,17 +217,24 @@ def _run_child(args: argparse.Namespace, cache_dir: Path, inductor_dir: Path) ->
     return ChildResult(**json.loads(lines[0][len("CHILD ") :]))
 
 
-def bytecode_notes(warm_uncached: int) -> list[str]:
+def bytecode_notes(warm_uncached: int, dont_write: Optional[bool] = None) -> list[str]:
     """What a record says of Python's bytecode cache: where it was kept, and how many modules the
-    warm child still compiled from source."""
+    warm child still compiled from source, and why (`dont_write`: PYTHONDONTWRITEBYTECODE, which
+    the children inherit; default this process's)."""
+    if dont_write is None:
+        dont_write = sys.dont_write_bytecode
     notes = []
     if sys.pycache_prefix:  # PYTHONPYCACHEPREFIX's, or atomrt's own (runtime/bytecode_cache.py)
         notes.append(f"bytecode cached under {sys.pycache_prefix}")
     if warm_uncached:
-        notes.append(
-            f"the warm child compiled {warm_uncached} modules from source: no writable bytecode "
-            "cache (a read-only site-packages without bytecode?); PYTHONPYCACHEPREFIX gives one"
+        why = (
+            "PYTHONDONTWRITEBYTECODE is set, so Python writes no bytecode and atomrt keeps no "
+            "cache; unset it"
+            if dont_write
+            else "no writable bytecode cache (a read-only site-packages without bytecode?); "
+            "PYTHONPYCACHEPREFIX gives one"
         )
+        notes.append(f"the warm child compiled {warm_uncached} modules from source: {why}")
     return notes
 
 
