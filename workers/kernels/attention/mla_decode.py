@@ -62,8 +62,10 @@ class MLADecodeLaunch:
     min_tiles_per_split: int  # key tiles a working split takes at least (the live context decides)
     num_warps: int
     num_stages: int
-    # each key tile's block ids load with the previous tile's rows, not before its own
-    prefetch_blocks: bool = True
+    # each key tile's block ids load with the previous tile's rows, not before its own: off, as
+    # measured (bench_mla_decode.py on an H100: of copy 0.495 against 0.505 at bs 32, 0.620 against
+    # 0.637 at bs 128, level at bs 1 and 8)
+    prefetch_blocks: bool = False
 
 
 @functools.lru_cache(maxsize=4096)
@@ -100,7 +102,10 @@ def plan_mla_decode(
     if num_programs < num_sms:
         partial_bytes = max(1, num_rows * num_heads * kv_lora_rank * 4)
         max_splits = min(MAX_SPLITS, max_seqlen_k // min_keys, MAX_PARTIAL_BYTES // partial_bytes)
-        num_splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, num_programs)))
+        # at most two programs per SM, the most that stay resident: a split count past that leaves
+        # a tail wave (V2-Lite's 16 heads, bs 32, 8k keys on an H100: 9 splits 202.9 us, 8 splits
+        # 143.6 us; bench_mla_decode.py --sweep)
+        num_splits = max(1, min(max_splits, (2 * num_sms) // num_programs))
     return MLADecodeLaunch(
         heads_p=heads_p,
         block_q=block_q,
