@@ -59,6 +59,15 @@ CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     (1, 4096, 4096): SkinnyConfig(8, 512, _B, 4, 3),  # o, 10.80 us (12.30)
     (1, 28672, 4096): SkinnyConfig(8, 1024, _B, 2, 1),  # gate_up, 58.21 us (58.44)
     (1, 4096, 14336): SkinnyConfig(8, 1024, _B, 2, 3),  # down, 29.40 us (31.03)
+    # DeepSeek-V2-Lite, swept on an H100 (sweep_gemm.py --shapes DeepSeek-V2-Lite --ms 1); its o
+    # projection is Llama-3.2-1B's (1, 2048, 2048) above
+    (1, 3072, 2048): SkinnyConfig(8, 512, _B, 4, 3),  # q, 6.41 us (6.95)
+    (1, 576, 2048): SkinnyConfig(8, 512, _B, 4, 4),  # kv_a, 3.80 us (6.09)
+    (1, 5632, 2048): SkinnyConfig(8, 1024, _B, 2, 2),  # shared gate_up, 10.04 us (10.29)
+    (1, 2048, 2816): SkinnyConfig(8, 1024, _B, 2, 3),  # shared down, 6.41 us (8.18)
+    (1, 21888, 2048): SkinnyConfig(8, 1024, _B, 4, 2),  # dense gate_up, 31.36 us (34.68)
+    (1, 2048, 10944): SkinnyConfig(8, 1024, _B, 2, 3),  # dense down, 17.64 us (19.29)
+    (1, 102400, 2048): SkinnyConfig(8, 1024, _B, 8, 2),  # lm_head, 134.81 us (149.86)
 }
 
 
