@@ -4,7 +4,7 @@ DeepSeek-V2-Lite's projections. Rows: bf16 `F.linear` (cuBLAS), the two-launch F
 activation-quantization kernel, then `w8a8_gemm`), and the fused decode path `w8a8_skinny` at its
 launch for its shape (fp8_gemm.skinny_launch) and, with --sweep, at other launches; GB/s counts
 the weight and scale bytes. Each row also times the fused path with the products' sum over K
-deferred (or not: the other side of fp8_gemm.SKINNY_DEFER_SUM).
+deferred (or not: the other side of fp8_gemm.skinny_defers_sum for its shape).
 
 `--norm` (per-row scales) adds a residual add + RMSNorm before the projection: add_rms_norm then
 the fused path (what runs by default) against w8a8_skinny_add_norm, the add and norm in the GEMM's
@@ -106,7 +106,7 @@ def main() -> None:
                 continue
             results.append((us, cfg))
         fused = next(us for us, cfg in results if cfg == default)
-        flip = not fp8_gemm.SKINNY_DEFER_SUM
+        flip = not fp8_gemm.skinny_defers_sum(n, k)
         other = _time_us(lambda i: fp8_gemm.w8a8_skinny(x, *qs[i % COPIES], group, defer_sum=flip))
         best = min(results)
         nbytes = n * k + qs[0][1].numel() * 4

@@ -189,6 +189,9 @@ def test_skinny_launch_takes_the_table_then_the_default() -> None:
     assert skinny_launch(28672, 4096) == SKINNY_SHAPE_LAUNCHES[(28672, 4096)]
     default = (fp8_gemm.SKINNY_BLOCK_K, fp8_gemm.SKINNY_PRODUCTS, fp8_gemm.SKINNY_WARPS)
     assert skinny_launch(4096, 4096) == (*default, fp8_gemm.SKINNY_STAGES)  # not swept
+    # the products' sum over K deferred where it timed faster, per shape
+    assert fp8_gemm.skinny_defers_sum(4096, 14336) and fp8_gemm.skinny_defers_sum(4096, 4096)
+    assert not fp8_gemm.skinny_defers_sum(6144, 4096) or fp8_gemm.SKINNY_DEFER_SUM
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])

@@ -46,8 +46,11 @@ SKINNY_WARPS = 4
 SKINNY_STAGES = 3
 # per-row scales: sum the products across threads once, after the K loop, not at every K step
 # (fewer instructions per weight: the sm_90 SASS of 8B's qkv launch has 4.3 against 6.8, at 116
-# registers against 64); off until bench_fp8_gemm.py times it faster
+# registers against 64). SKINNY_DEFER_SUM for every shape; SKINNY_DEFER_SHAPES (N, K) where
+# bench_fp8_gemm.py --m 1 on an H100 timed it faster: 8B's o 9.58 against 10.19 us, down 24.71
+# against 26.66 (qkv 14.21 against 12.51 and gate_up 45.70 against 44.27 went slower)
 SKINNY_DEFER_SUM = False
+SKINNY_DEFER_SHAPES = frozenset({(4096, 4096), (4096, 14336)})
 # (block_k, products, warps, stages) per weight shape (N, K) where the sweep found a faster
 # launch than the default at M=1 (bench_fp8_gemm.py --sweep on one H100, µs per call with the
 # weights from HBM: benchmarks/notes-deepseek-decode-and-startup.md); other shapes take the default
@@ -62,6 +65,11 @@ def skinny_launch(n: int, k: int) -> tuple[int, int, int, int]:
     """w8a8_skinny's (block_k, products, warps, stages) for a weight [n, k]."""
     default = (SKINNY_BLOCK_K, SKINNY_PRODUCTS, SKINNY_WARPS, SKINNY_STAGES)
     return SKINNY_SHAPE_LAUNCHES.get((n, k), default)
+
+
+def skinny_defers_sum(n: int, k: int) -> bool:
+    """Whether w8a8_skinny sums a weight [n, k]'s products over K once, after its K loop."""
+    return SKINNY_DEFER_SUM or (n, k) in SKINNY_DEFER_SHAPES
 
 
 @triton.jit
@@ -401,7 +409,7 @@ def w8a8_skinny(
     """x [M, K] (M <= SKINNY_M, float) @ e4m3 b [N, K]^T with scales [N, G] -> [M, N] in x's
     dtype: `w8a8_fp8_linear`'s result for decode rows, x quantized inside the GEMM's launch.
     `launch` (block_k, products, warps, stages) overrides skinny_launch's for the shape,
-    `defer_sum` SKINNY_DEFER_SUM."""
+    `defer_sum` skinny_defers_sum's."""
     m, k = x.shape
     assert b.shape[1] == k and b.stride(1) == 1 and x.stride(1) == 1 and m <= SKINNY_M
     c = torch.empty((m, b.shape[0]), dtype=x.dtype, device=x.device)
@@ -482,7 +490,7 @@ def _launch_skinny(
         GROUP=group,
         STATIC=static_scale is not None,
         NORM=norm is not None,
-        DEFER_SUM=SKINNY_DEFER_SUM if defer_sum is None else defer_sum,
+        DEFER_SUM=skinny_defers_sum(n, k) if defer_sum is None else defer_sum,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
