@@ -1,0 +1,157 @@
+"""The driver's share of a decode step with grammar-constrained rows, on CPU: the engine's step loop
+with the forward replaced by random logits, a batch of `--bs` rows of which `--grammar-rows` follow
+a JSON schema (benchmarks/schemas/user_profiles.json) and the rest are unconstrained.
+
+    python benchmarks/bench_grammar_step.py [--bs 64] [--grammar-rows 0,16,64] [--sync]
+                                            [--steps 60] [--profile tottime]
+
+Prints, per count of constrained rows, the best of three runs: the driver's µs per step (the host
+step less the in-process CPU worker's mask apply, which a GPU does on the device), of which the
+mask fill (`grammar_mask_seconds`), and the CPU mask apply apart. The model is a 2-layer
+Llama of hidden size 64 over the embedded SmolLM2 tokenizer's 49k vocabulary
+(tests/grammar_harness.py), so a row's mask is as wide as on the real model. A finished request
+is replaced between steps, outside the timed span. Under async scheduling a step with grammar
+rows cannot sample before the previous step's tokens have advanced the grammars: what a step
+adds over the unconstrained one is what the GPU would wait for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from atomrt import SamplingParams
+from atomrt.runtime.entrypoints.llm import LLM
+from atomrt.runtime.sampling_params import StructuredOutputsParams
+from atomrt.workers.runner import model_runner
+from atomrt.workers.runner.model_runner import ModelOutput
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # the CPU tests' tiny models
+from grammar_harness import build_tiny_bpe  # noqa: E402
+
+SCHEMA = HERE / "schemas" / "user_profiles.json"
+PROMPT = [1, 504, 3287, 28, 253, 2896, 30]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--bs", type=int, default=64, help="rows a step decodes")
+    ap.add_argument(
+        "--grammar-rows", default="0,16,64", help="comma-separated counts of constrained rows"
+    )
+    ap.add_argument("--sync", action="store_true", help="synchronous scheduling (default: async)")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--profile", default="", help="cProfile one more run, sorted by this key")
+    a = ap.parse_args()
+    counts = [int(c) for c in a.grammar_rows.split(",")]
+    if any(not 0 <= c <= a.bs for c in counts):
+        ap.error(f"--grammar-rows: each count between 0 and --bs ({a.bs})")
+    folder = build_tiny_bpe(Path(tempfile.mkdtemp()) / "model")
+    llm = LLM(
+        str(folder),
+        device="cpu",
+        enforce_eager=True,
+        num_kv_blocks=4096,
+        max_num_seqs=a.bs,
+        max_model_len=1024,
+        async_scheduling=not a.sync,
+    )
+    eng = llm.engine
+    runner = eng.executor.worker.runner
+    vocab = eng.grammars.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    tables = [torch.randn(a.bs * 8, vocab, generator=gen) for _ in range(4)]
+    calls = [0]
+
+    def random_logits(input_ids, decision, logits_indices, split=None) -> ModelOutput:
+        n = input_ids.shape[0]
+        calls[0] += 1
+        logits = tables[calls[0] % len(tables)]
+        return ModelOutput(logits[:n][logits_indices], logits[:n], None)
+
+    runner.run_model = random_logits
+    apply = {"s": 0.0}
+    inner = model_runner.greedy_under_grammar
+
+    def timed_apply(*args):
+        t = time.perf_counter()
+        try:
+            return inner(*args)
+        finally:
+            apply["s"] += time.perf_counter() - t
+
+    model_runner.greedy_under_grammar = timed_apply
+    constrained = SamplingParams(
+        temperature=0,
+        max_tokens=400,
+        structured_outputs=StructuredOutputsParams(json=json.loads(SCHEMA.read_text())),
+    )
+    plain = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    eng.grammars.prepare(constrained).result()  # the schema compiled (and cached) before a run
+    live: dict[str, bool] = {}  # request id -> constrained
+
+    def top_up(n_grammar: int) -> None:
+        for out in list(live):
+            if out not in eng._requests:
+                del live[out]
+        want = n_grammar - sum(live.values())
+        for _ in range(want):
+            live[eng.add_request(PROMPT, constrained, stream=True)] = True
+        for _ in range(a.bs - len(live)):
+            live[eng.add_request(PROMPT, plain, stream=True)] = False
+
+    def run(n_grammar: int) -> tuple[float, float, float]:
+        top_up(n_grammar)
+        for _ in range(8):  # prefill, compiles, the pipeline full
+            eng.step()
+            top_up(n_grammar)
+        stats0 = eng.grammars.mask_stats.seconds
+        apply0 = apply["s"]
+        busy = 0.0
+        for _ in range(a.steps):
+            t = time.perf_counter()
+            eng.step()
+            busy += time.perf_counter() - t
+            top_up(n_grammar)
+        for rid in list(live):
+            eng.abort(rid)
+        live.clear()
+        while eng.has_unfinished():
+            eng.step()
+        fill = eng.grammars.mask_stats.seconds - stats0
+        return tuple(x / a.steps * 1e6 for x in (busy, fill, apply["s"] - apply0))
+
+    mode = "sync" if a.sync else "async"
+    for n in counts:
+        runs = [run(n) for _ in range(3)]
+        best = min(runs, key=lambda r: r[0] - r[2])
+        print(
+            f"bs={a.bs} grammar rows={n} {mode}: driver {best[0] - best[2]:.0f} us/step, of which "
+            f"mask fill {best[1]:.0f}; the CPU worker's mask apply {best[2]:.0f} more "
+            f"(driver runs {', '.join(f'{r[0] - r[2]:.0f}' for r in runs)}; {a.steps} steps each)"
+        )
+        if a.profile and n == counts[-1]:
+            prof = cProfile.Profile()
+            prof.enable()
+            run(n)
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(a.profile).print_stats(40)
+            print(buf.getvalue())
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

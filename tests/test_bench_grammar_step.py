@@ -1,0 +1,27 @@
+"""benchmarks/bench_grammar_step.py: it runs on CPU against the engine as it is, and its
+constrained rows really are constrained (their masks are filled each step)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_grammar_step_bench_fills_masks_only_for_constrained_rows():
+    argv = ["--bs", "4", "--grammar-rows", "0,4", "--steps", "3"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_grammar_step.py"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pattern = r"bs=4 grammar rows=(\d+) async: driver (\d+) us/step, of which mask fill (\d+);"
+    fills = {int(m[1]): int(m[3]) for m in re.finditer(pattern, proc.stdout)}
+    assert set(fills) == {0, 4}, proc.stdout
+    assert fills[0] == 0 and fills[4] > 0, proc.stdout
