@@ -4,6 +4,11 @@ Triton kernels run on the CPU through Triton's interpreter: TRITON_INTERPRET=1 m
 `triton` is first imported, so it is set here, before any test module imports atomrt, whenever no
 CUDA device is present.
 
+Kernel tests pick their device from tests/kernel_device.py: DEVICE is "cuda" when a GPU is present
+(the compiled kernels run) and "cpu" otherwise (the interpreter runs them). They build their tensors
+there and compare against float64 references on the CPU; a test that checks CPU-only behaviour
+keeps "cpu" and says why, and one that cannot hold on CUDA is skipped there, saying why.
+
 The CPU tests run several processes (mp and Ray ranks, servers) on few cores: OpenMP threads that
 spin while they wait for work take the cores their peers need (a rank's step ran 10-35x slower),
 so OMP_WAIT_POLICY=PASSIVE is set here, before torch is imported, for this process and its children.
