@@ -1,5 +1,6 @@
 """The one-launch decode kernel (rotary + KV write + attention + split merge) against float64
-references, on CPU through Triton's interpreter (the GPU tier repeats it at real sizes).
+references, on CUDA when present, else on CPU through Triton's interpreter (the GPU tier repeats
+it at real sizes).
 
 The new key's cache slot holds NaN before the call: a kernel that read the new key back from the
 cache instead of using it from registers would produce NaN.
@@ -11,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from kernel_device import DEVICE
 from test_kernels import SENTINEL, PagedBatch, make_batch, reference_attention
 
 from atomrt.workers.kernels.attention.decode_attention import (
@@ -46,7 +48,7 @@ def make_decode_case(
     rope: bool = True,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
+    device: str = DEVICE,
     max_blocks: int | None = None,
     num_blocks: int | None = None,
 ) -> DecodeCase:
@@ -190,7 +192,7 @@ def test_decode_matches_reference(group: int, head_dim: int, num_splits: int, ro
         seed=group * 10 + num_splits,
     )
     check(case, run_decode(case, forced_plan(group, head_dim, num_splits)))
-    assert torch.all(prepare_decode_counters(torch.device("cpu")) == 0), "split counters not reset"
+    assert torch.all(prepare_decode_counters(case.batch.q.device) == 0), "split counters not reset"
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
@@ -202,7 +204,7 @@ def test_prefetched_tiles_match_reference(num_splits: int) -> None:
     )
     plan = dataclasses.replace(forced_plan(3, 32, num_splits), prefetch_kv=True)
     check(case, run_decode(case, plan))
-    assert torch.all(prepare_decode_counters(torch.device("cpu")) == 0), "split counters not reset"
+    assert torch.all(prepare_decode_counters(case.batch.q.device) == 0), "split counters not reset"
 
 
 def test_each_microbatch_merges_through_its_own_counters() -> None:
@@ -211,8 +213,8 @@ def test_each_microbatch_merges_through_its_own_counters() -> None:
     were in flight), microbatch 1's result is still exact and region 0 is left as it was."""
     from atomrt.workers.kernels.attention.decode_attention import DECODE_COUNTERS
 
-    counters = prepare_decode_counters(torch.device("cpu"))
     case = make_decode_case(LENS, num_kv_heads=2, group=4, head_dim=32, pad_seqs=1, seed=3)
+    counters = prepare_decode_counters(case.batch.q.device)
     counters[:DECODE_COUNTERS] = 7
     try:
         check(case, run_decode(case, forced_plan(4, 32, num_splits=4), ubatch=1))
@@ -230,7 +232,7 @@ def test_splits_merge_only_past_the_minimum_tiles() -> None:
             [3, 30, 33, 100, 150], num_kv_heads=1, group=4, head_dim=32, seed=seed
         )
         check(case, run_decode(case, forced_plan(4, 32, num_splits=4, min_tiles=2)))
-    assert torch.all(prepare_decode_counters(torch.device("cpu")) == 0)
+    assert torch.all(prepare_decode_counters(case.batch.q.device) == 0)
 
 
 def test_block_size_32_and_skipped_slot() -> None:
@@ -318,15 +320,16 @@ def test_attention_step_with_two_rows_takes_the_general_path() -> None:
     b = make_batch(
         lens_q, lens_k, num_kv_heads=2, group=2, head_dim=32, block_size=16, max_blocks=3, seed=4
     )
-    rotary = RotaryEmbedding(32, max_position=64, theta=10000.0)
-    k = torch.randn(4, 2, 32)
-    v = torch.randn(4, 2, 32)
-    positions = torch.tensor([8, 9, 35, 36])
+    rotary = RotaryEmbedding(32, max_position=64, theta=10000.0).to(DEVICE)
+    k = torch.randn(4, 2, 32, device=DEVICE)
+    v = torch.randn(4, 2, 32, device=DEVICE)
+    positions = torch.tensor([8, 9, 35, 36], device=DEVICE)
     slots = torch.tensor(
         [
             int(b.block_tables[s, p // 16]) * 16 + p % 16
             for s, p in [(0, 8), (0, 9), (1, 35), (1, 36)]
-        ]
+        ],
+        device=DEVICE,
     )
     out = torch.full_like(b.q, SENTINEL)
     attention_step(
@@ -408,7 +411,7 @@ def test_sequence_without_a_row_shifts_the_rows_after_it() -> None:
     for num_splits in (1, 3):
         case = make_decode_case(lens_k, num_kv_heads=2, group=2, head_dim=32, seed=num_splits)
         b = case.batch
-        keep = torch.tensor([0, 2])
+        keep = torch.tensor([0, 2], device=DEVICE)
         b.q = b.q[keep].contiguous()
         case.k, case.v = case.k[keep].contiguous(), case.v[keep].contiguous()
         case.positions, case.slot_mapping = (
@@ -416,7 +419,7 @@ def test_sequence_without_a_row_shifts_the_rows_after_it() -> None:
             case.slot_mapping[keep].contiguous(),
         )
         b.cu_seqlens_q_cpu = [0, 1, 1, 2]
-        b.cu_seqlens_q = torch.tensor(b.cu_seqlens_q_cpu, dtype=torch.int32)
+        b.cu_seqlens_q = torch.tensor(b.cu_seqlens_q_cpu, dtype=torch.int32, device=DEVICE)
         out = run_decode(case, forced_plan(2, 32, num_splits=num_splits))
         ref_out, ref_k, _ = expected(case)
         torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)

@@ -1,4 +1,5 @@
-"""Paged-attention Triton kernels against a float64 torch reference, on CPU through Triton's interpreter.
+"""Paged-attention Triton kernels against a float64 torch reference, on CUDA when present, else on
+CPU through Triton's interpreter.
 
 Tiny shapes (block_size 16, 1-4 blocks per sequence, head_dim 32/64) so the interpreter stays fast.
 The GPU tier (tests/gpu/test_kernels_gpu.py) repeats these checks at real sizes in fp16/bf16.
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from kernel_device import DEVICE
 
 from atomrt.workers.kernels.attention.paged_attention import (
     AttentionLaunch,
@@ -61,7 +63,7 @@ def make_batch(
     pad_seqs: int = 0,
     pad_rows: int = 0,
     dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
+    device: str = DEVICE,
     num_blocks: int | None = None,
     seed: int = 0,
 ) -> PagedBatch:
@@ -251,6 +253,7 @@ def test_host_path_without_host_lists() -> None:
     )
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="tests Triton's interpreter, which runs on CPU only")
 def test_compile_ahead_launches_as_usual_under_the_interpreter() -> None:
     """The interpreter compiles nothing: `compile_ahead` says it does not apply, and launches
     inside it run (start-up then skips its compile-only pass)."""
@@ -333,11 +336,11 @@ def test_graph_safe_replay_with_new_metadata_in_same_buffers() -> None:
 def test_write_kv_cache_skips_padded_slots() -> None:
     gen = torch.Generator().manual_seed(3)
     num_blocks, block_size, num_kv_heads, head_dim = 3, 16, 2, 32
-    k = torch.randn(6, num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(6, num_kv_heads, head_dim, generator=gen)
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), SENTINEL)
+    k = torch.randn(6, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    v = torch.randn(6, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), SENTINEL, device=DEVICE)
     v_cache = torch.full_like(k_cache, -SENTINEL)
-    slot_mapping = torch.tensor([33, 2, -1, 17, 47, -1], dtype=torch.int64)
+    slot_mapping = torch.tensor([33, 2, -1, 17, 47, -1], dtype=torch.int64, device=DEVICE)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     k_flat, v_flat = (
         k_cache.view(-1, num_kv_heads, head_dim),
@@ -346,16 +349,16 @@ def test_write_kv_cache_skips_padded_slots() -> None:
     written = slot_mapping >= 0
     assert torch.equal(k_flat[slot_mapping[written]], k[written])
     assert torch.equal(v_flat[slot_mapping[written]], v[written])
-    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
     untouched[slot_mapping[written]] = False
     assert torch.all(k_flat[untouched] == SENTINEL) and torch.all(v_flat[untouched] == -SENTINEL)
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split rotary embedding in float64; x [T, heads, D], cos/sin [T, D / 2]."""
-    x = x.double()
+    """Half-split rotary embedding in float64 on the CPU; x [T, heads, D], cos/sin [T, D / 2]."""
+    x = x.double().cpu()
     half = x.shape[-1] // 2
-    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+    c, s = cos.double().cpu()[:, None, :], sin.double().cpu()[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
@@ -366,16 +369,16 @@ def test_rope_write_kv_matches_reference(num_heads: int, num_kv_heads: int, head
     the cache alone; q and k are strided views of one fused qkv row, as the model hands them over."""
     gen = torch.Generator().manual_seed(11)
     num_tokens, num_blocks, block_size = 7, 3, 16
-    rotary = RotaryEmbedding(head_dim, max_position=64, theta=10000.0)
+    rotary = RotaryEmbedding(head_dim, max_position=64, theta=10000.0).to(DEVICE)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen)
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(DEVICE)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(num_tokens, num_heads, head_dim)
     k = k.reshape(num_tokens, num_kv_heads, head_dim)
     v = v.reshape(num_tokens, num_kv_heads, head_dim)
-    positions = torch.tensor([0, 5, 63, 17, 0, 2, 40], dtype=torch.int64)
-    slot_mapping = torch.tensor([33, 2, -1, 17, 47, -1, 0], dtype=torch.int64)
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), SENTINEL)
+    positions = torch.tensor([0, 5, 63, 17, 0, 2, 40], dtype=torch.int64, device=DEVICE)
+    slot_mapping = torch.tensor([33, 2, -1, 17, 47, -1, 0], dtype=torch.int64, device=DEVICE)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), SENTINEL, device=DEVICE)
     v_cache = torch.full_like(k_cache, -SENTINEL)
 
     q_rot = rope_write_kv(
@@ -383,7 +386,7 @@ def test_rope_write_kv_matches_reference(num_heads: int, num_kv_heads: int, head
     )
 
     cos, sin = rotary.cos_cache[positions], rotary.sin_cache[positions]
-    torch.testing.assert_close(q_rot.double(), _rotate_ref(q, cos, sin), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q_rot.double().cpu(), _rotate_ref(q, cos, sin), rtol=1e-5, atol=1e-5)
     assert q_rot.is_contiguous() and q_rot.shape == q.shape
     written = slot_mapping >= 0
     k_flat, v_flat = (
@@ -392,10 +395,10 @@ def test_rope_write_kv_matches_reference(num_heads: int, num_kv_heads: int, head
     )
     k_ref = _rotate_ref(k, cos, sin)
     torch.testing.assert_close(
-        k_flat[slot_mapping[written]].double(), k_ref[written], rtol=1e-5, atol=1e-5
+        k_flat[slot_mapping[written]].double().cpu(), k_ref[written.cpu()], rtol=1e-5, atol=1e-5
     )
     assert torch.equal(v_flat[slot_mapping[written]], v[written])
-    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
     untouched[slot_mapping[written]] = False
     assert torch.all(k_flat[untouched] == SENTINEL) and torch.all(v_flat[untouched] == -SENTINEL)
     # The unfused path the CPU reference runs (RotaryEmbedding) agrees.
@@ -455,14 +458,18 @@ def test_write_then_attend_round_trip() -> None:
     batch = make_batch(
         [4, 2], [20, 2], num_kv_heads=2, group=1, head_dim=32, block_size=16, max_blocks=2, seed=5
     )
-    new_k = torch.randn(6, 2, 32)
-    new_v = torch.randn(6, 2, 32)
+    new_k = torch.randn(6, 2, 32, device=DEVICE)
+    new_v = torch.randn(6, 2, 32, device=DEVICE)
     slots = []
     for s, (n_q, n_k) in enumerate([(4, 20), (2, 2)]):
         for p in range(n_k - n_q, n_k):
             slots.append(int(batch.block_tables[s, p // 16]) * 16 + p % 16)
     write_kv_cache(
-        new_k, new_v, batch.k_cache, batch.v_cache, torch.tensor(slots, dtype=torch.int64)
+        new_k,
+        new_v,
+        batch.k_cache,
+        batch.v_cache,
+        torch.tensor(slots, dtype=torch.int64, device=DEVICE),
     )
     check_output(batch, run_attention(batch, graph_safe=False, max_seqlen_q=4))
 
