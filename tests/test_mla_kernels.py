@@ -1,5 +1,6 @@
 """The MLA kernels (latent cache write, paged decode over the latent cache) against float64
-references written here from the formula, on CPU through Triton's interpreter. Small dims (latent
+references written here from the formula, on CUDA when present, else on CPU through Triton's
+interpreter. Small dims (latent
 32-64, rotary 8-32, non-powers of two among them) keep the interpreter fast; the GPU tier
 (tests/gpu/test_mla_gpu.py) repeats the checks at real shapes.
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from kernel_device import DEVICE
 
 from atomrt.workers.kernels.attention import mla_decode
 from atomrt.workers.kernels.attention.mla_decode import (
@@ -60,7 +62,7 @@ def make_mla_batch(
     block_size: int = 16,
     extra_rows: int = 0,
     dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
+    device: str = DEVICE,
     max_blocks: int | None = None,
     table_pad: int = 0,
     num_blocks: int | None = None,
@@ -177,19 +179,21 @@ def test_write_kv_cache(src: torch.dtype, dst: torch.dtype) -> None:
     the interpreter's fp32 -> bf16 truncates, hence one bf16 step of tolerance for it here."""
     gen = torch.Generator().manual_seed(0)
     num_blocks, block_size, lora, rope = 3, 16, 40, 8
-    kv_a = torch.randn(6, lora + rope, generator=gen).to(src)  # [T, L + P]: rows L + P apart
+    kv_a = torch.randn(6, lora + rope, generator=gen).to(
+        DEVICE, src
+    )  # [T, L + P]: rows L + P apart
     kv_c, k_pe = kv_a[:, :lora], kv_a[:, lora:]
-    slots = torch.tensor([5, -1, 47, 16, num_blocks * block_size, 0], dtype=torch.int64)
-    cache = torch.full((num_blocks, block_size, lora + rope), NAN, dtype=dst)
+    slots = torch.tensor([5, -1, 47, 16, num_blocks * block_size, 0], device=DEVICE)
+    cache = torch.full((num_blocks, block_size, lora + rope), NAN, dtype=dst, device=DEVICE)
     mla_write_kv_cache(kv_c, k_pe, cache, slots)
     flat = cache.view(-1, lora + rope)
-    written = torch.tensor([0, 2, 3, 5])
+    written = torch.tensor([0, 2, 3, 5], device=DEVICE)
     expected = kv_a[written].to(dst)
     if src == dst:
         assert torch.equal(flat[slots[written]], expected)
     else:
         torch.testing.assert_close(flat[slots[written]], expected, atol=0, rtol=2**-7)
-    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
     untouched[slots[written]] = False
     assert torch.isnan(flat[untouched].float()).all(), "a skipped row was written"
 
@@ -205,13 +209,13 @@ def test_rope_write_kv_cache_is_the_rotary_then_the_write(interleaved: bool) -> 
     rotary = RotaryEmbedding(
         rope, 4096, 10000.0, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
                               "mscale": 0.707, "mscale_all_dim": 0.707}, interleaved=interleaved,
-    )  # fmt: skip
-    q = torch.randn(6, heads, nope + rope, generator=gen)
-    kv_a = torch.randn(6, lora + rope, generator=gen)  # [T, L + P]: rows L + P apart
+    ).to(DEVICE)  # fmt: skip
+    q = torch.randn(6, heads, nope + rope, generator=gen).to(DEVICE)
+    kv_a = torch.randn(6, lora + rope, generator=gen).to(DEVICE)  # [T, L + P]: rows L + P apart
     kv_c, k_pe = kv_a[:, :lora], kv_a[:, lora:]
-    positions = torch.tensor([0, 7, 300, 4095, 1, 64])
-    slots = torch.tensor([5, -1, 47, 16, num_blocks * block_size, 0], dtype=torch.int64)
-    cache = torch.full((num_blocks, block_size, lora + rope), NAN)
+    positions = torch.tensor([0, 7, 300, 4095, 1, 64], device=DEVICE)
+    slots = torch.tensor([5, -1, 47, 16, num_blocks * block_size, 0], device=DEVICE)
+    cache = torch.full((num_blocks, block_size, lora + rope), NAN, device=DEVICE)
     q_rot = mla_rope_write_kv_cache(
         q[..., nope:], kv_c, k_pe, positions, rotary.cos_cache, rotary.sin_cache, interleaved,
         cache, slots,
@@ -267,7 +271,9 @@ def test_q_pe_apart_from_the_latent_query(num_splits: int) -> None:
         seed=21,
     )  # fmt: skip
     q_latent = batch.q[..., :lora].transpose(0, 1).contiguous().transpose(0, 1)
-    q_pe = torch.cat((batch.q[..., lora:], torch.randn(*batch.q.shape[:2], 3)), -1)[..., :rope]
+    q_pe = torch.cat((batch.q[..., lora:], torch.randn(*batch.q.shape[:2], 3, device=DEVICE)), -1)[
+        ..., :rope
+    ]
     out = batch.out()
     args = (batch.kv_cache, batch.block_table, batch.seq_lens, batch.cu_seqlens_q, batch.scale)
     mla_decode_attention(q_latent, *args, out, num_splits, q_pe=q_pe)
@@ -323,7 +329,7 @@ def test_padded_requests_leave_the_real_ones_exact() -> None:
 
 def _slots(batch: MLABatch, b: int) -> torch.Tensor:
     """The cache slots of request b's keys, in order."""
-    pos = torch.arange(int(batch.seq_lens[b]))
+    pos = torch.arange(int(batch.seq_lens[b]), device=batch.block_table.device)
     return batch.block_table[b, pos // batch.kv_cache.shape[1]].long() * batch.kv_cache.shape[1] + (
         pos % batch.kv_cache.shape[1]
     )
@@ -399,7 +405,7 @@ def test_planned_launch_replays_with_new_lengths() -> None:
     )
     forced = forced_plan(4, 32, 16, num_splits=3)
     check_mla(batch, run_mla(batch, plan=forced))
-    batch.seq_lens.copy_(torch.tensor([7, 0, 20], dtype=torch.int32))
+    batch.seq_lens.copy_(torch.tensor([7, 0, 20], dtype=torch.int32, device=DEVICE))
     batch.q[1].normal_()
     check_mla(batch, run_mla(batch, plan=forced))
     assert torch.all(run_mla(batch, plan=forced)[1] == 0)
@@ -471,15 +477,25 @@ def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="with q_pe, want q"):
         mla_decode_attention(batch.q[..., :32], *args[1:], 1.0, out, q_pe=batch.q[:, :1, 32:])
     with pytest.raises(ValueError, match="block_table rows must be contiguous"):
-        strided = torch.zeros(1, 2 * batch.block_table.shape[1], dtype=torch.int32)[:, ::2]
+        strided = torch.zeros(1, 2 * batch.block_table.shape[1], dtype=torch.int32, device=DEVICE)
+        strided = strided[:, ::2]
         mla_decode_attention(*args[:2], strided, *args[3:], 1.0, out)
     with pytest.raises(ValueError, match="slot_mapping must hold integers"):
-        mla_write_kv_cache(torch.zeros(1, 32), torch.zeros(1, 16), batch.kv_cache, torch.zeros(1))
+        mla_write_kv_cache(
+            torch.zeros(1, 32, device=DEVICE), torch.zeros(1, 16, device=DEVICE), batch.kv_cache,
+            torch.zeros(1, device=DEVICE),
+        )  # fmt: skip
     with pytest.raises(ValueError, match="do not fit cache rows"):
         mla_write_kv_cache(
-            torch.zeros(1, 32), torch.zeros(1, 8), batch.kv_cache, torch.zeros(1).long()
+            torch.zeros(1, 32, device=DEVICE),
+            torch.zeros(1, 8, device=DEVICE),
+            batch.kv_cache,
+            torch.zeros(1, dtype=torch.long, device=DEVICE),
         )
     with pytest.raises(ValueError, match="slot_mapping"):
         mla_write_kv_cache(
-            torch.zeros(2, 32), torch.zeros(2, 16), batch.kv_cache, torch.zeros(1).long()
+            torch.zeros(2, 32, device=DEVICE),
+            torch.zeros(2, 16, device=DEVICE),
+            batch.kv_cache,
+            torch.zeros(1, dtype=torch.long, device=DEVICE),
         )
