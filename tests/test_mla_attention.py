@@ -1,7 +1,9 @@
 """Multi-head latent attention on CPU: the absorbed decode path and the decompressed prefill path
 of the torch reference against a float64 reference written here from the formula (and so against
 each other), verify rows included; and the `mla_attention` op through an MLA layer: the latent
-cache rows it writes, padded rows, and the same output whichever path a sequence takes."""
+cache rows it writes, padded rows, and the same output whichever path a sequence takes. Those
+stay on the CPU (the op's torch path); the op's kernel path runs on CUDA when present, else on CPU
+through Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import random
 
 import pytest
 import torch
+from kernel_device import DEVICE
 
 from atomrt.runtime.config import Config
 from atomrt.runtime.forward_context import AttentionMetaData, Context, set_forward_context
@@ -142,6 +145,7 @@ def test_op_writes_latent_rows_and_zeroes_padded_rows(q_lora) -> None:
     """The op writes [kv_a_layernorm(kv_c) | rotated k_pe] at each row's slot and nothing for a
     padded row; attention rows past the step's sequences come out zero (their o_proj: zero)."""
     layer = _layer(q_lora)
+    # on the CPU: the op's torch path (CUDA tensors take the kernels, tested below)
     cache = allocate_kv_cache(kv_layer_specs({0: layer}), NUM_BLOCKS, BLOCK, torch.float32, "cpu")
     latent = cache["layers.0"].kv_cache
     latent.fill_(7.0)
@@ -178,7 +182,7 @@ def test_a_verify_step_gives_the_same_output_by_either_path() -> None:
     spec = Config(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     for config in (Config(enforce_eager=True), spec):
         assert config.max_q_len in (1, 3)
-        cache = allocate_kv_cache(
+        cache = allocate_kv_cache(  # on the CPU: the op's torch paths, absorbed and decompressed
             kv_layer_specs({0: layer}), NUM_BLOCKS, BLOCK, torch.float32, "cpu"
         )
         torch.manual_seed(5)
@@ -189,57 +193,61 @@ def test_a_verify_step_gives_the_same_output_by_either_path() -> None:
     torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=1e-5)
 
 
-def test_the_cuda_path_through_the_interpreter_equals_the_reference() -> None:
-    """The op's CUDA path on CPU tensors, its Triton kernels run by Triton's interpreter: the
+def test_the_cuda_path_equals_the_reference() -> None:
+    """The op's CUDA path (on CPU tensors its Triton kernels run by Triton's interpreter): the
     latent write is the reference write, and the absorbed decode through the paged MLA kernel is
     the reference's, with a padded request of no context (a graph bucket's) and a padding row past
     every request both zero."""
     from atomrt.workers.kernels.attention.mla_decode import mla_write_kv_cache
     from atomrt.workers.layers.mla import absorbed_decode, write_latent_ref
 
-    layer = _layer()
+    layer = _layer().to(DEVICE)
     seqs = SEQS[:3]
     cache, tables, _ = _cache_with_context(seqs, seed=1)
+    cache, tables = cache.to(DEVICE), tables.to(DEVICE)
+    pad_table = torch.full((1, tables.shape[1]), -1, dtype=torch.int32, device=DEVICE)
     md = AttentionMetaData(
-        cu_seqlens_q=torch.tensor([0, 1, 4, 5, 6], dtype=torch.int32),
-        context_lens=torch.tensor([9, 7, 1, 0], dtype=torch.int32),
-        block_tables=torch.cat((tables, torch.full((1, tables.shape[1]), -1, dtype=torch.int32))),
+        cu_seqlens_q=torch.tensor([0, 1, 4, 5, 6], dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor([9, 7, 1, 0], dtype=torch.int32, device=DEVICE),
+        block_tables=torch.cat((tables, pad_table)),
     )
-    q = torch.randn(7, H, NOPE + ROPE)
-    out = torch.full((7, H, V), float("nan"))
+    q = torch.randn(7, H, NOPE + ROPE, device=DEVICE)
+    out = torch.full((7, H, V), float("nan"), device=DEVICE)
     absorbed_decode(q, out, layer, md, MLAKVCacheTensor(0, cache))
-    want = torch.zeros(7, H, V)
+    want = torch.zeros(7, H, V, device=DEVICE)
     mla_paged_ref(q, cache, want, seqs, [], tables, layer.weights(), SCALE)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
-    kv_c, k_pe = torch.randn(5, L), torch.randn(5, ROPE)
-    slots = torch.tensor([3, -1, 17, 40, 95])
-    by_kernel, by_reference = torch.zeros(24, 4, L + ROPE), torch.zeros(24, 4, L + ROPE)
+    kv_c, k_pe = torch.randn(5, L, device=DEVICE), torch.randn(5, ROPE, device=DEVICE)
+    slots = torch.tensor([3, -1, 17, 40, 95], device=DEVICE)
+    by_kernel = torch.zeros(24, 4, L + ROPE, device=DEVICE)
+    by_reference = torch.zeros_like(by_kernel)
     mla_write_kv_cache(kv_c, k_pe, by_kernel, slots)
     write_latent_ref(kv_c, k_pe, by_reference, slots)
     assert torch.equal(by_kernel, by_reference)
 
 
 def test_the_cuda_path_with_q_pe_rotated_apart_equals_the_reference() -> None:
-    """What the op runs on CUDA, through the interpreter on CPU tensors: q_pe and k_pe rotated in
+    """What the op runs on CUDA (through the interpreter on CPU): q_pe and k_pe rotated in
     the latent write's launch (mla_rope_write_kv_cache), the absorbed decode reading the rotated
     q_pe apart (q's own rotary columns never read: NaN here), against the reference over the
     rotary embedding of q and the cache rows."""
     from atomrt.workers.kernels.attention.mla_decode import mla_rope_write_kv_cache
     from atomrt.workers.layers.mla import absorbed_decode
 
-    layer = _layer()
+    layer = _layer().to(DEVICE)
     seqs = SEQS[:3]
     cache, tables, _ = _cache_with_context(seqs, seed=2)
+    cache, tables = cache.to(DEVICE), tables.to(DEVICE)
     md = AttentionMetaData(
-        cu_seqlens_q=torch.tensor([0, 1, 4, 5], dtype=torch.int32),
-        context_lens=torch.tensor([9, 7, 1], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 1, 4, 5], dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor([9, 7, 1], dtype=torch.int32, device=DEVICE),
         block_tables=tables,
     )
-    positions = torch.tensor([8, 4, 5, 6, 0])
-    q = torch.randn(5, H, NOPE + ROPE)
-    kv_c, k_pe = torch.randn(5, L), torch.randn(5, ROPE)
+    positions = torch.tensor([8, 4, 5, 6, 0], device=DEVICE)
+    q = torch.randn(5, H, NOPE + ROPE, device=DEVICE)
+    kv_c, k_pe = torch.randn(5, L, device=DEVICE), torch.randn(5, ROPE, device=DEVICE)
     slots = torch.tensor([int(tables[s, p // BLOCK]) * BLOCK + p % BLOCK for s, p in
-                          zip([0, 1, 1, 1, 2], positions.tolist())])  # fmt: skip
+                          zip([0, 1, 1, 1, 2], positions.tolist())], device=DEVICE)  # fmt: skip
     rotary = layer.rotary
     q_pe = mla_rope_write_kv_cache(
         q[..., NOPE:], kv_c, k_pe, positions, rotary.cos_cache, rotary.sin_cache,
@@ -250,9 +258,9 @@ def test_the_cuda_path_with_q_pe_rotated_apart_equals_the_reference() -> None:
     assert torch.equal(cache.view(-1, L + ROPE)[slots, L:], want_k_pe.squeeze(1))
     unread = q.clone()
     unread[..., NOPE:] = float("nan")
-    out = torch.full((5, H, V), float("nan"))
+    out = torch.full((5, H, V), float("nan"), device=DEVICE)
     absorbed_decode(unread, out, layer, md, MLAKVCacheTensor(0, cache), q_pe)
-    want = torch.zeros(5, H, V)
+    want = torch.zeros(5, H, V, device=DEVICE)
     rotated = torch.cat((q[..., :NOPE], want_q_pe), dim=-1)
     mla_paged_ref(rotated, cache, want, seqs, [], tables, layer.weights(), SCALE)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
