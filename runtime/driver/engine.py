@@ -5,7 +5,9 @@ Structured outputs (runtime/driver/structured_outputs.py) come in at two points:
 submitted (its grammar masks) and once its results are applied (the masks that waited for them).
 With `scheduler_config.async_scheduling` the results collected are the previous step's: step N+1
 is scheduled and submitted while step N runs, so the driver's and the workers' host work hides
-behind the GPU (see runtime/driver/scheduler.py for what that changes).
+behind the GPU (see runtime/driver/scheduler.py for what that changes). A step whose grammar masks
+went out submits the next plan before it returns: the step those masks are for samples at once and
+its successor's forward should not wait on the caller's handling of the outputs.
 """
 
 from __future__ import annotations
@@ -153,6 +155,8 @@ class LLMEngine:
         self._inflight: deque[tuple[int, list[SchedulerOutput]]] = (
             deque()
         )  # submitted, not collected
+        # the next step was submitted at the end of the last `step()` (after its grammar masks)
+        self._submitted_ahead = False
         self.dead: Optional[str] = None  # why the engine stopped (a worker failed)
         self._guard = InterruptGuard()
         self._ids = itertools.count()
@@ -293,7 +297,8 @@ class LLMEngine:
         self._check_alive()
         try:
             with self._guard.critical():
-                submitted = self._schedule_and_submit()
+                submitted = self._submitted_ahead or self._schedule_and_submit()
+                self._submitted_ahead = False
             if not self._inflight or (
                 submitted and self.async_scheduling and len(self._inflight) < 2
             ):
@@ -304,10 +309,24 @@ class LLMEngine:
                 self._inflight.popleft()
                 outputs = self._take_aborted() + self._postprocess(outs, results)
                 # structured outputs: the next step's masks, now its rows' tokens are known
-                self._send_masks(self.grammars.took_results())
+                masks = self.grammars.took_results()
+                self._send_masks(masks)
+                if masks and self.async_scheduling:
+                    self._submit_ahead(outputs)
                 return outputs
         except BaseException as e:
             self._recover(e)
+            raise
+
+    def _submit_ahead(self, outputs: list[RequestOutput]) -> None:
+        """Grammar masks just went out, so the step in flight samples now and its next forward
+        waits for a plan: schedule and submit that plan at once, rather than after the caller has
+        handled these outputs (the next `step()` collects without scheduling). Should it raise,
+        these outputs come with the next step's."""
+        try:
+            self._submitted_ahead = self._schedule_and_submit()
+        except BaseException:
+            self._aborted = outputs + self._aborted
             raise
 
     def _schedule_and_submit(self) -> bool:
@@ -425,6 +444,7 @@ class LLMEngine:
         try:
             num_discarded = len(self._inflight)
             self._inflight.clear()
+            self._submitted_ahead = False
             self.executor.discard_in_flight()
             self.grammars.forget_pending()
             for scheduler, planner in zip(self.schedulers, self.planners):
@@ -444,6 +464,7 @@ class LLMEngine:
         """A worker failed: every request ends (aborted); later calls raise EngineDeadError."""
         self.dead = f"engine stopped: {reason}"
         self._inflight.clear()
+        self._submitted_ahead = False
         logger.error("%s; aborting %d requests", self.dead, len(self._requests))
         for request_id in list(self._requests):
             self.abort(request_id)
