@@ -7,6 +7,7 @@ from typing import Optional
 
 import pytest
 import torch
+from kernel_device import DEVICE
 
 from atomrt.workers.kernels.gemm import fp8_gemm
 from atomrt.workers.kernels.gemm.fp8_gemm import (
@@ -27,8 +28,6 @@ from atomrt.workers.layers.quantization.fp8 import (
     quantize_fp8,
     quantize_weight_per_row,
 )
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _deq64(q: torch.Tensor, s: torch.Tensor, group: Optional[int]) -> torch.Tensor:

@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 import torch
+from kernel_device import DEVICE
 from test_decode_attention import expected, forced_plan, make_decode_case
 from test_kernels import SENTINEL
 
@@ -25,7 +26,6 @@ from atomrt.workers.kernels.attention.decode_attention import (
 )
 
 FP8 = torch.float8_e4m3fn
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 K_SCALE, V_SCALE = 0.0123, 0.0371
 LENS = [1, 2, 17, 40]  # a first token (no cached key), a block boundary, several tiles
 

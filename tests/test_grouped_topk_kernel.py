@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import DEVICE
 
 from atomrt.workers.kernels.moe.routing import (
     GROUP_SCORE_NONE,
@@ -19,7 +20,6 @@ from atomrt.workers.kernels.moe.routing import (
 )
 from atomrt.workers.layers.deepseek_moe import GroupedRouting
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOKENS = 37  # not a power of two
 
 # name: (routing, uses a correction bias)
