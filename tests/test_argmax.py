@@ -1,10 +1,12 @@
-"""The greedy argmax kernel (workers/kernels/argmax.py) through Triton's interpreter: torch.argmax's
+"""The greedy argmax kernel (workers/kernels/argmax.py), on CUDA when present, else through Triton's
+interpreter: torch.argmax's
 answer, ties to the first index, for vocabularies shorter than, equal to and longer than a loop step."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import DEVICE
 
 from atomrt.workers.kernels.argmax import BLOCK, argmax_rows
 
@@ -13,7 +15,7 @@ from atomrt.workers.kernels.argmax import BLOCK, argmax_rows
 @pytest.mark.parametrize("rows,vocab", [(1, 7), (3, BLOCK), (2, 3 * BLOCK + 5), (4, 5000)])
 def test_matches_torch_argmax(rows: int, vocab: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows * vocab)
-    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
+    logits = torch.randn(rows, vocab, generator=gen).to(DEVICE, dtype)
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
 
 
@@ -21,7 +23,7 @@ def test_ties_take_the_first_index() -> None:
     """Equal maxima in one lane, in different lanes and in different loop steps: the first wins, as
     torch's; a row of -inf answers 0."""
     vocab = 2 * BLOCK + 10
-    logits = torch.zeros(4, vocab)
+    logits = torch.zeros(4, vocab, device=DEVICE)
     logits[0, [5, 9, BLOCK + 5]] = 3.0  # lanes 5 and 9, and lane 5 again one step later
     logits[1, [BLOCK + 1, 2 * BLOCK + 3]] = 2.0  # the same maximum in two steps
     logits[2, [vocab - 1, BLOCK - 1]] = 1.0
@@ -32,13 +34,13 @@ def test_ties_take_the_first_index() -> None:
 
 
 def test_strided_rows_and_bad_arguments() -> None:
-    base = torch.randn(3, 300)
+    base = torch.randn(3, 300, device=DEVICE)
     assert torch.equal(argmax_rows(base[:, 50:250]), base[:, 50:250].argmax(dim=-1))
     assert argmax_rows(base[:0]).shape == (0,)
     with pytest.raises(ValueError, match="want \\[rows, vocab\\]"):
-        argmax_rows(torch.zeros(5))
+        argmax_rows(torch.zeros(5, device=DEVICE))
     with pytest.raises(ValueError, match="empty vocabulary"):
-        argmax_rows(torch.zeros(2, 0))
+        argmax_rows(torch.zeros(2, 0, device=DEVICE))
 
 
 @pytest.mark.parametrize("splits", [2, 4, 8])
@@ -49,7 +51,7 @@ def test_split_rows_match_torch_argmax(rows: int, vocab: int, splits: int) -> No
     from atomrt.workers.kernels.argmax import _workspace
 
     gen = torch.Generator().manual_seed(rows * vocab + splits)
-    logits = torch.randn(rows, vocab, generator=gen)
+    logits = torch.randn(rows, vocab, generator=gen).to(DEVICE)
     assert torch.equal(argmax_rows(logits, num_splits=splits), logits.argmax(dim=-1))
     assert torch.count_nonzero(_workspace(logits.device)[2]) == 0, "row counters not reset"
 
@@ -57,7 +59,7 @@ def test_split_rows_match_torch_argmax(rows: int, vocab: int, splits: int) -> No
 def test_split_ties_take_the_first_index() -> None:
     """Equal maxima in different splits, in one split's two lanes, and rows of -inf: the first index."""
     vocab, splits = 4 * BLOCK, 4  # one loop step per split
-    logits = torch.zeros(4, vocab)
+    logits = torch.zeros(4, vocab, device=DEVICE)
     logits[0, [3 * BLOCK + 1, BLOCK + 7, 2 * BLOCK]] = 5.0  # splits 3, 1, 2: split 1's wins
     logits[1, [2 * BLOCK + 9, 2 * BLOCK + 4]] = 1.0  # two lanes of split 2
     logits[2] = float("-inf")
@@ -85,6 +87,6 @@ def test_plan_splits() -> None:
 
 def test_bad_split_counts() -> None:
     with pytest.raises(ValueError, match="power of two"):
-        argmax_rows(torch.zeros(2, 100), num_splits=3)
+        argmax_rows(torch.zeros(2, 100, device=DEVICE), num_splits=3)
     with pytest.raises(ValueError, match="power of two"):
-        argmax_rows(torch.zeros(2, 100), num_splits=0)
+        argmax_rows(torch.zeros(2, 100, device=DEVICE), num_splits=0)

@@ -1,6 +1,7 @@
-"""The residual add + RMSNorm kernel (workers/kernels/rms_norm.py) through Triton's interpreter, and
-the layers' add_norm_linear op: on CPU it is eager's add, RMSNorm and F.linear, bit for bit (traced
-too), and only weights the skinny GEMM can take go through the fused op.
+"""The residual add + RMSNorm kernel (workers/kernels/rms_norm.py), on CUDA when present, else
+through Triton's interpreter, and the layers' add_norm_linear op: on CPU it is eager's add, RMSNorm
+and F.linear, bit for bit (traced too), and only weights the skinny GEMM can take go through the
+fused op.
 
 The interpreter rounds fp32 -> bf16 by truncation, so the kernels are checked in fp32 and fp16 here;
 bf16 runs in tests/gpu/test_skinny_gemm_gpu.py.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import DEVICE
 from test_skinny_gemm import traced_ops
 
 from atomrt.workers.kernels.rms_norm import add_rms_norm
@@ -28,25 +30,26 @@ def test_add_rms_norm_kernel(m: int, k: int, dtype: torch.dtype) -> None:
     """h = x + update exactly as eager; the normalized rows against RMSNorm computed in float64 from h
     (one rounding of the normalized row, one of its product with the weight)."""
     gen = torch.Generator().manual_seed(m * k)
-    x, update = (torch.randn(m, k, generator=gen).to(dtype) for _ in range(2))
-    weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+    x, update = (torch.randn(m, k, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEVICE, dtype)
     h, out = add_rms_norm(x, update, weight, 1e-5)
     assert torch.equal(h, x + update)
-    h64 = h.double()
-    want = weight.double() * (h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5))
-    torch.testing.assert_close(out.double(), want, **TOLERANCES[dtype])
+    h64 = h.double().cpu()
+    want = weight.double().cpu() * (h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(out.double().cpu(), want, **TOLERANCES[dtype])
 
 
 def test_add_rms_norm_strided_rows_and_bad_arguments() -> None:
-    base = torch.randn(4, 64)
+    base = torch.randn(4, 64, device=DEVICE)
+    ones = torch.ones(32, device=DEVICE)
     x, update = base[:, :32], base[:, 32:]  # rows with a stride of 64
-    h, out = add_rms_norm(x, update, torch.ones(32), 1e-6)
+    h, out = add_rms_norm(x, update, ones, 1e-6)
     assert torch.equal(h, x + update)
-    torch.testing.assert_close(out, rms_norm(x + update, torch.ones(32), 1e-6))
+    torch.testing.assert_close(out, rms_norm(x + update, ones, 1e-6))
     with pytest.raises(ValueError, match="want x and update"):
-        add_rms_norm(x, update[:, :16], torch.ones(32), 1e-6)
+        add_rms_norm(x, update[:, :16], ones, 1e-6)
     with pytest.raises(ValueError, match="share a dtype"):
-        add_rms_norm(x, update.half(), torch.ones(32), 1e-6)
+        add_rms_norm(x, update.half(), ones, 1e-6)
 
 
 def eager_add_norm_linear(residual, update, norm_weight, eps, weight, bias):
@@ -55,7 +58,8 @@ def eager_add_norm_linear(residual, update, norm_weight, eps, weight, bias):
 
 
 def test_layer_add_norm_linear_is_eager_on_cpu() -> None:
-    """Off CUDA the op is eager's arithmetic exactly, called and traced (3-D input, with a bias)."""
+    """Off CUDA the op is eager's arithmetic exactly, called and traced (3-D input, with a bias):
+    CPU tensors, as the CPU path is what is tested."""
     gen = torch.Generator().manual_seed(0)
     residual, update = torch.randn(2, 3, 24, generator=gen), torch.randn(2, 3, 24, generator=gen)
     norm_weight, weight, bias = (
