@@ -6,8 +6,8 @@ a JSON schema (benchmarks/schemas/user_profiles.json) and the rest are unconstra
                                             [--steps 60] [--profile tottime]
 
 Prints, per count of constrained rows, the best of three runs: the driver's µs per step (the host
-step less the in-process CPU worker's mask apply, which a GPU does on the device), of which the
-mask fill (`grammar_mask_seconds`), and the CPU mask apply apart. The model is a 2-layer
+step less the in-process CPU worker's sampling and mask apply, which a GPU does on the device), of
+which the mask fill (`grammar_mask_seconds`), and the CPU worker's sampling apart. The model is a 2-layer
 Llama of hidden size 64 over the embedded SmolLM2 tokenizer's 49k vocabulary
 (tests/grammar_harness.py), so a row's mask is as wide as on the real model. A finished request
 is replaced between steps, outside the timed span. Under async scheduling a step with grammar
@@ -32,7 +32,6 @@ import torch
 from atomrt import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import StructuredOutputsParams
-from atomrt.workers.runner import model_runner
 from atomrt.workers.runner.model_runner import ModelOutput
 
 HERE = Path(__file__).resolve().parent
@@ -82,17 +81,17 @@ def main() -> None:
         return ModelOutput(logits[:n][logits_indices], logits[:n], None)
 
     runner.run_model = random_logits
-    apply = {"s": 0.0}
-    inner = model_runner.greedy_under_grammar
+    apply = {"s": 0.0}  # the CPU worker's sampling (the mask apply with it), not the driver's
+    sample = runner.sample
 
-    def timed_apply(*args):
+    def timed_sample(*args):
         t = time.perf_counter()
         try:
-            return inner(*args)
+            return sample(*args)
         finally:
             apply["s"] += time.perf_counter() - t
 
-    model_runner.greedy_under_grammar = timed_apply
+    runner.sample = timed_sample
     constrained = SamplingParams(
         temperature=0,
         max_tokens=400,
@@ -139,7 +138,7 @@ def main() -> None:
         best = min(runs, key=lambda r: r[0] - r[2])
         print(
             f"bs={a.bs} grammar rows={n} {mode}: driver {best[0] - best[2]:.0f} us/step, of which "
-            f"mask fill {best[1]:.0f}; the CPU worker's mask apply {best[2]:.0f} more "
+            f"mask fill {best[1]:.0f}; the CPU worker's sampling {best[2]:.0f} more "
             f"(driver runs {', '.join(f'{r[0] - r[2]:.0f}' for r in runs)}; {a.steps} steps each)"
         )
         if a.profile and n == counts[-1]:
