@@ -1,4 +1,5 @@
-"""The fused-MoE Triton kernel against a float64 reference, on CPU through Triton's interpreter.
+"""The fused-MoE Triton kernel against a float64 reference, on CUDA when present, else on CPU
+through Triton's interpreter.
 
 Routings chosen to hit the layout's edges: ragged expert loads, experts that get no token, one
 expert taking every token, top-k 1, 2 and 8, widths that are not multiples of the blocks. The GPU
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_device import DEVICE
 
 from atomrt.workers.kernels.moe.align import (
     fits_one_program,
@@ -33,8 +35,8 @@ HIDDEN, INTER = 48, 40
 
 
 def reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """float64: sum_j w_j * W2[e_j] @ (silu(W1[e_j] x) * W3[e_j] x), token by token."""
-    x, w13, w2, topk_weights = (t.double() for t in (x, w13, w2, topk_weights))
+    """float64 on the CPU: sum_j w_j * W2[e_j] @ (silu(W1[e_j] x) * W3[e_j] x), token by token."""
+    x, w13, w2, topk_weights = (t.double().cpu() for t in (x, w13, w2, topk_weights))
     inter = w2.shape[2]
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
@@ -65,10 +67,11 @@ def check(num_tokens: int, num_experts: int, topk_ids: torch.Tensor, topk_weight
     w13, w2 = make_experts(num_experts)
     if topk_weights is None:
         topk_weights = torch.rand(topk_ids.shape, generator=g)
-    got = fused_experts(x, w13, w2, topk_weights, topk_ids, SMALL, SMALL)
+    args = (t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids))
+    got = fused_experts(*args, SMALL, SMALL)
     expected = reference(x, w13, w2, topk_weights, topk_ids)
     assert got.shape == (num_tokens, HIDDEN) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double().cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -137,9 +140,11 @@ def test_alignment_sizes_depend_on_shapes_only() -> None:
 def test_one_program_alignment_equals_the_torch_one(
     num_tokens: int, num_experts: int, top_k: int, block_m: int
 ) -> None:
-    """The one-launch layout (Triton's interpreter here) is the torch path's, tensor for tensor:
-    a decode step's routing, a batch's, experts not a power of two, more experts than pairs."""
+    """The one-launch layout (through Triton's interpreter on CPU) is the torch path's, tensor for
+    tensor: a decode step's routing, a batch's, experts not a power of two, more experts than
+    pairs."""
     _, ids = random_routing(num_tokens, num_experts, top_k, seed=num_tokens + num_experts)
+    ids = ids.to(DEVICE)
     skewed = ids.clone()
     skewed[: num_tokens // 2 + 1, 0] = num_experts - 1  # one expert busier than the rest
     for routing in (ids, skewed, ids.to(torch.int32)):
@@ -162,9 +167,9 @@ def test_down_config_takes_the_gate_up_block_m() -> None:
     x = torch.randn(6, HIDDEN)
     w13, w2 = make_experts(4)
     wide = MoEConfig(32, 32, 32, 1, 4, 1)
-    got = fused_experts(x, w13, w2, weights, ids, SMALL, wide)
+    got = fused_experts(*(t.to(DEVICE) for t in (x, w13, w2, weights, ids)), SMALL, wide)
     torch.testing.assert_close(
-        got.double(), reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5
+        got.double().cpu(), reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5
     )
 
 
