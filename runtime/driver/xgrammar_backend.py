@@ -17,6 +17,7 @@ which an engine that never sees a constrained request does not pay.
 from __future__ import annotations
 
 import json
+import os
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,26 @@ from atomrt.runtime.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar as xgr
+
+
+PARALLEL_FILL_ROWS = 32  # a step with this many constrained rows fills their masks on threads
+MAX_FILL_THREADS = 8
+MIN_FILL_CORES = 8  # on fewer cores the fill's threads would take those the step loop needs
+
+
+def fill_threads(cores: int) -> int:
+    """The threads a large batch's mask fill runs on, on a machine of `cores` usable cores: half
+    of them, at most `MAX_FILL_THREADS`; 1 below `MIN_FILL_CORES`. Each fill call pays tens of us
+    to start its threads, so small batches fill on the calling thread (`PARALLEL_FILL_ROWS`)."""
+    if cores < MIN_FILL_CORES:
+        return 1
+    return min(MAX_FILL_THREADS, cores // 2)
+
+
+def _usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _xgr() -> ModuleType:
@@ -71,6 +92,8 @@ class XgrammarBackend(GrammarBackend):
         self.stop_token_ids = list(stop_token_ids)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        threads = fill_threads(_usable_cores())
+        self._parallel = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else None
 
     @staticmethod
     def validate(so: StructuredOutputsParams) -> Any:
@@ -125,9 +148,14 @@ class XgrammarBackend(GrammarBackend):
     def fill_rows(
         self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int]
     ) -> None:
-        """One call for the rows (xgrammar fills them through DLPack)."""
+        """One call for the rows (xgrammar fills them through DLPack), on threads when there are
+        `PARALLEL_FILL_ROWS` or more and the machine has the cores (`fill_threads`): a step's masks
+        must be out before its forward ends, or the GPU waits for them."""
         inner = [m.matcher for m in matchers]  # this backend's: XgrammarMatcher
-        self._batch.batch_fill_next_token_bitmask(inner, bitmask, rows)
+        batch = self._batch
+        if self._parallel is not None and len(rows) >= PARALLEL_FILL_ROWS:
+            batch = self._parallel
+        batch.batch_fill_next_token_bitmask(inner, bitmask, rows)
 
 
 def _prepare_tag_schemas(node: Any, where: str) -> Any:
