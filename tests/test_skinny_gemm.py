@@ -1,4 +1,5 @@
-"""The skinny GEMM kernel against a float64 reference, on CPU through Triton's interpreter.
+"""The skinny GEMM kernel against a float64 reference, on CUDA when present, else on CPU through
+Triton's interpreter.
 
 Small shapes (N, K of a few hundred at most, not multiples of the tiles) and small explicit tiles, so
 every case walks several K steps and masks the M, N and K edges while the interpreter stays fast.
@@ -9,9 +10,12 @@ to fp32 before multiplying) and, on the GPU, through benchmarks/sweep_gemm.py's 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import triton
+from kernel_device import DEVICE
 
 from atomrt.workers.kernels.gemm.skinny_configs import (
     BROADCAST_MAX_M,
@@ -63,19 +67,19 @@ def make_inputs(
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) * max(1, k) ** -0.5).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None
-    return x, w, b
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    return x.to(DEVICE), w.to(DEVICE), b
 
 
 def check(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config: SkinnyConfig | None
 ) -> None:
     y = skinny_linear(x, w, b, config)
-    ref = x.double() @ w.double().T  # [M, N]
+    ref = x.double().cpu() @ w.double().cpu().T  # [M, N]
     if b is not None:
-        ref += b.double()
+        ref += b.double().cpu()
     assert y.dtype == x.dtype and y.shape == ref.shape
-    torch.testing.assert_close(y.double(), ref, **TOLERANCES[x.dtype])
+    torch.testing.assert_close(y.double().cpu(), ref, **TOLERANCES[x.dtype])
 
 
 # (M, N, K): M powers of two and not, N and K never multiples of the tiles (or shorter than one)
@@ -145,15 +149,16 @@ def test_strided_inputs() -> None:
     assert not x_rows.is_contiguous() and not w_cols.is_contiguous()
     for config in (BROADCAST, DOT):
         check(x_rows, w_cols, b, config)
-    x_t = torch.randn(k, m).T  # stride (1, m): K not contiguous
+    x_t = torch.randn(k, m, device=DEVICE).T  # stride (1, m): K not contiguous
     check(x_t, w_cols.contiguous(), None, BROADCAST)
 
 
 def test_empty_dimensions() -> None:
     x, w, b = make_inputs(3, 10, 0, torch.float32, bias=True)
     torch.testing.assert_close(skinny_linear(x, w, b), b.expand(3, 10))  # K = 0: bias only
-    assert skinny_linear(torch.zeros(0, 8), torch.zeros(10, 8)).shape == (0, 10)
-    assert skinny_linear(torch.zeros(2, 8), torch.zeros(0, 8)).shape == (2, 0)
+    zeros = functools.partial(torch.zeros, device=DEVICE)
+    assert skinny_linear(zeros(0, 8), zeros(10, 8)).shape == (0, 10)
+    assert skinny_linear(zeros(2, 8), zeros(0, 8)).shape == (2, 0)
 
 
 @pytest.mark.parametrize(
@@ -339,13 +344,14 @@ def test_gated_matches_reference(m: int, n: int, k: int, dtype: torch.dtype) -> 
     """gated=True: (silu(gate) * up) @ W^T from a [M, 2K] gate | up row, the activation rounded to
     x's dtype first, against float64."""
     gen = torch.Generator().manual_seed(m * n + k)
-    x = torch.randn(m, 2 * k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
-    gate, up = x[:, :k].double(), x[:, k:].double()
+    x = torch.randn(m, 2 * k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, dtype)
+    gate, up = x[:, :k].double().cpu(), x[:, k:].double().cpu()
     act = (gate * torch.sigmoid(gate) * up).to(dtype).double()
     for config in (None, BROADCAST):
         y = skinny_linear(x, w, None, config=config, gated=True)
-        torch.testing.assert_close(y.double(), act @ w.double().T, **TOLERANCES[dtype])
+        want = act @ w.double().cpu().T
+        torch.testing.assert_close(y.double().cpu(), want, **TOLERANCES[dtype])
 
 
 def test_gated_rejects_bad_widths() -> None:
@@ -435,12 +441,13 @@ def add_norm_reference(
     w: torch.Tensor,
     b: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h = residual + update as eager rounds it; y in float64 from RMSNorm's eager output."""
+    """h = residual + update as eager rounds it; y in float64 on the CPU from RMSNorm's eager
+    output."""
     from atomrt.workers.layers.norm import rms_norm
 
     h = residual + update
-    y = rms_norm(h, norm_weight, eps).double() @ w.double().T
-    return h, y + b.double() if b is not None else y
+    y = rms_norm(h, norm_weight, eps).double().cpu() @ w.double().cpu().T
+    return h, y + b.double().cpu() if b is not None else y
 
 
 # The interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to nearest): bf16 is checked on the
@@ -454,27 +461,28 @@ def test_add_norm_matches_reference(m: int, n: int, k: int, bias: bool, dtype: t
     from atomrt.workers.kernels.gemm.skinny_gemm import skinny_add_norm_linear
 
     gen = torch.Generator().manual_seed(m * n + k)
-    residual, update = (torch.randn(m, k, generator=gen).to(dtype) for _ in range(2))
-    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
-    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    residual, update = (torch.randn(m, k, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
     want_h, want_y = add_norm_reference(residual, update, norm_weight, 1e-5, w, b)
     for config in (None, BROADCAST):
         h, y = skinny_add_norm_linear(residual, update, norm_weight, 1e-5, w, b, config=config)
         assert torch.equal(h, want_h)
-        torch.testing.assert_close(y.double(), want_y, **TOLERANCES[dtype])
+        torch.testing.assert_close(y.double().cpu(), want_y, **TOLERANCES[dtype])
 
 
 def test_add_norm_rejects_bad_arguments() -> None:
     from atomrt.workers.kernels.gemm.skinny_gemm import skinny_add_norm_linear
 
-    x, w, nw = torch.zeros(2, 8), torch.zeros(4, 8), torch.ones(8)
+    zeros = functools.partial(torch.zeros, device=DEVICE)
+    x, w, nw = zeros(2, 8), zeros(4, 8), torch.ones(8, device=DEVICE)
     with pytest.raises(ValueError, match="update"):
-        skinny_add_norm_linear(x, torch.zeros(2, 7), nw, 1e-6, w)
+        skinny_add_norm_linear(x, zeros(2, 7), nw, 1e-6, w)
     with pytest.raises(ValueError, match="norm_weight must be"):
-        skinny_add_norm_linear(x, x, torch.ones(7), 1e-6, w)
+        skinny_add_norm_linear(x, x, torch.ones(7, device=DEVICE), 1e-6, w)
     with pytest.raises(ValueError, match="broadcast path"):
-        skinny_add_norm_linear(torch.zeros(5, 8), torch.zeros(5, 8), nw, 1e-6, w)
+        skinny_add_norm_linear(zeros(5, 8), zeros(5, 8), nw, 1e-6, w)
     h, y = skinny_add_norm_linear(x[:0], x[:0], nw, 1e-6, w)  # no rows: nothing to launch
     assert h.shape == (0, 8) and y.shape == (0, 4)
 
@@ -488,9 +496,9 @@ def test_add_norm_statistics_pass_any_width(m: int, k: int, stats_values: int) -
     from atomrt.workers.kernels.gemm import skinny_gemm
 
     gen = torch.Generator().manual_seed(m + k)
-    residual, update = (torch.randn(m, k, generator=gen) for _ in range(2))
-    norm_weight = 1 + 0.1 * torch.randn(k, generator=gen)
-    w = torch.randn(30, k, generator=gen) * k**-0.5
+    residual, update = (torch.randn(m, k, generator=gen).to(DEVICE) for _ in range(2))
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEVICE)
+    w = (torch.randn(30, k, generator=gen) * k**-0.5).to(DEVICE)
     want_h, want_y = add_norm_reference(residual, update, norm_weight, 1e-6, w, None)
     config = SkinnyConfig(block_n=16, block_k=128, use_dot=False, num_warps=4, num_stages=2)
     stats_block = skinny_gemm.norm_stats_block(m, k, config, stats_values)
@@ -502,7 +510,7 @@ def test_add_norm_statistics_pass_any_width(m: int, k: int, stats_values: int) -
         residual, update, norm_weight, 1e-6, w, config=config, stats_values=stats_values
     )
     assert torch.equal(h, want_h)
-    torch.testing.assert_close(y.double(), want_y, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(y.double().cpu(), want_y, **TOLERANCES[torch.float32])
 
 
 def test_norm_stats_block_takes_an_8b_row_in_one_step() -> None:
