@@ -1,5 +1,5 @@
 """DeepSeek-V4's kernels (workers/kernels/v4/) against float64 references written here from the
-formulas, on CPU through Triton's interpreter, over a cache whose rows no query owns hold NaN
+formulas, on CUDA when present, else on CPU through Triton's interpreter, over a cache whose rows no query owns hold NaN
 (a kernel that reads a foreign row fails the test).
 
 - the compressor: per channel, softmax over the window's tokens of gate + ape, weighting kv; a
@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from kernel_device import DEVICE
 
 from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores, v4_pool, v4_sparse_attention
 
@@ -44,8 +45,10 @@ def test_pool_matches_float64(overlap: bool) -> None:
     rows = _cache(200, width, slots[slots >= 0].tolist(), 2)
     ape = torch.randn(rate, c * d, generator=g)
     norm = torch.randn(d, generator=g)
-    out = torch.full((n, d), NAN)
-    v4_pool(rows, slots, windows, ape, norm, kv_col, gate_col, eps, overlap, out)
+    out = torch.full((n, d), NAN, device=DEVICE)
+    args = (t.to(DEVICE) for t in (rows, slots, windows, ape, norm))
+    v4_pool(*args, kv_col, gate_col, eps, overlap, out)
+    out = out.cpu()
 
     ref = torch.empty(n, d, dtype=torch.float64)
     r64 = rows.double()
@@ -76,7 +79,7 @@ def test_index_scores_match_float64() -> None:
     rows = _cache(300, width, entry_slots[entry_slots >= 0].tolist(), 4)
     iq = torch.randn(n, h, di, generator=g)
     iw = torch.randn(n, h, generator=g)
-    got = v4_index_scores(iq, iw, rows, entry_slots, col)
+    got = v4_index_scores(*(t.to(DEVICE) for t in (iq, iw, rows, entry_slots)), col).cpu()
     for i in range(n):
         for j in range(t):
             if entry_slots[i, j] < 0:
@@ -105,8 +108,9 @@ def test_sparse_attention_matches_float64(num_heads: int, num_keys: int) -> None
     rows = torch.randn(100, width, generator=g)  # every element is some key's column
     q = torch.randn(n, num_heads, d, generator=g)
     sinks = torch.randn(num_heads, generator=g)
-    out = torch.full((n, num_heads, d), NAN)
-    v4_sparse_attention(q, rows, offsets, sinks, scale, out)
+    out = torch.full((n, num_heads, d), NAN, device=DEVICE)
+    v4_sparse_attention(*(t.to(DEVICE) for t in (q, rows, offsets, sinks)), scale, out)
+    out = out.cpu()
     flat = rows.double().flatten()
     for i in range(n):
         keys = [flat[o : o + d] for o in offsets[i].tolist() if o >= 0]
@@ -148,9 +152,14 @@ def check_kernels_read_e4m3_rows(device: str) -> None:
 
 
 def test_kernels_read_e4m3_rows() -> None:
-    check_kernels_read_e4m3_rows("cpu")
+    check_kernels_read_e4m3_rows(DEVICE)
 
 
+@pytest.mark.skipif(
+    DEVICE == "cuda",
+    reason="runs the kernels on CPU tensors (USE_KERNELS_ON_CPU), which only Triton's interpreter "
+    "launches; TRITON_INTERPRET is off on a CUDA host",
+)
 @pytest.mark.parametrize("name", ["hca_first", "csa_hca"])
 def test_model_through_the_kernels_matches_transformers(
     name: str, tmp_path, monkeypatch: pytest.MonkeyPatch
