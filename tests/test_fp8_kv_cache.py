@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from executor_harness import build_tiny_llama
+from kernel_device import DEVICE
 from model_harness import PagedHarness
 
 from atomrt import SamplingParams
@@ -212,10 +213,11 @@ def test_decode_kernel_writes_and_reads_an_fp8_cache(num_splits: int) -> None:
 def test_write_kernel_saturates_into_an_fp8_cache() -> None:
     from atomrt.workers.kernels.attention.paged_attention import write_kv_cache
 
-    k = _representable(torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(0)))
+    k = torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(0))
+    k = _representable(k.to(DEVICE))
     k[0, 0, :2] = torch.tensor([1000.0, -1000.0])
-    k_cache, v_cache = (torch.zeros(4, 4, 2, 16, dtype=FP8) for _ in range(2))
-    write_kv_cache(k, k, k_cache, v_cache, torch.tensor([5, -1, 14]))
+    k_cache, v_cache = (torch.zeros(4, 4, 2, 16, dtype=FP8, device=DEVICE) for _ in range(2))
+    write_kv_cache(k, k, k_cache, v_cache, torch.tensor([5, -1, 14], device=DEVICE))
     want = k.clamp(-448, 448)
     for cache in (k_cache, v_cache):
         flat = cache.view(-1, 2, 16).float()
@@ -264,9 +266,9 @@ def test_mla_kernels_write_and_read_an_fp8_latent_cache(num_splits: int) -> None
     )
     batch.kv_cache = batch.kv_cache.to(FP8)
     check_mla(batch, run_mla(batch, num_kv_splits=num_splits))
-    kv_c = _representable(torch.randn(2, 64))
+    kv_c = _representable(torch.randn(2, 64, device=DEVICE))
     kv_c[0, 0] = 1000.0
-    k_pe = _representable(torch.randn(2, 32))
-    mla_write_kv_cache(kv_c, k_pe, batch.kv_cache, torch.tensor([3, -1]))
+    k_pe = _representable(torch.randn(2, 32, device=DEVICE))
+    mla_write_kv_cache(kv_c, k_pe, batch.kv_cache, torch.tensor([3, -1], device=DEVICE))
     row = batch.kv_cache.view(-1, 96)[3].float()
     assert torch.equal(row, torch.cat((kv_c[0].clamp(-448, 448), k_pe[0])))
