@@ -355,10 +355,10 @@ def test_write_kv_cache_skips_padded_slots() -> None:
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split rotary embedding in float64 on the CPU; x [T, heads, D], cos/sin [T, D / 2]."""
-    x = x.double().cpu()
+    """Half-split rotary embedding in float64; x [T, heads, D], cos/sin [T, D / 2]."""
+    x = x.double()
     half = x.shape[-1] // 2
-    c, s = cos.double().cpu()[:, None, :], sin.double().cpu()[:, None, :]
+    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
@@ -386,7 +386,7 @@ def test_rope_write_kv_matches_reference(num_heads: int, num_kv_heads: int, head
     )
 
     cos, sin = rotary.cos_cache[positions], rotary.sin_cache[positions]
-    torch.testing.assert_close(q_rot.double().cpu(), _rotate_ref(q, cos, sin), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q_rot.double(), _rotate_ref(q, cos, sin), rtol=1e-5, atol=1e-5)
     assert q_rot.is_contiguous() and q_rot.shape == q.shape
     written = slot_mapping >= 0
     k_flat, v_flat = (
@@ -395,7 +395,7 @@ def test_rope_write_kv_matches_reference(num_heads: int, num_kv_heads: int, head
     )
     k_ref = _rotate_ref(k, cos, sin)
     torch.testing.assert_close(
-        k_flat[slot_mapping[written]].double().cpu(), k_ref[written.cpu()], rtol=1e-5, atol=1e-5
+        k_flat[slot_mapping[written]].double(), k_ref[written], rtol=1e-5, atol=1e-5
     )
     assert torch.equal(v_flat[slot_mapping[written]], v[written])
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
