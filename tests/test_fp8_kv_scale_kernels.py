@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+from kernel_device import DEVICE
 from test_decode_attention import expected, forced_plan, make_decode_case
 from test_kernels import CASES, SENTINEL, make_batch, reference_attention
 from test_mla_kernels import make_mla_batch, reference_mla, run_mla
@@ -34,7 +35,6 @@ from atomrt.workers.layers.attention_ref import from_cache_dtype, to_cache_dtype
 from atomrt.workers.layers.rotary import RotaryEmbedding
 
 FP8 = torch.float8_e4m3fn
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 K_SCALE, V_SCALE = 0.0123, 0.0371  # unlike 1.0 and unlike each other: a swapped scale shows
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_device import DEVICE
 
 from atomrt.workers.kernels.moe.fused_moe_mxfp4 import fused_experts_mxfp4
 from atomrt.workers.layers.quantization.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _experts(num_experts: int, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, ...]:
