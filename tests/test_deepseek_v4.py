@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_device import DEVICE
 from model_harness import engine_greedy, hf_greedy, load_hf, max_logit_diff, run_prefill_and_decode
 from v4_harness import NAMES, build_v4_folder
 
@@ -504,21 +505,35 @@ FP8_CASES = [
 
 
 @pytest.mark.parametrize("name,bound", FP8_CASES)
-def test_fp8_cache_rows(
-    folders: dict[str, Path], name: str, bound: float, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_fp8_cache_rows(folders: dict[str, Path], name: str, bound: float) -> None:
     """With an e4m3 cache (kv_cache_dtype fp8: rows written saturated at scale 1, read back
     widened; the rows are RMS-normalised keys and entries or projections of normalised rows, all
     within e4m3's normal range, so a per-tensor scale would not change their precision) the rows
     are stored as bytes the CPU can index, and the logits stay within `bound` of the float
-    cache's. Through the kernels (CUDA's path) the logits are the reference's."""
-    from atomrt.workers.layers import v4_attention
-
+    cache's."""
     model = load_model(Config(model=str(folders[name])), "cpu", torch.float32).model
     prompts = [PROMPTS[0], PROMPTS[1]]
     fp32 = _cache_logits(model, torch.float32, prompts)
     fp8 = _cache_logits(model, torch.float8_e4m3fn, prompts)
     assert (fp32 - fp8).abs().max() < bound
+
+
+@pytest.mark.skipif(
+    DEVICE != "cpu",
+    reason="launches the kernels on CPU tensors, which only Triton's interpreter can; "
+    "tests/gpu/test_deepseek_v4_gpu.py::test_kernels_read_e4m3_rows runs them on CUDA",
+)
+@pytest.mark.parametrize("name", ["sliding", "csa_hca"])
+def test_fp8_cache_rows_through_the_kernels(
+    folders: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the kernels (CUDA's path, here in Triton's interpreter) an e4m3 cache's logits are
+    the torch path's."""
+    from atomrt.workers.layers import v4_attention
+
+    model = load_model(Config(model=str(folders[name])), "cpu", torch.float32).model
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    fp8 = _cache_logits(model, torch.float8_e4m3fn, prompts)
     monkeypatch.setattr(v4_attention, "USE_KERNELS_ON_CPU", True)
     kernels = _cache_logits(model, torch.float8_e4m3fn, prompts)
     assert (kernels - fp8).abs().max() < 1e-4
