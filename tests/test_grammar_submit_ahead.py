@@ -1,6 +1,7 @@
-"""Under async scheduling a step whose grammar masks go out submits the next plan before `step()`
-returns: the step those masks are for samples at once, and its successor's forward must not wait
-for the caller to handle the outputs. The tokens stay the synchronous engine's."""
+"""Under async scheduling a step whose grammar masks go out submits the next plan before it builds
+its outputs and returns: the step those masks are for samples at once, and its successor's forward
+must not wait for the outputs or the caller's handling of them. The streamed tokens stay the
+synchronous engine's."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from grammar_harness import build_tiny_bpe
 
+from atomrt.runtime.driver import engine as engine_module
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import SamplingParams
 
@@ -32,7 +34,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, REQUESTS, use_tqdm=False)]
 
 
-def test_the_next_plan_is_submitted_right_after_the_grammar_masks(tiny) -> None:
+def test_the_next_plan_is_submitted_right_after_the_grammar_masks(tiny, monkeypatch) -> None:
     with LLM(str(tiny), **COMMON, async_scheduling=False) as llm:
         want = _tokens(llm)
     with LLM(str(tiny), **COMMON, async_scheduling=True) as llm:
@@ -52,13 +54,21 @@ def test_the_next_plan_is_submitted_right_after_the_grammar_masks(tiny) -> None:
             return send(masks)
 
         executor.submit, executor.send_grammar = noted_submit, noted_send
-        ids = [engine.add_request(p, r) for p, r in zip(PROMPTS, REQUESTS)]
+        build = engine_module.make_request_output
+
+        def noted_build(seq, *args, **kwargs):
+            events.append(("output", -1))
+            return build(seq, *args, **kwargs)
+
+        monkeypatch.setattr(engine_module, "make_request_output", noted_build)
+        # streamed: each step's outputs are built after the next plan went out
+        ids = [engine.add_request(p, r, stream=True) for p, r in zip(PROMPTS, REQUESTS)]
         calls: list[list[tuple[str, int]]] = []
-        got: dict[str, list[int]] = {}
+        got: dict[str, list[int]] = {i: [] for i in ids}
         while engine.has_unfinished():
             events.clear()
             for out in engine.step():
-                got[out.request_id] = out.outputs[0].token_ids
+                got[out.request_id] += out.outputs[0].token_ids
             calls.append(list(events))
         executor.submit, executor.send_grammar = submit, send
     assert [got[i] for i in ids] == want
@@ -70,6 +80,8 @@ def test_the_next_plan_is_submitted_right_after_the_grammar_masks(tiny) -> None:
             (_, step), (nxt, nxt_step) = call[masks_at[-1]], call[masks_at[-1] + 1]
             assert (nxt, nxt_step) == ("submit", step + 1), call
             ahead += 1
+            assert ("output", -1) not in call[: masks_at[-1] + 2], call  # outputs built after
+            assert ("output", -1) in call, call
             # and the next call collects without submitting first
             assert not calls[i + 1] or calls[i + 1][0] != ("submit", step + 2), calls[i + 1]
     assert ahead >= 3, calls

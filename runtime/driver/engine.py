@@ -307,27 +307,26 @@ class LLMEngine:
             results = self.executor.collect(step, flush=not submitted)  # Ctrl-C may land here
             with self._guard.critical():
                 self._inflight.popleft()
-                outputs = self._take_aborted() + self._postprocess(outs, results)
-                # structured outputs: the next step's masks, now its rows' tokens are known
-                masks = self.grammars.took_results()
-                self._send_masks(masks)
-                if masks and self.async_scheduling:
-                    self._submit_ahead(outputs)
-                return outputs
+                aborted = self._take_aborted()
+                return aborted + self._postprocess(outs, results)
         except BaseException as e:
             self._recover(e)
             raise
 
-    def _submit_ahead(self, outputs: list[RequestOutput]) -> None:
-        """Grammar masks just went out, so the step in flight samples now and its next forward
-        waits for a plan: schedule and submit that plan at once, rather than after the caller has
-        handled these outputs (the next `step()` collects without scheduling). Should it raise,
-        these outputs come with the next step's."""
+    def _masks_and_next_plan(self) -> Optional[BaseException]:
+        """The grammars advanced on a step's tokens: structured outputs' masks of the step in
+        flight go out. Those let that step sample at once, so under async scheduling the plan
+        after it goes out now too, rather than after the outputs are built and the caller has
+        handled them (the next `step()` collects without scheduling). An error is handed back,
+        to be raised once the step's outputs are kept."""
         try:
-            self._submitted_ahead = self._schedule_and_submit()
-        except BaseException:
-            self._aborted = outputs + self._aborted
-            raise
+            masks = self.grammars.took_results()
+            self._send_masks(masks)
+            if masks and self.async_scheduling:
+                self._submitted_ahead = self._schedule_and_submit()
+        except BaseException as e:
+            return e
+        return None
 
     def _schedule_and_submit(self) -> bool:
         """Schedule a step and submit it, if it runs anything; True when it did."""
@@ -393,6 +392,8 @@ class LLMEngine:
                 apply_prompt_logprobs(res.prompt_logprobs, starts, self.tokenizer)
             finished = self.schedulers[dp_rank].postprocess(out, sampled, step_logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
+        error = self._masks_and_next_plan()  # before the outputs: the GPU may wait for these
+        for out in outs:
             for row in out.scheduled:
                 if not row.token_applied:
                     continue
@@ -422,6 +423,9 @@ class LLMEngine:
                 del self._requests[out.request_id]
         if self.speculation is not None:
             self.speculation.step_done(num_tokens, num_seqs)
+        if error is not None:  # the outputs come with the next step's
+            self._aborted = outputs + self._aborted
+            raise error
         return outputs
 
     def _send_masks(self, masks: list[GrammarBitmask]) -> None:
