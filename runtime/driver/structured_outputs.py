@@ -3,8 +3,9 @@
 
 The engine's step calls it at two points: `plan` once a step is scheduled and submitted (the masks
 of its constrained rows, the requests whose grammar failed, the wait of an engine with nothing but
-grammars to compile) and `took_results` once a step's results are applied (the masks of a planned
-step that waited for them). The scheduler asks `ready` of each waiting sequence; `prepare`,
+grammars to compile) and `took_results` once the schedulers applied a step's tokens, before its
+outputs are built (the masks of a planned step that waited for them; under async scheduling the
+engine submits the next plan right after them). The scheduler asks `ready` of each waiting sequence; `prepare`,
 `admit` and `abort` follow a request's life.
 
 - **add_request** (`prepare`, `admit`): the constraint is parsed and compiled on a thread
