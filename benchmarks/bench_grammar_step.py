@@ -7,7 +7,8 @@ a JSON schema (benchmarks/schemas/user_profiles.json) and the rest are unconstra
 
 Prints, per count of constrained rows, the best of three runs: the driver's µs per step (the host
 step less the in-process CPU worker's sampling and mask apply, which a GPU does on the device), of
-which the mask fill (`grammar_mask_seconds`), and the CPU worker's sampling apart. The model is a 2-layer
+which the mask fill (`grammar_mask_seconds`); the driver's µs from a step's masks going out to
+its successor's plan (the GPU's wait between the two); and the CPU worker's sampling apart. The model is a 2-layer
 Llama of hidden size 64 over the embedded SmolLM2 tokenizer's 49k vocabulary
 (tests/grammar_harness.py), so a row's mask is as wide as on the real model. A finished request
 is replaced between steps, outside the timed span. Under async scheduling a step with grammar
@@ -92,6 +93,23 @@ def main() -> None:
             apply["s"] += time.perf_counter() - t
 
     runner.sample = timed_sample
+    # the host time from a step's masks going out to its successor's plan: on a GPU the forward
+    # of that successor cannot start before, so it is time the GPU waits
+    gap = {"s": 0.0, "n": 0, "masks_at": None}
+    send, submit = eng.executor.send_grammar, eng.executor.submit
+
+    def noted_send(masks):
+        send(masks)  # the in-process worker samples here
+        gap["masks_at"] = time.perf_counter()
+
+    def noted_submit(plan):
+        if gap["masks_at"] is not None:
+            gap["s"] += time.perf_counter() - gap["masks_at"]
+            gap["n"] += 1
+            gap["masks_at"] = None
+        return submit(plan)
+
+    eng.executor.send_grammar, eng.executor.submit = noted_send, noted_submit
     constrained = SamplingParams(
         temperature=0,
         max_tokens=400,
@@ -111,13 +129,14 @@ def main() -> None:
         for _ in range(a.bs - len(live)):
             live[eng.add_request(PROMPT, plain, stream=True)] = False
 
-    def run(n_grammar: int) -> tuple[float, float, float]:
+    def run(n_grammar: int) -> tuple[float, float, float, float]:
         top_up(n_grammar)
         for _ in range(8):  # prefill, compiles, the pipeline full
             eng.step()
             top_up(n_grammar)
         stats0 = eng.grammars.mask_stats.seconds
         apply0 = apply["s"]
+        gap.update(s=0.0, n=0, masks_at=None)
         busy = 0.0
         for _ in range(a.steps):
             t = time.perf_counter()
@@ -130,7 +149,8 @@ def main() -> None:
         while eng.has_unfinished():
             eng.step()
         fill = eng.grammars.mask_stats.seconds - stats0
-        return tuple(x / a.steps * 1e6 for x in (busy, fill, apply["s"] - apply0))
+        per_step = [x / a.steps * 1e6 for x in (busy, fill, apply["s"] - apply0)]
+        return (*per_step, gap["s"] / gap["n"] * 1e6 if gap["n"] else 0.0)
 
     mode = "sync" if a.sync else "async"
     for n in counts:
@@ -138,7 +158,8 @@ def main() -> None:
         best = min(runs, key=lambda r: r[0] - r[2])
         print(
             f"bs={a.bs} grammar rows={n} {mode}: driver {best[0] - best[2]:.0f} us/step, of which "
-            f"mask fill {best[1]:.0f}; the CPU worker's sampling {best[2]:.0f} more "
+            f"mask fill {best[1]:.0f}; masks to next plan {best[3]:.0f} us; the CPU worker's "
+            f"sampling {best[2]:.0f} more "
             f"(driver runs {', '.join(f'{r[0] - r[2]:.0f}' for r in runs)}; {a.steps} steps each)"
         )
         if a.profile and n == counts[-1]:
