@@ -1,7 +1,7 @@
-"""Under async scheduling a step whose grammar masks go out submits the next plan before it builds
-its outputs and returns: the step those masks are for samples at once, and its successor's forward
-must not wait for the outputs or the caller's handling of them. The streamed tokens stay the
-synchronous engine's."""
+"""Under async scheduling a step whose grammar masks go out builds the next plan before them,
+submits it right after them, and only then builds its outputs and returns: the step those masks
+are for samples at once, and its successor's forward must not wait for the plan's building, the
+outputs or the caller's handling of them. The streamed tokens stay the synchronous engine's."""
 
 from __future__ import annotations
 
@@ -61,6 +61,14 @@ def test_the_next_plan_is_submitted_right_after_the_grammar_masks(tiny, monkeypa
             return build(seq, *args, **kwargs)
 
         monkeypatch.setattr(engine_module, "make_request_output", noted_build)
+        planner = engine.planners[0]
+        batch = planner.batch
+
+        def noted_batch(out):
+            events.append(("plan", -1))
+            return batch(out)
+
+        monkeypatch.setattr(planner, "batch", noted_batch)
         # streamed: each step's outputs are built after the next plan went out
         ids = [engine.add_request(p, r, stream=True) for p, r in zip(PROMPTS, REQUESTS)]
         calls: list[list[tuple[str, int]]] = []
@@ -80,6 +88,8 @@ def test_the_next_plan_is_submitted_right_after_the_grammar_masks(tiny, monkeypa
             (_, step), (nxt, nxt_step) = call[masks_at[-1]], call[masks_at[-1] + 1]
             assert (nxt, nxt_step) == ("submit", step + 1), call
             ahead += 1
+            # that plan was built before the masks went out: only its submit follows them
+            assert call[masks_at[-1] - 1] == ("plan", -1), call
             assert ("output", -1) not in call[: masks_at[-1] + 2], call  # outputs built after
             assert ("output", -1) in call, call
             # and the next call collects without submitting first

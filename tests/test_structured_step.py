@@ -45,10 +45,10 @@ class _Calls:
         self.masks: dict[str, int] = {}
 
     def __getattr__(self, name: str):
-        self.names.append(name)
         got = getattr(self.real, name)
-        if not callable(got):
+        if not callable(got):  # a read of its state (whether masks wait), not a call
             return got
+        self.names.append(name)
 
         def call(*args, **kwargs):
             out = got(*args, **kwargs)

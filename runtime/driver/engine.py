@@ -320,18 +320,31 @@ class LLMEngine:
         handled them (the next `step()` collects without scheduling). An error is handed back,
         to be raised once the step's outputs are kept."""
         try:
+            planned = None
+            if self.grammars.pending and self.async_scheduling:  # masks go out below
+                # the next plan is built first, while the GPU still runs the step the masks are
+                # for; after them only its submit remains before that GPU can go on
+                planned = self._schedule_and_plan()
             masks = self.grammars.took_results()
             self._send_masks(masks)
-            if masks and self.async_scheduling:
-                self._submitted_ahead = self._schedule_and_submit()
+            if planned is not None:
+                self._submitted_ahead = self._schedule_and_submit(planned)
         except BaseException as e:
             return e
         return None
 
-    def _schedule_and_submit(self) -> bool:
-        """Schedule a step and submit it, if it runs anything; True when it did."""
+    def _schedule_and_plan(self) -> tuple[list[SchedulerOutput], Optional[tuple[StepPlan, Any]]]:
+        """Schedule a step and build its plan (None: it runs nothing), not yet submitted."""
         outs = self._schedule()
-        plan = None if all(o.is_empty for o in outs) else self._submit(outs)
+        return outs, None if all(o.is_empty for o in outs) else self._plan(outs)
+
+    def _schedule_and_submit(
+        self, planned: Optional[tuple[list[SchedulerOutput], Optional[tuple[StepPlan, Any]]]] = None
+    ) -> bool:
+        """Schedule a step (or take one `_schedule_and_plan` built) and submit it, if it runs
+        anything; True when it did."""
+        outs, built = self._schedule_and_plan() if planned is None else planned
+        plan = None if built is None else self._submit(outs, *built)
         # structured outputs: the step's grammar masks, failed grammars; nothing to do: a short
         # wait for a compiling grammar, not a spin
         masks, failed = self.grammars.plan(plan, outs, idle=not self._inflight)
@@ -350,12 +363,16 @@ class LLMEngine:
             outs = [s.schedule() for s in self.schedulers]
         return outs
 
-    def _submit(self, outs: list[SchedulerOutput]) -> StepPlan:
+    def _plan(self, outs: list[SchedulerOutput]) -> tuple[StepPlan, Any]:
+        """The plan of a scheduled step (numbered as the next to go out), and its decision."""
         probe = self.executor.probing  # a probe reads its steps in Python: they run eagerly
         decision = self.forward_mode.decide([_shape(o) for o in outs], eager=bool(probe))
         batches = [planner.batch(o) for planner, o in zip(self.planners, outs)]
         plan = make_plan(self.step_no, decision, batches, pipelined=self.async_scheduling)
         plan.probe = probe
+        return plan, decision
+
+    def _submit(self, outs: list[SchedulerOutput], plan: StepPlan, decision: Any) -> StepPlan:
         self.executor.submit(plan)
         self.step_no += 1  # at once: the plan went out under this number
         padded = self.stats.count(decision)
