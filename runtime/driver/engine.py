@@ -39,7 +39,7 @@ from atomrt.runtime.driver.request import (
 from atomrt.runtime.driver.scheduler import Scheduler, SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
 from atomrt.runtime.driver.speculation import make_speculation, sampled_tokens
-from atomrt.runtime.driver.stats import EngineStats
+from atomrt.runtime.driver.stats import EngineStats, log_startup, log_summary
 from atomrt.runtime.driver.structured_outputs import StructuredOutputs
 from atomrt.runtime.driver.ubatch_policy import check_tbo
 from atomrt.runtime.driver.validation import (
@@ -61,18 +61,6 @@ Prompt = PromptType
 
 class EngineDeadError(RuntimeError):
     """The engine stopped (a worker failed); the message says why. Every later call raises it."""
-
-
-def log_startup(seconds: float, phases: tuple[tuple[str, float], ...]) -> None:
-    """One line: the executor's start-up and, phase by phase, rank 0's share of it (the rest is
-    processes, actors and the groups coming up)."""
-    parts = ", ".join(f"{name} {s:.2f} s" for name, s in phases)
-    logger.info(
-        "workers up in %.2f s; rank 0: %s; other (processes, groups) %.2f s",
-        seconds,
-        parts or "no phases reported",
-        seconds - sum(s for _, s in phases),
-    )
 
 
 class LLMEngine:
@@ -497,22 +485,7 @@ class LLMEngine:
             raise EngineDeadError(self.dead)
 
     def shutdown(self) -> None:
-        stats = self.stats
-        if len(self.schedulers) > 1 and stats.real_tokens:
-            logger.info(
-                "data parallel: %d rows run beyond %d real ones (%.1f%% padding), %d dummy "
-                "batches on idle ranks, %d prefill holds",
-                stats.padded_tokens,
-                stats.real_tokens,
-                100 * stats.pad_fraction,
-                stats.dummy_batches,
-                self.admission.aligner.num_held_steps if self.admission.aligner else 0,
-            )
-        if self.admission.delay is not None:
-            logger.info(
-                "scheduler_config.delay_factor held new prompts back in %d (step, rank) pairs",
-                self.admission.delay.num_held_steps,
-            )
+        log_summary(self.stats, len(self.schedulers), self.admission)
         self.executor.shutdown()
         self.grammars.shutdown()
 

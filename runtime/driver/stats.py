@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.driver.speculation import SpecDecodeStats
+
+logger = logging.getLogger("atomrt.runtime.driver.engine")  # the engine's lines, as before
 
 
 @dataclass
@@ -39,3 +42,35 @@ class EngineStats:
         """Padded rows over all rows run (0 when nothing ran)."""
         total = self.padded_tokens + self.real_tokens
         return self.padded_tokens / total if total else 0.0
+
+
+def log_startup(seconds: float, phases: tuple[tuple[str, float], ...]) -> None:
+    """One line: the executor's start-up and, phase by phase, rank 0's share of it (the rest is
+    processes, actors and the groups coming up)."""
+    parts = ", ".join(f"{name} {s:.2f} s" for name, s in phases)
+    logger.info(
+        "workers up in %.2f s; rank 0: %s; other (processes, groups) %.2f s",
+        seconds,
+        parts or "no phases reported",
+        seconds - sum(s for _, s in phases),
+    )
+
+
+def log_summary(stats: EngineStats, num_ranks: int, admission: Any) -> None:
+    """At shutdown: the rows data parallelism ran beyond the real ones, and the admission rules'
+    holds (`runtime/driver/admission.py`), where they ran."""
+    if num_ranks > 1 and stats.real_tokens:
+        logger.info(
+            "data parallel: %d rows run beyond %d real ones (%.1f%% padding), %d dummy "
+            "batches on idle ranks, %d prefill holds",
+            stats.padded_tokens,
+            stats.real_tokens,
+            100 * stats.pad_fraction,
+            stats.dummy_batches,
+            admission.aligner.num_held_steps if admission.aligner else 0,
+        )
+    if admission.delay is not None:
+        logger.info(
+            "scheduler_config.delay_factor held new prompts back in %d (step, rank) pairs",
+            admission.delay.num_held_steps,
+        )
