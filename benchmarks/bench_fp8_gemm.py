@@ -2,9 +2,9 @@
 weights rotated through several copies so that they stream from HBM, for Llama-3.1-8B's and
 DeepSeek-V2-Lite's projections. Rows: bf16 `F.linear` (cuBLAS), the two-launch FP8 path (the
 activation-quantization kernel, then `w8a8_gemm`), and the fused decode path `w8a8_skinny` at its
-launch for its shape (fp8_gemm.skinny_launch) and, with --sweep, at other launches; GB/s counts
+launch for its shape (fp8_skinny_configs.skinny_launch) and, with --sweep, at other launches; GB/s counts
 the weight and scale bytes. Each row also times the fused path with the products' sum over K
-deferred (or not: the other side of fp8_gemm.skinny_defers_sum for its shape).
+deferred (or not: the other side of fp8_skinny_configs.skinny_defers_sum for its shape).
 
 `--norm` (per-row scales) adds a residual add + RMSNorm before the projection: add_rms_norm then
 the fused path (what runs by default) against w8a8_skinny_add_norm, the add and norm in the GEMM's
@@ -21,7 +21,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from atomrt.workers.kernels.gemm import fp8_gemm
+from atomrt.workers.kernels.gemm import fp8_gemm, fp8_skinny_configs
 from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers.quantization.fp8 import quantize_fp8
 
@@ -85,7 +85,7 @@ def main() -> None:
     print(f"{'shape':12} {'bf16 us':>8} {'2-launch':>9} {'fused':>8} {'GB/s':>6}  launch, best")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        default = fp8_gemm.skinny_launch(n, k)
+        default = fp8_skinny_configs.skinny_launch(n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
         qs = [quantize_fp8(w, group) for w in ws]
@@ -106,7 +106,7 @@ def main() -> None:
                 continue
             results.append((us, cfg))
         fused = next(us for us, cfg in results if cfg == default)
-        flip = not fp8_gemm.skinny_defers_sum(n, k)
+        flip = not fp8_skinny_configs.skinny_defers_sum(n, k)
         other = _time_us(lambda i: fp8_gemm.w8a8_skinny(x, *qs[i % COPIES], group, defer_sum=flip))
         best = min(results)
         nbytes = n * k + qs[0][1].numel() * 4

@@ -9,11 +9,9 @@ import pytest
 import torch
 from kernel_device import DEVICE
 
-from atomrt.workers.kernels.gemm import fp8_gemm
+from atomrt.workers.kernels.gemm import fp8_skinny_configs as cfg
 from atomrt.workers.kernels.gemm.fp8_gemm import (
-    SKINNY_SHAPE_LAUNCHES,
     quantize_fp8_triton,
-    skinny_launch,
     w8a8_fp8_linear,
     w8a8_gemm,
     w8a8_skinny,
@@ -113,7 +111,7 @@ def test_fused_moe_fp8_matches_float64(group: Optional[int], num_tokens: int) ->
     assert err.mean() < 1e-3 * ref.abs().max()
 
 
-@pytest.mark.parametrize("launch", list(SKINNY_SHAPE_LAUNCHES.values()) + [(256, 4096, 2, 1)])
+@pytest.mark.parametrize("launch", list(cfg.SKINNY_SHAPE_LAUNCHES.values()) + [(256, 4096, 2, 1)])
 def test_fused_decode_rows_under_every_shape_launch(launch: tuple[int, int, int, int]) -> None:
     """Each launch of the per-shape table (and a narrower one) gives the float64 product of the
     quantization kernel's e4m3 values: a launch changes the tiles, never the result."""
@@ -185,12 +183,12 @@ def test_fused_decode_rows_sum_over_k_once_or_per_step(static: bool, defer_sum: 
 
 
 def test_skinny_launch_takes_the_table_then_the_default() -> None:
-    assert skinny_launch(28672, 4096) == SKINNY_SHAPE_LAUNCHES[(28672, 4096)]
-    default = (fp8_gemm.SKINNY_BLOCK_K, fp8_gemm.SKINNY_PRODUCTS, fp8_gemm.SKINNY_WARPS)
-    assert skinny_launch(4096, 4096) == (*default, fp8_gemm.SKINNY_STAGES)  # not swept
+    assert cfg.skinny_launch(28672, 4096) == cfg.SKINNY_SHAPE_LAUNCHES[(28672, 4096)]
+    default = (cfg.SKINNY_BLOCK_K, cfg.SKINNY_PRODUCTS, cfg.SKINNY_WARPS)
+    assert cfg.skinny_launch(4096, 4096) == (*default, cfg.SKINNY_STAGES)  # not swept
     # the products' sum over K deferred where it timed faster, per shape
-    assert fp8_gemm.skinny_defers_sum(4096, 14336) and fp8_gemm.skinny_defers_sum(4096, 4096)
-    assert not fp8_gemm.skinny_defers_sum(6144, 4096) or fp8_gemm.SKINNY_DEFER_SUM
+    assert cfg.skinny_defers_sum(4096, 14336) and cfg.skinny_defers_sum(4096, 4096)
+    assert not cfg.skinny_defers_sum(6144, 4096) or cfg.SKINNY_DEFER_SUM
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])

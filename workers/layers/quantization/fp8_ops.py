@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 
 from atomrt.compile.custom_register import direct_register_custom_op
-from atomrt.workers.kernels.gemm.fp8_gemm import SKINNY_M, w8a8_fp8_linear, w8a8_skinny_add_norm
+from atomrt.workers.kernels.gemm.fp8_gemm import w8a8_fp8_linear, w8a8_skinny_add_norm
+from atomrt.workers.kernels.gemm.fp8_skinny_configs import SKINNY_M
 from atomrt.workers.kernels.moe.fused_moe_fp8 import fused_experts_fp8
 from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers import expert_tally
