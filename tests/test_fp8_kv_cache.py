@@ -259,7 +259,7 @@ def test_mla_kernels_write_and_read_an_fp8_latent_cache(num_splits: int) -> None
     to q's dtype (float32 here: full-precision products), against float64 over the same values."""
     from test_mla_kernels import check_mla, make_mla_batch, run_mla
 
-    from atomrt.workers.kernels.attention.mla_decode import mla_write_kv_cache
+    from atomrt.workers.kernels.attention.mla_write import mla_write_kv_cache
 
     batch = make_mla_batch(
         [1, 3, 1], [9, 40, 66], num_heads=4, kv_lora_rank=64, rope_dim=32, seed=num_splits

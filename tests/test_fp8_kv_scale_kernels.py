@@ -22,7 +22,8 @@ from test_kernels import CASES, SENTINEL, make_batch, reference_attention
 from test_mla_kernels import make_mla_batch, reference_mla, run_mla
 
 from atomrt.workers.kernels.attention.decode_attention import decode_attention
-from atomrt.workers.kernels.attention.mla_decode import mla_decode_attention, mla_write_kv_cache
+from atomrt.workers.kernels.attention.mla_decode import mla_decode_attention
+from atomrt.workers.kernels.attention.mla_write import mla_write_kv_cache
 from atomrt.workers.kernels.attention.paged_attention import (
     kv_scales_arg,
     launch_attention,

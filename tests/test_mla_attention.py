@@ -198,7 +198,7 @@ def test_the_cuda_path_equals_the_reference() -> None:
     latent write is the reference write, and the absorbed decode through the paged MLA kernel is
     the reference's, with a padded request of no context (a graph bucket's) and a padding row past
     every request both zero."""
-    from atomrt.workers.kernels.attention.mla_decode import mla_write_kv_cache
+    from atomrt.workers.kernels.attention.mla_write import mla_write_kv_cache
     from atomrt.workers.layers.mla import absorbed_decode, write_latent_ref
 
     layer = _layer().to(DEVICE)
@@ -231,7 +231,7 @@ def test_the_cuda_path_with_q_pe_rotated_apart_equals_the_reference() -> None:
     the latent write's launch (mla_rope_write_kv_cache), the absorbed decode reading the rotated
     q_pe apart (q's own rotary columns never read: NaN here), against the reference over the
     rotary embedding of q and the cache rows."""
-    from atomrt.workers.kernels.attention.mla_decode import mla_rope_write_kv_cache
+    from atomrt.workers.kernels.attention.mla_write import mla_rope_write_kv_cache
     from atomrt.workers.layers.mla import absorbed_decode
 
     layer = _layer().to(DEVICE)

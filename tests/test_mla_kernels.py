@@ -24,10 +24,9 @@ from atomrt.workers.kernels.attention.mla_decode import (
     MLADecodeLaunch,
     launch_mla_decode,
     mla_decode_attention,
-    mla_rope_write_kv_cache,
-    mla_write_kv_cache,
     plan_mla_decode,
 )
+from atomrt.workers.kernels.attention.mla_write import mla_rope_write_kv_cache, mla_write_kv_cache
 from atomrt.workers.kernels.attention.workspace import split_workspace
 from atomrt.workers.layers.rotary import RotaryEmbedding
 

@@ -16,11 +16,8 @@ import pytest
 import test_mla_kernels as cpu_tier
 import torch
 
-from atomrt.workers.kernels.attention.mla_decode import (
-    mla_decode_attention,
-    mla_write_kv_cache,
-    plan_mla_decode,
-)
+from atomrt.workers.kernels.attention.mla_decode import mla_decode_attention, plan_mla_decode
+from atomrt.workers.kernels.attention.mla_write import mla_write_kv_cache
 from atomrt.workers.kernels.device_info import sm_count
 
 pytestmark = pytest.mark.gpu

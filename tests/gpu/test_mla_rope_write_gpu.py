@@ -12,10 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from atomrt.workers.kernels.attention.mla_decode import (
-    mla_rope_write_kv_cache,
-    mla_write_kv_cache,
-)
+from atomrt.workers.kernels.attention.mla_write import mla_rope_write_kv_cache, mla_write_kv_cache
 from atomrt.workers.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.gpu

@@ -83,7 +83,7 @@ def mla_attention(
     layer, md, kv = paged_layer_state(layer_idx)
     nope = layer.qk_nope_head_dim
     if q.is_cuda and kv is not None and md is not None:
-        from atomrt.workers.kernels.attention.mla_decode import mla_rope_write_kv_cache
+        from atomrt.workers.kernels.attention.mla_write import mla_rope_write_kv_cache
 
         rotary = layer.rotary
         q_pe = mla_rope_write_kv_cache(
