@@ -147,3 +147,15 @@ def test_abort_cancel_logprobs_and_refusals(model: Path) -> None:
     finally:
         engine.shutdown()
     assert engine.is_stopped and not engine.client._proc.is_alive()
+
+
+def test_arrival_wall_time_is_the_streams_arrival() -> None:
+    """The request's wall-clock arrival is its stream's arrival (the core may schedule it before
+    the client's state for it exists), so arrival <= first scheduled <= first token holds."""
+    from atomrt.runtime.entrypoints.async_llm import _RequestState
+    from atomrt.runtime.entrypoints.engine_client import RequestStream
+
+    stream = RequestStream("r", arrival_time=time.monotonic() - 5.0)
+    state = _RequestState("r", None, [1], SamplingParams(max_tokens=1), stream, None)
+    assert abs(state.arrival_wall - (time.time() - 5.0)) < 0.5
+    assert state._wall(stream.arrival_time + 0.001) >= state.arrival_wall

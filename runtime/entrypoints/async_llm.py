@@ -252,8 +252,10 @@ class _RequestState:
         self.params = params
         self.kind = params.output_kind
         self.engine = engine
-        self.arrival_wall = time.time()
         self.arrival = stream.arrival_time  # monotonic, as the core's times
+        # the same instant as wall-clock time: the stream (and the core's scheduling) may be
+        # ahead of this state, so not time.time() now
+        self.arrival_wall = time.time() - (time.monotonic() - self.arrival)
         self.samples: dict[int, CompletionOutput] = {}
         self.prompt_logprobs: Any = None
         self.num_cached_tokens = 0
