@@ -80,8 +80,7 @@ SHAPES = {  # name: (N, K) per TP rank
     "Llama-3.1-8B gate_up": (28672, 4096),
     "Llama-3.1-8B down": (4096, 14336),
     "Llama-3.1-8B lm_head": (128256, 4096),
-    # DeepSeek-V2-Lite's dense projections at a decode step (no query LoRA: q and kv_a apart; o
-    # is Llama-3.2-1B's o; the routed experts are the fused MoE kernel's, not these)
+    # DeepSeek-V2-Lite's dense projections (o is Llama-3.2-1B's; routed experts: the fused MoE)
     "DeepSeek-V2-Lite q": (3072, 2048),
     "DeepSeek-V2-Lite kv_a": (576, 2048),
     "DeepSeek-V2-Lite shared gate_up": (5632, 2048),
