@@ -1,6 +1,7 @@
 """Start-up warms the host-planned attention kernels: a few one-sequence eager batches plan every
 compiled variant a step of the engine's limits can (so no prompt compiles one mid-serving), and
-running them leaves the KV cache and later tokens as they were."""
+running them leaves the KV cache and later tokens as they were. Capture's bucket warm-ups run in
+the same compile-ahead pass (one pool for both phases), and leave them alone too."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import pytest
 import torch
 from executor_harness import COMMON, GREEDY, PROMPTS, build_tiny_llama
 
+from atomrt.graphs.buckets import capture_order
+from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.workers.kernels.attention.variants import launch_variants, warmup_lengths
+from atomrt.workers.runner.graph_runner import GraphRunner
 from atomrt.workers.runner.kernel_warmup import run_batches, warmup_batches
 
 SMS = 132  # an H100 / H200
@@ -67,3 +71,50 @@ def test_the_warmup_batches_leave_the_kv_cache_and_the_tokens_alone(tiny_model: 
     finally:
         llm.shutdown()
     assert after == before
+
+
+class _StagedBuckets(GraphRunner):
+    """A GraphRunner that lists the buckets it stages (CPU records nothing; its warm-ups run)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.staged: list[tuple[int, int]] = []
+
+    def stage_bucket(self, runner, bs: int, max_q_len: int):
+        self.staged.append((bs, max_q_len))
+        return super().stage_bucket(runner, bs, max_q_len)
+
+
+def test_capture_warm_ups_run_once_each_ahead_and_leave_the_kv_cache_alone(
+    tiny_model: Path,
+) -> None:
+    """`warm_up_ahead` (run inside the eager warm-up's compile-ahead pass) stages every capture
+    bucket once, in capture's order, marks capture's own pass as done, and changes neither the KV
+    cache nor later tokens."""
+    llm = LLM(
+        str(tiny_model),
+        **dict(COMMON, enforce_eager=False),
+        compilation_config=CompilationConfig(level=0, cuda_graph_sizes=[4]),
+    )
+    try:
+        runner = llm.engine.executor.worker.runner
+        config = runner.config
+        before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        cache = {
+            name: (t.k_cache.clone(), t.v_cache.clone()) for name, t in runner.kv_cache.items()
+        }
+        graphs = _StagedBuckets(config, enabled=True)
+        with torch.inference_mode():
+            ran = graphs.warm_up_ahead(runner)
+        for name, t in runner.kv_cache.items():
+            assert torch.equal(t.k_cache, cache[name][0]) and torch.equal(t.v_cache, cache[name][1])
+        after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+    want = [(bs, q) for bs in capture_order(config.capture_sizes) for q in config.capture_q_lens]
+    assert len(want) > 1 and graphs.staged == want and ran == len(want)
+    assert graphs.warmed_ahead  # capture runs no compile-ahead pass of its own
+    assert after == before
+    # a GraphRunner that records nothing warms nothing
+    idle = _StagedBuckets(config, enabled=False)
+    assert idle.warm_up_ahead(runner) == 0 and not idle.staged and not idle.warmed_ahead

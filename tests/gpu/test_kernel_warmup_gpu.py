@@ -75,46 +75,56 @@ def test_requests_after_start_up_compile_no_attention_kernel(mode: str) -> None:
 
 
 # A fresh process with an empty Triton cache: every kernel capture launches is new to it. Prints
-# the JIT kernels compiled while capture records (after its compile-ahead pass), then those of the
-# pass itself, as two JSON lists.
+# the JIT kernels compiled while capture records, then those of the eager warm-up (whose
+# compile-ahead pass runs capture's warm-ups too), as two JSON lists, then how many times capture
+# ran a compile-ahead pass of its own.
 _CAPTURE_AHEAD = """
 import json, sys
 from triton import knobs
 from atomrt.runtime.config import CompilationConfig, CUDAGraphMode
 from atomrt.runtime.entrypoints.llm import LLM
+from atomrt.workers import worker
 from atomrt.workers.runner import graph_runner
 
 phase = ["start"]
 compiled = {"start": [], "ahead": [], "capture": []}
+own_passes = []
 knobs.runtime.jit_post_compile_hook = lambda **kw: compiled[phase[0]].append(
     kw["repr"].split("[", 1)[0])
-ahead, capture = graph_runner.GraphRunner._compile_ahead, graph_runner.GraphRunner.capture
+warm, capture = worker.warm_eager_kernels, graph_runner.GraphRunner.capture
+own_pass = graph_runner.GraphRunner._compile_ahead
 
-def ahead_then_capture(self, runner, sizes):
-    phase[0] = "ahead"
-    ahead(self, runner, sizes)
-    phase[0] = "capture"
+def in_phase(name, fn):
+    def run(*args, **kwargs):
+        phase[0] = name
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phase[0] = "start"
+    return run
 
-def capture_then_stop(self, runner):
-    try:
-        return capture(self, runner)
-    finally:
-        phase[0] = "start"
+def counted_pass(self, runner, sizes):
+    own_passes.append(len(sizes))
+    return own_pass(self, runner, sizes)
 
-graph_runner.GraphRunner._compile_ahead = ahead_then_capture
-graph_runner.GraphRunner.capture = capture_then_stop
+worker.warm_eager_kernels = in_phase("ahead", warm)
+graph_runner.GraphRunner.capture = in_phase("capture", capture)
+graph_runner.GraphRunner._compile_ahead = counted_pass
 llm = LLM(model="SmolLM2-135M", load_format="dummy", device="cuda", max_num_seqs=64,
           compilation_config=CompilationConfig(level=3, cudagraph_mode=CUDAGraphMode[sys.argv[1]]))
 llm.shutdown()
 print("CAPTURE " + json.dumps(compiled["capture"]))
 print("AHEAD " + json.dumps(compiled["ahead"]))
+print("OWN " + json.dumps(own_passes))
 """
 
 
-def test_capture_compiles_nothing_after_its_compile_ahead_pass(tmp_path) -> None:
-    """Capture's first pass (every bucket's warm-up under `compile_ahead`) compiles the Triton
-    kernels its recordings launch: with an empty Triton cache, nothing compiles while capture
-    records, and the pass compiled something (it was not a warm cache's no-op)."""
+@pytest.mark.parametrize("mode", ["FULL", "TR_HYBRID"])
+def test_capture_compiles_nothing_after_the_shared_compile_ahead_pass(tmp_path, mode: str) -> None:
+    """The eager warm-up's compile-ahead pass runs every capture bucket's warm-up too and compiles
+    the Triton kernels capture's recordings launch: with an empty Triton cache, nothing compiles
+    while capture records, the pass compiled something (it was not a warm cache's no-op), and
+    capture ran no compile-ahead pass of its own."""
     import json
     import os
     import subprocess
@@ -122,7 +132,7 @@ def test_capture_compiles_nothing_after_its_compile_ahead_pass(tmp_path) -> None
 
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
     proc = subprocess.run(
-        [sys.executable, "-c", _CAPTURE_AHEAD, "FULL"],
+        [sys.executable, "-c", _CAPTURE_AHEAD, mode],
         capture_output=True,
         text=True,
         timeout=600,
@@ -132,6 +142,8 @@ def test_capture_compiles_nothing_after_its_compile_ahead_pass(tmp_path) -> None
     lines = {line.split(" ", 1)[0]: line for line in proc.stdout.splitlines()}
     during = json.loads(lines["CAPTURE"].split(" ", 1)[1])
     ahead = json.loads(lines["AHEAD"].split(" ", 1)[1])
+    own = json.loads(lines["OWN"].split(" ", 1)[1])
     print("compiled by the pass:", ahead, "during capture:", during)
     assert ahead, "the compile-ahead pass compiled nothing with an empty Triton cache"
     assert not during, f"compiled while capture recorded: {during}"
+    assert not own, f"capture ran its own compile-ahead pass over {own} sizes"

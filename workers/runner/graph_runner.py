@@ -3,15 +3,16 @@
 Capture follows the guide's flow. Sizes descending (largest first, so smaller recordings reuse the
 shared pool's blocks); per size a dummy decode batch of `bs` sequences x `max_q_len` rows, the
 forward context with `running_tokens` the same on every rank (capture is symmetric), a warm-up
-run, the recording, `torch.cuda.synchronize()`. Before the first size, every size's warm-up runs
-once under `compile_ahead` (workers/kernels/launch.py), its Triton launches turned into compiles
-on threads, so that the kernels capture needs compile side by side. FULL (and FULL_DECODE_ONLY) record `ReqGraph`s,
-the LM head and the greedy argmax included (a recording's outputs are every row's logits and their
-argmax); TR_HYBRID (and FULL_AND_TR_HYBRID, recorded exactly as TR_HYBRID) record the model's token
-graphs, asked once for decode and once for prefill (the same recording serves both), or for decode
-alone where the model says so (`token_graph_phases`, DeepSeek-V4). GC is off
-during capture; a progress bar shows on rank 0. Every recording drains pending NCCL work first
-(graphs/region_graph.py).
+run, the recording, `torch.cuda.synchronize()`. Every size's warm-up runs once before, under
+`compile_ahead` (workers/kernels/launch.py), its Triton launches turned into compiles on threads, so
+that the kernels capture needs compile side by side: in the eager warm-up's pass (`warm_up_ahead`:
+one pool for both phases), or, where that pass did not run them, before the first size. FULL (and
+FULL_DECODE_ONLY) record `ReqGraph`s, the LM head and the greedy argmax included (a recording's
+outputs are every row's logits and their argmax); TR_HYBRID (and FULL_AND_TR_HYBRID, recorded
+exactly as TR_HYBRID) record the model's token graphs, asked once for decode and once for prefill
+(the same recording serves both), or for decode alone where the model says so
+(`token_graph_phases`, DeepSeek-V4). GC is off during capture; a progress bar shows on rank 0.
+Every recording drains pending NCCL work first (graphs/region_graph.py).
 
 Two-batch overlap (`enable_tbo` all / auto) under FULL: a bucket that splits
 (`decode_bucket_splits`) is also recorded as a TBO graph, its two microbatches cut at
@@ -92,6 +93,8 @@ class GraphRunner:
         self.unit_graph: Optional[TokenGraph] = None
         self.step_keys: set[tuple[int, int]] = set()
         self.capture_sizes: list[int] = []  # ascending, once captured
+        # every capture size's warm-up ran in the eager warm-up's compile-ahead pass
+        self.warmed_ahead = False
         self.pool_bytes = 0  # the shared pool after capture
         self.largest_pool_bytes = (
             0  # the pool after the largest bucket: the whole ladder should need about this
@@ -119,14 +122,13 @@ class GraphRunner:
         assert sizes[0] <= runner.shape.max_num_seqs, f"capture size {sizes[0]} > max_num_seqs"
         self.req_graph, self.tbo_graph = ReqGraph(), ReqGraph()
         self.step_keys = set()
-        units = token_graph_units(runner.model) if self.records_token_graphs else []
-        # a whole decode step joins around the one unit; a model of several runs its units' joins
-        self.unit_graph = token_graph_of(units[0]) if len(units) == 1 else None
+        self._find_unit_graph(runner)
         start = time.perf_counter()
         gc.collect()
         gc.disable()
         try:
-            self._compile_ahead(runner, sizes)
+            if not self.warmed_ahead:  # the eager warm-up's pass ran none of capture's warm-ups
+                self._compile_ahead(runner, sizes)
             for bs in tqdm(sizes, desc="Capturing CUDA graphs", disable=runner.rank != 0):
                 # a decode row per request, and its drafts' rows with speculative decoding
                 for q in self.config.capture_q_lens:
@@ -151,6 +153,30 @@ class GraphRunner:
             self.largest_pool_bytes / 2**20,
         )
         return elapsed
+
+    def _find_unit_graph(self, runner: ModelRunner) -> None:
+        """TR_HYBRID: the recording unit's TokenGraph, when the model has one unit (a whole decode
+        step joins around it; a model of several runs its units' joins)."""
+        units = token_graph_units(runner.model) if self.records_token_graphs else []
+        self.unit_graph = token_graph_of(units[0]) if len(units) == 1 else None
+
+    def warm_up_ahead(self, runner: ModelRunner) -> int:
+        """Inside the caller's `compile_ahead` (the eager warm-up's, kernel_warmup.py): every
+        capture size's warm-up once, so that the kernels capture launches compile in that one pool
+        beside the eager batches' (no second pool waits for its slowest compile), and capture runs
+        no pass of its own. Returns how many warm-ups ran (none when nothing is recorded)."""
+        if not self.enabled:
+            return 0
+        self._find_unit_graph(runner)
+        buckets = [
+            (bs, q)
+            for bs in capture_order(self.config.capture_sizes)
+            for q in self.config.capture_q_lens
+        ]
+        for bs, q in buckets:
+            self._warm_up(runner, self.stage_bucket(runner, bs, q))
+        self.warmed_ahead = True
+        return len(buckets)
 
     def _compile_ahead(self, runner: ModelRunner, sizes: list[int]) -> None:
         """Every bucket's warm-up once under `compile_ahead`: the Triton kernels that capture
