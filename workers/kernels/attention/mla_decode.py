@@ -8,7 +8,7 @@
 # Every launch reads its lengths on the device and is planned from shapes (rows, requests, heads, the
 # block table's KV capacity), never from live lengths: graph-safe, with no host synchronisation.
 # Launches go through a LaunchMemo (kernels/launch.py); eager split launches reuse a kept workspace.
-# The kernels are in mla_kernels.py. Importing this module needs no GPU.
+# The kernels are in mla_kernels.py and mla_merge_kernels.py. Importing this module needs no GPU.
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 import triton
 
-from atomrt.workers.kernels.attention.mla_kernels import mla_decode_kernel, mla_merge_kernel
+from atomrt.workers.kernels.attention.mla_kernels import mla_decode_kernel
+from atomrt.workers.kernels.attention.mla_merge_kernels import mla_merge_kernel
 from atomrt.workers.kernels.attention.paged_attention import (
     LOG2E,
     MAX_PARTIAL_BYTES,
