@@ -15,7 +15,10 @@ does):
   fused_prefetch  the launch with prefetch_kv=True: each K/V tile loaded an iteration ahead
 `--sweep` adds the fused kernel under other tile sizes / warps / stages / splits, to tune
 plan_decode. With --kv-cache-dtype fp8 the caches are e4m3 with per-tensor k/v scales, the FP8 KV
-cache's decode (e.g. --shape "Llama-3.1-8B bs32" --ctx 8192 --kv-cache-dtype fp8 --sweep).
+cache's decode; there `--sweep` times, per shape and context, the bfloat16 cache's default plan,
+the e4m3 cache's default plan and each of FP8_CANDIDATES, one JSON line each with its ratio to the
+bfloat16 cache's plan and to the e4m3 default (e.g. --shape "Llama-3.1-8B bs32" --shape
+"Llama-3.1-8B bs1" --ctx 8192 --kv-cache-dtype fp8 --sweep: about a minute on an H100).
 """
 
 from __future__ import annotations
@@ -30,12 +33,18 @@ import triton
 import triton.testing
 
 from atomrt.workers.kernels.attention.decode_attention import (
+    DecodeLaunch,
     attention_step,
     decode_attention,
     plan_decode,
     prepare_decode_counters,
 )
-from atomrt.workers.kernels.attention.paged_attention import rope_write_kv, unified_attention
+from atomrt.workers.kernels.attention.paged_attention import (
+    MAX_SPLITS,
+    MIN_KEYS_PER_SPLIT,
+    rope_write_kv,
+    unified_attention,
+)
 from atomrt.workers.kernels.device_info import sm_count
 from atomrt.workers.layers.rotary import RotaryEmbedding
 
@@ -47,6 +56,46 @@ SHAPES = {  # name: (batch size, KV heads, group, head_dim)
 }
 DEFAULT_SHAPES = ("SmolLM2-135M bs1", "Llama-3.2-1B bs32", "Llama-3.1-8B bs1")
 LAYERS, BLOCK_SIZE, CAPACITY = 16, 16, 8192
+
+# The e4m3 cache's plans --sweep times beside the defaults, name: (tile_n, num_warps, num_stages,
+# programs an SM holds, splits). Splits None fill the SMs' program slots (fill_splits); at bs 1 a
+# candidate keeps the default's splits when those are more. Programs per SM: sm_90 registers at
+# Llama-3.1-8B's shape with the split path compiled in where a candidate splits at bs 32 (Triton
+# 3.6 for sm_90: none spills; 32-key tiles at 1 warp would, at 255 registers).
+# The 1-stage default issues a tile's V loads only after its K tile went through shared memory
+# (two round trips a tile); 2 and 3 stages copy both ahead (cp.async) as the bfloat16 cache's
+# plan does. Fewer warps a program: fewer cross-warp softmax reductions (barriers) per tile.
+FP8_CANDIDATES: dict[str, tuple[int, int, int, int, int | None]] = {
+    "t64w8s2": (64, 8, 2, 2, None),
+    "t64w8s3": (64, 8, 3, 2, None),
+    "t64w8s2x2": (64, 8, 2, 2, 2),
+    "t32w4s3": (32, 4, 3, 4, None),
+    "t64w4s2": (64, 4, 2, 3, None),
+    "t32w2s2": (32, 2, 2, 6, None),
+    "t16w1s2": (16, 1, 2, 8, None),
+}
+
+
+def fill_splits(num_programs: int, num_sms: int, per_sm: int, capacity: int) -> int:
+    """The splits that give about `per_sm` programs to every SM for `num_programs` (sequence, KV
+    head) pairs, each split at least MIN_KEYS_PER_SPLIT keys of `capacity`."""
+    slots = num_sms * per_sm
+    return max(1, min(MAX_SPLITS, capacity // MIN_KEYS_PER_SPLIT, slots // max(1, num_programs)))
+
+
+def candidate_plan(base: DecodeLaunch, name: str, num_programs: int, num_sms: int) -> DecodeLaunch:
+    """FP8_CANDIDATES[name] as a launch, over `base` (the e4m3 cache's default plan)."""
+    tile_n, warps, stages, per_sm, splits = FP8_CANDIDATES[name]
+    if splits is None:
+        splits = fill_splits(num_programs, num_sms, per_sm, CAPACITY)
+    return dataclasses.replace(
+        base,
+        tile_n=tile_n,
+        num_warps=warps,
+        num_stages=stages,
+        num_splits=max(base.num_splits, splits),
+        min_tiles_per_split=max(1, MIN_KEYS_PER_SPLIT // tile_n),
+    )
 
 
 def setup(
@@ -161,7 +210,7 @@ def fused(s: dict, layer: int, plan=None) -> None:
         )
 
 
-def time_us(fn) -> float:
+def time_us(fn, rep: int = 300) -> float:
     for layer in range(LAYERS):
         fn(layer)
     torch.cuda.synchronize()
@@ -169,8 +218,51 @@ def time_us(fn) -> float:
     with torch.cuda.graph(graph):
         for layer in range(LAYERS):
             fn(layer)
-    ms = triton.testing.do_bench(graph.replay, warmup=50, rep=300)
+    ms = triton.testing.do_bench(graph.replay, warmup=rep // 6, rep=rep)
     return round(ms * 1e3 / LAYERS, 2)
+
+
+def sweep_fp8(name: str, ctx: int) -> list[dict]:
+    """One row per plan at shape `name` and context `ctx`: the bfloat16 cache's default, the e4m3
+    cache's default, FP8_CANDIDATES; each with its ratio to the first two and the largest
+    difference of its output from the e4m3 default's (the same inputs and caches)."""
+    bs, hk, group, hd = SHAPES[name]
+    num_sms = sm_count(torch.device("cuda"))
+    s = setup(bs, hk, group, hd, ctx, fp8=False)
+    bf16_plan = plan_decode(bs, CAPACITY, hk, group, hd, num_sms)
+    bf16_us = time_us(lambda i: fused(s, i, bf16_plan), rep=100)
+    del s
+    s = setup(bs, hk, group, hd, ctx, fp8=True)
+    base = plan_decode(bs, CAPACITY, hk, group, hd, num_sms, True)
+    plans = {"bf16_default": bf16_plan, "fp8_default": base}
+    plans |= {c: candidate_plan(base, c, bs * hk, num_sms) for c in FP8_CANDIDATES}
+    rows, base_out, base_us = [], None, None
+    for label, plan in plans.items():
+        row = dict(shape=name, ctx=ctx, plan_name=label)
+        if label == "bf16_default":
+            row.update(kv_cache_dtype="auto", us=bf16_us)
+        else:
+            row["kv_cache_dtype"] = "fp8"
+            try:
+                fused(s, 0, plan)
+                out = s["out"].float().clone()
+                base_out = out if base_out is None else base_out
+                row["max_diff_vs_fp8_default"] = round((out - base_out).abs().max().item(), 5)
+                row["us"] = time_us(lambda i: fused(s, i, plan), rep=100)
+            except Exception as exc:  # out of resources for this plan
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        if "us" in row:
+            base_us = row["us"] if label == "fp8_default" else base_us
+            row["ratio_to_bf16"] = round(row["us"] / bf16_us, 3)
+            if base_us is not None:
+                row["ratio_to_fp8_default"] = round(row["us"] / base_us, 3)
+        row["plan"] = dict(
+            tile_n=plan.tile_n, warps=plan.num_warps, stages=plan.num_stages,
+            splits=plan.num_splits,
+        )  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -199,6 +291,9 @@ def main() -> None:
     for name in args.shape or DEFAULT_SHAPES:
         bs, hk, group, hd = SHAPES[name]
         for ctx in contexts:
+            if fp8 and args.sweep:
+                rows += sweep_fp8(name, ctx)
+                continue
             s = setup(bs, hk, group, hd, ctx, fp8)
             base = plan_decode(bs, CAPACITY, hk, group, hd, sm_count(s["q"].device), fp8)
             row = dict(

@@ -12,6 +12,8 @@ tl.dot is wrong (its products come out ~1e10), so the bfloat16 products the plan
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ from atomrt.workers.kernels.attention.decode_attention import (
 
 FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 0.0123, 0.0371
+ROOT = Path(__file__).resolve().parents[1]
 LENS = [1, 2, 17, 40]  # a first token (no cached key), a block boundary, several tiles
 
 
@@ -119,3 +122,33 @@ def test_an_e4m3_cache_plans_64_key_tiles_at_head_dim_128() -> None:
             1.0, True, splits, lens=[1, 65, 200], num_kv_heads=2, head_dim=128, plan=plan
         )
         torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3)
+
+
+def _bench_decode_attention():
+    """benchmarks/bench_decode_attention.py as a module (it imports without a GPU)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_decode_attention", ROOT / "benchmarks" / "bench_decode_attention.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("num_seqs", [32, 1], ids=["bs32", "bs1"])
+def test_the_sweeps_e4m3_candidates_match_a_float64_reference(num_seqs: int) -> None:
+    """Every plan bench_decode_attention.py --sweep times over an e4m3 cache, with the tiles and
+    split counts it gives them at Llama-3.1-8B's bs 32 and bs 1 (8 KV heads, 132 SMs), gives the
+    reference's attention at head_dim 128 (each split working from a tile on, so contexts of a
+    few tiles take every split)."""
+    bench = _bench_decode_attention()
+    base = plan_decode(num_seqs, 8192, 8, 4, 128, 132, fp8_cache=True)
+    for name in bench.FP8_CANDIDATES:
+        plan = bench.candidate_plan(base, name, num_seqs * 8, 132)
+        *_, per_sm, splits = bench.FP8_CANDIDATES[name]
+        if splits is None and plan.num_splits > base.num_splits:  # filled: one wave of programs
+            assert plan.num_splits * num_seqs * 8 <= 132 * per_sm, (name, plan)
+        plan = dataclasses.replace(plan, num_splits=min(plan.num_splits, 5), min_tiles_per_split=1)
+        out, ref = run_fp8_decode(
+            1.0, True, plan.num_splits, lens=[1, 65, 200], num_kv_heads=2, head_dim=128, plan=plan
+        )
+        torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3, msg=name)
