@@ -118,3 +118,39 @@ def test_capture_warm_ups_run_once_each_ahead_and_leave_the_kv_cache_alone(
     # a GraphRunner that records nothing warms nothing
     idle = _StagedBuckets(config, enabled=False)
     assert idle.warm_up_ahead(runner) == 0 and not idle.staged and not idle.warmed_ahead
+
+
+def test_a_packed_steps_unpack_launches_through_launch(tiny_model: Path, monkeypatch) -> None:
+    """The unpack at a request graph's head launches through `launch` (kept in a LaunchMemo on
+    CUDA), so under `compile_ahead` its compile joins the pool's instead of blocking the pass on the
+    main thread; here (Triton's interpreter) it still fills the static buffers from the staged
+    step."""
+    from atomrt.workers.kernels.unpack_step import unpack_step_kernel
+    from atomrt.workers.runner import step_buffers
+    from atomrt.workers.runner.input_batch import dummy_decode_inputs
+
+    launched = []
+    real_launch = step_buffers.launch
+
+    def seen(kernel, grid, *args, **kwargs):
+        launched.append((kernel, grid))
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(step_buffers, "launch", seen)
+    llm = LLM(str(tiny_model), **COMMON)
+    try:
+        runner = llm.engine.executor.worker.runner
+        fv = runner.buffers.forward_vars
+        packed = step_buffers.PackedStep(
+            max_seqs=4, max_rows=4, max_blocks=runner.shape.max_blocks_per_seq, device=runner.device
+        )
+        inputs = dummy_decode_inputs(3, 1, runner.shape.block_size)
+        inputs.positions[:] = [5, 9, 2]
+        inputs.input_ids[:] = [7, 8, 9]
+        packed.stage(inputs, 4, 4)
+        packed.unpack(fv, 4, 4)
+        assert fv["input_ids"][:4].tolist() == [7, 8, 9, 0]
+        assert fv["positions"][:4].tolist() == [5, 9, 2, 0]
+    finally:
+        llm.shutdown()
+    assert launched == [(unpack_step_kernel, (5,))]

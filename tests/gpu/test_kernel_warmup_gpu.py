@@ -147,3 +147,35 @@ def test_capture_compiles_nothing_after_the_shared_compile_ahead_pass(tmp_path, 
     assert ahead, "the compile-ahead pass compiled nothing with an empty Triton cache"
     assert not during, f"compiled while capture recorded: {during}"
     assert not own, f"capture ran its own compile-ahead pass over {own} sizes"
+
+
+def test_unpack_under_compile_ahead_launches_nothing_then_unpacks() -> None:
+    """A packed step's unpack launches through `launch`: under `compile_ahead` it only compiles
+    (on the pool, beside the other kernels), the static buffers untouched; after it, it unpacks."""
+    import torch
+
+    from atomrt.workers.kernels.launch import compile_ahead
+    from atomrt.workers.runner.input_batch import dummy_decode_inputs
+    from atomrt.workers.runner.step_buffers import PackedStep
+
+    dev = torch.device("cuda")
+    fv = {
+        "input_ids": torch.zeros(8, dtype=torch.int64, device=dev),
+        "positions": torch.zeros(8, dtype=torch.int64, device=dev),
+        "slot_mapping": torch.full((8,), -1, dtype=torch.int64, device=dev),
+        "cu_seqlens_q": torch.zeros(9, dtype=torch.int32, device=dev),
+        "context_lens": torch.zeros(8, dtype=torch.int32, device=dev),
+        "block_tables": torch.zeros((8, 16), dtype=torch.int32, device=dev),
+    }
+    packed = PackedStep(max_seqs=8, max_rows=8, max_blocks=16, device=dev)
+    inputs = dummy_decode_inputs(5, 1, 16)
+    inputs.input_ids[:] = [3, 4, 5, 6, 7]
+    packed.stage(inputs, 5, 5)
+    with compile_ahead() as ahead:
+        assert ahead
+        packed.unpack(fv, 5, 5)
+    torch.cuda.synchronize()
+    assert fv["input_ids"].tolist() == [0] * 8  # compiled, not launched
+    packed.unpack(fv, 5, 5)
+    torch.cuda.synchronize()
+    assert fv["input_ids"][:5].tolist() == [3, 4, 5, 6, 7]

@@ -34,6 +34,7 @@ import torch
 
 from atomrt.runtime.decision import ForwardDecision
 from atomrt.runtime.forward_context import AttentionMetaData, Context
+from atomrt.workers.kernels.launch import launch
 from atomrt.workers.kernels.unpack_step import unpack_step_kernel
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.token_pool import TokenPool
@@ -147,7 +148,9 @@ class PackedStep:
         lay, fv = self._layout(seqs, rows), forward_vars
         is_async = self.prev_token_base is not None
         tables = fv["block_tables"]
-        unpack_step_kernel[(seqs + 1,)](
+        launch(  # kept per bucket; under compile_ahead its compile joins the pool
+            unpack_step_kernel,
+            (seqs + 1,),
             self._device64,
             self._device32,
             fv["input_ids"],
