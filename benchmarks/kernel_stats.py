@@ -6,12 +6,12 @@ target on any machine (no GPU needed: Triton's compiler and the ptxas its wheel 
     python benchmarks/kernel_stats.py mla [--heads 16] [--kv-cache-dtype fp8]
 
 One JSON line per launch plan of a grid (decode: key tile x warps x stages x prefetch_kv; mla: key
-tile x warps x stages): registers per thread, local-memory stack (spills), shared memory, the
-programs an SM holds by registers and by shared memory, and, in the key loop's SASS, instructions
-per key and the spill loads and stores there. The plan the runtime picks is marked "default".
-Run it without TRITON_INTERPRET (the interpreter's kernels do not compile). A static view, not a
-timing: it says which plans can keep two programs per SM and which spill in
-their loop, for a GPU sweep (bench_decode_attention.py, bench_mla_decode.py --sweep) to time.
+tile x warps x stages x merge_in_kernel): registers per thread, local-memory stack (spills), shared
+memory, the programs an SM holds by registers and by shared memory, and, in the key loop's SASS,
+instructions per key and the spill loads and stores there. The plan the runtime picks is marked
+"default". Run it without TRITON_INTERPRET (the interpreter's kernels do not compile). A static
+view, not a timing: it says which plans can keep two programs per SM and which spill in their
+loop, for a GPU sweep (bench_decode_attention.py, bench_mla_decode.py --sweep) to time.
 """
 
 from __future__ import annotations
@@ -97,19 +97,20 @@ def _run(flag: str, path: str) -> str:
 
 
 def _largest_loop(sass: str) -> list[str]:
-    """The instructions between the largest backward branch and its target."""
+    """The instructions between the largest backward branch and its target, among the loops that
+    hold a tensor-core product where any does (the key loop, not a merge loop after it)."""
     lines = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?(.*?);", line)
         if m:
             lines.append((int(m.group(1), 16), m.group(2)))
-    best: list[str] = []
+    loops = []
     for addr, ins in lines:
         b = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", ins)
         if b and int(b.group(1), 16) < addr:
-            body = [i for a, i in lines if int(b.group(1), 16) <= a <= addr]
-            best = body if len(body) > len(best) else best
-    return best
+            loops.append([i for a, i in lines if int(b.group(1), 16) <= a <= addr])
+    mma = [body for body in loops if any("MMA" in i for i in body)]
+    return max(mma or loops, key=len, default=[])
 
 
 DECODE_GRID = tuple(itertools.product((64, 128), (4, 8), (1, 2), (False, True)))
@@ -153,16 +154,20 @@ def mla_rows(args) -> list[dict]:
     pointers = dict(q_ptr=bf, q_pe_ptr=bf, out_ptr=bf, kv_cache_ptr="*fp8e4nv" if fp8 else bf)
     pointers |= dict.fromkeys(("partial_ptr", "m_ptr", "l_ptr", "kv_scales_ptr"), "*fp32")
     pointers |= dict.fromkeys(("block_table_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"), "*i32")
+    pointers |= dict(counter_ptr="*i32")
     sig = _signature(mla_decode_kernel, pointers, ("scale_log2",))
     default = plan_mla_decode(32, 32, 8192, args.heads, 512, 64, 132)
     rows = []
-    for block_n, warps, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 3)):
-        plan = dataclasses.replace(default, block_n=block_n, num_warps=warps, num_stages=stages)
+    grid = itertools.product((16, 32, 64), (4, 8), (1, 2, 3), (False, True))
+    for block_n, warps, stages, merge in grid:
+        plan = dataclasses.replace(
+            default, block_n=block_n, num_warps=warps, num_stages=stages, merge_in_kernel=merge
+        )
         cx = dict(mla_constexprs(plan, 16, torch.bfloat16))
         warps, stages = cx.pop("num_warps"), cx.pop("num_stages")
         stats = compile_stats(mla_decode_kernel, sig, cx, warps, stages, args.capability)
         stats["loop_instructions_per_key"] = round(stats.pop("loop_instructions") / block_n, 2)
-        name = dict(block_n=block_n, warps=warps, stages=stages)
+        name = dict(block_n=block_n, warps=warps, stages=stages, merge_in_kernel=merge)
         rows.append(dict(name, default=plan == default, **stats))
     return rows
 

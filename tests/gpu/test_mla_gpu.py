@@ -2,7 +2,7 @@
 20 as GLM-4.7-Flash, 128 as DeepSeek-V3), bf16 and fp16, against float64 on the GPU: the cache write,
 decode and verify rows over contexts up to 8k keys, padded requests among real ones, and the
 graph-safe launch captured in a CUDA graph (cache write, then attention, as a layer runs them) and
-replayed with new lengths.
+replayed with new lengths, and so the plan that merges the splits in the decode kernel.
 
 Run on the GPU machine:  python -m pytest -m gpu tests/gpu/test_mla_gpu.py
 The CPU tier (tests/test_mla_kernels.py) runs the same checks through Triton's interpreter.
@@ -10,13 +10,19 @@ The CPU tier (tests/test_mla_kernels.py) runs the same checks through Triton's i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 import test_mla_kernels as cpu_tier
 import torch
 
-from atomrt.workers.kernels.attention.mla_decode import mla_decode_attention, plan_mla_decode
+from atomrt.workers.kernels.attention.decode_attention import prepare_decode_counters
+from atomrt.workers.kernels.attention.mla_decode import (
+    launch_mla_decode,
+    mla_decode_attention,
+    plan_mla_decode,
+)
 from atomrt.workers.kernels.attention.mla_write import mla_write_kv_cache
 from atomrt.workers.kernels.device_info import sm_count
 
@@ -182,3 +188,38 @@ def test_graph_replay_with_new_lengths(
         flat = bucket.static.kv_cache.view(-1, LORA + ROPE)
         expected = new.kv_cache.view(-1, LORA + ROPE)[bucket.slots[written]]
         assert torch.equal(flat[bucket.slots[written]], expected)
+
+
+@pytest.mark.parametrize("name", ["bs1_8k", "bs8_mixed", "bs32", "verify"])
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_merge_in_kernel_in_a_graph(num_heads: int, name: str) -> None:
+    """The planned launch with merge_in_kernel (the last split program merges; the counters reset
+    themselves), captured once and replayed with new lengths, against float64 each time."""
+    lens_q, lens_k = SCENARIOS[name]
+    batch = make_batch(
+        lens_q + [1], lens_k + [0], num_heads=num_heads, dtype=torch.bfloat16, extra_rows=1,
+        max_blocks=8192 // BLOCK_SIZE, seed=num_heads,
+    )  # fmt: skip
+    num_reqs, num_rows = batch.seq_lens.shape[0], batch.q.shape[0]
+    plan = dataclasses.replace(
+        plan_mla_decode(num_reqs, num_rows, 8192, num_heads, LORA, ROPE, sm_count(batch.q.device)),
+        merge_in_kernel=True,
+    )
+    if plan.num_splits == 1:
+        plan = dataclasses.replace(plan, num_splits=4)
+    counters = prepare_decode_counters(batch.q.device)
+    out = batch.out()
+    args = (batch.q, batch.kv_cache, batch.block_table, batch.seq_lens, batch.cu_seqlens_q)
+    launch_mla_decode(plan, *args, batch.scale, out)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch_mla_decode(plan, *args, batch.scale, out)
+    full = batch.seq_lens.clone()
+    for step in range(4):  # all keys, a few, one, then all again
+        keep = [full, full // 7, torch.ones_like(full), full][step]
+        batch.seq_lens.copy_(torch.minimum(full, keep) * (full > 0))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(batch, out)
+        assert torch.all(counters == 0), "a merging program left its counter set"

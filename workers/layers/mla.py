@@ -179,6 +179,7 @@ def absorbed_decode(
         latent_out,
         kv_scales=layer.kv_scales,
         q_pe=q[..., nope:] if q_pe is None else q_pe,
+        ubatch=md.ubatch,
     )
     heads = latent_out.transpose(0, 1)  # [H, n, L], contiguous
     if output.dtype == heads.dtype == layer.w_uv.dtype:

@@ -3,7 +3,8 @@
 #   mla_decode_attention - attention of absorbed query rows (one per request for decode, k + 1 for a
 #                          verify step) over their paged latent context: the query heads grouped over
 #                          the one latent head, split-KV (as many splits working as the live context
-#                          fills), then a merge of the splits that saw a key
+#                          fills), then a merge of the splits that saw a key (a second launch,
+#                          or with merge_in_kernel the last split program to finish)
 #   plan_mla_decode      - tiles and split count, from host-known shapes only
 # Every launch reads its lengths on the device and is planned from shapes (rows, requests, heads, the
 # block table's KV capacity), never from live lengths: graph-safe, with no host synchronisation.
@@ -20,6 +21,11 @@ from typing import Optional
 import torch
 import triton
 
+from atomrt.workers.kernels.attention.decode_attention import (
+    DECODE_COUNTERS,
+    UBATCHES,
+    prepare_decode_counters,
+)
 from atomrt.workers.kernels.attention.mla_kernels import mla_decode_kernel
 from atomrt.workers.kernels.attention.mla_merge_kernels import mla_merge_kernel
 from atomrt.workers.kernels.attention.paged_attention import (
@@ -39,6 +45,8 @@ MIN_KEYS_PER_SPLIT = 64  # and at least 4 per query head: a split's partials (H 
 # needs about as many splits as the GPU has SMs to keep enough of its cache reads in flight.
 MAX_SPLITS = 128
 MERGE_TILE = 4096  # fp32 partials a merge program holds at once (splits x latent columns)
+MERGE_SPLITS = 4  # merge_in_kernel: splits the merging program reads per step
+MERGE_REGS = 4096  # and fp32 partials it holds at once (rows x MERGE_SPLITS x latent columns)
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,11 @@ class MLADecodeLaunch:
     # measured (bench_mla_decode.py on an H100: of copy 0.495 against 0.505 at bs 32, 0.620 against
     # 0.637 at bs 128, level at bs 1 and 8)
     prefetch_blocks: bool = False
+    # with splits, the last split program of each (request, program column) to finish merges the
+    # splits (self-resetting counters: the decode attention's, prepare_decode_counters) instead of
+    # a merge launch; a launch with more such columns than a counter region holds keeps the merge
+    # launch
+    merge_in_kernel: bool = False
 
 
 @functools.lru_cache(maxsize=4096)
@@ -131,6 +144,7 @@ def mla_decode_attention(
     num_kv_splits: Optional[int] = None,
     kv_scales: Optional[torch.Tensor] = None,  # an e4m3 cache's [k_scale, _] (kv_scales_arg)
     q_pe: Optional[torch.Tensor] = None,  # [R, H, rope_dim]: q's rotary part, q then [R, H, L]
+    ubatch: int = 0,  # two-batch overlap's microbatch: its own split counters
 ) -> torch.Tensor:
     """out = softmax(scale * q K^T) V per request and head, where K is the full cache row and V its
     first kv_lora_rank columns; row j of a request with n rows sees keys 0..seq_len - n + j. A row
@@ -142,10 +156,15 @@ def mla_decode_attention(
     (1..MAX_SPLITS) gives it that many; the live context decides how many of them work. Returns
     `out`. With `q_pe`, q holds the latent part alone and the kernel reads the rotary part from
     q_pe (any row and head strides): the absorbed product and the rotated q_pe need no copy into one
-    row."""
+    row. `ubatch` (0..UBATCHES - 1) picks a merge_in_kernel plan's split counters: launches that
+    may overlap in time (two-batch overlap's microbatches) need their own."""
     kv_lora_rank = _check_decode_args(
         q, kv_cache, block_table, seq_lens, cu_seqlens_q, out, num_kv_splits, q_pe
     )
+    if isinstance(ubatch, bool) or not isinstance(ubatch, int) or not 0 <= ubatch < UBATCHES:
+        raise ValueError(
+            f"mla_decode_attention: ubatch {ubatch!r} must be an int in 0..{UBATCHES - 1}"
+        )
     num_rows, num_heads, _ = q.shape
     num_reqs = seq_lens.shape[0]
     if num_rows == 0:
@@ -165,7 +184,7 @@ def mla_decode_attention(
         plan = _with_splits(plan, num_kv_splits)
     launch_mla_decode(
         plan, q, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, out, kv_scales=kv_scales,
-        q_pe=q_pe,
+        q_pe=q_pe, ubatch=ubatch,
     )  # fmt: skip
     return out
 
@@ -186,25 +205,32 @@ def launch_mla_decode(
     out: torch.Tensor,
     kv_scales: Optional[torch.Tensor] = None,
     q_pe: Optional[torch.Tensor] = None,
+    ubatch: int = 0,
 ) -> None:
-    """Runs one planned launch, and the merge when it splits (after mla_decode_attention's checks;
-    tests and the benchmark call it directly to force a plan)."""
+    """Runs one planned launch, and the merge when it splits (a second launch unless the plan merges
+    in the kernel); after mla_decode_attention's checks: tests and the benchmark call it directly
+    to force a plan."""
     num_rows, num_heads, _ = q.shape
     kv_lora_rank = out.shape[2]
     num_reqs = seq_lens.shape[0]
     q = unit_last_stride(q)
     q_pe = q[..., kv_lora_rank:] if q_pe is None else unit_last_stride(q_pe)
     split = plan.num_splits > 1
+    grid = (triton.cdiv(num_heads, plan.heads_p) * plan.num_row_blocks, num_reqs, plan.num_splits)
+    counters = out  # unused
     if split:
         partial, m, l = kept_split_workspace(
             num_rows, num_heads, plan.num_splits, kv_lora_rank, q.device
         )
         partial_strides, ml_strides = partial.stride()[:3], m.stride()[:2]
+        if plan.merge_in_kernel and grid[0] * num_reqs > DECODE_COUNTERS:
+            plan = _without_merge_in_kernel(plan)
+        if plan.merge_in_kernel:
+            counters = prepare_decode_counters(q.device)[ubatch * DECODE_COUNTERS :]
     else:
         partial = m = l = out  # unused
         partial_strides, ml_strides = (0, 0, 0), (0, 0)
-    grid = (triton.cdiv(num_heads, plan.heads_p) * plan.num_row_blocks, num_reqs, plan.num_splits)
-    tensors = (q, q_pe, kv_cache, out, partial, m, l, block_table, seq_lens, cu_seqlens_q)
+    tensors = (q, q_pe, kv_cache, out, partial, m, l, counters, block_table, seq_lens, cu_seqlens_q)
     tensors += (kv_scales_arg(kv_scales, kv_cache),)
     scalars = (
         scale * LOG2E,
@@ -235,7 +261,7 @@ def launch_mla_decode(
         scalars,
         _decode_constexprs(plan, kv_cache.shape[1], _product_dtype(q, kv_cache)),
     )
-    if not split:
+    if not split or plan.merge_in_kernel:
         return
     splits_p = max(32, triton.next_power_of_2(plan.num_splits))  # few variants: 32, 64, 128
     dim_chunk = min(plan.lora_p, MERGE_TILE // splits_p)
@@ -260,6 +286,11 @@ def launch_mla_decode(
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _without_merge_in_kernel(plan: MLADecodeLaunch) -> MLADecodeLaunch:
+    return dataclasses.replace(plan, merge_in_kernel=False)
+
+
 def _product_dtype(q: torch.Tensor, kv_cache: torch.Tensor) -> torch.dtype:
     """The decode products' dtype: the cache's, or q's over an e4m3 cache (kv_cache_dtype fp8).
     Never memoized: a cache keyed by the tensors would keep every layer's KV cache alive after
@@ -282,6 +313,9 @@ def _decode_constexprs(
         ("SPLIT", plan.num_splits > 1),
         ("IEEE_DOT", cache_dtype == torch.float32),
         ("PREFETCH_BLOCKS", plan.prefetch_blocks),
+        ("MERGE_IN_KERNEL", plan.merge_in_kernel and plan.num_splits > 1),
+        ("MERGE_SPLITS", MERGE_SPLITS),
+        ("MERGE_DIM", min(plan.lora_p, max(16, MERGE_REGS // (plan.block_m * MERGE_SPLITS)))),
         ("num_warps", plan.num_warps),
         ("num_stages", plan.num_stages),
     )

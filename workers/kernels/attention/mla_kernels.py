@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG, load_kv_scales, to_cache
+from atomrt.workers.kernels.attention.mla_merge_kernels import _merge_splits
 
 
 @triton.jit
@@ -199,6 +200,7 @@ def mla_decode_kernel(
     partial_ptr,
     m_ptr,
     l_ptr,  # SPLIT only: partial acc [R, H, S, L] fp32; m, l [R, H, S] fp32
+    counter_ptr,  # MERGE_IN_KERNEL only: [>= B * grid dim 0] int32, zero between launches
     block_table_ptr,  # [B, max_blocks]
     seq_lens_ptr,  # [B], keys of each request including this step's rows
     cu_seqlens_q_ptr,  # [B + 1]
@@ -237,6 +239,9 @@ def mla_decode_kernel(
     SPLIT: tl.constexpr,
     IEEE_DOT: tl.constexpr,  # fp32 cache: full-precision dots instead of tf32
     PREFETCH_BLOCKS: tl.constexpr,  # each tile's block ids load with the tile before's rows
+    MERGE_IN_KERNEL: tl.constexpr,  # SPLIT: the last split program to finish merges the splits
+    MERGE_SPLITS: tl.constexpr,  # splits the merging program reads per step
+    MERGE_DIM: tl.constexpr,  # latent columns it merges per step
 ):
     """Causal attention of a request's query rows, for one tile of heads, over one KV split.
 
@@ -250,6 +255,11 @@ def mla_decode_kernel(
     unnormalised output where it saw a key (l > 0: the only partials the merge reads); a split past
     the working ones loads nothing and leaves m = -big, l = 0. Otherwise the program writes `out`.
     A row that sees no key (a padded request of seq_len 0) gets zeros, never 0/0.
+
+    With MERGE_IN_KERNEL there is no merge launch: a lone working split writes `out` itself, idle
+    splits return at once, and each working split, its partials stored, takes a ticket from its
+    (request, program column) counter; the one that takes the last merges every split's partials
+    of its query tiles into `out` (_merge_splits) and zeros the counter for the next launch.
     """
     num_head_tiles = tl.cdiv(num_heads, HEADS_P)
     head_tile = tl.program_id(0) % num_head_tiles  # a row block's head tiles are neighbours
@@ -289,6 +299,11 @@ def mla_decode_kernel(
     tiles_per_split = tl.cdiv(num_tiles, num_active)
     split_begin = split * tiles_per_split
     split_end = tl.minimum(split_begin + tiles_per_split, num_tiles)
+    to_out = not SPLIT
+    if MERGE_IN_KERNEL:
+        if split >= num_active:
+            return
+        to_out = num_active == 1
 
     for q0 in range(row_block * BLOCK_Q, num_q, num_row_blocks * BLOCK_Q):
         tok = q0 + rows // HEADS_P  # query row within the request
@@ -361,14 +376,7 @@ def mla_decode_kernel(
 
         acc = acc * kv_scale
         store_mask = row_valid[:, None] & lora_valid[None, :]
-        if SPLIT:
-            p_ptrs = partial_ptr + q_row * stride_pr + head * stride_ph + split * stride_ps
-            saw_key = store_mask & (l_i > 0.0)[:, None]
-            tl.store(p_ptrs[:, None] + lora[None, :], acc, mask=saw_key)
-            ml_off = q_row * stride_mr + head * stride_mh + split
-            tl.store(m_ptr + ml_off, m_i, mask=row_valid)
-            tl.store(l_ptr + ml_off, l_i, mask=row_valid)
-        else:
+        if to_out:
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)
             o_ptrs = out_ptr + q_row * stride_or + head * stride_oh
             tl.store(
@@ -376,3 +384,26 @@ def mla_decode_kernel(
                 (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
                 mask=store_mask,
             )
+        else:
+            p_ptrs = partial_ptr + q_row * stride_pr + head * stride_ph + split * stride_ps
+            saw_key = store_mask & (l_i > 0.0)[:, None]
+            tl.store(p_ptrs[:, None] + lora[None, :], acc, mask=saw_key)
+            ml_off = q_row * stride_mr + head * stride_mh + split
+            tl.store(m_ptr + ml_off, m_i, mask=row_valid)
+            tl.store(l_ptr + ml_off, l_i, mask=row_valid)
+
+    if MERGE_IN_KERNEL:
+        if num_active > 1:
+            # Every thread's stores, then one release/acquire bump (the last-block pattern).
+            tl.debug_barrier()
+            counter = counter_ptr + req * tl.num_programs(0) + tl.program_id(0)
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_active - 1:
+                for q0 in range(row_block * BLOCK_Q, num_q, num_row_blocks * BLOCK_Q):
+                    tok = q0 + rows // HEADS_P
+                    _merge_splits(
+                        partial_ptr, m_ptr, l_ptr, out_ptr, (q_start + tok).to(tl.int64), head,
+                        tile_row_valid & (tok < num_q), num_active, kv_lora_rank, stride_pr,
+                        stride_ph, stride_ps, stride_mr, stride_mh, stride_or, stride_oh, BLOCK_M,
+                        LORA_P, MERGE_SPLITS, MERGE_DIM,
+                    )  # fmt: skip
+                tl.store(counter, 0)

@@ -1,6 +1,8 @@
 # The merge of MLA decode's KV splits (mla_kernels.py's decode kernel leaves their partials; shapes
 # as there: partial acc [R, H, S, L] fp32, unnormalised; m, l [R, H, S] fp32, m in log2 units):
 #   mla_merge_kernel - a launch of its own, (row, head, latent chunk) per program
+#   _merge_splits    - the decode kernel's own merge (merge_in_kernel): its last split program to
+#                      finish merges a query tile's splits
 
 import triton
 import triton.language as tl
@@ -56,3 +58,51 @@ def mla_merge_kernel(
     )  # [SPLITS_P, DIM_CHUNK]
     o = tl.sum(w[:, None] * acc, 0) * inv
     tl.store(o_base + dims, o.to(out_ptr.dtype.element_ty), mask=dim_valid)
+
+
+@triton.jit
+def _merge_splits(partial_ptr, m_ptr, l_ptr, out_ptr, q_row, head, row_valid, num_active,
+                  kv_lora_rank, stride_pr, stride_ph, stride_ps, stride_mr, stride_mh, stride_or,
+                  stride_oh, BLOCK_M: tl.constexpr, LORA_P: tl.constexpr,
+                  MERGE_SPLITS: tl.constexpr, MERGE_DIM: tl.constexpr):  # fmt: skip
+    """out of one query tile's BLOCK_M (row, head) pairs from the partials of splits
+    0..num_active: first their total max and denominator, then MERGE_DIM latent columns at a time,
+    MERGE_SPLITS splits per step, only the partials of splits that saw a key. ".cg" loads skip L1,
+    which may hold lines from before the other programs' stores."""
+    chunk = tl.arange(0, MERGE_SPLITS)
+    ml_off = q_row * stride_mr + head * stride_mh  # [BLOCK_M]
+    m_tot = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_tot = tl.zeros([BLOCK_M], tl.float32)
+    for c0 in range(0, num_active, MERGE_SPLITS):
+        take = row_valid[:, None] & (c0 + chunk < num_active)[None, :]  # [BLOCK_M, MERGE_SPLITS]
+        ml_ptrs = ml_off[:, None] + c0 + chunk[None, :]
+        m_s = tl.load(m_ptr + ml_ptrs, mask=take, other=_NEG_BIG, cache_modifier=".cg")
+        l_s = tl.load(l_ptr + ml_ptrs, mask=take, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_tot, tl.max(m_s, 1))
+        l_tot = l_tot * tl.exp2(m_tot - m_new) + tl.sum(l_s * tl.exp2(m_s - m_new[:, None]), 1)
+        m_tot = m_new
+    inv = 1.0 / tl.where(l_tot > 0.0, l_tot, 1.0)
+    p_base = partial_ptr + q_row * stride_pr + head * stride_ph  # [BLOCK_M]
+    o_base = out_ptr + q_row * stride_or + head * stride_oh
+    for d0 in tl.static_range(0, LORA_P, MERGE_DIM):
+        dims = d0 + tl.arange(0, MERGE_DIM)
+        dim_valid = dims < kv_lora_rank
+        acc = tl.zeros([BLOCK_M, MERGE_DIM], tl.float32)
+        for c0 in range(0, num_active, MERGE_SPLITS):
+            idx = c0 + chunk
+            take = row_valid[:, None] & (idx < num_active)[None, :]
+            ml_ptrs = ml_off[:, None] + idx[None, :]
+            m_s = tl.load(m_ptr + ml_ptrs, mask=take, other=_NEG_BIG, cache_modifier=".cg")
+            l_s = tl.load(l_ptr + ml_ptrs, mask=take, other=0.0, cache_modifier=".cg")
+            live = l_s > 0.0
+            w = tl.where(live, tl.exp2(m_s - m_tot[:, None]), 0.0)  # [BLOCK_M, MERGE_SPLITS]
+            a_s = tl.load(
+                p_base[:, None, None] + idx[None, :, None] * stride_ps + dims[None, None, :],
+                mask=live[:, :, None] & dim_valid[None, None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )  # [BLOCK_M, MERGE_SPLITS, MERGE_DIM]
+            acc += tl.sum(a_s * w[:, :, None], 1)
+        o_mask = row_valid[:, None] & dim_valid[None, :]
+        tl.store(o_base[:, None] + dims[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=o_mask)  # fmt: skip
