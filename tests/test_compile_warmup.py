@@ -14,7 +14,7 @@ from executor_harness import COMMON, GREEDY, PROMPTS, build_tiny_llama
 
 from atomrt.compile import PiecewiseBackend
 from atomrt.runtime.entrypoints.llm import LLM
-from atomrt.workers.runner.compile_warmup import compiled_modules
+from atomrt.workers.runner.compile_warmup import compiled_modules, prefetch_triton_key
 
 TOO_BIG = 100_000  # above max_num_batched_tokens (8192) and every capture size: no step has it
 
@@ -80,3 +80,20 @@ def test_a_second_start_loads_every_size_and_compiles_nothing(tiny_model: Path, 
     assert (warm.inductor_compiles, warm.cache_loads) == (0, 9)
     assert warm.cache_dirs == cold.cache_dirs and not warm.read_only
     assert Path(cold.cache_dirs[0]).is_relative_to(tmp_path)
+
+
+def test_a_cuda_worker_hashes_tritons_installation_on_a_thread() -> None:
+    """On CUDA the worker starts `triton_key` (a hash of Triton's sources and library) on a
+    thread while the model loads: once it ends, the key is cached and the main thread's first ask
+    is a cache hit. Off CUDA nothing starts. (Hashing needs no GPU: the CUDA device is only named.)"""
+    import torch
+    from triton.runtime.cache import triton_key
+
+    assert prefetch_triton_key(torch.device("cpu")) is None
+    triton_key.cache_clear()
+    thread = prefetch_triton_key(torch.device("cuda"))
+    assert thread is not None and thread.daemon
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    hits = triton_key.cache_info().hits
+    assert triton_key() and triton_key.cache_info().hits == hits + 1

@@ -22,7 +22,12 @@ from atomrt.distributed.messages import GrammarBitmask, PromptLogprobs, StepPlan
 from atomrt.runtime.config import Config
 from atomrt.runtime.decision import ForwardDecision, TboTiming
 from atomrt.workers.probes import probing
-from atomrt.workers.runner.compile_warmup import CompileReport, compile_all_sizes, compile_report
+from atomrt.workers.runner.compile_warmup import (
+    CompileReport,
+    compile_all_sizes,
+    compile_report,
+    prefetch_triton_key,
+)
 from atomrt.workers.runner.input_batch import PromptRows, SeqMirrors, dummy_idle_inputs
 from atomrt.workers.runner.kernel_warmup import warm_eager_kernels
 from atomrt.workers.runner.kv_sizing import determine_num_blocks
@@ -109,6 +114,7 @@ class Worker:
         self._compile_counts = compilation_counter.snapshot()  # this start's work is the difference
         self._phases: list[tuple[str, float]] = []
         start = time.perf_counter()
+        prefetch_triton_key(device)  # hashed while the model loads
         self.runner = ModelRunner(config, device, tp, dp)
         self._phase("model and weights", start)
         self.mirrors = SeqMirrors(config.cache_config.block_size)

@@ -11,9 +11,10 @@ the same sizes in the same order, so tensor-parallel collectives match.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -43,6 +44,21 @@ class CompileReport:
     cache_misses: int
     compile_seconds: float
     trace_loads: int = 0  # models built from Dynamo's kept trace (compile/trace_cache.py)
+
+
+def prefetch_triton_key(device: torch.device) -> Optional[threading.Thread]:
+    """On CUDA, start computing Triton's key of its own installation (`triton_key`: a hash of its
+    sources and of libtriton, a second or so of a slow host, once per process) on a daemon thread,
+    while the model loads: Inductor's cache lookups (KV sizing) and the first kernel compile ask
+    for it on the main thread otherwise. Hashing and file reads release the GIL. Returns the
+    thread (None off CUDA, where the interpreter compiles nothing)."""
+    if device.type != "cuda":
+        return None
+    from triton.runtime.cache import triton_key
+
+    thread = threading.Thread(target=triton_key, name="triton-key", daemon=True)
+    thread.start()
+    return thread
 
 
 def compile_all_sizes(runner: ModelRunner) -> tuple[tuple[int, ...], tuple[int, ...]]:
