@@ -14,6 +14,13 @@ whichever thread ran them, counted in the stage running when they end), the kern
 the device (Triton's `_init_handles`: count, seconds) and `twice`, the compiles of a specialization
 this process had compiled already. Fresh cache directories make the start
 cold; run it again with the same ones for a warm start. Needs a CUDA GPU.
+
+    python benchmarks/startup_compiles.py --offline [--threads 8]
+needs none: it compiles, for sm_90 (Triton's compiler and ptxas, no GPU), the attention variants
+the eager warm-up compiles for SmolLM2-135M's shape, each in a fresh process: on an empty Triton
+cache one after another (`OFFLINE cold`), then on the same cache (`OFFLINE warm`: Triton's cache-hit
+path, the first hit with the process's one-time keys), then on another empty cache in a pool of
+threads (`OFFLINE pool`, as `compile_ahead` does). One line per compile, one per run.
 """
 
 from __future__ import annotations
@@ -130,6 +137,134 @@ def print_stages() -> None:
         )
 
 
+# SmolLM2-135M's attention: KV heads, query heads per KV head, head dim; an H100's SMs; the
+# engine's default rows per step and max_model_len
+OFFLINE_SHAPE = dict(num_kv_heads=3, group=3, head_dim=64, num_sms=132, rows=8192, max_len=8192)
+_POINTERS = (
+    dict.fromkeys(
+        ("partial_ptr", "m_ptr", "l_ptr", "cos_ptr", "sin_ptr", "kv_scales_ptr", "acc_ptr"), "*fp32"
+    )
+    | dict.fromkeys(
+        ("counter_ptr", "cu_seqlens_q_ptr", "context_lens_ptr", "block_tables_ptr"), "*i32"
+    )
+    | dict.fromkeys(("positions_ptr", "slot_mapping_ptr"), "*i64")
+)
+
+
+def _source(fn, constexprs: dict):
+    """An ASTSource of `fn` as a launch specializes it: pointers, strides and head_dim
+    16-divisible; other pointers bf16; `scale_log2` fp32, other scalars i32."""
+    from triton.compiler import ASTSource
+
+    sig = {
+        p.name: "constexpr"
+        if p.is_constexpr
+        else _POINTERS.get(p.name, "*bf16")
+        if p.name.endswith("_ptr")
+        else "fp32"
+        if p.name == "scale_log2"
+        else "i32"
+        for p in fn.params
+    }
+    div = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if sig[name].startswith("*") or name.startswith("stride_") or name == "head_dim"
+    }
+    return ASTSource(fn, sig, constexprs, div)
+
+
+def offline_sources() -> list[tuple[str, object, dict]]:
+    """(name, ASTSource, options) of every attention variant the eager warm-up batches compile
+    for OFFLINE_SHAPE (variants.py's batches, planned as the launches plan them)."""
+    from atomrt.workers.kernels.attention import decode_attention as dec
+    from atomrt.workers.kernels.attention import paged_attention as paged
+    from atomrt.workers.kernels.attention.attention_kernels import (
+        paged_attention_kernel,
+        reduce_splits_kernel,
+    )
+    from atomrt.workers.kernels.attention.decode_kernels import decode_attention_kernel
+    from atomrt.workers.kernels.attention.variants import warmup_lengths
+
+    s = OFFLINE_SHAPE
+    kv, group, head_dim, sms = s["num_kv_heads"], s["group"], s["head_dim"], s["num_sms"]
+    out = {}
+    for rows, keys in warmup_lengths(kv, group, head_dim, sms, s["rows"], s["max_len"]):
+        if rows == 1:
+            plan = dec.plan_decode(1, keys, kv, group, head_dim, sms)
+            cx = dict(dec._decode_constexprs(plan, group, head_dim, 16, True, False, False, False))
+            cx.pop("launch_pdl")
+            opts = {"num_warps": cx.pop("num_warps"), "num_stages": cx.pop("num_stages")}
+            name = f"decode tile_n={plan.tile_n} split={plan.num_splits > 1}"
+            out[name] = (decode_attention_kernel, cx, opts)
+            continue
+        plan = paged.plan_attention(1, rows, keys, kv, group, head_dim, sms)
+        cx = dict(
+            GROUP=plan.group, GROUP_P=plan.group_p, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
+            HEAD_DIM_P=plan.head_dim_p, TILE_N=plan.tile_n, BLOCK_SIZE=16,
+            SPLIT=plan.num_splits > 1, IEEE_DOT=False,
+        )  # fmt: skip
+        opts = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
+        name = f"paged block_m={plan.block_m} split={plan.num_splits > 1}"
+        out[name] = (paged_attention_kernel, cx, opts)
+        if plan.num_splits > 1:
+            reduce = dict(
+                SPLITS_P=triton.next_power_of_2(paged.MAX_SPLITS), HEAD_DIM_P=plan.head_dim_p
+            )
+            out["reduce"] = (reduce_splits_kernel, reduce, {"num_warps": 4})
+    return [(name, _source(fn, cx), opts) for name, (fn, cx, opts) in out.items()]
+
+
+def offline_child(run: str, threads: int) -> None:
+    """One offline run in this process: every source compiled in turn, or on `threads` threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    sources = offline_sources()
+
+    def one(item) -> float:
+        name, src, opts = item
+        start = time.perf_counter()
+        triton.compile(src, target=target, options=opts)
+        took = time.perf_counter() - start
+        hit = {True: "hit", False: "miss"}.get(getattr(_hit, "value", None), "?")
+        print(f"OFFLINE {run:5s} {took:7.3f} s  {hit:4s} {name}", flush=True)
+        return took
+
+    start = time.perf_counter()
+    if run == "pool":
+        with ThreadPoolExecutor(threads) as pool:
+            spent = sum(pool.map(one, sources))
+    else:
+        spent = sum(one(item) for item in sources)
+    wall = time.perf_counter() - start
+    print(
+        f"OFFLINE {run:5s} {len(sources)} compiles: wall {wall:.3f} s, summed {spent:.3f} s "
+        f"({1000 * wall / len(sources):.1f} ms per compile)",
+        flush=True,
+    )
+
+
+def offline(threads: int) -> None:
+    """The three offline runs, each a fresh process, on fresh Triton caches."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="atomrt-offline-") as tmp:
+        for run, cache in (("cold", "a"), ("warm", "a"), ("pool", "b")):
+            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, cache))
+            env.pop("TRITON_INTERPRET", None)
+            cmd = [sys.executable, __file__, "--offline-run", run, "--threads", str(threads)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            print("\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("OFFLINE")))
+            if proc.returncode:
+                raise SystemExit(f"offline {run} failed:\n{proc.stderr[-3000:]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -138,8 +273,19 @@ def main() -> None:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--level", type=int, default=3)
     ap.add_argument("--mode", default=None, help="CUDA-graph mode (default: the level's)")
-    ap.add_argument("--cache-dir", required=True, help="atomrt's compile cache directory")
+    ap.add_argument("--cache-dir", help="atomrt's compile cache directory (required but offline)")
+    ap.add_argument("--offline", action="store_true", help="compile for sm_90 here, no GPU")
+    ap.add_argument("--threads", type=int, default=8, help="offline: the pool's threads")
+    ap.add_argument("--offline-run", choices=("cold", "warm", "pool"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.offline_run:
+        offline_child(a.offline_run, a.threads)
+        return
+    if a.offline:
+        offline(a.threads)
+        return
+    if not a.cache_dir:
+        ap.error("--cache-dir is required (but with --offline)")
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f %(name)s: %(message)s")
 
     import torch
