@@ -51,6 +51,7 @@ def run_fp8_decode(
     tile_n: int = 16,
     device: str = DEVICE,
     prefetch_kv: bool = False,
+    widen_v_first: bool = False,
     plan: DecodeLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel output, float64 reference) of the real rows of a decode step over a scaled e4m3
@@ -72,6 +73,7 @@ def run_fp8_decode(
         plan or forced_plan(group, head_dim, num_splits, tile_n=tile_n),
         fp8_f16_products=f16_products,
         prefetch_kv=prefetch_kv,
+        widen_v_first=widen_v_first,
     )
     decode_attention(
         q, case.k, case.v, out, None, None, None, b.k_cache, b.v_cache, case.slot_mapping,
@@ -87,13 +89,30 @@ def run_fp8_decode(
     return out[:n].double(), ref
 
 
+@pytest.mark.parametrize("widen_v_first", [False, True], ids=["", "widen-v"])
 @pytest.mark.parametrize("prefetch_kv", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_f16_products_match_a_float64_reference(num_splits: int, prefetch_kv: bool) -> None:
+def test_f16_products_match_a_float64_reference(
+    num_splits: int, prefetch_kv: bool, widen_v_first: bool
+) -> None:
     """float16 products give float64 attention over the cache times its scales, to the bfloat16
-    output's rounding, split or not, with the e4m3 tiles loaded an iteration ahead or not."""
-    out, ref = run_fp8_decode(1.0, True, num_splits, prefetch_kv=prefetch_kv)
+    output's rounding, split or not, with the e4m3 tiles loaded an iteration ahead or not, and V
+    tiles widened before their layout change or after."""
+    out, ref = run_fp8_decode(
+        1.0, True, num_splits, prefetch_kv=prefetch_kv, widen_v_first=widen_v_first
+    )
     torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3)
+
+
+def test_widening_v_first_is_the_same_attention() -> None:
+    """widen_v_first only moves where V's widening happens: the output is the default's, bit for
+    bit, at head_dim 128 over contexts of several 64-key tiles."""
+    plan = dataclasses.replace(plan_decode(32, 8192, 8, 4, 128, 132, True), min_tiles_per_split=1)
+    kw = dict(lens=[1, 65, 200], num_kv_heads=2, head_dim=128, plan=plan)
+    late, ref = run_fp8_decode(1.0, True, 1, **kw)
+    early, _ = run_fp8_decode(1.0, True, 1, widen_v_first=True, **kw)
+    assert torch.equal(late, early)
+    torch.testing.assert_close(early, ref, rtol=8e-3, atol=8e-3)
 
 
 @pytest.mark.parametrize("q_scale", [3.0e3, 2.0e6], ids=["in-f16-range", "past-f16-max"])

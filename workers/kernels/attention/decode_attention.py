@@ -59,6 +59,10 @@ class DecodeLaunch:
     # Load each K/V tile an iteration ahead of its products (pipelined by hand); off until measured
     # faster (benchmarks/bench_decode_attention.py times both).
     prefetch_kv: bool = False
+    # Over an e4m3 cache with float16 products: widen each V tile before the layout change tl.dot
+    # needs, not after (16-bit shared-memory moves instead of byte reads; decode_kernels._widen_v);
+    # off until measured faster (bench_decode_attention.py --kv-cache-dtype fp8 --sweep).
+    widen_v_first: bool = False
 
 
 SPLIT_CHUNK = 4  # splits the merging program reads per step
@@ -299,6 +303,7 @@ def _decode_constexprs(
         ("F16_PRODUCTS", f16_products),
         ("USE_PDL", pdl),
         ("PREFETCH_KV", plan.prefetch_kv),
+        ("WIDEN_V_FIRST", plan.widen_v_first and f16_products),
         ("num_warps", plan.num_warps),
         ("num_stages", plan.num_stages),
         ("launch_pdl", pdl and device_info.PDL_ATTRIBUTE),

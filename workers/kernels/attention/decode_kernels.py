@@ -57,6 +57,21 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_mask, dims, kvh, str
 
 
 @triton.jit
+def _widen_v(v, prod_ty: tl.constexpr, WIDEN_V_FIRST: tl.constexpr, TILE_N: tl.constexpr,
+             HEAD_DIM_P: tl.constexpr):  # fmt: skip
+    """A V tile [TILE_N, HEAD_DIM_P] in the products' dtype. tl.dot takes V's keys as its reduced
+    dim, so the tile changes layout through shared memory on its way there; Triton moves an e4m3
+    tile's widening after that change, which then reads shared memory a byte at a time.
+    WIDEN_V_FIRST widens it first: the reshape, split and join between (an identity) keep the
+    widening where it is, and the change moves 16-bit values (DecodeLaunch.widen_v_first)."""
+    v = v.to(prod_ty)
+    if WIDEN_V_FIRST:
+        even, odd = tl.split(tl.reshape(v, (TILE_N, HEAD_DIM_P // 2, 2)))
+        v = tl.reshape(tl.join(even, odd), (TILE_N, HEAD_DIM_P))
+    return v
+
+
+@triton.jit
 def _attend_tile(q_dot, k, v, key_valid, dot_scale, m_i, l_i, acc, IEEE_DOT: tl.constexpr):
     """The online softmax's step over one key tile: (m_i, l_i, acc) after k [TILE_N, D] and v."""
     if IEEE_DOT:
@@ -137,6 +152,7 @@ def decode_attention_kernel(
     F16_PRODUCTS: tl.constexpr,  # an e4m3 cache under a 16-bit q: the products in float16
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (device_info.use_pdl)
     PREFETCH_KV: tl.constexpr,  # load each K/V tile an iteration ahead (DecodeLaunch.prefetch_kv)
+    WIDEN_V_FIRST: tl.constexpr,  # an e4m3 V tile widened before its layout change (_widen_v)
 ):
     """A decode step of one sequence (at most one query row) over one KV head, for one KV split: the
     rotary embedding of q and of the new key, the new key and value into the cache, and attention over
@@ -288,10 +304,10 @@ def decode_attention_kernel(
             block = tl.load(table_row + after // BLOCK_SIZE, mask=after < num_old, other=0).to(
                 tl.int64
             )
+            v_wide = _widen_v(v_cur, prod_ty, WIDEN_V_FIRST, TILE_N, HEAD_DIM_P)
             m_i, l_i, acc = _attend_tile(
-                q_dot, k_cur.to(prod_ty), v_cur.to(prod_ty), key_valid, dot_scale, m_i, l_i, acc,
-                IEEE_DOT,
-            )  # fmt: skip
+                q_dot, k_cur.to(prod_ty), v_wide, key_valid, dot_scale, m_i, l_i, acc, IEEE_DOT
+            )
             k_cur, v_cur = k_next, v_next
     else:
         for _ in range(0, num_iters):
@@ -302,7 +318,8 @@ def decode_attention_kernel(
                 k_cache_ptr, v_cache_ptr, block, keys, kv_mask, dims, kvh, stride_kcb, stride_kcs,
                 stride_kch, stride_vcb, stride_vcs, stride_vch, BLOCK_SIZE,
             )  # fmt: skip  # [TILE_N, HEAD_DIM_P] each
-            k, v = k.to(prod_ty), v.to(prod_ty)  # widened from an e4m3 cache
+            k = k.to(prod_ty)  # widened from an e4m3 cache
+            v = _widen_v(v, prod_ty, WIDEN_V_FIRST, TILE_N, HEAD_DIM_P)
             t += num_active
             next_keys = t * TILE_N + tile_keys
             block = tl.load(
