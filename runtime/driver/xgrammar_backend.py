@@ -58,23 +58,32 @@ def _xgr() -> ModuleType:
 
 
 class XgrammarMatcher(GrammarMatcher):
-    """One sequence's `xgrammar.GrammarMatcher`."""
+    """One sequence's `xgrammar.GrammarMatcher`. Whether it terminated is kept here: it changes
+    only when a stop token is accepted or rolled back, and the stop rules and the mask fill ask
+    for it of every row each step (each ask a call into xgrammar)."""
 
     def __init__(
         self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int], vocab_size: int
     ) -> None:
         self.matcher = _xgr().GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
         self.vocab_size = vocab_size
+        self._stops = frozenset(self.matcher.stop_token_ids)  # those it terminates on
+        self._terminated = self.matcher.is_terminated()
 
     def accept(self, token_id: int) -> bool:
-        return self.matcher.accept_token(int(token_id))
+        token_id = int(token_id)
+        accepted = self.matcher.accept_token(token_id)
+        if accepted and token_id in self._stops:
+            self._terminated = self.matcher.is_terminated()
+        return accepted
 
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
+        self._terminated = self.matcher.is_terminated()
 
     @property
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self._terminated
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
