@@ -1,7 +1,7 @@
 """Decode attention timings (needs a CUDA GPU):
 
     python benchmarks/bench_decode_attention.py [--sweep] [--json PATH]
-        [--shape NAME ...] [--ctx 170,1024,4096] [--kv-cache-dtype auto|fp8]
+        [--shape NAME ...] [--ctx 170,1024,4096] [--kv-cache-dtype auto|fp8] [--candidates A,B]
 
 For the benchmark model shapes (SHAPES; --shape picks some), GPU µs per layer of a decode step's
 attention work, replayed from a CUDA graph that holds 16 layers' calls back to back (as a step
@@ -17,8 +17,8 @@ does):
 plan_decode. With --kv-cache-dtype fp8 the caches are e4m3 with per-tensor k/v scales, the FP8 KV
 cache's decode; there `--sweep` times, per shape and context, the bfloat16 cache's default plan,
 the e4m3 cache's default plan and each of FP8_CANDIDATES, one JSON line each with its ratio to the
-bfloat16 cache's plan and to the e4m3 default (e.g. --shape "Llama-3.1-8B bs32" --shape
-"Llama-3.1-8B bs1" --ctx 8192 --kv-cache-dtype fp8 --sweep: about a minute on an H100).
+bfloat16 cache's plan and to the e4m3 default (e.g. --shape "Llama-3.1-8B bs32" --ctx 8192
+--kv-cache-dtype fp8 --sweep; --candidates picks some).
 """
 
 from __future__ import annotations
@@ -57,22 +57,24 @@ SHAPES = {  # name: (batch size, KV heads, group, head_dim)
 DEFAULT_SHAPES = ("SmolLM2-135M bs1", "Llama-3.2-1B bs32", "Llama-3.1-8B bs1")
 LAYERS, BLOCK_SIZE, CAPACITY = 16, 16, 8192
 
-# The e4m3 cache's plans --sweep times beside the defaults, name: (tile_n, num_warps, num_stages,
-# programs an SM holds, splits). Splits None fill the SMs' program slots (fill_splits); at bs 1 a
-# candidate keeps the default's splits when those are more. Programs per SM: sm_90 registers at
-# Llama-3.1-8B's shape with the split path compiled in where a candidate splits at bs 32 (Triton
-# 3.6 for sm_90: none spills; 32-key tiles at 1 warp would, at 255 registers).
-# The 1-stage default issues a tile's V loads only after its K tile went through shared memory
-# (two round trips a tile); 2 and 3 stages copy both ahead (cp.async) as the bfloat16 cache's
-# plan does. Fewer warps a program: fewer cross-warp softmax reductions (barriers) per tile.
-FP8_CANDIDATES: dict[str, tuple[int, int, int, int, int | None]] = {
-    "t64w8s2": (64, 8, 2, 2, None),
-    "t64w8s3": (64, 8, 3, 2, None),
-    "t64w8s2x2": (64, 8, 2, 2, 2),
-    "t32w4s3": (32, 4, 3, 4, None),
-    "t64w4s2": (64, 4, 2, 3, None),
-    "t32w2s2": (32, 2, 2, 6, None),
-    "t16w1s2": (16, 1, 2, 8, None),
+# The e4m3 cache's plans --sweep times beside the defaults, name: (DecodeLaunch fields, programs
+# an SM holds); each splits to fill the SMs' program slots (fill_splits) and keeps the default's
+# splits where those are more (bs 1). Programs per SM: sm_90 registers at Llama-3.1-8B's shape, the
+# split path compiled in where a plan splits at bs 32 (benchmarks/kernel_stats.py decode
+# --kv-cache-dtype fp8 --candidates; Triton 3.6: none spills). The 1-stage default issues a tile's
+# V loads only after its K tile went through shared memory (two round trips a tile); 2 and 3
+# stages copy both ahead (cp.async) as the bfloat16 cache's plan does. widen_v_first: 42 loop
+# instructions a key at 64-key tiles and 8 warps where the default has 48 (58 at 2 stages).
+# Fewer warps a program: fewer cross-warp softmax reductions (barriers) a key.
+FP8_CANDIDATES: dict[str, tuple[dict, int]] = {
+    "t64w8s2": (dict(tile_n=64, num_warps=8, num_stages=2), 2),
+    "t64w8s1v": (dict(tile_n=64, num_warps=8, num_stages=1, widen_v_first=True), 2),
+    "t64w8s2v": (dict(tile_n=64, num_warps=8, num_stages=2, widen_v_first=True), 2),
+    "t64w8s3v": (dict(tile_n=64, num_warps=8, num_stages=3, widen_v_first=True), 2),
+    "t64w4s2v": (dict(tile_n=64, num_warps=4, num_stages=2, widen_v_first=True), 4),
+    "t32w4s3v": (dict(tile_n=32, num_warps=4, num_stages=3, widen_v_first=True), 5),
+    "t32w2s2v": (dict(tile_n=32, num_warps=2, num_stages=2, widen_v_first=True), 6),
+    "t16w1s2v": (dict(tile_n=16, num_warps=1, num_stages=2, widen_v_first=True), 8),
 }
 
 
@@ -85,16 +87,13 @@ def fill_splits(num_programs: int, num_sms: int, per_sm: int, capacity: int) -> 
 
 def candidate_plan(base: DecodeLaunch, name: str, num_programs: int, num_sms: int) -> DecodeLaunch:
     """FP8_CANDIDATES[name] as a launch, over `base` (the e4m3 cache's default plan)."""
-    tile_n, warps, stages, per_sm, splits = FP8_CANDIDATES[name]
-    if splits is None:
-        splits = fill_splits(num_programs, num_sms, per_sm, CAPACITY)
+    fields, per_sm = FP8_CANDIDATES[name]
+    splits = fill_splits(num_programs, num_sms, per_sm, CAPACITY)
     return dataclasses.replace(
         base,
-        tile_n=tile_n,
-        num_warps=warps,
-        num_stages=stages,
+        **fields,
         num_splits=max(base.num_splits, splits),
-        min_tiles_per_split=max(1, MIN_KEYS_PER_SPLIT // tile_n),
+        min_tiles_per_split=max(1, MIN_KEYS_PER_SPLIT // fields["tile_n"]),
     )
 
 
@@ -222,10 +221,10 @@ def time_us(fn, rep: int = 300) -> float:
     return round(ms * 1e3 / LAYERS, 2)
 
 
-def sweep_fp8(name: str, ctx: int) -> list[dict]:
+def sweep_fp8(name: str, ctx: int, candidates: list[str]) -> list[dict]:
     """One row per plan at shape `name` and context `ctx`: the bfloat16 cache's default, the e4m3
-    cache's default, FP8_CANDIDATES; each with its ratio to the first two and the largest
-    difference of its output from the e4m3 default's (the same inputs and caches)."""
+    cache's default, `candidates` (FP8_CANDIDATES' names); each with its ratio to the first two
+    and the largest difference of its output from the e4m3 default's (the same inputs)."""
     bs, hk, group, hd = SHAPES[name]
     num_sms = sm_count(torch.device("cuda"))
     s = setup(bs, hk, group, hd, ctx, fp8=False)
@@ -235,7 +234,7 @@ def sweep_fp8(name: str, ctx: int) -> list[dict]:
     s = setup(bs, hk, group, hd, ctx, fp8=True)
     base = plan_decode(bs, CAPACITY, hk, group, hd, num_sms, True)
     plans = {"bf16_default": bf16_plan, "fp8_default": base}
-    plans |= {c: candidate_plan(base, c, bs * hk, num_sms) for c in FP8_CANDIDATES}
+    plans |= {c: candidate_plan(base, c, bs * hk, num_sms) for c in candidates}
     rows, base_out, base_us = [], None, None
     for label, plan in plans.items():
         row = dict(shape=name, ctx=ctx, plan_name=label)
@@ -258,7 +257,7 @@ def sweep_fp8(name: str, ctx: int) -> list[dict]:
                 row["ratio_to_fp8_default"] = round(row["us"] / base_us, 3)
         row["plan"] = dict(
             tile_n=plan.tile_n, warps=plan.num_warps, stages=plan.num_stages,
-            splits=plan.num_splits,
+            splits=plan.num_splits, widen_v_first=plan.widen_v_first,
         )  # fmt: skip
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -281,7 +280,16 @@ def main() -> None:
         "--ctx", default="", help="comma-separated context lengths (default 170,1024,4096)"
     )
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    ap.add_argument(
+        "--candidates",
+        help="--kv-cache-dtype fp8 --sweep: comma-separated FP8_CANDIDATES to time (default all)",
+    )
     args = ap.parse_args()
+    if args.candidates is not None and not (args.sweep and args.kv_cache_dtype == "fp8"):
+        ap.error("--candidates: only with --kv-cache-dtype fp8 --sweep")
+    candidates = [c for c in (args.candidates or ",".join(FP8_CANDIDATES)).split(",") if c]
+    if unknown := sorted(set(candidates) - set(FP8_CANDIDATES)):
+        ap.error(f"--candidates: unknown {unknown}; known: {', '.join(FP8_CANDIDATES)}")
     fp8 = args.kv_cache_dtype == "fp8"
     contexts = [int(c) for c in args.ctx.split(",")] if args.ctx else [170, 1024, 4096]
     if max(contexts) > CAPACITY:
@@ -292,7 +300,7 @@ def main() -> None:
         bs, hk, group, hd = SHAPES[name]
         for ctx in contexts:
             if fp8 and args.sweep:
-                rows += sweep_fp8(name, ctx)
+                rows += sweep_fp8(name, ctx, candidates)
                 continue
             s = setup(bs, hk, group, hd, ctx, fp8)
             base = plan_decode(bs, CAPACITY, hk, group, hd, sm_count(s["q"].device), fp8)
