@@ -3,7 +3,8 @@ interpreter, to check the script, not to measure):
 
     python benchmarks/bench_mla_decode.py [--heads 16,20,128] [--bs 1,8,32,128] [--ctx 1024,8192]
                                           [--sweep] [--json PATH] [--record [DIR]]
-    python benchmarks/bench_mla_decode.py --dry-run [--json PATH]
+    python benchmarks/bench_mla_decode.py --plans --heads 16 --bs 1,8,32,128 --ctx 8192
+    python benchmarks/bench_mla_decode.py --dry-run [--plans] [--json PATH]
 
 For each (heads, batch size, context): GPU µs per call of mla_decode_attention (the graph-safe
 launch: plan from the 8k-key capacity, bf16 latent cache of 512 + 64, block size 16), replayed from
@@ -15,6 +16,11 @@ copy at bs >= 8 (benchmarks/goals.json; `--record` keeps each row as an `mla-dec
 `max_err` is the first layer's largest difference from a float32 torch reference over its first
 requests. `--sweep` adds other launch plans (key tile, warps, stages, heads per
 tile, splits, keys per working split, block ids prefetched or not) and the best of them.
+
+`--plans` is the sweep the plan rule (plan_mla_decode) is set from, in about a minute on an H100: per
+shape, the planned launch, then split counts around the planned one with the merge as a launch and
+in the kernel (merge_in_kernel), then the best of those over the key tiles, warps and stages of
+PLAN_TILES; one JSON line per case (`us`, `of_copy`, `max_err`) and a `best` line per shape.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is f
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -45,6 +52,7 @@ from atomrt.runtime.bench.records import (  # noqa: E402
     save,
 )
 from atomrt.workers.kernels.attention.mla_decode import (  # noqa: E402
+    MAX_SPLITS,
     MLADecodeLaunch,
     launch_mla_decode,
     mla_decode_attention,
@@ -97,10 +105,13 @@ def call(s: dict, layer: int, plan: MLADecodeLaunch | None = None) -> None:
         launch_mla_decode(plan, *args, s["scale"], s["out"])
 
 
-def max_error(s: dict, shape: Shape, requests: int = 2) -> float:
+def max_error(
+    s: dict, shape: Shape, requests: int = 2, plan: MLADecodeLaunch | None = None
+) -> float:
     """Layer 0's output against float32 torch over the first requests (the formula: softmax of
     scale * q . K over the whole cache row, times the row's latent part)."""
-    call(s, 0)
+    s["out"].fill_(float("nan"))
+    call(s, 0, plan)
     worst = 0.0
     cache = s["caches"][0]
     for b in range(min(requests, shape.bs)):
@@ -108,11 +119,12 @@ def max_error(s: dict, shape: Shape, requests: int = 2) -> float:
         keys = cache[s["block_table"][b, pos // BLOCK_SIZE].long(), pos % BLOCK_SIZE].float()
         p = torch.softmax(s["scale"] * s["q"][b].float() @ keys.T, dim=-1)
         ref = p @ keys[:, : shape.lora]
-        worst = max(worst, (s["out"][b].float() - ref).abs().max().item())
+        err = (s["out"][b].float() - ref).abs().max().item()
+        worst = err if math.isnan(err) else max(worst, err)  # NaN: a row left unwritten
     return worst
 
 
-def time_us(fn, dry_run: bool) -> float:
+def time_us(fn, dry_run: bool, rep_ms: int = 200) -> float:
     """µs per layer: a CUDA graph of LAYERS calls, timed by Triton (median); on the dry run, wall
     time of the calls through the interpreter."""
     if dry_run:
@@ -127,7 +139,7 @@ def time_us(fn, dry_run: bool) -> float:
     with torch.cuda.graph(graph):
         for layer in range(LAYERS):
             fn(layer)
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median")
     return round(ms * 1e3 / LAYERS, 2)
 
 
@@ -177,6 +189,95 @@ def _try(s: dict, plan: MLADecodeLaunch, dry_run: bool) -> object:
         return type(exc).__name__
 
 
+# (keys per tile, warps, stages) the plan sweep tries after the planned tile. benchmarks/
+# kernel_stats.py mla (sm_90, 16 heads, bf16): the planned 32/4/2 spills in its key loop without
+# merge_in_kernel (255 registers, 36 local loads), none with it; 16/4/1, 32/4/1 and 16/4/2 keep two
+# programs per SM without a spill; 64/8/1 and 32/8/1 hold one program per SM but no spill (larger
+# tiles, fewer round trips: for bs >= 8); 64-key tiles at 4 warps spill and are left out.
+PLAN_TILES = ((16, 4, 1), (32, 4, 1), (16, 4, 2), (64, 8, 1), (32, 8, 1))
+
+
+def split_counts(base: MLADecodeLaunch, num_programs: int, num_sms: int) -> list[int]:
+    """Split counts around the planned one: an eighth of it to twice it, and one wave of programs."""
+    counts = {
+        base.num_splits,
+        min(MAX_SPLITS, 2 * base.num_splits),
+        max(1, min(MAX_SPLITS, num_sms // num_programs)),
+    }
+    counts |= {max(1, base.num_splits // d) for d in (2, 4, 8)}
+    return sorted(counts)
+
+
+def plan_name(plan: MLADecodeLaunch) -> str:
+    merge = "none" if plan.num_splits == 1 else "kernel" if plan.merge_in_kernel else "launch"
+    return (
+        f"n{plan.block_n}w{plan.num_warps}s{plan.num_stages} splits{plan.num_splits} merge={merge}"
+    )
+
+
+def plan_sweep(
+    shape: Shape, device: str, dtype: torch.dtype, copy: float, dry_run: bool
+) -> list[dict]:
+    """The planned launch, then its tile at split counts around the planned one with each merge,
+    then the fastest (splits, merge) over PLAN_TILES: one row per case (printed as it is timed)
+    and a last row naming the best."""
+    s = setup(shape, device, dtype)
+    sms = sm_count(torch.device(device))
+    base = plan_mla_decode(
+        shape.bs, shape.bs, shape.capacity, shape.num_heads, shape.lora, shape.rope, sms
+    )
+    num_programs = shape.bs * triton.cdiv(shape.num_heads, base.heads_p) * base.num_row_blocks
+    rows: list[dict] = []
+    plans: dict[str, MLADecodeLaunch] = {}
+
+    def case(plan: MLADecodeLaunch) -> None:
+        name = plan_name(plan)
+        if name in plans:
+            return
+        plans[name] = plan
+        row = dict(heads=shape.num_heads, bs=shape.bs, ctx=shape.ctx, plan=name)
+        try:
+            us = time_us(lambda i: call(s, i, plan), dry_run, rep_ms=100)
+            gbps = round(moved_bytes(shape) * s["q"].element_size() / us / 1e3, 1)
+            err = max_error(s, shape, plan=plan)
+            row |= dict(us=us, gbps=gbps, of_copy=round(gbps / copy, 3), max_err=err)
+        except Exception as exc:  # noqa: BLE001 - out of resources for this plan: record, go on
+            row["error"] = type(exc).__name__
+        row["default"] = plan == base
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    case(base)
+    counts = split_counts(base, num_programs, sms)
+    if dry_run:  # the interpreter is slow: the planned count and one other
+        counts = sorted({base.num_splits, counts[0]})
+    for splits in counts:
+        for merge in (False, True):
+            case(dataclasses.replace(base, num_splits=splits, merge_in_kernel=merge))
+    timed = [r for r in rows if "us" in r and not math.isnan(r["max_err"])]
+    if timed:
+        best_plan = plans[min(timed, key=lambda r: r["us"])["plan"]]
+        for block_n, warps, stages in PLAN_TILES[:1] if dry_run else PLAN_TILES:
+            case(
+                dataclasses.replace(best_plan, block_n=block_n, num_warps=warps, num_stages=stages)
+            )
+    timed = [r for r in rows if "us" in r and not math.isnan(r["max_err"])]
+    best = min(timed, key=lambda r: r["us"]) if timed else dict(plan=None, us=None, of_copy=None)
+    summary = dict(
+        best=best["plan"], heads=shape.num_heads, bs=shape.bs, ctx=shape.ctx, us=best["us"],
+        of_copy=best["of_copy"], default_us=rows[0].get("us"),
+        speedup=round(rows[0]["us"] / best["us"], 3) if timed and "us" in rows[0] else None,
+    )  # fmt: skip
+    print(json.dumps(summary), flush=True)
+    return rows + [summary]
+
+
+def moved_bytes(shape: Shape) -> int:
+    """Elements a call must move: the live cache rows, q and out."""
+    width = shape.lora + shape.rope
+    return shape.bs * (shape.ctx * width + shape.num_heads * (width + shape.lora))
+
+
 def bench_shape(
     shape: Shape, device: str, dtype: torch.dtype, copy: float, with_sweep: bool, dry_run: bool
 ) -> dict:
@@ -187,10 +288,7 @@ def bench_shape(
         sm_count(torch.device(device)),
     )  # fmt: skip
     us = time_us(lambda i: call(s, i), dry_run)
-    width = shape.lora + shape.rope
-    # the live cache rows, q, out
-    moved = shape.bs * (shape.ctx * width + shape.num_heads * (width + shape.lora))
-    gbps = round(moved * s["q"].element_size() / us / 1e3, 1)
+    gbps = round(moved_bytes(shape) * s["q"].element_size() / us / 1e3, 1)
     row = dict(
         heads=shape.num_heads, bs=shape.bs, ctx=shape.ctx, us=us, gbps=gbps,
         of_copy=round(gbps / copy, 3), max_err=max_error(s, shape), plan=dataclasses.asdict(base),
@@ -211,11 +309,16 @@ def main() -> None:
     ap.add_argument("--bs", default="1,8,32,128")
     ap.add_argument("--ctx", default="1024,8192", help="keys per request")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument(
+        "--plans", action="store_true", help="the plan sweep: splits x merge, then key tiles"
+    )
     ap.add_argument("--dry-run", action="store_true", help="toy shapes on CPU, the interpreter")
     ap.add_argument("--json", default="")
     add_record_flag(ap)
     args = ap.parse_args()
     resolve_record_flag(args, ap)
+    if args.plans and (args.record is not None or args.sweep):
+        ap.error("--plans prints its own rows: it takes neither --record nor --sweep")
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     if args.dry_run:
         device, dtype, lora, rope, capacity = "cpu", torch.float32, 32, 16, 128
@@ -230,13 +333,16 @@ def main() -> None:
         for bs in batch_sizes:
             for ctx in contexts:
                 shape = Shape(num_heads, bs, ctx, lora, rope, max(capacity, ctx))
+                if args.plans:
+                    rows += plan_sweep(shape, device, dtype, copy, args.dry_run)
+                    continue
                 row = bench_shape(shape, device, dtype, copy, args.sweep, args.dry_run)
                 print(json.dumps({k: v for k, v in row.items() if k != "variants"}), flush=True)
                 rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_gbps=copy, device=_device_name(device), rows=rows), f, indent=1)
-    if args.record is not None:
+    if args.record is not None and not args.plans:
         program = "python benchmarks/bench_mla_decode.py"
         on_gpu = not args.dry_run
         notes = (
