@@ -4,6 +4,7 @@ since the process started, then each eager attention warm-up batch and the first
 
     TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) \\
         python benchmarks/startup_compiles.py --cache-dir $(mktemp -d) [--model M] [--mode FULL]
+        [--loads-after-compiles]
 Prints `COMPILE <ms> <s> <thread> <hit|miss> <kernel> <constexprs>` per compile, `BATCH <ms>
 (rows, keys) <s>` per warm-up batch (each pass of the ten, synchronized), the engine's phases, the
 compile seconds summed per kernel, and one `STAGE` line per start-up stage that compiles or loads
@@ -275,6 +276,11 @@ def main() -> None:
     ap.add_argument("--mode", default=None, help="CUDA-graph mode (default: the level's)")
     ap.add_argument("--cache-dir", help="atomrt's compile cache directory (required but offline)")
     ap.add_argument("--offline", action="store_true", help="compile for sm_90 here, no GPU")
+    ap.add_argument(
+        "--loads-after-compiles",
+        action="store_true",
+        help="compile_ahead loads its kernels once every compile is done (launch.py's option)",
+    )
     ap.add_argument("--threads", type=int, default=8, help="offline: the pool's threads")
     ap.add_argument("--offline-run", choices=("cold", "warm", "pool"), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -298,6 +304,7 @@ def main() -> None:
     from atomrt.runtime.sampling_params import SamplingParams
     from atomrt.workers.runner.graph_runner import GraphRunner
 
+    launch.LOADS_AFTER_COMPILES = a.loads_after_compiles
     run_batches = kernel_warmup.run_batches
 
     def timed_batches(runner, batches):

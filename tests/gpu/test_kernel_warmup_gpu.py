@@ -179,3 +179,36 @@ def test_unpack_under_compile_ahead_launches_nothing_then_unpacks() -> None:
     packed.unpack(fv, 5, 5)
     torch.cuda.synchronize()
     assert fv["input_ids"][:5].tolist() == [3, 4, 5, 6, 7]
+
+
+def test_loads_after_compiles_loads_every_kernel_compiled_ahead(monkeypatch) -> None:
+    """With `LOADS_AFTER_COMPILES` on, `compile_ahead` loads each kernel it compiled once every
+    compile is done (no pool thread waits on a compile for its load): leaving it, every new
+    kernel's module is in, and later launches compile nothing and match torch. Shapes no other
+    test uses, so the variants are new to this process."""
+    import torch
+
+    from atomrt.workers.kernels import launch
+    from atomrt.workers.kernels.gemm.skinny_gemm import skinny_linear
+    from atomrt.workers.kernels.gemm.skinny_kernels import skinny_gemm_kernel
+
+    def compiled() -> list:
+        return list(skinny_gemm_kernel.device_caches[torch.cuda.current_device()][0].values())
+
+    monkeypatch.setattr(launch, "LOADS_AFTER_COMPILES", True)
+    torch.manual_seed(0)
+    xs = [torch.randn(m, 344, device="cuda", dtype=torch.bfloat16) for m in (1, 2, 3)]
+    weight = torch.randn(216, 344, device="cuda", dtype=torch.bfloat16) / 16
+    before = len(compiled())
+    with launch.compile_ahead() as ahead:
+        assert ahead
+        for x in xs:
+            skinny_linear(x, weight)
+    new = compiled()[before:]
+    assert new, "nothing compiled ahead"
+    assert all(getattr(c, "module", None) is not None for c in new), "compiled, not loaded"
+    count = len(compiled())
+    for x in xs:
+        ref = (x.double() @ weight.double().T).to(torch.bfloat16)
+        torch.testing.assert_close(skinny_linear(x, weight), ref, rtol=2e-2, atol=2e-2)
+    assert len(compiled()) == count, "compiled after compile_ahead"

@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 MAX_KEPT = (
     1024  # launches kept per kernel; past it the memo starts again (a key per bucket is usual)
 )
+# compile_ahead's loads onto the device: False queues each in the pool right after its compile (a
+# thread that takes it waits there while that compile runs); True loads them all once every compile
+# is done, so no thread of the pool waits on another's compile. A start-up plan only a GPU can time
+# (benchmarks/startup_compiles.py --loads-after-compiles).
+LOADS_AFTER_COMPILES = False
 
 
 @dataclass
@@ -44,6 +49,7 @@ class _Ahead:
     pool: ThreadPoolExecutor
     asked: set = field(default_factory=set)
     loads: list = field(default_factory=list)  # futures of the loads onto the device
+    after: list = field(default_factory=list)  # LOADS_AFTER_COMPILES: (compile future, device)
 
 
 _AHEAD: ContextVar[Optional[_Ahead]] = ContextVar("atomrt_compile_ahead", default=None)
@@ -76,6 +82,7 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[bool]:
                 _AHEAD.reset(token)
         for load in state.loads:  # the pool runs them in order after their compiles
             load.result()
+        list(pool.map(lambda pending: _load(*pending), state.after))  # every compile is done
 
 
 def _compile_only(kernel: Any, key: Hashable, grid: Any, args: tuple, kwargs: dict) -> None:
@@ -89,8 +96,10 @@ def _compile_only(kernel: Any, key: Hashable, grid: Any, args: tuple, kwargs: di
     future = getattr(pending, "future", None)  # Triton's FutureKernel while it compiles
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
     if future is not None and device is not None and device.type == "cuda":
-        # queued after its compile, so a thread that takes it finds the compile started
-        state.loads.append(state.pool.submit(_load, future, device))
+        if LOADS_AFTER_COMPILES:
+            state.after.append((future, device))
+        else:  # queued after its compile, so a thread that takes it finds the compile started
+            state.loads.append(state.pool.submit(_load, future, device))
 
 
 def _load(compiled: Any, device: torch.device) -> None:
