@@ -81,8 +81,9 @@ def _timed_compile(src, *args, **kwargs):
             entry[0] += 1
             entry[1] += took
             stage = stages[STAGE[0]]
-            stage["hits" if _hit.value else "misses"] += 1
-            stage["hit_s" if _hit.value else "miss_s"] += took
+            kind = {True: "hit", False: "miss"}.get(_hit.value, "unsaid")  # no listener: unsaid
+            stage[{"hit": "hits", "miss": "misses", "unsaid": "unsaids"}[kind]] += 1
+            stage[kind + "_s"] += took
             if key is not None:
                 stage["twice"] += key in _seen
                 _seen.add(key)
@@ -135,6 +136,11 @@ def print_stages() -> None:
             f"{st['forward_s']:6.2f} s  misses {st['misses']:3.0f} {st['miss_s']:6.2f} s  "
             f"hits {st['hits']:3.0f} {st['hit_s']:6.2f} s  loads {st['loads']:3.0f} "
             f"{st['load_s']:6.2f} s  twice {st['twice']:3.0f}"
+            + (
+                f"  hit or miss unsaid {st['unsaids']:3.0f} {st['unsaid_s']:6.2f} s"
+                if st["unsaids"]
+                else ""
+            )
         )
 
 
