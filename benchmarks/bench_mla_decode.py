@@ -190,9 +190,9 @@ def _try(s: dict, plan: MLADecodeLaunch, dry_run: bool) -> object:
 
 
 # (keys per tile, warps, stages) the plan sweep tries after the planned tile. benchmarks/
-# kernel_stats.py mla (sm_90, 16 heads, bf16): the planned 32/4/2 spills in its key loop without
-# merge_in_kernel (255 registers, 36 local loads), none with it; 16/4/1, 32/4/1 and 16/4/2 keep two
-# programs per SM without a spill; 64/8/1 and 32/8/1 hold one program per SM but no spill (larger
+# kernel_stats.py mla (sm_90, 16 heads, bf16): the planned 32/4/2 spills in its key loop (255
+# registers; 36 local loads, 7 with merge_in_kernel); 16/4/1, 32/4/1 and 16/4/2 keep two programs
+# per SM without a spill; 64/8/1 and 32/8/1 hold one program per SM but no spill (larger
 # tiles, fewer round trips: for bs >= 8); 64-key tiles at 4 warps spill and are left out.
 PLAN_TILES = ((16, 4, 1), (32, 4, 1), (16, 4, 2), (64, 8, 1), (32, 8, 1))
 

@@ -387,6 +387,8 @@ def mla_decode_kernel(
         else:
             p_ptrs = partial_ptr + q_row * stride_pr + head * stride_ph + split * stride_ps
             saw_key = store_mask & (l_i > 0.0)[:, None]
+            if MERGE_IN_KERNEL:  # every row's (zeros where no key was seen): see _merge_splits
+                saw_key = store_mask
             tl.store(p_ptrs[:, None] + lora[None, :], acc, mask=saw_key)
             ml_off = q_row * stride_mr + head * stride_mh + split
             tl.store(m_ptr + ml_off, m_i, mask=row_valid)

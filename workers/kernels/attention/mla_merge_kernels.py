@@ -67,8 +67,10 @@ def _merge_splits(partial_ptr, m_ptr, l_ptr, out_ptr, q_row, head, row_valid, nu
                   MERGE_SPLITS: tl.constexpr, MERGE_DIM: tl.constexpr):  # fmt: skip
     """out of one query tile's BLOCK_M (row, head) pairs from the partials of splits
     0..num_active: first their total max and denominator, then MERGE_DIM latent columns at a time,
-    MERGE_SPLITS splits per step, only the partials of splits that saw a key. ".cg" loads skip L1,
-    which may hold lines from before the other programs' stores."""
+    MERGE_SPLITS splits per step. Every working split left its partials, zeros where it saw no key:
+    a step's loads depend on no value loaded, so they all go out before its sums; each split's
+    tile [BLOCK_M, MERGE_DIM] is summed in registers (no reduction across threads). ".cg" loads
+    skip L1, which may hold lines from before the other programs' stores."""
     chunk = tl.arange(0, MERGE_SPLITS)
     ml_off = q_row * stride_mr + head * stride_mh  # [BLOCK_M]
     m_tot = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
@@ -89,20 +91,19 @@ def _merge_splits(partial_ptr, m_ptr, l_ptr, out_ptr, q_row, head, row_valid, nu
         dim_valid = dims < kv_lora_rank
         acc = tl.zeros([BLOCK_M, MERGE_DIM], tl.float32)
         for c0 in range(0, num_active, MERGE_SPLITS):
-            idx = c0 + chunk
-            take = row_valid[:, None] & (idx < num_active)[None, :]
-            ml_ptrs = ml_off[:, None] + idx[None, :]
-            m_s = tl.load(m_ptr + ml_ptrs, mask=take, other=_NEG_BIG, cache_modifier=".cg")
-            l_s = tl.load(l_ptr + ml_ptrs, mask=take, other=0.0, cache_modifier=".cg")
-            live = l_s > 0.0
-            w = tl.where(live, tl.exp2(m_s - m_tot[:, None]), 0.0)  # [BLOCK_M, MERGE_SPLITS]
-            a_s = tl.load(
-                p_base[:, None, None] + idx[None, :, None] * stride_ps + dims[None, None, :],
-                mask=live[:, :, None] & dim_valid[None, None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )  # [BLOCK_M, MERGE_SPLITS, MERGE_DIM]
-            acc += tl.sum(a_s * w[:, :, None], 1)
+            for j in tl.static_range(MERGE_SPLITS):
+                take = row_valid & (c0 + j + 0 * ml_off < num_active)  # [BLOCK_M]
+                m_s = tl.load(
+                    m_ptr + ml_off + c0 + j, mask=take, other=_NEG_BIG, cache_modifier=".cg"
+                )
+                l_s = tl.load(l_ptr + ml_off + c0 + j, mask=take, other=0.0, cache_modifier=".cg")
+                a_s = tl.load(
+                    p_base[:, None] + (c0 + j) * stride_ps + dims[None, :],
+                    mask=take[:, None] & dim_valid[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )  # [BLOCK_M, MERGE_DIM]
+                acc += tl.where(l_s > 0.0, tl.exp2(m_s - m_tot), 0.0)[:, None] * a_s
         o_mask = row_valid[:, None] & dim_valid[None, :]
         tl.store(o_base[:, None] + dims[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
                  mask=o_mask)  # fmt: skip
