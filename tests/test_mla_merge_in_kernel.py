@@ -117,3 +117,27 @@ def test_ubatch_is_checked() -> None:
     args = (batch.q, batch.kv_cache, batch.block_table, batch.seq_lens, batch.cu_seqlens_q)
     with pytest.raises(ValueError, match="ubatch"):
         mla_decode_attention(*args, batch.scale, batch.out(), ubatch=2)
+
+
+def test_the_plan_rule_merges_few_splits_in_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MERGE_IN_KERNEL_MAX_SPLITS: plans (and a num_kv_splits given) of at most that many splits
+    merge in the kernel, more keep the merge launch; what the wrapper then runs is exact."""
+    caches = (mla_decode.plan_mla_decode, mla_decode._with_splits)
+    monkeypatch.setattr(mla_decode, "MERGE_IN_KERNEL_MAX_SPLITS", 8)
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        few = mla_decode.plan_mla_decode(32, 32, 8192, 16, 512, 64, 132)
+        many = mla_decode.plan_mla_decode(1, 1, 8192, 16, 512, 64, 132)
+        assert (few.num_splits, few.merge_in_kernel) == (8, True)
+        assert (many.num_splits, many.merge_in_kernel) == (128, False)
+        assert mla_decode._with_splits(many, 3).merge_in_kernel
+        assert not mla_decode._with_splits(few, 9).merge_in_kernel
+        batch = make_mla_batch([1, 1], [90, 50], num_heads=4, kv_lora_rank=32, rope_dim=16)
+        with monkeypatch.context() as m:
+            m.setattr(mla_decode, "launch", lambda *a, **k: pytest.fail("a merge launch ran"))
+            check_mla(batch, run_mla(batch, num_kv_splits=3))
+        assert counters_are_zero()
+    finally:
+        for cache in caches:
+            cache.cache_clear()

@@ -45,6 +45,10 @@ MIN_KEYS_PER_SPLIT = 64  # and at least 4 per query head: a split's partials (H 
 # needs about as many splits as the GPU has SMs to keep enough of its cache reads in flight.
 MAX_SPLITS = 128
 MERGE_TILE = 4096  # fp32 partials a merge program holds at once (splits x latent columns)
+# A plan of at most this many splits merges them in the decode kernel (merge_in_kernel: one launch,
+# its last split program to finish reading every split's partials) rather than in a launch of its
+# own; 0: always the merge launch, until bench_mla_decode.py --plans times the two on a GPU.
+MERGE_IN_KERNEL_MAX_SPLITS = 0
 MERGE_SPLITS = 4  # merge_in_kernel: splits the merging program reads per step
 MERGE_REGS = 4096  # and fp32 partials it holds at once (rows x MERGE_SPLITS x latent columns)
 
@@ -125,12 +129,14 @@ def plan_mla_decode(
         min_tiles_per_split=triton.cdiv(min_keys, block_n),
         num_warps=4 if block_m <= 16 else 8,
         num_stages=2,
+        merge_in_kernel=num_splits <= MERGE_IN_KERNEL_MAX_SPLITS,
     )
 
 
 @functools.lru_cache(maxsize=1024)
 def _with_splits(plan: MLADecodeLaunch, num_splits: int) -> MLADecodeLaunch:
-    return dataclasses.replace(plan, num_splits=num_splits)
+    merge_in_kernel = num_splits <= MERGE_IN_KERNEL_MAX_SPLITS
+    return dataclasses.replace(plan, num_splits=num_splits, merge_in_kernel=merge_in_kernel)
 
 
 def mla_decode_attention(
