@@ -2,14 +2,15 @@
 target on any machine (no GPU needed: Triton's compiler and the ptxas its wheel ships):
 
     python benchmarks/kernel_stats.py decode [--head-dim 128] [--group 4] [--kv-cache-dtype fp8]
-        [--split] [--quick]
+        [--split] [--quick | --candidates]
     python benchmarks/kernel_stats.py mla [--heads 16] [--kv-cache-dtype fp8]
 
 One JSON line per launch plan of a grid (decode: key tile x warps x stages x prefetch_kv; mla: key
 tile x warps x stages x merge_in_kernel): registers per thread, local-memory stack (spills), shared
 memory, the programs an SM holds by registers and by shared memory, and, in the key loop's SASS,
-instructions per key and the spill loads and stores there. The plan the runtime picks is marked
-"default". Run it without TRITON_INTERPRET (the interpreter's kernels do not compile). A static
+instructions per key, the spill loads and stores, barriers and byte-wide shared-memory loads
+there. The plan the runtime picks is marked "default"; decode --candidates gives the e4m3 cache
+plans bench_decode_attention.py --sweep times instead of the grid. Run it without TRITON_INTERPRET (the interpreter's kernels do not compile). A static
 view, not a timing: it says which plans can keep two programs per SM and which spill in their
 loop, for a GPU sweep (bench_decode_attention.py, bench_mla_decode.py --sweep) to time.
 """
@@ -87,6 +88,8 @@ def compile_stats(fn, sig: dict, constexprs: dict, warps: int, stages: int, capa
         loop_instructions=len(loop),
         loop_spill_loads=sum(1 for i in loop if i.startswith("LDL")),
         loop_spill_stores=sum(1 for i in loop if i.startswith("STL")),
+        loop_barriers=sum(1 for i in loop if i.startswith("BAR")),
+        loop_shared_byte_loads=sum(1 for i in loop if i.startswith(("LDS.U8", "LDS.S8"))),
     )
 
 
@@ -117,10 +120,8 @@ DECODE_GRID = tuple(itertools.product((64, 128), (4, 8), (1, 2), (False, True)))
 QUICK_DECODE_GRID = ((64, 8, 1, False), (128, 8, 2, False))  # the two plans at 8 warps
 
 
-def decode_rows(args, grid=DECODE_GRID) -> list[dict]:
-    """One row per (tile_n, warps, stages, prefetch_kv) of `grid`; the runtime's plan among them
-    is marked default."""
-    fp8 = args.kv_cache_dtype == "fp8"
+def _decode_sig(fp8: bool) -> dict[str, str]:
+    cache = "*fp8e4nv" if fp8 else "*bf16"
     cache = "*fp8e4nv" if fp8 else "*bf16"
     bf = "*bf16"
     pointers = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), bf)
@@ -128,7 +129,23 @@ def decode_rows(args, grid=DECODE_GRID) -> list[dict]:
     pointers |= dict(k_cache_ptr=cache, v_cache_ptr=cache, kv_scales_ptr="*fp32")
     pointers |= dict(counter_ptr="*i32", positions_ptr="*i64", slot_mapping_ptr="*i64")
     pointers |= dict.fromkeys(("cu_seqlens_q_ptr", "context_lens_ptr", "block_tables_ptr"), "*i32")
-    sig = _signature(decode_attention_kernel, pointers, ("scale_log2",))
+    return _signature(decode_attention_kernel, pointers, ("scale_log2",))
+
+
+def _decode_stats(args, plan, sig: dict, fp8: bool) -> dict:
+    cx = dict(_decode_constexprs(plan, args.group, args.head_dim, 16, True, False, fp8, False))
+    cx.pop("launch_pdl")
+    warps, stages = cx.pop("num_warps"), cx.pop("num_stages")
+    stats = compile_stats(decode_attention_kernel, sig, cx, warps, stages, args.capability)
+    stats["loop_instructions_per_key"] = round(stats.pop("loop_instructions") / plan.tile_n, 2)
+    return stats
+
+
+def decode_rows(args, grid=DECODE_GRID) -> list[dict]:
+    """One row per (tile_n, warps, stages, prefetch_kv) of `grid`; the runtime's plan among them
+    is marked default."""
+    fp8 = args.kv_cache_dtype == "fp8"
+    sig = _decode_sig(fp8)
     num_seqs = 1 if args.split else 32
     default = plan_decode(num_seqs, 8192, 8, args.group, args.head_dim, 132, fp8)
     if args.split != (default.num_splits > 1):
@@ -138,13 +155,27 @@ def decode_rows(args, grid=DECODE_GRID) -> list[dict]:
         plan = dataclasses.replace(
             default, tile_n=tile_n, num_warps=warps, num_stages=stages, prefetch_kv=prefetch
         )
-        cx = dict(_decode_constexprs(plan, args.group, args.head_dim, 16, True, False, fp8, False))
-        cx.pop("launch_pdl")
-        warps, stages = cx.pop("num_warps"), cx.pop("num_stages")
-        stats = compile_stats(decode_attention_kernel, sig, cx, warps, stages, args.capability)
-        stats["loop_instructions_per_key"] = round(stats.pop("loop_instructions") / tile_n, 2)
+        stats = _decode_stats(args, plan, sig, fp8)
         name = dict(tile_n=tile_n, warps=warps, stages=stages, prefetch_kv=prefetch)
         rows.append(dict(name, default=plan == default, **stats))
+    return rows
+
+
+def candidate_rows(args) -> list[dict]:
+    """One row per e4m3 cache plan bench_decode_attention.py --sweep times (FP8_CANDIDATES), with
+    the split count it gives the plan at bs 32 on 132 SMs, after the e4m3 default's."""
+    from bench_decode_attention import FP8_CANDIDATES, candidate_plan  # a sibling script
+
+    sig = _decode_sig(True)
+    default = plan_decode(32, 8192, 8, args.group, args.head_dim, 132, True)
+    plans = {"default": default}
+    plans |= {name: candidate_plan(default, name, 32 * 8, 132) for name in FP8_CANDIDATES}
+    rows = []
+    for name, plan in plans.items():
+        stats = _decode_stats(args, plan, sig, True)
+        fields = dict(tile_n=plan.tile_n, warps=plan.num_warps, stages=plan.num_stages)
+        fields |= dict(splits=plan.num_splits, widen_v_first=plan.widen_v_first)
+        rows.append(dict(candidate=name, **fields, default=plan == default, **stats))
     return rows
 
 
@@ -184,8 +215,17 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     ap.add_argument("--capability", type=int, default=90, help="the target's sm_ number")
     ap.add_argument("--quick", action="store_true", help="decode: 64- and 128-key tiles, 8 warps")
+    ap.add_argument(
+        "--candidates",
+        action="store_true",
+        help="decode: bench_decode_attention.py's e4m3 cache candidates at bs 32 (e4m3 cache)",
+    )
     args = ap.parse_args()
-    if args.kernel == "decode":
+    if args.candidates and (args.kernel != "decode" or args.kv_cache_dtype != "fp8"):
+        ap.error("--candidates: only with decode --kv-cache-dtype fp8")
+    if args.candidates:
+        rows = candidate_rows(args)
+    elif args.kernel == "decode":
         rows = decode_rows(args, QUICK_DECODE_GRID if args.quick else DECODE_GRID)
     else:
         rows = mla_rows(args)
