@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 from kernel_device import DEVICE
-from test_mla_kernels import NAN, check_mla, forced_plan, make_mla_batch, run_mla
+from test_mla_kernels import NAN, check_mla, forced_plan, make_mla_batch, reference_mla, run_mla
 
 from atomrt.workers.kernels.attention import mla_decode
 from atomrt.workers.kernels.attention.decode_attention import (
@@ -141,3 +141,19 @@ def test_the_plan_rule_merges_few_splits_in_the_kernel(monkeypatch: pytest.Monke
     finally:
         for cache in caches:
             cache.cache_clear()
+
+
+def test_a_scaled_e4m3_cache() -> None:
+    """kv_cache_dtype fp8: each split's partials carry the cache's scale, and so the merge."""
+    batch = make_mla_batch([1, 3], [40, 66], num_heads=4, kv_lora_rank=64, rope_dim=32, seed=5)
+    k_scale = 0.0123
+    batch.kv_cache = (2 * batch.kv_cache).to(torch.float8_e4m3fn)
+    scales = torch.tensor([k_scale, 0.5], dtype=torch.float32, device=DEVICE)
+    out = batch.out()
+    args = (batch.q, batch.kv_cache, batch.block_table, batch.seq_lens, batch.cu_seqlens_q)
+    plan = merging_plan(4, 64, 32, num_splits=3)
+    launch_mla_decode(plan, *args, batch.scale, out, kv_scales=scales)
+    ref = reference_mla(dataclasses.replace(batch, kv_cache=batch.kv_cache.double() * k_scale))
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    assert counters_are_zero()
