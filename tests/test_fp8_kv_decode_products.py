@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -171,3 +175,24 @@ def test_the_sweeps_e4m3_candidates_match_a_float64_reference(num_seqs: int) -> 
             1.0, True, plan.num_splits, lens=[1, 65, 200], num_kv_heads=2, head_dim=128, plan=plan
         )
         torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3, msg=name)
+
+
+def test_widened_v_tiles_change_layout_without_byte_reads() -> None:
+    """Compiled for sm_90 (benchmarks/kernel_stats.py, no GPU needed), the e4m3 plans the sweep
+    times with widen_v_first read no shared memory a byte at a time in their key loop, where the
+    default reads V's tile so, and none spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "kernel_stats.py"), "decode",
+         "--kv-cache-dtype", "fp8", "--candidates"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1 + len(_bench_decode_attention().FP8_CANDIDATES)
+    for row in rows:
+        assert row["stack"] == 0 and row["loop_spill_loads"] == 0, row
+        if row["widen_v_first"]:
+            assert row["loop_shared_byte_loads"] == 0, row
+        else:
+            assert row["loop_shared_byte_loads"] > 0, row

@@ -57,17 +57,24 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block, keys, kv_mask, dims, kvh, str
 
 
 @triton.jit
+def _swap_pairs(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """x [ROWS, COLS] with columns 2i and 2i + 1 swapped (its own inverse)."""
+    even, odd = tl.split(tl.reshape(x, (ROWS, COLS // 2, 2)))
+    return tl.reshape(tl.join(odd, even), (ROWS, COLS))
+
+
+@triton.jit
 def _widen_v(v, prod_ty: tl.constexpr, WIDEN_V_FIRST: tl.constexpr, TILE_N: tl.constexpr,
              HEAD_DIM_P: tl.constexpr):  # fmt: skip
     """A V tile [TILE_N, HEAD_DIM_P] in the products' dtype. tl.dot takes V's keys as its reduced
     dim, so the tile changes layout through shared memory on its way there; Triton moves an e4m3
     tile's widening after that change, which then reads shared memory a byte at a time.
-    WIDEN_V_FIRST widens it first: the reshape, split and join between (an identity) keep the
-    widening where it is, and the change moves 16-bit values (DecodeLaunch.widen_v_first)."""
+    WIDEN_V_FIRST widens it first and swaps its column pairs, which keeps the widening there (the
+    layout change then moves 16-bit values): the products land in column-swapped output, which the
+    kernel swaps into and back out of around the key loop (DecodeLaunch.widen_v_first)."""
     v = v.to(prod_ty)
     if WIDEN_V_FIRST:
-        even, odd = tl.split(tl.reshape(v, (TILE_N, HEAD_DIM_P // 2, 2)))
-        v = tl.reshape(tl.join(even, odd), (TILE_N, HEAD_DIM_P))
+        v = _swap_pairs(v, TILE_N, HEAD_DIM_P)
     return v
 
 
@@ -274,6 +281,8 @@ def decode_attention_kernel(
     l_i = tl.where(owns_new, 1.0, 0.0)
     acc = tl.where(owns_new[:, None], v_new.to(tl.float32)[None, :], 0.0)  # [BLOCK_M, HEAD_DIM_P]
 
+    if WIDEN_V_FIRST:  # the products of column-swapped V tiles accumulate here (_widen_v)
+        acc = _swap_pairs(acc, BLOCK_M, HEAD_DIM_P)
     t = split
     num_iters = tl.cdiv(num_tiles - split, num_active)
     if PREFETCH_KV:
@@ -327,6 +336,8 @@ def decode_attention_kernel(
             ).to(tl.int64)
             m_i, l_i, acc = _attend_tile(q_dot, k, v, key_valid, dot_scale, m_i, l_i, acc, IEEE_DOT)
 
+    if WIDEN_V_FIRST:
+        acc = _swap_pairs(acc, BLOCK_M, HEAD_DIM_P)
     acc = acc * v_scale
     q_mask = row_valid[:, None] & dim_valid[None, :]
     finish = num_active == 1  # this program holds the whole result
