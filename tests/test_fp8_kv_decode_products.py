@@ -54,12 +54,13 @@ def run_fp8_decode(
     head_dim: int = 32,
     tile_n: int = 16,
     device: str = DEVICE,
-    prefetch_kv: bool = False,
-    widen_v_first: bool = False,
+    prefetch_kv: bool | None = None,
+    widen_v_first: bool | None = None,
     plan: DecodeLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel output, float64 reference) of the real rows of a decode step over a scaled e4m3
-    cache with a bfloat16 q of about `q_scale` in magnitude."""
+    cache with a bfloat16 q of about `q_scale` in magnitude. `plan` (default: forced_plan's)
+    keeps its prefetch_kv and widen_v_first unless they are given."""
     case = make_decode_case(
         lens, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, pad_seqs=1, pad_rows=2,
         rope=False, seed=11, device=device,
@@ -76,9 +77,11 @@ def run_fp8_decode(
     plan = dataclasses.replace(
         plan or forced_plan(group, head_dim, num_splits, tile_n=tile_n),
         fp8_f16_products=f16_products,
-        prefetch_kv=prefetch_kv,
-        widen_v_first=widen_v_first,
     )
+    if prefetch_kv is not None:
+        plan = dataclasses.replace(plan, prefetch_kv=prefetch_kv)
+    if widen_v_first is not None:
+        plan = dataclasses.replace(plan, widen_v_first=widen_v_first)
     decode_attention(
         q, case.k, case.v, out, None, None, None, b.k_cache, b.v_cache, case.slot_mapping,
         b.cu_seqlens_q, b.context_lens, b.block_tables, head_dim**-0.5, plan, num_seqs=b.num_seqs,
@@ -171,6 +174,7 @@ def test_the_sweeps_e4m3_candidates_match_a_float64_reference(num_seqs: int) -> 
         if plan.num_splits > base.num_splits:  # filled: one wave of programs
             assert plan.num_splits * num_seqs * 8 <= 132 * per_sm, (name, plan)
         plan = dataclasses.replace(plan, num_splits=min(plan.num_splits, 5), min_tiles_per_split=1)
+        assert plan.widen_v_first == bench.FP8_CANDIDATES[name][0].get("widen_v_first", False)
         out, ref = run_fp8_decode(
             1.0, True, plan.num_splits, lens=[1, 65, 200], num_kv_heads=2, head_dim=128, plan=plan
         )

@@ -32,3 +32,28 @@ def test_f16_and_bf16_products_at_llama_8b_shape(q_scale: float, num_splits: int
     torch.testing.assert_close(bf16, ref, rtol=2e-2, atol=2e-2)
     # float16's p keeps 3 more bits than bfloat16's: no further from the reference
     assert (f16 - ref).abs().max() <= (bf16 - ref).abs().max() * 1.25 + 1e-4
+
+
+def test_the_sweeps_candidates_at_llama_8b_shape() -> None:
+    """Every e4m3 plan bench_decode_attention.py --sweep times (V widened first or not, 1 to 8 warps,
+    1 to 3 stages, the splits it gives them at bs 32), compiled for this GPU, gives the float64
+    reference's attention over contexts past 2k keys; widen_v_first gives the default's output
+    bit for bit."""
+    import dataclasses
+
+    from test_fp8_kv_decode_products import _bench_decode_attention
+
+    from atomrt.workers.kernels.attention.decode_attention import plan_decode
+
+    prepare_decode_counters(torch.device("cuda"))
+    bench = _bench_decode_attention()
+    base = plan_decode(32, 8192, 8, 4, 128, 132, fp8_cache=True)
+    shape = {k: v for k, v in LLAMA_8B.items() if k != "tile_n"}
+    for name in bench.FP8_CANDIDATES:
+        plan = bench.candidate_plan(base, name, 32 * 8, 132)
+        out, ref = run_fp8_decode(1.0, True, plan.num_splits, lens=LONG_LENS, plan=plan, **shape)
+        torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2, msg=name)
+        if plan.widen_v_first:
+            late = dataclasses.replace(plan, widen_v_first=False)
+            same, _ = run_fp8_decode(1.0, True, plan.num_splits, lens=LONG_LENS, plan=late, **shape)
+            assert torch.equal(out, same), name
