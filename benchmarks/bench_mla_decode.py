@@ -210,9 +210,26 @@ def split_counts(base: MLADecodeLaunch, num_programs: int, num_sms: int) -> list
 
 def plan_name(plan: MLADecodeLaunch) -> str:
     merge = "none" if plan.num_splits == 1 else "kernel" if plan.merge_in_kernel else "launch"
-    return (
-        f"n{plan.block_n}w{plan.num_warps}s{plan.num_stages} splits{plan.num_splits} merge={merge}"
-    )
+    tile = f"n{plan.block_n}w{plan.num_warps}s{plan.num_stages} h{plan.heads_p}"
+    return f"{tile} splits{plan.num_splits} merge={merge}"
+
+
+def tile_candidates(best: MLADecodeLaunch, dry_run: bool) -> list[MLADecodeLaunch]:
+    """The plan sweep's second stage, at the best split count and merge: the tiles of PLAN_TILES,
+    then (16 heads or more a tile) half the heads a tile: twice the programs, each with half the
+    partials to store and merge, the cache read once per head tile (the L2 may serve the second)."""
+    tiles = PLAN_TILES[:1] if dry_run else PLAN_TILES
+    out = [
+        dataclasses.replace(best, block_n=block_n, num_warps=warps, num_stages=stages)
+        for block_n, warps, stages in tiles
+    ]
+    if best.heads_p >= 16:
+        heads_p = best.heads_p // 2
+        block_m = max(16, best.block_q * heads_p)
+        out.append(
+            dataclasses.replace(best, heads_p=heads_p, block_m=block_m, block_q=block_m // heads_p)
+        )
+    return out
 
 
 def plan_sweep(
@@ -257,10 +274,8 @@ def plan_sweep(
     timed = [r for r in rows if "us" in r and not math.isnan(r["max_err"])]
     if timed:
         best_plan = plans[min(timed, key=lambda r: r["us"])["plan"]]
-        for block_n, warps, stages in PLAN_TILES[:1] if dry_run else PLAN_TILES:
-            case(
-                dataclasses.replace(best_plan, block_n=block_n, num_warps=warps, num_stages=stages)
-            )
+        for plan in tile_candidates(best_plan, dry_run):
+            case(plan)
     timed = [r for r in rows if "us" in r and not math.isnan(r["max_err"])]
     best = min(timed, key=lambda r: r["us"]) if timed else dict(plan=None, us=None, of_copy=None)
     summary = dict(

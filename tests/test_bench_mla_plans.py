@@ -47,3 +47,14 @@ def test_split_counts_surround_the_planned_one() -> None:
     assert bench.split_counts(base, 1, 132) == [16, 32, 64, 128]
     base = bench.plan_mla_decode(32, 32, 8192, 16, 512, 64, 132)
     assert bench.split_counts(base, 32, 132) == [1, 2, 4, 8, 16]
+
+
+def test_tile_candidates_include_half_the_heads_a_tile() -> None:
+    bench = _bench()
+    best = bench.plan_mla_decode(1, 1, 8192, 16, 512, 64, 132)
+    plans = bench.tile_candidates(best, dry_run=False)
+    names = [bench.plan_name(p) for p in plans]
+    assert len(set(names)) == len(plans) == len(bench.PLAN_TILES) + 1
+    half = plans[-1]
+    assert (half.heads_p, half.block_m, half.block_q, half.num_splits) == (8, 16, 2, 128)
+    assert all(p.num_splits == best.num_splits for p in plans)

@@ -157,3 +157,13 @@ def test_a_scaled_e4m3_cache() -> None:
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
     assert counters_are_zero()
+
+
+def test_head_tiles_merge_apart() -> None:
+    """Half the heads a tile: each (request, head tile) has its own counter and merging program."""
+    batch = make_mla_batch([1, 2], [90, 50], num_heads=4, kv_lora_rank=32, rope_dim=16, seed=12)
+    plan = dataclasses.replace(
+        merging_plan(4, 32, 16, num_splits=3), heads_p=2, block_m=16, block_q=8
+    )
+    check_mla(batch, run_mla(batch, plan=plan))
+    assert counters_are_zero()
