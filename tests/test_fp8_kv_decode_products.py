@@ -200,3 +200,29 @@ def test_widened_v_tiles_change_layout_without_byte_reads() -> None:
             assert row["loop_shared_byte_loads"] == 0, row
         else:
             assert row["loop_shared_byte_loads"] > 0, row
+
+
+def test_e4m3_plans_fill_the_sms_program_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once every SM has a (sequence, KV head) program, an e4m3 plan at head_dim 128 splits the
+    keys so the programs fill the SMs' program slots (FP8_PLAN_D128's programs per SM) in one
+    wave; fewer programs than SMs split as before, and the bfloat16 cache does not split."""
+    import atomrt.workers.kernels.attention.decode_attention as da
+
+    def plan(bs: int, fp8: bool = True, kv_heads: int = 8) -> DecodeLaunch:
+        return da.plan_decode(bs, 8192, kv_heads, 4, 128, 132, fp8_cache=fp8)
+
+    plan_decode.cache_clear()
+    assert plan(32).num_splits == 1  # 256 programs, 2 an SM: one wave
+    assert plan(33, kv_heads=4).num_splits == 2  # 132 programs: two an SM
+    assert plan(33, fp8=False, kv_heads=4).num_splits == 1
+    assert plan(8).num_splits == 5  # 64 programs < 132 SMs: cdiv(2 * 132, 64)
+    monkeypatch.setattr(da, "FP8_PLAN_D128", (32, 4, 3, True, 5))
+    plan_decode.cache_clear()
+    try:
+        p32 = plan(32)
+        assert (p32.tile_n, p32.num_warps, p32.num_stages, p32.widen_v_first) == (32, 4, 3, True)
+        assert p32.num_splits == 2 and p32.min_tiles_per_split == 8  # 660 slots // 256
+        assert plan(128).num_splits == 1 and plan(64).num_splits == 1  # 660 // 512, // 1024
+        assert plan(32, fp8=False).num_splits == 1
+    finally:
+        plan_decode.cache_clear()

@@ -65,6 +65,12 @@ class DecodeLaunch:
     widen_v_first: bool = False
 
 
+# The e4m3 cache's launch at head_dim 128: (tile_n, num_warps, num_stages, widen_v_first, the
+# programs an SM holds at that plan by sm_90 registers and shared memory). Widening an e4m3 tile of
+# 128 keys takes ~140 registers a thread at 8 warps: one program per SM, where the bfloat16
+# cache's ~90 fit two; 64-key tiles in one stage keep ~90 (benchmarks/kernel_stats.py decode
+# --kv-cache-dtype fp8; bench_decode_attention.py --kv-cache-dtype fp8 --sweep times others).
+FP8_PLAN_D128 = (64, 8, 1, False, 2)
 SPLIT_CHUNK = 4  # splits the merging program reads per step
 DECODE_COUNTERS = 4096  # split counters per microbatch: a split launch has < num_sms (seq, KV head)
 UBATCHES = 2  # two-batch overlap's microbatches, whose launches may overlap: a counter region each
@@ -88,28 +94,31 @@ def plan_decode(
     # 128-key tiles: fewer dependent round trips per program; faster than 64-key tiles at long
     # contexts and even at short ones (benchmarks/bench_decode_attention.py --sweep).
     tile_n = 128 if head_dim_p <= 128 else 32
-    num_stages = 2
-    if fp8_cache and head_dim_p == 128:
-        # widening an e4m3 tile of 128 keys takes ~140 registers a thread at 8 warps on sm_90: one
-        # program per SM, where the bfloat16 cache's ~90 fit two; 64-key tiles in one stage keep
-        # ~90 (benchmarks/kernel_stats.py; bench_decode_attention.py --kv-cache-dtype fp8 times).
-        tile_n, num_stages = 64, 1
+    num_warps = 8 if head_dim_p >= 128 else 4
+    num_stages, widen_v_first, per_sm = 2, False, 0
+    fp8_d128 = fp8_cache and head_dim_p == 128
+    if fp8_d128:
+        tile_n, num_warps, num_stages, widen_v_first, per_sm = FP8_PLAN_D128
     num_programs = max(1, num_seqs * num_kv_heads)
     num_splits = 1
-    if num_programs < num_sms and num_programs <= DECODE_COUNTERS:
+    if num_programs <= DECODE_COUNTERS:
         partial_bytes = max(1, num_seqs * num_kv_heads * group * head_dim * 4)
         max_splits = min(
             MAX_SPLITS, max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_PARTIAL_BYTES // partial_bytes
         )
-        num_splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, num_programs)))
+        if num_programs < num_sms:
+            num_splits = max(1, min(max_splits, triton.cdiv(2 * num_sms, num_programs)))
+        elif fp8_d128:  # every SM has a program: splits fill the SMs' program slots, one wave
+            num_splits = max(1, min(max_splits, num_sms * per_sm // num_programs))
     return DecodeLaunch(
         block_m=max(16, triton.next_power_of_2(group)),
         head_dim_p=head_dim_p,
         tile_n=tile_n,
         num_splits=num_splits,
         min_tiles_per_split=max(1, MIN_KEYS_PER_SPLIT // tile_n),
-        num_warps=8 if head_dim_p >= 128 else 4,
+        num_warps=num_warps,
         num_stages=num_stages,
+        widen_v_first=widen_v_first,
     )
 
 
