@@ -65,16 +65,18 @@ LAYERS, BLOCK_SIZE, CAPACITY = 16, 16, 8192
 # V loads only after its K tile went through shared memory (two round trips a tile); 2 and 3
 # stages copy both ahead (cp.async) as the bfloat16 cache's plan does. widen_v_first: 44 warp
 # instructions a key in the loop at 64-key tiles, 8 warps and 2 stages, where the default has 48
-# (58 at 2 stages). Fewer warps a program: fewer cross-warp softmax reductions (barriers) a key.
+# (58 at 2 stages), and 128-key tiles fit 2 programs an SM again (118 registers, 37 a key: the
+# bfloat16 cache's plan, 93 and 37; 154 registers with the split path, so 1 an SM at bs 1).
+# Fewer warps a program: fewer cross-warp softmax reductions (barriers) a key.
 FP8_CANDIDATES: dict[str, tuple[dict, int]] = {
     "t64w8s2": (dict(tile_n=64, num_warps=8, num_stages=2), 2),
-    "t64w8s1v": (dict(tile_n=64, num_warps=8, num_stages=1, widen_v_first=True), 2),
     "t64w8s2v": (dict(tile_n=64, num_warps=8, num_stages=2, widen_v_first=True), 2),
     "t64w8s3v": (dict(tile_n=64, num_warps=8, num_stages=3, widen_v_first=True), 2),
+    "t128w8s2v": (dict(tile_n=128, num_warps=8, num_stages=2, widen_v_first=True), 2),
     "t64w4s2v": (dict(tile_n=64, num_warps=4, num_stages=2, widen_v_first=True), 4),
+    "t64w4s3v": (dict(tile_n=64, num_warps=4, num_stages=3, widen_v_first=True), 4),
     "t32w4s3v": (dict(tile_n=32, num_warps=4, num_stages=3, widen_v_first=True), 5),
     "t32w2s2v": (dict(tile_n=32, num_warps=2, num_stages=2, widen_v_first=True), 6),
-    "t16w1s2v": (dict(tile_n=16, num_warps=1, num_stages=2, widen_v_first=True), 8),
 }
 
 
