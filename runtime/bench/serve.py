@@ -51,13 +51,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import httpx
-import numpy as np
 from tqdm import tqdm
 
 from atomrt.distributed.net_utils import get_free_port
 from atomrt.runtime.bench import serve_views, structured
 from atomrt.runtime.bench.records import add_record_flag, resolve_record_flag, save
-from atomrt.runtime.bench.serve_figures import load_name, serve_figures
+from atomrt.runtime.bench.serve_figures import load_name, percentiles_ms, serve_figures
 from atomrt.runtime.bench.serve_views import (
     add_server_view,
     offline_tokens_per_s,
@@ -345,13 +344,6 @@ async def run_load(
     return list(outcomes), start, seconds
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    a = np.asarray(values) * 1000.0
-    return {f"p{q}": round(float(np.percentile(a, q)), 3) for q in (50, 90, 99)}
-
-
 def summarize(
     outcomes: list[Outcome],
     start: float,
@@ -371,9 +363,9 @@ def summarize(
         seconds=round(seconds, 3),
         requests_per_s=round(len(ok) / seconds, 3),
         output_tokens_per_s=round(tokens / seconds, 2),
-        ttft_ms=_percentiles([o.ttft for o in ok]),
-        tpot_ms=_percentiles(tpots),
-        itl_ms=_percentiles([x for o in ok for x in o.itls]),
+        ttft_ms=percentiles_ms([o.ttft for o in ok]),
+        tpot_ms=percentiles_ms(tpots),
+        itl_ms=percentiles_ms([x for o in ok for x in o.itls]),
         requests=[
             [round(1e3 * (o.start - start), 3), round(1e3 * o.ttft, 3), round(1e3 * o.latency, 3)]
             for o in ok

@@ -9,6 +9,8 @@ import argparse
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from atomrt.runtime.bench import goals
 from atomrt.runtime.bench.records import Figure, Quantity, figure
 from atomrt.runtime.bench.targets import engine_flags, env_variant, goal_key, model_name, row_case
@@ -151,3 +153,11 @@ def _structured_figures(
             stall["ratio"], f"× the time between tokens before (goal ≤ {stall_goal.value:g}×)"
         )
     return out
+
+
+def percentiles_ms(values: list[float]) -> dict[str, float]:
+    """p50 / p90 / p99 of durations in seconds, in milliseconds (NaN for none)."""
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    a = np.asarray(values) * 1000.0
+    return {f"p{q}": round(float(np.percentile(a, q)), 3) for q in (50, 90, 99)}
