@@ -627,6 +627,8 @@ def test_bench_serve_against_a_running_server(tiny_server, tmp_path):
         # tokens take at least 5 steps (at most 8 x 5: a prefill step makes the first token)
         assert 0 <= r["server_queue_ms_mean"] <= r["server_ttft_ms_mean"]
         assert 5 <= r["server_steps"] <= 40
+        # chunks that carried tokens: one per token unless a reader fell behind (merged)
+        assert r["output_tokens"] == 40 and 8 <= r["chunks"] <= 40
         assert len(r["requests"]) == 8 and all(0 < ttft <= lat for _, ttft, lat in r["requests"])
     assert png.read_bytes()[:4] == b"\x89PNG"
     # the record: tokens/s (no offline run against a server it did not start) and the mean

@@ -111,6 +111,13 @@ class RunResult:
     server_ttft_ms_mean: Optional[float] = None  # the server's /metrics, over this run
     server_queue_ms_mean: Optional[float] = None
     server_steps: Optional[int] = None
+    output_tokens: int = 0
+    chunks: int = 0  # streamed chunks that carried tokens (text)
+    # the API process's CPU (its /metrics' process_cpu_seconds_total) over the run: per output
+    # token and per chunk, and the share of one core it used (1.0: the HTTP side is saturated)
+    api_cpu_us_per_token: Optional[float] = None
+    api_cpu_us_per_chunk: Optional[float] = None
+    api_cpu_busy: Optional[float] = None
     offline_output_tokens_per_s: Optional[float] = None
     offline_steps: Optional[int] = None
     server_vs_offline: Optional[float] = None
@@ -371,6 +378,8 @@ def summarize(
             for o in ok
         ],
         started_monotonic=time.monotonic() - (time.perf_counter() - start),
+        output_tokens=tokens,
+        chunks=sum(len(o.itls) + 1 for o in ok),
     )
 
 

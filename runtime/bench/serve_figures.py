@@ -55,6 +55,8 @@ def serve_figures(
             "TTFT p50": Quantity(r.ttft_ms["p50"], "ms"),
             "TPOT p50": Quantity(r.tpot_ms["p50"], "ms"),
         }
+        if r.api_cpu_us_per_chunk is not None:  # what a streamed chunk costs the API process
+            extra["API CPU/chunk"] = Quantity(r.api_cpu_us_per_chunk, "µs")
         out.append(
             figure(
                 "serving",

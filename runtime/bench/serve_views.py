@@ -80,6 +80,7 @@ _SCRAPED = (
     "atomrt:request_queue_time_seconds_sum",
     "atomrt:request_queue_time_seconds_count",
     "atomrt:steps_total",
+    "process_cpu_seconds_total",  # the API process's
 )
 
 
@@ -117,6 +118,11 @@ def add_server_view(r: RunResult, before: Optional[dict], after: Optional[dict])
             1000 * d["atomrt:request_queue_time_seconds_sum"] / queued, 3
         )
     r.server_steps = int(d["atomrt:steps_total"])
+    cpu = d["process_cpu_seconds_total"]
+    if cpu > 0 and r.output_tokens:
+        r.api_cpu_us_per_token = round(1e6 * cpu / r.output_tokens, 2)
+        r.api_cpu_us_per_chunk = round(1e6 * cpu / max(1, r.chunks), 2)
+        r.api_cpu_busy = round(cpu / r.seconds, 3)
 
 
 def line(r: RunResult) -> str:
@@ -135,6 +141,12 @@ def line(r: RunResult) -> str:
         text += (
             f"\n{'':>10} server: TTFT mean {r.server_ttft_ms_mean:.1f} ms, queued {queued} ms; "
             f"{r.server_steps} engine steps"
+        )
+    if r.api_cpu_us_per_token is not None:
+        text += (
+            f"\n{'':>10} API process CPU: {r.api_cpu_us_per_token:.1f} us/token, "
+            f"{r.api_cpu_us_per_chunk:.1f} us/chunk ({r.chunks} chunks), "
+            f"{r.api_cpu_busy:.2f} of a core"
         )
     if r.server_vs_offline is not None:
         text += f"  server/offline {r.server_vs_offline:.3f} (offline {r.offline_steps} steps)"

@@ -10,7 +10,14 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -38,6 +45,9 @@ _LATENCY_BUCKETS = (
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
+        # the API process's own CPU seconds, memory and file descriptors (process_*, as vLLM's
+        # default registry shows them): its cost per streamed token, read at each scrape
+        ProcessCollector(registry=r)
         labels = ["model_name"]
         self.model = model_name
 
