@@ -26,6 +26,7 @@ from test_decode_attention import expected, forced_plan, make_decode_case
 from test_kernels import SENTINEL
 
 from atomrt.workers.kernels.attention.decode_attention import (
+    FP8_PLAN_D128,
     DecodeLaunch,
     decode_attention,
     plan_decode,
@@ -131,14 +132,17 @@ def test_q_past_float16_range_keeps_exact_scores(q_scale: float) -> None:
     torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3)
 
 
-def test_an_e4m3_cache_plans_64_key_tiles_at_head_dim_128() -> None:
-    """At head_dim 128 an e4m3 cache takes 64-key tiles in one stage (the bfloat16 cache's
-    128-key tiles leave one program per SM), and those give the reference's attention over
-    contexts of several tiles, split and not."""
+def test_an_e4m3_cache_plans_its_own_tiles_at_head_dim_128() -> None:
+    """At head_dim 128 an e4m3 cache takes FP8_PLAN_D128's tiles, warps, stages and V widening
+    (the bfloat16 cache's plan: 128-key tiles in 2 stages; at other head dims the e4m3 cache
+    takes it too), and those give the reference's attention over contexts of several tiles,
+    split and not."""
     bf16 = plan_decode(32, 8192, 8, 4, 128, 132)
     fp8 = plan_decode(32, 8192, 8, 4, 128, 132, fp8_cache=True)
-    assert (bf16.tile_n, bf16.num_stages) == (128, 2)
-    assert (fp8.tile_n, fp8.num_stages, fp8.num_warps) == (64, 1, bf16.num_warps)
+    assert (bf16.tile_n, bf16.num_stages, bf16.widen_v_first) == (128, 2, False)
+    tile_n, warps, stages, widen_v_first, _ = FP8_PLAN_D128
+    assert (fp8.tile_n, fp8.num_warps, fp8.num_stages) == (tile_n, warps, stages)
+    assert fp8.widen_v_first == widen_v_first
     assert plan_decode(32, 8192, 8, 4, 64, 132, fp8_cache=True) == plan_decode(
         32, 8192, 8, 4, 64, 132
     )
