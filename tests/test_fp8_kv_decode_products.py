@@ -27,6 +27,7 @@ from test_kernels import SENTINEL
 
 from atomrt.workers.kernels.attention.decode_attention import (
     FP8_PLAN_D128,
+    FP8_SPLIT_PLAN_D128,
     DecodeLaunch,
     decode_attention,
     plan_decode,
@@ -134,15 +135,17 @@ def test_q_past_float16_range_keeps_exact_scores(q_scale: float) -> None:
 
 def test_an_e4m3_cache_plans_its_own_tiles_at_head_dim_128() -> None:
     """At head_dim 128 an e4m3 cache takes FP8_PLAN_D128's tiles, warps, stages and V widening
-    (the bfloat16 cache's plan: 128-key tiles in 2 stages; at other head dims the e4m3 cache
-    takes it too), and those give the reference's attention over contexts of several tiles,
-    split and not."""
+    (FP8_SPLIT_PLAN_D128's at bs 1; the bfloat16 cache's plan: 128-key tiles in 2 stages; at
+    other head dims the e4m3 cache takes it too), and those give the reference's attention over
+    contexts of several tiles, split and not."""
     bf16 = plan_decode(32, 8192, 8, 4, 128, 132)
     fp8 = plan_decode(32, 8192, 8, 4, 128, 132, fp8_cache=True)
     assert (bf16.tile_n, bf16.num_stages, bf16.widen_v_first) == (128, 2, False)
     tile_n, warps, stages, widen_v_first, _ = FP8_PLAN_D128
     assert (fp8.tile_n, fp8.num_warps, fp8.num_stages) == (tile_n, warps, stages)
     assert fp8.widen_v_first == widen_v_first
+    bs1 = plan_decode(1, 8192, 8, 4, 128, 132, fp8_cache=True)
+    assert (bs1.tile_n, bs1.num_warps, bs1.num_stages, bs1.widen_v_first) == FP8_SPLIT_PLAN_D128
     assert plan_decode(32, 8192, 8, 4, 64, 132, fp8_cache=True) == plan_decode(
         32, 8192, 8, 4, 64, 132
     )
@@ -221,6 +224,7 @@ def test_e4m3_plans_fill_the_sms_program_slots(monkeypatch: pytest.MonkeyPatch) 
     assert plan(33, fp8=False, kv_heads=4).num_splits == 1
     assert plan(8).num_splits == 5  # 64 programs < 132 SMs: cdiv(2 * 132, 64)
     monkeypatch.setattr(da, "FP8_PLAN_D128", (32, 4, 3, True, 5))
+    monkeypatch.setattr(da, "FP8_SPLIT_PLAN_D128", (128, 8, 2, True))
     plan_decode.cache_clear()
     try:
         p32 = plan(32)
@@ -228,5 +232,8 @@ def test_e4m3_plans_fill_the_sms_program_slots(monkeypatch: pytest.MonkeyPatch) 
         assert p32.num_splits == 2 and p32.min_tiles_per_split == 8  # 660 slots // 256
         assert plan(128).num_splits == 1 and plan(64).num_splits == 1  # 660 // 512, // 1024
         assert plan(32, fp8=False).num_splits == 1
+        p8 = plan(8)  # fewer programs than SMs: the split plan's tiles, splits as before
+        assert (p8.tile_n, p8.num_warps, p8.num_stages, p8.widen_v_first) == (128, 8, 2, True)
+        assert p8.num_splits == 5 and p8.min_tiles_per_split == 2
     finally:
         plan_decode.cache_clear()

@@ -70,7 +70,11 @@ class DecodeLaunch:
 # 128 keys takes ~140 registers a thread at 8 warps: one program per SM, where the bfloat16
 # cache's ~90 fit two; 64-key tiles in one stage keep ~90 (benchmarks/kernel_stats.py decode
 # --kv-cache-dtype fp8; bench_decode_attention.py --kv-cache-dtype fp8 --sweep times others).
+# FP8_PLAN_D128 serves batches that give every SM a (sequence, KV head) program (splitting them
+# further to fill its programs an SM, counted with the split path compiled in where it splits);
+# FP8_SPLIT_PLAN_D128 smaller batches, whose keys split to give every SM two programs.
 FP8_PLAN_D128 = (64, 8, 1, False, 2)
+FP8_SPLIT_PLAN_D128 = (64, 8, 1, False)
 SPLIT_CHUNK = 4  # splits the merging program reads per step
 DECODE_COUNTERS = 4096  # split counters per microbatch: a split launch has < num_sms (seq, KV head)
 UBATCHES = 2  # two-batch overlap's microbatches, whose launches may overlap: a counter region each
@@ -96,10 +100,12 @@ def plan_decode(
     tile_n = 128 if head_dim_p <= 128 else 32
     num_warps = 8 if head_dim_p >= 128 else 4
     num_stages, widen_v_first, per_sm = 2, False, 0
-    fp8_d128 = fp8_cache and head_dim_p == 128
-    if fp8_d128:
-        tile_n, num_warps, num_stages, widen_v_first, per_sm = FP8_PLAN_D128
     num_programs = max(1, num_seqs * num_kv_heads)
+    fp8_d128 = fp8_cache and head_dim_p == 128
+    if fp8_d128 and num_programs < num_sms:
+        tile_n, num_warps, num_stages, widen_v_first = FP8_SPLIT_PLAN_D128
+    elif fp8_d128:
+        tile_n, num_warps, num_stages, widen_v_first, per_sm = FP8_PLAN_D128
     num_splits = 1
     if num_programs <= DECODE_COUNTERS:
         partial_bytes = max(1, num_seqs * num_kv_heads * group * head_dim * 4)
