@@ -157,6 +157,7 @@ def decode_rows(args, grid=DECODE_GRID) -> list[dict]:
         )
         stats = _decode_stats(args, plan, sig, fp8)
         name = dict(tile_n=tile_n, warps=warps, stages=stages, prefetch_kv=prefetch)
+        name["widen_v_first"] = plan.widen_v_first and fp8  # the default's (an e4m3 cache)
         rows.append(dict(name, default=plan == default, **stats))
     return rows
 
