@@ -8,7 +8,10 @@ a JSON schema (benchmarks/schemas/user_profiles.json) and the rest are unconstra
 Prints, per count of constrained rows, the best of three runs: the driver's µs per step (the host
 step less the in-process CPU worker's sampling and mask apply, which a GPU does on the device), of
 which the mask fill (`grammar_mask_seconds`); the driver's µs from a step's masks going out to
-its successor's plan (the GPU's wait between the two); and the CPU worker's sampling apart. The model is a 2-layer
+its successor's plan (the GPU's wait between the two); the step loop thread's CPU time per step
+(the same span, less the sampling's: on a shared machine steadier than the wall clock, and
+without work the driver hands to other threads); and the CPU worker's sampling apart. The
+worker's torch runs on one thread, so that its sampling does not take the cores from the driver. The model is a 2-layer
 Llama of hidden size 64 over the embedded SmolLM2 tokenizer's 49k vocabulary
 (tests/grammar_harness.py), so a row's mask is as wide as on the real model. A finished request
 is replaced between steps, outside the timed span. Under async scheduling a step with grammar
@@ -56,6 +59,7 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="cProfile one more run, sorted by this key")
     a = ap.parse_args()
     counts = [int(c) for c in a.grammar_rows.split(",")]
+    torch.set_num_threads(1)  # the CPU worker's sampling keeps to the step loop's thread
     if any(not 0 <= c <= a.bs for c in counts):
         ap.error(f"--grammar-rows: each count between 0 and --bs ({a.bs})")
     folder = build_tiny_bpe(Path(tempfile.mkdtemp()) / "model")
@@ -82,15 +86,16 @@ def main() -> None:
         return ModelOutput(logits[:n][logits_indices], logits[:n], None)
 
     runner.run_model = random_logits
-    apply = {"s": 0.0}  # the CPU worker's sampling (the mask apply with it), not the driver's
+    apply = {"s": 0.0, "cpu": 0.0}  # the CPU worker's sampling (and mask apply): not the driver's
     sample = runner.sample
 
     def timed_sample(*args):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         try:
             return sample(*args)
         finally:
             apply["s"] += time.perf_counter() - t
+            apply["cpu"] += time.thread_time() - c
 
     runner.sample = timed_sample
     # the host time from a step's masks going out to its successor's plan: on a GPU the forward
@@ -129,19 +134,20 @@ def main() -> None:
         for _ in range(a.bs - len(live)):
             live[eng.add_request(PROMPT, plain, stream=True)] = False
 
-    def run(n_grammar: int) -> tuple[float, float, float, float]:
+    def run(n_grammar: int) -> tuple[float, float, float, float, float]:
         top_up(n_grammar)
         for _ in range(8):  # prefill, compiles, the pipeline full
             eng.step()
             top_up(n_grammar)
         stats0 = eng.grammars.mask_stats.seconds
-        apply0 = apply["s"]
+        apply0, cpu0 = apply["s"], apply["cpu"]
         gap.update(s=0.0, n=0, masks_at=None)
-        busy = 0.0
+        busy = cpu = 0.0
         for _ in range(a.steps):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             eng.step()
             busy += time.perf_counter() - t
+            cpu += time.thread_time() - c
             top_up(n_grammar)
         for rid in list(live):
             eng.abort(rid)
@@ -149,8 +155,9 @@ def main() -> None:
         while eng.has_unfinished():
             eng.step()
         fill = eng.grammars.mask_stats.seconds - stats0
-        per_step = [x / a.steps * 1e6 for x in (busy, fill, apply["s"] - apply0)]
-        return (*per_step, gap["s"] / gap["n"] * 1e6 if gap["n"] else 0.0)
+        spans = (busy, fill, apply["s"] - apply0, cpu - (apply["cpu"] - cpu0))
+        per_step = [x / a.steps * 1e6 for x in spans]
+        return (*per_step[:3], gap["s"] / gap["n"] * 1e6 if gap["n"] else 0.0, per_step[3])
 
     mode = "sync" if a.sync else "async"
     for n in counts:
@@ -158,8 +165,8 @@ def main() -> None:
         best = min(runs, key=lambda r: r[0] - r[2])
         print(
             f"bs={a.bs} grammar rows={n} {mode}: driver {best[0] - best[2]:.0f} us/step, of which "
-            f"mask fill {best[1]:.0f}; masks to next plan {best[3]:.0f} us; the CPU worker's "
-            f"sampling {best[2]:.0f} more "
+            f"mask fill {best[1]:.0f}; masks to next plan {best[3]:.0f} us; its thread's CPU "
+            f"{min(r[4] for r in runs):.0f} us/step; the CPU worker's sampling {best[2]:.0f} more "
             f"(driver runs {', '.join(f'{r[0] - r[2]:.0f}' for r in runs)}; {a.steps} steps each)"
         )
         if a.profile and n == counts[-1]:
