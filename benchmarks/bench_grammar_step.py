@@ -3,7 +3,7 @@ with the forward replaced by random logits, a batch of `--bs` rows of which `--g
 a JSON schema (benchmarks/schemas/user_profiles.json) and the rest are unconstrained.
 
     python benchmarks/bench_grammar_step.py [--bs 64] [--grammar-rows 0,16,64] [--sync]
-                                            [--steps 60] [--profile tottime]
+                                            [--steps 60] [--profile tottime] [--per-row-accept]
 
 Prints, per count of constrained rows, the best of three runs: the driver's µs per step (the host
 step less the in-process CPU worker's sampling and mask apply, which a GPU does on the device), of
@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 from atomrt import SamplingParams
+from atomrt.runtime.driver.grammar_backend import GrammarBackend
+from atomrt.runtime.driver.xgrammar_backend import XgrammarBackend
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import StructuredOutputsParams
 from atomrt.workers.runner.model_runner import ModelOutput
@@ -57,9 +59,17 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="synchronous scheduling (default: async)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--profile", default="", help="cProfile one more run, sorted by this key")
+    ap.add_argument(
+        "--per-row-accept",
+        action="store_true",
+        help="the stop rules advance each constrained row's grammar in a call of its own (the "
+        "backend accepts nothing ahead in a batch): the comparison",
+    )
     a = ap.parse_args()
     counts = [int(c) for c in a.grammar_rows.split(",")]
     torch.set_num_threads(1)  # the CPU worker's sampling keeps to the step loop's thread
+    if a.per_row_accept:
+        XgrammarBackend.accept_ahead = GrammarBackend.accept_ahead  # type: ignore[method-assign]
     if any(not 0 <= c <= a.bs for c in counts):
         ap.error(f"--grammar-rows: each count between 0 and --bs ({a.bs})")
     folder = build_tiny_bpe(Path(tempfile.mkdtemp()) / "model")

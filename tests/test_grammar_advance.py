@@ -1,15 +1,21 @@
 """How the driver advances grammar matchers on a step's tokens, checked against xgrammar's own
-matcher driven token by token (the reference): the terminated state the xgrammar matcher keeps."""
+matcher driven token by token (the reference): the terminated state the xgrammar matcher keeps,
+the step's tokens accepted ahead in one batch (threaded or not), and an engine whose stop rules
+read the batch's answers emitting what one advancing each matcher alone does."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from grammar_harness import EOS, bpe_tokenizer
+import torch
+from grammar_harness import EOS, bpe_tokenizer, build_tiny_bpe
 
 from atomrt.runtime.driver import xgrammar_backend as xb
-from atomrt.runtime.sampling_params import StructuredOutputsParams
+from atomrt.runtime.driver.grammar_backend import GrammarBackend
+from atomrt.runtime.entrypoints.llm import LLM
+from atomrt.runtime.sampling_params import SamplingParams, StructuredOutputsParams
 
 SCHEMA = Path(__file__).resolve().parent.parent / "benchmarks" / "schemas" / "user_profiles.json"
 VOCAB = 49152
@@ -44,3 +50,120 @@ def test_the_terminated_state_follows_xgrammars_through_accepts_and_rollbacks(to
     m.rollback(1)  # the stop token undone
     assert not m.is_terminated and not m.matcher.is_terminated()
     assert m.accept(EOS) and m.is_terminated and m.matcher.is_terminated()
+
+
+def _matchers_along(tok, backend, compiled, n):
+    """n matchers, each at a different prefix of DOC (token by token), with each one's next token
+    in DOC, and every third given a token its grammar refuses instead (the stop token: DOC is
+    never a whole document)."""
+    ids = tok.hf.encode(DOC, add_special_tokens=False)
+    bad = EOS
+    matchers, tokens = [], []
+    for i in range(n):
+        at = 1 + (i * (len(ids) - 2)) // n
+        m = backend.matcher(compiled)
+        for t in ids[:at]:
+            assert m.accept(t)
+        matchers.append(m)
+        tokens.append(bad if i % 3 == 2 else ids[at])
+    return matchers, tokens
+
+
+@pytest.mark.parametrize("cores", [2, 16], ids=["one-call", "threads"])
+def test_a_batch_accepted_ahead_answers_as_each_matcher_alone(tok, cores, monkeypatch) -> None:
+    monkeypatch.setattr(xb, "_usable_cores", lambda: cores)
+    backend = xb.XgrammarBackend(tok.hf, VOCAB, [EOS])
+    assert (backend._threads > 1) == (cores == 16)
+    compiled = _compiled(backend, json=json.loads(SCHEMA.read_text()))
+    n = xb.PARALLEL_FILL_ROWS + 5
+    matchers, tokens = _matchers_along(tok, backend, compiled, n)
+    refs, _ = _matchers_along(tok, backend, compiled, n)  # the reference: one token at a time
+    backend.accept_ahead(matchers, tokens)
+    words = (VOCAB + 31) // 32
+    got, want = (torch.zeros((n, words), dtype=torch.int32) for _ in range(2))
+    for row, (m, ref, t) in enumerate(zip(matchers, refs, tokens)):
+        m.fill(got, row)  # already advanced, before the stop rules ask
+        answer = ref.matcher.accept_token(t)
+        ref.matcher.fill_next_token_bitmask(want, row)
+        assert m.accept(t) == answer
+        assert answer == (row % 3 != 2)
+    assert torch.equal(got, want)
+    assert len({tuple(r.tolist()) for r in want}) > 4  # the states differ
+    backend.shutdown()
+
+
+def test_a_token_accepted_ahead_and_not_asked_about_is_undone(tok, backend) -> None:
+    compiled = _compiled(backend, json=json.loads(SCHEMA.read_text()))
+    matchers, tokens = _matchers_along(tok, backend, compiled, 6)
+    refs, _ = _matchers_along(tok, backend, compiled, 6)
+    backend.accept_ahead(matchers, tokens)
+    words = (VOCAB + 31) // 32
+    got, want = (torch.zeros((6, words), dtype=torch.int32) for _ in range(2))
+    (other,) = tok.hf.encode('"', add_special_tokens=False)
+    for row, (m, ref) in enumerate(zip(matchers, refs)):
+        if row % 2:
+            m.settle()  # the stop rules never asked
+        else:  # the stop rules asked about another token
+            assert m.accept(other) == ref.matcher.accept_token(other)
+        m.fill(got, row)
+        ref.matcher.fill_next_token_bitmask(want, row)
+    assert torch.equal(got, want)
+
+
+PROMPTS = [[504, 1090, 4401, 28, 504, 1090], [9, 90, 900, 9000], [41, 42, 43, 44, 45], [7, 8]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_bpe(tmp_path_factory.mktemp("grammar-advance") / "model")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_stop_rules_read_the_batchs_answers_and_tokens_stay(tiny, async_scheduling) -> None:
+    """An engine's constrained rows advance in one batch a step, not a call each, and emit what
+    an engine advancing them one at a time does (the backend's accept_ahead made a no-op)."""
+    import xgrammar
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so)
+        for so in (
+            {"json": json.loads(SCHEMA.read_text())},
+            {"regex": r"(ab|cd){1,4}[0-9]{2,4}"},
+            None,
+            {"choice": ["alpha", "beta gamma", "delta"]},
+        )
+    ]
+    calls = {"one": 0, "batch": 0}
+    one, batch = (
+        xgrammar.GrammarMatcher.accept_token,
+        xgrammar.BatchGrammarMatcher.batch_accept_token,
+    )
+
+    def counted_one(self, *args, **kwargs):
+        calls["one"] += 1
+        return one(self, *args, **kwargs)
+
+    def counted_batch(matchers, tokens, *args, **kwargs):
+        calls["batch"] += len(tokens)
+        return batch(matchers, tokens, *args, **kwargs)
+
+    outs = {}
+    kwargs = dict(device="cpu", enforce_eager=True, num_kv_blocks=128, max_num_seqs=8)
+    with LLM(str(tiny), async_scheduling=async_scheduling, **kwargs) as llm:
+        for ahead in (False, True):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(xgrammar.GrammarMatcher, "accept_token", counted_one)
+                mp.setattr(xgrammar.BatchGrammarMatcher, "batch_accept_token", counted_batch)
+                if not ahead:
+                    mp.setattr(xb.XgrammarBackend, "accept_ahead", GrammarBackend.accept_ahead)
+                calls.update(one=0, batch=0)
+                got = llm.generate(PROMPTS, params, use_tqdm=False)
+            outs[ahead] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in got]
+            constrained = sum(
+                len(o.outputs[0].token_ids) for o, p in zip(got, params) if p.structured_outputs
+            )
+            if ahead:  # every emitted token of a constrained request came through the batch
+                assert calls["one"] == 0 and calls["batch"] >= constrained > 0, calls
+            else:
+                assert calls["batch"] == 0 and calls["one"] >= constrained > 0, calls
+    assert outs[True] == outs[False]

@@ -1,7 +1,7 @@
-"""Where the engine's step meets structured outputs: two calls, `StructuredOutputs.plan` once a step
-is submitted and `took_results` once its results are applied (the scheduler asks `ready` of a
-waiting sequence itself), and an engine with nothing but a compiling grammar waits in `plan`
-rather than spin."""
+"""Where the engine's step meets structured outputs: three calls, `StructuredOutputs.plan` once a
+step is submitted, `advance` as its results come (before the stop rules apply them) and
+`took_results` once they are applied (the scheduler asks `ready` of a waiting sequence itself),
+and an engine with nothing but a compiling grammar waits in `plan` rather than spin."""
 
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
     [(False, dict(speculative_config=NGRAM)), (True, {})],
     ids=["sync-ngram", "async"],
 )
-def test_the_step_calls_structured_outputs_at_two_points(tiny, async_scheduling, settings) -> None:
+def test_the_step_calls_structured_outputs_at_three_points(
+    tiny, async_scheduling, settings
+) -> None:
     settings = dict(settings, async_scheduling=async_scheduling)
     with LLM(str(tiny), **COMMON, **settings) as llm:
         want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, REQUESTS, use_tqdm=False)]
@@ -85,7 +87,7 @@ def test_the_step_calls_structured_outputs_at_two_points(tiny, async_scheduling,
         spec = engine.stats.spec_decode
     assert [got[k] for k in sorted(got)] == want
     assert spec is None or spec.num_drafts > 0
-    assert set(calls.names) == {"plan", "took_results"}
+    assert set(calls.names) == {"plan", "advance", "took_results"}
     # async scheduling: a decode step is planned while its rows' tokens are out, so its masks
     # wait for the previous step's results; else they go out as the step is planned
     assert set(calls.masks) == ({"plan", "took_results"} if async_scheduling else {"plan"})

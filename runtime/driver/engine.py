@@ -386,8 +386,10 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         samples: dict[str, list[Sequence]] = {}  # n > 1: the samples of a request with new tokens
         num_tokens = num_seqs = 0
+        sampled_by_rank = [sampled_tokens(res) for res in results]
+        self.grammars.advance(outs, sampled_by_rank)  # each grammar's token, in one batch
         for dp_rank, (out, res) in enumerate(zip(outs, results)):
-            sampled = sampled_tokens(res)
+            sampled = sampled_by_rank[dp_rank]
             if self.speculation is not None:
                 self.speculation.observe(out, res)
                 num_tokens += sum(len(t) if isinstance(t, list) else 1 for t in sampled.values())

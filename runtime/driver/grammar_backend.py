@@ -60,6 +60,10 @@ class GrammarMatcher(ABC):
         if accepted:
             self.rollback(accepted)
 
+    def settle(self) -> None:
+        """A token the backend accepted ahead (`GrammarBackend.accept_ahead`) that the stop rules
+        never asked about is undone (none by default)."""
+
     def valid_drafts(self, proposal: list[int], pad_to: int = 0) -> list[int]:
         """`proposal` cut before its first token the grammar refuses, then (with `pad_to`) padded to
         that many with tokens it allows (the lowest id each mask allows): a verify step whose rows
@@ -125,3 +129,11 @@ class GrammarBackend(ABC):
         """Each matcher's next-token mask into its row (a backend may batch them)."""
         for m, row in zip(matchers, rows):
             m.fill(bitmask, row)
+
+    def accept_ahead(self, matchers: list[GrammarMatcher], tokens: list[int]) -> None:
+        """A step's tokens, before the stop rules apply them: a backend may advance each matcher
+        on its token now, in one batch, the matcher keeping the answer for the stop rules'
+        `accept` of that token. By default nothing is done ahead: each `accept` advances."""
+
+    def shutdown(self) -> None:
+        """Threads the backend started are let go."""

@@ -186,3 +186,4 @@ class GrammarCompiler:
         """Stop taking compiles; a compile running now ends in its thread, unwaited."""
         self._checker.shutdown(wait=False, cancel_futures=True)
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.backend.shutdown()

@@ -26,7 +26,9 @@ engine submits the next plan right after them). The scheduler asks `ready` of ea
   previous step's tokens have advanced the grammars (`took_results`).
 - **postprocess**: the stop rules advance a sequence's matcher on each token it emits
   (runtime/driver/stop_checker.py); a grammar that has accepted its end finishes the request
-  ("stop").
+  ("stop"). Before them `advance` has the backend accept the step's tokens in one batch (on
+  threads on a machine with the cores), each matcher keeping its answer for the stop rules;
+  one they did not ask about is undone in `took_results`.
 - **speculative decoding**: an n-gram proposal is cut at its first token the grammar refuses
   (`GrammarMatcher.valid_drafts`); each verify row gets the mask of the grammar advanced through the
   drafts before it, which are then rolled back: the matcher moves on the accepted tokens only.
@@ -132,6 +134,7 @@ class StructuredOutputs:
         self._starter: Optional[ThreadPoolExecutor] = None
         self._compiler: Optional[Future] = None  # started by the first constrained request
         self._words = (self.vocab_size + 31) // 32
+        self._ahead: list[GrammarMatcher] = []  # accepted a token ahead of the stop rules
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -248,10 +251,47 @@ class StructuredOutputs:
         self.pending.append(StepMasks(plan.step, ranks, deferred))
         return self._fill_ready(final=False), failed
 
+    def advance(self, outs: list[SchedulerOutput], sampled: list[dict[int, Any]]) -> None:
+        """A step's tokens are in (`sampled`: each DP rank's seq_id -> token, or tokens), before
+        the stop rules apply them: each constrained sequence's grammar advances on its one token
+        now, all in one batch (the backend's `accept_ahead`), and keeps the answer for the stop
+        rules' `accept`. Rows the stop rules may not ask about, or ask in another order, are
+        left to them: several tokens (speculative decoding), or allowed_token_ids or bad_words,
+        which the stop rules check before the grammar."""
+        if self._compiler is None:  # never a constrained request
+            return
+        matchers: list[GrammarMatcher] = []
+        tokens: list[int] = []
+        for out, by_seq in zip(outs, sampled):
+            for s in out.scheduled:
+                seq = s.seq
+                grammar = seq.grammar
+                if grammar is None or not s.is_sampled or seq.is_finished:
+                    continue
+                token = by_seq.get(seq.seq_id)
+                if (
+                    isinstance(token, int)
+                    and not grammar.is_terminated
+                    and not seq.sampling_params.allowed_token_ids
+                    and not seq.bad_words_token_ids
+                ):
+                    matchers.append(grammar)
+                    tokens.append(token)
+        if matchers:
+            self.compiler.backend.accept_ahead(matchers, tokens)
+            self._ahead = matchers
+
     def took_results(self) -> list[GrammarBitmask]:
         """A step's results were applied (the stop rules advanced each matcher on its tokens):
         the masks of planned steps that waited for them (send them now)."""
+        self._settle()
         return self._fill_ready(final=True) if self.pending else []
+
+    def _settle(self) -> None:
+        """Tokens accepted ahead that the stop rules did not ask about are undone."""
+        for m in self._ahead:
+            m.settle()
+        self._ahead = []
 
     def _check_held(self) -> list[Failed]:
         """Held requests whose grammar compiled get their matchers (their wait is counted now,
@@ -324,6 +364,7 @@ class StructuredOutputs:
     def forget_pending(self) -> None:
         """The steps in flight were discarded: their masks are never sent."""
         self.pending.clear()
+        self._settle()
 
     def stats(self) -> dict[str, Any]:
         """Compiles and mask fills since start, under CoreStats' names."""

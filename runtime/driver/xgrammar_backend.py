@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -60,7 +61,11 @@ def _xgr() -> ModuleType:
 class XgrammarMatcher(GrammarMatcher):
     """One sequence's `xgrammar.GrammarMatcher`. Whether it terminated is kept here: it changes
     only when a stop token is accepted or rolled back, and the stop rules and the mask fill ask
-    for it of every row each step (each ask a call into xgrammar)."""
+    for it of every row each step (each ask a call into xgrammar). `_ahead`: the token the
+    backend accepted ahead (`XgrammarBackend.accept_ahead`) and xgrammar's answer, until the
+    stop rules' `accept` of it reads that answer."""
+
+    _ahead: Optional[tuple[int, bool]] = None
 
     def __init__(
         self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int], vocab_size: int
@@ -72,14 +77,31 @@ class XgrammarMatcher(GrammarMatcher):
 
     def accept(self, token_id: int) -> bool:
         token_id = int(token_id)
+        if self._ahead is not None:
+            if self._ahead[0] == token_id:
+                accepted, self._ahead = self._ahead[1], None
+                return accepted
+            self.settle()  # another token than the one accepted ahead
         accepted = self.matcher.accept_token(token_id)
         if accepted and token_id in self._stops:
             self._terminated = self.matcher.is_terminated()
         return accepted
 
     def rollback(self, num_tokens: int) -> None:
+        self.settle()
         self.matcher.rollback(num_tokens)
         self._terminated = self.matcher.is_terminated()
+
+    def settle(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[1]:
+            self.matcher.rollback(1)
+            self._terminated = self.matcher.is_terminated()
+
+    def _took_ahead(self, token_id: int, accepted: bool) -> None:
+        self._ahead = (token_id, accepted)
+        if accepted and token_id in self._stops:
+            self._terminated = self.matcher.is_terminated()
 
     @property
     def is_terminated(self) -> bool:
@@ -103,6 +125,8 @@ class XgrammarBackend(GrammarBackend):
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         threads = fill_threads(_usable_cores())
         self._parallel = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else None
+        self._threads = threads
+        self._pool: Optional[ThreadPoolExecutor] = None  # the batch accept's, when threaded
 
     @staticmethod
     def validate(so: StructuredOutputsParams) -> Any:
@@ -165,6 +189,35 @@ class XgrammarBackend(GrammarBackend):
         if self._parallel is not None and len(rows) >= PARALLEL_FILL_ROWS:
             batch = self._parallel
         batch.batch_fill_next_token_bitmask(inner, bitmask, rows)
+
+    def accept_ahead(self, matchers: list[GrammarMatcher], tokens: list[int]) -> None:
+        """One call into xgrammar for the batch's tokens; `PARALLEL_FILL_ROWS` or more on a machine
+        with the cores (`fill_threads`) are split over threads, each a call (xgrammar releases
+        the GIL while it accepts: a grammar's accept costs microseconds a token, mostly in memory
+        the step before left cold)."""
+        accept = _xgr().BatchGrammarMatcher.batch_accept_token
+        inner = [m.matcher for m in matchers]  # this backend's: XgrammarMatcher
+        if self._threads > 1 and len(inner) >= PARALLEL_FILL_ROWS:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self._threads - 1, thread_name_prefix="atomrt-grammar-accept"
+                )
+            size = -(-len(inner) // self._threads)
+            parts = [
+                self._pool.submit(accept, inner[i : i + size], tokens[i : i + size])
+                for i in range(size, len(inner), size)
+            ]
+            answers = accept(inner[:size], tokens[:size])
+            for part in parts:
+                answers += part.result()
+        else:
+            answers = accept(inner, tokens)
+        for m, token, accepted in zip(matchers, tokens, answers):
+            m._took_ahead(token, accepted)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 def _prepare_tag_schemas(node: Any, where: str) -> Any:
