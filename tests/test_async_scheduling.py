@@ -247,7 +247,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     "executor,layout",
     [
         ("mp", dict(tensor_parallel_size=2)),
-        ("ray", dict(tensor_parallel_size=2)),
+        pytest.param("ray", dict(tensor_parallel_size=2), marks=pytest.mark.slow),
         ("mp", dict(data_parallel_size=2)),
     ],
     ids=["mp-tp2", "ray-tp2", "mp-dp2"],

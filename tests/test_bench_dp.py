@@ -149,6 +149,7 @@ def test_tbo_ab_every_mode_and_batch_size(tmp_path: Path) -> None:
             assert r["split_steps"] > 0
 
 
+@pytest.mark.slow
 def test_two_simulated_nodes_take_a_rank_each(tmp_path: Path) -> None:
     """`atomrt bench dp --executor ray` joined to a two-node cluster (ray.cluster_utils, one CPU
     per node): the two DP ranks run on different nodes, over tcp, and the run finishes."""

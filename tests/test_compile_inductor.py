@@ -108,6 +108,7 @@ def test_second_process_loads_every_artifact(level3_cache):
     assert result["counter"]["num_trace_loads"] == 1  # built from the trace kept here: no Dynamo
 
 
+@pytest.mark.slow
 def test_truncated_artifact_is_recompiled_with_a_warning(level3_cache, tmp_path):
     root = tmp_path / "cache"
     shutil.copytree(level3_cache[0], root)
@@ -129,6 +130,7 @@ def test_truncated_artifact_is_recompiled_with_a_warning(level3_cache, tmp_path)
     verify_ready_marker(artifact)  # rewritten whole
 
 
+@pytest.mark.slow
 def test_concurrent_compiles_of_one_key(tmp_path):
     cmd = [sys.executable, str(TOYS), str(tmp_path), "2", "0"]
     procs = [
