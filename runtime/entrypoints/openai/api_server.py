@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -279,6 +280,7 @@ async def serve(
         await _close(state, server, http)
         return 0
     state.metrics.startup(ready.capture_seconds, ready.compile_seconds)
+    freeze_startup_heap()
     print(
         f"atomrt: ready: http://{args.host}:{args.port}/v1 (model {state.model_name}, "
         f"{ready.num_kv_blocks} KV blocks, compile {ready.compile_seconds:.1f} s, "
@@ -303,6 +305,15 @@ async def serve(
     signalled.cancel()
     await _close(state, server, http)  # ends what is still in flight with a final error
     return code
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, then hide every object alive now (the imports: transformers and torch for
+    the tokenizer, FastAPI, pydantic) from the garbage collector, as vLLM's server does once up.
+    A full collection stops the event loop, every stream with it; it then scans what requests
+    left, not the ~350k start-up objects (a 190 ms pause down to 16 ms, measured on a CPU)."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _close(state: ServerState, server: Any, http: asyncio.Future) -> None:
