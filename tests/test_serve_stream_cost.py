@@ -4,14 +4,27 @@ garbage collector."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+from typing import Any
 
+import httpx
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from atomrt.distributed.messages import CoreOutput
 from atomrt.runtime.bench.serve import Outcome, summarize
 from atomrt.runtime.bench.serve_views import add_server_view, line
 from atomrt.runtime.entrypoints.openai.metrics import ServerMetrics
+from atomrt.runtime.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+)
+from atomrt.runtime.entrypoints.openai.responses import ChatResponses, CompletionResponses
+from atomrt.runtime.entrypoints.openai.serving import Choice, Job, Serving
+from atomrt.runtime.sampling_params import SamplingParams
 
 
 def test_the_server_metrics_carry_the_api_process_cpu_seconds():
@@ -62,3 +75,74 @@ def test_the_server_hides_its_start_up_heap_from_the_collector():
     before, frozen, tracked = map(int, out.stdout.split())
     assert frozen > 10_000 and frozen >= before // 2  # FastAPI, pydantic, uvicorn and more
     assert 1000 <= tracked < 2000  # what a full collection scans now: the lists made after
+
+
+TEXTS = ["", " hello", 'quo"te\\back', "new\nline\ttab\x01", "é中文🙂", "\u2028", " </s>"]
+
+
+def _stream(responses_type: type, body: dict, plain: bool) -> list[str]:
+    """The SSE events of a one-choice job whose outputs are TEXTS (the last one finished),
+    formatted directly (`plain`) or through the general path (`plain_delta` answering None)."""
+    serving = Serving(None, None, "m", ServerMetrics("m"))
+    req = parse(
+        ChatCompletionRequest if responses_type is ChatResponses else CompletionRequest, body
+    )
+    job = Job([[5, 6]], SamplingParams(max_tokens=len(TEXTS)))
+    job.choices = [Choice(0)]
+    responses = responses_type(serving, req, job)
+    responses.id, responses.created = "cmpl-1", 1  # drawn per response: the same for both paths
+    if not plain:
+        responses.plain_delta = lambda choice, out: None
+
+    async def outputs():
+        for i, text in enumerate(TEXTS):
+            last = i == len(TEXTS) - 1
+            out = CoreOutput("r", token_ids=[i], text=text, finished=last)
+            out.finish_reason = "length" if last else None
+            choice = job.choices[0]
+            choice.text, choice.token_ids = choice.text + text, choice.token_ids + [i]
+            choice.finish_reason = out.finish_reason
+            yield choice, out
+
+    async def collect() -> list[str]:
+        return [event async for event in responses.chunks(outputs())]
+
+    return asyncio.run(collect())
+
+
+def _read_with_openai(events: list[str], chat: bool) -> list[Any]:
+    """The chunks the official client reads from these SSE bytes, answered to its request."""
+    wire = "".join(events + ["data: [DONE]\n\n"]).encode()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=wire, headers={"content-type": "text/event-stream"})
+
+    client = openai.OpenAI(
+        base_url="http://server/v1",
+        api_key="none",
+        http_client=httpx.Client(transport=httpx.MockTransport(answer)),
+    )
+    if chat:
+        messages = [{"role": "user", "content": "hi"}]
+        return list(client.chat.completions.create(model="m", messages=messages, stream=True))
+    return list(client.completions.create(model="m", prompt=[5, 6], stream=True))
+
+
+def test_chunks_formatted_directly_are_the_general_paths_bytes_and_openai_reads_them():
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    for responses_type, body in (
+        (CompletionResponses, {"prompt": [5, 6], **usage}),
+        (ChatResponses, {"messages": [{"role": "user", "content": "hi"}], **usage}),
+    ):
+        fast, general = _stream(responses_type, body, True), _stream(responses_type, body, False)
+        assert len(fast) == len(general) > len(TEXTS) and fast == general
+        chat = responses_type is ChatResponses
+        chunks = _read_with_openai(fast, chat)
+        read = "".join(
+            (c.choices[0].delta.content or "" if chat else c.choices[0].text)
+            for c in chunks
+            if c.choices
+        )
+        assert read == "".join(TEXTS)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == len(TEXTS)

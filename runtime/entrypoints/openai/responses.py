@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from json.encoder import encode_basestring_ascii
 from typing import Any, Optional, Union
 
 from atomrt.distributed.messages import CoreOutput
@@ -21,6 +22,15 @@ from atomrt.runtime.entrypoints.openai.tool_parsers import ToolCallStream, tool_
 
 def sse(data: Union[dict[str, Any], str]) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def _string(text: str) -> str:
+    """`json.dumps(text)`, the encoder's own escaping without its dispatch."""
+    return encode_basestring_ascii(text)
+
+
+def _reason(finish_reason: Optional[str]) -> str:
+    return "null" if finish_reason is None else json.dumps(finish_reason)
 
 
 class CompletionResponses:
@@ -108,15 +118,33 @@ class CompletionResponses:
     def opening(self) -> list[dict[str, Any]]:
         return []
 
+    def plain_delta(self, choice: Choice, out: CoreOutput) -> Optional[str]:
+        """`json.dumps(self.delta(...))` formatted directly, where the chunk carries nothing but
+        text (no logprobs, echo or tool calls); None elsewhere."""
+        if self.req.logprobs is not None or self.job.prompt_texts is not None:
+            return None
+        reason = _reason(choice.finish_reason if out.finished else None)
+        return (
+            f'{{"index": {choice.index}, "text": {_string(out.text)}, "logprobs": null, '
+            f'"finish_reason": {reason}}}'
+        )
+
     async def chunks(self, outputs: AsyncIterator[tuple[Choice, CoreOutput]]) -> AsyncIterator[str]:
         obj = self.object_name if self.object_name == "text_completion" else "chat.completion.chunk"
         for first in self.opening():
             yield sse(self._envelope([first], obj))
+        # each chunk is `sse(self._envelope([delta], obj))`: the envelope's text is made once, the
+        # delta's (formatted directly where it is plain text) goes in its choices
+        envelope = json.dumps(self._envelope([], obj))  # its last field: "choices": []
+        head, tail = f"data: {envelope[:-2]}", "]}\n\n"
         seen = {c.index: 0 for c in self.job.choices}  # tokens already sent, per choice
         async for choice, out in outputs:
             start, seen[choice.index] = seen[choice.index], len(choice.token_ids)
             if out.text or out.token_ids or out.finished:
-                yield sse(self._envelope([self.delta(choice, out, start)], obj))
+                delta = self.plain_delta(choice, out)
+                if delta is None:
+                    delta = json.dumps(self.delta(choice, out, start))
+                yield f"{head}{delta}{tail}"
         options = self.req.stream_options
         if options is not None and options.include_usage:
             yield sse({**self._envelope([], obj), "usage": self.job.usage()})
@@ -180,6 +208,16 @@ class ChatResponses(CompletionResponses):
             }
             for c in self.job.choices
         ]
+
+    def plain_delta(self, choice: Choice, out: CoreOutput) -> Optional[str]:
+        if self.job.tool_parser is not None or self.req.logprobs:
+            return None
+        content = f'{{"content": {_string(out.text)}}}' if out.text else "{}"
+        reason = _reason(choice.finish_reason if out.finished else None)
+        return (
+            f'{{"index": {choice.index}, "delta": {content}, "logprobs": null, '
+            f'"finish_reason": {reason}}}'
+        )
 
     def delta(self, choice: Choice, out: CoreOutput, start: int) -> dict[str, Any]:
         finish_reason = choice.finish_reason if out.finished else None
