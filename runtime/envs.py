@@ -27,6 +27,7 @@ RECORDED_BY_BENCHES = (
     "ATOMRT_TRACE_CACHE",
     "ATOMRT_COMPILE_CACHE_READ_ONLY",
     "ATOMRT_FP8_NORM_PROLOGUE",
+    "ATOMRT_SERVE_UVLOOP",
     "OMP_NUM_THREADS",
     "OMP_WAIT_POLICY",
 )
@@ -61,6 +62,9 @@ class Env:
     # takes them into its decode GEMM's launch (w8a8_skinny_add_norm) instead of a kernel before
     # it. Default 0 until measured faster.
     fp8_norm_prologue: bool = False
+    # ATOMRT_SERVE_UVLOOP: `atomrt serve`'s event loop is uvloop's (installed with
+    # uvicorn[standard]) instead of asyncio's. Default 0 until measured faster on a GPU host.
+    serve_uvloop: bool = False
 
 
 def read_env() -> Env:
@@ -82,6 +86,7 @@ def read_env() -> Env:
             (k, os.environ[k]) for k in RECORDED_BY_BENCHES if k in os.environ
         ),
         fp8_norm_prologue=os.environ.get("ATOMRT_FP8_NORM_PROLOGUE", "0") == "1",
+        serve_uvloop=os.environ.get("ATOMRT_SERVE_UVLOOP", "0") == "1",
     )
 
 

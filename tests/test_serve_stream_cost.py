@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from atomrt.distributed.messages import CoreOutput
@@ -146,3 +147,16 @@ def test_chunks_formatted_directly_are_the_general_paths_bytes_and_openai_reads_
         assert read == "".join(TEXTS)
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert chunks[-1].usage.completion_tokens == len(TEXTS)
+
+
+def test_the_server_loop_is_uvloops_when_asked(monkeypatch):
+    from atomrt.runtime.entrypoints.cli import run_event_loop
+
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run_event_loop(loop_module(), uvloop_loop=False).startswith("asyncio")
+    assert run_event_loop(loop_module(), uvloop_loop=True).startswith("uvloop")
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed
+    with pytest.raises(ValueError, match="ATOMRT_SERVE_UVLOOP=1: uvloop is not installed"):
+        run_event_loop(loop_module(), uvloop_loop=True)
