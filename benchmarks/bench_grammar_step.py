@@ -4,6 +4,7 @@ a JSON schema (benchmarks/schemas/user_profiles.json) and the rest are unconstra
 
     python benchmarks/bench_grammar_step.py [--bs 64] [--grammar-rows 0,16,64] [--sync]
                                             [--steps 60] [--profile tottime] [--per-row-accept]
+                                            [--fill-on-thread]
 
 Prints, per count of constrained rows, the best of three runs: the driver's µs per step (the host
 step less the in-process CPU worker's sampling and mask apply, which a GPU does on the device), of
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from atomrt import SamplingParams
+from atomrt.runtime.driver import structured_outputs
 from atomrt.runtime.driver.grammar_backend import GrammarBackend
 from atomrt.runtime.driver.xgrammar_backend import XgrammarBackend
 from atomrt.runtime.entrypoints.llm import LLM
@@ -65,11 +67,18 @@ def main() -> None:
         help="the stop rules advance each constrained row's grammar in a call of its own (the "
         "backend accepts nothing ahead in a batch): the comparison",
     )
+    ap.add_argument(
+        "--fill-on-thread",
+        action="store_true",
+        help="the masks waiting for a step's tokens fill on a thread while the step loop applies "
+        "the stop rules and plans the next step (structured_outputs.FILL_ON_THREAD)",
+    )
     a = ap.parse_args()
     counts = [int(c) for c in a.grammar_rows.split(",")]
     torch.set_num_threads(1)  # the CPU worker's sampling keeps to the step loop's thread
     if a.per_row_accept:
         XgrammarBackend.accept_ahead = GrammarBackend.accept_ahead  # type: ignore[method-assign]
+    structured_outputs.FILL_ON_THREAD = a.fill_on_thread
     if any(not 0 <= c <= a.bs for c in counts):
         ap.error(f"--grammar-rows: each count between 0 and --bs ({a.bs})")
     folder = build_tiny_bpe(Path(tempfile.mkdtemp()) / "model")

@@ -6,6 +6,7 @@ read the batch's answers emitting what one advancing each matcher alone does."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -166,4 +167,39 @@ def test_the_stop_rules_read_the_batchs_answers_and_tokens_stay(tiny, async_sche
                 assert calls["one"] == 0 and calls["batch"] >= constrained > 0, calls
             else:
                 assert calls["batch"] == 0 and calls["one"] >= constrained > 0, calls
+    assert outs[True] == outs[False]
+
+
+def test_masks_filled_on_a_thread_beside_the_step_loop_are_the_same(tiny, monkeypatch) -> None:
+    """structured_outputs.FILL_ON_THREAD: under async scheduling the masks that wait for a step's
+    tokens fill on the fill thread, and the engine emits what it does filling them itself."""
+    from atomrt.runtime.driver import structured_outputs as so
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=c)
+        for c in (
+            {"json": json.loads(SCHEMA.read_text())},
+            {"regex": r"(ab|cd){1,4}[0-9]{2,4}"},
+            None,
+            {"choice": ["alpha", "beta gamma", "delta"]},
+        )
+    ]
+    threads: list[str] = []
+    fill_rows = xb.XgrammarBackend.fill_rows
+
+    def noted(self, *args):
+        threads.append(threading.current_thread().name)
+        return fill_rows(self, *args)
+
+    monkeypatch.setattr(xb.XgrammarBackend, "fill_rows", noted)
+    outs = {}
+    kwargs = dict(device="cpu", enforce_eager=True, num_kv_blocks=128, max_num_seqs=8)
+    with LLM(str(tiny), async_scheduling=True, **kwargs) as llm:
+        for on in (False, True):
+            monkeypatch.setattr(so, "FILL_ON_THREAD", on)
+            threads.clear()
+            got = llm.generate(PROMPTS, params, use_tqdm=False)
+            outs[on] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in got]
+            on_thread = sum(name.startswith("atomrt-grammar-fill") for name in threads)
+            assert (on_thread > len(threads) // 2) if on else on_thread == 0, threads
     assert outs[True] == outs[False]

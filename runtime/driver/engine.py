@@ -387,7 +387,7 @@ class LLMEngine:
         samples: dict[str, list[Sequence]] = {}  # n > 1: the samples of a request with new tokens
         num_tokens = num_seqs = 0
         sampled_by_rank = [sampled_tokens(res) for res in results]
-        self.grammars.advance(outs, sampled_by_rank)  # each grammar's token, in one batch
+        self.grammars.advance(outs, sampled_by_rank, speculative=self.speculation is not None)
         for dp_rank, (out, res) in enumerate(zip(outs, results)):
             sampled = sampled_by_rank[dp_rank]
             if self.speculation is not None:

@@ -60,9 +60,10 @@ class GrammarMatcher(ABC):
         if accepted:
             self.rollback(accepted)
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
         """A token the backend accepted ahead (`GrammarBackend.accept_ahead`) that the stop rules
-        never asked about is undone (none by default)."""
+        never asked about is undone; whether that changed the matcher (none by default)."""
+        return False
 
     def valid_drafts(self, proposal: list[int], pad_to: int = 0) -> list[int]:
         """`proposal` cut before its first token the grammar refuses, then (with `pad_to`) padded to
@@ -130,10 +131,12 @@ class GrammarBackend(ABC):
         for m, row in zip(matchers, rows):
             m.fill(bitmask, row)
 
-    def accept_ahead(self, matchers: list[GrammarMatcher], tokens: list[int]) -> None:
+    def accept_ahead(self, matchers: list[GrammarMatcher], tokens: list[int]) -> bool:
         """A step's tokens, before the stop rules apply them: a backend may advance each matcher
         on its token now, in one batch, the matcher keeping the answer for the stop rules'
-        `accept` of that token. By default nothing is done ahead: each `accept` advances."""
+        `accept` of that token, which then calls nothing of the library; whether it did. By
+        default nothing is done ahead: each `accept` advances."""
+        return False
 
     def shutdown(self) -> None:
         """Threads the backend started are let go."""

@@ -28,7 +28,9 @@ engine submits the next plan right after them). The scheduler asks `ready` of ea
   (runtime/driver/stop_checker.py); a grammar that has accepted its end finishes the request
   ("stop"). Before them `advance` has the backend accept the step's tokens in one batch (on
   threads on a machine with the cores), each matcher keeping its answer for the stop rules;
-  one they did not ask about is undone in `took_results`.
+  one they did not ask about is undone in `took_results`. With `FILL_ON_THREAD` (off) the masks
+  waiting for those tokens then fill on a thread while the stop rules run and the next step is
+  planned, and `took_results` takes them.
 - **speculative decoding**: an n-gram proposal is cut at its first token the grammar refuses
   (`GrammarMatcher.valid_drafts`); each verify row gets the mask of the grammar advanced through the
   drafts before it, which are then rolled back: the matcher moves on the accepted tokens only.
@@ -37,6 +39,8 @@ engine submits the next plan right after them). The scheduler asks `ready` of ea
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -63,10 +67,21 @@ logger = logging.getLogger(__name__)
 
 INIT_TIMEOUT_S = 120.0  # the bound on building the backend: its library's import, the vocabulary
 IDLE_GRAMMAR_WAIT_S = 0.02  # an engine with only grammars compiling waits this long per step
+# the masks that wait for a step's tokens fill on a thread beside the step loop (`advance`): off
+# until timed on a GPU host (benchmarks/bench_grammar_step.py --fill-on-thread); on 2 busy cores
+# the step loop's CPU time fell by the fill's (about 0.5 ms at 64 rows), its wall time did not
+FILL_ON_THREAD = False
 
 # A matcher of the default backend built from its compiled grammar: `SeqGrammar(compiled,
 # stop_token_ids, vocab_size)`, for code that holds an xgrammar `CompiledGrammar` (tests).
 SeqGrammar = XgrammarMatcher
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @dataclass
@@ -90,6 +105,17 @@ class StepMasks:
     step: int
     ranks: list[_RankMasks]
     deferred: bool  # a row's token is still in flight: fill after the previous step's results
+
+
+@dataclass
+class _FillJob:
+    """A rank's mask as the step loop prepared it; what is left to fill (`_fill_plain`)."""
+
+    mask: GrammarBitmask
+    view: torch.Tensor  # the mask's array, as the backend fills it
+    matchers: list[GrammarMatcher]
+    rows: list[int]
+    seconds: float  # spent preparing it
 
 
 @dataclass
@@ -135,6 +161,8 @@ class StructuredOutputs:
         self._compiler: Optional[Future] = None  # started by the first constrained request
         self._words = (self.vocab_size + 31) // 32
         self._ahead: list[GrammarMatcher] = []  # accepted a token ahead of the stop rules
+        self._filler: Optional[ThreadPoolExecutor] = None  # masks filled beside the step loop
+        self._filling: Optional[Future] = None  # each pending step's masks, until took_results
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -251,17 +279,26 @@ class StructuredOutputs:
         self.pending.append(StepMasks(plan.step, ranks, deferred))
         return self._fill_ready(final=False), failed
 
-    def advance(self, outs: list[SchedulerOutput], sampled: list[dict[int, Any]]) -> None:
+    def advance(
+        self, outs: list[SchedulerOutput], sampled: list[dict[int, Any]], speculative: bool
+    ) -> None:
         """A step's tokens are in (`sampled`: each DP rank's seq_id -> token, or tokens), before
         the stop rules apply them: each constrained sequence's grammar advances on its one token
         now, all in one batch (the backend's `accept_ahead`), and keeps the answer for the stop
         rules' `accept`. Rows the stop rules may not ask about, or ask in another order, are
         left to them: several tokens (speculative decoding), or allowed_token_ids or bad_words,
-        which the stop rules check before the grammar."""
+        which the stop rules check before the grammar.
+
+        When every constrained row was accepted here, the masks waiting for these tokens are
+        then filled on a thread (`FILL_ON_THREAD`), while the step loop applies the stop rules
+        and plans the next step: until `took_results` takes them, nothing on the step loop calls
+        into those matchers' library (the stop rules read the answers kept; `speculative`: an
+        engine whose proposers advance matchers while it plans fills on the step loop)."""
         if self._compiler is None:  # never a constrained request
             return
         matchers: list[GrammarMatcher] = []
         tokens: list[int] = []
+        left = False  # a constrained row the stop rules advance themselves
         for out, by_seq in zip(outs, sampled):
             for s in out.scheduled:
                 seq = s.seq
@@ -277,21 +314,55 @@ class StructuredOutputs:
                 ):
                     matchers.append(grammar)
                     tokens.append(token)
+                else:
+                    left = True
         if matchers:
-            self.compiler.backend.accept_ahead(matchers, tokens)
-            self._ahead = matchers
+            if self.compiler.backend.accept_ahead(matchers, tokens):
+                self._ahead = matchers
+            else:
+                left = True
+        if FILL_ON_THREAD and self.pending and not left and not speculative and _cores() > 1:
+            if self._filler is None:
+                self._filler = ThreadPoolExecutor(1, thread_name_prefix="atomrt-grammar-fill")
+            # every pending step's states are known now; they stay pending (the engine plans the
+            # next step ahead of their masks) until took_results takes the masks
+            jobs = [[self._fill_job(sm.step, r) for r in sm.ranks] for sm in self.pending]
+            started = threading.Event()
+            self._filling = self._filler.submit(self._fill_steps, jobs, started)
+            # a thread waiting for the GIL gets it only when the holder blocks, or after the
+            # switch interval (5 ms): the step loop lets it through to the fill, which releases it
+            started.wait()
 
     def took_results(self) -> list[GrammarBitmask]:
         """A step's results were applied (the stop rules advanced each matcher on its tokens):
         the masks of planned steps that waited for them (send them now)."""
-        self._settle()
-        return self._fill_ready(final=True) if self.pending else []
+        filled = self._join_fill()
+        out: list[GrammarBitmask] = []
+        if not self._settle() and filled:  # else a state they were filled from was undone
+            del self.pending[: len(filled)]  # the steps pending at `advance`, in order
+            out = [mask for masks in filled for mask in masks]
+        return out + (self._fill_ready(final=True) if self.pending else [])
 
-    def _settle(self) -> None:
-        """Tokens accepted ahead that the stop rules did not ask about are undone."""
+    def _join_fill(self) -> list[list[GrammarBitmask]]:
+        """Each step's masks filled on the thread since `advance` (none: nothing was)."""
+        filling, self._filling = self._filling, None
+        return [] if filling is None else filling.result()
+
+    def _fill_steps(
+        self, jobs: list[list[_FillJob]], started: threading.Event
+    ) -> list[list[GrammarBitmask]]:
+        """On the fill thread: each step's masks (`jobs`: its ranks' `_fill_job`s)."""
+        started.set()  # the step loop waits for this thread to get this far
+        return [[self._fill_plain(job) for job in step] for step in jobs]
+
+    def _settle(self) -> bool:
+        """Tokens accepted ahead that the stop rules did not ask about are undone; whether one
+        was."""
+        undone = False
         for m in self._ahead:
-            m.settle()
+            undone = m.settle() or undone
         self._ahead = []
+        return undone
 
     def _check_held(self) -> list[Failed]:
         """Held requests whose grammar compiled get their matchers (their wait is counted now,
@@ -340,11 +411,15 @@ class StructuredOutputs:
         return out
 
     def _fill(self, step: int, rank: _RankMasks) -> GrammarBitmask:
+        return self._fill_plain(self._fill_job(step, rank))
+
+    def _fill_job(self, step: int, rank: _RankMasks) -> _FillJob:
+        """A rank's mask, its verify rows filled (speculative decoding), its other rows to fill
+        (`_fill_plain`)."""
         start = time.perf_counter()
         bitmask = np.full((rank.num_rows, self._words), -1, dtype=np.int32)
         view = torch.from_numpy(bitmask)  # the backend fills the numpy array through it
-        plain: list[GrammarMatcher] = []
-        rows: list[int] = []
+        job = _FillJob(GrammarBitmask(rank.dp_rank, step, bitmask), view, [], [], 0.0)
         for e in rank.entries:
             grammar = e.seq.grammar
             if e.seq.is_finished or grammar.is_terminated:  # a wasted row: any mask does
@@ -352,17 +427,25 @@ class StructuredOutputs:
             if e.drafts:
                 grammar.fill_verify(view, e.row, e.drafts)
             else:
-                plain.append(grammar)
-                rows.append(e.row)
-        if plain:
-            self.compiler.backend.fill_rows(plain, view, rows)
+                job.matchers.append(grammar)
+                job.rows.append(e.row)
+        job.seconds = time.perf_counter() - start
+        return job
+
+    def _fill_plain(self, job: _FillJob) -> GrammarBitmask:
+        start = time.perf_counter()
+        if job.matchers:
+            self.compiler.backend.fill_rows(job.matchers, job.view, job.rows)
         stats = self.mask_stats
-        stats.rows += rank.num_rows
-        stats.seconds += time.perf_counter() - start
-        return GrammarBitmask(dp_rank=rank.dp_rank, step=step, bitmask=bitmask)
+        stats.rows += job.mask.bitmask.shape[0]
+        stats.seconds += job.seconds + time.perf_counter() - start
+        return job.mask
 
     def forget_pending(self) -> None:
         """The steps in flight were discarded: their masks are never sent."""
+        filling, self._filling = self._filling, None
+        if filling is not None:  # its matchers are let be before the rollbacks below
+            wait([filling])
         self.pending.clear()
         self._settle()
 
@@ -390,6 +473,8 @@ class StructuredOutputs:
         )
 
     def shutdown(self) -> None:
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
         if self._starter is not None:
             self._starter.shutdown(wait=False, cancel_futures=True)
         if self._built():

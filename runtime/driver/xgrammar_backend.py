@@ -92,11 +92,13 @@ class XgrammarMatcher(GrammarMatcher):
         self.matcher.rollback(num_tokens)
         self._terminated = self.matcher.is_terminated()
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[1]:
-            self.matcher.rollback(1)
-            self._terminated = self.matcher.is_terminated()
+        if ahead is None or not ahead[1]:
+            return False
+        self.matcher.rollback(1)
+        self._terminated = self.matcher.is_terminated()
+        return True
 
     def _took_ahead(self, token_id: int, accepted: bool) -> None:
         self._ahead = (token_id, accepted)
@@ -190,7 +192,7 @@ class XgrammarBackend(GrammarBackend):
             batch = self._parallel
         batch.batch_fill_next_token_bitmask(inner, bitmask, rows)
 
-    def accept_ahead(self, matchers: list[GrammarMatcher], tokens: list[int]) -> None:
+    def accept_ahead(self, matchers: list[GrammarMatcher], tokens: list[int]) -> bool:
         """One call into xgrammar for the batch's tokens; `PARALLEL_FILL_ROWS` or more on a machine
         with the cores (`fill_threads`) are split over threads, each a call (xgrammar releases
         the GIL while it accepts: a grammar's accept costs microseconds a token, mostly in memory
@@ -214,6 +216,7 @@ class XgrammarBackend(GrammarBackend):
             answers = accept(inner, tokens)
         for m, token, accepted in zip(matchers, tokens, answers):
             m._took_ahead(token, accepted)
+        return True
 
     def shutdown(self) -> None:
         if self._pool is not None:
