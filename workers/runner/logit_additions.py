@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 import torch
 
+from atomrt.workers.kernels.grammar_mask import apply_grammar_mask
+
 
 @dataclass(frozen=True)
 class RowAdditions:
@@ -122,6 +124,11 @@ class LogitAdditions:
         return logits
 
 
+# the device logits' grammar masks by one Triton kernel (workers/kernels/grammar_mask.py) rather
+# than the torch arithmetic (`apply_bits`): off until timed on a GPU (benchmarks/bench_grammar_apply.py)
+GRAMMAR_MASK_KERNEL = False
+
+
 def apply_grammar_bitmask(
     logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
 ) -> torch.Tensor:
@@ -142,6 +149,9 @@ def apply_grammar_bitmask(
         xgrammar.apply_token_bitmask_inplace(
             out, full.contiguous(), vocab_size=width, indices=rows.tolist()
         )
+    elif GRAMMAR_MASK_KERNEL and out.stride(1) == 1:
+        apply_grammar_mask(out, rows, bitmask)
+        return out  # the tokens past the mask's words too
     else:
         apply_bits(out, rows, bitmask)
     if width < out.shape[1]:

@@ -1,0 +1,71 @@
+"""Structured outputs' grammar masks on the device: logit_additions.apply_bits (the torch arithmetic,
+the default) against workers/kernels/grammar_mask.apply_grammar_mask (the GRAMMAR_MASK_KERNEL
+option), on float32 logits of Llama-3's vocabulary with every row constrained.
+
+    python benchmarks/bench_grammar_apply.py [--rows 16,64] [--vocab 128256]
+
+Prints, per count of constrained rows, the GPU us per apply (CUDA events over 200 eager calls, the
+sampler's way of launching it) of each, and whether the two masked the same tokens. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from atomrt.workers.kernels.grammar_mask import apply_grammar_mask
+from atomrt.workers.runner.logit_additions import apply_bits
+
+
+def gpu_us(fn, calls: int = 200) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rows", default="16,64", help="comma-separated counts of constrained rows")
+    ap.add_argument("--vocab", type=int, default=128256)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_grammar_apply: needs a CUDA device")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    words = (a.vocab + 31) // 32
+    for m in (int(r) for r in a.rows.split(",")):
+        logits = torch.randn(m, a.vocab, device="cuda", generator=gen)
+        rows = torch.arange(m, device="cuda")
+        # about 1 token in 8 allowed: a JSON schema's masks are mostly clear
+        bitmask = torch.randint(
+            0, 2**32, (m, words), device="cuda", generator=gen, dtype=torch.int64
+        )
+        bitmask = (
+            bitmask & torch.randint_like(bitmask, 0, 2**32) & torch.randint_like(bitmask, 0, 2**32)
+        )
+        bitmask = bitmask.to(torch.int32)
+        a_out, k_out = logits.clone(), logits.clone()
+        apply_bits(a_out, rows, bitmask)
+        apply_grammar_mask(k_out, rows, bitmask)
+        same = torch.equal(a_out, k_out)
+        torch_us = gpu_us(lambda: apply_bits(logits.clone(), rows, bitmask))
+        kernel_us = gpu_us(lambda: apply_grammar_mask(logits.clone(), rows, bitmask))
+        clone_us = gpu_us(lambda: logits.clone())
+        print(
+            f"rows={m} vocab={a.vocab}: torch apply_bits {torch_us - clone_us:.1f} us, kernel "
+            f"{kernel_us - clone_us:.1f} us (each less a clone of the logits, {clone_us:.1f} us); "
+            f"same tokens masked: {same}"
+        )
+
+
+if __name__ == "__main__":
+    main()
