@@ -1,6 +1,6 @@
 """benchmarks/bench_grammar_step.py: it runs on CPU against the engine as it is, and its
 constrained rows really are constrained (their masks are filled each step, and the time from the
-masks to the next plan is measured)."""
+masks to the next plan is measured), with its options too."""
 
 from __future__ import annotations
 
@@ -9,11 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_grammar_step_bench_fills_masks_only_for_constrained_rows():
-    argv = ["--bs", "4", "--grammar-rows", "0,4", "--steps", "3"]
+@pytest.mark.parametrize(
+    "flags", [[], ["--per-row-accept", "--fill-on-thread"]], ids=["default", "options"]
+)
+def test_grammar_step_bench_fills_masks_only_for_constrained_rows(flags):
+    argv = ["--bs", "4", "--grammar-rows", "0,4", "--steps", "3", *flags]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_grammar_step.py"), *argv],
         cwd=ROOT,
