@@ -11,7 +11,8 @@ step less the in-process CPU worker's sampling and mask apply, which a GPU does 
 which the mask fill (`grammar_mask_seconds`); the driver's µs from a step's masks going out to
 its successor's plan (the GPU's wait between the two); the step loop thread's CPU time per step
 (the same span, less the sampling's: on a shared machine steadier than the wall clock, and
-without work the driver hands to other threads); and the CPU worker's sampling apart. The
+without work the driver hands to other threads); the grammars' batch accept of the step's tokens
+(`MaskStats.accept_seconds`, part of the driver's); and the CPU worker's sampling apart. The
 worker's torch runs on one thread, so that its sampling does not take the cores from the driver. The model is a 2-layer
 Llama of hidden size 64 over the embedded SmolLM2 tokenizer's 49k vocabulary
 (tests/grammar_harness.py), so a row's mask is as wide as on the real model. A finished request
@@ -153,12 +154,13 @@ def main() -> None:
         for _ in range(a.bs - len(live)):
             live[eng.add_request(PROMPT, plain, stream=True)] = False
 
-    def run(n_grammar: int) -> tuple[float, float, float, float, float]:
+    def run(n_grammar: int) -> tuple[float, ...]:
         top_up(n_grammar)
         for _ in range(8):  # prefill, compiles, the pipeline full
             eng.step()
             top_up(n_grammar)
         stats0 = eng.grammars.mask_stats.seconds
+        accept0 = eng.grammars.mask_stats.accept_seconds
         apply0, cpu0 = apply["s"], apply["cpu"]
         gap.update(s=0.0, n=0, masks_at=None)
         busy = cpu = 0.0
@@ -174,9 +176,10 @@ def main() -> None:
         while eng.has_unfinished():
             eng.step()
         fill = eng.grammars.mask_stats.seconds - stats0
-        spans = (busy, fill, apply["s"] - apply0, cpu - (apply["cpu"] - cpu0))
+        accept = eng.grammars.mask_stats.accept_seconds - accept0
+        spans = (busy, fill, apply["s"] - apply0, cpu - (apply["cpu"] - cpu0), accept)
         per_step = [x / a.steps * 1e6 for x in spans]
-        return (*per_step[:3], gap["s"] / gap["n"] * 1e6 if gap["n"] else 0.0, per_step[3])
+        return (*per_step[:3], gap["s"] / gap["n"] * 1e6 if gap["n"] else 0.0, *per_step[3:])
 
     mode = "sync" if a.sync else "async"
     for n in counts:
@@ -185,7 +188,8 @@ def main() -> None:
         print(
             f"bs={a.bs} grammar rows={n} {mode}: driver {best[0] - best[2]:.0f} us/step, of which "
             f"mask fill {best[1]:.0f}; masks to next plan {best[3]:.0f} us; its thread's CPU "
-            f"{min(r[4] for r in runs):.0f} us/step; the CPU worker's sampling {best[2]:.0f} more "
+            f"{min(r[4] for r in runs):.0f} us/step; the grammars' batch accept {best[5]:.0f} us; "
+            f"the CPU worker's sampling {best[2]:.0f} more "
             f"(driver runs {', '.join(f'{r[0] - r[2]:.0f}' for r in runs)}; {a.steps} steps each)"
         )
         if a.profile and n == counts[-1]:

@@ -136,10 +136,12 @@ class _Held:
 
 @dataclass
 class MaskStats:
-    """Mask fills since start: rows filled and the seconds it took (the driver's host time)."""
+    """Mask fills since start: rows filled and the seconds it took (the driver's host time); and
+    the seconds the grammars took to accept steps' tokens ahead of the stop rules (`advance`)."""
 
     rows: int = 0
     seconds: float = 0.0
+    accept_seconds: float = 0.0
 
 
 @dataclass
@@ -317,10 +319,12 @@ class StructuredOutputs:
                 else:
                     left = True
         if matchers:
+            start = time.perf_counter()
             if self.compiler.backend.accept_ahead(matchers, tokens):
                 self._ahead = matchers
             else:
                 left = True
+            self.mask_stats.accept_seconds += time.perf_counter() - start
         if FILL_ON_THREAD and self.pending and not left and not speculative and _cores() > 1:
             if self._filler is None:
                 self._filler = ThreadPoolExecutor(1, thread_name_prefix="atomrt-grammar-fill")
