@@ -114,13 +114,18 @@ def test_f16_products_match_a_float64_reference(
 
 
 def test_widening_v_first_is_the_same_attention() -> None:
-    """widen_v_first only moves where V's widening happens: the output is the default's, bit for
-    bit, at head_dim 128 over contexts of several 64-key tiles."""
+    """widen_v_first only moves where V's widening happens: under the Triton interpreter the
+    output is the unwidened plan's, bit for bit, at head_dim 128 over contexts of several 64-key
+    tiles (compiled for a GPU the V products may be ordered differently: equal to float16
+    rounding, tests/gpu/test_fp8_kv_decode_gpu.py)."""
     plan = dataclasses.replace(plan_decode(32, 8192, 8, 4, 128, 132, True), min_tiles_per_split=1)
     kw = dict(lens=[1, 65, 200], num_kv_heads=2, head_dim=128, plan=plan)
-    late, ref = run_fp8_decode(1.0, True, 1, **kw)
+    late, ref = run_fp8_decode(1.0, True, 1, widen_v_first=False, **kw)
     early, _ = run_fp8_decode(1.0, True, 1, widen_v_first=True, **kw)
-    assert torch.equal(late, early)
+    if DEVICE == "cpu":
+        assert torch.equal(late, early)
+    else:  # measured 1e-5 to 6e-5 apart on an H100
+        torch.testing.assert_close(late, early, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(early, ref, rtol=8e-3, atol=8e-3)
 
 

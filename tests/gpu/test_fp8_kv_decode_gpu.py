@@ -37,8 +37,10 @@ def test_f16_and_bf16_products_at_llama_8b_shape(q_scale: float, num_splits: int
 def test_the_sweeps_candidates_at_llama_8b_shape() -> None:
     """Every e4m3 plan bench_decode_attention.py --sweep times (V widened first or not, 1 to 8 warps,
     1 to 3 stages, the splits it gives them at bs 32), compiled for this GPU, gives the float64
-    reference's attention over contexts past 2k keys; widen_v_first gives the default's output
-    bit for bit."""
+    reference's attention over contexts past 2k keys, and a V widened first gives the unwidened
+    plan's output to float16 rounding: not bit for bit on a GPU, where the compiler orders the V
+    products differently (1e-5 to 6e-5 apart at Llama-3.1-8B bs 32 on an H100); under the Triton
+    interpreter the two are equal (tests/test_fp8_kv_decode_products.py)."""
     import dataclasses
 
     from test_fp8_kv_decode_products import _bench_decode_attention
@@ -56,4 +58,4 @@ def test_the_sweeps_candidates_at_llama_8b_shape() -> None:
         if plan.widen_v_first:
             late = dataclasses.replace(plan, widen_v_first=False)
             same, _ = run_fp8_decode(1.0, True, plan.num_splits, lens=LONG_LENS, plan=late, **shape)
-            assert torch.equal(out, same), name
+            torch.testing.assert_close(out, same, rtol=1e-3, atol=1e-3, msg=name)
