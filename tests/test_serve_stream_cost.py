@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import httpx
 import openai
@@ -160,3 +160,53 @@ def test_the_server_loop_is_uvloops_when_asked(monkeypatch):
     monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed
     with pytest.raises(ValueError, match="ATOMRT_SERVE_UVLOOP=1: uvloop is not installed"):
         run_event_loop(loop_module(), uvloop_loop=True)
+
+
+def _serve_events(leave_after: Optional[int]) -> tuple[list[dict], list[str]]:
+    """An EventStream of 5 events answered over ASGI; the client leaves (http.disconnect) once
+    `leave_after` bodies were sent (None: it stays). What was sent, and what the stream saw."""
+    from atomrt.runtime.entrypoints.openai.generation import EventStream
+
+    sent: list[dict] = []
+    seen: list[str] = []
+    gone = asyncio.Event()
+
+    async def events():
+        try:
+            for i in range(5):
+                await asyncio.sleep(0.01)
+                seen.append(f"event {i}")
+                yield f"data: {i}\n\n"
+        finally:
+            seen.append("closed")
+
+    async def receive() -> dict:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        bodies = [m for m in sent if m["type"] == "http.response.body"]
+        if leave_after is not None and len(bodies) == leave_after:
+            gone.set()
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+
+    async def run() -> None:
+        await EventStream(events(), media_type="text/event-stream")(scope, receive, send)
+        assert not asyncio.current_task().cancelling()  # the stream's own cancel, answered
+
+    asyncio.run(run())
+    return sent, seen
+
+
+def test_an_event_stream_sends_every_event_and_ends_when_the_client_leaves():
+    sent, seen = _serve_events(None)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert [m["body"] for m in sent[1:]] == [f"data: {i}\n\n".encode() for i in range(5)] + [b""]
+    assert sent[-1]["more_body"] is False and seen[-1] == "closed"
+    # the client leaves after two events: the stream is cancelled where it waits, its generator
+    # closed (the job's abort runs there), nothing more is sent, and the response ends quietly
+    sent, seen = _serve_events(2)
+    assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n"]
+    assert seen == ["event 0", "event 1", "closed"]
