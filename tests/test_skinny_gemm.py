@@ -276,6 +276,7 @@ def test_pick_config_prefers_table_by_bucketed_m(monkeypatch: pytest.MonkeyPatch
 
 def test_use_skinny_only_on_cuda() -> None:
     x, w, _ = make_inputs(1, 8, 16, torch.bfloat16, bias=False)
+    x, w = x.cpu(), w.cpu()  # make_inputs builds on DEVICE: CUDA where present
     assert not use_skinny(x, w, BROADCAST_MAX_M)  # CPU tensors go to F.linear
     if torch.cuda.is_available():
         xc, wc = x.cuda(), w.cuda()
