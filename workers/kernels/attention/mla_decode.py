@@ -47,8 +47,10 @@ MAX_SPLITS = 128
 MERGE_TILE = 4096  # fp32 partials a merge program holds at once (splits x latent columns)
 # A plan of at most this many splits merges them in the decode kernel (merge_in_kernel: one launch,
 # its last split program to finish reading every split's partials) rather than in a launch of its
-# own; 0: always the merge launch, until bench_mla_decode.py --plans times the two on a GPU.
-MERGE_IN_KERNEL_MAX_SPLITS = 0
+# own. `bench_mla_decode.py --plans --heads 16 --bs 1,8,32,128 --ctx 8192` on one H100 (4978fb3),
+# merge in the kernel vs a launch: 2 splits at bs 128 490 vs 513 us, at bs 32 351 vs 355; 4 splits
+# at bs 32 202 vs 207 but at bs 8 191 vs 183; 8 splits and more lose (bs 32: 154 vs 143 us).
+MERGE_IN_KERNEL_MAX_SPLITS = 2
 MERGE_SPLITS = 4  # merge_in_kernel: splits the merging program reads per step
 MERGE_REGS = 4096  # and fp32 partials it holds at once (rows x MERGE_SPLITS x latent columns)
 
