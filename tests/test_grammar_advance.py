@@ -203,3 +203,31 @@ def test_masks_filled_on_a_thread_beside_the_step_loop_are_the_same(tiny, monkey
             on_thread = sum(name.startswith("atomrt-grammar-fill") for name in threads)
             assert (on_thread > len(threads) // 2) if on else on_thread == 0, threads
     assert outs[True] == outs[False]
+
+
+class _Unwalkable:
+    """A step's scheduler output whose rows must not be read."""
+
+    @property
+    def scheduled(self):
+        raise AssertionError("advance walked the rows of a step without a constrained row")
+
+
+def test_a_step_without_constrained_rows_is_not_walked(tok) -> None:
+    """An engine that once compiled a grammar: the results of a step planned without a
+    constrained row cost `advance` no walk over its rows; a constrained step's are walked."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from atomrt.runtime.config import StructuredOutputsConfig
+    from atomrt.runtime.driver.structured_outputs import StructuredOutputs
+
+    so = StructuredOutputs(tok, VOCAB, [EOS], StructuredOutputsConfig())
+    so._compiler = Future()  # built, as after a constrained request
+    plain = SimpleNamespace(ranks=[SimpleNamespace(grammar_rows=np.zeros(0, dtype=np.int32))])
+    assert so.plan(plain, [SimpleNamespace(scheduled=[])], idle=False) == ([], [])
+    so.advance([_Unwalkable()], [{}], speculative=False)  # its results: nothing read
+    with pytest.raises(AssertionError, match="walked"):  # unplanned (a step in doubt): walked
+        so.advance([_Unwalkable()], [{}], speculative=False)

@@ -42,6 +42,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -163,6 +164,7 @@ class StructuredOutputs:
         self._compiler: Optional[Future] = None  # started by the first constrained request
         self._words = (self.vocab_size + 31) // 32
         self._ahead: list[GrammarMatcher] = []  # accepted a token ahead of the stop rules
+        self._constrained: deque[bool] = deque()  # the steps in flight: whether any row is
         self._filler: Optional[ThreadPoolExecutor] = None  # masks filled beside the step loop
         self._filling: Optional[Future] = None  # each pending step's masks, until took_results
 
@@ -261,7 +263,10 @@ class StructuredOutputs:
                 timeout=IDLE_GRAMMAR_WAIT_S,
                 return_when="FIRST_COMPLETED",
             )
-        if plan is None or not any(batch.grammar_rows.size for batch in plan.ranks):
+        constrained = plan is not None and any(batch.grammar_rows.size for batch in plan.ranks)
+        if plan is not None:  # its results come to `advance` in this order
+            self._constrained.append(constrained)
+        if not constrained:
             return [], failed  # no constrained row: the step pays nothing
         ranks: list[_RankMasks] = []
         deferred = False
@@ -296,7 +301,8 @@ class StructuredOutputs:
         and plans the next step: until `took_results` takes them, nothing on the step loop calls
         into those matchers' library (the stop rules read the answers kept; `speculative`: an
         engine whose proposers advance matchers while it plans fills on the step loop)."""
-        if self._compiler is None:  # never a constrained request
+        constrained = self._constrained.popleft() if self._constrained else True
+        if self._compiler is None or not constrained:  # no constrained row: nothing to walk
             return
         matchers: list[GrammarMatcher] = []
         tokens: list[int] = []
@@ -451,6 +457,7 @@ class StructuredOutputs:
         if filling is not None:  # its matchers are let be before the rollbacks below
             wait([filling])
         self.pending.clear()
+        self._constrained.clear()
         self._settle()
 
     def stats(self) -> dict[str, Any]:
