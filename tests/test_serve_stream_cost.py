@@ -210,3 +210,32 @@ def test_an_event_stream_sends_every_event_and_ends_when_the_client_leaves():
     sent, seen = _serve_events(2)
     assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n"]
     assert seen == ["event 0", "event 1", "closed"]
+
+
+def test_the_output_queue_keeps_order_across_waits_and_a_cancelled_get():
+    """`OutputQueue` (a stream's outputs, asyncio.Queue's calls without its loop checks): a get
+    waits for the next put, a cancelled get loses nothing, the order is the order put."""
+    from atomrt.runtime.entrypoints.engine_client import OutputQueue
+
+    async def run() -> list:
+        q, got = OutputQueue(), []
+        waiting = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        waiting.cancel()  # a reader that stopped waiting
+        await asyncio.sleep(0)
+        q.put_nowait(1)
+        assert q.qsize() == 1 and not q.empty()
+        reader = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        got.append(await reader)
+        with pytest.raises(asyncio.QueueEmpty):
+            q.get_nowait()
+        reader = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)  # it waits: nothing is there
+        for item in (2, 3, None):
+            q.put_nowait(item)
+        got.append(await reader)
+        got += [q.get_nowait(), await q.get()]
+        return got
+
+    assert asyncio.run(run()) == [1, 2, 3, None]

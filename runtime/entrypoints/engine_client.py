@@ -9,6 +9,7 @@ and what its last statistics were. Everything here runs on the API's event loop 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import multiprocessing
 import os
@@ -45,12 +46,47 @@ class EngineGone(RuntimeError):
 _NOTHING: Any = object()
 
 
+class OutputQueue:
+    """One request's outputs between the reader and the request's one consumer: asyncio.Queue's
+    `put_nowait`, `get`, `get_nowait` and `qsize` (unbounded, first in first out) without its loop
+    checks and waiter list, on the path of every streamed chunk."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._waiter: Optional[asyncio.Future] = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():  # a cancelled get left it done
+            waiter.set_result(None)
+
+    def get_nowait(self) -> Any:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._items.popleft()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
+
+
 @dataclass
 class RequestStream:
     """One request's outputs as the reader delivers them (`None` ends the stream)."""
 
     request_id: str
-    queue: asyncio.Queue[Optional[CoreOutput]] = field(default_factory=asyncio.Queue)
+    queue: OutputQueue = field(default_factory=OutputQueue)
     arrival_time: float = field(default_factory=time.monotonic)
     finished: int = 0  # how many of its n samples have finished
     _held: Any = _NOTHING  # read from the queue, not merged into the last output
