@@ -142,16 +142,17 @@ def _decode_stats(args, plan, sig: dict, fp8: bool) -> dict:
 
 
 def decode_rows(args, grid=DECODE_GRID) -> list[dict]:
-    """One row per (tile_n, warps, stages, prefetch_kv) of `grid`; the runtime's plan among them
-    is marked default."""
+    """One row per (tile_n, warps, stages, prefetch_kv) of `grid` and the runtime's plan (added
+    where `grid` lacks it), which is marked default."""
     fp8 = args.kv_cache_dtype == "fp8"
     sig = _decode_sig(fp8)
     num_seqs = 1 if args.split else 32
     default = plan_decode(num_seqs, 8192, 8, args.group, args.head_dim, 132, fp8)
     if args.split != (default.num_splits > 1):
         default = dataclasses.replace(default, num_splits=8 if args.split else 1)
+    own = (default.tile_n, default.num_warps, default.num_stages, default.prefetch_kv)
     rows = []
-    for tile_n, warps, stages, prefetch in grid:
+    for tile_n, warps, stages, prefetch in dict.fromkeys((*grid, own)):
         plan = dataclasses.replace(
             default, tile_n=tile_n, num_warps=warps, num_stages=stages, prefetch_kv=prefetch
         )
