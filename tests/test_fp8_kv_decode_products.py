@@ -242,3 +242,24 @@ def test_e4m3_plans_fill_the_sms_program_slots(monkeypatch: pytest.MonkeyPatch) 
         assert p8.num_splits == 5 and p8.min_tiles_per_split == 2
     finally:
         plan_decode.cache_clear()
+
+
+def test_bound_launches_plan_an_e4m3_cache_as_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TR_HYBRID region's kept decode launch is keyed by the plan attention_step launches: over
+    an e4m3 cache at head_dim 128 the e4m3 plan (its tiles, stages and V widening), over a
+    bfloat16 cache the bfloat16 one."""
+    from test_bound_attention import KV, _md
+
+    from atomrt.workers.kernels import device_info
+    from atomrt.workers.layers import attention as attention_layer
+
+    monkeypatch.setattr(device_info, "sm_count", lambda device: 132)
+    q = torch.zeros(2, 8, 128)
+    for dtype, fp8 in ((FP8, True), (torch.bfloat16, False)):
+        plans = attention_layer._DecodePlans()
+        cache = torch.zeros(10, 16, 2, 128, dtype=dtype)
+        md = _md([5, 9])
+        assert plans.plan_id(md, q, KV(cache, cache)) == 0
+        ((plan, *_),) = plans.ids
+        want = FP8_SPLIT_PLAN_D128 if fp8 else (128, 8, 2, False)
+        assert (plan.tile_n, plan.num_warps, plan.num_stages, plan.widen_v_first) == want

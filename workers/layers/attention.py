@@ -143,7 +143,8 @@ class _DecodePlans:
     def plan_id(self, md: Any, q: torch.Tensor, kv: Any) -> Optional[int]:
         if md is not self.md:
             self.md, self.per_dims = md, {}
-        dims = (kv.k_cache.shape[2], q.shape[1], q.shape[2], kv.k_cache.shape[1])
+        fp8_cache = kv.k_cache.dtype == torch.float8_e4m3fn
+        dims = (kv.k_cache.shape[2], q.shape[1], q.shape[2], kv.k_cache.shape[1], fp8_cache)
         found = self.per_dims.get(dims, -1)
         if found == -1:
             found = self.per_dims[dims] = self._plan_id(md, q, dims)
@@ -156,7 +157,7 @@ class _DecodePlans:
 
         if md.graph_safe:
             return None
-        num_kv_heads, num_heads, head_dim, block_size = dims
+        num_kv_heads, num_heads, head_dim, block_size, fp8_cache = dims
         plan_q, plan_k, _ = plan_lengths(
             q,
             md.block_tables,
@@ -171,7 +172,8 @@ class _DecodePlans:
         if plan_q != 1:
             return None
         group = num_heads // num_kv_heads
-        plan = plan_decode(md.num_seqs, plan_k, num_kv_heads, group, head_dim, sm_count(q.device))
+        num_sms = sm_count(q.device)
+        plan = plan_decode(md.num_seqs, plan_k, num_kv_heads, group, head_dim, num_sms, fp8_cache)
         tensors = (md.slot_mapping, md.cu_seqlens_q, md.context_lens, md.block_tables)
         key = (plan, md.ubatch, md.num_seqs, dims)
         key += tuple((t.data_ptr(), t.shape, t.stride()) for t in tensors)
