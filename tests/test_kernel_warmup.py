@@ -15,6 +15,7 @@ from executor_harness import COMMON, GREEDY, PROMPTS, build_tiny_llama
 from atomrt.graphs.buckets import capture_order
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.entrypoints.llm import LLM
+from atomrt.workers.kernels.attention.decode_attention import plan_decode
 from atomrt.workers.kernels.attention.variants import launch_variants, warmup_lengths
 from atomrt.workers.runner.graph_runner import GraphRunner
 from atomrt.workers.runner.kernel_warmup import run_batches, warmup_batches
@@ -47,6 +48,26 @@ def test_the_warmup_batches_cover_every_variant_a_step_can_plan(shape) -> None:
     assert not missed
     # each batch adds a variant: no more batches than variants
     assert len(batches) <= len(warmed)
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: "-".join(map(str, s)))
+def test_an_e4m3_cache_warms_its_own_decode_variants(shape) -> None:
+    """With kv_cache_dtype fp8 the warm-up batches launch the e4m3 cache's decode plans at head_dim
+    128 (their tiles, warps, stages and V widening, split or not), and every decode variant a step
+    of several sequences can plan over that cache is among them."""
+    kv, group, head_dim, max_rows, max_len = shape
+    batches = warmup_lengths(kv, group, head_dim, SMS, max_rows, max_len, fp8_cache=True)
+    warmed = set().union(
+        *(launch_variants(1, r, k, kv, group, head_dim, SMS, fp8_cache=True) for r, k in batches)
+    )
+    bf16 = {v for v in launch_variants(1, 1, max_len, kv, group, head_dim, SMS) if v[0] == "decode"}
+    e4m3 = {v for v in warmed if v[0] == "decode"}
+    assert e4m3 and not e4m3 & bf16
+    for seqs, keys in itertools.product((1, 2, 5, 16, 17, 33, 64, 256), KEYS + [max_len]):
+        if seqs <= max_rows and keys <= max_len:
+            plan = plan_decode(seqs, keys, kv, group, head_dim, SMS, fp8_cache=True)
+            found = launch_variants(seqs, 1, keys, kv, group, head_dim, SMS, fp8_cache=True)
+            assert found <= e4m3, (seqs, keys, plan)
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,7 @@ def warmup_batches(runner: ModelRunner) -> list[tuple[int, int]]:
                 sm_count(runner.device),
                 shape.max_num_tokens,
                 shape.max_model_len,
+                runner.kv_cache_dtype == torch.float8_e4m3fn,
             )
         )
     return sorted(batches)

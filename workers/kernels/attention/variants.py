@@ -24,13 +24,17 @@ def launch_variants(
     group: int,
     head_dim: int,
     num_sms: int,
+    fp8_cache: bool = False,
 ) -> frozenset[Hashable]:
     """The kernel variants an eager launch of `num_seqs` sequences of at most `rows` query rows
-    over at most `keys` keys compiles: the decode kernel's for one row per sequence, otherwise the
-    paged attention kernel's and, when it splits the keys, the split merge's."""
+    over at most `keys` keys compiles: the decode kernel's for one row per sequence (over an e4m3
+    cache, `fp8_cache`, its own tiles, warps, stages and V widening), otherwise the paged attention
+    kernel's and, when it splits the keys, the split merge's."""
     if rows == 1:
-        plan = plan_decode(num_seqs, keys, num_kv_heads, group, head_dim, num_sms)
-        return frozenset({("decode", plan.block_m, plan.tile_n, plan.num_splits > 1)})
+        plan = plan_decode(num_seqs, keys, num_kv_heads, group, head_dim, num_sms, fp8_cache)
+        decode = ("decode", plan.block_m, plan.tile_n, plan.num_splits > 1)
+        decode += (plan.num_warps, plan.num_stages, plan.widen_v_first)
+        return frozenset({decode})
     plan = plan_attention(num_seqs, rows, keys, num_kv_heads, group, head_dim, num_sms)
     paged = ("paged", plan.block_q, plan.block_m, plan.num_splits > 1)
     paged += (plan.num_warps, plan.num_stages)
@@ -55,11 +59,13 @@ def warmup_lengths(
     num_sms: int,
     max_rows: int,
     max_model_len: int,
+    fp8_cache: bool = False,
 ) -> list[tuple[int, int]]:
     """(rows, keys) of one-sequence batches that between them launch every variant a step of at
     most `max_rows` query rows over contexts of at most `max_model_len` keys can plan: the tile
     sizes change where the rows cross a power of two, a split where the keys reach
-    MIN_KEYS_PER_SPLIT twice over, and one sequence splits its keys the most. Cheapest first; each batch adds a variant."""
+    MIN_KEYS_PER_SPLIT twice over, and one sequence splits its keys the most. Cheapest first; each
+    batch adds a variant. `fp8_cache`: the caches are e4m3, whose decode plans are their own."""
     top = min(max_rows, max_model_len)
     rows_at = sorted(
         {r for p in _powers_of_two(1, top) for r in (p, p + 1, p - 1)} & set(range(1, top + 1))
@@ -69,7 +75,8 @@ def warmup_lengths(
     for rows in rows_at:
         keys_at = sorted({rows, max_model_len} | set(_powers_of_two(rows, max_model_len)))
         for keys in keys_at:
-            new = launch_variants(1, rows, keys, num_kv_heads, group, head_dim, num_sms) - seen
+            new = launch_variants(1, rows, keys, num_kv_heads, group, head_dim, num_sms, fp8_cache)
+            new -= seen
             if new:
                 seen |= new
                 chosen.append((rows, keys))
