@@ -1,7 +1,8 @@
 """benchmarks/kernel_stats.py compiles the decode attention kernel for sm_90 on this CPU-only
 machine (Triton's compiler and its wheel's ptxas) and reads registers and occupancy from the
-cubin: the e4m3 cache's default plan keeps two programs per SM, as the bfloat16 cache's does
-(the reason plan_decode gives it 64-key tiles), where 128-key tiles at 8 warps keep one."""
+cubin: the e4m3 cache's default plan (64-key tiles, V widened first) keeps two programs per SM or
+more, as the bfloat16 cache's does; with V widened first, 128-key e4m3 tiles at 8 warps keep two
+as well (widened after its layout change, V took ~140 registers a thread there: one program)."""
 
 from __future__ import annotations
 
@@ -31,5 +32,5 @@ def test_default_plans_keep_two_programs_per_sm() -> None:
         assert default["programs_per_sm"] >= 2, (dtype, default)
         assert default["stack"] == 0 and default["loop_spill_loads"] == 0, (dtype, default)
         assert 0 < default["loop_instructions_per_key"] < 20
-    (t128,) = [r for r in rows["fp8"] if r["tile_n"] == 128]
-    assert t128["programs_per_sm"] == 1, t128  # the e4m3 cache in the bfloat16 cache's tiles
+    (t128,) = [r for r in rows["fp8"] if r["tile_n"] == 128]  # in the bfloat16 cache's tiles
+    assert t128["widen_v_first"] and t128["programs_per_sm"] >= 2, t128
