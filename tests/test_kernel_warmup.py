@@ -15,8 +15,13 @@ from executor_harness import COMMON, GREEDY, PROMPTS, build_tiny_llama
 from atomrt.graphs.buckets import capture_order
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.entrypoints.llm import LLM
+from atomrt.workers.kernels.attention import decode_attention
 from atomrt.workers.kernels.attention.decode_attention import plan_decode
-from atomrt.workers.kernels.attention.variants import launch_variants, warmup_lengths
+from atomrt.workers.kernels.attention.variants import (
+    launch_variants,
+    warmup_decode_seqs,
+    warmup_lengths,
+)
 from atomrt.workers.runner.graph_runner import GraphRunner
 from atomrt.workers.runner.kernel_warmup import run_batches, warmup_batches
 
@@ -50,24 +55,34 @@ def test_the_warmup_batches_cover_every_variant_a_step_can_plan(shape) -> None:
     assert len(batches) <= len(warmed)
 
 
+@pytest.mark.parametrize("plan", [None, (64, 4, 3, True, 4)], ids=["default", "t64w4s3v"])
 @pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: "-".join(map(str, s)))
-def test_an_e4m3_cache_warms_its_own_decode_variants(shape) -> None:
+def test_an_e4m3_cache_warms_its_own_decode_variants(shape, plan, monkeypatch) -> None:
     """With kv_cache_dtype fp8 the warm-up batches launch the e4m3 cache's decode plans at head_dim
     128 (their tiles, warps, stages and V widening, split or not), and every decode variant a step
-    of several sequences can plan over that cache is among them."""
-    kv, group, head_dim, max_rows, max_len = shape
-    batches = warmup_lengths(kv, group, head_dim, SMS, max_rows, max_len, fp8_cache=True)
-    warmed = set().union(
-        *(launch_variants(1, r, k, kv, group, head_dim, SMS, fp8_cache=True) for r, k in batches)
-    )
-    bf16 = {v for v in launch_variants(1, 1, max_len, kv, group, head_dim, SMS) if v[0] == "decode"}
-    e4m3 = {v for v in warmed if v[0] == "decode"}
-    assert e4m3 and not e4m3 & bf16
-    for seqs, keys in itertools.product((1, 2, 5, 16, 17, 33, 64, 256), KEYS + [max_len]):
-        if seqs <= max_rows and keys <= max_len:
-            plan = plan_decode(seqs, keys, kv, group, head_dim, SMS, fp8_cache=True)
-            found = launch_variants(seqs, 1, keys, kv, group, head_dim, SMS, fp8_cache=True)
-            assert found <= e4m3, (seqs, keys, plan)
+    of up to 256 sequences can plan over that cache is among them: also with a FP8_PLAN_D128 apart
+    from FP8_SPLIT_PLAN_D128, which only batches of several sequences plan."""
+    if plan is not None:
+        monkeypatch.setattr(decode_attention, "FP8_PLAN_D128", plan)
+    plan_decode.cache_clear()
+    try:
+        kv, group, head_dim, max_rows, max_len = shape
+        one = warmup_lengths(kv, group, head_dim, SMS, max_rows, max_len, fp8_cache=True)
+        several = warmup_decode_seqs(kv, group, head_dim, SMS, 256, max_len, fp8_cache=True)
+        assert bool(several) == (plan is not None)
+        warmed = set().union(
+            *(launch_variants(1, r, k, kv, group, head_dim, SMS, True) for r, k in one),
+            *(launch_variants(s, 1, k, kv, group, head_dim, SMS, True) for s, k in several),
+        )
+        bf16 = {v for v in launch_variants(1, 1, max_len, kv, group, head_dim, SMS)}
+        e4m3 = {v for v in warmed if v[0] == "decode"}
+        assert e4m3 and not e4m3 & bf16
+        for seqs, keys in itertools.product((1, 2, 5, 16, 17, 33, 64, 66, 100, 256), KEYS):
+            if keys <= max_len:
+                found = launch_variants(seqs, 1, keys, kv, group, head_dim, SMS, True)
+                assert found <= e4m3, (seqs, keys, found)
+    finally:
+        plan_decode.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +99,8 @@ def test_the_warmup_batches_leave_the_kv_cache_and_the_tokens_alone(tiny_model: 
             name: (t.k_cache.clone(), t.v_cache.clone()) for name, t in runner.kv_cache.items()
         }
         batches = warmup_batches(runner)
-        assert (1, 1) in batches and any(rows > 1 for rows, _ in batches)
-        run_batches(runner, batches)
+        assert (1, 1, 1) in batches and any(rows > 1 for rows, _, _ in batches)
+        run_batches(runner, [*batches, (1, 5, 3)])  # and a decode batch of several sequences
         for name, t in runner.kv_cache.items():
             assert torch.equal(t.k_cache, cache[name][0]) and torch.equal(t.v_cache, cache[name][1])
         after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]

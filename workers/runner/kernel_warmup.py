@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
-from atomrt.workers.kernels.attention.variants import warmup_lengths
+from atomrt.workers.kernels.attention.variants import warmup_decode_seqs, warmup_lengths
 from atomrt.workers.kernels.device_info import sm_count
 from atomrt.workers.kernels.launch import compile_ahead
 from atomrt.workers.layers.attention import Attention
@@ -40,61 +40,66 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def warmup_inputs(rows: int, keys: int, block_size: int) -> StepInputs:
-    """One sequence of `rows` query rows at the end of a `keys`-key context whose blocks are all
-    block 0; no KV written, nothing sampled."""
+def warmup_inputs(rows: int, keys: int, block_size: int, seqs: int = 1) -> StepInputs:
+    """`seqs` sequences of `rows` query rows each at the end of a `keys`-key context whose blocks
+    are all block 0; no KV written, nothing sampled."""
     num_blocks = -(-keys // block_size)
     return StepInputs(
-        seq_ids=np.zeros(1, dtype=np.int64),
-        input_ids=np.zeros(rows, dtype=np.int64),
-        positions=np.arange(keys - rows, keys, dtype=np.int64),
-        slot_mapping=np.full(rows, -1, dtype=np.int64),
-        cu_seqlens_q=np.array([0, rows], dtype=np.int32),
-        context_lens=np.array([keys], dtype=np.int32),
-        block_tables=np.zeros((1, num_blocks), dtype=np.int32),
+        seq_ids=np.arange(seqs, dtype=np.int64),
+        input_ids=np.zeros(rows * seqs, dtype=np.int64),
+        positions=np.tile(np.arange(keys - rows, keys, dtype=np.int64), seqs),
+        slot_mapping=np.full(rows * seqs, -1, dtype=np.int64),
+        cu_seqlens_q=np.arange(0, rows * seqs + 1, rows, dtype=np.int32),
+        context_lens=np.full(seqs, keys, dtype=np.int32),
+        block_tables=np.zeros((seqs, num_blocks), dtype=np.int32),
         sample_seq_idx=np.zeros(0, dtype=np.int64),
         sample_rows=np.zeros(0, dtype=np.int64),
     )
 
 
-def warmup_batches(runner: ModelRunner) -> list[tuple[int, int]]:
-    """(rows, keys) of the warm-up batches for every attention layer shape of the model."""
+def warmup_batches(runner: ModelRunner) -> list[tuple[int, int, int]]:
+    """(rows, keys, sequences) of the warm-up batches for every attention layer shape of the
+    model: one sequence each, and decode batches of several where a plan needs them."""
     shape = runner.shape
     heads = {
         (a.num_kv_heads, a.num_heads // a.num_kv_heads, a.head_dim)
         for a in runner.attn_layers.values()
         if isinstance(a, Attention)  # latent attention plans its launches from shapes alone
     }
-    batches: set[tuple[int, int]] = set()
-    for num_kv_heads, group, head_dim in sorted(heads):
-        batches.update(
-            warmup_lengths(
-                num_kv_heads,
-                group,
-                head_dim,
-                sm_count(runner.device),
-                shape.max_num_tokens,
-                shape.max_model_len,
-                runner.kv_cache_dtype == torch.float8_e4m3fn,
-            )
+    fp8_cache = runner.kv_cache_dtype == torch.float8_e4m3fn
+    num_sms = sm_count(runner.device)
+    max_seqs = min(shape.max_num_seqs, shape.max_num_tokens)
+    batches: set[tuple[int, int, int]] = set()
+    for kv, group, head_dim in sorted(heads):
+        one = warmup_lengths(
+            kv, group, head_dim, num_sms, shape.max_num_tokens, shape.max_model_len, fp8_cache
         )
+        batches.update((rows, keys, 1) for rows, keys in one)
+        several = warmup_decode_seqs(
+            kv, group, head_dim, num_sms, max_seqs, shape.max_model_len, fp8_cache
+        )
+        batches.update((1, keys, seqs) for seqs, keys in several)
     return sorted(batches)
 
 
-def run_batches(runner: ModelRunner, batches: list[tuple[int, int]]) -> None:
-    """Run one eager step per (rows, keys) batch, on every DP rank alike."""
+def run_batches(runner: ModelRunner, batches: list[tuple[int, int, int]]) -> None:
+    """Run one eager step per (rows, keys, sequences) batch, on every DP rank alike."""
     nothing = SamplingTensors.from_params([], [], [], runner.arch.vocab_size, runner.device)
     dp_size = runner.dp.dp_size
     with torch.inference_mode():
-        for rows, keys in batches:
+        for rows, keys, seqs in batches:
+            tokens = rows * seqs
             decision = ForwardDecision(
-                kind=ForwardKind.EAGER, running_bs=1, running_tokens=rows, is_prefill=rows > 1
+                kind=ForwardKind.EAGER, running_bs=seqs, running_tokens=tokens, is_prefill=rows > 1
             )
             if dp_size > 1:  # every DP rank runs this batch
                 decision = replace(
-                    decision, dp_num_tokens=(rows,) * dp_size, dp_padded_tokens=(rows,) * dp_size
+                    decision,
+                    dp_num_tokens=(tokens,) * dp_size,
+                    dp_padded_tokens=(tokens,) * dp_size,
                 )
-            runner.execute(warmup_inputs(rows, keys, runner.shape.block_size), decision, nothing)
+            inputs = warmup_inputs(rows, keys, runner.shape.block_size, seqs)
+            runner.execute(inputs, decision, nothing)
     if runner.spec is not None:
         runner.spec.take_eager_passes()  # a drafter's passes here are start-up's, not serving's
 

@@ -81,3 +81,33 @@ def warmup_lengths(
                 seen |= new
                 chosen.append((rows, keys))
     return chosen
+
+
+def warmup_decode_seqs(
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    num_sms: int,
+    max_seqs: int,
+    max_model_len: int,
+    fp8_cache: bool = False,
+) -> list[tuple[int, int]]:
+    """(sequences, keys per sequence) of decode batches (one query row a sequence) that launch
+    the decode variants warmup_lengths' one-sequence batches cannot: those a plan gives only once
+    (sequence, KV head) programs fill the SMs (an e4m3 cache's FP8_PLAN_D128), for batches of at
+    most `max_seqs` sequences. Cheapest first; each batch adds a variant."""
+    keys_at = sorted({1, max_model_len} | set(_powers_of_two(1, max_model_len)))
+    variants = (
+        launch_variants(1, 1, k, num_kv_heads, group, head_dim, num_sms, fp8_cache) for k in keys_at
+    )
+    seen: set[Hashable] = set().union(*variants)
+    seqs_at = set(_powers_of_two(2, max_seqs)) | {max_seqs, -(-num_sms // num_kv_heads)}
+    chosen = []
+    for seqs in sorted(s for s in seqs_at if 2 <= s <= max_seqs):
+        for keys in keys_at:
+            new = launch_variants(seqs, 1, keys, num_kv_heads, group, head_dim, num_sms, fp8_cache)
+            new -= seen
+            if new:
+                seen |= new
+                chosen.append((seqs, keys))
+    return chosen
