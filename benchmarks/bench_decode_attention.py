@@ -89,13 +89,16 @@ def fill_splits(num_programs: int, num_sms: int, per_sm: int, capacity: int) -> 
 
 def candidate_plan(base: DecodeLaunch, name: str, num_programs: int, num_sms: int) -> DecodeLaunch:
     """FP8_CANDIDATES[name] as a launch, over `base` (the e4m3 cache's default plan); V widened
-    first only where the candidate says so, whatever the default does."""
+    first only where the candidate says so, whatever the default does. Once the programs fill the
+    SMs the candidate's own programs an SM set its splits, not the default's."""
     fields, per_sm = FP8_CANDIDATES[name]
     splits = fill_splits(num_programs, num_sms, per_sm, CAPACITY)
+    if num_programs < num_sms:
+        splits = max(base.num_splits, splits)
     return dataclasses.replace(
         base,
         **{"widen_v_first": False, **fields},
-        num_splits=max(base.num_splits, splits),
+        num_splits=splits,
         min_tiles_per_split=max(1, MIN_KEYS_PER_SPLIT // fields["tile_n"]),
     )
 
