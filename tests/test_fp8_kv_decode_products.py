@@ -224,8 +224,10 @@ def test_e4m3_plans_fill_the_sms_program_slots(monkeypatch: pytest.MonkeyPatch) 
         return da.plan_decode(bs, 8192, kv_heads, 4, 128, 132, fp8_cache=fp8)
 
     plan_decode.cache_clear()
-    assert plan(32).num_splits == 1  # 256 programs, 2 an SM: one wave
-    assert plan(33, kv_heads=4).num_splits == 2  # 132 programs: two an SM
+    per_sm = FP8_PLAN_D128[4]
+    assert plan(32).num_splits == max(1, 132 * per_sm // 256)  # 256 programs: one wave
+    assert plan(33, kv_heads=4).num_splits == per_sm  # 132 programs: one an SM, split per_sm ways
+    assert plan(1024).num_splits == 1  # more programs than the SMs hold in one wave
     assert plan(33, fp8=False, kv_heads=4).num_splits == 1
     assert plan(8).num_splits == 5  # 64 programs < 132 SMs: cdiv(2 * 132, 64)
     monkeypatch.setattr(da, "FP8_PLAN_D128", (32, 4, 3, True, 5))

@@ -55,13 +55,17 @@ def test_the_warmup_batches_cover_every_variant_a_step_can_plan(shape) -> None:
     assert len(batches) <= len(warmed)
 
 
-@pytest.mark.parametrize("plan", [None, (64, 4, 3, True, 4)], ids=["default", "t64w4s3v"])
+@pytest.mark.parametrize(
+    "plan",
+    [None, (64, 4, 3, True, 4), (64, 8, 3, True, 2)],
+    ids=["default", "t64w4s3v", "t64w8s3v"],
+)
 @pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: "-".join(map(str, s)))
 def test_an_e4m3_cache_warms_its_own_decode_variants(shape, plan, monkeypatch) -> None:
     """With kv_cache_dtype fp8 the warm-up batches launch the e4m3 cache's decode plans at head_dim
     128 (their tiles, warps, stages and V widening, split or not), and every decode variant a step
-    of up to 256 sequences can plan over that cache is among them: also with a FP8_PLAN_D128 apart
-    from FP8_SPLIT_PLAN_D128, which only batches of several sequences plan."""
+    of up to 256 sequences can plan over that cache is among them, FP8_PLAN_D128 apart from
+    FP8_SPLIT_PLAN_D128 (which only batches of several sequences plan) or not."""
     if plan is not None:
         monkeypatch.setattr(decode_attention, "FP8_PLAN_D128", plan)
     plan_decode.cache_clear()
@@ -69,7 +73,8 @@ def test_an_e4m3_cache_warms_its_own_decode_variants(shape, plan, monkeypatch) -
         kv, group, head_dim, max_rows, max_len = shape
         one = warmup_lengths(kv, group, head_dim, SMS, max_rows, max_len, fp8_cache=True)
         several = warmup_decode_seqs(kv, group, head_dim, SMS, 256, max_len, fp8_cache=True)
-        assert bool(several) == (plan is not None)
+        apart = decode_attention.FP8_PLAN_D128[:4] != decode_attention.FP8_SPLIT_PLAN_D128
+        assert bool(several) == apart  # the split plan's variants need no several sequences
         warmed = set().union(
             *(launch_variants(1, r, k, kv, group, head_dim, SMS, True) for r, k in one),
             *(launch_variants(s, 1, k, kv, group, head_dim, SMS, True) for s, k in several),

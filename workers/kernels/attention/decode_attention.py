@@ -68,17 +68,17 @@ class DecodeLaunch:
 # The e4m3 cache's launch at head_dim 128: (tile_n, num_warps, num_stages, widen_v_first, the
 # programs an SM is given at that plan). Widening an e4m3 tile of 128 keys after its layout change
 # took ~140 registers a thread at 8 warps: one program per SM, where the bfloat16 cache's ~90 fit
-# two; V widened first, 64-key tiles in 3 stages take ~84 (benchmarks/kernel_stats.py decode
-# --kv-cache-dtype fp8 counts 3 programs an SM; the sweep ran 2, as here).
+# two; V widened first, 64-key tiles in 3 stages take fewer (benchmarks/kernel_stats.py decode
+# --kv-cache-dtype fp8 prints registers and programs an SM).
 # FP8_PLAN_D128 serves batches that give every SM a (sequence, KV head) program (splitting them
 # further to fill its programs an SM, counted with the split path compiled in where it splits);
-# FP8_SPLIT_PLAN_D128 smaller batches, whose keys split to give every SM two programs.
-# Both are t64w8s3v of bench_decode_attention.py --kv-cache-dtype fp8 --sweep (H100, commit
-# 4978fb3, Llama-3.1-8B, 8192 keys): at bs 32 307.6 us against the former 64-key, 1-stage plan's
-# 343.6 (bfloat16 cache 363.6), at bs 1 22.14 against 22.73. t64w4s3v ran bs 32 in 244.2 us (4
-# warps, 4 programs an SM, 2 splits), but a plan apart from the split plan's is a kernel variant
-# that start-up's one-sequence warm-up batches never launch (workers/kernels/attention/variants.py).
-FP8_PLAN_D128 = (64, 8, 3, True, 2)
+# FP8_SPLIT_PLAN_D128 smaller batches, whose keys split to give every SM two programs. Start-up
+# warms both (workers/kernels/attention/variants.py).
+# Set from bench_decode_attention.py --shape "Llama-3.1-8B bs32|bs1" --ctx 8192 --kv-cache-dtype
+# fp8 --sweep (H100 80GB HBM3, commit 4978fb3): at bs 32 t64w4s3v (4 warps, 4 programs an SM, 2
+# splits) 244.2 us against the former 64-key, 8-warp, 1-stage plan's 343.6 (bfloat16 cache 363.6,
+# t64w8s3v 307.6); at bs 1 t64w8s3v 22.14 us against 22.73 (t64w4s2v 22.51; 32 splits each).
+FP8_PLAN_D128 = (64, 4, 3, True, 4)
 FP8_SPLIT_PLAN_D128 = (64, 8, 3, True)
 SPLIT_CHUNK = 4  # splits the merging program reads per step
 DECODE_COUNTERS = 4096  # split counters per microbatch: a split launch has < num_sms (seq, KV head)
