@@ -59,3 +59,35 @@ def test_the_sweeps_candidates_at_llama_8b_shape() -> None:
             late = dataclasses.replace(plan, widen_v_first=False)
             same, _ = run_fp8_decode(1.0, True, plan.num_splits, lens=LONG_LENS, plan=late, **shape)
             torch.testing.assert_close(out, same, rtol=1e-3, atol=1e-3, msg=name)
+
+
+def test_fp8_decode_steps_after_start_up_compile_no_decode_kernel() -> None:
+    """An engine with kv_cache_dtype fp8 at Llama-3.1-8B's attention shape (two layers, dummy
+    weights) warms its e4m3 decode plans at start-up: decode steps of one sequence and of enough
+    sequences to fill the SMs (FP8_PLAN_D128, split and not) compile no attention kernel."""
+    from triton import knobs
+
+    from atomrt import SamplingParams
+    from atomrt.runtime.entrypoints.llm import LLM
+
+    llm = LLM(
+        model="Llama-3.1-8B",
+        load_format="dummy",
+        device="cuda",
+        hf_overrides={"num_hidden_layers": 2},
+        kv_cache_dtype="fp8",
+        enforce_eager=True,
+        max_num_seqs=64,
+        max_model_len=4096,
+    )
+    compiled: list[str] = []
+    old = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"].split("[", 1)[0])
+    try:
+        for n, length in [(1, 3000), (20, 30), (20, 900), (40, 30), (40, 900)]:
+            prompts = [[11 + (i * 7 + j) % 400 for j in range(length)] for i in range(n)]
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    finally:
+        knobs.runtime.jit_post_compile_hook = old
+        llm.shutdown()
+    assert not [name for name in compiled if "attention" in name], compiled
