@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from kernel_device import DEVICE
+from kernel_device import DEVICE, assert_same_roundings
 
 from atomrt.workers.kernels.attention import mla_decode
 from atomrt.workers.kernels.attention.mla_decode import (
@@ -199,8 +199,8 @@ def test_write_kv_cache(src: torch.dtype, dst: torch.dtype) -> None:
 
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half-split"])
 def test_rope_write_kv_cache_is_the_rotary_then_the_write(interleaved: bool) -> None:
-    """One launch gives RotaryEmbedding's rotated q_pe (every row: padded ones too) and k_pe,
-    bit for bit (the same roundings), and writes mla_write_kv_cache's rows of the rotated k_pe;
+    """One launch gives RotaryEmbedding's rotated q_pe (every row: padded ones too) and k_pe
+    with the same roundings (assert_same_roundings), and writes mla_write_kv_cache's rows of the rotated k_pe;
     slots < 0 and past the cache write nothing. q_pe as a strided view of the whole query, YaRN
     scaling in cos/sin as DeepSeek's rotary has it."""
     gen = torch.Generator().manual_seed(3)
@@ -220,11 +220,11 @@ def test_rope_write_kv_cache_is_the_rotary_then_the_write(interleaved: bool) -> 
         cache, slots,
     )  # fmt: skip
     want_q, want_k = rotary(positions, q[..., nope:], k_pe.unsqueeze(1))
-    assert torch.equal(q_rot, want_q)
+    assert_same_roundings(q_rot, want_q)
     want = torch.full_like(cache, NAN)
     mla_write_kv_cache(kv_c, want_k.squeeze(1), want, slots)
     assert torch.equal(cache.isnan(), want.isnan())
-    assert torch.equal(cache.nan_to_num(), want.nan_to_num())
+    assert_same_roundings(cache.nan_to_num(), want.nan_to_num())
 
 
 LENS_K = [1, 17, 40, 70]  # a first token (no earlier key), a block boundary, several key tiles
