@@ -355,10 +355,9 @@ def test_block_size_32_and_a_strided_block_table() -> None:
     check_mla(batch, run_mla(batch, plan=forced_plan(2, 32, 16, num_splits=2)))
 
 
-def test_the_live_context_decides_the_working_splits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Four splits of at least two 16-key tiles: contexts of one or two tiles stay in one split,
-    longer ones spread over more. The split workspace starts as NaN: every m and l must be written
-    (idle splits leave l = 0), and the merge reads no partial output of a split that saw no key."""
+def poison_split_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MLA decode's split workspace (partials, m, l) starts as NaN on every launch: what a
+    launch reads without writing it first shows in its output."""
 
     def poisoned(*args):
         partial, m, l = split_workspace(*args)
@@ -367,6 +366,13 @@ def test_the_live_context_decides_the_working_splits(monkeypatch: pytest.MonkeyP
         return partial, m, l
 
     monkeypatch.setattr(mla_decode, "kept_split_workspace", poisoned)
+
+
+def test_the_live_context_decides_the_working_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four splits of at least two 16-key tiles: contexts of one or two tiles stay in one split,
+    longer ones spread over more. The split workspace starts as NaN: every m and l must be written
+    (idle splits leave l = 0), and the merge reads no partial output of a split that saw no key."""
+    poison_split_workspace(monkeypatch)
     batch = make_mla_batch(
         [1] * 6, [3, 30, 33, 100, 150, 0], num_heads=4, kv_lora_rank=32, rope_dim=16, seed=6
     )

@@ -13,7 +13,14 @@ import dataclasses
 import pytest
 import torch
 from kernel_device import DEVICE
-from test_mla_kernels import NAN, check_mla, forced_plan, make_mla_batch, reference_mla, run_mla
+from test_mla_kernels import (
+    check_mla,
+    forced_plan,
+    make_mla_batch,
+    poison_split_workspace,
+    reference_mla,
+    run_mla,
+)
 
 from atomrt.workers.kernels.attention import mla_decode
 from atomrt.workers.kernels.attention.decode_attention import (
@@ -21,18 +28,11 @@ from atomrt.workers.kernels.attention.decode_attention import (
     prepare_decode_counters,
 )
 from atomrt.workers.kernels.attention.mla_decode import launch_mla_decode, mla_decode_attention
-from atomrt.workers.kernels.attention.workspace import split_workspace
 
 
 @pytest.fixture(autouse=True)
 def poisoned_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
-    def poisoned(*args):
-        partial, m, l = split_workspace(*args)
-        for t in (partial, m, l):
-            t.fill_(NAN)
-        return partial, m, l
-
-    monkeypatch.setattr(mla_decode, "kept_split_workspace", poisoned)
+    poison_split_workspace(monkeypatch)
 
 
 def merging_plan(num_heads: int, lora: int, rope: int, **kw) -> mla_decode.MLADecodeLaunch:
