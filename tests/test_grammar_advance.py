@@ -72,7 +72,7 @@ def _matchers_along(tok, backend, compiled, n):
 
 @pytest.mark.parametrize("cores", [2, 16], ids=["one-call", "threads"])
 def test_a_batch_accepted_ahead_answers_as_each_matcher_alone(tok, cores, monkeypatch) -> None:
-    monkeypatch.setattr(xb, "_usable_cores", lambda: cores)
+    monkeypatch.setattr(xb, "usable_cpu_count", lambda: cores)
     backend = xb.XgrammarBackend(tok.hf, VOCAB, [EOS])
     assert (backend._threads > 1) == (cores == 16)
     compiled = _compiled(backend, json=json.loads(SCHEMA.read_text()))

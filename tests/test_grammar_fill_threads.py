@@ -22,7 +22,7 @@ def test_fill_threads_follow_the_cores() -> None:
 
 
 def test_a_threaded_batch_fill_gives_each_matchers_own_mask(monkeypatch) -> None:
-    monkeypatch.setattr(xb, "_usable_cores", lambda: 16)  # as on a GPU host: a threaded filler
+    monkeypatch.setattr(xb, "usable_cpu_count", lambda: 16)  # as on a GPU host: a threaded filler
     tok = bpe_tokenizer()
     backend = xb.XgrammarBackend(tok.hf, VOCAB, [EOS])
     assert backend._parallel is not None

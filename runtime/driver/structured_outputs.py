@@ -39,7 +39,6 @@ engine submits the next plan right after them). The scheduler asks `ready` of ea
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -53,6 +52,7 @@ import torch
 
 from atomrt.distributed.messages import GrammarBitmask, StepPlan
 from atomrt.runtime.config import StructuredOutputsConfig
+from atomrt.runtime.config_sections import usable_cpu_count
 from atomrt.runtime.driver.grammar_backend import GrammarMatcher, allowed_tokens
 from atomrt.runtime.driver.grammar_compiler import COMPILE_TIMEOUT, GrammarCompiler
 from atomrt.runtime.driver.xgrammar_backend import XgrammarMatcher
@@ -76,13 +76,6 @@ FILL_ON_THREAD = False
 # A matcher of the default backend built from its compiled grammar: `SeqGrammar(compiled,
 # stop_token_ids, vocab_size)`, for code that holds an xgrammar `CompiledGrammar` (tests).
 SeqGrammar = XgrammarMatcher
-
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 @dataclass
@@ -331,7 +324,13 @@ class StructuredOutputs:
             else:
                 left = True
             self.mask_stats.accept_seconds += time.perf_counter() - start
-        if FILL_ON_THREAD and self.pending and not left and not speculative and _cores() > 1:
+        if (
+            FILL_ON_THREAD
+            and self.pending
+            and not left
+            and not speculative
+            and usable_cpu_count() > 1
+        ):
             if self._filler is None:
                 self._filler = ThreadPoolExecutor(1, thread_name_prefix="atomrt-grammar-fill")
             # every pending step's states are known now; they stay pending (the engine plans the

@@ -17,13 +17,13 @@ which an engine that never sees a constrained request does not pay.
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from atomrt.runtime.config_sections import usable_cpu_count
 from atomrt.runtime.driver.grammar_backend import GrammarBackend, GrammarMatcher
 from atomrt.runtime.driver.json_schema import prepare_schema
 from atomrt.runtime.sampling_params import StructuredOutputsParams
@@ -44,12 +44,6 @@ def fill_threads(cores: int) -> int:
     if cores < MIN_FILL_CORES:
         return 1
     return min(MAX_FILL_THREADS, cores // 2)
-
-
-def _usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _xgr() -> ModuleType:
@@ -125,7 +119,7 @@ class XgrammarBackend(GrammarBackend):
         self.stop_token_ids = list(stop_token_ids)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-        threads = fill_threads(_usable_cores())
+        threads = fill_threads(usable_cpu_count())
         self._parallel = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else None
         self._threads = threads
         self._pool: Optional[ThreadPoolExecutor] = None  # the batch accept's, when threaded
