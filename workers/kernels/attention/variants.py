@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from atomrt.workers.kernels.attention.decode_attention import plan_decode
 from atomrt.workers.kernels.attention.paged_attention import plan_attention
@@ -70,17 +70,13 @@ def warmup_lengths(
     rows_at = sorted(
         {r for p in _powers_of_two(1, top) for r in (p, p + 1, p - 1)} & set(range(1, top + 1))
     )
-    seen: set[Hashable] = set()
-    chosen = []
-    for rows in rows_at:
-        keys_at = sorted({rows, max_model_len} | set(_powers_of_two(rows, max_model_len)))
-        for keys in keys_at:
-            new = launch_variants(1, rows, keys, num_kv_heads, group, head_dim, num_sms, fp8_cache)
-            new -= seen
-            if new:
-                seen |= new
-                chosen.append((rows, keys))
-    return chosen
+    batches = [
+        (rows, keys)
+        for rows in rows_at
+        for keys in sorted({rows, max_model_len} | set(_powers_of_two(rows, max_model_len)))
+    ]
+    heads = (num_kv_heads, group, head_dim, num_sms, fp8_cache)
+    return _each_adding_a_variant(batches, lambda b: launch_variants(1, b[0], b[1], *heads), set())
 
 
 def warmup_decode_seqs(
@@ -102,12 +98,21 @@ def warmup_decode_seqs(
     )
     seen: set[Hashable] = set().union(*variants)
     seqs_at = set(_powers_of_two(2, max_seqs)) | {max_seqs, -(-num_sms // num_kv_heads)}
+    batches = [(s, k) for s in sorted(s for s in seqs_at if 2 <= s <= max_seqs) for k in keys_at]
+    heads = (num_kv_heads, group, head_dim, num_sms, fp8_cache)
+    return _each_adding_a_variant(batches, lambda b: launch_variants(b[0], 1, b[1], *heads), seen)
+
+
+def _each_adding_a_variant(
+    batches: list[tuple[int, int]],
+    variants_of: Callable[[tuple[int, int]], frozenset[Hashable]],
+    seen: set[Hashable],
+) -> list[tuple[int, int]]:
+    """The batches, in order, that each launch a variant none before them (nor `seen`) did."""
     chosen = []
-    for seqs in sorted(s for s in seqs_at if 2 <= s <= max_seqs):
-        for keys in keys_at:
-            new = launch_variants(seqs, 1, keys, num_kv_heads, group, head_dim, num_sms, fp8_cache)
-            new -= seen
-            if new:
-                seen |= new
-                chosen.append((seqs, keys))
+    for batch in batches:
+        new = variants_of(batch) - seen
+        if new:
+            seen |= new
+            chosen.append(batch)
     return chosen
