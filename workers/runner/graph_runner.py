@@ -168,15 +168,16 @@ class GraphRunner:
         if not self.enabled:
             return 0
         self._find_unit_graph(runner)
-        buckets = [
-            (bs, q)
-            for bs in capture_order(self.config.capture_sizes)
-            for q in self.config.capture_q_lens
-        ]
-        for bs, q in buckets:
-            self._warm_up(runner, self.stage_bucket(runner, bs, q))
+        ran = self._warm_up_every_bucket(runner, capture_order(self.config.capture_sizes))
         self.warmed_ahead = True
-        return len(buckets)
+        return ran
+
+    def _warm_up_every_bucket(self, runner: ModelRunner, sizes: list[int]) -> int:
+        """Each bucket's warm-up once (sizes x capture_q_lens); how many ran."""
+        for bs in sizes:
+            for q in self.config.capture_q_lens:
+                self._warm_up(runner, self.stage_bucket(runner, bs, q))
+        return len(sizes) * len(self.config.capture_q_lens)
 
     def _compile_ahead(self, runner: ModelRunner, sizes: list[int]) -> None:
         """Every bucket's warm-up once under `compile_ahead`: the Triton kernels that capture
@@ -187,9 +188,7 @@ class GraphRunner:
         with compile_ahead() as ahead:
             if not ahead:
                 return
-            for bs in sizes:
-                for q in self.config.capture_q_lens:
-                    self._warm_up(runner, self.stage_bucket(runner, bs, q))
+            self._warm_up_every_bucket(runner, sizes)
         torch.cuda.synchronize()
         logger.info(
             "rank %d: capture's kernels compiled ahead in %.2f s",
