@@ -131,13 +131,13 @@ def plan_mla_decode(
         min_tiles_per_split=triton.cdiv(min_keys, block_n),
         num_warps=4 if block_m <= 16 else 8,
         num_stages=2,
-        merge_in_kernel=num_splits <= MERGE_IN_KERNEL_MAX_SPLITS,
+        merge_in_kernel=1 < num_splits <= MERGE_IN_KERNEL_MAX_SPLITS,
     )
 
 
 @functools.lru_cache(maxsize=1024)
 def _with_splits(plan: MLADecodeLaunch, num_splits: int) -> MLADecodeLaunch:
-    merge_in_kernel = num_splits <= MERGE_IN_KERNEL_MAX_SPLITS
+    merge_in_kernel = 1 < num_splits <= MERGE_IN_KERNEL_MAX_SPLITS
     return dataclasses.replace(plan, num_splits=num_splits, merge_in_kernel=merge_in_kernel)
 
 
