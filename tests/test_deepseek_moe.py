@@ -100,7 +100,7 @@ def test_group_limits_keep_every_pick_inside_the_best_groups() -> None:
 
 
 def test_grouped_topk_moe_equals_transformers_experts() -> None:
-    """The routed experts' sum, through the `routed_experts` op, on transformers' expert weights."""
+    """The routed experts' sum (`routed_experts`: the pairs op, summed) on transformers' experts."""
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
@@ -132,3 +132,75 @@ def test_grouped_topk_moe_equals_transformers_experts() -> None:
         expected = hf.experts(x, ids, weights)
         got = ours(x)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def _routed_expert_pairs_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and getattr(n.target, "overloadpacket", n.target) is torch.ops.atomrt.routed_expert_pairs
+    ]
+
+
+def test_compiled_deepseek_moe_block_sums_the_pairs_outside_the_op() -> None:
+    """A DeepSeekMoE block (routed and shared experts) compiled by Inductor equals transformers';
+    the graph it compiles holds the expert op's per-pair rows [n, top_k, hidden] and their sum as
+    traced code, which Inductor may fuse with the shared expert's add."""
+    from torch._inductor.compile_fx import compile_fx
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from atomrt.distributed.communication_op import DPInfo, TPInfo
+    from atomrt.workers.models.deepseek import DeepseekMoE
+    from atomrt.workers.models.registry import arch_from_hf_config
+
+    top_k, inter = 4, 24
+    cfg = DeepseekV3Config(
+        hidden_size=HIDDEN,
+        n_routed_experts=EXPERTS,
+        num_experts_per_tok=top_k,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=inter,
+        n_shared_experts=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
+    torch.manual_seed(2)
+    hf = DeepseekV3MoE(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+        hf.gate.e_score_correction_bias.uniform_(-0.2, 0.2)
+    arch = arch_from_hf_config({**cfg.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}, "t")
+    block = DeepseekMoE(arch, TPInfo(), DPInfo())
+    ours, shared = block.experts, block.shared_experts
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        ours.gate.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
+        ours.w13_weight.copy_(hf.experts.gate_up_proj)
+        ours.w2_weight.copy_(hf.experts.down_proj)
+        gate_up = (hf.shared_experts.gate_proj.weight, hf.shared_experts.up_proj.weight)
+        shared.gate_up_proj.weight.copy_(torch.cat(gate_up))
+        shared.down_proj.weight.copy_(hf.shared_experts.down_proj.weight)
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    torch._dynamo.reset()
+    x = torch.randn(TOKENS, HIDDEN)
+    with torch.no_grad():
+        got = torch.compile(block, backend=backend, fullgraph=True, dynamic=False)(x)
+        expected = hf(x)
+        eager = block(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, eager, rtol=0, atol=1e-5)
+    (gm,) = graphs
+    (op,) = _routed_expert_pairs_calls(gm)
+    assert tuple(op.meta["example_value"].shape) == (TOKENS, top_k, HIDDEN)
+    (user,) = op.users
+    assert (user.op, user.target, user.kwargs) == ("call_method", "sum", {"dim": 1})

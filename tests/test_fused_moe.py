@@ -28,23 +28,30 @@ from atomrt.workers.kernels.moe.moe_configs import (
     heuristic_config,
     pick_config,
 )
+from atomrt.workers.layers.moe import fused_experts_ref
 
 # Small blocks keep the interpreter fast; the widths below are not multiples of them.
 SMALL = MoEConfig(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
 HIDDEN, INTER = 48, 40
 
 
-def reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """float64 on the CPU: sum_j w_j * W2[e_j] @ (silu(W1[e_j] x) * W3[e_j] x), token by token."""
+def pair_reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """float64 on the CPU, [tokens, top_k, hidden]: w_j * W2[e_j] @ (silu(W1[e_j] x) * W3[e_j] x)
+    for each token and slot j."""
     x, w13, w2, topk_weights = (t.double().cpu() for t in (x, w13, w2, topk_weights))
     inter = w2.shape[2]
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    out = torch.zeros(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
             gate, up = w13[e, :inter] @ x[t], w13[e, inter:] @ x[t]
-            out[t] += topk_weights[t, j] * (w2[e] @ (F.silu(gate) * up))
+            out[t, j] = topk_weights[t, j] * (w2[e] @ (F.silu(gate) * up))
     return out
+
+
+def reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """float64 on the CPU: sum_j w_j * W2[e_j] @ (silu(W1[e_j] x) * W3[e_j] x), token by token."""
+    return pair_reference(x, w13, w2, topk_weights, topk_ids).sum(dim=1)
 
 
 def make_experts(num_experts: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +102,86 @@ def test_ragged_loads_and_experts_without_tokens() -> None:
 
 def test_every_token_to_one_expert() -> None:
     check(37, 8, torch.full((37, 1), 6))
+
+
+def test_pairs_unsummed_are_each_slots_weighted_output() -> None:
+    """`sum_pairs=False`: the kernel and the torch loop both give every (token, slot) pair's
+    weighted expert output [tokens, top_k, hidden], the float64 reference's; a token routed twice
+    to one expert keeps both rows."""
+    weights, ids = random_routing(9, 8, 3)
+    ids[4, 2] = ids[4, 0]
+    x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(3))
+    w13, w2 = make_experts(8)
+    expected = pair_reference(x, w13, w2, weights, ids)
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+    kernel = fused_experts(*args, SMALL, SMALL, sum_pairs=False)
+    loop = fused_experts_ref(*(t.double().cpu() for t in args[:4]), ids, sum_pairs=False)
+    for got in (kernel, loop):
+        assert got.shape == (9, 3, HIDDEN)
+        torch.testing.assert_close(got.double().cpu(), expected, rtol=1e-5, atol=1e-5)
+    summed = fused_experts_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    torch.testing.assert_close(summed, expected.sum(dim=1), rtol=0, atol=1e-12)
+
+
+def test_compiled_fused_moe_gives_the_eager_result() -> None:
+    """A FusedMoE (softmax top-k routing, Mixtral's and Qwen3-MoE's) compiled by Inductor: the
+    expert op's fake shape [tokens, top_k, hidden] is what it returns, and the traced sum gives
+    the eager layer's output and the float64 reference's."""
+    from atomrt.workers.layers.moe import FusedMoE, select_experts
+
+    moe = FusedMoE(8, 2, HIDDEN, INTER, renormalize=True)
+    gen = torch.Generator().manual_seed(4)
+    w13, w2 = make_experts(8)
+    with torch.no_grad():
+        moe.w13_weight.copy_(w13)
+        moe.w2_weight.copy_(w2)
+        moe.gate.weight.copy_(torch.randn(8, HIDDEN, generator=gen))
+    x = torch.randn(7, HIDDEN, generator=gen)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(moe, backend="inductor", fullgraph=True, dynamic=False)(x)
+        eager = moe(x)
+    weights, ids = select_experts(F.linear(x, moe.gate.weight), 2, True)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        got.double(), reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_fp8_pairs_unsummed_and_traced_sum() -> None:
+    """The FP8 twin: `sum_pairs=False` gives each pair's row of the float64 dequantizing
+    reference (one e4m3 step apart now and then: see test_fp8_kernels), and the layer's call,
+    compiled by Inductor, sums the op's [tokens, top_k, hidden] rows to the eager result."""
+    from types import SimpleNamespace
+
+    from atomrt.workers.kernels.moe.fused_moe_fp8 import fused_experts_fp8
+    from atomrt.workers.layers.quantization.fp8 import fp8_experts_ref, quantize_fp8
+    from atomrt.workers.layers.quantization.fp8_ops import fp8_routed_experts
+
+    gen = torch.Generator().manual_seed(6)
+    e, hidden, inter, top_k, group = 6, 256, 160, 2, 128
+    q13, s13 = quantize_fp8(torch.randn(e, 2 * inter, hidden, generator=gen) * 0.1, group)
+    q2, s2 = quantize_fp8(torch.randn(e, hidden, inter, generator=gen) * 0.1, group)
+    x = torch.randn(5, hidden, generator=gen)
+    weights, ids = random_routing(5, e, top_k, seed=7)
+    quantize = {} if DEVICE == "cuda" else {"quantize": quantize_fp8}
+    experts = [t.to(DEVICE) for t in (q13, q2, s13, s2, weights, ids)]
+    pairs = fused_experts_fp8(x.to(DEVICE), *experts, group, **quantize, sum_pairs=False)
+    ref = fp8_experts_ref(x.double(), q13, q2, s13, s2, weights.double(), ids, group, False)
+    assert pairs.shape == ref.shape == (5, top_k, hidden)
+    err = (pairs.cpu().double() - ref).abs()
+    assert err.max() < 2e-2 * ref.abs().max() and err.mean() < 1e-3 * ref.abs().max()
+
+    moe = SimpleNamespace(
+        w13_weight=q13, w2_weight=q2, w13_weight_scale=s13, w2_weight_scale=s2, fp8_group_k=group
+    )
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x, w, i: fp8_routed_experts(x, w, i, moe), backend="inductor", fullgraph=True
+    )
+    got, eager = compiled(x, weights, ids), fp8_routed_experts(x, weights, ids, moe)
+    assert got.shape == (5, hidden)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
 
 
 def test_alignment_layout() -> None:

@@ -98,16 +98,17 @@ def test_recorded_in_a_cuda_graph_follows_the_routing() -> None:
 
 
 def test_moe_layer_custom_op_on_cuda_matches_reference() -> None:
-    """The layer's op takes the Triton path on CUDA: it agrees with the torch reference path."""
-    from atomrt.workers.layers.moe import _fused_moe_impl
+    """The layer's op takes the Triton path on CUDA: its per-pair rows agree with the torch
+    reference path's."""
+    from atomrt.workers.layers.moe import _routed_expert_pairs_impl
 
     e, k, h, i, m = 16, 4, 512, 192, 40
     w13, w2 = _weights(e, h, i, torch.float32)
     x, _, _ = _routing(m, e, k, h, torch.float32)
-    logits = torch.randn(m, e, device="cuda")
-    got = _fused_moe_impl(x, logits, w13, w2, k, True)
-    weights, ids = select_experts(logits, k, True)
-    expected = fused_experts_ref(x, w13, w2, weights, ids)
+    weights, ids = select_experts(torch.randn(m, e, device="cuda"), k, True)
+    got = _routed_expert_pairs_impl(x, weights, ids, w13, w2)
+    expected = fused_experts_ref(x, w13, w2, weights, ids, sum_pairs=False)
+    assert got.shape == (m, k, h)
     # float32 takes exact (ieee) dots: only the accumulation order differs
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 

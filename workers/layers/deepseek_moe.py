@@ -125,7 +125,8 @@ class GroupedRouter(nn.Module):
 
 class GroupedTopkMoE(FusedMoE):
     """`FusedMoE` routed by DeepSeekMoE's router: the routing is traced with the model (plain
-    tensor arithmetic), the experts are the opaque `routed_experts` op."""
+    tensor arithmetic), the experts are `routed_experts` (an opaque op's per-pair rows, summed in
+    traced code)."""
 
     def __init__(
         self,

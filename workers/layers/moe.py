@@ -10,8 +10,9 @@ rank):
    Mixtral always).
 3. Experts: every expert's intermediate dimension is split over the ranks that hold the gathered
    rows, the TP group (DP = 1) or the whole DP x TP world (DP > 1); each rank computes its slice's
-   partial sum of every token's output (`fused_moe`: the Triton kernel on CUDA, a torch loop over
-   the experts elsewhere).
+   weighted output of every (token, expert) pair (the opaque op `routed_expert_pairs`: the Triton
+   kernel on CUDA, a torch loop over the experts elsewhere), then sums each token's top k pairs
+   in traced code, where the compiler fuses that sum into the kernels after it.
 4. Reduce: DP > 1 `dp_reduce_scatter` sums over DP ranks and hands each its own rows back; then
    `tp_all_reduce` sums over the TP group.
 
@@ -70,18 +71,22 @@ def fused_experts_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    sum_pairs: bool = True,
 ) -> torch.Tensor:
-    """The torch path (CPU): one GEMM pair per expert over the tokens routed to it."""
-    out = torch.zeros_like(x)
+    """The torch path (CPU): one GEMM pair per expert over the tokens routed to it, each pair's
+    weighted row written in place: [n, hidden] summed over the top_k pairs, or the pairs
+    [n, top_k, hidden] with `sum_pairs=False` (as `fused_experts`)."""
+    num_tokens, top_k = topk_ids.shape
+    per_pair = x.new_zeros(num_tokens * top_k, x.shape[1])  # [pairs, hidden]
     weights = topk_weights.reshape(-1)
     for expert, pairs, tokens in routed_pairs(topk_ids, w13.shape[0]):
         h = silu_and_mul(F.linear(x[tokens], w13[expert]))  # [count, I]
-        y = F.linear(h, w2[expert]) * weights[pairs, None].to(x.dtype)  # [count, hidden]
-        out.index_add_(0, tokens, y)
-    return out
+        per_pair[pairs] = F.linear(h, w2[expert]) * weights[pairs, None].to(x.dtype)
+    out = per_pair.view(num_tokens, top_k, x.shape[1])
+    return out.sum(dim=1) if sum_pairs else out
 
 
-def _routed_experts_impl(
+def _routed_expert_pairs_impl(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -89,48 +94,26 @@ def _routed_experts_impl(
     w2: torch.Tensor,
 ) -> torch.Tensor:
     """x [n, hidden] routed by (topk_weights, topk_ids) [n, top_k] -> this rank's partial expert
-    output [n, hidden]: the Triton kernel on CUDA, the torch loop elsewhere."""
+    output of every pair, weighted, [n, top_k, hidden]: the Triton kernel on CUDA, the torch loop
+    elsewhere."""
     expert_tally.record(w13, topk_ids)  # a probe's count of the experts touched (eager steps)
     if x.is_cuda:
-        return fused_experts(x, w13, w2, topk_weights, topk_ids)
-    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids)
+        return fused_experts(x, w13, w2, topk_weights, topk_ids, sum_pairs=False)
+    return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, sum_pairs=False)
 
 
-def _fused_moe_impl(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
+def _routed_expert_pairs_fake(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *experts: object
 ) -> torch.Tensor:
-    """x [n, hidden], router_logits [n, E] -> this rank's partial expert output [n, hidden]."""
-    topk_weights, topk_ids = select_experts(router_logits, top_k, renormalize)
-    return _routed_experts_impl(x, topk_weights, topk_ids, w13, w2)
-
-
-def _experts_output_fake(x: torch.Tensor, *routing_and_experts: object) -> torch.Tensor:
-    """Both ops' output: one row per row of x."""
-    return torch.empty_like(x)
+    return x.new_empty((x.shape[0], topk_ids.shape[1], x.shape[1]))
 
 
 # Opaque to Dynamo: the CPU loop has data-dependent shapes, and the kernel picks its launch per call.
-direct_register_custom_op("fused_moe", _fused_moe_impl, fake_impl=_experts_output_fake)
-# The experts alone, for a routing computed outside the op (DeepSeekMoE's grouped top-k).
-direct_register_custom_op("routed_experts", _routed_experts_impl, fake_impl=_experts_output_fake)
-
-
-def fused_moe(
-    x: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        return torch.ops.atomrt.fused_moe(x, router_logits, w13, w2, top_k, renormalize)
-    return _fused_moe_impl(x, router_logits, w13, w2, top_k, renormalize)
+# It returns the pairs, not their sum: traced, the sum of top_k rows is a small reduction Inductor
+# folds into the pointwise and norm kernels after it, where inside the op it would be a launch.
+direct_register_custom_op(
+    "routed_expert_pairs", _routed_expert_pairs_impl, fake_impl=_routed_expert_pairs_fake
+)
 
 
 def routed_experts(
@@ -140,9 +123,14 @@ def routed_experts(
     w13: torch.Tensor,
     w2: torch.Tensor,
 ) -> torch.Tensor:
+    """x [n, hidden] routed by (topk_weights, topk_ids) [n, top_k] -> this rank's partial expert
+    output [n, hidden]: the opaque op's pairs, summed in traced code."""
+    args = (x, topk_weights, topk_ids, w13, w2)
     if torch.compiler.is_compiling():
-        return torch.ops.atomrt.routed_experts(x, topk_weights, topk_ids, w13, w2)
-    return _routed_experts_impl(x, topk_weights, topk_ids, w13, w2)
+        pairs = torch.ops.atomrt.routed_expert_pairs(*args)
+    else:
+        pairs = _routed_expert_pairs_impl(*args)
+    return pairs.sum(dim=1)
 
 
 class Router(nn.Module):
@@ -260,12 +248,8 @@ class FusedMoE(nn.Module):
         return tp_all_reduce(y, self.tp) if self.reduce_output else y
 
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is not None:
-            weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-            return self.routed(x, weights, ids)
-        return fused_moe(
-            x, self.gate(x), self.w13_weight, self.w2_weight, self.top_k, self.renormalize
-        )
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        return self.routed(x, weights, ids)
 
     def routed(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

@@ -14,7 +14,8 @@ expert, block of output columns):
    accumulates both products and writes silu(gate) * up: the activation is the GEMM's epilogue, so
    the [pairs, 2I] projection never reaches memory.
 2. down: the activated rows times the expert's down projection, scaled by the pair's routing weight,
-   written per pair; the top_k pairs of a token are summed after it.
+   written per pair; the top_k pairs of a token are summed after it (by the caller, with
+   `sum_pairs=False`).
 
 Pairs are the padded layout's rows: a padding row (`num_pairs`) is masked off, and a block past the
 layout's used length (a device value) returns at once, so the grid is sized by the host bound.
@@ -237,9 +238,12 @@ def fused_experts(
     topk_ids: torch.Tensor,
     gate_up_config: Optional[MoEConfig] = None,
     down_config: Optional[MoEConfig] = None,
+    sum_pairs: bool = True,
 ) -> torch.Tensor:
     """x [num_tokens, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [num_tokens, top_k] (float),
-    topk_ids [num_tokens, top_k] (int) -> [num_tokens, H] in x's dtype.
+    topk_ids [num_tokens, top_k] (int) -> [num_tokens, H] in x's dtype; with `sum_pairs=False`
+    the weighted per-pair outputs [num_tokens, top_k, H] instead, left for the caller to sum
+    (traced, the sum of top_k rows fuses into whatever follows).
 
     Configs default to the table's (moe_configs.pick_config); both GEMMs share one alignment, so
     they must have the same block_m."""
@@ -264,4 +268,5 @@ def fused_experts(
     _launch(x, w13, activated, weights, align, num_pairs, top_k, True, gate_up_config)
     per_pair = x.new_empty(num_pairs, hidden)  # [pairs, H]: weighted expert outputs
     _launch(activated, w2, per_pair, weights, align, num_pairs, 1, False, down_config)
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
+    pairs = per_pair.view(num_tokens, top_k, hidden)
+    return pairs.sum(dim=1) if sum_pairs else pairs

@@ -172,8 +172,10 @@ def fused_experts_fp8(
     topk_ids: torch.Tensor,
     group_k: Optional[int],
     quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] = quantize_fp8_triton,
+    sum_pairs: bool = True,
 ) -> torch.Tensor:
-    """x [num_tokens, H] -> [num_tokens, H] in x's dtype (see the module docstring).
+    """x [num_tokens, H] -> [num_tokens, H] in x's dtype (see the module docstring); with
+    `sum_pairs=False` the weighted per-pair outputs [num_tokens, top_k, H], for the caller to sum.
     `quantize(rows, group_k)` makes the e4m3 activations (the CPU tests give the torch reference:
     Triton's interpreter rounds some values to the wrong binade when it casts to e4m3)."""
     num_tokens, hidden, num_experts, inter, top_k = moe_dims(x, w13, w2, topk_ids)
@@ -186,4 +188,5 @@ def fused_experts_fp8(
     qh, sh = quantize(activated, group_k)
     per_pair = x.new_empty(num_pairs, hidden)
     _launch(qh, sh, w2, w2_scale, per_pair, weights, align, num_pairs, 1, False, group_k)
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
+    pairs = per_pair.view(num_tokens, top_k, hidden)
+    return pairs.sum(dim=1) if sum_pairs else pairs

@@ -273,16 +273,21 @@ def fp8_experts_ref(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     group_k: Optional[int],
+    sum_pairs: bool = True,
 ) -> torch.Tensor:
     """The dequantizing reference of the FP8 experts: per expert, the routed rows through
-    `fp8_linear_ref` (gate/up), silu(gate) * up, `fp8_linear_ref` (down), weighted and summed."""
-    out = torch.zeros_like(x)
+    `fp8_linear_ref` (gate/up), silu(gate) * up, `fp8_linear_ref` (down), weighted, each pair's
+    row written in place; summed over a token's top_k pairs, or the pairs [n, top_k, hidden] with
+    `sum_pairs=False`."""
+    num_tokens, top_k = topk_ids.shape
+    per_pair = x.new_zeros(num_tokens * top_k, x.shape[1])  # [pairs, hidden]
     weights = topk_weights.reshape(-1)
     for expert, pairs, tokens in routed_pairs(topk_ids, w13.shape[0]):
         h = silu_and_mul(fp8_linear_ref(x[tokens], w13[expert], w13_scale[expert], None, group_k))
         y = fp8_linear_ref(h, w2[expert], w2_scale[expert], None, group_k)
-        out.index_add_(0, tokens, y * weights[pairs, None].to(x.dtype))
-    return out
+        per_pair[pairs] = y * weights[pairs, None].to(x.dtype)
+    out = per_pair.view(num_tokens, top_k, x.shape[1])
+    return out.sum(dim=1) if sum_pairs else out
 
 
 def routed_pairs(

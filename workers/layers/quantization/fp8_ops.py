@@ -1,6 +1,7 @@
 """The FP8 layers' custom ops, opaque to Dynamo (each picks its kernel per call, by device):
 `torch.ops.atomrt.fp8_linear`, `torch.ops.atomrt.fp8_add_norm_linear` (a residual add and RMSNorm,
-then the projection: ATOMRT_FP8_NORM_PROLOGUE) and `torch.ops.atomrt.fp8_routed_experts`.
+then the projection: ATOMRT_FP8_NORM_PROLOGUE) and `torch.ops.atomrt.fp8_routed_expert_pairs`
+(each (token, expert) pair's weighted output; the caller sums a token's pairs).
 `group_k` 0 stands for the whole row (per-channel weights, per-token activations)."""
 
 # No `from __future__ import annotations` here: the ops' schemas are inferred from real annotations.
@@ -75,7 +76,7 @@ def _fp8_add_norm_linear_fake(
     return torch.empty_like(residual), residual.new_empty((residual.shape[0], weight.shape[0]))
 
 
-def _fp8_routed_experts_impl(
+def _fp8_routed_expert_pairs_impl(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -85,24 +86,31 @@ def _fp8_routed_experts_impl(
     w2_scale: torch.Tensor,
     group_k: int,
 ) -> torch.Tensor:
-    """x [n, hidden] routed by (topk_weights, topk_ids) -> this rank's partial expert output."""
+    """x [n, hidden] routed by (topk_weights, topk_ids) [n, top_k] -> this rank's partial expert
+    output of every pair, weighted, [n, top_k, hidden]."""
     expert_tally.record(w13, topk_ids)
     group = group_k or None
+    args = (x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, group)
     if x.is_cuda:
-        return fused_experts_fp8(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, group)
-    return fp8_experts_ref(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, group)
+        return fused_experts_fp8(*args, sum_pairs=False)
+    return fp8_experts_ref(*args, sum_pairs=False)
 
 
-def _fp8_routed_experts_fake(x: torch.Tensor, *routing_and_experts: object) -> torch.Tensor:
-    return torch.empty_like(x)
+def _fp8_routed_expert_pairs_fake(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *experts: object
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], topk_ids.shape[1], x.shape[1]))
 
 
 direct_register_custom_op("fp8_linear", _fp8_linear_impl, fake_impl=_fp8_linear_fake)
 direct_register_custom_op(
     "fp8_add_norm_linear", _fp8_add_norm_linear_impl, fake_impl=_fp8_add_norm_linear_fake
 )
+# The pairs, not their sum: traced, the sum of top_k rows fuses into the kernels after it.
 direct_register_custom_op(
-    "fp8_routed_experts", _fp8_routed_experts_impl, fake_impl=_fp8_routed_experts_fake
+    "fp8_routed_expert_pairs",
+    _fp8_routed_expert_pairs_impl,
+    fake_impl=_fp8_routed_expert_pairs_fake,
 )
 
 
@@ -151,7 +159,8 @@ def fp8_routed_experts(
     topk_ids: torch.Tensor,
     moe: torch.nn.Module,
 ) -> torch.Tensor:
-    """A FusedMoE's FP8 experts for a computed routing."""
+    """A FusedMoE's FP8 experts for a computed routing: [n, hidden], the opaque op's pairs summed
+    in traced code."""
     args = (
         x,
         topk_weights,
@@ -163,5 +172,7 @@ def fp8_routed_experts(
         moe.fp8_group_k or 0,
     )
     if torch.compiler.is_compiling():
-        return torch.ops.atomrt.fp8_routed_experts(*args)
-    return _fp8_routed_experts_impl(*args)
+        pairs = torch.ops.atomrt.fp8_routed_expert_pairs(*args)
+    else:
+        pairs = _fp8_routed_expert_pairs_impl(*args)
+    return pairs.sum(dim=1)
