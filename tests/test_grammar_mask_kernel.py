@@ -59,6 +59,7 @@ def test_the_option_routes_device_logits_through_the_kernel(monkeypatch) -> None
     logits, bitmask = _case(6, 500, 16, [5, 0, 2], seed=1)
     rows = torch.tensor([5, 0, 2])
     want = logit_additions.apply_grammar_bitmask(logits.clone(), rows, torch.from_numpy(bitmask))
+    mask = torch.from_numpy(bitmask).to(DEVICE)  # the worker's tensors are the logits' device's
     calls = []
     kernel = logit_additions.apply_grammar_mask
 
@@ -68,7 +69,23 @@ def test_the_option_routes_device_logits_through_the_kernel(monkeypatch) -> None
 
     monkeypatch.setattr(logit_additions, "apply_grammar_mask", noted)
     monkeypatch.setattr(logit_additions, "GRAMMAR_MASK_KERNEL", True)
-    wide = torch.zeros(6, 1000)
+    wide = torch.zeros(6, 1000, device=DEVICE)
     wide[:, :500] = logits  # the first half of each row: not contiguous
-    got = logit_additions.apply_grammar_bitmask(wide[:, :500], rows, torch.from_numpy(bitmask))
-    assert calls and torch.equal(got, want)
+    got = logit_additions.apply_grammar_bitmask(wide[:, :500], rows.to(DEVICE), mask)
+    assert calls and torch.equal(got.cpu(), want)
+
+
+def test_the_option_leaves_cpu_logits_to_torch_without_the_interpreter(monkeypatch) -> None:
+    """CPU logits the xgrammar path does not take (not contiguous) go through the torch arithmetic
+    when Triton could not run on them (no interpreter): the option never hands a kernel a CPU
+    tensor outside the interpreter."""
+    logits, bitmask = _case(6, 500, 16, [5, 0, 2], seed=2)
+    rows, mask = torch.tensor([5, 0, 2]), torch.from_numpy(bitmask)
+    want = logit_additions.apply_grammar_bitmask(logits.clone(), rows, mask)
+    monkeypatch.setattr(logit_additions, "GRAMMAR_MASK_KERNEL", True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(logit_additions, "apply_grammar_mask", None)  # a call would raise
+    wide = torch.zeros(6, 1000)
+    wide[:, :500] = logits
+    got = logit_additions.apply_grammar_bitmask(wide[:, :500], rows, mask)
+    assert torch.equal(got, want)
