@@ -1,6 +1,6 @@
-"""Structured outputs' grammar masks on the device: logit_additions.apply_bits (the torch arithmetic,
-the default) against workers/kernels/grammar_mask.apply_grammar_mask (the GRAMMAR_MASK_KERNEL
-option), on float32 logits of Llama-3's vocabulary with every row constrained.
+"""Structured outputs' grammar masks on the device: logit_additions.apply_bits (the torch arithmetic)
+against workers/kernels/grammar_mask.apply_grammar_mask (the default: GRAMMAR_MASK_KERNEL), on
+float32 logits of Llama-3's vocabulary with every row constrained.
 
     python benchmarks/bench_grammar_apply.py [--rows 16,64] [--vocab 128256]
 

@@ -4,7 +4,7 @@ a JSON schema (benchmarks/schemas/user_profiles.json) and the rest are unconstra
 
     python benchmarks/bench_grammar_step.py [--bs 64] [--grammar-rows 0,16,64] [--sync]
                                             [--steps 60] [--profile tottime] [--per-row-accept]
-                                            [--fill-on-thread]
+                                            [--fill-on-thread on|off]
 
 Prints, per count of constrained rows, the best of three runs: the driver's µs per step (the host
 step less the in-process CPU worker's sampling and mask apply, which a GPU does on the device), of
@@ -70,16 +70,17 @@ def main() -> None:
     )
     ap.add_argument(
         "--fill-on-thread",
-        action="store_true",
+        choices=("on", "off"),
+        default="on" if structured_outputs.FILL_ON_THREAD else "off",
         help="the masks waiting for a step's tokens fill on a thread while the step loop applies "
-        "the stop rules and plans the next step (structured_outputs.FILL_ON_THREAD)",
+        "the stop rules and plans the next step (structured_outputs.FILL_ON_THREAD, the default)",
     )
     a = ap.parse_args()
     counts = [int(c) for c in a.grammar_rows.split(",")]
     torch.set_num_threads(1)  # the CPU worker's sampling keeps to the step loop's thread
     if a.per_row_accept:
         XgrammarBackend.accept_ahead = GrammarBackend.accept_ahead  # type: ignore[method-assign]
-    structured_outputs.FILL_ON_THREAD = a.fill_on_thread
+    structured_outputs.FILL_ON_THREAD = a.fill_on_thread == "on"
     if any(not 0 <= c <= a.bs for c in counts):
         ap.error(f"--grammar-rows: each count between 0 and --bs ({a.bs})")
     folder = build_tiny_bpe(Path(tempfile.mkdtemp()) / "model")

@@ -28,7 +28,7 @@ engine submits the next plan right after them). The scheduler asks `ready` of ea
   (runtime/driver/stop_checker.py); a grammar that has accepted its end finishes the request
   ("stop"). Before them `advance` has the backend accept the step's tokens in one batch (on
   threads on a machine with the cores), each matcher keeping its answer for the stop rules;
-  one they did not ask about is undone in `took_results`. With `FILL_ON_THREAD` (off) the masks
+  one they did not ask about is undone in `took_results`. With `FILL_ON_THREAD` (on) the masks
   waiting for those tokens then fill on a thread while the stop rules run and the next step is
   planned, and `took_results` takes them.
 - **speculative decoding**: an n-gram proposal is cut at its first token the grammar refuses
@@ -68,10 +68,12 @@ logger = logging.getLogger(__name__)
 
 INIT_TIMEOUT_S = 120.0  # the bound on building the backend: its library's import, the vocabulary
 IDLE_GRAMMAR_WAIT_S = 0.02  # an engine with only grammars compiling waits this long per step
-# the masks that wait for a step's tokens fill on a thread beside the step loop (`advance`): off
-# until timed on a GPU host (benchmarks/bench_grammar_step.py --fill-on-thread); on 2 busy cores
-# the step loop's CPU time fell by the fill's (about 0.5 ms at 64 rows), its wall time did not
-FILL_ON_THREAD = False
+# the masks that wait for a step's tokens fill on a thread beside the step loop (`advance`). On
+# an H100 host (16 cores; `atomrt bench serve` on Llama-3.2-1B's shape, user_profiles.json), with
+# GRAMMAR_MASK_KERNEL, constrained over unconstrained tokens/s went 0.469 -> 0.560 at c=64 and
+# 0.709 -> 0.742 at c=16; on 2 busy cores the step loop's CPU time fell by the fill's (about
+# 0.5 ms at 64 rows), its wall time did not (benchmarks/bench_grammar_step.py --fill-on-thread)
+FILL_ON_THREAD = True
 
 # A matcher of the default backend built from its compiled grammar: `SeqGrammar(compiled,
 # stop_token_ids, vocab_size)`, for code that holds an xgrammar `CompiledGrammar` (tests).
