@@ -111,8 +111,8 @@ def compiler_factors(device: torch.device) -> dict[str, Any]:
         "python": sys.version.split()[0],
         **device_factors(device),
     }
-    if ENV.fp8_norm_prologue:  # FP8 projections trace another op (absent otherwise: keys stay)
-        factors["fp8_norm_prologue"] = True
+    if not ENV.fp8_norm_prologue:  # FP8 projections trace another op (absent at the default)
+        factors["fp8_norm_prologue"] = False
     return factors
 
 

@@ -60,8 +60,8 @@ class Env:
     recorded_by_benches: tuple[tuple[str, str], ...] = ()
     # ATOMRT_FP8_NORM_PROLOGUE: an FP8 projection after a residual add and RMSNorm (qkv, gate_up)
     # takes them into its decode GEMM's launch (w8a8_skinny_add_norm) instead of a kernel before
-    # it. Default 0 until measured faster.
-    fp8_norm_prologue: bool = False
+    # it. Default 1: Llama-3.1-8B FP8 decode at bs 1 on an H100, 4.232 against 4.495 ms a step.
+    fp8_norm_prologue: bool = True
     # ATOMRT_SERVE_UVLOOP: `atomrt serve`'s event loop is uvloop's (installed with
     # uvicorn[standard]) instead of asyncio's. Default 0 until measured faster on a GPU host.
     serve_uvloop: bool = False
@@ -85,7 +85,7 @@ def read_env() -> Env:
         recorded_by_benches=tuple(
             (k, os.environ[k]) for k in RECORDED_BY_BENCHES if k in os.environ
         ),
-        fp8_norm_prologue=os.environ.get("ATOMRT_FP8_NORM_PROLOGUE", "0") == "1",
+        fp8_norm_prologue=os.environ.get("ATOMRT_FP8_NORM_PROLOGUE", "1") == "1",
         serve_uvloop=os.environ.get("ATOMRT_SERVE_UVLOOP", "0") == "1",
     )
 

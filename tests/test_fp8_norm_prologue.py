@@ -2,7 +2,7 @@
 `fp8_add_norm_linear` op (on CUDA, decode rows: one launch, w8a8_skinny_add_norm, which
 tests/test_fp8_kernels.py checks against float64), giving what the add, the norm and the
 projection give apart; traced by Dynamo as that op; a factor of the compile and trace caches only
-when set. Off by default."""
+when turned off (ATOMRT_FP8_NORM_PROLOGUE=0). On by default."""
 
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ def prologue_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_knob_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ATOMRT_FP8_NORM_PROLOGUE", raising=False)
-    assert envs.read_env().fp8_norm_prologue is False
-    monkeypatch.setenv("ATOMRT_FP8_NORM_PROLOGUE", "1")
     assert envs.read_env().fp8_norm_prologue is True
+    monkeypatch.setenv("ATOMRT_FP8_NORM_PROLOGUE", "0")
+    assert envs.read_env().fp8_norm_prologue is False
 
 
 def test_fused_op_gives_the_add_norm_and_projection(prologue_on: None) -> None:
@@ -76,14 +76,16 @@ def test_traced_as_one_op(prologue_on: None) -> None:
     assert torch.equal(h, eager_h) and torch.equal(y, eager_y)
 
 
-def test_off_by_default_and_out_of_the_cache_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_by_default_and_out_of_the_cache_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ATOMRT_FP8_NORM_PROLOGUE", raising=False)
     monkeypatch.setattr(envs, "ENV", envs.read_env())
     monkeypatch.setattr(cache, "ENV", envs.ENV)
     layer, _ = _fp8_layer()
-    assert layer.quant_method.fuses_add_norm is False
+    assert layer.quant_method.fuses_add_norm is True
     assert "fp8_norm_prologue" not in cache.compiler_factors(torch.device("cpu"))
 
 
-def test_a_cache_factor_when_set(prologue_on: None) -> None:
-    assert cache.compiler_factors(torch.device("cpu"))["fp8_norm_prologue"] is True
+def test_a_cache_factor_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATOMRT_FP8_NORM_PROLOGUE", "0")
+    monkeypatch.setattr(cache, "ENV", envs.read_env())
+    assert cache.compiler_factors(torch.device("cpu"))["fp8_norm_prologue"] is False
