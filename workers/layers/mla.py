@@ -51,6 +51,10 @@ from atomrt.workers.layers.weight_utils import divide
 # transformers' DeepSeek attention normalises the latents with its RMSNorm default, whatever the
 # model's rms_norm_eps
 LATENT_NORM_EPS = 1e-6
+# W_UK's and W_UV's products of a decode step of at most mla_absorb.SKINNY_MAX rows by one Triton
+# launch each (workers/kernels/attention/mla_absorb.py), not torch.bmm, whose cuBLAS kernels are
+# latency-bound at such rows; benchmarks/bench_mla_absorb.py times the two
+MLA_ABSORB_KERNEL = False
 
 
 def write_latent_ref(
@@ -162,12 +166,18 @@ def absorbed_decode(
     tensors the kernels run under Triton's interpreter): planned from shapes, it reads every
     length on the device (graph-safe, what a request bucket records). `q_pe`: the rotated rotary
     part apart from q (else q's last columns)."""
+    from atomrt.workers.kernels.attention.mla_absorb import absorb_fits, mla_absorb
     from atomrt.workers.kernels.attention.mla_decode import mla_decode_attention
 
     # The kernel reads q_nope @ W_UK where the bmm leaves it and q_pe where it is (no copy into one
     # row); W_UV's bmm writes its heads straight into `output`.
     nope = layer.qk_nope_head_dim
-    q_latent = torch.bmm(q[..., :nope].transpose(0, 1), layer.w_uk).transpose(0, 1)  # [n, H, L]
+    q_nope = q[..., :nope].transpose(0, 1)  # [H, n, nope]
+    if MLA_ABSORB_KERNEL and absorb_fits(q_nope, layer.w_uk):
+        q_latent = q.new_empty(q.shape[1], q.shape[0], layer.kv_lora_rank)
+        q_latent = mla_absorb(q_nope, layer.w_uk, q_latent).transpose(0, 1)  # [n, H, L]
+    else:
+        q_latent = torch.bmm(q_nope, layer.w_uk).transpose(0, 1)  # [n, H, L]
     latent_out = q.new_empty(q.shape[1], q.shape[0], layer.kv_lora_rank).transpose(0, 1)
     mla_decode_attention(
         q_latent,
@@ -183,7 +193,10 @@ def absorbed_decode(
     )
     heads = latent_out.transpose(0, 1)  # [H, n, L], contiguous
     if output.dtype == heads.dtype == layer.w_uv.dtype:
-        torch.bmm(heads, layer.w_uv, out=output.transpose(0, 1))
+        if MLA_ABSORB_KERNEL and absorb_fits(heads, layer.w_uv):
+            mla_absorb(heads, layer.w_uv, output.transpose(0, 1))
+        else:
+            torch.bmm(heads, layer.w_uv, out=output.transpose(0, 1))
     else:
         output.copy_(unabsorb_output(latent_out, layer.w_uv))
 
