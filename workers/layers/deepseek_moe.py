@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atomrt.distributed.communication_op import DPInfo, TPInfo
+from atomrt.workers.kernels.moe.router_gemv import router_logits
 from atomrt.workers.kernels.moe.routing import (
     GROUP_SCORE_MAX,
     GROUP_SCORE_NONE,
@@ -33,6 +34,11 @@ from atomrt.workers.kernels.moe.routing import (
     grouped_topk,
 )
 from atomrt.workers.layers.moe import FusedMoE
+
+# the router's float32 projection of a decode step's few tokens by one Triton launch
+# (workers/kernels/moe/router_gemv.py) rather than F.linear (cuBLAS's split-K GEMV: two launches,
+# after widening x); benchmarks/bench_router.py times both on the GPU
+ROUTER_KERNEL = False
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,12 @@ class GroupedRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> (weights [n, top_k] float32, ids [n, top_k])."""
-        logits = F.linear(x.float(), self.weight)  # [n, E] float32
+        if not ROUTER_KERNEL:
+            logits = F.linear(x.float(), self.weight)  # [n, E] float32
+        elif torch.compiler.is_compiling():
+            logits = torch.ops.atomrt.router_logits(x, self.weight)
+        else:
+            logits = router_logits(x, self.weight)
         return self.routing.select(logits, self.e_score_correction_bias)
 
 

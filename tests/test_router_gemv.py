@@ -1,0 +1,171 @@
+"""DeepSeekMoE's float32 router projection in one Triton launch (`router_gemv`, what GroupedRouter
+runs for a decode step's few tokens when deepseek_moe.ROUTER_KERNEL is on) against a float64
+reference, at small shapes with a partial last K step and at V2-Lite's (64 experts, hidden 2048);
+with the option on, a DeepSeek-V3 MoE block routes as with it off and as transformers' does, eager
+and compiled by Inductor (the kernel traced as the opaque `router_logits` op).
+
+On CPU the kernel runs through Triton's interpreter; on a CUDA machine the same tests run on the
+GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_device import DEVICE
+
+from atomrt.workers.kernels.moe import router_gemv as rg
+from atomrt.workers.layers import deepseek_moe
+
+
+def _inputs(n: int, experts: int, hidden: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, hidden, generator=gen).to(dtype)
+    w = 0.05 * torch.randn(experts, hidden, generator=gen)
+    return x.to(DEVICE), w.to(DEVICE)
+
+
+def _check_against_float64(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """Each logit within float32 summation error of the float64 product: a few float32 roundings
+    of sum |x_k w_k| (a bound that holds near zero too, where a relative tolerance cannot)."""
+    xd, wd = x.double().cpu(), w.double().cpu()
+    ref = xd @ wd.T
+    bound = 4e-6 * (xd.abs() @ wd.abs().T) + 1e-30
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    err = (got.double().cpu() - ref).abs()
+    assert (err <= bound).all(), f"worst error / bound {(err / bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("n", [1, 5, 16])
+@pytest.mark.parametrize("experts", [8, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_equals_a_float64_reference(n: int, experts: int, dtype: torch.dtype) -> None:
+    """K = 300, a multiple of no step: the default launch (one masked step), 128-wide steps over
+    two experts a program (the last step partial; the products summed over K once, after the
+    loop), 64-wide steps over four experts a program with 3 experts fewer (the last program
+    partly past E)."""
+    x, w = _inputs(n, experts, 300, dtype, seed=n * 100 + experts)
+    _check_against_float64(rg.router_gemv(x, w), x, w)
+    config = rg.RouterConfig(block_e=2, block_k=128, num_warps=2, sum_last=True)
+    _check_against_float64(rg.router_gemv(x, w, config), x, w)
+    odd = rg.RouterConfig(block_e=4, block_k=64)
+    _check_against_float64(rg.router_gemv(x, w[:-3], odd), x, w[:-3])
+
+
+@pytest.mark.parametrize("n", [1, 16])
+def test_v2_lite_shape_equals_a_float64_reference(n: int) -> None:
+    """V2-Lite's router: 64 experts, hidden 2048, bfloat16 activations (even K steps)."""
+    x, w = _inputs(n, 64, 2048, torch.bfloat16, seed=7 + n)
+    _check_against_float64(rg.router_gemv(x, w), x, w)
+
+
+def test_strided_activations_and_large_batches() -> None:
+    """A view of x with a row stride past K reads the right rows; past ROUTER_GEMV_MAX_TOKENS
+    router_logits is F.linear's own result."""
+    x, w = _inputs(6, 8, 96, torch.bfloat16, seed=3)
+    wide = torch.zeros(6, 160, dtype=x.dtype, device=DEVICE)
+    wide[:, 32:128] = x
+    _check_against_float64(rg.router_gemv(wide[:, 32:128], w), x, w)
+    big, w = _inputs(rg.ROUTER_GEMV_MAX_TOKENS + 1, 8, 96, torch.bfloat16, seed=4)
+    assert torch.equal(rg.router_logits(big, w), torch.nn.functional.linear(big.float(), w))
+
+
+def test_bad_shapes_and_dtypes_are_named() -> None:
+    x, w = _inputs(2, 8, 64, torch.bfloat16, seed=5)
+    with pytest.raises(ValueError, match="must be float32"):
+        rg.router_gemv(x, w.bfloat16())
+    with pytest.raises(ValueError, match=r"\[n, K\] and \[E, K\]"):
+        rg.router_gemv(x, w[:, :32])
+    assert rg.router_gemv(x[:0], w).shape == (0, 8)
+
+
+HIDDEN, EXPERTS, TOP_K = 48, 16, 4
+
+
+def _v3_block():
+    """A DeepSeek-V3 MoE block (routed + shared experts) with transformers' weights, and
+    transformers' module."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from atomrt.distributed.communication_op import DPInfo, TPInfo
+    from atomrt.workers.models.deepseek import DeepseekMoE
+    from atomrt.workers.models.registry import arch_from_hf_config
+
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=HIDDEN,
+        n_routed_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=24,
+        n_shared_experts=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
+    torch.manual_seed(2)
+    hf = DeepseekV3MoE(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+        hf.gate.e_score_correction_bias.uniform_(-0.2, 0.2)
+    arch = arch_from_hf_config({**cfg.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}, "t")
+    block = DeepseekMoE(arch, TPInfo(), DPInfo())
+    ours, shared = block.experts, block.shared_experts
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        ours.gate.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
+        ours.w13_weight.copy_(hf.experts.gate_up_proj)
+        ours.w2_weight.copy_(hf.experts.down_proj)
+        gate_up = (hf.shared_experts.gate_proj.weight, hf.shared_experts.up_proj.weight)
+        shared.gate_up_proj.weight.copy_(torch.cat(gate_up))
+        shared.down_proj.weight.copy_(hf.shared_experts.down_proj.weight)
+    return block, hf
+
+
+def _same_routing(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]):
+    """The same experts in the same order, with the same weights to float32 rounding."""
+    assert torch.equal(a[1], b[1])
+    torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1e-7)
+
+
+def test_router_option_routes_a_deepseek_block_as_transformers(monkeypatch) -> None:
+    """ROUTER_KERNEL on: the router of a V3 MoE block at 5 tokens picks the experts and weights it
+    picks with the option off, eager and compiled by Inductor (where the traced graph calls the
+    `router_logits` op, and F.linear's GEMM is gone); the block's output is transformers'."""
+    from torch._inductor.compile_fx import compile_fx
+
+    block, hf = _v3_block()
+    block.to(DEVICE)
+    hf.to(DEVICE)
+    gate = block.experts.gate
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    with torch.no_grad():
+        monkeypatch.setattr(deepseek_moe, "ROUTER_KERNEL", False)
+        off = gate(x)
+        _, hf_weights, hf_ids = hf.gate(x)
+        monkeypatch.setattr(deepseek_moe, "ROUTER_KERNEL", True)
+        on = gate(x)
+        _same_routing(on, off)
+        # transformers leaves its picks unsorted
+        order, hf_order = on[1].argsort(-1), hf_ids.argsort(-1)
+        assert torch.equal(on[1].gather(1, order), hf_ids.gather(1, hf_order))
+        torch.testing.assert_close(
+            on[0].gather(1, order), hf_weights.gather(1, hf_order), rtol=0, atol=1e-6
+        )
+
+        graphs: list[torch.fx.GraphModule] = []
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+            graphs.append(gm)
+            return compile_fx(gm, example_inputs)
+
+        torch._dynamo.reset()
+        _same_routing(torch.compile(gate, backend=backend, fullgraph=True)(x), off)
+        (gm,) = graphs
+        targets = {getattr(n.target, "overloadpacket", n.target) for n in gm.graph.nodes}
+        assert torch.ops.atomrt.router_logits in targets
+        assert torch.nn.functional.linear not in targets
+        torch._dynamo.reset()
+        got = torch.compile(block, backend="inductor", fullgraph=True, dynamic=False)(x)
+        torch.testing.assert_close(got, hf(x), rtol=0, atol=1e-5)
+    torch._dynamo.reset()
