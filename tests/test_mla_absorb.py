@@ -151,3 +151,35 @@ def test_absorbed_decode_same_with_the_kernel(monkeypatch: pytest.MonkeyPatch, r
         assert not calls
     else:  # W_UK's product and W_UV's, with the option on only
         assert calls == [(H, rows, NOPE), (H, rows, L)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, SKINNY_MAX])
+def test_real_shapes_in_a_cuda_graph(n: int) -> None:
+    """V2-Lite's shapes (16 heads, qk_nope 128, L 512, v 128) in bf16, both products launched in a
+    recorded CUDA graph (as a FULL step runs them) and replayed on new inputs, against the float64
+    product rounded to bf16."""
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(n, 16, 192, generator=gen).to("cuda", torch.bfloat16)
+    heads = torch.randn(16, n, 512, generator=gen).to("cuda", torch.bfloat16)
+    w_uk = (torch.randn(16, 128, 512, generator=gen) * 0.1).to("cuda", torch.bfloat16)
+    w_uv = (torch.randn(16, 512, 128, generator=gen) * 0.1).to("cuda", torch.bfloat16)
+    q_latent = torch.empty(16, n, 512, dtype=torch.bfloat16, device="cuda")
+    output = torch.empty(n, 16, 128, dtype=torch.bfloat16, device="cuda")
+
+    def step() -> None:
+        mla_absorb(q[..., :128].transpose(0, 1), w_uk, q_latent)
+        mla_absorb(heads, w_uv, output.transpose(0, 1))
+
+    step()  # compiles outside the recording
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    q.copy_(torch.randn(q.shape, generator=gen).to("cuda", torch.bfloat16))
+    heads.copy_(torch.randn(heads.shape, generator=gen).to("cuda", torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    want_latent = _rounded_exact(q[..., :128].transpose(0, 1), w_uk)
+    torch.testing.assert_close(q_latent.cpu(), want_latent, rtol=1e-2, atol=1e-2)
+    want_out = _rounded_exact(heads, w_uv).transpose(0, 1)
+    torch.testing.assert_close(output.cpu(), want_out, rtol=1e-2, atol=1e-2)
