@@ -1,6 +1,6 @@
 """DeepSeekMoE's float32 router projection in one Triton launch (`router_gemv`, what GroupedRouter
 runs for a decode step's few tokens when deepseek_moe.ROUTER_KERNEL is on) against a float64
-reference, at small shapes with a partial last K step and at V2-Lite's (64 experts, hidden 2048);
+reference, at small shapes with a partial last K step and at V2-Lite's and V3's router shapes;
 with the option on, a DeepSeek-V3 MoE block routes as with it off and as transformers' does, eager
 and compiled by Inductor (the kernel traced as the opaque `router_logits` op).
 
@@ -51,10 +51,13 @@ def test_kernel_equals_a_float64_reference(n: int, experts: int, dtype: torch.dt
     _check_against_float64(rg.router_gemv(x, w[:-3], odd), x, w[:-3])
 
 
-@pytest.mark.parametrize("n", [1, 16])
-def test_v2_lite_shape_equals_a_float64_reference(n: int) -> None:
-    """V2-Lite's router: 64 experts, hidden 2048, bfloat16 activations (even K steps)."""
-    x, w = _inputs(n, 64, 2048, torch.bfloat16, seed=7 + n)
+@pytest.mark.parametrize(
+    ("n", "experts", "hidden"), [(1, 64, 2048), (16, 64, 2048), (1, 256, 7168)]
+)
+def test_model_shapes_equal_a_float64_reference(n: int, experts: int, hidden: int) -> None:
+    """V2-Lite's router (64 experts, hidden 2048: even K steps) and V3's (256, 7168: 4096-wide
+    steps, the last partial), bfloat16 activations, at their default launches."""
+    x, w = _inputs(n, experts, hidden, torch.bfloat16, seed=7 + n + experts)
     _check_against_float64(rg.router_gemv(x, w), x, w)
 
 

@@ -50,12 +50,13 @@ class RouterConfig:
 
 
 def router_config(num_tokens: int, num_experts: int, hidden: int) -> RouterConfig:
-    """The default launch: one expert a program while that gives at most ~2 programs per SM of an
-    H100 (V2-Lite's 64, V3's 256), a K step as wide as the x tile allows (the whole 2048 row of
-    V2-Lite at one token: one round trip for the program's weight)."""
+    """The default launch: one expert a program (V2-Lite's 64 programs, V3's 256, each one row of W),
+    a K step as wide as the x tile allows, so that a program's weight comes in few round trips (at
+    one token: V2-Lite's 2048-wide row in one step of 4 warps, V3's 7168 in two of 8 warps), 16
+    weight values a thread a step."""
     block_n = triton.next_power_of_2(max(num_tokens, 1))
-    block_k = min(triton.next_power_of_2(hidden), max(_X_TILE_ELEMS // block_n, 128), 2048)
-    return RouterConfig(block_e=1, block_k=block_k, num_warps=4, num_stages=1)
+    block_k = min(triton.next_power_of_2(hidden), max(_X_TILE_ELEMS // block_n, 128))
+    return RouterConfig(block_e=1, block_k=block_k, num_warps=8 if block_k >= 4096 else 4)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
