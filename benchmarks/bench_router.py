@@ -30,9 +30,8 @@ import torch.nn.functional as F
 
 SHAPES = {"V2-Lite": (64, 2048), "V3": (256, 7168)}  # name: (experts, hidden)
 L2_OUTGROWN = 128 << 20  # bytes of W copies a graph cycles through: past the 50-60 MB of L2
-SWEEP = tuple(
-    itertools.product((1, 2, 4), (256, 512, 1024, 2048), (2, 4, 8), (1, 2), (False, True))
-)
+# experts a program, K step, warps, stages, sum_last: each launch compiles once (a case ~30-60 s)
+SWEEP = tuple(itertools.product((1, 2), (256, 512, 1024, 2048, 4096, 8192), (4, 8), (1, 2), (0, 1)))
 
 
 def _time_us(fn, calls: int) -> float:
@@ -63,7 +62,7 @@ def _configs(rg, n: int, experts: int, hidden: int, sweep: bool) -> list:
     if not sweep:
         return [default]
     others = [
-        rg.RouterConfig(block_e=e, block_k=k, num_warps=w, num_stages=s, sum_last=last)
+        rg.RouterConfig(block_e=e, block_k=k, num_warps=w, num_stages=s, sum_last=bool(last))
         for e, k, w, s, last in SWEEP
         if k * triton_pow2(n) <= 8192 and k <= triton_pow2(hidden)
     ]
