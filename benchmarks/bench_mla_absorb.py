@@ -10,8 +10,8 @@ DeepSeek-V2-Lite's 16 heads (and V3's per rank at TP 8), V3's 128 heads; bf16.
 One line per (heads, product, rows): GPU µs per call of each, from a CUDA graph of many calls that
 cycles enough weight copies to stream them from HBM (as a step's layers do), the kernel's weight
 GB/s and launch plan, and the largest difference between the two results. `--sweep` also times
-other launch plans (column tile x reduction tile x warps x stages; each compiles, so keep --rows
-short) and prints the fastest per case. Needs CUDA; `--dry-run` checks the script on CPU through
+other launch plans (column tile x reduction tile x warps; at n = 1 also the broadcast-and-sum
+products; each compiles, so keep --rows short) and prints the fastest per case. Needs CUDA; `--dry-run` checks the script on CPU through
 Triton's interpreter (wall times of two calls, not a measurement).
 """
 
@@ -38,10 +38,14 @@ from atomrt.workers.kernels.device_info import sm_count  # noqa: E402
 
 NOPE, ROPE, LATENT, V = 128, 64, 512, 128  # V2-Lite's and V3's per-head dims
 WEIGHT_BYTES = 128 << 20  # weight copies cycled through: more than twice the 50 MB of L2
-SWEEP = [  # 22 plans, each a compile
+SWEEP = [  # 22 tl.dot plans, each a compile
     MLAAbsorbLaunch(block_n=bn, block_k=bk, num_warps=w, num_stages=3)
     for bn, bk, w in itertools.product((16, 32, 64, 128), (64, 128, 256), (2, 4))
     if bn * bk <= 128 * 128
+]
+SWEEP_ONE_ROW = [  # and at n = 1, 12 broadcast-and-sum plans
+    MLAAbsorbLaunch(block_n=bn, block_k=bk, num_warps=w, num_stages=3, broadcast_max_rows=1)
+    for bn, bk, w in itertools.product((16, 32, 64), (64, 128), (2, 4))
 ]
 DEVICE = "cpu" if "--dry-run" in sys.argv else "cuda"
 
@@ -93,7 +97,8 @@ def _operands(product: str, heads: int, n: int, copies: int, gen: torch.Generato
 
 
 def _plan_text(p: MLAAbsorbLaunch) -> str:
-    return f"block_n={p.block_n} block_k={p.block_k} warps={p.num_warps} stages={p.num_stages}"
+    text = f"block_n={p.block_n} block_k={p.block_k} warps={p.num_warps} stages={p.num_stages}"
+    return text + (f" broadcast_max_rows={p.broadcast_max_rows}" if p.broadcast_max_rows else "")
 
 
 def main() -> None:
@@ -134,7 +139,7 @@ def main() -> None:
         )
         if a.sweep:
             timed = []
-            for p in SWEEP:
+            for p in SWEEP + (SWEEP_ONE_ROW if n == 1 else []):
                 try:
                     us = _time_us(lambda i, p=p: mla_absorb(x, w[i], out, p), copies)
                 except Exception as e:  # noqa: BLE001 - a plan that does not fit (resources)
@@ -144,7 +149,8 @@ def main() -> None:
                 timed.append((us, p, (out.float() - want.float()).abs().max().item()))
             best_us, best, best_diff = min(timed, key=lambda t: t[0])
             line += (
-                f"; sweep best {best_us:.2f} us ({_plan_text(best)}, max |diff| {best_diff:.3g})"
+                f"; sweep best {best_us:.2f} us ({_plan_text(best)}, max |diff| {best_diff:.3g}; "
+                f"over all {len(timed)} plans {max(t[2] for t in timed):.3g})"
             )
         print(line, flush=True)
 

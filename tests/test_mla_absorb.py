@@ -69,6 +69,25 @@ def test_w_uv_product_into_transposed_output(n: int, dtype: torch.dtype) -> None
     assert bool((wide[..., V:] == 7.0).all())
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_broadcast_products(n: int) -> None:
+    """A plan whose rows take the broadcast-and-sum path (broadcast_max_rows), rows in a tile of
+    the next power of two: both products on absorbed_decode's strided views, in bf16."""
+    gen = torch.Generator().manual_seed(20 + n)
+    plan = absorb.MLAAbsorbLaunch(block_n=16, block_k=16, broadcast_max_rows=4)
+    q = torch.randn(n, H, NOPE + ROPE, generator=gen).to(DEVICE, torch.bfloat16)
+    w_uk = (torch.randn(H, NOPE, L, generator=gen) * 0.2).to(DEVICE, torch.bfloat16)
+    x = q[..., :NOPE].transpose(0, 1)
+    q_latent = torch.full((H, n, L), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    mla_absorb(x, w_uk, q_latent, plan)
+    torch.testing.assert_close(q_latent.cpu(), _rounded_exact(x, w_uk), rtol=1e-2, atol=1e-2)
+    w_uv = (torch.randn(H, L, V, generator=gen) * 0.2).to(DEVICE, torch.bfloat16)
+    output = torch.full((n, H, V), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    mla_absorb(q_latent, w_uv, output.transpose(0, 1), plan)
+    want = _rounded_exact(q_latent, w_uv).transpose(0, 1)
+    torch.testing.assert_close(output.cpu(), want, rtol=1e-2, atol=1e-2)
+
+
 def test_uneven_tiles_and_float32() -> None:
     """Sizes that are no multiple of the tiles (masked loads and stores) in float32 (full-precision
     dots), against the float64 product."""

@@ -26,8 +26,8 @@ from atomrt.workers.kernels.device_info import sm_count
 from atomrt.workers.kernels.launch import launch
 
 # rows (decode tokens) up to which absorbed_decode takes the kernel when MLA_ABSORB_KERNEL is on;
-# past it torch.bmm (a real GEMM by then). A launch holds its rows in a tile of at least 16 rows
-# (tl.dot's smallest), so every count up to 16 runs the same compiled variant.
+# past it torch.bmm (a real GEMM by then). A tl.dot launch holds its rows in a tile of at least 16
+# rows (tl.dot's smallest), so every count up to 16 runs the same compiled variant.
 SKINNY_MAX = 16
 MIN_BLOCK_M = 16
 MAX_BLOCK_N = 128
@@ -38,12 +38,16 @@ MAX_BLOCK_K = 128
 @dataclass(frozen=True)
 class MLAAbsorbLaunch:
     """One launch of mla_absorb_kernel: output columns and reduction rows a program takes at a
-    time, warps and pipeline stages."""
+    time, warps and pipeline stages. A launch of at most `broadcast_max_rows` rows multiplies by
+    broadcast and sum in registers (its rows in a tile of the next power of two) instead of
+    tl.dot (whose operands pass through shared memory): 0, tl.dot always, until a GPU sweep
+    (bench_mla_absorb.py --sweep) shows the other faster at one row."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    broadcast_max_rows: int = 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -74,12 +78,13 @@ def mla_absorb_kernel(
     stride_wk,
     stride_oh,
     stride_oi,
-    BLOCK_M: tl.constexpr,  # >= n_rows, a power of two >= 16
+    BLOCK_M: tl.constexpr,  # >= n_rows, a power of two (>= 16 for tl.dot)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # K % BLOCK_K == 0 and N % BLOCK_N == 0: unmasked weight loads
     IEEE_DOT: tl.constexpr,  # float32 inputs: full-precision dots instead of tf32
     UPCAST: tl.constexpr,  # dot float32 copies of the operands (bf16 under the interpreter)
+    DOT: tl.constexpr,  # tl.dot; else broadcast products summed over the reduction tile
 ):
     """Program (h, j): out[h, :n, j * BLOCK_N : (j + 1) * BLOCK_N] = x[h, :n] @ w[h, :, that
     block], accumulated in float32 and stored in out's dtype."""
@@ -101,7 +106,9 @@ def mla_absorb_kernel(
             k_ok = kk < k_dim
             x = tl.load(x_rows + kk[None, :], mask=row_ok & k_ok[None, :], other=0.0)
             w = tl.load(w_cols + kk[:, None] * stride_wk, mask=k_ok[:, None] & col_ok, other=0.0)
-        if UPCAST:
+        if not DOT:
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        elif UPCAST:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         elif IEEE_DOT:
             acc = tl.dot(x, w, acc, input_precision="ieee")
@@ -155,7 +162,10 @@ def mla_absorb(
         return out
     if plan is None:
         plan = plan_mla_absorb(num_heads, k_dim, n_cols, sm_count(x.device))
-    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(n_rows))
+    dot = n_rows > plan.broadcast_max_rows
+    block_m = triton.next_power_of_2(n_rows)
+    if dot:
+        block_m = max(MIN_BLOCK_M, block_m)
     even = k_dim % plan.block_k == 0 and n_cols % plan.block_n == 0
     launch(
         mla_absorb_kernel,
@@ -178,6 +188,7 @@ def mla_absorb(
         EVEN=even,
         IEEE_DOT=x.dtype == torch.float32,
         UPCAST=x.dtype == torch.bfloat16 and _interpreted(),
+        DOT=dot,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
