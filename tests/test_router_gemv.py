@@ -172,3 +172,44 @@ def test_router_option_routes_a_deepseek_block_as_transformers(monkeypatch) -> N
         got = torch.compile(block, backend="inductor", fullgraph=True, dynamic=False)(x)
         torch.testing.assert_close(got, hf(x), rtol=0, atol=1e-5)
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(
+    DEVICE == "cuda",
+    reason="a CPU engine's router runs the kernel only under Triton's interpreter, off on CUDA hosts",
+)
+def test_engine_with_the_router_kernel_gives_transformers_tokens(monkeypatch, tmp_path) -> None:
+    """ROUTER_KERNEL on, a tiny DeepSeek-V3 (noaux_tc over 4 groups) through the engine at level 3
+    (traced, split at the MLA op): every step's router runs the kernel (steps of at most 16
+    tokens), and the greedy tokens are transformers' `generate`'s."""
+    from deepseek_harness import build_deepseek_folder
+    from model_harness import engine_greedy, hf_greedy
+
+    from atomrt.runtime.config import CompilationConfig
+
+    launches = []
+    kernel = rg.router_gemv
+
+    def counted(*args, **kwargs):
+        launches.append(args[0].shape[0])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(rg, "router_gemv", counted)
+    monkeypatch.setattr(deepseek_moe, "ROUTER_KERNEL", True)
+    folder = build_deepseek_folder(tmp_path / "v3", "v3")
+    prompts = [[5, 9, 14, 2, 77, 31, 8, 150, 66, 4, 12, 90, 7, 3], [8, 6], [60, 61, 62, 63, 64]]
+    expected = hf_greedy(folder, prompts, 6)
+    cc = CompilationConfig(level=3, cache_dir=str(tmp_path / "cache"), use_inductor=False)
+    got, _ = engine_greedy(
+        folder,
+        prompts,
+        6,
+        device="cpu",
+        enforce_eager=False,
+        compilation_config=cc,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+    )
+    assert got == expected
+    assert launches and max(launches) <= rg.ROUTER_GEMV_MAX_TOKENS
