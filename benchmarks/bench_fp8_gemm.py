@@ -21,6 +21,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from atomrt.runtime.bench.cuda_timing import graph_call_us
 from atomrt.workers.kernels.gemm import fp8_gemm, fp8_skinny_configs
 from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers.quantization.fp8 import quantize_fp8
@@ -34,29 +35,6 @@ SHAPES = {  # name: (N, K)
     "V2-Lite o": (2048, 2048),
 }
 COPIES = 4  # weight copies cycled through: more bytes than the 50-60 MB of L2
-
-
-def _time_us(fn, calls: int = 20) -> float:
-    """Median µs of one call, from a CUDA graph of `calls` calls cycling the weight copies."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def _configs(default: tuple[int, int, int, int], sweep: bool):
@@ -89,25 +67,29 @@ def main() -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
         qs = [quantize_fp8(w, group) for w in ws]
-        bf16 = _time_us(lambda i: F.linear(x, ws[i % COPIES]))
+        bf16 = graph_call_us(lambda i: F.linear(x, ws[i % COPIES]), 20)
 
         def two_launch(i):
             q, s = fp8_gemm.quantize_fp8_triton(x, group)
             w, ws_ = qs[i % COPIES]
             return fp8_gemm.w8a8_gemm(q, s, w, ws_, group, x.dtype)
 
-        old = _time_us(two_launch)
+        old = graph_call_us(two_launch, 20)
         results = []
         for cfg in _configs(default, args.sweep):
             try:
-                us = _time_us(lambda i: fp8_gemm.w8a8_skinny(x, *qs[i % COPIES], group, launch=cfg))
+                us = graph_call_us(
+                    lambda i: fp8_gemm.w8a8_skinny(x, *qs[i % COPIES], group, launch=cfg), 20
+                )
             except Exception as e:  # a launch that does not fit (shared memory, registers)
                 print(f"  {cfg}: {type(e).__name__}")
                 continue
             results.append((us, cfg))
         fused = next(us for us, cfg in results if cfg == default)
         flip = not fp8_skinny_configs.skinny_defers_sum(n, k)
-        other = _time_us(lambda i: fp8_gemm.w8a8_skinny(x, *qs[i % COPIES], group, defer_sum=flip))
+        other = graph_call_us(
+            lambda i: fp8_gemm.w8a8_skinny(x, *qs[i % COPIES], group, defer_sum=flip), 20
+        )
         best = min(results)
         nbytes = n * k + qs[0][1].numel() * 4
         print(
@@ -126,8 +108,8 @@ def main() -> None:
                 return fp8_gemm.w8a8_skinny_add_norm(x, update, norm_w, 1e-6, *qs[i % COPIES])
 
             print(
-                f"{'':12} + add/norm: apart {_time_us(apart):.2f} us, in the GEMM's launch "
-                f"{_time_us(prologue):.2f} us"
+                f"{'':12} + add/norm: apart {graph_call_us(apart, 20):.2f} us, in the GEMM's launch "
+                f"{graph_call_us(prologue, 20):.2f} us"
             )
 
 

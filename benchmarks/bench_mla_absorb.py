@@ -28,6 +28,7 @@ if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is f
 
 import torch  # noqa: E402
 
+from atomrt.runtime.bench.cuda_timing import graph_call_us  # noqa: E402
 from atomrt.workers.kernels.attention.mla_absorb import (  # noqa: E402
     SKINNY_MAX,
     MLAAbsorbLaunch,
@@ -58,25 +59,7 @@ def _time_us(fn, copies: int, calls: int = 64) -> float:
         for i in range(2):
             fn(i % copies)
         return (time.perf_counter() - start) * 1e6 / 2
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            fn(i % copies)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i % copies)
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    return graph_call_us(lambda i: fn(i % copies), calls)
 
 
 def _operands(product: str, heads: int, n: int, copies: int, gen: torch.Generator):

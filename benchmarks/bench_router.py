@@ -28,33 +28,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from atomrt.runtime.bench.cuda_timing import graph_call_us
+
 SHAPES = {"V2-Lite": (64, 2048), "V3": (256, 7168)}  # name: (experts, hidden)
 L2_OUTGROWN = 128 << 20  # bytes of W copies a graph cycles through: past the 50-60 MB of L2
 # experts a program, K step, warps, stages, sum_last: each launch compiles once (a case ~30-60 s)
 SWEEP = tuple(itertools.product((1, 2), (256, 512, 1024, 2048, 4096, 8192), (4, 8), (1, 2), (0, 1)))
-
-
-def _time_us(fn, calls: int) -> float:
-    """Median us of one call, from a CUDA graph of `calls` calls, fn(i) for i in range(calls)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(calls, 3)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def _configs(rg, n: int, experts: int, hidden: int, sweep: bool) -> list:
@@ -94,11 +73,11 @@ def run_gpu(args) -> None:
         for n in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(n, hidden, device="cuda", generator=gen).to(torch.bfloat16)
             ref = F.linear(x.float(), weights[0])
-            cublas = _time_us(lambda i: F.linear(x.float(), weights[i]), copies)
+            cublas = graph_call_us(lambda i: F.linear(x.float(), weights[i]), copies)
             rows = []
             for cfg in _configs(rg, n, experts, hidden, args.sweep):
                 diff = (rg.router_gemv(x, weights[0], cfg) - ref).abs().max().item()
-                us = _time_us(lambda i, c=cfg: rg.router_gemv(x, weights[i], c), copies)
+                us = graph_call_us(lambda i, c=cfg: rg.router_gemv(x, weights[i], c), copies)
                 rows.append((us, cfg, diff))
             best = min(r[0] for r in rows)
             for k, (us, cfg, diff) in enumerate(rows):
