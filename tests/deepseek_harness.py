@@ -118,3 +118,44 @@ def build_deepseek_folder(folder: Path, name: str = "v3", seed: int = 0) -> Path
         folder, safe_serialization=True
     )
     return folder
+
+
+def v3_moe_block(hidden: int, experts: int, top_k: int, inter: int = 24, seed: int = 2):
+    """(our DeepseekMoE block, transformers' DeepseekV3MoE) of one DeepSeek-V3 MoE layer (noaux_tc
+    over 4 groups, one shared expert, a non-zero correction bias) holding the same random weights."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from atomrt.distributed.communication_op import DPInfo, TPInfo
+    from atomrt.workers.models.deepseek import DeepseekMoE
+    from atomrt.workers.models.registry import arch_from_hf_config
+
+    cfg = DeepseekV3Config(
+        hidden_size=hidden,
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        n_group=4,
+        topk_group=2,
+        moe_intermediate_size=inter,
+        n_shared_experts=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
+    torch.manual_seed(seed)
+    hf = DeepseekV3MoE(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+        hf.gate.e_score_correction_bias.uniform_(-0.2, 0.2)
+    arch = arch_from_hf_config({**cfg.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}, "t")
+    block = DeepseekMoE(arch, TPInfo(), DPInfo())
+    ours, shared = block.experts, block.shared_experts
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        ours.gate.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
+        ours.w13_weight.copy_(hf.experts.gate_up_proj)
+        ours.w2_weight.copy_(hf.experts.down_proj)
+        gate_up = (hf.shared_experts.gate_proj.weight, hf.shared_experts.up_proj.weight)
+        shared.gate_up_proj.weight.copy_(torch.cat(gate_up))
+        shared.down_proj.weight.copy_(hf.shared_experts.down_proj.weight)
+    return block, hf

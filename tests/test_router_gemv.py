@@ -87,42 +87,10 @@ HIDDEN, EXPERTS, TOP_K = 48, 16, 4
 def _v3_block():
     """A DeepSeek-V3 MoE block (routed + shared experts) with transformers' weights, and
     transformers' module."""
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    pytest.importorskip("transformers")
+    from deepseek_harness import v3_moe_block
 
-    from atomrt.distributed.communication_op import DPInfo, TPInfo
-    from atomrt.workers.models.deepseek import DeepseekMoE
-    from atomrt.workers.models.registry import arch_from_hf_config
-
-    cfg = transformers.DeepseekV3Config(
-        hidden_size=HIDDEN,
-        n_routed_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        n_group=4,
-        topk_group=2,
-        moe_intermediate_size=24,
-        n_shared_experts=1,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
-    )
-    torch.manual_seed(2)
-    hf = DeepseekV3MoE(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.2)
-        hf.gate.e_score_correction_bias.uniform_(-0.2, 0.2)
-    arch = arch_from_hf_config({**cfg.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}, "t")
-    block = DeepseekMoE(arch, TPInfo(), DPInfo())
-    ours, shared = block.experts, block.shared_experts
-    with torch.no_grad():
-        ours.gate.weight.copy_(hf.gate.weight)
-        ours.gate.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
-        ours.w13_weight.copy_(hf.experts.gate_up_proj)
-        ours.w2_weight.copy_(hf.experts.down_proj)
-        gate_up = (hf.shared_experts.gate_proj.weight, hf.shared_experts.up_proj.weight)
-        shared.gate_up_proj.weight.copy_(torch.cat(gate_up))
-        shared.down_proj.weight.copy_(hf.shared_experts.down_proj.weight)
-    return block, hf
+    return v3_moe_block(HIDDEN, EXPERTS, TOP_K)
 
 
 def _same_routing(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]):
