@@ -26,7 +26,7 @@ H, NOPE, ROPE, L, V = 4, 32, 16, 64, 32  # V2-Lite's ratios (qk_nope 128, L 512,
 
 
 # bf16 as the models run; fp16 too, whose dot the interpreter runs as compiled (bf16 operands it
-# widens to float32 first: mla_absorb._interpreted)
+# widens to float32 first: launch.triton_interpreted, the UPCAST flag)
 DTYPES = [torch.bfloat16, torch.float16]
 
 

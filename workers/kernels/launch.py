@@ -52,6 +52,16 @@ class _Ahead:
     after: list = field(default_factory=list)  # LOADS_AFTER_COMPILES: (compile future, device)
 
 
+def triton_interpreted() -> bool:
+    """Triton's interpreter runs the kernels (TRITON_INTERPRET=1: CPU tensors, numpy semantics)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """A Triton kernel can take `t`: a CUDA tensor, or any under Triton's interpreter."""
+    return t.is_cuda or triton_interpreted()
+
+
 _AHEAD: ContextVar[Optional[_Ahead]] = ContextVar("atomrt_compile_ahead", default=None)
 
 
@@ -66,7 +76,7 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[bool]:
     import triton
 
     mode = getattr(triton, "AsyncCompileMode", None)
-    if mode is None or os.environ.get("TRITON_INTERPRET") == "1":
+    if mode is None or triton_interpreted():
         yield False
         return
     if threads is None:

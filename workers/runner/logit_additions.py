@@ -21,7 +21,6 @@ constrains before anything else in sampling, outside the recorded graphs.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -29,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from atomrt.workers.kernels.grammar_mask import apply_grammar_mask
+from atomrt.workers.kernels.launch import triton_runs_on
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def apply_grammar_bitmask(
         xgrammar.apply_token_bitmask_inplace(
             out, full.contiguous(), vocab_size=width, indices=rows.tolist()
         )
-    elif GRAMMAR_MASK_KERNEL and out.stride(1) == 1 and _triton_runs_on(out):
+    elif GRAMMAR_MASK_KERNEL and out.stride(1) == 1 and triton_runs_on(out):
         apply_grammar_mask(out, rows, bitmask)
         return out  # the tokens past the mask's words too
     else:
@@ -160,11 +160,6 @@ def apply_grammar_bitmask(
     if width < out.shape[1]:
         out[rows, width:] = float("-inf")
     return out
-
-
-def _triton_runs_on(t: torch.Tensor) -> bool:
-    """A Triton kernel can take `t`: a CUDA tensor, or any under Triton's interpreter."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def apply_bits(out: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:

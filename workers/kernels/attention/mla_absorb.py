@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ import triton
 import triton.language as tl
 
 from atomrt.workers.kernels.device_info import sm_count
-from atomrt.workers.kernels.launch import launch
+from atomrt.workers.kernels.launch import launch, triton_interpreted, triton_runs_on
 
 # rows (decode tokens) up to which absorbed_decode takes the kernel when MLA_ABSORB_KERNEL is on;
 # past it torch.bmm (a real GEMM by then). A tl.dot launch holds its rows in a tile of at least 16
@@ -118,17 +117,10 @@ def mla_absorb_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
 
 
-def _interpreted() -> bool:
-    """Triton's interpreter runs the kernels: it multiplies bfloat16 tl.dot operands as raw bit
-    patterns (triton-lang/triton#11584), so bf16 operands are widened to float32 there (exact
-    products, as the compiled bf16 dot's, accumulated in float32 alike)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def absorb_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether mla_absorb takes x [H, n, K] @ w [H, K, N]: at most SKINNY_MAX rows, one dtype, on
     a device Triton runs on (CUDA, or any under Triton's interpreter)."""
-    return x.shape[1] <= SKINNY_MAX and x.dtype == w.dtype and (x.is_cuda or _interpreted())
+    return x.shape[1] <= SKINNY_MAX and x.dtype == w.dtype and triton_runs_on(x)
 
 
 def mla_absorb(
@@ -187,7 +179,10 @@ def mla_absorb(
         BLOCK_K=plan.block_k,
         EVEN=even,
         IEEE_DOT=x.dtype == torch.float32,
-        UPCAST=x.dtype == torch.bfloat16 and _interpreted(),
+        # Triton's interpreter multiplies bfloat16 tl.dot operands as raw bit patterns
+        # (triton-lang/triton#11584): there they are widened to float32 (exact products, as the
+        # compiled bf16 dot's, accumulated in float32 alike)
+        UPCAST=x.dtype == torch.bfloat16 and triton_interpreted(),
         DOT=dot,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,

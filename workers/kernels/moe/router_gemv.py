@@ -23,7 +23,6 @@ warm-ups (and the eager warm-up batches) make before any graph is recorded, as f
 decided inside, at run time: no guard on a dynamic batch), its fake gives the output shape.
 """
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,6 +32,7 @@ import triton
 import triton.language as tl
 
 from atomrt.compile.custom_register import direct_register_custom_op
+from atomrt.workers.kernels.launch import triton_runs_on
 
 ROUTER_GEMV_MAX_TOKENS = 16  # above it, cuBLAS's GEMM (the weight is re-read per program here)
 _X_TILE_ELEMS = 4096  # BLOCK_N * BLOCK_K: the x tile a program holds per step (32 floats a thread)
@@ -149,15 +149,10 @@ def router_gemv(
     return out
 
 
-def _triton_runs_on(t: torch.Tensor) -> bool:
-    """A Triton kernel can take `t`: a CUDA tensor, or any under Triton's interpreter."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x.float(), weight)` for the float32 router: the kernel for a decode step's few
     tokens where Triton runs, F.linear otherwise."""
-    if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and _triton_runs_on(x):
+    if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and triton_runs_on(x):
         return router_gemv(x, weight)
     return F.linear(x.float(), weight)
 
