@@ -161,6 +161,7 @@ class StructuredOutputs:
         self._ahead: list[GrammarMatcher] = []  # accepted a token ahead of the stop rules
         self._constrained: deque[bool] = deque()  # the steps in flight: whether any row is
         self._filler: Optional[ThreadPoolExecutor] = None  # masks filled beside the step loop
+        self._cores = usable_cpu_count()  # a fill thread needs a core beside the step loop's
         self._filling: Optional[Future] = None  # each pending step's masks, until took_results
 
     @property
@@ -326,13 +327,7 @@ class StructuredOutputs:
             else:
                 left = True
             self.mask_stats.accept_seconds += time.perf_counter() - start
-        if (
-            FILL_ON_THREAD
-            and self.pending
-            and not left
-            and not speculative
-            and usable_cpu_count() > 1
-        ):
+        if FILL_ON_THREAD and self.pending and not left and not speculative and self._cores > 1:
             if self._filler is None:
                 self._filler = ThreadPoolExecutor(1, thread_name_prefix="atomrt-grammar-fill")
             # every pending step's states are known now; they stay pending (the engine plans the
