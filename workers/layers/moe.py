@@ -45,7 +45,7 @@ from atomrt.workers.layers import expert_tally
 from atomrt.workers.layers.activation import silu_and_mul
 from atomrt.workers.layers.linear import linear
 from atomrt.workers.layers.quantization.fp8 import routed_pairs
-from atomrt.workers.layers.quantization.fp8_ops import fp8_routed_experts
+from atomrt.workers.layers.quantization.fp8_ops import expert_pairs_fake, fp8_routed_experts
 from atomrt.workers.layers.weight_utils import Sliceable, copy_checked, read_narrow
 
 # shard ids of the expert weight loaders: one expert's projection, or every expert's at once
@@ -102,17 +102,11 @@ def _routed_expert_pairs_impl(
     return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, sum_pairs=False)
 
 
-def _routed_expert_pairs_fake(
-    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *experts: object
-) -> torch.Tensor:
-    return x.new_empty((x.shape[0], topk_ids.shape[1], x.shape[1]))
-
-
 # Opaque to Dynamo: the CPU loop has data-dependent shapes, and the kernel picks its launch per call.
 # It returns the pairs, not their sum: traced, the sum of top_k rows is a small reduction Inductor
 # folds into the pointwise and norm kernels after it, where inside the op it would be a launch.
 direct_register_custom_op(
-    "routed_expert_pairs", _routed_expert_pairs_impl, fake_impl=_routed_expert_pairs_fake
+    "routed_expert_pairs", _routed_expert_pairs_impl, fake_impl=expert_pairs_fake
 )
 
 

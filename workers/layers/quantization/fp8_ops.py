@@ -96,9 +96,10 @@ def _fp8_routed_expert_pairs_impl(
     return fp8_experts_ref(*args, sum_pairs=False)
 
 
-def _fp8_routed_expert_pairs_fake(
+def expert_pairs_fake(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *experts: object
 ) -> torch.Tensor:
+    """The expert-pair ops' output (this one's and workers/layers/moe.py's): [n, top_k, hidden]."""
     return x.new_empty((x.shape[0], topk_ids.shape[1], x.shape[1]))
 
 
@@ -110,7 +111,7 @@ direct_register_custom_op(
 direct_register_custom_op(
     "fp8_routed_expert_pairs",
     _fp8_routed_expert_pairs_impl,
-    fake_impl=_fp8_routed_expert_pairs_fake,
+    fake_impl=expert_pairs_fake,
 )
 
 
