@@ -17,9 +17,10 @@ Two kernels:
    to float32, multiplied and summed over K: no padding of M to the MMA's 16 rows), the rest
    tl.dot on e4m3 operands (Hopper's FP8 MMA).
 
-`w8a8_fp8_linear` gives decode rows (M <= SKINNY_M) of per-row-scaled weights to a third kernel, `w8a8_skinny_kernel`: one
-launch that quantizes x in registers as kernel 1 does and takes the broadcast product, instead of
-two launches and a round trip of the quantized x through memory.
+`w8a8_fp8_linear` gives decode rows (M <= SKINNY_M) of per-row-scaled weights to a third kernel,
+`w8a8_skinny_kernel` (fp8_skinny.py): one launch that quantizes x in registers as kernel 1 does and
+takes the broadcast product, instead of two launches and a round trip of the quantized x through
+memory.
 """
 
 from __future__ import annotations
@@ -30,15 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from atomrt.workers.kernels.gemm.fp8_skinny_configs import (
-    SKINNY_M,
-    skinny_defers_sum,
-    skinny_launch,
+from atomrt.workers.kernels.gemm.fp8_skinny import (  # add_norm: fp8_ops imports it from here
+    FP8_MAX,
+    MIN_SCALE,
+    w8a8_skinny,
+    w8a8_skinny_add_norm,  # noqa: F401
 )
-from atomrt.workers.kernels.gemm.skinny_kernels import _residual_sum
-
-FP8_MAX = tl.constexpr(448.0)  # a kernel reads only constexpr globals (compiled, not interpreted)
-MIN_SCALE = tl.constexpr(1e-12)
+from atomrt.workers.kernels.gemm.fp8_skinny_configs import SKINNY_M
 
 
 @triton.jit
@@ -226,246 +225,6 @@ def w8a8_gemm(
         num_warps=4,
     )
     return c
-
-
-@triton.jit
-def _skinny_x_tile(x_ptrs, u_ptrs, nw_ptrs, mask, k_mask, inv_rms, NORM: tl.constexpr):
-    """A K step's tile of the GEMM's input rows: x, or with NORM RMSNorm(x + update) as
-    rms_norm computes it (h = x + update and h * inv_rms each rounded to x's dtype, then times the
-    norm's weight, rounded again)."""
-    if NORM:
-        h = _residual_sum(x_ptrs, u_ptrs, mask)
-        normed = (h.to(tl.float32) * inv_rms).to(h.dtype)
-        norm_w = tl.load(nw_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-        return (norm_w * normed.to(tl.float32)).to(h.dtype)
-    return tl.load(x_ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def w8a8_skinny_kernel(
-    x_ptr,
-    b_ptr,
-    b_s_ptr,
-    static_ptr,
-    c_ptr,
-    u_ptr,  # NORM only: update [M, K]; the norm's weight [K]; out: h = x + update [M, K]
-    nw_ptr,
-    h_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_bn,
-    stride_bsn,
-    stride_cm,
-    stride_um,
-    stride_hm,
-    eps,  # NORM only: the RMSNorm's epsilon
-    GROUP: tl.constexpr,  # features per scale of x and of b's rows; 0: one scale per row
-    STATIC: tl.constexpr,  # x's scale is *static_ptr (GROUP 0 only)
-    NORM: tl.constexpr,  # the product reads RMSNorm(x + update) (GROUP 0 only)
-    DEFER_SUM: tl.constexpr,  # GROUP 0: sum the products over K once, after the loop
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # a multiple of GROUP
-    NUM_STAGES: tl.constexpr,
-):
-    """Decode rows: c[:, cols] = quant(x) @ (b * b_s)^T in one launch, x quantized to e4m3 in
-    registers exactly as `fp8_quant_kernel` quantizes it (same scales, same rounding), each
-    element then carried dequantized (q * scale) into the broadcast product, so that no quantized
-    copy of x goes through memory. One program per BLOCK_N columns, every row.
-
-    NORM: x is RMSNorm(x + update) with the norm's weight, a decoder layer's residual add and norm
-    before its projection: a first pass over the rows takes their statistics (program 0 writes h),
-    and every later read of x recomputes the normalized tile (x is a few KB, from L1 / L2)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
-    n_mask = cols < N
-    m_mask = rows < M
-    b_rows = b_ptr + cols.to(tl.int64) * stride_bn
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if GROUP > 0:
-        NG: tl.constexpr = BLOCK_K // GROUP
-        gs = tl.arange(0, NG)
-        kk = gs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP]
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            k_mask = (k0 + kk < K)[None, :, :]
-            w = tl.load(
-                b_rows[:, None, None] + k0 + kk[None, :, :],
-                mask=n_mask[:, None, None] & k_mask,
-                other=0.0,
-            )  # [BLOCK_N, NG, GROUP]
-            b_s = tl.load(
-                b_s_ptr + cols[:, None] * stride_bsn + k0 // GROUP + gs[None, :],
-                mask=n_mask[:, None] & (k0 + gs * GROUP < K)[None, :],
-                other=0.0,
-            )  # [BLOCK_N, NG]
-            x = tl.load(
-                x_ptr + rows[:, None, None] * stride_xm + k0 + kk[None, :, :],
-                mask=m_mask[:, None, None] & k_mask,
-                other=0.0,
-            ).to(tl.float32)  # [BLOCK_M, NG, GROUP]
-            a_s = tl.maximum(tl.max(tl.abs(x), axis=2) / FP8_MAX, MIN_SCALE)[:, :, None]
-            xq = tl.clamp(x / a_s, -FP8_MAX, FP8_MAX).to(tl.float8e4nv).to(tl.float32) * a_s
-            wd = w.to(tl.float32) * b_s[:, :, None]
-            acc += tl.sum(tl.sum(wd[:, None, :, :] * xq[None, :, :, :], axis=3), axis=2)
-    else:
-        # 3-D tiles, x [1, BLOCK_M, BLOCK_K] and W [BLOCK_N, 1, BLOCK_K], so that the product
-        # keeps the loads' vector layout: 2-D loads expanded to 3-D convert the W tile's layout
-        # through shared memory at every step (as the bf16 skinny kernel notes)
-        ks = tl.arange(0, BLOCK_K)[None, None, :]
-        m3 = rows[None, :, None]
-        mm3 = m_mask[None, :, None]
-        x_rows = x_ptr + m3 * stride_xm + ks  # [1, BLOCK_M, BLOCK_K]
-        u_rows = u_ptr + m3 * stride_um + ks
-        nw = nw_ptr + ks
-        w_rows = b_rows[:, None, None] + ks  # [BLOCK_N, 1, BLOCK_K]
-        inv_rms = tl.zeros((1, BLOCK_M, 1), dtype=tl.float32)
-        if NORM:  # the rows' statistics; program 0 writes h on the way
-            h_rows = h_ptr + m3 * stride_hm + ks
-            sum_sq = tl.zeros((1, BLOCK_M), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                mask = mm3 & (k0 + ks < K)
-                h = _residual_sum(x_rows + k0, u_rows + k0, mask)
-                if tl.program_id(0) == 0:
-                    tl.store(h_rows + k0, h, mask=mask)
-                sum_sq += tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=2)
-            inv_rms = tl.rsqrt(sum_sq / K + eps)[:, :, None]
-        if STATIC:
-            a_s = tl.load(static_ptr).to(tl.float32) + tl.zeros((1, BLOCK_M, 1), dtype=tl.float32)
-        else:  # the row's amax first: x is a few KB, read again below from L1 / L2
-            amax = tl.zeros((1, BLOCK_M, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k_mask = k0 + ks < K
-                x = _skinny_x_tile(
-                    x_rows + k0, u_rows + k0, nw + k0, mm3 & k_mask, k_mask, inv_rms, NORM
-                )
-                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-            a_s = tl.maximum(tl.max(amax, axis=2) / FP8_MAX, MIN_SCALE)[:, :, None]
-        # DEFER_SUM: each thread keeps its products' running sums and the cross-thread sum over K
-        # runs once; otherwise every K step sums its products across threads (shuffles and adds
-        # per weight that leave a decode GEMV issue-bound, not memory-bound)
-        partial = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            k_mask = k0 + ks < K
-            w = tl.load(w_rows + k0, mask=n_mask[:, None, None] & k_mask, other=0.0)
-            x = _skinny_x_tile(
-                x_rows + k0, u_rows + k0, nw + k0, mm3 & k_mask, k_mask, inv_rms, NORM
-            )
-            xq = tl.clamp(x.to(tl.float32) / a_s, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
-            prod = w.to(tl.float32) * xq.to(tl.float32)  # [BLOCK_N, BLOCK_M, BLOCK_K]
-            if DEFER_SUM:
-                partial += prod
-            else:
-                acc += tl.sum(prod, axis=2)
-        if DEFER_SUM:
-            acc = tl.sum(partial, axis=2)
-        b_s = tl.load(b_s_ptr + cols * stride_bsn, mask=n_mask, other=0.0)
-        acc = acc * b_s[:, None] * tl.reshape(a_s, (1, BLOCK_M))
-    c_ptrs = c_ptr + rows[None, :] * stride_cm + cols[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
-
-
-def w8a8_skinny(
-    x: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    group_k: Optional[int],
-    static_scale: Optional[torch.Tensor] = None,
-    launch: Optional[tuple[int, int, int, int]] = None,
-    defer_sum: Optional[bool] = None,
-) -> torch.Tensor:
-    """x [M, K] (M <= SKINNY_M, float) @ e4m3 b [N, K]^T with scales [N, G] -> [M, N] in x's
-    dtype: `w8a8_fp8_linear`'s result for decode rows, x quantized inside the GEMM's launch.
-    `launch` (block_k, products, warps, stages) overrides skinny_launch's for the shape,
-    `defer_sum` skinny_defers_sum's."""
-    m, k = x.shape
-    assert b.shape[1] == k and b.stride(1) == 1 and x.stride(1) == 1 and m <= SKINNY_M
-    c = torch.empty((m, b.shape[0]), dtype=x.dtype, device=x.device)
-    if m:
-        grouped = static_scale is None and group_k is not None and b_scale.shape[1] > 1
-        group = group_k if grouped else 0
-        _launch_skinny(x, b, b_scale, group, static_scale, c, launch, defer_sum=defer_sum)
-    return c
-
-
-def w8a8_skinny_add_norm(
-    residual: torch.Tensor,
-    update: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    static_scale: Optional[torch.Tensor] = None,
-    launch: Optional[tuple[int, int, int, int]] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, y): h = residual + update, y = w8a8_skinny(RMSNorm(h) * norm_weight, b) for per-row
-    scales [N, 1] (static or per token), in one launch: a decoder layer's residual add, norm and
-    FP8 projection, the norm computed as rms_norm computes it (workers/layers/norm.py)."""
-    m, k = residual.shape
-    if (
-        update.shape != residual.shape
-        or update.dtype != residual.dtype
-        or norm_weight.shape != (k,)
-        or norm_weight.dtype != residual.dtype
-        or b_scale.shape[1] != 1
-        or b.shape[1] != k
-        or b.stride(1) != 1
-        or not 0 < m <= SKINNY_M
-    ):
-        raise ValueError(
-            f"w8a8_skinny_add_norm: want residual and update [M, K] (0 < M <= {SKINNY_M}) and "
-            f"norm_weight [K] of one dtype, a weight [N, K] with per-row scales [N, 1]; got residual "
-            f"{tuple(residual.shape)} {residual.dtype}, update {tuple(update.shape)} "
-            f"{update.dtype}, norm_weight {tuple(norm_weight.shape)} {norm_weight.dtype}, "
-            f"weight {tuple(b.shape)}, scales {tuple(b_scale.shape)}"
-        )
-    residual, update, norm_weight = (
-        t if t.stride(-1) == 1 else t.contiguous() for t in (residual, update, norm_weight)
-    )
-    h = torch.empty_like(residual)
-    c = torch.empty((m, b.shape[0]), dtype=residual.dtype, device=residual.device)
-    norm = (update, norm_weight, h, eps)
-    _launch_skinny(residual, b, b_scale, 0, static_scale, c, launch, norm)
-    return h, c
-
-
-def _launch_skinny(
-    x: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    group: int,
-    static_scale: Optional[torch.Tensor],
-    c: torch.Tensor,
-    launch: Optional[tuple[int, int, int, int]],
-    norm: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]] = None,
-    defer_sum: Optional[bool] = None,
-) -> None:
-    """w8a8_skinny_kernel over x's M rows into c; `norm` (update, norm weight, h out, eps) adds
-    the residual add and RMSNorm prologue."""
-    m, k = x.shape
-    n = b.shape[0]
-    block_k, products, warps, stages = launch or skinny_launch(n, k)
-    block_m = triton.next_power_of_2(m)
-    block_k = max(group, min(block_k, triton.next_power_of_2(k)))
-    block_n = max(4, products // (block_m * block_k))
-    update, norm_weight, h, eps = norm if norm is not None else (x, x, x, 0.0)
-    w8a8_skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, b, b_scale, static_scale if static_scale is not None else b_scale, c,
-        update, norm_weight, h,
-        m, n, k,
-        x.stride(0), b.stride(0), b_scale.stride(0), c.stride(0), update.stride(0), h.stride(0),
-        eps,
-        GROUP=group,
-        STATIC=static_scale is not None,
-        NORM=norm is not None,
-        DEFER_SUM=skinny_defers_sum(n, k) if defer_sum is None else defer_sum,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        NUM_STAGES=stages,
-        num_warps=warps,
-    )  # fmt: skip
 
 
 def w8a8_fp8_linear(
