@@ -1,7 +1,7 @@
 """DeepSeekMoE's float32 router projection at decode sizes: `F.linear(x.float(), W)` (cuBLAS, what
-GroupedRouter runs by default) against the one-launch Triton kernel deepseek_moe.ROUTER_KERNEL
-turns on (workers/kernels/moe/router_gemv.py), for V2-Lite's router (64 experts, hidden 2048) and
-V3's (256, 7168), bfloat16 activations.
+GroupedRouter runs with deepseek_moe.ROUTER_KERNEL off) against the one-launch Triton kernel it
+runs by default (workers/kernels/moe/router_gemv.py), for V2-Lite's router (64 experts, hidden
+2048) and V3's (256, 7168), bfloat16 activations.
 
     python benchmarks/bench_router.py [--shapes V2-Lite,V3] [--tokens 1,8,32] [--sweep]
     python benchmarks/bench_router.py --stats   # no GPU: registers and spills for sm_90

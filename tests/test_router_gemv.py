@@ -1,5 +1,5 @@
 """DeepSeekMoE's float32 router projection in one Triton launch (`router_gemv`, what GroupedRouter
-runs for a decode step's few tokens when deepseek_moe.ROUTER_KERNEL is on) against a float64
+runs for a decode step's few tokens: deepseek_moe.ROUTER_KERNEL, on by default) against a float64
 reference, at small shapes with a partial last K step and at V2-Lite's and V3's router shapes;
 with the option on, a DeepSeek-V3 MoE block routes as with it off and as transformers' does, eager
 and compiled by Inductor (the kernel traced as the opaque `router_logits` op).

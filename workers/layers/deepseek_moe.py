@@ -37,8 +37,11 @@ from atomrt.workers.layers.moe import FusedMoE
 
 # the router's float32 projection of a decode step's few tokens by one Triton launch
 # (workers/kernels/moe/router_gemv.py) rather than F.linear (cuBLAS's split-K GEMV: two launches,
-# after widening x); benchmarks/bench_router.py times both on the GPU
-ROUTER_KERNEL = False
+# after widening x); benchmarks/bench_router.py times both on the GPU. On one H100 (3483589): 2.44
+# against 6.83 us at V2-Lite's router and 1 token, 4.34 against 10.95 at 8; V3's 5.22 against 9.34
+# and 12.56 against 23.86; past ROUTER_GEMV_MAX_TOKENS F.linear. V2-Lite's bs=1 step: 26 launches
+# of 54.7 us in all against cuBLAS's 52 of 97 us
+ROUTER_KERNEL = True
 
 
 @dataclass(frozen=True)
