@@ -53,7 +53,9 @@ from atomrt.workers.layers.weight_utils import divide
 LATENT_NORM_EPS = 1e-6
 # W_UK's and W_UV's products of a decode step of at most mla_absorb.SKINNY_MAX rows by one Triton
 # launch each (workers/kernels/attention/mla_absorb.py), not torch.bmm, whose cuBLAS kernels are
-# latency-bound at such rows; benchmarks/bench_mla_absorb.py times the two
+# latency-bound at such rows; benchmarks/bench_mla_absorb.py times the two. Off: on one H100
+# (3483589) level with bmm at 16 heads (3.18 / 3.67 against 3.18 / 3.76 us for W_UK / W_UV at 1
+# row), slower at 128 heads' W_UK (9.56 against 8.05 us)
 MLA_ABSORB_KERNEL = False
 
 
