@@ -277,3 +277,29 @@ def test_config_lookup() -> None:
     assert pick_config("down", 10, 4, 2, 48, 40) == heuristic_config("down", 10, 4, 2, 48, 40)
     with pytest.raises(ValueError, match="power of two"):
         MoEConfig(24, 32, 32, 1, 4, 1)
+
+
+def test_fp8_launch_table_reaches_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shape's FP8_MOE_LAUNCHES entry (other columns a program, a K step past the down GEMM's
+    width, more warps and stages) gives the float64 dequantizing reference, per-row scales."""
+    from atomrt.workers.kernels.moe import fused_moe_fp8 as fm
+    from atomrt.workers.layers.quantization.fp8 import fp8_experts_ref, quantize_fp8
+
+    gen = torch.Generator().manual_seed(8)
+    e, hidden, inter, top_k = 4, 256, 160, 2
+    q13, s13 = quantize_fp8(torch.randn(e, 2 * inter, hidden, generator=gen) * 0.1, None)
+    q2, s2 = quantize_fp8(torch.randn(e, hidden, inter, generator=gen) * 0.1, None)
+    x = torch.randn(3, hidden, generator=gen)
+    weights, ids = random_routing(3, e, top_k, seed=9)
+    wide = fm.FP8MoELaunch(block_n=32, block_k=256, num_warps=8, num_stages=4)
+    monkeypatch.setitem(fm.FP8_MOE_LAUNCHES, ("gate_up", inter, hidden), wide)
+    monkeypatch.setitem(fm.FP8_MOE_LAUNCHES, ("down", hidden, inter), wide)
+    assert fm.fp8_moe_launch("down", hidden, inter) is wide
+    quantize = {} if DEVICE == "cuda" else {"quantize": quantize_fp8}
+    experts = [t.to(DEVICE) for t in (q13, q2, s13, s2, weights, ids)]
+    got = fm.fused_experts_fp8(x.to(DEVICE), *experts, None, **quantize)
+    ref = fp8_experts_ref(x.double(), q13, q2, s13, s2, weights.double(), ids, None, True)
+    err = (got.cpu().double() - ref).abs()
+    assert err.max() < 2e-2 * ref.abs().max() and err.mean() < 1e-3 * ref.abs().max()
+    with pytest.raises(ValueError, match="block_k"):
+        fm.FP8MoELaunch(block_k=96)

@@ -17,6 +17,7 @@ CPU it runs through Triton's interpreter (tests/test_fp8_kernels.py).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,7 +29,37 @@ from atomrt.workers.kernels.moe.align import MoEAlignment, moe_align_block_size
 from atomrt.workers.kernels.moe.fused_moe import moe_dims, pair_tile, store_pair_block
 
 BLOCK_M = 16
-BLOCK_N = 64
+
+
+@dataclass(frozen=True)
+class FP8MoELaunch:
+    """One launch of fused_moe_fp8_kernel past its BLOCK_M pairs a program."""
+
+    block_n: int = 64  # output columns a program
+    block_k: int = 128  # reduction step over per-row scales (block-scaled weights: their group)
+    num_warps: int = 4
+    num_stages: int = 3  # Triton's default software pipelining depth
+
+    def __post_init__(self) -> None:
+        for knob, least in (("block_n", 16), ("block_k", 16), ("num_warps", 1)):
+            value = getattr(self, knob)
+            if value < least or value & (value - 1):
+                raise ValueError(
+                    f"FP8MoELaunch.{knob} must be a power of two >= {least}, got {value}"
+                )
+        if self.num_stages < 1:
+            raise ValueError(f"FP8MoELaunch.num_stages must be >= 1, got {self.num_stages}")
+
+
+DEFAULT_LAUNCH = FP8MoELaunch()
+# ("gate_up" | "down", N, K) -> the launch a GPU sweep found faster than DEFAULT_LAUNCH at decode
+# rows (benchmarks/bench_moe_fp8.py --sweep); other shapes take the default
+FP8_MOE_LAUNCHES: dict[tuple[str, int, int], FP8MoELaunch] = {}
+
+
+def fp8_moe_launch(gemm: str, n: int, k: int) -> FP8MoELaunch:
+    """The launch of `gemm`'s fused FP8 experts GEMM with output width n and reduction width k."""
+    return FP8_MOE_LAUNCHES.get((gemm, n, k), DEFAULT_LAUNCH)
 
 
 @triton.jit
@@ -126,11 +157,14 @@ def _launch(
     a_rows_per_pair: int,
     gated: bool,
     group_k: Optional[int],
+    launch: Optional[FP8MoELaunch] = None,
 ) -> None:
+    """One of the two GEMMs at `launch` (default: fp8_moe_launch's for its shape)."""
     n = b.shape[1] // 2 if gated else b.shape[1]
     k = b.shape[2]
+    launch = launch or fp8_moe_launch("gate_up" if gated else "down", n, k)
     grouped = group_k is not None and b_s.shape[2] > 1
-    grid = (align.expert_ids.shape[0], triton.cdiv(n, BLOCK_N))
+    grid = (align.expert_ids.shape[0], triton.cdiv(n, launch.block_n))
     fused_moe_fp8_kernel[grid](
         a,
         a_s,
@@ -156,9 +190,10 @@ def _launch(
         MUL_ROUTED_WEIGHT=not gated,
         GROUPED=grouped,
         BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=group_k if group_k is not None else 128,
-        num_warps=4,
+        BLOCK_N=launch.block_n,
+        BLOCK_K=group_k if group_k is not None else launch.block_k,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
 
 
