@@ -6,6 +6,10 @@ float32 logits of Llama-3's vocabulary with every row constrained.
 
 Prints, per count of constrained rows, the GPU us per apply (CUDA events over 200 eager calls, the
 sampler's way of launching it) of each, and whether the two masked the same tokens. Needs CUDA.
+
+`--upload`: instead, how long the sampling worker's thread is held sending a step's masks to the
+device (workers/runner/grammar_upload.py) while the stream still runs BUSY_MS of earlier work (a
+forward): from pageable memory (the default) and through pinned buffers (PINNED_GRAMMAR_MASKS).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 import torch
 
 from atomrt.workers.kernels.grammar_mask import apply_grammar_mask
+from atomrt.workers.runner.grammar_upload import GrammarUpload
 from atomrt.workers.runner.logit_additions import apply_bits
 
 
@@ -37,9 +42,13 @@ def main() -> None:
     )
     ap.add_argument("--rows", default="16,64", help="comma-separated counts of constrained rows")
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--upload", action="store_true", help="time the masks' upload (docstring)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_grammar_apply: needs a CUDA device")
+    if a.upload:
+        upload(a)
+        return
     gen = torch.Generator(device="cuda").manual_seed(0)
     words = (a.vocab + 31) // 32
     for m in (int(r) for r in a.rows.split(",")):
@@ -64,6 +73,45 @@ def main() -> None:
             f"rows={m} vocab={a.vocab}: torch apply_bits {torch_us - clone_us:.1f} us, kernel "
             f"{kernel_us - clone_us:.1f} us (each less a clone of the logits, {clone_us:.1f} us); "
             f"same tokens masked: {same}"
+        )
+
+
+BUSY_MS = 5.0
+
+
+def upload(a: argparse.Namespace) -> None:
+    """`--upload`: the host's hold per upload behind a busy stream, each way (median of 20)."""
+    import time
+
+    import numpy as np
+
+    torch.cuda._sleep(1000)  # the sleep kernel loaded
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    cycles = int(10**7 * BUSY_MS / start.elapsed_time(end))
+    words = (a.vocab + 31) // 32
+    for m in (int(r) for r in a.rows.split(",")):
+        rows = np.arange(m, dtype=np.int32)
+        bitmask = np.random.default_rng(0).integers(-(2**31), 2**31, (m, words), dtype=np.int32)
+        line = []
+        for pinned in (False, True):
+            send = GrammarUpload(torch.device("cuda"), pinned=pinned)
+            held = []
+            for _ in range(20):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(cycles)  # the forward the masks arrive during
+                t = time.perf_counter()
+                _, dev = send(rows, bitmask)
+                held.append(time.perf_counter() - t)
+                torch.cuda.synchronize()
+                assert np.array_equal(dev.cpu().numpy(), bitmask)
+            line.append(f"{'pinned' if pinned else 'pageable'} {1e6 * sorted(held)[10]:.0f} us")
+        print(
+            f"upload rows={m} vocab={a.vocab} ({m * words * 4 / 1e6:.2f} MB) behind {BUSY_MS:g} ms "
+            f"of queued GPU work: host held {', '.join(line)}"
         )
 
 

@@ -20,6 +20,7 @@ from atomrt.workers.layers.attention import Attention, collect_attention_layers
 from atomrt.workers.layers.mla import MLAAttention
 from atomrt.workers.layers.v4_attention import V4Attention
 from atomrt.workers.loading.loader import load_model
+from atomrt.workers.runner.grammar_upload import GrammarUpload
 from atomrt.workers.runner.graph_runner import GraphRunner
 from atomrt.workers.runner.input_batch import StepInputs
 from atomrt.workers.runner.kv_cache import (
@@ -126,6 +127,7 @@ class ModelRunner:
         )
         self.kv_cache: dict[str, CacheEntry] = {}
         self.sampler = Sampler()
+        self.grammar_upload = GrammarUpload(device)  # structured outputs' masks to the device
         enforce_eager = config.enforce_eager or device.type != "cuda"
         self.graphs = GraphRunner(config, enabled=not enforce_eager)
         spec = config.speculative_config
@@ -280,10 +282,7 @@ class ModelRunner:
 
     def grammar_mask(self, rows: Any, bitmask: Any) -> GrammarMask:
         """Host arrays (int rows, int32 [m, words] masks) as the device tensors `sample` takes."""
-        return GrammarMask(
-            torch.as_tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True),
-            torch.as_tensor(bitmask, dtype=torch.int32).to(self.device, non_blocking=True),
-        )
+        return GrammarMask(*self.grammar_upload(rows, bitmask))
 
     def _sample(
         self,
