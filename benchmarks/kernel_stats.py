@@ -4,6 +4,7 @@ target on any machine (no GPU needed: Triton's compiler and the ptxas its wheel 
     python benchmarks/kernel_stats.py decode [--head-dim 128] [--group 4] [--kv-cache-dtype fp8]
         [--split] [--quick | --candidates]
     python benchmarks/kernel_stats.py mla [--heads 16] [--kv-cache-dtype fp8]
+    python benchmarks/kernel_stats.py v4
 
 One JSON line per launch plan of a grid (decode: key tile x warps x stages x prefetch_kv; mla: key
 tile x warps x stages x merge_in_kernel): registers per thread, local-memory stack (spills), shared
@@ -205,11 +206,38 @@ def mla_rows(args) -> list[dict]:
     return rows
 
 
+def v4_rows(args) -> list[dict]:
+    """DeepSeek-V4-Flash's kernels (workers/kernels/v4/) as its layers launch them: the compressor
+    at the HCA and CSA rates (512-wide entries) and the indexer's (128 wide), with each compile's
+    seconds (an unrolled window once took minutes)."""
+    import time
+
+    from atomrt.workers.kernels.v4 import v4_kernels as v4
+
+    bf = "*bf16"
+    pointers = dict(rows_ptr=bf, out_ptr=bf, slots_ptr="*i64", windows_ptr="*i64")
+    pointers |= dict(ape_ptr="*fp32", norm_ptr="*fp32")
+    sig = _signature(v4._v4_pool_kernel, pointers, ("eps",))
+    rows = []
+    for name, d, rate, overlap in (
+        ("pool_hca", 512, 128, False),
+        ("pool_csa", 512, 4, True),
+        ("pool_csa_indexer", 128, 4, True),
+    ):
+        start = time.perf_counter()
+        stats = compile_stats(
+            v4._v4_pool_kernel, sig, v4.pool_constexprs(d, rate, overlap), 4, 3, args.capability
+        )
+        seconds = round(time.perf_counter() - start, 2)
+        rows.append(dict(kernel=name, head_dim=d, rate=rate, compile_s=seconds, **stats))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("kernel", choices=("decode", "mla"))
+    ap.add_argument("kernel", choices=("decode", "mla", "v4"))
     ap.add_argument("--head-dim", type=int, default=128, help="decode: Llama-3.1-8B's 128")
     ap.add_argument("--group", type=int, default=4, help="decode: query heads per KV head")
     ap.add_argument("--split", action="store_true", help="decode: the split variant (bs=1)")
@@ -229,6 +257,8 @@ def main() -> None:
         rows = candidate_rows(args)
     elif args.kernel == "decode":
         rows = decode_rows(args, QUICK_DECODE_GRID if args.quick else DECODE_GRID)
+    elif args.kernel == "v4":
+        rows = v4_rows(args)
     else:
         rows = mla_rows(args)
     for row in rows:

@@ -30,8 +30,9 @@ def _cache(num_slots: int, width: int, owned: list[int], seed: int) -> torch.Ten
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_pool_matches_float64(overlap: bool) -> None:
-    d, rate, eps = 24, 4, 1e-6
+@pytest.mark.parametrize("rate", [4, 12])  # 12: a window over several tiles, the last one partial
+def test_pool_matches_float64(overlap: bool, rate: int) -> None:
+    d, eps = 24, 1e-6
     c = 2 if overlap else 1
     span = c * rate
     width = 3 + 2 * c * d  # some leading columns, then kv, then gate
@@ -39,10 +40,10 @@ def test_pool_matches_float64(overlap: bool) -> None:
     windows = torch.tensor([0, 1, 3, 2, 5])
     n = windows.shape[0]
     g = torch.Generator().manual_seed(1)
-    slots = torch.randperm(200, generator=g)[: n * span].view(n, span)
+    slots = torch.randperm(400, generator=g)[: n * span].view(n, span)
     if overlap:
         slots[0, :rate] = -1  # window 0 has no previous window
-    rows = _cache(200, width, slots[slots >= 0].tolist(), 2)
+    rows = _cache(400, width, slots[slots >= 0].tolist(), 2)
     ape = torch.randn(rate, c * d, generator=g)
     norm = torch.randn(d, generator=g)
     out = torch.full((n, d), NAN, device=DEVICE)
@@ -180,3 +181,29 @@ def test_model_through_the_kernels_matches_transformers(
     prompts = [[3, 17, 42, 99, 5, 8, 61, 11, 12, 13, 14, 15, 16, 17, 18], [7, 1, 120]]
     result = run_prefill_and_decode(model, prompts, 3, block_size=4, num_pad_rows=1)
     assert max_logit_diff(result, load_hf(folder), prompts) <= 1e-4
+
+
+def test_flash_kernels_compile_as_loops_without_spills() -> None:
+    """benchmarks/kernel_stats.py v4 compiles the kernels for sm_90 as DeepSeek-V4-Flash launches
+    them (no GPU needed): the compressor pools a window in a loop over tiles of slots, so an HCA
+    window of 128 tokens is a loop and not 128 unrolled copies (unrolled, it compiled for minutes
+    and spilled 12 KB a thread), and no kernel spills."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "kernel_stats.py"), "v4"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["kernel"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    assert {"pool_hca", "pool_csa"} <= rows.keys()
+    for name, row in rows.items():
+        assert row["stack"] == 0 and row["loop_spill_loads"] == 0, (name, row)
+        assert row["programs_per_sm"] >= 2, (name, row)
+    assert 0 < rows["pool_hca"]["loop_instructions"] < 2000, rows["pool_hca"]

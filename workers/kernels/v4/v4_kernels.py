@@ -23,6 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+# window slots the compressor's kernel pools per loop iteration (a [POOL_BLOCK_J, head_dim] tile of
+# kv and of gate in registers)
+POOL_BLOCK_J = 8
+
 
 @triton.jit
 def _v4_pool_kernel(
@@ -40,6 +44,7 @@ def _v4_pool_kernel(
     RATE: tl.constexpr,
     C: tl.constexpr,  # 2: overlapping (CSA) windows, 1: HCA
     BLOCK_D: tl.constexpr,
+    BLOCK_J: tl.constexpr,  # window slots per iteration
 ):
     i = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
@@ -48,30 +53,43 @@ def _v4_pool_kernel(
     m = tl.full([BLOCK_D], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_D], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for j in tl.static_range(C * RATE):
-        slot = tl.load(slots_ptr + i * (C * RATE) + j)
-        pos = j % RATE
-        ch = (j // RATE) * D if C == 2 else 0  # CSA: the previous window's first half, then
-        slot_v = tl.zeros([BLOCK_D], tl.int64) + slot  # the own window's second half
-        use = slot_v >= 0
-        if C == 2 and j < RATE:
-            use = use & ((tl.zeros([BLOCK_D], tl.int64) + w) > 0)
-        base = rows_ptr + slot_v * row_stride
-        lm = dm & use
-        kv = tl.load(base + kv_col + ch + d, mask=lm, other=0.0).to(tl.float32)
-        g = tl.load(base + gate_col + ch + d, mask=lm, other=0.0).to(tl.float32)
-        g = g + tl.load(ape_ptr + pos * (C * D) + ch + d, mask=dm, other=0.0)
+    # a loop over tiles of slots, not unrolled per slot: its code does not grow with the rate
+    # (an unrolled rate-128 window took minutes to compile)
+    for j0 in range(0, C * RATE, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        jm = j < C * RATE
+        slot = tl.load(slots_ptr + i * (C * RATE) + j, mask=jm, other=-1)
+        use = jm & (slot >= 0)
+        # CSA: the previous window's tokens (none for window 0) through the first half of the
+        # projections, then the own window's through the second half
+        ch = (j // RATE) * D
+        if C == 2:
+            use = use & ((j >= RATE) | ((j * 0 + w) > 0))
+        lm = use[:, None] & dm[None, :]
+        base = rows_ptr + slot.to(tl.int64)[:, None] * row_stride + ch[:, None] + d[None, :]
+        kv = tl.load(base + kv_col, mask=lm, other=0.0).to(tl.float32)
+        g = tl.load(base + gate_col, mask=lm, other=0.0).to(tl.float32)
+        ape = ape_ptr + (j % RATE)[:, None] * (C * D) + ch[:, None] + d[None, :]
+        g = g + tl.load(ape, mask=jm[:, None] & dm[None, :], other=0.0)
         g = tl.where(lm, g, float("-inf"))
-        m_new = tl.maximum(m, g)
+        m_new = tl.maximum(m, tl.max(g, axis=0))
         alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
-        p = tl.where(g == float("-inf"), 0.0, tl.exp(g - m_new))
-        l_sum = l_sum * alpha + p
-        acc = acc * alpha + p * kv
+        p = tl.where(lm, tl.exp(g - m_new[None, :]), 0.0)
+        l_sum = l_sum * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p * kv, axis=0)
         m = m_new
     pooled = tl.where(dm, acc / tl.where(l_sum > 0, l_sum, 1.0), 0.0)
     rms = tl.sqrt(tl.sum(pooled * pooled, axis=0) / D + eps)
     weight = tl.load(norm_ptr + d, mask=dm, other=0.0)
     tl.store(out_ptr + i * D + d, (pooled / rms * weight).to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def pool_constexprs(d: int, rate: int, overlap: bool) -> dict[str, int]:
+    """The compressor kernel's compile-time arguments for entries d wide pooled over windows of
+    `rate` tokens (overlapping: CSA's 2 * rate slots)."""
+    c = 2 if overlap else 1
+    block_j = min(POOL_BLOCK_J, triton.next_power_of_2(c * rate))
+    return dict(D=d, RATE=rate, C=c, BLOCK_D=triton.next_power_of_2(d), BLOCK_J=block_j)
 
 
 def v4_pool(
@@ -101,10 +119,7 @@ def v4_pool(
             kv_col,
             gate_col,
             eps,
-            D=d,
-            RATE=rate,
-            C=2 if overlap else 1,
-            BLOCK_D=triton.next_power_of_2(d),
+            **pool_constexprs(d, rate, overlap),
         )
     return out
 
