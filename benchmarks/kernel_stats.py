@@ -208,8 +208,8 @@ def mla_rows(args) -> list[dict]:
 
 def v4_rows(args) -> list[dict]:
     """DeepSeek-V4-Flash's kernels (workers/kernels/v4/) as its layers launch them: the compressor
-    at the HCA and CSA rates (512-wide entries) and the indexer's (128 wide), with each compile's
-    seconds (an unrolled window once took minutes)."""
+    at the HCA and CSA rates (512-wide entries) and the indexer's (128 wide), and the sparse
+    attention's launch plans, with each compile's seconds (an unrolled window once took minutes)."""
     import time
 
     from atomrt.workers.kernels.v4 import v4_kernels as v4
@@ -230,6 +230,25 @@ def v4_rows(args) -> list[dict]:
         )
         seconds = round(time.perf_counter() - start, 2)
         rows.append(dict(kernel=name, head_dim=d, rate=rate, compile_s=seconds, **stats))
+    pointers = dict(q_ptr=bf, rows_ptr=bf, out_ptr=bf, koff_ptr="*i64", sink_ptr="*fp32")
+    sig = _signature(v4._v4_sparse_attn_kernel, pointers, ("scale",))
+    # the sparse attention at 64 heads of 512 (one rank's): the default plan and the candidates
+    # bench_v4_kernels.py times (heads a program, warps, tensor cores)
+    for tile, warps, tensor_cores in ((None, 4, False), (16, 4, False), (16, 4, True),
+                                      (16, 8, True), (32, 8, True)):  # fmt: skip
+        saved = v4.ATTN_HEAD_TILE, v4.ATTN_WARPS, v4.ATTN_TENSOR_CORES
+        v4.ATTN_HEAD_TILE, v4.ATTN_WARPS, v4.ATTN_TENSOR_CORES = tile, warps, tensor_cores
+        cx = v4.attn_plan(64, 512, torch.bfloat16)
+        v4.ATTN_HEAD_TILE, v4.ATTN_WARPS, v4.ATTN_TENSOR_CORES = saved
+        warps = cx.pop("num_warps")
+        start = time.perf_counter()
+        stats = compile_stats(
+            v4._v4_sparse_attn_kernel, sig, dict(H=64, D=512, **cx), warps, 3, args.capability
+        )
+        seconds = round(time.perf_counter() - start, 2)
+        plan = dict(block_h=cx["BLOCK_H"], warps=warps, tensor_cores=not cx["FP32_DOT"])
+        rows.append(dict(kernel="sparse_attention", default=tile is None, **plan,
+                         compile_s=seconds, **stats))  # fmt: skip
     return rows
 
 

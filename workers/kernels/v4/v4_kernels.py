@@ -19,6 +19,8 @@ count alone. The top-k between the scores and the attention is torch's. Shapes (
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,13 @@ import triton.language as tl
 # window slots the compressor's kernel pools per loop iteration (a [POOL_BLOCK_J, head_dim] tile of
 # kv and of gate in registers)
 POOL_BLOCK_J = 8
+# The sparse attention's plan: query heads a program (None: up to 64, the whole head set of
+# DeepSeek-V4-Flash's 64 heads on one rank, whose [64, 512] float32 accumulator spills), warps, and
+# with ATTN_TENSOR_CORES the products in the model's 16-bit dtype (else float32 FMA). The smaller
+# tiles and tensor cores stay off until a GPU timing (benchmarks/bench_v4_kernels.py) shows a gain.
+ATTN_HEAD_TILE: Optional[int] = None
+ATTN_WARPS = 4
+ATTN_TENSOR_CORES = False
 
 
 @triton.jit
@@ -202,6 +211,7 @@ def _v4_sparse_attn_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP32_DOT: tl.constexpr,  # the products in float32 (else in q's dtype, on tensor cores)
 ):
     i = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -210,7 +220,9 @@ def _v4_sparse_attn_kernel(
     dm = d < D
     q = tl.load(
         q_ptr + (i * H + h[:, None]) * D + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0
-    ).to(tl.float32)
+    )
+    if FP32_DOT:
+        q = q.to(tl.float32)
     m = tl.load(sink_ptr + h, mask=hm, other=0.0)  # the sink: a logit whose value is zero
     l_sum = tl.full([BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -222,20 +234,43 @@ def _v4_sparse_attn_kernel(
         if tl.max(off, axis=0) >= 0:
             keys = tl.load(
                 rows_ptr + off[:, None] + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0
-            ).to(tl.float32)
-            s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_K]
-            s = tl.where(valid[None, :], s, float("-inf"))
+            )
+            if FP32_DOT:
+                keys = keys.to(tl.float32)
+                s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+            else:
+                keys = keys.to(q.dtype)
+                s = tl.dot(q, tl.trans(keys))
+            s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_K]
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, keys, input_precision="ieee")
+            if FP32_DOT:
+                pv = tl.dot(p, keys, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(keys.dtype), keys)
+            acc = acc * alpha[:, None] + pv
             m = m_new
     out = acc / l_sum[:, None]
     tl.store(
         out_ptr + (i * H + h[:, None]) * D + d[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=hm[:, None] & dm[None, :],
+    )
+
+
+def attn_plan(num_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    """The sparse attention's compile-time arguments and warps for `num_heads` query heads of
+    `head_dim` in `dtype`: `ATTN_HEAD_TILE` heads a program (up to 64 heads by default) and, under
+    `ATTN_TENSOR_CORES` with a 16-bit q, its products in q's dtype."""
+    tile = ATTN_HEAD_TILE or min(64, triton.next_power_of_2(num_heads))
+    return dict(
+        BLOCK_H=max(16, min(tile, triton.next_power_of_2(num_heads))),
+        BLOCK_K=16,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        FP32_DOT=not ATTN_TENSOR_CORES or dtype == torch.float32,
+        num_warps=ATTN_WARPS,
     )
 
 
@@ -252,8 +287,8 @@ def v4_sparse_attention(
     n, h, d = q.shape
     k = key_offsets.shape[1]
     if n:
-        block_h = max(16, min(64, triton.next_power_of_2(h)))
-        _v4_sparse_attn_kernel[(n, triton.cdiv(h, block_h))](
+        plan = attn_plan(h, d, q.dtype)
+        _v4_sparse_attn_kernel[(n, triton.cdiv(h, plan["BLOCK_H"]))](
             q.contiguous(),
             rows,
             key_offsets.contiguous(),
@@ -263,8 +298,6 @@ def v4_sparse_attention(
             k,
             H=h,
             D=d,
-            BLOCK_H=block_h,
-            BLOCK_K=16,
-            BLOCK_D=max(16, triton.next_power_of_2(d)),
+            **plan,
         )
     return out

@@ -1,0 +1,142 @@
+"""DeepSeek-V4's kernels (workers/kernels/v4/) at DeepSeek-V4-Flash's shapes, bf16 cache rows of an
+HCA layer (kv | compressor kv | gate | entry, 512 each): the sparse attention (64 query heads of
+512, a 128-token window plus the entries) under each launch plan, and the compressor (HCA rate 128,
+CSA rate 4 with overlapping windows).
+
+    python benchmarks/bench_v4_kernels.py [--rows 1,8,32,2048] [--entries 16]
+    python benchmarks/bench_v4_kernels.py --dry-run [--rows 1,3]
+
+One line per (kernel, rows, plan): GPU µs per call, from a CUDA graph of many calls, each over
+rows picked at random from a cache larger than L2 (as a step's layers read theirs); the GB/s of
+the distinct bytes a call reads (keys or window rows, q) and writes; the largest difference from
+the default plan's result. The attention plans (v4_kernels.ATTN_HEAD_TILE, ATTN_WARPS,
+ATTN_TENSOR_CORES): `default` (up to 64 heads a program, float32 products), `h16` (16 heads a
+program: no spills, 4x the programs), `h16-tc` (and bf16 products on tensor cores), `h16-tc-w8`,
+`h32-tc-w8`. Needs CUDA; `--dry-run` checks the script on CPU through Triton's interpreter (wall
+times of two calls, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is first imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from atomrt.runtime.bench.cuda_timing import graph_call_us  # noqa: E402
+from atomrt.workers.kernels.v4 import v4_kernels as v4  # noqa: E402
+
+HEADS, D, WINDOW = 64, 512, 128
+WIDTH = 4 * D  # an HCA row: kv | ckv | cgate | centry
+CACHE_BYTES = 512 << 20  # more than ten times the 50 MB of L2
+# name -> (ATTN_HEAD_TILE, ATTN_WARPS, ATTN_TENSOR_CORES)
+ATTN_PLANS = {
+    "default": (None, 4, False),
+    "h16": (16, 4, False),
+    "h16-tc": (16, 4, True),
+    "h16-tc-w8": (16, 8, True),
+    "h32-tc-w8": (32, 8, True),
+}
+DEVICE = "cpu" if "--dry-run" in sys.argv else "cuda"
+# the model's bfloat16; the dry run's float16 (Triton's interpreter multiplies bfloat16 as bits)
+DTYPE = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+
+
+def _time_us(fn, copies: int, calls: int = 32) -> float:
+    """Median µs of one call, from a CUDA graph of `calls` calls cycling `copies` operand sets
+    (the dry run: the wall time of two eager calls)."""
+    if DEVICE == "cpu":
+        start = time.perf_counter()
+        for i in range(2):
+            fn(i % copies)
+        return (time.perf_counter() - start) * 1e6 / 2
+    return graph_call_us(lambda i: fn(i % copies), calls)
+
+
+def _set_plan(name: str) -> None:
+    v4.ATTN_HEAD_TILE, v4.ATTN_WARPS, v4.ATTN_TENSOR_CORES = ATTN_PLANS[name]
+
+
+def bench_attention(n: int, entries: int, slots: int, copies: int, gen: torch.Generator) -> None:
+    rows = torch.randn(slots, WIDTH, device=DEVICE, generator=gen).to(DTYPE)
+    q = torch.randn(n, HEADS, D, device=DEVICE, generator=gen).to(DTYPE)
+    sinks = torch.randn(HEADS, device=DEVICE, generator=gen)
+    out = torch.empty_like(q)
+    offsets = []
+    for _ in range(copies):  # each call's window of consecutive slots and its entries' slots
+        start = torch.randint(0, slots - WINDOW, (n, 1), device=DEVICE, generator=gen)
+        window = (start + torch.arange(WINDOW, device=DEVICE)) * WIDTH
+        picked = torch.randint(0, slots, (n, entries), device=DEVICE, generator=gen)
+        offsets.append(torch.cat((window, picked * WIDTH + 3 * D), dim=1))
+    nbytes = n * (WINDOW + entries) * D * 2 + 2 * q.numel() * 2
+    want = None
+    for name in ATTN_PLANS:
+        _set_plan(name)
+        v4.v4_sparse_attention(q, rows, offsets[0], sinks, D**-0.5, out)
+        got = out.float()
+        want = got.clone() if want is None else want
+        us = _time_us(lambda i: v4.v4_sparse_attention(q, rows, offsets[i], sinks, D**-0.5, out),
+                      copies)  # fmt: skip
+        print(
+            f"attention rows={n} keys={WINDOW}+{entries} plan={name}: {us:.2f} us, "
+            f"{nbytes / us / 1e3:.0f} GB/s, max |diff| {(got - want).abs().max().item():.3g}",
+            flush=True,
+        )
+    _set_plan("default")
+
+
+def bench_pool(n: int, rate: int, overlap: bool, slots: int, copies: int, gen: torch.Generator):
+    c = 2 if overlap else 1
+    width = 2 * c * D + 2 * D  # kv | ckv | cgate | entry (CSA's projections twice as wide)
+    rows = torch.randn(slots, width, device=DEVICE, generator=gen).to(DTYPE)
+    ape = torch.randn(rate, c * D, device=DEVICE, generator=gen)
+    norm = torch.randn(D, device=DEVICE, generator=gen)
+    windows = torch.randint(1, 1000, (n,), device=DEVICE, generator=gen)
+    span = c * rate
+    all_slots = [
+        torch.randint(0, slots - span, (n, 1), device=DEVICE, generator=gen)
+        + torch.arange(span, device=DEVICE)
+        for _ in range(copies)
+    ]
+    out = torch.empty(n, D, device=DEVICE, dtype=DTYPE)
+    nbytes = n * span * 2 * D * 2 + out.numel() * 2
+
+    def call(i: int) -> None:
+        v4.v4_pool(rows, all_slots[i], windows, ape, norm, D, D + c * D, 1e-6, overlap, out)
+
+    us = _time_us(call, copies)
+    kind = "csa" if overlap else "hca"
+    print(f"pool {kind} rate={rate} rows={n}: {us:.2f} us, {nbytes / us / 1e3:.0f} GB/s",
+          flush=True)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rows", default="1,8,32,2048", help="comma-separated query rows")
+    ap.add_argument("--entries", type=int, default=16, help="compressed entries a row attends")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="check the script on CPU (Triton's interpreter)"
+    )
+    a = ap.parse_args()
+    if not a.dry_run and not torch.cuda.is_available():
+        sys.exit("bench_v4_kernels: needs a CUDA device (or --dry-run)")
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    name = "CPU, Triton's interpreter (dry run)" if a.dry_run else torch.cuda.get_device_name(0)
+    print(f"# {name}; DeepSeek-V4-Flash: {HEADS} heads of {D}, window {WINDOW}")
+    slots = 4096 if a.dry_run else CACHE_BYTES // (WIDTH * 2)
+    for n in (int(r) for r in a.rows.split(",")):
+        copies = 2 if a.dry_run or n >= 512 else 16
+        bench_attention(n, a.entries, slots, copies, gen)
+        for rate, overlap in ((128, False), (4, True)):
+            bench_pool(n, rate, overlap, slots, copies, gen)
+
+
+if __name__ == "__main__":
+    main()
