@@ -10,19 +10,33 @@ deferred (or not: the other side of fp8_skinny_configs.skinny_defers_sum for its
 the fused path (what runs by default) against w8a8_skinny_add_norm, the add and norm in the GEMM's
 launch (ATOMRT_FP8_NORM_PROLOGUE=1), at the shape's launch.
 
+`--variants` times the fused path's launch variants (`fp8_skinny_configs.SkinnyOptions`: split K,
+persistent programs, wide passes over x, a preloaded first weight step, load hints, and wider K
+steps or deeper pipelines) against the shape's plain launch, one line per shape and variant, each
+checked against the plain launch's output; their kernels compile first in parallel processes.
+`--stats` (no GPU) compiles the same cases for sm_90 and prints their registers and spills.
+
 `python benchmarks/bench_fp8_gemm.py [--m 1] [--sweep] [--group 128] [--norm]`
+`python benchmarks/bench_fp8_gemm.py --variants [--norm] [--shapes "8B qkv,8B o"]`
+`python benchmarks/bench_fp8_gemm.py --variants --stats`
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 import torch
 import torch.nn.functional as F
 
 from atomrt.runtime.bench.cuda_timing import graph_call_us
-from atomrt.workers.kernels.gemm import fp8_gemm, fp8_skinny_configs
+from atomrt.workers.kernels.gemm import fp8_gemm, fp8_skinny, fp8_skinny_configs
+from atomrt.workers.kernels.gemm.fp8_skinny_configs import SkinnyOptions
 from atomrt.workers.kernels.rms_norm import add_rms_norm
 from atomrt.workers.layers.quantization.fp8 import quantize_fp8
 
@@ -35,6 +49,36 @@ SHAPES = {  # name: (N, K)
     "V2-Lite o": (2048, 2048),
 }
 COPIES = 4  # weight copies cycled through: more bytes than the 50-60 MB of L2
+LAUNCH_FIELDS = ("block_k", "products", "warps", "stages")
+VARIANTS: dict[str, tuple[dict[str, int], SkinnyOptions]] = {  # name: (launch changes, options)
+    "plain": ({}, SkinnyOptions()),
+    "split2": ({}, SkinnyOptions(split_k=2)),
+    "split4": ({}, SkinnyOptions(split_k=4)),
+    "split4 preload": ({}, SkinnyOptions(split_k=4, preload=True)),
+    "split2 preload x4096": ({}, SkinnyOptions(split_k=2, preload=True, x_block=4096)),
+    "x4096": ({}, SkinnyOptions(x_block=4096)),
+    "preload": ({}, SkinnyOptions(preload=True)),
+    "preload x4096": ({}, SkinnyOptions(preload=True, x_block=4096)),
+    "w .cg": ({}, SkinnyOptions(weight_cache=".cg")),
+    "w .cs": ({}, SkinnyOptions(weight_cache=".cs")),
+    "w evict_first": ({}, SkinnyOptions(weight_evict="evict_first")),
+    "persistent2": ({}, SkinnyOptions(persistent=2)),
+    "persistent4": ({}, SkinnyOptions(persistent=4)),
+    "stages4": ({"stages": 4}, SkinnyOptions()),
+    "stages5": ({"stages": 5}, SkinnyOptions()),
+    "bk2048": ({"block_k": 2048}, SkinnyOptions()),
+    "bk2048 stages4": ({"block_k": 2048, "stages": 4}, SkinnyOptions()),
+    "bk4096 stages2": ({"block_k": 4096, "stages": 2}, SkinnyOptions()),
+}
+
+
+def _variant_launch(
+    n: int, k: int, variant: str
+) -> tuple[tuple[int, int, int, int], SkinnyOptions]:
+    """(launch, options) of `variant` at a weight [n, k]: the shape's launch with its changes."""
+    changes, options = VARIANTS[variant]
+    launch = dict(zip(LAUNCH_FIELDS, fp8_skinny_configs.skinny_launch(n, k))) | changes
+    return tuple(launch[f] for f in LAUNCH_FIELDS), options
 
 
 def _configs(default: tuple[int, int, int, int], sweep: bool):
@@ -43,6 +87,96 @@ def _configs(default: tuple[int, int, int, int], sweep: bool):
         for cfg in itertools.product((256, 512, 1024), (4096, 8192, 16384), (2, 4, 8), (1, 3)):
             if cfg != default:
                 yield cfg
+
+
+def _variant_call(x, w, s, variant: str, norm_w):
+    """The fused path at `variant`: w8a8_skinny, or with a norm weight `norm_w` [K]
+    w8a8_skinny_add_norm's output (x its residual and its update)."""
+    launch, options = _variant_launch(w.shape[0], w.shape[1], variant)
+    if norm_w is not None:
+        return fp8_skinny.w8a8_skinny_add_norm(
+            x, x, norm_w, 1e-6, w, s, launch=launch, options=options
+        )[1]
+    return fp8_skinny.w8a8_skinny(x, w, s, None, launch=launch, options=options)
+
+
+def _compile_cases(cases: list[tuple[str, str, int, bool]]) -> None:
+    """A worker process: one call of each (shape, variant, m, norm), so that Triton's cache holds
+    its kernels when the timing process asks."""
+    for name, variant, m, norm in cases:
+        n, k = SHAPES[name]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.zeros(n, k, device="cuda", dtype=torch.float8_e4m3fn)
+        norm_w = torch.ones(k, device="cuda", dtype=x.dtype) if norm else None
+        _variant_call(x, w, torch.ones(n, 1, device="cuda"), variant, norm_w)
+    torch.cuda.synchronize()
+
+
+def run_variants(args) -> None:
+    """One line per shape and variant: µs per call, GB/s, speed against the plain launch, and the
+    largest difference from its output (relative to its largest value)."""
+    names = args.shapes.split(",")
+    cases = [(nm, v, args.m, nr) for nm in names for v in VARIANTS for nr in {False, args.norm}]
+    workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        list(pool.map(_compile_cases, [cases[i::workers] for i in range(workers)]))
+    torch.manual_seed(0)
+    print(
+        f"m={args.m}; x: the plain launch's us / the variant's; (block_k, products, warps, stages)"
+    )
+    for name in names:
+        n, k = SHAPES[name]
+        x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
+        qs = [
+            quantize_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, None)
+            for _ in range(COPIES)
+        ]
+        nbytes = n * k + n * 4
+        for norm in dict.fromkeys((False, args.norm)):
+            norm_w = torch.ones(k, device="cuda", dtype=x.dtype) if norm else None
+            want = _variant_call(x, *qs[0], "plain", norm_w).float()
+            plain = None
+            for variant in VARIANTS:
+                got = _variant_call(x, *qs[0], variant, norm_w).float()
+                diff = ((got - want).abs().max() / want.abs().max()).item()
+                us = graph_call_us(lambda i: _variant_call(x, *qs[i % COPIES], variant, norm_w), 20)
+                plain = plain or us
+                print(
+                    f"{name:12} {'add_norm ' if norm else ''}{variant:22} {us:8.2f} us "
+                    f"{nbytes / us / 1e3:6.0f} GB/s {plain / us:5.2f}x diff {diff:.1e}  "
+                    f"{_variant_launch(n, k, variant)[0]}",
+                    flush=True,
+                )
+
+
+def run_stats(args) -> None:
+    """sm_90 compile statics of each shape's variants (no GPU): registers, spills, programs per
+    SM, the K loop's instructions."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import kernel_stats  # a sibling script
+
+    # the model shapes' N, K and split K are multiples of 16, as a launch specializes them
+    kernel_stats.DIV16_INTS = (*kernel_stats.DIV16_INTS, "N", "K", "K_SPLIT")
+
+    kernel = fp8_skinny.w8a8_skinny_kernel
+    bf = "*bf16"
+    pointers = dict(x_ptr=bf, u_ptr=bf, nw_ptr=bf, h_ptr=bf, b_ptr="*fp8e4nv")
+    pointers |= dict(b_s_ptr="*fp32", static_ptr="*fp32")
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        for variant in VARIANTS:
+            launch, options = _variant_launch(n, k, variant)
+            plan = fp8_skinny.plan_skinny(
+                args.m, n, k, 0, 132, launch, None, options, norm=args.norm
+            )
+            constexprs = dict(plan.constexprs)
+            warps = constexprs.pop("num_warps")
+            sig = kernel_stats._signature(
+                kernel, pointers | dict(c_ptr="*fp32" if plan.split_k > 1 else bf), ("eps",)
+            )
+            stats = kernel_stats.compile_stats(kernel, sig, constexprs, warps, 3, 90)
+            row = dict(shape=name, variant=variant, norm=args.norm, grid=plan.grid)
+            print(json.dumps(row | stats), flush=True)
 
 
 def main() -> None:
@@ -54,9 +188,25 @@ def main() -> None:
     p.add_argument(
         "--norm", action="store_true", help="also a residual add + RMSNorm before, apart and fused"
     )
+    p.add_argument(
+        "--variants", action="store_true", help="the fused path's launch variants, per-row scales"
+    )
+    p.add_argument("--stats", action="store_true", help="with --variants: sm_90 statics, no GPU")
     args = p.parse_args()
     if args.norm and args.group:
         p.error("--norm: the fused add + norm takes per-row scales (no --group)")
+    if args.variants and args.group:
+        p.error("--variants: the launch variants take per-row scales (no --group)")
+    if args.stats:
+        if not args.variants:
+            p.error("--stats goes with --variants")
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            sys.exit(
+                "bench_fp8_gemm --stats: unset TRITON_INTERPRET (the interpreter compiles none)"
+            )
+        return run_stats(args)
+    if args.variants:
+        return run_variants(args)
     torch.manual_seed(0)
     m, group = args.m, args.group
     print(f"m={m} group={group}; launches as (block_k, products, warps, stages)")

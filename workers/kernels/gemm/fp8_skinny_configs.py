@@ -1,8 +1,11 @@
 """The fused FP8 decode GEMM's launches (`fp8_gemm.w8a8_skinny`): which rows take it, its default
-launch, the launches swept per weight shape, and where the sum over K is deferred. Pure shape
+launch, the launches swept per weight shape, where the sum over K is deferred, and the launch
+variants (`SkinnyOptions`: split K, persistent programs, load hints) per shape. Pure shape
 arithmetic: importing this module needs no GPU."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 SKINNY_M = 8  # at most this many rows take the broadcast inner product
 # the fused decode path (`w8a8_skinny`): K elements per loop step, fp32 products per step
@@ -40,3 +43,67 @@ def skinny_launch(n: int, k: int) -> tuple[int, int, int, int]:
 def skinny_defers_sum(n: int, k: int) -> bool:
     """Whether w8a8_skinny sums a weight [n, k]'s products over K once, after its K loop."""
     return SKINNY_DEFER_SUM or (n, k) in SKINNY_DEFER_SHAPES
+
+
+WEIGHT_CACHE_MODIFIERS = ("", ".cg", ".cs")  # tl.load's cache_modifier for the weight tiles
+WEIGHT_EVICTION_POLICIES = ("", "evict_first")  # and its eviction_policy
+
+
+@dataclass(frozen=True)
+class SkinnyOptions:
+    """w8a8_skinny's launch variants beyond (block_k, products, warps, stages), each for a decode
+    GEMM that reads its weights once and must keep enough bytes in flight; the defaults are the
+    plain launch. Only per-row scales (GROUP 0) take variants.
+
+    split_k: programs per column block, each over its own K range; their float32 partials [split_k,
+        M, N] are summed by a second kernel in a fixed order (the same result every run).
+    persistent: programs per SM (the grid is that times the SM count, at most one per tile), each
+        looping over (column block, split) tiles; 0: one program per tile.
+    x_block: K elements per step of the passes over x before the weights stream (the per-token amax,
+        the norm's statistics): each step waits on its loads; 0: block_k.
+    preload: load the first weight step before those passes, so that its bytes are in flight
+        during them (not with persistent).
+    weight_cache, weight_evict: tl.load's cache_modifier and eviction_policy for weight tiles,
+        which are read once per step."""
+
+    split_k: int = 1
+    persistent: int = 0
+    x_block: int = 0
+    preload: bool = False
+    weight_cache: str = ""
+    weight_evict: str = ""
+
+    def __post_init__(self) -> None:
+        if self.split_k < 1 or self.persistent < 0:
+            raise ValueError(
+                f"SkinnyOptions: split_k must be >= 1 and persistent >= 0, got split_k="
+                f"{self.split_k}, persistent={self.persistent}"
+            )
+        if self.x_block and (self.x_block < 16 or self.x_block & (self.x_block - 1)):
+            raise ValueError(
+                f"SkinnyOptions.x_block must be 0 or a power of two >= 16, got {self.x_block}"
+            )
+        if self.preload and self.persistent:
+            raise ValueError(
+                "SkinnyOptions: preload loads one tile's first step, so it takes persistent=0"
+            )
+        if self.weight_cache not in WEIGHT_CACHE_MODIFIERS:
+            raise ValueError(
+                f"SkinnyOptions.weight_cache must be one of {WEIGHT_CACHE_MODIFIERS}, "
+                f"got {self.weight_cache!r}"
+            )
+        if self.weight_evict not in WEIGHT_EVICTION_POLICIES:
+            raise ValueError(
+                f"SkinnyOptions.weight_evict must be one of "
+                f"{WEIGHT_EVICTION_POLICIES}, got {self.weight_evict!r}"
+            )
+
+
+# the variants per weight shape (N, K) where bench_fp8_gemm.py --variants times one faster than the
+# plain launch; other shapes take SkinnyOptions()
+SKINNY_SHAPE_OPTIONS: dict[tuple[int, int], SkinnyOptions] = {}
+
+
+def skinny_options(n: int, k: int) -> SkinnyOptions:
+    """w8a8_skinny's launch variants for a weight [n, k]."""
+    return SKINNY_SHAPE_OPTIONS.get((n, k), SkinnyOptions())

@@ -1,0 +1,117 @@
+"""The fused FP8 decode GEMM's launch variants (`SkinnyOptions`: split K, persistent programs,
+wide passes over x, a preloaded first weight step, load hints) against the float64 product of the
+quantization kernel's own e4m3 values, through the interpreter on CPU: a variant changes how the
+work is cut, never the result."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+from kernel_device import DEVICE
+
+from atomrt.workers.kernels.gemm.fp8_gemm import quantize_fp8_triton
+from atomrt.workers.kernels.gemm.fp8_skinny import w8a8_skinny, w8a8_skinny_add_norm
+from atomrt.workers.kernels.gemm.fp8_skinny_configs import SkinnyOptions, skinny_options
+from atomrt.workers.layers.norm import rms_norm
+from atomrt.workers.layers.quantization.fp8 import (
+    dequantize_fp8,
+    quantize_fp8,
+    quantize_weight_per_row,
+)
+
+N, K = 200, 1000  # a partial last column block and K step
+LAUNCH = (256, 4096, 4, 2)  # 4 K steps of 256; 16 columns per program at M=1
+VARIANTS = {
+    "split2": SkinnyOptions(split_k=2),
+    "split3": SkinnyOptions(split_k=3),  # splits of 512: the third has no K left
+    "split8": SkinnyOptions(split_k=8),  # more splits than K steps
+    "persistent": SkinnyOptions(persistent=1),  # a few programs, many tiles each
+    "persistent-split": SkinnyOptions(persistent=2, split_k=2),
+    "x_block-wide": SkinnyOptions(x_block=4096),  # the whole row in one step
+    "x_block-narrow": SkinnyOptions(x_block=64),
+    "preload": SkinnyOptions(preload=True),
+    "preload-split": SkinnyOptions(preload=True, split_k=4, x_block=1024),
+    "cg": SkinnyOptions(weight_cache=".cg"),
+    "evict-first": SkinnyOptions(weight_evict="evict_first", weight_cache=".cs"),
+}
+
+
+def _weight(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.1
+    q, s = quantize_weight_per_row(w)
+    return q.to(DEVICE), s.to(DEVICE)
+
+
+def _reference(x: torch.Tensor, qw, sw, static: Optional[torch.Tensor]) -> torch.Tensor:
+    qx, sx = quantize_fp8_triton(x, None, static)
+    return (
+        dequantize_fp8(qx.cpu(), sx.cpu(), None, torch.float64)
+        @ dequantize_fp8(qw.cpu(), sw.cpu(), None, torch.float64).T
+    )
+
+
+def _assert_matches(y: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_matches_float64(variant: str) -> None:
+    """Rows 1 (decode at batch 1) or 3, every other variant."""
+    m = 1 + 2 * (list(VARIANTS).index(variant) % 2)
+    qw, sw = _weight(seed=1)
+    x = (torch.randn(m, K, generator=torch.Generator().manual_seed(m)) * 3).to(DEVICE)
+    y = w8a8_skinny(x, qw, sw, None, launch=LAUNCH, options=VARIANTS[variant])
+    _assert_matches(y, _reference(x, qw, sw, None))
+
+
+@pytest.mark.parametrize("variant", ["split3", "persistent-split", "preload-split"])
+def test_variant_with_a_static_scale_and_per_step_sums(variant: str) -> None:
+    """A static input scale and the products summed at every K step (defer_sum off)."""
+    qw, sw = _weight(seed=2)
+    x = (torch.randn(2, K, generator=torch.Generator().manual_seed(5)) * 3).to(DEVICE)
+    static = torch.tensor(0.02, device=DEVICE)
+    for defer_sum in (False, True):
+        y = w8a8_skinny(x, qw, sw, None, static, LAUNCH, defer_sum, VARIANTS[variant])
+        _assert_matches(y, _reference(x, qw, sw, static))
+
+
+@pytest.mark.parametrize("variant", ["split3", "persistent", "preload-split", "x_block-narrow"])
+def test_variant_under_the_add_norm_prologue(variant: str) -> None:
+    """w8a8_skinny_add_norm under a variant: h = residual + update, written once, and the
+    float64 product of RMSNorm(h)'s e4m3 values."""
+    qw, sw = _weight(seed=3)
+    gen = torch.Generator().manual_seed(4)
+    residual, update = ((torch.randn(3, K, generator=gen) * 2).to(DEVICE) for _ in range(2))
+    norm_weight = (1 + 0.3 * torch.randn(K, generator=gen)).to(DEVICE)
+    h, y = w8a8_skinny_add_norm(
+        residual, update, norm_weight, 1e-6, qw, sw, launch=LAUNCH, options=VARIANTS[variant]
+    )
+    assert torch.equal(h, residual + update)
+    _assert_matches(y, _reference(rms_norm(residual + update, norm_weight, 1e-6), qw, sw, None))
+
+
+def test_split_k_gives_the_same_result_every_run() -> None:
+    """The partials are summed in a fixed order: no run-to-run difference (greedy tokens stay)."""
+    qw, sw = _weight(seed=5)
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    runs = [w8a8_skinny(x, qw, sw, None, launch=LAUNCH, options=VARIANTS["split3"]) for _ in "ab"]
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_variants_name_what_does_not_fit() -> None:
+    with pytest.raises(ValueError, match="split_k"):
+        SkinnyOptions(split_k=0)
+    with pytest.raises(ValueError, match="x_block"):
+        SkinnyOptions(x_block=100)
+    with pytest.raises(ValueError, match="persistent=0"):
+        SkinnyOptions(preload=True, persistent=1)
+    with pytest.raises(ValueError, match="weight_cache"):
+        SkinnyOptions(weight_cache=".ca2")
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(7))
+    qw, sw = (t.to(DEVICE) for t in quantize_fp8(w, 128))  # 1x128 groups
+    x = torch.randn(1, 256, device=DEVICE)
+    with pytest.raises(ValueError, match="per-row weight scales"):
+        w8a8_skinny(x, qw, sw, 128, options=SkinnyOptions(split_k=2))
+    assert skinny_options(123, 456) == SkinnyOptions()  # a shape without a table entry
