@@ -12,7 +12,9 @@ which the mask fill (`grammar_mask_seconds`); the driver's µs from a step's mas
 its successor's plan (the GPU's wait between the two); the step loop thread's CPU time per step
 (the same span, less the sampling's: on a shared machine steadier than the wall clock, and
 without work the driver hands to other threads); the grammars' batch accept of the step's tokens
-(`MaskStats.accept_seconds`, part of the driver's); and the CPU worker's sampling apart. The
+(`MaskStats.accept_seconds`, part of the driver's); the CPU worker's sampling apart; and the
+driver's µs from a step's results coming in to the masks they let out (the least of the runs:
+what the GPU's forward of the step the masks are for has to hide, or the GPU waits). The
 worker's torch runs on one thread, so that its sampling does not take the cores from the driver. The model is a 2-layer
 Llama of hidden size 64 over the embedded SmolLM2 tokenizer's 49k vocabulary
 (tests/grammar_harness.py), so a row's mask is as wide as on the real model. A finished request
@@ -122,9 +124,21 @@ def main() -> None:
     # the host time from a step's masks going out to its successor's plan: on a GPU the forward
     # of that successor cannot start before, so it is time the GPU waits
     gap = {"s": 0.0, "n": 0, "masks_at": None}
-    send, submit = eng.executor.send_grammar, eng.executor.submit
+    # and from a step's results coming in to the masks they let out: the driver's share of what
+    # the GPU's forward of the step those masks are for has to hide
+    lag = {"s": 0.0, "n": 0, "results_at": None}
+    send, submit, collect = eng.executor.send_grammar, eng.executor.submit, eng.executor.collect
+
+    def noted_collect(step, flush):
+        results = collect(step, flush)
+        lag["results_at"] = time.perf_counter()
+        return results
 
     def noted_send(masks):
+        if lag["results_at"] is not None:
+            lag["s"] += time.perf_counter() - lag["results_at"]
+            lag["n"] += 1
+            lag["results_at"] = None
         send(masks)  # the in-process worker samples here
         gap["masks_at"] = time.perf_counter()
 
@@ -136,6 +150,7 @@ def main() -> None:
         return submit(plan)
 
     eng.executor.send_grammar, eng.executor.submit = noted_send, noted_submit
+    eng.executor.collect = noted_collect
     constrained = SamplingParams(
         temperature=0,
         max_tokens=400,
@@ -164,6 +179,7 @@ def main() -> None:
         accept0 = eng.grammars.mask_stats.accept_seconds
         apply0, cpu0 = apply["s"], apply["cpu"]
         gap.update(s=0.0, n=0, masks_at=None)
+        lag.update(s=0.0, n=0, results_at=None)
         busy = cpu = 0.0
         for _ in range(a.steps):
             t, c = time.perf_counter(), time.thread_time()
@@ -180,7 +196,12 @@ def main() -> None:
         accept = eng.grammars.mask_stats.accept_seconds - accept0
         spans = (busy, fill, apply["s"] - apply0, cpu - (apply["cpu"] - cpu0), accept)
         per_step = [x / a.steps * 1e6 for x in spans]
-        return (*per_step[:3], gap["s"] / gap["n"] * 1e6 if gap["n"] else 0.0, *per_step[3:])
+        return (
+            *per_step[:3],
+            gap["s"] / gap["n"] * 1e6 if gap["n"] else 0.0,
+            *per_step[3:],
+            lag["s"] / lag["n"] * 1e6 if lag["n"] else 0.0,
+        )
 
     mode = "sync" if a.sync else "async"
     for n in counts:
@@ -191,7 +212,8 @@ def main() -> None:
             f"mask fill {best[1]:.0f}; masks to next plan {best[3]:.0f} us; its thread's CPU "
             f"{min(r[4] for r in runs):.0f} us/step; the grammars' batch accept {best[5]:.0f} us; "
             f"the CPU worker's sampling {best[2]:.0f} more "
-            f"(driver runs {', '.join(f'{r[0] - r[2]:.0f}' for r in runs)}; {a.steps} steps each)"
+            f"(driver runs {', '.join(f'{r[0] - r[2]:.0f}' for r in runs)}; {a.steps} steps each); "
+            f"results to masks {min(r[6] for r in runs):.0f} us"
         )
         if a.profile and n == counts[-1]:
             prof = cProfile.Profile()
