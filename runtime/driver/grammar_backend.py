@@ -87,6 +87,32 @@ class GrammarMatcher(ABC):
         return drafts
 
 
+class MaskBuffers:
+    """The arrays a DP rank's masks are filled into, reused step after step rather than allocated
+    (a megabyte a step at 64 rows of Llama-3's vocabulary). `SLOTS` arrays take turns per rank: a
+    mask is sent (copied to the device or encoded) as soon as it is filled, and at most two steps'
+    masks of a rank are filled before they are sent."""
+
+    SLOTS = 4
+
+    def __init__(self, words: int) -> None:
+        self.words = words
+        self._rings: dict[int, list[np.ndarray]] = {}
+        self._turns: dict[int, int] = {}
+
+    def take(self, dp_rank: int, rows: int) -> np.ndarray:
+        """int32 [rows, words] of DP rank `dp_rank`, its contents stale: every row is to be
+        written."""
+        ring = self._rings.get(dp_rank)
+        if ring is None:
+            ring = self._rings[dp_rank] = [np.empty((0, self.words), np.int32)] * self.SLOTS
+        turn = self._turns.get(dp_rank, 0)
+        self._turns[dp_rank] = (turn + 1) % self.SLOTS
+        if ring[turn].shape[0] < rows:
+            ring[turn] = np.empty((max(rows, 2 * ring[turn].shape[0]), self.words), np.int32)
+        return ring[turn][:rows]
+
+
 def allowed_tokens(packed: np.ndarray) -> np.ndarray:
     """bool [words * 32]: which tokens one packed int32 mask row allows (bit t % 32 of word
     t // 32)."""

@@ -47,13 +47,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-import numpy as np
 import torch
 
 from atomrt.distributed.messages import GrammarBitmask, StepPlan
 from atomrt.runtime.config import StructuredOutputsConfig
 from atomrt.runtime.config_sections import usable_cpu_count
-from atomrt.runtime.driver.grammar_backend import GrammarMatcher, allowed_tokens
+from atomrt.runtime.driver.grammar_backend import GrammarMatcher, MaskBuffers, allowed_tokens
 from atomrt.runtime.driver.grammar_compiler import COMPILE_TIMEOUT, GrammarCompiler
 from atomrt.runtime.driver.xgrammar_backend import XgrammarMatcher
 from atomrt.runtime.sampling_params import SamplingParams
@@ -157,7 +156,7 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         self._starter: Optional[ThreadPoolExecutor] = None
         self._compiler: Optional[Future] = None  # started by the first constrained request
-        self._words = (self.vocab_size + 31) // 32
+        self._buffers = MaskBuffers((self.vocab_size + 31) // 32)  # the masks' arrays
         self._ahead: list[GrammarMatcher] = []  # accepted a token ahead of the stop rules
         self._constrained: deque[bool] = deque()  # the steps in flight: whether any row is
         self._filler: Optional[ThreadPoolExecutor] = None  # masks filled beside the step loop
@@ -423,12 +422,13 @@ class StructuredOutputs:
         """A rank's mask, its verify rows filled (speculative decoding), its other rows to fill
         (`_fill_plain`)."""
         start = time.perf_counter()
-        bitmask = np.full((rank.num_rows, self._words), -1, dtype=np.int32)
+        bitmask = self._buffers.take(rank.dp_rank, rank.num_rows)
         view = torch.from_numpy(bitmask)  # the backend fills the numpy array through it
         job = _FillJob(GrammarBitmask(rank.dp_rank, step, bitmask), view, [], [], 0.0)
         for e in rank.entries:
             grammar = e.seq.grammar
             if e.seq.is_finished or grammar.is_terminated:  # a wasted row: any mask does
+                bitmask[e.row : e.row + 1 + len(e.drafts)] = -1
                 continue
             if e.drafts:
                 grammar.fill_verify(view, e.row, e.drafts)
