@@ -14,6 +14,8 @@ launch (ATOMRT_FP8_NORM_PROLOGUE=1), at the shape's launch.
 persistent programs, wide passes over x, a preloaded first weight step, load hints, and wider K
 steps or deeper pipelines) against the shape's plain launch, one line per shape and variant, each
 checked against the plain launch's output; their kernels compile first in parallel processes.
+Under ATOMRT_PDL=1 the fused path launches with programmatic dependent launch: a call's preloaded
+weights stream while the call before it finishes.
 `--stats` (no GPU) compiles the same cases for sm_90 and prints their registers and spills.
 
 `python benchmarks/bench_fp8_gemm.py [--m 1] [--sweep] [--group 128] [--norm]`

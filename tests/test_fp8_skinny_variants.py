@@ -115,3 +115,47 @@ def test_variants_name_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match="per-row weight scales"):
         w8a8_skinny(x, qw, sw, 128, options=SkinnyOptions(split_k=2))
     assert skinny_options(123, 456) == SkinnyOptions()  # a shape without a table entry
+
+
+def _chain(x: torch.Tensor, weights: list, options: SkinnyOptions) -> torch.Tensor:
+    """x through every weight in turn, each launch reading the one before's output directly."""
+    for qw, sw in weights:
+        x = w8a8_skinny(x, qw, sw, None, launch=LAUNCH, options=options)
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="programmatic dependent launch needs sm90+",
+)
+@pytest.mark.parametrize("variant", ["plain", "preload-split"])
+def test_pdl_chain_in_a_graph_matches_serialized(monkeypatch, variant: str) -> None:
+    """ATOMRT_PDL=1: 40 dependent launches (weights preloaded before the wait, split-K sums)
+    captured with PDL and replayed over new inputs give bitwise the chain launched one kernel
+    after another (device_info.PDL_ATTRIBUTE off): nothing reads its input before the wait."""
+    import dataclasses
+
+    from atomrt.runtime import envs
+    from atomrt.workers.kernels import device_info
+
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, pdl=True))
+    options = VARIANTS.get(variant, SkinnyOptions())
+    gen = torch.Generator().manual_seed(8)
+    weights = []
+    for n, k in [(1024, 512), (512, 1024)] * 20:
+        q, s = quantize_weight_per_row(torch.randn(n, k, generator=gen) * k**-0.5)
+        weights.append((q.cuda(), s.cuda()))
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    _chain(x, weights, options)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = _chain(x, weights, options)
+    for seed in range(3):
+        x.copy_(torch.randn(1, 512, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        monkeypatch.setattr(device_info, "PDL_ATTRIBUTE", False)
+        ref = _chain(x, weights, options)
+        monkeypatch.setattr(device_info, "PDL_ATTRIBUTE", True)
+        torch.cuda.synchronize()
+        assert torch.equal(y, ref), f"replay {seed}: {(y != ref).sum().item()} elements differ"

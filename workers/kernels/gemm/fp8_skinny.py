@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from atomrt.workers.kernels.device_info import sm_count
+from atomrt.workers.kernels import device_info
+from atomrt.workers.kernels.device_info import sm_count, use_pdl
 from atomrt.workers.kernels.gemm.fp8_skinny_configs import (
     SKINNY_M,
     SkinnyOptions,
@@ -78,6 +79,7 @@ def w8a8_skinny_kernel(
     PRELOAD: tl.constexpr = False,
     W_CACHE: tl.constexpr = "",
     W_EVICT: tl.constexpr = "",
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (use_pdl)
 ):
     """Decode rows: c[:, cols] = quant(x) @ (b * b_s)^T in one launch, x quantized to e4m3 in
     registers exactly as `fp8_quant_kernel` quantizes it (same scales, same rounding), each
@@ -87,10 +89,16 @@ def w8a8_skinny_kernel(
 
     NORM: x is RMSNorm(x + update) with the norm's weight, a decoder layer's residual add and norm
     before its projection: a first pass over the rows takes their statistics (program 0 writes h),
-    and every later read of x recomputes the normalized tile (x is a few KB, from L1 / L2)."""
+    and every later read of x recomputes the normalized tile (x is a few KB, from L1 / L2).
+
+    USE_PDL: the weights (which no kernel writes during a forward) may load before the wait on
+    the kernel before (PRELOAD's first step), nothing else."""
     rows = tl.arange(0, BLOCK_M)
     m_mask = rows < M
     if GROUP > 0:
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = cols < N
         b_rows = b_ptr + cols.to(tl.int64) * stride_bn
@@ -135,6 +143,9 @@ def w8a8_skinny_kernel(
                 cache_modifier=W_CACHE,
                 eviction_policy=W_EVICT,
             )
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         inv_rms, a_s = _row_scales(
             x_ptr, u_ptr, nw_ptr, h_ptr, static_ptr, M, K, stride_xm, stride_um, stride_hm, eps,
             STATIC, NORM, BLOCK_M, X_BLOCK if X_BLOCK > 0 else BLOCK_K,
@@ -279,9 +290,15 @@ def _row_tile(
 
 
 @triton.jit
-def _split_k_sum_kernel(p_ptr, c_ptr, M, N, stride_cm, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _split_k_sum_kernel(
+    p_ptr, c_ptr, M, N, stride_cm,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
     """c [M, N] = the sum of the float32 partials [SPLIT_K, M, N], split 0 first: the same order
     every run, so the same result."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
@@ -382,6 +399,7 @@ def plan_skinny(
     options: Optional[SkinnyOptions] = None,
     static: bool = False,
     norm: bool = False,
+    pdl: bool = False,
 ) -> SkinnyPlan:
     """w8a8_skinny_kernel's launch for M rows of a weight [n, k]: `launch`, `defer_sum` and
     `options` override the shape's (skinny_launch, skinny_defers_sum, skinny_options)."""
@@ -416,6 +434,7 @@ def plan_skinny(
         PRELOAD=options.preload,
         W_CACHE=options.weight_cache,
         W_EVICT=options.weight_evict,
+        USE_PDL=pdl,
         num_warps=warps,
     )
     return SkinnyPlan(grid, split_k, k_split, constexprs)
@@ -437,9 +456,10 @@ def _launch_skinny(
     the sum's kernel); `norm` (update, norm weight, h out, eps) adds the residual add and RMSNorm
     prologue."""
     (m, k), n = x.shape, b.shape[0]
+    pdl = use_pdl(x.device)
     plan = plan_skinny(
         m, n, k, group, sm_count(x.device), launch, defer_sum, options,
-        static=static_scale is not None, norm=norm is not None,
+        static=static_scale is not None, norm=norm is not None, pdl=pdl,
     )  # fmt: skip
     out = c
     if plan.split_k > 1:
@@ -452,8 +472,10 @@ def _launch_skinny(
         x.stride(0), b.stride(0), b_scale.stride(0), c.stride(0), update.stride(0), h.stride(0),
         eps,
         **plan.constexprs,
+        launch_pdl=pdl and device_info.PDL_ATTRIBUTE,
     )  # fmt: skip
     if plan.split_k > 1:
         _split_k_sum_kernel[(triton.cdiv(m * n, SPLIT_K_SUM_BLOCK),)](
-            out, c, m, n, c.stride(0), SPLIT_K=plan.split_k, BLOCK=SPLIT_K_SUM_BLOCK
-        )
+            out, c, m, n, c.stride(0), SPLIT_K=plan.split_k, BLOCK=SPLIT_K_SUM_BLOCK,
+            USE_PDL=pdl, launch_pdl=pdl and device_info.PDL_ATTRIBUTE,
+        )  # fmt: skip
