@@ -5,6 +5,7 @@ a JSON schema (benchmarks/schemas/user_profiles.json) and the rest are unconstra
     python benchmarks/bench_grammar_step.py [--bs 64] [--grammar-rows 0,16,64] [--sync]
                                             [--steps 60] [--profile tottime] [--per-row-accept]
                                             [--fill-on-thread on|off]
+                                            [--parallel-fill-rows 32] [--tokenizer DIR]
 
 Prints, per count of constrained rows, the best of three runs: the driver's µs per step (the host
 step less the in-process CPU worker's sampling and mask apply, which a GPU does on the device), of
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 from atomrt import SamplingParams
-from atomrt.runtime.driver import structured_outputs
+from atomrt.runtime.driver import structured_outputs, xgrammar_backend
 from atomrt.runtime.driver.grammar_backend import GrammarBackend
 from atomrt.runtime.driver.xgrammar_backend import XgrammarBackend
 from atomrt.runtime.entrypoints.llm import LLM
@@ -48,9 +49,32 @@ from atomrt.workers.runner.model_runner import ModelOutput
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the CPU tests' tiny models
 from grammar_harness import build_tiny_bpe  # noqa: E402
+from moe_harness import make_hf_model  # noqa: E402
 
 SCHEMA = HERE / "schemas" / "user_profiles.json"
 PROMPT = [1, 504, 3287, 28, 253, 2896, 30]
+
+
+def build_tiny_with(folder: Path, tokenizer: str) -> Path:
+    """The bench's tiny Llama (grammar_harness.build_tiny_bpe's shape) over `tokenizer`'s
+    vocabulary, with that tokenizer saved beside it."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        max_position_embeddings=1024,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=96,
+    )
+    make_hf_model(cfg).save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
 
 
 def main() -> None:
@@ -77,15 +101,30 @@ def main() -> None:
         help="the masks waiting for a step's tokens fill on a thread while the step loop applies "
         "the stop rules and plans the next step (structured_outputs.FILL_ON_THREAD, the default)",
     )
+    ap.add_argument(
+        "--parallel-fill-rows",
+        type=int,
+        default=xgrammar_backend.PARALLEL_FILL_ROWS,
+        help="a step with this many constrained rows fills and accepts them on threads, on a "
+        "machine of MIN_FILL_CORES or more (xgrammar_backend.PARALLEL_FILL_ROWS)",
+    )
+    ap.add_argument(
+        "--tokenizer",
+        default="",
+        help="a Hugging Face tokenizer folder whose vocabulary the tiny model takes (default: the "
+        "embedded SmolLM2 tokenizer's 49152 tokens; Llama-3's 128256 widen each mask row)",
+    )
     a = ap.parse_args()
     counts = [int(c) for c in a.grammar_rows.split(",")]
+    xgrammar_backend.PARALLEL_FILL_ROWS = a.parallel_fill_rows
     torch.set_num_threads(1)  # the CPU worker's sampling keeps to the step loop's thread
     if a.per_row_accept:
         XgrammarBackend.accept_ahead = GrammarBackend.accept_ahead  # type: ignore[method-assign]
     structured_outputs.FILL_ON_THREAD = a.fill_on_thread == "on"
     if any(not 0 <= c <= a.bs for c in counts):
         ap.error(f"--grammar-rows: each count between 0 and --bs ({a.bs})")
-    folder = build_tiny_bpe(Path(tempfile.mkdtemp()) / "model")
+    folder = Path(tempfile.mkdtemp()) / "model"
+    folder = build_tiny_with(folder, a.tokenizer) if a.tokenizer else build_tiny_bpe(folder)
     llm = LLM(
         str(folder),
         device="cpu",

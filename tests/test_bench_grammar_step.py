@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    "flags", [[], ["--per-row-accept", "--fill-on-thread", "off"]], ids=["default", "options"]
+    "flags",
+    [[], ["--per-row-accept", "--fill-on-thread", "off", "--parallel-fill-rows", "2"]],
+    ids=["default", "options"],
 )
 def test_grammar_step_bench_fills_masks_only_for_constrained_rows(flags):
     argv = ["--bs", "4", "--grammar-rows", "0,4", "--steps", "3", *flags]
