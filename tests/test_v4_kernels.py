@@ -231,3 +231,28 @@ def test_flash_kernels_compile_as_loops_without_spills() -> None:
     assert len(tiles) == 3
     for row in tiles:
         assert row["stack"] == 0 and row["programs_per_sm"] >= 2, row
+
+
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 6), (5, 2), (40, 3)])
+def test_fused_experts_match_float64(num_tokens: int, top_k: int) -> None:
+    """The float routed experts' kernel launches (v4_experts.py): each pair's weighted
+    w2 @ swiglu_limit(w13 @ x), the SwiGLU clamped (gate <= limit, |up| <= limit: a limit the
+    pre-activations cross), against a float64 reference; a token's pairs stay apart."""
+    from atomrt.workers.kernels.v4.v4_experts import v4_fused_experts
+
+    hidden, inter, num_experts, limit = 48, 40, 8, 0.7
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.3
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) * 0.3
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=g)
+    args = (t.to(DEVICE) for t in (x, w13, w2, weights, ids))
+    got = v4_fused_experts(*args, limit).cpu().double()
+    assert got.shape == (num_tokens, top_k, hidden)
+    h = torch.einsum("nd,nkid->nki", x.double(), w13.double()[ids])
+    gate, up = h.chunk(2, dim=-1)
+    assert gate.max() > limit and up.abs().max() > limit  # the clamp takes part
+    act = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    want = torch.einsum("nki,nkdi->nkd", act, w2.double()[ids]) * weights.double().unsqueeze(-1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

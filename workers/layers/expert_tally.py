@@ -7,16 +7,15 @@ them from a tally of real steps, asked for with the executor's `experts_touched`
 (workers/probes.py).
 
 The expert ops (`routed_experts`, workers/layers/moe.py, its FP8 twin, DeepSeek-V4's MXFP4 op
-and its float experts' eager loop, workers/layers/v4_moe.py) report each call's routing with
+and its float experts' op, workers/layers/v4_moe.py) report each call's routing with
 `record`, to the tally a worker opened with `counting` around a probed step. They do
 so in Python, which a CUDA-graph replay does not run: probed steps run eagerly, and a step without
 a tally pays one global read per MoE layer. A layer is known by its expert weights, so a drafter's
 or another model's MoE layers are not counted.
 
-A layer whose experts run inside a traced graph without an opaque op (DeepSeek-V4's float
-experts at compilation levels 2-3) reports nothing: traced, such a layer runs every expert on
-every row. So a step's counts (`step_counts`) take a layer that reported no call as one that read
-every expert.
+A layer whose experts run inside a traced graph without an opaque op reports nothing: traced,
+such a layer would run every expert on every row. So a step's counts (`step_counts`) take a layer
+that reported no call as one that read every expert.
 """
 
 from __future__ import annotations

@@ -18,11 +18,12 @@ step by the model), runs the experts over them, and hands each rank its rows bac
 DP ranks (`dp_reduce_scatter`); the shared expert runs on the rank's own rows; the TP ranks' sum
 comes last.
 
-Eagerly each expert runs on its own rows; traced (levels 2-3) or captured into a CUDA graph every
-expert runs on every row, weighted by its routing weight (zero where not picked): no
-data-dependent shape in the graph, no host read of the picked experts in a capture. The eager loop
-reports its routing to a probe's tally; the traced float experts report nothing, which a probe
-reads as every expert touched (workers/layers/expert_tally.py).
+The float routed experts are one opaque op, `v4_expert_pairs` (as the MXFP4 experts'
+`v4_mxfp4_experts`): on CUDA the fused-MoE kernel, each (token, expert) pair reading its expert's
+weights alone, planned from shapes and the device-side routing (a CUDA graph records it;
+workers/kernels/v4/v4_experts.py); elsewhere each picked expert's GEMMs over its rows. Its weighted
+pairs are summed after it, in traced code. Either reports its routing to a probe's tally
+(workers/layers/expert_tally.py).
 """
 
 from __future__ import annotations
@@ -104,6 +105,40 @@ def _mxfp4_experts_fake(x: torch.Tensor, *routing_and_experts: object) -> torch.
 
 # Opaque to Dynamo: the CPU loop has data-dependent shapes; the kernel plans from shapes alone.
 direct_register_custom_op("v4_mxfp4_experts", _mxfp4_experts_impl, fake_impl=_mxfp4_experts_fake)
+
+
+def _expert_pairs_impl(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """The float routed experts over a routing -> the weighted pairs [n, top_k, hidden]: the
+    fused-MoE kernel on CUDA (workers/kernels/v4/v4_experts.py: each pair reads its expert's
+    weights only); elsewhere each picked expert's GEMMs over its rows."""
+    expert_tally.record(w13, topk_ids)  # a probe's count of the experts touched (eager steps)
+    if x.is_cuda:
+        from atomrt.workers.kernels.v4.v4_experts import v4_fused_experts
+
+        return v4_fused_experts(x, w13, w2, topk_weights, topk_ids, limit)
+    n, top_k = topk_ids.shape
+    pairs = x.new_zeros(n, top_k, x.shape[1])
+    for e in torch.unique(topk_ids).tolist():
+        rows, slot = torch.where(topk_ids == e)
+        y = F.linear(clamped_swiglu(F.linear(x[rows], w13[e]), limit), w2[e])
+        pairs[rows, slot] = y * topk_weights[rows, slot, None].to(x.dtype)
+    return pairs
+
+
+def _expert_pairs_fake(x: torch.Tensor, topk_weights: torch.Tensor, *rest: object) -> torch.Tensor:
+    return x.new_empty(x.shape[0], topk_weights.shape[1], x.shape[1])
+
+
+# Opaque to Dynamo, as the MXFP4 op: the CPU loop has data-dependent shapes; the kernel plans from
+# shapes and the device-side routing alone. The pairs' sum is left to traced code.
+direct_register_custom_op("v4_expert_pairs", _expert_pairs_impl, fake_impl=_expert_pairs_fake)
 
 
 class V4Gate(nn.Module):
@@ -273,9 +308,6 @@ class V4MoE(nn.Module):
             self.w13_scale[expert, rows].copy_(exponents)
         self.mxfp4_loaded.add((expert, proj))
 
-    def _swiglu(self, h: torch.Tensor) -> torch.Tensor:
-        return clamped_swiglu(h, self.limit)
-
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] (after ffn_norm), input_ids: the step's token ids of every DP rank
         (`[dp_size * n]`, in DP-rank order; the hash routing reads them) -> [n, hidden]."""
@@ -314,18 +346,7 @@ class V4MoE(nn.Module):
             if torch.compiler.is_compiling():
                 return torch.ops.atomrt.v4_mxfp4_experts(*args, float(self.limit))
             return _mxfp4_experts_impl(*args, float(self.limit))
-        if torch.compiler.is_compiling() or (
-            x.is_cuda and torch.cuda.is_current_stream_capturing()
-        ):
-            combine = x.new_zeros(x.shape[0], self.num_experts).scatter_add(
-                1, ids, weights.to(x.dtype)
-            )
-            act = self._swiglu(torch.einsum("nd,eid->nei", x, self.w13))
-            return (torch.einsum("nei,edi->ned", act, self.w2) * combine.unsqueeze(-1)).sum(1)
-        expert_tally.record(self.w13, ids)  # a probe's count of the experts touched
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            rows, slot = torch.where(ids == e)
-            y = F.linear(self._swiglu(F.linear(x[rows], self.w13[e])), self.w2[e])
-            out.index_add_(0, rows, (y * weights[rows, slot, None].to(x.dtype)).to(out.dtype))
-        return out
+        args = (x, weights, ids, self.w13, self.w2, float(self.limit))
+        if torch.compiler.is_compiling():
+            return torch.ops.atomrt.v4_expert_pairs(*args).sum(dim=1)
+        return _expert_pairs_impl(*args).sum(dim=1)
