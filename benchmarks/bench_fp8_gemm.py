@@ -14,6 +14,8 @@ launch (ATOMRT_FP8_NORM_PROLOGUE=1), at the shape's launch.
 persistent programs, wide passes over x, a preloaded first weight step, load hints, and wider K
 steps or deeper pipelines) against the shape's plain launch, one line per shape and variant, each
 checked against the plain launch's output; their kernels compile first in parallel processes.
+With --norm, qkv and gate_up take the residual add and RMSNorm in the GEMM's launch, as the model
+runs them (w8a8_skinny_add_norm, ATOMRT_FP8_NORM_PROLOGUE=1).
 Under ATOMRT_PDL=1 the fused path launches with programmatic dependent launch: a call's preloaded
 weights stream while the call before it finishes.
 `--stats` (no GPU) compiles the same cases for sm_90 and prints their registers and spills.
@@ -51,6 +53,9 @@ SHAPES = {  # name: (N, K)
     "V2-Lite o": (2048, 2048),
 }
 COPIES = 4  # weight copies cycled through: more bytes than the 50-60 MB of L2
+# the projections a decoder layer runs after its residual add and norm: with --variants --norm
+# they take them in the GEMM's launch (w8a8_skinny_add_norm), as ATOMRT_FP8_NORM_PROLOGUE=1 runs
+NORM_SHAPES = ("8B qkv", "8B gate_up")
 LAUNCH_FIELDS = ("block_k", "products", "warps", "stages")
 VARIANTS: dict[str, tuple[dict[str, int], SkinnyOptions]] = {  # name: (launch changes, options)
     "plain": ({}, SkinnyOptions()),
@@ -60,6 +65,7 @@ VARIANTS: dict[str, tuple[dict[str, int], SkinnyOptions]] = {  # name: (launch c
     "split2 preload x4096": ({}, SkinnyOptions(split_k=2, preload=True, x_block=4096)),
     "x4096": ({}, SkinnyOptions(x_block=4096)),
     "preload": ({}, SkinnyOptions(preload=True)),
+    "preload x2048": ({}, SkinnyOptions(preload=True, x_block=2048)),
     "preload x4096": ({}, SkinnyOptions(preload=True, x_block=4096)),
     "w .cg": ({}, SkinnyOptions(weight_cache=".cg")),
     "w .cs": ({}, SkinnyOptions(weight_cache=".cs")),
@@ -118,7 +124,8 @@ def run_variants(args) -> None:
     """One line per shape and variant: µs per call, GB/s, speed against the plain launch, and the
     largest difference from its output (relative to its largest value)."""
     names = args.shapes.split(",")
-    cases = [(nm, v, args.m, nr) for nm in names for v in VARIANTS for nr in {False, args.norm}]
+    norms = {nm: args.norm and nm in NORM_SHAPES for nm in names}
+    cases = [(nm, v, args.m, norms[nm]) for nm in names for v in VARIANTS]
     workers = max(1, min(8, (os.cpu_count() or 2) // 2))
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
         list(pool.map(_compile_cases, [cases[i::workers] for i in range(workers)]))
@@ -134,21 +141,20 @@ def run_variants(args) -> None:
             for _ in range(COPIES)
         ]
         nbytes = n * k + n * 4
-        for norm in dict.fromkeys((False, args.norm)):
-            norm_w = torch.ones(k, device="cuda", dtype=x.dtype) if norm else None
-            want = _variant_call(x, *qs[0], "plain", norm_w).float()
-            plain = None
-            for variant in VARIANTS:
-                got = _variant_call(x, *qs[0], variant, norm_w).float()
-                diff = ((got - want).abs().max() / want.abs().max()).item()
-                us = graph_call_us(lambda i: _variant_call(x, *qs[i % COPIES], variant, norm_w), 20)
-                plain = plain or us
-                print(
-                    f"{name:12} {'add_norm ' if norm else ''}{variant:22} {us:8.2f} us "
-                    f"{nbytes / us / 1e3:6.0f} GB/s {plain / us:5.2f}x diff {diff:.1e}  "
-                    f"{_variant_launch(n, k, variant)[0]}",
-                    flush=True,
-                )
+        norm_w = torch.ones(k, device="cuda", dtype=x.dtype) if norms[name] else None
+        want = _variant_call(x, *qs[0], "plain", norm_w).float()
+        plain = None
+        for variant in VARIANTS:
+            got = _variant_call(x, *qs[0], variant, norm_w).float()
+            diff = ((got - want).abs().max() / want.abs().max()).item()
+            us = graph_call_us(lambda i: _variant_call(x, *qs[i % COPIES], variant, norm_w), 20)
+            plain = plain or us
+            print(
+                f"{name + (' +norm' if norms[name] else ''):16} {variant:22} {us:8.2f} us "
+                f"{nbytes / us / 1e3:6.0f} GB/s {plain / us:5.2f}x diff {diff:.1e}  "
+                f"{_variant_launch(n, k, variant)[0]}",
+                flush=True,
+            )
 
 
 def run_stats(args) -> None:
@@ -168,16 +174,15 @@ def run_stats(args) -> None:
         n, k = SHAPES[name]
         for variant in VARIANTS:
             launch, options = _variant_launch(n, k, variant)
-            plan = fp8_skinny.plan_skinny(
-                args.m, n, k, 0, 132, launch, None, options, norm=args.norm
-            )
+            norm = args.norm and name in NORM_SHAPES
+            plan = fp8_skinny.plan_skinny(args.m, n, k, 0, 132, launch, None, options, norm=norm)
             constexprs = dict(plan.constexprs)
             warps = constexprs.pop("num_warps")
             sig = kernel_stats._signature(
                 kernel, pointers | dict(c_ptr="*fp32" if plan.split_k > 1 else bf), ("eps",)
             )
             stats = kernel_stats.compile_stats(kernel, sig, constexprs, warps, 3, 90)
-            row = dict(shape=name, variant=variant, norm=args.norm, grid=plan.grid)
+            row = dict(shape=name, variant=variant, norm=norm, grid=plan.grid)
             print(json.dumps(row | stats), flush=True)
 
 
