@@ -9,11 +9,10 @@ CSA rate 4 with overlapping windows).
 One line per (kernel, rows, plan): GPU µs per call, from a CUDA graph of many calls, each over
 rows picked at random from a cache larger than L2 (as a step's layers read theirs); the GB/s of
 the distinct bytes a call reads (keys or window rows, q) and writes; the largest difference from
-the default plan's result. The attention plans (v4_kernels.ATTN_HEAD_TILE, ATTN_WARPS,
-ATTN_TENSOR_CORES): `default` (up to 64 heads a program, float32 products), `h16` (16 heads a
-program: no spills, 4x the programs), `h16-tc` (and bf16 products on tensor cores), `h16-tc-w8`,
-`h32-tc-w8`. Needs CUDA; `--dry-run` checks the script on CPU through Triton's interpreter (wall
-times of two calls, not a measurement).
+the default plan's result. The attention plans (v4_kernels.ATTN_PLANS): `default` (up to 64 heads
+a program, float32 products), `h16` (16 heads a program: no spills, 4x the programs), `h16-tc`
+(and bf16 products on tensor cores), `h16-tc-w8`, `h32-tc-w8`. Needs CUDA; `--dry-run` checks the
+script on CPU through Triton's interpreter (wall times of two calls, not a measurement).
 """
 
 from __future__ import annotations
@@ -34,14 +33,6 @@ from atomrt.workers.kernels.v4 import v4_kernels as v4  # noqa: E402
 HEADS, D, WINDOW = 64, 512, 128
 WIDTH = 4 * D  # an HCA row: kv | ckv | cgate | centry
 CACHE_BYTES = 512 << 20  # more than ten times the 50 MB of L2
-# name -> (ATTN_HEAD_TILE, ATTN_WARPS, ATTN_TENSOR_CORES)
-ATTN_PLANS = {
-    "default": (None, 4, False),
-    "h16": (16, 4, False),
-    "h16-tc": (16, 4, True),
-    "h16-tc-w8": (16, 8, True),
-    "h32-tc-w8": (32, 8, True),
-}
 DEVICE = "cpu" if "--dry-run" in sys.argv else "cuda"
 # the model's bfloat16; the dry run's float16 (Triton's interpreter multiplies bfloat16 as bits)
 DTYPE = torch.float16 if DEVICE == "cpu" else torch.bfloat16
@@ -58,10 +49,6 @@ def _time_us(fn, copies: int, calls: int = 32) -> float:
     return graph_call_us(lambda i: fn(i % copies), calls)
 
 
-def _set_plan(name: str) -> None:
-    v4.ATTN_HEAD_TILE, v4.ATTN_WARPS, v4.ATTN_TENSOR_CORES = ATTN_PLANS[name]
-
-
 def bench_attention(n: int, entries: int, slots: int, copies: int, gen: torch.Generator) -> None:
     rows = torch.randn(slots, WIDTH, device=DEVICE, generator=gen).to(DTYPE)
     q = torch.randn(n, HEADS, D, device=DEVICE, generator=gen).to(DTYPE)
@@ -75,8 +62,8 @@ def bench_attention(n: int, entries: int, slots: int, copies: int, gen: torch.Ge
         offsets.append(torch.cat((window, picked * WIDTH + 3 * D), dim=1))
     nbytes = n * (WINDOW + entries) * D * 2 + 2 * q.numel() * 2
     want = None
-    for name in ATTN_PLANS:
-        _set_plan(name)
+    for name in v4.ATTN_PLANS:
+        v4.use_attn_plan(name)
         v4.v4_sparse_attention(q, rows, offsets[0], sinks, D**-0.5, out)
         got = out.float()
         want = got.clone() if want is None else want
@@ -87,7 +74,7 @@ def bench_attention(n: int, entries: int, slots: int, copies: int, gen: torch.Ge
             f"{nbytes / us / 1e3:.0f} GB/s, max |diff| {(got - want).abs().max().item():.3g}",
             flush=True,
         )
-    _set_plan("default")
+    v4.use_attn_plan("default")
 
 
 def bench_pool(n: int, rate: int, overlap: bool, slots: int, copies: int, gen: torch.Generator):

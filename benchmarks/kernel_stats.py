@@ -234,12 +234,10 @@ def v4_rows(args) -> list[dict]:
     sig = _signature(v4._v4_sparse_attn_kernel, pointers, ("scale",))
     # the sparse attention at 64 heads of 512 (one rank's): the default plan and the candidates
     # bench_v4_kernels.py times (heads a program, warps, tensor cores)
-    for tile, warps, tensor_cores in ((None, 4, False), (16, 4, False), (16, 4, True),
-                                      (16, 8, True), (32, 8, True)):  # fmt: skip
-        saved = v4.ATTN_HEAD_TILE, v4.ATTN_WARPS, v4.ATTN_TENSOR_CORES
-        v4.ATTN_HEAD_TILE, v4.ATTN_WARPS, v4.ATTN_TENSOR_CORES = tile, warps, tensor_cores
+    for name in v4.ATTN_PLANS:
+        v4.use_attn_plan(name)
         cx = v4.attn_plan(64, 512, torch.bfloat16)
-        v4.ATTN_HEAD_TILE, v4.ATTN_WARPS, v4.ATTN_TENSOR_CORES = saved
+        v4.use_attn_plan("default")
         warps = cx.pop("num_warps")
         start = time.perf_counter()
         stats = compile_stats(
@@ -247,8 +245,7 @@ def v4_rows(args) -> list[dict]:
         )
         seconds = round(time.perf_counter() - start, 2)
         plan = dict(block_h=cx["BLOCK_H"], warps=warps, tensor_cores=not cx["FP32_DOT"])
-        rows.append(dict(kernel="sparse_attention", default=tile is None, **plan,
-                         compile_s=seconds, **stats))  # fmt: skip
+        rows.append(dict(kernel="sparse_attention", plan=name, **plan, compile_s=seconds, **stats))
     return rows
 
 

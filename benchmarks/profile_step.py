@@ -2,7 +2,8 @@
 
     python benchmarks/profile_step.py [--model SmolLM2-135M] [--mode FULL] [--level 0] [--bs 1]
         [--steps 200] [--async-scheduling] [--input-len 128] [--kv-cache-dtype auto]
-        [--quantization fp8] [--out FILE]
+        [--quantization fp8] [--hf-overrides JSON] [--max-model-len N]
+        [--v4-attn-plan default] [--out FILE]
 Prints (dummy weights of --model, --bs prompts of --input-len tokens each):
 - ms/step unprofiled;
 - host time per phase (perf_counter, no extra synchronisation): driver (schedule, decide, plan,
@@ -19,6 +20,7 @@ Prints (dummy weights of --model, --bs prompts of --input-len tokens each):
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import time
 from collections import defaultdict
@@ -29,6 +31,7 @@ from atomrt import SamplingParams
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.entrypoints.llm import LLM
+from atomrt.workers.kernels.v4.v4_kernels import ATTN_PLANS, use_attn_plan
 from atomrt.workers.runner.input_batch import dummy_decode_inputs
 
 
@@ -159,10 +162,26 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     ap.add_argument("--quantization", default=None, help="e.g. fp8 (online, dummy weights)")
+    ap.add_argument(
+        "--hf-overrides",
+        type=json.loads,
+        default=None,
+        help="JSON over the model's config, e.g. '{\"num_hidden_layers\": 2}'",
+    )
+    ap.add_argument("--max-model-len", type=int, default=0, help="0: what the run needs")
+    ap.add_argument(
+        "--v4-attn-plan",
+        choices=sorted(ATTN_PLANS),
+        default="default",
+        help="DeepSeek-V4's sparse attention launch plan (workers/kernels/v4/v4_kernels.py)",
+    )
     a = ap.parse_args()
+    use_attn_plan(a.v4_attn_plan)  # the in-process worker launches the kernels
     # Early requests of a chunked prefill decode while later ones prefill: a token per chunk.
     new_tokens = 5 * a.steps + 60 + a.bs * a.input_len // 256
-    max_model_len = max(2048, a.input_len + new_tokens + 64)
+    max_model_len = a.max_model_len or max(2048, a.input_len + new_tokens + 64)
+    if max_model_len < a.input_len + new_tokens:
+        ap.error(f"--max-model-len {max_model_len}: the run needs {a.input_len + new_tokens}")
     cc = CompilationConfig(level=a.level, cudagraph_mode=a.mode, cuda_graph_sizes=[max(a.bs, 8)])
     llm = LLM(
         a.model,
@@ -173,6 +192,7 @@ def main() -> None:
         async_scheduling=a.async_scheduling,
         kv_cache_dtype=a.kv_cache_dtype,
         quantization=a.quantization,
+        **({"hf_overrides": a.hf_overrides} if a.hf_overrides else {}),
     )
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)

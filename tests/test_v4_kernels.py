@@ -17,7 +17,12 @@ import pytest
 import torch
 from kernel_device import DEVICE
 
-from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores, v4_pool, v4_sparse_attention
+from atomrt.workers.kernels.v4.v4_kernels import (
+    ATTN_PLANS,
+    v4_index_scores,
+    v4_pool,
+    v4_sparse_attention,
+)
 
 NAN = float("nan")
 
@@ -91,12 +96,8 @@ def test_index_scores_match_float64() -> None:
             assert abs(got[i, j].item() - s.item()) < 1e-5
 
 
-# the launch plans (v4_kernels.ATTN_HEAD_TILE, ATTN_WARPS, ATTN_TENSOR_CORES): the default, 16
-# heads a program (several head tiles at 20 heads), and the tensor-core products in float16
-# (Triton's interpreter multiplies bfloat16 as raw bits; float16 it multiplies as numbers)
-ATTN_PLANS = {"default": (None, 4, False), "h16": (16, 4, False), "h16-tc": (16, 8, True)}
-
-
+# every launch plan: 16 or 32 heads a program gives several head tiles at 20 heads; the tensor-core
+# plans take float16 (Triton's interpreter multiplies bfloat16 as raw bits, float16 as numbers)
 @pytest.mark.parametrize("plan", list(ATTN_PLANS))
 @pytest.mark.parametrize("num_heads,num_keys", [(4, 21), (20, 40), (3, 0), (4, 70)])
 def test_sparse_attention_matches_float64(

@@ -35,6 +35,20 @@ POOL_BLOCK_J = 8
 ATTN_HEAD_TILE: Optional[int] = None
 ATTN_WARPS = 4
 ATTN_TENSOR_CORES = False
+# named plans, (ATTN_HEAD_TILE, ATTN_WARPS, ATTN_TENSOR_CORES), that the benchmarks choose from
+ATTN_PLANS = {
+    "default": (None, 4, False),
+    "h16": (16, 4, False),
+    "h16-tc": (16, 4, True),
+    "h16-tc-w8": (16, 8, True),
+    "h32-tc-w8": (32, 8, True),
+}
+
+
+def use_attn_plan(name: str) -> None:
+    """Launch the sparse attention with the named plan of ATTN_PLANS from now on."""
+    global ATTN_HEAD_TILE, ATTN_WARPS, ATTN_TENSOR_CORES
+    ATTN_HEAD_TILE, ATTN_WARPS, ATTN_TENSOR_CORES = ATTN_PLANS[name]
 
 
 @triton.jit
