@@ -1,7 +1,8 @@
 """DeepSeek-V4's kernels (workers/kernels/v4/) at DeepSeek-V4-Flash's shapes, bf16 cache rows of an
 HCA layer (kv | compressor kv | gate | entry, 512 each): the sparse attention (64 query heads of
-512, a 128-token window plus the entries) under each launch plan, and the compressor (HCA rate 128,
-CSA rate 4 with overlapping windows).
+512, a 128-token window plus the entries) under each launch plan, the compressor (HCA rate 128,
+CSA rate 4 with overlapping windows), and the hyper-connections' mixing weights (torch's ops
+against the one launch of v4_hc.py).
 
     python benchmarks/bench_v4_kernels.py [--rows 1,8,32,2048] [--entries 16]
     python benchmarks/bench_v4_kernels.py --dry-run [--rows 1,3]
@@ -102,6 +103,27 @@ def bench_pool(n: int, rate: int, overlap: bool, slots: int, copies: int, gen: t
           flush=True)  # fmt: skip
 
 
+def bench_hc_mix(n: int, gen: torch.Generator) -> None:
+    """One block's mHC mixing weights (hc 4, 20 Sinkhorn iterations, Flash's): the torch ops, as a
+    level-0 graph records them, against the one launch of v4_hc.py (v4_hyper.HC_MIX_KERNEL)."""
+    from atomrt.workers.kernels.v4.v4_hc import v4_hc_mix
+    from atomrt.workers.layers.v4_hyper import hc_mix
+
+    hc, iters, eps = 4, 20, 1e-6
+    mixes = torch.randn(n, (2 + hc) * hc, device=DEVICE, generator=gen)
+    scale = torch.rand(3, device=DEVICE, generator=gen)
+    base = torch.randn((2 + hc) * hc, device=DEVICE, generator=gen)
+    torch_us = _time_us(lambda i: hc_mix(mixes, scale, base, hc, iters, eps), 1)
+    kernel_us = _time_us(lambda i: v4_hc_mix(mixes, scale, base, hc, iters, eps), 1)
+    diff = max(
+        (a - b).abs().max().item()
+        for a, b in zip(hc_mix(mixes, scale, base, hc, iters, eps),
+                        v4_hc_mix(mixes, scale, base, hc, iters, eps))
+    )  # fmt: skip
+    print(f"hc_mix rows={n}: torch {torch_us:.2f} us, kernel {kernel_us:.2f} us, "
+          f"max |diff| {diff:.3g}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -123,6 +145,7 @@ def main() -> None:
         bench_attention(n, a.entries, slots, copies, gen)
         for rate, overlap in ((128, False), (4, True)):
             bench_pool(n, rate, overlap, slots, copies, gen)
+        bench_hc_mix(n, gen)
 
 
 if __name__ == "__main__":

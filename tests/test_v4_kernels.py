@@ -257,3 +257,22 @@ def test_fused_experts_match_float64(num_tokens: int, top_k: int) -> None:
     act = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
     want = torch.einsum("nki,nkdi->nkd", act, w2.double()[ids]) * weights.double().unsqueeze(-1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hc", [2, 4])
+def test_hc_mix_matches_float64(hc: int) -> None:
+    """The mHC mixing weights in one launch (v4_hc.py) against the torch formulas
+    (v4_hyper.hc_mix, which the model tests hold to transformers) in float64: pre, post and the
+    Sinkhorn-Knopp comb, doubly stochastic."""
+    from atomrt.workers.kernels.v4.v4_hc import v4_hc_mix
+    from atomrt.workers.layers.v4_hyper import hc_mix
+
+    n, iters, eps = 5, 20, 1e-6
+    g = torch.Generator().manual_seed(11)
+    mixes = torch.randn(n, (2 + hc) * hc, generator=g) * 3
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + hc) * hc, generator=g)
+    got = v4_hc_mix(*(t.to(DEVICE) for t in (mixes, scale, base)), hc, iters, eps)
+    want = hc_mix(mixes.double(), scale.double(), base.double(), hc, iters, eps)
+    for g_, w in zip(got, want):
+        torch.testing.assert_close(g_.cpu().double(), w, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got[2].sum(dim=-2).cpu(), torch.ones(n, hc), atol=1e-5)

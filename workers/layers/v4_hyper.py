@@ -53,20 +53,47 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [n, hc, hidden] -> (post [n, hc], comb [n, hc, hc] float32, the collapsed block
         input [n, hidden] in the streams' dtype)."""
-        hc = self.hc
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn)
-        l_pre, l_post, l_comb = mixes.split([hc, hc, hc * hc], dim=-1)
-        b_pre, b_post, b_comb = self.base.split([hc, hc, hc * hc])
-        pre = torch.sigmoid(l_pre * self.scale[0] + b_pre) + self.hc_eps
-        post = 2 * torch.sigmoid(l_post * self.scale[1] + b_post)
-        comb = (
-            torch.softmax(l_comb.view(-1, hc, hc) * self.scale[2] + b_comb.view(hc, hc), dim=-1)
-            + self.hc_eps
-        )
-        comb = sinkhorn_knopp(comb, self.iters, self.hc_eps)
+        mixes = F.linear(flat, self.fn)  # [n, (2 + hc) * hc]
+        if _use_mix_kernel(mixes, self.hc):
+            from atomrt.workers.kernels.v4.v4_hc import v4_hc_mix
+
+            pre, post, comb = v4_hc_mix(
+                mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps
+            )
+        else:
+            pre, post, comb = hc_mix(mixes, self.scale, self.base, self.hc, self.iters, self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
+
+
+# The mixing weights in one Triton launch (workers/kernels/v4/v4_hc.py) rather than some 120 small
+# torch kernels a block (eager CUDA, and what a CUDA graph records at level 0; traced, Inductor
+# fuses the torch ones): off until a GPU timing (benchmarks/bench_v4_kernels.py) shows the gain.
+HC_MIX_KERNEL = False
+
+
+def _use_mix_kernel(mixes: torch.Tensor, hc: int) -> bool:
+    return (
+        HC_MIX_KERNEL and mixes.is_cuda and hc & (hc - 1) == 0 and not torch.compiler.is_compiling()
+    )
+
+
+def hc_mix(
+    mixes: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc: int,
+    iters: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mixes [n, (2 + hc) * hc] float32 logits -> (pre [n, hc], post [n, hc], comb [n, hc, hc])."""
+    l_pre, l_post, l_comb = mixes.split([hc, hc, hc * hc], dim=-1)
+    b_pre, b_post, b_comb = base.split([hc, hc, hc * hc])
+    pre = torch.sigmoid(l_pre * scale[0] + b_pre) + eps
+    post = 2 * torch.sigmoid(l_post * scale[1] + b_post)
+    comb = torch.softmax(l_comb.view(-1, hc, hc) * scale[2] + b_comb.view(hc, hc), dim=-1) + eps
+    return pre, post, sinkhorn_knopp(comb, iters, eps)
 
 
 def hyper_residual(
