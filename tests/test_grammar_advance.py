@@ -53,10 +53,10 @@ def test_the_terminated_state_follows_xgrammars_through_accepts_and_rollbacks(to
     assert m.accept(EOS) and m.is_terminated and m.matcher.is_terminated()
 
 
-def _matchers_along(tok, backend, compiled, n):
+def _matchers_along(tok, backend, compiled, n, refuse=True):
     """n matchers, each at a different prefix of DOC (token by token), with each one's next token
-    in DOC, and every third given a token its grammar refuses instead (the stop token: DOC is
-    never a whole document)."""
+    in DOC, and (`refuse`) every third given a token its grammar refuses instead (the stop token:
+    DOC is never a whole document)."""
     ids = tok.hf.encode(DOC, add_special_tokens=False)
     bad = EOS
     matchers, tokens = [], []
@@ -66,19 +66,22 @@ def _matchers_along(tok, backend, compiled, n):
         for t in ids[:at]:
             assert m.accept(t)
         matchers.append(m)
-        tokens.append(bad if i % 3 == 2 else ids[at])
+        tokens.append(bad if refuse and i % 3 == 2 else ids[at])
     return matchers, tokens
 
 
+@pytest.mark.parametrize("refuse", [True, False], ids=["some-refused", "all-accepted"])
 @pytest.mark.parametrize("cores", [2, 16], ids=["one-call", "threads"])
-def test_a_batch_accepted_ahead_answers_as_each_matcher_alone(tok, cores, monkeypatch) -> None:
+def test_a_batch_accepted_ahead_answers_as_each_matcher_alone(
+    tok, cores, refuse, monkeypatch
+) -> None:
     monkeypatch.setattr(xb, "usable_cpu_count", lambda: cores)
     backend = xb.XgrammarBackend(tok.hf, VOCAB, [EOS])
     assert (backend._threads > 1) == (cores == 16)
     compiled = _compiled(backend, json=json.loads(SCHEMA.read_text()))
     n = xb.PARALLEL_FILL_ROWS + 5
-    matchers, tokens = _matchers_along(tok, backend, compiled, n)
-    refs, _ = _matchers_along(tok, backend, compiled, n)  # the reference: one token at a time
+    matchers, tokens = _matchers_along(tok, backend, compiled, n, refuse)
+    refs, _ = _matchers_along(tok, backend, compiled, n, refuse)  # the reference: one at a time
     backend.accept_ahead(matchers, tokens)
     words = (VOCAB + 31) // 32
     got, want = (torch.zeros((n, words), dtype=torch.int32) for _ in range(2))
@@ -87,7 +90,7 @@ def test_a_batch_accepted_ahead_answers_as_each_matcher_alone(tok, cores, monkey
         answer = ref.matcher.accept_token(t)
         ref.matcher.fill_next_token_bitmask(want, row)
         assert m.accept(t) == answer
-        assert answer == (row % 3 != 2)
+        assert answer == (not refuse or row % 3 != 2)
     assert torch.equal(got, want)
     assert len({tuple(r.tolist()) for r in want}) > 4  # the states differ
     backend.shutdown()
@@ -135,10 +138,7 @@ def test_the_stop_rules_read_the_batchs_answers_and_tokens_stay(tiny, async_sche
         )
     ]
     calls = {"one": 0, "batch": 0}
-    one, batch = (
-        xgrammar.GrammarMatcher.accept_token,
-        xgrammar.BatchGrammarMatcher.batch_accept_token,
-    )
+    one, batch = xgrammar.GrammarMatcher.accept_token, xb._batch_accept
 
     def counted_one(self, *args, **kwargs):
         calls["one"] += 1
@@ -154,7 +154,7 @@ def test_the_stop_rules_read_the_batchs_answers_and_tokens_stay(tiny, async_sche
         for ahead in (False, True):
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(xgrammar.GrammarMatcher, "accept_token", counted_one)
-                mp.setattr(xgrammar.BatchGrammarMatcher, "batch_accept_token", counted_batch)
+                mp.setattr(xb, "_batch_accept", counted_batch)
                 if not ahead:
                     mp.setattr(xb.XgrammarBackend, "accept_ahead", GrammarBackend.accept_ahead)
                 calls.update(one=0, batch=0)
