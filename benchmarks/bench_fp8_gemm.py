@@ -57,7 +57,8 @@ COPIES = 4  # weight copies cycled through: more bytes than the 50-60 MB of L2
 # they take them in the GEMM's launch (w8a8_skinny_add_norm), as ATOMRT_FP8_NORM_PROLOGUE=1 runs
 NORM_SHAPES = ("8B qkv", "8B gate_up")
 LAUNCH_FIELDS = ("block_k", "products", "warps", "stages")
-VARIANTS: dict[str, tuple[dict[str, int], SkinnyOptions]] = {  # name: (launch changes, options)
+# name: (changes to the shape's launch, options); "flip_sum": the other side of skinny_defers_sum
+VARIANTS: dict[str, tuple[dict[str, int], SkinnyOptions]] = {
     "plain": ({}, SkinnyOptions()),
     "split2": ({}, SkinnyOptions(split_k=2)),
     "split4": ({}, SkinnyOptions(split_k=4)),
@@ -77,16 +78,20 @@ VARIANTS: dict[str, tuple[dict[str, int], SkinnyOptions]] = {  # name: (launch c
     "bk2048": ({"block_k": 2048}, SkinnyOptions()),
     "bk2048 stages4": ({"block_k": 2048, "stages": 4}, SkinnyOptions()),
     "bk4096 stages2": ({"block_k": 4096, "stages": 2}, SkinnyOptions()),
+    "flip_sum": ({"flip_sum": 1}, SkinnyOptions()),
+    "split4 preload flip_sum": ({"flip_sum": 1}, SkinnyOptions(split_k=4, preload=True)),
 }
 
 
 def _variant_launch(
     n: int, k: int, variant: str
 ) -> tuple[tuple[int, int, int, int], SkinnyOptions]:
-    """(launch, options) of `variant` at a weight [n, k]: the shape's launch with its changes."""
+    """(launch, options, defer_sum) of `variant` at a weight [n, k]: the shape's launch with its
+    changes."""
     changes, options = VARIANTS[variant]
     launch = dict(zip(LAUNCH_FIELDS, fp8_skinny_configs.skinny_launch(n, k))) | changes
-    return tuple(launch[f] for f in LAUNCH_FIELDS), options
+    defer_sum = fp8_skinny_configs.skinny_defers_sum(n, k) != bool(changes.get("flip_sum"))
+    return tuple(launch[f] for f in LAUNCH_FIELDS), options, defer_sum
 
 
 def _configs(default: tuple[int, int, int, int], sweep: bool):
@@ -100,12 +105,14 @@ def _configs(default: tuple[int, int, int, int], sweep: bool):
 def _variant_call(x, w, s, variant: str, norm_w):
     """The fused path at `variant`: w8a8_skinny, or with a norm weight `norm_w` [K]
     w8a8_skinny_add_norm's output (x its residual and its update)."""
-    launch, options = _variant_launch(w.shape[0], w.shape[1], variant)
+    launch, options, defer_sum = _variant_launch(w.shape[0], w.shape[1], variant)
     if norm_w is not None:
         return fp8_skinny.w8a8_skinny_add_norm(
-            x, x, norm_w, 1e-6, w, s, launch=launch, options=options
+            x, x, norm_w, 1e-6, w, s, launch=launch, options=options, defer_sum=defer_sum
         )[1]
-    return fp8_skinny.w8a8_skinny(x, w, s, None, launch=launch, options=options)
+    return fp8_skinny.w8a8_skinny(
+        x, w, s, None, launch=launch, defer_sum=defer_sum, options=options
+    )
 
 
 def _compile_cases(cases: list[tuple[str, str, int, bool]]) -> None:
@@ -159,7 +166,7 @@ def run_variants(args) -> None:
             print(
                 f"{name + (' +norm' if norms[name] else ''):16} {variant:22} {us:8.2f} us "
                 f"{nbytes / us / 1e3:6.0f} GB/s {plain / us:5.2f}x diff {diff:.1e}  "
-                f"{_variant_launch(n, k, variant)[0]}",
+                f"{_variant_launch(n, k, variant)[0]} defer_sum={_variant_launch(n, k, variant)[2]}",
                 flush=True,
             )
 
@@ -180,9 +187,11 @@ def run_stats(args) -> None:
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         for variant in VARIANTS:
-            launch, options = _variant_launch(n, k, variant)
+            launch, options, defer_sum = _variant_launch(n, k, variant)
             norm = args.norm and name in NORM_SHAPES
-            plan = fp8_skinny.plan_skinny(args.m, n, k, 0, 132, launch, None, options, norm=norm)
+            plan = fp8_skinny.plan_skinny(
+                args.m, n, k, 0, 132, launch, defer_sum, options, norm=norm
+            )
             constexprs = dict(plan.constexprs)
             warps = constexprs.pop("num_warps")
             sig = kernel_stats._signature(

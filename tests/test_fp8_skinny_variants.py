@@ -77,16 +77,19 @@ def test_variant_with_a_static_scale_and_per_step_sums(variant: str) -> None:
         _assert_matches(y, _reference(x, qw, sw, static))
 
 
-@pytest.mark.parametrize("variant", ["split3", "persistent", "preload-split", "x_block-narrow"])
-def test_variant_under_the_add_norm_prologue(variant: str) -> None:
-    """w8a8_skinny_add_norm under a variant: h = residual + update, written once, and the
-    float64 product of RMSNorm(h)'s e4m3 values."""
+@pytest.mark.parametrize(
+    "variant,defer_sum",
+    [("split3", False), ("persistent", True), ("preload-split", True), ("x_block-narrow", False)],
+)
+def test_variant_under_the_add_norm_prologue(variant: str, defer_sum: bool) -> None:
+    """w8a8_skinny_add_norm under a variant, the sum over K deferred or not: h = residual +
+    update, written once, and the float64 product of RMSNorm(h)'s e4m3 values."""
     qw, sw = _weight(seed=3)
     gen = torch.Generator().manual_seed(4)
     residual, update = ((torch.randn(3, K, generator=gen) * 2).to(DEVICE) for _ in range(2))
     norm_weight = (1 + 0.3 * torch.randn(K, generator=gen)).to(DEVICE)
     h, y = w8a8_skinny_add_norm(
-        residual, update, norm_weight, 1e-6, qw, sw, launch=LAUNCH, options=VARIANTS[variant]
+        residual, update, norm_weight, 1e-6, qw, sw, None, LAUNCH, VARIANTS[variant], defer_sum
     )
     assert torch.equal(h, residual + update)
     _assert_matches(y, _reference(rms_norm(residual + update, norm_weight, 1e-6), qw, sw, None))

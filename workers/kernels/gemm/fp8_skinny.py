@@ -343,6 +343,7 @@ def w8a8_skinny_add_norm(
     static_scale: Optional[torch.Tensor] = None,
     launch: Optional[tuple[int, int, int, int]] = None,
     options: Optional[SkinnyOptions] = None,
+    defer_sum: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, y): h = residual + update, y = w8a8_skinny(RMSNorm(h) * norm_weight, b) for per-row
     scales [N, 1] (static or per token), in one launch: a decoder layer's residual add, norm and
@@ -371,7 +372,7 @@ def w8a8_skinny_add_norm(
     h = torch.empty_like(residual)
     c = torch.empty((m, b.shape[0]), dtype=residual.dtype, device=residual.device)
     norm = (update, norm_weight, h, eps)
-    _launch_skinny(residual, b, b_scale, 0, static_scale, c, launch, norm, options=options)
+    _launch_skinny(residual, b, b_scale, 0, static_scale, c, launch, norm, defer_sum, options)
     return h, c
 
 
