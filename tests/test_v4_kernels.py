@@ -42,13 +42,13 @@ def test_pool_matches_float64(overlap: bool, rate: int) -> None:
     span = c * rate
     width = 3 + 2 * c * d  # some leading columns, then kv, then gate
     kv_col, gate_col = 3, 3 + c * d
-    windows = torch.tensor([0, 1, 3, 2, 5])
+    windows = torch.tensor([0, 1, 3, 2, 5, -1])  # -1: a row that ends no window
     n = windows.shape[0]
     g = torch.Generator().manual_seed(1)
     slots = torch.randperm(400, generator=g)[: n * span].view(n, span)
     if overlap:
         slots[0, :rate] = -1  # window 0 has no previous window
-    rows = _cache(400, width, slots[slots >= 0].tolist(), 2)
+    rows = _cache(400, width, slots[:-1][slots[:-1] >= 0].tolist(), 2)  # the last row's: NaN
     ape = torch.randn(rate, c * d, generator=g)
     norm = torch.randn(d, generator=g)
     out = torch.full((n, d), NAN, device=DEVICE)
@@ -56,9 +56,9 @@ def test_pool_matches_float64(overlap: bool, rate: int) -> None:
     v4_pool(*args, kv_col, gate_col, eps, overlap, out)
     out = out.cpu()
 
-    ref = torch.empty(n, d, dtype=torch.float64)
+    ref = torch.zeros(n, d, dtype=torch.float64)
     r64 = rows.double()
-    for i in range(n):
+    for i in range(n - 1):
         kvs, gates = [], []
         for j in range(span):
             if overlap and j < rate and windows[i] == 0:

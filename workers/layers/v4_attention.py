@@ -283,8 +283,9 @@ def _compress(
             from atomrt.workers.kernels.v4.v4_kernels import v4_pool
 
             pooled = rows.new_empty(rows.shape[0], comp.dim)
-            v4_pool(source, slots, windows, comp.ape, comp.norm.weight, kv_at, gate_at,
-                    comp.norm.eps, comp.overlap, pooled)  # fmt: skip
+            # only the rows that end a window pool (a prefill's other rows read nothing)
+            v4_pool(source, slots, torch.where(ends.squeeze(1), windows, -1), comp.ape,
+                    comp.norm.weight, kv_at, gate_at, comp.norm.eps, comp.overlap, pooled)  # fmt: skip
             at = windows * r
             cos, sin = layer.rotary.cos_cache[at], layer.rotary.sin_cache[at]
             pooled = rope_tail(pooled, cos.to(pooled.dtype), sin.to(pooled.dtype))

@@ -55,7 +55,7 @@ def use_attn_plan(name: str) -> None:
 def _v4_pool_kernel(
     rows_ptr,
     slots_ptr,  # [n, SPAN] int64
-    windows_ptr,  # [n] int64: the window each row pools
+    windows_ptr,  # [n] int64: the window each row pools (< 0: none, zeros)
     ape_ptr,  # [RATE, C * D] float32
     norm_ptr,  # [D] float32
     out_ptr,  # [n, D]
@@ -73,6 +73,7 @@ def _v4_pool_kernel(
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     w = tl.load(windows_ptr + i)
+    pools = (tl.zeros([BLOCK_D], tl.int64) + w) >= 0  # a row that ends no window reads nothing
     m = tl.full([BLOCK_D], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_D], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -88,7 +89,7 @@ def _v4_pool_kernel(
         ch = (j // RATE) * D
         if C == 2:
             use = use & ((j >= RATE) | ((j * 0 + w) > 0))
-        lm = use[:, None] & dm[None, :]
+        lm = use[:, None] & (dm & pools)[None, :]
         base = rows_ptr + slot.to(tl.int64)[:, None] * row_stride + ch[:, None] + d[None, :]
         kv = tl.load(base + kv_col, mask=lm, other=0.0).to(tl.float32)
         g = tl.load(base + gate_col, mask=lm, other=0.0).to(tl.float32)
@@ -127,7 +128,8 @@ def v4_pool(
     overlap: bool,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """out [n, D] <- the normalised pooled entry of each row's window (not yet rotated)."""
+    """out [n, D] <- the normalised pooled entry of each row's window `windows` [n] (not yet
+    rotated); zeros for a row whose window is < 0, which reads no slot."""
     n, d = out.shape
     rate = ape.shape[0]
     if n:
