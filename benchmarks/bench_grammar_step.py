@@ -6,6 +6,8 @@ a JSON schema (benchmarks/schemas/user_profiles.json) and the rest are unconstra
                                             [--steps 60] [--profile tottime] [--per-row-accept]
                                             [--fill-on-thread on|off]
                                             [--parallel-fill-rows 32] [--tokenizer DIR]
+                                            [--device cuda [--forward-ms 1.5]
+                                             [--pinned-masks off,on]]
 
 Prints, per count of constrained rows, the best of three runs: the driver's µs per step (the host
 step less the in-process CPU worker's sampling and mask apply, which a GPU does on the device), of
@@ -15,10 +17,14 @@ its successor's plan (the GPU's wait between the two); the step loop thread's CP
 without work the driver hands to other threads); the grammars' batch accept of the step's tokens
 (`MaskStats.accept_seconds`, part of the driver's); the CPU worker's sampling apart; and the
 driver's µs from a step's results coming in to the masks they let out (the least of the runs:
-what the GPU's forward of the step the masks are for has to hide, or the GPU waits). The
-worker's torch runs on one thread, so that its sampling does not take the cores from the driver. The model is a 2-layer
-Llama of hidden size 64 over the embedded SmolLM2 tokenizer's 49k vocabulary
-(tests/grammar_harness.py), so a row's mask is as wide as on the real model. A finished request
+what the GPU's forward of the step the masks are for has to hide, or the GPU waits); and the
+step's wall time. The worker's torch runs on one thread, so that its sampling does not take the
+cores from the driver. The model is a 2-layer Llama of hidden size 64 over the embedded SmolLM2
+tokenizer's 49k vocabulary (tests/grammar_harness.py; `--tokenizer`: another's), so a row's mask
+is as wide as on a real model of that vocabulary. `--device cuda`: the worker samples (and
+applies the masks) on the GPU, each forward being `--forward-ms` of queued GPU work; the step
+wall of constrained rows over that of none is then the whole cost of structure, the driver's and
+the mask upload's (`--pinned-masks off,on` compares the two uploads). A finished request
 is replaced between steps, outside the timed span. Under async scheduling a step with grammar
 rows cannot sample before the previous step's tokens have advanced the grammars: what a step
 adds over the unconstrained one is what the GPU would wait for.
@@ -44,6 +50,7 @@ from atomrt.runtime.driver.grammar_backend import GrammarBackend
 from atomrt.runtime.driver.xgrammar_backend import XgrammarBackend
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import StructuredOutputsParams
+from atomrt.workers.runner.grammar_upload import GrammarUpload
 from atomrt.workers.runner.model_runner import ModelOutput
 
 HERE = Path(__file__).resolve().parent
@@ -114,6 +121,20 @@ def main() -> None:
         help="a Hugging Face tokenizer folder whose vocabulary the tiny model takes (default: the "
         "embedded SmolLM2 tokenizer's 49152 tokens; Llama-3's 128256 widen each mask row)",
     )
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the worker samples on the GPU, each forward being --forward-ms of queued GPU "
+        "work: what a step with constrained rows adds over one without is then what the GPU waits",
+    )
+    ap.add_argument("--forward-ms", type=float, default=1.5, help="--device cuda: a forward's time")
+    ap.add_argument(
+        "--pinned-masks",
+        default="",
+        help="--device cuda: comma list of off,on: the worker's mask upload through pinned "
+        "buffers (workers/runner/grammar_upload.py; default: PINNED_GRAMMAR_MASKS)",
+    )
     a = ap.parse_args()
     counts = [int(c) for c in a.grammar_rows.split(",")]
     xgrammar_backend.PARALLEL_FILL_ROWS = a.parallel_fill_rows
@@ -127,7 +148,7 @@ def main() -> None:
     folder = build_tiny_with(folder, a.tokenizer) if a.tokenizer else build_tiny_bpe(folder)
     llm = LLM(
         str(folder),
-        device="cpu",
+        device=a.device,
         enforce_eager=True,
         num_kv_blocks=4096,
         max_num_seqs=a.bs,
@@ -139,11 +160,17 @@ def main() -> None:
     vocab = eng.grammars.vocab_size
     gen = torch.Generator().manual_seed(0)
     tables = [torch.randn(a.bs * 8, vocab, generator=gen) for _ in range(4)]
+    cycles = 0
+    if a.device == "cuda":  # a model's logits, and the forward's time on the GPU
+        tables = [t.to("cuda", torch.bfloat16) for t in tables]
+        cycles = sleep_cycles(a.forward_ms)
     calls = [0]
 
     def random_logits(input_ids, decision, logits_indices, split=None) -> ModelOutput:
         n = input_ids.shape[0]
         calls[0] += 1
+        if cycles:
+            torch.cuda._sleep(cycles)
         logits = tables[calls[0] % len(tables)]
         return ModelOutput(logits[:n][logits_indices], logits[:n], None)
 
@@ -243,7 +270,16 @@ def main() -> None:
         )
 
     mode = "sync" if a.sync else "async"
-    for n in counts:
+    uploads = [None]  # the worker's mask upload as built
+    if a.device == "cuda" and a.pinned_masks:
+        uploads = [GrammarUpload(runner.device, x == "on") for x in a.pinned_masks.split(",")]
+    for upload, n in ((u, n) for u in uploads for n in counts):
+        if upload is not None:
+            runner.grammar_upload = upload
+        gpu = ""
+        if a.device == "cuda":
+            pinned = "on" if runner.grammar_upload.pinned else "off"
+            gpu = f" (cuda, forward {a.forward_ms:g} ms, pinned masks {pinned})"
         runs = [run(n) for _ in range(3)]
         best = min(runs, key=lambda r: r[0] - r[2])
         print(
@@ -252,7 +288,8 @@ def main() -> None:
             f"{min(r[4] for r in runs):.0f} us/step; the grammars' batch accept {best[5]:.0f} us; "
             f"the CPU worker's sampling {best[2]:.0f} more "
             f"(driver runs {', '.join(f'{r[0] - r[2]:.0f}' for r in runs)}; {a.steps} steps each); "
-            f"results to masks {min(r[6] for r in runs):.0f} us"
+            f"results to masks {min(r[6] for r in runs):.0f} us; step wall "
+            f"{min(r[0] for r in runs):.0f} us{gpu}"
         )
         if a.profile and n == counts[-1]:
             prof = cProfile.Profile()
@@ -263,6 +300,17 @@ def main() -> None:
             pstats.Stats(prof, stream=buf).sort_stats(a.profile).print_stats(40)
             print(buf.getvalue())
     llm.shutdown()
+
+
+def sleep_cycles(ms: float) -> int:
+    """The torch.cuda._sleep argument that keeps the GPU busy about `ms`."""
+    torch.cuda._sleep(1000)  # loaded
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    return int(10**7 * ms / start.elapsed_time(end))
 
 
 if __name__ == "__main__":
