@@ -13,6 +13,7 @@ does):
   fused_before  (--kv-cache-dtype fp8) those tiles with bfloat16 products: the kernel as it was
               before the float16 products and the e4m3 tiles
   fused_prefetch  the launch with prefetch_kv=True: each K/V tile loaded an iteration ahead
+  fused_early  and early_kv=True: the first K/V tile loaded before the rotary's round trip
 `--sweep` adds the fused kernel under other tile sizes / warps / stages / splits, to tune
 plan_decode. With --kv-cache-dtype fp8 the caches are e4m3 with per-tensor k/v scales, the FP8 KV
 cache's decode; there `--sweep` times, per shape and context, the bfloat16 cache's default plan,
@@ -320,6 +321,8 @@ def main() -> None:
             )
             prefetch_plan = dataclasses.replace(base, prefetch_kv=True)
             row["fused_prefetch"] = time_us(lambda i: fused(s, i, prefetch_plan))
+            early_plan = dataclasses.replace(prefetch_plan, early_kv=True)
+            row["fused_early"] = time_us(lambda i: fused(s, i, early_plan))
             if fp8:
                 bf16_tiles = plan_decode(bs, CAPACITY, hk, group, hd, sm_count(s["q"].device))
                 before = dataclasses.replace(bf16_tiles, fp8_f16_products=False)

@@ -63,6 +63,16 @@ class DecodeLaunch:
     # needs, not after (16-bit shared-memory moves instead of byte reads; decode_kernels._widen_v);
     # off until measured faster (bench_decode_attention.py --kv-cache-dtype fp8 --sweep).
     widen_v_first: bool = False
+    # With prefetch_kv: load the first K/V tile before the rotary's cos / sin round trip, not
+    # after it, so that a short context's one tile waits on one round trip less; off until
+    # measured faster (bench_decode_attention.py's fused_early).
+    early_kv: bool = False
+
+    def __post_init__(self) -> None:
+        if self.early_kv and not self.prefetch_kv:
+            raise ValueError(
+                "DecodeLaunch: early_kv loads the prefetched first tile; set prefetch_kv"
+            )
 
 
 # The e4m3 cache's launch at head_dim 128: (tile_n, num_warps, num_stages, widen_v_first, the
@@ -324,6 +334,7 @@ def _decode_constexprs(
         ("USE_PDL", pdl),
         ("PREFETCH_KV", plan.prefetch_kv),
         ("WIDEN_V_FIRST", plan.widen_v_first and f16_products),
+        ("EARLY_KV", plan.early_kv),
         ("num_warps", plan.num_warps),
         ("num_stages", plan.num_stages),
         ("launch_pdl", pdl and device_info.PDL_ATTRIBUTE),

@@ -160,6 +160,7 @@ def decode_attention_kernel(
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (device_info.use_pdl)
     PREFETCH_KV: tl.constexpr,  # load each K/V tile an iteration ahead (DecodeLaunch.prefetch_kv)
     WIDEN_V_FIRST: tl.constexpr,  # an e4m3 V tile widened before its layout change (_widen_v)
+    EARLY_KV: tl.constexpr = False,  # PREFETCH_KV: the first K/V tile loads before the rotary
 ):
     """A decode step of one sequence (at most one query row) over one KV head, for one KV split: the
     rotary embedding of q and of the new key, the new key and value into the cache, and attention over
@@ -224,6 +225,13 @@ def decode_attention_kernel(
     num_active = tl.maximum(tl.minimum(num_splits, tl.cdiv(num_tiles, MIN_TILES_PER_SPLIT)), 1)
     if split >= num_active:
         return
+    if EARLY_KV:  # the first tile's K/V round trip overlaps the rotary's (cos / sin at pos)
+        keys = split * TILE_N + tile_keys
+        kv_mask = (keys < num_old)[:, None] & dim_valid[None, :]
+        k_cur, v_cur = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block, keys, kv_mask, dims, kvh, stride_kcb, stride_kcs,
+            stride_kch, stride_vcb, stride_vcs, stride_vch, BLOCK_SIZE,
+        )  # fmt: skip
 
     dtype = q_ptr.dtype.element_ty
     if HAS_ROPE:
@@ -290,12 +298,13 @@ def decode_attention_kernel(
         # block ids of the tile after it) before it computes on the tile loaded the iteration
         # before, kept as the cache holds it and widened only there: an e4m3 cache's loads pass
         # a widening on their way to tl.dot, which may keep Triton's own pipelining off them.
-        keys = t * TILE_N + tile_keys
-        kv_mask = (keys < num_old)[:, None] & dim_valid[None, :]
-        k_cur, v_cur = _load_kv_tile(
-            k_cache_ptr, v_cache_ptr, block, keys, kv_mask, dims, kvh, stride_kcb, stride_kcs,
-            stride_kch, stride_vcb, stride_vcs, stride_vch, BLOCK_SIZE,
-        )  # fmt: skip
+        if not EARLY_KV:
+            keys = t * TILE_N + tile_keys
+            kv_mask = (keys < num_old)[:, None] & dim_valid[None, :]
+            k_cur, v_cur = _load_kv_tile(
+                k_cache_ptr, v_cache_ptr, block, keys, kv_mask, dims, kvh, stride_kcb, stride_kcs,
+                stride_kch, stride_vcb, stride_vcs, stride_vch, BLOCK_SIZE,
+            )  # fmt: skip
         next_keys = (t + num_active) * TILE_N + tile_keys
         block = tl.load(table_row + next_keys // BLOCK_SIZE, mask=next_keys < num_old, other=0).to(
             tl.int64
