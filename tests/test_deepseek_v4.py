@@ -592,3 +592,68 @@ def test_long_prompt_attends_in_query_chunks(
     loaded = load_model(Config(model=str(folders["csa_hca"])), "cpu", torch.float32)
     result = run_prefill_and_decode(loaded.model, PROMPTS, 2, block_size=4)
     assert max_logit_diff(result, load_hf(folders["csa_hca"]), PROMPTS) <= TOLERANCE
+
+
+def test_prefill_launches_do_not_grow_with_its_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the kernels (CUDA's path, here in Triton's interpreter) a prefill of 40 tokens and
+    one of 136 (eight HCA windows, past the sliding window) run the same torch ops (the CPU's
+    expert loop aside) and the same kernel launches, one per compressor and one attention (and
+    one indexer score) a layer: no per-row or per-window loop on the host, whatever the prompt's
+    length."""
+    from collections import Counter
+
+    from model_harness import PagedHarness
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from atomrt.workers.kernels.v4 import v4_kernels
+    from atomrt.workers.layers import v4_attention, v4_moe
+
+    monkeypatch.setattr(v4_attention, "USE_KERNELS_ON_CPU", True)
+    launches: Counter = Counter()
+
+    def counted(name: str):
+        kernel = getattr(v4_kernels, name)
+
+        def launch(*args, **kwargs):
+            launches[name] += 1
+            return kernel(*args, **kwargs)
+
+        return launch
+
+    for name in ("v4_pool", "v4_index_scores", "v4_sparse_attention"):
+        monkeypatch.setattr(v4_kernels, name, counted(name))
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count, self.paused = 0, False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += not self.paused
+            return func(*args, **(kwargs or {}))
+
+    # the CPU's routed experts loop over the experts the rows pick (CUDA: two launches): not
+    # counted, as a row count can change how many of the 8 a top-k layer's rows pick
+    experts = v4_moe._expert_pairs_impl
+
+    def uncounted_experts(*args):
+        ops.paused = True
+        try:
+            return experts(*args)
+        finally:
+            ops.paused = False
+
+    monkeypatch.setattr(v4_moe, "_expert_pairs_impl", uncounted_experts)
+
+    config = Config(model="tiny-deepseek-v4", model_config=ModelConfig(load_format="dummy"))
+    model = load_model(config, "cpu", torch.float32).model
+    seen = []
+    for length in (40, 136):
+        launches.clear()
+        harness = PagedHarness(model, length, 1, block_size=16)
+        with Ops() as ops:
+            harness.step([list(range(3, 3 + length))], [0])
+        seen.append((ops.count, dict(launches)))
+    assert seen[0] == seen[1], seen
+    # 4 layers (sliding, CSA, HCA, CSA): 5 compressors, 4 attentions, 2 indexers
+    assert seen[0][1] == {"v4_pool": 5, "v4_sparse_attention": 4, "v4_index_scores": 2}
