@@ -159,12 +159,12 @@ def run_variants(args) -> None:
                 got = _variant_call(x, *qs[0], variant, norm_w).float()
                 us = graph_call_us(lambda i: _variant_call(x, *qs[i % COPIES], variant, norm_w), 20)
             except Exception as e:  # a launch that does not fit (shared memory, registers)
-                print(f"{name:16} {variant:22} {type(e).__name__}: {str(e)[:60]}", flush=True)
+                print(f"{name:16} {variant:24} {type(e).__name__}: {str(e)[:60]}", flush=True)
                 continue
             diff = ((got - want).abs().max() / want.abs().max()).item()
             plain = plain or us
             print(
-                f"{name + (' +norm' if norms[name] else ''):16} {variant:22} {us:8.2f} us "
+                f"{name + (' +norm' if norms[name] else ''):16} {variant:24} {us:8.2f} us "
                 f"{nbytes / us / 1e3:6.0f} GB/s {plain / us:5.2f}x diff {diff:.1e}  "
                 f"{_variant_launch(n, k, variant)[0]} defer_sum={_variant_launch(n, k, variant)[2]}",
                 flush=True,
