@@ -153,7 +153,7 @@ def run_variants(args) -> None:
         nbytes = n * k + n * 4
         norm_w = torch.ones(k, device="cuda", dtype=x.dtype) if norms[name] else None
         want = _variant_call(x, *qs[0], "plain", norm_w).float()
-        plain = None
+        plain, times = None, {}
         for variant in VARIANTS:
             try:
                 got = _variant_call(x, *qs[0], variant, norm_w).float()
@@ -163,12 +163,36 @@ def run_variants(args) -> None:
                 continue
             diff = ((got - want).abs().max() / want.abs().max()).item()
             plain = plain or us
+            times[variant] = us
             print(
                 f"{name + (' +norm' if norms[name] else ''):16} {variant:24} {us:8.2f} us "
                 f"{nbytes / us / 1e3:6.0f} GB/s {plain / us:5.2f}x diff {diff:.1e}  "
                 f"{_variant_launch(n, k, variant)[0]} defer_sum={_variant_launch(n, k, variant)[2]}",
                 flush=True,
             )
+        _print_flip(name, n, k, times)
+
+
+def _print_flip(name: str, n: int, k: int, times: dict[str, float]) -> None:
+    """The fp8_skinny_configs entries that make a shape's fastest variant its launch, where it
+    beats the plain launch by more than 3%."""
+    best = min(times, key=times.get)
+    if "plain" not in times or times[best] > 0.97 * times["plain"]:
+        print(f"{name:16} keep the plain launch (best {best} {times[best]:.2f} us)", flush=True)
+        return
+    launch, options, defer_sum = _variant_launch(n, k, best)
+    flips = []
+    if launch != fp8_skinny_configs.skinny_launch(n, k):
+        flips.append(f"SKINNY_SHAPE_LAUNCHES[{(n, k)}] = {launch}")
+    if options != SkinnyOptions():
+        flips.append(f"SKINNY_SHAPE_OPTIONS[{(n, k)}] = {options!r}")
+    if defer_sum != fp8_skinny_configs.skinny_defers_sum(n, k):
+        flips.append(f"SKINNY_DEFER_SHAPES {'add' if defer_sum else 'drop'} {(n, k)}")
+    print(
+        f"{name:16} flip to {best} ({times[best]:.2f} against {times['plain']:.2f} us): "
+        + "; ".join(flips),
+        flush=True,
+    )
 
 
 def run_stats(args) -> None:
