@@ -22,6 +22,7 @@ def test_pinned_uploads_keep_every_steps_masks() -> None:
     for step, m in enumerate([3, 64, 5, 128, 1, 64, 64]):
         torch.cuda._sleep(2_000_000)  # a forward still queued ahead of the copy
         rows = rng.permutation(200)[:m].astype(np.int32)
+        rows.setflags(write=False)  # as a decoded message's arrays are
         bitmask = rng.integers(-(2**31), 2**31, (m, 4008), dtype=np.int32)
         sent.append((rows, bitmask.copy()))
         got.append(send(rows, bitmask))

@@ -55,9 +55,9 @@ class GrammarUpload:
         if slot.rows.numel() < m:
             slot.rows = torch.empty(max(m, 64), dtype=torch.int64, pin_memory=True)
         host = slot.host[: m * words].view(m, words)
-        host.copy_(torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32)))
+        host.numpy()[...] = bitmask  # numpy's copy: the array may be a read-only message view
         host_rows = slot.rows[:m]
-        host_rows.copy_(torch.from_numpy(np.asarray(rows)))
+        host_rows.numpy()[...] = rows
         out = (
             host_rows.to(self.device, non_blocking=True),
             host.to(self.device, non_blocking=True),
