@@ -23,8 +23,11 @@ from torch import nn
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dimension (no weight), the rms in float32."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    """x / rms(x) over the last dimension (no weight), in float32, rounded once to x's dtype.
+    torch's rms_norm: on CUDA one fused kernel, where a widened copy of x and its square would
+    each take twice a 16-bit x's bytes (a prefill's queries [n, heads, head_dim]: the bulk of
+    DeepSeek-V4-Flash's activation peak)."""
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def sinkhorn_knopp(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
