@@ -234,8 +234,23 @@ def test_flash_kernels_compile_as_loops_without_spills() -> None:
         assert row["stack"] == 0 and row["programs_per_sm"] >= 2, row
 
 
+# bfloat16 on CUDA only (Triton's interpreter multiplies bfloat16 as raw bits): the model's dtype,
+# its products rounded to bfloat16 between the launches
+FUSED_EXPERT_DTYPES = [pytest.param(torch.float32, 1e-5, id="float32")] + [
+    pytest.param(
+        torch.bfloat16,
+        3e-2,
+        id="bfloat16",
+        marks=pytest.mark.gpu,
+    )
+]
+
+
+@pytest.mark.parametrize("dtype,tol", FUSED_EXPERT_DTYPES)
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 6), (5, 2), (40, 3)])
-def test_fused_experts_match_float64(num_tokens: int, top_k: int) -> None:
+def test_fused_experts_match_float64(
+    num_tokens: int, top_k: int, dtype: torch.dtype, tol: float
+) -> None:
     """The float routed experts' kernel launches (v4_experts.py): each pair's weighted
     w2 @ swiglu_limit(w13 @ x), the SwiGLU clamped (gate <= limit, |up| <= limit: a limit the
     pre-activations cross), against a float64 reference; a token's pairs stay apart."""
@@ -243,9 +258,9 @@ def test_fused_experts_match_float64(num_tokens: int, top_k: int) -> None:
 
     hidden, inter, num_experts, limit = 48, 40, 8, 0.7
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(num_tokens, hidden, generator=g)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.3
-    w2 = torch.randn(num_experts, hidden, inter, generator=g) * 0.3
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.3).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) * 0.3).to(dtype)
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)])
     weights = torch.rand(num_tokens, top_k, generator=g)
     args = (t.to(DEVICE) for t in (x, w13, w2, weights, ids))
@@ -256,7 +271,7 @@ def test_fused_experts_match_float64(num_tokens: int, top_k: int) -> None:
     assert gate.max() > limit and up.abs().max() > limit  # the clamp takes part
     act = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
     want = torch.einsum("nki,nkdi->nkd", act, w2.double()[ids]) * weights.double().unsqueeze(-1)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("hc", [2, 4])
