@@ -39,15 +39,16 @@ DEVICE = "cpu" if "--dry-run" in sys.argv else "cuda"
 DTYPE = torch.float16 if DEVICE == "cpu" else torch.bfloat16
 
 
-def _time_us(fn, copies: int, calls: int = 32) -> float:
-    """Median µs of one call, from a CUDA graph of `calls` calls cycling `copies` operand sets
-    (the dry run: the wall time of two eager calls)."""
+def _time_us(fn, copies: int) -> float:
+    """Median µs of one call, from a CUDA graph of calls cycling `copies` operand sets (32 calls;
+    4 for a prefill's large sets, whose calls take milliseconds) (the dry run: the wall time of two
+    eager calls)."""
     if DEVICE == "cpu":
         start = time.perf_counter()
         for i in range(2):
             fn(i % copies)
         return (time.perf_counter() - start) * 1e6 / 2
-    return graph_call_us(lambda i: fn(i % copies), calls)
+    return graph_call_us(lambda i: fn(i % copies), 32 if copies > 2 else 4)
 
 
 def bench_attention(n: int, entries: int, slots: int, copies: int, gen: torch.Generator) -> None:
@@ -113,8 +114,8 @@ def bench_hc_mix(n: int, gen: torch.Generator) -> None:
     mixes = torch.randn(n, (2 + hc) * hc, device=DEVICE, generator=gen)
     scale = torch.rand(3, device=DEVICE, generator=gen)
     base = torch.randn((2 + hc) * hc, device=DEVICE, generator=gen)
-    torch_us = _time_us(lambda i: hc_mix(mixes, scale, base, hc, iters, eps), 1)
-    kernel_us = _time_us(lambda i: v4_hc_mix(mixes, scale, base, hc, iters, eps), 1)
+    torch_us = _time_us(lambda i: hc_mix(mixes, scale, base, hc, iters, eps), 16)
+    kernel_us = _time_us(lambda i: v4_hc_mix(mixes, scale, base, hc, iters, eps), 16)
     diff = max(
         (a - b).abs().max().item()
         for a, b in zip(hc_mix(mixes, scale, base, hc, iters, eps),
