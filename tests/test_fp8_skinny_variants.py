@@ -95,6 +95,23 @@ def test_variant_under_the_add_norm_prologue(variant: str, defer_sum: bool) -> N
     _assert_matches(y, _reference(rms_norm(residual + update, norm_weight, 1e-6), qw, sw, None))
 
 
+def test_one_pass_over_x_with_a_static_scale() -> None:
+    """x_block past K under the add+norm prologue: the statistics and the amax (here unused: a
+    static input scale) from one load of the row, then split K over the weights."""
+    qw, sw = _weight(seed=6)
+    gen = torch.Generator().manual_seed(7)
+    residual, update = ((torch.randn(2, K, generator=gen) * 2).to(DEVICE) for _ in range(2))
+    norm_weight = (1 + 0.3 * torch.randn(K, generator=gen)).to(DEVICE)
+    static = torch.tensor(0.05, device=DEVICE)
+    options = SkinnyOptions(x_block=4096, split_k=2, preload=True)
+    h, y = w8a8_skinny_add_norm(
+        residual, update, norm_weight, 1e-6, qw, sw, static, LAUNCH, options
+    )
+    assert torch.equal(h, residual + update)
+    ref = _reference(rms_norm(residual + update, norm_weight, 1e-6), qw, sw, static)
+    _assert_matches(y, ref)
+
+
 def test_split_k_gives_the_same_result_every_run() -> None:
     """The partials are summed in a fixed order: no run-to-run difference (greedy tokens stay)."""
     qw, sw = _weight(seed=5)

@@ -76,6 +76,7 @@ def w8a8_skinny_kernel(
     SPLIT_K: tl.constexpr = 1,  # the launch variants (GROUP 0 only): see SkinnyOptions
     PERSISTENT: tl.constexpr = False,
     X_BLOCK: tl.constexpr = 0,  # K elements per step of the passes over x (0: BLOCK_K)
+    X_ONE_PASS: tl.constexpr = False,  # NORM, X_BLOCK >= K: statistics and amax from one load
     PRELOAD: tl.constexpr = False,
     W_CACHE: tl.constexpr = "",
     W_EVICT: tl.constexpr = "",
@@ -148,7 +149,7 @@ def w8a8_skinny_kernel(
             tl.extra.cuda.gdc_launch_dependents()
         inv_rms, a_s = _row_scales(
             x_ptr, u_ptr, nw_ptr, h_ptr, static_ptr, M, K, stride_xm, stride_um, stride_hm, eps,
-            STATIC, NORM, BLOCK_M, X_BLOCK if X_BLOCK > 0 else BLOCK_K,
+            STATIC, NORM, BLOCK_M, X_BLOCK if X_BLOCK > 0 else BLOCK_K, X_ONE_PASS,
         )  # fmt: skip
         if PERSISTENT:
             for t in range(tile, tl.cdiv(N, BLOCK_N) * SPLIT_K, tl.num_programs(0)):
@@ -171,16 +172,32 @@ def w8a8_skinny_kernel(
 def _row_scales(
     x_ptr, u_ptr, nw_ptr, h_ptr, static_ptr, M, K, stride_xm, stride_um, stride_hm, eps,
     STATIC: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, X_BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):  # fmt: skip
     """(inv_rms, a_s), each [1, BLOCK_M, 1]: NORM's 1 / rms of x + update per row (program 0
     writes h = x + update on the way) and the rows' e4m3 scales, from passes over x in X_BLOCK
-    steps, each step one dependent round trip to L2."""
+    steps, each step one dependent round trip to L2 (ONE_PASS: NORM over rows within one step,
+    both from that step's one load)."""
     m3 = tl.arange(0, BLOCK_M)[None, :, None]
     mm3 = m3 < M
     xs = tl.arange(0, X_BLOCK)[None, None, :]
     x_rows = x_ptr + m3 * stride_xm + xs  # [1, BLOCK_M, X_BLOCK]
     u_rows = u_ptr + m3 * stride_um + xs
     inv_rms = tl.zeros((1, BLOCK_M, 1), dtype=tl.float32)
+    if ONE_PASS:
+        mask = mm3 & (xs < K)
+        h = _residual_sum(x_rows, u_rows, mask)
+        if tl.program_id(0) == 0:
+            tl.store(h_ptr + m3 * stride_hm + xs, h, mask=mask)
+        sum_sq = tl.sum(h.to(tl.float32) * h.to(tl.float32), axis=2)  # [1, BLOCK_M]
+        inv_rms = tl.rsqrt(sum_sq / K + eps)[:, :, None]
+        normed = (h.to(tl.float32) * inv_rms).to(h.dtype)  # as _skinny_x_tile
+        norm_w = tl.load(nw_ptr + xs, mask=xs < K, other=0.0).to(tl.float32)
+        x = (norm_w * normed.to(tl.float32)).to(h.dtype)
+        a_s = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), axis=2) / FP8_MAX, MIN_SCALE)[:, :, None]
+        if STATIC:
+            a_s = tl.load(static_ptr).to(tl.float32) + tl.zeros((1, BLOCK_M, 1), dtype=tl.float32)
+        return inv_rms, a_s
     if NORM:  # the rows' statistics; program 0 writes h on the way
         h_rows = h_ptr + m3 * stride_hm + xs
         sum_sq = tl.zeros((1, BLOCK_M), dtype=tl.float32)
@@ -432,6 +449,7 @@ def plan_skinny(
         SPLIT_K=split_k,
         PERSISTENT=bool(options.persistent),
         X_BLOCK=x_block,
+        X_ONE_PASS=norm and bool(options.x_block) and x_block >= k,
         PRELOAD=options.preload,
         W_CACHE=options.weight_cache,
         W_EVICT=options.weight_evict,
