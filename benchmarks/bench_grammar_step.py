@@ -25,7 +25,9 @@ is as wide as on a real model of that vocabulary. `--device cuda`: the worker sa
 applies the masks) on the GPU, each forward being `--forward-ms` of queued GPU work; the step
 wall of constrained rows over that of none is then the whole cost of structure, the driver's and
 the mask upload's (`--pinned-masks off,on` compares the two uploads). A finished request
-is replaced between steps, outside the timed span. Under async scheduling a step with grammar
+is replaced between steps, outside the timed span; the unconstrained requests are as long as
+the constrained ones are on average (measured first), so that requests come and go as often at
+any count of constrained rows. Under async scheduling a step with grammar
 rows cannot sample before the previous step's tokens have advanced the grammars: what a step
 adds over the unconstrained one is what the GPU would wait for.
 """
@@ -222,8 +224,12 @@ def main() -> None:
         max_tokens=400,
         structured_outputs=StructuredOutputsParams(json=json.loads(SCHEMA.read_text())),
     )
-    plain = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     eng.grammars.prepare(constrained).result()  # the schema compiled (and cached) before a run
+    # plain requests as long as the constrained ones: requests end and start as often whatever
+    # the share of constrained rows, so that what a count of them adds is the grammars' alone
+    probe = llm.generate([PROMPT] * 8, constrained, use_tqdm=False)
+    plain_len = round(sum(len(o.outputs[0].token_ids) for o in probe) / len(probe))
+    plain = SamplingParams(temperature=0, max_tokens=plain_len, ignore_eos=True)
     live: dict[str, bool] = {}  # request id -> constrained
 
     def top_up(n_grammar: int) -> None:
