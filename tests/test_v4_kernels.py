@@ -105,14 +105,16 @@ def test_sparse_attention_matches_float64(
 ) -> None:
     """70 keys: whole blocks of masked keys (a fixed-width entry list's tail, and one in the
     middle) are skipped, the rest as the reference. Each launch plan; with tensor cores the
-    products take float16 operands (the probabilities rounded to them too)."""
+    products take 16-bit operands (the probabilities rounded to them too)."""
     from atomrt.workers.kernels.v4 import v4_kernels
 
     tile, warps, tensor_cores = ATTN_PLANS[plan]
     monkeypatch.setattr(v4_kernels, "ATTN_HEAD_TILE", tile)
     monkeypatch.setattr(v4_kernels, "ATTN_WARPS", warps)
     monkeypatch.setattr(v4_kernels, "ATTN_TENSOR_CORES", tensor_cores)
-    dtype, tol = (torch.float16, 5e-3) if tensor_cores else (torch.float32, 1e-5)
+    dtype, tol = (torch.float32, 1e-5)
+    if tensor_cores:  # the model's bfloat16 on CUDA
+        dtype, tol = (torch.bfloat16, 3e-2) if DEVICE == "cuda" else (torch.float16, 5e-3)
     n, d, width = 3, 24, 64
     scale = d**-0.5
     g = torch.Generator().manual_seed(5)
@@ -291,3 +293,29 @@ def test_hc_mix_matches_float64(hc: int) -> None:
     for g_, w in zip(got, want):
         torch.testing.assert_close(g_.cpu().double(), w, rtol=1e-5, atol=1e-6)
     assert torch.allclose(got[2].sum(dim=-2).cpu(), torch.ones(n, hc), atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_options_give_the_default_logits_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny V4 preset on CUDA in float32, a ragged prefill and decode steps: with the
+    attention's 16-head tensor-core plan (float32 q keeps float32 products) and the mHC mixing
+    kernel on, the logits are the default launches' (to float32 rounding)."""
+    from model_harness import run_prefill_and_decode
+
+    from atomrt.runtime.config import Config, ModelConfig
+    from atomrt.workers.kernels.v4 import v4_kernels
+    from atomrt.workers.layers import v4_hyper
+    from atomrt.workers.loading.loader import load_model
+
+    config = Config(model="tiny-deepseek-v4", model_config=ModelConfig(load_format="dummy"))
+    model = load_model(config, "cuda", torch.float32).model
+    prompts = [list(range(3, 40)), [5, 6, 7], list(range(50, 70))]
+    default = run_prefill_and_decode(model, prompts, 4, block_size=16)
+    for name in ("ATTN_HEAD_TILE", "ATTN_WARPS", "ATTN_TENSOR_CORES"):
+        monkeypatch.setattr(v4_kernels, name, getattr(v4_kernels, name))  # restored after
+    v4_kernels.use_attn_plan("h16-tc")
+    monkeypatch.setattr(v4_hyper, "HC_MIX_KERNEL", True)
+    options = run_prefill_and_decode(model, prompts, 4, block_size=16)
+    assert options.sequences == default.sequences
+    for a, b in zip(options.logits, default.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
