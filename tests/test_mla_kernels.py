@@ -512,3 +512,26 @@ def test_rejects_bad_arguments() -> None:
             batch.kv_cache,
             torch.zeros(1, dtype=torch.long, device=DEVICE),
         )
+
+
+@pytest.mark.parametrize("merge_in_kernel", [False, True], ids=["merge-launch", "merge-in-kernel"])
+def test_bf16_partials_stay_within_their_rounding(
+    merge_in_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """partials_bf16: the splits' unnormalised outputs stored in bfloat16 (m and l in fp32), merged
+    by the merge launch or in the kernel. The workspace starts as NaN (a partial read unwritten
+    shows), idle splits included; the result is the float64 reference's to bf16's rounding of the
+    partials (2^-9 relative, 2^-8 where the interpreter truncates), decode and verify rows."""
+    poison_split_workspace(monkeypatch)
+    batch = make_mla_batch(
+        [1, 2, 1], [150, 97, 0], num_heads=4, kv_lora_rank=48, rope_dim=16, extra_rows=1, seed=31
+    )
+    plan = dataclasses.replace(
+        forced_plan(4, 48, 16, num_splits=5, block_q=2),
+        partials_bf16=True,
+        merge_in_kernel=merge_in_kernel,
+    )
+    out = run_mla(batch, plan=plan)
+    check_mla(batch, out, atol=1e-2, rtol=1e-2)
+    # the rounding is the partials' alone: fp32 partials meet the tight bound
+    check_mla(batch, run_mla(batch, plan=dataclasses.replace(plan, partials_bf16=False)))

@@ -7,7 +7,7 @@
 #   q             [R, H, D]  absorbed query: columns :L meet the latent, columns L: the rotary key
 #   kv_cache      [num_blocks, block_size, D]  per token the normalised latent, then the rotated k_pe
 #   out           [R, H, L]
-#   partial acc   [R, H, S, L] fp32, unnormalised;  m, l [R, H, S] fp32 (m in log2 units)
+#   partial acc   [R, H, S, L] fp32 (or bf16), unnormalised;  m, l [R, H, S] fp32 (m in log2 units)
 #   cu_seqlens_q  [B + 1],  seq_lens [B],  block_table [B, max_blocks]
 #
 # MLA decode is MQA over one latent head: K is the whole cache row and V its first L columns, so each
@@ -389,7 +389,8 @@ def mla_decode_kernel(
             saw_key = store_mask & (l_i > 0.0)[:, None]
             if MERGE_IN_KERNEL:  # every row's (zeros where no key was seen): see _merge_splits
                 saw_key = store_mask
-            tl.store(p_ptrs[:, None] + lora[None, :], acc, mask=saw_key)
+            p_ty = partial_ptr.dtype.element_ty  # fp32, or bf16 (partials_bf16)
+            tl.store(p_ptrs[:, None] + lora[None, :], acc.to(p_ty), mask=saw_key)
             ml_off = q_row * stride_mr + head * stride_mh + split
             tl.store(m_ptr + ml_off, m_i, mask=row_valid)
             tl.store(l_ptr + ml_off, l_i, mask=row_valid)

@@ -1,5 +1,6 @@
 # The merge of MLA decode's KV splits (mla_kernels.py's decode kernel leaves their partials; shapes
-# as there: partial acc [R, H, S, L] fp32, unnormalised; m, l [R, H, S] fp32, m in log2 units):
+# as there: partial acc [R, H, S, L] fp32 or bf16, unnormalised; m, l [R, H, S] fp32, m in log2
+# units):
 #   mla_merge_kernel - a launch of its own, (row, head, latent chunk) per program
 #   _merge_splits    - the decode kernel's own merge (merge_in_kernel): its last split program to
 #                      finish merges a query tile's splits
@@ -12,7 +13,7 @@ from atomrt.workers.kernels.attention.attention_kernels import _NEG_BIG
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def mla_merge_kernel(
-    partial_ptr,  # [R, H, S, L] fp32
+    partial_ptr,  # [R, H, S, L] fp32 or bf16
     m_ptr,
     l_ptr,  # [R, H, S] fp32
     out_ptr,  # [R, H, L]
@@ -53,9 +54,9 @@ def mla_merge_kernel(
     o_base = out_ptr + row64 * stride_or + head * stride_oh
     dims = d0 + tl.arange(0, DIM_CHUNK)
     dim_valid = dims < kv_lora_rank
-    acc = tl.load(
-        a_base + dims[None, :], mask=live[:, None] & dim_valid[None, :], other=0.0
-    )  # [SPLITS_P, DIM_CHUNK]
+    acc_mask = live[:, None] & dim_valid[None, :]
+    # [SPLITS_P, DIM_CHUNK]
+    acc = tl.load(a_base + dims[None, :], mask=acc_mask, other=0.0).to(tl.float32)
     o = tl.sum(w[:, None] * acc, 0) * inv
     tl.store(o_base + dims, o.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
@@ -102,7 +103,7 @@ def _merge_splits(partial_ptr, m_ptr, l_ptr, out_ptr, q_row, head, row_valid, nu
                     mask=take[:, None] & dim_valid[None, :],
                     other=0.0,
                     cache_modifier=".cg",
-                )  # [BLOCK_M, MERGE_DIM]
+                ).to(tl.float32)  # [BLOCK_M, MERGE_DIM]
                 acc += tl.where(l_s > 0.0, tl.exp2(m_s - m_tot), 0.0)[:, None] * a_s
         o_mask = row_valid[:, None] & dim_valid[None, :]
         tl.store(o_base[:, None] + dims[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
