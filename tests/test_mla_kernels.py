@@ -535,3 +535,25 @@ def test_bf16_partials_stay_within_their_rounding(
     check_mla(batch, out, atol=1e-2, rtol=1e-2)
     # the rounding is the partials' alone: fp32 partials meet the tight bound
     check_mla(batch, run_mla(batch, plan=dataclasses.replace(plan, partials_bf16=False)))
+
+
+@pytest.mark.parametrize(
+    "merge_splits,merge_regs", [(8, 16384), (2, 512)], ids=["wide-steps", "narrow-chunks"]
+)
+def test_merge_in_kernel_steps(
+    merge_splits: int, merge_regs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """merge_in_kernel at other merge steps: 8 splits a step over all 64 latent columns (more
+    working splits than a step, and fewer), and 2 splits a step over 16-column chunks of a 48-wide
+    latent (the last chunk part padding); the workspace starts as NaN."""
+    poison_split_workspace(monkeypatch)
+    batch = make_mla_batch(
+        [1, 1, 2], [190, 40, 120], num_heads=4, kv_lora_rank=48, rope_dim=16, extra_rows=1, seed=32
+    )
+    plan = dataclasses.replace(
+        forced_plan(4, 48, 16, num_splits=11, block_q=2),
+        merge_in_kernel=True,
+        merge_splits=merge_splits,
+        merge_regs=merge_regs,
+    )
+    check_mla(batch, run_mla(batch, plan=plan))

@@ -84,6 +84,11 @@ class MLADecodeLaunch:
     # 9.4 MB cache); they are unnormalised sums of weights <= 1 times the values, so their rounding
     # (2^-9 relative) is about the output's own
     partials_bf16: bool = False
+    # merge_in_kernel: splits the merging program reads per step, and the fp32 partials it holds at
+    # once (rows x merge_splits x latent columns); a step's loads all go out before its sums, so
+    # more of them put more bytes in flight for the one program that merges every split
+    merge_splits: int = MERGE_SPLITS
+    merge_regs: int = MERGE_REGS
 
 
 @functools.lru_cache(maxsize=4096)
@@ -317,6 +322,7 @@ def _decode_constexprs(
     plan: MLADecodeLaunch, block_size: int, cache_dtype: torch.dtype
 ) -> tuple[tuple[str, object], ...]:
     """mla_decode_kernel's constexprs and launch options, in its signature's order."""
+    merge_dim = min(plan.lora_p, max(16, plan.merge_regs // (plan.block_m * plan.merge_splits)))
     return (
         ("HEADS_P", plan.heads_p),
         ("BLOCK_Q", plan.block_q),
@@ -329,8 +335,8 @@ def _decode_constexprs(
         ("IEEE_DOT", cache_dtype == torch.float32),
         ("PREFETCH_BLOCKS", plan.prefetch_blocks),
         ("MERGE_IN_KERNEL", plan.merge_in_kernel and plan.num_splits > 1),
-        ("MERGE_SPLITS", MERGE_SPLITS),
-        ("MERGE_DIM", min(plan.lora_p, max(16, MERGE_REGS // (plan.block_m * MERGE_SPLITS)))),
+        ("MERGE_SPLITS", plan.merge_splits),
+        ("MERGE_DIM", merge_dim),
         ("num_warps", plan.num_warps),
         ("num_stages", plan.num_stages),
     )
