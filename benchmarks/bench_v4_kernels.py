@@ -1,8 +1,8 @@
 """DeepSeek-V4's kernels (workers/kernels/v4/) at DeepSeek-V4-Flash's shapes, bf16 cache rows of an
 HCA layer (kv | compressor kv | gate | entry, 512 each): the sparse attention (64 query heads of
 512, a 128-token window plus the entries) under each launch plan, the compressor (HCA rate 128,
-CSA rate 4 with overlapping windows), and the hyper-connections' mixing weights (torch's ops
-against the one launch of v4_hc.py).
+CSA rate 4 with overlapping windows), and the hyper-connections' mixing weights and the query's
+rotary embedding (torch's ops against the one launch of v4_hc.py, v4_rope.py).
 
     python benchmarks/bench_v4_kernels.py [--rows 1,8,32,2048] [--entries 16]
     python benchmarks/bench_v4_kernels.py --dry-run [--rows 1,3]
@@ -125,6 +125,23 @@ def bench_hc_mix(n: int, gen: torch.Generator) -> None:
           f"max |diff| {diff:.3g}", flush=True)  # fmt: skip
 
 
+def bench_rope(n: int, gen: torch.Generator) -> None:
+    """The query's rotary embedding ([n, 64, 512], its last 64 channels): torch's ops against the
+    one launch of v4_rope.py (v4_modules.ROPE_KERNEL)."""
+    from atomrt.workers.kernels.v4.v4_rope import v4_rope_tail
+    from atomrt.workers.layers.v4_modules import rope_tail
+
+    q = torch.randn(n, HEADS, D, device=DEVICE, generator=gen).to(DTYPE)
+    angles = torch.rand(n, 1, 32, device=DEVICE, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    torch_us = _time_us(lambda i: rope_tail(q, cos, sin), 16)
+    kernel_us = _time_us(lambda i: v4_rope_tail(q, cos, sin), 16)
+    diff = (rope_tail(q, cos, sin).float() - v4_rope_tail(q, cos, sin).float()).abs().max().item()
+    print(f"rope q rows={n}: torch {torch_us:.2f} us, kernel {kernel_us:.2f} us "
+          f"({2 * q.numel() * q.element_size() / kernel_us / 1e3:.0f} GB/s), "
+          f"max |diff| {diff:.3g}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -147,6 +164,7 @@ def main() -> None:
         for rate, overlap in ((128, False), (4, True)):
             bench_pool(n, rate, overlap, slots, copies, gen)
         bench_hc_mix(n, gen)
+        bench_rope(n, gen)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python benchmarks/profile_step.py [--model SmolLM2-135M] [--mode FULL] [--level 0] [--bs 1]
         [--steps 200] [--async-scheduling] [--input-len 128] [--kv-cache-dtype auto]
         [--quantization fp8] [--hf-overrides JSON] [--max-model-len N]
-        [--v4-attn-plan default] [--v4-hc-mix-kernel] [--out FILE]
+        [--v4-attn-plan default] [--v4-hc-mix-kernel] [--v4-rope-kernel] [--out FILE]
 Prints (dummy weights of --model, --bs prompts of --input-len tokens each):
 - ms/step unprofiled;
 - host time per phase (perf_counter, no extra synchronisation): driver (schedule, decide, plan,
@@ -32,7 +32,7 @@ from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.workers.kernels.v4.v4_kernels import ATTN_PLANS, use_attn_plan
-from atomrt.workers.layers import v4_hyper
+from atomrt.workers.layers import v4_hyper, v4_modules
 from atomrt.workers.runner.input_batch import dummy_decode_inputs
 
 
@@ -181,10 +181,16 @@ def main() -> None:
         action="store_true",
         help="DeepSeek-V4's mHC mixing weights in one launch (workers/layers/v4_hyper.py)",
     )
+    ap.add_argument(
+        "--v4-rope-kernel",
+        action="store_true",
+        help="DeepSeek-V4's rotary embedding in one launch (workers/layers/v4_modules.py)",
+    )
     a = ap.parse_args()
     # the in-process worker launches the kernels with these
     use_attn_plan(a.v4_attn_plan)
     v4_hyper.HC_MIX_KERNEL = a.v4_hc_mix_kernel
+    v4_modules.ROPE_KERNEL = a.v4_rope_kernel
     # Early requests of a chunked prefill decode while later ones prefill: a token per chunk.
     new_tokens = 5 * a.steps + 60 + a.bs * a.input_len // 256
     max_model_len = a.max_model_len or max(2048, a.input_len + new_tokens + 64)

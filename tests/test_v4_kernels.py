@@ -298,13 +298,14 @@ def test_hc_mix_matches_float64(hc: int) -> None:
 @pytest.mark.gpu
 def test_options_give_the_default_logits_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny V4 preset on CUDA in float32, a ragged prefill and decode steps: with the
-    attention's 16-head tensor-core plan (float32 q keeps float32 products) and the mHC mixing
-    kernel on, the logits are the default launches' (to float32 rounding)."""
+    attention's 16-head tensor-core plan (float32 q keeps float32 products), the mHC mixing
+    kernel and the rotary kernel on, the logits are the default launches' (to float32
+    rounding)."""
     from model_harness import run_prefill_and_decode
 
     from atomrt.runtime.config import Config, ModelConfig
     from atomrt.workers.kernels.v4 import v4_kernels
-    from atomrt.workers.layers import v4_hyper
+    from atomrt.workers.layers import v4_hyper, v4_modules
     from atomrt.workers.loading.loader import load_model
 
     config = Config(model="tiny-deepseek-v4", model_config=ModelConfig(load_format="dummy"))
@@ -315,7 +316,34 @@ def test_options_give_the_default_logits_on_cuda(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(v4_kernels, name, getattr(v4_kernels, name))  # restored after
     v4_kernels.use_attn_plan("h16-tc")
     monkeypatch.setattr(v4_hyper, "HC_MIX_KERNEL", True)
+    monkeypatch.setattr(v4_modules, "ROPE_KERNEL", True)
     options = run_prefill_and_decode(model, prompts, 4, block_size=16)
     assert options.sequences == default.sequences
     for a, b in zip(options.logits, default.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tail_kernel_matches_torch(heads, dtype: torch.dtype) -> None:
+    """The rotary embedding in one launch (v4_rope.py) against the torch formulas
+    (v4_modules.rope_tail, which the model tests hold to transformers): a key [n, D] or a
+    query [n, H, D] (one angle per token, shared by its heads), 6 pairs after 28 channels left
+    as they are; float32 to its rounding, bfloat16 to one rounding of the result."""
+    from atomrt.workers.kernels.v4.v4_rope import v4_rope_tail
+    from atomrt.workers.layers.v4_modules import rope_tail
+
+    n, d, half = 5, 40, 6
+    g = torch.Generator().manual_seed(13)
+    shape = (n, d) if heads is None else (n, heads, d)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    angles = torch.rand(n, half, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    if heads is not None:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    got = v4_rope_tail(*(t.to(DEVICE) for t in (x, cos, sin))).cpu()
+    want = rope_tail(x, cos, sin)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got[..., : d - 2 * half], x[..., : d - 2 * half])
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)

@@ -14,9 +14,19 @@ CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 
 
+# The rotation in one Triton launch (workers/kernels/v4/v4_rope.py) rather than some ten small
+# torch kernels a call (eager CUDA, and what a CUDA graph records at level 0; traced, Inductor fuses
+# the torch ones): off until a GPU timing (benchmarks/bench_v4_kernels.py) shows the gain.
+ROPE_KERNEL = False
+
+
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the trailing 2 * cos.shape[-1] channels of x in interleaved pairs, in float32.
     cos, sin broadcast against x[..., :half] (one angle per pair)."""
+    if ROPE_KERNEL and x.is_cuda and x.dim() in (2, 3) and not torch.compiler.is_compiling():
+        from atomrt.workers.kernels.v4.v4_rope import v4_rope_tail
+
+        return v4_rope_tail(x, cos, sin)
     rd = 2 * cos.shape[-1]
     nope, rope = x[..., :-rd], x[..., -rd:].float()
     x1, x2 = rope[..., 0::2], rope[..., 1::2]
