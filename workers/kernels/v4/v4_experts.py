@@ -9,7 +9,8 @@ kernel of workers/kernels/moe/fused_moe.py:
 swiglu_limit(gate | up) = silu(min(gate, limit)) * clamp(up, -limit, limit), V4's clamped SwiGLU,
 which the kernel's fused epilogue (silu(gate) * up) does not clamp: the first launch writes the
 pairs' gate and up pre-activations [pairs, 2I] (the ungated GEMM, each pair's weight 1), torch
-clamps and multiplies them, the second launch is the kernel's down GEMM weighted by the routing.
+clamps and multiplies them in place (the gate's half of the rows [pairs, I], a strided view), the
+second launch is the kernel's down GEMM weighted by the routing.
 Each pair reads only its expert's weights: a decode step of 6 of 256 experts reads 6 experts, not
 every expert on every row.
 """
@@ -47,8 +48,9 @@ def v4_fused_experts(
     ones = torch.ones(num_pairs, dtype=torch.float32, device=x.device)
     gate_up = x.new_empty(num_pairs, 2 * inter)  # [pairs, 2I]
     _launch(x, w13, gate_up, ones, align, num_pairs, top_k, False, up_config)
+    # in place: a prefill's pairs (8192 rows x 6 at Flash's shape) would take 200 MB a temporary
     gate, up = gate_up.chunk(2, dim=-1)
-    activated = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)  # [pairs, I]
+    activated = F.silu(gate.clamp_(max=limit), inplace=True).mul_(up.clamp_(-limit, limit))
     per_pair = x.new_empty(num_pairs, hidden)  # [pairs, H]: weighted expert outputs
     weights = topk_weights.reshape(-1).float()
     _launch(activated, w2, per_pair, weights, align, num_pairs, 1, False, down_config)
