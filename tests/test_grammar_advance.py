@@ -96,6 +96,12 @@ def test_a_batch_accepted_ahead_answers_as_each_matcher_alone(
     backend.shutdown()
 
 
+def test_the_batch_accept_reads_its_answers_through_the_library_call() -> None:
+    """The installed xgrammar has the call whose answers are read in one ask (else its wrapper,
+    which reads each answer, would serve, slower)."""
+    assert xb.core_batch_accept() is not None
+
+
 def test_a_token_accepted_ahead_and_not_asked_about_is_undone(tok, backend) -> None:
     compiled = _compiled(backend, json=json.loads(SCHEMA.read_text()))
     matchers, tokens = _matchers_along(tok, backend, compiled, 6)

@@ -217,15 +217,20 @@ class XgrammarBackend(GrammarBackend):
             self._pool.shutdown(wait=False)
 
 
+def core_batch_accept() -> Any:
+    """The library call under xgrammar's `BatchGrammarMatcher.batch_accept_token` (xgrammar 0.2's
+    `base._core`), None where its layout differs."""
+    core = getattr(getattr(_xgr(), "base", None), "_core", None)
+    return getattr(getattr(core, "BatchGrammarMatcher", None), "batch_accept_token", None)
+
+
 def _batch_accept(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[bool]:
     """xgrammar's batch accept. Its Python wrapper reads the answers back one call each (about
     0.6 us a row, longer than most accepts); here one call asks whether any token was refused,
     and when none was (a token sampled under its mask never is) nothing more is read."""
-    xgr = _xgr()
-    raw = getattr(getattr(getattr(xgr, "base", None), "_core", None), "BatchGrammarMatcher", None)
-    raw = getattr(raw, "batch_accept_token", None)
+    raw = core_batch_accept()
     if raw is None:  # another xgrammar layout: its wrapper
-        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        return _xgr().BatchGrammarMatcher.batch_accept_token(matchers, tokens)
     answers = raw([m._handle for m in matchers], tokens, False)
     if 0 not in answers:  # one call into the library's array
         return [True] * len(matchers)
