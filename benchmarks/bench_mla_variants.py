@@ -100,12 +100,12 @@ def variants(base: MLADecodeLaunch, dry_run: bool) -> dict[str, MLADecodeLaunch]
             continue
         merged = r(wide, num_splits=fewer, merge_in_kernel=True)
         out[f"bf16 n64w8s2 splits{fewer} merge=kernel"] = merged
-        out[f"bf16 n64w8s2 splits{fewer} merge=kernel steps8x16k"] = r(
-            merged, merge_splits=8, merge_regs=16384
+        out[f"bf16 n64w8s2 splits{fewer} merge=kernel steps16x32k"] = r(
+            merged, merge_splits=16, merge_regs=32768
         )
     if dry_run:
-        steps = r(wide, merge_in_kernel=True, merge_splits=8, merge_regs=16384)
-        return {"planned": base, "bf16": bf16, "bf16 merge=kernel steps8x16k": steps}
+        steps = r(wide, merge_in_kernel=True, merge_splits=16, merge_regs=32768)
+        return {"planned": base, "bf16": bf16, "bf16 merge=kernel steps16x32k": steps}
     return out
 
 
