@@ -10,6 +10,8 @@ off by default or planned otherwise --
 
   partials_bf16             the splits' partial outputs in bf16 (half the bytes written and read
                             again by the merge)
+  merge_pdl                 the merge launch scheduled while the decode runs (programmatic
+                            dependent launch), waiting for it: the gap between the launches hidden
   splits / key tiles        fewer splits taking more keys each, 64-key tiles at 8 warps
   heads_p                   half the heads a tile (twice the programs, each key read twice: the
                             second time from L2)
@@ -80,6 +82,8 @@ def variants(base: MLADecodeLaunch, dry_run: bool) -> dict[str, MLADecodeLaunch]
     bf16 = r(base, partials_bf16=True)
     wide = _tile(bf16, 64, 8, 2)
     out = {"planned": base, "bf16": bf16}
+    out["merge_pdl"] = r(base, merge_pdl=True)
+    out["bf16 merge_pdl"] = r(bf16, merge_pdl=True)
     out["bf16 n16w4s2"] = _tile(bf16, 16, 4, 2)
     out["bf16 n64w8s2"] = wide
     out["bf16 n64w8s1"] = _tile(bf16, 64, 8, 1)

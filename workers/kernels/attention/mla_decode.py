@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import triton
 
+from atomrt.workers.kernels import device_info
 from atomrt.workers.kernels.attention.decode_attention import (
     DECODE_COUNTERS,
     UBATCHES,
@@ -89,6 +90,12 @@ class MLADecodeLaunch:
     # more of them put more bytes in flight for the one program that merges every split
     merge_splits: int = MERGE_SPLITS
     merge_regs: int = MERGE_REGS
+    # the merge launch (splits, no merge_in_kernel) starts with programmatic dependent launch on
+    # sm90+: the decode kernel signals at its start, so the merge's programs are scheduled as soon
+    # as every decode program is, and wait (gdc_wait) for the whole decode before reading: the gap
+    # between the two launches is hidden. The kernel before the decode has finished by then (the
+    # decode launches without the attribute), as device_info.use_pdl's contract has it.
+    merge_pdl: bool = False
 
 
 @functools.lru_cache(maxsize=4096)
@@ -275,14 +282,16 @@ def launch_mla_decode(
         kv_cache.stride(1),
         block_table.stride(0),
     )
+    merge_pdl = split and not plan.merge_in_kernel and plan.merge_pdl and _pdl_capable(q.device)
     _DECODE_LAUNCHES(
         grid,
         tensors,
         scalars,
-        _decode_constexprs(plan, kv_cache.shape[1], _product_dtype(q, kv_cache)),
+        _decode_constexprs(plan, kv_cache.shape[1], _product_dtype(q, kv_cache), merge_pdl),
     )
     if not split or plan.merge_in_kernel:
         return
+    pdl = dict(USE_PDL=True, launch_pdl=device_info.PDL_ATTRIBUTE) if merge_pdl else {}
     splits_p = max(32, triton.next_power_of_2(plan.num_splits))  # few variants: 32, 64, 128
     dim_chunk = min(plan.lora_p, MERGE_TILE // splits_p)
     launch(
@@ -303,7 +312,16 @@ def launch_mla_decode(
         SPLITS_P=splits_p,
         DIM_CHUNK=dim_chunk,
         num_warps=4,
+        **pdl,
     )
+
+
+def _pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch runs on `device` (CUDA sm90+)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @functools.lru_cache(maxsize=1024)
@@ -319,7 +337,7 @@ def _product_dtype(q: torch.Tensor, kv_cache: torch.Tensor) -> torch.dtype:
 
 
 def _decode_constexprs(
-    plan: MLADecodeLaunch, block_size: int, cache_dtype: torch.dtype
+    plan: MLADecodeLaunch, block_size: int, cache_dtype: torch.dtype, merge_pdl: bool = False
 ) -> tuple[tuple[str, object], ...]:
     """mla_decode_kernel's constexprs and launch options, in its signature's order."""
     merge_dim = min(plan.lora_p, max(16, plan.merge_regs // (plan.block_m * plan.merge_splits)))
@@ -337,6 +355,7 @@ def _decode_constexprs(
         ("MERGE_IN_KERNEL", plan.merge_in_kernel and plan.num_splits > 1),
         ("MERGE_SPLITS", plan.merge_splits),
         ("MERGE_DIM", merge_dim),
+        ("LAUNCH_DEPENDENTS", merge_pdl),
         ("num_warps", plan.num_warps),
         ("num_stages", plan.num_stages),
     )

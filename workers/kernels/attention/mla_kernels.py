@@ -242,6 +242,7 @@ def mla_decode_kernel(
     MERGE_IN_KERNEL: tl.constexpr,  # SPLIT: the last split program to finish merges the splits
     MERGE_SPLITS: tl.constexpr,  # splits the merging program reads per step
     MERGE_DIM: tl.constexpr,  # latent columns it merges per step
+    LAUNCH_DEPENDENTS: tl.constexpr,  # the merge launch that follows waits on it (merge_pdl)
 ):
     """Causal attention of a request's query rows, for one tile of heads, over one KV split.
 
@@ -261,6 +262,8 @@ def mla_decode_kernel(
     (request, program column) counter; the one that takes the last merges every split's partials
     of its query tiles into `out` (_merge_splits) and zeros the counter for the next launch.
     """
+    if LAUNCH_DEPENDENTS:  # the merge may be scheduled now: it waits for this whole grid to finish
+        tl.extra.cuda.gdc_launch_dependents()
     num_head_tiles = tl.cdiv(num_heads, HEADS_P)
     head_tile = tl.program_id(0) % num_head_tiles  # a row block's head tiles are neighbours
     row_block = tl.program_id(0) // num_head_tiles

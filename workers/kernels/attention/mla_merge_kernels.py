@@ -30,6 +30,7 @@ def mla_merge_kernel(
     stride_oh,
     SPLITS_P: tl.constexpr,
     DIM_CHUNK: tl.constexpr,  # latent columns per program (the tile is SPLITS_P x DIM_CHUNK fp32)
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (merge_pdl)
 ):
     """Merges the KV splits of one (row, head), DIM_CHUNK latent columns per program (grid dim 2):
     out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits that saw a key (l_s > 0):
@@ -39,7 +40,11 @@ def mla_merge_kernel(
     row = tl.program_id(0)
     head = tl.program_id(1)
     d0 = tl.program_id(2) * DIM_CHUNK
-    if row >= tl.load(cu_seqlens_q_ptr + num_reqs):
+    num_rows = tl.load(cu_seqlens_q_ptr + num_reqs)  # the step's metadata: before the wait
+    if USE_PDL:  # before any return, and before the partials: the decode kernel writes them
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if row >= num_rows:
         return
     row64 = row.to(tl.int64)
     splits = tl.arange(0, SPLITS_P)
