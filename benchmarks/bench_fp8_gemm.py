@@ -69,7 +69,6 @@ VARIANTS: dict[str, tuple[dict[str, int], SkinnyOptions]] = {
     "preload x2048": ({}, SkinnyOptions(preload=True, x_block=2048)),
     "preload x4096": ({}, SkinnyOptions(preload=True, x_block=4096)),
     "w .cg": ({}, SkinnyOptions(weight_cache=".cg")),
-    "w .cs": ({}, SkinnyOptions(weight_cache=".cs")),
     "w evict_first": ({}, SkinnyOptions(weight_evict="evict_first")),
     "persistent2": ({}, SkinnyOptions(persistent=2)),
     "persistent4": ({}, SkinnyOptions(persistent=4)),

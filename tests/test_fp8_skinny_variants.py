@@ -34,7 +34,7 @@ VARIANTS = {
     "preload": SkinnyOptions(preload=True),
     "preload-split": SkinnyOptions(preload=True, split_k=4, x_block=1024),
     "cg": SkinnyOptions(weight_cache=".cg"),
-    "evict-first": SkinnyOptions(weight_evict="evict_first", weight_cache=".cs"),
+    "evict-first": SkinnyOptions(weight_evict="evict_first", weight_cache=".cg"),
 }
 
 
@@ -129,6 +129,8 @@ def test_variants_name_what_does_not_fit() -> None:
         SkinnyOptions(preload=True, persistent=1)
     with pytest.raises(ValueError, match="weight_cache"):
         SkinnyOptions(weight_cache=".ca2")
+    with pytest.raises(ValueError, match="weight_cache"):  # a store's modifier: tl.load refuses it
+        SkinnyOptions(weight_cache=".cs")
     w = torch.randn(256, 256, generator=torch.Generator().manual_seed(7))
     qw, sw = (t.to(DEVICE) for t in quantize_fp8(w, 128))  # 1x128 groups
     x = torch.randn(1, 256, device=DEVICE)

@@ -45,7 +45,7 @@ def skinny_defers_sum(n: int, k: int) -> bool:
     return SKINNY_DEFER_SUM or (n, k) in SKINNY_DEFER_SHAPES
 
 
-WEIGHT_CACHE_MODIFIERS = ("", ".cg", ".cs")  # tl.load's cache_modifier for the weight tiles
+WEIGHT_CACHE_MODIFIERS = ("", ".cg")  # tl.load's cache_modifier for weight tiles (.cs: stores only)
 WEIGHT_EVICTION_POLICIES = ("", "evict_first")  # and its eviction_policy
 
 
