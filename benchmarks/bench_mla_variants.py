@@ -56,6 +56,7 @@ from atomrt.workers.kernels.attention.mla_decode import (  # noqa: E402
     plan_mla_decode,
 )
 from atomrt.workers.kernels.device_info import sm_count  # noqa: E402
+from atomrt.workers.kernels.launch import compile_ahead  # noqa: E402
 
 ERR_FACTOR = 3.0  # a case's max_err may be this many times the planned launch's
 
@@ -84,7 +85,8 @@ def variants(base: MLADecodeLaunch, dry_run: bool) -> dict[str, MLADecodeLaunch]
     out = {"planned": base, "bf16": bf16}
     out["merge_pdl"] = r(base, merge_pdl=True)
     out["bf16 merge_pdl"] = r(bf16, merge_pdl=True)
-    out["bf16 n16w4s2"] = _tile(bf16, 16, 4, 2)
+    out["bf16 n16w4s2"] = _tile(bf16, 16, 4, 2)  # the tiles that keep two programs an SM unspilled
+    out["bf16 n32w4s1"] = _tile(bf16, 32, 4, 1)
     out["bf16 n64w8s2"] = wide
     out["bf16 n64w8s1"] = _tile(bf16, 64, 8, 1)
     for d in (2, 4):
@@ -129,6 +131,12 @@ def variant_sweep(
     )  # fmt: skip
     rows: list[dict] = []
     plans = variants(base, dry_run)
+    try:  # every variant's kernels compile side by side first (not under the interpreter)
+        with compile_ahead() as ahead:
+            for plan in plans.values() if ahead else ():
+                call(s, 0, plan)
+    except Exception as exc:  # noqa: BLE001 - a variant that fails to compile fails in its row
+        print(json.dumps(dict(compile_ahead_error=type(exc).__name__)), flush=True)
     for name, plan in plans.items():
         row = dict(heads=shape.num_heads, bs=shape.bs, ctx=shape.ctx, case=name)
         try:
