@@ -23,7 +23,8 @@ SKINNY_STAGES = 3
 # bench_fp8_gemm.py --m 1 on an H100 timed it faster: 8B's o 9.58 against 10.19 us, down 24.71
 # against 26.66 (qkv 14.21 against 12.51 and gate_up 45.70 against 44.27 went slower)
 SKINNY_DEFER_SUM = False
-SKINNY_DEFER_SHAPES = frozenset({(4096, 4096), (4096, 14336)})
+# (V2-Lite's q 4.30 against 4.98 us and o 3.73 against 4.29 on the sweep that set the options below)
+SKINNY_DEFER_SHAPES = frozenset({(4096, 4096), (4096, 14336), (3072, 2048), (2048, 2048)})
 # (block_k, products, warps, stages) per weight shape (N, K) where the sweep found a faster
 # launch than the default at M=1 (bench_fp8_gemm.py --sweep on one H100, µs per call with the
 # weights from HBM: benchmarks/notes-deepseek-decode-and-startup.md); other shapes take the default
@@ -100,8 +101,16 @@ class SkinnyOptions:
 
 
 # the variants per weight shape (N, K) where bench_fp8_gemm.py --variants times one faster than the
-# plain launch; other shapes take SkinnyOptions()
-SKINNY_SHAPE_OPTIONS: dict[tuple[int, int], SkinnyOptions] = {}
+# plain launch; other shapes take SkinnyOptions(). One H100 (`--variants --norm`, m=1, 51c1ee8):
+# x read 4096 wide for its amax and norm, 8B qkv 13.46 against 14.92 us and gate_up 47.87 against
+# 53.00 (both with the add+norm prologue), o 8.82 against 9.28 with its first weight step
+# preloaded; split-K and persistent grids lost at every shape. Llama-3.1-8B FP8 bs=1 with these
+# (and V2-Lite's SKINNY_DEFER_SHAPES above): 3.812 against 4.119 ms, bf16 5.743 ms in that call
+SKINNY_SHAPE_OPTIONS: dict[tuple[int, int], SkinnyOptions] = {
+    (6144, 4096): SkinnyOptions(x_block=4096),
+    (28672, 4096): SkinnyOptions(x_block=4096),
+    (4096, 4096): SkinnyOptions(x_block=4096, preload=True),
+}
 
 
 def skinny_options(n: int, k: int) -> SkinnyOptions:
