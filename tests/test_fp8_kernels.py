@@ -68,7 +68,10 @@ def test_w8a8_gemm_matches_float64(m: int, group: Optional[int]) -> None:
     qx, sx = quantize_fp8(x, group)
     y = w8a8_gemm(qx.to(DEVICE), sx.to(DEVICE), qw, sw, group, torch.float32)
     ref = _deq64(qx, sx, group) @ _deq64(qw, sw, group).T
-    torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+    # compiled for Hopper, rows past 32 take wgmma, whose accumulator is narrower than float32
+    # within a K step (2.4e-4 to 3.3e-4 of the largest output at these shapes on an H100)
+    tol = 1e-3 if DEVICE == "cuda" and m > 32 else 1e-5
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=tol, atol=tol * ref.abs().max())
 
 
 @pytest.mark.parametrize("group", [128, None])
