@@ -108,9 +108,18 @@ def test_f16_products_match_a_float64_reference(
     output's rounding, split or not, with the e4m3 tiles loaded an iteration ahead or not, and V
     tiles widened before their layout change or after."""
     out, ref = run_fp8_decode(
-        1.0, True, num_splits, prefetch_kv=prefetch_kv, widen_v_first=widen_v_first
-    )
+        1.0, True, num_splits, prefetch_kv=prefetch_kv, widen_v_first=widen_v_first,
+        tile_n=32 if widen_v_first else 16,
+    )  # fmt: skip
     torch.testing.assert_close(out, ref, rtol=8e-3, atol=8e-3)
+
+
+def test_widening_v_first_refuses_16_key_tiles() -> None:
+    """Compiled for an H100, V tiles of 16 keys widened first gave wrong attention: a plan refuses
+    the pair, naming both."""
+    plan = forced_plan(4, 32, 1, tile_n=16)
+    with pytest.raises(ValueError, match="widen_v_first needs tiles of at least 32 keys"):
+        dataclasses.replace(plan, widen_v_first=True)
 
 
 def test_widening_v_first_is_the_same_attention() -> None:

@@ -73,6 +73,12 @@ class DecodeLaunch:
             raise ValueError(
                 "DecodeLaunch: early_kv loads the prefetched first tile; set prefetch_kv"
             )
+        if self.widen_v_first and self.tile_n < 32:
+            # compiled for an H100, 16-key tiles widened first gave attention 0.1-0.25 off a
+            # float64 reference at head_dim 32 to 128 (loaded in the loop; prefetched they held)
+            raise ValueError(
+                f"DecodeLaunch: widen_v_first needs tiles of at least 32 keys, got {self.tile_n}"
+            )
 
 
 # The e4m3 cache's launch at head_dim 128: (tile_n, num_warps, num_stages, widen_v_first, the
