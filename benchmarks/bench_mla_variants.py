@@ -13,6 +13,7 @@ off by default or planned otherwise --
   merge_pdl                 the merge launch scheduled while the decode runs (programmatic
                             dependent launch), waiting for it: the gap between the launches hidden
   splits / key tiles        fewer splits taking more keys each, 64-key tiles at 8 warps
+  prefetch_kv               each key tile's rows loaded while the tile before is summed
   heads_p                   half the heads a tile (twice the programs, each key read twice: the
                             second time from L2)
   merge_in_kernel + steps   the merge done by the last split program with wider steps
@@ -87,6 +88,14 @@ def variants(base: MLADecodeLaunch, dry_run: bool) -> dict[str, MLADecodeLaunch]
     out["bf16 merge_pdl"] = r(bf16, merge_pdl=True)
     out["bf16 n16w4s2"] = _tile(bf16, 16, 4, 2)  # the tiles that keep two programs an SM unspilled
     out["bf16 n32w4s1"] = _tile(bf16, 32, 4, 1)
+    out["bf16 n32w4s3"] = _tile(bf16, 32, 4, 3)  # two key tiles in flight ahead of the one summed
+    out["bf16 n32w8s3"] = _tile(bf16, 32, 8, 3)
+    ahead = r(bf16, prefetch_kv=True)  # the next tile's rows in registers: unspilled at these tiles
+    out["bf16 prefetch_kv n16w4s1"] = _tile(ahead, 16, 4, 1)
+    out["bf16 prefetch_kv n32w8s1"] = _tile(ahead, 32, 8, 1)
+    out[f"bf16 prefetch_kv n32w8s1 splits{max(1, splits // 2)}"] = r(
+        _tile(ahead, 32, 8, 1), num_splits=max(1, splits // 2)
+    )
     out["bf16 n64w8s2"] = wide
     out["bf16 n64w8s1"] = _tile(bf16, 64, 8, 1)
     for d in (2, 4):

@@ -56,7 +56,7 @@ def test_variants_at_model_shapes_cover_every_option() -> None:
         assert len(set(plans.values())) == len(plans), "a plan timed twice"
         fields = {k for p in plans.values() for k in bench._changed(p, base)}
         assert {"partials_bf16", "num_splits", "block_n", "heads_p", "merge_in_kernel"} <= fields
-        assert {"merge_splits", "merge_regs", "merge_pdl"} <= fields
+        assert {"merge_splits", "merge_regs", "merge_pdl", "prefetch_kv"} <= fields
         for plan in plans.values():  # each keeps the planned minimum of keys a working split takes
             assert plan.min_tiles_per_split * plan.block_n >= 64, plan
             assert plan.block_m == max(16, plan.block_q * plan.heads_p)

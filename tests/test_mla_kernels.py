@@ -557,3 +557,31 @@ def test_merge_in_kernel_steps(
         merge_regs=merge_regs,
     )
     check_mla(batch, run_mla(batch, plan=plan))
+
+
+@pytest.mark.parametrize(
+    "num_splits,merge_in_kernel",
+    [(1, False), (3, False), (3, True)],
+    ids=["one", "launch", "kernel"],
+)
+def test_rows_ahead_of_their_tile(
+    num_splits: int, merge_in_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prefetch_kv: each key tile's rows loaded during the tile before. The reference's attention
+    with one split and with several (merged by a launch or in the kernel), verify rows, a context
+    that ends inside a tile, one shorter than a split's tiles and a padded request; the workspace
+    starts as NaN, and unowned cache slots hold NaN: the tile past a split's last loads nothing."""
+    poison_split_workspace(monkeypatch)
+    batch = make_mla_batch(
+        [3, 1, 2, 1], [70, 33, 50, 0], num_heads=4, kv_lora_rank=40, rope_dim=16, extra_rows=1,
+        seed=33,
+    )  # fmt: skip
+    plan = dataclasses.replace(
+        forced_plan(4, 40, 16, num_splits=num_splits, block_q=2),
+        prefetch_kv=True,
+        merge_in_kernel=merge_in_kernel,
+    )
+    out = run_mla(batch, plan=plan)
+    check_mla(batch, out)
+    # the same sums in the same order as the rows loaded in turn: bit for bit
+    assert torch.equal(out, run_mla(batch, plan=dataclasses.replace(plan, prefetch_kv=False)))

@@ -1,7 +1,8 @@
 """The MLA decode launch-plan options that are off by default (bench_mla_variants.py times them)
 on CUDA at the model shapes, against float64 on the GPU: bf16 partials, the merge launch with
-programmatic dependent launch, the in-kernel merge with wide steps, fewer splits with 64-key tiles
-and half the heads a tile; eagerly and captured in a CUDA graph replayed with new lengths.
+programmatic dependent launch, the in-kernel merge with wide steps, fewer splits with 64-key tiles,
+half the heads a tile and each key tile's rows loaded during the tile before; eagerly and captured
+in a CUDA graph replayed with new lengths.
 
 Run on the GPU machine:  python -m pytest -m gpu tests/gpu/test_mla_variants_gpu.py
 The CPU tier (tests/test_mla_kernels.py) checks the same options through Triton's interpreter
@@ -45,6 +46,16 @@ def _options(base):
         ),  # fmt: skip
         "n64w8s2_fewer": r(wide, num_splits=fewer, partials_bf16=True),
         "half_heads": r(half, partials_bf16=True),
+        "prefetch_kv_n32w8": r(base, prefetch_kv=True, num_warps=8, num_stages=1),
+        "prefetch_kv_n16w4_fewer": r(
+            base,
+            prefetch_kv=True,
+            block_n=16,
+            num_stages=1,
+            num_splits=fewer,
+            min_tiles_per_split=4,
+            partials_bf16=True,
+        ),  # fmt: skip
     }
 
 

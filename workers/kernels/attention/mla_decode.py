@@ -75,6 +75,9 @@ class MLADecodeLaunch:
     # measured (bench_mla_decode.py on an H100: of copy 0.495 against 0.505 at bs 32, 0.620 against
     # 0.637 at bs 128, level at bs 1 and 8)
     prefetch_blocks: bool = False
+    # each key tile's rows (and block ids) load before the tile before is summed: a tile's loads
+    # overlap the previous tile's products, held in registers (with it, prefetch_blocks is unused)
+    prefetch_kv: bool = False
     # with splits, the last split program of each (request, program column) to finish merges the
     # splits (self-resetting counters: the decode attention's, prepare_decode_counters) instead of
     # a merge launch; a launch with more such columns than a counter region holds keeps the merge
@@ -352,6 +355,7 @@ def _decode_constexprs(
         ("SPLIT", plan.num_splits > 1),
         ("IEEE_DOT", cache_dtype == torch.float32),
         ("PREFETCH_BLOCKS", plan.prefetch_blocks),
+        ("PREFETCH_KV", plan.prefetch_kv),
         ("MERGE_IN_KERNEL", plan.merge_in_kernel and plan.num_splits > 1),
         ("MERGE_SPLITS", plan.merge_splits),
         ("MERGE_DIM", merge_dim),

@@ -190,6 +190,28 @@ def _tile_blocks(table_row, t, tile_end, kv_len, max_blocks, key_offsets, BLOCK_
     return tl.load(table_row + cols, mask=valid, other=0).to(tl.int64)
 
 
+@triton.jit
+def _load_tile(kv_cache_ptr, table_row, t, tile_end, kv_len, max_blocks, key_offsets, lora,
+               lora_valid, rope, rope_valid, kv_lora_rank, stride_cb, stride_cs, cache_ty,
+               BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """Key tile `t`'s cache rows: latent [BLOCK_N, LORA_P] and rotary part [BLOCK_N, ROPE_P] in
+    `cache_ty`, the keys and their validity (none past tile_end: such a tile loads nothing)."""
+    keys = t * BLOCK_N + key_offsets
+    cols = keys // BLOCK_SIZE
+    key_valid = (keys < kv_len) & (cols < max_blocks) & (keys < tile_end * BLOCK_N)
+    block = tl.load(table_row + cols, mask=key_valid, other=0).to(tl.int64)
+    row_ptr = kv_cache_ptr + block * stride_cb + (keys % BLOCK_SIZE) * stride_cs
+    kv = tl.load(
+        row_ptr[:, None] + lora[None, :], mask=key_valid[:, None] & lora_valid[None, :], other=0.0
+    ).to(cache_ty)
+    k_pe = tl.load(
+        row_ptr[:, None] + kv_lora_rank + rope[None, :],
+        mask=key_valid[:, None] & rope_valid[None, :],
+        other=0.0,
+    ).to(cache_ty)
+    return kv, k_pe, keys, key_valid
+
+
 # The lengths a step changes are not specialized on: only the constexprs pick a compiled variant.
 @triton.jit(do_not_specialize=["num_reqs", "num_rows", "num_splits", "num_row_blocks"])
 def mla_decode_kernel(
@@ -239,6 +261,7 @@ def mla_decode_kernel(
     SPLIT: tl.constexpr,
     IEEE_DOT: tl.constexpr,  # fp32 cache: full-precision dots instead of tf32
     PREFETCH_BLOCKS: tl.constexpr,  # each tile's block ids load with the tile before's rows
+    PREFETCH_KV: tl.constexpr,  # each tile's rows load before the tile before is summed
     MERGE_IN_KERNEL: tl.constexpr,  # SPLIT: the last split program to finish merges the splits
     MERGE_SPLITS: tl.constexpr,  # splits the merging program reads per step
     MERGE_DIM: tl.constexpr,  # latent columns it merges per step
@@ -333,33 +356,47 @@ def mla_decode_kernel(
         m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, LORA_P], tl.float32)
-        if PREFETCH_BLOCKS:  # the first tile's block ids; each iteration loads the next one's
+        if PREFETCH_KV:  # the first tile's rows; each iteration loads the next one's
+            kv_next, k_pe_next, keys_next, valid_next = _load_tile(
+                kv_cache_ptr, table_row, split_begin, tile_end, kv_len, max_blocks, key_offsets,
+                lora, lora_valid, rope, rope_valid, kv_lora_rank, stride_cb, stride_cs, cache_ty,
+                BLOCK_N, BLOCK_SIZE,
+            )  # fmt: skip
+        elif PREFETCH_BLOCKS:  # the first tile's block ids; each iteration loads the next one's
             block = _tile_blocks(
                 table_row, split_begin, tile_end, kv_len, max_blocks, key_offsets, BLOCK_N,
                 BLOCK_SIZE,
             )  # fmt: skip
         for t in range(split_begin, tile_end):
-            keys = t * BLOCK_N + key_offsets
-            cols = keys // BLOCK_SIZE
-            key_valid = (keys < kv_len) & (cols < max_blocks)
-            if not PREFETCH_BLOCKS:
-                block = tl.load(table_row + cols, mask=key_valid, other=0).to(tl.int64)
-            row_ptr = kv_cache_ptr + block * stride_cb + (keys % BLOCK_SIZE) * stride_cs
-            kv = tl.load(
-                row_ptr[:, None] + lora[None, :],
-                mask=key_valid[:, None] & lora_valid[None, :],
-                other=0.0,
-            ).to(cache_ty)  # [BLOCK_N, LORA_P]: the keys' latent part, and the values
-            k_pe = tl.load(
-                row_ptr[:, None] + kv_lora_rank + rope[None, :],
-                mask=key_valid[:, None] & rope_valid[None, :],
-                other=0.0,
-            ).to(cache_ty)  # [BLOCK_N, ROPE_P]
-            if PREFETCH_BLOCKS:  # out with this tile's rows: one dependent round trip a tile
-                block = _tile_blocks(
-                    table_row, t + 1, tile_end, kv_len, max_blocks, key_offsets, BLOCK_N,
-                    BLOCK_SIZE,
+            if PREFETCH_KV:  # this tile's rows came in during the tile before: out go the next's
+                kv, k_pe, keys, key_valid = kv_next, k_pe_next, keys_next, valid_next
+                kv_next, k_pe_next, keys_next, valid_next = _load_tile(
+                    kv_cache_ptr, table_row, t + 1, tile_end, kv_len, max_blocks, key_offsets,
+                    lora, lora_valid, rope, rope_valid, kv_lora_rank, stride_cb, stride_cs,
+                    cache_ty, BLOCK_N, BLOCK_SIZE,
                 )  # fmt: skip
+            else:
+                keys = t * BLOCK_N + key_offsets
+                cols = keys // BLOCK_SIZE
+                key_valid = (keys < kv_len) & (cols < max_blocks)
+                if not PREFETCH_BLOCKS:
+                    block = tl.load(table_row + cols, mask=key_valid, other=0).to(tl.int64)
+                row_ptr = kv_cache_ptr + block * stride_cb + (keys % BLOCK_SIZE) * stride_cs
+                kv = tl.load(
+                    row_ptr[:, None] + lora[None, :],
+                    mask=key_valid[:, None] & lora_valid[None, :],
+                    other=0.0,
+                ).to(cache_ty)  # [BLOCK_N, LORA_P]: the keys' latent part, and the values
+                k_pe = tl.load(
+                    row_ptr[:, None] + kv_lora_rank + rope[None, :],
+                    mask=key_valid[:, None] & rope_valid[None, :],
+                    other=0.0,
+                ).to(cache_ty)  # [BLOCK_N, ROPE_P]
+                if PREFETCH_BLOCKS:  # out with this tile's rows: one dependent round trip a tile
+                    block = _tile_blocks(
+                        table_row, t + 1, tile_end, kv_len, max_blocks, key_offsets, BLOCK_N,
+                        BLOCK_SIZE,
+                    )  # fmt: skip
             if IEEE_DOT:
                 s = tl.dot(q_nope, tl.trans(kv), input_precision="ieee")
                 s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
