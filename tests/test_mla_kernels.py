@@ -585,3 +585,17 @@ def test_rows_ahead_of_their_tile(
     check_mla(batch, out)
     # the same sums in the same order as the rows loaded in turn: bit for bit
     assert torch.equal(out, run_mla(batch, plan=dataclasses.replace(plan, prefetch_kv=False)))
+
+
+def test_half_the_heads_a_tile() -> None:
+    """Two head tiles a request (heads_p 4 of 8 heads, 4 rows a tile): each program reads the
+    same keys for its heads; verify rows, splits merged by a launch, bf16 partials."""
+    batch = make_mla_batch(
+        [3, 1, 1], [90, 40, 0], num_heads=8, kv_lora_rank=32, rope_dim=16, extra_rows=1, seed=34
+    )
+    plan = dataclasses.replace(
+        forced_plan(8, 32, 16, num_splits=3), heads_p=4, block_q=4, block_m=16
+    )
+    check_mla(batch, run_mla(batch, plan=plan))
+    bf16 = run_mla(batch, plan=dataclasses.replace(plan, partials_bf16=True))
+    check_mla(batch, bf16, atol=1e-2, rtol=1e-2)
