@@ -178,6 +178,7 @@ def test_read_only_mount_loads_every_artifact_and_writes_nothing(level3_cache, t
     assert after == files
 
 
+@pytest.mark.slow  # ~20 s; test_second_process_loads_every_artifact covers the cache
 def test_pieces_that_compute_the_same_share_one_compile_and_one_load(tmp_path):
     """Five layers: the pieces between the splitting calls of layers 1..4 are the same code on
     other weights (inputs), so the first of them is compiled (general shape and size 4) and the

@@ -594,6 +594,7 @@ def test_long_prompt_attends_in_query_chunks(
     assert max_logit_diff(result, load_hf(folders["csa_hca"]), PROMPTS) <= TOLERANCE
 
 
+@pytest.mark.slow  # ~16 s; test_v4_kernels pins the compressor kernel as a loop
 def test_prefill_launches_do_not_grow_with_its_length(monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the kernels (CUDA's path, here in Triton's interpreter) a prefill of 40 tokens and
     one of 136 (eight HCA windows, past the sliding window) run the same torch ops (the CPU's
