@@ -16,6 +16,7 @@ which an engine that never sees a constrained request does not pay.
 
 from __future__ import annotations
 
+import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -217,6 +218,7 @@ class XgrammarBackend(GrammarBackend):
             self._pool.shutdown(wait=False)
 
 
+@functools.cache
 def core_batch_accept() -> Any:
     """The library call under xgrammar's `BatchGrammarMatcher.batch_accept_token` (xgrammar 0.2's
     `base._core`), None where its layout differs."""
