@@ -43,7 +43,7 @@ from atomrt.runtime.bench.records import (
     save,
 )
 from atomrt.workers.kernels.moe.align import moe_align_block_size
-from atomrt.workers.kernels.moe.fused_moe import _launch
+from atomrt.workers.kernels.moe.fused_moe import launch_expert_gemm
 from atomrt.workers.kernels.moe.moe_configs import MoEConfig, bucket_tokens, pick_config
 from atomrt.workers.layers.moe import fused_experts_ref, select_experts
 
@@ -136,12 +136,16 @@ def sweep_shape(name: str, m: int, quick: bool, deadline: float) -> Outcome:
 
     def time_gemm(gemm: str, cfg: MoEConfig, align) -> float:
         if gemm == "gate_up":
-            return gpu_us(lambda: _launch(x, w13, act, weights_flat, align, pairs, k, True, cfg))
-        return gpu_us(lambda: _launch(act, w2, per_pair, weights_flat, align, pairs, 1, False, cfg))
+            return gpu_us(
+                lambda: launch_expert_gemm(x, w13, act, weights_flat, align, pairs, k, True, cfg)
+            )
+        return gpu_us(
+            lambda: launch_expert_gemm(act, w2, per_pair, weights_flat, align, pairs, 1, False, cfg)
+        )
 
     def check(gu: MoEConfig, dn: MoEConfig, align) -> bool:
-        _launch(x, w13, act, weights_flat, align, pairs, k, True, gu)
-        _launch(act, w2, per_pair, weights_flat, align, pairs, 1, False, dn)
+        launch_expert_gemm(x, w13, act, weights_flat, align, pairs, k, True, gu)
+        launch_expert_gemm(act, w2, per_pair, weights_flat, align, pairs, 1, False, dn)
         out = per_pair.view(m, k, h).sum(1).float()
         return torch.allclose(out, reference, rtol=3e-2, atol=3e-2)
 

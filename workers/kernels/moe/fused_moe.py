@@ -168,7 +168,7 @@ def fused_moe_kernel(
     )  # fmt: skip
 
 
-def _launch(
+def launch_expert_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
     c: torch.Tensor,
@@ -179,6 +179,8 @@ def _launch(
     gated: bool,
     config: MoEConfig,
 ) -> None:
+    """One of the fused MoE's two GEMMs over the aligned (token, expert) pairs: `a` [rows, k] x the
+    experts' `b` [E, n (x2 when `gated`), k] into `c`, at `config`'s tiles."""
     n = b.shape[1] // 2 if gated else b.shape[1]
     k = b.shape[2]
     num_blocks_m = align.expert_ids.shape[0]
@@ -265,8 +267,8 @@ def fused_experts(
     align = moe_align_block_size(topk_ids, gate_up_config.block_m, num_experts)
     weights = topk_weights.reshape(-1)
     activated = x.new_empty(num_pairs, inter)  # [pairs, I]: silu(gate) * up per pair
-    _launch(x, w13, activated, weights, align, num_pairs, top_k, True, gate_up_config)
+    launch_expert_gemm(x, w13, activated, weights, align, num_pairs, top_k, True, gate_up_config)
     per_pair = x.new_empty(num_pairs, hidden)  # [pairs, H]: weighted expert outputs
-    _launch(activated, w2, per_pair, weights, align, num_pairs, 1, False, down_config)
+    launch_expert_gemm(activated, w2, per_pair, weights, align, num_pairs, 1, False, down_config)
     pairs = per_pair.view(num_tokens, top_k, hidden)
     return pairs.sum(dim=1) if sum_pairs else pairs

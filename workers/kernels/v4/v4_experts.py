@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from atomrt.workers.kernels.moe.align import moe_align_block_size
-from atomrt.workers.kernels.moe.fused_moe import _launch, moe_dims
+from atomrt.workers.kernels.moe.fused_moe import launch_expert_gemm, moe_dims
 from atomrt.workers.kernels.moe.moe_configs import pick_config
 
 
@@ -47,11 +47,11 @@ def v4_fused_experts(
     align = moe_align_block_size(topk_ids, up_config.block_m, num_experts)
     ones = torch.ones(num_pairs, dtype=torch.float32, device=x.device)
     gate_up = x.new_empty(num_pairs, 2 * inter)  # [pairs, 2I]
-    _launch(x, w13, gate_up, ones, align, num_pairs, top_k, False, up_config)
+    launch_expert_gemm(x, w13, gate_up, ones, align, num_pairs, top_k, False, up_config)
     # in place: a prefill's pairs (8192 rows x 6 at Flash's shape) would take 200 MB a temporary
     gate, up = gate_up.chunk(2, dim=-1)
     activated = F.silu(gate.clamp_(max=limit), inplace=True).mul_(up.clamp_(-limit, limit))
     per_pair = x.new_empty(num_pairs, hidden)  # [pairs, H]: weighted expert outputs
     weights = topk_weights.reshape(-1).float()
-    _launch(activated, w2, per_pair, weights, align, num_pairs, 1, False, down_config)
+    launch_expert_gemm(activated, w2, per_pair, weights, align, num_pairs, 1, False, down_config)
     return per_pair.view(num_tokens, top_k, hidden)
