@@ -58,3 +58,17 @@ def embedded_hf():
     return AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_server(tmp_path_factory: pytest.TempPathFactory):
+    """`atomrt serve` on grammar_harness's tiny BPE Llama, plain flags, served as "tiny": started
+    once for the modules whose requests leave nothing another module reads (a server's start-up,
+    its first constrained request and its shutdown take ~10 s on the 2-core machine)."""
+    from grammar_harness import build_tiny_bpe
+    from test_server import CPU_FLAGS, Server
+
+    folder = build_tiny_bpe(tmp_path_factory.mktemp("tiny-bpe-server") / "model")
+    server = Server(["--model", str(folder), *CPU_FLAGS, "--served-model-name", "tiny"])
+    yield server
+    assert server.stop() == 0

@@ -58,14 +58,9 @@ def test_bench_serve_structured_on_a_preset_with_the_embedded_tokenizer(tmp_path
 
 
 @pytest.fixture
-def tiny_server(tmp_path):
-    from grammar_harness import build_tiny_bpe
-    from test_server import CPU_FLAGS, Server
-
-    folder = build_tiny_bpe(tmp_path / "model")
-    s = Server(["--model", str(folder), *CPU_FLAGS, "--served-model-name", "tiny"])
-    yield s
-    assert s.stop() == 0
+def tiny_server(tiny_bpe_server):
+    """The session's server on the tiny BPE Llama (conftest.py)."""
+    return tiny_bpe_server
 
 
 def test_a_run_of_failed_requests_is_reported_and_the_others_recorded(

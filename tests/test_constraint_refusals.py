@@ -6,13 +6,12 @@ while the other requests of its batch go on; through the server it is a 400 erro
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 from grammar_harness import EOS, bpe_tokenizer, build_tiny_bpe
-from test_server import CPU_FLAGS, Server
+from test_server import Server
 
 from atomrt import SamplingParams
 from atomrt.runtime.entrypoints.llm import LLM
@@ -74,10 +73,9 @@ def test_a_row_without_an_allowed_token_ends_the_request_with_an_error(tiny) -> 
 
 
 @pytest.fixture(scope="module")
-def server(tiny: Path) -> Iterator[Server]:
-    s = Server(["--model", str(tiny), *CPU_FLAGS, "--served-model-name", "tiny"])
-    yield s
-    assert s.stop() == 0
+def server(tiny_bpe_server: Server) -> Server:
+    """The session's server on the same tiny BPE Llama (conftest.py)."""
+    return tiny_bpe_server
 
 
 def test_the_server_answers_an_unsatisfiable_constraint_with_an_error_object(server) -> None:

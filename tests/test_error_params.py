@@ -4,14 +4,11 @@ the engine included; official `openai` client against `atomrt serve`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from grammar_harness import build_tiny_bpe
-from test_server import CPU_FLAGS, Server
+from test_server import Server
 
 from atomrt.runtime.entrypoints.openai.errors import RequestError, field_of
 
@@ -26,11 +23,9 @@ def test_a_message_about_a_field_names_it() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    folder: Path = build_tiny_bpe(tmp_path_factory.mktemp("params") / "model")
-    s = Server(["--model", str(folder), *CPU_FLAGS, "--served-model-name", "tiny"])
-    yield s
-    assert s.stop() == 0
+def server(tiny_bpe_server: Server) -> Server:
+    """The session's server on the tiny BPE Llama (conftest.py)."""
+    return tiny_bpe_server
 
 
 def _error(call: Any) -> dict:

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 import xgrammar as xgr
-from grammar_harness import build_tiny_bpe
-from test_server import CPU_FLAGS, Server
+from test_server import Server
 from xgrammar.testing import _is_grammar_accept_string
 
 from atomrt.runtime.driver.grammar_compiler import check, parse
@@ -83,11 +80,9 @@ def test_a_schema_inside_a_tag_is_walked_like_a_json_constraint() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    folder: Path = build_tiny_bpe(tmp_path_factory.mktemp("structural-tag") / "model")
-    s = Server(["--model", str(folder), *CPU_FLAGS, "--served-model-name", "tiny"])
-    yield s
-    assert s.stop() == 0
+def server(tiny_bpe_server: Server) -> Server:
+    """The session's server on the tiny BPE Llama (conftest.py)."""
+    return tiny_bpe_server
 
 
 def test_structural_tag_response_format_is_followed(server) -> None:
