@@ -72,3 +72,20 @@ def tiny_bpe_server(tmp_path_factory: pytest.TempPathFactory):
     server = Server(["--model", str(folder), *CPU_FLAGS, "--served-model-name", "tiny"])
     yield server
     assert server.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_tools_server(tmp_path_factory: pytest.TempPathFactory):
+    """The same server with the hermes tool-call parser and a 1 s grammar compile budget (what
+    test_structured_server's 503 test needs; the other users' grammars compile in milliseconds),
+    started once for the tool-calling modules."""
+    from grammar_harness import build_tiny_bpe
+    from test_server import CPU_FLAGS, Server
+
+    folder = build_tiny_bpe(tmp_path_factory.mktemp("tiny-bpe-tools-server") / "model")
+    args = ["--model", str(folder), *CPU_FLAGS, "--served-model-name", "tiny"]
+    args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    args += ["--set", "structured_outputs_config.grammar_compile_timeout_s=1.0"]
+    server = Server(args)
+    yield server
+    assert server.stop() == 0

@@ -6,15 +6,12 @@ with `tool_choice`, and the stateless refusals (`previous_response_id`, `store`)
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
-from grammar_harness import build_tiny_bpe
-from test_server import CPU_FLAGS, Server
+from test_server import Server
 
 WEATHER = {
     "type": "function",
@@ -42,13 +39,9 @@ SCHEMAS = {t["name"]: t["parameters"] for t in (WEATHER, CLOCK)}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    folder: Path = build_tiny_bpe(tmp_path_factory.mktemp("responses") / "model")
-    args = ["--model", str(folder), *CPU_FLAGS, "--served-model-name", "tiny"]
-    args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    s = Server(args)
-    yield s
-    assert s.stop() == 0
+def server(tiny_bpe_tools_server: Server) -> Server:
+    """The session's tiny BPE server with the hermes parser (conftest.py)."""
+    return tiny_bpe_tools_server
 
 
 def _create(server: Server, **kwargs: Any) -> Any:

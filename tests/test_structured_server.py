@@ -20,16 +20,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from grammar_harness import build_tiny_bpe
-from test_server import CPU_FLAGS, Server
+from test_server import Server
 from test_structured_outputs import _slow_schema
 
 WEATHER = {
@@ -70,14 +67,9 @@ HERMES_OUTPUT = (
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    folder: Path = build_tiny_bpe(tmp_path_factory.mktemp("so-server") / "model")
-    args = ["--model", str(folder), *CPU_FLAGS, "--served-model-name", "tiny"]
-    args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    args += ["--set", "structured_outputs_config.grammar_compile_timeout_s=1.0"]
-    s = Server(args)
-    yield s
-    assert s.stop() == 0
+def server(tiny_bpe_tools_server: Server) -> Server:
+    """The session's tiny BPE server: hermes parser, a 1 s compile budget (conftest.py)."""
+    return tiny_bpe_tools_server
 
 
 def _chat(server: Server, stream: bool = False, **kwargs: Any) -> Any:
