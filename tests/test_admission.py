@@ -105,12 +105,17 @@ def test_a_bad_delay_factor_is_a_config_error(bad) -> None:
 
 
 @pytest.fixture(scope="module")
-def engines():
-    from atomrt.runtime.config import DEFAULT_MODEL
+def engines(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny BPE Llama (the embedded tokenizer, random weights): admission does not depend on
+    the model, and the embedded one's two loads took ~15 s."""
+    from grammar_harness import build_tiny_bpe
+
     from atomrt.runtime.entrypoints.llm import LLM
 
-    plain = LLM(DEFAULT_MODEL)
-    delayed = LLM(DEFAULT_MODEL, delay_factor=1000.0)  # hold until the running request is done
+    model = str(build_tiny_bpe(tmp_path_factory.mktemp("admission") / "model"))
+    settings = dict(device="cpu", enforce_eager=True, num_kv_blocks=64)
+    plain = LLM(model, **settings)
+    delayed = LLM(model, **settings, delay_factor=1000.0)  # hold until the running request is done
     yield plain, delayed
     plain.shutdown()
     delayed.shutdown()
