@@ -125,7 +125,7 @@ def _md(positions: list[list[int]], num_pad_rows: int, tables: torch.Tensor) -> 
 
 def _unnormed_input(layer, hidden: torch.Tensor) -> torch.Tensor:
     """The layer's `forward` input for rows taken as already normed: its `in_proj`'s output."""
-    return hidden if layer.in_proj is None else layer.in_proj(hidden)
+    return layer.in_proj(hidden)
 
 
 def _run(layer, hidden, positions, md, cache, config) -> torch.Tensor:
@@ -158,7 +158,7 @@ def test_op_writes_latent_rows_and_zeroes_padded_rows(q_lora) -> None:
     # the rows the op wrote, recomputed from the layer's projections
     with torch.no_grad():
         a = _unnormed_input(layer, hidden)
-        kv_a = layer.kv_a_proj_with_mqa(a) if q_lora is None else a[:, q_lora:]
+        kv_a = a[:, -(L + ROPE) :]  # in_proj's last columns: [kv_c | k_pe]
         kv_c, k_pe = kv_a[:7].split([L, ROPE], dim=-1)
         pos = torch.tensor([p for seq in positions for p in seq])
         _, k_rot = layer.rotary(pos, k_pe.unsqueeze(1), k_pe.unsqueeze(1))

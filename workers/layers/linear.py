@@ -276,7 +276,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input in one matmul (gate/up).
 
     The checkpoint holds them separately; `shard_id` is the index into `output_sizes`.
-    Each rank's weight is [its slice of shard 0; its slice of shard 1; ...].
+    Each rank's weight is [its slice of shard 0; its slice of shard 1; ...], a projection that
+    `replicated` marks whole on every rank (MLA's latent projection beside its query heads).
     """
 
     def __init__(
@@ -286,11 +287,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         tp: TPInfo = TPInfo(),
         skinny: SkinnyPolicy = DEFAULT_SKINNY_POLICY,
+        replicated: tuple[bool, ...] = (),
     ) -> None:
+        self.replicated = replicated or (False,) * len(output_sizes)
+        assert len(self.replicated) == len(output_sizes), "one replicated flag per projection"
         self.output_sizes_per_rank = [
-            divide(s, tp.tp_size, "MergedColumnParallelLinear output") for s in output_sizes
+            s if whole else divide(s, tp.tp_size, "MergedColumnParallelLinear output")
+            for s, whole in zip(output_sizes, self.replicated)
         ]
-        super().__init__(input_size, sum(output_sizes), bias, tp, skinny=skinny)
+        # the base splits the total evenly over ranks
+        total = sum(self.output_sizes_per_rank) * tp.tp_size
+        super().__init__(input_size, total, bias, tp, skinny=skinny)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: Sliceable, shard_id: object = None
@@ -298,7 +305,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert isinstance(shard_id, int), "merged linear needs the index of the projection"
         size = self.output_sizes_per_rank[shard_id]
         offset = sum(self.output_sizes_per_rank[:shard_id])
-        src = read_narrow(loaded_weight, 0, self.tp.tp_rank * size, size)
+        start = 0 if self.replicated[shard_id] else self.tp.tp_rank * size
+        src = read_narrow(loaded_weight, 0, start, size)
         copy_checked(param.data.narrow(0, offset, size), src, f"merged shard {shard_id}")
 
 

@@ -4,10 +4,11 @@
 The block: the query, through a low-rank `q_a_proj` -> `q_a_layernorm` -> `q_b_proj` (`q_lora_rank`)
 or a plain `q_proj`, per head [q_nope (qk_nope_head_dim) | q_pe (qk_rope_head_dim)]; one shared
 `kv_a_proj_with_mqa` row per token [kv_c (kv_lora_rank) | k_pe], kv_c normalised by
-`kv_a_layernorm`; `kv_b_proj` expands kv_c into each head's k_nope and value; `o_proj`. With a
-query LoRA, `q_a_proj` and `kv_a_proj_with_mqa` (both replicated over TP ranks, both reading the
-normed hidden state) are one GEMM, `fused_qkv_a_proj`, which takes the decoder layer's residual add
-and norm in its prologue as Llama's qkv projection does.
+`kv_a_layernorm`; `kv_b_proj` expands kv_c into each head's k_nope and value; `o_proj`. The
+projections that read the normed hidden state are one GEMM (`in_proj`), which takes the decoder
+layer's residual add and norm in its prologue as Llama's qkv projection does: with a query LoRA
+`q_a_proj` and `kv_a_proj_with_mqa` (both replicated over TP ranks) as `fused_qkv_a_proj`; without
+one this rank's query heads of `q_proj` and the whole `kv_a_proj_with_mqa` as `q_kv_a_proj`.
 
 The op (a splitting op at level 3; its attention an eager region in token graphs, recorded whole
 under FULL, as the attention op is) rotates q_pe and k_pe, writes the step's latent cache rows
@@ -237,8 +238,12 @@ class MLAAttention(PagedAttentionLayer):
         self.scale, self.rotary = scale, rotary
         qk_head_dim, latent = qk_nope_head_dim + qk_rope_head_dim, kv_lora_rank + qk_rope_head_dim
         if q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden_size, num_heads * qk_head_dim, tp=tp)
-            self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden_size, latent, bias)
+            # FP8 block scales are expanded to rows at load, so the q rows may end mid-block
+            self.q_kv_a_proj = MergedColumnParallelLinear(
+                hidden_size, [num_heads * qk_head_dim, latent], bias, tp, replicated=(False, True)
+            )
+            if bias:  # q_proj has none: its rows of the bias stay zero (the loader's `_needed`)
+                self.q_kv_a_proj.bias.data[: self.num_heads * qk_head_dim].zero_()
         else:
             self.fused_qkv_a_proj = MergedColumnParallelLinear(
                 hidden_size, [q_lora_rank, latent], bias
@@ -270,18 +275,18 @@ class MLAAttention(PagedAttentionLayer):
         return MLAWeights(self.kv_b_proj.weight, self.w_uk, self.w_uv)
 
     @property
-    def in_proj(self) -> Optional[MergedColumnParallelLinear]:
-        """The projection that reads the layer's normed input (`RMSNorm.add_project`) when it is
-        one GEMM: with a query LoRA, fused_qkv_a_proj ([n, q_lora_rank + kv_lora_rank + rope]);
-        without one None, and `forward` reads the normed rows."""
-        return None if self.q_lora_rank is None else self.fused_qkv_a_proj
+    def in_proj(self) -> MergedColumnParallelLinear:
+        """The one GEMM that reads the layer's normed input (`RMSNorm.add_project`): with a query
+        LoRA fused_qkv_a_proj ([n, q_lora_rank + kv_lora_rank + rope]), without one q_kv_a_proj
+        ([n, heads_per_rank * (qk_nope + rope) + kv_lora_rank + rope])."""
+        return self.q_kv_a_proj if self.q_lora_rank is None else self.fused_qkv_a_proj
 
     def forward(self, positions: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """a: the normed input through `in_proj` -> [num_tokens, hidden] (o_proj's output,
         TP-reduced)."""
         latent = self.kv_lora_rank + self.qk_rope_head_dim
         if self.q_lora_rank is None:
-            q, kv_a = self.q_proj(a), self.kv_a_proj_with_mqa(a)
+            q, kv_a = a.split(self.q_kv_a_proj.output_sizes_per_rank, dim=-1)
         else:
             q_c, kv_a = a.split([self.q_lora_rank, latent], dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(q_c))

@@ -114,22 +114,26 @@ class DeepseekForCausalLM(MoEForCausalLM):
 
     layer_class = DeepseekDecoderLayer
     mtp_layers = DeepseekMTPLayers  # what the MTP drafter builds and loads (the module docstring)
-    num_shards = {"fused_qkv_a_proj": 2, "gate_up_proj": 2}
+    num_shards = {"fused_qkv_a_proj": 2, "q_kv_a_proj": 2, "gate_up_proj": 2}
     extra_stacked_params: tuple = ()  # a subclass's further fused parts
 
     def build_model(
         self, arch: ModelArch, tp: TPInfo, max_position: int, config: Any, dp: DPInfo
     ) -> nn.Module:
-        # the query LoRA's down projection and the latent one are one GEMM; without a query LoRA
-        # the latent projection stands alone
-        fused = (
-            (("fused_qkv_a_proj", "q_a_proj", 0), ("fused_qkv_a_proj", "kv_a_proj_with_mqa", 1))
-            if arch.q_lora_rank is not None
-            else ()
-        )
+        # the projections that read the normed input are one GEMM: the query LoRA's down
+        # projection and the latent one, or without a query LoRA the query and the latent one
+        fused = "fused_qkv_a_proj" if arch.q_lora_rank is not None else "q_kv_a_proj"
+        query = "q_a_proj" if arch.q_lora_rank is not None else "q_proj"
+        attention = ((fused, query, 0), (fused, "kv_a_proj_with_mqa", 1))
         mlp = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
-        self.stacked_params = fused + mlp + self.extra_stacked_params
+        self.stacked_params = attention + mlp + self.extra_stacked_params
         return super().build_model(arch, tp, max_position, config, dp)
+
+    def _needed(self, param: str) -> int:
+        """q_proj has no bias: kv_a_proj_with_mqa's alone fills q_kv_a_proj's."""
+        if param.endswith(".q_kv_a_proj.bias"):
+            return 1
+        return super()._needed(param)
 
     def checkpoint_name(self, name: str) -> str:
         return name.replace(

@@ -59,6 +59,7 @@ _FUSED_NAMES = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+    "q_kv_a_proj": ("q_proj", "kv_a_proj_with_mqa"),
 }
 
 
