@@ -264,10 +264,14 @@ def test_mtp_drafts_are_cut_at_the_grammar_and_tokens_do_not_change(tiny_mtp, mo
     assert any(cuts)  # the layer predicts the unconstrained target: the grammar refuses drafts
 
 
-def test_ray_dp2_on_a_tiny_moe_gives_each_request_its_tokens_alone(tiny_moe) -> None:
+# DP=2 through mp by default; through Ray `slow` (Ray's DP=2 with n-gram drafts and async
+# scheduling runs by default in test_logit_additions, and both executors carry the plans, grammar
+# bitmasks included, over the same StepChannel)
+@pytest.mark.parametrize("executor", ["mp", pytest.param("ray", marks=pytest.mark.slow)])
+def test_dp2_on_a_tiny_moe_gives_each_request_its_tokens_alone(tiny_moe, executor) -> None:
     want = _alone(tiny_moe)
     settings = dict(
-        executor="ray",
+        executor=executor,
         data_parallel_size=2,
         async_scheduling=True,
         speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
