@@ -50,6 +50,22 @@ def _run(model) -> list[torch.Tensor]:
     return run_prefill_and_decode(model, PROMPTS_3, 3).logits
 
 
+@pytest.fixture(scope="module")
+def primed(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    """Eager's logits, and a cache dir a first level-3 build filled (its kept trace and every
+    piece): the tests that start from a filled cache copy it rather than compile it again."""
+    cache_dir = tmp_path_factory.mktemp("primed")
+    eager = _run(_build(folder, cache_dir, level=0))
+    _run(_build(folder, cache_dir))
+    return cache_dir, eager
+
+
+def _filled(primed: tuple[Path, list], cache_dir: Path) -> list[torch.Tensor]:
+    """Copy the primed cache into `cache_dir`; return eager's logits."""
+    shutil.copytree(primed[0], cache_dir, dirs_exist_ok=True)
+    return primed[1]
+
+
 def _entries(cache_dir: Path) -> list[Path]:
     return sorted((cache_dir / trace_store.DIR_NAME).glob("*/rank_0/*/*.pkl"))
 
@@ -59,8 +75,8 @@ def _compiled(model):
     return unit
 
 
-def test_a_kept_trace_builds_the_model_without_dynamo(folder: Path, tmp_path: Path) -> None:
-    eager = _run(_build(folder, tmp_path, level=0))
+def test_a_kept_trace_builds_the_model_without_dynamo(folder: Path, tmp_path: Path, primed) -> None:
+    eager = primed[1]
     traced_model = _build(folder, tmp_path)
     before = compilation_counter.snapshot()
     traced = _run(traced_model)
@@ -92,8 +108,9 @@ def test_an_entry_traced_from_other_sources_than_its_name_says_is_traced_over(
     folder: Path,
     tmp_path: Path,
     caplog,
+    primed,
 ) -> None:
-    _run(_build(folder, tmp_path))
+    _filled(primed, tmp_path)
     (entry,) = _entries(tmp_path)
     real_hash = pickle.loads(entry.read_bytes()).source_hash
     _rewrite(entry, source_hash="0" * 64)  # as if written for the hash of other files
@@ -134,9 +151,10 @@ def test_an_entry_is_found_for_the_sources_this_process_imports(tmp_path: Path, 
     assert trace_store.sources(["no_such_module_anywhere"]) is None
 
 
-def test_a_changed_attribute_that_forward_reads_means_a_new_trace(folder: Path, tmp_path: Path):
-    eager = _run(_build(folder, tmp_path, level=0))
-    _run(_build(folder, tmp_path))
+def test_a_changed_attribute_that_forward_reads_means_a_new_trace(
+    folder: Path, tmp_path: Path, primed
+):
+    eager = _filled(primed, tmp_path)
     model = _build(folder, tmp_path)
     _compiled(model).layers[0].self_attn.some_flag = True  # set after construction, never read
     before = compilation_counter.snapshot()
@@ -154,8 +172,8 @@ def test_a_changed_attribute_that_forward_reads_means_a_new_trace(folder: Path, 
         torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
 
 
-def test_a_damaged_entry_is_traced_over(folder: Path, tmp_path: Path, caplog) -> None:
-    _run(_build(folder, tmp_path))
+def test_a_damaged_entry_is_traced_over(folder: Path, tmp_path: Path, caplog, primed) -> None:
+    _filled(primed, tmp_path)
     (entry,) = _entries(tmp_path)
     entry.write_bytes(entry.read_bytes()[:100])
     model = _build(folder, tmp_path)
@@ -166,9 +184,11 @@ def test_a_damaged_entry_is_traced_over(folder: Path, tmp_path: Path, caplog) ->
     assert isinstance(pickle.loads(entry.read_bytes()), trace_cache.TracedForward)
 
 
-def test_a_trace_that_cannot_be_written_is_warned_of(folder: Path, tmp_path: Path, caplog) -> None:
+def test_a_trace_that_cannot_be_written_is_warned_of(
+    folder: Path, tmp_path: Path, caplog, primed
+) -> None:
     (tmp_path / trace_store.DIR_NAME).write_text("not a directory")
-    eager = _run(_build(folder, tmp_path, level=0))
+    eager = primed[1]
     with caplog.at_level(logging.WARNING, logger="atomrt.compile.decorators"):
         logits = _run(_build(folder, tmp_path))
     assert "trace not written" in caplog.text
@@ -193,9 +213,9 @@ def test_pieces_missing_from_the_compile_cache_are_traced_again(
     folder: Path,
     tmp_path: Path,
     caplog,
+    primed,
 ) -> None:
-    eager = _run(_build(folder, tmp_path, level=0))
-    _run(_build(folder, tmp_path))
+    eager = _filled(primed, tmp_path)
     for hash_dir in tmp_path.iterdir():
         if hash_dir.name != trace_store.DIR_NAME:
             shutil.rmtree(hash_dir)
