@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -226,7 +227,15 @@ def prewarm_then_check(head: RayHead, tmp_path: Path, extra_flags: str, pieces: 
 
 
 def test_generate_job_logs_hold_the_text(ray_head: RayHead, tmp_path: Path) -> None:
+    from atomrt.runtime.envs import ENV
+
     runtime_env = derived_runtime_env(tmp_path, tmp_path / "cache")
+    # the embedded model's tokenizer as this machine's cache root holds it (the engine tests before
+    # saved it; tests/test_loader.py covers its build from the GGUF file, ~5 s here): the job loads
+    # that copy rather than build it again
+    saved = ENV.cache_root / "tokenizers"
+    if saved.is_dir():
+        shutil.copytree(saved, tmp_path / "cache" / "tokenizers")
     job = submit(ray_head, recipes()["ray-generate"], runtime_env)
     assert job.returncode == 0, job.output[-4000:]
     assert "### What is the capital of France?" in job.logs
