@@ -10,9 +10,10 @@ rotary embedding (torch's ops against the one launch of v4_hc.py, v4_rope.py).
 One line per (kernel, rows, plan): GPU µs per call, from a CUDA graph of many calls, each over
 rows picked at random from a cache larger than L2 (as a step's layers read theirs); the GB/s of
 the distinct bytes a call reads (keys or window rows, q) and writes; the largest difference from
-the default plan's result. The attention plans (v4_kernels.ATTN_PLANS): `default` (up to 64 heads
+the float32 plan `h64`'s result. The attention plans (v4_kernels.ATTN_PLANS): `h64` (up to 64 heads
 a program, float32 products), `h16` (16 heads a program: no spills, 4x the programs), `h16-tc`
-(and bf16 products on tensor cores), `h16-tc-w8`, `h32-tc-w8`. Needs CUDA; `--dry-run` checks the
+(and bf16 products on tensor cores: the default, v4_kernels.DEFAULT_ATTN_PLAN), `h16-tc-w8`,
+`h32-tc-w8`. Needs CUDA; `--dry-run` checks the
 script on CPU through Triton's interpreter (wall times of two calls, not a measurement).
 """
 
@@ -76,7 +77,7 @@ def bench_attention(n: int, entries: int, slots: int, copies: int, gen: torch.Ge
             f"{nbytes / us / 1e3:.0f} GB/s, max |diff| {(got - want).abs().max().item():.3g}",
             flush=True,
         )
-    v4.use_attn_plan("default")
+    v4.use_attn_plan(v4.DEFAULT_ATTN_PLAN)
 
 
 def bench_pool(n: int, rate: int, overlap: bool, slots: int, copies: int, gen: torch.Generator):

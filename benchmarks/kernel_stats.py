@@ -237,7 +237,7 @@ def v4_rows(args) -> list[dict]:
     for name in v4.ATTN_PLANS:
         v4.use_attn_plan(name)
         cx = v4.attn_plan(64, 512, torch.bfloat16)
-        v4.use_attn_plan("default")
+        v4.use_attn_plan(v4.DEFAULT_ATTN_PLAN)
         warps = cx.pop("num_warps")
         start = time.perf_counter()
         stats = compile_stats(

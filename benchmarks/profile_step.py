@@ -3,7 +3,7 @@
     python benchmarks/profile_step.py [--model SmolLM2-135M] [--mode FULL] [--level 0] [--bs 1]
         [--steps 200] [--async-scheduling] [--input-len 128] [--kv-cache-dtype auto]
         [--quantization fp8] [--hf-overrides JSON] [--max-model-len N]
-        [--v4-attn-plan default] [--v4-hc-mix-kernel] [--v4-rope-kernel] [--out FILE]
+        [--v4-attn-plan h16-tc] [--no-v4-hc-mix-kernel] [--no-v4-rope-kernel] [--out FILE]
 Prints (dummy weights of --model, --bs prompts of --input-len tokens each):
 - ms/step unprofiled;
 - host time per phase (perf_counter, no extra synchronisation): driver (schedule, decide, plan,
@@ -31,7 +31,7 @@ from atomrt import SamplingParams
 from atomrt.runtime.config import CompilationConfig
 from atomrt.runtime.decision import ForwardDecision, ForwardKind
 from atomrt.runtime.entrypoints.llm import LLM
-from atomrt.workers.kernels.v4.v4_kernels import ATTN_PLANS, use_attn_plan
+from atomrt.workers.kernels.v4.v4_kernels import ATTN_PLANS, DEFAULT_ATTN_PLAN, use_attn_plan
 from atomrt.workers.layers import v4_hyper, v4_modules
 from atomrt.workers.runner.input_batch import dummy_decode_inputs
 
@@ -173,17 +173,19 @@ def main() -> None:
     ap.add_argument(
         "--v4-attn-plan",
         choices=sorted(ATTN_PLANS),
-        default="default",
+        default=DEFAULT_ATTN_PLAN,
         help="DeepSeek-V4's sparse attention launch plan (workers/kernels/v4/v4_kernels.py)",
     )
     ap.add_argument(
         "--v4-hc-mix-kernel",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=v4_hyper.HC_MIX_KERNEL,
         help="DeepSeek-V4's mHC mixing weights in one launch (workers/layers/v4_hyper.py)",
     )
     ap.add_argument(
         "--v4-rope-kernel",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=v4_modules.ROPE_KERNEL,
         help="DeepSeek-V4's rotary embedding in one launch (workers/layers/v4_modules.py)",
     )
     a = ap.parse_args()

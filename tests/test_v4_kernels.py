@@ -296,11 +296,13 @@ def test_hc_mix_matches_float64(hc: int) -> None:
 
 
 @pytest.mark.gpu
-def test_options_give_the_default_logits_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiny V4 preset on CUDA in float32, a ragged prefill and decode steps: with the
-    attention's 16-head tensor-core plan (float32 q keeps float32 products), the mHC mixing
-    kernel and the rotary kernel on, the logits are the default launches' (to float32
-    rounding)."""
+def test_default_launches_give_the_torch_path_logits_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tiny V4 preset on CUDA in float32, a ragged prefill and decode steps: the default
+    launches (the attention's 16-head tensor-core plan, whose float32 q keeps float32 products,
+    the mHC mixing kernel and the rotary kernel) give the logits of the 64-head float32 plan with
+    torch's mixing and rotary (to float32 rounding)."""
     from model_harness import run_prefill_and_decode
 
     from atomrt.runtime.config import Config, ModelConfig
@@ -308,18 +310,20 @@ def test_options_give_the_default_logits_on_cuda(monkeypatch: pytest.MonkeyPatch
     from atomrt.workers.layers import v4_hyper, v4_modules
     from atomrt.workers.loading.loader import load_model
 
+    assert v4_kernels.DEFAULT_ATTN_PLAN == "h16-tc"
+    assert v4_hyper.HC_MIX_KERNEL and v4_modules.ROPE_KERNEL
     config = Config(model="tiny-deepseek-v4", model_config=ModelConfig(load_format="dummy"))
     model = load_model(config, "cuda", torch.float32).model
     prompts = [list(range(3, 40)), [5, 6, 7], list(range(50, 70))]
     default = run_prefill_and_decode(model, prompts, 4, block_size=16)
     for name in ("ATTN_HEAD_TILE", "ATTN_WARPS", "ATTN_TENSOR_CORES"):
         monkeypatch.setattr(v4_kernels, name, getattr(v4_kernels, name))  # restored after
-    v4_kernels.use_attn_plan("h16-tc")
-    monkeypatch.setattr(v4_hyper, "HC_MIX_KERNEL", True)
-    monkeypatch.setattr(v4_modules, "ROPE_KERNEL", True)
-    options = run_prefill_and_decode(model, prompts, 4, block_size=16)
-    assert options.sequences == default.sequences
-    for a, b in zip(options.logits, default.logits):
+    v4_kernels.use_attn_plan("h64")
+    monkeypatch.setattr(v4_hyper, "HC_MIX_KERNEL", False)
+    monkeypatch.setattr(v4_modules, "ROPE_KERNEL", False)
+    torch_path = run_prefill_and_decode(model, prompts, 4, block_size=16)
+    assert torch_path.sequences == default.sequences
+    for a, b in zip(torch_path.logits, default.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 

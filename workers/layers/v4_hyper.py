@@ -72,8 +72,9 @@ class HyperConnection(nn.Module):
 
 # The mixing weights in one Triton launch (workers/kernels/v4/v4_hc.py) rather than some 120 small
 # torch kernels a block (eager CUDA, and what a CUDA graph records at level 0; traced, Inductor
-# fuses the torch ones): off until a GPU timing (benchmarks/bench_v4_kernels.py) shows the gain.
-HC_MIX_KERNEL = False
+# fuses the torch ones): on an H100, 3.88 against 192.99 us at 1 row, 4.96 against 233.02 us at
+# 2048 (benchmarks/bench_v4_kernels.py, 6185488).
+HC_MIX_KERNEL = True
 
 
 def _use_mix_kernel(mixes: torch.Tensor, hc: int) -> bool:

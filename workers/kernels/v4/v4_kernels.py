@@ -19,8 +19,6 @@ count alone. The top-k between the scores and the attention is torch's. Shapes (
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -30,19 +28,21 @@ import triton.language as tl
 POOL_BLOCK_J = 8
 # The sparse attention's plan: query heads a program (None: up to 64, the whole head set of
 # DeepSeek-V4-Flash's 64 heads on one rank, whose [64, 512] float32 accumulator spills), warps, and
-# with ATTN_TENSOR_CORES the products in the model's 16-bit dtype (else float32 FMA). The smaller
-# tiles and tensor cores stay off until a GPU timing (benchmarks/bench_v4_kernels.py) shows a gain.
-ATTN_HEAD_TILE: Optional[int] = None
-ATTN_WARPS = 4
-ATTN_TENSOR_CORES = False
-# named plans, (ATTN_HEAD_TILE, ATTN_WARPS, ATTN_TENSOR_CORES), that the benchmarks choose from
+# with ATTN_TENSOR_CORES the products in the model's 16-bit dtype (else float32 FMA).
+# Named plans, (ATTN_HEAD_TILE, ATTN_WARPS, ATTN_TENSOR_CORES), that the benchmarks choose from.
 ATTN_PLANS = {
-    "default": (None, 4, False),
+    "h64": (None, 4, False),
     "h16": (16, 4, False),
     "h16-tc": (16, 4, True),
     "h16-tc-w8": (16, 8, True),
     "h32-tc-w8": (32, 8, True),
 }
+# 16 heads a program with tensor-core products: on an H100 at V4-Flash's 64 heads of 512, 128 window
+# keys + 16 entries, 22.0 us at 1 row and 884.7 us at 2048 rows, against the 64-head float32 plan's
+# 2333.4 and 68149.5 us (benchmarks/bench_v4_kernels.py, 6185488); the products differ from float32
+# FMA's by a bfloat16 rounding (max 0.0039 at 1 row).
+DEFAULT_ATTN_PLAN = "h16-tc"
+ATTN_HEAD_TILE, ATTN_WARPS, ATTN_TENSOR_CORES = ATTN_PLANS[DEFAULT_ATTN_PLAN]
 
 
 def use_attn_plan(name: str) -> None:
@@ -278,7 +278,7 @@ def _v4_sparse_attn_kernel(
 
 def attn_plan(num_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, int]:
     """The sparse attention's compile-time arguments and warps for `num_heads` query heads of
-    `head_dim` in `dtype`: `ATTN_HEAD_TILE` heads a program (up to 64 heads by default) and, under
+    `head_dim` in `dtype`: `ATTN_HEAD_TILE` heads a program (None: up to 64) and, under
     `ATTN_TENSOR_CORES` with a 16-bit q, its products in q's dtype."""
     tile = ATTN_HEAD_TILE or min(64, triton.next_power_of_2(num_heads))
     return dict(
