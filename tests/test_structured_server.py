@@ -295,3 +295,25 @@ def test_bench_serve_structured_output_ratios_and_compile_stall(server, tmp_path
     assert ratio_1.anchor == data["runs"][0]["output_tokens_per_s"]
     assert ratio_1.threshold.value == 0.95 and ratio_1.extra["valid"].value == 100.0
     assert "structured-outputs" in by_target
+
+
+def test_bench_structured_outputs_tell_a_cut_output_from_an_invalid_one() -> None:
+    """An output that fails the schema because max_tokens cut it counts as cut; any other
+    failure is shown with its error and text, so that a grammar letting a wrong token through
+    shows in the bench's line."""
+    from atomrt.runtime.bench import structured
+
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "maximum": 99}}}
+    outputs = [
+        ('{"age": 5}', "stop"),
+        ('{"age": 1', "length"),  # cut: unfinished JSON
+        ('{"age": 150}', "stop"),  # closed, but out of the schema's range
+        ('{"age": "x"}', "stop"),
+    ]
+    valid, cut, first = structured.validate(schema, outputs)
+    assert (valid, cut) == (1, 1)
+    assert "150 is greater than the maximum of 99" in first and '{"age": 150}' in first
+    line = structured.describe(structured.StructuredView(1.0, 4, valid, cut, first))
+    assert "1/4 valid (1 cut at max_tokens)" in line and line.endswith(first)
+    clean = structured.describe(structured.StructuredView(1.0, 1, 1))
+    assert "1/1 valid;" in clean and "cut" not in clean and "invalid" not in clean

@@ -91,6 +91,7 @@ class Outcome:
     itls: list[float] = field(default_factory=list)
     error: str = ""
     text: str = ""  # a structured request's output
+    finish_reason: str = ""  # a structured request's
 
 
 @dataclass
@@ -296,6 +297,7 @@ async def one_request(client: SSEClient, model: str, req: Request) -> Outcome:
                 choice = (chunk.get("choices") or [None])[0]
                 if req.schema is not None and choice is not None:
                     out.text += choice.get("text") or ""
+                    out.finish_reason = choice.get("finish_reason") or out.finish_reason
                 if choice is not None and (
                     choice.get("text") or choice.get("finish_reason") is None
                 ):
@@ -440,7 +442,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             results.append(summarize(outcomes, start, seconds, concurrency, rate))
             add_server_view(results[-1], before, scrape(api))
             if share is not None:
-                texts = [o.text for o, q in zip(outcomes, reqs) if q.schema is not None]
+                pairs = zip(outcomes, reqs)
+                texts = [(o.text, o.finish_reason) for o, q in pairs if q.schema is not None]
                 after = structured.scrape_grammar(api)
                 view = structured.view(share, schema, texts, grammar, after)
                 view.compile_first_ms = first.compile_first_ms  # the length probe's compile

@@ -152,12 +152,7 @@ def line(r: RunResult) -> str:
         text += f"  server/offline {r.server_vs_offline:.3f} (offline {r.offline_steps} steps)"
     v = r.structured
     if v is not None:
-        ms = lambda x: "-" if x is None else f"{x:.1f} ms"  # noqa: E731
-        text += (
-            f"\n{'':>10} structured {v.ratio:g}: {v.num_valid}/{v.num_structured} valid; grammar "
-            f"wait first {ms(v.compile_first_ms)}, cached {ms(v.compile_cached_ms)}; mask fill "
-            f"{'-' if v.mask_fill_us_per_row is None else f'{v.mask_fill_us_per_row:.1f}'} us/row"
-        )
+        text += f"\n{'':>10} {structured.describe(v)}"
     return text
 
 

@@ -52,6 +52,8 @@ class StructuredView:
     ratio: float
     num_structured: int
     num_valid: int  # of them, parsed and validated against the schema
+    num_cut: int = 0  # of the others, those that ended at max_tokens (finish_reason "length")
+    first_invalid: str = ""  # the first other one's error and text, shortened
     compile_first_ms: Optional[float] = None  # mean wait for a grammar compiled for the request
     compile_cached_ms: Optional[float] = None  # mean wait for one found compiled
     mask_fill_us_per_row: Optional[float] = None
@@ -68,9 +70,12 @@ def describe(v: StructuredView) -> str:
         return "-" if x is None else f"{x:.1f} ms"
 
     fill = "-" if v.mask_fill_us_per_row is None else f"{v.mask_fill_us_per_row:.1f}"
+    cut = f" ({v.num_cut} cut at max_tokens)" if v.num_cut else ""
+    invalid = f"; first invalid: {v.first_invalid}" if v.first_invalid else ""
     return (
-        f"structured {v.ratio:g}: {v.num_valid}/{v.num_structured} valid; grammar wait first "
-        f"{ms(v.compile_first_ms)}, cached {ms(v.compile_cached_ms)}; mask fill {fill} us/row"
+        f"structured {v.ratio:g}: {v.num_valid}/{v.num_structured} valid{cut}; grammar wait "
+        f"first {ms(v.compile_first_ms)}, cached {ms(v.compile_cached_ms)}; mask fill {fill} "
+        f"us/row{invalid}"
     )
 
 
@@ -119,28 +124,37 @@ def matched(requests: list[Any], probe: list[Any]) -> list[Any]:
     ]
 
 
-def validate(schema: dict[str, Any], texts: list[str]) -> int:
-    """How many of `texts` parse as JSON and validate against `schema`."""
+def validate(schema: dict[str, Any], outputs: list[tuple[str, str]]) -> tuple[int, int, str]:
+    """Of `outputs` ((text, finish_reason) each): how many parse as JSON and validate against
+    `schema`; how many of the others ended at max_tokens ("length": a grammar cannot close in
+    time what the request cut short); and the first remaining one's error and text, shortened
+    ("": none, every failure was a cut)."""
     import jsonschema
 
-    ok = 0
-    for text in texts:
+    ok = cut = 0
+    first = ""
+    for text, finish_reason in outputs:
         try:
             jsonschema.validate(json.loads(text), schema)
-        except (ValueError, jsonschema.ValidationError):
+        except (ValueError, jsonschema.ValidationError) as e:
+            if finish_reason == "length":
+                cut += 1
+            elif not first:
+                reason = e.message if isinstance(e, jsonschema.ValidationError) else str(e)
+                first = f"{reason[:120]} in {text[:160]!r}"
             continue
         ok += 1
-    return ok
+    return ok, cut, first
 
 
 def view(
     ratio: float,
     schema: dict[str, Any],
-    texts: list[str],
+    outputs: list[tuple[str, str]],  # (text, finish_reason) of each constrained request
     before: Optional[dict[str, dict[str, float]]],
     after: Optional[dict[str, dict[str, float]]],
 ) -> StructuredView:
-    v = StructuredView(ratio, len(texts), validate(schema, texts) if texts else 0)
+    v = StructuredView(ratio, len(outputs), *validate(schema, outputs))
     if before is None or after is None:
         return v
 
