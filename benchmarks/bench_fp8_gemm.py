@@ -49,13 +49,13 @@ SHAPES = {  # name: (N, K)
     "8B o": (4096, 4096),
     "8B gate_up": (28672, 4096),
     "8B down": (4096, 14336),
-    "V2-Lite q": (3072, 2048),
+    "V2-Lite q+kv_a": (3648, 2048),  # q_proj and kv_a_proj_with_mqa as one GEMM (mla.py)
     "V2-Lite o": (2048, 2048),
 }
 COPIES = 4  # weight copies cycled through: more bytes than the 50-60 MB of L2
 # the projections a decoder layer runs after its residual add and norm: with --variants --norm
 # they take them in the GEMM's launch (w8a8_skinny_add_norm), as ATOMRT_FP8_NORM_PROLOGUE=1 runs
-NORM_SHAPES = ("8B qkv", "8B gate_up")
+NORM_SHAPES = ("8B qkv", "8B gate_up", "V2-Lite q+kv_a")
 LAUNCH_FIELDS = ("block_k", "products", "warps", "stages")
 # name: (changes to the shape's launch, options); "flip_sum": the other side of skinny_defers_sum
 VARIANTS: dict[str, tuple[dict[str, int], SkinnyOptions]] = {

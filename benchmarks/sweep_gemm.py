@@ -81,8 +81,7 @@ SHAPES = {  # name: (N, K) per TP rank
     "Llama-3.1-8B down": (4096, 14336),
     "Llama-3.1-8B lm_head": (128256, 4096),
     # DeepSeek-V2-Lite's dense projections (o is Llama-3.2-1B's; routed experts: the fused MoE)
-    "DeepSeek-V2-Lite q": (3072, 2048),
-    "DeepSeek-V2-Lite kv_a": (576, 2048),
+    "DeepSeek-V2-Lite q+kv_a": (3648, 2048),  # q_proj and kv_a_proj_with_mqa as one GEMM
     "DeepSeek-V2-Lite shared gate_up": (5632, 2048),
     "DeepSeek-V2-Lite shared down": (2048, 2816),
     "DeepSeek-V2-Lite dense gate_up": (21888, 2048),
