@@ -76,7 +76,9 @@ class MLADecodeLaunch:
     # 0.637 at bs 128, level at bs 1 and 8)
     prefetch_blocks: bool = False
     # each key tile's rows (and block ids) load before the tile before is summed: a tile's loads
-    # overlap the previous tile's products, held in registers (with it, prefetch_blocks is unused)
+    # overlap the previous tile's products, held in registers (with it, prefetch_blocks is unused);
+    # off, as measured (bench_mla_variants.py on an H100, 16 heads, 8k keys: with bf16 partials
+    # 15.57 against 15.15 us at bs 1, 51.18 against 49.32 at bs 8)
     prefetch_kv: bool = False
     # with splits, the last split program of each (request, program column) to finish merges the
     # splits (self-resetting counters: the decode attention's, prepare_decode_counters) instead of
@@ -86,7 +88,8 @@ class MLADecodeLaunch:
     # with splits, the partial outputs are stored in bfloat16 (m and l stay fp32): half the bytes
     # the splits write and the merge reads again (at bs 1 and 128 splits, 2.1 of 4.2 MB beside a
     # 9.4 MB cache); they are unnormalised sums of weights <= 1 times the values, so their rounding
-    # (2^-9 relative) is about the output's own
+    # (2^-9 relative) is about the output's own. Off: on an H100 (bench_mla_variants.py, 16 heads,
+    # 8k keys) 15.15 against 15.63 us at bs 1 and 49.32 against 49.93 at bs 8, within a run's spread
     partials_bf16: bool = False
     # merge_in_kernel: splits the merging program reads per step, and the fp32 partials it holds at
     # once (rows x merge_splits x latent columns); a step's loads all go out before its sums, so
@@ -97,7 +100,8 @@ class MLADecodeLaunch:
     # sm90+: the decode kernel signals at its start, so the merge's programs are scheduled as soon
     # as every decode program is, and wait (gdc_wait) for the whole decode before reading: the gap
     # between the two launches is hidden. The kernel before the decode has finished by then (the
-    # decode launches without the attribute), as device_info.use_pdl's contract has it.
+    # decode launches without the attribute), as device_info.use_pdl's contract has it. Off: on an
+    # H100 (bench_mla_variants.py) 15.81 against 15.63 us at bs 1, 49.65 against 49.93 at bs 8.
     merge_pdl: bool = False
 
 
