@@ -73,7 +73,13 @@ def _v4_pool_kernel(
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     w = tl.load(windows_ptr + i)
-    pools = (tl.zeros([BLOCK_D], tl.int64) + w) >= 0  # a row that ends no window reads nothing
+    if w < 0:  # a row that ends no window (most decode steps' rows): zeros, no slot read
+        tl.store(
+            out_ptr + i * D + d,
+            tl.zeros([BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
+            mask=dm,
+        )
+        return
     m = tl.full([BLOCK_D], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_D], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -89,7 +95,7 @@ def _v4_pool_kernel(
         ch = (j // RATE) * D
         if C == 2:
             use = use & ((j >= RATE) | ((j * 0 + w) > 0))
-        lm = use[:, None] & (dm & pools)[None, :]
+        lm = use[:, None] & dm[None, :]
         base = rows_ptr + slot.to(tl.int64)[:, None] * row_stride + ch[:, None] + d[None, :]
         kv = tl.load(base + kv_col, mask=lm, other=0.0).to(tl.float32)
         g = tl.load(base + gate_col, mask=lm, other=0.0).to(tl.float32)
