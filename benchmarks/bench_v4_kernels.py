@@ -103,6 +103,9 @@ def bench_pool(n: int, rate: int, overlap: bool, slots: int, copies: int, gen: t
     kind = "csa" if overlap else "hca"
     print(f"pool {kind} rate={rate} rows={n}: {us:.2f} us, {nbytes / us / 1e3:.0f} GB/s",
           flush=True)  # fmt: skip
+    windows.fill_(-1)  # rows that end no window, as most of a decode step's rows
+    print(f"pool {kind} rate={rate} rows={n} ending no window: {_time_us(call, copies):.2f} us",
+          flush=True)  # fmt: skip
 
 
 def bench_hc_mix(n: int, gen: torch.Generator) -> None:
