@@ -202,3 +202,46 @@ def max_logit_diff(result: HarnessResult, hf_model: nn.Module, prompts: list[lis
         got = torch.stack([step[s] for step in result.logits]).to(logits.device)
         worst = max(worst, (got - logits[len(prompt) - 1 :]).abs().max().item())
     return worst
+
+
+def _gloo_tp_worker(
+    rank: int, tp_size: int, folder: str, prompts: list, init_file: str, out_file: str
+) -> None:
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    from atomrt.distributed.communication_op import TPInfo
+    from atomrt.workers.loading.loader import load_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp_size
+    )
+    try:
+        tp = TPInfo(rank, tp_size, dist.group.WORLD)
+        loaded = load_model(Config(model=folder), "cpu", torch.float32, tp)
+        result = run_prefill_and_decode(loaded.model, prompts, 2)
+        if rank == 0:
+            torch.save({"logits": result.logits, "sequences": result.sequences}, out_file)
+        dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    # gloo's teardown can abort the process ("terminate called without an active exception") when
+    # its threads race destroy_process_group; what is checked is already written, so leave
+    # without running C++ destructors.
+    os._exit(0)
+
+
+def gloo_tp_run(folder, prompts: list[list[int]], work_dir, tp_size: int = 2) -> HarnessResult:
+    """run_prefill_and_decode (2 new tokens) of the checkpoint in `folder` at TP=`tp_size`, one
+    process per rank over gloo on CPU; rank 0's logits and sequences."""
+    import torch.multiprocessing as mp
+
+    out_file = f"{work_dir}/rank0.pt"
+    args = (tp_size, str(folder), prompts, f"{work_dir}/init", out_file)
+    mp.spawn(_gloo_tp_worker, args=args, nprocs=tp_size)
+    saved = torch.load(out_file)
+    return HarnessResult(saved["logits"], saved["sequences"])

@@ -11,15 +11,13 @@ mid-block) and at TP 2 over gloo, each against transformers.
 from __future__ import annotations
 
 import json
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from deepseek_harness import make_hf_deepseek, tiny_deepseek_configs
-from model_harness import load_hf, max_logit_diff, run_prefill_and_decode
+from model_harness import gloo_tp_run, load_hf, max_logit_diff, run_prefill_and_decode
 from safetensors.torch import load_file
 
 from atomrt.distributed.communication_op import TPInfo
@@ -218,32 +216,8 @@ def test_block_fp8_checkpoint_with_query_rows_ending_mid_block(tmp_path: Path) -
         assert (got - ref).abs().max().item() < TOLERANCE_FP8
 
 
-def _tp_worker(rank: int, folder: str, init_file: str, out_file: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        tp = TPInfo(rank, 2, dist.group.WORLD)
-        loaded = load_model(Config(model=folder), "cpu", torch.float32, tp)
-        result = run_prefill_and_decode(loaded.model, PROMPTS, 2)
-        if rank == 0:
-            torch.save({"logits": result.logits, "sequences": result.sequences}, out_file)
-        dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
-    os._exit(0)  # gloo's teardown can abort the process; what is checked is written
-
-
 def test_tp2_on_gloo_loads_the_separate_names_and_matches_transformers(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-    from model_harness import HarnessResult
-
     folder = _v2_folder(tmp_path / "model")
-    out_file = tmp_path / "rank0.pt"
-    mp.spawn(_tp_worker, args=(str(folder), str(tmp_path / "init"), str(out_file)), nprocs=2)
-    saved = torch.load(out_file)
-    result = HarnessResult(saved["logits"], saved["sequences"])
+    result = gloo_tp_run(folder, PROMPTS, tmp_path)
     worst = max_logit_diff(result, load_hf(folder), PROMPTS)
     assert worst <= TOLERANCE, f"TP=2: max |logits - transformers| = {worst:.3g}"

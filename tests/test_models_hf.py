@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import importlib.metadata
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-from model_harness import run_prefill_and_decode
+from model_harness import gloo_tp_run, run_prefill_and_decode
 
 from atomrt.runtime.config import DEFAULT_MODEL, Config, ModelConfig
 from atomrt.workers.loading.loader import load_model
@@ -140,34 +138,8 @@ def test_dynamo_traces_without_graph_breaks(hf_folders: dict[str, Path]) -> None
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def _tp_worker(rank: int, tp_size: int, folder: str, init_file: str, out_file: str) -> None:
-    import torch.distributed as dist
-
-    from atomrt.distributed.communication_op import TPInfo
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp_size
-    )
-    try:
-        tp = TPInfo(rank, tp_size, dist.group.WORLD)
-        loaded = load_model(Config(model=folder), "cpu", torch.float32, tp)
-        result = run_prefill_and_decode(loaded.model, PROMPTS, 2)
-        if rank == 0:
-            torch.save({"logits": result.logits, "sequences": result.sequences}, out_file)
-        dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
-    # gloo's teardown can abort the process ("terminate called without an active exception") when
-    # its threads race destroy_process_group; what this test checks is already written, so leave
-    # without running C++ destructors.
-    os._exit(0)
-
-
 def test_tensor_parallel_on_gloo_matches_transformers(tmp_path: Path) -> None:
     """TP=2 with one kv head (replicated), qkv bias and an odd vocabulary (padded shards)."""
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     cfg = Qwen2Config(**{**_TINY, "num_key_value_heads": 1, "vocab_size": 127})
@@ -177,17 +149,11 @@ def test_tensor_parallel_on_gloo_matches_transformers(tmp_path: Path) -> None:
         for p in hf_model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     hf_model.save_pretrained(tmp_path / "model", safe_serialization=True)
-    out_file = tmp_path / "rank0.pt"
-    mp.spawn(
-        _tp_worker,
-        args=(2, str(tmp_path / "model"), str(tmp_path / "init"), str(out_file)),
-        nprocs=2,
-    )
-    result = torch.load(out_file)
+    result = gloo_tp_run(tmp_path / "model", PROMPTS, tmp_path)
     worst = 0.0
     for s, prompt in enumerate(PROMPTS):
-        expected = _hf_logits(hf_model, result["sequences"][s][:-1], len(prompt))
-        got = torch.stack([step[s] for step in result["logits"]])
+        expected = _hf_logits(hf_model, result.sequences[s][:-1], len(prompt))
+        got = torch.stack([step[s] for step in result.logits])
         worst = max(worst, (got - expected).abs().max().item())
     assert worst <= TOLERANCE, f"TP=2: max |logits - transformers| = {worst:.3g}"
 

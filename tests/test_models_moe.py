@@ -5,13 +5,11 @@ shared expert, decoder_sparse_step 2) and Mixtral, made by transformers and save
 
 from __future__ import annotations
 
-import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-from model_harness import load_hf, max_logit_diff, run_prefill_and_decode
+from model_harness import gloo_tp_run, load_hf, max_logit_diff, run_prefill_and_decode
 from moe_harness import make_hf_model, tiny_moe_configs
 
 from atomrt import SamplingParams
@@ -119,42 +117,13 @@ def test_dynamo_traces_moe_without_graph_breaks(moe_folders: dict[str, Path]) ->
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def _tp_worker(rank: int, tp_size: int, folder: str, init_file: str, out_file: str) -> None:
-    import torch.distributed as dist
-
-    from atomrt.distributed.communication_op import TPInfo
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp_size
-    )
-    try:
-        loaded = load_model(
-            Config(model=folder), "cpu", torch.float32, TPInfo(rank, tp_size, dist.group.WORLD)
-        )
-        result = run_prefill_and_decode(loaded.model, PROMPTS, 2)
-        if rank == 0:
-            torch.save({"logits": result.logits, "sequences": result.sequences}, out_file)
-        dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
-    os._exit(0)  # gloo's teardown can abort the process; what is checked is written
-
-
 @pytest.mark.slow  # the default run splits experts over TP ranks in tests/test_dp_moe.py
 def test_expert_tensor_parallel_on_gloo_matches_transformers(
     moe_folders: dict[str, Path], tmp_path: Path
 ) -> None:
     """TP=2 splits every expert's intermediate dimension and the shared expert (Qwen2-MoE); one
     all-reduce per MoE block."""
-    import torch.multiprocessing as mp
-    from model_harness import HarnessResult
-
     folder = moe_folders["qwen2_moe"]
-    out_file = tmp_path / "rank0.pt"
-    mp.spawn(_tp_worker, args=(2, str(folder), str(tmp_path / "init"), str(out_file)), nprocs=2)
-    saved = torch.load(out_file)
-    result = HarnessResult(saved["logits"], saved["sequences"])
+    result = gloo_tp_run(folder, PROMPTS, tmp_path)
     worst = max_logit_diff(result, load_hf(folder), PROMPTS)
     assert worst <= TOLERANCE, f"TP=2: max |logits - transformers| = {worst:.3g}"
