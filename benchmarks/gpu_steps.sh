@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several benchmark commands in one go within a time budget, on a GPU machine where atomrt need not
-# be installed (as tests/gpu/run_gpu_tier.sh: the top-level folders linked into a temporary `atomrt`
-# package on PYTHONPATH, wheels in .whl/ installed offline if any).
+# be installed (tests/gpu/package_path.sh, as tests/gpu/run_gpu_tier.sh: the top-level folders
+# linked into a temporary `atomrt` package on PYTHONPATH, wheels in .whl/ installed offline if any).
 # Usage (repo root): [OUT=DIR] [BUDGET=SECONDS] benchmarks/gpu_steps.sh STEPS_FILE
 # STEPS_FILE holds a step a line, `NAME SECONDS COMMAND...` (blank lines and # comments skipped).
 # COMMAND runs under bash, from the repository root, with:
@@ -21,23 +21,16 @@ BUDGET=${BUDGET:-570}
 root=$PWD
 start=$(date +%s)
 mkdir -p "$OUT/logs" "$OUT/rec"
-pp=$(mktemp -d)
-mkdir -p "$pp/atomrt"
-for d in runtime workers compile graphs distributed; do ln -s "$root/$d" "$pp/atomrt/$d"; done
-ln -s "$root/atomrt/__init__.py" "$pp/atomrt/__init__.py"
-site=""
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$pp/site" .whl/*.whl || echo "wheels in .whl/ did not install" >&2
-  site=":$pp/site"
-fi
+source "$root/tests/gpu/package_path.sh"
+pp=$(atomrt_package "$root")
+site=$(atomrt_wheels "$pp")
 export PYTHONPATH="$pp$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 REC="$OUT/rec" SITE="$site"
 atomrt() { python3 -m atomrt.runtime.entrypoints.cli "$@"; }
 variant() {
   local name=$1 v
   shift
   v=$(mktemp -d)/$name
-  mkdir -p "$v/pkg/atomrt"
+  mkdir -p "$v"
   for d in runtime workers compile graphs distributed atomrt; do cp -r "$PWD/$d" "$v/$d"; done
   while [ $# -ge 2 ]; do
     cp "$v/$1" "$v/$1.orig"
@@ -45,11 +38,9 @@ variant() {
     if cmp -s "$v/$1" "$v/$1.orig"; then echo "variant $name: '$2' changed nothing in $1" >&2; return 1; fi
     shift 2
   done
-  for d in runtime workers compile graphs distributed; do ln -s "$v/$d" "$v/pkg/atomrt/$d"; done
-  ln -s "$v/atomrt/__init__.py" "$v/pkg/atomrt/__init__.py"
-  echo "$v/pkg$SITE"
+  echo "$(atomrt_package "$v")$SITE"
 }
-export -f atomrt variant
+export -f atomrt variant atomrt_package
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   git rev-parse HEAD 2>/dev/null; } > "$OUT/logs/machine.txt" 2>&1

@@ -101,10 +101,15 @@ def test_the_users_names_import_from_a_built_wheel(tmp_path: Path):
 
 
 def test_the_users_names_import_from_linked_checkout_folders(tmp_path: Path):
-    """As tests/gpu/run_gpu_tier.sh links them, run from the repository root: the checkout's own
-    `atomrt/` comes first on sys.path there, and the subpackages are still found."""
-    script = (ROOT / "tests" / "gpu" / "run_gpu_tier.sh").read_text()
-    assert 'ln -s "$PWD/atomrt/__init__.py" "$pp/atomrt/__init__.py"' in script
+    """As tests/gpu/run_gpu_tier.sh links them (tests/gpu/package_path.sh), run from the
+    repository root: the checkout's own `atomrt/` comes first on sys.path there, and the
+    subpackages are still found."""
+    gpu = ROOT / "tests" / "gpu"
+    assert 'pp=$(atomrt_package "$PWD")' in (gpu / "run_gpu_tier.sh").read_text()
+    assert (
+        'ln -s "$1/atomrt/__init__.py" "$pp/atomrt/__init__.py"'
+        in (gpu / "package_path.sh").read_text()
+    )
     linked = tmp_path / "pp" / "atomrt"
     linked.mkdir(parents=True)
     for folder in SUBPACKAGES:

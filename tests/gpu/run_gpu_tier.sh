@@ -14,14 +14,9 @@ set -uo pipefail
 LOG_DIR=${LOG_DIR:-/tmp/atomrt-gpu}
 MARK=${MARK:-gpu}
 mkdir -p "$LOG_DIR"
-pp=$(mktemp -d)
-mkdir -p "$pp/atomrt"
-for d in runtime workers compile graphs distributed; do ln -s "$PWD/$d" "$pp/atomrt/$d"; done
-ln -s "$PWD/atomrt/__init__.py" "$pp/atomrt/__init__.py"  # the user's names (`from atomrt import LLM`)
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$pp/site" .whl/*.whl
-  pp="$pp:$pp/site"
-fi
+source "$(dirname "$0")/package_path.sh"
+pp=$(atomrt_package "$PWD")
+pp="$pp$(atomrt_wheels "$pp")"
 export PYTHONPATH="$pp${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOG_DIR/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG_DIR/gpu.txt"
