@@ -120,6 +120,9 @@ class ForwardContext:
     # with them, as one launch
     tr_req_key: Optional[tuple[int, int]] = None
     tr_request: Any = None
+    # device tensors a model's layers share within one forward (their index arithmetic, made
+    # once: workers/layers/v4_rows.py `step_memo`); the model empties it as each forward starts
+    step_memo: dict[Any, Any] = field(default_factory=dict)
 
 
 _forward_context: ForwardContext = ForwardContext()

@@ -98,7 +98,18 @@ from atomrt.workers.layers.v4_modules import (
     V4LayerSpec,
     rope_tail,
 )
-from atomrt.workers.layers.v4_rows import anchor_slots, row_seqs, row_source, write_rows
+from atomrt.workers.layers.v4_rows import (
+    CompressIndex,
+    anchor_slots,
+    compress_index,
+    md_key,
+    row_source,
+    source_rows,
+    step_memo,
+    step_seqs,
+    window_slots,
+    write_rows,
+)
 from atomrt.workers.layers.v4_streams import V4SideStreams
 from atomrt.workers.layers.weight_utils import divide
 
@@ -240,21 +251,23 @@ def v4_attn_compress_launch(
     entry and the indexer's, pooled from its tokens' rows (the earlier ones from the cache) into
     the row. Sized by the row count: every row pools a candidate, kept where its position ends a
     window; no host data, so a token graph records it inline."""
-    layer = paged_layer_state(layer_idx)[0]
+    layer, md, cache = paged_layer_state(layer_idx)
+    index = compress_index(layer, md, cache, rows, positions)
     if rows.is_cuda:
         # x may be an intermediate of a compiled graph (the op not a splitting op, or level 2),
         # whose memory the graph reuses after its last use there, which may come before the
         # join: the side stream reads a copy of its own, made before the fork and kept by it
         x = x.clone()
-    with layer.side_streams.fork(layer_idx, rows.device, keep=(x, rows, positions)):
-        _compress(layer, x, rows, positions, layer_idx)
+    keep = (x, rows, positions, *(t for t in index if t is not None))
+    with layer.side_streams.fork(layer_idx, rows.device, keep=keep):
+        _compress(layer, x, rows, index, layer_idx)
 
 
 def _compress(
     layer: "V4Attention",
     x: torch.Tensor,
     rows: torch.Tensor,
-    positions: torch.Tensor,
+    index: CompressIndex,
     layer_idx: int,
 ) -> None:
     """`v4_attn_compress_launch`'s work, on the side stream."""
@@ -265,15 +278,11 @@ def _compress(
     ckv, cgate = layer.compressor.wkv(x), layer.compressor.wgate(x)
     rows.copy_(layer.compressor_rows(ckv, cgate, ikv, igate))
     tokens_cols, entry_cols = slice(0, layer.spec.entries_at), slice(layer.spec.entries_at, None)
-    write_rows(md, cache, rows, tokens_cols)
+    write_rows(md, cache, rows, tokens_cols, index.writes)
     r, cols = layer.rate, layer.spec.columns()
-    windows = ((positions + 1) // r - 1).clamp(min=0)  # the window each row would end
-    span = 2 * r if layer.compressor.overlap else r
-    tokens = (positions + 1 - span).unsqueeze(1) + torch.arange(span, device=rows.device)
-    ends = ((positions + 1) % r == 0).unsqueeze(1)
-    source, slots = row_source(md, cache, rows, positions, tokens)
+    source = source_rows(md, cache, rows)
     if not _use_kernels(rows):
-        src = read_rows(source, slots.clamp(min=0)).to(rows.dtype)  # [n, span, width]
+        src = read_rows(source, index.slots.clamp(min=0)).to(rows.dtype)  # [n, span, width]
     comps = [(layer.compressor, "ckv", "cgate", "centry")]
     if layer.indexer is not None:
         comps.append((layer.indexer.compressor, "ikv", "igate", "ientry"))
@@ -284,31 +293,20 @@ def _compress(
 
             pooled = rows.new_empty(rows.shape[0], comp.dim)
             # only the rows that end a window pool (a prefill's other rows read nothing)
-            v4_pool(source, slots, torch.where(ends.squeeze(1), windows, -1), comp.ape,
-                    comp.norm.weight, kv_at, gate_at, comp.norm.eps, comp.overlap, pooled)  # fmt: skip
-            at = windows * r
-            cos, sin = layer.rotary.cos_cache[at], layer.rotary.sin_cache[at]
-            pooled = rope_tail(pooled, cos.to(pooled.dtype), sin.to(pooled.dtype))
+            v4_pool(source, index.slots, index.pooled, comp.ape, comp.norm.weight, kv_at,
+                    gate_at, comp.norm.eps, comp.overlap, pooled)  # fmt: skip
+            pooled = rope_tail(pooled, index.cos, index.sin)
         else:
             kv_src = src[..., kv_at : kv_at + kv_width]
             gate_src = src[..., gate_at : gate_at + kv_width]
             prev = (kv_src[:, :r], gate_src[:, :r]) if comp.overlap else (None, None)
             cos, sin = layer.rotary.cos_cache, layer.rotary.sin_cache
-            pooled = comp.pool(kv_src[:, -r:], gate_src[:, -r:], *prev, windows, cos, sin)
+            pooled = comp.pool(kv_src[:, -r:], gate_src[:, -r:], *prev, index.windows, cos, sin)
         at, width = cols[entry_name]
         entry = rows[:, at : at + width]
-        entry.copy_(torch.where(ends, pooled.to(rows.dtype), entry))
-    if cache is not None and md is not None:  # the entries into their group's first block
-        ended = ends.squeeze(1) & (md.slot_mapping[: rows.shape[0]] >= 0)
-        w = torch.where(ended, (positions + 1) // r - 1, -1).unsqueeze(1)
-        seq = row_seqs(md, rows.shape[0], rows.device)
-        write_rows(
-            md,
-            cache,
-            rows,
-            entry_cols,
-            anchor_slots(md, cache, seq, w, r, layer.anchor_stride)[:, 0],
-        )
+        entry.copy_(torch.where(index.ends, pooled.to(rows.dtype), entry))
+    # the entries into their group's first block
+    write_rows(md, cache, rows, entry_cols, index.entry_writes)
 
 
 def v4_attention(
@@ -356,9 +354,8 @@ def _attend(
     with the head's sink in the softmax and the keys as the values. No host data: sized by the
     row count, so a token graph records it inline."""
     _, md, cache = paged_layer_state(layer.layer_idx)
-    back = torch.arange(layer.window - 1, -1, -1, device=q.device)
-    tokens = positions.long().unsqueeze(1) - back  # [n, W], < 0 before the sequence's start
-    source, slots = row_source(md, cache, rows, positions, tokens)
+    source = source_rows(md, cache, rows)
+    slots = window_slots(layer, md, cache, rows, positions)
     cols = layer.spec.columns()
     groups = [(slots, cols["kv"][0])]
     if entries is not None:
@@ -367,7 +364,10 @@ def _attend(
     if _use_kernels(q):
         from atomrt.workers.kernels.v4.v4_kernels import v4_sparse_attention
 
-        offsets = torch.cat([torch.where(s >= 0, s * width + c, -1) for s, c in groups], dim=1)
+        key = ("window offsets", id(slots), width, cols["kv"][0])
+        parts = [step_memo(key, lambda: torch.where(slots >= 0, slots * width + cols["kv"][0], -1))]
+        parts += [torch.where(s >= 0, s * width + c, -1) for s, c in groups[1:]]
+        offsets = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         v4_sparse_attention(q, source, offsets, layer.attn_sink, layer.scale, output)
         return
     for a in range(0, n, _QUERY_CHUNK):
@@ -399,15 +399,22 @@ def _entry_slots(layer: "V4Attention", rows: torch.Tensor, positions: torch.Tens
         num_entries = max((s.context_len // r for s in seqs), default=0)
     else:
         num_entries = layer.rotary.cos_cache.shape[0] // r
-    w = torch.arange(num_entries, device=rows.device)
-    visible = w.unsqueeze(0) < ((positions.long() + 1) // r).unsqueeze(1)  # [n, T]
-    if cache is not None and md is not None:
-        seq = row_seqs(md, rows.shape[0], rows.device)
-        return anchor_slots(
-            md, cache, seq, torch.where(visible, w.unsqueeze(0), -1), r, layer.anchor_stride
-        )
-    tokens = torch.where(visible, (w.unsqueeze(0) + 1) * r - 1, -1)
-    return row_source(md, cache, rows, positions, tokens)[1]
+    n, paged = rows.shape[0], cache is not None and md is not None
+    key = ("entries", *md_key(md, n), positions.data_ptr(), r, layer.anchor_stride, num_entries,
+           cache.rows.shape[1] if paged else None)  # fmt: skip
+
+    def make() -> torch.Tensor:
+        w = torch.arange(num_entries, device=rows.device)
+        visible = w.unsqueeze(0) < ((positions.long() + 1) // r).unsqueeze(1)  # [n, T]
+        seq = step_seqs(md, n, rows.device)
+        if paged:
+            return anchor_slots(
+                md, cache, seq, torch.where(visible, w.unsqueeze(0), -1), r, layer.anchor_stride
+            )
+        tokens = torch.where(visible, (w.unsqueeze(0) + 1) * r - 1, -1)
+        return row_source(md, cache, rows, positions, tokens, seq)[1]
+
+    return step_memo(key, make)
 
 
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request

@@ -50,6 +50,7 @@ from atomrt.workers.layers.v4_attention import V4Attention
 from atomrt.workers.layers.v4_hyper import HyperConnection, HyperHead, hyper_residual
 from atomrt.workers.layers.v4_modules import Norm
 from atomrt.workers.layers.v4_moe import V4MoE
+from atomrt.workers.layers.v4_rows import clear_step_memo
 from atomrt.workers.layers.v4_streams import V4SideStreams
 from atomrt.workers.layers.weight_utils import Sliceable, read_all, read_narrow, shape_of
 from atomrt.workers.models.arch import ModelArch
@@ -362,12 +363,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [n] int64 -> hidden_states [n, hidden]."""
+        """input_ids, positions [n] int64 -> hidden_states [n, hidden]. The layers' shared index
+        arithmetic is made anew for each forward (workers/layers/v4_rows.py, `step_memo`)."""
+        clear_step_memo()
         return self.model(input_ids, positions)
 
     def forward_ubatch(
         self, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> Generator[None, None, torch.Tensor]:
+        clear_step_memo()  # the microbatch's own forward context's
         return (yield from self.model.forward_ubatch(input_ids, positions))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

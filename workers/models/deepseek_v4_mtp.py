@@ -38,6 +38,7 @@ from atomrt.distributed.communication_op import DPInfo, TPInfo
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_hyper import HyperHead
 from atomrt.workers.layers.v4_modules import Norm
+from atomrt.workers.layers.v4_rows import clear_step_memo
 from atomrt.workers.layers.v4_streams import V4SideStreams
 from atomrt.workers.models.arch import ModelArch
 from atomrt.workers.models.deepseek_v4_arch import SLIDING
@@ -184,6 +185,7 @@ class DeepseekV4MTP(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [n] (each row's next token, the row's position); hidden_states
         [n, hc, hidden] (streams) -> layer `layer`'s output streams [n, hc, hidden]."""
+        clear_step_memo()  # a pass's positions and metadata are not the target's
         embeds = self._target[0].model.embed_tokens(input_ids)
         return self.layers[layer](embeds, positions, hidden_states, input_ids)
 
