@@ -114,7 +114,7 @@ def main() -> None:
         "--parallel-fill-rows",
         type=int,
         default=xgrammar_backend.PARALLEL_FILL_ROWS,
-        help="a step with this many constrained rows fills and accepts them on threads, on a "
+        help="a step with this many constrained rows fills their masks on threads, on a "
         "machine of MIN_FILL_CORES or more (xgrammar_backend.PARALLEL_FILL_ROWS)",
     )
     ap.add_argument(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import json
-from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -122,8 +121,6 @@ class XgrammarBackend(GrammarBackend):
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         threads = fill_threads(usable_cpu_count())
         self._parallel = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else None
-        self._threads = threads
-        self._pool: Optional[ThreadPoolExecutor] = None  # the batch accept's, when threaded
 
     @staticmethod
     def validate(so: StructuredOutputsParams) -> Any:
@@ -188,34 +185,16 @@ class XgrammarBackend(GrammarBackend):
         batch.batch_fill_next_token_bitmask(inner, bitmask, rows)
 
     def accept_ahead(self, matchers: list[GrammarMatcher], tokens: list[int]) -> bool:
-        """One call into xgrammar for the batch's tokens; `PARALLEL_FILL_ROWS` or more on a machine
-        with the cores (`fill_threads`) are split over threads, each a call (xgrammar releases
-        the GIL while it accepts: a grammar's accept costs microseconds a token, mostly in memory
-        the step before left cold)."""
-        accept = _batch_accept
-        inner = [m.matcher for m in matchers]  # this backend's: XgrammarMatcher
-        if self._threads > 1 and len(inner) >= PARALLEL_FILL_ROWS:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    self._threads - 1, thread_name_prefix="atomrt-grammar-accept"
-                )
-            size = -(-len(inner) // self._threads)
-            parts = [
-                self._pool.submit(accept, inner[i : i + size], tokens[i : i + size])
-                for i in range(size, len(inner), size)
-            ]
-            answers = accept(inner[:size], tokens[:size])
-            for part in parts:
-                answers += part.result()
-        else:
-            answers = accept(inner, tokens)
+        """One call into xgrammar for the batch's tokens, on the calling thread. Split over Python
+        threads it ran slower, not faster: each part's thread needs the GIL to start and to hand
+        its answers back while the step loop holds it. `bench_grammar_step.py --device cuda` on an
+        H100 host (16 cores, Llama 3's vocabulary, user_profiles.json) took 5.1 us a row in one
+        call at 16 rows and 11.5 us a row over 8 threads at 64; on a 2-core CPU a 64-row batch
+        took 176-221 us in one call against 427-454 us in two threads."""
+        answers = _batch_accept([m.matcher for m in matchers], tokens)  # XgrammarMatcher's
         for m, token, accepted in zip(matchers, tokens, answers):
             m._took_ahead(token, accepted)
         return True
-
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
 
 
 @functools.cache
