@@ -4,9 +4,10 @@
 # pytest runs the tests marked gpu (default) or multigpu in tests/gpu.
 # Usage (repo root): tests/gpu/run_gpu_tier.sh [pytest args...]   (MARK=multigpu for the 2-GPU tests)
 # The whole tier takes longer than one 10-minute device command: SHARD=i/n runs every n-th test
-# file from the i-th (1-based, files sorted by name), so that n commands cover it; each test is
-# stopped after TEST_TIMEOUT seconds (default 120, pytest-timeout) and reported one line at a time
-# (-v), so that a command cut short still shows what passed.
+# file from the i-th (1-based, files sorted by name bytewise, as on any machine), so that n
+# commands cover it; each test is stopped after TEST_TIMEOUT seconds (default 120,
+# pytest-timeout) and reported one line at a time (-v), so that a command cut short still shows
+# what passed.
 # torch, triton and pytest must already be importable by python3; wheels in .whl/, if any, are
 # installed offline (no index, no dependencies) into the temporary path, nothing is downloaded.
 # Logs go to $LOG_DIR (default /tmp/atomrt-gpu).
@@ -22,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG_DIR/gpu.txt"
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  mapfile -t targets < <(ls tests/gpu/test_*.py | sort)
+  mapfile -t targets < <(ls tests/gpu/test_*.py | LC_ALL=C sort)
   if [ -n "${SHARD:-}" ]; then
     i=${SHARD%/*} n=${SHARD#*/}
     mapfile -t targets < <(printf '%s\n' "${targets[@]}" | awk -v i="$i" -v n="$n" '(NR - i) % n == 0')
