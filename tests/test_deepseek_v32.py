@@ -114,6 +114,35 @@ def test_v32_preset_shape_on_meta() -> None:
     assert attn.fused_qkv_a_proj.weight.shape[0] == 1536 + 576 + 128 + 64
 
 
+def test_glm5_preset_is_transformers_glm5_on_meta() -> None:
+    """The GLM-5 preset's first 4 layers (3 dense, 1 MoE) hold the weights of transformers'
+    GlmMoeDsaForCausalLM at its default config (zai-org/GLM-5's) with 4 layers: as many parameters,
+    the routing's correction bias aside (a buffer there), and every indexer its own."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    from atomrt.runtime.config import ModelConfig
+    from atomrt.workers.loading.loader import build_model, read_arch
+
+    config = Config(
+        model="GLM-5",
+        model_config=ModelConfig(load_format="dummy", hf_overrides={"num_hidden_layers": 4}),
+    )
+    arch = read_arch(config)
+    assert arch.architecture == "GlmMoeDsaForCausalLM" and arch.index_shared_layers == ()
+    reference = GlmMoeDsaConfig(num_hidden_layers=4)
+    assert (arch.index_n_heads, arch.index_head_dim, arch.index_topk) == (
+        reference.index_n_heads,
+        reference.index_head_dim,
+        reference.index_topk,
+    )
+    model = build_model(arch, "meta", torch.bfloat16)
+    with torch.device("meta"):
+        theirs = GlmMoeDsaForCausalLM(reference)
+    moe_layers = reference.num_hidden_layers - reference.first_k_dense_replace
+    ours = sum(p.numel() for p in model.parameters())
+    assert ours == sum(p.numel() for p in theirs.parameters()) + moe_layers * 256
+
+
 def test_long_prompt_attends_in_query_chunks(
     folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -202,6 +202,46 @@ _DEEPSEEK_V32: dict[str, Any] = {
     "index_topk": 2048,
 }
 
+# GLM-5: DeepSeek-V3.2's sparse attention (a 32-head indexer, its rotary interleaved) over MLA
+# with 64 heads of 192 + 64, 256 routed experts in one group, top 8: transformers' GlmMoeDsaConfig
+# defaults (its docstring's zai-org/GLM-5), every layer's indexer its own.
+_GLM_5: dict[str, Any] = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "vocab_size": 154880,
+    "hidden_size": 6144,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 78,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 2048,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+    "max_position_embeddings": 202752,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "torch_dtype": "bfloat16",
+}
+
 # GLM-4.7-Flash (about 30B, 3B active): DeepSeek-V3's attention and routing at a smaller shape,
 # 64 routed experts in one group, no rope scaling, one MTP layer after the 47 decoder layers.
 _GLM_4_7_FLASH: dict[str, Any] = {
@@ -404,6 +444,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "DeepSeek-V4-Flash": _DEEPSEEK_V4_FLASH,
     "tiny-deepseek-v4": _TINY_DEEPSEEK_V4,
     "DeepSeek-V3.2": _DEEPSEEK_V32,
+    "GLM-5": _GLM_5,
 }
 
 
