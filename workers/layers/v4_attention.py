@@ -102,6 +102,7 @@ from atomrt.workers.layers.v4_rows import (
     CompressIndex,
     anchor_slots,
     compress_index,
+    held_ptr,
     md_key,
     row_source,
     source_rows,
@@ -400,7 +401,7 @@ def _entry_slots(layer: "V4Attention", rows: torch.Tensor, positions: torch.Tens
     else:
         num_entries = layer.rotary.cos_cache.shape[0] // r
     n, paged = rows.shape[0], cache is not None and md is not None
-    key = ("entries", *md_key(md, n), positions.data_ptr(), r, layer.anchor_stride, num_entries,
+    key = ("entries", *md_key(md, n), held_ptr(positions), r, layer.anchor_stride, num_entries,
            cache.rows.shape[1] if paged else None)  # fmt: skip
 
     def make() -> torch.Tensor:

@@ -25,9 +25,9 @@ STEP_MEMO = True
 
 def step_memo(key: tuple, make: Callable[[], Any]) -> Any:
     """What `make()` returns, made the first time a forward asks for `key` and then the same
-    tensors for the rest of it. `key` names all the value depends on (the metadata's identity,
-    the row count, the positions' tensor, the layer kind's sizes) but the device contents of
-    the step's metadata, which a forward does not change. The model empties the memo as each
+    tensors for the rest of it. `key` names all the value depends on (the metadata object and the
+    positions' tensor, which the memo keeps alive, `held`; the row count; the layer kind's sizes)
+    but the device contents of the step's metadata, which a forward does not change. The model empties the memo as each
     forward starts (`clear_step_memo`): a graph's capture makes its own, never reading what the
     warm-up before it made. Ask on the stream the layers run on, not the compressors' side
     stream: the side stream gets what it needs made before the fork."""
@@ -45,9 +45,24 @@ def clear_step_memo() -> None:
     get_forward_context().step_memo.clear()
 
 
+def held(obj: object) -> int:
+    """id(obj), for a memo key: the memo keeps `obj` as long as its answers, so that no other
+    object takes that id while they may be read."""
+    if STEP_MEMO:
+        get_forward_context().step_memo.setdefault(("held", id(obj)), obj)
+    return id(obj)
+
+
+def held_ptr(t: torch.Tensor) -> int:
+    """t.data_ptr(), for a memo key, `t` kept as `held` keeps an object: no other tensor takes its
+    memory while the answers made from it may be read."""
+    held(t)
+    return t.data_ptr()
+
+
 def md_key(md: object, n: int) -> tuple:
     """The part of a memo key every answer depends on: the metadata object and the row count."""
-    return (id(md), n)
+    return (held(md), n)
 
 
 def row_seqs(md: object, n: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -177,7 +192,7 @@ def compress_index(
     paged = cache is not None and md is not None
     scratch = cache.storage.shape[0] - 1 if paged else None
     key = (
-        "compress", *md_key(md, n), positions.data_ptr(), r, overlap, layer.anchor_stride,
+        "compress", *md_key(md, n), held_ptr(positions), r, overlap, layer.anchor_stride,
         cache.rows.shape[1] if paged else None, scratch, id(layer.rotary), rows.dtype,
     )  # fmt: skip
 
@@ -211,7 +226,7 @@ def window_slots(
     start), in `row_source`'s rows; once per forward for each window (`step_memo`)."""
     n = rows.shape[0]
     paged = cache is not None and md is not None
-    key = ("window", *md_key(md, n), positions.data_ptr(), layer.window,
+    key = ("window", *md_key(md, n), held_ptr(positions), layer.window,
            cache.rows.shape[1] if paged else None)  # fmt: skip
 
     def make() -> torch.Tensor:
