@@ -68,6 +68,7 @@ def test_engine_greedy_tokens_equal_transformers_generate(
     assert seen["preemptions"] > 0 and seen["prefix_hits"] >= len(SHARED), seen
 
 
+@pytest.mark.slow  # 12 s on a 2-core CPU; MLA's TP split: tests/test_deepseek_parallel.py
 def test_tensor_parallel_tokens_equal_transformers_generate(folders: dict[str, Path]) -> None:
     """TP = 2 over mp processes: MLA's query heads and kv_b_proj split, the indexer whole on each
     rank (every rank picks the same tokens)."""
