@@ -27,9 +27,9 @@ def step_memo(key: tuple, make: Callable[[], Any]) -> Any:
     """What `make()` returns, made the first time a forward asks for `key` and then the same
     tensors for the rest of it. `key` names all the value depends on (the metadata object and the
     positions' tensor, which the memo keeps alive, `held`; the row count; the layer kind's sizes)
-    but the device contents of the step's metadata, which a forward does not change. The model empties the memo as each
-    forward starts (`clear_step_memo`): a graph's capture makes its own, never reading what the
-    warm-up before it made. Ask on the stream the layers run on, not the compressors' side
+    but the device contents of the step's metadata, which a forward does not change. The model
+    empties the memo as each forward starts (`clear_step_memo`): a graph's capture makes its own,
+    never reading what the warm-up before it made. Ask on the stream the layers run on, not the compressors' side
     stream: the side stream gets what it needs made before the fork."""
     if not STEP_MEMO:
         return make()
@@ -85,7 +85,7 @@ def table_slots(
 ) -> torch.Tensor:
     """The slots of row `row` of block `index` [n, k] of row i's block table (index < 0: none,
     slot -1), through the block table on the device (as int64 once per forward)."""
-    table = step_memo(("table", id(md)), md.block_tables.long)
+    table = step_memo(("table", held(md)), md.block_tables.long)
     seq = seq.clamp(max=table.shape[0] - 1).unsqueeze(1)
     blocks = table[seq, index.clamp(0, table.shape[1] - 1)]
     return torch.where(index >= 0, blocks.clamp(min=0) * block_size + row, -1)
