@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -55,7 +56,7 @@ class RayHead:
     env: dict[str, str]  # the client's environment
 
 
-def _start_head(temp_dir: str, log: Path) -> tuple[subprocess.Popen, int]:
+def _start_head(temp_dir: str, log: Path, token: str) -> tuple[subprocess.Popen, int]:
     ports = {
         name: get_free_port()
         for name in (
@@ -74,7 +75,12 @@ def _start_head(temp_dir: str, log: Path) -> tuple[subprocess.Popen, int]:
     cmd += [f"--{name}={port}" for name, port in ports.items()]
     cmd += ["--dashboard-host=127.0.0.1", "--num-cpus=2", f"--temp-dir={temp_dir}"]
     cmd += ["--disable-usage-stats"]
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    env = dict(
+        os.environ,
+        PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        RAY_AUTH_MODE="token",  # as docs/deploy.md's clusters: clients must show the token
+        RAY_AUTH_TOKEN=token,
+    )
     with log.open("w") as out:  # its own session: every process of this cluster is in it
         head = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -111,13 +117,15 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
     # Ray's unix sockets live under the temp dir: keep its path short.
     temp_dir = tempfile.mkdtemp(prefix="atomrt-ray-", dir="/tmp")
     log = tmp_path_factory.mktemp("ray_head") / "ray-start.log"
-    head, dashboard_port = _start_head(temp_dir, log)
+    token = secrets.token_hex(32)  # this cluster's own, whatever ~/.ray holds
+    head, dashboard_port = _start_head(temp_dir, log, token)
     dashboard = f"http://127.0.0.1:{dashboard_port}"
     env = dict(
         os.environ,
         PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
         RAY_ADDRESS=dashboard,
         RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=token,
     )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -128,7 +136,10 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
             if probe.returncode == 0:
                 break
             if head.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"ray start --head did not come up:\n{log.read_text()[-3000:]}")
+                pytest.fail(
+                    f"ray start --head did not come up:\n{log.read_text()[-3000:]}\n"
+                    f"`ray job list`: {probe.stderr.decode(errors='replace')[-2000:]}"
+                )
             time.sleep(1)
         yield RayHead(dashboard, env)
     finally:
