@@ -157,3 +157,24 @@ def test_long_prompt_attends_in_query_chunks(
     loaded = load_model(Config(model=str(folders["glm5"])), "cpu", torch.float32)
     result = run_prefill_and_decode(loaded.model, PROMPTS, 2, block_size=4)
     assert max_logit_diff(result, load_hf(folders["glm5"]), PROMPTS) <= 1e-4
+
+
+@pytest.mark.parametrize("index_dim", [0, 24], ids=["shared-topk", "indexer-key"])
+def test_cache_write_kernel_skips_padded_rows_as_the_masked_copy(index_dim: int) -> None:
+    """The write a recording runs (MLA's write kernel over [latent | k_pe | the indexer's key]:
+    nothing waits for the device) leaves the cache as the masked copy does: the rows at their
+    slots, the negative slots' rows nowhere, every other slot untouched. Widths not powers of 2."""
+    from atomrt.workers.layers.dsa_mla import _write_rows
+
+    gen = torch.Generator().manual_seed(5)
+    lora, rope, blocks, block_size = 40, 12, 3, 4
+    rows = torch.randn(6, lora + rope + index_dim, generator=gen)
+    slots = torch.tensor([5, -1, 11, 0, -1, 7])
+    caches = [torch.full((blocks, block_size, rows.shape[1]), float("nan")) for _ in range(2)]
+    for cache, kernel in zip(caches, (True, False)):
+        _write_rows(rows, cache, slots, lora, kernel=kernel)
+    kernel_cache, masked_cache = (c.view(-1, rows.shape[1]) for c in caches)
+    assert torch.equal(kernel_cache[slots[slots >= 0]], rows[slots >= 0])
+    assert torch.equal(kernel_cache.isnan(), masked_cache.isnan())
+    assert torch.equal(kernel_cache.nan_to_num(), masked_cache.nan_to_num())
+    assert int((~kernel_cache.isnan().all(-1)).sum()) == 4

@@ -179,10 +179,29 @@ def dsa_mla_attention(
         parts.append(_rope_head(ik.unsqueeze(1), cos, sin, layer.index_rope_interleave).squeeze(1))
     rows = torch.cat(parts, dim=-1)
     if cache is not None and md is not None:
-        slots = md.slot_mapping[: rows.shape[0]]
-        valid = slots >= 0
-        copy_rows(cache.kv_cache.view(-1, cache.kv_cache.shape[-1]), slots[valid], rows[valid])
+        _write_rows(rows, cache.kv_cache, md.slot_mapping, layer.kv_lora_rank)
     _dsa_attend(q, rows, iq, iw, output, layer_idx)
+
+
+def _write_rows(
+    rows: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_lora_rank: int,
+    kernel: Optional[bool] = None,
+) -> None:
+    """The step's cache rows at slot_mapping, a negative slot's skipped. This runs in the recording:
+    on CUDA MLA's write kernel skips them on the device (its latent the first kv_lora_rank
+    columns, its "k_pe" the rest, the indexer's key included); picking the valid rows with a mask
+    would wait for the device, which a capture forbids. `kernel`: that launch (default: on CUDA)."""
+    if rows.is_cuda if kernel is None else kernel:
+        from atomrt.workers.kernels.attention.mla_write import mla_write_kv_cache
+
+        mla_write_kv_cache(rows[:, :kv_lora_rank], rows[:, kv_lora_rank:], kv_cache, slot_mapping)
+        return
+    slots = slot_mapping[: rows.shape[0]]
+    valid = slots >= 0
+    copy_rows(kv_cache.view(-1, kv_cache.shape[-1]), slots[valid], rows[valid])
 
 
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
