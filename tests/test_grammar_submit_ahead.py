@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from grammar_harness import build_tiny_bpe
 
-from atomrt.runtime.driver import engine as engine_module
+from atomrt.runtime.driver import request as request_module
 from atomrt.runtime.entrypoints.llm import LLM
 from atomrt.runtime.sampling_params import SamplingParams
 
@@ -54,13 +54,13 @@ def test_the_next_plan_is_submitted_right_after_the_grammar_masks(tiny, monkeypa
             return send(masks)
 
         executor.submit, executor.send_grammar = noted_submit, noted_send
-        build = engine_module.make_request_output
+        build = request_module.make_request_output
 
         def noted_build(seq, *args, **kwargs):
             events.append(("output", -1))
             return build(seq, *args, **kwargs)
 
-        monkeypatch.setattr(engine_module, "make_request_output", noted_build)
+        monkeypatch.setattr(request_module, "make_request_output", noted_build)
         planner = engine.planners[0]
         batch = planner.batch
 

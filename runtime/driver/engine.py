@@ -26,12 +26,13 @@ from atomrt.runtime.driver.admission import Admission
 from atomrt.runtime.driver.block_manager import BlockManager
 from atomrt.runtime.driver.forward_mode import ForwardMode
 from atomrt.runtime.driver.interrupts import InterruptGuard
-from atomrt.runtime.driver.outputs import RequestOutput, make_request_output, merge_request_outputs
+from atomrt.runtime.driver.outputs import RequestOutput
 from atomrt.runtime.driver.planner import RankPlanner, make_plan
 from atomrt.runtime.driver.prompt_logprobs import apply_prompt_logprobs
 from atomrt.runtime.driver.proposers import check_speculation
 from atomrt.runtime.driver.request import (
     EngineRequest,
+    StepOutputs,
     bind_add_request,
     fit_to_context,
     step_logprobs,
@@ -383,8 +384,6 @@ class LLMEngine:
         """Apply each DP rank's results; returns at most one output per request (a streamed
         request's delta, or a request's final output), and exactly one `finished` output per
         request over its life."""
-        outputs: list[RequestOutput] = []
-        samples: dict[str, list[Sequence]] = {}  # n > 1: the samples of a request with new tokens
         num_tokens = num_seqs = 0
         sampled_by_rank = [sampled_tokens(res) for res in results]
         self.grammars.advance(outs, sampled_by_rank, speculative=self.speculation is not None)
@@ -400,34 +399,12 @@ class LLMEngine:
             finished = self.schedulers[dp_rank].postprocess(out, sampled, step_logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
         error = self._masks_and_next_plan()  # before the outputs: the GPU may wait for these
+        built = StepOutputs(self._requests)
         for out in outs:
             for row in out.scheduled:
-                if not row.token_applied:
-                    continue
-                seq = row.seq
-                req = self._requests.get(seq.request_id)
-                if req is None:
-                    continue
-                if len(req.seqs) > 1:
-                    samples.setdefault(seq.request_id, []).append(seq)
-                elif req.stream:
-                    outputs.append(make_request_output(seq, req.prompt, delta=True))
-                elif req.cumulative:  # the whole output so far, `finished` once it is
-                    outputs.append(make_request_output(seq, req.prompt))
-                elif seq.is_finished:
-                    outputs.append(req.final_output())
-        for request_id, seqs in samples.items():
-            req = self._requests[request_id]
-            if req.stream:
-                outputs.append(req.delta_output(sorted(seqs, key=lambda s: s.index)))
-            elif req.cumulative and not req.all_finished:
-                outs = [make_request_output(s, req.prompt) for s in req.seqs]
-                outputs.append(merge_request_outputs(outs, finished=False))
-            elif req.all_finished:
-                outputs.append(req.final_output())
-        for out in outputs:
-            if out.finished:
-                del self._requests[out.request_id]
+                if row.token_applied:
+                    built.add(row.seq)
+        outputs = built.finish()
         if self.speculation is not None:
             self.speculation.step_done(num_tokens, num_seqs)
         if error is not None:  # the outputs come with the next step's

@@ -44,6 +44,46 @@ class EngineRequest:
         return merge_request_outputs(deltas, finished=self.all_finished)
 
 
+class StepOutputs:
+    """A step's outputs, built a row at a time (`add`: a scheduled row whose token was applied),
+    then `finish`: at most one output per request (a streamed request's delta, or a request's
+    final output), the finished requests dropped from `requests`."""
+
+    def __init__(self, requests: dict[str, EngineRequest]) -> None:
+        self.requests = requests
+        self.outputs: list[RequestOutput] = []
+        self.samples: dict[str, list[Sequence]] = {}  # n > 1: a request's samples with new tokens
+
+    def add(self, seq: Sequence) -> None:
+        req = self.requests.get(seq.request_id)
+        if req is None:
+            return
+        if len(req.seqs) > 1:
+            self.samples.setdefault(seq.request_id, []).append(seq)
+        elif req.stream:
+            self.outputs.append(make_request_output(seq, req.prompt, delta=True))
+        elif req.cumulative:  # the whole output so far, `finished` once it is
+            self.outputs.append(make_request_output(seq, req.prompt))
+        elif seq.is_finished:
+            self.outputs.append(req.final_output())
+
+    def finish(self) -> list[RequestOutput]:
+        outputs = self.outputs
+        for request_id, seqs in self.samples.items():
+            req = self.requests[request_id]
+            if req.stream:
+                outputs.append(req.delta_output(sorted(seqs, key=lambda s: s.index)))
+            elif req.cumulative and not req.all_finished:
+                parts = [make_request_output(s, req.prompt) for s in req.seqs]
+                outputs.append(merge_request_outputs(parts, finished=False))
+            elif req.all_finished:
+                outputs.append(req.final_output())
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
+        return outputs
+
+
 class AddRequestArgs(NamedTuple):
     """What a call of `add_request` asked for, in either form."""
 
