@@ -3,7 +3,8 @@ V3.2 and GLM-5 checkpoints made by transformers give its logits through the Trit
 paged MLA decode (and the reference prefill; V3.2 and GLM-5 with the lightning indexer's sparse
 attention); the tiny V3 preset's greedy tokens are eager's in every CUDA-graph mode at levels 0
 and 3. The layers of DeepSeek-V2-Lite, GLM-4.7-Flash, DeepSeek-V3.2 and GLM-5 at their real
-shapes -- their first four (dense, then MoE: every kind of layer), through `hf_overrides` -- give
+shapes -- their first four (dense, then MoE: every kind of layer; the sparse ones with 64 of their
+256 routed experts, so that an H100 holds them), through `hf_overrides` -- give
 eager's greedy tokens under FULL, TR_HYBRID and FULL_AND_TR_HYBRID at level 3, and every bucket of
 both graph kinds replays like eager at level 0, in random order after all are captured (a sparse
 model's TR_HYBRID decode step segment by segment only: its indexer region records no request
@@ -29,8 +30,12 @@ pytestmark = pytest.mark.gpu
 
 TINY = "tiny-deepseek-v3"
 REAL_SHAPES = ("DeepSeek-V2-Lite", "GLM-4.7-Flash", "DeepSeek-V3.2", "GLM-5")
-SPARSE = ("DeepSeek-V3.2", "GLM-5")  # about 55 GB of float32 weights in their first 4 layers
+SPARSE = ("DeepSeek-V3.2", "GLM-5")
 FEW_LAYERS = {"num_hidden_layers": 4}  # dense, then MoE layers: every kind of layer, real shapes
+# the sparse models' first 4 layers hold about 55 GB of float32 weights, more than an 80 GB card
+# keeps beside graphs and a profile run; 64 of their 256 routed experts (each of its real shape)
+# leave about 27 GB
+SPARSE_LAYERS = {**FEW_LAYERS, "n_routed_experts": 64}
 NUM_REQUESTS = 24
 
 
@@ -53,7 +58,7 @@ def _llm(model: str, level: int, mode, enforce_eager: bool = False) -> LLM:
     cc = CompilationConfig(level=level, cudagraph_mode=mode, cuda_graph_sizes=[16])
     overrides = {} if model == TINY else {"hf_overrides": FEW_LAYERS}
     if model in SPARSE:  # a small profile run beside the weights
-        overrides["max_model_len"] = 1024
+        overrides.update(hf_overrides=SPARSE_LAYERS, max_model_len=1024)
     return LLM(
         model,
         load_format="dummy",
