@@ -161,9 +161,12 @@ def test_long_prompt_attends_in_query_chunks(
 
 @pytest.mark.parametrize("index_dim", [0, 24], ids=["shared-topk", "indexer-key"])
 def test_cache_write_kernel_skips_padded_rows_as_the_masked_copy(index_dim: int) -> None:
-    """The write a recording runs (MLA's write kernel over [latent | k_pe | the indexer's key]:
-    nothing waits for the device) leaves the cache as the masked copy does: the rows at their
-    slots, the negative slots' rows nowhere, every other slot untouched. Widths not powers of 2."""
+    """The write a CUDA recording runs (MLA's write kernel over [latent | k_pe | the indexer's
+    key], here through Triton's interpreter: nothing waits for the device) leaves the cache as the
+    CPU's masked copy (MLA's reference write, what `_write_rows` runs on the CPU) does: the rows at
+    their slots, the negative slots' rows nowhere, every other slot untouched. Widths not powers
+    of 2."""
+    from atomrt.workers.kernels.attention.mla_write import mla_write_kv_cache
     from atomrt.workers.layers.dsa_mla import _write_rows
 
     gen = torch.Generator().manual_seed(5)
@@ -171,8 +174,8 @@ def test_cache_write_kernel_skips_padded_rows_as_the_masked_copy(index_dim: int)
     rows = torch.randn(6, lora + rope + index_dim, generator=gen)
     slots = torch.tensor([5, -1, 11, 0, -1, 7])
     caches = [torch.full((blocks, block_size, rows.shape[1]), float("nan")) for _ in range(2)]
-    for cache, kernel in zip(caches, (True, False)):
-        _write_rows(rows, cache, slots, lora, kernel=kernel)
+    mla_write_kv_cache(rows[:, :lora], rows[:, lora:], caches[0], slots)
+    _write_rows(rows, caches[1], slots, lora)
     kernel_cache, masked_cache = (c.view(-1, rows.shape[1]) for c in caches)
     assert torch.equal(kernel_cache[slots[slots >= 0]], rows[slots >= 0])
     assert torch.equal(kernel_cache.isnan(), masked_cache.isnan())

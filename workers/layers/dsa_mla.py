@@ -30,9 +30,8 @@ from torch import nn
 from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.graphs.markers import eager_region
 from atomrt.workers.layers.attention import paged_layer_state
-from atomrt.workers.layers.attention_ref import copy_rows
 from atomrt.workers.layers.linear import MergedColumnParallelLinear
-from atomrt.workers.layers.mla import MLAAttention
+from atomrt.workers.layers.mla import MLAAttention, write_latent_ref
 from atomrt.workers.layers.mla_ref import decompress
 from atomrt.workers.layers.paged_rows import returns_nothing, sequence_rows, step_sequences
 from atomrt.workers.layers.rotary import _rotate
@@ -184,24 +183,19 @@ def dsa_mla_attention(
 
 
 def _write_rows(
-    rows: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_lora_rank: int,
-    kernel: Optional[bool] = None,
+    rows: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_lora_rank: int
 ) -> None:
-    """The step's cache rows at slot_mapping, a negative slot's skipped. This runs in the recording:
-    on CUDA MLA's write kernel skips them on the device (its latent the first kv_lora_rank
-    columns, its "k_pe" the rest, the indexer's key included); picking the valid rows with a mask
-    would wait for the device, which a capture forbids. `kernel`: that launch (default: on CUDA)."""
-    if rows.is_cuda if kernel is None else kernel:
+    """The step's cache rows at slot_mapping, a negative slot's skipped, as MLA writes its latent
+    rows: the first kv_lora_rank columns as the latent, the rest (k_pe, then the indexer's key)
+    as its k_pe. On CUDA this runs in the recording, through the write kernel, which skips the
+    padded rows on the device (picking them with a mask would wait for it: a capture forbids)."""
+    latent, rest = rows[:, :kv_lora_rank], rows[:, kv_lora_rank:]
+    if rows.is_cuda:
         from atomrt.workers.kernels.attention.mla_write import mla_write_kv_cache
 
-        mla_write_kv_cache(rows[:, :kv_lora_rank], rows[:, kv_lora_rank:], kv_cache, slot_mapping)
-        return
-    slots = slot_mapping[: rows.shape[0]]
-    valid = slots >= 0
-    copy_rows(kv_cache.view(-1, kv_cache.shape[-1]), slots[valid], rows[valid])
+        mla_write_kv_cache(latent, rest, kv_cache, slot_mapping)
+    else:
+        write_latent_ref(latent, rest, kv_cache, slot_mapping)
 
 
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
