@@ -29,8 +29,8 @@ def step_memo(key: tuple, make: Callable[[], Any]) -> Any:
     positions' tensor, which the memo keeps alive, `held`; the row count; the layer kind's sizes)
     but the device contents of the step's metadata, which a forward does not change. The model
     empties the memo as each forward starts (`clear_step_memo`): a graph's capture makes its own,
-    never reading what the warm-up before it made. Ask on the stream the layers run on, not the compressors' side
-    stream: the side stream gets what it needs made before the fork."""
+    never reading what the warm-up before it made. Ask on the stream the layers run on, not the
+    compressors' side stream: the side stream gets what it needs made before the fork."""
     if not STEP_MEMO:
         return make()
     memo = get_forward_context().step_memo
