@@ -245,3 +245,27 @@ def gloo_tp_run(folder, prompts: list[list[int]], work_dir, tp_size: int = 2) ->
     mp.spawn(_gloo_tp_worker, args=args, nprocs=tp_size)
     saved = torch.load(out_file)
     return HarnessResult(saved["logits"], saved["sequences"])
+
+
+class _NoHostRead(list):
+    """A host copy of the step's lengths that a graph-safe launch must not read."""
+
+    def __getitem__(self, index):
+        raise AssertionError("a graph-safe launch read the step's host lengths")
+
+    def __iter__(self):
+        raise AssertionError("a graph-safe launch read the step's host lengths")
+
+
+def record_as_request_graphs(monkeypatch) -> None:
+    """Every harness step from here on carries a request graph's metadata (FULL records the whole
+    step inline): `graph_safe`, and host copies of the lengths whose read fails the test."""
+
+    metadata = AttentionMetaData
+
+    def graph_safe_metadata(**fields) -> AttentionMetaData:
+        fields["cu_seqlens_q_cpu"] = _NoHostRead(fields["cu_seqlens_q_cpu"])
+        fields["context_lens_cpu"] = _NoHostRead(fields["context_lens_cpu"])
+        return metadata(**fields, graph_safe=True)
+
+    monkeypatch.setattr(f"{__name__}.AttentionMetaData", graph_safe_metadata)

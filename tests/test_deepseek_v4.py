@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_device import DEVICE
-from model_harness import engine_greedy, hf_greedy, load_hf, max_logit_diff, run_prefill_and_decode
+from model_harness import (
+    engine_greedy,
+    hf_greedy,
+    load_hf,
+    max_logit_diff,
+    record_as_request_graphs,
+    run_prefill_and_decode,
+)
 from v4_harness import NAMES, build_v4_folder
 
 from atomrt import SamplingParams
@@ -550,32 +557,13 @@ def test_fp8_cache_is_allowed_on_cuda(folders: dict[str, Path]) -> None:
     _check_fp8_cache(config, torch.device("cuda"), collect_attention_layers(model))
 
 
-class _NoHostRead(list):
-    """A host copy of the step's lengths that a graph-safe launch must not read."""
-
-    def __getitem__(self, index):
-        raise AssertionError("a graph-safe launch read the step's host lengths")
-
-    def __iter__(self):
-        raise AssertionError("a graph-safe launch read the step's host lengths")
-
-
 def test_graph_safe_metadata_reads_no_host_data(
     folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A request graph (FULL) records the whole step inline: under graph-safe metadata the
     entries are the fixed width and the indexer's scores launch over all of them, reading no host
     copy of the step's lengths (a read fails the test); the logits are still transformers'."""
-    import model_harness
-
-    from atomrt.runtime.forward_context import AttentionMetaData
-
-    def graph_safe_metadata(**fields) -> AttentionMetaData:
-        fields["cu_seqlens_q_cpu"] = _NoHostRead(fields["cu_seqlens_q_cpu"])
-        fields["context_lens_cpu"] = _NoHostRead(fields["context_lens_cpu"])
-        return AttentionMetaData(**fields, graph_safe=True)
-
-    monkeypatch.setattr(model_harness, "AttentionMetaData", graph_safe_metadata)
+    record_as_request_graphs(monkeypatch)
     loaded = load_model(Config(model=str(folders["csa_hca"])), "cpu", torch.float32)
     result = run_prefill_and_decode(loaded.model, PROMPTS, 4, block_size=4)
     assert max_logit_diff(result, load_hf(folders["csa_hca"]), PROMPTS) <= TOLERANCE
