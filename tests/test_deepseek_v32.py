@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from dsa_harness import NAMES, build_dsa_folder
-from model_harness import hf_greedy, load_hf, max_logit_diff, run_prefill_and_decode
+from model_harness import (
+    hf_greedy,
+    load_hf,
+    max_logit_diff,
+    record_as_request_graphs,
+    run_prefill_and_decode,
+)
 from test_deepseek_v4 import ENGINE_PROMPTS, MAX_TOKENS, PROMPTS, SHARED, _engine_tokens
 
 from atomrt.runtime.config import CompilationConfig, Config
@@ -181,3 +187,21 @@ def test_cache_write_kernel_skips_padded_rows_as_the_masked_copy(index_dim: int)
     assert torch.equal(kernel_cache.isnan(), masked_cache.isnan())
     assert torch.equal(kernel_cache.nan_to_num(), masked_cache.nan_to_num())
     assert int((~kernel_cache.isnan().all(-1)).sum()) == 4
+
+
+@pytest.mark.parametrize("name", ["v32", "glm5"])
+def test_graph_safe_attention_matches_transformers(
+    folders: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a request graph's metadata (FULL records the step inline; a read of the host copies
+    of the lengths fails the test) the sparse attention is planned from shapes alone: every slot
+    a row's block table holds is scored, the top-k kept, attended with absorbed weights. A ragged
+    prefill, padded rows and decode steps, in 3-row chunks, give transformers' logits."""
+    from atomrt.workers.layers import dsa_mla
+
+    monkeypatch.setattr(dsa_mla, "_GRAPH_SAFE_CHUNK", 3)
+    loaded = load_model(Config(model=str(folders[name])), "cpu", torch.float32)
+    record_as_request_graphs(monkeypatch)
+    result = run_prefill_and_decode(loaded.model, PROMPTS, 6, block_size=4, num_pad_rows=2)
+    worst = max_logit_diff(result, load_hf(folders[name]), PROMPTS)
+    assert worst <= 1e-4, f"{name}: max |logits - transformers| = {worst:.3g}"

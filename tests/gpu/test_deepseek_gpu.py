@@ -15,6 +15,7 @@ touches under FULL graphs.
 Run on the GPU machine: `pytest -m gpu tests/gpu/test_deepseek_gpu.py`.
 """
 
+import gc
 import json
 import random
 
@@ -81,6 +82,7 @@ def _run(level: int, mode, enforce_eager: bool = False, model: str = TINY, logpr
     finally:
         llm.shutdown()
         del llm
+        gc.collect()  # a failed run's cycles hold the model
         torch.cuda.empty_cache()
 
 
@@ -130,6 +132,7 @@ def test_real_shapes_replay_every_bucket_like_eager(model: str, mode: str) -> No
     finally:
         llm.shutdown()
         del llm
+        gc.collect()  # a failed run's cycles hold the model
         torch.cuda.empty_cache()
 
 

@@ -12,8 +12,11 @@ MLA's own), with MLA's cos / sin. `wk` and `weights_proj` read the same normed h
 latent projections, so they join the fused `fused_qkv_a_proj` GEMM.
 
 The cache: one row per token, the MLA latent row [kv_c | k_pe] then the indexer's key k^I
-(`DSALayerSpec`, kind "dsa_mla"). CPU: the torch reference below (the eager region `_dsa_attend`
-decompresses each sequence's latents through kv_b_proj and attends with the indexer's mask).
+(`DSALayerSpec`, kind "dsa_mla"). The eager region `_dsa_attend` decompresses each sequence's
+latents through kv_b_proj and attends with the indexer's mask, planned from the step's sequences;
+under a request graph's metadata (FULL records the region inline) it is planned from shapes alone:
+every slot of a row's block table scored (the Triton indexer kernel on CUDA), the top-k's latents
+attended with absorbed weights.
 Tensor parallelism splits the query heads and kv_b_proj as MLA's; the indexer is whole on each
 rank.
 """
@@ -33,7 +36,12 @@ from atomrt.workers.layers.attention import paged_layer_state
 from atomrt.workers.layers.linear import MergedColumnParallelLinear
 from atomrt.workers.layers.mla import MLAAttention, write_latent_ref
 from atomrt.workers.layers.mla_ref import decompress
-from atomrt.workers.layers.paged_rows import returns_nothing, sequence_rows, step_sequences
+from atomrt.workers.layers.paged_rows import (
+    read_rows,
+    returns_nothing,
+    sequence_rows,
+    step_sequences,
+)
 from atomrt.workers.layers.rotary import _rotate
 
 
@@ -179,7 +187,7 @@ def dsa_mla_attention(
     rows = torch.cat(parts, dim=-1)
     if cache is not None and md is not None:
         _write_rows(rows, cache.kv_cache, md.slot_mapping, layer.kv_lora_rank)
-    _dsa_attend(q, rows, iq, iw, output, layer_idx)
+    _dsa_attend(q, rows, iq, iw, output, positions, layer_idx)
 
 
 def _write_rows(
@@ -199,7 +207,8 @@ def _write_rows(
 
 
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
-# bucket's recording of it would replay the capture's sequences)
+# bucket's recording of it would replay the capture's sequences); under graph-safe metadata (FULL
+# records it inline) planned from shapes alone
 @eager_region
 def _dsa_attend(
     q: torch.Tensor,
@@ -207,13 +216,17 @@ def _dsa_attend(
     iq: Optional[torch.Tensor],
     iw: Optional[torch.Tensor],
     output: torch.Tensor,
+    positions: torch.Tensor,
     layer_idx: int,
 ) -> None:
     """Each sequence's queries over its indexer-picked earlier tokens (latents decompressed
     through kv_b_proj). Rows past the step's sequences get zeros."""
     layer, md, cache = paged_layer_state(layer_idx)
-    output.zero_()
     paged = cache is not None and md is not None
+    if paged and md.graph_safe:
+        _attend_graph_safe(layer, md, cache.kv_cache, q, iq, iw, output, positions)
+        return
+    output.zero_()
     latent_width = layer.kv_lora_rank + layer.qk_rope_head_dim
     for s, start, n, L in step_sequences(md, q.shape[0], paged):
         if paged:
@@ -236,6 +249,80 @@ def _dsa_attend(
         _LAST_PICKS[key] = picks
     if len(_LAST_PICKS) > 4096:  # entries of past steps
         _LAST_PICKS.clear()
+
+
+def _attend_graph_safe(
+    layer: DSAMLAAttention,
+    md: object,
+    kv_cache: torch.Tensor,
+    q: torch.Tensor,
+    iq: Optional[torch.Tensor],
+    iw: Optional[torch.Tensor],
+    output: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """The attention of `_dsa_attend` planned from shapes alone, every length read on the device
+    (what a request graph records): each row scores every slot its block table can hold (those
+    past its position -inf), keeps the top `index_topk` and attends them with absorbed weights
+    (W_UK, W_UV). A layer that shares the top-k attends the slots its indexer layer kept."""
+    n, device = q.shape[0], q.device
+    table = md.block_tables.long()
+    block_size, width = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(-1, width)
+    latent_width = layer.kv_lora_rank + layer.qk_rope_head_dim
+    seq = torch.searchsorted(md.cu_seqlens_q.long()[1:], torch.arange(n, device=device), right=True)
+    live = torch.arange(n, device=device) < md.cu_seqlens_q[-1]
+    seq = seq.clamp(max=table.shape[0] - 1)
+    t = torch.arange(table.shape[1] * block_size, device=device)
+    key = (id(md), "graph_safe")
+    shared = _LAST_PICKS.get(key)
+    if layer.indexer is None and (shared is None or shared[0].shape[0] != n):
+        raise RuntimeError(
+            f"layer {layer.layer_idx} shares the top-k of an indexer layer before it, which did "
+            "not run for this step"
+        )
+    picked_slots, picked = [], []
+    for a in range(0, n, _GRAPH_SAFE_CHUNK):
+        b = min(n, a + _GRAPH_SAFE_CHUNK)
+        if layer.indexer is None:
+            picked_slots.append(shared[0][a:b])
+            picked.append(shared[1][a:b])
+            continue
+        blocks = table[seq[a:b]][:, t // block_size]  # [rows, T]
+        sees = (t <= positions[a:b, None]) & live[a:b, None] & (blocks >= 0)
+        slots = torch.where(sees, blocks.clamp(min=0) * block_size + t % block_size, -1)
+        scores = _index_scores(iq[a:b], iw[a:b], flat, slots, latent_width)
+        top, index = scores.topk(min(layer.index_topk, slots.shape[1]), dim=-1)
+        picked_slots.append(slots.gather(1, index))
+        picked.append(top > -torch.inf)
+    picked_slots, picked = torch.cat(picked_slots), torch.cat(picked)
+    _LAST_PICKS[key] = (picked_slots, picked)
+    nope, lora = layer.qk_nope_head_dim, layer.kv_lora_rank
+    for a in range(0, n, _GRAPH_SAFE_CHUNK):
+        b = min(n, a + _GRAPH_SAFE_CHUNK)
+        kv = read_rows(flat, picked_slots[a:b].clamp(min=0)).to(q.dtype)  # [rows, k, width]
+        q_latent = torch.einsum("nhd,hdl->nhl", q[a:b, :, :nope], layer.w_uk)
+        logits = torch.einsum("nhl,nkl->nhk", q_latent, kv[..., :lora])
+        logits += torch.einsum("nhr,nkr->nhk", q[a:b, :, nope:], kv[..., lora:latent_width])
+        logits = (logits * layer.scale).masked_fill(~picked[a:b].unsqueeze(1), -torch.inf)
+        probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
+        heads = torch.einsum("nhl,hlv->nhv", torch.einsum("nhk,nkl->nhl", probs, kv[..., :lora]),
+                             layer.w_uv)  # fmt: skip
+        output[a:b] = torch.where(live[a:b, None, None], heads, 0)
+
+
+def _index_scores(
+    iq: torch.Tensor, iw: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, col: int
+) -> torch.Tensor:
+    """[rows, T] float32 indexer scores of the rows at `slots` (-1: none, -inf there), their keys
+    from column `col`: the Triton kernel on CUDA, torch on CPU."""
+    if iq.is_cuda:
+        from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
+
+        return v4_index_scores(iq, iw, flat, slots, col)
+    keys = read_rows(flat, slots.clamp(min=0))[..., col : col + iq.shape[-1]].float()
+    scores = F.relu(torch.einsum("nhd,ntd->nht", iq.float(), keys)) * iq.shape[-1] ** -0.5
+    return (scores * iw.unsqueeze(-1)).sum(1).masked_fill(slots < 0, -torch.inf)
 
 
 def _attend_sequence(
@@ -286,6 +373,8 @@ def _attend_sequence(
 
 
 _QUERY_CHUNK = 256
+# rows a graph-safe step scores and attends at once: each scores [rows, max_model_len]
+_GRAPH_SAFE_CHUNK = 64
 
 
 direct_register_custom_op(
