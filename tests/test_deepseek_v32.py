@@ -189,17 +189,22 @@ def test_cache_write_kernel_skips_padded_rows_as_the_masked_copy(index_dim: int)
     assert int((~kernel_cache.isnan().all(-1)).sum()) == 4
 
 
+@pytest.mark.parametrize("scores", ["torch", "kernel"])
 @pytest.mark.parametrize("name", ["v32", "glm5"])
 def test_graph_safe_attention_matches_transformers(
-    folders: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+    folders: dict[str, Path], name: str, scores: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Under a request graph's metadata (FULL records the step inline; a read of the host copies
     of the lengths fails the test) the sparse attention is planned from shapes alone: every slot
     a row's block table holds is scored, the top-k kept, attended with absorbed weights. A ragged
-    prefill, padded rows and decode steps, in 3-row chunks, give transformers' logits."""
+    prefill, padded rows and decode steps, in 3-row chunks, give transformers' logits; the
+    indexer's scores by torch (CPU's) or by CUDA's Triton kernel, here under the interpreter."""
+    from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
     from atomrt.workers.layers import dsa_mla
 
     monkeypatch.setattr(dsa_mla, "_GRAPH_SAFE_CHUNK", 3)
+    if scores == "kernel":
+        monkeypatch.setattr(dsa_mla, "_index_scores", v4_index_scores)
     loaded = load_model(Config(model=str(folders[name])), "cpu", torch.float32)
     record_as_request_graphs(monkeypatch)
     result = run_prefill_and_decode(loaded.model, PROMPTS, 6, block_size=4, num_pad_rows=2)

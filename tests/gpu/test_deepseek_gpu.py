@@ -159,17 +159,24 @@ def test_bench_latency_counts_the_experts_a_batch_touches_under_graphs(tmp_path)
         assert 0 < r["floor_ms"] < r["floor_all_experts_ms"]
 
 
-@pytest.mark.parametrize("name", ["v3", "v32", "glm5"])
-def test_cuda_logits_match_transformers(tmp_path, name: str) -> None:
+@pytest.mark.parametrize(
+    "name,graph_safe",
+    [("v3", False), ("v32", False), ("glm5", False), ("v32", True), ("glm5", True)],
+)
+def test_cuda_logits_match_transformers(tmp_path, monkeypatch, name: str, graph_safe: bool) -> None:
     """A ragged prefill with padded rows, then decode steps, through the paged cache, against
-    transformers' forward of the same sequences."""
+    transformers' forward of the same sequences. `graph_safe`: every step with a request graph's
+    metadata, as FULL records it (the sparse models' top-k picked from every slot of the block
+    table, the indexer's scores by the Triton kernel; fewer picks than the prompts' tokens)."""
     from deepseek_harness import build_deepseek_folder
     from dsa_harness import build_dsa_folder
-    from model_harness import run_prefill_and_decode
+    from model_harness import record_as_request_graphs, run_prefill_and_decode
     from transformers import AutoModelForCausalLM
 
     from atomrt.workers.loading.loader import load_model
 
+    if graph_safe:
+        record_as_request_graphs(monkeypatch)
     build = build_deepseek_folder if name == "v3" else build_dsa_folder
     folder = build(tmp_path / name, name)
     prompts = [[3, 17, 42, 99, 5, 8, 61], [7, 1, 120], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -182,4 +189,4 @@ def test_cuda_logits_match_transformers(tmp_path, name: str) -> None:
         with torch.no_grad():
             want = hf(torch.tensor([result.sequences[s][:-1]])).logits[0][len(prompt) - 1 :]
         got = torch.stack([step[s] for step in result.logits]).cpu()
-        assert (got - want).abs().max().item() <= 2e-4, (name, s)
+        assert (got - want).abs().max().item() <= 2e-4, (name, graph_safe, s)
