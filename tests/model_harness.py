@@ -247,7 +247,7 @@ def gloo_tp_run(folder, prompts: list[list[int]], work_dir, tp_size: int = 2) ->
     return HarnessResult(saved["logits"], saved["sequences"])
 
 
-class _NoHostRead(list):
+class NoHostRead(list):
     """A host copy of the step's lengths that a graph-safe launch must not read."""
 
     def __getitem__(self, index):
@@ -264,8 +264,8 @@ def record_as_request_graphs(monkeypatch) -> None:
     metadata = AttentionMetaData
 
     def graph_safe_metadata(**fields) -> AttentionMetaData:
-        fields["cu_seqlens_q_cpu"] = _NoHostRead(fields["cu_seqlens_q_cpu"])
-        fields["context_lens_cpu"] = _NoHostRead(fields["context_lens_cpu"])
+        fields["cu_seqlens_q_cpu"] = NoHostRead(fields["cu_seqlens_q_cpu"])
+        fields["context_lens_cpu"] = NoHostRead(fields["context_lens_cpu"])
         return metadata(**fields, graph_safe=True)
 
     monkeypatch.setattr(f"{__name__}.AttentionMetaData", graph_safe_metadata)
