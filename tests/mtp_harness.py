@@ -70,6 +70,12 @@ def make_mtp(target_cfg: object, target: torch.nn.Module, seed: int) -> MTPRefer
     cfg = copy.deepcopy(target_cfg)
     n = cfg.num_hidden_layers
     cfg.num_hidden_layers = n + 1
+    # configs that list a kind per layer (DeepSeek-V3.2's, GLM-5's): the MTP layer's is sparse,
+    # with an indexer of its own
+    if getattr(cfg, "mlp_layer_types", None):
+        cfg.mlp_layer_types = [*cfg.mlp_layer_types, "sparse"]
+    if getattr(cfg, "indexer_types", None):
+        cfg.indexer_types = [*cfg.indexer_types, "full"]
     four = make_hf_deepseek(cfg, seed)  # its layer n is the MTP layer's block
     g = torch.Generator().manual_seed(seed)
     h = cfg.hidden_size
@@ -177,13 +183,14 @@ def build_mtp_folder(
     predicting: bool = False,
     hnorm_scale: Optional[float] = None,
     overrides: Optional[dict] = None,
+    target_config: Optional[object] = None,
 ) -> MTPReference:
-    """The tiny DeepSeek-V3 target (deepseek_harness "v3", seed 0) saved in `folder` with an MTP
-    layer: random from `seed`, or, `predicting`, a quiet target and a layer that predicts it
-    (`predicting_mtp`). `hnorm_scale`: the saved hnorm weight multiplied by it (a corrupted
-    normalisation; the returned reference keeps the right one). `overrides`: config fields set
-    before the weights are made (a real tokenizer's vocabulary and special ids)."""
-    cfg = tiny_deepseek_configs()["v3"]
+    """The tiny DeepSeek-V3 target (deepseek_harness "v3", seed 0; or `target_config`'s) saved in
+    `folder` with an MTP layer: random from `seed`, or, `predicting`, a quiet target and a layer
+    that predicts it (`predicting_mtp`). `hnorm_scale`: the saved hnorm weight multiplied by it (a
+    corrupted normalisation; the returned reference keeps the right one). `overrides`: config
+    fields set before the weights are made (a real tokenizer's vocabulary and special ids)."""
+    cfg = copy.deepcopy(target_config) if target_config else tiny_deepseek_configs()["v3"]
     for key, value in (overrides or {}).items():
         setattr(cfg, key, value)
     target = make_hf_deepseek(cfg, 0)
