@@ -6,9 +6,10 @@ graphs gives eager's greedy tokens, and no draft pass runs eagerly.
   `bs * (k + 1)`), synchronously and with async scheduling, k = 1 and 3: greedy tokens equal eager
   decoding without speculation, capture recorded the verify buckets, and every draft pass replayed
   a DraftGraph (`num_eager_draft_passes == 0`); the draft passes' device time is reported.
-- The CPU tier's tiny DeepSeek-V3 with an MTP layer built to predict it (tests/mtp_harness.py):
-  under graphs the drafts are accepted exactly as often, position by position, as in an eager
-  run with speculation (the drafts are the same), and the tokens are eager's.
+- The CPU tier's tiny DeepSeek-V3 with an MTP layer built to predict it (tests/mtp_harness.py),
+  and its tiny DeepSeek-V3.2 with a random sparse one: under graphs the drafts are accepted
+  exactly as often, position by position, as in an eager run with speculation (the drafts are
+  the same), and the tokens are eager's.
 
 Run on the GPU machine: `pytest -m gpu tests/gpu/test_mtp_gpu.py`.
 """
@@ -111,3 +112,30 @@ def test_graphed_drafts_are_the_eager_drafts(predicting, mode):
     assert got.num_drafts == want.num_drafts
     # the layer predicts the target (less well in k=3 chains on CUDA than in the CPU test)
     assert want.acceptance_rate_per_position[0] > 0.7
+
+
+@pytest.fixture(scope="module")
+def sparse(tmp_path_factory):
+    from dsa_harness import tiny_dsa_configs
+    from mtp_harness import build_mtp_folder
+
+    folder = tmp_path_factory.mktemp("mtp_sparse")
+    build_mtp_folder(folder, seed=1, target_config=tiny_dsa_configs()["v32"])
+    return dict(model=str(folder), dtype="float32", device="cuda")
+
+
+@pytest.mark.parametrize(
+    "mode", [CUDAGraphMode.FULL, CUDAGraphMode.TR_HYBRID], ids=lambda m: m.name
+)
+def test_sparse_mtp_under_graphs_drafts_as_eager(sparse, mode):
+    """DeepSeek-V3.2's MTP layer is sparse (the CPU tier's tiny one, tests/test_dsa_mtp.py): its
+    later draft passes run the graph-safe sparse attention inside their DraftGraph; the drafts
+    are those of an eager run with speculation, and the tokens eager's."""
+    plain, _ = _run(sparse, None, enforce_eager=True)
+    eager, eager_engine = _run(sparse, None, k=3, enforce_eager=True)
+    graphed, engine = _run(sparse, mode, k=3)
+    assert eager == plain and graphed == plain
+    want, got = eager_engine.stats.spec_decode, engine.stats.spec_decode
+    assert got.num_eager_draft_passes == 0
+    assert got.accepted_per_position == want.accepted_per_position
+    assert got.num_drafts == want.num_drafts
