@@ -76,13 +76,14 @@ def test_pool_matches_float64(overlap: bool, rate: int) -> None:
 
 
 def test_index_scores_match_float64() -> None:
-    n, h, di, t = 3, 5, 20, 37
+    """Three tiles of 64 entries: row 1's last two hold none (only -inf is stored there)."""
+    n, h, di, t = 3, 5, 20, 150
     width, col = 50, 7
     g = torch.Generator().manual_seed(3)
-    entry_slots = torch.randperm(300, generator=g)[: n * t].view(n, t)
+    entry_slots = torch.randperm(600, generator=g)[: n * t].view(n, t)
     entry_slots[1, 30:] = -1
     entry_slots[2, ::3] = -1
-    rows = _cache(300, width, entry_slots[entry_slots >= 0].tolist(), 4)
+    rows = _cache(600, width, entry_slots[entry_slots >= 0].tolist(), 4)
     iq = torch.randn(n, h, di, generator=g)
     iw = torch.randn(n, h, generator=g)
     got = v4_index_scores(*(t.to(DEVICE) for t in (iq, iw, rows, entry_slots)), col).cpu()

@@ -178,16 +178,19 @@ def _v4_index_scores_kernel(
     dm = d < DI
     slot = tl.load(eslots_ptr + i * T + t, mask=tm, other=-1)
     valid = tm & (slot >= 0)
-    keys = tl.load(
-        rows_ptr + slot.to(tl.int64)[:, None] * row_stride + col + d[None, :],
-        mask=valid[:, None] & dm[None, :],
-        other=0.0,
-    ).to(tl.float32)
     acc = tl.zeros([BLOCK_T], tl.float32)
-    for h in range(H):
-        qh = tl.load(q_ptr + (i * H + h) * DI + d, mask=dm, other=0.0).to(tl.float32)
-        s = tl.maximum(tl.sum(keys * qh[None, :], axis=1), 0.0) * scale
-        acc += s * tl.load(w_ptr + i * H + h)
+    # a tile past the row's entries (a graph-safe launch covers every entry a row could have)
+    # only stores -inf
+    if tl.max(valid.to(tl.int32), axis=0) > 0:
+        keys = tl.load(
+            rows_ptr + slot.to(tl.int64)[:, None] * row_stride + col + d[None, :],
+            mask=valid[:, None] & dm[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        for h in range(H):
+            qh = tl.load(q_ptr + (i * H + h) * DI + d, mask=dm, other=0.0).to(tl.float32)
+            s = tl.maximum(tl.sum(keys * qh[None, :], axis=1), 0.0) * scale
+            acc += s * tl.load(w_ptr + i * H + h)
     tl.store(out_ptr + i * T + t, tl.where(valid, acc, float("-inf")), mask=tm)
 
 
