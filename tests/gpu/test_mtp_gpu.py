@@ -102,14 +102,7 @@ def predicting(tmp_path_factory):
     "mode", [CUDAGraphMode.FULL, CUDAGraphMode.TR_HYBRID], ids=lambda m: m.name
 )
 def test_graphed_drafts_are_the_eager_drafts(predicting, mode):
-    plain, _ = _run(predicting, None, enforce_eager=True)
-    eager, eager_engine = _run(predicting, None, k=3, enforce_eager=True)
-    graphed, engine = _run(predicting, mode, k=3)
-    assert eager == plain and graphed == plain
-    want, got = eager_engine.stats.spec_decode, engine.stats.spec_decode
-    assert got.num_eager_draft_passes == 0
-    assert got.accepted_per_position == want.accepted_per_position
-    assert got.num_drafts == want.num_drafts
+    want = _graphed_drafts_are_the_eager_drafts(predicting, mode)
     # the layer predicts the target (less well in k=3 chains on CUDA than in the CPU test)
     assert want.acceptance_rate_per_position[0] > 0.7
 
@@ -131,11 +124,19 @@ def test_sparse_mtp_under_graphs_drafts_as_eager(sparse, mode):
     """DeepSeek-V3.2's MTP layer is sparse (the CPU tier's tiny one, tests/test_dsa_mtp.py): its
     later draft passes run the graph-safe sparse attention inside their DraftGraph; the drafts
     are those of an eager run with speculation, and the tokens eager's."""
-    plain, _ = _run(sparse, None, enforce_eager=True)
-    eager, eager_engine = _run(sparse, None, k=3, enforce_eager=True)
-    graphed, engine = _run(sparse, mode, k=3)
+    _graphed_drafts_are_the_eager_drafts(sparse, mode)
+
+
+def _graphed_drafts_are_the_eager_drafts(model: dict, mode):
+    """k = 3 under `mode`: the tokens are eager's without speculation, every draft pass replayed
+    a graph, and the drafts were accepted as in an eager run with speculation; returns that
+    run's speculation stats."""
+    plain, _ = _run(model, None, enforce_eager=True)
+    eager, eager_engine = _run(model, None, k=3, enforce_eager=True)
+    graphed, engine = _run(model, mode, k=3)
     assert eager == plain and graphed == plain
     want, got = eager_engine.stats.spec_decode, engine.stats.spec_decode
     assert got.num_eager_draft_passes == 0
     assert got.accepted_per_position == want.accepted_per_position
     assert got.num_drafts == want.num_drafts
+    return want
