@@ -83,8 +83,8 @@ from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
+from atomrt.graphs import region_graph
 from atomrt.graphs.markers import eager_region
-from atomrt.runtime.forward_context import get_forward_context
 from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
 from atomrt.workers.layers.paged_rows import read_rows, returns_nothing, step_sequences
 from atomrt.workers.layers.rotary import RotaryEmbedding
@@ -389,13 +389,13 @@ def _attend(
 def _entry_slots(layer: "V4Attention", rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """[n, T] the slots of the compressed entries each row sees (entry w, in the row of its
     window's last token, once p >= (w + 1) * rate - 1; -1 past them), in `row_source`'s rows.
-    A decode step (recorded) or a request graph's (graph-safe metadata) takes T fixed, the most a
-    sequence can have (max positions // rate, masked); a prefill step (eager) the most the step's
-    sequences have."""
+    A recorded step (a token graph's or a drafter's recording, any CUDA graph capture) or a
+    request graph's (graph-safe metadata) takes T fixed, the most a sequence can have (max
+    positions // rate, masked); an eager step the most the step's sequences have."""
     _, md, cache = paged_layer_state(layer.layer_idx)
     r = layer.rate
     graph_safe = md is not None and md.graph_safe
-    if get_forward_context().context.is_prefill and not graph_safe:
+    if not graph_safe and not _recorded():
         seqs = step_sequences(md, rows.shape[0], cache is not None and md is not None)
         num_entries = max((s.context_len // r for s in seqs), default=0)
     else:
@@ -416,6 +416,14 @@ def _entry_slots(layer: "V4Attention", rows: torch.Tensor, positions: torch.Tens
         return row_source(md, cache, rows, positions, tokens, seq)[1]
 
     return step_memo(key, make)
+
+
+def _recorded() -> bool:
+    """Whether this forward is being recorded: its recorded launches must not depend on the
+    step's lengths."""
+    if region_graph._active is not None:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
