@@ -82,7 +82,7 @@ def _run(level: int, mode, enforce_eager: bool = False, model: str = TINY, logpr
     finally:
         llm.shutdown()
         del llm
-        gc.collect()  # a failed run's cycles hold the model
+        gc.collect()  # what a failed run left, freed before the next model loads
         torch.cuda.empty_cache()
 
 
@@ -132,7 +132,7 @@ def test_real_shapes_replay_every_bucket_like_eager(model: str, mode: str) -> No
     finally:
         llm.shutdown()
         del llm
-        gc.collect()  # a failed run's cycles hold the model
+        gc.collect()  # what a failed run left, freed before the next model loads
         torch.cuda.empty_cache()
 
 
