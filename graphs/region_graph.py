@@ -70,6 +70,14 @@ PHASES: tuple[Phase, Phase] = ("prefill", "decode")
 _active: Optional[_Recording] = None  # the recording being made (capture time only)
 
 
+def recording() -> bool:
+    """Whether the running forward is being recorded (a token graph's or a drafter's recording, or
+    any CUDA graph capture): what it launches must not depend on the step's lengths."""
+    if _active is not None:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 # --------------------------------------------------------------------------- non-owning aliases
 
 

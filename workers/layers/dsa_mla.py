@@ -37,8 +37,10 @@ from atomrt.workers.layers.linear import MergedColumnParallelLinear
 from atomrt.workers.layers.mla import MLAAttention, write_latent_ref
 from atomrt.workers.layers.mla_ref import decompress
 from atomrt.workers.layers.paged_rows import (
+    index_scores_ref,
     read_rows,
     returns_nothing,
+    row_seqs,
     sequence_rows,
     step_sequences,
 )
@@ -270,9 +272,8 @@ def _attend_graph_safe(
     block_size, width = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(-1, width)
     latent_width = layer.kv_lora_rank + layer.qk_rope_head_dim
-    seq = torch.searchsorted(md.cu_seqlens_q.long()[1:], torch.arange(n, device=device), right=True)
+    seq = row_seqs(md, n, device).clamp(max=table.shape[0] - 1)
     live = torch.arange(n, device=device) < md.cu_seqlens_q[-1]
-    seq = seq.clamp(max=table.shape[0] - 1)
     t = torch.arange(table.shape[1] * block_size, device=device)
     key = (id(md), "graph_safe")
     shared = _LAST_PICKS.get(key)
@@ -320,9 +321,7 @@ def _index_scores(
         from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
 
         return v4_index_scores(iq, iw, flat, slots, col)
-    keys = read_rows(flat, slots.clamp(min=0))[..., col : col + iq.shape[-1]].float()
-    scores = F.relu(torch.einsum("nhd,ntd->nht", iq.float(), keys)) * iq.shape[-1] ** -0.5
-    return (scores * iw.unsqueeze(-1)).sum(1).masked_fill(slots < 0, -torch.inf)
+    return index_scores_ref(iq, iw, flat, slots, col)
 
 
 def _attend_sequence(

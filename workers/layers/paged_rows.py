@@ -1,9 +1,11 @@
 """Per-token cache rows through block tables: what the layers that keep one row per token share
-(DeepSeek-V4's, workers/layers/v4_attention.py, and DSA's, workers/layers/dsa_mla.py)."""
+(DeepSeek-V4's, workers/layers/v4_attention.py, and DSA's, workers/layers/dsa_mla.py), their
+lightning indexer's scores in torch among it."""
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 
 class StepSequence(NamedTuple):
@@ -30,6 +32,27 @@ def step_sequences(md: object, num_rows: int, paged: bool) -> "list[StepSequence
         if n:
             out.append(StepSequence(s, cu[s], n, lens[s] if paged and lens is not None else n))
     return out
+
+
+def row_seqs(md: object, n: int, device: torch.device) -> Optional[torch.Tensor]:
+    """[n] each row's sequence (its row of the block tables), None without metadata; read on the
+    device."""
+    if md is None or md.cu_seqlens_q is None:
+        return None
+    cu = md.cu_seqlens_q.long()
+    return torch.searchsorted(cu[1:], torch.arange(n, device=device), right=True)
+
+
+def index_scores_ref(
+    iq: torch.Tensor, iw: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, col: int
+) -> torch.Tensor:
+    """The lightning indexer's scores [n, T] float32 of the rows at `slots` [n, T] (-1: none,
+    -inf there), their keys at column `col` of `rows`: sum_h iw_h relu(iq_h . k / sqrt(Di)). The
+    torch form of `v4_index_scores` (workers/kernels/v4/v4_kernels.py)."""
+    di = iq.shape[-1]
+    keys = read_rows(rows, slots.clamp(min=0))[..., col : col + di].float()
+    scores = F.relu(torch.einsum("nhd,ntd->nht", iq.float(), keys)) * di**-0.5
+    return (scores * iw.unsqueeze(-1)).sum(dim=1).masked_fill(slots < 0, float("-inf"))
 
 
 def read_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

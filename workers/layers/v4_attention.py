@@ -78,7 +78,6 @@ below (or the kernels through Triton's interpreter, `USE_KERNELS_ON_CPU`).
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op
@@ -86,7 +85,12 @@ from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
 from atomrt.graphs import region_graph
 from atomrt.graphs.markers import eager_region
 from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
-from atomrt.workers.layers.paged_rows import read_rows, returns_nothing, step_sequences
+from atomrt.workers.layers.paged_rows import (
+    index_scores_ref,
+    read_rows,
+    returns_nothing,
+    step_sequences,
+)
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_hyper import unweighted_rms_norm
 from atomrt.workers.layers.v4_modules import (
@@ -395,7 +399,7 @@ def _entry_slots(layer: "V4Attention", rows: torch.Tensor, positions: torch.Tens
     _, md, cache = paged_layer_state(layer.layer_idx)
     r = layer.rate
     graph_safe = md is not None and md.graph_safe
-    if not graph_safe and not _recorded():
+    if not graph_safe and not region_graph.recording():
         seqs = step_sequences(md, rows.shape[0], cache is not None and md is not None)
         num_entries = max((s.context_len // r for s in seqs), default=0)
     else:
@@ -416,14 +420,6 @@ def _entry_slots(layer: "V4Attention", rows: torch.Tensor, positions: torch.Tens
         return row_source(md, cache, rows, positions, tokens, seq)[1]
 
     return step_memo(key, make)
-
-
-def _recorded() -> bool:
-    """Whether this forward is being recorded: its recorded launches must not depend on the
-    step's lengths."""
-    if region_graph._active is not None:
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
@@ -451,7 +447,7 @@ def _index_logits(
     if not t:
         return
     source = cache.rows.view(-1, cache.rows.shape[-1]) if paged else rows
-    cand, (at, di) = entries[:, :t], layer.spec.columns()["ientry"]
+    cand, at = entries[:, :t], layer.spec.columns()["ientry"][0]
     if _use_kernels(iq):
         from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
 
@@ -459,10 +455,7 @@ def _index_logits(
         return
     for a in range(0, cand.shape[0], _QUERY_CHUNK):
         b = min(cand.shape[0], a + _QUERY_CHUNK)
-        keys = read_rows(source, cand[a:b].clamp(min=0))[..., at : at + di].float()
-        s = F.relu(torch.einsum("nhd,ntd->nht", iq[a:b].float(), keys)) * di**-0.5
-        s = (s * iw[a:b].unsqueeze(-1)).sum(dim=1)
-        scores[a:b, :t] = s.masked_fill(cand[a:b] < 0, float("-inf"))
+        scores[a:b, :t] = index_scores_ref(iq[a:b], iw[a:b], source, cand[a:b], at)
 
 
 direct_register_custom_op(

@@ -16,6 +16,7 @@ import torch
 
 from atomrt.runtime.forward_context import get_forward_context
 from atomrt.workers.layers.attention_ref import copy_rows
+from atomrt.workers.layers.paged_rows import row_seqs
 from atomrt.workers.layers.v4_modules import V4CacheTensor
 
 # Off: every layer makes its own answers (the comparison, e.g. `bench latency` of
@@ -63,14 +64,6 @@ def held_ptr(t: torch.Tensor) -> int:
 def md_key(md: object, n: int) -> tuple:
     """The part of a memo key every answer depends on: the metadata object and the row count."""
     return (held(md), n)
-
-
-def row_seqs(md: object, n: int, device: torch.device) -> Optional[torch.Tensor]:
-    """[n] each row's sequence (its row of the block tables), None without metadata."""
-    if md is None or md.cu_seqlens_q is None:
-        return None
-    cu = md.cu_seqlens_q.long()
-    return torch.searchsorted(cu[1:], torch.arange(n, device=device), right=True)
 
 
 def step_seqs(md: object, n: int, device: torch.device) -> Optional[torch.Tensor]:
