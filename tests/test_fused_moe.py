@@ -271,7 +271,9 @@ def test_config_lookup() -> None:
     try:
         assert pick_config("down", 10, 4, 2, 48, 40) == swept[16]
         assert pick_config("down", 17, 4, 2, 48, 40) == swept[256]
-        assert pick_config("down", 4096, 4, 2, 48, 40) == swept[256]
+        # past the largest swept bucket: the heuristic, not the largest entry
+        past = heuristic_config("down", 4096, 4, 2, 48, 40)
+        assert pick_config("down", 4096, 4, 2, 48, 40) == past != swept[256]
     finally:
         del CONFIGS[key]
     assert pick_config("down", 10, 4, 2, 48, 40) == heuristic_config("down", 10, 4, 2, 48, 40)

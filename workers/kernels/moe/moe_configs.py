@@ -71,11 +71,13 @@ def pick_config(
     gemm: str, num_tokens: int, num_experts: int, top_k: int, n: int, k: int
 ) -> MoEConfig:
     """The table's config for the shape at the nearest swept token bucket at or above
-    `num_tokens`'s (else the largest swept), or the heuristic when the shape was never swept.
+    `num_tokens`'s, or the heuristic when the shape was never swept or `num_tokens` is past its
+    largest entry (the sweep leaves out the token counts where the heuristic won, so an entry
+    says nothing of larger counts: a decode-only table must not size a prefill's launch).
     Depends only on shapes, so a CUDA graph can replay the launch."""
     table = CONFIGS.get((gemm, num_experts, n, k))
-    if not table:
-        return heuristic_config(gemm, num_tokens, num_experts, top_k, n, k)
     bucket = bucket_tokens(num_tokens)
-    at_or_above = [b for b in table if b >= bucket]
-    return table[min(at_or_above)] if at_or_above else table[max(table)]
+    at_or_above = [b for b in table or () if b >= bucket]
+    if not at_or_above:
+        return heuristic_config(gemm, num_tokens, num_experts, top_k, n, k)
+    return table[min(at_or_above)]
