@@ -389,12 +389,12 @@ def test_side_stream_fork_join_order() -> None:
 
 def test_recording_plan(folders: dict[str, Path]) -> None:
     """What a TR_HYBRID decode bucket records, checked on the CPU with a logging segment backend:
-    the unit is DeepseekV4ForCausalLM alone; one eager region per CSA layer, the indexer's scores
-    (`_index_logits`: its top-k and attention recorded after it), HCA and sliding layers recorded
-    whole (their entries a fixed width), so CSA layers + 1 segments; each compressed layer's
-    compressor launch runs inside the recorded segment of its attention, forking onto the side
-    stream and joined back in that same segment (the stream operations logged as CUDA would run
-    them); decode buckets only."""
+    the unit is DeepseekV4ForCausalLM alone; one eager region per CSA layer, the indexer's
+    scores and their top-k (`_index_topk`: the attention recorded after it), HCA and sliding
+    layers recorded whole (their entries a fixed width), so CSA layers + 1 segments; each
+    compressed layer's compressor launch runs inside the recorded segment of its attention,
+    forking onto the side stream and joined back in that same segment (the stream operations
+    logged as CUDA would run them); decode buckets only."""
     from v4_harness import record_decode_step
 
     from atomrt.graphs.markers import captured_token_sizes, token_graph_units
@@ -411,7 +411,7 @@ def test_recording_plan(folders: dict[str, Path]) -> None:
     assert 0 < len(csa) and {"heavily_compressed_attention", "sliding_attention"} < set(layer_types)
     assert graph.num_segments(2, "decode") == len(csa) + 1
     rec = graph._recordings[(2, None)]
-    assert [c.fn.__name__ for c in rec.eager_calls] == ["_index_logits"] * len(csa)
+    assert [c.fn.__name__ for c in rec.eager_calls] == ["_index_topk"] * len(csa)
     assert [c.args[-1] for c in rec.eager_calls] == csa
     spans = [(log.index(("begin", k)), log.index(("end", k))) for k in range(len(csa) + 1)]
 
@@ -436,6 +436,46 @@ def test_recording_plan(folders: dict[str, Path]) -> None:
     assert [e for e in log[spans[-1][1] :] if e[0] == "wait"] == []
     assert captured_token_sizes(model, "decode") == [2]
     assert captured_token_sizes(model, "prefill") == []
+
+
+def test_csa_region_spans_the_context_not_max_positions(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TR_HYBRID decode bucket's recorded part sizes HCA's entries by max positions // rate, but
+    a CSA layer's eager region (`_index_topk`), which runs with the step's lengths at every
+    replay, builds, scores and ranks only as many entries as the step's longest context has (here
+    21 // 4 = 5 of 128): at a model's default context that is 262144 a row. It hands the recorded
+    attention a fixed `index_topk` picks. (That its picks are the graph-safe launch's over all
+    entries: the transformers comparisons above, eager and under graph-safe metadata.)"""
+    from v4_harness import record_decode_step
+
+    from atomrt.graphs import region_graph
+    from atomrt.workers.layers import v4_attention
+
+    widths: list[tuple[str, int]] = []
+    picks: list[tuple[int, ...]] = []
+    entry_slots, index_topk = v4_attention._entry_slots, v4_attention._index_topk
+
+    def logged_slots(layer, rows, positions, num_entries=None):  # type: ignore[no-untyped-def]
+        out = entry_slots(layer, rows, positions, num_entries)
+        if region_graph.recording():  # not the prefill before it
+            widths.append(("CSA" if layer.indexer is not None else "HCA", out.shape[1]))
+        return out
+
+    def logged_topk(iq, iw, rows, positions, picked, layer_idx):  # type: ignore[no-untyped-def]
+        if region_graph.recording():
+            picks.append(tuple(picked.shape))
+        return index_topk(iq, iw, rows, positions, picked, layer_idx)
+
+    monkeypatch.setattr(v4_attention, "_entry_slots", logged_slots)
+    monkeypatch.setattr(v4_attention, "_index_topk", logged_topk)
+    model = load_model(Config(model=str(folders["csa_hca"])), "cpu", torch.float32).model
+    record_decode_step(model, model, [PROMPTS[0], PROMPTS[2]], [])
+    layer_types = model.arch.v4.layer_types
+    num_csa = layer_types.count("compressed_sparse_attention")
+    # max positions 512 (the tiny config's): HCA's fixed 512 // 8, CSA's live 5 of 512 // 4
+    assert sorted(widths) == sorted([("CSA", 21 // 4)] * num_csa + [("HCA", 512 // 8)])
+    assert picks == [(2, 3)] * num_csa  # index_topk 3 of the 128 a row could have
 
 
 @pytest.mark.parametrize("kind", ["ngram", "self_draft"])

@@ -64,11 +64,13 @@ through the block table on the device). Then every layer runs `v4_attention`: th
 into the rows and the cache, then the attention (`_attend`): each row's window and the entries
 it is given, read through the block table on the device and sized by the row count (a token
 graph records it inline). HCA gives every entry a row sees, CSA the `index_topk` its indexer
-scores highest: the scores (`_index_logits`, planned from the step's sequences) are the layer's
-one eager region, the top-k after them recorded. A decode step's entries are a fixed width, the
+scores highest: the entries' slots, their scores and the top-k (`_index_topk`, planned from the
+step's sequences: as wide as the longest context) are the layer's one eager region, which fills
+the k picks the recorded attention reads. An HCA decode step's entries are a fixed width, the
 most a sequence can have (max positions // rate, masked), so a decode bucket records them; a
-prefill step (eager) takes the most its sequences have. Without a cache (profiling, dummy runs)
-each sequence reads its rows from the step's own. CUDA takes the kernels
+prefill step (eager) takes the most its sequences have, as does the CSA region except under
+graph-safe metadata (FULL records it inline, over all of them). Without a cache (profiling,
+dummy runs) each sequence reads its rows from the step's own. CUDA takes the kernels
 (workers/kernels/v4/) for the pooling, the scores and the attention; the CPU the torch reference
 below (or the kernels through Triton's interpreter, `USE_KERNELS_ON_CPU`).
 """
@@ -327,8 +329,8 @@ def v4_attention(
     """q, output [n, H, D]; kv [n, D] the window keys; rows [n, width] (`v4_attn_compress_launch`'s
     for a compressed layer, zeros otherwise); positions [n]; iq [n, Hi, Di]; iw [n, Hi] float32.
     Writes the keys into the rows and the cache, then attends each row's window and: HCA every
-    entry it sees, CSA the `index_topk` its indexer scores highest (the scores, `_index_logits`,
-    the layer's one eager region)."""
+    entry it sees, CSA the `index_topk` its indexer scores highest (`_index_topk`, the layer's one
+    eager region)."""
     layer, md, cache = paged_layer_state(layer_idx)
     # the compressors' side stream joins here, before the eager region: one recorded segment
     layer.side_streams.join(layer_idx, rows.device)
@@ -337,12 +339,12 @@ def v4_attention(
     if layer.compressor is None:  # sliding
         _attend(layer, q, rows, positions, output)
         return
-    entries = _entry_slots(layer, rows, positions)  # [n, T]
-    if layer.indexer is not None:  # CSA: the indexer's picks, the scores eager
-        scores = torch.empty(entries.shape, dtype=torch.float32, device=q.device)
-        _index_logits(iq, iw, rows, entries, scores, layer_idx)
-        top = scores.topk(min(layer.index_topk, entries.shape[1]), dim=-1)
-        entries = torch.where(top.values > float("-inf"), entries.gather(1, top.indices), -1)
+    if layer.indexer is None:  # HCA: every entry a row sees, [n, T]
+        entries = _entry_slots(layer, rows, positions)
+    else:  # CSA: the indexer's picks, [n, k], made in the eager region
+        k = min(layer.index_topk, _entry_width(layer, rows))
+        entries = torch.empty(rows.shape[0], k, dtype=torch.long, device=q.device)
+        _index_topk(iq, iw, rows, positions, entries, layer_idx)
     _attend(layer, q, rows, positions, output, entries)
 
 
@@ -390,20 +392,37 @@ def _attend(
         output[a:b].copy_(torch.einsum("nhw,nwd->nhd", probs, keys))
 
 
-def _entry_slots(layer: "V4Attention", rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _entry_width(layer: "V4Attention", rows: torch.Tensor) -> int:
+    """T, the entries a step gives each row room for: a recorded step (a token graph's or a
+    drafter's recording, any CUDA graph capture) or a request graph's (graph-safe metadata) the
+    most a sequence can have (max positions // rate, masked), an eager step the most the step's
+    sequences have."""
+    _, md, _ = paged_layer_state(layer.layer_idx)
+    if (md is not None and md.graph_safe) or region_graph.recording():
+        return layer.rotary.cos_cache.shape[0] // layer.rate
+    return _live_entries(layer, rows.shape[0])
+
+
+def _live_entries(layer: "V4Attention", num_rows: int) -> int:
+    """The most entries a sequence of the step has (host data)."""
+    _, md, cache = paged_layer_state(layer.layer_idx)
+    seqs = step_sequences(md, num_rows, cache is not None and md is not None)
+    return max((s.context_len // layer.rate for s in seqs), default=0)
+
+
+def _entry_slots(
+    layer: "V4Attention",
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    num_entries: Optional[int] = None,
+) -> torch.Tensor:
     """[n, T] the slots of the compressed entries each row sees (entry w, in the row of its
-    window's last token, once p >= (w + 1) * rate - 1; -1 past them), in `row_source`'s rows.
-    A recorded step (a token graph's or a drafter's recording, any CUDA graph capture) or a
-    request graph's (graph-safe metadata) takes T fixed, the most a sequence can have (max
-    positions // rate, masked); an eager step the most the step's sequences have."""
+    window's last token, once p >= (w + 1) * rate - 1; -1 past them), in `row_source`'s rows;
+    T `num_entries`, by default `_entry_width`'s."""
     _, md, cache = paged_layer_state(layer.layer_idx)
     r = layer.rate
-    graph_safe = md is not None and md.graph_safe
-    if not graph_safe and not region_graph.recording():
-        seqs = step_sequences(md, rows.shape[0], cache is not None and md is not None)
-        num_entries = max((s.context_len // r for s in seqs), default=0)
-    else:
-        num_entries = layer.rotary.cos_cache.shape[0] // r
+    if num_entries is None:
+        num_entries = _entry_width(layer, rows)
     n, paged = rows.shape[0], cache is not None and md is not None
     key = ("entries", *md_key(md, n), held_ptr(positions), r, layer.anchor_stride, num_entries,
            cache.rows.shape[1] if paged else None)  # fmt: skip
@@ -425,37 +444,43 @@ def _entry_slots(layer: "V4Attention", rows: torch.Tensor, positions: torch.Tens
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
 # bucket's recording of it would replay the capture's sequences)
 @eager_region
-def _index_logits(
+def _index_topk(
     iq: torch.Tensor,
     iw: torch.Tensor,
     rows: torch.Tensor,
-    entries: torch.Tensor,
-    scores: torch.Tensor,
+    positions: torch.Tensor,
+    picked: torch.Tensor,
     layer_idx: int,
 ) -> None:
-    """A CSA layer's eager region: the indexer's scores [n, T] of the entries each row sees
-    (`entries` [n, T], -1: none, -inf there), launched over as many as the step's longest
-    sequence has (planned from the step's sequences); over all T under graph-safe metadata (a
-    request graph records it inline: no host data)."""
+    """A CSA layer's eager region: into `picked` [n, k] the slots of the (at most) k entries the
+    indexer scores highest for each row, score order, -1 past those a row sees. The scores,
+    their top-k and the entries' slots span as many entries as the step's longest sequence has
+    (planned from the step's sequences, so a segment-by-segment replay costs what the context
+    does, not max positions); under graph-safe metadata (a request graph records it inline: no
+    host data) all T."""
     layer, md, cache = paged_layer_state(layer_idx)
     paged = cache is not None and md is not None
-    t = entries.shape[1]
+    t = layer.rotary.cos_cache.shape[0] // layer.rate
     if md is None or not md.graph_safe:
-        seqs = step_sequences(md, iq.shape[0], paged)
-        t = min(t, max((s.context_len // layer.rate for s in seqs), default=0))
-    scores[:, t:] = float("-inf")
-    if not t:
+        t = min(t, _live_entries(layer, iq.shape[0]))
+    picked.fill_(-1)
+    k = min(picked.shape[1], t)
+    if not k:
         return
+    entries = _entry_slots(layer, rows, positions, t)  # [n, t]
     source = cache.rows.view(-1, cache.rows.shape[-1]) if paged else rows
-    cand, at = entries[:, :t], layer.spec.columns()["ientry"][0]
+    at = layer.spec.columns()["ientry"][0]
     if _use_kernels(iq):
         from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
 
-        scores[:, :t] = v4_index_scores(iq, iw, source, cand, at)
-        return
-    for a in range(0, cand.shape[0], _QUERY_CHUNK):
-        b = min(cand.shape[0], a + _QUERY_CHUNK)
-        scores[a:b, :t] = index_scores_ref(iq[a:b], iw[a:b], source, cand[a:b], at)
+        scores = v4_index_scores(iq, iw, source, entries, at)
+    else:
+        scores = torch.empty(entries.shape, dtype=torch.float32, device=iq.device)
+        for a in range(0, entries.shape[0], _QUERY_CHUNK):
+            b = min(entries.shape[0], a + _QUERY_CHUNK)
+            scores[a:b] = index_scores_ref(iq[a:b], iw[a:b], source, entries[a:b], at)
+    top = scores.topk(k, dim=-1)
+    picked[:, :k] = torch.where(top.values > float("-inf"), entries.gather(1, top.indices), -1)
 
 
 direct_register_custom_op(
