@@ -6,6 +6,7 @@ rotary embedding (torch's ops against the one launch of v4_hc.py, v4_rope.py).
 
     python benchmarks/bench_v4_kernels.py [--rows 1,8,32,2048] [--entries 16]
     python benchmarks/bench_v4_kernels.py --dry-run [--rows 1,3]
+    python benchmarks/bench_v4_kernels.py --csa-topk 64,4096 [--rows 1,32] [--max-positions N]
 
 One line per (kernel, rows, plan): GPU µs per call, from a CUDA graph of many calls, each over
 rows picked at random from a cache larger than L2 (as a step's layers read theirs); the GB/s of
@@ -146,6 +147,51 @@ def bench_rope(n: int, gen: torch.Generator) -> None:
           f"max |diff| {diff:.3g}", flush=True)  # fmt: skip
 
 
+def chunked_topk(scores: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A candidate for a long row's top-k: the top k of each `chunk` columns (many short slices,
+    side by side), then the top k of those; the same values as `scores.topk(k)` (a row's top k
+    are among its chunks' top k), indices alike up to ties."""
+    n, t = scores.shape
+    c = -(-t // chunk)
+    padded = torch.nn.functional.pad(scores, (0, c * chunk - t), value=float("-inf"))
+    v1, i1 = padded.view(n, c, chunk).topk(min(k, chunk), dim=-1)
+    i1 = i1 + (torch.arange(c, device=scores.device) * chunk).view(1, c, 1)
+    v2, i2 = v1.view(n, -1).topk(k, dim=-1)
+    return v2, i1.view(n, -1).gather(1, i2)
+
+
+def bench_csa_topk(
+    n: int, live: int, max_positions: int, topk: int, chunk: int, gen: torch.Generator
+) -> None:
+    """A CSA layer's indexer region at V4-Flash's indexer (64 heads of 128, rate 4): the scores
+    (v4_index_scores) and torch's top-k over the T = max positions // 4 entries a graph-safe step
+    (FULL) gives every row, `live` of them visible, against the same over the `live` entries alone
+    (what a segment-by-segment replay plans from the step's lengths), and `chunked_topk` over T."""
+    hi, di, t = 64, 128, max_positions // 4
+    keys = torch.randn(max(4 * t, 4096), di, device=DEVICE, generator=gen).to(DTYPE)
+    iq = torch.randn(n, hi, di, device=DEVICE, generator=gen).to(DTYPE)
+    iw = torch.randn(n, hi, device=DEVICE, generator=gen)
+    slots = torch.randint(0, keys.shape[0], (n, t), device=DEVICE, generator=gen)
+    slots[:, live:] = -1
+    live_slots = slots[:, :live].contiguous()
+    full = v4.v4_index_scores(iq, iw, keys, slots, 0)
+    k = min(topk, t)
+    want, got = full.topk(k, dim=-1).values, chunked_topk(full, k, chunk)[0]
+    same = bool(torch.equal(want, got))
+    scores_t = _time_us(lambda i: v4.v4_index_scores(iq, iw, keys, slots, 0), 2)
+    topk_t = _time_us(lambda i: full.topk(k, dim=-1), 2)
+    chunked_t = _time_us(lambda i: chunked_topk(full, k, chunk), 2)
+    short = v4.v4_index_scores(iq, iw, keys, live_slots, 0)
+    scores_l = _time_us(lambda i: v4.v4_index_scores(iq, iw, keys, live_slots, 0), 2)
+    topk_l = _time_us(lambda i: short.topk(min(k, live), dim=-1), 2)
+    print(
+        f"csa indexer rows={n} entries={t} live={live} top-{k}: over all {scores_t:.2f} us scores "
+        f"+ {topk_t:.2f} us topk (chunks of {chunk}: {chunked_t:.2f} us, values equal: {same}); "
+        f"over the live {scores_l:.2f} + {topk_l:.2f} us",
+        flush=True,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -155,12 +201,25 @@ def main() -> None:
     ap.add_argument(
         "--dry-run", action="store_true", help="check the script on CPU (Triton's interpreter)"
     )
+    ap.add_argument(
+        "--csa-topk",
+        default=None,
+        help="only the CSA indexer's scores and top-k at these live entries (comma-separated)",
+    )
+    ap.add_argument("--max-positions", type=int, default=1 << 20, help="with --csa-topk")
+    ap.add_argument("--topk", type=int, default=512, help="with --csa-topk: index_topk")
+    ap.add_argument("--chunk", type=int, default=4096, help="with --csa-topk: chunked_topk's")
     a = ap.parse_args()
     if not a.dry_run and not torch.cuda.is_available():
         sys.exit("bench_v4_kernels: needs a CUDA device (or --dry-run)")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     name = "CPU, Triton's interpreter (dry run)" if a.dry_run else torch.cuda.get_device_name(0)
     print(f"# {name}; DeepSeek-V4-Flash: {HEADS} heads of {D}, window {WINDOW}")
+    if a.csa_topk:
+        for n in (int(r) for r in a.rows.split(",")):
+            for live in (int(x) for x in a.csa_topk.split(",")):
+                bench_csa_topk(n, live, a.max_positions, a.topk, a.chunk, gen)
+        return
     slots = 4096 if a.dry_run else CACHE_BYTES // (WIDTH * 2)
     for n in (int(r) for r in a.rows.split(",")):
         copies = 2 if a.dry_run or n >= 512 else 16
