@@ -57,20 +57,21 @@ class RayHead:
 
 
 def _start_head(temp_dir: str, log: Path, token: str) -> tuple[subprocess.Popen, int]:
-    ports = {
-        name: get_free_port()
-        for name in (
-            "port",
-            "dashboard-port",
-            "ray-client-server-port",
-            "dashboard-agent-listen-port",
-            "dashboard-agent-grpc-port",
-            "metrics-export-port",
-            "node-manager-port",
-            "object-manager-port",
-            "runtime-env-agent-port",
-        )
-    }
+    names = (
+        "port",
+        "dashboard-port",
+        "ray-client-server-port",
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "metrics-export-port",
+        "node-manager-port",
+        "object-manager-port",
+        "runtime-env-agent-port",
+    )
+    taken: set[int] = set()
+    while len(taken) < len(names):  # the OS may hand out a port it just gave: Ray refuses twins
+        taken.add(get_free_port())
+    ports = dict(zip(names, sorted(taken)))
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1"]
     cmd += [f"--{name}={port}" for name, port in ports.items()]
     cmd += ["--dashboard-host=127.0.0.1", "--num-cpus=2", f"--temp-dir={temp_dir}"]
