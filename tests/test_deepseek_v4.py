@@ -462,10 +462,11 @@ def test_csa_region_spans_the_context_not_max_positions(
             widths.append(("CSA" if layer.indexer is not None else "HCA", out.shape[1]))
         return out
 
-    def logged_topk(iq, iw, rows, positions, picked, layer_idx):  # type: ignore[no-untyped-def]
+    def logged_topk(iq, iw, rows, positions, every, picked, layer):  # type: ignore[no-untyped-def]
         if region_graph.recording():
+            assert every is None  # host-planned: the region makes the context's entries
             picks.append(tuple(picked.shape))
-        return index_topk(iq, iw, rows, positions, picked, layer_idx)
+        return index_topk(iq, iw, rows, positions, every, picked, layer)
 
     monkeypatch.setattr(v4_attention, "_entry_slots", logged_slots)
     monkeypatch.setattr(v4_attention, "_index_topk", logged_topk)

@@ -343,8 +343,12 @@ def v4_attention(
         entries = _entry_slots(layer, rows, positions)
     else:  # CSA: the indexer's picks, [n, k], made in the eager region
         k = min(layer.index_topk, _entry_width(layer, rows))
-        entries = torch.empty(rows.shape[0], k, dtype=torch.long, device=q.device)
-        _index_topk(iq, iw, rows, positions, entries, layer_idx)
+        picked = torch.empty(rows.shape[0], k, dtype=torch.long, device=q.device)
+        # graph-safe: the region ranks every entry, their slots made here (recorded, they follow
+        # the positions a replay finds); otherwise it makes the context's own
+        every = _entry_slots(layer, rows, positions) if md is not None and md.graph_safe else None
+        _index_topk(iq, iw, rows, positions, every, picked, layer_idx)
+        entries = picked
     _attend(layer, q, rows, positions, output, entries)
 
 
@@ -449,25 +453,27 @@ def _index_topk(
     iw: torch.Tensor,
     rows: torch.Tensor,
     positions: torch.Tensor,
+    every: Optional[torch.Tensor],
     picked: torch.Tensor,
     layer_idx: int,
 ) -> None:
     """A CSA layer's eager region: into `picked` [n, k] the slots of the (at most) k entries the
-    indexer scores highest for each row, score order, -1 past those a row sees. The scores,
-    their top-k and the entries' slots span as many entries as the step's longest sequence has
-    (planned from the step's sequences, so a segment-by-segment replay costs what the context
-    does, not max positions); under graph-safe metadata (a request graph records it inline: no
-    host data) all T."""
+    indexer scores highest for each row, score order, -1 past those a row sees. Under graph-safe
+    metadata (a request graph records it inline: no host data) over `every` [n, T], all the
+    entries a row could have; otherwise over as many as the step's longest sequence has, their
+    slots made here (planned from the step's sequences: a segment-by-segment replay costs what
+    the context does, not max positions)."""
     layer, md, cache = paged_layer_state(layer_idx)
     paged = cache is not None and md is not None
-    t = layer.rotary.cos_cache.shape[0] // layer.rate
-    if md is None or not md.graph_safe:
-        t = min(t, _live_entries(layer, iq.shape[0]))
+    if every is not None:
+        entries, t = every, every.shape[1]
+    else:  # the memo: a host-planned forward context holds one forward (a step, a draft pass)
+        t = min(layer.rotary.cos_cache.shape[0] // layer.rate, _live_entries(layer, iq.shape[0]))
+        entries = _entry_slots(layer, rows, positions, t) if t else None  # [n, t]
     picked.fill_(-1)
     k = min(picked.shape[1], t)
     if not k:
         return
-    entries = _entry_slots(layer, rows, positions, t)  # [n, t]
     source = cache.rows.view(-1, cache.rows.shape[-1]) if paged else rows
     at = layer.spec.columns()["ientry"][0]
     if _use_kernels(iq):
