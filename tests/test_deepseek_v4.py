@@ -610,6 +610,34 @@ def test_graph_safe_metadata_reads_no_host_data(
     assert max_logit_diff(result, load_hf(folders["csa_hca"]), PROMPTS) <= TOLERANCE
 
 
+def test_csa_picks_over_the_context_are_those_over_every_entry(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CSA region's picks over the step's own entries (host-planned: eager steps, and every
+    TR_HYBRID replay) are, layer by layer and step by step, the ones a graph-safe step takes over
+    all T entries it gives a row (FULL's), -1 where a row sees fewer than index_topk."""
+    from atomrt.workers.layers import v4_attention
+
+    index_topk = v4_attention._index_topk
+    runs: dict[bool, list[tuple[int, torch.Tensor]]] = {False: [], True: []}
+
+    def logged(iq, iw, rows, positions, every, picked, layer):  # type: ignore[no-untyped-def]
+        index_topk(iq, iw, rows, positions, every, picked, layer)
+        runs[every is not None].append((layer, picked.clone()))
+
+    monkeypatch.setattr(v4_attention, "_index_topk", logged)
+    loaded = load_model(Config(model=str(folders["csa_hca"])), "cpu", torch.float32)
+    run_prefill_and_decode(loaded.model, PROMPTS, 4, block_size=4)
+    record_as_request_graphs(monkeypatch)
+    run_prefill_and_decode(loaded.model, PROMPTS, 4, block_size=4)
+    (context, every) = runs[False], runs[True]
+    assert len(context) == len(every) == 2 * 5  # two CSA layers, a prefill and 4 decode steps
+    for (layer, got), (layer_t, want) in zip(context, every):
+        assert layer == layer_t and got.shape == want.shape  # index_topk 3 of 5 and of 128
+        assert torch.equal(got, want), f"layer {layer}"
+    assert any((picks < 0).any() for _, picks in context)  # the 3-token prompt sees no entry
+
+
 def test_long_prompt_attends_in_query_chunks(
     folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
