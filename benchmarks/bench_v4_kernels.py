@@ -29,6 +29,8 @@ if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is f
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from atomrt.runtime.bench.cuda_timing import graph_call_us  # noqa: E402
 from atomrt.workers.kernels.v4 import v4_kernels as v4  # noqa: E402
@@ -160,13 +162,57 @@ def chunked_topk(scores: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor
     return v2, i1.view(n, -1).gather(1, i2)
 
 
+_NONE = tl.constexpr(-9223372036854775807)  # below every packed (score, entry) key
+
+
+@triton.jit
+def _prefix_topk_kernel(scores_ptr, lens_ptr, out_ptr, t, stride_s, stride_o, BLOCK: tl.constexpr):
+    """One row: the BLOCK best of its first lens[row] scores (-inf: none), a running sorted set
+    merged with each tile of BLOCK that can enter it; ties to the lower entry."""
+    row = tl.program_id(0)
+    n = tl.minimum(tl.load(lens_ptr + row).to(tl.int32), t)
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], _NONE, tl.int64)
+    floor = tl.min(best, 0)
+    for start in range(0, n, BLOCK):
+        idx = start + offs
+        ok = idx < n
+        x = tl.load(scores_ptr + row * stride_s + idx, mask=ok, other=float("-inf"))
+        bits = x.to(tl.int32, bitcast=True)
+        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # the floats' order as signed ints
+        key = (order.to(tl.int64) << 32) | (0xFFFFFFFF - idx.to(tl.int64))
+        key = tl.where(ok & (x > float("-inf")), key, _NONE)
+        if tl.max(key, 0) > floor:
+            merged = tl.sort(tl.reshape(tl.join(best, key), [2 * BLOCK]), descending=True)
+            best, _ = tl.split(tl.permute(tl.reshape(merged, [2, BLOCK]), [1, 0]))
+            floor = tl.min(best, 0)
+    picked = tl.where(best == _NONE, -1, 0xFFFFFFFF - (best & 0xFFFFFFFF))
+    tl.store(out_ptr + row * stride_o + offs, picked)
+
+
+def prefix_topk(scores: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
+    """A candidate for a graph-safe row's top-k that reads the row's length on the device: the
+    entries [n, k] of the k highest of each row's first `lens[i]` scores, score order (ties: the
+    lower entry first), -1 past a row's finite ones; its work follows the lengths, not T."""
+    n, t = scores.shape
+    block = triton.next_power_of_2(max(16, k))
+    out = torch.empty(n, block, dtype=torch.int64, device=scores.device)
+    if n:
+        _prefix_topk_kernel[(n,)](
+            scores, lens, out, t, scores.stride(0), out.stride(0), BLOCK=block,
+            num_warps=4 if block <= 512 else 8,
+        )  # fmt: skip
+    return out[:, :k]
+
+
 def bench_csa_topk(
     n: int, live: int, max_positions: int, topk: int, chunk: int, gen: torch.Generator
 ) -> None:
     """A CSA layer's indexer region at V4-Flash's indexer (64 heads of 128, rate 4): the scores
     (v4_index_scores) and torch's top-k over the T = max positions // 4 entries a graph-safe step
     (FULL) gives every row, `live` of them visible, against the same over the `live` entries alone
-    (what a segment-by-segment replay plans from the step's lengths), and `chunked_topk` over T."""
+    (what a segment-by-segment replay plans from the step's lengths), and the candidates
+    `chunked_topk` over T and `prefix_topk` over each row's live prefix."""
     hi, di, t = 64, 128, max_positions // 4
     keys = torch.randn(max(4 * t, 4096), di, device=DEVICE, generator=gen).to(DTYPE)
     iq = torch.randn(n, hi, di, device=DEVICE, generator=gen).to(DTYPE)
@@ -181,12 +227,19 @@ def bench_csa_topk(
     scores_t = _time_us(lambda i: v4.v4_index_scores(iq, iw, keys, slots, 0), 2)
     topk_t = _time_us(lambda i: full.topk(k, dim=-1), 2)
     chunked_t = _time_us(lambda i: chunked_topk(full, k, chunk), 2)
+    lens = torch.full((n,), live, dtype=torch.int32, device=DEVICE)
+    top = full.topk(k, dim=-1)
+    same_picks = torch.equal(
+        prefix_topk(full, lens, k), torch.where(top.values > float("-inf"), top.indices, -1)
+    )
+    prefix_t = _time_us(lambda i: prefix_topk(full, lens, k), 2)
     short = v4.v4_index_scores(iq, iw, keys, live_slots, 0)
     scores_l = _time_us(lambda i: v4.v4_index_scores(iq, iw, keys, live_slots, 0), 2)
     topk_l = _time_us(lambda i: short.topk(min(k, live), dim=-1), 2)
     print(
         f"csa indexer rows={n} entries={t} live={live} top-{k}: over all {scores_t:.2f} us scores "
-        f"+ {topk_t:.2f} us topk (chunks of {chunk}: {chunked_t:.2f} us, values equal: {same}); "
+        f"+ {topk_t:.2f} us topk (chunks of {chunk}: {chunked_t:.2f} us, values equal: {same}; "
+        f"prefix_topk {prefix_t:.2f} us, same picks: {same_picks}); "
         f"over the live {scores_l:.2f} + {topk_l:.2f} us",
         flush=True,
     )
