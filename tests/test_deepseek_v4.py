@@ -454,7 +454,7 @@ def test_csa_region_spans_the_context_not_max_positions(
 
     widths: list[tuple[str, int]] = []
     picks: list[tuple[int, ...]] = []
-    entry_slots, index_topk = v4_attention._entry_slots, v4_attention._index_topk
+    entry_slots, index_topk = v4_attention.entry_slots, v4_attention._index_topk
 
     def logged_slots(layer, rows, positions, num_entries=None):  # type: ignore[no-untyped-def]
         out = entry_slots(layer, rows, positions, num_entries)
@@ -468,7 +468,7 @@ def test_csa_region_spans_the_context_not_max_positions(
             picks.append(tuple(picked.shape))
         return index_topk(iq, iw, rows, positions, every, picked, layer)
 
-    monkeypatch.setattr(v4_attention, "_entry_slots", logged_slots)
+    monkeypatch.setattr(v4_attention, "entry_slots", logged_slots)
     monkeypatch.setattr(v4_attention, "_index_topk", logged_topk)
     model = load_model(Config(model=str(folders["csa_hca"])), "cpu", torch.float32).model
     record_decode_step(model, model, [PROMPTS[0], PROMPTS[2]], [])

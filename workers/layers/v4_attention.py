@@ -84,14 +84,12 @@ from torch import nn
 
 from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
-from atomrt.graphs import region_graph
 from atomrt.graphs.markers import eager_region
 from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
 from atomrt.workers.layers.paged_rows import (
     index_scores_ref,
     read_rows,
     returns_nothing,
-    step_sequences,
 )
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_hyper import unweighted_rms_norm
@@ -106,14 +104,12 @@ from atomrt.workers.layers.v4_modules import (
 )
 from atomrt.workers.layers.v4_rows import (
     CompressIndex,
-    anchor_slots,
     compress_index,
-    held_ptr,
-    md_key,
-    row_source,
+    entry_slots,
+    entry_width,
+    live_entries,
     source_rows,
     step_memo,
-    step_seqs,
     window_slots,
     write_rows,
 )
@@ -340,13 +336,13 @@ def v4_attention(
         _attend(layer, q, rows, positions, output)
         return
     if layer.indexer is None:  # HCA: every entry a row sees, [n, T]
-        entries = _entry_slots(layer, rows, positions)
+        entries = entry_slots(layer, rows, positions)
     else:  # CSA: the indexer's picks, [n, k], made in the eager region
-        k = min(layer.index_topk, _entry_width(layer, rows))
+        k = min(layer.index_topk, entry_width(layer, rows))
         picked = torch.empty(rows.shape[0], k, dtype=torch.long, device=q.device)
         # graph-safe: the region ranks every entry, their slots made here (recorded, they follow
         # the positions a replay finds); otherwise it makes the context's own
-        every = _entry_slots(layer, rows, positions) if md is not None and md.graph_safe else None
+        every = entry_slots(layer, rows, positions) if md is not None and md.graph_safe else None
         _index_topk(iq, iw, rows, positions, every, picked, layer_idx)
         entries = picked
     _attend(layer, q, rows, positions, output, entries)
@@ -396,55 +392,6 @@ def _attend(
         output[a:b].copy_(torch.einsum("nhw,nwd->nhd", probs, keys))
 
 
-def _entry_width(layer: "V4Attention", rows: torch.Tensor) -> int:
-    """T, the entries a step gives each row room for: a recorded step (a token graph's or a
-    drafter's recording, any CUDA graph capture) or a request graph's (graph-safe metadata) the
-    most a sequence can have (max positions // rate, masked), an eager step the most the step's
-    sequences have."""
-    _, md, _ = paged_layer_state(layer.layer_idx)
-    if (md is not None and md.graph_safe) or region_graph.recording():
-        return layer.rotary.cos_cache.shape[0] // layer.rate
-    return _live_entries(layer, rows.shape[0])
-
-
-def _live_entries(layer: "V4Attention", num_rows: int) -> int:
-    """The most entries a sequence of the step has (host data)."""
-    _, md, cache = paged_layer_state(layer.layer_idx)
-    seqs = step_sequences(md, num_rows, cache is not None and md is not None)
-    return max((s.context_len // layer.rate for s in seqs), default=0)
-
-
-def _entry_slots(
-    layer: "V4Attention",
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    num_entries: Optional[int] = None,
-) -> torch.Tensor:
-    """[n, T] the slots of the compressed entries each row sees (entry w, in the row of its
-    window's last token, once p >= (w + 1) * rate - 1; -1 past them), in `row_source`'s rows;
-    T `num_entries`, by default `_entry_width`'s."""
-    _, md, cache = paged_layer_state(layer.layer_idx)
-    r = layer.rate
-    if num_entries is None:
-        num_entries = _entry_width(layer, rows)
-    n, paged = rows.shape[0], cache is not None and md is not None
-    key = ("entries", *md_key(md, n), held_ptr(positions), r, layer.anchor_stride, num_entries,
-           cache.rows.shape[1] if paged else None)  # fmt: skip
-
-    def make() -> torch.Tensor:
-        w = torch.arange(num_entries, device=rows.device)
-        visible = w.unsqueeze(0) < ((positions.long() + 1) // r).unsqueeze(1)  # [n, T]
-        seq = step_seqs(md, n, rows.device)
-        if paged:
-            return anchor_slots(
-                md, cache, seq, torch.where(visible, w.unsqueeze(0), -1), r, layer.anchor_stride
-            )
-        tokens = torch.where(visible, (w.unsqueeze(0) + 1) * r - 1, -1)
-        return row_source(md, cache, rows, positions, tokens, seq)[1]
-
-    return step_memo(key, make)
-
-
 # planned on the host from the step's sequences, at replay too: not `request_fixed` (a request
 # bucket's recording of it would replay the capture's sequences)
 @eager_region
@@ -468,8 +415,8 @@ def _index_topk(
     if every is not None:
         entries, t = every, every.shape[1]
     else:  # the memo: a host-planned forward context holds one forward (a step, a draft pass)
-        t = min(layer.rotary.cos_cache.shape[0] // layer.rate, _live_entries(layer, iq.shape[0]))
-        entries = _entry_slots(layer, rows, positions, t) if t else None  # [n, t]
+        t = min(layer.rotary.cos_cache.shape[0] // layer.rate, live_entries(layer, iq.shape[0]))
+        entries = entry_slots(layer, rows, positions, t) if t else None  # [n, t]
     picked.fill_(-1)
     k = min(picked.shape[1], t)
     if not k:

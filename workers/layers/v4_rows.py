@@ -4,9 +4,9 @@ dummy runs) the step's own rows; and the writes of a step's row columns. All pla
 count, through tensors on the device (a token graph records them).
 
 Every layer of a kind asks the same of a step (each row's sequence, its window's slots, the
-entries it sees, the compressors' windows: `window_slots`, `compress_index`): tens of small
-kernels a layer. `step_memo` makes each answer once per forward and hands the same tensors to the
-layers after the first.
+entries it sees, the compressors' windows: `window_slots`, `entry_slots`, `compress_index`):
+tens of small kernels a layer. `step_memo` makes each answer once per forward and hands the same
+tensors to the layers after the first.
 """
 
 from collections.abc import Callable
@@ -14,9 +14,11 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from atomrt.graphs import region_graph
 from atomrt.runtime.forward_context import get_forward_context
+from atomrt.workers.layers.attention import paged_layer_state
 from atomrt.workers.layers.attention_ref import copy_rows
-from atomrt.workers.layers.paged_rows import row_seqs
+from atomrt.workers.layers.paged_rows import row_seqs, step_sequences
 from atomrt.workers.layers.v4_modules import V4CacheTensor
 
 # Off: every layer makes its own answers (the comparison, e.g. `bench latency` of
@@ -226,5 +228,54 @@ def window_slots(
         back = torch.arange(layer.window - 1, -1, -1, device=rows.device)
         tokens = positions.long().unsqueeze(1) - back
         return row_source(md, cache, rows, positions, tokens, step_seqs(md, n, rows.device))[1]
+
+    return step_memo(key, make)
+
+
+def entry_width(layer: Any, rows: torch.Tensor) -> int:
+    """T, the entries a compressed layer (a V4Attention) gives each row of a step room for: a
+    recorded step (a token graph's or a drafter's recording, any CUDA graph capture) or a request
+    graph's (graph-safe metadata) the most a sequence can have (max positions // rate, masked),
+    an eager step the most the step's sequences have."""
+    _, md, _ = paged_layer_state(layer.layer_idx)
+    if (md is not None and md.graph_safe) or region_graph.recording():
+        return layer.rotary.cos_cache.shape[0] // layer.rate
+    return live_entries(layer, rows.shape[0])
+
+
+def live_entries(layer: Any, num_rows: int) -> int:
+    """The most entries a sequence of the step has (host data)."""
+    _, md, cache = paged_layer_state(layer.layer_idx)
+    seqs = step_sequences(md, num_rows, cache is not None and md is not None)
+    return max((s.context_len // layer.rate for s in seqs), default=0)
+
+
+def entry_slots(
+    layer: Any,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    num_entries: Optional[int] = None,
+) -> torch.Tensor:
+    """[n, T] the slots of the compressed entries each row sees (entry w, in the row of its
+    window's last token, once p >= (w + 1) * rate - 1; -1 past them), in `row_source`'s rows;
+    T `num_entries`, by default `entry_width`'s."""
+    _, md, cache = paged_layer_state(layer.layer_idx)
+    r = layer.rate
+    if num_entries is None:
+        num_entries = entry_width(layer, rows)
+    n, paged = rows.shape[0], cache is not None and md is not None
+    key = ("entries", *md_key(md, n), held_ptr(positions), r, layer.anchor_stride, num_entries,
+           cache.rows.shape[1] if paged else None)  # fmt: skip
+
+    def make() -> torch.Tensor:
+        w = torch.arange(num_entries, device=rows.device)
+        visible = w.unsqueeze(0) < ((positions.long() + 1) // r).unsqueeze(1)  # [n, T]
+        seq = step_seqs(md, n, rows.device)
+        if paged:
+            return anchor_slots(
+                md, cache, seq, torch.where(visible, w.unsqueeze(0), -1), r, layer.anchor_stride
+            )
+        tokens = torch.where(visible, (w.unsqueeze(0) + 1) * r - 1, -1)
+        return row_source(md, cache, rows, positions, tokens, seq)[1]
 
     return step_memo(key, make)
