@@ -29,11 +29,10 @@ if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is f
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from atomrt.runtime.bench.cuda_timing import graph_call_us  # noqa: E402
 from atomrt.workers.kernels.v4 import v4_kernels as v4  # noqa: E402
+from atomrt.workers.kernels.v4.v4_index import prefix_topk  # noqa: E402
 
 HEADS, D, WINDOW = 64, 512, 128
 WIDTH = 4 * D  # an HCA row: kv | ckv | cgate | centry
@@ -162,49 +161,6 @@ def chunked_topk(scores: torch.Tensor, k: int, chunk: int) -> tuple[torch.Tensor
     return v2, i1.view(n, -1).gather(1, i2)
 
 
-_NONE = tl.constexpr(-9223372036854775807)  # below every packed (score, entry) key
-
-
-@triton.jit
-def _prefix_topk_kernel(scores_ptr, lens_ptr, out_ptr, t, stride_s, stride_o, BLOCK: tl.constexpr):
-    """One row: the BLOCK best of its first lens[row] scores (-inf: none), a running sorted set
-    merged with each tile of BLOCK that can enter it; ties to the lower entry."""
-    row = tl.program_id(0)
-    n = tl.minimum(tl.load(lens_ptr + row).to(tl.int32), t)
-    offs = tl.arange(0, BLOCK)
-    best = tl.full([BLOCK], _NONE, tl.int64)
-    floor = tl.min(best, 0)
-    for start in range(0, n, BLOCK):
-        idx = start + offs
-        ok = idx < n
-        x = tl.load(scores_ptr + row * stride_s + idx, mask=ok, other=float("-inf"))
-        bits = x.to(tl.int32, bitcast=True)
-        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # the floats' order as signed ints
-        key = (order.to(tl.int64) << 32) | (0xFFFFFFFF - idx.to(tl.int64))
-        key = tl.where(ok & (x > float("-inf")), key, _NONE)
-        if tl.max(key, 0) > floor:
-            merged = tl.sort(tl.reshape(tl.join(best, key), [2 * BLOCK]), descending=True)
-            best, _ = tl.split(tl.permute(tl.reshape(merged, [2, BLOCK]), [1, 0]))
-            floor = tl.min(best, 0)
-    picked = tl.where(best == _NONE, -1, 0xFFFFFFFF - (best & 0xFFFFFFFF))
-    tl.store(out_ptr + row * stride_o + offs, picked)
-
-
-def prefix_topk(scores: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
-    """A candidate for a graph-safe row's top-k that reads the row's length on the device: the
-    entries [n, k] of the k highest of each row's first `lens[i]` scores, score order (ties: the
-    lower entry first), -1 past a row's finite ones; its work follows the lengths, not T."""
-    n, t = scores.shape
-    block = triton.next_power_of_2(max(16, k))
-    out = torch.empty(n, block, dtype=torch.int64, device=scores.device)
-    if n:
-        _prefix_topk_kernel[(n,)](
-            scores, lens, out, t, scores.stride(0), out.stride(0), BLOCK=block,
-            num_warps=4 if block <= 512 else 8,
-        )  # fmt: skip
-    return out[:, :k]
-
-
 def bench_csa_topk(
     n: int, live: int, max_positions: int, topk: int, chunk: int, gen: torch.Generator
 ) -> None:
@@ -212,7 +168,8 @@ def bench_csa_topk(
     (v4_index_scores) and torch's top-k over the T = max positions // 4 entries a graph-safe step
     (FULL) gives every row, `live` of them visible, against the same over the `live` entries alone
     (what a segment-by-segment replay plans from the step's lengths), and the candidates
-    `chunked_topk` over T and `prefix_topk` over each row's live prefix."""
+    `chunked_topk` over T and `prefix_topk` (workers/kernels/v4/v4_index.py) over each row's
+    live prefix."""
     hi, di, t = 64, 128, max_positions // 4
     keys = torch.randn(max(4 * t, 4096), di, device=DEVICE, generator=gen).to(DTYPE)
     iq = torch.randn(n, hi, di, device=DEVICE, generator=gen).to(DTYPE)

@@ -1,10 +1,7 @@
-"""bench_v4_kernels.py --csa-topk's candidates for a long row's top-k (a graph-safe step gives every
-row all T entries, a -inf tail past its context):
-- `chunked_topk`, the top k of each chunk, then of those: torch's top-k values over the whole
-  row (and indices that name them), whatever the chunk against k and the row's length;
-- `prefix_topk`, a kernel (here through Triton's interpreter) that reads each row's length on
-  the device and ranks only that prefix: the entries torch's top-k picks over the row with its
-  tail at -inf, in score order, ties to the lower entry, -1 past a row's finite scores."""
+"""bench_v4_kernels.py --csa-topk's candidate for a long row's top-k (a graph-safe step gives every
+row all T entries, a -inf tail past its context), `chunked_topk`, the top k of each chunk, then of
+those: torch's top-k values over the whole row (and indices that name them), whatever the chunk
+against k and the row's length."""
 
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_device import DEVICE
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -39,27 +35,3 @@ def test_chunked_topk_gives_torch_topk_values(k: int, chunk: int) -> None:
     torch.testing.assert_close(scores.gather(1, indices), values, rtol=0, atol=0)
     finite = values[1] > float("-inf")
     assert len(set(indices[1][finite].tolist())) == int(finite.sum()), "an entry picked twice"
-
-
-@pytest.mark.parametrize("k", [16, 40])
-def test_prefix_topk_picks_torch_topk_entries_of_the_prefix(k: int) -> None:
-    prefix_topk = _bench().prefix_topk
-    gen = torch.Generator().manual_seed(k)
-    scores = torch.randn(6, 700, generator=gen)
-    scores[4, 20:30] = float("-inf")  # masked entries inside a prefix count as none
-    lens = torch.tensor([700, 300, 5, 0, 650, 900], dtype=torch.int32)  # 900: past T
-    got = prefix_topk(scores.to(DEVICE), lens.to(DEVICE), k).cpu()
-    masked = scores.clone()
-    for row, n in enumerate(lens.tolist()):
-        masked[row, n:] = float("-inf")
-    top = masked.topk(k, dim=-1)
-    want = torch.where(top.values > float("-inf"), top.indices, -1)
-    assert got.shape == (6, k) and torch.equal(got, want)
-
-
-def test_prefix_topk_breaks_ties_to_the_lower_entry() -> None:
-    prefix_topk = _bench().prefix_topk
-    scores = torch.tensor([[1.0, 3.0, 3.0, -2.0, 3.0, 0.5, -0.0, 0.0] * 8])  # 64 entries
-    got = prefix_topk(scores.to(DEVICE), torch.tensor([64], device=DEVICE), 16).cpu()[0]
-    order = sorted(range(64), key=lambda i: (-scores[0, i].item(), i))[:16]
-    assert got.tolist() == order

@@ -638,6 +638,38 @@ def test_csa_picks_over_the_context_are_those_over_every_entry(
     assert any((picks < 0).any() for _, picks in context)  # the 3-token prompt sees no entry
 
 
+@pytest.mark.slow  # ~40 s: two runs through the kernels in Triton's interpreter
+def test_graph_safe_prefix_kernels_pick_as_every_entry(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `GRAPH_SAFE_PREFIX`, a graph-safe (FULL) step's CSA region scores and ranks each row's
+    live entries on the device (workers/kernels/v4/v4_index.py) instead of all T as [n, T] slots
+    and torch's top-k: the picks are the same, layer by layer and step by step (the kernels
+    through Triton's interpreter, as on CUDA), and the logits are transformers'."""
+    from atomrt.workers.layers import v4_attention
+
+    monkeypatch.setattr(v4_attention, "USE_KERNELS_ON_CPU", True)
+    record_as_request_graphs(monkeypatch)
+    index_topk = v4_attention._index_topk
+    runs: dict[bool, list[tuple[int, torch.Tensor]]] = {False: [], True: []}
+    results = {}
+    for prefix in (False, True):
+        monkeypatch.setattr(v4_attention, "GRAPH_SAFE_PREFIX", prefix)
+
+        def logged(iq, iw, rows, positions, every, picked, layer, prefix=prefix):  # type: ignore[no-untyped-def]
+            assert (every is None) == prefix
+            index_topk(iq, iw, rows, positions, every, picked, layer)
+            runs[prefix].append((layer, picked.clone()))
+
+        monkeypatch.setattr(v4_attention, "_index_topk", logged)
+        loaded = load_model(Config(model=str(folders["csa_hca"])), "cpu", torch.float32)
+        results[prefix] = run_prefill_and_decode(loaded.model, PROMPTS, 2, block_size=4)
+    assert len(runs[True]) == len(runs[False]) == 2 * 3  # two CSA layers, a prefill, 2 decodes
+    for (layer, got), (layer_t, want) in zip(runs[True], runs[False]):
+        assert layer == layer_t and torch.equal(got, want), f"layer {layer}"
+    assert max_logit_diff(results[True], load_hf(folders["csa_hca"]), PROMPTS) <= TOLERANCE
+
+
 def test_long_prompt_attends_in_query_chunks(
     folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

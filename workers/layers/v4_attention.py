@@ -104,12 +104,14 @@ from atomrt.workers.layers.v4_modules import (
 )
 from atomrt.workers.layers.v4_rows import (
     CompressIndex,
+    anchor_slots,
     compress_index,
     entry_slots,
     entry_width,
     live_entries,
     source_rows,
     step_memo,
+    step_seqs,
     window_slots,
     write_rows,
 )
@@ -236,6 +238,9 @@ class V4Attention(PagedAttentionLayer):
 # Use the Triton kernels (workers/kernels/v4/) for the compressor and the attention: always on
 # CUDA; on the CPU only when set (tests run them through Triton's interpreter).
 USE_KERNELS_ON_CPU = False
+# graph-safe CSA regions on the kernels rank each row's live entries, counted on the device
+# (workers/kernels/v4/v4_index.py), not all T as [n, T] slots and torch's top-k: off until measured
+GRAPH_SAFE_PREFIX = False
 # query rows per chunk of the CPU reference: a long prompt's logits are [chunk, heads, keys]
 _QUERY_CHUNK = 256
 
@@ -342,7 +347,9 @@ def v4_attention(
         picked = torch.empty(rows.shape[0], k, dtype=torch.long, device=q.device)
         # graph-safe: the region ranks every entry, their slots made here (recorded, they follow
         # the positions a replay finds); otherwise it makes the context's own
-        every = entry_slots(layer, rows, positions) if md is not None and md.graph_safe else None
+        graph_safe = md is not None and md.graph_safe
+        prefix = graph_safe and GRAPH_SAFE_PREFIX and cache is not None and _use_kernels(q)
+        every = entry_slots(layer, rows, positions) if graph_safe and not prefix else None
         _index_topk(iq, iw, rows, positions, every, picked, layer_idx)
         entries = picked
     _attend(layer, q, rows, positions, output, entries)
@@ -412,6 +419,13 @@ def _index_topk(
     the context does, not max positions)."""
     layer, md, cache = paged_layer_state(layer_idx)
     paged = cache is not None and md is not None
+    if every is None and md is not None and md.graph_safe:  # GRAPH_SAFE_PREFIX
+        from atomrt.workers.kernels.v4.v4_index import graph_safe_picks
+
+        seq = step_seqs(md, iq.shape[0], iq.device)
+        w = graph_safe_picks(iq, iw, cache, layer, md.block_tables, positions, seq, picked.shape[1])
+        picked.copy_(anchor_slots(md, cache, seq, w, layer.rate, layer.anchor_stride))
+        return
     if every is not None:
         entries, t = every, every.shape[1]
     else:  # the memo: a host-planned forward context holds one forward (a step, a draft pass)

@@ -1,0 +1,179 @@
+"""DeepSeek-V4's CSA indexer over each row's live entries under graph-safe metadata (FULL), read
+on the device: a launch planned from shapes gives every row room for all T = max positions // rate
+entries, but its work follows the row's own count, (position + 1) // rate.
+
+- `v4_anchored_scores`: the indexer's scores of each row's visible entries, the entries' cache
+  slots computed in the kernel from the row's sequence and block table (workers/layers/v4_rows.py,
+  `anchor_slots`: the arithmetic is the same), so no [n, T] slot tensor is built; a tile past the
+  row's count stores nothing.
+- `prefix_topk`: the k highest of each row's first lens[i] scores, in score order (ties to the
+  lower entry), -1 past a row's finite ones: one program a row keeps a sorted set of k and merges
+  each tile of its prefix that can enter it.
+
+Importing this module needs no GPU."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_NONE = tl.constexpr(-9223372036854775807)  # below every packed (score, entry) key
+
+
+@triton.jit
+def _anchored_scores_kernel(
+    q_ptr,  # [n, H, DI]
+    w_ptr,  # [n, H] float32
+    rows_ptr,  # the cache's rows
+    pos_ptr,  # [n] positions
+    seq_ptr,  # [n] each row's sequence (its block-table row)
+    table_ptr,  # [S, B] int32 block tables
+    out_ptr,  # [n, T] float32: the visible entries' scores, the rest left as they were
+    row_stride,
+    col,
+    scale,
+    T,
+    num_seqs,
+    table_stride,
+    max_blocks,
+    rate,
+    anchor_stride,
+    block_size,
+    H: tl.constexpr,
+    DI: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i = tl.program_id(0)
+    t0 = tl.program_id(1) * BLOCK_T
+    count = tl.minimum((tl.load(pos_ptr + i).to(tl.int64) + 1) // rate, T)
+    if t0 < count:
+        w = t0 + tl.arange(0, BLOCK_T)
+        valid = w < count
+        end = (w.to(tl.int64) + 1) * rate - 1  # the position that ends entry w's window
+        group_tokens = anchor_stride * block_size
+        index = tl.minimum((end // group_tokens) * anchor_stride, max_blocks - 1)
+        seq = tl.minimum(tl.load(seq_ptr + i).to(tl.int64), num_seqs - 1)
+        block = tl.load(table_ptr + seq * table_stride + index, mask=valid, other=0)
+        slot = tl.maximum(block.to(tl.int64), 0) * block_size + (end % group_tokens) // rate
+        d = tl.arange(0, BLOCK_D)
+        dm = d < DI
+        keys = tl.load(
+            rows_ptr + slot[:, None] * row_stride + col + d[None, :],
+            mask=valid[:, None] & dm[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc = tl.zeros([BLOCK_T], tl.float32)
+        for h in range(H):
+            qh = tl.load(q_ptr + (i * H + h) * DI + d, mask=dm, other=0.0).to(tl.float32)
+            s = tl.maximum(tl.sum(keys * qh[None, :], axis=1), 0.0) * scale
+            acc += s * tl.load(w_ptr + i * H + h)
+        tl.store(out_ptr + i * T + w, tl.where(valid, acc, float("-inf")), mask=w < T)
+
+
+def v4_anchored_scores(
+    iq: torch.Tensor,  # [n, H, DI]
+    iw: torch.Tensor,  # [n, H]
+    rows: torch.Tensor,  # the cache's rows [slots, width]
+    col: int,  # the indexer entry's first column
+    positions: torch.Tensor,  # [n]
+    seq: torch.Tensor,  # [n]
+    block_tables: torch.Tensor,  # [S, B]
+    rate: int,
+    anchor_stride: int,
+    block_size: int,
+    t: int,
+) -> torch.Tensor:
+    """[n, t] float32: row i's scores of its entries w < min((p_i + 1) // rate, t) (entry w's key
+    in the indexer entry columns of the slot `anchor_slots` names); the rest of the row is not
+    written (`prefix_topk` reads the prefix alone)."""
+    n, h, di = iq.shape
+    out = torch.empty(n, t, dtype=torch.float32, device=iq.device)
+    if n and t:
+        block_t = min(64, triton.next_power_of_2(t))
+        _anchored_scores_kernel[(n, triton.cdiv(t, block_t))](
+            iq.contiguous(),
+            iw.float().contiguous(),
+            rows,
+            positions.contiguous(),
+            seq.contiguous(),
+            block_tables,
+            out,
+            rows.stride(0),
+            col,
+            di**-0.5,
+            t,
+            block_tables.shape[0],
+            block_tables.stride(0),
+            block_tables.shape[1],
+            rate,
+            anchor_stride,
+            block_size,
+            H=h,
+            DI=di,
+            BLOCK_T=block_t,
+            BLOCK_D=triton.next_power_of_2(di),
+        )
+    return out
+
+
+@triton.jit
+def _prefix_topk_kernel(scores_ptr, lens_ptr, out_ptr, t, stride_s, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    n = tl.minimum(tl.load(lens_ptr + row).to(tl.int32), t)
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], _NONE, tl.int64)
+    floor = tl.min(best, 0)  # the BLOCK-th best so far: a tile below it cannot enter
+    for start in range(0, n, BLOCK):
+        idx = start + offs
+        ok = idx < n
+        x = tl.load(scores_ptr + row * stride_s + idx, mask=ok, other=float("-inf"))
+        bits = x.to(tl.int32, bitcast=True)
+        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # the floats' order as signed ints
+        key = (order.to(tl.int64) << 32) | (0xFFFFFFFF - idx.to(tl.int64))
+        key = tl.where(ok & (x > float("-inf")), key, _NONE)
+        if tl.max(key, 0) > floor:
+            merged = tl.sort(tl.reshape(tl.join(best, key), [2 * BLOCK]), descending=True)
+            best, _ = tl.split(tl.permute(tl.reshape(merged, [2, BLOCK]), [1, 0]))
+            floor = tl.min(best, 0)
+    picked = tl.where(best == _NONE, -1, 0xFFFFFFFF - (best & 0xFFFFFFFF))
+    tl.store(out_ptr + row * stride_o + offs, picked)
+
+
+def prefix_topk(scores: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
+    """[n, k] int64: the entries of the k highest of each row's first `lens[i]` scores (`scores`
+    [n, T]; lens past T read T), in score order, ties to the lower entry, -1 past a row's finite
+    ones. Its work follows the lengths, read on the device, not T."""
+    n, t = scores.shape
+    block = triton.next_power_of_2(max(16, k))
+    out = torch.empty(n, block, dtype=torch.int64, device=scores.device)
+    if n:
+        _prefix_topk_kernel[(n,)](
+            scores, lens, out, t, scores.stride(0), out.stride(0), BLOCK=block,
+            num_warps=4 if block <= 512 else 8,
+        )  # fmt: skip
+    return out[:, :k]
+
+
+def graph_safe_picks(
+    iq: torch.Tensor,
+    iw: torch.Tensor,
+    cache: object,
+    layer: object,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    seq: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """A CSA layer's picks [n, k] under graph-safe metadata: the entries (w, -1: none) of each
+    row's k highest indexer scores among its (p + 1) // rate visible ones, counted on the device;
+    `cache` the layer's V4CacheTensor, `layer` its V4Attention."""
+    rate, t = layer.rate, layer.rotary.cos_cache.shape[0] // layer.rate
+    rows = cache.rows.view(-1, cache.rows.shape[-1])
+    col = layer.spec.columns()["ientry"][0]
+    scores = v4_anchored_scores(
+        iq, iw, rows, col, positions, seq, block_tables, rate, layer.anchor_stride,
+        cache.rows.shape[1], t,
+    )  # fmt: skip
+    return prefix_topk(scores, (positions.long() + 1) // rate, k)
