@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from atomrt.workers.kernels.v4.v4_kernels import index_tile_scores
+
 _NONE = tl.constexpr(-9223372036854775807)  # below every packed (score, entry) key
 
 
@@ -57,18 +59,8 @@ def _anchored_scores_kernel(
         seq = tl.minimum(tl.load(seq_ptr + i).to(tl.int64), num_seqs - 1)
         block = tl.load(table_ptr + seq * table_stride + index, mask=valid, other=0)
         slot = tl.maximum(block.to(tl.int64), 0) * block_size + (end % group_tokens) // rate
-        d = tl.arange(0, BLOCK_D)
-        dm = d < DI
-        keys = tl.load(
-            rows_ptr + slot[:, None] * row_stride + col + d[None, :],
-            mask=valid[:, None] & dm[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        acc = tl.zeros([BLOCK_T], tl.float32)
-        for h in range(H):
-            qh = tl.load(q_ptr + (i * H + h) * DI + d, mask=dm, other=0.0).to(tl.float32)
-            s = tl.maximum(tl.sum(keys * qh[None, :], axis=1), 0.0) * scale
-            acc += s * tl.load(w_ptr + i * H + h)
+        acc = index_tile_scores(q_ptr, w_ptr, rows_ptr, slot, valid, i, row_stride, col, scale,
+                                H, DI, BLOCK_T, BLOCK_D)  # fmt: skip
         tl.store(out_ptr + i * T + w, tl.where(valid, acc, float("-inf")), mask=w < T)
 
 

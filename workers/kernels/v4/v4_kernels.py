@@ -156,6 +156,39 @@ def v4_pool(
 
 
 @triton.jit
+def index_tile_scores(
+    q_ptr,  # [n, H, DI]
+    w_ptr,  # [n, H] float32
+    rows_ptr,
+    slot,  # [BLOCK_T] the keys' rows
+    valid,  # [BLOCK_T]
+    i,  # the query row
+    row_stride,
+    col,
+    scale,
+    H: tl.constexpr,
+    DI: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The lightning indexer's scores [BLOCK_T] float32 of query row i against the keys at
+    columns col.. of the rows `slot` names (0 where not `valid`)."""
+    d = tl.arange(0, BLOCK_D)
+    dm = d < DI
+    keys = tl.load(
+        rows_ptr + slot.to(tl.int64)[:, None] * row_stride + col + d[None, :],
+        mask=valid[:, None] & dm[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    acc = tl.zeros([BLOCK_T], tl.float32)
+    for h in range(H):
+        qh = tl.load(q_ptr + (i * H + h) * DI + d, mask=dm, other=0.0).to(tl.float32)
+        s = tl.maximum(tl.sum(keys * qh[None, :], axis=1), 0.0) * scale
+        acc += s * tl.load(w_ptr + i * H + h)
+    return acc
+
+
+@triton.jit
 def _v4_index_scores_kernel(
     q_ptr,  # [n, H, DI]
     w_ptr,  # [n, H] float32
@@ -174,23 +207,14 @@ def _v4_index_scores_kernel(
     i = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
-    d = tl.arange(0, BLOCK_D)
-    dm = d < DI
     slot = tl.load(eslots_ptr + i * T + t, mask=tm, other=-1)
     valid = tm & (slot >= 0)
     acc = tl.zeros([BLOCK_T], tl.float32)
     # a tile past the row's entries (a graph-safe launch covers every entry a row could have)
     # only stores -inf
     if tl.max(valid.to(tl.int32), axis=0) > 0:
-        keys = tl.load(
-            rows_ptr + slot.to(tl.int64)[:, None] * row_stride + col + d[None, :],
-            mask=valid[:, None] & dm[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        for h in range(H):
-            qh = tl.load(q_ptr + (i * H + h) * DI + d, mask=dm, other=0.0).to(tl.float32)
-            s = tl.maximum(tl.sum(keys * qh[None, :], axis=1), 0.0) * scale
-            acc += s * tl.load(w_ptr + i * H + h)
+        acc = index_tile_scores(q_ptr, w_ptr, rows_ptr, slot, valid, i, row_stride, col, scale,
+                                H, DI, BLOCK_T, BLOCK_D)  # fmt: skip
     tl.store(out_ptr + i * T + t, tl.where(valid, acc, float("-inf")), mask=tm)
 
 
