@@ -199,12 +199,10 @@ def test_graph_safe_attention_matches_transformers(
     a row's block table holds is scored, the top-k kept, attended with absorbed weights. A ragged
     prefill, padded rows and decode steps, in 3-row chunks, give transformers' logits; the
     indexer's scores by torch (CPU's) or by CUDA's Triton kernel, here under the interpreter."""
-    from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
     from atomrt.workers.layers import dsa_mla
 
     monkeypatch.setattr(dsa_mla, "_GRAPH_SAFE_CHUNK", 3)
-    if scores == "kernel":
-        monkeypatch.setattr(dsa_mla, "_index_scores", v4_index_scores)
+    monkeypatch.setattr(dsa_mla, "USE_KERNELS_ON_CPU", scores == "kernel")
     loaded = load_model(Config(model=str(folders[name])), "cpu", torch.float32)
     record_as_request_graphs(monkeypatch)
     result = run_prefill_and_decode(loaded.model, PROMPTS, 6, block_size=4, num_pad_rows=2)

@@ -37,7 +37,7 @@ from atomrt.workers.layers.linear import MergedColumnParallelLinear
 from atomrt.workers.layers.mla import MLAAttention, write_latent_ref
 from atomrt.workers.layers.mla_ref import decompress
 from atomrt.workers.layers.paged_rows import (
-    index_scores_ref,
+    index_scores,
     read_rows,
     returns_nothing,
     row_seqs,
@@ -292,7 +292,7 @@ def _attend_graph_safe(
         blocks = table[seq[a:b]][:, t // block_size]  # [rows, T]
         sees = (t <= positions[a:b, None]) & live[a:b, None] & (blocks >= 0)
         slots = torch.where(sees, blocks.clamp(min=0) * block_size + t % block_size, -1)
-        scores = _index_scores(iq[a:b], iw[a:b], flat, slots, latent_width)
+        scores = index_scores(iq[a:b], iw[a:b], flat, slots, latent_width, _use_kernel(iq))
         top, index = scores.topk(min(layer.index_topk, slots.shape[1]), dim=-1)
         picked_slots.append(slots.gather(1, index))
         picked.append(top > -torch.inf)
@@ -310,18 +310,6 @@ def _attend_graph_safe(
         heads = torch.einsum("nhl,hlv->nhv", torch.einsum("nhk,nkl->nhl", probs, kv[..., :lora]),
                              layer.w_uv)  # fmt: skip
         output[a:b] = torch.where(live[a:b, None, None], heads, 0)
-
-
-def _index_scores(
-    iq: torch.Tensor, iw: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor, col: int
-) -> torch.Tensor:
-    """[rows, T] float32 indexer scores of the rows at `slots` (-1: none, -inf there), their keys
-    from column `col`: the Triton kernel on CUDA, torch on CPU."""
-    if iq.is_cuda:
-        from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
-
-        return v4_index_scores(iq, iw, flat, slots, col)
-    return index_scores_ref(iq, iw, flat, slots, col)
 
 
 def _attend_sequence(
@@ -374,6 +362,12 @@ def _attend_sequence(
 _QUERY_CHUNK = 256
 # rows a graph-safe step scores and attends at once: each scores [rows, max_model_len]
 _GRAPH_SAFE_CHUNK = 64
+# the graph-safe path's indexer scores through the Triton kernel off CUDA too (the interpreter)
+USE_KERNELS_ON_CPU = False
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    return t.is_cuda or USE_KERNELS_ON_CPU
 
 
 direct_register_custom_op(

@@ -55,6 +55,32 @@ def index_scores_ref(
     return (scores * iw.unsqueeze(-1)).sum(dim=1).masked_fill(slots < 0, float("-inf"))
 
 
+def index_scores(
+    iq: torch.Tensor,
+    iw: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    col: int,
+    kernel: bool,
+    chunk: int = 256,
+) -> torch.Tensor:
+    """`index_scores_ref`'s scores by the Triton kernel (`kernel`: CUDA, or the interpreter) or
+    by torch, `chunk` query rows at a time (each chunk's products are [chunk, H, T])."""
+    if kernel:
+        from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
+
+        return v4_index_scores(iq, iw, rows, slots, col)
+    n = iq.shape[0]
+    if n <= chunk:
+        return index_scores_ref(iq, iw, rows, slots, col)
+    return torch.cat(
+        [
+            index_scores_ref(iq[a : a + chunk], iw[a : a + chunk], rows, slots[a : a + chunk], col)
+            for a in range(0, n, chunk)
+        ]
+    )
+
+
 def read_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """cache[index] (an e4m3 cache is indexed as bytes: CPU has no float8 indexing kernel)."""
     if cache.dtype == torch.float8_e4m3fn:

@@ -86,11 +86,7 @@ from atomrt.compile.custom_register import direct_register_custom_op
 from atomrt.distributed.communication_op import TPInfo, tp_all_reduce
 from atomrt.graphs.markers import eager_region
 from atomrt.workers.layers.attention import PagedAttentionLayer, paged_layer_state
-from atomrt.workers.layers.paged_rows import (
-    index_scores_ref,
-    read_rows,
-    returns_nothing,
-)
+from atomrt.workers.layers.paged_rows import index_scores, read_rows, returns_nothing
 from atomrt.workers.layers.rotary import RotaryEmbedding
 from atomrt.workers.layers.v4_hyper import unweighted_rms_norm
 from atomrt.workers.layers.v4_modules import (
@@ -419,33 +415,27 @@ def _index_topk(
     the context does, not max positions)."""
     layer, md, cache = paged_layer_state(layer_idx)
     paged = cache is not None and md is not None
+    t = layer.rotary.cos_cache.shape[0] // layer.rate
+    at = layer.spec.columns()["ientry"][0]
+    source = cache.rows.view(-1, cache.rows.shape[-1]) if paged else rows
     if every is None and md is not None and md.graph_safe:  # GRAPH_SAFE_PREFIX
-        from atomrt.workers.kernels.v4.v4_index import graph_safe_picks
+        from atomrt.workers.kernels.v4.v4_index import prefix_picks
 
-        seq = step_seqs(md, iq.shape[0], iq.device)
-        w = graph_safe_picks(iq, iw, cache, layer, md.block_tables, positions, seq, picked.shape[1])
-        picked.copy_(anchor_slots(md, cache, seq, w, layer.rate, layer.anchor_stride))
+        seq, r, stride = step_seqs(md, iq.shape[0], iq.device), layer.rate, layer.anchor_stride
+        w = prefix_picks(iq, iw, source, at, positions, seq, md.block_tables, r, stride,
+                         cache.rows.shape[1], t, picked.shape[1])  # fmt: skip
+        picked.copy_(anchor_slots(md, cache, seq, w, r, stride))
         return
     if every is not None:
         entries, t = every, every.shape[1]
     else:  # the memo: a host-planned forward context holds one forward (a step, a draft pass)
-        t = min(layer.rotary.cos_cache.shape[0] // layer.rate, live_entries(layer, iq.shape[0]))
+        t = min(t, live_entries(layer, iq.shape[0]))
         entries = entry_slots(layer, rows, positions, t) if t else None  # [n, t]
     picked.fill_(-1)
     k = min(picked.shape[1], t)
     if not k:
         return
-    source = cache.rows.view(-1, cache.rows.shape[-1]) if paged else rows
-    at = layer.spec.columns()["ientry"][0]
-    if _use_kernels(iq):
-        from atomrt.workers.kernels.v4.v4_kernels import v4_index_scores
-
-        scores = v4_index_scores(iq, iw, source, entries, at)
-    else:
-        scores = torch.empty(entries.shape, dtype=torch.float32, device=iq.device)
-        for a in range(0, entries.shape[0], _QUERY_CHUNK):
-            b = min(entries.shape[0], a + _QUERY_CHUNK)
-            scores[a:b] = index_scores_ref(iq[a:b], iw[a:b], source, entries[a:b], at)
+    scores = index_scores(iq, iw, source, entries, at, _use_kernels(iq), _QUERY_CHUNK)
     top = scores.topk(k, dim=-1)
     picked[:, :k] = torch.where(top.values > float("-inf"), entries.gather(1, top.indices), -1)
 

@@ -9,6 +9,7 @@ entries, but its work follows the row's own count, (position + 1) // rate.
 - `prefix_topk`: the k highest of each row's first lens[i] scores, in score order (ties to the
   lower entry), -1 past a row's finite ones: one program a row keeps a sorted set of k and merges
   each tile of its prefix that can enter it.
+- `prefix_picks`: the two in turn, a CSA layer's picks (workers/layers/v4_attention.py).
 
 Importing this module needs no GPU."""
 
@@ -148,24 +149,24 @@ def prefix_topk(scores: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tenso
     return out[:, :k]
 
 
-def graph_safe_picks(
-    iq: torch.Tensor,
-    iw: torch.Tensor,
-    cache: object,
-    layer: object,
-    block_tables: torch.Tensor,
-    positions: torch.Tensor,
-    seq: torch.Tensor,
+def prefix_picks(
+    iq: torch.Tensor,  # [n, H, DI]
+    iw: torch.Tensor,  # [n, H]
+    rows: torch.Tensor,  # the cache's rows [slots, width]
+    col: int,  # the indexer entry's first column
+    positions: torch.Tensor,  # [n]
+    seq: torch.Tensor,  # [n]
+    block_tables: torch.Tensor,  # [S, B]
+    rate: int,
+    anchor_stride: int,
+    block_size: int,
+    t: int,
     k: int,
 ) -> torch.Tensor:
-    """A CSA layer's picks [n, k] under graph-safe metadata: the entries (w, -1: none) of each
-    row's k highest indexer scores among its (p + 1) // rate visible ones, counted on the device;
-    `cache` the layer's V4CacheTensor, `layer` its V4Attention."""
-    rate, t = layer.rate, layer.rotary.cos_cache.shape[0] // layer.rate
-    rows = cache.rows.view(-1, cache.rows.shape[-1])
-    col = layer.spec.columns()["ientry"][0]
+    """[n, k] the entries (w, -1: none) of each row's k highest indexer scores among its
+    min((p + 1) // rate, t) visible ones, counted on the device: `v4_anchored_scores`, then
+    `prefix_topk`."""
     scores = v4_anchored_scores(
-        iq, iw, rows, col, positions, seq, block_tables, rate, layer.anchor_stride,
-        cache.rows.shape[1], t,
-    )  # fmt: skip
+        iq, iw, rows, col, positions, seq, block_tables, rate, anchor_stride, block_size, t
+    )
     return prefix_topk(scores, (positions.long() + 1) // rate, k)
