@@ -169,7 +169,7 @@ def bench_csa_topk(
     (FULL) gives every row, `live` of them visible, against the same over the `live` entries alone
     (what a segment-by-segment replay plans from the step's lengths), and the candidates
     `chunked_topk` over T and `prefix_topk` (workers/kernels/v4/v4_index.py) over each row's
-    live prefix."""
+    live prefix, in each of its forms."""
     hi, di, t = 64, 128, max_positions // 4
     keys = torch.randn(max(4 * t, 4096), di, device=DEVICE, generator=gen).to(DTYPE)
     iq = torch.randn(n, hi, di, device=DEVICE, generator=gen).to(DTYPE)
@@ -186,17 +186,24 @@ def bench_csa_topk(
     chunked_t = _time_us(lambda i: chunked_topk(full, k, chunk), 2)
     lens = torch.full((n,), live, dtype=torch.int32, device=DEVICE)
     top = full.topk(k, dim=-1)
-    same_picks = torch.equal(
-        prefix_topk(full, lens, k), torch.where(top.values > float("-inf"), top.indices, -1)
-    )
+
+    def same_scores(picks: torch.Tensor) -> bool:
+        """picks name entries of torch's top-k scores (equal scores may come in either order)"""
+        got = torch.where(picks >= 0, full.gather(1, picks.clamp(min=0)), float("-inf"))
+        return torch.equal(got, top.values)
+
+    same_picks = same_scores(prefix_topk(full, lens, k))
     prefix_t = _time_us(lambda i: prefix_topk(full, lens, k), 2)
+    same_select = same_scores(prefix_topk(full, lens, k, "select"))
+    select_t = _time_us(lambda i: prefix_topk(full, lens, k, "select"), 2)
     short = v4.v4_index_scores(iq, iw, keys, live_slots, 0)
     scores_l = _time_us(lambda i: v4.v4_index_scores(iq, iw, keys, live_slots, 0), 2)
     topk_l = _time_us(lambda i: short.topk(min(k, live), dim=-1), 2)
     print(
         f"csa indexer rows={n} entries={t} live={live} top-{k}: over all {scores_t:.2f} us scores "
         f"+ {topk_t:.2f} us topk (chunks of {chunk}: {chunked_t:.2f} us, values equal: {same}; "
-        f"prefix_topk {prefix_t:.2f} us, same picks: {same_picks}); "
+        f"prefix_topk {prefix_t:.2f} us, same picks: {same_picks}; "
+        f"select {select_t:.2f} us, same picks: {same_select}); "
         f"over the live {scores_l:.2f} + {topk_l:.2f} us",
         flush=True,
     )

@@ -1,6 +1,7 @@
 """workers/kernels/v4/v4_index.py, through Triton's interpreter on CPU (compiled on a GPU):
-`prefix_topk` picks the entries torch's top-k picks over each row with its tail past the row's
-length at -inf, in score order, ties to the lower entry, -1 past a row's finite scores; and with
+`prefix_topk`, in each form, picks the entries torch's top-k picks over each row with its tail
+past the row's length at -inf, in score order, ties to the lower entry, -1 past a row's finite
+scores; and with
 `GRAPH_SAFE_PREFIX` a graph-safe (FULL) decode of the tiny CSA/HCA model picks, layer by layer
 and step by step, what the [n, T] slots and torch's top-k pick, its logits transformers'."""
 
@@ -10,16 +11,17 @@ import pytest
 import torch
 from kernel_device import DEVICE
 
-from atomrt.workers.kernels.v4.v4_index import prefix_topk
+from atomrt.workers.kernels.v4.v4_index import TOPK_FORMS, prefix_topk
 
 
+@pytest.mark.parametrize("form", TOPK_FORMS)
 @pytest.mark.parametrize("k", [16, 40])
-def test_prefix_topk_picks_torch_topk_entries_of_the_prefix(k: int) -> None:
+def test_prefix_topk_picks_torch_topk_entries_of_the_prefix(k: int, form: str) -> None:
     gen = torch.Generator().manual_seed(k)
     scores = torch.randn(6, 700, generator=gen)
     scores[4, 20:30] = float("-inf")  # masked entries inside a prefix count as none
     lens = torch.tensor([700, 300, 5, 0, 650, 900], dtype=torch.int32)  # 900: past T
-    got = prefix_topk(scores.to(DEVICE), lens.to(DEVICE), k).cpu()
+    got = prefix_topk(scores.to(DEVICE), lens.to(DEVICE), k, form).cpu()
     masked = scores.clone()
     for row, n in enumerate(lens.tolist()):
         masked[row, n:] = float("-inf")
@@ -28,8 +30,24 @@ def test_prefix_topk_picks_torch_topk_entries_of_the_prefix(k: int) -> None:
     assert got.shape == (6, k) and torch.equal(got, want)
 
 
-def test_prefix_topk_breaks_ties_to_the_lower_entry() -> None:
+@pytest.mark.parametrize("form", TOPK_FORMS)
+def test_prefix_topk_breaks_ties_to_the_lower_entry(form: str) -> None:
     scores = torch.tensor([[1.0, 3.0, 3.0, -2.0, 3.0, 0.5, -0.0, 0.0] * 8])  # 64 entries
-    got = prefix_topk(scores.to(DEVICE), torch.tensor([64], device=DEVICE), 16).cpu()[0]
+    got = prefix_topk(scores.to(DEVICE), torch.tensor([64], device=DEVICE), 16, form).cpu()[0]
     order = sorted(range(64), key=lambda i: (-scores[0, i].item(), i))[:16]
     assert got.tolist() == order
+
+
+@pytest.mark.parametrize("form", TOPK_FORMS)
+def test_prefix_topk_over_several_tiles_of_tied_scores(form: str) -> None:
+    """Rows longer than a tile of either form, of few distinct values (the k-th highest has many
+    ties, some taken, some not), one with fewer finite scores than k."""
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.randint(-4, 5, (3, 2500), generator=gen).float() / 4
+    scores[2, 30:] = float("-inf")
+    lens = torch.tensor([2500, 1800, 2500], dtype=torch.int32)
+    got = prefix_topk(scores.to(DEVICE), lens.to(DEVICE), 40, form).cpu()
+    for row, n in enumerate(lens.tolist()):
+        finite = [i for i in range(n) if scores[row, i] > float("-inf")]
+        order = sorted(finite, key=lambda i: (-scores[row, i].item(), i))[:40]
+        assert got[row].tolist() == order + [-1] * (40 - len(order))

@@ -7,8 +7,9 @@ entries, but its work follows the row's own count, (position + 1) // rate.
   `anchor_slots`: the arithmetic is the same), so no [n, T] slot tensor is built; a tile past the
   row's count stores nothing.
 - `prefix_topk`: the k highest of each row's first lens[i] scores, in score order (ties to the
-  lower entry), -1 past a row's finite ones: one program a row keeps a sorted set of k and merges
-  each tile of its prefix that can enter it.
+  lower entry), -1 past a row's finite ones, one program a row, in two forms: "merge" keeps a
+  sorted set of k and merges each tile of its prefix that can enter it; "select" finds the k-th
+  highest by a radix select, then sorts the k it gathers.
 - `prefix_picks`: the two in turn, a CSA layer's picks (workers/layers/v4_attention.py).
 
 Importing this module needs no GPU."""
@@ -22,6 +23,9 @@ import triton.language as tl
 from atomrt.workers.kernels.v4.v4_kernels import index_tile_scores
 
 _NONE = tl.constexpr(-9223372036854775807)  # below every packed (score, entry) key
+TOPK_FORMS = ("merge", "select")  # prefix_topk's
+# prefix_picks' form; `bench_v4_kernels.py --csa-topk` times both
+PICK_FORM = "merge"
 
 
 @triton.jit
@@ -134,16 +138,95 @@ def _prefix_topk_kernel(scores_ptr, lens_ptr, out_ptr, t, stride_s, stride_o, BL
     tl.store(out_ptr + row * stride_o + offs, picked)
 
 
-def prefix_topk(scores: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
+@triton.jit
+def _prefix_select_kernel(
+    scores_ptr, lens_ptr, out_ptr, t, k, stride_s, stride_o, BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
+):  # fmt: skip
+    """A radix select: four passes over the row's prefix, each a histogram of one byte of the
+    keys that match the bytes chosen so far, find the k-th highest key; a fifth gathers the keys
+    above it and its ties of the lowest entries into the row's output, which one sort orders."""
+    row = tl.program_id(0)
+    n = tl.minimum(tl.load(lens_ptr + row).to(tl.int32), t)
+    offs = tl.arange(0, TILE)
+    bins = tl.arange(0, 512)
+    total = tl.zeros([], tl.int32)
+    for start in range(0, n, TILE):  # the finite scores, which are all a row can pick
+        x = tl.load(scores_ptr + row * stride_s + start + offs, mask=start + offs < n,
+                    other=float("-inf"))  # fmt: skip
+        total += tl.sum((x > float("-inf")).to(tl.int32), 0)
+    need = tl.minimum(total, k)  # the rank of the key sought, from the top
+    want = tl.zeros([], tl.int64)  # its bytes found so far
+    high = tl.zeros([], tl.int64)  # and the bits they occupy
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        hist = tl.zeros([512], tl.int32)
+        for start in range(0, n, TILE):
+            idx = start + offs
+            x = tl.load(scores_ptr + row * stride_s + idx, mask=idx < n, other=float("-inf"))
+            bits = x.to(tl.int32, bitcast=True)
+            u = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # order, >= 0
+            match = (x > float("-inf")) & ((u & high) == want)
+            hist += tl.histogram(tl.where(match, ((u >> shift) & 255).to(tl.int32), 256), 512)
+        hist = tl.where(bins < 256, hist, 0)
+        above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # keys in higher bins than each
+        hit = (above < need) & (above + hist >= need)  # the bin of the need-th highest
+        digit = tl.max(tl.where(hit, bins, -1), 0)
+        need -= tl.sum(tl.where(bins == digit, above, 0), 0)
+        want = want | (tl.maximum(digit, 0).to(tl.int64) << shift)
+        high = high | (255 << shift)
+    # `want` is the need-th highest key (total 0: none is taken); take the keys above it and its
+    # first `need` ties, written unordered to the row's output, then sorted there
+    none = tl.full([BLOCK], _NONE, tl.int64)
+    slot = tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * stride_o + slot, none)
+    tl.debug_barrier()
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for start in range(0, n, TILE):
+        idx = start + offs
+        x = tl.load(scores_ptr + row * stride_s + idx, mask=idx < n, other=float("-inf"))
+        bits = x.to(tl.int32, bitcast=True)
+        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        u = order.to(tl.int64) + 2147483648
+        live = (x > float("-inf")) & (total > 0)
+        tie = live & (u == want)
+        tie_rank = ties + tl.cumsum(tie.to(tl.int32), 0) - 1
+        take = (live & (u > want)) | (tie & (tie_rank < need))
+        at = taken + tl.cumsum(take.to(tl.int32), 0) - 1
+        key = (order.to(tl.int64) << 32) | (0xFFFFFFFF - idx.to(tl.int64))
+        tl.store(out_ptr + row * stride_o + at, key, mask=take != 0)
+        taken += tl.sum(take.to(tl.int32), 0)
+        ties += tl.sum(tie.to(tl.int32), 0)
+    tl.debug_barrier()
+    best = tl.sort(tl.load(out_ptr + row * stride_o + slot), descending=True)
+    picked = tl.where(best == _NONE, -1, 0xFFFFFFFF - (best & 0xFFFFFFFF))
+    tl.debug_barrier()
+    tl.store(out_ptr + row * stride_o + slot, picked)
+
+
+def prefix_topk(
+    scores: torch.Tensor, lens: torch.Tensor, k: int, form: str = "merge"
+) -> torch.Tensor:
     """[n, k] int64: the entries of the k highest of each row's first `lens[i]` scores (`scores`
     [n, T]; lens past T read T), in score order, ties to the lower entry, -1 past a row's finite
-    ones. Its work follows the lengths, read on the device, not T."""
+    ones. Its work follows the lengths, read on the device, not T. `form`: "merge" keeps a sorted
+    set of k and merges each tile that can enter it (a sort of 2k a tile: cheap for short
+    prefixes); "select" finds the k-th highest key by a radix select (five passes over the prefix,
+    one sort)."""
+    if form not in TOPK_FORMS:
+        raise ValueError(f"prefix_topk: form {form!r} is not one of {TOPK_FORMS}")
     n, t = scores.shape
     block = triton.next_power_of_2(max(16, k))
     out = torch.empty(n, block, dtype=torch.int64, device=scores.device)
-    if n:
+    if n and form == "merge":
         _prefix_topk_kernel[(n,)](
             scores, lens, out, t, scores.stride(0), out.stride(0), BLOCK=block,
+            num_warps=4 if block <= 512 else 8,
+        )  # fmt: skip
+    elif n:
+        _prefix_select_kernel[(n,)](
+            scores, lens, out, t, k, scores.stride(0), out.stride(0), BLOCK=block, TILE=1024,
             num_warps=4 if block <= 512 else 8,
         )  # fmt: skip
     return out[:, :k]
@@ -169,4 +252,4 @@ def prefix_picks(
     scores = v4_anchored_scores(
         iq, iw, rows, col, positions, seq, block_tables, rate, anchor_stride, block_size, t
     )
-    return prefix_topk(scores, (positions.long() + 1) // rate, k)
+    return prefix_topk(scores, (positions.long() + 1) // rate, k, PICK_FORM)
