@@ -653,17 +653,21 @@ def test_csa_picks_over_the_context_are_those_over_every_entry(
         assert any((picks < 0).any() for _, picks in context)  # the 3-token prompt sees none
 
 
-@pytest.mark.slow  # ~13 s: two runs through the kernels in Triton's interpreter
+@pytest.mark.slow  # ~13 s a form: two runs through the kernels in Triton's interpreter
+@pytest.mark.parametrize("form", ["merge", "select"])
 def test_graph_safe_prefix_kernels_pick_as_every_entry(
-    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch, form: str
 ) -> None:
     """With `GRAPH_SAFE_PREFIX`, a graph-safe (FULL) step's CSA region scores and ranks each row's
-    live entries on the device (workers/kernels/v4/v4_index.py) instead of all T as [n, T] slots
-    and torch's top-k: the picks are the same, layer by layer and step by step (the kernels
-    through Triton's interpreter, as on CUDA), and the logits are transformers'."""
+    live entries on the device (workers/kernels/v4/v4_index.py, in each form of its top-k)
+    instead of all T as [n, T] slots and torch's top-k: the picks are the same, layer by layer
+    and step by step (the kernels through Triton's interpreter, as on CUDA), and the logits are
+    transformers'."""
+    from atomrt.workers.kernels.v4 import v4_index
     from atomrt.workers.layers import v4_attention
 
     monkeypatch.setattr(v4_attention, "USE_KERNELS_ON_CPU", True)
+    monkeypatch.setattr(v4_index, "PICK_FORM", form)
     record_as_request_graphs(monkeypatch)
     index_topk = v4_attention._index_topk
     runs: dict[bool, list[tuple[int, torch.Tensor]]] = {False: [], True: []}
