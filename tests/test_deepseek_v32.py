@@ -52,6 +52,39 @@ def test_tiny_v32_logits_match_transformers(folders: dict[str, Path], name: str)
     assert (size.kind, size.bytes_per_token) == ("dsa_mla", width)
 
 
+def test_graph_safe_prefix_picks_the_slots_every_slot_picks(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `GRAPH_SAFE_PREFIX` a graph-safe step's indexer layers pick, row by row, layer by layer
+    and step by step, the slots the scores of every slot of the block table and torch's top-k
+    pick (both through the indexer's kernel, here under the interpreter): a row's positions up
+    to its own, none past it, whatever the ragged prefill and the padded rows."""
+    from atomrt.workers.layers import dsa_mla
+
+    monkeypatch.setattr(dsa_mla, "_GRAPH_SAFE_CHUNK", 3)
+    monkeypatch.setattr(dsa_mla, "USE_KERNELS_ON_CPU", True)
+    record_as_request_graphs(monkeypatch)
+    attend = dsa_mla._attend_graph_safe
+    runs: dict[bool, list[list[list[int]]]] = {False: [], True: []}
+    for prefix in (False, True):
+        monkeypatch.setattr(dsa_mla, "GRAPH_SAFE_PREFIX", prefix)
+
+        def logged(layer, md, *args, prefix=prefix):  # type: ignore[no-untyped-def]
+            attend(layer, md, *args)
+            if layer.indexer is not None:
+                slots, picked = dsa_mla._LAST_PICKS[(id(md), "graph_safe")]
+                live = int(md.cu_seqlens_q[-1])
+                rows = torch.where(picked, slots, -1)[:live].sort(dim=1).values
+                runs[prefix].append(rows.tolist())
+
+        monkeypatch.setattr(dsa_mla, "_attend_graph_safe", logged)
+        loaded = load_model(Config(model=str(folders["v32"])), "cpu", torch.float32)
+        run_prefill_and_decode(loaded.model, PROMPTS, 3, block_size=4, num_pad_rows=2)
+    assert len(runs[True]) == len(runs[False]) > 0
+    assert runs[True] == runs[False]
+    assert any(-1 in row for step in runs[True] for row in step)  # a row sees fewer than k
+
+
 # level 3 compiles for about 19 s on a 2-core CPU: `slow`, beside the GPU tier's real shapes at
 # level 3 (tests/gpu/test_deepseek_gpu.py)
 ENGINE_CASES = [pytest.param(name, False, id=f"{name}-level0") for name in NAMES] + [
@@ -189,7 +222,7 @@ def test_cache_write_kernel_skips_padded_rows_as_the_masked_copy(index_dim: int)
     assert int((~kernel_cache.isnan().all(-1)).sum()) == 4
 
 
-@pytest.mark.parametrize("scores", ["torch", "kernel"])
+@pytest.mark.parametrize("scores", ["torch", "kernel", "prefix"])
 @pytest.mark.parametrize("name", ["v32", "glm5"])
 def test_graph_safe_attention_matches_transformers(
     folders: dict[str, Path], name: str, scores: str, monkeypatch: pytest.MonkeyPatch
@@ -198,11 +231,14 @@ def test_graph_safe_attention_matches_transformers(
     of the lengths fails the test) the sparse attention is planned from shapes alone: every slot
     a row's block table holds is scored, the top-k kept, attended with absorbed weights. A ragged
     prefill, padded rows and decode steps, in 3-row chunks, give transformers' logits; the
-    indexer's scores by torch (CPU's) or by CUDA's Triton kernel, here under the interpreter."""
+    indexer's scores by torch (CPU's) or by CUDA's Triton kernel, here under the interpreter, or
+    (`GRAPH_SAFE_PREFIX`) each row's positions up to its own scored and ranked by the kernels of
+    workers/kernels/v4/v4_index.py."""
     from atomrt.workers.layers import dsa_mla
 
     monkeypatch.setattr(dsa_mla, "_GRAPH_SAFE_CHUNK", 3)
-    monkeypatch.setattr(dsa_mla, "USE_KERNELS_ON_CPU", scores == "kernel")
+    monkeypatch.setattr(dsa_mla, "USE_KERNELS_ON_CPU", scores != "torch")
+    monkeypatch.setattr(dsa_mla, "GRAPH_SAFE_PREFIX", scores == "prefix")
     loaded = load_model(Config(model=str(folders[name])), "cpu", torch.float32)
     record_as_request_graphs(monkeypatch)
     result = run_prefill_and_decode(loaded.model, PROMPTS, 6, block_size=4, num_pad_rows=2)

@@ -265,8 +265,9 @@ def _attend_graph_safe(
 ) -> None:
     """The attention of `_dsa_attend` planned from shapes alone, every length read on the device
     (what a request graph records): each row scores every slot its block table can hold (those
-    past its position -inf), keeps the top `index_topk` and attends them with absorbed weights
-    (W_UK, W_UV). A layer that shares the top-k attends the slots its indexer layer kept."""
+    past its position -inf; with `GRAPH_SAFE_PREFIX` its positions up to its own alone), keeps the
+    top `index_topk` and attends them with absorbed weights (W_UK, W_UV). A layer that shares the
+    top-k attends the slots its indexer layer kept."""
     n, device = q.shape[0], q.device
     table = md.block_tables.long()
     block_size, width = kv_cache.shape[1], kv_cache.shape[2]
@@ -289,11 +290,23 @@ def _attend_graph_safe(
             picked_slots.append(shared[0][a:b])
             picked.append(shared[1][a:b])
             continue
+        k = min(layer.index_topk, t.shape[0])
+        if GRAPH_SAFE_PREFIX and _use_kernel(iq):  # each row's positions 0..p alone
+            from atomrt.workers.kernels.v4.v4_index import prefix_picks
+
+            # a token is an entry of rate 1 whose group is its block
+            w = prefix_picks(iq[a:b], iw[a:b], flat, latent_width, positions[a:b], seq[a:b],
+                             md.block_tables, 1, 1, block_size, t.shape[0], k)  # fmt: skip
+            at = w.clamp(min=0)
+            blocks = table[seq[a:b]].gather(1, at // block_size)
+            picked_slots.append(blocks.clamp(min=0) * block_size + at % block_size)
+            picked.append((w >= 0) & live[a:b, None])
+            continue
         blocks = table[seq[a:b]][:, t // block_size]  # [rows, T]
         sees = (t <= positions[a:b, None]) & live[a:b, None] & (blocks >= 0)
         slots = torch.where(sees, blocks.clamp(min=0) * block_size + t % block_size, -1)
         scores = index_scores(iq[a:b], iw[a:b], flat, slots, latent_width, _use_kernel(iq))
-        top, index = scores.topk(min(layer.index_topk, slots.shape[1]), dim=-1)
+        top, index = scores.topk(k, dim=-1)
         picked_slots.append(slots.gather(1, index))
         picked.append(top > -torch.inf)
     picked_slots, picked = torch.cat(picked_slots), torch.cat(picked)
@@ -364,6 +377,11 @@ _QUERY_CHUNK = 256
 _GRAPH_SAFE_CHUNK = 64
 # the graph-safe path's indexer scores through the Triton kernel off CUDA too (the interpreter)
 USE_KERNELS_ON_CPU = False
+# the graph-safe path's indexer, where its kernel runs, scores and ranks each row's positions up
+# to its own (workers/kernels/v4/v4_index.py, `prefix_picks`, read on the device) rather than
+# every slot of the block table's capacity, whose [rows, T] slots and torch's top-k over T cost
+# what max_model_len does: off until measured on a GPU
+GRAPH_SAFE_PREFIX = False
 
 
 def _use_kernel(t: torch.Tensor) -> bool:
