@@ -54,6 +54,8 @@ SHAPES = {  # name: (experts, top_k, hidden, intermediate per rank)
     "OLMoE-1B-7B": (64, 8, 2048, 1024),
     "OLMoE-1B-7B /2": (64, 8, 2048, 512),
     "DeepSeek-V2-Lite": (64, 6, 2048, 1408),
+    # its two shared experts folded into the routed ones (workers/models/deepseek.py)
+    "DeepSeek-V2-Lite shared-fused": (66, 8, 2048, 1408),
 }
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 QUICK_TOKENS = (1, 8, 64, 512)

@@ -150,3 +150,29 @@ def test_unsplittable_experts_name_n_group() -> None:
         grouped_topk(torch.zeros(1, 16), None, 2, False, 3, 1, GROUP_SCORE_TOP2, False, 1.0)
     with pytest.raises(ValueError, match="top_k 17"):
         grouped_topk(torch.zeros(1, 16), None, 17, False, 1, 1, GROUP_SCORE_NONE, False, 1.0)
+
+
+@pytest.mark.parametrize("shape,n_shared", [("V2-Lite", 2), ("V3", 1), ("V2", 3)])
+def test_folded_shared_experts_follow_each_top_k(shape: str, n_shared: int) -> None:
+    """With shared experts folded into the routed ones (`n_shared`), each row's top k as without
+    them, then ids E, E + 1, ... at weight 1, from the kernel as from the torch path (the traced
+    op's fake of the same width)."""
+    import dataclasses
+
+    routing, with_bias = REAL_SHAPES[shape]
+    folded = dataclasses.replace(routing, n_shared=n_shared)
+    logits = _logits(routing.num_experts, seed=5)
+    bias = torch.linspace(-0.2, 0.2, routing.num_experts).to(DEVICE) if with_bias else None
+    weights, ids = routing._select_fused(logits, bias)
+    shared = torch.arange(routing.num_experts, routing.num_experts + n_shared).expand(TOKENS, -1)
+    cpu_bias = None if bias is None else bias.cpu()
+    for got_w, got_ids in (
+        folded._select_fused(logits, bias),
+        folded.select(logits.cpu(), cpu_bias),
+    ):
+        assert got_ids.shape == (TOKENS, routing.top_k + n_shared)
+        assert torch.equal(got_ids.cpu(), torch.cat([ids.cpu(), shared], dim=1))
+        assert torch.equal(got_w.cpu()[:, routing.top_k :], torch.ones(TOKENS, n_shared))
+        torch.testing.assert_close(got_w.cpu()[:, : routing.top_k], weights.cpu())
+    traced = torch.compile(folded._select_fused, backend="aot_eager", fullgraph=True)
+    assert torch.equal(traced(logits, bias)[1], folded._select_fused(logits, bias)[1])

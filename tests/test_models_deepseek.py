@@ -44,10 +44,25 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: build_deepseek_folder(tmp_path_factory.mktemp(name), name) for name in NAMES}
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["shared", "shared-fused"])
 @pytest.mark.parametrize("name", NAMES)
-def test_tiny_deepseek_matches_transformers(folders: dict[str, Path], name: str) -> None:
+def test_tiny_deepseek_matches_transformers(
+    folders: dict[str, Path], name: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fused`: with FUSE_SHARED_EXPERTS every MoE layer's shared MLP is n_shared_experts more
+    routed experts, which every row picks after its top k at weight 1."""
+    from atomrt.workers.models import deepseek
+
+    monkeypatch.setattr(deepseek, "FUSE_SHARED_EXPERTS", fused)
     loaded = load_model(Config(model=str(folders[name])), "cpu", torch.float32)
     assert loaded.arch.is_mla and loaded.arch.is_moe
+    blocks = [m for m in loaded.model.modules() if isinstance(m, deepseek.DeepseekMoE)]
+    chunks = loaded.arch.n_shared_experts if fused else 0
+    assert blocks and chunks > 0 or not fused
+    for block in blocks:
+        assert (block.shared_experts is None) == fused
+        assert block.experts.w13_weight.shape[0] == loaded.arch.num_experts + chunks
+        assert block.experts.gate.routing.n_shared == chunks
     result = run_prefill_and_decode(loaded.model, PROMPTS, 3, block_size=4, num_pad_rows=2)
     worst = max_logit_diff(result, load_hf(folders[name]), PROMPTS)
     assert worst <= TOLERANCE, f"{name}: max |logits - transformers| = {worst:.3g}"

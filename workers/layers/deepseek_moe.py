@@ -14,6 +14,10 @@ Routing, in float32 (`GroupedRouting.select`), for router logits [n, E] (a float
 
 `greedy` is steps 1 and 4 alone. On CUDA the whole routing is one launch
 (workers/kernels/moe/routing.py, `grouped_topk`); elsewhere it is the torch code below.
+
+`n_shared` > 0: the model folded its shared experts into the routed ones as experts E, E + 1, ...
+(workers/models/deepseek.py, `FUSE_SHARED_EXPERTS`); every row then picks them too, after its top
+k, at weight 1 (the shared experts' output is added unscaled).
 """
 
 from __future__ import annotations
@@ -56,13 +60,28 @@ class GroupedRouting:
     topk_group: int = 1
     renormalize: bool = False  # norm_topk_prob
     routed_scaling_factor: float = 1.0
+    n_shared: int = 0  # shared experts folded in as experts num_experts.. (module docstring)
 
     def select(
         self, router_logits: torch.Tensor, correction_bias: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[n, E] float32 logits -> (weights [n, top_k] float32, ids [n, top_k] int64)."""
+        """[n, E] float32 logits -> (weights [n, top_k + n_shared] float32, ids [n, top_k +
+        n_shared] int64)."""
         if router_logits.is_cuda:
             return self._select_fused(router_logits, correction_bias)
+        weights, ids = self._select_torch(router_logits, correction_bias)
+        if not self.n_shared:
+            return weights, ids
+        n = ids.shape[0]
+        shared = torch.arange(self.num_experts, self.num_experts + self.n_shared).to(ids)
+        return (
+            torch.cat([weights, weights.new_ones(n, self.n_shared)], dim=1),
+            torch.cat([ids, shared.expand(n, -1)], dim=1),
+        )
+
+    def _select_torch(
+        self, router_logits: torch.Tensor, correction_bias: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.scoring_func == "softmax":
             scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         else:
@@ -89,7 +108,7 @@ class GroupedRouting:
         args = (
             router_logits, correction_bias, self.top_k, self.scoring_func != "softmax",
             self.n_group, self.topk_group, group_score, self.renormalize,
-            float(self.routed_scaling_factor),
+            float(self.routed_scaling_factor), self.n_shared,
         )  # fmt: skip
         if torch.compiler.is_compiling():
             return torch.ops.atomrt.grouped_topk(*args)

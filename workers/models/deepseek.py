@@ -18,6 +18,7 @@ llama.py); the attention and the experts are opaque ops.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -72,9 +73,17 @@ def make_mla(
     )
 
 
+# After loading, a DeepSeekMoE layer's shared experts become routed experts E, E + 1, ... that
+# every row picks at weight 1 (`DeepseekMoE.fuse_shared_experts`): one fused-MoE launch pair reads
+# their weights with the routed ones', rather than the shared MLP's two GEMMs and its add. Off
+# until measured on a GPU; unquantized weights on one rank (DP = TP = 1) only.
+FUSE_SHARED_EXPERTS = False
+
+
 class DeepseekMoE(MoEBlock):
     """The routed experts and the shared ones (n_shared_experts * moe_intermediate_size wide, not
-    gated), added before the one TP all-reduce."""
+    gated), added before the one TP all-reduce; or, with `FUSE_SHARED_EXPERTS`, folded into the
+    routed ones."""
 
     def __init__(self, arch: ModelArch, tp: TPInfo, dp: DPInfo) -> None:
         super().__init__()
@@ -96,9 +105,55 @@ class DeepseekMoE(MoEBlock):
         self.shared_experts = SharedExpert(arch.hidden_size, shared, tp) if shared else None
 
     def _add_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if self.shared_experts is None:
-            return y
+        if self.shared_experts is None:  # none, or folded into the experts (not reduced yet)
+            return y if self.experts.reduce_output else tp_all_reduce(y, self.tp)
         return tp_all_reduce(y + self.shared_experts(x), self.tp)
+
+    def process_weights_after_loading(self) -> None:
+        if FUSE_SHARED_EXPERTS and self.shared_experts is not None:
+            self.fuse_shared_experts()
+
+    def fuse_shared_experts(self) -> bool:
+        """Fold the shared MLP into the routed experts (whether it did). Its intermediate units
+        split into chunks of an expert's shard, each becoming an expert of its own: chunk c's gate
+        and up rows and down columns. silu(gate) * up is taken unit by unit and the down
+        projection sums over units, so the chunks' outputs sum to the shared MLP's; the routing
+        appends the chunks to every row at weight 1. Left as it is under FP8 (the scales' layouts
+        differ), under DP > 1 (the experts run on every DP rank's rows, the shared MLP on this
+        rank's), under TP > 1 (untested there) and when the shared MLP is not a whole number of
+        expert shards."""
+        experts, shared = self.experts, self.shared_experts
+        inter = experts.shard_size
+        gate_up, down = shared.gate_up_proj, shared.down_proj
+        width = down.weight.shape[1]  # this rank's shard of the shared intermediate
+        if (
+            experts.quant_method is not None
+            or gate_up.quant_method is not None
+            or down.quant_method is not None
+            or experts.dp.dp_size > 1
+            or experts.tp.tp_size > 1
+            or width % inter
+        ):
+            return False
+        chunks, hidden = width // inter, down.weight.shape[0]
+        w = gate_up.weight.data  # [gate rows; up rows], each `width`
+        gate, up = (part.reshape(chunks, inter, hidden) for part in (w[:width], w[width:]))
+        w13 = torch.cat([gate, up], dim=1)  # [chunks, 2 * inter, hidden]
+        w2 = down.weight.data.reshape(hidden, chunks, inter).transpose(
+            0, 1
+        )  # [chunks, hidden, inter]
+        experts.w13_weight = nn.Parameter(
+            torch.cat([experts.w13_weight.data, w13.to(experts.w13_weight.dtype)]),
+            requires_grad=False,
+        )
+        experts.w2_weight = nn.Parameter(
+            torch.cat([experts.w2_weight.data, w2.to(experts.w2_weight.dtype)]),
+            requires_grad=False,
+        )
+        router = experts.gate
+        router.routing = dataclasses.replace(router.routing, n_shared=chunks)
+        self.shared_experts = None
+        return True
 
 
 class DeepseekDecoderLayer(MoEDecoderLayer):

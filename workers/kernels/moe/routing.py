@@ -48,6 +48,8 @@ def grouped_topk_kernel(
     SIGMOID: tl.constexpr,  # scores: a sigmoid each (else a softmax over the experts)
     HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    N_SHARED: tl.constexpr,  # shared experts appended to each row: ids E.., weight 1
+    N_SHARED_P: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     per_group = num_experts // N_GROUP
@@ -104,8 +106,14 @@ def grouped_topk_kernel(
     if RENORMALIZE:
         out_w = out_w / (tl.sum(tl.where(ks < TOP_K, out_w, 0.0), 0) + 1e-20)
     mask = ks < TOP_K
-    tl.store(weights_ptr + token * TOP_K + ks, out_w * scale, mask=mask)
-    tl.store(ids_ptr + token * TOP_K + ks, out_id, mask=mask)
+    row = token * (TOP_K + N_SHARED)
+    tl.store(weights_ptr + row + ks, out_w * scale, mask=mask)
+    tl.store(ids_ptr + row + ks, out_id, mask=mask)
+    if N_SHARED > 0:
+        js = tl.arange(0, N_SHARED_P)
+        tl.store(weights_ptr + row + TOP_K + js, tl.full([N_SHARED_P], 1.0, tl.float32),
+                 mask=js < N_SHARED)  # fmt: skip
+        tl.store(ids_ptr + row + TOP_K + js, (num_experts + js).to(tl.int64), mask=js < N_SHARED)
 
 
 def grouped_topk(
@@ -118,10 +126,13 @@ def grouped_topk(
     group_score: int,
     renormalize: bool,
     routed_scaling_factor: float,
+    n_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, E] logits -> (weights [n, top_k] float32, ids [n, top_k] int64), as
-    GroupedRouting.select computes them (`group_score`: GROUP_SCORE_NONE for no group limit,
-    GROUP_SCORE_MAX or GROUP_SCORE_TOP2), in one launch."""
+    """[n, E] logits -> (weights [n, top_k + n_shared] float32, ids [n, top_k + n_shared] int64),
+    as GroupedRouting.select computes them (`group_score`: GROUP_SCORE_NONE for no group limit,
+    GROUP_SCORE_MAX or GROUP_SCORE_TOP2), in one launch; `n_shared` shared experts folded into
+    the routed ones (workers/models/deepseek.py) follow each row's top k as ids E, E + 1, ..., of
+    weight 1."""
     num_tokens, num_experts = router_logits.shape
     groups = n_group if group_score != GROUP_SCORE_NONE else 1
     if num_experts % groups or not 0 < top_k <= num_experts:
@@ -131,8 +142,9 @@ def grouped_topk(
         )
     if group_score != GROUP_SCORE_NONE and not 0 < topk_group <= groups:
         raise ValueError(f"grouped_topk: topk_group {topk_group} is not in 1..{groups}")
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    width = top_k + n_shared
+    weights = torch.empty(num_tokens, width, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, width, dtype=torch.int64, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
@@ -149,6 +161,8 @@ def grouped_topk(
         SIGMOID=sigmoid,
         HAS_BIAS=correction_bias is not None,
         RENORMALIZE=renormalize,
+        N_SHARED=n_shared,
+        N_SHARED_P=triton.next_power_of_2(max(n_shared, 1)),
         num_warps=1 if num_experts <= 64 else 2,
     )  # fmt: skip
     return weights, ids
@@ -156,12 +170,13 @@ def grouped_topk(
 
 def _grouped_topk_fake(
     router_logits: torch.Tensor, correction_bias: Optional[torch.Tensor], top_k: int,
-    *rest: object,
+    sigmoid: bool, n_group: int, topk_group: int, group_score: int, renormalize: bool,
+    routed_scaling_factor: float, n_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    n = router_logits.shape[0]
+    n, width = router_logits.shape[0], top_k + n_shared
     return (
-        router_logits.new_empty((n, top_k), dtype=torch.float32),
-        router_logits.new_empty((n, top_k), dtype=torch.int64),
+        router_logits.new_empty((n, width), dtype=torch.float32),
+        router_logits.new_empty((n, width), dtype=torch.int64),
     )
 
 
