@@ -104,6 +104,40 @@ def test_every_token_to_one_expert() -> None:
     check(37, 8, torch.full((37, 1), 6))
 
 
+@pytest.mark.parametrize("case", ["one token", "ragged", "one expert", "duplicates", "random 5x3"])
+def test_routing_laid_out_in_the_kernel_equals_the_alignment(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ROUTE_IN_KERNEL_MAX_CELLS the GEMM programs lay the routing out from topk_ids
+    themselves: the same output as through the alignment's layout, bit for bit (the same blocks
+    of the same pairs), and the float64 reference's; a routing past the cells takes the layout."""
+    from atomrt.workers.kernels.moe import fused_moe
+
+    ids = {
+        "one token": torch.tensor([[5, 1, 7, 0, 2, 6]]),
+        "ragged": torch.cat([torch.zeros(19, 1), torch.full((19, 1), 3)], dim=1).long(),
+        "one expert": torch.full((20, 1), 6),
+        "duplicates": torch.tensor([[2, 2], [7, 2], [2, 7]]),
+        "random 5x3": random_routing(5, 8, 3)[1],
+    }[case]
+    if case == "ragged":
+        ids[0, 1], ids[7, 1] = 5, 2
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(ids.shape[0], HIDDEN, generator=g)
+    w13, w2 = make_experts(8)
+    weights = torch.rand(ids.shape, generator=g)
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+    laid_out = fused_experts(*args, SMALL, SMALL, sum_pairs=False)
+    monkeypatch.setattr(fused_moe, "ROUTE_IN_KERNEL_MAX_CELLS", 1024)
+    assert isinstance(fused_moe.in_kernel_routing(args[4], 16, 8), fused_moe.InKernelRouting)
+    in_kernel = fused_experts(*args, SMALL, SMALL, sum_pairs=False)
+    assert torch.equal(in_kernel, laid_out)
+    expected = pair_reference(x, w13, w2, weights, ids)
+    torch.testing.assert_close(in_kernel.double().cpu(), expected, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(fused_moe, "ROUTE_IN_KERNEL_MAX_CELLS", 8)
+    assert not isinstance(fused_moe.in_kernel_routing(args[4], 16, 8), fused_moe.InKernelRouting)
+
+
 def test_pairs_unsummed_are_each_slots_weighted_output() -> None:
     """`sum_pairs=False`: the kernel and the torch loop both give every (token, slot) pair's
     weighted expert output [tokens, top_k, hidden], the float64 reference's; a token routed twice

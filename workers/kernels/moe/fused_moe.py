@@ -19,20 +19,49 @@ expert, block of output columns):
 
 Pairs are the padded layout's rows: a padding row (`num_pairs`) is masked off, and a block past the
 layout's used length (a device value) returns at once, so the grid is sized by the host bound.
+With `ROUTE_IN_KERNEL_MAX_CELLS` > 0 a routing small enough (a decode step's) has no layout
+launch: each program derives its block's expert and pairs from `topk_ids` itself, the layout's
+arithmetic (`in_kernel_routing`), so the two GEMMs are the layer's only launches after routing.
 The launch configs come from workers/kernels/moe/moe_configs.py. Importing this module needs no GPU;
 on CPU it runs through Triton's interpreter (tests/test_fused_moe.py).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from atomrt.workers.kernels.moe.align import MoEAlignment, moe_align_block_size
+from atomrt.workers.kernels.moe.align import MoEAlignment, max_padded_pairs, moe_align_block_size
 from atomrt.workers.kernels.moe.moe_configs import MoEConfig, pick_config
+
+# routings of at most this many (experts x pairs) cells, both padded to powers of two, are laid
+# out by each GEMM program from topk_ids (in_kernel_routing) rather than by the alignment's launch;
+# 0: never. Off until measured on a GPU.
+ROUTE_IN_KERNEL_MAX_CELLS = 0
+
+
+class InKernelRouting(NamedTuple):
+    """A routing the GEMM programs lay out themselves: its ids and the host bound of row blocks."""
+
+    topk_ids: torch.Tensor  # [num_tokens, top_k], contiguous
+    num_blocks_m: int
+    num_experts: int
+
+
+def in_kernel_routing(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> Union[MoEAlignment, InKernelRouting]:
+    """The layout the GEMMs read: `InKernelRouting` where the routing fits
+    ROUTE_IN_KERNEL_MAX_CELLS, else `moe_align_block_size`'s."""
+    num_pairs = topk_ids.numel()
+    cells = triton.next_power_of_2(max(num_pairs, 1)) * triton.next_power_of_2(num_experts)
+    if 0 < num_pairs and cells <= ROUTE_IN_KERNEL_MAX_CELLS:
+        blocks = max_padded_pairs(num_pairs, num_experts, block_m) // block_m
+        return InKernelRouting(topk_ids.contiguous(), blocks, num_experts)
+    return moe_align_block_size(topk_ids, block_m, num_experts)
 
 
 @triton.jit
@@ -43,6 +72,34 @@ def load_pair_block(pid_m, sorted_pair_ids_ptr, expert_ids_ptr, num_pairs, BLOCK
     pair = tl.load(sorted_pair_ids_ptr + offs_pair).to(tl.int64)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     return pair, pair < num_pairs, expert
+
+
+@triton.jit
+def routed_pair_block(
+    pid_m, topk_ids_ptr, num_pairs, num_experts, BLOCK_M: tl.constexpr, PAIRS_P: tl.constexpr,
+    EXPERTS_P: tl.constexpr,
+):  # fmt: skip
+    """`load_pair_block`'s answer from the routing itself, with the layout's used length: the
+    experts' runs of pairs, each padded to BLOCK_M, in expert order (workers/kernels/moe/align.py),
+    pairs of one expert in their order; row block `pid_m` is the run of the expert whose padded
+    run holds its first row."""
+    pairs = tl.arange(0, PAIRS_P)
+    ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+    experts = tl.arange(0, EXPERTS_P)
+    counts = tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    row0 = pid_m * BLOCK_M
+    ended = (padded_end <= row0) & (experts < num_experts)
+    expert = tl.minimum(tl.sum(ended.to(tl.int32), 0), num_experts - 1)
+    start = tl.sum(tl.where(experts == expert, padded_end - padded, 0), 0)
+    mine = ids == expert
+    rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # each pair's place among its expert's
+    want = row0 - start + tl.arange(0, BLOCK_M)  # the place each row of the block holds
+    hit = mine[None, :] & (rank[None, :] == want[:, None])  # [BLOCK_M, PAIRS_P]
+    real = tl.sum(hit.to(tl.int32), axis=1) > 0
+    pair = tl.where(real, tl.sum(tl.where(hit, pairs[None, :], 0), axis=1), num_pairs)
+    return pair.to(tl.int64), real, expert.to(tl.int64), tl.sum(padded, 0)
 
 
 @triton.jit
@@ -105,6 +162,7 @@ def fused_moe_kernel(
     K,
     num_pairs,
     num_blocks_m,
+    num_experts,  # ROUTE_IN_KERNEL only
     stride_am,
     stride_ak,
     stride_be,
@@ -120,6 +178,9 @@ def fused_moe_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROUTE_IN_KERNEL: tl.constexpr,  # sorted_pair_ids_ptr is topk_ids (InKernelRouting)
+    PAIRS_P: tl.constexpr,
+    EXPERTS_P: tl.constexpr,
 ):
     """c[pair, n] for the program's pairs and columns. The pair's row of `a` is
     `pair // A_ROWS_PER_PAIR` (top_k for the token rows of x, 1 for the per-pair rows of the
@@ -136,12 +197,19 @@ def fused_moe_kernel(
     pid_m = first_m + (pid % per_group) % group_size
     pid_n = (pid % per_group) // group_size
 
-    num_padded = tl.load(num_padded_ptr)
-    if pid_m * BLOCK_M >= num_padded:
-        return
-    pair, pair_mask, expert = load_pair_block(
-        pid_m, sorted_pair_ids_ptr, expert_ids_ptr, num_pairs, BLOCK_M
-    )
+    if ROUTE_IN_KERNEL:
+        pair, pair_mask, expert, num_padded = routed_pair_block(
+            pid_m, sorted_pair_ids_ptr, num_pairs, num_experts, BLOCK_M, PAIRS_P, EXPERTS_P
+        )
+        if pid_m * BLOCK_M >= num_padded:
+            return
+    else:
+        num_padded = tl.load(num_padded_ptr)
+        if pid_m * BLOCK_M >= num_padded:
+            return
+        pair, pair_mask, expert = load_pair_block(
+            pid_m, sorted_pair_ids_ptr, expert_ids_ptr, num_pairs, BLOCK_M
+        )
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -173,30 +241,36 @@ def launch_expert_gemm(
     b: torch.Tensor,
     c: torch.Tensor,
     topk_weights: torch.Tensor,
-    align: MoEAlignment,
+    align: Union[MoEAlignment, InKernelRouting],
     num_pairs: int,
     a_rows_per_pair: int,
     gated: bool,
     config: MoEConfig,
 ) -> None:
     """One of the fused MoE's two GEMMs over the aligned (token, expert) pairs: `a` [rows, k] x the
-    experts' `b` [E, n (x2 when `gated`), k] into `c`, at `config`'s tiles."""
+    experts' `b` [E, n (x2 when `gated`), k] into `c`, at `config`'s tiles (`align`: the layout's
+    tensors, or the routing its programs lay out themselves)."""
     n = b.shape[1] // 2 if gated else b.shape[1]
     k = b.shape[2]
-    num_blocks_m = align.expert_ids.shape[0]
+    in_kernel = isinstance(align, InKernelRouting)
+    if in_kernel:
+        num_blocks_m, num_experts = align.num_blocks_m, align.num_experts
+        layout = (align.topk_ids,) * 3
+    else:
+        num_blocks_m, num_experts = align.expert_ids.shape[0], b.shape[0]
+        layout = (align.sorted_pair_ids, align.expert_ids, align.num_padded_pairs)
     grid = (num_blocks_m * triton.cdiv(n, config.block_n),)
     fused_moe_kernel[grid](
         a,
         b,
         c,
         topk_weights,
-        align.sorted_pair_ids,
-        align.expert_ids,
-        align.num_padded_pairs,
+        *layout,
         n,
         k,
         num_pairs,
         num_blocks_m,
+        num_experts,
         a.stride(0),
         a.stride(1),
         b.stride(0),
@@ -215,6 +289,9 @@ def launch_expert_gemm(
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        ROUTE_IN_KERNEL=in_kernel,
+        PAIRS_P=triton.next_power_of_2(num_pairs) if in_kernel else 1,
+        EXPERTS_P=triton.next_power_of_2(num_experts) if in_kernel else 1,
     )
 
 
@@ -264,7 +341,7 @@ def fused_experts(
             down_config.num_stages,
         )
     num_pairs = num_tokens * top_k
-    align = moe_align_block_size(topk_ids, gate_up_config.block_m, num_experts)
+    align = in_kernel_routing(topk_ids, gate_up_config.block_m, num_experts)
     weights = topk_weights.reshape(-1)
     activated = x.new_empty(num_pairs, inter)  # [pairs, I]: silu(gate) * up per pair
     launch_expert_gemm(x, w13, activated, weights, align, num_pairs, top_k, True, gate_up_config)
