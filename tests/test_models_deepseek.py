@@ -114,6 +114,20 @@ def test_engine_greedy_tokens_equal_transformers_generate(
         assert compilation_counter.num_piecewise_graphs_seen == 2 * 3 + 1
 
 
+def test_engine_with_shared_experts_folded_equals_transformers_generate(
+    folders: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FUSE_SHARED_EXPERTS at level 3 (pieces run as traced, the folded experts in the routing):
+    transformers' greedy tokens, through chunked prefill, prefix caching and preemption."""
+    from atomrt.workers.models import deepseek
+
+    monkeypatch.setattr(deepseek, "FUSE_SHARED_EXPERTS", True)
+    expected = hf_greedy(folders["v3"], ENGINE_PROMPTS, MAX_TOKENS)
+    got, seen = _engine_tokens(folders["v3"], **_level3(str(tmp_path), False))
+    assert got == expected
+    assert seen["preemptions"] > 0, seen
+
+
 def test_mtp_layer_weights_are_left_out_with_a_reason(
     folders: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
