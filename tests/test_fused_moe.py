@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kernel_device import DEVICE
 
 from atomrt.workers.kernels.moe.align import (
+    MoEAlignment,
     fits_one_program,
     max_padded_pairs,
     moe_align_block_size,
@@ -108,9 +109,10 @@ def test_every_token_to_one_expert() -> None:
 def test_routing_laid_out_in_the_kernel_equals_the_alignment(
     case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With ROUTE_IN_KERNEL_MAX_CELLS the GEMM programs lay the routing out from topk_ids
-    themselves: the same output as through the alignment's layout, bit for bit (the same blocks
-    of the same pairs), and the float64 reference's; a routing past the cells takes the layout."""
+    """Under ROUTE_IN_KERNEL_MAX_CELLS (on by default) the GEMM programs lay the routing out from
+    topk_ids themselves: the same output as through the alignment's layout (the cells at 0), bit
+    for bit (the same blocks of the same pairs), and the float64 reference's; a routing past the
+    cells takes the layout."""
     from atomrt.workers.kernels.moe import fused_moe
 
     ids = {
@@ -127,6 +129,8 @@ def test_routing_laid_out_in_the_kernel_equals_the_alignment(
     w13, w2 = make_experts(8)
     weights = torch.rand(ids.shape, generator=g)
     args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+    monkeypatch.setattr(fused_moe, "ROUTE_IN_KERNEL_MAX_CELLS", 0)
+    assert isinstance(fused_moe.in_kernel_routing(args[4], 16, 8), MoEAlignment)
     laid_out = fused_experts(*args, SMALL, SMALL, sum_pairs=False)
     monkeypatch.setattr(fused_moe, "ROUTE_IN_KERNEL_MAX_CELLS", 1024)
     assert isinstance(fused_moe.in_kernel_routing(args[4], 16, 8), fused_moe.InKernelRouting)
