@@ -142,6 +142,33 @@ def test_sparse_attention_matches_float64(
         assert torch.allclose(out[i].double(), probs @ keys, atol=tol, rtol=tol)
 
 
+def test_sparse_attention_stops_at_each_rows_keys() -> None:
+    """`key_lens`: a row attends its first key_lens[i] offsets alone. Where the rest are -1 (a
+    fixed-width entry list's tail) the output is the full walk's, bit for bit; a length short of
+    the row's keys, inside a block, gives the attention over those before it (the reference's)."""
+    n, h, d, width, k = 3, 4, 24, 64, 70
+    g = torch.Generator().manual_seed(6)
+    offsets = torch.randint(0, 100, (n, k), generator=g) * width + 8
+    lens = torch.tensor([70, 33, 0])
+    offsets[1, 33:] = -1
+    offsets[2, :] = -1
+    rows = torch.randn(100, width, generator=g)
+    q = torch.randn(n, h, d, generator=g)
+    sinks = torch.randn(h, generator=g)
+    args = [t.to(DEVICE) for t in (q, rows, offsets, sinks)]
+    full, stopped = (torch.empty(n, h, d, device=DEVICE) for _ in range(2))
+    v4_sparse_attention(*args, d**-0.5, full)
+    v4_sparse_attention(*args, d**-0.5, stopped, lens.to(DEVICE))
+    assert torch.equal(full, stopped)
+    short = torch.empty(n, h, d, device=DEVICE)
+    v4_sparse_attention(*args, d**-0.5, short, torch.tensor([20, 33, 0], device=DEVICE))
+    keys = rows.double().flatten().unfold(0, d, 1)[offsets[0, :20]]
+    logits = torch.cat((q[0].double() @ keys.T * d**-0.5, sinks.double().unsqueeze(1)), dim=1)
+    want = torch.softmax(logits, dim=1)[:, :-1] @ keys
+    torch.testing.assert_close(short[0].cpu().double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(short[1:], full[1:])
+
+
 def check_kernels_read_e4m3_rows(device: str) -> None:
     """Each kernel over an e4m3 cache (kv_cache_dtype fp8) gives what it gives over the same rows
     widened to float32: the loads widen, the arithmetic is float32 either way."""

@@ -19,6 +19,8 @@ count alone. The top-k between the scores and the attention is torch's. Shapes (
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -253,6 +255,7 @@ def _v4_sparse_attn_kernel(
     koff_ptr,  # [n, K] int64 element offsets of each key row, < 0: none
     sink_ptr,  # [H] float32
     out_ptr,  # [n, H, D]
+    lens_ptr,  # HAS_LENS: [n] int32, each row's count of keys (its first offsets; the rest unread)
     scale,
     K,
     H: tl.constexpr,
@@ -261,6 +264,7 @@ def _v4_sparse_attn_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP32_DOT: tl.constexpr,  # the products in float32 (else in q's dtype, on tensor cores)
+    HAS_LENS: tl.constexpr,
 ):
     i = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -275,9 +279,12 @@ def _v4_sparse_attn_kernel(
     m = tl.load(sink_ptr + h, mask=hm, other=0.0)  # the sink: a logit whose value is zero
     l_sum = tl.full([BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    num_keys = K
+    if HAS_LENS:  # the loop stops at the row's last key, not at the fixed width's end
+        num_keys = tl.minimum(tl.maximum(tl.load(lens_ptr + i), 0), K)
+    for k0 in range(0, num_keys, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        off = tl.load(koff_ptr + i * K + k, mask=k < K, other=-1)
+        off = tl.load(koff_ptr + i * K + k, mask=k < num_keys, other=-1)
         valid = off >= 0
         # a block of masked keys adds nothing: skipped (a fixed-width entry list is mostly mask)
         if tl.max(off, axis=0) >= 0:
@@ -330,23 +337,30 @@ def v4_sparse_attention(
     sinks: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    key_lens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """out [n, H, D] <- each row's softmax (with the head's sink) over the keys at `key_offsets`
-    [n, K] (element offsets into `rows`, whose D columns from there are the key and the value)."""
+    [n, K] (element offsets into `rows`, whose D columns from there are the key and the value).
+    `key_lens` [n] (read on the device): row i attends its first key_lens[i] offsets alone, its
+    program stopping there (for a fixed-width list whose tail is -1: the keys before the tail);
+    without it every program walks all K (a masked block is skipped, but its offsets are read)."""
     n, h, d = q.shape
     k = key_offsets.shape[1]
     if n:
         plan = attn_plan(h, d, q.dtype)
+        lens = key_offsets if key_lens is None else key_lens.to(torch.int32).contiguous()
         _v4_sparse_attn_kernel[(n, triton.cdiv(h, plan["BLOCK_H"]))](
             q.contiguous(),
             rows,
             key_offsets.contiguous(),
             sinks.float().contiguous(),
             out,
+            lens,
             scale,
             k,
             H=h,
             D=d,
+            HAS_LENS=key_lens is not None,
             **plan,
         )
     return out
