@@ -235,10 +235,10 @@ class V4Attention(PagedAttentionLayer):
 # CUDA; on the CPU only when set (tests run them through Triton's interpreter).
 USE_KERNELS_ON_CPU = False
 # graph-safe CSA regions on the kernels rank each row's live entries, counted on the device
-# (workers/kernels/v4/v4_index.py), not all T as [n, T] slots and torch's top-k. Off: V4-Flash's
-# first 2 layers at the 1M default context, level 0 FULL+async on one H100 (330cecb) gave bs 1
-# 1.917 ms against 1.921, bs 32 6.430 against 6.475 (tests passed); at 65536 live entries a row
-# the one-program-a-row top-k takes 0.6-1.1 ms where torch's over all T takes 81 us
+# (workers/kernels/v4/v4_index.py), not all T as [n, T] slots and torch's top-k. Off: on one H100
+# (330cecb, bench_v4_kernels.py --csa-topk, V4-Flash's 1M context) a row's top 512 of 64 live
+# entries took 11 us against torch's 79 us over all T, but of 65536 0.6-1.1 ms against 81 us (one
+# program a row); the GPU tests pass with it on
 GRAPH_SAFE_PREFIX = False
 # query rows per chunk of the CPU reference: a long prompt's logits are [chunk, heads, keys]
 _QUERY_CHUNK = 256
