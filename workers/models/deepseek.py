@@ -78,7 +78,9 @@ def make_mla(
 # their weights with the routed ones', rather than the shared MLP's two GEMMs and its add.
 # Unquantized weights on one rank (DP = TP = 1) only. Off: DeepSeek-V2-Lite, level 3, FULL+async on
 # one H100 (330cecb; the fused shape given the routed shape's M=1 launches) took bs 1 2.999 ms
-# against 3.159, but bs 32 13.568 against 12.021
+# against 3.159, but bs 32 13.568 against 12.021. At 32 tokens the 66 experts' 256 pairs are past
+# align.ONE_PROGRAM_MAX_CELLS (128 x 256 cells), so each layer lays them out with torch's dozen
+# kernels, where the 64 experts' 192 pairs fit one program: the likely cost (not profiled)
 FUSE_SHARED_EXPERTS = False
 
 
