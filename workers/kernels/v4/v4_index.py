@@ -141,21 +141,16 @@ def _prefix_topk_kernel(scores_ptr, lens_ptr, out_ptr, t, stride_s, stride_o, BL
 
 
 @triton.jit
-def _prefix_select_kernel(
-    scores_ptr, lens_ptr, out_ptr, t, k, stride_s, stride_o, BLOCK: tl.constexpr,
-    TILE: tl.constexpr,
-):  # fmt: skip
-    """A radix select: four passes over the row's prefix, each a histogram of one byte of the
-    keys that match the bytes chosen so far, find the k-th highest key; a fifth gathers the keys
-    above it and its ties of the lowest entries into the row's output, which one sort orders."""
-    row = tl.program_id(0)
-    n = tl.minimum(tl.load(lens_ptr + row).to(tl.int32), t)
+def _radix_select(src_ptr, n, k, out_ptr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """The k highest of the n scores at src_ptr, as packed (score, entry) keys written unordered
+    (in entry order) to out_ptr[0:BLOCK], the rest _NONE. A radix select: four passes over the
+    scores, each a histogram of one byte of the keys that match the bytes chosen so far, find the
+    k-th highest key; a fifth gathers the keys above it and its ties of the lowest entries."""
     offs = tl.arange(0, TILE)
     bins = tl.arange(0, 512)
     total = tl.zeros([], tl.int32)
     for start in range(0, n, TILE):  # the finite scores, which are all a row can pick
-        x = tl.load(scores_ptr + row * stride_s + start + offs, mask=start + offs < n,
-                    other=float("-inf"))  # fmt: skip
+        x = tl.load(src_ptr + start + offs, mask=start + offs < n, other=float("-inf"))
         total += tl.sum((x > float("-inf")).to(tl.int32), 0)
     need = tl.minimum(total, k)  # the rank of the key sought, from the top
     want = tl.zeros([], tl.int64)  # its bytes found so far
@@ -165,7 +160,7 @@ def _prefix_select_kernel(
         hist = tl.zeros([512], tl.int32)
         for start in range(0, n, TILE):
             idx = start + offs
-            x = tl.load(scores_ptr + row * stride_s + idx, mask=idx < n, other=float("-inf"))
+            x = tl.load(src_ptr + idx, mask=idx < n, other=float("-inf"))
             bits = x.to(tl.int32, bitcast=True)
             u = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # order, >= 0
             match = (x > float("-inf")) & ((u & high) == want)
@@ -178,16 +173,15 @@ def _prefix_select_kernel(
         want = want | (tl.maximum(digit, 0).to(tl.int64) << shift)
         high = high | (255 << shift)
     # `want` is the need-th highest key (total 0: none is taken); take the keys above it and its
-    # first `need` ties, written unordered to the row's output, then sorted there
-    none = tl.full([BLOCK], _NONE, tl.int64)
+    # first `need` ties
     slot = tl.arange(0, BLOCK)
-    tl.store(out_ptr + row * stride_o + slot, none)
+    tl.store(out_ptr + slot, tl.full([BLOCK], _NONE, tl.int64))
     tl.debug_barrier()
     taken = tl.zeros([], tl.int32)
     ties = tl.zeros([], tl.int32)
     for start in range(0, n, TILE):
         idx = start + offs
-        x = tl.load(scores_ptr + row * stride_s + idx, mask=idx < n, other=float("-inf"))
+        x = tl.load(src_ptr + idx, mask=idx < n, other=float("-inf"))
         bits = x.to(tl.int32, bitcast=True)
         order = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         u = order.to(tl.int64) + 2147483648
@@ -197,10 +191,22 @@ def _prefix_select_kernel(
         take = (live & (u > want)) | (tie & (tie_rank < need))
         at = taken + tl.cumsum(take.to(tl.int32), 0) - 1
         key = (order.to(tl.int64) << 32) | (0xFFFFFFFF - idx.to(tl.int64))
-        tl.store(out_ptr + row * stride_o + at, key, mask=take != 0)
+        tl.store(out_ptr + at, key, mask=take != 0)
         taken += tl.sum(take.to(tl.int32), 0)
         ties += tl.sum(tie.to(tl.int32), 0)
     tl.debug_barrier()
+
+
+@triton.jit
+def _prefix_select_kernel(
+    scores_ptr, lens_ptr, out_ptr, t, k, stride_s, stride_o, BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
+):  # fmt: skip
+    """`_radix_select` over the row's prefix, then one sort of the keys it gathered."""
+    row = tl.program_id(0)
+    n = tl.minimum(tl.load(lens_ptr + row).to(tl.int32), t)
+    _radix_select(scores_ptr + row * stride_s, n, k, out_ptr + row * stride_o, BLOCK, TILE)
+    slot = tl.arange(0, BLOCK)
     best = tl.sort(tl.load(out_ptr + row * stride_o + slot), descending=True)
     picked = tl.where(best == _NONE, -1, 0xFFFFFFFF - (best & 0xFFFFFFFF))
     tl.debug_barrier()
