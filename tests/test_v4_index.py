@@ -51,3 +51,22 @@ def test_prefix_topk_over_several_tiles_of_tied_scores(form: str) -> None:
         finite = [i for i in range(n) if scores[row, i] > float("-inf")]
         order = sorted(finite, key=lambda i: (-scores[row, i].item(), i))[:40]
         assert got[row].tolist() == order + [-1] * (40 - len(order))
+
+
+@pytest.mark.parametrize("chunk", [32, 300, 1024])
+def test_chunked_prefix_topk_over_many_chunks(chunk: int) -> None:
+    """The chunked form with prefixes of many chunks (and chunks of fewer entries than k, and a
+    last chunk cut by the prefix): the picks of torch's top-k over the masked rows, in score
+    order, ties (few distinct scores) to the lower entry, the same as the one-program select."""
+    gen = torch.Generator().manual_seed(chunk)
+    scores = torch.randint(-6, 7, (4, 2500), generator=gen).float() / 3
+    scores[1] = torch.randn(2500, generator=gen)
+    scores[3, 100:900] = float("-inf")
+    lens = torch.tensor([2500, 2001, 37, 1500], dtype=torch.int32)
+    got = prefix_topk(scores.to(DEVICE), lens.to(DEVICE), 40, "chunked", chunk).cpu()
+    want = prefix_topk(scores.to(DEVICE), lens.to(DEVICE), 40, "select").cpu()
+    assert torch.equal(got, want)
+    for row, n in enumerate(lens.tolist()):
+        finite = [i for i in range(n) if scores[row, i] > float("-inf")]
+        order = sorted(finite, key=lambda i: (-scores[row, i].item(), i))[:40]
+        assert got[row].tolist() == order + [-1] * (40 - len(order))

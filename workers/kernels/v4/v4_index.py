@@ -7,9 +7,10 @@ entries, but its work follows the row's own count, (position + 1) // rate.
   `anchor_slots`: the arithmetic is the same), so no [n, T] slot tensor is built; a tile past the
   row's count stores nothing.
 - `prefix_topk`: the k highest of each row's first lens[i] scores, in score order (ties to the
-  lower entry), -1 past a row's finite ones, one program a row, in two forms: "merge" keeps a
-  sorted set of k and merges each tile of its prefix that can enter it; "select" finds the k-th
-  highest by a radix select, then sorts the k it gathers.
+  lower entry), -1 past a row's finite ones, in three forms: one program a row, "merge" keeps a
+  sorted set of k and merges each tile of its prefix that can enter it, "select" finds the k-th
+  highest by a radix select, then sorts the k it gathers; "chunked" selects the k highest of each
+  chunk of the prefix, a program a chunk, then of those candidates, a program a row.
 - `prefix_picks`: the two in turn, a CSA layer's picks (workers/layers/v4_attention.py).
 
 Importing this module needs no GPU."""
@@ -23,10 +24,10 @@ import triton.language as tl
 from atomrt.workers.kernels.v4.v4_kernels import index_tile_scores
 
 _NONE = tl.constexpr(-9223372036854775807)  # below every packed (score, entry) key
-TOPK_FORMS = ("merge", "select")  # prefix_topk's
+TOPK_FORMS = ("merge", "select", "chunked")  # prefix_topk's
 # prefix_picks' form. `bench_v4_kernels.py --csa-topk 64,4096,65536` on one H100 (330cecb), top
 # 512 of a row's live entries: merge 11.3 / 72.5 / 1113 us, select 16.4 / 43.0 / 611 us; torch's
-# top-k over all 262144 entries 79-81 us
+# top-k over all 262144 entries 79-81 us ("chunked", for long prefixes, not yet timed on a GPU)
 PICK_FORM = "merge"
 
 
@@ -141,17 +142,32 @@ def _prefix_topk_kernel(scores_ptr, lens_ptr, out_ptr, t, stride_s, stride_o, BL
 
 
 @triton.jit
-def _radix_select(src_ptr, n, k, out_ptr, BLOCK: tl.constexpr, TILE: tl.constexpr):
-    """The k highest of the n scores at src_ptr, as packed (score, entry) keys written unordered
-    (in entry order) to out_ptr[0:BLOCK], the rest _NONE. A radix select: four passes over the
-    scores, each a histogram of one byte of the keys that match the bytes chosen so far, find the
-    k-th highest key; a fifth gathers the keys above it and its ties of the lowest entries."""
+def _orders(src_ptr, idx, n, base, KEYS: tl.constexpr):
+    """Elements idx of the n at src_ptr as (present, the score's order as a signed int, entry):
+    float scores of entries base + idx, or (KEYS) packed keys, _NONE for none."""
+    if KEYS:
+        key = tl.load(src_ptr + idx, mask=idx < n, other=_NONE)
+        return key != _NONE, (key >> 32).to(tl.int32), 0xFFFFFFFF - (key & 0xFFFFFFFF)
+    x = tl.load(src_ptr + idx, mask=idx < n, other=float("-inf"))
+    bits = x.to(tl.int32, bitcast=True)
+    return x > float("-inf"), bits ^ ((bits >> 31) & 0x7FFFFFFF), base + idx.to(tl.int64)
+
+
+@triton.jit
+def _radix_select(
+    src_ptr, n, k, out_ptr, base, BLOCK: tl.constexpr, TILE: tl.constexpr, KEYS: tl.constexpr
+):
+    """The k highest of the n scores at src_ptr (entries base..; or KEYS: of the n packed keys
+    there), as packed (score, entry) keys written unordered (in the order read) to
+    out_ptr[0:BLOCK], the rest _NONE. A radix select: four passes, each a histogram of one byte of
+    the score orders that match the bytes chosen so far, find the k-th highest; a fifth gathers
+    those above it and its first ties (the lowest entries, where entries come in order)."""
     offs = tl.arange(0, TILE)
     bins = tl.arange(0, 512)
     total = tl.zeros([], tl.int32)
     for start in range(0, n, TILE):  # the finite scores, which are all a row can pick
-        x = tl.load(src_ptr + start + offs, mask=start + offs < n, other=float("-inf"))
-        total += tl.sum((x > float("-inf")).to(tl.int32), 0)
+        ok, _, _ = _orders(src_ptr, start + offs, n, base, KEYS)
+        total += tl.sum(ok.to(tl.int32), 0)
     need = tl.minimum(total, k)  # the rank of the key sought, from the top
     want = tl.zeros([], tl.int64)  # its bytes found so far
     high = tl.zeros([], tl.int64)  # and the bits they occupy
@@ -159,11 +175,9 @@ def _radix_select(src_ptr, n, k, out_ptr, BLOCK: tl.constexpr, TILE: tl.constexp
         shift = 24 - 8 * p
         hist = tl.zeros([512], tl.int32)
         for start in range(0, n, TILE):
-            idx = start + offs
-            x = tl.load(src_ptr + idx, mask=idx < n, other=float("-inf"))
-            bits = x.to(tl.int32, bitcast=True)
-            u = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # order, >= 0
-            match = (x > float("-inf")) & ((u & high) == want)
+            ok, order, _ = _orders(src_ptr, start + offs, n, base, KEYS)
+            u = order.to(tl.int64) + 2147483648  # the order, >= 0
+            match = ok & ((u & high) == want)
             hist += tl.histogram(tl.where(match, ((u >> shift) & 255).to(tl.int32), 256), 512)
         hist = tl.where(bins < 256, hist, 0)
         above = tl.sum(hist, 0) - tl.cumsum(hist, 0)  # keys in higher bins than each
@@ -180,17 +194,14 @@ def _radix_select(src_ptr, n, k, out_ptr, BLOCK: tl.constexpr, TILE: tl.constexp
     taken = tl.zeros([], tl.int32)
     ties = tl.zeros([], tl.int32)
     for start in range(0, n, TILE):
-        idx = start + offs
-        x = tl.load(src_ptr + idx, mask=idx < n, other=float("-inf"))
-        bits = x.to(tl.int32, bitcast=True)
-        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        ok, order, entry = _orders(src_ptr, start + offs, n, base, KEYS)
         u = order.to(tl.int64) + 2147483648
-        live = (x > float("-inf")) & (total > 0)
+        live = ok & (total > 0)
         tie = live & (u == want)
         tie_rank = ties + tl.cumsum(tie.to(tl.int32), 0) - 1
         take = (live & (u > want)) | (tie & (tie_rank < need))
         at = taken + tl.cumsum(take.to(tl.int32), 0) - 1
-        key = (order.to(tl.int64) << 32) | (0xFFFFFFFF - idx.to(tl.int64))
+        key = (order.to(tl.int64) << 32) | (0xFFFFFFFF - entry)
         tl.store(out_ptr + at, key, mask=take != 0)
         taken += tl.sum(take.to(tl.int32), 0)
         ties += tl.sum(tie.to(tl.int32), 0)
@@ -205,23 +216,64 @@ def _prefix_select_kernel(
     """`_radix_select` over the row's prefix, then one sort of the keys it gathered."""
     row = tl.program_id(0)
     n = tl.minimum(tl.load(lens_ptr + row).to(tl.int32), t)
-    _radix_select(scores_ptr + row * stride_s, n, k, out_ptr + row * stride_o, BLOCK, TILE)
+    _radix_select(
+        scores_ptr + row * stride_s, n, k, out_ptr + row * stride_o, 0, BLOCK, TILE, False
+    )
+    _sort_and_name(out_ptr + row * stride_o, BLOCK)
+
+
+@triton.jit
+def _sort_and_name(out_ptr, BLOCK: tl.constexpr):
+    """The BLOCK packed keys at out_ptr in descending order, replaced by their entries (-1: none)."""
     slot = tl.arange(0, BLOCK)
-    best = tl.sort(tl.load(out_ptr + row * stride_o + slot), descending=True)
+    best = tl.sort(tl.load(out_ptr + slot), descending=True)
     picked = tl.where(best == _NONE, -1, 0xFFFFFFFF - (best & 0xFFFFFFFF))
     tl.debug_barrier()
-    tl.store(out_ptr + row * stride_o + slot, picked)
+    tl.store(out_ptr + slot, picked)
+
+
+@triton.jit
+def _chunk_select_kernel(
+    scores_ptr, lens_ptr, cand_ptr, t, k, stride_s, chunks, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """The k highest of chunk c of the row's prefix, unordered, into its candidates (a chunk past
+    the prefix writes nothing: the merge reads the prefix's chunks alone)."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    n = tl.minimum(tl.load(lens_ptr + row).to(tl.int32), t)
+    start = c * CHUNK
+    if start < n:
+        cand = cand_ptr + (row.to(tl.int64) * chunks + c) * BLOCK
+        _radix_select(scores_ptr + row * stride_s + start, tl.minimum(n - start, CHUNK), k, cand,
+                      start, BLOCK, TILE, False)  # fmt: skip
+
+
+@triton.jit
+def _merge_select_kernel(
+    cand_ptr, lens_ptr, out_ptr, t, k, stride_o, chunks, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """The k highest of the row's chunks' candidates, in order, as entries."""
+    row = tl.program_id(0)
+    n = tl.minimum(tl.load(lens_ptr + row).to(tl.int32), t)
+    used = (n + CHUNK - 1) // CHUNK * BLOCK
+    cand = cand_ptr + row.to(tl.int64) * chunks * BLOCK
+    _radix_select(cand, used, k, out_ptr + row * stride_o, 0, BLOCK, TILE, True)
+    _sort_and_name(out_ptr + row * stride_o, BLOCK)
 
 
 def prefix_topk(
-    scores: torch.Tensor, lens: torch.Tensor, k: int, form: str = "merge"
+    scores: torch.Tensor, lens: torch.Tensor, k: int, form: str = "merge", chunk: int = 8192
 ) -> torch.Tensor:
     """[n, k] int64: the entries of the k highest of each row's first `lens[i]` scores (`scores`
     [n, T]; lens past T read T), in score order, ties to the lower entry, -1 past a row's finite
     ones. Its work follows the lengths, read on the device, not T. `form`: "merge" keeps a sorted
     set of k and merges each tile that can enter it (a sort of 2k a tile: cheap for short
     prefixes); "select" finds the k-th highest key by a radix select (five passes over the prefix,
-    one sort)."""
+    one sort); "chunked" selects the k highest of each `chunk` entries of the prefix, a program
+    each (a chunk past the prefix returns at once), then of their candidates (two launches: a
+    long prefix is read by as many programs as it has chunks)."""
     if form not in TOPK_FORMS:
         raise ValueError(f"prefix_topk: form {form!r} is not one of {TOPK_FORMS}")
     n, t = scores.shape
@@ -232,11 +284,19 @@ def prefix_topk(
             scores, lens, out, t, scores.stride(0), out.stride(0), BLOCK=block,
             num_warps=4 if block <= 512 else 8,
         )  # fmt: skip
-    elif n:
+    elif n and form == "select":
         _prefix_select_kernel[(n,)](
             scores, lens, out, t, k, scores.stride(0), out.stride(0), BLOCK=block, TILE=1024,
             num_warps=4 if block <= 512 else 8,
         )  # fmt: skip
+    elif n:
+        chunks = triton.cdiv(t, chunk)
+        cand = torch.empty(n, chunks, block, dtype=torch.int64, device=scores.device)
+        meta = dict(CHUNK=chunk, BLOCK=block, TILE=1024, num_warps=4 if block <= 512 else 8)
+        _chunk_select_kernel[(n, chunks)](
+            scores, lens, cand, t, k, scores.stride(0), chunks, **meta
+        )
+        _merge_select_kernel[(n,)](cand, lens, out, t, k, out.stride(0), chunks, **meta)
     return out[:, :k]
 
 
