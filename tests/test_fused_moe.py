@@ -343,3 +343,30 @@ def test_fp8_launch_table_reaches_the_kernel(monkeypatch: pytest.MonkeyPatch) ->
     assert err.max() < 2e-2 * ref.abs().max() and err.mean() < 1e-3 * ref.abs().max()
     with pytest.raises(ValueError, match="block_k"):
         fm.FP8MoELaunch(block_k=96)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_routings_laid_out_in_the_kernel(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random decode-sized routings (1-12 tokens, top 1-8 of 4-66 experts, not powers of two;
+    repeated experts in a row): the programs' own layout gives the alignment's output bit for
+    bit, whatever the block size."""
+    from atomrt.workers.kernels.moe import fused_moe
+
+    rng = torch.Generator().manual_seed(100 + seed)
+    tokens = int(torch.randint(1, 13, (1,), generator=rng))
+    experts = int(torch.randint(4, 67, (1,), generator=rng))
+    top_k = int(torch.randint(1, min(8, experts) + 1, (1,), generator=rng))
+    ids = torch.randint(0, experts, (tokens, top_k), generator=rng)
+    block_m = (16, 32)[seed % 2]
+    cfg = MoEConfig(block_m=block_m, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+    x = torch.randn(tokens, HIDDEN, generator=rng)
+    w13, w2 = make_experts(experts, seed)
+    weights = torch.rand(ids.shape, generator=rng)
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+    monkeypatch.setattr(fused_moe, "ROUTE_IN_KERNEL_MAX_CELLS", 0)
+    laid_out = fused_experts(*args, cfg, cfg, sum_pairs=False)
+    monkeypatch.setattr(fused_moe, "ROUTE_IN_KERNEL_MAX_CELLS", 1 << 20)
+    assert isinstance(
+        fused_moe.in_kernel_routing(args[4], block_m, experts), fused_moe.InKernelRouting
+    )
+    assert torch.equal(fused_experts(*args, cfg, cfg, sum_pairs=False), laid_out)
