@@ -351,7 +351,8 @@ def v4_attention(
         prefix = graph_safe and GRAPH_SAFE_PREFIX and cache is not None and _use_kernels(q)
         every = entry_slots(layer, rows, positions) if graph_safe and not prefix else None
         _index_topk(iq, iw, rows, positions, every, picked, layer_idx)
-        entries, seen = picked, None
+        # the picks come in score order, -1 after them: at most as many as the row sees
+        entries, seen = picked, ((positions.long() + 1) // layer.rate).clamp(0, k)
     _attend(layer, q, rows, positions, output, entries, seen)
 
 
@@ -368,8 +369,8 @@ def _attend(
     sequence (p its position), and the entries in the slots `entries` [n, k] names (-1: none),
     with the head's sink in the softmax and the keys as the values; `seen` [n] (device): row i's
     entries from seen[i] on are all -1, so the kernel's walk stops there (HCA's fixed width is
-    max positions // rate entries, most of them past a row's). No host data: sized by the row
-    count, so a token graph records it inline."""
+    max positions // rate entries, most of them past a row's; CSA's k picks, fewer at a short
+    context). No host data: sized by the row count, so a token graph records it inline."""
     _, md, cache = paged_layer_state(layer.layer_idx)
     source = source_rows(md, cache, rows)
     slots = window_slots(layer, md, cache, rows, positions)
