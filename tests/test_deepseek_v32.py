@@ -222,7 +222,10 @@ def test_cache_write_kernel_skips_padded_rows_as_the_masked_copy(index_dim: int)
     assert int((~kernel_cache.isnan().all(-1)).sum()) == 4
 
 
-@pytest.mark.parametrize("scores", ["torch", "kernel", "prefix"])
+# "prefix" is `slow` (about 27 s for both models; the picks test below runs by default)
+@pytest.mark.parametrize(
+    "scores", ["torch", "kernel", pytest.param("prefix", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("name", ["v32", "glm5"])
 def test_graph_safe_attention_matches_transformers(
     folders: dict[str, Path], name: str, scores: str, monkeypatch: pytest.MonkeyPatch
