@@ -104,6 +104,7 @@ from atomrt.workers.layers.v4_rows import (
     compress_index,
     entry_slots,
     entry_width,
+    key_counts,
     live_entries,
     source_rows,
     step_memo,
@@ -339,9 +340,8 @@ def v4_attention(
     if layer.compressor is None:  # sliding
         _attend(layer, q, rows, positions, output)
         return
-    if layer.indexer is None:  # HCA: every entry a row sees, [n, T], a prefix of them
+    if layer.indexer is None:  # HCA: every entry a row sees, [n, T]
         entries = entry_slots(layer, rows, positions)
-        seen = ((positions.long() + 1) // layer.rate).clamp(0, entries.shape[1])
     else:  # CSA: the indexer's picks, [n, k], made in the eager region
         k = min(layer.index_topk, entry_width(layer, rows))
         picked = torch.empty(rows.shape[0], k, dtype=torch.long, device=q.device)
@@ -351,9 +351,8 @@ def v4_attention(
         prefix = graph_safe and GRAPH_SAFE_PREFIX and cache is not None and _use_kernels(q)
         every = entry_slots(layer, rows, positions) if graph_safe and not prefix else None
         _index_topk(iq, iw, rows, positions, every, picked, layer_idx)
-        # the picks come in score order, -1 after them: at most as many as the row sees
-        entries, seen = picked, ((positions.long() + 1) // layer.rate).clamp(0, k)
-    _attend(layer, q, rows, positions, output, entries, seen)
+        entries = picked
+    _attend(layer, q, rows, positions, output, entries)
 
 
 def _attend(
@@ -363,14 +362,14 @@ def _attend(
     positions: torch.Tensor,
     output: torch.Tensor,
     entries: Optional[torch.Tensor] = None,
-    seen: Optional[torch.Tensor] = None,
 ) -> None:
     """Each row's queries over the keys of its window, the tokens p - window < t <= p of its
     sequence (p its position), and the entries in the slots `entries` [n, k] names (-1: none),
-    with the head's sink in the softmax and the keys as the values; `seen` [n] (device): row i's
-    entries from seen[i] on are all -1, so the kernel's walk stops there (HCA's fixed width is
-    max positions // rate entries, most of them past a row's; CSA's k picks, fewer at a short
-    context). No host data: sized by the row count, so a token graph records it inline."""
+    with the head's sink in the softmax and the keys as the values. A row's entries are at most
+    the (p + 1) // rate it sees, first, -1 after them (HCA's every entry, CSA's picks in score
+    order), so the kernel's walk stops after them (`key_counts`): HCA's fixed width is max
+    positions // rate, most of it past a row's. No host data: sized by the row count, so a token
+    graph records it inline."""
     _, md, cache = paged_layer_state(layer.layer_idx)
     source = source_rows(md, cache, rows)
     slots = window_slots(layer, md, cache, rows, positions)
@@ -386,7 +385,9 @@ def _attend(
         parts = [step_memo(key, lambda: torch.where(slots >= 0, slots * width + cols["kv"][0], -1))]
         parts += [torch.where(s >= 0, s * width + c, -1) for s, c in groups[1:]]
         offsets = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        lens = None if seen is None else seen + slots.shape[1]
+        lens = None
+        if entries is not None:
+            lens = key_counts(md, positions, layer.rate, entries.shape[1], slots.shape[1])
         v4_sparse_attention(q, source, offsets, layer.attn_sink, layer.scale, output, lens)
         return
     for a in range(0, n, _QUERY_CHUNK):

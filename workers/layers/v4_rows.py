@@ -68,6 +68,17 @@ def md_key(md: object, n: int) -> tuple:
     return (held(md), n)
 
 
+def key_counts(
+    md: object, positions: torch.Tensor, rate: int, entries: int, window: int
+) -> torch.Tensor:
+    """[n] the keys of each row's attention list, its `window` keys then its entries: at most
+    (p + 1) // rate of the `entries` (those it sees, or its picks of them, come first), made once
+    per forward (`step_memo`) for the layers of one rate and width."""
+    key = ("key counts", *md_key(md, positions.shape[0]), held_ptr(positions), rate, entries,
+           window)  # fmt: skip
+    return step_memo(key, lambda: ((positions.long() + 1) // rate).clamp(0, entries) + window)
+
+
 def step_seqs(md: object, n: int, device: torch.device) -> Optional[torch.Tensor]:
     """`row_seqs`, made once per forward (`step_memo`)."""
     if md is None or md.cu_seqlens_q is None:

@@ -255,7 +255,7 @@ def _v4_sparse_attn_kernel(
     koff_ptr,  # [n, K] int64 element offsets of each key row, < 0: none
     sink_ptr,  # [H] float32
     out_ptr,  # [n, H, D]
-    lens_ptr,  # HAS_LENS: [n] int32, each row's count of keys (its first offsets; the rest unread)
+    lens_ptr,  # HAS_LENS: [n] each row's count of keys (its first offsets; the rest unread)
     scale,
     K,
     H: tl.constexpr,
@@ -348,7 +348,7 @@ def v4_sparse_attention(
     k = key_offsets.shape[1]
     if n:
         plan = attn_plan(h, d, q.dtype)
-        lens = key_offsets if key_lens is None else key_lens.to(torch.int32).contiguous()
+        lens = key_offsets if key_lens is None else key_lens.contiguous()
         _v4_sparse_attn_kernel[(n, triton.cdiv(h, plan["BLOCK_H"]))](
             q.contiguous(),
             rows,
