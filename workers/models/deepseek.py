@@ -117,15 +117,14 @@ class DeepseekMoE(MoEBlock):
         if FUSE_SHARED_EXPERTS and self.shared_experts is not None:
             self.fuse_shared_experts()
 
-    def fuse_shared_experts(self) -> bool:
-        """Fold the shared MLP into the routed experts (whether it did). Its intermediate units
-        split into chunks of an expert's shard, each becoming an expert of its own: chunk c's gate
-        and up rows and down columns. silu(gate) * up is taken unit by unit and the down
-        projection sums over units, so the chunks' outputs sum to the shared MLP's; the routing
-        appends the chunks to every row at weight 1. Left as it is under FP8 (the scales' layouts
-        differ), under DP > 1 (the experts run on every DP rank's rows, the shared MLP on this
-        rank's), under TP > 1 (untested there) and when the shared MLP is not a whole number of
-        expert shards."""
+    def fuse_shared_experts(self) -> None:
+        """Fold the shared MLP into the routed experts. Its intermediate units split into chunks
+        of an expert's shard, each becoming an expert of its own: chunk c's gate and up rows and
+        down columns. silu(gate) * up is taken unit by unit and the down projection sums over
+        units, so the chunks' outputs sum to the shared MLP's; the routing appends the chunks to
+        every row at weight 1. Left as it is under FP8 (the scales' layouts differ), under DP > 1
+        (the experts run on every DP rank's rows, the shared MLP on this rank's), under TP > 1
+        (untested there) and when the shared MLP is not a whole number of expert shards."""
         experts, shared = self.experts, self.shared_experts
         inter = experts.shard_size
         gate_up, down = shared.gate_up_proj, shared.down_proj
@@ -138,14 +137,13 @@ class DeepseekMoE(MoEBlock):
             or experts.tp.tp_size > 1
             or width % inter
         ):
-            return False
+            return
         chunks, hidden = width // inter, down.weight.shape[0]
         w = gate_up.weight.data  # [gate rows; up rows], each `width`
         gate, up = (part.reshape(chunks, inter, hidden) for part in (w[:width], w[width:]))
         w13 = torch.cat([gate, up], dim=1)  # [chunks, 2 * inter, hidden]
-        w2 = down.weight.data.reshape(hidden, chunks, inter).transpose(
-            0, 1
-        )  # [chunks, hidden, inter]
+        # [chunks, hidden, inter]
+        w2 = down.weight.data.reshape(hidden, chunks, inter).transpose(0, 1)
         experts.w13_weight = nn.Parameter(
             torch.cat([experts.w13_weight.data, w13.to(experts.w13_weight.dtype)]),
             requires_grad=False,
@@ -157,7 +155,6 @@ class DeepseekMoE(MoEBlock):
         router = experts.gate
         router.routing = dataclasses.replace(router.routing, n_shared=chunks)
         self.shared_experts = None
-        return True
 
 
 class DeepseekDecoderLayer(MoEDecoderLayer):
