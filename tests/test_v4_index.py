@@ -70,3 +70,8 @@ def test_chunked_prefix_topk_over_many_chunks(chunk: int) -> None:
         finite = [i for i in range(n) if scores[row, i] > float("-inf")]
         order = sorted(finite, key=lambda i: (-scores[row, i].item(), i))[:40]
         assert got[row].tolist() == order + [-1] * (40 - len(order))
+
+
+def test_prefix_topk_names_an_unknown_form() -> None:
+    with pytest.raises(ValueError, match="form 'radix' is not one of"):
+        prefix_topk(torch.zeros(1, 8, device=DEVICE), torch.tensor([8], device=DEVICE), 4, "radix")
