@@ -7,7 +7,7 @@
 # file from the i-th (1-based, files sorted by name bytewise, as on any machine), so that n
 # commands cover it; each test is stopped after TEST_TIMEOUT seconds (default 120,
 # pytest-timeout) and reported one line at a time (-v), so that a command cut short still shows
-# what passed.
+# what passed; a command that ends lists its 20 slowest tests (for choosing the next shards).
 # torch, triton and pytest must already be importable by python3; wheels in .whl/, if any, are
 # installed offline (no index, no dependencies) into the temporary path, nothing is downloaded.
 # Logs go to $LOG_DIR (default /tmp/atomrt-gpu).
@@ -31,5 +31,5 @@ if [ ${#targets[@]} -eq 0 ]; then
 fi
 timeout_args=()
 python3 -c "import pytest_timeout" 2>/dev/null && timeout_args=(--timeout "${TEST_TIMEOUT:-120}")
-python3 -m pytest -p no:cacheprovider -v -rs -m "$MARK" "${timeout_args[@]}" "${targets[@]}" 2>&1 \
+python3 -m pytest -p no:cacheprovider -v -rs --durations=20 -m "$MARK" "${timeout_args[@]}" "${targets[@]}" 2>&1 \
   | tee "$LOG_DIR/pytest-$MARK${SHARD:+-${SHARD/\//of}}.log"
