@@ -198,6 +198,8 @@ def bench_csa_topk(
     select_t = _time_us(lambda i: prefix_topk(full, lens, k, "select"), 2)
     same_chunked = same_scores(prefix_topk(full, lens, k, "chunked"))
     chunked_p = _time_us(lambda i: prefix_topk(full, lens, k, "chunked"), 2)
+    same_torch = same_scores(prefix_topk(full, lens, k, "torch"))
+    torch_p = _time_us(lambda i: prefix_topk(full, lens, k, "torch"), 2)
     short = v4.v4_index_scores(iq, iw, keys, live_slots, 0)
     scores_l = _time_us(lambda i: v4.v4_index_scores(iq, iw, keys, live_slots, 0), 2)
     topk_l = _time_us(lambda i: short.topk(min(k, live), dim=-1), 2)
@@ -206,7 +208,8 @@ def bench_csa_topk(
         f"+ {topk_t:.2f} us topk (chunks of {chunk}: {chunked_t:.2f} us, values equal: {same}; "
         f"prefix_topk {prefix_t:.2f} us, same picks: {same_picks}; "
         f"select {select_t:.2f} us, same picks: {same_select}; "
-        f"chunked {chunked_p:.2f} us, same picks: {same_chunked}); "
+        f"chunked {chunked_p:.2f} us, same picks: {same_chunked}; "
+        f"torch {torch_p:.2f} us, same picks: {same_torch}); "
         f"over the live {scores_l:.2f} + {topk_l:.2f} us",
         flush=True,
     )

@@ -654,7 +654,7 @@ def test_csa_picks_over_the_context_are_those_over_every_entry(
 
 
 @pytest.mark.slow  # ~13 s a form: two runs through the kernels in Triton's interpreter
-@pytest.mark.parametrize("form", ["merge", "select", "chunked"])
+@pytest.mark.parametrize("form", ["merge", "select", "chunked", "torch"])
 def test_graph_safe_prefix_kernels_pick_as_every_entry(
     folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch, form: str
 ) -> None:

@@ -1,7 +1,7 @@
 """workers/kernels/v4/v4_index.py, through Triton's interpreter on CPU (compiled on a GPU):
 `prefix_topk`, in each form, picks the entries torch's top-k picks over each row with its tail
-past the row's length at -inf, in score order, ties to the lower entry, -1 past a row's finite
-scores; and with
+past the row's length at -inf, in score order, ties to the lower entry (the kernels' forms; the
+"torch" form breaks them as torch does), -1 past a row's finite scores; and with
 `GRAPH_SAFE_PREFIX` a graph-safe (FULL) decode of the tiny CSA/HCA model picks, layer by layer
 and step by step, what the [n, T] slots and torch's top-k pick, its logits transformers'."""
 
@@ -30,7 +30,10 @@ def test_prefix_topk_picks_torch_topk_entries_of_the_prefix(k: int, form: str) -
     assert got.shape == (6, k) and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("form", TOPK_FORMS)
+KERNEL_FORMS = [f for f in TOPK_FORMS if f != "torch"]
+
+
+@pytest.mark.parametrize("form", KERNEL_FORMS)
 def test_prefix_topk_breaks_ties_to_the_lower_entry(form: str) -> None:
     scores = torch.tensor([[1.0, 3.0, 3.0, -2.0, 3.0, 0.5, -0.0, 0.0] * 8])  # 64 entries
     got = prefix_topk(scores.to(DEVICE), torch.tensor([64], device=DEVICE), 16, form).cpu()[0]
@@ -38,7 +41,7 @@ def test_prefix_topk_breaks_ties_to_the_lower_entry(form: str) -> None:
     assert got.tolist() == order
 
 
-@pytest.mark.parametrize("form", TOPK_FORMS)
+@pytest.mark.parametrize("form", KERNEL_FORMS)
 def test_prefix_topk_over_several_tiles_of_tied_scores(form: str) -> None:
     """Rows longer than a tile of either form, of few distinct values (the k-th highest has many
     ties, some taken, some not), one with fewer finite scores than k."""
@@ -70,6 +73,19 @@ def test_chunked_prefix_topk_over_many_chunks(chunk: int) -> None:
         finite = [i for i in range(n) if scores[row, i] > float("-inf")]
         order = sorted(finite, key=lambda i: (-scores[row, i].item(), i))[:40]
         assert got[row].tolist() == order + [-1] * (40 - len(order))
+
+
+def test_torch_prefix_topk_with_fewer_entries_than_k() -> None:
+    """The "torch" form over rows narrower than k, and rows whose prefix holds fewer finite scores
+    than k: their picks in score order, -1 after them."""
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randn(3, 12, generator=gen)
+    lens = torch.tensor([12, 4, 0], dtype=torch.int32)
+    got = prefix_topk(scores.to(DEVICE), lens.to(DEVICE), 16, "torch").cpu()
+    assert got.shape == (3, 16)
+    for row, n in enumerate(lens.tolist()):
+        order = sorted(range(n), key=lambda i: -scores[row, i].item())
+        assert got[row].tolist() == order + [-1] * (16 - n)
 
 
 def test_prefix_topk_names_an_unknown_form() -> None:

@@ -10,7 +10,9 @@ entries, but its work follows the row's own count, (position + 1) // rate.
   lower entry), -1 past a row's finite ones, in three forms: one program a row, "merge" keeps a
   sorted set of k and merges each tile of its prefix that can enter it, "select" finds the k-th
   highest by a radix select, then sorts the k it gathers; "chunked" selects the k highest of each
-  chunk of the prefix, a program a chunk, then of those candidates, a program a row.
+  chunk of the prefix, a program a chunk, then of those candidates, a program a row; "torch" sets
+  each row's tail to -inf and takes torch's top-k over all T (its cost follows T, not the prefix,
+  but no [n, T] slot tensor is built for it, unlike the region's path without the prefix).
 - `prefix_picks`: the two in turn, a CSA layer's picks (workers/layers/v4_attention.py).
 
 Importing this module needs no GPU."""
@@ -24,10 +26,10 @@ import triton.language as tl
 from atomrt.workers.kernels.v4.v4_kernels import index_tile_scores
 
 _NONE = tl.constexpr(-9223372036854775807)  # below every packed (score, entry) key
-TOPK_FORMS = ("merge", "select", "chunked")  # prefix_topk's
+TOPK_FORMS = ("merge", "select", "chunked", "torch")  # prefix_topk's
 # prefix_picks' form. `bench_v4_kernels.py --csa-topk 64,4096,65536` on one H100 (330cecb), top
 # 512 of a row's live entries: merge 11.3 / 72.5 / 1113 us, select 16.4 / 43.0 / 611 us; torch's
-# top-k over all 262144 entries 79-81 us ("chunked", for long prefixes, not yet timed on a GPU)
+# top-k over all 262144 entries 79-81 us ("chunked" and "torch" not yet timed on a GPU)
 PICK_FORM = "merge"
 
 
@@ -273,7 +275,9 @@ def prefix_topk(
     prefixes); "select" finds the k-th highest key by a radix select (five passes over the prefix,
     one sort); "chunked" selects the k highest of each `chunk` entries of the prefix, a program
     each (a chunk past the prefix returns at once), then of their candidates (two launches: a
-    long prefix is read by as many programs as it has chunks)."""
+    long prefix is read by as many programs as it has chunks); "torch" is torch's top-k over the
+    rows with their tails at -inf (a pass over all T, then torch's; ties as torch breaks them,
+    which the other forms send to the lower entry)."""
     if form not in TOPK_FORMS:
         raise ValueError(f"prefix_topk: form {form!r} is not one of {TOPK_FORMS}")
     n, t = scores.shape
@@ -289,6 +293,13 @@ def prefix_topk(
             scores, lens, out, t, k, scores.stride(0), out.stride(0), BLOCK=block, TILE=1024,
             num_warps=4 if block <= 512 else 8,
         )  # fmt: skip
+    elif n and form == "torch":
+        width = min(k, t)
+        if width:
+            tail = torch.arange(t, device=scores.device) >= lens.long().unsqueeze(1)
+            top = scores.masked_fill(tail, float("-inf")).topk(width, dim=-1)
+            out[:, :width] = torch.where(top.values > float("-inf"), top.indices, -1)
+        out[:, width:] = -1
     elif n:
         chunks = triton.cdiv(t, chunk)
         cand = torch.empty(n, chunks, block, dtype=torch.int64, device=scores.device)
