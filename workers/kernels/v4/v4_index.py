@@ -6,13 +6,14 @@ entries, but its work follows the row's own count, (position + 1) // rate.
   slots computed in the kernel from the row's sequence and block table (workers/layers/v4_rows.py,
   `anchor_slots`: the arithmetic is the same), so no [n, T] slot tensor is built; a tile past the
   row's count stores nothing.
-- `prefix_topk`: the k highest of each row's first lens[i] scores, in score order (ties to the
-  lower entry), -1 past a row's finite ones, in three forms: one program a row, "merge" keeps a
-  sorted set of k and merges each tile of its prefix that can enter it, "select" finds the k-th
-  highest by a radix select, then sorts the k it gathers; "chunked" selects the k highest of each
-  chunk of the prefix, a program a chunk, then of those candidates, a program a row; "torch" sets
-  each row's tail to -inf and takes torch's top-k over all T (its cost follows T, not the prefix,
-  but no [n, T] slot tensor is built for it, unlike the region's path without the prefix).
+- `prefix_topk`: the k highest of each row's first lens[i] scores, in score order, -1 past a
+  row's finite ones, in four forms. Three are kernels whose work follows the prefix and which send
+  ties to the lower entry: "merge" (one program a row) keeps a sorted set of k and merges each
+  tile of its prefix that can enter it; "select" (one program a row) finds the k-th highest by a
+  radix select, then sorts the k it gathers; "chunked" selects the k highest of each chunk of the
+  prefix, a program a chunk, then of those candidates, a program a row. "torch" sets each row's
+  tail to -inf and takes torch's top-k over all T: its cost follows T, but no [n, T] slot tensor
+  is built for it, unlike the region's path without the prefix.
 - `prefix_picks`: the two in turn, a CSA layer's picks (workers/layers/v4_attention.py).
 
 Importing this module needs no GPU."""
@@ -226,7 +227,8 @@ def _prefix_select_kernel(
 
 @triton.jit
 def _sort_and_name(out_ptr, BLOCK: tl.constexpr):
-    """The BLOCK packed keys at out_ptr in descending order, replaced by their entries (-1: none)."""
+    """The BLOCK packed keys at out_ptr in descending order, replaced by their entries (-1:
+    none)."""
     slot = tl.arange(0, BLOCK)
     best = tl.sort(tl.load(out_ptr + slot), descending=True)
     picked = tl.where(best == _NONE, -1, 0xFFFFFFFF - (best & 0xFFFFFFFF))
@@ -269,15 +271,15 @@ def prefix_topk(
     scores: torch.Tensor, lens: torch.Tensor, k: int, form: str = "merge", chunk: int = 8192
 ) -> torch.Tensor:
     """[n, k] int64: the entries of the k highest of each row's first `lens[i]` scores (`scores`
-    [n, T]; lens past T read T), in score order, ties to the lower entry, -1 past a row's finite
-    ones. Its work follows the lengths, read on the device, not T. `form`: "merge" keeps a sorted
-    set of k and merges each tile that can enter it (a sort of 2k a tile: cheap for short
-    prefixes); "select" finds the k-th highest key by a radix select (five passes over the prefix,
-    one sort); "chunked" selects the k highest of each `chunk` entries of the prefix, a program
-    each (a chunk past the prefix returns at once), then of their candidates (two launches: a
-    long prefix is read by as many programs as it has chunks); "torch" is torch's top-k over the
-    rows with their tails at -inf (a pass over all T, then torch's; ties as torch breaks them,
-    which the other forms send to the lower entry)."""
+    [n, T]; lens past T read T), in score order, -1 past a row's finite ones. The kernels' forms
+    send ties to the lower entry and work as far as the lengths, read on the device, not T.
+    `form`: "merge" keeps a sorted set of k and merges each tile that can enter it (a sort of 2k a
+    tile: cheap for short prefixes); "select" finds the k-th highest key by a radix select (five
+    passes over the prefix, one sort); "chunked" selects the k highest of each `chunk` entries of
+    the prefix, a program each (a chunk past the prefix returns at once), then of their
+    candidates (two launches: a long prefix is read by as many programs as it has chunks);
+    "torch" is torch's top-k over the rows with their tails at -inf (a pass over all T, then
+    torch's; ties as torch breaks them)."""
     if form not in TOPK_FORMS:
         raise ValueError(f"prefix_topk: form {form!r} is not one of {TOPK_FORMS}")
     n, t = scores.shape
@@ -300,7 +302,7 @@ def prefix_topk(
             top = scores.masked_fill(tail, float("-inf")).topk(width, dim=-1)
             out[:, :width] = torch.where(top.values > float("-inf"), top.indices, -1)
         out[:, width:] = -1
-    elif n:
+    elif n:  # "chunked"
         chunks = triton.cdiv(t, chunk)
         cand = torch.empty(n, chunks, block, dtype=torch.int64, device=scores.device)
         meta = dict(CHUNK=chunk, BLOCK=block, TILE=1024, num_warps=4 if block <= 512 else 8)
