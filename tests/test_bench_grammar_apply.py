@@ -46,3 +46,23 @@ def test_rows_become_figures_and_a_mismatch_a_note(tmp_path) -> None:
     assert path is not None and record.bench == "bench_grammar_apply"
     assert [f.case for f in record.figures] == [f.case for f in figures]
     assert record.notes == notes
+
+
+def test_upload_refuses_record(tmp_path, monkeypatch, capsys) -> None:
+    """--upload prints the host's hold per upload and keeps no figure: with --record it is refused
+    by name before anything runs."""
+    bench = _bench()
+    monkeypatch.setattr(
+        sys, "argv", ["bench_grammar_apply.py", "--upload", "--record", str(tmp_path)]
+    )
+    try:
+        bench.main()
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("--upload --record ran")
+    assert (
+        "--upload prints the host's hold per upload: it takes no --record"
+        in capsys.readouterr().err
+    )
+    assert list(tmp_path.iterdir()) == []
