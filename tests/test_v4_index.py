@@ -3,9 +3,14 @@
 past the row's length at -inf, in score order, ties to the lower entry (the kernels' forms; the
 "torch" form breaks them as torch does), -1 past a row's finite scores; and with
 `GRAPH_SAFE_PREFIX` a graph-safe (FULL) decode of the tiny CSA/HCA model picks, layer by layer
-and step by step, what the [n, T] slots and torch's top-k pick, its logits transformers'."""
+and step by step, what the [n, T] slots and torch's top-k pick, its logits transformers'. The
+interpreter runs code a compiler may refuse, so each kernel also compiles for an H100 (sm_90)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,3 +96,50 @@ def test_torch_prefix_topk_with_fewer_entries_than_k() -> None:
 def test_prefix_topk_names_an_unknown_form() -> None:
     with pytest.raises(ValueError, match="form 'radix' is not one of"):
         prefix_topk(torch.zeros(1, 8, device=DEVICE), torch.tensor([8], device=DEVICE), 4, "radix")
+
+
+# Built in a process of its own: the suite's Triton interprets (TRITON_INTERPRET=1 in the test
+# process turns every jit function into an interpreted one, which the compiler does not take).
+COMPILE_FOR_H100 = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from atomrt.workers.kernels.v4 import v4_index
+fn = getattr(v4_index, sys.argv[1])
+sig = {}
+for name in fn.arg_names:
+    if name.isupper():
+        sig[name] = "constexpr"
+    elif name == sys.argv[2]:
+        sig[name] = "*fp32"
+    elif name.endswith("_ptr"):
+        sig[name] = "*i32" if name == "lens_ptr" else "*i64"
+    else:
+        sig[name] = "i32"
+consts = {"BLOCK": 512, "TILE": 1024, "CHUNK": 8192}
+consts = {name: consts[name] for name in fn.arg_names if name.isupper()}
+built = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32))
+print(len(built.asm["cubin"]), "bytes of cubin")
+"""
+
+
+@pytest.mark.parametrize(
+    "kernel, floats",
+    [
+        ("_prefix_topk_kernel", "scores_ptr"),
+        ("_prefix_select_kernel", "scores_ptr"),
+        ("_chunk_select_kernel", "scores_ptr"),
+        ("_merge_select_kernel", "-"),  # reads the chunks' packed int64 keys
+    ],
+)
+def test_prefix_topk_kernels_compile_for_an_h100(kernel: str, floats: str) -> None:
+    """Each form's kernels through Triton's compiler to an sm_90 binary, at a 1M context's k, as a
+    GPU builds them (the interpreter runs code the compiler refuses: a branch that a constexpr
+    rules out is still compiled after an early return)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_H100, kernel, floats],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[0].isdigit() and int(done.stdout.split()[0]) > 0

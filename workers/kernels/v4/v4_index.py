@@ -148,12 +148,20 @@ def _prefix_topk_kernel(scores_ptr, lens_ptr, out_ptr, t, stride_s, stride_o, BL
 def _orders(src_ptr, idx, n, base, KEYS: tl.constexpr):
     """Elements idx of the n at src_ptr as (present, the score's order as a signed int, entry):
     float scores of entries base + idx, or (KEYS) packed keys, _NONE for none."""
+    # One return after a constexpr if/else: the compiler then builds the taken branch alone (code
+    # after an early return inside the if is still compiled, and a key is no float to bitcast).
     if KEYS:
         key = tl.load(src_ptr + idx, mask=idx < n, other=_NONE)
-        return key != _NONE, (key >> 32).to(tl.int32), 0xFFFFFFFF - (key & 0xFFFFFFFF)
-    x = tl.load(src_ptr + idx, mask=idx < n, other=float("-inf"))
-    bits = x.to(tl.int32, bitcast=True)
-    return x > float("-inf"), bits ^ ((bits >> 31) & 0x7FFFFFFF), base + idx.to(tl.int64)
+        present = key != _NONE
+        order = (key >> 32).to(tl.int32)
+        entry = 0xFFFFFFFF - (key & 0xFFFFFFFF)
+    else:
+        x = tl.load(src_ptr + idx, mask=idx < n, other=float("-inf"))
+        bits = x.to(tl.int32, bitcast=True)
+        present = x > float("-inf")
+        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        entry = base + idx.to(tl.int64)
+    return present, order, entry
 
 
 @triton.jit
