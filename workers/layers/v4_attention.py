@@ -236,11 +236,11 @@ class V4Attention(PagedAttentionLayer):
 # CUDA; on the CPU only when set (tests run them through Triton's interpreter).
 USE_KERNELS_ON_CPU = False
 # graph-safe CSA regions on the kernels rank each row's live entries, counted on the device
-# (workers/kernels/v4/v4_index.py), not all T as [n, T] slots and torch's top-k. Off: on one H100
-# (330cecb, bench_v4_kernels.py --csa-topk, V4-Flash's 1M context) a row's top 512 of 64 live
-# entries took 11 us against torch's 79 us over all T, but of 65536 0.6-1.1 ms against 81 us (one
-# program a row); the GPU tests pass with it on
-GRAPH_SAFE_PREFIX = False
+# (workers/kernels/v4/v4_index.py), not all T as [n, T] slots and torch's top-k. On one H100
+# (3710b43, V4-Flash's first four layers at the 1M context, `atomrt bench latency --level 0
+# --modes FULL+async --batch-sizes 1,32`, one call): 2.698 / 13.078 ms a step at bs 1 / 32 with
+# the slots, 2.630 / 11.969 with this and v4_index.PICK_FORM "chunked"
+GRAPH_SAFE_PREFIX = True
 # query rows per chunk of the CPU reference: a long prompt's logits are [chunk, heads, keys]
 _QUERY_CHUNK = 256
 

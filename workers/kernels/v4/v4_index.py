@@ -28,10 +28,12 @@ from atomrt.workers.kernels.v4.v4_kernels import index_tile_scores
 
 _NONE = tl.constexpr(-9223372036854775807)  # below every packed (score, entry) key
 TOPK_FORMS = ("merge", "select", "chunked", "torch")  # prefix_topk's
-# prefix_picks' form. `bench_v4_kernels.py --csa-topk 64,4096,65536` on one H100 (330cecb), top
-# 512 of a row's live entries: merge 11.3 / 72.5 / 1113 us, select 16.4 / 43.0 / 611 us; torch's
-# top-k over all 262144 entries 79-81 us ("chunked" and "torch" not yet timed on a GPU)
-PICK_FORM = "merge"
+# prefix_picks' form. `bench_v4_kernels.py --csa-topk 64,4096,65536,262144 --rows 1,32` on one
+# H100 (3710b43), a row's top 512 of that many live entries: merge 11 / 72 / 1117 / 3829 us,
+# select 16 / 43 / 614 / 2430, chunked 31 / 58 / 118 / 217, torch (over all 262144) 95 each; at
+# 32 rows chunked 32 / 59 / 166 / 440 against torch's 254. Chunked follows the prefix and keeps
+# the worst case near torch's
+PICK_FORM = "chunked"
 
 
 @triton.jit
