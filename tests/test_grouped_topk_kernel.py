@@ -2,7 +2,8 @@
 CUDA) against transformers' routers on the same logits (DeepSeek-V2's greedy and group-limited
 softmax routing, DeepSeek-V3's noaux_tc with a correction bias), and against the torch path of
 GroupedRouting.select in float64 at the real models' shapes (V2-Lite's 64 experts, V2's 160 in 8
-groups, V3's 256 in 8 groups); traced as the `grouped_topk` op, its fake's shapes.
+groups, V3's 256 in 8 groups); traced as the `grouped_topk` op, its fake's shapes; NaN logits
+still pick experts of the row.
 
 On CPU the kernel runs through Triton's interpreter; on a CUDA machine the same tests run on the
 GPU."""
@@ -176,3 +177,27 @@ def test_folded_shared_experts_follow_each_top_k(shape: str, n_shared: int) -> N
         torch.testing.assert_close(got_w.cpu()[:, : routing.top_k], weights.cpu())
     traced = torch.compile(folded._select_fused, backend="aot_eager", fullgraph=True)
     assert torch.equal(traced(logits, bias)[1], folded._select_fused(logits, bias)[1])
+
+
+@pytest.mark.parametrize("shape", sorted(REAL_SHAPES))
+def test_nan_logits_still_pick_experts_of_the_row(shape: str) -> None:
+    """Rows with NaN logits (a whole row; two experts of a row) pick k distinct experts of the
+    row, a NaN choice first as torch.topk ranks it, and leave the other rows' routing as it was:
+    an id past the experts would index out of bounds in the layout that follows."""
+    routing, with_bias = REAL_SHAPES[shape]
+    e = routing.num_experts
+    logits = _logits(e, seed=11)
+    bias = torch.linspace(-0.2, 0.2, e).to(DEVICE) if with_bias else None
+    clean_w, clean_ids = routing._select_fused(logits, bias)
+    poisoned = logits.clone()
+    poisoned[3] = float("nan")
+    poisoned[8, [5, e - 2]] = float("nan")
+    weights, ids = routing._select_fused(poisoned, bias)
+    ids = ids.cpu()
+    assert bool(((ids >= 0) & (ids < e)).all())
+    assert all(len(set(row)) == routing.top_k for row in ids.tolist())
+    if routing.scoring_func == "sigmoid":  # a softmax spreads the NaN over the whole row
+        assert {5, e - 2} <= set(ids[8].tolist())
+    rest = [r for r in range(TOKENS) if r not in (3, 8)]
+    assert torch.equal(ids[rest], clean_ids.cpu()[rest])
+    torch.testing.assert_close(weights.cpu()[rest], clean_w.cpu()[rest])

@@ -67,7 +67,9 @@ def grouped_topk_kernel(
     choice = scores
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
-    choice = tl.where(valid, choice, float("-inf"))
+    # A NaN choice ranks above every number, as in torch.topk: every pick is then an expert of
+    # the row, whatever its logits (a NaN never equals the max, so it would pick none)
+    choice = tl.where(valid, tl.where(choice != choice, float("inf"), choice), float("-inf"))
 
     if GROUP_SCORE != 0:
         best = tl.max(choice, 1)  # [GROUP_P]
