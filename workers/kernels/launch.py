@@ -72,7 +72,10 @@ def compile_ahead(threads: Optional[int] = None) -> Iterator[bool]:
     compile (a failed one raises there). Yields whether it does so: not under the Triton
     interpreter, nor with a Triton that lacks `AsyncCompileMode` (launches then run as usual, and
     the caller skips its compile-only pass). Triton releases the GIL through parts of a compile
-    (LLVM's code generation, ptxas), so the threads overlap those parts."""
+    (LLVM's code generation, ptxas), so the threads overlap those parts. Everything else in the
+    forward still runs, on what the skipped launches left in their outputs (any bytes, NaN among
+    them): code that indexes with a value computed from such an output must keep it in range
+    whatever the bytes (the MoE routing's picks: workers/kernels/moe/routing.py)."""
     import triton
 
     mode = getattr(triton, "AsyncCompileMode", None)
