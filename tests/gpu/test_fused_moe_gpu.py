@@ -129,3 +129,21 @@ def test_one_launch_alignment_equals_the_torch_one(m: int, e: int, k: int) -> No
         graph.replay()
         for got, want in zip(recorded, moe_align_torch(ids, 16, e)):
             assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("m", [3, 64])  # the one-launch layout, then the torch one (scatters)
+def test_nan_router_logits_route_within_the_experts(m: int) -> None:
+    """DeepSeek-V2-Lite's routing (64 experts, top 6) of rows whose router logits are NaN, as an
+    uncomputed buffer can hold them (compile_ahead skips launches at start-up), then the fused
+    experts: every id names an expert, and the layout's scatters raise no device-side assert."""
+    from atomrt.workers.layers.deepseek_moe import GroupedRouting
+
+    routing = GroupedRouting(64, 6, "greedy", "softmax", 1, 1, False, 1.0)
+    w13, w2 = _weights(64, 2048, 1408)
+    x, _, _ = _routing(m, 64, 6, 2048)
+    logits = torch.randn(m, 64, device="cuda")
+    logits[m // 2 :] = float("nan")
+    weights, ids = routing.select(logits)
+    assert bool(((ids >= 0) & (ids < 64)).all())
+    fused_experts(x, w13, w2, weights, ids)
+    torch.cuda.synchronize()
