@@ -10,6 +10,7 @@ the rest of `gpu_memory_utilization` of the device becomes KV blocks. An explici
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import TYPE_CHECKING
 
@@ -84,6 +85,10 @@ def determine_num_blocks(runner: ModelRunner) -> KVCacheSizing:
         )  # checks the model runs; CPU has no profile
         num_blocks = int(cc.cpu_kv_cache_gib * 2**30) // per_block
     else:
+        # Tensors that loading replaced (a fold or repack of weights) can sit in reference cycles
+        # (a parameter's loader bound to its module) until the collector runs, which may be inside
+        # the profile forward: freed there, they would count against the peak as negative bytes.
+        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
