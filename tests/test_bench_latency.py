@@ -366,3 +366,18 @@ def test_step_bytes_read_an_untied_embedding_by_its_rows() -> None:
     assert untied == StepBytes((64 + 800) * f32, 8 * f32, 64)  # the LM head is read whole
     assert tied == StepBytes((800 + 64) * f32, 0, 64)  # the one table is the LM head's
     assert untied.of(bs=2, ctx=10) == (64 + 800) * f32 + 2 * 8 * f32 + 2 * 10 * 64
+
+
+def test_a_failed_model_prints_where_it_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A model that fails to start is an error line on stderr with its traceback (the frames say
+    where) and the run's exit status 1."""
+    missing = tmp_path / "no-such-model"
+    rc = main(
+        ["--model", str(missing), "--batch-sizes", "1", "--device", "cpu", "--modes", "eager"]
+    )
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"ERROR {missing} eager inproc: " in err
+    assert "Traceback (most recent call last):" in err

@@ -423,10 +423,9 @@ def main(argv: Optional[list[str]] = None, compare: bool = False) -> int:
                 try:
                     bench_one(model, mode, executor, args, report, on_cuda)
                 except Exception as e:  # recorded and reported; the other models still run
-                    report.errors.append(
-                        f"{model} {mode} {executor}: {e!r}\n{traceback.format_exc()}"
-                    )
-                    print(f"ERROR {model} {mode} {executor}: {e!r}", file=sys.stderr, flush=True)
+                    error = f"{model} {mode} {executor}: {e!r}\n{traceback.format_exc()}"
+                    report.errors.append(error)
+                    print(f"ERROR {error}", file=sys.stderr, flush=True)  # where it failed, too
                 _write(report, args.json)  # partial results survive a later crash
     report.tp_overhead = compare_executors(report)
     for c in report.tp_overhead:
