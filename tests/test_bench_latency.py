@@ -374,9 +374,8 @@ def test_a_failed_model_prints_where_it_failed(
     """A model that fails to start is an error line on stderr with its traceback (the frames say
     where) and the run's exit status 1."""
     missing = tmp_path / "no-such-model"
-    rc = main(
-        ["--model", str(missing), "--batch-sizes", "1", "--device", "cpu", "--modes", "eager"]
-    )
+    argv = ["--model", str(missing), "--batch-sizes", "1", "--device", "cpu", "--modes", "eager"]
+    rc = main(argv + ["--json", str(tmp_path / "latency.json")])
     assert rc == 1
     err = capsys.readouterr().err
     assert f"ERROR {missing} eager inproc: " in err
