@@ -292,10 +292,10 @@ def main() -> None:
         if upload is not None:
             runner.grammar_upload = upload
         structured_outputs.OUTPUTS_DURING_FILL = on == "on"
-        gpu = f", outputs during the fill {on}" if len(during) > 1 else ""
+        suffix = f", outputs during the fill {on}" if len(during) > 1 else ""
         if a.device == "cuda":
             pinned = "on" if runner.grammar_upload.pinned else "off"
-            gpu += f" (cuda, forward {a.forward_ms:g} ms, pinned masks {pinned})"
+            suffix += f" (cuda, forward {a.forward_ms:g} ms, pinned masks {pinned})"
         runs = [run(n) for _ in range(3)]
         best = min(runs, key=lambda r: r[0] - r[2])
         print(
@@ -305,7 +305,7 @@ def main() -> None:
             f"the CPU worker's sampling {best[2]:.0f} more "
             f"(driver runs {', '.join(f'{r[0] - r[2]:.0f}' for r in runs)}; {a.steps} steps each); "
             f"results to masks {min(r[6] for r in runs):.0f} us; step wall "
-            f"{min(r[0] for r in runs):.0f} us{gpu}"
+            f"{min(r[0] for r in runs):.0f} us{suffix}"
         )
         if a.profile and n == counts[-1]:
             prof = cProfile.Profile()

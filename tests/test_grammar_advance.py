@@ -223,21 +223,23 @@ def test_outputs_built_during_the_fill_are_the_same(tiny, monkeypatch) -> None:
         )
     ]
     build = engine_mod.StepOutputs.finish
+    overlapped: list[bool] = []  # per step's outputs: was a fill running while they were built
+
     monkeypatch.setattr(so, "FILL_ON_THREAD", True)
     outs = {}
     kwargs = dict(device="cpu", enforce_eager=True, num_kv_blocks=128, max_num_seqs=8)
     with LLM(str(tiny), async_scheduling=True, **kwargs) as llm:
+        grammars = llm.engine.grammars
+
+        def finish(self):
+            overlapped.append(grammars._filling is not None)
+            return build(self)
+
+        monkeypatch.setattr(engine_mod.StepOutputs, "finish", finish)
         for on in (False, True, False):
             monkeypatch.setattr(so, "OUTPUTS_DURING_FILL", on)
             filled = llm.engine.grammars.mask_stats.rows
-            overlapped: list[bool] = []
-            grammars = llm.engine.grammars
-
-            def finish(self, _seen=overlapped, _g=grammars):
-                _seen.append(_g._filling is not None)
-                return build(self)
-
-            monkeypatch.setattr(engine_mod.StepOutputs, "finish", finish)
+            overlapped.clear()
             got = llm.generate(PROMPTS, params, use_tqdm=False)
             outs[on] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in got]
             assert llm.engine.grammars.mask_stats.rows > filled
