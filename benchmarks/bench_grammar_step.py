@@ -5,7 +5,6 @@ a JSON schema (benchmarks/schemas/user_profiles.json) and the rest are unconstra
     python benchmarks/bench_grammar_step.py [--bs 64] [--grammar-rows 0,16,64] [--sync]
                                             [--steps 60] [--profile tottime] [--per-row-accept]
                                             [--fill-on-thread on|off]
-                                            [--outputs-during-fill off,on]
                                             [--parallel-fill-rows 32] [--tokenizer DIR]
                                             [--device cuda [--forward-ms 1.5]
                                              [--pinned-masks off,on]]
@@ -25,8 +24,7 @@ tokenizer's 49k vocabulary (tests/grammar_harness.py; `--tokenizer`: another's),
 is as wide as on a real model of that vocabulary. `--device cuda`: the worker samples (and
 applies the masks) on the GPU, each forward being `--forward-ms` of queued GPU work; the step
 wall of constrained rows over that of none is then the whole cost of structure, the driver's and
-the mask upload's (`--pinned-masks off,on` compares the two uploads; `--outputs-during-fill
-off,on` the two orders of the masks and the outputs). A finished request
+the mask upload's (`--pinned-masks off,on` compares the two uploads). A finished request
 is replaced between steps, outside the timed span; the unconstrained requests are as long as
 the constrained ones are on average (measured first), so that requests come and go as often at
 any count of constrained rows. Under async scheduling a step with grammar
@@ -111,12 +109,6 @@ def main() -> None:
         default="on" if structured_outputs.FILL_ON_THREAD else "off",
         help="the masks waiting for a step's tokens fill on a thread while the step loop applies "
         "the stop rules and plans the next step (structured_outputs.FILL_ON_THREAD, the default)",
-    )
-    ap.add_argument(
-        "--outputs-during-fill",
-        default="on" if structured_outputs.OUTPUTS_DURING_FILL else "off",
-        help="comma list of off,on: while the masks fill on the thread the step loop builds the "
-        "step's outputs, and sends the masks after them (structured_outputs.OUTPUTS_DURING_FILL)",
     )
     ap.add_argument(
         "--parallel-fill-rows",
@@ -287,15 +279,13 @@ def main() -> None:
     uploads = [None]  # the worker's mask upload as built
     if a.device == "cuda" and a.pinned_masks:
         uploads = [GrammarUpload(runner.device, x == "on") for x in a.pinned_masks.split(",")]
-    during = a.outputs_during_fill.split(",")
-    for upload, on, n in ((u, o, n) for u in uploads for o in during for n in counts):
+    for upload, n in ((u, n) for u in uploads for n in counts):
         if upload is not None:
             runner.grammar_upload = upload
-        structured_outputs.OUTPUTS_DURING_FILL = on == "on"
-        suffix = f", outputs during the fill {on}" if len(during) > 1 else ""
+        gpu = ""
         if a.device == "cuda":
             pinned = "on" if runner.grammar_upload.pinned else "off"
-            suffix += f" (cuda, forward {a.forward_ms:g} ms, pinned masks {pinned})"
+            gpu = f" (cuda, forward {a.forward_ms:g} ms, pinned masks {pinned})"
         runs = [run(n) for _ in range(3)]
         best = min(runs, key=lambda r: r[0] - r[2])
         print(
@@ -305,7 +295,7 @@ def main() -> None:
             f"the CPU worker's sampling {best[2]:.0f} more "
             f"(driver runs {', '.join(f'{r[0] - r[2]:.0f}' for r in runs)}; {a.steps} steps each); "
             f"results to masks {min(r[6] for r in runs):.0f} us; step wall "
-            f"{min(r[0] for r in runs):.0f} us{suffix}"
+            f"{min(r[0] for r in runs):.0f} us{gpu}"
         )
         if a.profile and n == counts[-1]:
             prof = cProfile.Profile()

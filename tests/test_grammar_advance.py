@@ -206,47 +206,6 @@ def test_masks_filled_on_a_thread_beside_the_step_loop_are_the_same(tiny, monkey
     assert outs[True] == outs[False]
 
 
-def test_outputs_built_during_the_fill_are_the_same(tiny, monkeypatch) -> None:
-    """structured_outputs.OUTPUTS_DURING_FILL: the step loop builds a step's outputs while the
-    masks fill on the thread and sends the masks after them; streamed and whole, the engine
-    emits what it does sending the masks first, and the fill did run beside the outputs."""
-    from atomrt.runtime.driver import engine as engine_mod
-    from atomrt.runtime.driver import structured_outputs as so
-
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=c)
-        for c in (
-            {"json": json.loads(SCHEMA.read_text())},
-            None,
-            {"regex": r"(ab|cd){1,4}[0-9]{2,4}"},
-            {"choice": ["alpha", "beta gamma", "delta"]},
-        )
-    ]
-    build = engine_mod.StepOutputs.finish
-    overlapped: list[bool] = []  # per step's outputs: was a fill running while they were built
-
-    monkeypatch.setattr(so, "FILL_ON_THREAD", True)
-    outs = {}
-    kwargs = dict(device="cpu", enforce_eager=True, num_kv_blocks=128, max_num_seqs=8)
-    with LLM(str(tiny), async_scheduling=True, **kwargs) as llm:
-        grammars = llm.engine.grammars
-
-        def finish(self):
-            overlapped.append(grammars._filling is not None)
-            return build(self)
-
-        monkeypatch.setattr(engine_mod.StepOutputs, "finish", finish)
-        for on in (False, True, False):
-            monkeypatch.setattr(so, "OUTPUTS_DURING_FILL", on)
-            filled = llm.engine.grammars.mask_stats.rows
-            overlapped.clear()
-            got = llm.generate(PROMPTS, params, use_tqdm=False)
-            outs[on] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in got]
-            assert llm.engine.grammars.mask_stats.rows > filled
-            assert any(overlapped) == on, overlapped
-    assert outs[True] == outs[False]
-
-
 class _Unwalkable:
     """A step's scheduler output whose rows must not be read."""
 

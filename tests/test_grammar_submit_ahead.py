@@ -1,6 +1,5 @@
 """Under async scheduling a step whose grammar masks go out builds the next plan before them,
-submits it right after them, and only then builds its outputs (with OUTPUTS_DURING_FILL: before
-the masks, while they fill on the fill thread) and returns: the step those masks
+submits it right after them, and only then builds its outputs and returns: the step those masks
 are for samples at once, and its successor's forward must not wait for the plan's building, the
 outputs or the caller's handling of them. The streamed tokens stay the synchronous engine's."""
 
@@ -35,15 +34,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, REQUESTS, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("during_fill", [False, True], ids=["outputs-after", "outputs-during"])
-def test_the_next_plan_is_submitted_right_after_the_grammar_masks(
-    tiny, monkeypatch, during_fill
-) -> None:
-    """With structured_outputs.OUTPUTS_DURING_FILL the outputs are built while the masks fill on
-    the fill thread, before the masks go out; the masks and the next plan stay together."""
-    from atomrt.runtime.driver import structured_outputs as so
-
-    monkeypatch.setattr(so, "OUTPUTS_DURING_FILL", during_fill)
+def test_the_next_plan_is_submitted_right_after_the_grammar_masks(tiny, monkeypatch) -> None:
     with LLM(str(tiny), **COMMON, async_scheduling=False) as llm:
         want = _tokens(llm)
     with LLM(str(tiny), **COMMON, async_scheduling=True) as llm:
@@ -89,7 +80,7 @@ def test_the_next_plan_is_submitted_right_after_the_grammar_masks(
             calls.append(list(events))
         executor.submit, executor.send_grammar = submit, send
     assert [got[i] for i in ids] == want
-    ahead = built_first = 0
+    ahead = 0
     for i, call in enumerate(calls):
         masks_at = [k for k, (w, _) in enumerate(call) if w == "masks"]
         if masks_at and masks_at[-1] + 1 < len(call):
@@ -99,14 +90,8 @@ def test_the_next_plan_is_submitted_right_after_the_grammar_masks(
             ahead += 1
             # that plan was built before the masks went out: only its submit follows them
             assert call[masks_at[-1] - 1] == ("plan", -1), call
+            assert ("output", -1) not in call[: masks_at[-1] + 2], call  # outputs built after
             assert ("output", -1) in call, call
-            if ("output", -1) in call[: masks_at[-1]]:  # built during the fill, before the masks
-                assert during_fill, call
-                assert ("output", -1) not in call[masks_at[-1] :], call
-                built_first += 1
-            else:  # built after the masks and the plan
-                assert ("output", -1) not in call[: masks_at[-1] + 2], call
             # and the next call collects without submitting first
             assert not calls[i + 1] or calls[i + 1][0] != ("submit", step + 2), calls[i + 1]
     assert ahead >= 3, calls
-    assert (built_first >= 3) if during_fill else built_first == 0, calls

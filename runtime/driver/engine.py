@@ -398,18 +398,13 @@ class LLMEngine:
                 apply_prompt_logprobs(res.prompt_logprobs, starts, self.tokenizer)
             finished = self.schedulers[dp_rank].postprocess(out, sampled, step_logprobs(res, out))
             self.planners[dp_rank].forget([s.seq_id for s in finished])
-        # the masks go out before the outputs (the GPU may wait for them), or after them when
-        # they fill on a thread meanwhile
-        during_fill = self.grammars.fill_outlasts_outputs
-        error = None if during_fill else self._masks_and_next_plan()
+        error = self._masks_and_next_plan()  # before the outputs: the GPU may wait for these
         built = StepOutputs(self._requests)
         for out in outs:
             for row in out.scheduled:
                 if row.token_applied:
                     built.add(row.seq)
         outputs = built.finish()
-        if during_fill:
-            error = self._masks_and_next_plan()
         if self.speculation is not None:
             self.speculation.step_done(num_tokens, num_seqs)
         if error is not None:  # the outputs come with the next step's

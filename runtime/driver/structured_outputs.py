@@ -72,10 +72,11 @@ IDLE_GRAMMAR_WAIT_S = 0.02  # an engine with only grammars compiling waits this 
 # GRAMMAR_MASK_KERNEL, constrained over unconstrained tokens/s went 0.469 -> 0.560 at c=64 and
 # 0.709 -> 0.742 at c=16; on 2 busy cores the step loop's CPU time fell by the fill's (about
 # 0.5 ms at 64 rows), its wall time did not (benchmarks/bench_grammar_step.py --fill-on-thread)
+# Building the step's outputs while the fill runs, the masks sent after them, did not pay: on an
+# H100 host (bench_grammar_step.py --device cuda --bs 64 --forward-ms 1.2, Llama 3's vocabulary)
+# the step took 2634 / 3708 us at 16 / 64 constrained rows that way round against 2612 / 3740
+# this way, and the masks went out 450-650 us later
 FILL_ON_THREAD = True
-# while they fill there, the step loop builds the step's outputs and sends the masks after them,
-# rather than waiting for the fill before the outputs (`LLMEngine._postprocess`)
-OUTPUTS_DURING_FILL = False
 
 # A matcher of the default backend built from its compiled grammar: `SeqGrammar(compiled,
 # stop_token_ids, vocab_size)`, for code that holds an xgrammar `CompiledGrammar` (tests).
@@ -340,12 +341,6 @@ class StructuredOutputs:
             # a thread waiting for the GIL gets it only when the holder blocks, or after the
             # switch interval (5 ms): the step loop lets it through to the fill, which releases it
             started.wait()
-
-    @property
-    def fill_outlasts_outputs(self) -> bool:
-        """The masks fill on the thread (`advance`) and the step's outputs are built meanwhile
-        (`OUTPUTS_DURING_FILL`): `took_results` comes after them."""
-        return OUTPUTS_DURING_FILL and self._filling is not None
 
     def took_results(self) -> list[GrammarBitmask]:
         """A step's results were applied (the stop rules advanced each matcher on its tokens):
