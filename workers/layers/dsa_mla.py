@@ -380,13 +380,10 @@ USE_KERNELS_ON_CPU = False
 # the graph-safe path's indexer, where its kernel runs, scores and ranks each row's positions up
 # to its own (workers/kernels/v4/v4_index.py, `prefix_picks`, read on the device) rather than
 # every slot of the block table's capacity, whose [rows, T] slots and torch's top-k over T cost
-# what max_model_len does. DeepSeek-V3.2's first 2 layers at its 163840 default, level 0
-# FULL+async on one H100 (330cecb): bs 1 2.170 ms against 2.236, bs 32 2.833 against 3.490 (the
-# GPU tests passed). Off all the same then: a row's top-k was one program (v4_index.py), which at
-# long contexts lost to torch's over all T by up to a millisecond a layer (bench_v4_kernels.py).
-# prefix_picks now ranks with v4_index.PICK_FORM "chunked" (at most 440 us for 32 rows of 262144
-# entries there): off until a step with it is timed
-GRAPH_SAFE_PREFIX = False
+# what max_model_len does. With the chunked ranking (v4_index.PICK_FORM), DeepSeek-V3.2's first
+# 2 layers at its 163840 default, level 0 FULL+async on one H100 (ee9ba6e, both in one call):
+# bs 1 2.183 ms against 2.244 over every slot, bs 32 2.868 against 3.478
+GRAPH_SAFE_PREFIX = True
 
 
 def _use_kernel(t: torch.Tensor) -> bool:
