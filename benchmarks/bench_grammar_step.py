@@ -3,8 +3,7 @@ with the forward replaced by random logits, a batch of `--bs` rows of which `--g
 a JSON schema (benchmarks/schemas/user_profiles.json) and the rest are unconstrained.
 
     python benchmarks/bench_grammar_step.py [--bs 64] [--grammar-rows 0,16,64] [--sync]
-                                            [--steps 60] [--profile tottime]
-                                            [--profile-clock wall|cpu] [--per-row-accept]
+                                            [--steps 60] [--profile tottime] [--per-row-accept]
                                             [--fill-on-thread on|off]
                                             [--parallel-fill-rows 32] [--tokenizer DIR]
                                             [--device cuda [--forward-ms 1.5]
@@ -98,13 +97,6 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="synchronous scheduling (default: async)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--profile", default="", help="cProfile one more run, sorted by this key")
-    ap.add_argument(
-        "--profile-clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="the profile's clock: wall time, or the step loop thread's CPU time (time.thread_time:"
-        " what the loop spends working, a wait on the GPU that spins included, one that sleeps not)",
-    )
     ap.add_argument(
         "--per-row-accept",
         action="store_true",
@@ -306,9 +298,7 @@ def main() -> None:
             f"{min(r[0] for r in runs):.0f} us{gpu}"
         )
         if a.profile and n == counts[-1]:
-            prof = cProfile.Profile(
-                time.thread_time if a.profile_clock == "cpu" else time.perf_counter
-            )
+            prof = cProfile.Profile()
             prof.enable()
             run(n)
             prof.disable()
