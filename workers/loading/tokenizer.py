@@ -23,9 +23,10 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.bos_token_id: Optional[int] = hf_tokenizer.bos_token_id
         self.vocab_size: int = len(hf_tokenizer)
-        # Streaming decodes every running sequence's window twice a step: where transformers' decode
-        # would only call the Rust tokenizer, call it directly (about 1.6 of 2.5 us per call here).
-        self._rust_decode = _plain_rust_decode(hf_tokenizer)
+        # Where transformers' decode would only call the Rust tokenizer, call it directly (about 1.6
+        # of 2.5 us per call here); None: decode through transformers.
+        self.rust = plain_rust_tokenizer(hf_tokenizer)
+        self._rust_decode = self.rust.decode if self.rust is not None else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -52,25 +53,28 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def _plain_rust_decode(hf: Any) -> Any:
-    """The Rust tokenizer's `decode` when transformers' `decode` of a list of ids is exactly that
-    call: a tokenizers-backed class that overrides neither `decode` nor `_decode`, and no clean-up
-    of tokenization spaces. None otherwise (slow tokenizers, model-specific decoding)."""
+def plain_rust_tokenizer(tokenizer: Any) -> Any:
+    """The Rust tokenizer (`tokenizers.Tokenizer`) whose `decode` of a list of ids is exactly what
+    `tokenizer`'s is: a transformers tokenizers-backed class that overrides neither `decode` nor
+    `_decode`, without clean-up of tokenization spaces, or a `Tokenizer` over one. None otherwise
+    (slow tokenizers, model-specific decoding)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer.rust
     try:
         from transformers import PreTrainedTokenizerFast
     except ImportError:
         return None
-    rust = getattr(hf, "_tokenizer", None)
+    rust = getattr(tokenizer, "_tokenizer", None)
     if (
-        not isinstance(hf, PreTrainedTokenizerFast)
+        not isinstance(tokenizer, PreTrainedTokenizerFast)
         or rust is None
-        or hf.clean_up_tokenization_spaces
+        or tokenizer.clean_up_tokenization_spaces
     ):
         return None
     base = PreTrainedTokenizerFast
-    if type(hf).decode is not base.decode or type(hf)._decode is not base._decode:
+    if type(tokenizer).decode is not base.decode or type(tokenizer)._decode is not base._decode:
         return None
-    return rust.decode
+    return rust
 
 
 def load_tokenizer(resolved: ResolvedModel, tokenizer_path: Optional[str] = None) -> Tokenizer:
