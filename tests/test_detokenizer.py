@@ -180,3 +180,35 @@ def test_a_skipped_special_token_keeps_the_spacing_of_what_follows(tmp_path) -> 
     detok = Detokenizer(tok, prompt)
     pieces = [detok.add_token(t) for t in ids]
     assert "".join(pieces) == detok.output_text == whole == " w61 w61 w37 w115 w113"
+
+
+def test_the_stream_gives_the_decodes_text_on_random_tokens(tok, tmp_path) -> None:
+    """The DecodeStream path against the two-decode window, on random token ids (special tokens,
+    byte-fallback pieces and broken characters among them), read at random moments: the same
+    text at every read, on a byte-level BPE and a word-level tokenizer, skipping specials or not."""
+    import random
+
+    from executor_harness import build_tiny_llama
+    from transformers import AutoTokenizer
+
+    word = AutoTokenizer.from_pretrained(str(build_tiny_llama(tmp_path / "tiny")))
+    rng = random.Random(0)
+    for t in (tok, word):
+        vocab, compared = len(t), 0
+        for trial in range(60):
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
+            ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+            skip = trial % 2 == 0
+            fast, slow = Detokenizer(t, prompt, skip), Detokenizer(t, prompt, skip)
+            if fast._stream is None:
+                continue  # the prompt ends inside a character: both decode the window
+            slow._stream = None
+            compared += 1
+            for i in ids:
+                fast.append_token(i)
+                slow.append_token(i)
+                if rng.random() < 0.5:
+                    assert fast.output_text == slow.output_text, (prompt, ids)
+            assert fast.output_text == slow.output_text, (prompt, ids)
+        assert compared >= 40, compared
+        assert Detokenizer(t, [40, 41, 42])._stream is not None, "the Rust stream is taken"

@@ -6,6 +6,12 @@ instead: `prefix_offset..read_offset` are tokens already turned into text, kept 
 each step decodes `prefix_offset..end` and emits what it adds to the context's text, unless that
 ends in U+FFFD (an unfinished character), in which case we wait for more tokens.
 
+Where the tokenizer's decode is the Rust tokenizer's own (`plain_rust_tokenizer`), the same
+window runs inside a `tokenizers` DecodeStream primed with those prompt tokens: one call per read
+instead of two decodes and their Python (Llama 3's tokenizer, 64 streamed rows: 2.1 against 3.0
+us a row and step on a 2-core CPU). A prompt whose context ends inside a character or has no
+text, or a window the stream cannot continue, falls back to the decodes here.
+
 Streaming also holds back a tail of the text that could be the start of a stop string, so a
 client never sees text that a later token turns into a stop (and is cut off).
 """
@@ -13,7 +19,9 @@ client never sees text that a later token turns into a stop (and is cut off).
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, Optional
+
+from atomrt.workers.loading.tokenizer import plain_rust_tokenizer
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded as left context for the first output token (spacing rules need some).
@@ -36,6 +44,21 @@ class Detokenizer:
         self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
         self._text = ""  # all complete text decoded so far (cut before a stop string)
         self.num_streamed_chars = 0  # how much of output_text `take_stream_delta` has returned
+        self._rust: Any = None  # with `_stream`: the Rust tokenizer it decodes with
+        self._stream: Optional[Any] = None  # a tokenizers DecodeStream over the same window
+        self._fed = self.read_offset  # the tokens the stream holds, whose text may be pending
+        rust = plain_rust_tokenizer(tokenizer)
+        context = self.token_ids[self.prefix_offset :]
+        if rust is not None and context:
+            try:
+                from tokenizers.decoders import DecodeStream
+            except ImportError:  # tokenizers before 0.21
+                return
+            stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            # the prompt's text comes back (not ours to emit); None: it ends inside a character,
+            # whose first bytes the stream would emit with the output's: keep to the decodes
+            if stream.step(rust, context) is not None:
+                self._rust, self._stream = rust, stream
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
@@ -55,6 +78,25 @@ class Detokenizer:
         """Decode the tokens past read_offset against the context window; append their text."""
         if self.read_offset == len(self.token_ids):
             return ""
+        if self._stream is not None:
+            if self._fed == len(self.token_ids):  # held in the stream already: nothing new
+                return ""
+            try:
+                fed = self._fed
+                # one token as an int: the list form costs about 0.9 us more a call
+                new = (
+                    self.token_ids[fed] if fed + 1 == len(self.token_ids) else self.token_ids[fed:]
+                )
+                new_text = self._stream.step(self._rust, new)
+            except Exception:  # noqa: BLE001 - the stream's own prefix check: decode the window
+                self._stream = None
+            else:
+                self._fed = len(self.token_ids)
+                if new_text is None:  # an unfinished character (or text-less tokens): wait
+                    return ""
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+                self._text += new_text
+                return new_text
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset :])
         if full_text.endswith(_REPLACEMENT):
@@ -69,7 +111,8 @@ class Detokenizer:
 
     @property
     def output_text(self) -> str:
-        self._catch_up()
+        if self.read_offset != len(self.token_ids):
+            self._catch_up()
         return self._text
 
     def truncate(self, num_chars: int) -> None:
