@@ -45,7 +45,8 @@ class CoreShutdown:
 
 @dataclass
 class CoreOutput:
-    """One sample's new tokens and text from a step (or the error that ended its request)."""
+    """One sample's new tokens and text from a step (or the error that ended its request). The
+    engine core builds it positionally (`_core_output`): keep the fields in this order."""
 
     request_id: str
     index: int = 0  # which of the request's n samples

@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
 from atomrt.distributed.messages import StepResult
-from atomrt.runtime.driver.outputs import RequestOutput, make_request_output, merge_request_outputs
+from atomrt.runtime.driver.outputs import (
+    RequestOutput,
+    make_request_output,
+    merge_request_outputs,
+    wall_offset,
+)
 from atomrt.runtime.driver.scheduler import SchedulerOutput
 from atomrt.runtime.driver.sequence import Sequence
 from atomrt.runtime.sampling_params import RequestOutputKind, SamplingParams
@@ -53,6 +58,7 @@ class StepOutputs:
         self.requests = requests
         self.outputs: list[RequestOutput] = []
         self.samples: dict[str, list[Sequence]] = {}  # n > 1: a request's samples with new tokens
+        self.wall = wall_offset()  # one clock reading for the step's outputs
 
     def add(self, seq: Sequence) -> None:
         req = self.requests.get(seq.request_id)
@@ -61,9 +67,9 @@ class StepOutputs:
         if len(req.seqs) > 1:
             self.samples.setdefault(seq.request_id, []).append(seq)
         elif req.stream:
-            self.outputs.append(make_request_output(seq, req.prompt, delta=True))
+            self.outputs.append(make_request_output(seq, req.prompt, True, self.wall))
         elif req.cumulative:  # the whole output so far, `finished` once it is
-            self.outputs.append(make_request_output(seq, req.prompt))
+            self.outputs.append(make_request_output(seq, req.prompt, False, self.wall))
         elif seq.is_finished:
             self.outputs.append(req.final_output())
 
