@@ -35,7 +35,7 @@ from atomrt.distributed.messages import (
 )
 from atomrt.runtime.config import Config
 from atomrt.runtime.driver.engine import LLMEngine
-from atomrt.runtime.driver.outputs import CompletionOutput, RequestOutput
+from atomrt.runtime.driver.outputs import CompletionOutput, RequestOutput, wall_offset
 from atomrt.runtime.entrypoints.llm import load_tokenizer_for
 
 logger = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class EngineCore:
             logger.error("%s\n%s", self.fatal, traceback.format_exc())
             self._send([], fatal=self.fatal)
             return False
-        mono = time.monotonic() - time.time()  # one clock reading for the step's outputs
+        mono = -wall_offset()  # one clock reading for the step's outputs
         self._send([c for o in outputs for c in core_outputs(o, mono)])
         return True
 
@@ -196,10 +196,10 @@ def core_stats(engine: LLMEngine) -> CoreStats:
 
 def core_outputs(out: RequestOutput, mono: Optional[float] = None) -> list[CoreOutput]:
     """One request's delta from a step (every request the core runs is streamed), one CoreOutput
-    per sample in it, `finished` when that sample is. `mono`: time.monotonic() - time.time(),
+    per sample in it, `finished` when that sample is. `mono`: -`wall_offset()`,
     once for a step's outputs."""
     if mono is None:
-        mono = time.monotonic() - time.time()  # the API process measures on the monotonic clock
+        mono = -wall_offset()  # the API process measures on the monotonic clock
     return [_core_output(out, c, mono) for c in out.outputs]
 
 
