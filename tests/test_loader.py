@@ -153,7 +153,7 @@ def test_tokenizer_decode_is_transformers_decode(
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
-    assert tokenizer._rust_decode is not None, "the embedded tokenizer takes the direct path"
+    assert tokenizer.rust is not None, "the embedded tokenizer takes the direct path"
     rng = random.Random(0)
     specials = [0, 1, 2]  # <|endoftext|>, <|im_start|>, <|im_end|>
     for _ in range(300):
@@ -167,7 +167,7 @@ def test_tokenizer_decode_is_transformers_decode(
             ), (ids, skip)
     # the loaded tokenizer is shared by the engines of this process: change it for this test only
     monkeypatch.setattr(tokenizer.hf, "clean_up_tokenization_spaces", True)
-    assert Tokenizer(tokenizer.hf, (2,))._rust_decode is None
+    assert Tokenizer(tokenizer.hf, (2,)).rust is None
 
 
 def test_embedded_tokenizer_round_trip_and_chat_template(
@@ -238,7 +238,7 @@ def test_a_gguf_tokenizer_saved_for_other_processes_is_the_same_tokenizer(
         built.eos_token_ids,
         built.bos_token_id,
     )
-    assert (loaded._rust_decode is None) == (built._rust_decode is None)
+    assert (loaded.rust is None) == (built.rust is None)
     texts = [
         "Hello, world!",
         "  leading and trailing spaces  ",

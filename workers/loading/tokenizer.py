@@ -26,14 +26,13 @@ class Tokenizer:
         # Where transformers' decode would only call the Rust tokenizer, call it directly (about 1.6
         # of 2.5 us per call here); None: decode through transformers.
         self.rust = plain_rust_tokenizer(hf_tokenizer)
-        self._rust_decode = self.rust.decode if self.rust is not None else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self._rust_decode is not None:
-            return self._rust_decode(token_ids, skip_special_tokens=skip_special_tokens)
+        if self.rust is not None:
+            return self.rust.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
